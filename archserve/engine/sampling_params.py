@@ -1,0 +1,81 @@
+"""SamplingParams: how one request is decoded. Names and defaults follow vLLM's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                       # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16          # None: up to the context length
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None          # top-N logprobs per generated token
+    prompt_logprobs: int | None = None   # top-N logprobs per prompt token
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field; the engine never sees invalid params."""
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be 0 (disabled), -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                bad(f"{name} must be a non-negative integer, got {v!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            bad("stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5

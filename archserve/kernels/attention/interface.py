@@ -1,0 +1,81 @@
+"""The contract between the engine's paged KV cache and every attention implementation.
+
+Layout (owned by the engine, see DESIGN.md principle 4). One tensor per layer:
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]
+              kv_cache[0] holds keys, kv_cache[1] values.
+
+A token's *slot* is ``block_id * block_size + offset``; ``slot_mapping[t] == -1``
+means "do not write" (padding, e.g. in a CUDA-graph batch larger than the real one).
+
+A batch is flattened: ``query`` holds every scheduled token of every sequence back to
+back, sequence ``i`` owning rows ``query_start_loc[i]:query_start_loc[i+1]``. Those
+rows are the *last* ``query_len`` tokens of a context of ``seq_lens[i]`` tokens; the
+earlier ``seq_lens[i] - query_len`` tokens are already in the cache (prefix caching,
+chunked prefill, decode). Prefill, chunked prefill and decode are one case.
+
+Every implementation does the same two things per layer:
+  1. write this step's keys and values into the cache at ``slot_mapping``;
+  2. attend each query token causally over its sequence's cached context
+     (optionally limited to a sliding window and with logit soft-capping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch description, built once by the model runner and shared by all layers."""
+
+    query_start_loc: torch.Tensor      # int32 [num_seqs + 1], on device
+    seq_lens: torch.Tensor             # int32 [num_seqs], context length incl. this step
+    block_tables: torch.Tensor         # int32 [num_seqs, max_blocks_per_seq], -1/0 padded
+    slot_mapping: torch.Tensor         # int64 [num_tokens]
+    max_query_len: int                 # host ints, so kernels can choose grids without syncs
+    max_seq_len: int
+    num_seqs: int
+    # Host copies (lists) of the same facts, for backends that loop or build masks on the host.
+    query_lens_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass(frozen=True)
+class AttentionLayerParams:
+    """Per-layer constants an implementation needs."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None  # attend to the last `sliding_window` keys (incl. self)
+    logit_soft_cap: float | None = None
+    kv_cache_dtype: str = "auto"       # "auto" | "fp8_e4m3" | "fp8_e5m2"
+
+
+class AttentionImpl(Protocol):
+    """What a selected attention backend returns from ``make_impl``."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                layer: AttentionLayerParams, k_scale: float = 1.0, v_scale: float = 1.0
+                ) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D] (query's dtype)."""
+        ...
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+                   ) -> tuple[int, int, int, int, int]:
+    return (2, num_blocks, block_size, num_kv_heads, head_size)

@@ -1,0 +1,136 @@
+"""DeviceInfo: what a device can do and what toolchain surrounds it.
+
+Everything a selector needs is a field here, so a simulated profile and a live
+device answer the same questions. Feature flags are derived from platform and
+capability in one place (`features_for`), never typed per GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from archserve.platform.capability import SM70, SM75, SM80, SM89, SM90, SM100, Capability
+
+PLATFORMS = ("cuda", "rocm", "xpu", "cpu")
+
+
+@dataclass(frozen=True)
+class Features:
+    """Hardware features. Each flag means the silicon (and platform) supports it."""
+
+    fp32: bool = True
+    fp16: bool = True
+    bf16: bool = False
+    fp8_e4m3: bool = False
+    fp8_e5m2: bool = False
+    nvfp4: bool = False
+    mxfp8: bool = False
+    int8_tensor_cores: bool = False
+    tensor_cores: bool = False
+    cp_async: bool = False
+    tma: bool = False
+    wgmma: bool = False
+    tcgen05: bool = False
+    cuda_graphs: bool = False
+
+    @property
+    def fp8(self) -> bool:
+        return self.fp8_e4m3 and self.fp8_e5m2
+
+
+def features_for(platform: str, capability: Capability | None, *, rocm_fp8: bool = False,
+                 rocm_bf16: bool = True) -> Features:
+    """The single rule that turns (platform, capability) into feature flags.
+
+    ROCm devices report a gfx architecture rather than an SM; their facts come
+    from the caller (`rocm_fp8` for MI300-class parts).
+    """
+    if platform == "cpu":
+        return Features(bf16=True, fp16=True)
+    if platform in ("rocm", "xpu"):
+        return Features(bf16=rocm_bf16, fp8_e4m3=rocm_fp8, fp8_e5m2=rocm_fp8,
+                        int8_tensor_cores=True, tensor_cores=True,
+                        cuda_graphs=platform == "rocm")
+    assert platform == "cuda" and capability is not None, "a CUDA device needs a capability"
+    cap = capability
+    family = cap.family
+    return Features(
+        bf16=cap >= SM80,
+        fp8_e4m3=cap >= SM89,
+        fp8_e5m2=cap >= SM89,
+        nvfp4=cap >= SM100,
+        # MXFP8 tensor-core support exists on data-centre Blackwell only (SM10x/SM11x).
+        mxfp8=family in (100, 110),
+        int8_tensor_cores=cap >= SM75,
+        tensor_cores=cap >= SM70,
+        cp_async=cap >= SM80,
+        tma=cap >= SM90,
+        # wgmma is Hopper-only: Blackwell replaced it with tcgen05 (SM100 family).
+        wgmma=family == 90,
+        tcgen05=family in (100, 110),
+        cuda_graphs=True,
+    )
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """Versions around the device. None means absent or unknown."""
+
+    torch_version: str = ""
+    driver_version: str | None = None        # e.g. "580.95.05"
+    driver_cuda_version: str | None = None   # highest CUDA the driver supports, e.g. "13.0"
+    runtime_version: str | None = None       # CUDA or HIP runtime of the torch build, e.g. "13.0"
+    torch_arch_list: tuple[str, ...] = ()     # e.g. ("sm_80", "sm_90", "compute_90")
+    torch_has_cuda: bool = False              # False for a CPU-only torch build
+    libraries: dict[str, str | None] = field(default_factory=dict)  # name -> version or None
+
+    def library(self, name: str) -> str | None:
+        return self.libraries.get(name)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device, live or simulated."""
+
+    id: str                                   # profile id ("h200") or "live"
+    platform: str                             # cuda | rocm | xpu | cpu
+    name: str
+    capability: Capability | None
+    memory_bytes: int
+    features: Features
+    toolchain: Toolchain = field(default_factory=Toolchain)
+    memory_bandwidth_bytes_per_s: float | None = None
+    multiprocessor_count: int | None = None
+    shared_memory_per_block_bytes: int | None = None
+    gcn_arch: str | None = None               # ROCm gfx target, e.g. "gfx942"
+    nvidia_gpu_present: bool = False          # seen by the OS/driver even if torch cannot use it
+
+    def __post_init__(self) -> None:
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"unknown platform {self.platform!r}; expected one of {PLATFORMS}")
+
+    # Convenience predicates that rules read.
+    def has_capability(self, cap: Capability) -> bool:
+        return self.capability is not None and self.capability >= cap
+
+    @property
+    def family(self) -> int | None:
+        return None if self.capability is None else self.capability.family
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.platform == "cuda"
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.platform in ("cuda", "rocm", "xpu")
+
+    def with_libraries(self, libraries: dict[str, str | None]) -> DeviceInfo:
+        return replace(self, toolchain=replace(self.toolchain, libraries=dict(libraries)))
+
+    def describe(self) -> str:
+        cap = f" {self.capability}" if self.capability else ""
+        return f"{self.name} ({self.platform}{cap})"
+
+
+__all__ = ["Capability", "DeviceInfo", "Features", "Toolchain", "features_for", "SM90"]
