@@ -1,0 +1,85 @@
+"""TORCH_REFERENCE: plain PyTorch paged attention, the oracle every other backend is tested against.
+
+Written for clarity, not speed: one loop over sequences, fp32 math, explicit masks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from archserve.kernels.attention.interface import AttentionLayerParams, AttentionMetadata
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter this step's keys/values into the paged cache; slot -1 is skipped."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    if slots.numel() == 0:
+        return
+    cache_dtype = kv_cache.dtype
+    for i, (src, scale) in enumerate(((key, k_scale), (value, v_scale))):
+        src = src[valid]
+        if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            src = (src.float() / scale).to(cache_dtype)
+        flat[i].index_copy_(0, slots, src.to(cache_dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached keys and values of one sequence, as fp32 [seq_len, Hkv, D]."""
+    block_size = kv_cache.shape[2]
+    num_blocks_needed = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks_needed].long()
+    k = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len].float() * k_scale
+    v = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len].float() * v_scale
+    return k, v
+
+
+def attention_mask(query_len: int, seq_len: int, sliding_window: int | None,
+                   device: torch.device) -> torch.Tensor:
+    """Bool [query_len, seq_len]: True where query i (at position seq_len-query_len+i) may attend."""
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    return allowed
+
+
+class ReferenceAttentionImpl:
+    """AttentionImpl in plain PyTorch."""
+
+    def __init__(self, device: Any = None, spec: Any = None) -> None:
+        self.device = device
+        self.spec = spec
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, layer: AttentionLayerParams,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        out = torch.empty_like(query)
+        group = layer.num_heads // layer.num_kv_heads
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        for i in range(meta.num_seqs):
+            q_start, q_end = starts[i], starts[i + 1]
+            query_len, seq_len = q_end - q_start, seq_lens[i]
+            if query_len == 0:
+                continue
+            k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, k_scale, v_scale)
+            k = k.repeat_interleave(group, dim=1)        # [S, H, D]
+            v = v.repeat_interleave(group, dim=1)
+            q = query[q_start:q_end].float()             # [Q, H, D]
+            scores = torch.einsum("qhd,khd->hqk", q, k) * layer.scale
+            if layer.logit_soft_cap:
+                scores = layer.logit_soft_cap * torch.tanh(scores / layer.logit_soft_cap)
+            mask = attention_mask(query_len, seq_len, layer.sliding_window, query.device)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        return out
