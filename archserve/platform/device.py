@@ -72,6 +72,18 @@ def features_for(platform: str, capability: Capability | None, *, rocm_fp8: bool
     )
 
 
+# gfx targets whose matrix cores execute FP8: CDNA3 (MI300), CDNA4 (MI350), RDNA4.
+_ROCM_FP8_ARCHS = ("gfx942", "gfx950", "gfx1200", "gfx1201")
+
+
+def rocm_fp8_for(gcn_arch: str | None) -> bool:
+    """Whether a ROCm gfx target has FP8 matrix instructions (the `rocm_fp8` fact)."""
+    if not gcn_arch:
+        return False
+    # torch reports targets with feature suffixes, e.g. "gfx942:sramecc+:xnack-".
+    return gcn_arch.split(":", 1)[0] in _ROCM_FP8_ARCHS
+
+
 @dataclass(frozen=True)
 class Toolchain:
     """Versions around the device. None means absent or unknown."""
@@ -133,4 +145,5 @@ class DeviceInfo:
         return f"{self.name} ({self.platform}{cap})"
 
 
-__all__ = ["Capability", "DeviceInfo", "Features", "Toolchain", "features_for", "SM90"]
+__all__ = ["Capability", "DeviceInfo", "Features", "Toolchain", "features_for", "rocm_fp8_for",
+           "SM90"]
