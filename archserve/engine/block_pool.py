@@ -1,0 +1,239 @@
+"""KVBlockPool: fixed-size KV cache blocks, reference counts and the prefix cache.
+
+Bookkeeping only: the engine's KV tensors are indexed by the block ids handed out here
+(see ``kernels/attention/interface.py`` for the layout). A sequence's blocks live in
+``Sequence.block_table``.
+
+Prefix caching: every *full* block a sequence has computed gets a chained hash,
+``hash((previous block's hash, this block's tokens))``, so a hash names the whole
+prefix up to and including that block. A new sequence walks its prompt block by block
+through ``_cached`` (hash -> block id) and reuses what it finds (reference count + 1).
+Full blocks are never written again, so sharing needs no copy-on-write.
+
+Freed blocks whose hash is known stay findable: they wait in ``_free_cached`` in the
+order they were freed, and are evicted (hash forgotten) least recently freed first,
+only when no never-cached free block is left. Blocks of one sequence are freed tail
+first, so a prompt's head outlives its tail.
+
+Sampling with ``n > 1`` needs no fork: the ``n`` sequences are ordinary sequences with
+the same prompt. Once one of them has computed a full prompt block, the others find it
+here; sequences admitted in the same step compute their blocks side by side and the
+first to register a hash owns the cache entry (the duplicate block is simply freed).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from archserve.engine.sequence import Sequence
+
+_NO_PARENT = 0x9E3779B97F4A7C15  # seed of every hash chain; any constant works
+
+
+def chain_hash(parent_hash: int | None, block_tokens: tuple[int, ...]) -> int:
+    """Hash of a full block given the hash of the block before it (None for the first).
+
+    Python hashes of int tuples are stable within and across processes (they are not
+    salted like str hashes); collisions are checked against the stored tokens anyway.
+    """
+    return hash((_NO_PARENT if parent_hash is None else parent_hash, block_tokens))
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The longest cached run of full blocks at the start of a sequence."""
+
+    block_ids: tuple[int, ...] = ()
+    block_hashes: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+class KVBlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+                 ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_count = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}                    # hash -> block id
+        self._free_uncached: deque[int] = deque(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
+        # Prefix cache counters in tokens, for metrics (hit rate = hits / queries).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- stats --------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached free blocks count: they are evictable)."""
+        return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently findable by hash, in use or free."""
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_count[block_id]
+
+    # -- prefix lookup ------------------------------------------------------------
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """Longest run of cached full blocks at the start of ``seq``; pure lookup.
+
+        The hit never covers the last token: it must be computed to give logits.
+        """
+        if not self.enable_prefix_caching:
+            return CachedPrefix()
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        tokens = seq.token_ids
+        ids: list[int] = []
+        hashes: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            h = seq.block_hashes[i] if i < len(seq.block_hashes) else chain_hash(parent, block_tokens)
+            block_id = self._cached.get(h)
+            if block_id is None or self._block_tokens[block_id] != block_tokens:
+                break
+            ids.append(block_id)
+            hashes.append(h)
+            parent = h
+        return CachedPrefix(tuple(ids), tuple(hashes), len(ids) * bs)
+
+    # -- allocation ---------------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Fresh blocks that covering ``num_computed_tokens + num_new_tokens`` would take."""
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int,
+                     prefix: CachedPrefix | None = None) -> bool:
+        """Whether ``allocate(seq, num_new_tokens, prefix)`` would succeed."""
+        if seq.block_table:
+            return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+        prefix = self.find_cached_prefix(seq) if prefix is None else prefix
+        return self._fresh_blocks_for_admission(prefix, num_new_tokens) <= self._free_after_taking(prefix)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int,
+                 prefix: CachedPrefix | None = None) -> bool:
+        """Admit ``seq``: take its cached prefix, then blocks for ``num_new_tokens`` more.
+
+        Sets ``num_computed_tokens`` and ``num_cached_tokens`` to the prefix hit.
+        ``num_new_tokens`` counts tokens after the hit (pass the ``prefix`` you sized it
+        from, so the lookup is not repeated). Returns False and changes nothing if the
+        pool is short of blocks. A sequence that already holds blocks just grows.
+        """
+        if seq.block_table:
+            return self.append_slots(seq, num_new_tokens)
+        prefix = self.find_cached_prefix(seq) if prefix is None else prefix
+        fresh = self._fresh_blocks_for_admission(prefix, num_new_tokens)
+        if fresh > self._free_after_taking(prefix):
+            return False
+        for block_id in prefix.block_ids:
+            self._take(block_id)
+        seq.block_table = list(prefix.block_ids)
+        seq.block_hashes = list(prefix.block_hashes)
+        seq.num_computed_tokens = prefix.num_tokens
+        seq.num_cached_tokens = prefix.num_tokens
+        seq.block_table.extend(self._pop_free() for _ in range(fresh))
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += prefix.num_tokens
+        return True
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow ``seq``'s block table to hold ``num_new_tokens`` more tokens; False if short."""
+        fresh = self.blocks_needed(seq, num_new_tokens)
+        if fresh > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._pop_free() for _ in range(fresh))
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that became full and computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), num_full):
+            block_tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, block_tokens)
+            seq.block_hashes.append(h)
+            parent = h
+            block_id = seq.block_table[i]
+            if h not in self._cached and self._block_hash[block_id] is None:
+                self._cached[h] = block_id
+                self._block_hash[block_id] = h
+                self._block_tokens[block_id] = block_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks, tail first, and clear its KV state."""
+        for block_id in reversed(seq.block_table):
+            self._ref_count[block_id] -= 1
+            if self._ref_count[block_id] == 0:
+                if self._block_hash[block_id] is None:
+                    self._free_uncached.append(block_id)
+                else:
+                    self._free_cached[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (e.g. after new weights); returns how many were dropped."""
+        dropped = len(self._cached)
+        for block_id in self._cached.values():
+            self._block_hash[block_id] = None
+            self._block_tokens[block_id] = None
+        self._cached.clear()
+        self._free_uncached.extend(self._free_cached)
+        self._free_cached.clear()
+        return dropped
+
+    # -- slots --------------------------------------------------------------------
+    def slots_for(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """KV cache slots (``block_id * block_size + offset``) of token positions [start, end)."""
+        bs = self.block_size
+        table = seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    # -- internals ----------------------------------------------------------------
+    def _fresh_blocks_for_admission(self, prefix: CachedPrefix, num_new_tokens: int) -> int:
+        total = -(-(prefix.num_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(prefix.block_ids))
+
+    def _free_after_taking(self, prefix: CachedPrefix) -> int:
+        # Hit blocks that sit in the free list stop being free once taken.
+        idle_hits = sum(1 for b in prefix.block_ids if self._ref_count[b] == 0)
+        return self.num_free_blocks - idle_hits
+
+    def _take(self, block_id: int) -> None:
+        if self._ref_count[block_id] == 0:
+            del self._free_cached[block_id]
+        self._ref_count[block_id] += 1
+
+    def _pop_free(self) -> int:
+        if self._free_uncached:
+            block_id = self._free_uncached.popleft()
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)  # least recently freed
+            del self._cached[self._block_hash[block_id]]
+            self._block_hash[block_id] = None
+            self._block_tokens[block_id] = None
+        self._ref_count[block_id] = 1
+        return block_id

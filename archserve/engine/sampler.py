@@ -1,0 +1,277 @@
+"""Sampler: next tokens for a batch of logits, vectorised on the logits' device.
+
+Per step the engine builds one ``SamplingBatch`` (per-row parameters as tensors) and
+calls ``Sampler.sample``. Processing order, as in vLLM:
+
+    raw logits -> min_tokens (stop tokens masked) -> repetition/frequency/presence
+    penalties -> [greedy rows: argmax here] -> temperature -> min_p -> top_k/top_p
+    -> exponential race
+
+Random rows draw ``argmax(probs / q)`` with ``q ~ Exp(1)``, which samples exactly from
+``probs``. Unseeded rows share one batch-wide draw; a seeded row draws its ``q`` from a
+generator re-seeded with (seed, sequence index, output position), so its tokens depend
+on nothing else: not on batch row, neighbours, or preemption and recomputation.
+
+Returned logprobs are the model's raw distribution (log_softmax of the unprocessed
+logits), vLLM's default; ranks are 1-based (1 = the most likely token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from archserve.engine.sequence import Sequence
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, seq_index: int, step: int) -> int:
+    """Generator seed for one draw of one seeded sequence; a pure function of its inputs."""
+    key = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ seq_index) ^ step)
+    return key >> 1  # 63 bits: accepted by every torch.Generator
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _padded(rows: list[list[int]], pad: int) -> np.ndarray:
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), max(width, 1)), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, on the logits' device.
+
+    Optional tensors are None when no row uses the feature, so the sampler skips it.
+    """
+
+    temperature: torch.Tensor                 # float32 [B]; 1.0 on greedy rows
+    greedy: torch.Tensor                      # bool [B]
+    all_greedy: bool
+    top_k: torch.Tensor | None = None         # int64 [B]; 0 on rows without top-k
+    top_p: torch.Tensor | None = None         # float32 [B]; 1.0 on rows without top-p
+    min_p: torch.Tensor | None = None         # float32 [B]
+    repetition_penalty: torch.Tensor | None = None   # float32 [B]
+    frequency_penalty: torch.Tensor | None = None    # float32 [B]
+    presence_penalty: torch.Tensor | None = None     # float32 [B]
+    prompt_mask: torch.Tensor | None = None   # bool [B, V]: token occurs in the prompt
+    output_counts: torch.Tensor | None = None # float32 [B, V]: occurrences in the output
+    blocked_rows: torch.Tensor | None = None  # int64 [M]: (row, token) pairs masked to -inf
+    blocked_tokens: torch.Tensor | None = None  # int64 [M] (stop tokens before min_tokens)
+    seeded_rows: tuple[int, ...] = ()         # random rows with their own generator
+    seeded_keys: tuple[int, ...] = ()         # their draw seeds (see ``draw_seed``)
+    max_num_logprobs: int = -1                # -1: no row asked; N: top-N for the widest ask
+
+    @classmethod
+    def from_sequences(cls, seqs: SequenceOf[Sequence], vocab_size: int,
+                       device: torch.device | str,
+                       eos_token_ids: Collection[int] = ()) -> SamplingBatch:
+        device = torch.device(device)
+        n = len(seqs)
+        # One host array, one transfer: temperature, top_p, min_p, rep, freq, presence, greedy.
+        scalars = np.empty((7, n), dtype=np.float32)
+        top_k = np.zeros(n, dtype=np.int64)
+        seeded_rows: list[int] = []
+        seeded_keys: list[int] = []
+        blocked: list[tuple[int, int]] = []
+        max_logprobs = -1
+        for i, seq in enumerate(seqs):
+            p = seq.sampling_params
+            greedy = p.greedy
+            scalars[:, i] = (1.0 if greedy else p.temperature, p.top_p, p.min_p,
+                             p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+                             greedy)
+            top_k[i] = p.top_k
+            if p.seed is not None and not greedy:
+                seeded_rows.append(i)
+                seeded_keys.append(draw_seed(p.seed, seq.index, seq.num_output_tokens))
+            if seq.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stops.update(eos_token_ids)
+                blocked.extend((i, t) for t in stops if 0 <= t < vocab_size)
+            if p.logprobs is not None:
+                max_logprobs = max(max_logprobs, p.logprobs)
+
+        greedy_rows = scalars[6] > 0.5
+        all_greedy = bool(greedy_rows.all())
+        dev = _to_device(scalars, device)
+        batch = cls(temperature=dev[0], greedy=dev[6] > 0.5, all_greedy=all_greedy,
+                    seeded_rows=tuple(seeded_rows), seeded_keys=tuple(seeded_keys),
+                    max_num_logprobs=max_logprobs)
+        random_rows = ~greedy_rows  # top-k/p and min-p cannot change a greedy row's argmax
+        if (top_k[random_rows] > 0).any():
+            batch.top_k = _to_device(top_k, device)
+        if (scalars[1][random_rows] < 1.0).any():
+            batch.top_p = dev[1]
+        if (scalars[2][random_rows] > 0.0).any():
+            batch.min_p = dev[2]
+        if blocked:
+            pairs = _to_device(np.asarray(blocked, dtype=np.int64).T.copy(), device)
+            batch.blocked_rows, batch.blocked_tokens = pairs[0], pairs[1]
+
+        uses_rep = scalars[3] != 1.0
+        uses_output = (scalars[4] != 0.0) | (scalars[5] != 0.0) | uses_rep
+        if uses_output.any():
+            outputs = [list(s.output_token_ids) if uses_output[i] else [] for i, s in enumerate(seqs)]
+            ids = _to_device(_padded(outputs, vocab_size), device)
+            counts = torch.zeros((n, vocab_size + 1), dtype=torch.float32, device=device)
+            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+            batch.output_counts = counts[:, :vocab_size]
+            batch.frequency_penalty, batch.presence_penalty = dev[4], dev[5]
+        if uses_rep.any():
+            prompts = [s.prompt_token_ids if uses_rep[i] else [] for i, s in enumerate(seqs)]
+            ids = _to_device(_padded(prompts, vocab_size), device)
+            mask = torch.zeros((n, vocab_size + 1), dtype=torch.bool, device=device)
+            mask.scatter_(1, ids, True)
+            batch.prompt_mask = mask[:, :vocab_size]
+            batch.repetition_penalty = dev[3]
+        return batch
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor           # int64 [B]
+    sampled_logprobs: torch.Tensor            # float32 [B], raw model logprob of the token
+    sampled_ranks: torch.Tensor | None = None # int64 [B], 1-based; when any row asked logprobs
+    topn_token_ids: torch.Tensor | None = None   # int64 [B, N]; N = widest ask (row i uses
+    topn_logprobs: torch.Tensor | None = None    # float32 [B, N]   its own first n_i columns)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """HF repetition penalty over prompt+output; OpenAI frequency/presence over output."""
+    counts = batch.output_counts
+    if counts is None:
+        return logits
+    if batch.repetition_penalty is not None:
+        seen = counts > 0
+        if batch.prompt_mask is not None:
+            seen = seen | batch.prompt_mask
+        rep = batch.repetition_penalty[:, None]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    logits = logits - batch.frequency_penalty[:, None] * counts
+    return logits - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with probability < min_p * (top probability); in log space, no softmax."""
+    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's ``top_k`` best tokens (0: all), then its smallest nucleus >= ``top_p``.
+
+    Without top-p, a partial ``topk`` gives the k-th value as a threshold (ties at that
+    value are kept); with top-p, one full sort serves both.
+    """
+    vocab = logits.shape[-1]
+    if top_p is None:
+        assert top_k is not None
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        widest = int(k.max())
+        kth = logits.topk(widest, dim=-1).values.gather(1, (k - 1)[:, None])
+        return logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab)
+        positions = torch.arange(vocab, device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(positions >= k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # top_p == 1 means "off": guard it from cumsum rounding that would clip the tail.
+    p = torch.where(top_p >= 1.0, torch.full_like(top_p, float("inf")), top_p)
+    sorted_logits = sorted_logits.masked_fill(mass_before > p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: int | Collection[int] | None = None) -> None:
+        if eos_token_ids is None:
+            eos_token_ids = ()
+        elif isinstance(eos_token_ids, int):
+            eos_token_ids = (eos_token_ids,)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def sample(self, logits: torch.Tensor,
+               batch: SamplingBatch | SequenceOf[Sequence]) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [B, V]; ``batch`` may be the B sequences."""
+        if not isinstance(batch, SamplingBatch):
+            batch = SamplingBatch.from_sequences(batch, logits.shape[-1], logits.device,
+                                                 self.eos_token_ids)
+        raw = logits.float()
+        x = raw
+        if batch.blocked_rows is not None:
+            x = x.index_put((batch.blocked_rows, batch.blocked_tokens),
+                            torch.tensor(float("-inf"), device=x.device))
+        x = apply_penalties(x, batch)
+        greedy_tokens = x.argmax(dim=-1)
+        if batch.all_greedy:
+            tokens = greedy_tokens
+        else:
+            x = x / batch.temperature[:, None]
+            if batch.min_p is not None:
+                x = apply_min_p(x, batch.min_p)
+            if batch.top_k is not None or batch.top_p is not None:
+                x = apply_top_k_top_p(x, batch.top_k, batch.top_p)
+            probs = x.softmax(dim=-1)
+            q = self._exponentials(probs, batch)
+            tokens = torch.where(batch.greedy, greedy_tokens, (probs / q).argmax(dim=-1))
+        return self._logprobs(raw, tokens, batch.max_num_logprobs)
+
+    def _exponentials(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        q = torch.empty_like(probs).exponential_()
+        if batch.seeded_rows:
+            gen = self._generator(probs.device)
+            draws = []
+            for key in batch.seeded_keys:
+                gen.manual_seed(key)
+                draws.append(torch.empty(probs.shape[-1], device=probs.device)
+                             .exponential_(generator=gen))
+            rows = torch.tensor(batch.seeded_rows, device=probs.device)
+            q.index_copy_(0, rows, torch.stack(draws))
+        # Exp(1) can round to 0; a tiny floor keeps 0/q at 0 instead of NaN.
+        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        return gen
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, max_num_logprobs: int
+                  ) -> SamplerOutput:
+        lse = raw.logsumexp(dim=-1, keepdim=True)
+        token_logits = raw.gather(1, tokens[:, None])
+        out = SamplerOutput(sampled_token_ids=tokens,
+                            sampled_logprobs=(token_logits - lse).squeeze(1))
+        if max_num_logprobs >= 0:
+            out.sampled_ranks = (raw > token_logits).sum(dim=-1) + 1
+        if max_num_logprobs > 0:
+            values, ids = raw.topk(min(max_num_logprobs, raw.shape[-1]), dim=-1)
+            out.topn_token_ids, out.topn_logprobs = ids, values - lse
+        return out

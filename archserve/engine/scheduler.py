@@ -1,0 +1,249 @@
+"""Scheduler: continuous batching under a per-step token budget, with preemption.
+
+Every sequence is "tokens not yet in the KV cache"; a step gives each chosen sequence
+``num_new_tokens`` of them, so prefill, chunked prefill and decode are one case. Order
+of a step:
+
+1. running sequences that decode (one token each), oldest arrival first;
+2. running sequences part-way through a chunked prefill;
+3. waiting sequences (new, or preempted and re-prefilling), front of the queue first,
+   while ``max_num_seqs`` and the budget allow; none are admitted in a step that had to
+   preempt, because that step is already short of blocks.
+
+When the pool runs dry for a running sequence, the most recently arrived running
+sequence is preempted by recomputation: its blocks are freed, ``num_computed_tokens``
+goes back to 0 and it returns to the front of the queue, keeping its generated tokens,
+which it re-prefills on re-admission (the prefix cache often makes that cheap).
+
+The engine drives one step as ``schedule()`` -> run the model -> ``postprocess()``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+from archserve.engine.block_pool import KVBlockPool
+from archserve.engine.sequence import Sequence, SequenceStatus
+from archserve.engine.stop_checker import check_stop
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+    def validate(self, block_pool: KVBlockPool) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
+        capacity = block_pool.num_blocks * block_pool.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({block_pool.num_blocks} blocks of "
+                f"{block_pool.block_size}), fewer than max_model_len ({self.max_model_len}); "
+                f"give it more memory or lower max_model_len")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """``num_new_tokens`` tokens of ``seq``, starting at its ``num_computed_tokens``."""
+
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool  # the chunk reaches the sequence's newest token: its logits are sampled
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes, then prefills
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """Sequences whose next token this step samples, in ``scheduled`` order."""
+        return [s.seq for s in self.scheduled if s.samples]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _arrival_key(seq: Sequence) -> tuple[float, int]:
+    return (seq.arrival_time, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_pool: KVBlockPool,
+                 eos_token_ids: int | Collection[int] | None = None) -> None:
+        config.validate(block_pool)
+        self.config = config
+        self.block_pool = block_pool
+        if eos_token_ids is None:
+            eos_token_ids = ()
+        elif isinstance(eos_token_ids, int):
+            eos_token_ids = (eos_token_ids,)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []           # sorted by arrival: preempt from the end
+        self._by_request: dict[str, list[Sequence]] = {}
+
+    # -- queue --------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt of {seq.num_prompt_tokens} tokens is longer than "
+                             f"max_model_len ({self.config.max_model_len})")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._by_request.setdefault(seq.request_id, []).append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of ``request_id`` now; returns them."""
+        seqs = [s for s in self._by_request.get(request_id, ()) if not s.is_finished]
+        for seq in seqs:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seqs
+
+    def finish(self, seq: Sequence, status: SequenceStatus,
+               stop_reason: int | str | None = None) -> None:
+        """Mark ``seq`` finished and free its blocks.
+
+        On an already finished sequence this only updates status and stop reason, so a
+        stop string found after detokenizing can override a same-step "length".
+        """
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        was_finished = seq.is_finished
+        seq.status = status
+        if stop_reason is not None:
+            seq.stop_reason = stop_reason
+        if was_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_pool.free(seq)
+        self._forget(seq)
+
+    # -- one step -----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        planned: dict[int, ScheduledSeq] = {}  # seq_id -> its entry, so preemption can undo it
+
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            if budget == 0:
+                break
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_pool.append_slots(seq, num_new):
+                victim = self.running[-1]
+                budget += self._preempt(victim, planned, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                planned[seq.seq_id] = ScheduledSeq(seq, num_new, num_new == seq.num_uncomputed_tokens)
+                budget -= num_new
+
+        if not out.preempted:
+            budget = self._admit_waiting(budget, planned)
+
+        out.scheduled = list(planned.values())
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def postprocess(self, output: SchedulerOutput, sampled_token_ids: Iterable[int],
+                    sampled_logprobs: Iterable[float] | None = None) -> list[Sequence]:
+        """Record a finished forward pass: advance KV state, append sampled tokens, stop.
+
+        ``sampled_token_ids`` (and ``sampled_logprobs``) are aligned with
+        ``output.sampling_seqs``. Returns the sequences that received a token, in that
+        order; finished ones have a finished status and no blocks.
+        """
+        tokens = iter(sampled_token_ids)
+        logprobs = iter(sampled_logprobs) if sampled_logprobs is not None else None
+        updated: list[Sequence] = []
+        finished = False
+        for entry in output.scheduled:
+            seq = entry.seq
+            token = next(tokens) if entry.samples else None
+            logprob = next(logprobs) if entry.samples and logprobs is not None else None
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.block_pool.cache_full_blocks(seq)
+            if token is None:
+                continue
+            seq.append_token(int(token), None if logprob is None else float(logprob))
+            updated.append(seq)
+            if check_stop(seq, self.eos_token_ids, self.config.max_model_len):
+                self.block_pool.free(seq)
+                self._forget(seq)
+                finished = True
+        if finished:
+            self.running = [s for s in self.running if not s.is_finished]
+        return updated
+
+    # -- internals ----------------------------------------------------------------
+    def _admit_waiting(self, budget: int, planned: dict[int, ScheduledSeq]) -> int:
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.block_pool.find_cached_prefix(seq)
+            remaining = seq.num_tokens - prefix.num_tokens
+            if remaining > budget and not chunked:
+                # Validation guarantees a whole prompt fits an empty step, so it waits for one.
+                break
+            num_new = min(remaining, budget)
+            if not self.block_pool.allocate(seq, num_new, prefix):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival_key)
+            planned[seq.seq_id] = ScheduledSeq(seq, num_new, num_new == remaining)
+            budget -= num_new
+        return budget
+
+    def _preempt(self, seq: Sequence, planned: dict[int, ScheduledSeq],
+                 out: SchedulerOutput) -> int:
+        """Preempt ``seq`` by recomputation; returns the budget its dropped entry held."""
+        self.running.remove(seq)
+        self.block_pool.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        entry = planned.pop(seq.seq_id, None)
+        return entry.num_new_tokens if entry is not None else 0
+
+    def _forget(self, seq: Sequence) -> None:
+        siblings = self._by_request.get(seq.request_id)
+        if siblings is None:
+            return
+        if seq in siblings:
+            siblings.remove(seq)
+        if not siblings:
+            del self._by_request[seq.request_id]
