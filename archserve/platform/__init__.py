@@ -1,6 +1,10 @@
-"""What is this hardware and toolchain: capabilities, devices, profiles, detection."""
+"""What is this hardware and toolchain: capabilities, devices, profiles, detection, diagnosis.
+
+Importing this package does not import torch; `detect()` does, when called.
+"""
 
 from archserve.platform.capability import Capability
+from archserve.platform.detect import detect
 from archserve.platform.device import DeviceInfo, Features, Toolchain
 from archserve.platform.profiles import (
     ALIASES,
@@ -9,6 +13,7 @@ from archserve.platform.profiles import (
     get_profile,
     resolve_device,
 )
+from archserve.platform.toolchain import Finding, arch_verdict, diagnose, three_layer_verdict
 
 __all__ = [
     "ALIASES",
@@ -16,8 +21,13 @@ __all__ = [
     "Capability",
     "DeviceInfo",
     "Features",
+    "Finding",
     "Toolchain",
     "all_profiles",
+    "arch_verdict",
+    "detect",
+    "diagnose",
     "get_profile",
     "resolve_device",
+    "three_layer_verdict",
 ]

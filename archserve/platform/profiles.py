@@ -29,6 +29,7 @@ from archserve.platform.capability import (
     Capability,
 )
 from archserve.platform.device import DeviceInfo, Toolchain, features_for, rocm_fp8_for
+from archserve.platform.toolchain import TORCH_WHEELS
 
 GiB = 1024**3
 MiB = 1024**2
@@ -43,11 +44,10 @@ _SMEM_SM8X_CONSUMER = 99 * 1024      # SM86 / SM89 / SM120 / SM121
 _SMEM_SM90_SM100 = 227 * 1024
 _LDS_CDNA3 = 64 * 1024
 
-# Torch 2.11 wheel arch lists. cu130 has no Volta (CUDA 13 dropped SM70); SM103
-# and SM121 run the sm_100 / sm_120 cubins by same-major minor compatibility.
+# Torch 2.11 wheels (see `TORCH_WHEELS`). cu130 has no Volta (CUDA 13 dropped SM70);
+# SM103 and SM121 run the sm_100 / sm_120 cubins by same-major minor compatibility.
 TORCH_VERSION = "2.11.0"
-CU130_ARCH_LIST = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_110", "sm_120")
-CU126_ARCH_LIST = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
+_WHEELS = {wheel.tag: wheel for wheel in TORCH_WHEELS}
 ROCM7_ARCH_LIST = ("gfx900", "gfx906", "gfx908", "gfx90a", "gfx942", "gfx950",
                    "gfx1030", "gfx1100", "gfx1101", "gfx1200", "gfx1201")
 
@@ -58,11 +58,9 @@ _DRIVER_CUDA12 = ("570.195.03", "12.8")
 def _cuda_toolchain(cap: Capability) -> Toolchain:
     """The toolchain a well-set-up user of a CUDA device of this capability has."""
     if cap < SM75:   # Volta: the newest wheels that still ship sm_70 are CUDA 12.x
-        tag, runtime, arch_list = "cu126", "12.6", CU126_ARCH_LIST
-        driver, driver_cuda = _DRIVER_CUDA12
+        wheel, (driver, driver_cuda) = _WHEELS["cu126"], _DRIVER_CUDA12
     else:
-        tag, runtime, arch_list = "cu130", "13.0", CU130_ARCH_LIST
-        driver, driver_cuda = _DRIVER_CUDA13
+        wheel, (driver, driver_cuda) = _WHEELS["cu130"], _DRIVER_CUDA13
     libraries: dict[str, str | None] = {
         "triton": "3.7.0",
         "flash_attn": "2.8.3" if cap >= SM80 else None,
@@ -72,11 +70,11 @@ def _cuda_toolchain(cap: Capability) -> Toolchain:
         "flashinfer": "0.5.2" if SM75 <= cap <= SM121 else None,
     }
     return Toolchain(
-        torch_version=f"{TORCH_VERSION}+{tag}",
+        torch_version=f"{TORCH_VERSION}+{wheel.tag}",
         driver_version=driver,
         driver_cuda_version=driver_cuda,
-        runtime_version=runtime,
-        torch_arch_list=arch_list,
+        runtime_version=wheel.cuda,
+        torch_arch_list=wheel.arch_list,
         torch_has_cuda=True,
         libraries=libraries,
     )
