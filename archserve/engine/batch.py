@@ -1,0 +1,97 @@
+"""Turn the scheduler's decision into the flattened tensors one forward pass needs.
+
+Work is per sequence (numpy slices), never per token in Python. Host arrays are
+assembled first and copied to the device in one pinned, non-blocking transfer each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from archserve.engine.scheduler import ScheduledSeq
+from archserve.kernels.attention.interface import AttentionMetadata
+
+
+@dataclass
+class ModelBatch:
+    input_ids: torch.Tensor           # long [T]
+    positions: torch.Tensor           # long [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor      # long [N]: rows whose next token is sampled
+    sampled_seqs: list                # the N sequences, same order
+    prompt_logprob_rows: list[tuple[object, int, int, int]]  # (seq, row_start, row_end, first_pos)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.device,
+                max_blocks_per_seq: int | None = None) -> ModelBatch:
+    num_tokens = sum(c.num_new_tokens for c in chunks)
+    num_seqs = len(chunks)
+    input_ids = np.empty(num_tokens, dtype=np.int64)
+    positions = np.empty(num_tokens, dtype=np.int64)
+    slot_mapping = np.empty(num_tokens, dtype=np.int64)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+    seq_lens = np.empty(num_seqs, dtype=np.int32)
+    width = max_blocks_per_seq or max(
+        ((c.seq.num_computed_tokens + c.num_new_tokens + block_size - 1) // block_size)
+        for c in chunks)
+    block_tables = np.zeros((num_seqs, max(width, 1)), dtype=np.int32)
+    logits_rows: list[int] = []
+    sampled_seqs: list = []
+    prompt_rows: list[tuple[object, int, int, int]] = []
+
+    row = 0
+    for i, chunk in enumerate(chunks):
+        seq = chunk.seq
+        start = seq.num_computed_tokens
+        end = start + chunk.num_new_tokens
+        tokens = seq.token_ids_slice(start, end)
+        table = np.asarray(seq.block_table, dtype=np.int32)
+        pos = np.arange(start, end, dtype=np.int64)
+        input_ids[row:row + chunk.num_new_tokens] = tokens
+        positions[row:row + chunk.num_new_tokens] = pos
+        slot_mapping[row:row + chunk.num_new_tokens] = (
+            table[pos // block_size].astype(np.int64) * block_size + pos % block_size)
+        block_tables[i, :len(table)] = table
+        seq_lens[i] = end
+        query_start_loc[i + 1] = query_start_loc[i] + chunk.num_new_tokens
+        params = seq.sampling_params
+        if params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            # Rows whose *next* token is a prompt token: their logits score that token.
+            last = min(end, seq.num_prompt_tokens - 1)
+            prompt_rows.append((seq, row, row + (last - start), start))
+        if chunk.samples:
+            # This chunk reaches the newest token: the model's output here is sampled.
+            logits_rows.append(row + chunk.num_new_tokens - 1)
+            sampled_seqs.append(seq)
+        row += chunk.num_new_tokens
+
+    query_lens = np.diff(query_start_loc)
+    meta = AttentionMetadata(
+        query_start_loc=_to_device(query_start_loc, device),
+        seq_lens=_to_device(seq_lens, device),
+        block_tables=_to_device(block_tables, device),
+        slot_mapping=_to_device(slot_mapping, device),
+        max_query_len=int(query_lens.max()) if num_seqs else 0,
+        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+        num_seqs=num_seqs,
+        query_lens_cpu=query_lens.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
+    )
+    return ModelBatch(
+        input_ids=_to_device(input_ids, device),
+        positions=_to_device(positions, device),
+        meta=meta,
+        logits_indices=_to_device(np.asarray(logits_rows, dtype=np.int64), device),
+        sampled_seqs=sampled_seqs,
+        prompt_logprob_rows=prompt_rows,
+    )

@@ -1,0 +1,43 @@
+"""EngineConfig: every knob of one engine instance, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None                 # None: the embedded default model
+    tokenizer: str | None = None             # None: from the model
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    load_format: str = "auto"                # auto | safetensors | gguf | dummy
+    device: str = "auto"                     # auto | cpu | cuda | cuda:N
+    attention_backend: str | None = None     # override, validated alone (or ARCHSERVE_ATTENTION_BACKEND)
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None # explicit KV budget (the CPU's way of sizing the pool)
+    num_kv_blocks: int | None = None         # explicit pool size, for tests and experiments
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None            # None: the attention backend's preferred size
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    cuda_graph_sizes: list[int] = field(default_factory=list)  # empty: a default ladder
+    seed: int = 0
+    skip_canary: bool = False                # numerics canary of the attention kernel at start
+
+    def validate(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}")
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")

@@ -1,0 +1,102 @@
+"""CUDA graphs for decode steps, captured after an eager warm-up (DESIGN principle 5).
+
+One graph per batch size in a ladder; a decode batch of ``b`` sequences replays the
+smallest captured size >= b with the tail padded (slot -1: nothing is written; the
+padded rows' outputs are discarded). A size whose capture fails is demoted to eager
+with its reason recorded; the other sizes keep their graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from archserve.kernels.attention.interface import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def default_graph_sizes(max_num_seqs: int) -> list[int]:
+    ladder = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+    return [s for s in ladder if s <= max_num_seqs] or [1]
+
+
+@dataclass
+class GraphSet:
+    sizes: list[int] = field(default_factory=list)         # captured, ascending
+    demoted: dict[int, str] = field(default_factory=dict)  # size -> reason
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class DecodeGraphRunner:
+    """Owns the static input buffers and the captured graphs of one model runner."""
+
+    def __init__(self, forward, device: torch.device, max_size: int, max_blocks_per_seq: int,
+                 max_model_len: int) -> None:
+        self.forward = forward  # callable(input_ids, positions, meta) -> hidden
+        self.device = device
+        self.max_model_len = max_model_len
+        n = max_size
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.set = GraphSet()
+        self.pool = None
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
+            max_query_len=1, max_seq_len=self.max_model_len, num_seqs=size,
+            query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size)
+
+    def capture(self, sizes: list[int]) -> GraphSet:
+        for size in sorted(sizes, reverse=True):  # largest first: later graphs reuse its pool
+            try:
+                meta = self._meta(size)
+                # Warm this exact shape eagerly first, so lazy initialisation (cuBLAS
+                # workspaces, Triton compilation) happens outside the capture.
+                self.forward(self.input_ids[:size], self.positions[:size], meta)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.forward(self.input_ids[:size], self.positions[:size], meta)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.set.graphs[size] = graph
+                self.set.outputs[size] = out
+            except Exception as exc:  # demote this size only
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                self.set.demoted[size] = reason
+                log.warning("CUDA graph capture for batch size %d failed, using eager: %s",
+                            size, reason)
+                torch.cuda.synchronize(self.device)
+        self.set.sizes = sorted(self.set.graphs)
+        return self.set
+
+    def size_for(self, num_seqs: int) -> int | None:
+        for size in self.set.sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        b = meta.num_seqs
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
+        self.positions[:b].copy_(positions, non_blocking=True)
+        self.slot_mapping[:b].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[b:size].fill_(-1)
+        self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
+        self.seq_lens[b:size].fill_(1)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
+        self.block_tables[b:size].zero_()
+        self.set.graphs[size].replay()
+        return self.set.outputs[size][:b]

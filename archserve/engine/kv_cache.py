@@ -1,0 +1,46 @@
+"""Sizing and allocating the paged KV cache pool (the engine owns the layout)."""
+
+from __future__ import annotations
+
+import torch
+
+from archserve.kernels.attention.interface import kv_cache_shape
+
+DEFAULT_CPU_KV_BYTES = 1 << 30   # 1 GiB: plenty for the tiny and embedded models on a CPU
+
+
+def kv_dtype_of(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    return model_dtype
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_size: int,
+                    dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_size * elem
+
+
+def blocks_for_budget(budget_bytes: int, per_block: int) -> int:
+    return max(0, budget_bytes // per_block)
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_size: int, dtype: torch.dtype, device: torch.device
+                       ) -> list[torch.Tensor]:
+    """One contiguous allocation, viewed per layer (one free, one pointer per layer)."""
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    pool = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
+    return list(pool.unbind(0))
+
+
+def cuda_available_kv_bytes(device: torch.device, utilization: float, peak_activation_bytes: int,
+                            reserve_bytes: int = 0) -> int:
+    """What is left for the KV pool: the utilisation share of the card, minus everything
+    already in use (weights, other processes, the CUDA context), minus the activation
+    peak measured by a profiling forward, minus a reserve (CUDA graphs)."""
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    return int(total * utilization - in_use - peak_activation_bytes - reserve_bytes)

@@ -1,0 +1,324 @@
+"""LLMEngine: ``step()`` = schedule -> run -> postprocess, over continuously batched requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from archserve.engine import startup
+from archserve.engine.block_pool import KVBlockPool
+from archserve.engine.config import EngineConfig
+from archserve.engine.model_runner import ModelRunner
+from archserve.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from archserve.engine.sampler import Sampler
+from archserve.engine.sampling_params import SamplingParams
+from archserve.engine.scheduler import Scheduler, SchedulerConfig
+from archserve.engine.sequence import Sequence, SequenceStatus
+from archserve.engine.stop_checker import find_stop_string
+
+log = logging.getLogger("archserve")
+
+DEFAULT_MAX_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+    detokenizers: list = field(default_factory=list)
+
+
+class LLMEngine:
+    """Owns the model runner, the scheduler and the tokenizer; serves requests step by step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        t0 = time.perf_counter()
+        from archserve.loader.loader import load_model
+        from archserve.loader.tokenizer import load_tokenizer
+
+        torch_device = startup.resolve_torch_device(config)
+        device = startup.device_info_for(torch_device)
+        model_path = config.model
+        probe_config = _peek_model_config(model_path)
+        dtype, kv_cache_dtype, decisions = startup.resolve_precision(device, config, probe_config)
+        self.model, self.model_config = load_model(model_path, dtype=dtype, device=torch_device,
+                                                   load_format=config.load_format)
+        self.tokenizer = load_tokenizer(config.tokenizer or model_path)
+        load_s = startup.elapsed(t0)
+
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        selection = startup.select_attention(device, config, mc, dtype, kv_cache_dtype)
+        spec = startup.attention_spec_of(config, mc, dtype, kv_cache_dtype)
+        attn_impl = selection.backend.make_impl(device, spec)
+        block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.runner = ModelRunner(self.model, mc, torch_device, dtype, attn_impl, block_size,
+                                  self.max_model_len, self.sampler)
+        max_batched = config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
+        if not config.enable_chunked_prefill:
+            max_batched = max(max_batched, self.max_model_len)  # a whole prompt fits one step
+        kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
+        num_blocks, sizing = startup.size_kv_pool(config, self.runner, mc, kv_torch_dtype,
+                                                  max_batched, self.max_model_len,
+                                                  config.max_num_seqs, torch_device)
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache has room for {num_blocks * block_size} tokens ({sizing}), "
+                f"fewer than max_model_len={self.max_model_len}; lower max_model_len or give "
+                f"the cache more memory")
+        self.runner.allocate_kv_cache(num_blocks, kv_torch_dtype)
+        self.block_pool = KVBlockPool(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, max_batched, self.max_model_len,
+                            config.enable_chunked_prefill),
+            self.block_pool, self.eos_token_ids)
+        graphs = torch_device.type == "cuda" and not config.enforce_eager
+        if graphs:
+            self.runner.capture_cuda_graphs(config.max_num_seqs, config.cuda_graph_sizes or None)
+        self.report = startup.StartupReport(
+            device=device, torch_device=torch_device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+            decisions=decisions, attention=selection, block_size=block_size,
+            num_blocks=num_blocks, max_model_len=self.max_model_len,
+            graph_sizes=self.runner.graphs.set.sizes if graphs else [],
+            graph_demoted=self.runner.graphs.set.demoted if graphs else {},
+            timings={"load_s": load_s, "total_s": startup.elapsed(t0)})
+        self.report.kv_sizing = sizing
+        self.requests: dict[str, RequestState] = {}
+        self._counter = 0
+        log.info("%s", self.describe_route())
+
+    # -- introspection ---------------------------------------------------------------
+    def describe_route(self) -> str:
+        r = self.report
+        sel = r.attention
+        rejected = "; ".join(f"{x.backend}: {x.reason}" for x in sel.rejected) or "none"
+        lines = [
+            f"device: {r.device.describe()}  dtype: {str(r.dtype).removeprefix('torch.')}  "
+            f"kv cache: {r.kv_cache_dtype}",
+            f"attention: {sel.name}{' (forced)' if sel.forced else ''} (ideal {sel.ideal}); "
+            f"rejected: {rejected}",
+            f"kv cache: {r.num_blocks} blocks x {r.block_size} tokens = "
+            f"{r.num_blocks * r.block_size} tokens ({r.kv_sizing}); max_model_len {r.max_model_len}",
+        ]
+        for d in r.decisions:
+            lines.append(f"decision: {d.what}: {d.requested} -> {d.chosen} ({d.reason})")
+        if r.graph_sizes or r.graph_demoted:
+            lines.append(f"cuda graphs: {len(r.graph_sizes)} decode sizes"
+                         + (f"; eager for {r.graph_demoted}" if r.graph_demoted else ""))
+        return "\n".join(lines)
+
+    # -- requests --------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        self._counter += 1
+        return str(self._counter)
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return None, ids
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None, arrival_time: float | None = None
+                    ) -> str:
+        """Validate and queue a request; raises ValueError and changes nothing on bad input."""
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id or self.new_request_id()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens, and at least one must be left to generate")
+        now = time.time() if arrival_time is None else arrival_time
+        seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
+        state = RequestState(request_id, text, ids, params, seqs, RequestMetrics(now),
+                             [None] if params.prompt_logprobs is not None else None)
+        from archserve.loader.tokenizer import IncrementalDetokenizer
+        state.detokenizers = [IncrementalDetokenizer(self.tokenizer, ids,
+                                                     params.skip_special_tokens)
+                              for _ in seqs]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.requests[request_id] = state
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request now; its KV blocks are free when this returns."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.time()
+        for entry in out.scheduled:
+            state = self.requests.get(entry.seq.request_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+        sampled_seqs, result, prompt_lps = self.runner.execute(out.scheduled)
+        self._record_prompt_logprobs(prompt_lps)
+        if result is None:
+            self.scheduler.postprocess(out, [])
+            return []
+        tokens = result.sampled_token_ids.tolist()
+        logprobs = result.sampled_logprobs.tolist()
+        topn = self._topn_per_row(result, sampled_seqs)
+        updated = self.scheduler.postprocess(out, tokens, logprobs)
+        updated_ids = {id(s) for s in updated}
+        touched: dict[str, RequestState] = {}
+        now = time.time()
+        for row, seq in enumerate(sampled_seqs):
+            if id(seq) not in updated_ids:
+                continue
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            if seq.sampling_params.logprobs is not None:
+                seq.output_logprobs.append(topn[row])
+            self._detokenize(state, seq)
+            touched[seq.request_id] = state
+        outputs = []
+        for request_id, state in touched.items():
+            finished = all(s.is_finished for s in state.seqs)
+            if finished:
+                state.metrics.finished_time = now
+                del self.requests[request_id]
+            outputs.append(self._request_output(state, finished))
+        return outputs
+
+    def _detokenize(self, state: RequestState, seq: Sequence) -> None:
+        params = seq.sampling_params
+        detok = state.detokenizers[seq.index]
+        stopped_by_token = (seq.status is SequenceStatus.FINISHED_STOPPED)
+        if stopped_by_token and not params.include_stop_str_in_output:
+            return  # the stop token's text is not part of the output (vLLM semantics)
+        if not params.detokenize:
+            return
+        delta = detok.step(seq.last_token_id)
+        seq.output_text += delta
+        if not params.stop_strings:
+            return
+        hit = find_stop_string(seq.output_text, len(delta), params.stop_strings)
+        if hit is None:
+            return
+        index, matched = hit
+        end = index + len(matched) if params.include_stop_str_in_output else index
+        seq.output_text = seq.output_text[:end]
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=matched)
+
+    def _topn_per_row(self, result, seqs: list[Sequence]) -> list:
+        if result.sampled_ranks is None:
+            return [None] * len(seqs)
+        ids = result.sampled_token_ids.tolist()
+        lps = result.sampled_logprobs.tolist()
+        ranks = result.sampled_ranks.tolist()
+        top_ids = result.topn_token_ids.tolist() if result.topn_token_ids is not None else None
+        top_lps = result.topn_logprobs.tolist() if result.topn_logprobs is not None else None
+        rows = []
+        for i, seq in enumerate(seqs):
+            n = seq.sampling_params.logprobs
+            if n is None:
+                rows.append(None)
+                continue
+            entry = {ids[i]: Logprob(lps[i], ranks[i], self._decode_one(ids[i]))}
+            if n and top_ids is not None:
+                for rank, (tid, lp) in enumerate(zip(top_ids[i][:n], top_lps[i][:n]), start=1):
+                    entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
+            rows.append(entry)
+        return rows
+
+    def _record_prompt_logprobs(self, prompt_lps) -> None:
+        for seq, first_pos, logprobs, targets in prompt_lps:
+            state = self.requests.get(seq.request_id)
+            if state is None or seq.index != 0 or state.prompt_logprobs is None:
+                continue
+            have = len(state.prompt_logprobs)          # entries for positions 0..have-1
+            skip = have - (first_pos + 1)             # rows already recorded (recompute)
+            if skip < 0 or skip >= targets.numel():
+                continue
+            n = seq.sampling_params.prompt_logprobs
+            tok_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
+            ranks = (logprobs > tok_lp[:, None]).sum(-1) + 1
+            top_v, top_i = logprobs.topk(n, dim=-1) if n else (None, None)
+            for r in range(skip, targets.numel()):
+                tid = int(targets[r])
+                entry = {tid: Logprob(float(tok_lp[r]), int(ranks[r]), self._decode_one(tid))}
+                if n:
+                    for rank, (v, t) in enumerate(zip(top_v[r].tolist(), top_i[r].tolist()), 1):
+                        entry.setdefault(t, Logprob(v, rank, self._decode_one(t)))
+                state.prompt_logprobs.append(entry)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _request_output(self, state: RequestState, finished: bool) -> RequestOutput:
+        completions = [
+            CompletionOutput(index=s.index, text=s.output_text,
+                             token_ids=list(s.output_token_ids),
+                             cumulative_logprob=s.cumulative_logprob,
+                             logprobs=list(s.output_logprobs)
+                             if s.sampling_params.logprobs is not None else None,
+                             finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+            for s in state.seqs]
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs, outputs=completions, finished=finished,
+            metrics=state.metrics,
+            num_cached_tokens=max((s.num_cached_tokens for s in state.seqs), default=0))
+
+    # -- stats ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        pool = self.block_pool
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_usage": pool.usage,
+            "num_used_blocks": pool.num_used_blocks,
+            "num_blocks": pool.num_blocks,
+        }
+
+
+def _peek_model_config(model_path: str | None):
+    """The model's config without its weights (dtype decisions need only the config)."""
+    from archserve.loader.config import load_model_config
+    return load_model_config(model_path)

@@ -1,0 +1,123 @@
+"""ModelRunner: one forward pass per step over flattened tokens, then sampling on the device.
+
+It owns the KV cache tensors, the selected attention implementation, the decode CUDA
+graphs and the sampler. It knows nothing of requests beyond the sequences it is handed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from archserve.engine.batch import ModelBatch, build_batch
+from archserve.engine.cuda_graphs import DecodeGraphRunner, default_graph_sizes
+from archserve.engine.kv_cache import allocate_kv_caches
+from archserve.engine.scheduler import ScheduledSeq
+from archserve.kernels.attention.interface import AttentionMetadata
+from archserve.models.layers.forward_context import ForwardContext, set_forward_context
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config, device: torch.device,
+                 dtype: torch.dtype, attn_impl, block_size: int, max_model_len: int,
+                 sampler) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.attn_impl = attn_impl
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
+        self.sampler = sampler
+        self.kv_caches: list[torch.Tensor] = []
+        self.kv_scales = (1.0, 1.0)
+        self.graphs: DecodeGraphRunner | None = None
+
+    # -- memory -------------------------------------------------------------------
+    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
+        cfg = self.model_config
+        self.kv_caches = allocate_kv_caches(cfg.num_layers, num_blocks, self.block_size,
+                                            cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
+
+    @torch.inference_mode()
+    def profile_peak_activation_bytes(self, num_tokens: int) -> int:
+        """Run one prefill of ``num_tokens`` tokens and return the activation peak in bytes."""
+        cfg = self.model_config
+        blocks = (num_tokens + self.block_size - 1) // self.block_size
+        caches = allocate_kv_caches(cfg.num_layers, blocks, self.block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, self.dtype, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+            slot_mapping=torch.arange(num_tokens, dtype=torch.long, device=self.device),
+            max_query_len=num_tokens, max_seq_len=num_tokens, num_seqs=1,
+            query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens])
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, dtype=torch.long, device=self.device)
+        with set_forward_context(ForwardContext(meta, caches, self.attn_impl)):
+            hidden = self.model(ids, pos)
+            self.model.compute_logits(hidden[-min(num_tokens, 256):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # -- forward ------------------------------------------------------------------
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        ctx = ForwardContext(meta, self.kv_caches, self.attn_impl, *self.kv_scales)
+        with set_forward_context(ctx):
+            return self.model(input_ids, positions)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, sizes: list[int] | None = None) -> None:
+        sizes = sizes or default_graph_sizes(max_num_seqs)
+        self.graphs = DecodeGraphRunner(self._forward, self.device, max(sizes),
+                                        self.max_blocks_per_seq, self.max_model_len)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            result = self.graphs.capture(sizes)
+        log.info("captured CUDA graphs for %d decode batch sizes in %.1fs%s", len(result.sizes),
+                 time.perf_counter() - start,
+                 f"; demoted to eager: {result.demoted}" if result.demoted else "")
+
+    @torch.inference_mode()
+    def run_model(self, batch: ModelBatch) -> torch.Tensor:
+        meta = batch.meta
+        if self.graphs is not None and meta.is_pure_decode:
+            size = self.graphs.size_for(meta.num_seqs)
+            if size is not None:
+                return self.graphs.replay(size, batch.input_ids, batch.positions, meta)
+        return self._forward(batch.input_ids, batch.positions, meta)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledSeq]):
+        """One step: forward every scheduled token, sample where a sequence reached its end."""
+        batch = build_batch(chunks, self.block_size, self.device, self.max_blocks_per_seq)
+        hidden = self.run_model(batch)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        if not batch.sampled_seqs:
+            return [], None, prompt_logprobs
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        result = self.sampler.sample(logits, batch.sampled_seqs)
+        return batch.sampled_seqs, result, prompt_logprobs
+
+    def _prompt_logprobs(self, batch: ModelBatch, hidden: torch.Tensor):
+        """For sequences that asked: logprob of each prompt token given the ones before it."""
+        out = []
+        for seq, row_start, row_end, first_pos in batch.prompt_logprob_rows:
+            logits = self.model.compute_logits(hidden[row_start:row_end])
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            targets = torch.tensor(seq.token_ids_slice(first_pos + 1, first_pos + 1 + row_end - row_start),
+                                   dtype=torch.long, device=logprobs.device)
+            out.append((seq, first_pos, logprobs, targets))
+        return out

