@@ -1,0 +1,89 @@
+"""load_model: path (or None for the default model) -> (model on device in dtype, config)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from archserve.loader.config import ModelConfig, load_gguf_model_config, load_hf_model_config
+from archserve.loader.default_model import default_model_path
+from archserve.loader.dummy import initialize_dummy_weights
+from archserve.loader.gguf_loader import find_gguf_file, iterate_gguf
+from archserve.loader.safetensors_loader import iterate_safetensors
+from archserve.models.registry import model_class_for
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    if model_path is None:
+        return default_model_path()
+    if not os.path.exists(model_path):
+        raise ValueError(f"model path {model_path!r} does not exist (archserve loads local "
+                         "Hugging Face directories and GGUF files only)")
+    return model_path
+
+
+def load_model_config(model_path: str) -> tuple[ModelConfig, str | None]:
+    """(config, the GGUF file or None) for a local HF directory or GGUF file/directory."""
+    gguf_path = find_gguf_file(model_path)
+    if gguf_path is not None:
+        return load_gguf_model_config(gguf_path), gguf_path
+    if os.path.isdir(model_path):
+        return load_hf_model_config(model_path), None
+    raise ValueError(f"{model_path}: neither a Hugging Face model directory nor a .gguf file")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _with_progress(weights: Iterable[tuple[str, torch.Tensor]], description: str
+                   ) -> Iterable[tuple[str, torch.Tensor]]:
+    from tqdm.auto import tqdm
+
+    # disable=None: a bar on a terminal, silence in logs and tests.
+    return tqdm(weights, desc=description, unit=" tensors", disable=None)
+
+
+def load_model(model_path: str | None, dtype: torch.dtype | None = None,
+               device: torch.device | str = "cpu", load_format: str = "auto"
+               ) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for ``model_path`` on ``device`` in ``dtype`` and fill its weights.
+
+    ``dtype`` None means the checkpoint's dtype (float32 when it names none, e.g. GGUF).
+    ``load_format``: "auto" (GGUF for a .gguf file or a directory holding one, else
+    safetensors), "safetensors", "gguf", or "dummy" (random weights of the real shapes).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    path = resolve_model_path(model_path)
+    config, gguf_path = load_model_config(path)
+    if load_format == "gguf" and gguf_path is None:
+        raise ValueError(f"{path}: load_format 'gguf' but no .gguf file there")
+    if load_format == "safetensors" and gguf_path is not None:
+        raise ValueError(f"{path}: load_format 'safetensors' but this is a GGUF model")
+    dtype = dtype or config.torch_dtype or torch.float32
+    device = torch.device(device)
+    model_class = model_class_for(config.architecture)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(config)
+    if load_format == "dummy":
+        initialize_dummy_weights(model)
+    elif gguf_path is not None:
+        weights = iterate_gguf(gguf_path, model.checkpoint_shapes(), config.num_layers,
+                               config.num_heads, config.num_kv_heads)
+        model.load_weights(_with_progress(weights, f"Loading {os.path.basename(gguf_path)}"))
+    else:
+        model.load_weights(_with_progress(iterate_safetensors(path), "Loading safetensors"))
+    return model.eval(), config

@@ -1,0 +1,1 @@
+"""Op interfaces that model code is written against; a selected backend sits behind each."""

@@ -1,0 +1,51 @@
+"""The attention layer models use; the computation belongs to the selected backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from archserve.kernels.attention.interface import AttentionLayerParams
+from archserve.models.layers.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D] through ``ForwardContext.attn_impl``."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 layer_index: int, sliding_window: int | None = None,
+                 logit_soft_cap: float | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                             f"{num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.layer_index = layer_index
+        self.params = AttentionLayerParams(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=scale,
+            sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+
+    def _params_for(self, kv_cache_dtype: str) -> AttentionLayerParams:
+        if self.params.kv_cache_dtype != kv_cache_dtype:
+            # Fixed for a whole run, so this rebuild happens once.
+            self.params = dataclasses.replace(self.params, kv_cache_dtype=kv_cache_dtype)
+        return self.params
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        num_tokens = q.shape[0]
+        out = ctx.attn_impl.forward(
+            q.view(num_tokens, self.num_heads, self.head_size),
+            k.view(num_tokens, self.num_kv_heads, self.head_size),
+            v.view(num_tokens, self.num_kv_heads, self.head_size),
+            kv_cache=ctx.kv_caches[self.layer_index],
+            meta=ctx.attn_metadata,
+            layer=self._params_for(ctx.kv_cache_dtype),
+            k_scale=ctx.k_scale,
+            v_scale=ctx.v_scale,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_size)

@@ -1,0 +1,48 @@
+"""The per-step state every attention layer needs, set by the model runner around a forward.
+
+Models stay free of engine plumbing: a layer fetches the batch metadata, its own KV cache
+tensor and the selected attention implementation from here instead of taking them as
+forward arguments threaded through every module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from archserve.kernels.attention.interface import AttentionImpl, AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]          # one [2, blocks, block_size, Hkv, D] tensor per layer
+    attn_impl: AttentionImpl
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    kv_cache_dtype: str = "auto"           # forwarded to AttentionLayerParams.kv_cache_dtype
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make ``ctx`` visible to every layer for the duration of one forward (nests)."""
+    global _current
+    previous = _current
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context is set: wrap the model forward in "
+                           "set_forward_context(ForwardContext(...))")
+    return _current

@@ -1,0 +1,211 @@
+"""One decoder for the Llama family: Llama 2/3/3.x, Mistral, SmolLM, Qwen2/2.5, Qwen3.
+
+The variants differ only in switches read from ModelConfig: q/k/v (and o) biases, per-head
+q/k RMSNorm (Qwen3), RoPE scaling, sliding windows, tied embeddings. Inputs are flattened
+tokens (no batch dimension, no padding); the attention layer finds the batch layout in the
+forward context set by the model runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from archserve.models.layers.activation import SiluAndMul
+from archserve.models.layers.attention import Attention
+from archserve.models.layers.embedding import LMHead, VocabEmbedding
+from archserve.models.layers.linear import GateUpLinear, Linear, MergedLinear, QKVLinear
+from archserve.models.layers.norm import RMSNorm
+from archserve.models.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from archserve.loader.config import ModelConfig
+
+# checkpoint module name -> (our fused module name, shard)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+# Checkpoint entries that carry no weights we use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        h, d = config.num_heads, config.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, d, h, config.num_kv_heads,
+                                  bias=config.attention_bias)
+        self.o_proj = Linear(h * d, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary_emb = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling)
+        self.attn = Attention(h, config.num_kv_heads, d, scale=d ** -0.5,
+                              layer_index=layer_index,
+                              sliding_window=config.layer_sliding_windows[layer_index])
+        self.head_dim = d
+
+    def _per_head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        return norm(x.view(num_tokens, -1, self.head_dim))[0].view(num_tokens, -1)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None:
+            q = self._per_head_norm(self.q_norm, q)
+            k = self._per_head_norm(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size,
+                                         bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size,
+                                bias=config.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: long [T] -> hidden [T, hidden_size]."""
+        return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] (rows to sample from) -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden)
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a checkpoint must provide, by its Hugging Face name, with its shape."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        modules = dict(self.named_modules())
+        # named_parameters lists a tied lm_head weight once, under the embedding.
+        for name, param in self.named_parameters():
+            module_name, _, param_name = name.rpartition(".")
+            module = modules[module_name]
+            if isinstance(module, MergedLinear):
+                prefix = module_name.rpartition(".")[0]
+                for hf_module, (fused, shard) in _FUSED_SHARDS.items():
+                    if module_name.endswith("." + fused) and shard in module.shard_names:
+                        shapes[f"{prefix}.{hf_module}.{param_name}"] = module.shard_shape(
+                            shard, param_name)
+            else:
+                shapes[name] = tuple(param.shape)
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy (hf_name, tensor) pairs into the model, fusing q/k/v and gate/up.
+
+        Raises ValueError naming every missing, unexpected or mis-shaped tensor: that is
+        what a config that does not match its weights looks like.
+        """
+        expected = self.checkpoint_shapes()
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        mismatched: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints still store the copy
+            if name not in expected:
+                unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != expected[name]:
+                mismatched.append(f"{name}: checkpoint {tuple(tensor.shape)}, "
+                                  f"model {expected[name]}")
+                continue
+            module_path, _, param_name = name.rpartition(".")
+            prefix, _, module_name = module_path.rpartition(".")
+            if module_name in _FUSED_SHARDS:
+                fused, shard = _FUSED_SHARDS[module_name]
+                modules[f"{prefix}.{fused}"].load_shard(shard, param_name, tensor)
+            else:
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(expected) - loaded)
+        if missing or unexpected or mismatched:
+            raise ValueError(_weights_mismatch_message(missing, unexpected, mismatched))
+        return loaded
+
+
+def _weights_mismatch_message(missing: list[str], unexpected: list[str],
+                              mismatched: list[str]) -> str:
+    def listing(title: str, names: list[str]) -> str:
+        shown = ", ".join(names[:8]) + (f" ... ({len(names)} in all)" if len(names) > 8 else "")
+        return f"{title}: {shown}"
+
+    parts = [listing(title, names) for title, names in
+             (("shape mismatch", mismatched), ("missing", missing), ("unexpected", unexpected))
+             if names]
+    return "checkpoint does not match the model config; " + "; ".join(parts)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass

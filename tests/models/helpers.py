@@ -1,0 +1,94 @@
+"""Test helpers: tiny HF checkpoints, a hand-built paged KV cache, and model stepping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from archserve.kernels.attention.interface import AttentionMetadata, kv_cache_shape
+from archserve.kernels.attention.reference import ReferenceAttentionImpl
+from archserve.models.layers.forward_context import ForwardContext, set_forward_context
+
+TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=96, vocab_size=256, max_position_embeddings=64)
+
+
+def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
+    """A random HF causal LM of ``model_type`` with every weight (biases, norms) non-trivial."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+@dataclass
+class PagedSequences:
+    """A minimal block allocator: enough of the engine to drive a model by hand."""
+
+    kv_caches: list[torch.Tensor]
+    block_size: int
+    next_block: int = 0
+    blocks: dict[int, list[int]] = field(default_factory=dict)
+    lengths: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def for_config(cls, config, num_blocks: int = 64, block_size: int = 4,
+                   dtype: torch.dtype = torch.float32) -> PagedSequences:
+        shape = kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        caches = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+        return cls(caches, block_size)
+
+    def _slot(self, seq: int, position: int) -> int:
+        table = self.blocks.setdefault(seq, [])
+        while len(table) * self.block_size <= position:
+            table.append(self.next_block)
+            self.next_block += 1
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def step(self, new_tokens: dict[int, list[int]]
+             ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Schedule ``new_tokens`` per sequence id; -> ids, positions, metadata, last rows."""
+        ids, positions, slots, starts, seq_lens, query_lens, last_rows = [], [], [], [0], [], [], []
+        for seq, tokens in new_tokens.items():
+            start = self.lengths.get(seq, 0)
+            for offset, token in enumerate(tokens):
+                ids.append(token)
+                positions.append(start + offset)
+                slots.append(self._slot(seq, start + offset))
+            self.lengths[seq] = start + len(tokens)
+            starts.append(starts[-1] + len(tokens))
+            seq_lens.append(self.lengths[seq])
+            query_lens.append(len(tokens))
+            last_rows.append(starts[-1] - 1)
+        width = max(len(self.blocks[s]) for s in new_tokens)
+        tables = [self.blocks[s] + [0] * (width - len(self.blocks[s])) for s in new_tokens]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            num_seqs=len(new_tokens), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        return (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                meta, last_rows)
+
+    def run(self, model, new_tokens: dict[int, list[int]]) -> torch.Tensor:
+        """One model step; float32 logits [num_seqs, vocab] at each sequence's last token."""
+        ids, positions, meta, last_rows = self.step(new_tokens)
+        ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches,
+                             attn_impl=ReferenceAttentionImpl())
+        with set_forward_context(ctx):
+            hidden = model(ids, positions)
+        return model.compute_logits(hidden[last_rows])
+
+
+def hf_last_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0, -1].float()

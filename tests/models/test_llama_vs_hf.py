@@ -1,0 +1,69 @@
+"""Our decoder against transformers with the same (tiny, random) weights, fp32, CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from archserve.loader.loader import load_model
+from models.helpers import PagedSequences, hf_last_logits, tiny_hf_model
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+               "rope_theta": 10000.0}
+
+VARIANTS = {
+    "llama3_scaled_tied": ("llama", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
+    "llama_linear_rope_biases": ("llama", dict(
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
+    "qwen2_qkv_bias": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen3_qk_norm_tied": ("qwen3", dict(tie_word_embeddings=True)),
+    "mistral_sliding_window": ("mistral", dict(sliding_window=5, tie_word_embeddings=False)),
+}
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 9], [200, 1, 2], [33, 34, 35, 36, 37, 38]]
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request, tmp_path_factory):
+    model_type, overrides = VARIANTS[request.param]
+    hf_model = tiny_hf_model(model_type, **overrides)
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(path)
+    model, config = load_model(str(path), dtype=torch.float32, device="cpu")
+    return hf_model, model, config
+
+
+def test_single_prefill_matches_hf(pair):
+    hf_model, model, config = pair
+    cache = PagedSequences.for_config(config)
+    ours = cache.run(model, {0: PROMPTS[0]})[0]
+    torch.testing.assert_close(ours, hf_last_logits(hf_model, PROMPTS[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_batched_prefill_then_decode_matches_hf(pair):
+    hf_model, model, config = pair
+    cache = PagedSequences.for_config(config)
+    prefill = cache.run(model, dict(enumerate(PROMPTS)))
+    for i, prompt in enumerate(PROMPTS):
+        torch.testing.assert_close(prefill[i], hf_last_logits(hf_model, prompt),
+                                   atol=1e-4, rtol=1e-4)
+    next_tokens = {i: [int(prefill[i].argmax())] for i in range(len(PROMPTS))}
+    decode = cache.run(model, next_tokens)
+    for i, prompt in enumerate(PROMPTS):
+        expected = hf_last_logits(hf_model, prompt + next_tokens[i])
+        torch.testing.assert_close(decode[i], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_all_positions_of_a_prompt_match_hf(pair):
+    hf_model, model, config = pair
+    cache = PagedSequences.for_config(config)
+    ids, positions, meta, _ = cache.step({0: PROMPTS[0]})
+    from archserve.kernels.attention.reference import ReferenceAttentionImpl
+    from archserve.models.layers.forward_context import ForwardContext, set_forward_context
+    with set_forward_context(ForwardContext(meta, cache.kv_caches, ReferenceAttentionImpl())):
+        logits = model.compute_logits(model(ids, positions))
+    with torch.no_grad():
+        expected = hf_model(ids[None]).logits[0]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
