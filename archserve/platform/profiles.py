@@ -99,7 +99,8 @@ _CUDA_SPECS: dict[str, _CudaSpec] = {
     "rtx4090": _CudaSpec("NVIDIA GeForce RTX 4090", SM89, 24564 * MiB, 1008, 128,
                          _SMEM_SM8X_CONSUMER),
     "h100": _CudaSpec("NVIDIA H100 80GB HBM3", SM90, 81559 * MiB, 3352, 132, _SMEM_SM90_SM100),
-    "h200": _CudaSpec("NVIDIA H200", SM90, 143771 * MiB, 4800, 132, _SMEM_SM90_SM100),
+    # Memory, SMs and shared memory as a live H200 reports them through torch.
+    "h200": _CudaSpec("NVIDIA H200", SM90, 150_109_880_320, 4800, 132, _SMEM_SM90_SM100),
     "b200": _CudaSpec("NVIDIA B200", SM100, 183359 * MiB, 8000, 148, _SMEM_SM90_SM100),
     "b300": _CudaSpec("NVIDIA B300 SXM6 AC", SM103, 275040 * MiB, 8000, 148, _SMEM_SM90_SM100),
     "rtx5090": _CudaSpec("NVIDIA GeForce RTX 5090", SM120, 32607 * MiB, 1792, 170,

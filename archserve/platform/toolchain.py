@@ -146,10 +146,10 @@ class TorchWheel:
 
 
 # The CUDA wheel indexes of current torch releases (2.9-2.11), newest first. CUDA 12.8+
-# wheels dropped Volta; Blackwell (sm_100/sm_120) needs 12.8+.
+# wheels dropped Volta; Blackwell (sm_100/sm_120) needs 12.8+. The cu130 list is what
+# torch 2.11.0+cu130 reports on x86-64 (checked on an H200).
 TORCH_WHEELS: tuple[TorchWheel, ...] = (
-    TorchWheel("cu130", "13.0",
-               ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_110", "sm_120")),
+    TorchWheel("cu130", "13.0", ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")),
     TorchWheel("cu128", "12.8", ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120")),
     TorchWheel("cu126", "12.6", ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")),
 )
@@ -251,7 +251,10 @@ def _arch_finding(device: DeviceInfo) -> Finding | None:
 
 def _runtime_finding(device: DeviceInfo) -> Finding | None:
     tc = device.toolchain
-    if not device.is_cuda or not tc.runtime_version:
+    # A CUDA torch whose runtime the driver rejects cannot initialise the GPU, so
+    # detect() falls back to the CPU: check there too when an NVIDIA GPU is present.
+    on_nvidia = device.is_cuda or (device.platform == "cpu" and device.nvidia_gpu_present)
+    if not on_nvidia or not tc.torch_has_cuda or not tc.runtime_version:
         return None
     driver_cuda = driver_max_cuda(device)
     if driver_cuda is None or _major_minor(tc.runtime_version) <= _major_minor(driver_cuda):

@@ -210,3 +210,15 @@ def test_findings_are_sorted_errors_first():
 
 def test_sm80_family_profiles_still_run_sm80_code():
     assert covering_arch(SM86, get_profile("a10").toolchain.torch_arch_list) == "sm_80"
+
+
+def test_driver_too_old_for_cuda_torch_is_found_even_after_falling_back_to_cpu():
+    # torch.cuda.is_available() is False when the driver is too old, so detect() reports
+    # the CPU; the diagnosis must still name the driver.
+    cpu = get_profile("cpu")
+    device = replace(cpu, nvidia_gpu_present=True, toolchain=replace(
+        get_profile("h100").toolchain, driver_version="535.183.01", driver_cuda_version="12.2",
+        libraries={}))
+    findings = diagnose(device)
+    assert [(f.code, f.severity) for f in findings] == [("runtime_newer_than_driver", "error")]
+    assert not three_layer_verdict(device)[0]
