@@ -68,6 +68,7 @@ def _cuda_toolchain(cap: Capability) -> Toolchain:
         # FA3 is built for Hopper only.
         "flash_attn_interface": "3.0.0" if cap.family == 90 else None,
         "flashinfer": "0.5.2" if SM75 <= cap <= SM121 else None,
+        "deep_gemm": "2.1.0" if cap.family in (90, 100) else None,
     }
     return Toolchain(
         torch_version=f"{TORCH_VERSION}+{wheel.tag}",
@@ -146,7 +147,7 @@ def _mi300x() -> DeviceInfo:
             torch_arch_list=ROCM7_ARCH_LIST,
             torch_has_cuda=True,              # torch's GPU build (HIP) is present
             libraries={"triton": "3.7.0", "flash_attn": None, "vllm_flash_attn": None,
-                       "flash_attn_interface": None, "flashinfer": None},
+                       "flash_attn_interface": None, "flashinfer": None, "deep_gemm": None},
         ),
         memory_bandwidth_bytes_per_s=5300 * GB_PER_S,
         multiprocessor_count=304,
@@ -167,7 +168,7 @@ def _cpu() -> DeviceInfo:
             torch_version=f"{TORCH_VERSION}+cpu",
             torch_has_cuda=False,
             libraries={"triton": None, "flash_attn": None, "vllm_flash_attn": None,
-                       "flash_attn_interface": None, "flashinfer": None},
+                       "flash_attn_interface": None, "flashinfer": None, "deep_gemm": None},
         ),
         memory_bandwidth_bytes_per_s=100 * GB_PER_S,
     )

@@ -359,6 +359,7 @@ KERNEL_LIBRARIES: dict[str, KernelLibrary] = {
         KernelLibrary("vllm_flash_attn", "vllm-flash-attn", cuda_min=SM80),
         KernelLibrary("flash_attn_interface", "flash-attn-3", cuda_families=(90,)),
         KernelLibrary("flashinfer", "flashinfer-python", cuda_min=SM75, cuda_max=SM121),
+        KernelLibrary("deep_gemm", "deep-gemm", cuda_families=(90, 100)),
     )
 }
 

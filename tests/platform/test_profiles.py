@@ -96,3 +96,10 @@ def test_flash_attention_3_is_recorded_only_on_hopper_profiles():
 def test_resolve_device_uses_profiles_for_ids():
     assert resolve_device("b300").capability == SM103
     assert resolve_device("sm121").id == "gb10"
+
+
+def test_every_profile_records_every_known_kernel_library():
+    from archserve.platform.toolchain import KERNEL_LIBRARIES
+
+    for device in all_profiles():
+        assert set(device.toolchain.libraries) == set(KERNEL_LIBRARIES), device.id
