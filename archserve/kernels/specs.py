@@ -20,6 +20,7 @@ class AttentionSpec:
     sliding_window: int | None = None
     logit_soft_cap: float | None = None
     use_mla: bool = False
+    mla_sparse: bool = False              # sparse (indexer) MLA, as in DeepSeek-V3.2
     # MLA dimensions (DeepSeek-V3 defaults); head_size is kv_lora_rank + rope for MLA.
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64

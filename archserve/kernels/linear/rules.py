@@ -1,0 +1,197 @@
+"""Linear / GEMM backends (op ``linear``): dense torch matmul and the quantized GEMM paths.
+
+A `LinearSpec.quant_scheme` here is a *weight format* the kernels understand, not a
+checkpoint's ``quant_method``: archserve.quant maps methods to formats (AWQ and GPTQ
+are both ``wna16``; FBGEMM and ModelOpt FP8 are both ``fp8``). Rules follow seed 000
+§3 and the §5.3 matrix; only the two torch paths are implemented in this build.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from archserve.kernels.rules import RuleBackend, needs_capability, needs_family, runtime_at_least
+from archserve.kernels.specs import LinearSpec
+from archserve.platform.capability import SM75, SM89, SM90, SM100
+from archserve.platform.device import DeviceInfo
+
+# Weight formats (the vocabulary shared with archserve.quant and MoESpec).
+FP8 = "fp8"                  # FP8 weights and activations, per-tensor/per-channel scales
+FP8_BLOCK = "fp8_block"      # FP8 with 128x128 block scales (DeepSeek-V3 style)
+INT8 = "int8"                # INT8 W8A8
+WNA16 = "wna16"              # 4/8-bit integer weights, 16-bit activations (GPTQ, AWQ)
+W4A8 = "w4a8"                # 4-bit weights, FP8 activations
+NVFP4 = "nvfp4"
+MXFP4 = "mxfp4"
+MXFP8 = "mxfp8"
+SPARSE_2_4 = "sparse_2_4"    # 2:4 structured-sparse FP8/INT8
+BNB = "bnb"                  # bitsandbytes NF4 / int8
+GROUPED = "grouped"          # grouped (per-expert) GEMM, reached from MoE layers
+
+WEIGHT_FORMATS = (FP8, FP8_BLOCK, INT8, WNA16, W4A8, NVFP4, MXFP4, MXFP8, SPARSE_2_4, BNB,
+                  GROUPED)
+
+
+def _format_text(fmt: str | None) -> str:
+    return "unquantized" if fmt is None else fmt
+
+
+def _torch_linear(device: DeviceInfo, spec: LinearSpec) -> Any:
+    return torch.nn.functional.linear
+
+
+class QuantGemmBackend(RuleBackend):
+    """A GEMM kernel that executes a fixed set of weight formats."""
+
+    op = "linear"
+    implemented = False
+    formats: frozenset[str] = frozenset()
+
+    def hardware_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
+        # The format decides first: "this layer is unquantized" explains more than an SM.
+        return self.request_rule(device, spec) or self.device_rule(device)
+
+    def request_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
+        if spec.quant_scheme not in self.formats:
+            return (f"executes {', '.join(sorted(self.formats))} weights; "
+                    f"this layer is {_format_text(spec.quant_scheme)}")
+        return None
+
+
+class CutlassInt8Backend(QuantGemmBackend):
+    name = "CUTLASS_INT8"
+    formats = frozenset({INT8})
+    description = "CUTLASS W8A8 INT8 scaled_mm (SM75+)"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_capability(device, SM75)
+
+
+class CutlassFp8Backend(QuantGemmBackend):
+    name = "CUTLASS_FP8"
+    formats = frozenset({FP8})
+    description = "CUTLASS W8A8 FP8 scaled_mm on FP8 tensor cores (SM89+)"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_capability(device, SM89)
+
+    def runtime_rule(self, device: DeviceInfo) -> str | None:
+        # Seed 000 §3.2: Ada's FP8 kernels need CUDA 12.4, Hopper's 12.0.
+        return runtime_at_least(device, (12, 0) if device.has_capability(SM90) else (12, 4))
+
+
+class CutlassBlockFp8Backend(QuantGemmBackend):
+    name = "CUTLASS_BLOCK_FP8"
+    formats = frozenset({FP8_BLOCK})
+    description = "CUTLASS block-wise FP8 GEMM (SM90+)"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_capability(device, SM90)
+
+    def runtime_rule(self, device: DeviceInfo) -> str | None:
+        return runtime_at_least(device, (12, 8) if device.has_capability(SM100) else (12, 0))
+
+
+class CutlassW4A8Backend(QuantGemmBackend):
+    name = "CUTLASS_W4A8"
+    formats = frozenset({W4A8})
+    description = "CUTLASS W4A8 mixed-precision GEMM (Hopper, SM100 family)"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_family(device, 90, 100)
+
+
+class CutlassNvfp4Backend(QuantGemmBackend):
+    name = "CUTLASS_NVFP4"
+    formats = frozenset({NVFP4})
+    description = "CUTLASS NVFP4 GEMM (SM100 and SM120 families, separate builds)"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_family(device, 100, 120)
+
+    def runtime_rule(self, device: DeviceInfo) -> str | None:
+        return runtime_at_least(device, (12, 8))
+
+
+class CutlassSparse24Backend(QuantGemmBackend):
+    name = "CUTLASS_SPARSE_2_4"
+    formats = frozenset({SPARSE_2_4})
+    description = "CUTLASS 2:4 structured-sparse GEMM (Hopper, SM100 family)"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_family(device, 90, 100)
+
+
+class CutlassGroupedGemmBackend(QuantGemmBackend):
+    name = "CUTLASS_GROUPED_GEMM"
+    formats = frozenset({GROUPED})
+    description = "CUTLASS grouped GEMM for expert layers (Hopper, SM100 family)"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_family(device, 90, 100)
+
+
+class MarlinBackend(QuantGemmBackend):
+    name = "MARLIN"
+    formats = frozenset({WNA16, FP8, FP8_BLOCK, NVFP4, MXFP4})
+    description = "Marlin weight-only GEMM: dequantize in registers, FP16/BF16 tensor cores (SM75+)"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_capability(device, SM75)
+
+
+class TorchDequantBackend(RuleBackend):
+    """Weights were dequantized to the model dtype at load; the GEMM is a plain torch matmul."""
+
+    name = "TORCH_DEQUANT"
+    op = "linear"
+    description = "dequantize weights to the model dtype at load, then torch matmul (any device)"
+
+    def request_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
+        if spec.quant_scheme is None:
+            return "nothing to dequantize: this layer is unquantized"
+        return None
+
+    def make_impl(self, device: DeviceInfo, spec: LinearSpec) -> Any:
+        return _torch_linear(device, spec)
+
+
+class TorchMatmulBackend(RuleBackend):
+    """Dense GEMM through torch (cuBLAS, hipBLAS, oneDNN/CPU): the universal fallback."""
+
+    name = "TORCH_MATMUL"
+    op = "linear"
+    description = "torch.nn.functional.linear (cuBLAS / hipBLAS / CPU BLAS)"
+
+    def request_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
+        if spec.quant_scheme is not None:
+            return (f"weights are {spec.quant_scheme}-quantized; "
+                    "needs a kernel that dequantizes them")
+        return None
+
+    def make_impl(self, device: DeviceInfo, spec: LinearSpec) -> Any:
+        return _torch_linear(device, spec)
+
+
+LINEAR_BACKENDS: tuple[type[RuleBackend], ...] = (
+    CutlassNvfp4Backend, CutlassW4A8Backend, CutlassSparse24Backend, CutlassBlockFp8Backend,
+    CutlassFp8Backend, CutlassInt8Backend, CutlassGroupedGemmBackend, MarlinBackend,
+    TorchDequantBackend, TorchMatmulBackend,
+)
+LINEAR_FALLBACK = TorchMatmulBackend.name
+
+# Preference among the kernels that execute a format: native tensor-core paths before the
+# weight-only Marlin path, and the load-time dequantization last (seed 000 §5.2).
+_QUANT_ORDER = ("CUTLASS_NVFP4", "CUTLASS_W4A8", "CUTLASS_SPARSE_2_4", "CUTLASS_BLOCK_FP8",
+                "CUTLASS_FP8", "CUTLASS_INT8", "CUTLASS_GROUPED_GEMM", "MARLIN", "TORCH_DEQUANT")
+
+
+def linear_priority(device: DeviceInfo, spec: LinearSpec) -> list[str]:
+    """Dense layers go straight to torch; quantized ones try the kernels that know the format."""
+    if spec.quant_scheme is None:
+        return ["TORCH_MATMUL"]
+    executes = {cls.name for cls in LINEAR_BACKENDS
+                if spec.quant_scheme in getattr(cls, "formats", ())}
+    return [name for name in _QUANT_ORDER if name in executes] + ["TORCH_DEQUANT"]

@@ -1,0 +1,161 @@
+"""Explain: for a device (live or a profile) and a request or model, the route of every layer kind.
+
+Each route names the backend this build runs under the library assumption, the
+*ideal* backend by hardware rules alone, and why every earlier candidate lost. The
+dict form is the JSON of ``archserve explain --json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from archserve.kernels.catalog import default_registry
+from archserve.kernels.registry import LibraryAssumption, Rejection, Selection, override_from_env
+from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
+from archserve.platform.device import DeviceInfo
+from archserve.quant.plan import plan_quantization
+from archserve.routing.decision import Decision
+from archserve.routing.dtypes import dtype_name, resolve_dtype, resolve_kv_cache_dtype
+from archserve.routing.model_summary import ModelSummary
+
+# DeepSeek-V3's MLA: 128 heads over a 512-dim latent plus 64 rope dims (head 576).
+DEEPSEEK_V3_MLA = dict(head_size=576, num_heads=128, num_kv_heads=1, use_mla=True,
+                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                       v_head_dim=128)
+
+
+@dataclass
+class Route:
+    op: str
+    layer: str
+    backend: str
+    ideal: str | None
+    rejected: list[Rejection] = field(default_factory=list)
+    detail: str = ""          # what the chosen backend runs here (e.g. "FA3")
+    ideal_detail: str = ""
+    forced: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "layer": self.layer, "backend": self.backend,
+                "ideal": self.ideal,
+                "rejected": [{"backend": r.backend, "reason": r.reason} for r in self.rejected],
+                "detail": self.detail, "ideal_detail": self.ideal_detail,
+                "forced": self.forced}
+
+
+@dataclass
+class Explanation:
+    device: DeviceInfo
+    dtype: torch.dtype
+    decisions: list[Decision]
+    routes: list[Route]
+    libraries: str = "installed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": device_dict(self.device), "dtype": dtype_name(self.dtype),
+                "libraries": self.libraries,
+                "decisions": [d.to_dict() for d in self.decisions],
+                "routes": [r.to_dict() for r in self.routes]}
+
+
+def device_dict(device: DeviceInfo) -> dict[str, Any]:
+    cap = device.capability
+    return {"id": device.id, "name": device.name, "platform": device.platform,
+            "capability": None if cap is None else [cap.major, cap.minor]}
+
+
+def libraries_text(libraries: LibraryAssumption) -> str:
+    if isinstance(libraries, frozenset):
+        return ",".join(sorted(libraries))
+    return libraries
+
+
+def parse_libraries(text: str) -> LibraryAssumption:
+    """``all`` | ``none`` | ``installed`` | a comma-separated list of library names."""
+    key = text.strip().lower()
+    if key in ("all", "none", "installed"):
+        return key
+    return frozenset(n.strip() for n in key.split(",") if n.strip())
+
+
+def _detail(op: str, name: str | None, device: DeviceInfo, spec: Any) -> str:
+    if name is None:
+        return ""
+    backend = default_registry().get(op, name)
+    describe = getattr(backend, "detail", None)
+    return describe(device, spec) if describe else backend.description
+
+
+def route_from_selection(selection: Selection, layer: str, device: DeviceInfo, spec: Any
+                         ) -> Route:
+    return Route(op=selection.op, layer=layer, backend=selection.name, ideal=selection.ideal,
+                 rejected=list(selection.rejected),
+                 detail=_detail(selection.op, selection.name, device, spec),
+                 ideal_detail=_detail(selection.op, selection.ideal, device, spec),
+                 forced=selection.forced)
+
+
+def explain_op(device: DeviceInfo, op: str, spec: Any,
+               libraries: LibraryAssumption = "installed", layer: str | None = None,
+               override: str | None = None) -> Route:
+    """One op kind's route; an override (or ARCHSERVE_<OP>_BACKEND) is validated as in serving."""
+    selection = default_registry().select(op, device, spec, libraries=libraries,
+                                          override=override_from_env(op, override))
+    return route_from_selection(selection, layer or op, device, spec)
+
+
+def explain_attention_request(device: DeviceInfo, op: str, head_size: int | None,
+                              dtype: str = "auto", kv_cache_dtype: str = "auto",
+                              block_size: int | None = None,
+                              libraries: LibraryAssumption = "installed",
+                              override: str | None = None) -> Explanation:
+    """``explain --op attention|mla_attention``: one attention layer, dtype decisions first."""
+    if op not in ("attention", "mla_attention"):
+        raise ValueError(f"--op must be attention or mla_attention, not {op!r}")
+    torch_dtype, decisions = resolve_dtype(device, dtype)
+    kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype)
+    shape: dict[str, Any] = dict(DEEPSEEK_V3_MLA) if op == "mla_attention" else {}
+    if head_size is not None:
+        shape["head_size"] = head_size
+    elif op == "attention":
+        raise ValueError("--op attention needs --head-size")
+    spec = AttentionSpec(dtype=torch_dtype, kv_cache_dtype=kv, block_size=block_size, **shape)
+    route = explain_op(device, op, spec, libraries, override=override)
+    return Explanation(device, torch_dtype, decisions + kv_decisions, [route],
+                       libraries_text(libraries))
+
+
+def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
+                  kv_cache_dtype: str = "auto", quantization: str | None = None,
+                  libraries: LibraryAssumption = "installed") -> Explanation:
+    """One route per layer kind of the model: attention (or MLA), linear, MoE, lm_head."""
+    torch_dtype, decisions = resolve_dtype(device, dtype, model.dtype)
+    kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype)
+    decisions += kv_decisions
+    plan = plan_quantization(device, quantization or model.quantization, torch_dtype)
+    decisions += plan.decisions
+
+    attention = AttentionSpec(
+        head_size=model.head_size, dtype=torch_dtype, kv_cache_dtype=kv,
+        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+        sliding_window=model.sliding_window, logit_soft_cap=model.logit_soft_cap,
+        use_mla=model.use_mla, mla_sparse=model.mla_sparse, kv_lora_rank=model.kv_lora_rank,
+        qk_rope_head_dim=model.qk_rope_head_dim, qk_nope_head_dim=model.qk_nope_head_dim,
+        v_head_dim=model.v_head_dim)
+    op = "mla_attention" if model.use_mla else "attention"
+    routes = [explain_op(device, op, attention, libraries, layer="attention")]
+    routes.append(explain_op(device, "linear", plan.linear_spec, libraries,
+                             layer="linear (qkv, o, mlp)"))
+    if model.is_moe:
+        moe = MoESpec(dtype=torch_dtype, quant_scheme=plan.moe_format,
+                      num_experts=model.num_experts, top_k=model.experts_per_token or 2,
+                      hidden_size=model.hidden_size,
+                      intermediate_size=model.intermediate_size)
+        routes.append(explain_op(device, "moe", moe, libraries, layer="moe experts"))
+    # lm_head stays unquantized in every scheme archserve loads (as in vLLM by default).
+    routes.append(explain_op(device, "linear", LinearSpec(dtype=torch_dtype), libraries,
+                             layer="lm_head"))
+    return Explanation(device, torch_dtype, decisions, routes, libraries_text(libraries))

@@ -1,0 +1,146 @@
+"""The SM x feature matrix (seed 000 §5.3), generated from the selector's own rules.
+
+Every cell asks a rule: a feature flag of `features_for`, a backend's
+``hardware_rule`` with a representative spec, or a quantization scheme's
+``hardware_rule``. Nothing here is typed per GPU, so the table cannot drift from
+what selection does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from archserve.kernels.attention.backends import flash_attn_version
+from archserve.kernels.catalog import default_registry
+from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
+from archserve.platform.device import DeviceInfo
+from archserve.quant.schemes import get_scheme
+
+# Representative requests: fp16 runs on every GPU generation, so only the silicon decides.
+ATTENTION_SPEC = AttentionSpec(head_size=128, dtype=torch.float16)
+MLA_SPEC = AttentionSpec(head_size=576, dtype=torch.float16, num_heads=128, num_kv_heads=1,
+                         use_mla=True)
+SPARSE_MLA_SPEC = AttentionSpec(head_size=576, dtype=torch.float16, num_heads=128,
+                                num_kv_heads=1, use_mla=True, mla_sparse=True)
+
+
+@dataclass(frozen=True)
+class MatrixRow:
+    group: str
+    name: str
+    rule: Callable[[DeviceInfo], str | None]      # None: supported, else the reason
+    implemented: bool = True
+    note: Callable[[DeviceInfo], str] | None = None  # extra text for a supported cell
+
+
+def _feature(flag: str) -> Callable[[DeviceInfo], str | None]:
+    return lambda d: None if getattr(d.features, flag) else f"no {flag}"
+
+
+def _backend(op: str, name: str, spec: Any) -> MatrixRow:
+    backend = default_registry().get(op, name)
+    return MatrixRow("", name, lambda d: backend.hardware_rule(d, spec), backend.implemented)
+
+
+def _row(group: str, name: str, base: MatrixRow, note: Callable[[DeviceInfo], str] | None = None
+         ) -> MatrixRow:
+    return MatrixRow(group, name, base.rule, base.implemented, note)
+
+
+def _linear(fmt: str) -> LinearSpec:
+    return LinearSpec(dtype=torch.float16, quant_scheme=fmt)
+
+
+def _moe(fmt: str | None) -> MoESpec:
+    return MoESpec(dtype=torch.float16, quant_scheme=fmt)
+
+
+def _scheme(group: str, name: str, scheme: str, implemented: bool = False) -> MatrixRow:
+    rule = get_scheme(scheme).hardware_rule
+    return MatrixRow(group, name, rule, implemented)
+
+
+def _fa_version(device: DeviceInfo) -> str:
+    return f"FA{flash_attn_version(device, ATTENTION_SPEC)}"
+
+
+def matrix_rows() -> list[MatrixRow]:
+    dt, att, mla, gemm, moe, quant = ("Data types", "Attention backends", "MLA backends",
+                                      "GEMM paths", "MoE kernels", "Quantization schemes")
+    return [
+        MatrixRow(dt, "FP32", _feature("fp32")),
+        MatrixRow(dt, "FP16", _feature("fp16")),
+        MatrixRow(dt, "BF16", _feature("bf16")),
+        MatrixRow(dt, "FP8 (E4M3)", _feature("fp8_e4m3")),
+        MatrixRow(dt, "NVFP4", _feature("nvfp4")),
+        MatrixRow(dt, "MXFP8", _feature("mxfp8")),
+        _row(att, "FlashAttention", _backend("attention", "FLASH_ATTN", ATTENTION_SPEC),
+             _fa_version),
+        _row(att, "FlashInfer", _backend("attention", "FLASHINFER", ATTENTION_SPEC)),
+        _row(att, "Triton Attn", _backend("attention", "TRITON_ATTN", ATTENTION_SPEC)),
+        _row(att, "FlexAttention", _backend("attention", "FLEX_ATTENTION", ATTENTION_SPEC)),
+        _row(att, "PyTorch SDPA", _backend("attention", "TORCH_SDPA", ATTENTION_SPEC)),
+        _row(att, "PyTorch reference", _backend("attention", "TORCH_REFERENCE",
+                                                ATTENTION_SPEC)),
+        _row(mla, "FlashAttn MLA", _backend("mla_attention", "FLASH_ATTN_MLA", MLA_SPEC)),
+        _row(mla, "FlashMLA", _backend("mla_attention", "FLASHMLA", MLA_SPEC)),
+        _row(mla, "CUTLASS MLA", _backend("mla_attention", "CUTLASS_MLA", MLA_SPEC)),
+        _row(mla, "FlashInfer MLA", _backend("mla_attention", "FLASHINFER_MLA", MLA_SPEC)),
+        _row(mla, "Triton MLA", _backend("mla_attention", "TRITON_MLA", MLA_SPEC)),
+        _row(mla, "FlashInfer MLA Sparse", _backend("mla_attention", "FLASHINFER_MLA_SPARSE",
+                                                    SPARSE_MLA_SPEC)),
+        _row(mla, "FlashMLA Sparse", _backend("mla_attention", "FLASHMLA_SPARSE",
+                                              SPARSE_MLA_SPEC)),
+        _row(gemm, "INT8 W8A8", _backend("linear", "CUTLASS_INT8", _linear("int8"))),
+        _row(gemm, "FP8 W8A8", _backend("linear", "CUTLASS_FP8", _linear("fp8"))),
+        _row(gemm, "Block-wise FP8", _backend("linear", "CUTLASS_BLOCK_FP8",
+                                              _linear("fp8_block"))),
+        _row(gemm, "W4A8 mixed precision", _backend("linear", "CUTLASS_W4A8", _linear("w4a8"))),
+        _row(gemm, "NVFP4 GEMM", _backend("linear", "CUTLASS_NVFP4", _linear("nvfp4"))),
+        _row(gemm, "2:4 Sparse", _backend("linear", "CUTLASS_SPARSE_2_4",
+                                          _linear("sparse_2_4"))),
+        _row(gemm, "Grouped GEMM", _backend("linear", "CUTLASS_GROUPED_GEMM",
+                                            _linear("grouped"))),
+        _row(gemm, "Marlin (weight-only)", _backend("linear", "MARLIN", _linear("wna16"))),
+        _row(gemm, "Dense torch matmul", _backend("linear", "TORCH_MATMUL", LinearSpec())),
+        _row(moe, "Triton fused_moe", _backend("moe", "TRITON_FUSED_MOE", _moe(None))),
+        _row(moe, "CUTLASS MoE FP8", _backend("moe", "CUTLASS_MOE_FP8", _moe("fp8"))),
+        _row(moe, "TRTLLM MoE FP8", _backend("moe", "TRTLLM_MOE_FP8", _moe("fp8"))),
+        _row(moe, "TRTLLM MoE NVFP4", _backend("moe", "TRTLLM_MOE_NVFP4", _moe("nvfp4"))),
+        _row(moe, "DeepGEMM MoE", _backend("moe", "DEEPGEMM_MOE", _moe("fp8_block"))),
+        _row(moe, "Marlin MoE", _backend("moe", "MARLIN_MOE", _moe("wna16"))),
+        _row(moe, "FlashInfer CUTLASS MoE", _backend("moe", "FLASHINFER_CUTLASS_MOE",
+                                                     _moe("fp8"))),
+        _row(moe, "FlashInfer CuteDSL MoE", _backend("moe", "FLASHINFER_CUTEDSL_MOE",
+                                                     _moe("nvfp4"))),
+        _row(moe, "PyTorch MoE", _backend("moe", "TORCH_MOE", _moe(None))),
+        _scheme(quant, "GGUF", "gguf", implemented=True),
+        _scheme(quant, "GPTQ", "gptq"),
+        _scheme(quant, "BitsAndBytes", "bitsandbytes"),
+        _scheme(quant, "AWQ", "awq"),
+        _scheme(quant, "GPTQ-Marlin", "gptq_marlin"),
+        # The seed's two FP8 rows are the two paths of §5.2, i.e. two linear kernels.
+        _row(quant, "FP8 (Marlin path)", _backend("linear", "MARLIN", _linear("fp8"))),
+        _row(quant, "FP8 (native)", _backend("linear", "CUTLASS_FP8", _linear("fp8"))),
+        _scheme(quant, "FBGEMM FP8", "fbgemm_fp8"),
+        _scheme(quant, "ModelOpt FP8", "modelopt"),
+        _scheme(quant, "ModelOpt MXFP8", "modelopt_mxfp8"),
+        # The seed's NVFP4 row is the native path; vLLM also runs NVFP4 weight-only via Marlin.
+        _row(quant, "NVFP4 quantization", _backend("linear", "CUTLASS_NVFP4", _linear("nvfp4"))),
+        _row(quant, "NVFP4 (Marlin path)", _backend("linear", "MARLIN", _linear("nvfp4"))),
+    ]
+
+
+def build_matrix(devices: Sequence[DeviceInfo]) -> dict[str, Any]:
+    """``{"profiles": [ids], "features": [{"group","name","support","implemented","notes"}]}``."""
+    features = []
+    for row in matrix_rows():
+        support = {d.id: row.rule(d) is None for d in devices}
+        notes = {d.id: row.note(d) for d in devices if support[d.id] and row.note}
+        features.append({"group": row.group, "name": row.name, "support": support,
+                         "implemented": row.implemented, "notes": notes})
+    return {"profiles": [d.id for d in devices], "features": features}
