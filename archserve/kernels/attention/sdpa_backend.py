@@ -1,0 +1,147 @@
+"""TORCH_SDPA: torch's scaled_dot_product_attention over K/V gathered from the paged cache.
+
+The CPU default, so it avoids per-token Python: a pure-decode batch is one padded SDPA call,
+any other batch is one call per sequence. Soft-capping has no SDPA form, so those layers take
+an explicit fp32 math path. Also home of the plain-torch cache writer and gather that the
+FLEX_ATTENTION backend shares.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from archserve.kernels.attention.interface import AttentionLayerParams, AttentionMetadata
+from archserve.kernels.specs import AttentionSpec
+from archserve.platform.device import DeviceInfo
+
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def write_kv_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> None:
+    """Scatter key/value [T, Hkv, D] into the cache at ``slot_mapping``; slot -1 is skipped."""
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    fp8 = kv_cache.dtype in FP8_CACHE_DTYPES
+    for half, src, scale in ((flat[0], key, k_scale), (flat[1], value, v_scale)):
+        src = src[valid]
+        if fp8:
+            # Indexed writes into float8 are missing on CPU; the bytes are the same thing.
+            quantized = (src.float() / scale).to(kv_cache.dtype)
+            half.view(torch.uint8)[slots] = quantized.view(torch.uint8)
+        else:
+            half[slots] = src.to(kv_cache.dtype)
+
+
+def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache contents in the compute dtype; fp8 entries are multiplied back by their scale."""
+    if x.dtype in FP8_CACHE_DTYPES:
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
+
+
+def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached keys and values of one sequence, [seq_len, Hkv, D] each."""
+    block_size = kv_cache.shape[2]
+    blocks = block_table[: (seq_len + block_size - 1) // block_size].long()
+    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def host_lengths(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """(query_lens, seq_lens) as host lists; falls back to a device read if the runner gave none."""
+    query_lens = meta.query_lens_cpu or torch.diff(meta.query_start_loc).tolist()
+    seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    return query_lens, seq_lens
+
+
+def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None
+                    ) -> torch.Tensor:
+    """True where a query at q_pos may attend a key at k_pos (causal, optional window)."""
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed = allowed & (k_pos > q_pos - sliding_window)
+    return allowed
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           is_causal: bool, scale: float, soft_cap: float | None) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask broadcastable to [B, H, Q, L] -> [B, H, Q, D]."""
+    if not soft_cap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)
+
+
+class SdpaAttentionImpl:
+    """AttentionImpl on torch SDPA; correct everywhere torch runs, fastest on CPU."""
+
+    def __init__(self, device: DeviceInfo | None = None, spec: AttentionSpec | None = None
+                 ) -> None:
+        self.device = device
+        self.spec = spec
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, layer: AttentionLayerParams,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        if key is not None and value is not None:
+            write_kv_cache_torch(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        out = torch.empty_like(query)
+        query_lens, seq_lens = host_lengths(meta)
+        if meta.num_seqs > 1 and all(n == 1 for n in query_lens):
+            self._decode_batch(query, kv_cache, meta, layer, seq_lens, out, k_scale, v_scale)
+            return out
+        start = 0
+        for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            if query_len == 0:
+                continue
+            k, v = gather_sequence_kv(kv_cache, meta.block_tables[i], seq_len)
+            k = dequantize(k, k_scale, query.dtype).transpose(0, 1).unsqueeze(0)
+            v = dequantize(v, v_scale, query.dtype).transpose(0, 1).unsqueeze(0)
+            q = query[start:start + query_len].transpose(0, 1).unsqueeze(0)
+            # SDPA's own causal flag aligns the diagonal top-left, which is only right
+            # when there is no cached prefix; otherwise the mask says where the diagonal is.
+            is_causal = query_len == seq_len and layer.sliding_window is None and query_len > 1
+            mask = None
+            if not is_causal and (query_len > 1 or layer.sliding_window is not None):
+                q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
+                k_pos = torch.arange(seq_len, device=query.device)[None, :]
+                mask = visibility_mask(q_pos, k_pos, layer.sliding_window)
+            o = attend(q, k, v, mask, is_causal, layer.scale, layer.logit_soft_cap)
+            out[start:start + query_len] = o[0].transpose(0, 1)
+            start += query_len
+        return out
+
+    @staticmethod
+    def _decode_batch(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      layer: AttentionLayerParams, seq_lens: list[int], out: torch.Tensor,
+                      k_scale: float, v_scale: float) -> None:
+        """One query per sequence: pad every context to the longest and mask the padding."""
+        num_seqs, block_size = meta.num_seqs, kv_cache.shape[2]
+        max_len = max(seq_lens)
+        num_blocks = (max_len + block_size - 1) // block_size
+        blocks = meta.block_tables[:, :num_blocks].long().clamp_min(0)   # -1 padding -> any block
+        k = kv_cache[0, blocks].flatten(1, 2)[:, :max_len]                # [S, L, Hkv, D]
+        v = kv_cache[1, blocks].flatten(1, 2)[:, :max_len]
+        k = dequantize(k, k_scale, query.dtype).transpose(1, 2)           # [S, Hkv, L, D]
+        v = dequantize(v, v_scale, query.dtype).transpose(1, 2)
+        lens = meta.seq_lens[:num_seqs].long()[:, None]
+        k_pos = torch.arange(max_len, device=query.device)[None, :]
+        mask = visibility_mask(lens - 1, k_pos, layer.sliding_window)     # [S, L]
+        q = query[:num_seqs].unsqueeze(2)                                 # [S, H, 1, D]
+        o = attend(q, k, v, mask[:, None, None, :], False, layer.scale, layer.logit_soft_cap)
+        out[:num_seqs] = o.squeeze(2)

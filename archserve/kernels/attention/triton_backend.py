@@ -1,0 +1,52 @@
+"""TRITON_ATTN: the AttentionImpl built from our Triton kernels over the engine's paged cache.
+
+Runs on any GPU Triton targets (CUDA, ROCm); on CPU only under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from archserve.kernels.attention.interface import AttentionLayerParams, AttentionMetadata
+from archserve.kernels.attention.triton_cache_write import write_kv_cache
+from archserve.kernels.attention.triton_decode import decode_attention
+from archserve.kernels.attention.triton_prefill import prefill_attention
+from archserve.kernels.specs import AttentionSpec
+from archserve.platform.device import DeviceInfo
+
+
+class TritonAttentionImpl:
+    """Writes this step's K/V, then runs the decode kernel or the general varlen kernel."""
+
+    def __init__(self, device: DeviceInfo | None = None, spec: AttentionSpec | None = None
+                 ) -> None:
+        self.device = device
+        self.spec = spec
+        # The split-KV heuristic needs the SM count; unknown (0) means "never split".
+        self.num_sms = (device.multiprocessor_count if device is not None else None) or 0
+
+    def _sm_count(self, tensor: torch.Tensor) -> int:
+        if self.num_sms == 0 and tensor.is_cuda:
+            self.num_sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count
+        return self.num_sms
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, layer: AttentionLayerParams,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] (None: nothing to write) -> [T, H, D]."""
+        if key is not None and value is not None:
+            write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        out = torch.empty_like(query)
+        common = dict(scale=layer.scale, sliding_window=layer.sliding_window,
+                      soft_cap=layer.logit_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                      num_seqs=meta.num_seqs)
+        # max_query_len is a host int: choosing the kernel costs no device sync.
+        if meta.max_query_len == 1:
+            decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
+                             meta.query_start_loc, out, max_seq_len=meta.max_seq_len,
+                             num_sms=self._sm_count(query), **common)
+        else:
+            prefill_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
+                              meta.query_start_loc, out, max_query_len=meta.max_query_len,
+                              **common)
+        return out

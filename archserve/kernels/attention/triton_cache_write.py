@@ -1,0 +1,84 @@
+"""Triton reshape-and-cache: scatter this step's keys and values into the paged KV cache.
+
+Also holds the one jit helper that turns token positions of a sequence into addresses in
+the paged cache, so the write kernel and the attention kernels share a single notion of
+the layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@triton.jit
+def paged_token_offsets(block_table_row_ptr, positions, mask, stride_cache_block,
+                        stride_cache_token, BLOCK_SIZE: tl.constexpr):
+    """Element offsets (int64) of the cache rows holding ``positions`` of one sequence."""
+    block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=mask, other=0)
+    return (block_ids.to(tl.int64) * stride_cache_block
+            + (positions % BLOCK_SIZE).to(tl.int64) * stride_cache_token)
+
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
+                     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+                     stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
+                     k_scale, v_scale,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     QUANTIZE: tl.constexpr):
+    # One program per token: all its KV heads at once, so a token's row is one wide store.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    # Slot -1 marks padding: masking (rather than returning) keeps the kernel branch-free.
+    # The slot is broadcast to a tensor first: the interpreter mistypes scalar-bool & tensor.
+    is_real = (tl.zeros([BLOCK_H, BLOCK_D], tl.int64) + slot) >= 0
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_SIZE) & is_real
+    key = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims, mask=mask)
+    value = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims,
+                    mask=mask)
+    if QUANTIZE:
+        key = key.to(tl.float32) / k_scale
+        value = value.to(tl.float32) / v_scale
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    dst = (cache_ptr + block * stride_cache_block + offset * stride_cache_token
+           + heads * stride_cache_head + dims)
+    element = cache_ptr.dtype.element_ty
+    tl.store(dst, key.to(element), mask=mask)
+    tl.store(dst + stride_cache_kv, value.to(element), mask=mask)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+                   ) -> None:
+    """Write key/value [T, Hkv, D] into ``kv_cache`` at ``slot_mapping`` (slot -1 skipped).
+
+    An fp8 cache stores ``x / scale``; readers multiply by the scale again.
+    """
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    assert kv_cache.stride(-1) == 1, "the KV cache's head dimension must be contiguous"
+    quantize = kv_cache.dtype in FP8_CACHE_DTYPES
+    _write_kv_kernel[(num_tokens,)](
+        key, value, kv_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        float(k_scale), float(v_scale),
+        NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_size),
+        QUANTIZE=quantize,
+    )

@@ -1,0 +1,224 @@
+"""Triton paged decode attention: one query token per sequence, GQA-aware, split-KV.
+
+One program owns (sequence, KV head, split) and computes every query head of that KV head's
+group, so each cached K/V tile is read from memory once per group instead of once per query
+head. With at least 16 query heads per KV head the group is the M dimension of a ``tl.dot``;
+smaller groups use a broadcast-multiply-reduce, which is cheaper than padding M to 16.
+
+When sequences x KV heads cannot fill the GPU, the context is split into ``num_splits``
+chunks (flash-decoding); each writes a partial output and its log-sum-exp, and a small second
+kernel merges them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from archserve.kernels.attention.triton_cache_write import paged_token_offsets
+
+LOG2E = 1.4426950408889634
+# A split shorter than this costs more in partial-output traffic than it gains in parallelism.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 32
+
+
+@triton.jit
+def soft_cap_scores(scores, soft_cap):
+    """cap * tanh(s / cap), with tanh written through exp2 so it runs on every target."""
+    x = scores / soft_cap
+    e = tl.exp2(x * (2.0 * 1.4426950408889634))
+    return soft_cap * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
+def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                   out_ptr, partial_out_ptr, partial_lse_ptr,
+                   stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+                   stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
+                   stride_block_table, qk_scale, v_scale, soft_cap,
+                   GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+                   USE_SOFT_CAP: tl.constexpr, USE_DOT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    token = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - token
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # A sequence with no query token this step attends to nothing.
+    seq_len = tl.where(query_len > 0, seq_len, 0)
+
+    context_start = 0
+    if SLIDING_WINDOW > 0:
+        context_start = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+    span = seq_len - context_start
+    tokens_per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = context_start + split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_SIZE
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
+                + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    k_base = cache_ptr + kv_head * stride_cache_head
+    v_base = k_base + stride_cache_kv
+
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
+                                   stride_cache_token, BLOCK_SIZE)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        if USE_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        else:
+            scores = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+        scores = scores * qk_scale
+        if USE_SOFT_CAP:
+            scores = soft_cap_scores(scores, soft_cap)
+        scores = tl.where(mask_n[None, :], scores * 1.4426950408889634, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32),
+                                                axis=1)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_mask = mask_g[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        dst = (out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
+               + offs_d[None, :])
+        # (broadcast before comparing: the interpreter mistypes scalar-bool & tensor)
+        live = (tl.zeros([BLOCK_G, BLOCK_D], tl.int32) + query_len) > 0
+        tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=out_mask & live)
+    else:
+        # Partials are [num_seqs, num_heads, NUM_SPLITS, (HEAD_SIZE)] fp32, lse in log2 units.
+        row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(partial_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], out, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + row, lse, mask=mask_g)
+
+
+@triton.jit
+def _merge_splits_kernel(partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, out_ptr,
+                         stride_out_token, stride_out_head, v_scale,
+                         HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - token
+    row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_SIZE
+    lse = tl.load(partial_lse_ptr + row0 + offs_s)
+    lse_max = tl.max(lse, axis=0)
+    # Empty splits carry lse = -inf and get weight 0; split 0 is never empty for a live sequence.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)
+    parts = tl.load(partial_out_ptr + (row0 + offs_s)[:, None] * HEAD_SIZE + offs_d[None, :],
+                    mask=mask_d[None, :], other=0.0)
+    total = tl.sum(weights, axis=0)
+    out = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
+    dst = out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + offs_d
+    live = (tl.zeros([BLOCK_D], tl.int32) + query_len) > 0
+    tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=mask_d & live)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (TF32 would lose ~3 digits against the reference)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Split the context only when sequences x KV heads leave SMs idle.
+
+    Aims at about two programs per SM, never below MIN_TOKENS_PER_SPLIT tokens per split;
+    a power of two so the number of compiled variants stays small.
+    """
+    programs = num_seqs * num_kv_heads
+    if num_sms <= 0 or programs >= num_sms:
+        return 1
+    wanted = triton.cdiv(2 * num_sms, programs)
+    useful = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    splits = min(wanted, useful, MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)
+
+
+def _decode_tiles(head_size: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages): decode is bandwidth-bound, so keep many loads in flight."""
+    if head_size > 128:
+        return 32, 4, 2
+    return 64, 4, 3 if group >= 16 else 2
+
+
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
+                     *, num_seqs: int, max_seq_len: int, scale: float,
+                     sliding_window: int | None = None, soft_cap: float | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0, num_sms: int = 0,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """Attend one query token per sequence over its paged context; writes into ``out``.
+
+    query/out [T, H, D] (row ``query_start_loc[i]`` belongs to sequence i), kv_cache in the
+    engine layout. ``num_splits`` overrides the split heuristic (a power of two).
+    """
+    _, num_heads, head_size = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+    assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    block_n, num_warps, num_stages = _decode_tiles(head_size, group)
+    block_g = max(triton.next_power_of_2(group), 16 if group >= 16 else 1)
+    block_d = triton.next_power_of_2(head_size)
+    partial_out = partial_lse = out  # unused placeholders when there is a single split
+    if num_splits > 1:
+        partial_out = torch.empty((num_seqs, num_heads, num_splits, head_size),
+                                  dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                                  device=query.device)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
+        GROUP=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, BLOCK_G=block_g,
+        BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
+        USE_DOT=group >= 16, DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            partial_out, partial_lse, query_start_loc, out, out.stride(0), out.stride(1),
+            v_scale, HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        )
+    return out

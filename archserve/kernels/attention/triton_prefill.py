@@ -1,0 +1,159 @@
+"""Triton paged prefill / chunked-prefill attention over a varlen batch (the general case).
+
+Flash-attention style: a program owns BLOCK_M query rows of one sequence and one query head,
+and streams BLOCK_N-key tiles from the paged cache through the block table with an online
+softmax. This step's tokens are already in the cache, so the prefix and the new tokens are read
+the same way. Key tiles wholly below the causal diagonal run without masks; only the tiles
+that cross it (or the sliding window's lower edge) pay for masking; tiles above it are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from archserve.kernels.attention.triton_cache_write import paged_token_offsets
+from archserve.kernels.attention.triton_decode import dot_precision, soft_cap_scores
+
+
+@triton.jit
+def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
+                      block_table_row, stride_cache_block, stride_cache_token, qk_scale,
+                      soft_cap, offs_d, mask_d,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+                      MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            mask_n = offs_n < seq_len
+        else:
+            mask_n = offs_n < hi  # always true here; kept so the loads share one shape of code
+        rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
+                                   stride_cache_token, BLOCK_SIZE)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFT_CAP:
+            scores = soft_cap_scores(scores, soft_cap)
+        scores = scores * 1.4426950408889634
+        if MASKED:
+            allowed = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+            if SLIDING_WINDOW > 0:
+                allowed = allowed & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+            scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row may see no allowed key in a tile (window edge): keep its exponents finite.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                    out_ptr, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+                    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
+                    stride_block_table, qk_scale, v_scale, soft_cap,
+                    GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - query_len
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < query_len
+    mask_d = offs_d < HEAD_SIZE
+    q_pos = prefix_len + offs_m
+    tokens = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_q_token + head * stride_q_head + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    first_q_pos = prefix_len + m_block * BLOCK_M
+    # Keys past the tile's last query are never visible (causal), nor past the sequence.
+    hi = tl.minimum(seq_len, first_q_pos + BLOCK_M)
+    if SLIDING_WINDOW > 0:
+        lo = tl.maximum(first_q_pos - SLIDING_WINDOW + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        unmasked_end = lo  # the window's lower edge moves per row: mask every tile
+    else:
+        lo = 0
+        # Keys <= first_q_pos are visible to every row of the tile.
+        unmasked_end = ((first_q_pos + 1) // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    k_base = cache_ptr + kv_head * stride_cache_head
+    v_base = k_base + stride_cache_kv
+
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, q_pos, lo, unmasked_end, seq_len, k_base, v_base, block_table_row,
+        stride_cache_block, stride_cache_token, qk_scale, soft_cap, offs_d, mask_d,
+        BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, False, DOT_PRECISION)
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, q_pos, unmasked_end, hi, seq_len, k_base, v_base, block_table_row,
+        stride_cache_block, stride_cache_token, qk_scale, soft_cap, offs_d, mask_d,
+        BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, True, DOT_PRECISION)
+
+    out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+    dst = out_ptr + tokens[:, None] * stride_out_token + head * stride_out_head + offs_d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _prefill_tiles(head_size: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head size; shared memory bounds the tiles."""
+    if dtype == torch.float32:
+        return 32, 32, 4, 2
+    if head_size <= 64:
+        return 128, 64, 4, 3
+    if head_size <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2
+
+
+def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
+                      *, num_seqs: int, max_query_len: int, scale: float,
+                      sliding_window: int | None = None, soft_cap: float | None = None,
+                      k_scale: float = 1.0, v_scale: float = 1.0,
+                      tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Causal attention of every query row over its sequence's paged context; writes ``out``.
+
+    ``tiles`` overrides (BLOCK_M, BLOCK_N, num_warps, num_stages), for tests and tuning.
+    """
+    _, num_heads, head_size = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(head_size, query.dtype)
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
+        GROUP=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_size),
+        SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
+        DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

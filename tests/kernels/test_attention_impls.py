@@ -1,0 +1,111 @@
+"""TORCH_SDPA and FLEX_ATTENTION against ReferenceAttentionImpl on CPU, and every backend
+(TRITON_ATTN included) at real sizes on a GPU. Triton's CPU tests are in
+test_attention_triton.py (they need the interpreter in a process of their own)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attention_cases import CPU_CASES, assert_matches_reference, make_case  # noqa: E402
+
+from archserve.kernels.attention.flex_backend import FlexAttentionImpl  # noqa: E402
+from archserve.kernels.attention.sdpa_backend import SdpaAttentionImpl  # noqa: E402
+
+CASE_IDS = [name for name, _ in CPU_CASES]
+CASE_ARGS = [args for _, args in CPU_CASES]
+
+
+@pytest.mark.parametrize("case_args", CASE_ARGS, ids=CASE_IDS)
+def test_sdpa_matches_reference(case_args):
+    assert_matches_reference(make_case(**case_args), SdpaAttentionImpl())
+
+
+@pytest.mark.parametrize("case_args", CASE_ARGS, ids=CASE_IDS)
+def test_flex_matches_reference(case_args):
+    assert_matches_reference(make_case(**case_args), FlexAttentionImpl())
+
+
+def test_sdpa_decode_skips_sequences_without_queries():
+    # A sequence scheduled with no token this step must not disturb its neighbours' rows.
+    case = make_case([(3, 20), (0, 9), (2, 2)], num_heads=4, num_kv_heads=2)
+    assert_matches_reference(case, SdpaAttentionImpl())
+
+
+def test_choose_num_splits_fills_idle_sms_only():
+    from archserve.kernels.attention.triton_decode import choose_num_splits
+    assert choose_num_splits(64, 8, 4096, num_sms=132) == 1      # 512 programs: GPU is full
+    assert choose_num_splits(8, 8, 512, num_sms=132) == 2        # short context caps splits
+    assert choose_num_splits(1, 8, 32768, num_sms=132) == 32     # one long sequence: split hard
+    assert choose_num_splits(2, 8, 4096, num_sms=0) == 1         # unknown SM count: never
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_impls():
+    from archserve.kernels.attention.triton_backend import TritonAttentionImpl
+    return {"TRITON_ATTN": TritonAttentionImpl(), "TORCH_SDPA": SdpaAttentionImpl(),
+            "FLEX_ATTENTION": FlexAttentionImpl()}
+
+
+GPU_SHAPES = [
+    # (seqs, num_heads, num_kv_heads, block_size)
+    ([(1, 1000), (1, 17), (1, 300), (1, 2049)], 32, 8, 16),          # decode, GQA 4
+    ([(512, 512), (100, 700), (1, 64), (257, 1300)], 32, 8, 16),     # mixed prefill/chunk
+    ([(300, 300), (1, 129)], 32, 2, 32),                              # GQA 16 -> tl.dot decode
+    ([(1, 4000), (1, 100)], 16, 16, 32),                              # MHA, long decode
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "TORCH_SDPA", "FLEX_ATTENTION"])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", range(len(GPU_SHAPES)))
+def test_gpu_backends_match_reference(backend, head_size, dtype, shape):
+    if backend == "FLEX_ATTENTION" and (head_size not in (64, 128) or dtype == torch.float32):
+        pytest.skip("compiled flex: checked at power-of-two heads in half precision")
+    seqs, heads, kv_heads, block_size = GPU_SHAPES[shape]
+    case = make_case(seqs, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size,
+                     block_size=block_size, dtype=dtype, device="cuda", seed=shape)
+    assert_matches_reference(case, _gpu_impls()[backend])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "TORCH_SDPA"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("features", [{}, {"sliding_window": 100, "soft_cap": 30.0}])
+def test_gpu_fp8_window_softcap(backend, kv_cache_dtype, features):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs SM89+")
+    case = make_case([(1, 1500), (200, 600), (64, 64)], num_heads=32, num_kv_heads=8,
+                     head_size=128, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype,
+                     device="cuda", fp8_exact_kv=False, **features)
+    assert_matches_reference(case, _gpu_impls()[backend])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+def test_gpu_split_kv_decode_matches_reference(num_splits):
+    from archserve.kernels.attention.reference import ReferenceAttentionImpl
+    from archserve.kernels.attention.triton_decode import decode_attention
+    case = make_case([(1, 3000), (1, 5), (1, 1025)], num_heads=32, num_kv_heads=8,
+                     head_size=128, dtype=torch.bfloat16, device="cuda",
+                     sliding_window=700, soft_cap=20.0)
+    expected, cache = case.run(ReferenceAttentionImpl())
+    out = torch.empty_like(case.query)
+    decode_attention(case.query, cache, case.meta.block_tables, case.meta.seq_lens,
+                     case.meta.query_start_loc, out, num_seqs=3, max_seq_len=3000,
+                     scale=case.layer.scale, sliding_window=700, soft_cap=20.0,
+                     num_splits=num_splits)
+    torch.testing.assert_close(out[:3].float(), expected.float(), atol=3e-2, rtol=3e-2)
