@@ -68,7 +68,8 @@ class SamplingBatch:
     temperature: torch.Tensor                 # float32 [B]; 1.0 on greedy rows
     greedy: torch.Tensor                      # bool [B]
     all_greedy: bool
-    top_k: torch.Tensor | None = None         # int64 [B]; 0 on rows without top-k
+    top_k: torch.Tensor | None = None         # int64 [B]; vocab size on rows without top-k
+    max_top_k: int | None = None              # host max of top_k
     top_p: torch.Tensor | None = None         # float32 [B]; 1.0 on rows without top-p
     min_p: torch.Tensor | None = None         # float32 [B]
     repetition_penalty: torch.Tensor | None = None   # float32 [B]
@@ -101,7 +102,8 @@ class SamplingBatch:
             scalars[:, i] = (1.0 if greedy else p.temperature, p.top_p, p.min_p,
                              p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
                              greedy)
-            top_k[i] = p.top_k
+            # Greedy rows keep 1: their argmax is taken before truncation anyway.
+            top_k[i] = 1 if greedy else min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
             if p.seed is not None and not greedy:
                 seeded_rows.append(i)
                 seeded_keys.append(draw_seed(p.seed, seq.index, seq.num_output_tokens))
@@ -120,8 +122,9 @@ class SamplingBatch:
                     seeded_rows=tuple(seeded_rows), seeded_keys=tuple(seeded_keys),
                     max_num_logprobs=max_logprobs)
         random_rows = ~greedy_rows  # top-k/p and min-p cannot change a greedy row's argmax
-        if (top_k[random_rows] > 0).any():
+        if (top_k[random_rows] < vocab_size).any():
             batch.top_k = _to_device(top_k, device)
+            batch.max_top_k = int(top_k.max())
         if (scalars[1][random_rows] < 1.0).any():
             batch.top_p = dev[1]
         if (scalars[2][random_rows] > 0.0).any():
@@ -181,30 +184,28 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Keep each row's ``top_k`` best tokens (0: all), then its smallest nucleus >= ``top_p``.
+                      top_p: torch.Tensor | None, max_top_k: int | None = None) -> torch.Tensor:
+    """Keep each row's ``top_k`` best tokens, then its smallest nucleus of mass >= ``top_p``.
 
-    Without top-p, a partial ``topk`` gives the k-th value as a threshold (ties at that
-    value are kept); with top-p, one full sort serves both.
+    ``top_k`` holds each row's k (the vocabulary size for "all"); ``max_top_k`` is its
+    host-side maximum. When every row is limited, a partial ``topk`` replaces the full
+    sort of the vocabulary, which is what makes the common top_k + top_p case cheap.
     """
     vocab = logits.shape[-1]
-    if top_p is None:
-        assert top_k is not None
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        widest = int(k.max())
-        kth = logits.topk(widest, dim=-1).values.gather(1, (k - 1)[:, None])
-        return logits.masked_fill(logits < kth, float("-inf"))
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None and max_top_k is not None and max_top_k < vocab:
+        values, order = logits.topk(max_top_k, dim=-1)       # sorted, descending
+    else:
+        values, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab)
-        positions = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(positions >= k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # top_p == 1 means "off": guard it from cumsum rounding that would clip the tail.
-    p = torch.where(top_p >= 1.0, torch.full_like(top_p, float("inf")), top_p)
-    sorted_logits = sorted_logits.masked_fill(mass_before > p[:, None], float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        positions = torch.arange(values.shape[-1], device=logits.device)[None, :]
+        values = values.masked_fill(positions >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = values.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # top_p == 1 means "off": guard it from cumsum rounding that would clip the tail.
+        p = torch.where(top_p >= 1.0, torch.full_like(top_p, float("inf")), top_p)
+        values = values.masked_fill(mass_before > p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, values)
 
 
 class Sampler:
@@ -236,7 +237,7 @@ class Sampler:
             if batch.min_p is not None:
                 x = apply_min_p(x, batch.min_p)
             if batch.top_k is not None or batch.top_p is not None:
-                x = apply_top_k_top_p(x, batch.top_k, batch.top_p)
+                x = apply_top_k_top_p(x, batch.top_k, batch.top_p, batch.max_top_k)
             probs = x.softmax(dim=-1)
             q = self._exponentials(probs, batch)
             tokens = torch.where(batch.greedy, greedy_tokens, (probs / q).argmax(dim=-1))

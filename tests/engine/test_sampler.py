@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archserve.engine.sampler import Sampler, SamplingBatch, apply_penalties
+from archserve.engine.sampler import Sampler, SamplingBatch, apply_penalties, apply_top_k_top_p
 from archserve.engine.sampling_params import SamplingParams
 from archserve.engine.sequence import Sequence
 
@@ -58,6 +58,32 @@ def test_top_k_samples_only_the_k_best():
     out = sample(logits, seqs_for(*[SamplingParams(top_k=3)] * 4000))
     allowed = set(logits[0].topk(3).indices.tolist())
     assert set(out.sampled_token_ids.tolist()) == allowed
+
+
+def naive_keep(row: torch.Tensor, k: int, p: float) -> set[int]:
+    order = row.argsort(descending=True).tolist()[:k]
+    probs = torch.softmax(row[order], -1).tolist()
+    kept, mass = [], 0.0
+    for token, prob in zip(order, probs, strict=True):
+        kept.append(token)
+        mass += prob
+        if mass >= p:
+            break
+    return set(kept)
+
+
+@pytest.mark.parametrize("ks", [[5, 40, 2, 17], [5, 64, 0, 1]])
+def test_top_k_top_p_keeps_the_same_tokens_as_a_per_row_reference(ks):
+    torch.manual_seed(8)
+    logits = torch.randn(4, 64) * 2
+    params = [SamplingParams(top_k=k, top_p=tp) for k, tp in zip(ks, [0.9, 0.5, 1.0, 0.3],
+                                                                   strict=True)]
+    batch = SamplingBatch.from_sequences(seqs_for(*params), 64, "cpu")
+    got = apply_top_k_top_p(logits, batch.top_k, batch.top_p, batch.max_top_k)
+    for i, p in enumerate(params):
+        kept = set(torch.nonzero(torch.isfinite(got[i])).flatten().tolist())
+        assert kept == naive_keep(logits[i], p.top_k or 64, p.top_p)
+        assert torch.equal(got[i][list(kept)], logits[i][list(kept)])
 
 
 def test_min_p_keeps_tokens_above_the_scaled_max():
