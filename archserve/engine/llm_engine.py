@@ -84,7 +84,7 @@ class LLMEngine:
                 f"the KV cache has room for {num_blocks * block_size} tokens ({sizing}), "
                 f"fewer than max_model_len={self.max_model_len}; lower max_model_len or give "
                 f"the cache more memory")
-        self.runner.allocate_kv_cache(num_blocks, kv_torch_dtype)
+        self.runner.allocate_kv_cache(num_blocks, kv_torch_dtype, kv_cache_dtype)
         self.block_pool = KVBlockPool(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max_batched, self.max_model_len,
@@ -163,9 +163,8 @@ class LLMEngine:
         state = RequestState(request_id, text, ids, params, seqs, RequestMetrics(now),
                              [None] if params.prompt_logprobs is not None else None)
         from archserve.loader.tokenizer import IncrementalDetokenizer
-        state.detokenizers = [IncrementalDetokenizer(self.tokenizer, ids,
-                                                     params.skip_special_tokens)
-                              for _ in seqs]
+        state.detokenizers = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                     ids) for _ in seqs]
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = state
@@ -233,7 +232,9 @@ class LLMEngine:
             return  # the stop token's text is not part of the output (vLLM semantics)
         if not params.detokenize:
             return
-        delta = detok.step(seq.last_token_id)
+        delta = detok.add_tokens([seq.last_token_id])
+        if seq.is_finished:
+            delta += detok.finish()
         seq.output_text += delta
         if not params.stop_strings:
             return
@@ -320,5 +321,5 @@ class LLMEngine:
 
 def _peek_model_config(model_path: str | None):
     """The model's config without its weights (dtype decisions need only the config)."""
-    from archserve.loader.config import load_model_config
-    return load_model_config(model_path)
+    from archserve.loader.loader import load_model_config, resolve_model_path
+    return load_model_config(resolve_model_path(model_path))[0]

@@ -36,11 +36,14 @@ class ModelRunner:
         self.sampler = sampler
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales = (1.0, 1.0)
+        self.kv_cache_dtype = "auto"
         self.graphs: DecodeGraphRunner | None = None
 
     # -- memory -------------------------------------------------------------------
-    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
+    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype, kv_cache_dtype: str = "auto"
+                          ) -> None:
         cfg = self.model_config
+        self.kv_cache_dtype = kv_cache_dtype
         self.kv_caches = allocate_kv_caches(cfg.num_layers, num_blocks, self.block_size,
                                             cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
 
@@ -75,7 +78,8 @@ class ModelRunner:
     # -- forward ------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        ctx = ForwardContext(meta, self.kv_caches, self.attn_impl, *self.kv_scales)
+        ctx = ForwardContext(meta, self.kv_caches, self.attn_impl, *self.kv_scales,
+                             kv_cache_dtype=self.kv_cache_dtype)
         with set_forward_context(ctx):
             return self.model(input_ids, positions)
 

@@ -22,7 +22,7 @@ from archserve.engine.kv_cache import (
     kv_dtype_of,
 )
 from archserve.kernels.catalog import select_attention_backend
-from archserve.kernels.registry import BackendError, Selection, override_from_env
+from archserve.kernels.registry import BackendError, Selection
 from archserve.kernels.specs import AttentionSpec
 from archserve.platform import DeviceInfo, detect
 from archserve.routing.dtypes import resolve_dtype, resolve_kv_cache_dtype
@@ -69,8 +69,8 @@ def device_info_for(torch_device: torch.device) -> DeviceInfo:
 def select_attention(device: DeviceInfo, config: EngineConfig, model_config, dtype: torch.dtype,
                      kv_cache_dtype: str, extra_reject=None) -> Selection:
     spec = attention_spec_of(config, model_config, dtype, kv_cache_dtype)
-    override = override_from_env("attention", config.attention_backend)
-    return select_attention_backend(device, spec, override=override, extra_reject=extra_reject)
+    return select_attention_backend(device, spec, override=config.attention_backend,
+                                    extra_reject=extra_reject)
 
 
 def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype) -> AttentionSpec:
@@ -106,10 +106,7 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
 
 
 def resolve_precision(device: DeviceInfo, config: EngineConfig, model_config):
-    requested = config.dtype
-    if requested == "auto" and device.platform == "cpu":
-        requested = "float32"   # exact and fast enough for the models a CPU serves
-    dtype, decisions = resolve_dtype(device, requested)
+    dtype, decisions = resolve_dtype(device, config.dtype, model_config.torch_dtype)
     kv, kv_decisions = resolve_kv_cache_dtype(device, config.kv_cache_dtype)
     return dtype, kv, list(decisions) + list(kv_decisions)
 

@@ -1,0 +1,120 @@
+"""`archserve generate` and `archserve chat`: the engine from a terminal."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="HF directory or .gguf file; default: the embedded SmolLM2-135M-Instruct.")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", help="Tokens to generate at most.")]
+TempOpt = Annotated[float, typer.Option("--temperature", help="0 = greedy.")]
+TopPOpt = Annotated[float, typer.Option("--top-p")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="0 = disabled.")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Per-request seed for reproducible sampling.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto, bfloat16, float16, float32.")]
+BackendOpt = Annotated[str | None, typer.Option("--attention-backend", help="Force an attention backend (validated; see `archserve explain`).")]
+EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")]
+LoadFormatOpt = Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")]
+MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Context length cap.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log the start-up route.")]
+
+
+def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_model_len, verbose):
+    import logging
+
+    from archserve.engine.config import EngineConfig
+    from archserve.engine.llm_engine import LLMEngine
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    config = EngineConfig(model=model, dtype=dtype, attention_backend=attention_backend,
+                          enforce_eager=enforce_eager, load_format=load_format,
+                          max_model_len=max_model_len, max_num_seqs=8)
+    return LLMEngine(config)
+
+
+def _params(max_tokens, temperature, top_p, top_k, seed):
+    from archserve.engine.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, seed=seed)
+
+
+def generate(prompt: Annotated[str, typer.Argument(help="The prompt text.")],
+             model: ModelOpt = None, max_tokens: MaxTokensOpt = 64, temperature: TempOpt = 0.0,
+             top_p: TopPOpt = 1.0, top_k: TopKOpt = 0, seed: SeedOpt = None,
+             chat_template: Annotated[bool, typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template (default) or send it raw.")] = True,
+             dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
+             enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
+             max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False) -> None:
+    """Generate a completion for PROMPT, streamed to the terminal."""
+    from archserve.engine.streaming import stream_text
+    from archserve.loader.tokenizer import apply_chat_template
+    try:
+        engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
+                         max_model_len, verbose)
+        params = _params(max_tokens, temperature, top_p, top_k, seed)
+        request = (apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
+                   if chat_template else prompt)
+        for delta, _ in stream_text(engine, request, params):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: TempOpt = 0.7,
+         top_p: TopPOpt = 0.9, top_k: TopKOpt = 0, seed: SeedOpt = None,
+         system: Annotated[str | None, typer.Option("--system", help="A system message.")] = None,
+         dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
+         enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
+         max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False) -> None:
+    """Chat with a model in the terminal; replies stream token by token.
+
+    Type a message and press Enter. `/reset` clears the conversation, `/exit` (or
+    Ctrl-D) quits. Input may also be piped: one message per line.
+    """
+    from archserve.engine.streaming import stream_text
+    from archserve.loader.tokenizer import apply_chat_template
+    try:
+        engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
+                         max_model_len, verbose)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    interactive = sys.stdin.isatty()
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    if interactive:
+        typer.echo("archserve chat - /reset clears the conversation, /exit quits.")
+    while True:
+        if interactive:
+            sys.stdout.write("\n> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        message = line.strip()
+        if not message:
+            continue
+        if message in ("/exit", "/quit"):
+            break
+        if message == "/reset":
+            history = history[:1] if system else []
+            continue
+        history.append({"role": "user", "content": message})
+        params = _params(max_tokens, temperature, top_p, top_k, seed)
+        try:
+            prompt = apply_chat_template(engine.tokenizer, history)
+            reply = []
+            for delta, _ in stream_text(engine, prompt, params):
+                reply.append(delta)
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except ValueError as exc:   # e.g. the conversation outgrew the context
+            history.pop()
+            typer.echo(f"\nerror: {exc}", err=True)
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
