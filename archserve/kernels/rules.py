@@ -132,8 +132,8 @@ class RuleBackend(Backend):
         return super().availability(device, libraries) or self.runtime_rule(device)
 
     def detail(self, device: DeviceInfo, spec: Any) -> str:
-        """A one-line description of what this backend would run here (e.g. the FA version)."""
-        return self.description
+        """What this backend would run here when that varies by device (e.g. "FA3"); else ""."""
+        return ""
 
     def make_impl(self, device: DeviceInfo, spec: Any) -> Any:
         if self.impl_path is None:

@@ -86,7 +86,7 @@ def _detail(op: str, name: str | None, device: DeviceInfo, spec: Any) -> str:
         return ""
     backend = default_registry().get(op, name)
     describe = getattr(backend, "detail", None)
-    return describe(device, spec) if describe else backend.description
+    return describe(device, spec) if describe else ""
 
 
 def route_from_selection(selection: Selection, layer: str, device: DeviceInfo, spec: Any

@@ -1,0 +1,113 @@
+"""Doctor (seed 001 §4.1-4.2): is this machine fit to run archserve, and how would it run?
+
+Device and memory, the driver / runtime / torch-build verdict, the arch-list
+verdict, every toolchain finding with its remedy, and for each op kind the backend
+selection would choose here - with the reason every other backend was not chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from archserve.kernels.catalog import default_registry
+from archserve.kernels.registry import BackendError, LibraryAssumption
+from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
+from archserve.platform.device import DeviceInfo
+from archserve.platform.toolchain import Finding, arch_verdict, diagnose, three_layer_verdict
+from archserve.routing.decision import Decision
+from archserve.routing.dtypes import resolve_dtype
+from archserve.routing.explain import DEEPSEEK_V3_MLA, Route, device_dict, explain_op
+
+# Op kinds the engine cannot run without; MLA and MoE only matter for such models.
+REQUIRED_OPS = ("attention", "linear")
+
+
+@dataclass
+class OpReport:
+    route: Route | None
+    error: str | None = None
+    others: list[tuple[str, str]] = field(default_factory=list)   # not tried: (name, why)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.route.to_dict() if self.route else {"backend": None}
+        out["error"] = self.error
+        out["others"] = [{"backend": n, "reason": r} for n, r in self.others]
+        return out
+
+
+@dataclass
+class DoctorReport:
+    device: DeviceInfo
+    decisions: list[Decision]
+    toolchain_ok: bool
+    toolchain_text: str
+    arch_ok: bool
+    arch_text: str
+    findings: list[Finding]
+    ops: dict[str, OpReport]
+    blockers: list[str]
+
+    @property
+    def can_run(self) -> bool:
+        return not self.blockers
+
+    def to_dict(self) -> dict[str, Any]:
+        tc = self.device.toolchain
+        return {
+            "device": {**device_dict(self.device),
+                       "memory_bytes": self.device.memory_bytes,
+                       "multiprocessor_count": self.device.multiprocessor_count},
+            "versions": {"torch": tc.torch_version, "driver": tc.driver_version,
+                         "driver_cuda": tc.driver_cuda_version, "runtime": tc.runtime_version,
+                         "torch_arch_list": list(tc.torch_arch_list),
+                         "libraries": dict(tc.libraries)},
+            "toolchain": {"ok": self.toolchain_ok, "text": self.toolchain_text},
+            "arch": {"ok": self.arch_ok, "text": self.arch_text},
+            "findings": [{"code": f.code, "severity": f.severity, "title": f.title,
+                          "detail": f.detail, "remedy": f.remedy} for f in self.findings],
+            "decisions": [d.to_dict() for d in self.decisions],
+            "ops": {op: r.to_dict() for op, r in self.ops.items()},
+            "can_run": self.can_run,
+            "blockers": self.blockers,
+        }
+
+
+def _representative_specs(device: DeviceInfo) -> tuple[list[Decision], dict[str, Any]]:
+    dtype, decisions = resolve_dtype(device, "auto")
+    return decisions, {
+        "attention": AttentionSpec(head_size=128, dtype=dtype),
+        "mla_attention": AttentionSpec(dtype=dtype, **DEEPSEEK_V3_MLA),
+        "linear": LinearSpec(dtype=dtype),
+        "moe": MoESpec(dtype=dtype),
+    }
+
+
+def _op_report(device: DeviceInfo, op: str, spec: Any, libraries: LibraryAssumption
+               ) -> OpReport:
+    try:
+        route = explain_op(device, op, spec, libraries)
+    except BackendError as exc:
+        return OpReport(None, str(exc))
+    tried = {r.backend for r in route.rejected} | {route.backend}
+    others = []
+    for name, backend in default_registry().backends(op).items():
+        if name in tried:
+            continue
+        reason = backend.check(device, spec, libraries)
+        others.append((name, reason or f"could run; {route.backend} comes first"))
+    return OpReport(route, None, others)
+
+
+def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed") -> DoctorReport:
+    toolchain_ok, toolchain_text = three_layer_verdict(device)
+    arch_ok, arch_text = arch_verdict(device)
+    decisions, specs = _representative_specs(device)
+    ops = {op: _op_report(device, op, spec, libraries) for op, spec in specs.items()}
+    blockers = [f"{op}: {ops[op].error}" for op in REQUIRED_OPS if ops[op].error]
+    if device.is_gpu and not toolchain_ok:
+        # torch cannot drive this GPU (wrong build, runtime newer than the driver, ...).
+        blockers.append(f"the toolchain cannot run on {device.describe()}: see findings")
+    return DoctorReport(device, decisions, toolchain_ok, toolchain_text, arch_ok, arch_text,
+                        diagnose(device), ops, blockers)
+

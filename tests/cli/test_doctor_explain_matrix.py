@@ -1,0 +1,121 @@
+"""The doctor, explain and matrix commands, through typer's CliRunner (and one subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from archserve.cli.main import COMMANDS, app
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_help_lists_every_command_and_each_has_help() -> None:
+    result = run("--help")
+    assert result.exit_code == 0
+    for name in ("doctor", "explain", "matrix"):
+        assert name in result.output
+        sub = run(name, "--help")
+        assert sub.exit_code == 0 and "--json" in sub.output
+        assert "unavailable" not in sub.output
+
+
+def test_importing_the_cli_does_not_import_torch() -> None:
+    code = "import sys, archserve.cli.main; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_explain_v100_done_when() -> None:
+    result = run("explain", "--device", "v100", "--op", "attention", "--head-size", "128",
+                 "--dtype", "bfloat16", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["routes"][0]["ideal"] == "TRITON_ATTN"
+    assert out["dtype"] == "float16"
+    assert out["decisions"][0]["requested"] == "bfloat16"
+    assert out["decisions"][0]["chosen"] == "float16"
+
+
+@pytest.mark.parametrize("device,ideal", [("h100", "FLASH_ATTN"), ("b200", "FLASHINFER"),
+                                          ("rtx5090", "FLASH_ATTN")])
+def test_explain_profiles(device: str, ideal: str) -> None:
+    result = run("explain", "-d", device, "--op", "attention", "--head-size", "128", "--json")
+    out = json.loads(result.output)
+    assert out["routes"][0]["ideal"] == ideal and out["libraries"] == "all"
+
+
+def test_explain_libraries_none_and_text_output() -> None:
+    result = run("explain", "-d", "h100", "--op", "attention", "--head-size", "128",
+                 "--libraries", "none", "--json")
+    out = json.loads(result.output)
+    assert out["routes"][0]["backend"] == "FLEX_ATTENTION"      # triton assumed absent
+    text = run("explain", "-d", "h100", "--op", "attention", "--head-size", "128")
+    assert text.exit_code == 0 and "FLASH_ATTN (FA3)" in text.output
+
+
+def test_explain_refuses_impossible_and_unknown_backends() -> None:
+    result = run("explain", "-d", "v100", "--op", "attention", "--head-size", "128",
+                 "--backend", "FLASH_ATTN")
+    assert result.exit_code == 2 and "needs SM80+" in result.output
+    result = run("explain", "-d", "nosuchgpu", "--op", "attention", "--head-size", "128")
+    assert result.exit_code == 2 and "valid ids" in result.output
+    assert run("explain", "-d", "h100").exit_code != 0     # neither --model nor --op
+
+
+def test_explain_model_directory(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "head_dim": 128,
+        "num_attention_heads": 16, "num_key_value_heads": 8,
+        "quantization_config": {"quant_method": "fp8"}}))
+    result = run("explain", "-d", "a100", "--model", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["routes"][1]["ideal"] == "MARLIN"
+
+
+def test_doctor_live_json_can_run_here() -> None:
+    result = run("doctor", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["can_run"] is True
+    assert set(out["ops"]) == {"attention", "mla_attention", "linear", "moe"}
+    assert out["ops"]["linear"]["backend"] == "TORCH_MATMUL"
+    reasons = {o["backend"]: o["reason"] for o in out["ops"]["attention"]["others"]}
+    reasons.update({r["backend"]: r["reason"] for r in out["ops"]["attention"]["rejected"]})
+    assert "FLASH_ATTN" in reasons
+
+
+def test_doctor_profile_text() -> None:
+    result = run("doctor", "-d", "t4")
+    assert result.exit_code == 0, result.output
+    assert "Tesla T4" in result.output and "can run here" in result.output
+
+
+def test_matrix_json() -> None:
+    result = run("matrix", "--json")
+    assert result.exit_code == 0
+    out = json.loads(result.output)
+    assert "h100" in out["profiles"] and "cpu" in out["profiles"]
+    fa = next(f for f in out["features"] if f["name"] == "FlashAttention")
+    assert fa["support"]["h100"] and not fa["support"]["v100"] and not fa["implemented"]
+    assert fa["notes"]["h100"] == "FA3"
+    text = run("matrix", "-d", "sm90", "-d", "sm100")
+    assert text.exit_code == 0 and "FA4" in text.output
+
+
+def test_commands_table_points_at_real_functions() -> None:
+    import importlib
+
+    for name, target in COMMANDS.items():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), name

@@ -1,0 +1,153 @@
+"""Attention and MLA backend rules: the ideal route on every profile, and the request rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from archserve.kernels.attention.backends import flash_attn_version
+from archserve.kernels.catalog import build_registry
+from archserve.kernels.specs import AttentionSpec
+from archserve.platform.profiles import PROFILE_IDS, get_profile
+
+REGISTRY = build_registry()
+
+# Ideal (hardware rules only) attention backend for head 128, fp16, per profile.
+ATTENTION_IDEAL = {
+    "v100": "TRITON_ATTN", "t4": "TRITON_ATTN", "a100": "FLASH_ATTN", "a10": "FLASH_ATTN",
+    "l40s": "FLASH_ATTN", "rtx4090": "FLASH_ATTN", "h100": "FLASH_ATTN", "h200": "FLASH_ATTN",
+    "b200": "FLASHINFER", "b300": "FLASHINFER", "rtx5090": "FLASH_ATTN",
+    "rtx5070-laptop": "FLASH_ATTN", "gb10": "FLASH_ATTN", "mi300x": "TRITON_ATTN",
+    "cpu": "TORCH_SDPA",
+}
+# What this build runs with every library present: FA and FlashInfer are rules only.
+ATTENTION_BUILT = {pid: ("TORCH_SDPA" if pid == "cpu" else "TRITON_ATTN") for pid in PROFILE_IDS}
+
+MLA_IDEAL = {
+    "v100": "TRITON_MLA", "t4": "TRITON_MLA", "a100": "TRITON_MLA", "a10": "TRITON_MLA",
+    "l40s": "TRITON_MLA", "rtx4090": "TRITON_MLA", "h100": "FLASH_ATTN_MLA",
+    "h200": "FLASH_ATTN_MLA", "b200": "FLASHINFER_MLA", "b300": "FLASHINFER_MLA",
+    "rtx5090": "TRITON_MLA", "rtx5070-laptop": "TRITON_MLA", "gb10": "TRITON_MLA",
+    "mi300x": "TRITON_MLA", "cpu": "TORCH_REFERENCE",
+}
+MLA = dict(head_size=576, num_heads=128, num_kv_heads=1, use_mla=True)
+
+
+def select(op: str, profile: str, spec: AttentionSpec, libraries="all"):
+    return REGISTRY.select(op, get_profile(profile), spec, libraries=libraries)
+
+
+def test_tables_cover_every_profile() -> None:
+    assert set(ATTENTION_IDEAL) == set(MLA_IDEAL) == set(PROFILE_IDS)
+
+
+@pytest.mark.parametrize("profile", PROFILE_IDS)
+def test_attention_route_on_every_profile(profile: str, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    s = select("attention", profile, AttentionSpec(head_size=128, dtype=torch.float16))
+    assert (s.ideal, s.name) == (ATTENTION_IDEAL[profile], ATTENTION_BUILT[profile])
+
+
+@pytest.mark.parametrize("profile", PROFILE_IDS)
+def test_mla_route_on_every_profile(profile: str) -> None:
+    s = select("mla_attention", profile, AttentionSpec(dtype=torch.float16, **MLA))
+    assert s.ideal == MLA_IDEAL[profile]
+    assert s.name == "TORCH_REFERENCE"      # no MLA kernel is implemented yet
+
+
+def test_mla_fallback_says_mla_is_unsupported() -> None:
+    backend = REGISTRY.get("mla_attention", "TORCH_REFERENCE")
+    with pytest.raises(NotImplementedError, match="MLA models are not supported yet"):
+        backend.make_impl(get_profile("h100"), AttentionSpec(**MLA))
+
+
+def test_sparse_mla_order_depends_on_kv_dtype_and_heads() -> None:
+    sparse = AttentionSpec(dtype=torch.bfloat16, mla_sparse=True, **MLA)
+    assert select("mla_attention", "b200", sparse).ideal == "FLASHMLA_SPARSE"
+    few_heads = AttentionSpec(dtype=torch.bfloat16, mla_sparse=True,
+                              **{**MLA, "num_heads": 16})
+    assert select("mla_attention", "b200", few_heads).ideal == "FLASHINFER_MLA_SPARSE"
+    assert select("mla_attention", "h100", sparse).ideal == "FLASHMLA_SPARSE"
+    assert select("mla_attention", "rtx5090", sparse).ideal == "TORCH_REFERENCE"
+
+
+@pytest.mark.parametrize("profile,head,version", [
+    ("a100", 128, 2), ("h100", 128, 3), ("h100", 256, 3), ("b200", 128, 4), ("b200", 256, 4),
+    ("b200", 160, 2), ("b200", 192, 2), ("rtx5090", 128, 2), ("gb10", 64, 2),
+])
+def test_flash_attention_version_by_device(profile: str, head: int, version: int) -> None:
+    assert flash_attn_version(get_profile(profile), AttentionSpec(head_size=head)) == version
+
+
+def test_fa4_accepts_192_with_a_128_value_head() -> None:
+    spec = AttentionSpec(head_size=192, v_head_dim=128, use_mla=True)
+    assert flash_attn_version(get_profile("b200"), spec) == 4
+
+
+def reason(profile: str, name: str, spec: AttentionSpec) -> str | None:
+    return REGISTRY.get("attention", name).hardware_rule(get_profile(profile), spec)
+
+
+def test_fp8_kv_cache_rules() -> None:
+    fp8 = AttentionSpec(head_size=128, dtype=torch.float16, kv_cache_dtype="fp8")
+    assert reason("h100", "FLASH_ATTN", fp8) is None
+    assert "FA3" in reason("a100", "FLASH_ATTN", fp8)
+    assert "FA2" in reason("rtx5090", "FLASH_ATTN", fp8)
+    assert reason("t4", "TRITON_ATTN", fp8) == "fp8 KV cache needs SM89+, device is SM75"
+    assert reason("l40s", "TRITON_ATTN", fp8) is None
+    assert reason("l40s", "FLASHINFER", fp8) is None
+    assert "SM89" in reason("a100", "FLASHINFER", fp8)
+    assert reason("h100", "FLEX_ATTENTION", fp8) is not None
+    assert reason("h100", "TORCH_REFERENCE", fp8) is None
+
+
+def test_head_size_rules() -> None:
+    assert reason("h100", "FLASH_ATTN", AttentionSpec(head_size=72)) is None
+    assert "head size 260" in reason("h100", "FLASH_ATTN", AttentionSpec(head_size=260))
+    assert "head size 68" in reason("h100", "FLASH_ATTN", AttentionSpec(head_size=68))
+    assert "head size 96" in reason("h100", "FLASHINFER", AttentionSpec(head_size=96))
+    assert reason("h100", "TRITON_ATTN", AttentionSpec(head_size=80)) is None
+    assert "head size 72" in reason("h100", "TRITON_ATTN", AttentionSpec(head_size=72))
+    # An odd head size still has a route: FLEX on any device.
+    s = REGISTRY.select("attention", get_profile("h100"), AttentionSpec(head_size=72),
+                        libraries="all")
+    assert s.ideal == "FLASH_ATTN" and s.name == "FLEX_ATTENTION"
+
+
+def test_block_size_constrains_the_choice() -> None:
+    assert "multiple of 16" in reason("h100", "FLASH_ATTN", AttentionSpec(128, block_size=8))
+    assert reason("h100", "FLASH_ATTN", AttentionSpec(128, block_size=48)) is None
+    assert "one of 16, 32, 64" in reason("b200", "FLASHINFER", AttentionSpec(128, block_size=48))
+    s = REGISTRY.select("attention", get_profile("b200"), AttentionSpec(128, block_size=48),
+                        libraries="all")
+    assert s.ideal == "FLASH_ATTN"
+
+
+def test_bf16_on_a_device_without_it_is_rejected_by_gpu_kernels() -> None:
+    assert reason("v100", "TRITON_ATTN", AttentionSpec(128, dtype=torch.bfloat16)) == \
+        "bfloat16 needs SM80+, device is SM70"
+
+
+def test_soft_cap_rules_out_sdpa() -> None:
+    capped = AttentionSpec(128, logit_soft_cap=50.0)
+    assert "soft-capping" in reason("cpu", "TORCH_SDPA", capped)
+    s = REGISTRY.select("attention", get_profile("cpu"), capped, libraries="all")
+    assert s.name == "FLEX_ATTENTION"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert reason("cpu", "TRITON_ATTN", AttentionSpec(128)) == \
+        "needs a GPU (runs on CPU only under TRITON_INTERPRET=1)"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert reason("cpu", "TRITON_ATTN", AttentionSpec(128)) is None
+
+
+def test_mla_spec_is_not_served_by_standard_backends() -> None:
+    assert "MLA" in reason("h100", "TRITON_ATTN", AttentionSpec(**MLA))
+
+
+def test_preferred_block_sizes() -> None:
+    assert REGISTRY.get("attention", "FLASH_ATTN").preferred_block_size == 16
+    assert REGISTRY.get("mla_attention", "FLASHMLA").preferred_block_size == 64
+    assert REGISTRY.get("mla_attention", "CUTLASS_MLA").preferred_block_size == 128

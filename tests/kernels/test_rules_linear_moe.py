@@ -1,0 +1,92 @@
+"""Linear (GEMM) and MoE backend rules and priorities."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from archserve.kernels.catalog import build_registry
+from archserve.kernels.specs import LinearSpec, MoESpec
+from archserve.platform.device import Toolchain
+from archserve.platform.profiles import get_profile
+
+REGISTRY = build_registry()
+
+
+def ideal(op: str, profile: str, spec) -> str | None:
+    return REGISTRY.select(op, get_profile(profile), spec, libraries="all").ideal
+
+
+def test_dense_linear_is_torch_matmul_everywhere() -> None:
+    for profile in ("v100", "h100", "cpu", "mi300x"):
+        s = REGISTRY.select("linear", get_profile(profile), LinearSpec(), libraries="installed")
+        assert s.name == "TORCH_MATMUL"
+        assert s.backend.make_impl(get_profile(profile), LinearSpec()) is \
+            torch.nn.functional.linear
+
+
+def test_fp8_linear_dual_path() -> None:
+    fp8 = LinearSpec(quant_scheme="fp8")
+    assert ideal("linear", "v100", fp8) == "TORCH_DEQUANT"
+    assert ideal("linear", "t4", fp8) == "MARLIN"
+    assert ideal("linear", "a100", fp8) == "MARLIN"
+    assert ideal("linear", "l40s", fp8) == "CUTLASS_FP8"
+    assert ideal("linear", "h100", fp8) == "CUTLASS_FP8"
+    # This build has only the torch paths.
+    s = REGISTRY.select("linear", get_profile("h100"), fp8, libraries="all")
+    assert s.name == "TORCH_DEQUANT"
+    assert [r.backend for r in s.rejected] == ["CUTLASS_FP8", "MARLIN"]
+
+
+def test_cutlass_fp8_needs_a_new_enough_runtime_on_ada() -> None:
+    l40s = get_profile("l40s")
+    old = replace(l40s, toolchain=replace(l40s.toolchain, runtime_version="12.1"))
+    backend = REGISTRY.get("linear", "CUTLASS_FP8")
+    assert backend.runtime_rule(old) == "needs CUDA runtime 12.4+, this build has 12.1"
+    assert backend.runtime_rule(l40s) is None
+    h100 = get_profile("h100")
+    assert backend.runtime_rule(replace(h100, toolchain=Toolchain(runtime_version="12.1"))) \
+        is None
+
+
+def test_nvfp4_gemm_is_two_separate_families() -> None:
+    nvfp4 = LinearSpec(quant_scheme="nvfp4")
+    assert ideal("linear", "b200", nvfp4) == "CUTLASS_NVFP4"
+    assert ideal("linear", "rtx5090", nvfp4) == "CUTLASS_NVFP4"
+    assert ideal("linear", "h100", nvfp4) == "MARLIN"
+
+
+def test_moe_fp8_priorities() -> None:
+    fp8 = MoESpec(quant_scheme="fp8")
+    assert ideal("moe", "b200", fp8) == "TRTLLM_MOE_FP8"
+    assert ideal("moe", "h100", fp8) == "FLASHINFER_CUTLASS_MOE"
+    assert ideal("moe", "a100", fp8) == "TRITON_FUSED_MOE"
+    assert ideal("moe", "v100", MoESpec()) == "TRITON_FUSED_MOE"
+    assert ideal("moe", "cpu", MoESpec()) == "TORCH_MOE"
+
+
+def test_hopper_block_fp8_prefers_triton_under_tp_and_flashinfer_under_ep() -> None:
+    h100 = get_profile("h100")
+    tp = MoESpec(quant_scheme="fp8_block", tensor_parallel=True)
+    ep = MoESpec(quant_scheme="fp8_block", expert_parallel=True)
+    plain = MoESpec(quant_scheme="fp8_block")
+    assert REGISTRY.priority("moe", h100, tp)[0] == "TRITON_FUSED_MOE"
+    assert REGISTRY.priority("moe", h100, ep)[0] == "FLASHINFER_CUTLASS_MOE"
+    assert ideal("moe", "h100", plain) == "DEEPGEMM_MOE"
+    assert ideal("moe", "h100", tp) == "TRITON_FUSED_MOE"
+
+
+def test_blackwell_small_batches_prefer_triton_over_cutlass() -> None:
+    b200 = get_profile("b200")
+    order = REGISTRY.priority("moe", b200, MoESpec(quant_scheme="fp8", num_tokens=4))
+    assert order.index("TRITON_FUSED_MOE") < order.index("CUTLASS_MOE_FP8")
+    order = REGISTRY.priority("moe", b200, MoESpec(quant_scheme="fp8", num_tokens=256))
+    assert order.index("CUTLASS_MOE_FP8") < order.index("TRITON_FUSED_MOE")
+
+
+def test_nvfp4_moe_on_blackwell_families() -> None:
+    nvfp4 = MoESpec(quant_scheme="nvfp4")
+    assert ideal("moe", "b200", nvfp4) == "TRTLLM_MOE_NVFP4"
+    assert ideal("moe", "rtx5090", nvfp4) == "FLASHINFER_CUTLASS_MOE"
+    assert ideal("moe", "a100", nvfp4) == "MARLIN_MOE"

@@ -1,0 +1,135 @@
+"""dtype decisions, and explain for single ops and for model configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from archserve.platform.profiles import get_profile
+from archserve.routing.dtypes import resolve_dtype, resolve_kv_cache_dtype
+from archserve.routing.explain import explain_attention_request, explain_model
+from archserve.routing.model_summary import read_model_summary
+
+
+@pytest.mark.parametrize("profile,requested,chosen", [
+    ("v100", "bfloat16", torch.float16), ("t4", "bf16", torch.float16),
+    ("a100", "bfloat16", torch.bfloat16), ("v100", "auto", torch.float16),
+    ("h100", "auto", torch.bfloat16), ("cpu", "auto", torch.float32),
+    ("cpu", "half", torch.float16), ("h100", torch.float32, torch.float32),
+])
+def test_resolve_dtype(profile: str, requested, chosen: torch.dtype) -> None:
+    dtype, decisions = resolve_dtype(get_profile(profile), requested)
+    assert dtype == chosen
+    assert decisions[0].what == "dtype"
+
+
+def test_bf16_degradation_is_a_recorded_decision() -> None:
+    _, (decision,) = resolve_dtype(get_profile("v100"), "bfloat16")
+    assert (decision.requested, decision.chosen) == ("bfloat16", "float16")
+    assert "SM80" in decision.reason and "SM70" in decision.reason
+
+
+def test_auto_keeps_a_float16_checkpoint_on_gpus() -> None:
+    assert resolve_dtype(get_profile("h100"), "auto", "float16")[0] == torch.float16
+
+
+def test_unknown_dtype_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        resolve_dtype(get_profile("h100"), "int3")
+
+
+def test_fp8_kv_cache() -> None:
+    assert resolve_kv_cache_dtype(get_profile("h100"), "fp8")[0] == "fp8_e4m3"
+    assert resolve_kv_cache_dtype(get_profile("l40s"), "fp8_e5m2")[0] == "fp8_e5m2"
+    kv, (decision,) = resolve_kv_cache_dtype(get_profile("a100"), "fp8")
+    assert kv == "auto" and "SM89" in decision.reason
+    assert resolve_kv_cache_dtype(get_profile("cpu"), "fp8")[0] == "auto"
+    with pytest.raises(ValueError):
+        resolve_kv_cache_dtype(get_profile("h100"), "int4")
+
+
+@pytest.mark.parametrize("profile,ideal,detail", [
+    ("v100", "TRITON_ATTN", ""), ("h100", "FLASH_ATTN", "FA3"), ("b200", "FLASHINFER", ""),
+    ("rtx5090", "FLASH_ATTN", "FA2"),
+])
+def test_done_when_routes(profile: str, ideal: str, detail: str) -> None:
+    out = explain_attention_request(get_profile(profile), "attention", 128, "bfloat16",
+                                    libraries="all").to_dict()
+    (route,) = out["routes"]
+    assert route["ideal"] == ideal and route["ideal_detail"] == detail
+    assert route["backend"] == "TRITON_ATTN"
+    json.dumps(out)
+
+
+def test_v100_json_shape_records_bf16_to_fp16() -> None:
+    out = explain_attention_request(get_profile("v100"), "attention", 128, "bfloat16",
+                                    libraries="all").to_dict()
+    assert out["device"] == {"id": "v100", "name": "Tesla V100-SXM2-32GB", "platform": "cuda",
+                             "capability": [7, 0]}
+    assert out["dtype"] == "float16"
+    assert {"what": "dtype", "requested": "bfloat16", "chosen": "float16"}.items() <= \
+        out["decisions"][0].items()
+    assert [r["backend"] for r in out["routes"][0]["rejected"]] == ["FLASH_ATTN", "FLASHINFER"]
+
+
+def test_mla_op_assumes_deepseek_dims() -> None:
+    out = explain_attention_request(get_profile("b200"), "mla_attention", None,
+                                    libraries="all").to_dict()
+    assert out["routes"][0]["ideal"] == "FLASHINFER_MLA"
+
+
+def _write_config(tmp_path, **config) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_explain_dense_model(tmp_path) -> None:
+    path = _write_config(tmp_path, architectures=["LlamaForCausalLM"], hidden_size=576,
+                         num_attention_heads=9, num_key_value_heads=3, torch_dtype="bfloat16")
+    summary = read_model_summary(path)
+    assert summary.head_size == 64 and not summary.is_moe and summary.quantization is None
+    out = explain_model(get_profile("h100"), summary, libraries="all").to_dict()
+    assert [r["layer"] for r in out["routes"]] == ["attention", "linear (qkv, o, mlp)", "lm_head"]
+    assert out["routes"][0]["ideal"] == "FLASH_ATTN"
+    assert out["routes"][1]["backend"] == "TORCH_MATMUL"
+
+
+def test_explain_fp8_moe_mla_model(tmp_path) -> None:
+    path = _write_config(
+        tmp_path, architectures=["DeepseekV3ForCausalLM"], hidden_size=7168,
+        num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512,
+        qk_rope_head_dim=64, n_routed_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    summary = read_model_summary(path)
+    assert summary.use_mla and summary.head_size == 576 and summary.num_experts == 256
+    out = explain_model(get_profile("h100"), summary, libraries="all").to_dict()
+    routes = {r["layer"]: r for r in out["routes"]}
+    assert routes["attention"]["op"] == "mla_attention"
+    assert routes["attention"]["ideal"] == "FLASH_ATTN_MLA"
+    assert routes["linear (qkv, o, mlp)"]["ideal"] == "CUTLASS_BLOCK_FP8"
+    assert routes["moe experts"]["ideal"] == "DEEPGEMM_MOE"
+    assert routes["moe experts"]["backend"] == "TORCH_MOE"
+    a100 = explain_model(get_profile("a100"), summary, libraries="all").to_dict()
+    quant = [d for d in a100["decisions"] if d["what"] == "quantization"]
+    assert quant[0]["chosen"] == "MARLIN"
+
+
+def test_explain_gguf_model(tmp_path) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_embedding_length(256)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    summary = read_model_summary(str(path))
+    assert (summary.head_size, summary.num_kv_heads, summary.quantization) == (64, 2, "gguf")
+    out = explain_model(get_profile("v100"), summary, libraries="all").to_dict()
+    assert out["routes"][1]["backend"] == "TORCH_MATMUL"
+    assert any(d["what"] == "quantization" for d in out["decisions"])
