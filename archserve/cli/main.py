@@ -20,6 +20,8 @@ COMMANDS: dict[str, str] = {
     "doctor": "archserve.cli.doctor:doctor",
     "explain": "archserve.cli.explain:explain",
     "matrix": "archserve.cli.matrix:matrix",
+    "generate": "archserve.cli.generate:generate",
+    "chat": "archserve.cli.generate:chat",
 }
 
 
