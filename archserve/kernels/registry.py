@@ -122,7 +122,9 @@ class Registry:
         self._backends: dict[str, dict[str, Backend]] = {op: {} for op in OP_KINDS}
         self._priorities: dict[str, Callable[[DeviceInfo, Any], list[str]]] = {}
         self._fallbacks: dict[str, str] = {}
+        self._plugins: set[tuple[str, str]] = set()   # (op, name) registered by entry points
         self._entry_points_loaded = False
+        self._loading_plugins = False
 
     # -- registration -------------------------------------------------------
     def register(self, backend: Backend, *, replace: bool = False) -> Backend:
@@ -132,6 +134,8 @@ class Registry:
         if backend.name in table and not replace:
             raise BackendError(f"{backend.op} backend {backend.name} is already registered")
         table[backend.name] = backend
+        if self._loading_plugins:
+            self._plugins.add((backend.op, backend.name))
         return backend
 
     def set_priority(self, op: str, fn: Callable[[DeviceInfo, Any], list[str]],
@@ -153,11 +157,12 @@ class Registry:
         return table[key]
 
     def priority(self, op: str, device: DeviceInfo, spec: Any) -> list[str]:
-        """The op kind's ordered candidates, with registered extras before the fallback."""
+        """The op kind's ordered candidates, with plug-in backends before the fallback."""
         self.load_entry_points()
         ordered = list(self._priorities[op](device, spec))
         fallback = self._fallbacks[op]
-        extras = [n for n in self._backends[op] if n not in ordered and n != fallback]
+        extras = [n for n in self._backends[op]
+                  if (op, n) in self._plugins and n not in ordered and n != fallback]
         if fallback in ordered:
             ordered.remove(fallback)
         return ordered + extras + [fallback]
@@ -212,13 +217,17 @@ class Registry:
                 return
             self._entry_points_loaded = True
             entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-        for ep in entry_points:
-            try:
-                target = ep.load()
-                if callable(target):
-                    target(self)
-            except Exception as exc:  # a plug-in must not take the engine down
-                log.warning("backend plug-in %s failed to load: %s", ep.name, exc)
+        self._loading_plugins = True
+        try:
+            for ep in entry_points:
+                try:
+                    target = ep.load()
+                    if callable(target):
+                        target(self)
+                except Exception as exc:  # a plug-in must not take the engine down
+                    log.warning("backend plug-in %s failed to load: %s", ep.name, exc)
+        finally:
+            self._loading_plugins = False
 
 
 def module_available(module: str) -> bool:
