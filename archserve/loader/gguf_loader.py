@@ -90,8 +90,10 @@ def iterate_gguf(path: str, hf_names: Iterable[str], num_layers: int, num_heads:
             weight = _unpermute_rows(weight, num_heads)
         elif permuted and ".attn_k." in tensor.name:
             weight = _unpermute_rows(weight, num_kv_heads)
-        yield names.get(tensor.name, tensor.name), torch.from_numpy(
-            np.ascontiguousarray(weight, dtype=np.float32))
+        weight = np.ascontiguousarray(weight, dtype=np.float32)
+        if not weight.flags.writeable:  # unquantized tensors are views of the read-only map
+            weight = weight.copy()
+        yield names.get(tensor.name, tensor.name), torch.from_numpy(weight)
 
 
 def split_gguf_path(path: str) -> tuple[str, str]:

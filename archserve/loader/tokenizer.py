@@ -53,6 +53,10 @@ class IncrementalDetokenizer:
     few tokens back (``prefix_offset``) with and without the new tokens and emit the
     difference, holding it back while it ends in an incomplete character (U+FFFD). The
     window restarts after every emitted delta, so a step costs O(window), not O(length).
+
+    Byte-fallback tokens (``<0xE4>``, SentencePiece models) are decoded as a run: an
+    invalid run turns *every* byte of it into U+FFFD, so text ending in such a token is
+    held back until a normal token closes the run (skipped special tokens do not).
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
@@ -66,14 +70,27 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(context)
         self.output_text = ""
+        self._skipped_ids = set(tokenizer.all_special_ids) if skip_special_tokens else set()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
+    def _ends_in_byte_run(self) -> bool:
+        # Only the ids since the last emission can matter: text was emitted only when the
+        # visible tail before them was not a byte token.
+        for token_id in reversed(self.ids[self.read_offset:]):
+            if token_id in self._skipped_ids:
+                continue
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            return isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x")
+        return False
+
     def add_tokens(self, new_ids: list[int]) -> str:
         """Append generated ids; return the text they complete (may be empty)."""
         self.ids.extend(new_ids)
+        if self._ends_in_byte_run():
+            return ""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         window_text = self._decode(self.ids[self.prefix_offset:])
         if len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd"):
