@@ -165,11 +165,10 @@ def load_hf_model_config(model_dir: str) -> ModelConfig:
 
 def load_gguf_model_config(gguf_path: str) -> ModelConfig:
     """ModelConfig from a GGUF file's metadata, through transformers' GGUF support."""
-    from transformers import AutoConfig
+    from archserve.loader.gguf_cache import gguf_hf_config
 
-    directory, name = os.path.split(os.path.abspath(gguf_path))
     try:
-        hf_config = AutoConfig.from_pretrained(directory, gguf_file=name, local_files_only=True)
+        hf_config = gguf_hf_config(os.path.abspath(gguf_path))
     except Exception as exc:  # the gguf reader raises bare ValueError/struct/numpy errors
         raise ValueError(f"{gguf_path}: cannot read GGUF metadata ({type(exc).__name__}: "
                          f"{exc})") from exc

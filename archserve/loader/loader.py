@@ -12,6 +12,7 @@ from torch import nn
 from archserve.loader.config import ModelConfig, load_gguf_model_config, load_hf_model_config
 from archserve.loader.default_model import default_model_path
 from archserve.loader.dummy import initialize_dummy_weights
+from archserve.loader.gguf_cache import cached_gguf_weights, caching_gguf_weights
 from archserve.loader.gguf_loader import find_gguf_file, iterate_gguf
 from archserve.loader.safetensors_loader import iterate_safetensors
 from archserve.models.registry import model_class_for
@@ -81,8 +82,9 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
     if load_format == "dummy":
         initialize_dummy_weights(model)
     elif gguf_path is not None:
-        weights = iterate_gguf(gguf_path, model.checkpoint_shapes(), config.num_layers,
-                               config.num_heads, config.num_kv_heads)
+        weights = cached_gguf_weights(gguf_path) or caching_gguf_weights(
+            gguf_path, iterate_gguf(gguf_path, model.checkpoint_shapes(), config.num_layers,
+                                    config.num_heads, config.num_kv_heads))
         model.load_weights(_with_progress(weights, f"Loading {os.path.basename(gguf_path)}"))
     else:
         model.load_weights(_with_progress(iterate_safetensors(path), "Loading safetensors"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from archserve.loader.gguf_loader import find_gguf_file, split_gguf_path
+from archserve.loader.gguf_loader import find_gguf_file
 
 
 def load_tokenizer(model_path: str | None = None) -> Any:
@@ -20,8 +20,8 @@ def load_tokenizer(model_path: str | None = None) -> Any:
     gguf_path = find_gguf_file(model_path)
     try:
         if gguf_path is not None:
-            directory, name = split_gguf_path(gguf_path)
-            return AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+            from archserve.loader.gguf_cache import gguf_tokenizer
+            return gguf_tokenizer(gguf_path)
         return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except Exception as exc:
         raise ValueError(f"{model_path}: cannot load a tokenizer ({type(exc).__name__}: {exc})"

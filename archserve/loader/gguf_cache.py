@@ -1,0 +1,108 @@
+"""Pay for GGUF metadata parsing once: the HF config and tokenizer transformers derives
+from a GGUF file are saved on disk and reused while the file is unchanged.
+
+Parsing a GGUF's metadata through transformers takes seconds per call (the gguf reader
+walks every vocabulary entry), and start-up needs the config and the tokenizer. The
+cache key is the file's absolute path, size and modification time plus the transformers
+version, so an edited file or an upgrade re-derives. A cache that cannot be written
+(read-only home) or read (corrupt) silently falls back to parsing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def cache_root() -> str:
+    base = os.environ.get("ARCHSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "archserve")
+    return os.path.join(base, "gguf")
+
+
+def _entry_dir(gguf_path: str) -> str:
+    import transformers
+    stat = os.stat(gguf_path)
+    key = f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return os.path.join(cache_root(), hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def _save(save_fn, directory: str, what: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        save_fn(directory)
+    except OSError as exc:
+        log.debug("could not cache the GGUF %s in %s: %s", what, directory, exc)
+
+
+@functools.lru_cache(maxsize=8)
+def gguf_hf_config(gguf_path: str) -> Any:
+    """The transformers config of a GGUF file (parsed once per file version)."""
+    from transformers import AutoConfig
+    entry = os.path.join(_entry_dir(gguf_path), "config")
+    if os.path.isfile(os.path.join(entry, "config.json")):
+        try:
+            return AutoConfig.from_pretrained(entry, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            log.debug("ignoring unreadable cached config %s: %s", entry, exc)
+    directory, name = os.path.split(os.path.abspath(gguf_path))
+    config = AutoConfig.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    _save(config.save_pretrained, entry, "config")
+    return config
+
+
+def gguf_tokenizer(gguf_path: str) -> Any:
+    """The transformers tokenizer of a GGUF file (converted once per file version)."""
+    from transformers import AutoTokenizer
+    entry = os.path.join(_entry_dir(gguf_path), "tokenizer")
+    if os.path.isfile(os.path.join(entry, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(entry, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            log.debug("ignoring unreadable cached tokenizer %s: %s", entry, exc)
+    directory, name = os.path.split(os.path.abspath(gguf_path))
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    _save(tokenizer.save_pretrained, entry, "tokenizer")
+    return tokenizer
+
+
+# Dequantized weights are cached only for small files: a 7B GGUF would become ~28 GB of fp32.
+MAX_WEIGHT_CACHE_SOURCE_BYTES = 512 << 20
+
+
+def _weights_file(gguf_path: str) -> str:
+    return os.path.join(_entry_dir(gguf_path), "weights", "model.safetensors")
+
+
+def cached_gguf_weights(gguf_path: str):
+    """Iterator of (hf_name, tensor) from the dequantized-weights cache, or None."""
+    path = _weights_file(gguf_path)
+    if not os.path.isfile(path):
+        return None
+    from archserve.loader.safetensors_loader import iterate_safetensors
+    return iterate_safetensors(os.path.dirname(path))
+
+
+def caching_gguf_weights(gguf_path: str, weights):
+    """Pass ``weights`` through; once all were read, save them for the next start."""
+    if os.path.getsize(gguf_path) > MAX_WEIGHT_CACHE_SOURCE_BYTES:
+        yield from weights
+        return
+    seen: dict = {}
+    for name, tensor in weights:
+        seen[name] = tensor
+        yield name, tensor
+    path = _weights_file(gguf_path)
+
+    def save(directory: str) -> None:
+        from safetensors.torch import save_file
+        tmp = path + ".tmp"
+        save_file({k: v.contiguous() for k, v in seen.items()}, tmp)
+        os.replace(tmp, path)   # atomic: a reader never sees half a file
+
+    _save(save, os.path.dirname(path), "weights")
