@@ -95,7 +95,8 @@ class KVBlockPool:
 
         The hit never covers the last token: it must be computed to give logits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position: compute them all.
             return CachedPrefix()
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs

@@ -142,3 +142,12 @@ def test_token_id_prompts_and_prompt_logprobs(tiny_checkpoint):
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
     for pos in range(1, len(ids)):
         assert abs(out.prompt_logprobs[pos][ids[pos]].logprob - ref[pos - 1, ids[pos]].item()) < 1e-4
+
+
+def test_prompt_logprobs_are_complete_even_when_the_prefix_is_cached(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("llama"), block_size=4)
+    prompt = "A paged KV cache stores keys and values in fixed-size blocks."
+    llm.generate([prompt], SamplingParams(max_tokens=2))           # fills the prefix cache
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert all(entry is not None for entry in out.prompt_logprobs[1:])
