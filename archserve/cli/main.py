@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "doctor": "archserve.cli.doctor:doctor",
     "explain": "archserve.cli.explain:explain",
     "matrix": "archserve.cli.matrix:matrix",
+    "serve": "archserve.cli.serve:serve",
     "generate": "archserve.cli.generate:generate",
     "chat": "archserve.cli.generate:chat",
 }

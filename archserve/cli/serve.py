@@ -1,0 +1,57 @@
+"""`archserve serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def serve(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="HF directory or .gguf file; default: the embedded SmolLM2-135M-Instruct.")] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port; 0 picks a free one (printed at start).")] = 8000,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="ARCHSERVE_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
+    served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="The model name clients use; default: derived from --model.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="auto, bfloat16, float16, float32.")] = "auto",
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="Context length cap.")] = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Sequences in one batch at most.")] = 256,
+    attention_backend: Annotated[str | None, typer.Option("--attention-backend", help="Force an attention backend (validated; see `archserve explain`).")] = None,
+    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")] = False,
+    load_format: Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")] = "auto",
+    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of GPU memory for weights, activations and KV cache.")] = 0.9,
+    kv_cache_memory_bytes: Annotated[int | None, typer.Option("--kv-cache-memory-bytes", help="Explicit KV cache budget in bytes.")] = None,
+    max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Larger request bodies get 413.")] = 8 * 1024 * 1024,
+    max_queued_requests: Annotated[int | None, typer.Option("--max-queued-requests", help="Waiting requests beyond this get 503 with Retry-After.")] = None,
+    shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="Seconds to let in-flight requests finish on SIGTERM before aborting them.")] = 10.0,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (completions, chat, metrics)."""
+    import logging
+    import os
+
+    from archserve.engine.config import EngineConfig
+    from archserve.serve.context import ServerSettings
+    from archserve.serve.launcher import run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if served_model_name:
+        names = [served_model_name]
+    elif model is None:
+        names = ["SmolLM2-135M-Instruct"]
+    else:   # clients may use the short name or the path they know
+        names = list(dict.fromkeys([os.path.basename(os.path.normpath(model)), model]))
+    settings = ServerSettings(host=host, port=port, api_key=api_key,
+                              max_request_bytes=max_request_bytes,
+                              max_queued_requests=max_queued_requests,
+                              served_model_names=names,
+                              shutdown_timeout_s=shutdown_timeout)
+    config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, attention_backend=attention_backend,
+                          enforce_eager=enforce_eager, load_format=load_format,
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          kv_cache_memory_bytes=kv_cache_memory_bytes)
+    try:
+        run_server(config, settings)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None

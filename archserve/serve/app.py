@@ -1,0 +1,123 @@
+"""The FastAPI application: routes, error handlers and the request guard."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import archserve
+from archserve.serve.chat import create_chat_completion, render_chat_prompt
+from archserve.serve.completions import create_completion
+from archserve.serve.context import ServingContext
+from archserve.serve.errors import OpenAIError, error_response, from_exception
+from archserve.serve.guard import RequestGuard
+from archserve.serve.metrics import CONTENT_TYPE
+from archserve.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    now,
+)
+from archserve.serve.sampling import check_token_ids
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors()[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if loc and param is None:
+            param = loc[0]
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request body", param
+
+
+def build_app(ctx: ServingContext) -> RequestGuard:
+    """The ASGI application: the FastAPI routes behind the request guard."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # Uvicorn has stopped accepting and waited for in-flight requests (up to its
+        # graceful timeout); whatever is left is aborted so its blocks are freed.
+        await asyncio.to_thread(ctx.engine.shutdown, ctx.settings.shutdown_timeout_s)
+
+    app = FastAPI(title="archserve", version=archserve.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return from_exception(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await create_completion(ctx, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(ctx, body, raw)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": now(), "owned_by": "archserve",
+             "root": ctx.engine.engine.config.model or "embedded:SmolLM2-135M-Instruct",
+             "parent": None, "max_model_len": ctx.max_model_len}
+            for name in ctx.model_names]}
+
+    @app.get("/health")
+    async def health():
+        if not ctx.engine.is_alive:
+            return error_response(ctx.engine.dead_reason or "the engine is not running", 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": archserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError("send exactly one of 'prompt' or 'messages'")
+        if body.messages is not None:
+            ids = render_chat_prompt(ctx, body.messages, body.add_generation_prompt)
+        else:
+            ids = list(ctx.tokenizer.encode(body.prompt,
+                                            add_special_tokens=body.add_special_tokens))
+        result = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            result["token_strs"] = ctx.tokenizer.convert_ids_to_tokens(ids)
+        return result
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        ctx.check_model(body.model)
+        check_token_ids(body.tokens, ctx.vocab_size, "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    return RequestGuard(app, ctx.settings.api_key, ctx.settings.max_request_bytes,
+                        ctx.metrics.observe_http)
+

@@ -1,0 +1,210 @@
+"""AsyncEngine: the synchronous LLMEngine on its own thread, with an asyncio face.
+
+The model runs on one thread. HTTP handlers never touch the engine: they put commands
+(add, abort) in a thread-safe inbox and wake the loop; the loop drains the inbox, runs
+``step()`` while there is work, and hands each request's outputs back to the event loop
+that asked for them through ``call_soon_threadsafe``. New requests therefore join the
+running batch at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from archserve.engine.outputs import RequestOutput
+from archserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("archserve.serve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: an asyncio queue on the loop that is awaiting it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the event loop has closed: nobody is listening any more
+
+
+# Called on the engine thread after every step with the outputs of that step, and with
+# (request_id, "abort") for requests ended by the server; the metrics hook lives here.
+StepObserver = Callable[[list[RequestOutput]], None]
+
+
+class AsyncEngine:
+    """Owns an LLMEngine and the thread that drives it."""
+
+    def __init__(self, engine, observer: StepObserver | None = None,
+                 abort_observer: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self._observer = observer
+        self._abort_observer = abort_observer
+        self._inbox: deque[tuple] = deque()
+        self._inbox_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}       # touched only on the engine thread
+        self._stopping = False
+        self._pending_adds = 0                       # adds in the inbox, not yet queued
+        self._num_waiting = 0                        # the scheduler's queue, after the last step
+        self._thread = threading.Thread(target=self._run, name="archserve-engine", daemon=True)
+        self.dead_reason: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything still running, stop the loop and wait for the thread."""
+        self._submit(("stop",))
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.dead_reason is None
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted but not yet running: in the inbox or the scheduler's queue."""
+        return self._pending_adds + self._num_waiting
+
+    # -- the asyncio side -------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (cumulative) until it finishes.
+
+        Raises ValueError when the engine rejects the request. If the consumer stops
+        early (client gone: CancelledError or GeneratorExit), the request is aborted and
+        its KV blocks are freed at the engine's next loop turn.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._submit(("add", request_id, prompt, params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True          # the engine has already forgotten it
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def _submit(self, command: tuple) -> None:
+        with self._inbox_lock:
+            self._inbox.append(command)
+            if command[0] == "add":
+                self._pending_adds += 1
+        self._wake.set()
+
+    # -- the engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                if not self._drain_inbox():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._wake.wait()
+        except BaseException as exc:  # noqa: BLE001 - the loop must report why it died
+            self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
+            log.exception("%s", self.dead_reason)
+            self._fail_all(EngineDeadError(self.dead_reason))
+        finally:
+            self._abort_everything()
+
+    def _drain_inbox(self) -> bool:
+        """Apply queued commands; False once a stop command has been seen."""
+        while True:
+            with self._inbox_lock:
+                if not self._inbox:
+                    break
+                command = self._inbox.popleft()
+                if command[0] == "add":
+                    self._pending_adds -= 1
+            kind = command[0]
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                self._abort(command[1])
+            elif kind == "stop":
+                self._stopping = True
+        self._num_waiting = self.engine.stats()["num_waiting"]
+        return not self._stopping
+
+    def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except ValueError as exc:
+            stream.put(exc)
+            return
+        self._streams[request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if self.engine.abort_request(request_id) and self._abort_observer is not None:
+            self._abort_observer(request_id)
+        if stream is not None:
+            stream.put(asyncio.CancelledError())
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+            log.exception("engine step failed; failing the requests in flight")
+            self._fail_all(RuntimeError(f"the engine failed while running this request: "
+                                        f"{type(exc).__name__}: {exc}"))
+            return
+        self._num_waiting = self.engine.stats()["num_waiting"]
+        if self._observer is not None:
+            self._observer(outputs)
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.put(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Abort every request the engine holds (freeing its blocks) and tell its client."""
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            if self._abort_observer is not None:
+                self._abort_observer(request_id)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(error)
+
+    def _abort_everything(self) -> None:
+        with self._inbox_lock:
+            pending = [c for c in self._inbox if c[0] == "add"]
+            self._inbox.clear()
+            self._pending_adds = 0
+        for command in pending:
+            command[4].put(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineDeadError("the server is shutting down"))

@@ -1,0 +1,152 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from archserve.engine.outputs import CompletionOutput, RequestOutput
+from archserve.serve.context import ServingContext
+from archserve.serve.errors import OpenAIError
+from archserve.serve.logprobs import chat_logprobs
+from archserve.serve.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+    now,
+    random_id,
+)
+from archserve.serve.sampling import resolve_max_tokens, sampling_params_for
+from archserve.serve.streams import SSE_DONE, merge, sse, sse_error, unless_disconnected
+
+
+def _message_dict(message: ChatMessage) -> dict:
+    """A message as the template expects it: content parts joined into one string."""
+    d = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError("only text content parts are supported", param="messages")
+            texts.append(part["text"])
+        d["content"] = "\n".join(texts)
+    elif content is None:
+        d["content"] = ""
+    return d
+
+
+def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage],
+                       add_generation_prompt: bool = True) -> list[int]:
+    from archserve.loader.tokenizer import apply_chat_template
+    dicts = [_message_dict(m) for m in messages]
+    try:
+        ids = apply_chat_template(ctx.tokenizer, dicts,
+                                  add_generation_prompt=add_generation_prompt)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), param="messages") from None
+    except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+        raise OpenAIError(f"the chat template failed on these messages: "
+                          f"{type(exc).__name__}: {exc}", param="messages") from None
+    if not ids:
+        raise OpenAIError("the rendered conversation is empty", param="messages")
+    return list(ids)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
+    ctx.check_model(req.model)
+    if req.top_logprobs and not req.logprobs:
+        raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    ids = render_chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    requested = req.max_completion_tokens or req.max_tokens
+    max_tokens = resolve_max_tokens(len(ids), requested, ctx.max_model_len, "messages")
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params_for(req, max_tokens, num_logprobs, None, ctx.vocab_size)
+    ctx.admit()
+    request_id = random_id("chatcmpl")
+    view = _ChatView(ctx, req, request_id, len(ids))
+    stream = ctx.generate(request_id, ids, params)
+    if req.stream:
+        return StreamingResponse(view.stream(stream), media_type="text/event-stream")
+    final = await unless_disconnected(raw, _last_output(stream))
+    return JSONResponse(view.response(final).model_dump())
+
+
+async def _last_output(stream) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    return last
+
+
+class _ChatView:
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
+                 prompt_len: int) -> None:
+        self.ctx, self.req, self.id, self.prompt_len = ctx, req, request_id, prompt_len
+        self.created = now()
+
+    def _logprobs(self, c: CompletionOutput, start: int):
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(self.ctx.tokenizer, c.token_ids[start:],
+                             list((c.logprobs or [])[start:]), self.req.top_logprobs or 0)
+
+    def _usage(self, output: RequestOutput | None) -> UsageInfo:
+        completion = sum(len(c.token_ids) for c in output.outputs) if output else 0
+        return UsageInfo(prompt_tokens=self.prompt_len, completion_tokens=completion,
+                         total_tokens=self.prompt_len + completion)
+
+    def response(self, output: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self._logprobs(c, 0), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason)
+                   for c in output.outputs]
+        return ChatCompletionResponse(id=self.id, created=self.created,
+                                      model=self.ctx.model_name, choices=choices,
+                                      usage=self._usage(output))
+
+    def _chunk(self, choice: ChatStreamChoice) -> str:
+        return sse(ChatCompletionChunk(id=self.id, created=self.created,
+                                       model=self.ctx.model_name, choices=[choice]))
+
+    async def stream(self, stream) -> AsyncIterator[str]:
+        sent_text = [0] * self.req.n
+        sent_tokens = [0] * self.req.n
+        done: set[int] = set()
+        last = None
+        try:
+            for index in range(self.req.n):   # the role comes first, as OpenAI sends it
+                yield self._chunk(ChatStreamChoice(
+                    index=index, delta=DeltaMessage(role="assistant", content="")))
+            async for _, output in merge([stream]):
+                last = output
+                for c in output.outputs:
+                    ends = c.finish_reason is not None and c.index not in done
+                    if len(c.text) == sent_text[c.index] and not ends \
+                            and len(c.token_ids) == sent_tokens[c.index]:
+                        continue
+                    choice = ChatStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text[sent_text[c.index]:]),
+                        logprobs=self._logprobs(c, sent_tokens[c.index]),
+                        finish_reason=c.finish_reason if ends else None,
+                        stop_reason=c.stop_reason if ends else None)
+                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    if ends:
+                        done.add(c.index)
+                    yield self._chunk(choice)
+            options = self.req.stream_options
+            if options is not None and options.include_usage:
+                yield sse(ChatCompletionChunk(id=self.id, created=self.created,
+                                              model=self.ctx.model_name, choices=[],
+                                              usage=self._usage(last)))
+        except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
+            yield sse_error(exc)
+        yield SSE_DONE

@@ -1,0 +1,70 @@
+"""What every endpoint needs: settings, the engine, a tokenizer, admission checks."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from archserve.engine.outputs import RequestOutput
+from archserve.engine.sampling_params import SamplingParams
+from archserve.serve.async_engine import AsyncEngine, EngineDeadError
+from archserve.serve.errors import OpenAIError
+from archserve.serve.metrics import ServerMetrics
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_queued_requests: int | None = None
+    served_model_names: list[str] = field(default_factory=list)
+    shutdown_timeout_s: float = 10.0
+
+
+class ServingContext:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics,
+                 settings: ServerSettings) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.settings = settings
+        llm_engine = engine.engine
+        # The engine thread detokenizes with its tokenizer; the handlers get their own
+        # copy so a Rust tokenizer is never used from two threads at once.
+        self.tokenizer = copy.deepcopy(llm_engine.tokenizer)
+        self.max_model_len: int = llm_engine.max_model_len
+        self.vocab_size: int = llm_engine.model_config.vocab_size
+        self.model_names = settings.served_model_names or ["archserve-default"]
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise OpenAIError(f"The model `{name}` does not exist.", status=404, param="model")
+
+    def admit(self, num_requests: int = 1) -> None:
+        """503 when the waiting queue is full (the client should retry later)."""
+        if not self.engine.is_alive:
+            raise OpenAIError(self.engine.dead_reason or "the engine is not running", 503,
+                              headers={"Retry-After": "5"})
+        limit = self.settings.max_queued_requests
+        if limit is not None and self.engine.num_queued + num_requests > limit:
+            raise OpenAIError(f"the server is busy: {self.engine.num_queued} requests are "
+                              f"waiting (limit {limit}); retry later", 503,
+                              headers={"Retry-After": "1"})
+
+    async def generate(self, request_id: str, prompt: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        try:
+            async for output in self.engine.generate(request_id, prompt, params):
+                yield output
+        except ValueError as exc:
+            raise OpenAIError(str(exc)) from None
+        except EngineDeadError as exc:
+            raise OpenAIError(str(exc), 503, headers={"Retry-After": "5"}) from None

@@ -1,0 +1,72 @@
+"""Start the server: load the engine, bind the socket, run uvicorn, shut down cleanly."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+
+from archserve.engine.config import EngineConfig
+from archserve.serve.context import ServerSettings
+
+log = logging.getLogger("archserve.serve")
+
+
+def build_context(engine_config: EngineConfig, settings: ServerSettings):
+    """Load the engine and wire it to metrics; the engine thread is not started yet."""
+    from archserve.engine.llm_engine import LLMEngine
+    from archserve.serve.async_engine import AsyncEngine
+    from archserve.serve.context import ServingContext
+    from archserve.serve.metrics import ServerMetrics
+
+    engine = LLMEngine(engine_config)
+    metrics = ServerMetrics(engine)
+    async_engine = AsyncEngine(engine, observer=metrics.observe_step,
+                               abort_observer=metrics.observe_abort)
+    return ServingContext(async_engine, metrics, settings)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(engine_config: EngineConfig, settings: ServerSettings) -> None:
+    """Serve until SIGTERM or SIGINT, then drain and exit normally."""
+    import uvicorn
+
+    from archserve.serve.app import build_app
+
+    ctx = build_context(engine_config, settings)
+    engine = ctx.engine.engine
+    report = engine.report
+    # LLMEngine has already logged its route (engine.describe_route()) while loading.
+    log.info("kv cache: %d blocks of %d tokens = %d tokens", report.num_blocks,
+             report.block_size, report.num_blocks * report.block_size)
+    app = build_app(ctx)
+    # Binding first means the address is known before we announce it (port 0 works).
+    sock = _bind(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    ctx.engine.start()
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=int(max(1, settings.shutdown_timeout_s)),
+                            timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    # Uvicorn re-raises the signal that stopped it once it has shut down; a no-op
+    # handler here turns that into a normal return, so SIGTERM exits with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    log.info("archserve: listening on http://%s:%d (model name: %s)", shown, port,
+             ", ".join(ctx.model_names))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        ctx.engine.shutdown(settings.shutdown_timeout_s)
+        sock.close()
+    log.info("archserve: server stopped")

@@ -1,0 +1,112 @@
+"""Prometheus metrics of one server, in its own registry, named like vLLM's (``archserve:``).
+
+Counters and histograms are fed from the engine thread (``observe_step`` after every
+step, ``observe_abort`` for requests ended early); gauges and the prefix-cache counters
+are read from the engine when Prometheus scrapes, so they are never stale.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from archserve.engine.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                    80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                 1.0, 2.5, 5.0, 10.0)
+
+
+class _EngineGauges:
+    """A collector that reads the engine's queue and KV cache state at scrape time."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        pool = self.engine.block_pool
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch.", stats["num_running"]),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats["num_waiting"]),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+             stats["kv_usage"]),
+            ("kv_cache_used_blocks", "KV cache blocks held by requests.", stats["num_used_blocks"]),
+            ("kv_cache_total_blocks", "KV cache blocks in the pool.", stats["num_blocks"]),
+        ):
+            yield GaugeMetricFamily(f"archserve:{name}", doc, value=value)
+        yield CounterMetricFamily("archserve:prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache.",
+                                  value=pool.prefix_cache_queries)
+        yield CounterMetricFamily("archserve:prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache.",
+                                  value=pool.prefix_cache_hits)
+
+
+class ServerMetrics:
+    def __init__(self, engine) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.prompt_tokens = Counter("archserve:prompt_tokens", "Prefill tokens processed.",
+                                     registry=r)
+        self.generation_tokens = Counter("archserve:generation_tokens",
+                                         "Generated tokens.", registry=r)
+        self.request_success = Counter("archserve:request_success",
+                                       "Requests ended, by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.http_requests = Counter("archserve:http_requests", "HTTP responses, by status.",
+                                     ["status"], registry=r)
+        self.ttft = Histogram("archserve:time_to_first_token_seconds",
+                              "Arrival to first generated token.", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("archserve:time_per_output_token_seconds",
+                              "Mean time between output tokens of a request.",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("archserve:e2e_request_latency_seconds",
+                             "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineGauges(engine))
+        self._seen_tokens: dict[str, int] = {}     # request id -> generated tokens counted
+        self._lock = threading.Lock()
+
+    def observe_step(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            for out in outputs:
+                rid = out.request_id
+                if rid not in self._seen_tokens:
+                    self._seen_tokens[rid] = 0
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                total = sum(len(c.token_ids) for c in out.outputs)
+                self.generation_tokens.inc(max(0, total - self._seen_tokens[rid]))
+                self._seen_tokens[rid] = total
+                if out.finished:
+                    del self._seen_tokens[rid]
+                    self._observe_finished(out)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+        self.request_success.labels(finished_reason=reason).inc()
+        m = out.metrics
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            most = max((len(c.token_ids) for c in out.outputs), default=0)
+            if most > 1:
+                self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (most - 1))
+
+    def observe_abort(self, request_id: str) -> None:
+        with self._lock:
+            self._seen_tokens.pop(request_id, None)
+            self.request_success.labels(finished_reason="abort").inc()
+
+    def observe_http(self, status: int) -> None:
+        self.http_requests.labels(status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,64 @@
+"""From a validated request body to engine inputs: SamplingParams and the context check.
+
+Everything here depends on the served model (context length, vocabulary), which is why
+it is not in the pydantic models. Every failure is an OpenAIError with status 400.
+"""
+
+from __future__ import annotations
+
+from archserve.engine.sampling_params import SamplingParams
+from archserve.serve.errors import OpenAIError
+from archserve.serve.protocol import SamplingFields
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
+                       what: str = "messages") -> int:
+    """The completion budget, or a 400 that states the lengths (as vLLM words it)."""
+    if prompt_len >= max_model_len:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_len} input tokens. Please reduce the length of the input "
+            f"{what}.", param="max_tokens" if requested else "messages")
+    if requested is None:
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the {what}, "
+            f"{requested} in the completion). Please reduce the length of the {what} or "
+            f"completion.", param="max_tokens")
+    return requested
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise OpenAIError(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param=param)
+
+
+def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None, vocab_size: int) -> SamplingParams:
+    """SamplingParams with OpenAI's defaults for fields the client left out."""
+    if req.stop_token_ids:
+        check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
+    if req.min_tokens > max_tokens:
+        raise OpenAIError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
+                          f"({max_tokens})", param="min_tokens")
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens)
+    except ValueError as exc:
+        raise OpenAIError(str(exc)) from None

@@ -1,0 +1,89 @@
+"""Async plumbing for handlers: merging per-prompt streams, SSE framing, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from archserve.serve.errors import OpenAIError, error_body
+
+T = TypeVar("T")
+_DONE = object()
+
+
+async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as items arrive, tagged with their index.
+
+    Leaving early (or an error in one) cancels the rest, which closes their generators
+    and so aborts their engine requests.
+    """
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((index, item))
+            await queue.put((index, _DONE))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(payload: BaseModel | dict) -> str:
+    if isinstance(payload, BaseModel):
+        text = payload.model_dump_json(exclude_unset=False)
+    else:
+        text = json.dumps(payload)
+    return f"data: {text}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    if isinstance(exc, OpenAIError):
+        return sse(error_body(exc.message, exc.status, exc.param))
+    return sse(error_body(f"{type(exc).__name__}: {exc}", 500))
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any],
+                              poll_s: float = 0.2) -> Any:
+    """Await ``work``; if the client goes away first, cancel it (aborting its requests)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

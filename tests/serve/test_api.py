@@ -1,0 +1,163 @@
+"""Completions, chat and the helper endpoints, through the official openai client."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.serve.conftest import API_KEY, MAX_MODEL_LEN
+
+PROMPT = "The capital of France is"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_completion_greedy_and_usage(client):
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8,
+                                  temperature=0)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    choice = r.choices[0]
+    assert "Paris" in choice.text
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == 13
+    again = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                      max_tokens=8, temperature=0)
+    assert again.choices[0].text == choice.text
+
+
+def test_completion_streaming_equals_non_streaming(client):
+    full = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                     max_tokens=8, temperature=0)
+    chunks = list(client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_n_multiple_prompts_and_token_ids(client, server):
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=[PROMPT, "Hello"],
+                                  max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in r.choices]
+    assert texts[0] == texts[1] and texts[2] == texts[3]   # greedy: the n samples agree
+    assert texts[0] != texts[2]                             # each prompt has its own choices
+    assert r.usage.prompt_tokens == len(ids) + 1
+    assert r.usage.completion_tokens == 16
+    batch = client.completions.create(model="SmolLM2-135M-Instruct", prompt=[ids, ids],
+                                      max_tokens=4, temperature=0)
+    assert [c.text for c in batch.choices] == [texts[0], texts[0]]
+    single = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids,
+                                       max_tokens=4, temperature=0)
+    assert single.choices[0].text == texts[0]
+
+
+def test_sampled_n_with_seed_is_reproducible(client):
+    kwargs = dict(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=8,
+                  temperature=1.0, top_p=0.95, n=3, seed=1234)
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1     # the n samples are distinct draws
+    c = client.completions.create(**{**kwargs, "seed": 4321})
+    assert [x.text for x in c.choices] != [x.text for x in a.choices]
+
+
+def test_stop_string_and_echo(client):
+    base = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                     max_tokens=8, temperature=0).choices[0].text
+    assert "." in base
+    stopped = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                        max_tokens=8, temperature=0, stop=["."])
+    choice = stopped.choices[0]
+    assert choice.text == base[:base.index(".")]
+    assert choice.finish_reason == "stop"
+    echoed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                       max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(PROMPT)
+    assert echoed.choices[0].text[len(PROMPT):] == base[:len(echoed.choices[0].text) - len(PROMPT)]
+
+
+def test_completion_logprobs_format(client):
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4,
+                                  temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0
+        assert 3 <= len(top) <= 4 and token in top
+        assert max(top.values()) == pytest.approx(logprob)   # greedy picks the best
+    echoed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                       max_tokens=2, temperature=0, logprobs=1, echo=True)
+    elp = echoed.choices[0].logprobs
+    assert len(elp.tokens) == 5 + 2 and elp.token_logprobs[0] is None
+    assert all(v is not None for v in elp.token_logprobs[1:])
+
+
+def test_chat_completion_and_streaming(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                       max_completion_tokens=8, temperature=0)
+    message = r.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert r.usage.completion_tokens <= 8 and r.usage.prompt_tokens > 10
+    chunks = list(client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == r.choices[0].finish_reason
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_chat_logprobs_and_n(client):
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=4, temperature=0.8, seed=7, n=2, logprobs=True, top_logprobs=2)
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        content = choice.logprobs.content
+        assert "".join(t.token for t in content) == choice.message.content
+        for token in content:
+            assert token.logprob <= 0 and len(token.top_logprobs) == 2
+            assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+
+
+def test_models_health_version_tokenize(server):
+    models = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()
+    assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()
+    assert tok["count"] == len(tok["tokens"]) == 5 and tok["max_model_len"] == MAX_MODEL_LEN
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert text["prompt"] == PROMPT
+    chat = httpx.post(f"{server.url}/tokenize",
+                      json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 5
+
+
+def test_metrics_exposition(server, client):
+    from tests.serve.conftest import read_metrics, wait_idle
+    before = read_metrics(server.url)
+    client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=3,
+                              temperature=0, extra_body={"ignore_eos": True})
+    after = wait_idle(server.url)
+    key = 'archserve:request_success_total{finished_reason="length"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after["archserve:generation_tokens_total"] == before["archserve:generation_tokens_total"] + 3
+    assert after["archserve:prompt_tokens_total"] == before["archserve:prompt_tokens_total"] + 5
+    assert after["archserve:time_to_first_token_seconds_count"] == \
+        before["archserve:time_to_first_token_seconds_count"] + 1
+    assert after['archserve:http_requests_total{status="200"}'] > 0
+    assert after["archserve:prefix_cache_queries_total"] >= after["archserve:prefix_cache_hits_total"] > 0
+    assert after["archserve:kv_cache_usage_perc"] == 0
