@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Everything this project checks on a CUDA machine, in one call (device time is scarce).
+#   bash scripts/gpu_check.sh OUTDIR
+# Writes: doctor.txt, explain.json, pytest_gpu.log, bench_attention.{md,json}.
+set -uo pipefail
+OUT=${1:-${OUT:-out}}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
+python3 -m archserve.cli.main doctor 2>&1 | tee "$OUT/doctor.txt"
+python3 -m archserve.cli.main explain --device live --op attention --head-size 128 \
+  --dtype bfloat16 --libraries installed --json > "$OUT/explain.json" 2>&1
+python3 -m archserve.cli.main explain --device h200 --op attention --head-size 128 \
+  --dtype bfloat16 --libraries installed 2>&1 | tee "$OUT/explain_h200.txt"
+timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/serve tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+timeout 150 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" | tail -30
