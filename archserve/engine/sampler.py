@@ -50,12 +50,17 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def _padded(rows: list[list[int]], pad: int) -> np.ndarray:
-    width = max((len(r) for r in rows), default=0)
-    out = np.full((len(rows), max(width, 1)), pad, dtype=np.int64)
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device
+                  ) -> torch.Tensor:
+    """float32 [len(rows), vocab_size]: how often each token occurs in each row's list."""
+    width = max(1, max(len(r) for r in rows))
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    valid = np.zeros((len(rows), width), dtype=np.float32)  # padding adds 0 to token 0
     for i, r in enumerate(rows):
-        out[i, :len(r)] = r
-    return out
+        ids[i, :len(r)] = r
+        valid[i, :len(r)] = 1.0
+    counts = torch.zeros((len(rows), vocab_size), dtype=torch.float32, device=device)
+    return counts.scatter_add_(1, _to_device(ids, device), _to_device(valid, device))
 
 
 @dataclass
@@ -75,7 +80,7 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor | None = None   # float32 [B]
     frequency_penalty: torch.Tensor | None = None    # float32 [B]
     presence_penalty: torch.Tensor | None = None     # float32 [B]
-    prompt_mask: torch.Tensor | None = None   # bool [B, V]: token occurs in the prompt
+    repetition_mask: torch.Tensor | None = None  # bool [B, V]: token in prompt or output
     output_counts: torch.Tensor | None = None # float32 [B, V]: occurrences in the output
     blocked_rows: torch.Tensor | None = None  # int64 [M]: (row, token) pairs masked to -inf
     blocked_tokens: torch.Tensor | None = None  # int64 [M] (stop tokens before min_tokens)
@@ -136,18 +141,13 @@ class SamplingBatch:
         uses_rep = scalars[3] != 1.0
         uses_output = (scalars[4] != 0.0) | (scalars[5] != 0.0) | uses_rep
         if uses_output.any():
-            outputs = [list(s.output_token_ids) if uses_output[i] else [] for i, s in enumerate(seqs)]
-            ids = _to_device(_padded(outputs, vocab_size), device)
-            counts = torch.zeros((n, vocab_size + 1), dtype=torch.float32, device=device)
-            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-            batch.output_counts = counts[:, :vocab_size]
+            outputs = [s.output_token_ids if uses_output[i] else [] for i, s in enumerate(seqs)]
+            batch.output_counts = _token_counts(outputs, vocab_size, device)
             batch.frequency_penalty, batch.presence_penalty = dev[4], dev[5]
         if uses_rep.any():
             prompts = [s.prompt_token_ids if uses_rep[i] else [] for i, s in enumerate(seqs)]
-            ids = _to_device(_padded(prompts, vocab_size), device)
-            mask = torch.zeros((n, vocab_size + 1), dtype=torch.bool, device=device)
-            mask.scatter_(1, ids, True)
-            batch.prompt_mask = mask[:, :vocab_size]
+            batch.repetition_mask = (_token_counts(prompts, vocab_size, device) > 0) | (
+                batch.output_counts > 0)
             batch.repetition_penalty = dev[3]
         return batch
 
@@ -167,12 +167,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if counts is None:
         return logits
     if batch.repetition_penalty is not None:
-        seen = counts > 0
-        if batch.prompt_mask is not None:
-            seen = seen | batch.prompt_mask
-        rep = batch.repetition_penalty[:, None]
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
+        rep = torch.where(batch.repetition_mask, batch.repetition_penalty[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / rep, logits * rep)
     logits = logits - batch.frequency_penalty[:, None] * counts
     return logits - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
 
