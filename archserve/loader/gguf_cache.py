@@ -40,35 +40,31 @@ def _save(save_fn, directory: str, what: str) -> None:
         log.debug("could not cache the GGUF %s in %s: %s", what, directory, exc)
 
 
+def _derived(gguf_path: str, kind: str, marker: str, auto_class) -> Any:
+    """``auto_class`` (AutoConfig / AutoTokenizer) from the cache, else from the GGUF + save."""
+    entry = os.path.join(_entry_dir(gguf_path), kind)
+    if os.path.isfile(os.path.join(entry, marker)):
+        try:
+            return auto_class.from_pretrained(entry, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            log.debug("ignoring unreadable cached %s %s: %s", kind, entry, exc)
+    directory, name = os.path.split(os.path.abspath(gguf_path))
+    derived = auto_class.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    _save(derived.save_pretrained, entry, kind)
+    return derived
+
+
 @functools.lru_cache(maxsize=8)
 def gguf_hf_config(gguf_path: str) -> Any:
     """The transformers config of a GGUF file (parsed once per file version)."""
     from transformers import AutoConfig
-    entry = os.path.join(_entry_dir(gguf_path), "config")
-    if os.path.isfile(os.path.join(entry, "config.json")):
-        try:
-            return AutoConfig.from_pretrained(entry, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            log.debug("ignoring unreadable cached config %s: %s", entry, exc)
-    directory, name = os.path.split(os.path.abspath(gguf_path))
-    config = AutoConfig.from_pretrained(directory, gguf_file=name, local_files_only=True)
-    _save(config.save_pretrained, entry, "config")
-    return config
+    return _derived(gguf_path, "config", "config.json", AutoConfig)
 
 
 def gguf_tokenizer(gguf_path: str) -> Any:
     """The transformers tokenizer of a GGUF file (converted once per file version)."""
     from transformers import AutoTokenizer
-    entry = os.path.join(_entry_dir(gguf_path), "tokenizer")
-    if os.path.isfile(os.path.join(entry, "tokenizer_config.json")):
-        try:
-            return AutoTokenizer.from_pretrained(entry, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            log.debug("ignoring unreadable cached tokenizer %s: %s", entry, exc)
-    directory, name = os.path.split(os.path.abspath(gguf_path))
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
-    _save(tokenizer.save_pretrained, entry, "tokenizer")
-    return tokenizer
+    return _derived(gguf_path, "tokenizer", "tokenizer_config.json", AutoTokenizer)
 
 
 # Dequantized weights are cached only for small files: a 7B GGUF would become ~28 GB of fp32.
