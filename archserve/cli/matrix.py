@@ -50,7 +50,9 @@ def _print_table(data: dict, devices: list) -> None:
             note = feature["notes"].get(d.id, "")
             cells.append(f"[green]✓{note}[/green]" if ok else "[red]✗[/red]")
         table.add_row("  " + name, *cells)
-    console = Console()
+    # A matrix is read across: never let a narrow (or absent) terminal squeeze its columns.
+    needed = 42 + sum(max(len(d.id), 6) + 3 for d in devices)
+    console = Console(width=max(Console().width, needed))
     console.print(table)
     console.print("✓ supported by the hardware rules  ✗ not supported  "
                   "(rules only) = archserve does not ship this kernel yet")
