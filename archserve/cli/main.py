@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "serve": "archserve.cli.serve:serve",
     "generate": "archserve.cli.generate:generate",
     "chat": "archserve.cli.generate:chat",
+    "bench": "archserve.cli.bench:bench",
 }
 
 

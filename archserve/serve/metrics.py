@@ -40,12 +40,43 @@ class _EngineGauges:
             ("kv_cache_total_blocks", "KV cache blocks in the pool.", stats["num_blocks"]),
         ):
             yield GaugeMetricFamily(f"archserve:{name}", doc, value=value)
+        yield from _device_memory_gauges(self.engine.runner.device)
         yield CounterMetricFamily("archserve:prefix_cache_queries",
                                   "Prompt tokens looked up in the prefix cache.",
                                   value=pool.prefix_cache_queries)
         yield CounterMetricFamily("archserve:prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache.",
                                   value=pool.prefix_cache_hits)
+
+
+def _device_memory_gauges(device):
+    """Memory held on the engine's device now, and its high-water mark since start.
+
+    On CUDA: bytes reserved by torch's caching allocator (weights, KV cache, activations);
+    on a CPU: the server process's resident set, so the gauges exist on every device.
+    """
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        used = torch.cuda.memory_reserved(device)
+        peak = torch.cuda.max_memory_reserved(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+        try:
+            with open("/proc/self/statm") as f:
+                used = int(f.read().split()[1]) * resource.getpagesize()
+        except OSError:   # not Linux: the peak is the best figure there is
+            used = peak
+        peak = max(peak, used)   # two sources, sampled at slightly different times
+    for name, doc, value in (
+        ("device_memory_used_bytes", "Device memory held by the engine now.", used),
+        ("device_memory_peak_bytes", "High-water mark of device memory held.", peak),
+    ):
+        family = GaugeMetricFamily(f"archserve:{name}", doc, labels=["device"])
+        family.add_metric([str(device)], float(value))
+        yield family
 
 
 class ServerMetrics:

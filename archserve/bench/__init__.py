@@ -1,0 +1,1 @@
+"""`archserve bench`: offline throughput, serving latency, roofline, peer comparison, plots."""

@@ -1,0 +1,75 @@
+"""Offline throughput: every request queued at once, the engine stepped to completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from archserve.bench.progress import progress_bar
+from archserve.bench.stats import rate
+from archserve.bench.step_trace import StepTrace, trace_steps
+from archserve.bench.workload import BenchRequest
+
+
+@dataclass
+class ThroughputResult:
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return rate(self.output_tokens, self.elapsed_s)
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return rate(self.prompt_tokens + self.output_tokens, self.elapsed_s)
+
+    @property
+    def requests_per_s(self) -> float:
+        return rate(self.num_requests, self.elapsed_s)
+
+    def to_json(self) -> dict:
+        return {"num_requests": self.num_requests, "prompt_tokens": self.prompt_tokens,
+                "output_tokens": self.output_tokens, "elapsed_s": self.elapsed_s,
+                "output_tokens_per_s": self.output_tokens_per_s,
+                "total_tokens_per_s": self.total_tokens_per_s,
+                "requests_per_s": self.requests_per_s}
+
+
+def _params(output_len: int, ignore_eos: bool):
+    from archserve.engine.sampling_params import SamplingParams
+    # Greedy and no detokenizing: the bench measures the engine, not text assembly.
+    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos,
+                          detokenize=False)
+
+
+def warm_up(engine, request: BenchRequest) -> None:
+    """One short request first, so one-time costs (kernel compiles, allocator growth)
+    stay out of the measurement."""
+    engine.add_request("bench-warmup", request.prompt_token_ids[:16], _params(2, True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def run_offline(engine, requests: list[BenchRequest], ignore_eos: bool = True,
+                show_progress: bool = True) -> tuple[ThroughputResult, StepTrace]:
+    """Queue every request, step until all finish; returns throughput and the step trace."""
+    import time
+
+    warm_up(engine, requests[0])
+    with progress_bar(show_progress) as bar, trace_steps(engine) as trace:
+        task = bar.add_task("archserve", total=len(requests))
+        t0 = time.perf_counter()
+        for i, req in enumerate(requests):
+            engine.add_request(f"bench-{i}", req.prompt_token_ids,
+                               _params(req.output_len, ignore_eos))
+        output_tokens = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    bar.advance(task)
+        elapsed = time.perf_counter() - t0
+    prompt_tokens = sum(r.input_len for r in requests)
+    return ThroughputResult(len(requests), prompt_tokens, output_tokens, elapsed), trace

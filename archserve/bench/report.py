@@ -1,0 +1,91 @@
+"""Presenting a bench result: strict JSON (NaN becomes null) and a rich table."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+
+def json_safe(value: Any) -> Any:
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def to_json_text(result: dict) -> str:
+    return json.dumps(json_safe(result), indent=2, allow_nan=False)
+
+
+def write_json(result: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(to_json_text(result) + "\n")
+
+
+def _num(value: Any, digits: int = 2, scale: float = 1.0, unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value * scale:,.{digits}f}{unit}"
+
+
+def _latency_rows(run: dict) -> list[tuple[str, str]]:
+    rows = []
+    for key, title in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
+                       ("e2e_ms", "E2E latency")):
+        s = run[key]
+        rows.append((f"{title} P50 / P90 / P99 (ms)",
+                     f"{_num(s['p50'])} / {_num(s['p90'])} / {_num(s['p99'])}"))
+    return rows
+
+
+def summary_rows(result: dict) -> list[tuple[str, str]]:
+    rows = [("mode", result["mode"]), ("model", str(result.get("model"))),
+            ("requests", str(result.get("num_requests"))),
+            ("output tokens/s", _num(result["output_tokens_per_s"])),
+            ("total tokens/s", _num(result["total_tokens_per_s"])),
+            ("requests/s", _num(result["requests_per_s"], 3))]
+    if result["mode"] == "offline":
+        roof = result["roofline"]
+        rows += [("device", str(result.get("device"))),
+                 ("roofline efficiency", _num(result["roofline_efficiency"], 1, 100, " %")),
+                 ("MBU (decode steps)", _num(result["mbu"], 1, 100, " %")),
+                 ("roofline floor / step time (s)",
+                  f"{_num(roof['floor_s'], 3)} / {_num(roof['measured_s'], 3)}"),
+                 ("steps (decode, compute-bound)",
+                  f"{roof['num_steps']} ({roof['num_decode_steps']}, "
+                  f"{roof['compute_bound_steps']})")]
+        if result.get("peer"):
+            peer = result["peer"]
+            rows += [(f"transformers ({peer['method']}) output tokens/s",
+                      _num(peer["output_tokens_per_s"])),
+                     ("speedup vs transformers", _num(result["speedup_vs_peer"], 2, 1, "x"))]
+    else:
+        for run in result["runs"]:
+            label = f"c={run['concurrency']}" if run["concurrency"] else f"rate={run['request_rate']}"
+            rows.append((f"{label}: output tok/s, failed",
+                         f"{_num(run['output_tokens_per_s'])}, {run['failed']}"))
+        rows += _latency_rows(result)
+        server = result["server"]
+        rows += [("device memory peak (GiB)", _num(server["memory_peak_bytes"], 2, 2**-30)),
+                 ("KV cache usage max / mean",
+                  f"{_num(server['kv_cache_usage_max'], 1, 100, ' %')} / "
+                  f"{_num(server['kv_cache_usage_mean'], 1, 100, ' %')}")]
+    for path in result.get("plots", []):
+        rows.append(("plot", path))
+    return rows
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+    table = Table(title="archserve bench", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right", overflow="fold")
+    for name, value in summary_rows(result):
+        table.add_row(escape(name), escape(value))
+    Console().print(table)

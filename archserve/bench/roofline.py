@@ -1,0 +1,132 @@
+"""The roofline floor of a traced run, and how close the run came to it.
+
+Per step, the floor is max(FLOPs / measured matmul rate, bytes / measured copy
+bandwidth), summed over steps; roofline efficiency is floor / measured step time
+(1.0 would be at the roofline). MBU (model bandwidth utilisation) is, over decode-only
+steps, bytes moved / time / measured bandwidth.
+
+What a step costs, for each scheduled sequence with ``n`` new tokens after ``c``
+cached ones:
+
+- FLOPs: ``2 * body_params * n`` for the transformer body, ``2 * lm_head_params`` if
+  the chunk is sampled (the engine runs the LM head on sampled rows only), and per
+  layer ``4 * head_dim * num_heads * attended`` for QK^T and PV, where
+  ``attended = n*c + n*(n+1)/2`` (causal: token i sees the c cached tokens and i+1 new).
+- bytes: the weights once per step (body + LM head; the embedding is a row gather and
+  is not counted), plus per layer ``kv_bytes_per_token * (c + n)``: the cached context
+  is read and the new tokens' keys and values are written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from archserve.bench.calibrate import Ceilings
+from archserve.bench.step_trace import ScheduledWork, StepTrace
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    body_params: int             # every weight except the embedding table and the LM head
+    lm_head_params: int
+    weight_bytes: int            # bytes read per step: body + LM head
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    kv_bytes_per_token_per_layer: int   # keys + values of one token in one layer
+
+
+def model_facts(engine) -> ModelFacts:
+    """The facts of a loaded engine, from its model config and its actual parameters."""
+    mc = engine.model_config
+    body_params = body_bytes = 0
+    embed_weight = None
+    for name, param in engine.model.named_parameters():
+        if "embed" in name and param.dim() == 2 and param.shape[0] >= mc.vocab_size:
+            embed_weight = param
+            continue
+        if name.startswith("lm_head") or ".lm_head." in name:
+            continue
+        body_params += param.numel()
+        body_bytes += param.numel() * param.element_size()
+    lm_head_params = mc.vocab_size * mc.hidden_size
+    head_elem = embed_weight.element_size() if embed_weight is not None else 2
+    kv = engine.runner.kv_caches[0]
+    kv_bytes = 2 * mc.num_kv_heads * mc.head_dim * kv.element_size()
+    return ModelFacts(body_params=body_params, lm_head_params=lm_head_params,
+                      weight_bytes=body_bytes + lm_head_params * head_elem,
+                      num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
+                      kv_bytes_per_token_per_layer=kv_bytes)
+
+
+def attended_pairs(num_new_tokens: int, context_len: int) -> int:
+    n, c = num_new_tokens, context_len
+    return n * c + n * (n + 1) // 2
+
+
+def step_flops(facts: ModelFacts, work: list[ScheduledWork]) -> float:
+    tokens = sum(w.num_new_tokens for w in work)
+    sampled = sum(1 for w in work if w.samples)
+    pairs = sum(attended_pairs(w.num_new_tokens, w.context_len) for w in work)
+    attention = facts.num_layers * 4 * facts.head_dim * facts.num_heads * pairs
+    return 2.0 * facts.body_params * tokens + 2.0 * facts.lm_head_params * sampled + attention
+
+
+def step_bytes(facts: ModelFacts, work: list[ScheduledWork]) -> float:
+    kv_tokens = sum(w.context_len + w.num_new_tokens for w in work)
+    return float(facts.weight_bytes
+                 + facts.num_layers * facts.kv_bytes_per_token_per_layer * kv_tokens)
+
+
+def step_floor_seconds(facts: ModelFacts, work: list[ScheduledWork], ceilings: Ceilings
+                       ) -> float:
+    return max(step_flops(facts, work) / ceilings.matmul_flops_per_s,
+               step_bytes(facts, work) / ceilings.copy_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class RooflineReport:
+    num_steps: int
+    num_decode_steps: int
+    compute_bound_steps: int
+    floor_s: float
+    measured_s: float
+    roofline_efficiency: float
+    total_flops: float
+    total_bytes: float
+    achieved_flops_per_s: float
+    achieved_bytes_per_s: float
+    mbu: float                    # decode steps only; nan when there were none
+    decode_bytes_per_s: float
+
+    def to_json(self) -> dict:
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                for k, v in asdict(self).items()}
+
+
+def analyze(trace: StepTrace, facts: ModelFacts, ceilings: Ceilings) -> RooflineReport:
+    floor = flops = moved = 0.0
+    decode_bytes = decode_s = 0.0
+    decode_steps = compute_bound = 0
+    for step in trace.steps:
+        f, b = step_flops(facts, step.work), step_bytes(facts, step.work)
+        compute_s, memory_s = f / ceilings.matmul_flops_per_s, b / ceilings.copy_bytes_per_s
+        floor += max(compute_s, memory_s)
+        compute_bound += compute_s > memory_s
+        flops += f
+        moved += b
+        if step.is_decode:
+            decode_steps += 1
+            decode_bytes += b
+            decode_s += step.seconds
+    measured = trace.seconds
+    decode_rate = decode_bytes / decode_s if decode_s > 0 else math.nan
+    return RooflineReport(
+        num_steps=len(trace.steps), num_decode_steps=decode_steps,
+        compute_bound_steps=int(compute_bound), floor_s=floor, measured_s=measured,
+        roofline_efficiency=floor / measured if measured > 0 else math.nan,
+        total_flops=flops, total_bytes=moved,
+        achieved_flops_per_s=flops / measured if measured > 0 else math.nan,
+        achieved_bytes_per_s=moved / measured if measured > 0 else math.nan,
+        mbu=decode_rate / ceilings.copy_bytes_per_s, decode_bytes_per_s=decode_rate)

@@ -1,0 +1,193 @@
+"""One bench run from options to a result dict: the library behind `archserve bench`.
+
+``run_bench(BenchOptions(...))`` returns the JSON-ready result; the CLI only parses
+flags, prints and writes files.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+from archserve.bench.workload import (
+    BenchRequest,
+    dataset_requests,
+    random_requests,
+    special_token_ids,
+)
+
+log = logging.getLogger("archserve.bench")
+
+
+@dataclass
+class BenchOptions:
+    mode: str = "offline"                       # offline | serve
+    model: str | None = None                    # None: the embedded default model
+    load_format: str = "auto"
+    dtype: str = "auto"
+    num_prompts: int = 100
+    input_len: int = 128
+    output_len: int = 128
+    random_range: float = 0.0
+    seed: int = 0
+    dataset: str | None = None
+    ignore_eos: bool = True
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    enforce_eager: bool = False
+    peer: str | None = None                     # None | "transformers"
+    url: str = "http://127.0.0.1:8000"
+    api_key: str | None = None
+    concurrency: list[int] = field(default_factory=list)
+    request_rate: float = math.inf
+    metrics_interval_s: float = 0.25
+    plots_dir: str | None = None
+    show_progress: bool = True
+
+    def validate(self) -> None:
+        if self.mode not in ("offline", "serve"):
+            raise ValueError(f"mode must be offline or serve, got {self.mode!r}")
+        if self.peer not in (None, "transformers"):
+            raise ValueError(f"the only peer is 'transformers', got {self.peer!r}")
+        if self.peer and self.mode != "offline":
+            raise ValueError("--peer runs in the same process: use it with --mode offline")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+
+
+def build_requests(options: BenchOptions, tokenizer, vocab_size: int) -> list[BenchRequest]:
+    if options.dataset:
+        return dataset_requests(options.dataset, tokenizer, options.output_len,
+                                options.num_prompts)
+    return random_requests(options.num_prompts, options.input_len, options.output_len,
+                           vocab_size, special_token_ids(tokenizer), options.random_range,
+                           options.seed)
+
+
+def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
+    longest = max(r.input_len + r.output_len for r in requests)
+    if longest > max_model_len:
+        raise ValueError(f"a request needs {longest} tokens (prompt + output) but the context "
+                         f"length is {max_model_len}; lower --input-len/--output-len or raise "
+                         f"--max-model-len")
+
+
+def _workload_json(options: BenchOptions, requests: list[BenchRequest]) -> dict:
+    return {"num_requests": len(requests), "input_len": options.input_len,
+            "output_len": options.output_len, "random_range": options.random_range,
+            "seed": options.seed, "dataset": options.dataset, "ignore_eos": options.ignore_eos,
+            "prompt_tokens_mean": sum(r.input_len for r in requests) / len(requests),
+            "output_len_mean": sum(r.output_len for r in requests) / len(requests)}
+
+
+def run_bench(options: BenchOptions) -> dict:
+    options.validate()
+    return run_offline_bench(options) if options.mode == "offline" else \
+        run_serving_bench(options)
+
+
+# -- offline ---------------------------------------------------------------------------
+def run_offline_bench(options: BenchOptions) -> dict:
+    from archserve.bench.calibrate import load_or_measure
+    from archserve.bench.offline import run_offline
+    from archserve.bench.roofline import analyze, model_facts
+    from archserve.engine.config import EngineConfig
+    from archserve.engine.llm_engine import LLMEngine
+    from archserve.loader.loader import resolve_model_path
+
+    model_path = resolve_model_path(options.model)
+    engine = LLMEngine(EngineConfig(
+        model=model_path, dtype=options.dtype, load_format=options.load_format,
+        max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
+        enforce_eager=options.enforce_eager, seed=options.seed))
+    vocab = min(len(engine.tokenizer), engine.model_config.vocab_size)
+    requests = build_requests(options, engine.tokenizer, vocab)
+    check_fits(requests, engine.max_model_len)
+    device, dtype = engine.runner.device, engine.report.dtype
+    ceilings = load_or_measure(device)
+    throughput, trace = run_offline(engine, requests, options.ignore_eos,
+                                    options.show_progress)
+    facts = model_facts(engine)
+    roofline = analyze(trace, facts, ceilings)
+    result = {
+        "mode": "offline", "model": options.model or os.path.basename(model_path),
+        "load_format": options.load_format, "device": engine.report.device.describe(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "attention_backend": engine.report.attention.name,
+        **_workload_json(options, requests),
+        **throughput.to_json(),
+        "roofline_efficiency": roofline.roofline_efficiency, "mbu": roofline.mbu,
+        "roofline": roofline.to_json(), "ceilings": ceilings.to_json(),
+        "model_facts": vars(facts).copy(), "plots": [],
+    }
+    if options.plots_dir:
+        result["plots"].append(_step_plot(trace, facts, ceilings, options.plots_dir))
+    if options.peer == "transformers":
+        del engine                     # the peer needs the memory the KV pool holds
+        _release_device_memory(device)
+        from archserve.bench.peer_transformers import run_peer
+        peer, method = run_peer(model_path, options.load_format, dtype, device, requests,
+                                options.ignore_eos, options.max_num_seqs, options.show_progress)
+        result["peer"] = {"name": "transformers", "method": method, **peer.to_json()}
+        result["speedup_vs_peer"] = (throughput.output_tokens_per_s
+                                     / peer.output_tokens_per_s)
+    return result
+
+
+def _release_device_memory(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        import torch
+        torch.cuda.empty_cache()
+
+
+def _step_plot(trace, facts, ceilings, directory: str) -> str:
+    from archserve.bench.plots import step_times
+    from archserve.bench.roofline import step_floor_seconds
+    os.makedirs(directory, exist_ok=True)
+    return step_times([s.seconds for s in trace.steps],
+                      [step_floor_seconds(facts, s.work, ceilings) for s in trace.steps],
+                      os.path.join(directory, "step_time_vs_roofline.png"))
+
+
+# -- serving ---------------------------------------------------------------------------
+def run_serving_bench(options: BenchOptions) -> dict:
+    from archserve.bench.serving import run_serving
+    from archserve.loader.loader import resolve_model_path
+    from archserve.loader.tokenizer import load_tokenizer
+
+    # The prompts are token ids, so the bench needs the served model's tokenizer.
+    tokenizer = load_tokenizer(resolve_model_path(options.model))
+    requests = build_requests(options, tokenizer, len(tokenizer))
+    levels: list[int | None] = list(options.concurrency) or [None]
+    runs, raw = [], {"ttft": [], "tpot": [], "itl": [], "e2e": []}
+    for level in levels:
+        result = run_serving(options.url, requests, level, request_rate=options.request_rate,
+                             ignore_eos=options.ignore_eos, seed=options.seed,
+                             metrics_interval_s=options.metrics_interval_s,
+                             api_key=options.api_key, show_progress=options.show_progress)
+        runs.append(result.to_json())
+        ok = [t for t in result.timings if t.error is None]
+        raw["ttft"].append([t.ttft_s * 1000 for t in ok if t.ttft_s is not None])
+        raw["tpot"].append([t.tpot_s * 1000 for t in ok if t.tpot_s is not None])
+        raw["itl"].append([x * 1000 for t in ok for x in t.itl_s])
+        raw["e2e"].append([t.e2e_s * 1000 for t in ok if t.e2e_s is not None])
+    headline = runs[-1]
+    result = {
+        "mode": "serve", "url": options.url, "model": options.model,
+        **_workload_json(options, requests),
+        **{k: headline[k] for k in ("output_tokens_per_s", "total_tokens_per_s",
+                                    "requests_per_s", "ttft_ms", "tpot_ms", "itl_ms",
+                                    "e2e_ms", "completed", "failed", "server")},
+        # The floor needs the engine's per-step trace, which a remote server does not expose.
+        "roofline_efficiency": None,
+        "roofline_note": "per-step roofline needs the engine in process: use --mode offline",
+        "runs": runs, "plots": [],
+    }
+    if options.plots_dir:
+        from archserve.bench.plots import serving_plots
+        result["plots"] = serving_plots(runs, raw, options.plots_dir)
+    return result

@@ -1,0 +1,103 @@
+"""Polling a server's Prometheus /metrics during a run: KV cache usage, running
+requests and device memory over time.
+
+Names are matched by suffix after the namespace, so archserve (``archserve:``) and
+vLLM-style servers (``vllm:``) both work; a metric a server lacks stays None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# our field -> metric names after the "namespace:" prefix, first found wins
+_WANTED = {
+    "kv_cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "num_running": ("num_requests_running",),
+    "num_waiting": ("num_requests_waiting",),
+    "memory_used_bytes": ("device_memory_used_bytes", "gpu_memory_used_bytes"),
+    "memory_peak_bytes": ("device_memory_peak_bytes", "gpu_memory_peak_bytes"),
+}
+
+
+@dataclass(frozen=True)
+class MetricsSample:
+    t: float                         # seconds since the run started
+    kv_cache_usage: float | None     # 0..1
+    num_running: float | None
+    num_waiting: float | None
+    memory_used_bytes: float | None
+    memory_peak_bytes: float | None
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Metric name after its namespace -> value (labelled series summed)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            short = sample.name.split(":", 1)[-1]
+            values[short] = values.get(short, 0.0) + float(sample.value)
+    return values
+
+
+def sample_from(values: dict[str, float], t: float) -> MetricsSample:
+    picked = {}
+    for field_name, names in _WANTED.items():
+        picked[field_name] = next((values[n] for n in names if n in values), None)
+    return MetricsSample(t=t, **picked)
+
+
+class MetricsPoller:
+    """Scrapes ``{url}/metrics`` every ``interval_s`` until stopped; failures are skipped."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, interval_s: float = 0.25) -> None:
+        self.client, self.url, self.interval_s = client, url.rstrip("/") + "/metrics", interval_s
+        self.samples: list[MetricsSample] = []
+        self._task: asyncio.Task | None = None
+        self._t0 = 0.0
+
+    async def poll_once(self) -> None:
+        try:
+            response = await self.client.get(self.url, timeout=5.0)
+            if response.status_code == 200:
+                self.samples.append(sample_from(parse_metrics(response.text),
+                                                time.perf_counter() - self._t0))
+        except (httpx.HTTPError, ValueError):
+            pass
+
+    async def _loop(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.interval_s)
+
+    def start(self, t0: float) -> None:
+        self._t0 = t0
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.poll_once()       # one last sample after the run
+
+
+def summarize_samples(samples: list[MetricsSample]) -> dict:
+    def values(name: str) -> list[float]:
+        return [v for s in samples if (v := getattr(s, name)) is not None]
+
+    kv, used, peak = values("kv_cache_usage"), values("memory_used_bytes"), \
+        values("memory_peak_bytes")
+    return {
+        "num_samples": len(samples),
+        "kv_cache_usage_max": max(kv) if kv else None,
+        "kv_cache_usage_mean": sum(kv) / len(kv) if kv else None,
+        "memory_peak_bytes": max(peak + used) if peak or used else None,
+        "timeline": [asdict(s) for s in samples],
+    }

@@ -1,0 +1,79 @@
+"""An optional per-step trace of a live engine, attached from outside the engine.
+
+``trace_steps(engine)`` wraps the engine's ``scheduler.schedule`` (to see what each step
+runs: per sequence, new tokens and the context already in the KV cache) and
+``engine.step`` (to time the whole step) as instance attributes, and removes the
+wrappers on exit. The engine's code is untouched and pays nothing when not traced.
+On CUDA each step ends with a synchronize so its wall time covers its kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ScheduledWork:
+    num_new_tokens: int
+    context_len: int       # tokens already in the KV cache before this step
+    samples: bool          # this chunk ends at the newest token: the LM head runs for it
+
+
+@dataclass
+class StepRecord:
+    work: list[ScheduledWork]
+    seconds: float
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.work) and all(w.num_new_tokens == 1 for w in self.work)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.num_new_tokens for w in self.work)
+
+
+@dataclass
+class StepTrace:
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.steps)
+
+
+@contextlib.contextmanager
+def trace_steps(engine) -> Iterator[StepTrace]:
+    trace = StepTrace()
+    scheduler = engine.scheduler
+    inner_schedule, inner_step = scheduler.schedule, engine.step
+    sync = engine.runner.device.type == "cuda"
+    pending: list[list[ScheduledWork]] = []
+
+    def schedule():
+        out = inner_schedule()
+        pending.append([ScheduledWork(e.num_new_tokens, e.seq.num_computed_tokens, e.samples)
+                        for e in out.scheduled])
+        return out
+
+    def step():
+        pending.clear()
+        t0 = time.perf_counter()
+        outputs = inner_step()
+        if sync:
+            torch.cuda.synchronize(engine.runner.device)
+        seconds = time.perf_counter() - t0
+        if pending and pending[-1]:
+            trace.steps.append(StepRecord(pending[-1], seconds))
+        return outputs
+
+    scheduler.schedule, engine.step = schedule, step
+    try:
+        yield trace
+    finally:
+        del scheduler.schedule, engine.step    # back to the class methods
