@@ -12,5 +12,5 @@ python3 -m archserve.cli.main explain --device live --op attention --head-size 1
   --dtype bfloat16 --libraries installed --json > "$OUT/explain.json" 2>&1
 python3 -m archserve.cli.main explain --device h200 --op attention --head-size 128 \
   --dtype bfloat16 --libraries installed 2>&1 | tee "$OUT/explain_h200.txt"
-timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/serve tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
-timeout 150 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" | tail -30
+timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/serve tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+timeout 120 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" | tail -30

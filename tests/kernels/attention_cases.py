@@ -173,6 +173,8 @@ CPU_CASES = [
                                    sliding_window=9, soft_cap=5.0)),
     ("fp8-e4m3-chunked", dict(seqs=[(20, 40), (1, 30)], num_heads=4, num_kv_heads=1,
                               kv_cache_dtype="fp8_e4m3")),
-    ("fp8-e5m2-decode-bf16", dict(seqs=[(1, 40), (1, 30)], num_heads=4, num_kv_heads=1,
+    ("fp8-e5m2-decode-bf16", dict(seqs=[(1, 40), (1, 30)], num_heads=4, num_kv_heads=2,
                                   kv_cache_dtype="fp8_e5m2", dtype=torch.bfloat16)),
+    ("fp8-e4m3-decode-gqa4", dict(seqs=[(1, 40), (1, 70)], num_heads=8, num_kv_heads=2,
+                                  kv_cache_dtype="fp8_e4m3", dtype=torch.float16)),
 ]

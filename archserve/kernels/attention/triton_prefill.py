@@ -9,6 +9,8 @@ that cross it (or the sliding window's lower edge) pay for masking; tiles above 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -119,15 +121,30 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+# Autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages), tried once per head size and
+# dtype. The largest fit Hopper's shared memory (bf16, head 128, 4 x 4096 causal on an H200:
+# 128x128/8 warps/3 stages ~325 TFLOP/s); configs that overflow a smaller GPU's shared memory
+# fail to compile and the autotuner drops them, so the small ones keep every GPU covered.
+PREFILL_CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 4, 2),
+                   (64, 32, 4, 2), (32, 32, 4, 1)]
+
+
 def _prefill_tiles(head_size: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head size; shared memory bounds the tiles."""
-    if dtype == torch.float32:
-        return 32, 32, 4, 2
-    if head_size <= 64:
-        return 128, 64, 4, 3
-    if head_size <= 128:
-        return 128, 64, 8, 3
-    return 64, 32, 4, 2
+    """Tiles for when the autotuner is not used (the CPU interpreter, where time is per op)."""
+    if dtype == torch.float32 or head_size > 128:
+        return 32, 32, 4, 1
+    return 64, 64, 4, 2
+
+
+_tuned_prefill_kernel = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+             for m, n, w, st in PREFILL_CONFIGS],
+    key=["HEAD_SIZE", "GROUP", "SLIDING_WINDOW", "USE_SOFT_CAP"],
+)(_prefill_kernel)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -138,22 +155,29 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
                       tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged context; writes ``out``.
 
-    ``tiles`` overrides (BLOCK_M, BLOCK_N, num_warps, num_stages), for tests and tuning.
+    On a GPU the tiles are autotuned once per head size, group, dtype and feature set;
+    ``tiles`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) pins them (tests, tuning).
     """
     _, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if num_seqs == 0 or max_query_len == 0:
         return out
+    args = (query, kv_cache, block_tables, seq_lens, query_start_loc, out,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0)
+    constants = dict(
+        GROUP=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+        BLOCK_D=triton.next_power_of_2(head_size), SLIDING_WINDOW=sliding_window or 0,
+        USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
+        DOT_PRECISION=dot_precision(query.dtype))
+    if tiles is None and not _interpreted():
+        def grid(meta: dict) -> tuple[int, int, int]:
+            return triton.cdiv(max_query_len, meta["BLOCK_M"]), num_seqs, num_heads
+        _tuned_prefill_kernel[grid](*args, **constants)
+        return out
     block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(head_size, query.dtype)
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](
-        query, kv_cache, block_tables, seq_lens, query_start_loc, out,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
-        GROUP=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_size),
-        SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
-        DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
-    )
+    _prefill_kernel[grid](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n,
+                          num_warps=num_warps, num_stages=num_stages)
     return out
