@@ -1,0 +1,166 @@
+"""The bench's arithmetic on hand-computed cases: percentiles, rates, roofline, MBU,
+workload generation, arrivals and metrics parsing. No engine, no timing."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from archserve.bench.calibrate import Ceilings, load_or_measure
+from archserve.bench.offline import ThroughputResult
+from archserve.bench.roofline import (
+    ModelFacts,
+    analyze,
+    attended_pairs,
+    step_bytes,
+    step_floor_seconds,
+    step_flops,
+)
+from archserve.bench.server_metrics import parse_metrics, sample_from
+from archserve.bench.serving import RequestTiming, arrival_gaps
+from archserve.bench.stats import percentile, summarize
+from archserve.bench.step_trace import ScheduledWork, StepRecord, StepTrace
+from archserve.bench.workload import dataset_requests, length_range, random_requests
+
+FACTS = ModelFacts(body_params=1000, lm_head_params=200, weight_bytes=2400, num_layers=2,
+                   num_heads=4, head_dim=8, kv_bytes_per_token_per_layer=64)
+CEILINGS = Ceilings(matmul_flops_per_s=1e6, copy_bytes_per_s=1e5, device_name="test",
+                    matmul_dtype="float32")
+
+
+def test_percentile_interpolates_between_ranks():
+    values = [4.0, 1.0, 3.0, 2.0]            # sorted: 1 2 3 4
+    assert percentile(values, 50) == pytest.approx(2.5)
+    assert percentile(values, 90) == pytest.approx(3.7)   # rank 2.7: 3 + 0.7
+    assert percentile(values, 99) == pytest.approx(3.97)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert math.isnan(percentile([], 50))
+    s = summarize([1.0, 2.0, 3.0, 4.0])
+    assert s["count"] == 4 and s["mean"] == pytest.approx(2.5) and s["p90"] == pytest.approx(3.7)
+
+
+def test_throughput_is_tokens_over_elapsed():
+    r = ThroughputResult(num_requests=4, prompt_tokens=300, output_tokens=100, elapsed_s=2.0)
+    assert r.output_tokens_per_s == 50.0
+    assert r.total_tokens_per_s == 200.0
+    assert r.requests_per_s == 2.0
+
+
+def test_tpot_is_decode_time_over_tokens_after_the_first():
+    t = RequestTiming(prompt_tokens=5, output_tokens=11, ttft_s=0.5, e2e_s=1.5)
+    assert t.tpot_s == pytest.approx(0.1)
+    assert RequestTiming(prompt_tokens=5, output_tokens=1, ttft_s=0.5, e2e_s=0.5).tpot_s is None
+
+
+def test_attended_pairs_counts_causal_prefill_and_decode():
+    assert attended_pairs(1, 9) == 10          # a decode sees the 9 cached tokens and itself
+    assert attended_pairs(4, 0) == 10          # 1 + 2 + 3 + 4
+    assert attended_pairs(3, 5) == 3 * 5 + 6   # chunk after a cached prefix
+
+
+def test_roofline_floor_of_a_hand_computed_two_step_run():
+    prefill = [ScheduledWork(num_new_tokens=4, context_len=0, samples=True)]
+    decode = [ScheduledWork(1, 4, True), ScheduledWork(1, 10, True)]
+    # prefill: 2*1000*4 + 2*200*1 + layers 2 * 4*8*4 * pairs 10 = 8000 + 400 + 2560
+    assert step_flops(FACTS, prefill) == 10960
+    # bytes: weights 2400 + 2 layers * 64 * (0 read + 4 written) = 2912
+    assert step_bytes(FACTS, prefill) == 2912
+    # decode: 2*1000*2 + 2*200*2 + 2*4*8*4 * (5 + 11) = 4000 + 800 + 4096
+    assert step_flops(FACTS, decode) == 8896
+    # bytes: 2400 + 2 * 64 * (4 + 1 + 10 + 1) = 2400 + 2048
+    assert step_bytes(FACTS, decode) == 4448
+    # prefill: compute 10960/1e6 = 10.96 ms vs memory 29.12 ms -> memory bound
+    assert step_floor_seconds(FACTS, prefill, CEILINGS) == pytest.approx(0.02912)
+    fast_memory = Ceilings(1e6, 1e8, "test", "float32")
+    assert step_floor_seconds(FACTS, prefill, fast_memory) == pytest.approx(0.01096)
+
+    trace = StepTrace([StepRecord(prefill, 0.1), StepRecord(decode, 0.2)])
+    report = analyze(trace, FACTS, CEILINGS)
+    floor = 0.02912 + 0.04448
+    assert report.floor_s == pytest.approx(floor)
+    assert report.measured_s == pytest.approx(0.3)
+    assert report.roofline_efficiency == pytest.approx(floor / 0.3)
+    assert report.num_decode_steps == 1 and report.compute_bound_steps == 0
+    # MBU over decode steps: 4448 bytes in 0.2 s against 1e5 B/s
+    assert report.mbu == pytest.approx(4448 / 0.2 / 1e5)
+    assert report.total_flops == 10960 + 8896
+
+
+def test_mbu_is_null_without_decode_steps():
+    trace = StepTrace([StepRecord([ScheduledWork(8, 0, True)], 0.05)])
+    assert analyze(trace, FACTS, CEILINGS).to_json()["mbu"] is None
+
+
+def test_random_requests_are_seeded_in_range_and_avoid_special_tokens():
+    special = {0, 1, 2}
+    a = random_requests(50, 20, 10, vocab_size=40, special_token_ids=special,
+                        range_ratio=0.5, seed=7)
+    b = random_requests(50, 20, 10, vocab_size=40, special_token_ids=special,
+                        range_ratio=0.5, seed=7)
+    assert a == b
+    assert a != random_requests(50, 20, 10, 40, special, 0.5, seed=8)
+    assert all(10 <= r.input_len <= 30 and 5 <= r.output_len <= 15 for r in a)
+    assert len({r.input_len for r in a}) > 3       # the range is used
+    assert not special & {t for r in a for t in r.prompt_token_ids}
+    fixed = random_requests(5, 12, 3, vocab_size=40, seed=0)
+    assert {(r.input_len, r.output_len) for r in fixed} == {(12, 3)}
+    assert length_range(100, 0.1) == (90, 110)
+    with pytest.raises(ValueError):
+        length_range(10, 1.5)
+
+
+class _SplitTokenizer:
+    def encode(self, text):
+        return [len(w) for w in text.split()]
+
+
+def test_dataset_requests_from_json(tmp_path):
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(["a bb ccc", {"prompt": [5, 6], "output_len": 3},
+                                {"prompt": "dddd"}]))
+    reqs = dataset_requests(str(path), _SplitTokenizer(), output_len=9)
+    assert [(r.prompt_token_ids, r.output_len) for r in reqs] == [
+        ([1, 2, 3], 9), ([5, 6], 3), ([4], 9)]
+    assert len(dataset_requests(str(path), _SplitTokenizer(), 9, num_prompts=2)) == 2
+    path.write_text(json.dumps([{"text": "no prompt key"}]))
+    with pytest.raises(ValueError, match="item 0"):
+        dataset_requests(str(path), _SplitTokenizer(), 9)
+
+
+def test_poisson_arrivals_are_seeded_with_the_right_mean():
+    gaps = arrival_gaps(4000, request_rate=20.0, seed=3)
+    assert gaps == arrival_gaps(4000, 20.0, seed=3)
+    assert statistics.fmean(gaps) == pytest.approx(1 / 20.0, rel=0.08)
+    assert arrival_gaps(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        arrival_gaps(3, 0.0, seed=0)
+
+
+def test_metrics_parsing_reads_archserve_and_vllm_names():
+    text = ("# TYPE archserve:kv_cache_usage_perc gauge\narchserve:kv_cache_usage_perc 0.25\n"
+            "# TYPE archserve:num_requests_running gauge\narchserve:num_requests_running 3\n"
+            "# TYPE archserve:device_memory_used_bytes gauge\n"
+            'archserve:device_memory_used_bytes{device="cuda:0"} 1024\n')
+    s = sample_from(parse_metrics(text), t=1.5)
+    assert (s.t, s.kv_cache_usage, s.num_running, s.memory_used_bytes) == (1.5, 0.25, 3, 1024)
+    assert s.memory_peak_bytes is None
+    vllm = "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.5\n"
+    assert sample_from(parse_metrics(vllm), 0.0).kv_cache_usage == 0.5
+
+
+def test_calibration_is_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARCHSERVE_CACHE_DIR", str(tmp_path))
+    import torch
+    first = load_or_measure(torch.device("cpu"))
+    assert not first.cached
+    assert first.matmul_flops_per_s > 1e6 and first.copy_bytes_per_s > 1e6
+    files = list((tmp_path / "calibration").glob("cpu-*.json"))
+    assert len(files) == 1
+    second = load_or_measure(torch.device("cpu"))
+    assert second.cached
+    assert second.matmul_flops_per_s == first.matmul_flops_per_s
+    files[0].write_text("not json")              # a corrupt entry is measured again
+    assert not load_or_measure(torch.device("cpu")).cached

@@ -1,0 +1,127 @@
+"""`archserve bench` end to end on CPU with the tiny checkpoint: offline (with and
+without the transformers peer) and serve mode against a real server process. These
+check structure and bookkeeping, never speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from archserve.bench.offline import run_offline
+from archserve.bench.workload import random_requests
+from archserve.cli.main import app
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(*args: str) -> dict:
+    result = CliRunner().invoke(app, ["bench", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _assert_png(path: str) -> None:
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC, path
+
+
+def test_offline_step_trace_accounts_for_every_token(tiny_checkpoint):
+    from archserve.engine.config import EngineConfig
+    from archserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=tiny_checkpoint("llama"), max_model_len=128,
+                                    max_num_seqs=4, max_num_batched_tokens=64))
+    requests = random_requests(6, 40, 7, vocab_size=384, special_token_ids={0, 1, 2},
+                               range_ratio=0.5, seed=1)
+    result, trace = run_offline(engine, requests, ignore_eos=True, show_progress=False)
+    assert result.output_tokens == sum(r.output_len for r in requests)
+    # Each prompt token runs once; each output token except the last is fed back once.
+    fed = sum(r.input_len + r.output_len - 1 for r in requests)
+    assert sum(step.num_tokens for step in trace.steps) == fed
+    assert all(len(step.work) <= 4 and step.num_tokens <= 64 for step in trace.steps)
+    assert any(step.is_decode for step in trace.steps)
+    longest = max(r.input_len + r.output_len for r in requests)
+    assert all(w.context_len + w.num_new_tokens <= longest
+               for step in trace.steps for w in step.work)
+    assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
+
+
+def test_offline_bench_json_and_plot(tiny_checkpoint, tmp_path):
+    out = tmp_path / "result.json"
+    data = _bench("--model", tiny_checkpoint("llama"), "--num-prompts", "6",
+                  "--input-len", "24", "--output-len", "8", "--random-range", "0.25",
+                  "--seed", "3", "--max-model-len", "128", "--plots", str(tmp_path / "plots"),
+                  "--output-json", str(out))
+    assert json.loads(out.read_text()) == data
+    for key in ("output_tokens_per_s", "total_tokens_per_s", "requests_per_s",
+                "roofline_efficiency", "mbu", "roofline", "ceilings", "model_facts"):
+        assert key in data, key
+    assert data["num_requests"] == 6 and data["mode"] == "offline"
+    assert data["output_tokens_per_s"] == pytest.approx(
+        data["output_tokens"] / data["elapsed_s"])
+    assert data["total_tokens_per_s"] == pytest.approx(
+        (data["prompt_tokens"] + data["output_tokens"]) / data["elapsed_s"])
+    assert 0 < data["roofline_efficiency"] <= 1.0      # the floor is a lower bound
+    assert data["roofline"]["floor_s"] < data["roofline"]["measured_s"]
+    assert data["model_facts"]["num_layers"] == 2
+    assert "peer" not in data
+    assert len(data["plots"]) == 1
+    _assert_png(data["plots"][0])
+
+
+def test_offline_bench_with_transformers_peer(tiny_checkpoint):
+    data = _bench("--model", tiny_checkpoint("llama"), "--num-prompts", "4",
+                  "--input-len", "16", "--output-len", "6", "--max-model-len", "128",
+                  "--peer", "transformers")
+    peer = data["peer"]
+    assert peer["method"] in ("continuous_batching", "generate_left_padded")
+    # ignore_eos: both engines produce exactly the requested tokens
+    assert peer["output_tokens"] == data["output_tokens"] == 4 * 6
+    assert data["speedup_vs_peer"] == pytest.approx(
+        data["output_tokens_per_s"] / peer["output_tokens_per_s"])
+
+
+def test_offline_bench_rejects_requests_longer_than_the_context(tiny_checkpoint):
+    result = CliRunner().invoke(app, ["bench", "--model", tiny_checkpoint("llama"),
+                                      "--num-prompts", "2", "--input-len", "100",
+                                      "--output-len", "50", "--max-model-len", "128"])
+    assert result.exit_code == 2
+    assert "context length is 128" in result.output
+
+
+def test_serve_bench_latency_memory_and_plots(tiny_server, tiny_checkpoint, tmp_path):
+    data = _bench("--mode", "serve", "--url", tiny_server, "--model", tiny_checkpoint("llama"),
+                  "--num-prompts", "8", "--input-len", "24", "--output-len", "24",
+                  "--concurrency", "1,4", "--metrics-interval", "0.05",
+                  "--plots", str(tmp_path / "plots"))
+    assert [run["concurrency"] for run in data["runs"]] == [1, 4]
+    for run in data["runs"]:
+        assert run["failed"] == 0 and run["completed"] == 8, run["errors"]
+        assert run["output_tokens"] == 8 * 24
+        assert run["output_tokens_per_s"] == pytest.approx(
+            run["output_tokens"] / run["elapsed_s"])
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            s = run[metric]
+            assert s["count"] > 0 and 0 < s["p50"] <= s["p90"] <= s["p99"], (metric, s)
+        assert run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"]
+        assert run["server"]["num_samples"] >= 2
+    assert data["output_tokens_per_s"] == data["runs"][-1]["output_tokens_per_s"]
+    server = data["server"]
+    assert server["memory_peak_bytes"] > 0
+    assert 0 < server["kv_cache_usage_max"] <= 1.0      # 4 x 48 tokens of a 512-token pool
+    assert data["roofline_efficiency"] is None and "roofline_note" in data
+    names = sorted(p.rsplit("/", 1)[-1] for p in data["plots"])
+    assert names == ["latency_cdf.png", "memory_kv_over_time.png",
+                     "throughput_vs_concurrency.png"]
+    for path in data["plots"]:
+        _assert_png(path)
+
+
+def test_serve_bench_poisson_arrivals(tiny_server, tiny_checkpoint):
+    data = _bench("--mode", "serve", "--url", tiny_server, "--model", tiny_checkpoint("llama"),
+                  "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                  "--request-rate", "40", "--seed", "1")
+    run = data["runs"][0]
+    assert run["request_rate"] == 40 and run["concurrency"] is None
+    assert run["completed"] == 4 and run["output_tokens"] == 16
