@@ -12,5 +12,7 @@ python3 -m archserve.cli.main explain --device live --op attention --head-size 1
   --dtype bfloat16 --libraries installed --json > "$OUT/explain.json" 2>&1
 python3 -m archserve.cli.main explain --device h200 --op attention --head-size 128 \
   --dtype bfloat16 --libraries installed 2>&1 | tee "$OUT/explain_h200.txt"
-timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/serve tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+# Engine first, then kernels: what comes back when the lease runs short is the most useful part.
+timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/serve --ignore=tests/kernels tests 2>&1 | tee "$OUT/pytest_gpu_engine.log" | tail -25
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest_gpu_kernels.log" | tail -25
 timeout 120 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" | tail -30
