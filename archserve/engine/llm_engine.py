@@ -52,6 +52,8 @@ class LLMEngine:
         from archserve.loader.tokenizer import load_tokenizer
 
         torch_device = startup.resolve_torch_device(config)
+        # Unseeded requests draw from torch's global generator: make runs repeatable.
+        torch.manual_seed(config.seed)
         device = startup.device_info_for(torch_device)
         model_path = config.model
         probe_config = _peek_model_config(model_path)
@@ -236,7 +238,7 @@ class LLMEngine:
         if seq.is_finished:
             delta += detok.finish()
         seq.output_text += delta
-        if not params.stop_strings:
+        if not params.stop_strings or seq.num_output_tokens < params.min_tokens:
             return
         hit = find_stop_string(seq.output_text, len(delta), params.stop_strings)
         if hit is None:
