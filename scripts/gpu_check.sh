@@ -13,6 +13,6 @@ python3 -m archserve.cli.main explain --device live --op attention --head-size 1
 python3 -m archserve.cli.main explain --device h200 --op attention --head-size 128 \
   --dtype bfloat16 --libraries installed 2>&1 | tee "$OUT/explain_h200.txt"
 # Engine first, then kernels: what comes back when the lease runs short is the most useful part.
-timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/serve --ignore=tests/kernels tests 2>&1 | tee "$OUT/pytest_gpu_engine.log" | tail -25
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest_gpu_kernels.log" | tail -25
-timeout 120 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" | tail -30
+timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/serve --ignore=tests/kernels tests 2>&1 | tee "$OUT/pytest_gpu_engine.log" | tail -25
+timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest_gpu_kernels.log" | tail -25
+timeout 70 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" | tail -30
