@@ -72,8 +72,16 @@ GPU_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", range(len(GPU_SHAPES)))
 def test_gpu_backends_match_reference(backend, head_size, dtype, shape):
-    if backend == "FLEX_ATTENTION" and (head_size not in (64, 128) or dtype == torch.float32):
-        pytest.skip("compiled flex: checked at power-of-two heads in half precision")
+    # Every combination compiles (and, for Triton prefill, autotunes) afresh, so the full
+    # head x dtype x shape grid is walked by our own kernels only; the torch backends get
+    # a slice that exercises their own code paths.
+    if backend == "TRITON_ATTN" and shape >= 2 and head_size != 128:
+        pytest.skip("GQA-16 / MHA shapes: head 128 only")
+    if backend == "TORCH_SDPA" and (head_size not in (64, 80, 128) or shape >= 2):
+        pytest.skip("torch SDPA: heads 64/80/128 on the decode and mixed shapes")
+    if backend == "FLEX_ATTENTION" and (head_size != 128 or dtype == torch.float32
+                                        or shape >= 2):
+        pytest.skip("compiled flex: head 128 in half precision on the decode and mixed shapes")
     seqs, heads, kv_heads, block_size = GPU_SHAPES[shape]
     case = make_case(seqs, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size,
                      block_size=block_size, dtype=dtype, device="cuda", seed=shape)
