@@ -8,26 +8,30 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from tiny_checkpoints import build_tiny_checkpoint  # noqa: E402
 
-TINY_MODEL_TYPES = {
-    "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+# variant name -> (transformers model_type, config overrides)
+TINY_VARIANTS = {
+    "llama": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                  tie_word_embeddings=False),
-    "qwen2": dict(tie_word_embeddings=True),
-    "qwen3": dict(tie_word_embeddings=False),
+                  tie_word_embeddings=False)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("qwen3", dict(tie_word_embeddings=False)),
+    # Head size 64: the smallest that every attention backend's rules accept.
+    "qwen2-h64": ("qwen2", dict(tie_word_embeddings=True, hidden_size=128, head_dim=64,
+                                num_attention_heads=2, num_key_value_heads=1)),
 }
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    """tiny_checkpoint(model_type) -> path of a saved tiny random model with a tokenizer."""
+    """tiny_checkpoint(variant) -> path of a saved tiny random model with a tokenizer."""
     cache: dict[str, str] = {}
 
-    def make(model_type: str = "llama") -> str:
-        if model_type not in cache:
-            path = str(tmp_path_factory.mktemp(f"tiny-{model_type}"))
-            cache[model_type] = build_tiny_checkpoint(path, model_type,
-                                                      **TINY_MODEL_TYPES.get(model_type, {}))
-        return cache[model_type]
+    def make(variant: str = "llama") -> str:
+        if variant not in cache:
+            model_type, overrides = TINY_VARIANTS[variant]
+            path = str(tmp_path_factory.mktemp(f"tiny-{variant}"))
+            cache[variant] = build_tiny_checkpoint(path, model_type, **overrides)
+        return cache[variant]
 
     return make
 
