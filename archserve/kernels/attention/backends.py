@@ -151,9 +151,9 @@ class FlexAttentionBackend(RuleBackend):
         return _torch_at_least(device, 2, 5)
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        # fp8 KV and soft-capping: the cache is dequantized on gather, the cap is a score_mod.
         return (_not_mla(spec)
-                or (bf16_on_device(device, spec.dtype) if device.is_gpu else None)
-                or ("fp8 KV cache unsupported" if spec.fp8_kv else None))
+                or (bf16_on_device(device, spec.dtype) if device.is_gpu else None))
 
 
 class SdpaAttentionBackend(RuleBackend):
@@ -163,11 +163,9 @@ class SdpaAttentionBackend(RuleBackend):
     impl_path = f"{_IMPL}.sdpa_backend:SdpaAttentionImpl"
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        # fp8 KV is dequantized on gather; soft-capping takes the explicit-scores path.
         return (_not_mla(spec)
-                or (bf16_on_device(device, spec.dtype) if device.is_gpu else None)
-                or ("fp8 KV cache unsupported" if spec.fp8_kv else None)
-                or ("logit soft-capping cannot be expressed in SDPA"
-                    if spec.logit_soft_cap else None))
+                or (bf16_on_device(device, spec.dtype) if device.is_gpu else None))
 
 
 class ReferenceAttentionBackend(RuleBackend):

@@ -22,11 +22,15 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     if slots.numel() == 0:
         return
     cache_dtype = kv_cache.dtype
+    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     for i, (src, scale) in enumerate(((key, k_scale), (value, v_scale))):
         src = src[valid]
-        if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            src = (src.float() / scale).to(cache_dtype)
-        flat[i].index_copy_(0, slots, src.to(cache_dtype))
+        if fp8:
+            # index_copy_ has no float8 kernel on every device: scatter the bytes instead.
+            quantized = (src.float() / scale).to(cache_dtype)
+            flat[i].view(torch.uint8).index_copy_(0, slots, quantized.view(torch.uint8))
+        else:
+            flat[i].index_copy_(0, slots, src.to(cache_dtype))
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
