@@ -64,7 +64,7 @@ class LLM:
                 raise ValueError(f"a prompt has {len(ids)} tokens; the maximum context length "
                                  f"is {engine.max_model_len}")
         ids_in_order = [engine.add_request(None, _prompt_value(p), sp)
-                        for p, sp in zip(prompt_list, params_list)]
+                        for p, sp in zip(prompt_list, params_list, strict=True)]
         finished: dict[str, RequestOutput] = {}
         progress = _progress(len(ids_in_order)) if use_tqdm else None
         try:

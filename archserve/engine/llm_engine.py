@@ -66,9 +66,8 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        selection = startup.select_attention(device, config, mc, dtype, kv_cache_dtype)
-        spec = startup.attention_spec_of(config, mc, dtype, kv_cache_dtype)
-        attn_impl = selection.backend.make_impl(device, spec)
+        selection, attn_impl, canary = startup.select_attention_with_canary(
+            device, config, mc, dtype, kv_cache_dtype, torch_device)
         block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
@@ -97,7 +96,7 @@ class LLMEngine:
             self.runner.capture_cuda_graphs(config.max_num_seqs, config.cuda_graph_sizes or None)
         self.report = startup.StartupReport(
             device=device, torch_device=torch_device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-            decisions=decisions, attention=selection, block_size=block_size,
+            decisions=decisions, attention=selection, block_size=block_size, canary=canary,
             num_blocks=num_blocks, max_model_len=self.max_model_len,
             graph_sizes=self.runner.graphs.set.sizes if graphs else [],
             graph_demoted=self.runner.graphs.set.demoted if graphs else {},
@@ -120,6 +119,8 @@ class LLMEngine:
             f"kv cache: {r.num_blocks} blocks x {r.block_size} tokens = "
             f"{r.num_blocks * r.block_size} tokens ({r.kv_sizing}); max_model_len {r.max_model_len}",
         ]
+        if r.canary:
+            lines.append("numerics canary: " + "; ".join(r.canary))
         for d in r.decisions:
             lines.append(f"decision: {d.what}: {d.requested} -> {d.chosen} ({d.reason})")
         if r.graph_sizes or r.graph_demoted:
@@ -264,7 +265,7 @@ class LLMEngine:
                 continue
             entry = {ids[i]: Logprob(lps[i], ranks[i], self._decode_one(ids[i]))}
             if n and top_ids is not None:
-                for rank, (tid, lp) in enumerate(zip(top_ids[i][:n], top_lps[i][:n]), start=1):
+                for rank, (tid, lp) in enumerate(zip(top_ids[i][:n], top_lps[i][:n], strict=True), start=1):
                     entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
             rows.append(entry)
         return rows
@@ -286,7 +287,7 @@ class LLMEngine:
                 tid = int(targets[r])
                 entry = {tid: Logprob(float(tok_lp[r]), int(ranks[r]), self._decode_one(tid))}
                 if n:
-                    for rank, (v, t) in enumerate(zip(top_v[r].tolist(), top_i[r].tolist()), 1):
+                    for rank, (v, t) in enumerate(zip(top_v[r].tolist(), top_i[r].tolist(), strict=True), 1):
                         entry.setdefault(t, Logprob(v, rank, self._decode_one(t)))
                 state.prompt_logprobs.append(entry)
 

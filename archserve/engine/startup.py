@@ -73,6 +73,32 @@ def select_attention(device: DeviceInfo, config: EngineConfig, model_config, dty
                                     extra_reject=extra_reject)
 
 
+def select_attention_with_canary(device: DeviceInfo, config: EngineConfig, model_config,
+                                 dtype: torch.dtype, kv_cache_dtype: str,
+                                 torch_device: torch.device):
+    """Select attention, demoting any candidate whose kernel fails the numerics canary.
+
+    Returns (selection, the winner's impl, canary log lines).
+    """
+    from archserve.engine.canary import attention_canary
+    spec = attention_spec_of(config, model_config, dtype, kv_cache_dtype)
+    impls: dict[str, object] = {}
+    log_lines: list[str] = []
+
+    def canary(backend) -> str | None:
+        impl = impls[backend.name] = backend.make_impl(device, spec)
+        if config.skip_canary or backend.name == "TORCH_REFERENCE":
+            return None
+        block_size = config.block_size or getattr(backend, "preferred_block_size", 16)
+        reason = attention_canary(impl, spec, block_size, torch_device)
+        log_lines.append(f"{backend.name}: {reason or 'passed'}")
+        return reason
+
+    selection = select_attention(device, config, model_config, dtype, kv_cache_dtype,
+                                 extra_reject=canary)
+    return selection, impls[selection.name], log_lines
+
+
 def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype) -> AttentionSpec:
     return AttentionSpec(
         head_size=model_config.head_dim, dtype=dtype, kv_cache_dtype=kv_cache_dtype,

@@ -138,6 +138,13 @@ class Registry:
             self._plugins.add((backend.op, backend.name))
         return backend
 
+    def unregister(self, op: str, name: str) -> None:
+        """Remove a backend (a plug-in being unloaded); the fallback cannot be removed."""
+        if name == self._fallbacks.get(op):
+            raise BackendError(f"{name} is the {op} fallback and cannot be unregistered")
+        self._backends[op].pop(name, None)
+        self._plugins.discard((op, name))
+
     def set_priority(self, op: str, fn: Callable[[DeviceInfo, Any], list[str]],
                      fallback: str) -> None:
         self._priorities[op] = fn

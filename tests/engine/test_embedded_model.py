@@ -28,6 +28,7 @@ def llm():
 @pytest.fixture(scope="module")
 def hf_model(llm):
     from models.test_default_gguf_model import _hf_model_from_gguf
+
     from archserve.loader.default_model import default_model_path
     return _hf_model_from_gguf(default_model_path(), llm.llm_engine.model_config.hf_config)
 
@@ -37,7 +38,7 @@ def test_greedy_chat_matches_transformers_and_is_english(llm, hf_model):
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
     outputs = llm.chat([[{"role": "user", "content": c}] for c in CHATS], params)
-    for chat, out in zip(CHATS, outputs):
+    for chat, out in zip(CHATS, outputs, strict=True):
         ids = apply_chat_template(tok, [{"role": "user", "content": chat}])
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS,

@@ -64,11 +64,11 @@ def test_bf16_greedy_close_to_transformers(checkpoint_and_reference, enforce_eag
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16,
                                                 ignore_eos=True, logprobs=1))
     agree = 0
-    for out, (ref_tokens, ref_lps) in zip(outs, refs):
+    for out, (ref_tokens, ref_lps) in zip(outs, refs, strict=True):
         got = out.outputs[0].token_ids
         agree += got == ref_tokens
         # Wherever the prefixes still agree, the chosen token's logprob is close.
-        for step, (a, b) in enumerate(zip(got, ref_tokens)):
+        for step, (a, b) in enumerate(zip(got, ref_tokens, strict=True)):
             if a != b:
                 break
             assert abs(out.outputs[0].logprobs[step][a].logprob - ref_lps[step][a].item()) < 0.1

@@ -44,13 +44,13 @@ def test_greedy_tokens_and_logprobs_match_transformers(engine_and_reference):
     llm, reference = engine_and_reference
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate(PROMPTS, params)
-    for out, (ref_tokens, ref_logprobs) in zip(outputs, reference):
+    for out, (ref_tokens, ref_logprobs) in zip(outputs, reference, strict=True):
         completion = out.outputs[0]
         assert completion.token_ids == ref_tokens
         assert completion.finish_reason == "length"
         for step, entry in enumerate(completion.logprobs):
             top5 = torch.topk(ref_logprobs[step], 5)
-            for value, token in zip(top5.values.tolist(), top5.indices.tolist()):
+            for value, token in zip(top5.values.tolist(), top5.indices.tolist(), strict=True):
                 assert token in entry, f"step {step}: top-5 token {token} missing"
                 assert abs(entry[token].logprob - value) < 1e-4
             sampled = completion.token_ids[step]

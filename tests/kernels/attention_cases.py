@@ -1,148 +1,22 @@
-"""Random paged-attention batches shared by the attention backend tests.
-
-A case is a batch of sequences, each given as (query_len, seq_len): the first
-``seq_len - query_len`` tokens are already in the cache (random contents), the rest are
-this step's tokens. Physical blocks are shuffled so that block tables are not contiguous.
-"""
+"""Shared by the attention backend tests: the case builder lives in the library
+(archserve.kernels.attention.cases); this adds the assertion and the CPU case list."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 
-from archserve.kernels.attention.interface import (
-    AttentionLayerParams,
-    AttentionMetadata,
-    kv_cache_shape,
+from archserve.kernels.attention.cases import (  # noqa: F401  (re-exported for the tests)
+    FP8_CACHE,
+    AttentionCase,
+    make_case,
+    reference_run,
+    tolerance,
 )
-from archserve.kernels.attention.reference import ReferenceAttentionImpl
-
-FP8_CACHE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-@dataclass
-class AttentionCase:
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    kv_cache: torch.Tensor
-    meta: AttentionMetadata
-    layer: AttentionLayerParams
-    k_scale: float
-    v_scale: float
-    num_valid_tokens: int
-
-    def run(self, impl) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output rows of real tokens, the cache after the step) for one implementation."""
-        cache = self.kv_cache.clone()
-        out = impl.forward(self.query, self.key, self.value, cache, self.meta, self.layer,
-                           self.k_scale, self.v_scale)
-        return out[: self.num_valid_tokens], cache
-
-
-def make_case(seqs: list[tuple[int, int]], *, num_heads: int = 4, num_kv_heads: int = 1,
-              head_size: int = 64, block_size: int = 16, dtype: torch.dtype = torch.float32,
-              kv_cache_dtype: str = "auto", sliding_window: int | None = None,
-              soft_cap: float | None = None, pad_tokens: int = 0, device: str = "cpu",
-              seed: int = 0, fp8_exact_kv: bool = True) -> AttentionCase:
-    """``fp8_exact_kv``: with an fp8 cache, make this step's K/V exactly representable after
-    scaling, so writing needs no rounding. Triton's CPU interpreter rounds fp32 -> fp8 wrongly
-    at binade edges (1.97 -> 1.0), so CPU tests keep this on; GPU tests turn it off.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [(seq_len + block_size - 1) // block_size for _, seq_len in seqs]
-    num_blocks = sum(blocks_per_seq) + 3  # spare blocks that no sequence owns
-    physical = torch.randperm(num_blocks, generator=gen)
-    max_blocks = max(blocks_per_seq)
-    block_tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = physical[used:used + n].to(torch.int32)
-        used += n
-
-    slots, query_lens = [], []
-    for i, (query_len, seq_len) in enumerate(seqs):
-        positions = torch.arange(seq_len - query_len, seq_len)
-        blocks = block_tables[i, positions // block_size].long()
-        slots.append(blocks * block_size + positions % block_size)
-        query_lens.append(query_len)
-    slots.append(torch.full((pad_tokens,), -1, dtype=torch.long))
-    slot_mapping = torch.cat(slots)
-    num_tokens = slot_mapping.shape[0]
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    cache_dtype = FP8_CACHE.get(kv_cache_dtype, dtype)
-    k_scale = v_scale = 1.0
-    cache = torch.randn(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size),
-                        generator=gen)
-    if kv_cache_dtype in FP8_CACHE:
-        k_scale, v_scale = 0.5, 0.25
-        cache[0] /= k_scale
-        cache[1] /= v_scale
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        slot_mapping=slot_mapping.to(device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(s for _, s in seqs),
-        num_seqs=len(seqs),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=[s for _, s in seqs],
-    )
-    layer = AttentionLayerParams(num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                 head_size=head_size, scale=head_size ** -0.5,
-                                 sliding_window=sliding_window, logit_soft_cap=soft_cap,
-                                 kv_cache_dtype=kv_cache_dtype)
-    key = randn(num_tokens, num_kv_heads, head_size)
-    value = randn(num_tokens, num_kv_heads, head_size)
-    if kv_cache_dtype in FP8_CACHE and fp8_exact_kv:
-        key = ((key.float() / k_scale).to(cache_dtype).float() * k_scale).to(dtype)
-        value = ((value.float() / v_scale).to(cache_dtype).float() * v_scale).to(dtype)
-    return AttentionCase(
-        query=randn(num_tokens, num_heads, head_size).to(device),
-        key=key.to(device),
-        value=value.to(device),
-        kv_cache=cache.to(cache_dtype).to(device),
-        meta=meta, layer=layer, k_scale=k_scale, v_scale=v_scale,
-        num_valid_tokens=starts[-1],
-    )
-
-
-def tolerance(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> float:
-    if kv_cache_dtype != "auto":
-        return 2e-2  # both read the same fp8 values; the slack is for the query's dtype
-    return {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
-
-
-def _reference_run(case: AttentionCase) -> tuple[torch.Tensor, torch.Tensor]:
-    if case.kv_cache.dtype not in FP8_CACHE.values():
-        return case.run(ReferenceAttentionImpl())
-    # torch has no index_copy_ for float8 on CPU, so the reference cannot write an fp8 cache
-    # there: scatter the quantized K/V through a byte view, then let the reference attend with
-    # every slot marked "do not write".
-    cache = case.kv_cache.clone()
-    flat = cache.view(2, -1, *cache.shape[3:])
-    valid = case.meta.slot_mapping >= 0
-    slots = case.meta.slot_mapping[valid].long()
-    for i, (src, scale) in enumerate(((case.key, case.k_scale), (case.value, case.v_scale))):
-        quantized = (src[valid].float() / scale).to(cache.dtype)
-        flat[i].view(torch.uint8)[slots] = quantized.view(torch.uint8)
-    meta = replace(case.meta, slot_mapping=torch.full_like(case.meta.slot_mapping, -1))
-    out = ReferenceAttentionImpl().forward(case.query, case.key, case.value, cache, meta,
-                                           case.layer, case.k_scale, case.v_scale)
-    return out[: case.num_valid_tokens], cache
 
 
 def assert_matches_reference(case: AttentionCase, impl) -> None:
     """Output and written cache of ``impl`` agree with ReferenceAttentionImpl on ``case``."""
-    expected, expected_cache = _reference_run(case)
+    expected, expected_cache = reference_run(case)
     actual, actual_cache = case.run(impl)
     tol = tolerance(case.query.dtype, case.layer.kv_cache_dtype)
     assert actual.dtype == case.query.dtype

@@ -1,0 +1,48 @@
+"""The numerics canary demotes a wrong attention kernel before it serves a request."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+from archserve import LLM, SamplingParams
+from archserve.kernels.catalog import default_registry
+from archserve.kernels.registry import ENTRY_POINT_GROUP, BackendError
+
+
+@pytest.fixture
+def wrong_backend_first(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    registry = default_registry()
+    if "WRONG_ATTN" not in registry.backends("attention"):
+        registry.load_entry_points([importlib.metadata.EntryPoint(
+            name="wrong", group=ENTRY_POINT_GROUP, value="wrong_attention_plugin:register")])
+    original = registry._priorities["attention"]
+    monkeypatch.setitem(registry._priorities, "attention",
+                        lambda device, spec: ["WRONG_ATTN", *original(device, spec)])
+    yield registry
+    registry.unregister("attention", "WRONG_ATTN")
+
+
+def test_wrong_kernel_is_demoted_with_the_reason(tiny_checkpoint, wrong_backend_first):
+    llm = LLM(tiny_checkpoint("llama"))
+    report = llm.llm_engine.report
+    assert report.attention.name == "TORCH_SDPA"
+    rejected = {r.backend: r.reason for r in report.attention.rejected}
+    assert rejected["WRONG_ATTN"].startswith("numerics canary: max error")
+    assert any(line.startswith("WRONG_ATTN: numerics canary") for line in report.canary)
+    assert "WRONG_ATTN" in llm.llm_engine.describe_route()
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_forcing_a_wrong_kernel_is_an_error(tiny_checkpoint, wrong_backend_first):
+    with pytest.raises(BackendError, match="numerics canary"):
+        LLM(tiny_checkpoint("llama"), attention_backend="WRONG_ATTN")
+
+
+def test_correct_kernels_pass(tiny_checkpoint):
+    report = LLM(tiny_checkpoint("llama")).llm_engine.report
+    assert report.canary == ["TORCH_SDPA: passed"]
