@@ -102,6 +102,8 @@ class LLMEngine:
             graph_demoted=self.runner.graphs.set.demoted if graphs else {},
             timings={"load_s": load_s, "total_s": startup.elapsed(t0)})
         self.report.kv_sizing = sizing
+        self.report.routes = startup.model_routes(device, config, mc, dtype, kv_cache_dtype,
+                                                  selection)
         self.requests: dict[str, RequestState] = {}
         self._counter = 0
         log.info("%s", self.describe_route())
@@ -109,13 +111,16 @@ class LLMEngine:
     # -- introspection ---------------------------------------------------------------
     def describe_route(self) -> str:
         r = self.report
-        sel = r.attention
-        rejected = "; ".join(f"{x.backend}: {x.reason}" for x in sel.rejected) or "none"
         lines = [
             f"device: {r.device.describe()}  dtype: {str(r.dtype).removeprefix('torch.')}  "
-            f"kv cache: {r.kv_cache_dtype}",
-            f"attention: {sel.name}{' (forced)' if sel.forced else ''} (ideal {sel.ideal}); "
-            f"rejected: {rejected}",
+            f"kv cache: {r.kv_cache_dtype}"]
+        for route in r.routes:
+            rejected = "; ".join(f"{x.backend}: {x.reason}" for x in route.rejected) or "none"
+            detail = f" [{route.detail}]" if route.detail else ""
+            lines.append(f"route {route.layer}: {route.backend}{detail}"
+                         f"{' (forced)' if route.forced else ''} (ideal {route.ideal}); "
+                         f"rejected: {rejected}")
+        lines += [
             f"kv cache: {r.num_blocks} blocks x {r.block_size} tokens = "
             f"{r.num_blocks * r.block_size} tokens ({r.kv_sizing}); max_model_len {r.max_model_len}",
         ]

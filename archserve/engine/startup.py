@@ -45,6 +45,8 @@ class StartupReport:
     graph_demoted: dict[int, str] = field(default_factory=dict)
     canary: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    kv_sizing: str = ""                                   # how num_blocks was reached
+    routes: list = field(default_factory=list)            # explain Routes of the loaded model
 
 
 def resolve_torch_device(config: EngineConfig) -> torch.device:
@@ -97,6 +99,19 @@ def select_attention_with_canary(device: DeviceInfo, config: EngineConfig, model
     selection = select_attention(device, config, model_config, dtype, kv_cache_dtype,
                                  extra_reject=canary)
     return selection, impls[selection.name], log_lines
+
+
+def model_routes(device: DeviceInfo, config: EngineConfig, model_config, dtype: torch.dtype,
+                 kv_cache_dtype: str, attention: Selection) -> list:
+    """The explain routes of the loaded model, with attention as actually selected here."""
+    from archserve.routing.dtypes import dtype_name
+    from archserve.routing.explain import explain_model, route_from_selection
+    from archserve.routing.model_summary import summary_from_hf_config
+    summary = summary_from_hf_config(model_config.hf_config.to_dict())
+    explanation = explain_model(device, summary, dtype_name(dtype), kv_cache_dtype)
+    spec = attention_spec_of(config, model_config, dtype, kv_cache_dtype)
+    return [route_from_selection(attention, "attention", device, spec) if r.op == "attention"
+            else r for r in explanation.routes]
 
 
 def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype) -> AttentionSpec:
