@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from archserve.bench.calibrate import Ceilings
 from archserve.bench.step_trace import ScheduledWork, StepTrace
+from archserve.engine.ceilings import Ceilings
 
 
 @dataclass(frozen=True)

@@ -91,9 +91,9 @@ def run_bench(options: BenchOptions) -> dict:
 
 # -- offline ---------------------------------------------------------------------------
 def run_offline_bench(options: BenchOptions) -> dict:
-    from archserve.bench.calibrate import load_or_measure
     from archserve.bench.offline import run_offline
     from archserve.bench.roofline import analyze, model_facts
+    from archserve.engine.ceilings import load_or_measure
     from archserve.engine.config import EngineConfig
     from archserve.engine.llm_engine import LLMEngine
     from archserve.loader.loader import resolve_model_path

@@ -16,13 +16,13 @@ import logging
 import os
 from typing import Any
 
+from archserve.cache import cache_dir
+
 log = logging.getLogger(__name__)
 
 
 def cache_root() -> str:
-    base = os.environ.get("ARCHSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "archserve")
-    return os.path.join(base, "gguf")
+    return cache_dir("gguf")
 
 
 def _entry_dir(gguf_path: str) -> str:

@@ -9,7 +9,6 @@ import statistics
 
 import pytest
 
-from archserve.bench.calibrate import Ceilings, load_or_measure
 from archserve.bench.offline import ThroughputResult
 from archserve.bench.roofline import (
     ModelFacts,
@@ -24,6 +23,7 @@ from archserve.bench.serving import RequestTiming, arrival_gaps
 from archserve.bench.stats import percentile, summarize
 from archserve.bench.step_trace import ScheduledWork, StepRecord, StepTrace
 from archserve.bench.workload import dataset_requests, length_range, random_requests
+from archserve.engine.ceilings import Ceilings, load_or_measure
 
 FACTS = ModelFacts(body_params=1000, lm_head_params=200, weight_bytes=2400, num_layers=2,
                    num_heads=4, head_dim=8, kv_bytes_per_token_per_layer=64)

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from archserve.cache import cache_dir
+
 
 @dataclass(frozen=True)
 class Ceilings:
@@ -31,9 +33,7 @@ class Ceilings:
 
 
 def calibration_dir() -> str:
-    base = os.environ.get("ARCHSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "archserve")
-    return os.path.join(base, "calibration")
+    return cache_dir("calibration")
 
 
 def device_key(device: torch.device) -> tuple[str, str, str]:
