@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "explain": "archserve.cli.explain:explain",
     "matrix": "archserve.cli.matrix:matrix",
     "serve": "archserve.cli.serve:serve",
+    "prepare": "archserve.cli.prepare:prepare",
     "generate": "archserve.cli.generate:generate",
     "chat": "archserve.cli.generate:chat",
     "bench": "archserve.cli.bench:bench",

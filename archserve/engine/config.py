@@ -27,6 +27,7 @@ class EngineConfig:
     cuda_graph_sizes: list[int] = field(default_factory=list)  # empty: a default ladder
     seed: int = 0
     skip_canary: bool = False                # numerics canary of the attention kernel at start
+    self_check: bool = True                  # roofline self-check of a decode step (GPU)
 
     def validate(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -10,7 +10,9 @@ import torch
 
 from archserve.engine import startup
 from archserve.engine.block_pool import KVBlockPool
+from archserve.engine.ceilings import load_or_measure
 from archserve.engine.config import EngineConfig
+from archserve.engine.kernel_cache import configure_kernel_caches
 from archserve.engine.model_runner import ModelRunner
 from archserve.engine.outputs import (
     CompletionOutput,
@@ -21,6 +23,7 @@ from archserve.engine.outputs import (
 from archserve.engine.sampler import Sampler
 from archserve.engine.sampling_params import SamplingParams
 from archserve.engine.scheduler import Scheduler, SchedulerConfig
+from archserve.engine.self_check import run_self_check
 from archserve.engine.sequence import Sequence, SequenceStatus
 from archserve.engine.stop_checker import find_stop_string
 
@@ -66,9 +69,12 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
+        kernel_cache = configure_kernel_caches(device)
+        t_select = time.perf_counter()
         selection, attn_impl, canary = startup.select_attention_with_canary(
             device, config, mc, dtype, kv_cache_dtype, torch_device)
         block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
+        select_s = startup.elapsed(t_select)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.runner = ModelRunner(self.model, mc, torch_device, dtype, attn_impl, block_size,
@@ -92,15 +98,25 @@ class LLMEngine:
                             config.enable_chunked_prefill),
             self.block_pool, self.eos_token_ids)
         graphs = torch_device.type == "cuda" and not config.enforce_eager
+        t_graphs = time.perf_counter()
         if graphs:
             self.runner.capture_cuda_graphs(config.max_num_seqs, config.cuda_graph_sizes or None)
+        graphs_s = startup.elapsed(t_graphs)
         self.report = startup.StartupReport(
             device=device, torch_device=torch_device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
             decisions=decisions, attention=selection, block_size=block_size, canary=canary,
             num_blocks=num_blocks, max_model_len=self.max_model_len,
             graph_sizes=self.runner.graphs.set.sizes if graphs else [],
             graph_demoted=self.runner.graphs.set.demoted if graphs else {},
-            timings={"load_s": load_s, "total_s": startup.elapsed(t0)})
+            timings={"load_s": load_s, "select_and_canary_s": select_s,
+                     "cuda_graphs_s": graphs_s})
+        self.report.kernel_cache = kernel_cache
+        if torch_device.type == "cuda" and config.self_check:
+            t_check = time.perf_counter()
+            ceilings = load_or_measure(torch_device)
+            self.report.self_check = run_self_check(self.runner, ceilings.copy_bytes_per_s)
+            self.report.timings["self_check_s"] = startup.elapsed(t_check)
+        self.report.timings["total_s"] = startup.elapsed(t0)
         self.report.kv_sizing = sizing
         self.report.routes = startup.model_routes(device, config, mc, dtype, kv_cache_dtype,
                                                   selection)
@@ -128,6 +144,8 @@ class LLMEngine:
             lines.append("numerics canary: " + "; ".join(r.canary))
         for d in r.decisions:
             lines.append(f"decision: {d.what}: {d.requested} -> {d.chosen} ({d.reason})")
+        if r.self_check is not None:
+            lines.append(f"roofline self-check: {r.self_check.summary()}")
         if r.graph_sizes or r.graph_demoted:
             lines.append(f"cuda graphs: {len(r.graph_sizes)} decode sizes"
                          + (f"; eager for {r.graph_demoted}" if r.graph_demoted else ""))

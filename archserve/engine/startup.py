@@ -47,6 +47,8 @@ class StartupReport:
     timings: dict[str, float] = field(default_factory=dict)
     kv_sizing: str = ""                                   # how num_blocks was reached
     routes: list = field(default_factory=list)            # explain Routes of the loaded model
+    kernel_cache: str | None = None                       # Triton compile/autotune cache dir
+    self_check: object | None = None                      # self_check.SelfCheck on GPUs
 
 
 def resolve_torch_device(config: EngineConfig) -> torch.device:

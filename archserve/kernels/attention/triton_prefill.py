@@ -140,6 +140,9 @@ _tuned_prefill_kernel = triton.autotune(
     configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
              for m, n, w, st in PREFILL_CONFIGS],
     key=["HEAD_SIZE", "GROUP", "SLIDING_WINDOW", "USE_SOFT_CAP"],
+    # Timings persist in Triton's cache dir, which the engine keys by device and versions
+    # (engine/kernel_cache.py): a second start on the same machine does not tune again.
+    cache_results=True,
 )(_prefill_kernel)
 
 

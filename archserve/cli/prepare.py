@@ -1,0 +1,53 @@
+"""`archserve prepare`: pay the start-up costs ahead of time and show what they were."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from archserve.cli.generate import (
+    BackendOpt,
+    DtypeOpt,
+    EagerOpt,
+    LoadFormatOpt,
+    MaxLenOpt,
+    ModelOpt,
+)
+
+
+def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
+            enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
+            max_model_len: MaxLenOpt = None,
+            max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Largest decode batch (CUDA graph sizes follow it).")] = 256,
+            gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
+            json_output: Annotated[bool, typer.Option("--json", help="Print the timings as JSON.")] = False) -> None:
+    """Warm a model up ahead of time: derive and cache its GGUF metadata, compile and autotune
+    its kernels, capture its CUDA graphs, measure the device's ceilings and run the
+    roofline self-check. Caches persist on disk, so the next start (prepare, serve,
+    generate) skips that work; run it twice to see cold and warm start times."""
+    import json
+    import logging
+
+    from archserve.engine.config import EngineConfig
+    from archserve.engine.llm_engine import LLMEngine
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        engine = LLMEngine(EngineConfig(
+            model=model, dtype=dtype, attention_backend=attention_backend,
+            enforce_eager=enforce_eager, load_format=load_format, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization))
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    report = engine.report
+    result = {"timings_s": report.timings, "kernel_cache": report.kernel_cache,
+              "cuda_graph_sizes": report.graph_sizes,
+              "cuda_graphs_demoted": {str(k): v for k, v in report.graph_demoted.items()},
+              "attention": report.attention.name, "canary": report.canary,
+              "self_check": report.self_check.summary() if report.self_check else None}
+    if json_output:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    typer.echo(engine.describe_route())
+    typer.echo("start-up timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in report.timings.items()))

@@ -1,0 +1,75 @@
+"""Start-up work paid once: kernel cache keys, `archserve prepare`, the roofline self-check."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from archserve.engine.kernel_cache import configure_kernel_caches, kernel_cache_key
+from archserve.engine.self_check import classify_kernel
+from archserve.platform import get_profile
+
+
+def test_kernel_cache_key_follows_device_driver_and_versions():
+    h100, h200 = get_profile("h100"), get_profile("h200")
+    assert kernel_cache_key(h100) != kernel_cache_key(h200)
+    newer_driver = dataclasses.replace(
+        h200, toolchain=dataclasses.replace(h200.toolchain, driver_version="999.1"))
+    assert kernel_cache_key(newer_driver) != kernel_cache_key(h200)
+    assert kernel_cache_key(h200) == kernel_cache_key(get_profile("h200"))
+
+
+def test_kernel_caches_live_under_the_archserve_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("ARCHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    assert configure_kernel_caches(get_profile("cpu")) is None
+    path = configure_kernel_caches(get_profile("h200"))
+    assert path.startswith(str(tmp_path)) and os.environ["TRITON_CACHE_DIR"] == path
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")   # the user's choice wins
+    assert configure_kernel_caches(get_profile("h200")) == "/somewhere/else"
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("_decode_kernel", "attention"), ("_prefill_kernel", "attention"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32", "linear"), ("nvjet_hsh_128x64", "linear"),
+    ("triton_poi_fused_add_mul", "elementwise"), ("_rms_norm_kernel", "elementwise"),
+])
+def test_kernel_names_map_to_op_kinds(name, kind):
+    assert classify_kernel(name) == kind
+
+
+def test_prepare_reports_timings(tiny_checkpoint):
+    proc = subprocess.run([sys.executable, "-m", "archserve.cli.main", "prepare", "--model",
+                           tiny_checkpoint("llama"), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert result["attention"] == "TORCH_SDPA"
+    assert result["canary"] == ["TORCH_SDPA: passed"]
+    assert set(result["timings_s"]) >= {"load_s", "select_and_canary_s", "total_s"}
+    assert result["timings_s"]["total_s"] >= result["timings_s"]["load_s"]
+
+
+@pytest.mark.gpu
+def test_gpu_warm_start_skips_tuning_and_self_check_runs(tiny_checkpoint, tmp_path):
+    """Two starts with the same cache: the second compiles and tunes nothing."""
+    env = {**os.environ, "ARCHSERVE_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_CACHE_DIR", None)
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-m", "archserve.cli.main", "prepare", "--model",
+                               tiny_checkpoint("qwen2-h64"), "--dtype", "bfloat16",
+                               "--max-num-seqs", "8", "--json"],
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout[proc.stdout.index("{"):]))
+    cold, warm = runs
+    assert cold["attention"] == "TRITON_ATTN" and cold["self_check"]
+    assert warm["timings_s"]["select_and_canary_s"] < cold["timings_s"]["select_and_canary_s"]
