@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from archserve.engine.config import EngineConfig
 from archserve.engine.llm_engine import LLMEngine
 from archserve.engine.outputs import RequestOutput
-from archserve.engine.sampling_params import SamplingParams
+from archserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
 Message = dict[str, str]
@@ -57,6 +57,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} sampling params")
+        # Only final outputs are returned: the engine then skips per-step output work.
+        params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         engine = self.llm_engine
         for prompt in prompt_list:
             text, ids = engine.tokenize_prompt(_prompt_value(prompt))

@@ -21,7 +21,7 @@ from archserve.engine.outputs import (
     RequestOutput,
 )
 from archserve.engine.sampler import Sampler
-from archserve.engine.sampling_params import SamplingParams
+from archserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from archserve.engine.scheduler import Scheduler, SchedulerConfig
 from archserve.engine.self_check import run_self_check
 from archserve.engine.sequence import Sequence, SequenceStatus
@@ -42,6 +42,7 @@ class RequestState:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     detokenizers: list = field(default_factory=list)
+    sent: list = field(default_factory=list)   # per sequence (text, tokens) already output
 
 
 class LLMEngine:
@@ -191,6 +192,7 @@ class LLMEngine:
         from archserve.loader.tokenizer import IncrementalDetokenizer
         state.detokenizers = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                      ids) for _ in seqs]
+        state.sent = [(0, 0)] * len(seqs)
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = state
@@ -247,16 +249,27 @@ class LLMEngine:
             if finished:
                 state.metrics.finished_time = now
                 del self.requests[request_id]
+            elif state.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             outputs.append(self._request_output(state, finished))
         return outputs
 
     def _detokenize(self, state: RequestState, seq: Sequence) -> None:
         params = seq.sampling_params
+        if not params.detokenize:
+            return
         detok = state.detokenizers[seq.index]
         stopped_by_token = (seq.status is SequenceStatus.FINISHED_STOPPED)
-        if stopped_by_token and not params.include_stop_str_in_output:
-            return  # the stop token's text is not part of the output (vLLM semantics)
-        if not params.detokenize:
+        # The stop token's text is not part of the output (vLLM semantics).
+        drop_last = stopped_by_token and not params.include_stop_str_in_output
+        if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop_strings:
+            # Nobody reads the text before the end: detokenize once, when it finishes.
+            if seq.is_finished:
+                ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
+                seq.output_text = detok.add_tokens(list(ids)) + detok.finish()
+            return
+        if drop_last:
+            seq.output_text += detok.finish()
             return
         delta = detok.add_tokens([seq.last_token_id])
         if seq.is_finished:
@@ -318,14 +331,19 @@ class LLMEngine:
         return self.tokenizer.decode([token_id])
 
     def _request_output(self, state: RequestState, finished: bool) -> RequestOutput:
-        completions = [
-            CompletionOutput(index=s.index, text=s.output_text,
-                             token_ids=list(s.output_token_ids),
-                             cumulative_logprob=s.cumulative_logprob,
-                             logprobs=list(s.output_logprobs)
-                             if s.sampling_params.logprobs is not None else None,
-                             finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-            for s in state.seqs]
+        delta = state.params.output_kind is RequestOutputKind.DELTA
+        completions = []
+        for s in state.seqs:
+            text_from, tokens_from = state.sent[s.index] if delta else (0, 0)
+            completions.append(CompletionOutput(
+                index=s.index, text=s.output_text[text_from:],
+                token_ids=s.output_token_ids[tokens_from:],
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.output_logprobs[tokens_from:]
+                if s.sampling_params.logprobs is not None else None,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+            if delta:
+                state.sent[s.index] = (len(s.output_text), s.num_output_tokens)
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,

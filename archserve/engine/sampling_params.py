@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput carries (vLLM's names)."""
+
+    CUMULATIVE = 0   # everything so far, every step
+    DELTA = 1        # only what is new since the previous output
+    FINAL_ONLY = 2   # one output, when the request finishes (the offline API's choice)
 
 
 @dataclass
@@ -26,6 +35,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token
     skip_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
