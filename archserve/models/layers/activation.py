@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from archserve.kernels.elementwise import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
     """x [.., 2I] (gate then up, as GateUpLinear stores them) -> silu(gate) * up [.., I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

@@ -1,9 +1,15 @@
-"""RMSNorm with fp32 statistics and an optional fused residual add."""
+"""RMSNorm with fp32 statistics and an optional fused residual add.
+
+The arithmetic lives in archserve.kernels.elementwise (a fused Triton kernel on GPUs,
+the torch reference elsewhere); this module holds the weight and the layer API.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from archserve.kernels.elementwise import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -20,10 +26,4 @@ class RMSNorm(nn.Module):
         which is what the next block adds its output to: a decoder layer can write
         ``h, residual = norm(h, residual)`` for both its first and later layers.
         """
-        if residual is not None:
-            x = x + residual
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast before the weight multiply, as the HF reference does, so bf16 results agree.
-        return self.weight * x32.to(dtype), x
+        return rms_norm(x, self.weight, self.eps, residual)

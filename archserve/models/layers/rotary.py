@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from archserve.kernels.elementwise import apply_rotary
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -62,16 +64,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        x = x.view(num_tokens, -1, self.head_size)
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.view(num_tokens, -1)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, H*D], k [T, Hkv*D] -> rotated q, k (same shapes and dtype)."""
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)

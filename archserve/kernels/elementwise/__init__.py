@@ -1,0 +1,18 @@
+"""Fused elementwise ops (RMSNorm + residual, rotary, SiLU * mul): Triton on GPUs, torch
+elsewhere, chosen in ``dispatch``. Layers call these functions, never a kernel module.
+
+The kernel modules are named triton_* so that importing one never shadows a function of
+the same name exported here (a submodule import sets an attribute on this package).
+"""
+
+from archserve.kernels.elementwise.dispatch import (
+    DISABLE_ENV,
+    apply_rotary,
+    forced_fused_route,
+    fused_kernel_route,
+    rms_norm,
+    silu_and_mul,
+)
+
+__all__ = ["DISABLE_ENV", "apply_rotary", "forced_fused_route", "fused_kernel_route",
+           "rms_norm", "silu_and_mul"]

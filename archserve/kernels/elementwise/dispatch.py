@@ -1,0 +1,138 @@
+"""The one place that chooses between the fused Triton kernels and the torch references.
+
+Triton runs when the tensors live on a CUDA or ROCm device (torch calls both "cuda"),
+triton imports, and ``ARCHSERVE_DISABLE_FUSED_KERNELS`` is unset (or "0"); everything
+else takes the torch reference, which is also the test oracle. The choice reads only
+the device, dtypes and shapes, never tensor values, and the kernels neither synchronise
+nor autotune, so a decode step through these functions can be captured in a CUDA graph
+(after an eager warm-up has compiled the kernels).
+
+Tests force a route with ``forced_fused_route("triton")``: on CPU tensors that works
+under ``TRITON_INTERPRET=1``, which must be set before the kernel modules are imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+
+from archserve.kernels.elementwise.reference import (
+    rms_norm_reference,
+    rotary_reference,
+    silu_and_mul_reference,
+)
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "ARCHSERVE_DISABLE_FUSED_KERNELS"
+Route = Literal["triton", "torch"]
+
+# A row wider than this would need a looped kernel; no released model comes close.
+MAX_NORM_WIDTH = 65536
+
+_forced_route: Route | None = None
+
+
+@functools.cache
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # an ImportError, or a broken install failing on import
+        return f"triton is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def fused_kernel_route(device: torch.device | str) -> tuple[Route, str]:
+    """Which implementation elementwise ops on ``device`` take, and why (for logs/explain)."""
+    if _forced_route is not None:
+        return _forced_route, f"forced to {_forced_route} (forced_fused_route)"
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return "torch", f"{DISABLE_ENV} is set"
+    device_type = torch.device(device).type
+    if device_type != "cuda":
+        return "torch", f"tensors on {device_type}; the fused kernels run on CUDA/ROCm"
+    missing = _triton_import_error()
+    if missing is not None:
+        return "torch", missing
+    return "triton", "CUDA/ROCm device and triton importable"
+
+
+@contextmanager
+def forced_fused_route(route: Route) -> Iterator[None]:
+    """Within the block, every elementwise op takes ``route`` regardless of device."""
+    global _forced_route
+    previous, _forced_route = _forced_route, route
+    try:
+        yield
+    finally:
+        _forced_route = previous
+
+
+def _takes_triton(device: torch.device, unsupported: str | None) -> bool:
+    if fused_kernel_route(device)[0] != "triton":
+        return False
+    if unsupported is not None:
+        _log_fallback_once(unsupported)
+        return False
+    return True
+
+
+@functools.cache
+def _log_fallback_once(reason: str) -> None:
+    log.info("fused elementwise kernel not used: %s; torch reference instead", reason)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weight * RMSNorm(x + residual), x + residual), or (.., x) without a residual.
+
+    Statistics in fp32; the normalised row is cast to x's dtype before the weight multiply
+    (HF numerics); the output dtype is the promotion of weight's and x's. Any leading
+    shape: [T, hidden] for a layer norm, [T, heads, head_dim] for Qwen3's q/k norm.
+    """
+    unsupported = None
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        unsupported = "rms_norm residual with a different shape or dtype than its input"
+    elif x.shape[-1] > MAX_NORM_WIDTH or weight.shape != x.shape[-1:]:
+        unsupported = f"rms_norm row width {x.shape[-1]} (weight {tuple(weight.shape)})"
+    if _takes_triton(x.device, unsupported):
+        from archserve.kernels.elementwise.triton_rms_norm import rms_norm_triton
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_reference(x, weight, eps, residual)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_cache: torch.Tensor, sin_cache: torch.Tensor, inplace: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary: positions [T]; q [T, Hq*D]; k [T, Hkv*D]; caches [max_pos, D/2].
+
+    Returns rotated (q, k); with ``inplace`` they are written into q and k and returned.
+    """
+    head_size = 2 * cos_cache.shape[-1]
+    unsupported = None
+    if q.dim() != 2 or k.dim() != 2 or q.shape[1] % head_size or k.shape[1] % head_size:
+        unsupported = f"rotary on q {tuple(q.shape)}, k {tuple(k.shape)}, head {head_size}"
+    elif q.dtype != k.dtype:
+        unsupported = "rotary with q and k of different dtypes"
+    if _takes_triton(q.device, unsupported):
+        from archserve.kernels.elementwise.triton_rotary import rotary_triton
+        return rotary_triton(positions, q, k, cos_cache, sin_cache, inplace=inplace)
+    q_rotated, k_rotated = rotary_reference(positions, q, k, cos_cache, sin_cache)
+    if inplace:
+        return q.copy_(q_rotated), k.copy_(k_rotated)
+    return q_rotated, k_rotated
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [.., 2I] (gate then up) -> silu(gate) * up [.., I]."""
+    unsupported = "silu_and_mul on an odd last dimension" if x.shape[-1] % 2 else None
+    if _takes_triton(x.device, unsupported):
+        from archserve.kernels.elementwise.triton_silu_mul import silu_and_mul_triton
+        return silu_and_mul_triton(x)
+    return silu_and_mul_reference(x)

@@ -1,0 +1,51 @@
+"""PyTorch reference implementations of the fused elementwise ops.
+
+These are the CPU path and the oracle the Triton kernels are tested against, so their
+numerics are the contract: they reproduce the Hugging Face modules step by step,
+including where intermediate results are rounded to the activations' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * normalise(x + residual), x + residual); without residual, (.., x) itself."""
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    # Cast before the weight multiply, as the HF reference does, so bf16 results agree.
+    return weight * x32.to(dtype), x
+
+
+def rotate_neox_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          head_size: int) -> torch.Tensor:
+    """x [T, H*D]; cos, sin [T, 1, D/2] in x's dtype -> rotated x [T, H*D] (rotate_half)."""
+    num_tokens = x.shape[0]
+    x = x.view(num_tokens, -1, head_size)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.view(num_tokens, -1)
+
+
+def rotary_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_cache: torch.Tensor, sin_cache: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T]; q [T, H*D], k [T, Hkv*D]; caches [max_pos, D/2] -> rotated q, k."""
+    head_size = 2 * cos_cache.shape[-1]
+    cos = cos_cache[positions].to(q.dtype).unsqueeze(1)
+    sin = sin_cache[positions].to(q.dtype).unsqueeze(1)
+    return (rotate_neox_reference(q, cos, sin, head_size),
+            rotate_neox_reference(k, cos, sin, head_size))
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [.., 2I] (gate then up) -> silu(gate) * up [.., I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
