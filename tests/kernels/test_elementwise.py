@@ -187,6 +187,31 @@ if not INTERPRETED:
 
 else:
 
+    import triton
+    import triton.language as tl
+
+    from archserve.kernels.elementwise.triton_rounding import round_to_dtype
+
+    @triton.jit
+    def _round_to_bf16_kernel(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(src + offs, mask=offs < n)
+        tl.store(dst + offs, round_to_dtype(x, tl.bfloat16), mask=offs < n)
+
+    def test_bf16_rounding_helper_matches_torch_casts():
+        """round_to_dtype is the kernels' only bf16 rounding: ties, overflow, specials."""
+        bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F808001, 0x3F80FFFF, 0xBF808000,
+                             0x7F7FFFFF, 0x7F7F7FFF, 0x00008000, 0x00018000, 0x80000000,
+                             0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF],
+                            dtype=torch.int64).to(torch.int32)  # wraps the high ones
+        x = torch.cat([bits.view(torch.float32), torch.randn(1000) * 1e3])
+        out = torch.empty_like(x)
+        _round_to_bf16_kernel[(1,)](x, out, x.numel(), BLOCK=2048)
+        expected = x.to(torch.bfloat16).float()
+        assert torch.equal(out.isnan(), expected.isnan())
+        finite = ~expected.isnan()
+        assert torch.equal(out[finite], expected[finite])
+
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("width", [576, 1024, 4096])
     @pytest.mark.parametrize("tokens", [1, 7, 64])
