@@ -170,6 +170,55 @@ def test_torch_route_rotates_in_place():
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
 
 
+# ---------------------------------------------------------------- compiled without a GPU
+
+def _kernel_signatures(dtype: str) -> list[tuple[object, dict[str, str], dict[str, object]]]:
+    """(kernel, signature, constexprs) for each kernel at one activation dtype."""
+    from archserve.kernels.elementwise.triton_rms_norm import _rms_norm_kernel
+    from archserve.kernels.elementwise.triton_rotary import _rotary_kernel
+    from archserve.kernels.elementwise.triton_silu_mul import _silu_mul_kernel
+
+    act = f"*{dtype}"
+    rms = {"x_ptr": act, "residual_ptr": act, "weight_ptr": act, "out_ptr": act,
+           "new_residual_ptr": act, **dict.fromkeys(
+               ["rows_per_group", "x_group_stride", "x_row_stride", "r_group_stride",
+                "r_row_stride", "width"], "i32"),
+           "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"}
+    rotary = {"positions_ptr": "*i64", **dict.fromkeys(
+                  ["q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr"], act),
+              "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(
+                  ["q_stride", "k_stride", "q_out_stride", "k_out_stride", "cache_stride"], "i32"),
+              **dict.fromkeys(["NUM_Q_HEADS", "NUM_K_HEADS", "HEAD_SIZE", "Q_HEADS_BLOCK",
+                               "K_HEADS_BLOCK", "HALF_BLOCK"], "constexpr")}
+    silu = {"x_ptr": act, "out_ptr": act, "x_stride": "i32", "width": "i32",
+            "BLOCK": "constexpr"}
+    return [(_rms_norm_kernel, rms, {"HAS_RESIDUAL": True, "BLOCK": 4096}),
+            (_rotary_kernel, rotary, {"NUM_Q_HEADS": 32, "NUM_K_HEADS": 8, "HEAD_SIZE": 128,
+                                      "Q_HEADS_BLOCK": 32, "K_HEADS_BLOCK": 8,
+                                      "HALF_BLOCK": 64}),
+            (_silu_mul_kernel, silu, {"BLOCK": 1024})]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.parametrize("target", [("cuda", 80, 32, "bf16"), ("cuda", 90, 32, "bf16"),
+                                    ("cuda", 120, 32, "bf16"), ("cuda", 70, 32, "fp16"),
+                                    ("hip", "gfx942", 64, "bf16")],
+                         ids=["sm80", "sm90", "sm120", "sm70-fp16", "gfx942"])
+def test_kernels_compile_for_gpu_targets(target):
+    """The interpreter runs Python, not Triton's compiler: this catches what only a
+    compile would (typing, layouts, backend lowering) on machines without a GPU."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    backend, arch, warp_size, dtype = target
+    for kernel, signature, constexprs in _kernel_signatures(dtype):
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                                  target=GPUTarget(backend, arch, warp_size),
+                                  options={"num_warps": 8})
+        assert compiled.asm.get("cubin" if backend == "cuda" else "hsaco")
+
+
 # ---------------------------------------------------------------- CPU: the interpreter
 
 if not INTERPRETED:
