@@ -318,7 +318,7 @@ class LLMEngine:
             n = seq.sampling_params.prompt_logprobs
             tok_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
             ranks = (logprobs > tok_lp[:, None]).sum(-1) + 1
-            top_v, top_i = logprobs.topk(n, dim=-1) if n else (None, None)
+            top_v, top_i = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1) if n else (None, None)
             for r in range(skip, targets.numel()):
                 tid = int(targets[r])
                 entry = {tid: Logprob(float(tok_lp[r]), int(ranks[r]), self._decode_one(tid))}
@@ -332,18 +332,19 @@ class LLMEngine:
 
     def _request_output(self, state: RequestState, finished: bool) -> RequestOutput:
         delta = state.params.output_kind is RequestOutputKind.DELTA
+        wants_logprobs = state.params.logprobs is not None
         completions = []
         for s in state.seqs:
             text_from, tokens_from = state.sent[s.index] if delta else (0, 0)
+            text_to = visible_text_length(s)
             completions.append(CompletionOutput(
-                index=s.index, text=s.output_text[text_from:],
+                index=s.index, text=s.output_text[text_from:text_to],
                 token_ids=s.output_token_ids[tokens_from:],
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.output_logprobs[tokens_from:]
-                if s.sampling_params.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob if wants_logprobs else None,
+                logprobs=s.output_logprobs[tokens_from:] if wants_logprobs else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
             if delta:
-                state.sent[s.index] = (len(s.output_text), s.num_output_tokens)
+                state.sent[s.index] = (max(text_from, text_to), s.num_output_tokens)
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
@@ -353,14 +354,28 @@ class LLMEngine:
 
     # -- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:
+        """Counts of requests (not sequences: an n=4 request counts once), KV pool usage."""
         pool = self.block_pool
+        sched = self.scheduler
+        running = {s.request_id for s in sched.running}
         return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
+            "num_running": len(running),
+            "num_waiting": len({s.request_id for s in sched.waiting} - running),
             "kv_usage": pool.usage,
             "num_used_blocks": pool.num_used_blocks,
             "num_blocks": pool.num_blocks,
         }
+
+
+def visible_text_length(seq: Sequence) -> int:
+    """How much of a running sequence's text may be shown: while a stop string could still
+    be completing at its end, the last ``len(longest stop) - 1`` characters wait (text once
+    shown cannot be taken back when the stop string truncates it)."""
+    params = seq.sampling_params
+    if seq.is_finished or not params.stop_strings or params.include_stop_str_in_output:
+        return len(seq.output_text)
+    hold = max(len(stop) for stop in params.stop_strings) - 1
+    return max(0, len(seq.output_text) - hold)
 
 
 def _peek_model_config(model_path: str | None):

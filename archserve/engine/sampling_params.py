@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+# The widest top-N a request may ask for, per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 class RequestOutputKind(enum.Enum):
@@ -58,6 +62,16 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.min_tokens, int):
+            bad(f"min_tokens must be an integer, got {self.min_tokens!r}")
         if self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -79,8 +93,8 @@ class SamplingParams:
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0):
-                bad(f"{name} must be a non-negative integer, got {v!r}")
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

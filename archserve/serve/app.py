@@ -105,8 +105,7 @@ def build_app(ctx: ServingContext) -> RequestGuard:
         if body.messages is not None:
             ids = render_chat_prompt(ctx, body.messages, body.add_generation_prompt)
         else:
-            ids = list(ctx.tokenizer.encode(body.prompt,
-                                            add_special_tokens=body.add_special_tokens))
+            ids = ctx.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         result = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
         if body.return_token_strs:
             result["token_strs"] = ctx.tokenizer.convert_ids_to_tokens(ids)

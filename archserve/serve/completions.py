@@ -36,7 +36,7 @@ def _prompts(ctx: ServingContext, prompt) -> list[tuple[str, list[int]]]:
     out = []
     for item in items:
         if isinstance(item, str):
-            ids = list(ctx.tokenizer.encode(item))
+            ids = ctx.encode(item, "prompt")
             text = item
         else:
             ids = list(item)
@@ -101,8 +101,11 @@ class _CompletionView:
         if self.req.logprobs is not None:
             ids = prefix_ids + c.token_ids[start_token:]
             entries = prefix_lps + list((c.logprobs or [])[start_token:])
+            # text_offset counts from the start of the whole text the client has seen,
+            # which begins with the echoed prompt even in chunks that no longer carry it.
+            echoed = len(self.prompts[prompt_index][0]) if self.req.echo and not with_echo else 0
             logprobs = completion_logprobs(self.ctx.tokenizer, ids, entries,
-                                           self.req.logprobs, start_text)
+                                           self.req.logprobs, echoed + start_text)
         return CompletionChoice(index=prompt_index * self.req.n + c.index,
                                 text=prefix + c.text[start_text:], logprobs=logprobs,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)

@@ -48,6 +48,15 @@ class ServingContext:
         if name is not None and name not in self.model_names:
             raise OpenAIError(f"The model `{name}` does not exist.", status=404, param="model")
 
+    def encode(self, text: str, param: str, **kwargs) -> list[int]:
+        """Token ids of client text; text that is not valid Unicode is a 400, not a 500."""
+        try:
+            text.encode("utf-8")
+            return list(self.tokenizer.encode(text, **kwargs))
+        except (UnicodeEncodeError, TypeError, ValueError) as exc:
+            raise OpenAIError(f"{param} is not valid Unicode text ({type(exc).__name__})",
+                              param=param) from None
+
     def admit(self, num_requests: int = 1) -> None:
         """503 when the waiting queue is full (the client should retry later)."""
         if not self.engine.is_alive:

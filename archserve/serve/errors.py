@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
@@ -36,9 +37,18 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
                       "param": param, "code": status}}
 
 
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message that quotes client text containing a
+    lone surrogate still renders (UTF-8 encoding of such text would raise)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(message: str, status: int, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+    return AsciiJSONResponse(error_body(message, status, param), status_code=status,
+                             headers=headers)
 
 
 def from_exception(exc: OpenAIError) -> JSONResponse:

@@ -108,3 +108,16 @@ def test_impossible_attention_override(tiny_checkpoint):
         LLM(tiny_checkpoint("llama"), attention_backend="FLASH_ATTN")
     with pytest.raises(ValueError, match="valid choices"):
         LLM(tiny_checkpoint("llama"), attention_backend="NOPE")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt_logprobs=60000), "prompt_logprobs"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(seed=1.5), "seed"),
+    (dict(min_tokens=2.5), "min_tokens"),
+])
+def test_more_invalid_sampling_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

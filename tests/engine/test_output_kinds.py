@@ -49,3 +49,23 @@ def test_generate_does_not_change_the_callers_params(tiny_checkpoint):
     params = SamplingParams(max_tokens=3)
     llm.generate(["Hello"], params)
     assert params.output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_streamed_text_never_shows_what_a_stop_string_takes_back(engine):
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    full = run(engine, greedy)[1][-1].outputs[0].text
+    stop = full[6:10]
+    outputs = run(engine, replace(greedy, stop=[stop]))[1]
+    final = outputs[-1].outputs[0].text
+    assert final == full[:full.find(stop)]
+    for out in outputs:
+        assert final.startswith(out.outputs[0].text)
+
+
+def test_request_counts_are_requests_not_sequences(engine):
+    engine.add_request(None, "Hello", SamplingParams(n=4, max_tokens=5))
+    engine.step()
+    stats = engine.stats()
+    assert stats["num_running"] + stats["num_waiting"] == 1
+    while engine.has_unfinished_requests():
+        engine.step()

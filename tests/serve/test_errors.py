@@ -116,3 +116,24 @@ def test_oversized_body_is_413(server):
 def test_server_still_serves_after_errors(client):
     r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=2)
     assert r.usage.completion_tokens == 2
+
+
+
+def _post_raw(server, path: str, body: dict) -> httpx.Response:
+    """JSON written with ASCII escapes, so a lone surrogate travels as \\udXXX."""
+    import json
+    return httpx.post(f"{server.url}{path}", content=json.dumps(body),
+                      headers={"Content-Type": "application/json", **AUTH}, timeout=60)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"], "max_tokens": 2}),
+    ("/tokenize", {"prompt": "\ud800"}),
+])
+def test_lone_surrogates_are_a_400(server, path, body):
+    assert _assert_error(_post_raw(server, path, body), 400)["param"] == "prompt"
+
+
+def test_error_messages_quoting_a_surrogate_still_render(server):
+    _assert_error(_post_raw(server, "/v1/completions", {"model": "\ud800", "prompt": "hi"}), 404)
