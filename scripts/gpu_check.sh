@@ -15,4 +15,5 @@ python3 -m archserve.cli.main explain --device h200 --op attention --head-size 1
 # Engine first, then kernels: what comes back when the lease runs short is the most useful part.
 timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider --ignore=tests/serve --ignore=tests/kernels tests 2>&1 | tee "$OUT/pytest_gpu_engine.log" | tail -25
 timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest_gpu_kernels.log" | tail -25
+timeout 90 python3 benchmarks/bench_elementwise.py --out "$OUT/bench_elementwise.json" 2>&1 | tee "$OUT/bench_elementwise.md" | tail -20
 timeout 70 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.md" | tail -30

@@ -137,6 +137,9 @@ class LLMEngine:
             lines.append(f"route {route.layer}: {route.backend}{detail}"
                          f"{' (forced)' if route.forced else ''} (ideal {route.ideal}); "
                          f"rejected: {rejected}")
+        from archserve.kernels.elementwise.dispatch import fused_kernel_route
+        fused, why = fused_kernel_route(r.torch_device)
+        lines.append(f"route elementwise (rms norm, rotary, silu*mul): {fused} ({why})")
         lines += [
             f"kv cache: {r.num_blocks} blocks x {r.block_size} tokens = "
             f"{r.num_blocks * r.block_size} tokens ({r.kv_sizing}); max_model_len {r.max_model_len}",
