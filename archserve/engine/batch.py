@@ -32,8 +32,61 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor
 
 
-def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.device,
-                max_blocks_per_seq: int | None = None) -> ModelBatch:
+def _metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+              slot_mapping: np.ndarray, device: torch.device) -> AttentionMetadata:
+    query_lens = np.diff(query_start_loc)
+    num_seqs = len(seq_lens)
+    return AttentionMetadata(
+        query_start_loc=_to_device(query_start_loc, device),
+        seq_lens=_to_device(seq_lens, device),
+        block_tables=_to_device(block_tables, device),
+        slot_mapping=_to_device(slot_mapping, device),
+        max_query_len=int(query_lens.max()) if num_seqs else 0,
+        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+        num_seqs=num_seqs,
+        query_lens_cpu=query_lens.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
+    )
+
+
+def _block_table_matrix(tables: list[list[int]]) -> np.ndarray:
+    width = max(1, max(map(len, tables)))
+    return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+
+
+def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.device
+                       ) -> ModelBatch:
+    """The common step of a busy server: one new token per sequence, every one sampled.
+
+    Plain Python lists and one array per field: per-sequence numpy calls would cost
+    more than the arithmetic they do.
+    """
+    seqs = [c.seq for c in chunks]
+    positions = [s.num_computed_tokens for s in seqs]
+    tables = [s.block_table for s in seqs]
+    n = len(seqs)
+    slot_mapping = [t[p // block_size] * block_size + p % block_size
+                    for t, p in zip(tables, positions, strict=True)]
+    meta = _metadata(np.arange(n + 1, dtype=np.int32),
+                     np.asarray(positions, dtype=np.int32) + 1,
+                     _block_table_matrix(tables),
+                     np.asarray(slot_mapping, dtype=np.int64), device)
+    return ModelBatch(
+        input_ids=_to_device(np.asarray([s.token_ids[p] for s, p in zip(seqs, positions,
+                                                                      strict=True)],
+                                        dtype=np.int64), device),
+        positions=_to_device(np.asarray(positions, dtype=np.int64), device),
+        meta=meta,
+        logits_indices=_to_device(np.arange(n, dtype=np.int64), device),
+        sampled_seqs=seqs,
+        prompt_logprob_rows=[],
+    )
+
+
+def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.device
+                ) -> ModelBatch:
+    if all(c.num_new_tokens == 1 and c.samples for c in chunks):
+        return build_decode_batch(chunks, block_size, device)
     num_tokens = sum(c.num_new_tokens for c in chunks)
     num_seqs = len(chunks)
     input_ids = np.empty(num_tokens, dtype=np.int64)
@@ -41,10 +94,7 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.devic
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
     seq_lens = np.empty(num_seqs, dtype=np.int32)
-    width = max_blocks_per_seq or max(
-        ((c.seq.num_computed_tokens + c.num_new_tokens + block_size - 1) // block_size)
-        for c in chunks)
-    block_tables = np.zeros((num_seqs, max(width, 1)), dtype=np.int32)
+    block_tables = _block_table_matrix([c.seq.block_table for c in chunks])
     logits_rows: list[int] = []
     sampled_seqs: list = []
     prompt_rows: list[tuple[object, int, int, int]] = []
@@ -55,13 +105,11 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.devic
         start = seq.num_computed_tokens
         end = start + chunk.num_new_tokens
         tokens = seq.token_ids_slice(start, end)
-        table = np.asarray(seq.block_table, dtype=np.int32)
         pos = np.arange(start, end, dtype=np.int64)
         input_ids[row:row + chunk.num_new_tokens] = tokens
         positions[row:row + chunk.num_new_tokens] = pos
         slot_mapping[row:row + chunk.num_new_tokens] = (
-            table[pos // block_size].astype(np.int64) * block_size + pos % block_size)
-        block_tables[i, :len(table)] = table
+            block_tables[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
         seq_lens[i] = end
         query_start_loc[i + 1] = query_start_loc[i] + chunk.num_new_tokens
         params = seq.sampling_params
@@ -75,18 +123,7 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.devic
             sampled_seqs.append(seq)
         row += chunk.num_new_tokens
 
-    query_lens = np.diff(query_start_loc)
-    meta = AttentionMetadata(
-        query_start_loc=_to_device(query_start_loc, device),
-        seq_lens=_to_device(seq_lens, device),
-        block_tables=_to_device(block_tables, device),
-        slot_mapping=_to_device(slot_mapping, device),
-        max_query_len=int(query_lens.max()) if num_seqs else 0,
-        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-        num_seqs=num_seqs,
-        query_lens_cpu=query_lens.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-    )
+    meta = _metadata(query_start_loc, seq_lens, block_tables, slot_mapping, device)
     return ModelBatch(
         input_ids=_to_device(input_ids, device),
         positions=_to_device(positions, device),

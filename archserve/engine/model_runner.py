@@ -106,7 +106,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledSeq]):
         """One step: forward every scheduled token, sample where a sequence reached its end."""
-        batch = build_batch(chunks, self.block_size, self.device, self.max_blocks_per_seq)
+        batch = build_batch(chunks, self.block_size, self.device)
         hidden = self.run_model(batch)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not batch.sampled_seqs:
