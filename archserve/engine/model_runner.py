@@ -48,29 +48,46 @@ class ModelRunner:
                                             cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
 
     @torch.inference_mode()
-    def profile_peak_activation_bytes(self, num_tokens: int) -> int:
-        """Run one prefill of ``num_tokens`` tokens and return the activation peak in bytes."""
+    def profile_peak_activation_bytes(self, num_tokens: int, max_num_seqs: int = 256) -> int:
+        """Run one prefill step of ``num_tokens`` tokens (as many sequences of at most
+        max_model_len tokens as that takes, like the largest real step) and return the
+        activation peak in bytes."""
         cfg = self.model_config
-        blocks = (num_tokens + self.block_size - 1) // self.block_size
-        caches = allocate_kv_caches(cfg.num_layers, blocks, self.block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, self.dtype, self.device)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
+        dev = self.device
+        seq_len = min(num_tokens, self.max_model_len)
+        num_seqs = max(1, min(max_num_seqs, -(-num_tokens // seq_len)))
+        lens = [seq_len] * num_seqs
+        lens[-1] = num_tokens - seq_len * (num_seqs - 1) if num_tokens > seq_len else seq_len
+        lens = [n for n in lens if n > 0]
+        blocks_per_seq = -(-seq_len // self.block_size)
+        caches = allocate_kv_caches(cfg.num_layers, blocks_per_seq * len(lens), self.block_size,
+                                    cfg.num_kv_heads, cfg.head_dim, self.dtype, dev)
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        tables = torch.arange(blocks_per_seq * len(lens), dtype=torch.int32,
+                              device=dev).view(len(lens), blocks_per_seq)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        seq_index = torch.repeat_interleave(torch.arange(len(lens), device=dev),
+                                            torch.tensor(lens, device=dev))
+        slots = (tables[seq_index, positions // self.block_size].long() * self.block_size
+                 + positions % self.block_size)
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
-            slot_mapping=torch.arange(num_tokens, dtype=torch.long, device=self.device),
-            max_query_len=num_tokens, max_seq_len=num_tokens, num_seqs=1,
-            query_lens_cpu=[num_tokens], seq_lens_cpu=[num_tokens])
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        pos = torch.arange(num_tokens, dtype=torch.long, device=self.device)
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=tables, slot_mapping=slots,
+            max_query_len=max(lens), max_seq_len=max(lens), num_seqs=len(lens),
+            query_lens_cpu=list(lens), seq_lens_cpu=list(lens))
+        ids = torch.zeros(sum(lens), dtype=torch.long, device=dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
         with set_forward_context(ForwardContext(meta, caches, self.attn_impl)):
-            hidden = self.model(ids, pos)
-            self.model.compute_logits(hidden[-min(num_tokens, 256):])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
+            hidden = self.model(ids, positions)
+            # The sampler's logits: one row per sequence, the largest decode batch.
+            self.model.compute_logits(hidden[:min(sum(lens), max_num_seqs)])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
         del caches, hidden
         torch.cuda.empty_cache()
         return int(peak)

@@ -135,7 +135,7 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
         return blocks_for_budget(config.kv_cache_memory_bytes, per_block), \
             f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
     if torch_device.type == "cuda":
-        peak = runner.profile_peak_activation_bytes(max_num_batched_tokens)
+        peak = runner.profile_peak_activation_bytes(max_num_batched_tokens, max_num_seqs)
         # CUDA graphs keep their own memory pool: set aside an estimate so graphs fit.
         reserve = 0 if config.enforce_eager else 256 << 20
         avail = cuda_available_kv_bytes(torch_device, config.gpu_memory_utilization, peak, reserve)
