@@ -15,10 +15,12 @@ TINY_VARIANTS = {
                   tie_word_embeddings=False)),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(tie_word_embeddings=False)),
-    # Head size 64: the smallest that every attention backend's rules accept.
-    "qwen2-h64": ("qwen2", dict(tie_word_embeddings=True, hidden_size=128, head_dim=64,
-                                num_attention_heads=2, num_key_value_heads=1)),
 }
+# Head size 64: the smallest that every attention backend's rules accept (GPU tests).
+_H64 = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=1)
+for _name in ("llama", "qwen2", "qwen3"):
+    _type, _overrides = TINY_VARIANTS[_name]
+    TINY_VARIANTS[f"{_name}-h64"] = (_type, {**_overrides, **_H64})
 
 
 @pytest.fixture(scope="session")

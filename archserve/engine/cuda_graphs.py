@@ -80,6 +80,36 @@ class DecodeGraphRunner:
         self.set.sizes = sorted(self.set.graphs)
         return self.set
 
+    def replay_canary(self, tolerance: float = 2e-2) -> str | None:
+        """Replay the smallest graph once against the same step run eagerly.
+
+        A kernel that bakes a host-side value into the capture would replay a stale
+        value; then every graph is dropped (decode runs eager) with the reason.
+        """
+        if not self.set.sizes:
+            return None
+        size = self.set.sizes[0]
+        positions = torch.arange(size, dtype=torch.long, device=self.device) % 7
+        meta = self._meta(size)
+        meta.seq_lens = (positions + 1).to(torch.int32)
+        meta.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=self.device)
+        ids = torch.arange(size, dtype=torch.long, device=self.device) % 11
+        with torch.inference_mode():
+            eager = self.forward(ids, positions, meta).float()
+            replayed = self.replay(size, ids, positions, meta).float()
+        err = (eager - replayed).abs().max().item()
+        scale = max(1.0, eager.abs().max().item())
+        if not torch.isfinite(replayed).all() or err > tolerance * scale:
+            reason = f"graph replay canary: max error {err:.3g} against eager"
+            for s in list(self.set.sizes):
+                self.set.demoted[s] = reason
+            self.set.graphs.clear()
+            self.set.outputs.clear()
+            self.set.sizes = []
+            log.warning("CUDA graphs disabled: %s", reason)
+            return reason
+        return None
+
     def size_for(self, num_seqs: int) -> int | None:
         for size in self.set.sizes:
             if size >= num_seqs:

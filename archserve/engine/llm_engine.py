@@ -98,7 +98,8 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, max_batched, self.max_model_len,
                             config.enable_chunked_prefill),
             self.block_pool, self.eos_token_ids)
-        graphs = torch_device.type == "cuda" and not config.enforce_eager
+        graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection)
+        graphs = graphs_off is None
         t_graphs = time.perf_counter()
         if graphs:
             self.runner.capture_cuda_graphs(config.max_num_seqs, config.cuda_graph_sizes or None)
@@ -109,6 +110,7 @@ class LLMEngine:
             num_blocks=num_blocks, max_model_len=self.max_model_len,
             graph_sizes=self.runner.graphs.set.sizes if graphs else [],
             graph_demoted=self.runner.graphs.set.demoted if graphs else {},
+            graphs_off=graphs_off,
             timings={"load_s": load_s, "select_and_canary_s": select_s,
                      "cuda_graphs_s": graphs_s})
         self.report.kernel_cache = kernel_cache
@@ -150,6 +152,8 @@ class LLMEngine:
             lines.append(f"decision: {d.what}: {d.requested} -> {d.chosen} ({d.reason})")
         if r.self_check is not None:
             lines.append(f"roofline self-check: {r.self_check.summary()}")
+        if r.graphs_off and r.torch_device.type == "cuda":
+            lines.append(f"cuda graphs: off ({r.graphs_off})")
         if r.graph_sizes or r.graph_demoted:
             lines.append(f"cuda graphs: {len(r.graph_sizes)} decode sizes"
                          + (f"; eager for {r.graph_demoted}" if r.graph_demoted else ""))

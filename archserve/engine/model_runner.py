@@ -107,6 +107,7 @@ class ModelRunner:
         start = time.perf_counter()
         with torch.inference_mode():
             result = self.graphs.capture(sizes)
+        self.graphs.replay_canary()
         log.info("captured CUDA graphs for %d decode batch sizes in %.1fs%s", len(result.sizes),
                  time.perf_counter() - start,
                  f"; demoted to eager: {result.demoted}" if result.demoted else "")

@@ -47,6 +47,7 @@ class StartupReport:
     timings: dict[str, float] = field(default_factory=dict)
     kv_sizing: str = ""                                   # how num_blocks was reached
     routes: list = field(default_factory=list)            # explain Routes of the loaded model
+    graphs_off: str | None = None                         # why decode runs eager, if it does
     kernel_cache: str | None = None                       # Triton compile/autotune cache dir
     self_check: object | None = None                      # self_check.SelfCheck on GPUs
 
@@ -101,6 +102,19 @@ def select_attention_with_canary(device: DeviceInfo, config: EngineConfig, model
     selection = select_attention(device, config, model_config, dtype, kv_cache_dtype,
                                  extra_reject=canary)
     return selection, impls[selection.name], log_lines
+
+
+def cuda_graphs_off_reason(torch_device: torch.device, config: EngineConfig,
+                           attention: Selection) -> str | None:
+    """None when decode steps are captured as CUDA graphs, else why not."""
+    if torch_device.type != "cuda":
+        return f"no CUDA graphs on {torch_device.type}"
+    if config.enforce_eager:
+        return "enforce_eager=True"
+    if not attention.backend.graph_capturable:
+        return (f"{attention.name} reads sequence lengths on the host, so a captured graph "
+                f"would replay stale lengths")
+    return None
 
 
 def model_routes(device: DeviceInfo, config: EngineConfig, model_config, dtype: torch.dtype,

@@ -53,6 +53,9 @@ class Backend:
     library: str | None = None
     implemented: bool = True
     description: str = ""
+    # True when the op reads every per-step size from device tensors, so a CUDA graph
+    # captured once stays right as batch contents change (attention: sequence lengths).
+    graph_capturable: bool = False
 
     def hardware_rule(self, device: DeviceInfo, spec: Any) -> str | None:
         """None if the hardware (and the request) allow this backend, else the reason."""

@@ -42,7 +42,7 @@ def free_gpu_memory_after_each_test():
     torch.cuda.empty_cache()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama-h64", "qwen2-h64", "qwen3-h64"])
 def checkpoint_and_reference(request, tiny_checkpoint):
     path = tiny_checkpoint(request.param)
     from transformers import AutoTokenizer
@@ -54,13 +54,15 @@ def checkpoint_and_reference(request, tiny_checkpoint):
 @pytest.mark.parametrize("backend", [None, "TORCH_SDPA", "FLEX_ATTENTION", "TORCH_REFERENCE"])
 def test_bf16_greedy_close_to_transformers(checkpoint_and_reference, enforce_eager, backend):
     path, refs = checkpoint_and_reference
-    if backend == "TORCH_REFERENCE" and not enforce_eager:
-        pytest.skip("the reference backend is not graph-capturable by design")
     llm = LLM(path, dtype="bfloat16", enforce_eager=enforce_eager, attention_backend=backend,
               kv_cache_memory_bytes=1 << 28, max_num_seqs=16)
     report = llm.llm_engine.report
-    if not enforce_eager:
+    if enforce_eager:
+        assert not report.graph_sizes
+    elif report.attention.backend.graph_capturable:
         assert report.graph_sizes, f"no CUDA graph captured: {report.graph_demoted}"
+    else:
+        assert not report.graph_sizes and "host" in report.graphs_off
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16,
                                                 ignore_eos=True, logprobs=1))
     agree = 0
@@ -76,8 +78,9 @@ def test_bf16_greedy_close_to_transformers(checkpoint_and_reference, enforce_eag
 
 
 def test_default_backend_on_this_gpu_is_the_ideal_one(tiny_checkpoint):
-    llm = LLM(tiny_checkpoint("llama"), dtype="bfloat16", gpu_memory_utilization=0.2)
+    llm = LLM(tiny_checkpoint("llama-h64"), dtype="bfloat16", gpu_memory_utilization=0.2)
     assert llm.llm_engine.report.num_blocks > 1000  # sized by profiling, not a default
     sel = llm.llm_engine.report.attention
     # On an H200 with no flash_attn/flashinfer installed, our Triton kernels win.
     assert sel.name in ("TRITON_ATTN", sel.ideal)
+    assert llm.llm_engine.report.graph_sizes and not llm.llm_engine.report.graph_demoted

@@ -69,6 +69,7 @@ class FlashAttentionBackend(RuleBackend):
     library = "flash_attn"
     implemented = False   # the flash_attn library is not on our GPU machine yet
     description = "FlashAttention (FA2 on SM8x/SM11x/SM12x, FA3 on Hopper, FA4 on SM100 family)"
+    graph_capturable = True
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         return needs_capability(device, SM80)
@@ -94,6 +95,7 @@ class FlashInferBackend(RuleBackend):
     library = "flashinfer"
     implemented = False   # flashinfer is not on our GPU machine yet
     description = "FlashInfer paged attention (SM80..SM121)"
+    graph_capturable = True
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         # Today's vLLM: SM75 is listed by the seed, but FlashInfer is broken on Turing.
@@ -122,6 +124,7 @@ class TritonAttentionBackend(RuleBackend):
     op = "attention"
     library = "triton"
     description = "archserve's Triton paged attention (any CUDA or ROCm GPU)"
+    graph_capturable = True
     impl_path = f"{_IMPL}.triton_backend:TritonAttentionImpl"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
