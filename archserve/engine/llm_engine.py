@@ -187,6 +187,12 @@ class LLMEngine:
         request_id = request_id or self.new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        out_of_vocab = [t for t in [*params.stop_token_ids, *(params.logit_bias or {})]
+                        if t >= vocab]
+        if out_of_vocab:
+            raise ValueError(f"token ids must be below the vocabulary size {vocab}; "
+                             f"got {out_of_vocab[:5]}")
         text, ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(

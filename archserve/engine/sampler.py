@@ -84,6 +84,9 @@ class SamplingBatch:
     output_counts: torch.Tensor | None = None # float32 [B, V]: occurrences in the output
     blocked_rows: torch.Tensor | None = None  # int64 [M]: (row, token) pairs masked to -inf
     blocked_tokens: torch.Tensor | None = None  # int64 [M] (stop tokens before min_tokens)
+    bias_rows: torch.Tensor | None = None     # int64 [K]: (row, token, value) logit biases
+    bias_tokens: torch.Tensor | None = None   # int64 [K]
+    bias_values: torch.Tensor | None = None   # float32 [K]
     seeded_rows: tuple[int, ...] = ()         # random rows with their own generator
     seeded_keys: tuple[int, ...] = ()         # their draw seeds (see ``draw_seed``)
     max_num_logprobs: int = -1                # -1: no row asked; N: top-N for the widest ask
@@ -100,6 +103,7 @@ class SamplingBatch:
         seeded_rows: list[int] = []
         seeded_keys: list[int] = []
         blocked: list[tuple[int, int]] = []
+        biases: list[tuple[int, int, float]] = []
         max_logprobs = -1
         for i, seq in enumerate(seqs):
             p = seq.sampling_params
@@ -117,6 +121,8 @@ class SamplingBatch:
                 if not p.ignore_eos:
                     stops.update(eos_token_ids)
                 blocked.extend((i, t) for t in stops if 0 <= t < vocab_size)
+            if p.logit_bias:
+                biases.extend((i, t, b) for t, b in p.logit_bias.items() if t < vocab_size)
             if p.logprobs is not None:
                 max_logprobs = max(max_logprobs, p.logprobs)
 
@@ -137,6 +143,12 @@ class SamplingBatch:
         if blocked:
             pairs = _to_device(np.asarray(blocked, dtype=np.int64).T.copy(), device)
             batch.blocked_rows, batch.blocked_tokens = pairs[0], pairs[1]
+        if biases:
+            rows_tokens = _to_device(np.asarray([(r, t) for r, t, _ in biases],
+                                                dtype=np.int64).T.copy(), device)
+            batch.bias_rows, batch.bias_tokens = rows_tokens[0], rows_tokens[1]
+            batch.bias_values = _to_device(np.asarray([b for *_, b in biases],
+                                                      dtype=np.float32), device)
 
         uses_rep = scalars[3] != 1.0
         uses_output = (scalars[4] != 0.0) | (scalars[5] != 0.0) | uses_rep
@@ -221,6 +233,9 @@ class Sampler:
                                                  self.eos_token_ids)
         raw = logits.float()
         x = raw
+        if batch.bias_rows is not None:   # OpenAI's logit_bias: added before anything else
+            x = x.index_put((batch.bias_rows, batch.bias_tokens), batch.bias_values,
+                            accumulate=True)
         if batch.blocked_rows is not None:
             x = x.index_put((batch.blocked_rows, batch.blocked_tokens),
                             torch.tensor(float("-inf"), device=x.device))

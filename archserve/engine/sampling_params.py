@@ -40,6 +40,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -95,6 +96,12 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
                 bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                bad(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                    or not -100.0 <= bias <= 100.0:
+                bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

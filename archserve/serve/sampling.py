@@ -36,11 +36,37 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise OpenAIError(f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param=param)
 
 
+def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not bias:
+        return None
+    try:
+        parsed = {int(token): float(value) for token, value in bias.items()}
+    except ValueError:
+        raise OpenAIError("logit_bias keys must be token ids", param="logit_bias") from None
+    check_token_ids(list(parsed), vocab_size, "logit_bias")
+    return parsed
+
+
+def reject_unsupported(req: SamplingFields) -> None:
+    """Say no clearly to what archserve does not do, instead of silently ignoring it."""
+    fmt = req.response_format
+    if fmt and fmt.get("type", "text") != "text":
+        raise OpenAIError(f"response_format type {fmt.get('type')!r} (structured output) is "
+                          "not supported", param="response_format")
+    if req.tools:
+        raise OpenAIError("tool calling is not supported", param="tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise OpenAIError("tool calling is not supported", param="tool_choice")
+
+
 def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None, vocab_size: int) -> SamplingParams:
     """SamplingParams with OpenAI's defaults for fields the client left out."""
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
+    reject_unsupported(req)
+    logit_bias = parse_logit_bias(req.logit_bias, vocab_size)
     if req.min_tokens > max_tokens:
         raise OpenAIError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
                           f"({max_tokens})", param="min_tokens")
@@ -59,6 +85,6 @@ def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | No
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias)
     except ValueError as exc:
         raise OpenAIError(str(exc)) from None

@@ -236,3 +236,18 @@ def test_cuda_sampler_matches_cpu_semantics():
     assert torch.allclose(out.sampled_logprobs,
                           torch.log_softmax(logits, -1).gather(1, out.sampled_token_ids[:, None])
                           .squeeze(1), atol=1e-5)
+
+
+def test_logit_bias_steers_greedy_choice_and_is_per_row():
+    from archserve.engine.sampler import Sampler
+    from archserve.engine.sampling_params import SamplingParams
+    from archserve.engine.sequence import Sequence
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 1.0
+    biased = Sequence("a", [1, 2], SamplingParams(temperature=0.0, logit_bias={7: 5.0}))
+    plain = Sequence("b", [1, 2], SamplingParams(temperature=0.0))
+    out = Sampler().sample(logits, [biased, plain])
+    assert out.sampled_token_ids.tolist() == [7, 3]
+    banned = Sequence("c", [1, 2], SamplingParams(temperature=1.0, seed=0,
+                                                  logit_bias={t: -100.0 for t in range(9)}))
+    assert Sampler().sample(torch.zeros(1, 10), [banned]).sampled_token_ids.tolist() == [9]

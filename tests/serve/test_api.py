@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from tests.serve.conftest import API_KEY, MAX_MODEL_LEN
@@ -161,3 +162,32 @@ def test_metrics_exposition(server, client):
     assert after['archserve:http_requests_total{status="200"}'] > 0
     assert after["archserve:prefix_cache_queries_total"] >= after["archserve:prefix_cache_hits_total"] > 0
     assert after["archserve:kv_cache_usage_perc"] == 0
+
+
+
+def test_logit_bias_forces_a_token(client, server):
+    auth = AUTH
+    ids = httpx.post(f"{server.url}/tokenize", headers=auth,
+                     json={"prompt": " banana", "add_special_tokens": False}).json()["tokens"]
+    plain = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                      max_tokens=1, temperature=0, logprobs=0)
+    forced = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                       max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(ids[0]): 100})
+    first = httpx.post(f"{server.url}/detokenize", headers=auth,
+                       json={"tokens": ids[:1]}).json()["prompt"]
+    assert forced.choices[0].text == first != plain.choices[0].text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+    ({"logit_bias": {"999999999": 1}}, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+])
+def test_unsupported_or_invalid_extras_are_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}],
+                                       extra_body=extra)
+    assert info.value.body["param"] == param
