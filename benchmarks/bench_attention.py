@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -24,20 +23,7 @@ import torch
 # Runnable from a plain checkout as well as from an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def median_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from archserve.bench.cuda_timing import median_ms  # noqa: E402
 
 
 def copy_bandwidth(iters: int, warmup: int, nbytes: int = 2 << 30) -> float:

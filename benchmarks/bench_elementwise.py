@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -28,6 +27,7 @@ import torch
 # Runnable from a plain checkout as well as from an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from archserve.bench.cuda_timing import median_ms  # noqa: E402
 from archserve.kernels.elementwise import (  # noqa: E402
     apply_rotary,
     forced_fused_route,
@@ -97,18 +97,6 @@ def op_cases(shape: ModelShape, tokens: int, dtype: torch.dtype) -> list[OpCase]
     return cases
 
 
-def _event_ms(fn: Callable[[], object], iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def time_us(run: Callable[[], object], iters: int, warmup: int, reps: int) -> tuple[float, str]:
     """Median µs per call: a graph of ``reps`` calls when capture works, else eager."""
     for _ in range(warmup):  # also compiles the Triton kernels before any capture
@@ -121,12 +109,12 @@ def time_us(run: Callable[[], object], iters: int, warmup: int, reps: int) -> tu
                 run()
         graph.replay()
         torch.cuda.synchronize()
-        return 1e3 * _event_ms(graph.replay, iters) / reps, "graph"
+        return 1e3 * median_ms(graph.replay, iters) / reps, "graph"
     except Exception as exc:  # noqa: BLE001 - the row records the fallback
         print(f"graph capture failed ({type(exc).__name__}: {exc}); timing eagerly",
               file=sys.stderr)
         torch.cuda.synchronize()
-        return 1e3 * _event_ms(run, iters), "eager"
+        return 1e3 * median_ms(run, iters), "eager"
 
 
 def copy_bandwidth(iters: int, nbytes: int = 1 << 30) -> float:
@@ -134,7 +122,7 @@ def copy_bandwidth(iters: int, nbytes: int = 1 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    return 2 * nbytes / (_event_ms(lambda: dst.copy_(src), iters) * 1e-3)
+    return 2 * nbytes / (median_ms(lambda: dst.copy_(src), iters) * 1e-3)
 
 
 def measure(args, model: str, tokens: int, dtype: torch.dtype) -> list[dict]:

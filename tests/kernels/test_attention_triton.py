@@ -10,7 +10,6 @@ TRITON_INTERPRET=1 to see the individual cases.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -23,13 +22,8 @@ if not INTERPRETED:
     @pytest.mark.skipif(torch.cuda.is_available(),
                         reason="on a GPU the real-size tests in test_attention_impls.py run")
     def test_triton_kernels_under_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
-            env=env, capture_output=True, text=True, timeout=600,
-        )
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-        assert " passed" in result.stdout and " failed" not in result.stdout
+        from triton_interpreter import assert_passes_under_interpreter
+        assert_passes_under_interpreter(__file__, timeout=600)
 
 else:
     sys.path.insert(0, os.path.dirname(__file__))

@@ -15,8 +15,6 @@ in the last place, on at most a small fraction of the elements.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -226,13 +224,8 @@ if not INTERPRETED:
     @pytest.mark.skipif(torch.cuda.is_available(),
                         reason="on a GPU the compiled kernels are tested at real sizes")
     def test_triton_kernels_under_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"],
-            env=env, capture_output=True, text=True, timeout=900,
-        )
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-        assert " passed" in result.stdout and " failed" not in result.stdout
+        from triton_interpreter import assert_passes_under_interpreter
+        assert_passes_under_interpreter(__file__, timeout=900)
 
 else:
 
