@@ -65,7 +65,9 @@ class ModelConfig:
         eos = generation_config.get("eos_token_id", hf_config.eos_token_id)
         bos = generation_config.get("bos_token_id", hf_config.bos_token_id)
         window, per_layer = _sliding_windows(hf_config, num_layers)
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        # transformers 5 names it `dtype` (reading `torch_dtype` there logs a deprecation).
+        dtype = (hf_config.dtype if hasattr(hf_config, "dtype")
+                 else getattr(hf_config, "torch_dtype", None))
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None)
         return cls(
