@@ -39,9 +39,8 @@ def load_peer_model(model_path: str, load_format: str, dtype: torch.dtype,
             config = AutoConfig.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     elif gguf_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
-                                                     gguf_file=os.path.basename(gguf_path),
-                                                     dtype=dtype)
+        from archserve.loader.transformers_gguf import transformers_model_from_gguf
+        model = transformers_model_from_gguf(gguf_path, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.to(device).eval()

@@ -27,10 +27,10 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf_model(llm):
-    from models.test_default_gguf_model import _hf_model_from_gguf
-
     from archserve.loader.default_model import default_model_path
-    return _hf_model_from_gguf(default_model_path(), llm.llm_engine.model_config.hf_config)
+    from archserve.loader.transformers_gguf import transformers_model_from_gguf
+    return transformers_model_from_gguf(default_model_path(),
+                                        llm.llm_engine.model_config.hf_config)
 
 
 def test_greedy_chat_matches_transformers_and_is_english(llm, hf_model):

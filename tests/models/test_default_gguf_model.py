@@ -12,46 +12,13 @@ import torch
 
 from archserve.loader.default_model import default_model_path
 from archserve.loader.loader import load_model
+from archserve.loader.transformers_gguf import transformers_model_from_gguf
 from models.helpers import PagedSequences, hf_last_logits
 
 pytestmark = pytest.mark.slow  # ~20 s of CPU: two independent loads of a 135M model
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 28, 7018, 411, 407, 19712,
           8182, 2]
-
-
-class _ParametersOnly:
-    """What transformers' GGUF name mapping reads from a model: config and parameter names.
-
-    Handing it the full model makes it rebuild the name table for each of ~400 submodules
-    (about 6 s); the names are the same either way.
-    """
-
-    def __init__(self, model) -> None:
-        self.config = model.config
-        self._state = model.state_dict()
-
-    def state_dict(self):
-        return self._state
-
-    def named_children(self):
-        return iter(())
-
-
-def _hf_model_from_gguf(path: str, hf_config):
-    """transformers' own GGUF load (``from_pretrained(gguf_file=)`` minus ``accelerate``)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    with torch.device("meta"):  # no random init of weights we overwrite anyway
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(path, return_tensors=True,
-                                   model_to_load=_ParametersOnly(model))["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(hf_config)  # buffers left on meta
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +29,7 @@ def models():
         pytest.skip(str(exc))
     ours, config = load_model(path, dtype=torch.float32, device="cpu")
     # config.hf_config is exactly AutoConfig.from_pretrained(dir, gguf_file=name).
-    return ours, config, _hf_model_from_gguf(path, config.hf_config)
+    return ours, config, transformers_model_from_gguf(path, config.hf_config)
 
 
 def test_config_read_from_gguf(models):
