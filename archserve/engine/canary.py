@@ -13,17 +13,22 @@ import torch
 from archserve.kernels.attention.cases import compare_with_reference, make_case
 from archserve.kernels.specs import AttentionSpec
 
-# A chunked prefill continuing from cached blocks next to two decodes (one splits the KV).
-CANARY_SEQS = [(5, 21), (1, 40), (1, 1100)]
+# Two steps, as the engine runs them: a chunked prefill continuing from cached blocks
+# beside a decode (the general kernel), then a pure-decode batch long enough for the
+# decode kernel to split its KV (the kernel CUDA graphs replay).
+CANARY_STEPS = {"prefill": [(5, 21), (1, 40)], "decode": [(1, 40), (1, 2100), (1, 21)]}
 
 
 def attention_canary(impl, spec: AttentionSpec, block_size: int, device: torch.device
                      ) -> str | None:
-    """None if ``impl`` passes, else the reason (mismatch, NaN/Inf, or an exception)."""
-    case = make_case(CANARY_SEQS, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                     head_size=spec.head_size, block_size=block_size, dtype=spec.dtype,
-                     kv_cache_dtype=spec.kv_cache_dtype, sliding_window=spec.sliding_window,
-                     soft_cap=spec.logit_soft_cap, device=device.type, seed=1234,
-                     fp8_exact_kv=device.type == "cpu")
-    reason = compare_with_reference(case, impl)
-    return None if reason is None else f"numerics canary: {reason}"
+    """None if ``impl`` passes both steps, else the reason (mismatch, NaN/Inf, exception)."""
+    for step, seqs in CANARY_STEPS.items():
+        case = make_case(seqs, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                         head_size=spec.head_size, block_size=block_size, dtype=spec.dtype,
+                         kv_cache_dtype=spec.kv_cache_dtype,
+                         sliding_window=spec.sliding_window, soft_cap=spec.logit_soft_cap,
+                         device=device.type, seed=1234, fp8_exact_kv=device.type == "cpu")
+        reason = compare_with_reference(case, impl)
+        if reason is not None:
+            return f"numerics canary ({step} step): {reason}"
+    return None

@@ -88,12 +88,16 @@ class DecodeGraphRunner:
         """
         if not self.set.sizes:
             return None
-        size = self.set.sizes[0]
-        positions = torch.arange(size, dtype=torch.long, device=self.device) % 7
+        # The largest graph, with values unlike the capture's (zeros, length 1), so a
+        # host value baked into the capture cannot pass unnoticed.
+        size = self.set.sizes[-1]
+        rows = torch.arange(size, dtype=torch.long, device=self.device)
+        positions = 3 + rows % 7
         meta = self._meta(size)
         meta.seq_lens = (positions + 1).to(torch.int32)
         meta.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=self.device)
-        ids = torch.arange(size, dtype=torch.long, device=self.device) % 11
+        meta.block_tables = (rows % self.block_tables.shape[1]).to(torch.int32)[:, None]
+        ids = 5 + rows % 11
         with torch.inference_mode():
             eager = self.forward(ids, positions, meta).float()
             replayed = self.replay(size, ids, positions, meta).float()

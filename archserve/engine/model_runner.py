@@ -21,6 +21,15 @@ from archserve.models.layers.forward_context import ForwardContext, set_forward_
 log = logging.getLogger(__name__)
 
 
+def profile_sequence_lengths(num_tokens: int, max_num_seqs: int, max_model_len: int
+                             ) -> list[int]:
+    """The largest step the scheduler can build: up to ``num_tokens`` tokens in at most
+    ``max_num_seqs`` sequences, none longer than ``max_model_len``."""
+    num_tokens = min(num_tokens, max_num_seqs * max_model_len)
+    full, rest = divmod(num_tokens, max_model_len)
+    return [max_model_len] * full + ([rest] if rest else [])
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, device: torch.device,
                  dtype: torch.dtype, attn_impl, block_size: int, max_model_len: int,
@@ -54,12 +63,8 @@ class ModelRunner:
         activation peak in bytes."""
         cfg = self.model_config
         dev = self.device
-        seq_len = min(num_tokens, self.max_model_len)
-        num_seqs = max(1, min(max_num_seqs, -(-num_tokens // seq_len)))
-        lens = [seq_len] * num_seqs
-        lens[-1] = num_tokens - seq_len * (num_seqs - 1) if num_tokens > seq_len else seq_len
-        lens = [n for n in lens if n > 0]
-        blocks_per_seq = -(-seq_len // self.block_size)
+        lens = profile_sequence_lengths(num_tokens, max_num_seqs, self.max_model_len)
+        blocks_per_seq = -(-max(lens) // self.block_size)
         caches = allocate_kv_caches(cfg.num_layers, blocks_per_seq * len(lens), self.block_size,
                                     cfg.num_kv_heads, cfg.head_dim, self.dtype, dev)
         starts = [0]

@@ -31,7 +31,7 @@ def test_wrong_kernel_is_demoted_with_the_reason(tiny_checkpoint, wrong_backend_
     report = llm.llm_engine.report
     assert report.attention.name == "TORCH_SDPA"
     rejected = {r.backend: r.reason for r in report.attention.rejected}
-    assert rejected["WRONG_ATTN"].startswith("numerics canary: max error")
+    assert rejected["WRONG_ATTN"].startswith("numerics canary (prefill step): max error")
     assert any(line.startswith("WRONG_ATTN: numerics canary") for line in report.canary)
     assert "WRONG_ATTN" in llm.llm_engine.describe_route()
     out = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0))

@@ -74,7 +74,18 @@ def test_bf16_greedy_close_to_transformers(checkpoint_and_reference, enforce_eag
             if a != b:
                 break
             assert abs(out.outputs[0].logprobs[step][a].logprob - ref_lps[step][a].item()) < 0.1
-    assert agree >= len(PROMPTS) * 3 // 4, f"only {agree}/{len(PROMPTS)} prompts agree"
+    # "Most prompts": a strict majority (bf16 near-ties can flip a greedy token).
+    assert agree > len(PROMPTS) // 2, f"only {agree}/{len(PROMPTS)} prompts agree"
+    # Teacher-forced: score transformers' own continuation; every logprob stays close, so a
+    # disagreement above is a near-tie, not a wrong kernel.
+    tok = llm.get_tokenizer()
+    forced = [tok.encode(p) + ref for p, (ref, _) in zip(PROMPTS, refs, strict=True)]
+    scored = llm.generate(forced, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    for out, prompt, (ref_tokens, ref_lps) in zip(scored, PROMPTS, refs, strict=True):
+        start = len(tok.encode(prompt))
+        for step, token in enumerate(ref_tokens):
+            ours = out.prompt_logprobs[start + step][token].logprob
+            assert abs(ours - ref_lps[step][token].item()) < 0.1, (prompt, step)
 
 
 def test_default_backend_on_this_gpu_is_the_ideal_one(tiny_checkpoint):

@@ -38,6 +38,7 @@ def test_kernel_caches_live_under_the_archserve_cache(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("name, kind", [
     ("_decode_kernel", "attention"), ("_prefill_kernel", "attention"),
+    ("_write_kv_kernel", "attention"), ("_merge_splits_kernel", "attention"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32", "linear"), ("nvjet_hsh_128x64", "linear"),
     ("triton_poi_fused_add_mul", "elementwise"), ("_rms_norm_kernel", "elementwise"),
 ])
@@ -73,3 +74,15 @@ def test_gpu_warm_start_skips_tuning_and_self_check_runs(tiny_checkpoint, tmp_pa
     cold, warm = runs
     assert cold["attention"] == "TRITON_ATTN" and cold["self_check"]
     assert warm["timings_s"]["select_and_canary_s"] < cold["timings_s"]["select_and_canary_s"]
+
+
+@pytest.mark.parametrize("tokens, seqs, max_len, expected", [
+    (8192, 256, 256, [256] * 32),
+    (8192, 8, 256, [256] * 8),            # capped by max_num_seqs, none over max_model_len
+    (1000, 8, 300, [300, 300, 300, 100]),
+    (100, 8, 4096, [100]),
+])
+def test_memory_profile_builds_the_largest_legal_step(tokens, seqs, max_len, expected):
+    from archserve.engine.model_runner import profile_sequence_lengths
+    lens = profile_sequence_lengths(tokens, seqs, max_len)
+    assert lens == expected and len(lens) <= seqs and max(lens) <= max_len

@@ -62,7 +62,7 @@ def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
 def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                     out_ptr, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                     stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
-                    stride_block_table, qk_scale, v_scale, soft_cap,
+                    stride_block_table, qk_scale, v_scale, soft_cap, tune_bucket,
                     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
@@ -139,11 +139,20 @@ def _prefill_tiles(head_size: int, dtype: torch.dtype) -> tuple[int, int, int, i
 _tuned_prefill_kernel = triton.autotune(
     configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
              for m, n, w, st in PREFILL_CONFIGS],
-    key=["HEAD_SIZE", "GROUP", "SLIDING_WINDOW", "USE_SOFT_CAP"],
+    # tune_bucket: tiles that win on a 5-row canary lose on a 4096-row prefill, so the
+    # problem's size class is part of the key (it is otherwise unused by the kernel).
+    key=["HEAD_SIZE", "GROUP", "SLIDING_WINDOW", "USE_SOFT_CAP", "tune_bucket"],
     # Timings persist in Triton's cache dir, which the engine keys by device and versions
     # (engine/kernel_cache.py): a second start on the same machine does not tune again.
     cache_results=True,
 )(_prefill_kernel)
+
+
+def tune_bucket(max_query_len: int) -> int:
+    """Size class of a prefill for autotuning (multiples of 16: one compiled variant)."""
+    if max_query_len <= 64:
+        return 16
+    return 256 if max_query_len <= 1024 else 4096
 
 
 def _interpreted() -> bool:
@@ -168,7 +177,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     args = (query, kv_cache, block_tables, seq_lens, query_start_loc, out,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0)
+            block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
+            tune_bucket(max_query_len))
     constants = dict(
         GROUP=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
         BLOCK_D=triton.next_power_of_2(head_size), SLIDING_WINDOW=sliding_window or 0,
