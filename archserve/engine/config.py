@@ -28,6 +28,11 @@ class EngineConfig:
     seed: int = 0
     skip_canary: bool = False                # numerics canary of the attention kernel at start
     self_check: bool = True                  # roofline self-check of a decode step (GPU)
+    # Accepted for vLLM compatibility:
+    tensor_parallel_size: int = 1            # only 1 today
+    quantization: str | None = None          # None (from the checkpoint) or "gguf"
+    trust_remote_code: bool = False          # no effect: archserve never runs checkpoint code
+    disable_log_stats: bool = False
 
     def validate(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -40,5 +45,11 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: archserve runs "
+                             "one GPU per engine today (tensor parallelism is not implemented)")
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported; archserve "
+                             "loads unquantized checkpoints and GGUF files (dequantized)")
         if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

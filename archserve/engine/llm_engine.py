@@ -188,12 +188,14 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
-        out_of_vocab = [t for t in [*params.stop_token_ids, *(params.logit_bias or {})]
-                        if t >= vocab]
+        out_of_vocab = [t for t in [*params.stop_token_ids, *(params.logit_bias or {}),
+                                    *(params.allowed_token_ids or [])] if t >= vocab]
         if out_of_vocab:
             raise ValueError(f"token ids must be below the vocabulary size {vocab}; "
                              f"got {out_of_vocab[:5]}")
         text, ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; this model's maximum context length is "

@@ -87,6 +87,7 @@ class SamplingBatch:
     bias_rows: torch.Tensor | None = None     # int64 [K]: (row, token, value) logit biases
     bias_tokens: torch.Tensor | None = None   # int64 [K]
     bias_values: torch.Tensor | None = None   # float32 [K]
+    allowed_mask: torch.Tensor | None = None  # bool [B, V]: False where a row may not sample
     seeded_rows: tuple[int, ...] = ()         # random rows with their own generator
     seeded_keys: tuple[int, ...] = ()         # their draw seeds (see ``draw_seed``)
     max_num_logprobs: int = -1                # -1: no row asked; N: top-N for the widest ask
@@ -104,6 +105,7 @@ class SamplingBatch:
         seeded_keys: list[int] = []
         blocked: list[tuple[int, int]] = []
         biases: list[tuple[int, int, float]] = []
+        allowed_rows: list[tuple[int, list[int]]] = []
         max_logprobs = -1
         for i, seq in enumerate(seqs):
             p = seq.sampling_params
@@ -121,6 +123,8 @@ class SamplingBatch:
                 if not p.ignore_eos:
                     stops.update(eos_token_ids)
                 blocked.extend((i, t) for t in stops if 0 <= t < vocab_size)
+            if p.allowed_token_ids is not None:
+                allowed_rows.append((i, p.allowed_token_ids))
             if p.logit_bias:
                 biases.extend((i, t, b) for t, b in p.logit_bias.items() if t < vocab_size)
             if p.logprobs is not None:
@@ -143,6 +147,13 @@ class SamplingBatch:
         if blocked:
             pairs = _to_device(np.asarray(blocked, dtype=np.int64).T.copy(), device)
             batch.blocked_rows, batch.blocked_tokens = pairs[0], pairs[1]
+        if allowed_rows:
+            restricted = torch.zeros((n, vocab_size), dtype=torch.bool)
+            restricted[[i for i, _ in allowed_rows]] = True   # rows that have a list
+            mask = ~restricted
+            for i, ids in allowed_rows:
+                mask[i, [t for t in ids if t < vocab_size]] = True
+            batch.allowed_mask = mask.to(device, non_blocking=True)
         if biases:
             rows_tokens = _to_device(np.asarray([(r, t) for r, t, _ in biases],
                                                 dtype=np.int64).T.copy(), device)
@@ -236,6 +247,8 @@ class Sampler:
         if batch.bias_rows is not None:   # OpenAI's logit_bias: added before anything else
             x = x.index_put((batch.bias_rows, batch.bias_tokens), batch.bias_values,
                             accumulate=True)
+        if batch.allowed_mask is not None:
+            x = x.masked_fill(~batch.allowed_mask, float("-inf"))
         if batch.blocked_rows is not None:
             x = x.index_put((batch.blocked_rows, batch.blocked_tokens),
                             torch.tensor(float("-inf"), device=x.device))

@@ -41,6 +41,8 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None   # sample only among these
+    truncate_prompt_tokens: int | None = None    # keep only the prompt's last k tokens
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -102,6 +104,17 @@ class SamplingParams:
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
                     or not -100.0 <= bias <= 100.0:
                 bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                       for t in self.allowed_token_ids)):
+            bad("allowed_token_ids must be a non-empty list of token ids")
+        if self.truncate_prompt_tokens is not None and (
+                isinstance(self.truncate_prompt_tokens, bool)
+                or not isinstance(self.truncate_prompt_tokens, int)
+                or self.truncate_prompt_tokens < 1):
+            bad(f"truncate_prompt_tokens must be an integer >= 1, got "
+                f"{self.truncate_prompt_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -24,7 +24,7 @@ from archserve.serve.protocol import (
     now,
     random_id,
 )
-from archserve.serve.sampling import resolve_max_tokens, sampling_params_for
+from archserve.serve.sampling import resolve_max_tokens, sampling_params_for, truncated
 from archserve.serve.streams import SSE_DONE, merge, sse, sse_error, unless_disconnected
 
 
@@ -65,7 +65,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = render_chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    ids = truncated(render_chat_prompt(ctx, req.messages, req.add_generation_prompt), req)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(len(ids), requested, ctx.max_model_len, "messages")
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None

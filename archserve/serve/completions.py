@@ -19,7 +19,12 @@ from archserve.serve.protocol import (
     now,
     random_id,
 )
-from archserve.serve.sampling import check_token_ids, resolve_max_tokens, sampling_params_for
+from archserve.serve.sampling import (
+    check_token_ids,
+    resolve_max_tokens,
+    sampling_params_for,
+    truncated,
+)
 from archserve.serve.streams import SSE_DONE, merge, sse, sse_error, unless_disconnected
 
 
@@ -54,7 +59,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise OpenAIError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError("best_of must equal n (or be omitted)", param="best_of")
-    prompts = _prompts(ctx, req.prompt)
+    prompts = [(text, truncated(ids, req)) for text, ids in _prompts(ctx, req.prompt)]
     echo_logprobs = req.logprobs if req.echo else None
     params = [sampling_params_for(req, resolve_max_tokens(len(ids), req.max_tokens,
                                                           ctx.max_model_len, "prompt"),

@@ -53,6 +53,8 @@ class SamplingFields(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=65536)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=1024)] | None = None
     # Accepted only in their "nothing special" form; anything else is a clear 400.

@@ -60,11 +60,19 @@ def reject_unsupported(req: SamplingFields) -> None:
         raise OpenAIError("tool calling is not supported", param="tool_choice")
 
 
+def truncated(ids: list[int], req: SamplingFields) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (before any length check)."""
+    k = req.truncate_prompt_tokens
+    return ids[-k:] if k else ids
+
+
 def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None, vocab_size: int) -> SamplingParams:
     """SamplingParams with OpenAI's defaults for fields the client left out."""
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
+    if req.allowed_token_ids:
+        check_token_ids(req.allowed_token_ids, vocab_size, "allowed_token_ids")
     reject_unsupported(req)
     logit_bias = parse_logit_bias(req.logit_bias, vocab_size)
     if req.min_tokens > max_tokens:
@@ -85,6 +93,7 @@ def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | No
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias)
+            skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,
+            allowed_token_ids=req.allowed_token_ids)
     except ValueError as exc:
         raise OpenAIError(str(exc)) from None

@@ -121,3 +121,15 @@ def test_impossible_attention_override(tiny_checkpoint):
 def test_more_invalid_sampling_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_vllm_arguments_are_accepted_or_refused_clearly(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("llama"), tensor_parallel_size=1, trust_remote_code=True,
+              disable_log_stats=True)
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        LLM(tiny_checkpoint("llama"), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="awq"):
+        LLM(tiny_checkpoint("llama"), quantization="awq")
+    with pytest.raises(TypeError, match="unknown LLM argument"):
+        LLM(tiny_checkpoint("llama"), not_a_real_option=3)

@@ -69,3 +69,13 @@ def test_request_counts_are_requests_not_sequences(engine):
     assert stats["num_running"] + stats["num_waiting"] == 1
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_truncate_prompt_tokens_keeps_the_tail(engine):
+    from archserve.engine.sampling_params import SamplingParams as SP
+    ids = list(range(10, 40))
+    rid = engine.add_request(None, ids, SP(max_tokens=1, truncate_prompt_tokens=8))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert outs[-1].prompt_token_ids == ids[-8:]

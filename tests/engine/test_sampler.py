@@ -251,3 +251,16 @@ def test_logit_bias_steers_greedy_choice_and_is_per_row():
     banned = Sequence("c", [1, 2], SamplingParams(temperature=1.0, seed=0,
                                                   logit_bias={t: -100.0 for t in range(9)}))
     assert Sampler().sample(torch.zeros(1, 10), [banned]).sampled_token_ids.tolist() == [9]
+
+
+def test_allowed_token_ids_restrict_only_their_row():
+    from archserve.engine.sampler import Sampler
+    from archserve.engine.sampling_params import SamplingParams
+    from archserve.engine.sequence import Sequence
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 5.0
+    only = Sequence("a", [1], SamplingParams(temperature=0.0, allowed_token_ids=[6, 8]))
+    free = Sequence("b", [1], SamplingParams(temperature=0.0))
+    logits[:, 8] = 1.0
+    out = Sampler().sample(logits, [only, free])
+    assert out.sampled_token_ids.tolist() == [8, 3]

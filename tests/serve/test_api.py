@@ -191,3 +191,16 @@ def test_unsupported_or_invalid_extras_are_400(client, extra, param):
                                        messages=[{"role": "user", "content": "hi"}],
                                        extra_body=extra)
     assert info.value.body["param"] == param
+
+
+
+def test_vllm_extensions_allowed_tokens_and_prompt_truncation(client, server):
+    allowed = [28, 30]
+    names = {httpx.post(f"{server.url}/detokenize", headers=AUTH,
+                        json={"tokens": [t]}).json()["prompt"] for t in allowed}
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="word " * 600,
+                                  max_tokens=4, temperature=1.0, seed=3, logprobs=0,
+                                  extra_body={"allowed_token_ids": allowed,
+                                              "truncate_prompt_tokens": 50})
+    assert r.usage.prompt_tokens == 50
+    assert r.choices[0].logprobs.tokens and set(r.choices[0].logprobs.tokens) <= names
