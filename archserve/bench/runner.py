@@ -58,6 +58,14 @@ class BenchOptions:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
 
 
+def has_tokenizer(model_path: str) -> bool:
+    import os
+    if model_path.endswith(".gguf"):
+        return True
+    return any(os.path.exists(os.path.join(model_path, name))
+               for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
 def build_requests(options: BenchOptions, tokenizer, vocab_size: int) -> list[BenchRequest]:
     if options.dataset:
         return dataset_requests(options.dataset, tokenizer, options.output_len,
@@ -99,11 +107,17 @@ def run_offline_bench(options: BenchOptions) -> dict:
     from archserve.loader.loader import resolve_model_path
 
     model_path = resolve_model_path(options.model)
+    # Dummy weights of a real shape often come as a bare config.json: random token ids
+    # need no tokenizer, so run without one rather than fail.
+    no_tokenizer = options.load_format == "dummy" and not has_tokenizer(model_path)
     engine = LLMEngine(EngineConfig(
         model=model_path, dtype=options.dtype, load_format=options.load_format,
         max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
-        enforce_eager=options.enforce_eager, seed=options.seed))
-    vocab = min(len(engine.tokenizer), engine.model_config.vocab_size)
+        enforce_eager=options.enforce_eager, seed=options.seed,
+        skip_tokenizer_init=no_tokenizer))
+    vocab = engine.model_config.vocab_size
+    if engine.tokenizer is not None:
+        vocab = min(len(engine.tokenizer), vocab)
     requests = build_requests(options, engine.tokenizer, vocab)
     check_fits(requests, engine.max_model_len)
     device, dtype = engine.runner.device, engine.report.dtype

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class EngineConfig:
     model: str | None = None                 # None: the embedded default model
     tokenizer: str | None = None             # None: from the model
+    skip_tokenizer_init: bool = False        # no tokenizer: token-id prompts, no output text
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     load_format: str = "auto"                # auto | safetensors | gguf | dummy

@@ -64,7 +64,8 @@ class LLMEngine:
         dtype, kv_cache_dtype, decisions = startup.resolve_precision(device, config, probe_config)
         self.model, self.model_config = load_model(model_path, dtype=dtype, device=torch_device,
                                                    load_format=config.load_format)
-        self.tokenizer = load_tokenizer(config.tokenizer or model_path)
+        self.tokenizer = (None if config.skip_tokenizer_init
+                          else load_tokenizer(config.tokenizer or model_path))
         load_s = startup.elapsed(t0)
 
         mc = self.model_config
@@ -168,6 +169,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): "
+                                 "send prompts as token ids")
             return prompt, list(self.tokenizer.encode(prompt))
         ids = list(prompt)
         if not ids:
@@ -204,9 +208,11 @@ class LLMEngine:
         seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
         state = RequestState(request_id, text, ids, params, seqs, RequestMetrics(now),
                              [None] if params.prompt_logprobs is not None else None)
-        from archserve.loader.tokenizer import IncrementalDetokenizer
-        state.detokenizers = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
-                                                     ids) for _ in seqs]
+        if self.tokenizer is not None:
+            from archserve.loader.tokenizer import IncrementalDetokenizer
+            state.detokenizers = [IncrementalDetokenizer(self.tokenizer,
+                                                         params.skip_special_tokens, ids)
+                                  for _ in seqs]
         state.sent = [(0, 0)] * len(seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -271,7 +277,7 @@ class LLMEngine:
 
     def _detokenize(self, state: RequestState, seq: Sequence) -> None:
         params = seq.sampling_params
-        if not params.detokenize:
+        if not params.detokenize or self.tokenizer is None:
             return
         detok = state.detokenizers[seq.index]
         stopped_by_token = (seq.status is SequenceStatus.FINISHED_STOPPED)
@@ -342,8 +348,8 @@ class LLMEngine:
                         entry.setdefault(t, Logprob(v, rank, self._decode_one(t)))
                 state.prompt_logprobs.append(entry)
 
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _request_output(self, state: RequestState, finished: bool) -> RequestOutput:
         delta = state.params.output_kind is RequestOutputKind.DELTA

@@ -125,3 +125,23 @@ def test_serve_bench_poisson_arrivals(tiny_server, tiny_checkpoint):
     run = data["runs"][0]
     assert run["request_rate"] == 40 and run["concurrency"] is None
     assert run["completed"] == 4 and run["output_tokens"] == 16
+
+
+def test_dummy_weights_of_a_bare_config_need_no_tokenizer(tiny_checkpoint, tmp_path):
+    import shutil
+    shutil.copy(f"{tiny_checkpoint('qwen3')}/config.json", tmp_path / "config.json")
+    data = _bench("--model", str(tmp_path), "--load-format", "dummy", "--num-prompts", "3",
+                  "--input-len", "12", "--output-len", "5", "--max-model-len", "64",
+                  "--peer", "transformers")
+    assert data["output_tokens"] == data["peer"]["output_tokens"] == 15
+
+
+def test_shipped_benchmark_shapes_load_as_configs():
+    from pathlib import Path
+
+    from archserve.loader.config import load_hf_model_config
+    root = Path(__file__).resolve().parents[2] / "benchmarks" / "models"
+    llama = load_hf_model_config(str(root / "llama-3-8b"))
+    qwen3 = load_hf_model_config(str(root / "qwen3-0.6b"))
+    assert (llama.num_layers, llama.num_kv_heads, llama.vocab_size) == (32, 8, 128256)
+    assert qwen3.qk_norm and qwen3.tie_word_embeddings and qwen3.head_dim == 128
