@@ -12,6 +12,13 @@ def _pyplot():
     return plt
 
 
+
+def _save(plt, fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
 def _cdf(ax, values_ms: list[float], label: str) -> None:
     if not values_ms:
         return
@@ -33,10 +40,7 @@ def latency_cdfs(runs: list[dict], latencies: dict[str, list[list[float]]], path
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests")
     axes[-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def throughput_vs_concurrency(runs: list[dict], path: str) -> str:
@@ -50,10 +54,7 @@ def throughput_vs_concurrency(runs: list[dict], path: str) -> str:
     ax.set_ylabel("tokens / s")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def memory_and_kv_over_time(runs: list[dict], path: str) -> str:
@@ -74,10 +75,7 @@ def memory_and_kv_over_time(runs: list[dict], path: str) -> str:
     for ax in (mem_ax, kv_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def step_times(step_seconds: list[float], floor_seconds: list[float], path: str) -> str:
@@ -91,10 +89,7 @@ def step_times(step_seconds: list[float], floor_seconds: list[float], path: str)
     ax.set_ylabel("ms")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def serving_plots(runs: list[dict], latencies: dict[str, list[list[float]]], directory: str
