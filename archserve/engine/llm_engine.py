@@ -330,7 +330,7 @@ class LLMEngine:
     def _record_prompt_logprobs(self, prompt_lps) -> None:
         for seq, first_pos, logprobs, targets in prompt_lps:
             state = self.requests.get(seq.request_id)
-            if state is None or seq.index != 0 or state.prompt_logprobs is None:
+            if state is None or state.prompt_logprobs is None:
                 continue
             have = len(state.prompt_logprobs)          # entries for positions 0..have-1
             skip = have - (first_pos + 1)             # rows already recorded (recompute)

@@ -151,3 +151,15 @@ def test_prompt_logprobs_are_complete_even_when_the_prefix_is_cached(tiny_checkp
     out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
     assert all(entry is not None for entry in out.prompt_logprobs[1:])
+
+
+def test_prompt_logprobs_with_n_siblings_and_chunked_prefill(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("llama"), max_num_batched_tokens=7)
+    prompt = "A paged KV cache stores keys and values in fixed-size blocks."
+    one = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
+    two = llm.generate([prompt], SamplingParams(n=2, max_tokens=2, prompt_logprobs=1,
+                                                temperature=1.0, seed=0))[0]
+    assert len(two.prompt_logprobs) == len(two.prompt_token_ids)
+    for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
