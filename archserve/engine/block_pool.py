@@ -149,8 +149,7 @@ class KVBlockPool:
         seq.block_table = list(prefix.block_ids)
         seq.block_hashes = list(prefix.block_hashes)
         seq.num_computed_tokens = prefix.num_tokens
-        if seq.num_preemptions == 0:   # report the first admission's hit, not a recompute's
-            seq.num_cached_tokens = prefix.num_tokens
+        seq.num_cached_tokens = prefix.num_tokens
         seq.block_table.extend(self._pop_free() for _ in range(fresh))
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
