@@ -43,6 +43,7 @@ class RequestState:
     prompt_logprobs: list | None = None
     detokenizers: list = field(default_factory=list)
     sent: list = field(default_factory=list)   # per sequence (text, tokens) already output
+    num_cached_tokens: int = 0                 # prompt tokens found in the prefix cache
 
 
 class LLMEngine:
@@ -240,6 +241,9 @@ class LLMEngine:
             state = self.requests.get(entry.seq.request_id)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
+                # The prefix-cache hit users see is the first admission's, not a
+                # recompute's after preemption (those hit the sequence's own blocks).
+                state.num_cached_tokens = max(s.num_cached_tokens for s in state.seqs)
         sampled_seqs, result, prompt_lps = self.runner.execute(out.scheduled)
         self._record_prompt_logprobs(prompt_lps)
         if result is None:
@@ -371,7 +375,7 @@ class LLMEngine:
             prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=state.prompt_logprobs, outputs=completions, finished=finished,
             metrics=state.metrics,
-            num_cached_tokens=max((s.num_cached_tokens for s in state.seqs), default=0))
+            num_cached_tokens=state.num_cached_tokens)
 
     # -- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:
