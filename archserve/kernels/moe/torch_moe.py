@@ -1,0 +1,52 @@
+"""TORCH_MOE: the universal MoE fallback — route, then loop over the experts that got tokens.
+
+Weights use the fused layout the model layer keeps: ``w13[e]`` is expert e's gate and up
+projections stacked ([2I, H], gate first), ``w2[e]`` its down projection ([H, I]).
+Work is proportional to routed tokens (each expert sees only its tokens), so it runs on
+any device; a fused kernel (TRITON_FUSED_MOE) replaces the Python loop on GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) from router logits [T, E]."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class TorchMoEImpl:
+    def __init__(self, device: Any = None, spec: Any = None) -> None:
+        self.device = device
+        self.spec = spec
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x)."""
+        weights, experts = route(router_logits, top_k, renormalize)
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        flat_experts = experts.reshape(-1)
+        token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
+        order = flat_experts.argsort()
+        counts = torch.bincount(flat_experts, minlength=w13.shape[0]).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            picks = order[start:start + count]
+            start += count
+            tokens = token_of[picks]
+            x = hidden[tokens]
+            gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[expert])
+            out.index_add_(0, tokens, y.float() * weights.reshape(-1)[picks, None])
+        return out.to(hidden.dtype)
