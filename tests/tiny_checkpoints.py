@@ -67,3 +67,68 @@ def build_tiny_checkpoint(path: str, model_type: str = "llama", seed: int = 0,
     model.to(dtype).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _llama_cpp_permute(weight, num_heads: int):
+    """The q/k row order llama.cpp's converter writes for "llama" GGUFs (pairs interleaved)."""
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_tiny_gguf(hf_dir: str, out_path: str) -> str:
+    """Write the HF checkpoint in ``hf_dir`` as an F32 GGUF file, the way llama.cpp's
+    converter lays it out (tensor names, q/k permutation for llama, BPE tokenizer)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    cfg = model.config
+    arch_name = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch_name)
+    writer = gguf.GGUFWriter(out_path, arch_name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
+    writer.add_rope_freq_base(rope)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_file_type(0)
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    tokens = [t for t, _ in sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    for added in spec["added_tokens"]:
+        if len(tokens) <= added["id"] < cfg.vocab_size:
+            tokens.append(added["content"])
+    special = {a["id"] for a in spec["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch_name != "llama" else "llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m
+                             for m in spec["model"]["merges"]])
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_chat_template(tok.chat_template)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, _, suffix = name.rpartition(".")
+        data = tensor.numpy().astype(np.float32)
+        if arch_name == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            data = _llama_cpp_permute(data, heads)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path

@@ -40,8 +40,11 @@ def _save(save_fn, directory: str, what: str) -> None:
         log.debug("could not cache the GGUF %s in %s: %s", what, directory, exc)
 
 
-def _derived(gguf_path: str, kind: str, marker: str, auto_class) -> Any:
-    """``auto_class`` (AutoConfig / AutoTokenizer) from the cache, else from the GGUF + save."""
+def _derived(gguf_path: str, kind: str, marker: str, auto_class, fix=None) -> Any:
+    """``auto_class`` (AutoConfig / AutoTokenizer) from the cache, else from the GGUF + save.
+
+    ``fix(derived, gguf_path)`` corrects what transformers' conversion gets wrong, once,
+    before the result is cached."""
     entry = os.path.join(_entry_dir(gguf_path), kind)
     if os.path.isfile(os.path.join(entry, marker)):
         try:
@@ -50,6 +53,8 @@ def _derived(gguf_path: str, kind: str, marker: str, auto_class) -> Any:
             log.debug("ignoring unreadable cached %s %s: %s", kind, entry, exc)
     directory, name = os.path.split(os.path.abspath(gguf_path))
     derived = auto_class.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    if fix is not None:
+        fix(derived, gguf_path)
     _save(derived.save_pretrained, entry, kind)
     return derived
 
@@ -58,7 +63,16 @@ def _derived(gguf_path: str, kind: str, marker: str, auto_class) -> Any:
 def gguf_hf_config(gguf_path: str) -> Any:
     """The transformers config of a GGUF file (parsed once per file version)."""
     from transformers import AutoConfig
-    return _derived(gguf_path, "config", "config.json", AutoConfig)
+    return _derived(gguf_path, "config", "config.json", AutoConfig, _head_dim_from_metadata)
+
+
+def _head_dim_from_metadata(config: Any, gguf_path: str) -> None:
+    """transformers does not map ``<arch>.attention.key_length`` for every architecture and
+    falls back to the config class's default (Qwen3: 128). The file says what it is."""
+    from archserve.loader.gguf_loader import read_metadata_int
+    key_length = read_metadata_int(gguf_path, ".attention.key_length")
+    if key_length and getattr(config, "head_dim", None) != key_length:
+        config.head_dim = key_length
 
 
 def gguf_tokenizer(gguf_path: str) -> Any:

@@ -96,6 +96,16 @@ def iterate_gguf(path: str, hf_names: Iterable[str], num_layers: int, num_heads:
         yield names.get(tensor.name, tensor.name), torch.from_numpy(weight)
 
 
+def read_metadata_int(path: str, key_suffix: str) -> int | None:
+    """The integer metadata value whose key ends with ``key_suffix`` (e.g.
+    ".attention.key_length" matches "qwen3.attention.key_length"), or None."""
+    reader = _open_reader(path)
+    for key, field in reader.fields.items():
+        if key.endswith(key_suffix) and field.data:
+            return int(field.parts[field.data[0]][0])
+    return None
+
+
 def split_gguf_path(path: str) -> tuple[str, str]:
     """(directory, file name): the form transformers' ``gguf_file=`` arguments want."""
     directory, name = os.path.split(os.path.abspath(path))
