@@ -40,6 +40,12 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
 
 
+@pytest.fixture(autouse=True)
+def _deterministic_inputs():
+    """Random inputs are the same on every run: a rounding flip fails a run or never does."""
+    torch.manual_seed(0)
+
+
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Same dtype and shape; values equal but for rare differences of a unit or two in the
     last place (one flipped rounding of the normalised row, scaled by the weight)."""
@@ -52,8 +58,10 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
     # The GPU's fast rsqrt/exp and tree reductions flip a few more roundings than the
     # interpreter's numpy, which follows the reference's arithmetic more closely.
     allowed = 1e-2 if actual.is_cuda else 1e-3
-    mismatched = (actual != expected).float().mean().item()
-    assert mismatched <= allowed, f"{mismatched:.2%} of elements differ"
+    mismatched = int((actual != expected).sum())
+    # A share of a small tensor can be less than one element: one flip is always "rare".
+    assert mismatched <= max(1, allowed * actual.numel()), \
+        f"{mismatched} of {actual.numel()} elements differ"
 
 
 # ---------------------------------------------------------------- cases (any device)
@@ -299,7 +307,8 @@ else:
         check_silu_and_mul(tokens, intermediate, dtype, "cpu")
 
     def test_silu_and_mul_keeps_leading_dims():
-        x = torch.randn(2, 3, 2 * 40, dtype=torch.float16)
+        x = torch.randn(2, 3, 2 * 40, generator=torch.Generator().manual_seed(0)
+                        ).to(torch.float16)
         with forced_fused_route("triton"):
             out = silu_and_mul(x)
         assert out.shape == (2, 3, 40)

@@ -4,9 +4,9 @@ converter writes them: the engine gives the same tokens as from the safetensors 
 from __future__ import annotations
 
 import pytest
+from tiny_checkpoints import build_tiny_checkpoint, write_tiny_gguf
 
 from archserve import LLM, SamplingParams
-from tiny_checkpoints import build_tiny_checkpoint, write_tiny_gguf
 
 PROMPT = "Hello world! The capital of France"
 
