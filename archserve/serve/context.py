@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ class ServingContext:
         self.max_model_len: int = llm_engine.max_model_len
         self.vocab_size: int = llm_engine.model_config.vocab_size
         self.model_names = settings.served_model_names or ["archserve-default"]
+        self._reserved = 0   # admitted requests whose streams have not started yet
 
     @property
     def model_name(self) -> str:
@@ -63,13 +65,35 @@ class ServingContext:
             raise OpenAIError(self.engine.dead_reason or "the engine is not running", 503,
                               headers={"Retry-After": "5"})
         limit = self.settings.max_queued_requests
-        if limit is not None and self.engine.num_queued + num_requests > limit:
-            raise OpenAIError(f"the server is busy: {self.engine.num_queued} requests are "
+        queued = self.engine.num_queued + self._reserved
+        if limit is not None and queued + num_requests > limit:
+            raise OpenAIError(f"the server is busy: {queued} requests are "
                               f"waiting (limit {limit}); retry later", 503,
                               headers={"Retry-After": "1"})
+        # Admitted requests count as queued before their streams start (a streamed
+        # response starts its generator only when the body is sent), so a burst of
+        # simultaneous requests cannot all pass the check above.
+        self._reserved += num_requests
 
-    async def generate(self, request_id: str, prompt: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; its admission reservation ends when the stream starts or,
+        if the client left before the body was sent, when the stream is discarded."""
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._reserved -= 1
+
+        stream = self._generate(request_id, prompt, params, release)
+        weakref.finalize(stream, release)
+        return stream
+
+    async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                        release) -> AsyncIterator[RequestOutput]:
+        release()   # from here on the engine's own queue counts this request
         try:
             async for output in self.engine.generate(request_id, prompt, params):
                 yield output

@@ -63,6 +63,28 @@ def test_non_streaming_disconnect_aborts(small_server):
     assert after["archserve:generation_tokens_total"] - before["archserve:generation_tokens_total"] < 150
 
 
+def test_a_burst_cannot_overshoot_the_queue_limit(small_server):
+    """32 streams at once on a server that runs 1 and queues 1: at most 2 are accepted."""
+    import asyncio
+
+    async def one(client: httpx.AsyncClient) -> int:
+        async with client.stream("POST", f"{small_server.url}/v1/completions",
+                                 json={**LONG, "stream": True, "max_tokens": 4}) as r:
+            status = r.status_code
+            async for _ in r.aiter_lines():
+                pass
+            return status
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client) for _ in range(32)))
+
+    statuses = asyncio.run(burst())
+    assert set(statuses) <= {200, 503}
+    assert 1 <= statuses.count(200) <= 2, statuses
+    assert wait_idle(small_server.url)["archserve:kv_cache_used_blocks"] == 0
+
+
 def test_sigterm_drains_and_exits_zero(small_server):
     url = small_server.url
     body = {**LONG, "max_tokens": 12, "stream": True}
