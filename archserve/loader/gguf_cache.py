@@ -36,8 +36,8 @@ def _save(save_fn, directory: str, what: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
         save_fn(directory)
-    except OSError as exc:
-        log.debug("could not cache the GGUF %s in %s: %s", what, directory, exc)
+    except Exception as exc:   # a cache that cannot be written must never stop a load
+        log.warning("could not cache the GGUF %s in %s: %s", what, directory, exc)
 
 
 def _derived(gguf_path: str, kind: str, marker: str, auto_class, fix=None) -> Any:
@@ -111,8 +111,14 @@ def caching_gguf_weights(gguf_path: str, weights):
 
     def save(directory: str) -> None:
         from safetensors.torch import save_file
-        tmp = path + ".tmp"
-        save_file({k: v.contiguous() for k, v in seen.items()}, tmp)
-        os.replace(tmp, path)   # atomic: a reader never sees half a file
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            save_file({k: v.contiguous() for k, v in seen.items()}, tmp)
+            os.replace(tmp, path)   # atomic: a reader never sees half a file
+        except BaseException:
+            # A full disk must not keep half a file around.
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
 
     _save(save, os.path.dirname(path), "weights")
