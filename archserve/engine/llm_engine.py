@@ -112,19 +112,16 @@ class LLMEngine:
             num_blocks=num_blocks, max_model_len=self.max_model_len,
             graph_sizes=self.runner.graphs.set.sizes if graphs else [],
             graph_demoted=self.runner.graphs.set.demoted if graphs else {},
-            graphs_off=graphs_off,
+            graphs_off=graphs_off, kernel_cache=kernel_cache, kv_sizing=sizing,
+            routes=startup.model_routes(device, config, mc, dtype, kv_cache_dtype, selection),
             timings={"load_s": load_s, "select_and_canary_s": select_s,
                      "cuda_graphs_s": graphs_s})
-        self.report.kernel_cache = kernel_cache
         if torch_device.type == "cuda" and config.self_check:
             t_check = time.perf_counter()
             ceilings = load_or_measure(torch_device)
             self.report.self_check = run_self_check(self.runner, ceilings.copy_bytes_per_s)
             self.report.timings["self_check_s"] = startup.elapsed(t_check)
         self.report.timings["total_s"] = startup.elapsed(t0)
-        self.report.kv_sizing = sizing
-        self.report.routes = startup.model_routes(device, config, mc, dtype, kv_cache_dtype,
-                                                  selection)
         self.requests: dict[str, RequestState] = {}
         self._counter = 0
         log.info("%s", self.describe_route())
