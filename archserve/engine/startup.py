@@ -7,7 +7,6 @@ Each decision is recorded (what, requested, chosen, reason) so the start-up log 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -172,10 +171,6 @@ def elapsed(start: float) -> float:
     return round(time.perf_counter() - start, 3)
 
 
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
 __all__ = ["StartupReport", "resolve_torch_device", "device_info_for", "select_attention",
            "size_kv_pool", "resolve_precision", "elapsed", "BackendError", "kv_dtype_of",
-           "attention_spec_of", "env_flag"]
+           "attention_spec_of"]
