@@ -25,11 +25,12 @@ class ModelBatch:
     prompt_logprob_rows: list[tuple[object, int, int, int]]  # (seq, row_start, row_end, first_pos)
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One host array to the device: through pinned memory, without blocking, on CUDA."""
     tensor = torch.from_numpy(array)
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
+    return tensor.to(device)
 
 
 def _metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
@@ -37,10 +38,10 @@ def _metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: n
     query_lens = np.diff(query_start_loc)
     num_seqs = len(seq_lens)
     return AttentionMetadata(
-        query_start_loc=_to_device(query_start_loc, device),
-        seq_lens=_to_device(seq_lens, device),
-        block_tables=_to_device(block_tables, device),
-        slot_mapping=_to_device(slot_mapping, device),
+        query_start_loc=host_to_device(query_start_loc, device),
+        seq_lens=host_to_device(seq_lens, device),
+        block_tables=host_to_device(block_tables, device),
+        slot_mapping=host_to_device(slot_mapping, device),
         max_query_len=int(query_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
         num_seqs=num_seqs,
@@ -72,12 +73,12 @@ def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, device: torc
                      _block_table_matrix(tables),
                      np.asarray(slot_mapping, dtype=np.int64), device)
     return ModelBatch(
-        input_ids=_to_device(np.asarray([s.token_ids[p] for s, p in zip(seqs, positions,
+        input_ids=host_to_device(np.asarray([s.token_ids[p] for s, p in zip(seqs, positions,
                                                                       strict=True)],
                                         dtype=np.int64), device),
-        positions=_to_device(np.asarray(positions, dtype=np.int64), device),
+        positions=host_to_device(np.asarray(positions, dtype=np.int64), device),
         meta=meta,
-        logits_indices=_to_device(np.arange(n, dtype=np.int64), device),
+        logits_indices=host_to_device(np.arange(n, dtype=np.int64), device),
         sampled_seqs=seqs,
         prompt_logprob_rows=[],
     )
@@ -125,10 +126,10 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.devic
 
     meta = _metadata(query_start_loc, seq_lens, block_tables, slot_mapping, device)
     return ModelBatch(
-        input_ids=_to_device(input_ids, device),
-        positions=_to_device(positions, device),
+        input_ids=host_to_device(input_ids, device),
+        positions=host_to_device(positions, device),
         meta=meta,
-        logits_indices=_to_device(np.asarray(logits_rows, dtype=np.int64), device),
+        logits_indices=host_to_device(np.asarray(logits_rows, dtype=np.int64), device),
         sampled_seqs=sampled_seqs,
         prompt_logprob_rows=prompt_rows,
     )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from archserve.engine.batch import host_to_device
 from archserve.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -43,13 +44,6 @@ def draw_seed(seed: int, seq_index: int, step: int) -> int:
     return key >> 1  # 63 bits: accepted by every torch.Generator
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device
                   ) -> torch.Tensor:
     """float32 [len(rows), vocab_size]: how often each token occurs in each row's list."""
@@ -60,7 +54,7 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device
         ids[i, :len(r)] = r
         valid[i, :len(r)] = 1.0
     counts = torch.zeros((len(rows), vocab_size), dtype=torch.float32, device=device)
-    return counts.scatter_add_(1, _to_device(ids, device), _to_device(valid, device))
+    return counts.scatter_add_(1, host_to_device(ids, device), host_to_device(valid, device))
 
 
 @dataclass
@@ -132,20 +126,20 @@ class SamplingBatch:
 
         greedy_rows = scalars[6] > 0.5
         all_greedy = bool(greedy_rows.all())
-        dev = _to_device(scalars, device)
+        dev = host_to_device(scalars, device)
         batch = cls(temperature=dev[0], greedy=dev[6] > 0.5, all_greedy=all_greedy,
                     seeded_rows=tuple(seeded_rows), seeded_keys=tuple(seeded_keys),
                     max_num_logprobs=max_logprobs)
         random_rows = ~greedy_rows  # top-k/p and min-p cannot change a greedy row's argmax
         if (top_k[random_rows] < vocab_size).any():
-            batch.top_k = _to_device(top_k, device)
+            batch.top_k = host_to_device(top_k, device)
             batch.max_top_k = int(top_k.max())
         if (scalars[1][random_rows] < 1.0).any():
             batch.top_p = dev[1]
         if (scalars[2][random_rows] > 0.0).any():
             batch.min_p = dev[2]
         if blocked:
-            pairs = _to_device(np.asarray(blocked, dtype=np.int64).T.copy(), device)
+            pairs = host_to_device(np.asarray(blocked, dtype=np.int64).T.copy(), device)
             batch.blocked_rows, batch.blocked_tokens = pairs[0], pairs[1]
         if allowed_rows:
             restricted = torch.zeros((n, vocab_size), dtype=torch.bool)
@@ -155,10 +149,10 @@ class SamplingBatch:
                 mask[i, [t for t in ids if t < vocab_size]] = True
             batch.allowed_mask = mask.to(device, non_blocking=True)
         if biases:
-            rows_tokens = _to_device(np.asarray([(r, t) for r, t, _ in biases],
+            rows_tokens = host_to_device(np.asarray([(r, t) for r, t, _ in biases],
                                                 dtype=np.int64).T.copy(), device)
             batch.bias_rows, batch.bias_tokens = rows_tokens[0], rows_tokens[1]
-            batch.bias_values = _to_device(np.asarray([b for *_, b in biases],
+            batch.bias_values = host_to_device(np.asarray([b for *_, b in biases],
                                                       dtype=np.float32), device)
 
         uses_rep = scalars[3] != 1.0
