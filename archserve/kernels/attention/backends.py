@@ -144,6 +144,13 @@ class TritonAttentionBackend(RuleBackend):
                 or block_size_rule(spec.block_size, multiple_of=16))
 
 
+def _torch_attention_request_rule(device: DeviceInfo, spec: AttentionSpec) -> str | None:
+    """The torch backends (flex, SDPA) dequantize an fp8 cache as they gather it and apply
+    soft-capping themselves (flex: a score_mod; SDPA: the explicit-scores path), so only
+    MLA and the dtype constrain them."""
+    return _not_mla(spec) or (bf16_on_device(device, spec.dtype) if device.is_gpu else None)
+
+
 class FlexAttentionBackend(RuleBackend):
     name = "FLEX_ATTENTION"
     op = "attention"
@@ -154,9 +161,7 @@ class FlexAttentionBackend(RuleBackend):
         return _torch_at_least(device, 2, 5)
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
-        # fp8 KV and soft-capping: the cache is dequantized on gather, the cap is a score_mod.
-        return (_not_mla(spec)
-                or (bf16_on_device(device, spec.dtype) if device.is_gpu else None))
+        return _torch_attention_request_rule(device, spec)
 
 
 class SdpaAttentionBackend(RuleBackend):
@@ -166,9 +171,7 @@ class SdpaAttentionBackend(RuleBackend):
     impl_path = f"{_IMPL}.sdpa_backend:SdpaAttentionImpl"
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
-        # fp8 KV is dequantized on gather; soft-capping takes the explicit-scores path.
-        return (_not_mla(spec)
-                or (bf16_on_device(device, spec.dtype) if device.is_gpu else None))
+        return _torch_attention_request_rule(device, spec)
 
 
 class ReferenceAttentionBackend(RuleBackend):
