@@ -87,11 +87,15 @@ class FlexAttentionImpl:
 
         block_mask = create_block_mask(mask_mod, None, None, num_q, num_kv, device=device)
         q = query[:num_q].transpose(0, 1).unsqueeze(0)
+        on_cuda = device.type == "cuda"
+        # The compiled flex-decoding kernel (picked for short query lengths) found no valid
+        # config for our dynamic packed shapes on torch 2.11 / H200 ("NoValidChoicesError");
+        # the general flex kernel handles every query length, so it is always used.
+        options = {"FORCE_USE_FLEX_ATTENTION": True} if on_cuda else None
         with warnings.catch_warnings():
             # Eager flex on CPU warns that it is unfused; that is the expected mode there.
             warnings.filterwarnings("ignore", message=".*without torch.compile.*")
-            o = self._flex(device.type == "cuda")(q, k, v, score_mod=score_mod,
-                                                  block_mask=block_mask, scale=layer.scale,
-                                                  enable_gqa=True)
+            o = self._flex(on_cuda)(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                    scale=layer.scale, enable_gqa=True, kernel_options=options)
         out[:num_q] = o[0].transpose(0, 1)
         return out
