@@ -15,6 +15,7 @@ in the last place, on at most a small fraction of the elements.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from archserve.kernels.elementwise.reference import (
 )
 from archserve.models.layers.rotary import RotaryEmbedding
 
+sys.path.insert(0, os.path.dirname(__file__))  # rounding_kernel beside this file
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -240,27 +242,12 @@ else:
     import triton
     import triton.language as tl
 
-    from archserve.kernels.elementwise.triton_rounding import round_to_dtype
+    from rounding_kernel import check_round_to_dtype
 
-    @triton.jit
-    def _round_to_bf16_kernel(src, dst, n, BLOCK: tl.constexpr):
-        offs = tl.arange(0, BLOCK)
-        x = tl.load(src + offs, mask=offs < n)
-        tl.store(dst + offs, round_to_dtype(x, tl.bfloat16), mask=offs < n)
-
-    def test_bf16_rounding_helper_matches_torch_casts():
-        """round_to_dtype is the kernels' only bf16 rounding: ties, overflow, specials."""
-        bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F808001, 0x3F80FFFF, 0xBF808000,
-                             0x7F7FFFFF, 0x7F7F7FFF, 0x00008000, 0x00018000, 0x80000000,
-                             0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF],
-                            dtype=torch.int64).to(torch.int32)  # wraps the high ones
-        x = torch.cat([bits.view(torch.float32), torch.randn(1000) * 1e3])
-        out = torch.empty_like(x)
-        _round_to_bf16_kernel[(1,)](x, out, x.numel(), BLOCK=2048)
-        expected = x.to(torch.bfloat16).float()
-        assert torch.equal(out.isnan(), expected.isnan())
-        finite = ~expected.isnan()
-        assert torch.equal(out[finite], expected[finite])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+    def test_rounding_helper_matches_torch_casts(dtype):
+        """round_to_dtype is the kernels' only rounding: ties, overflow, specials."""
+        check_round_to_dtype(dtype, "cpu")
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("width", [576, 1024, 4096])
@@ -359,6 +346,13 @@ def test_gpu_kernels_match_reference(model, tokens, dtype):
     check_rotary(tokens, heads, kv_heads, head_size, dtype, "cuda", inplace=False)
     check_rotary(tokens, heads, kv_heads, head_size, dtype, "cuda", inplace=True)
     check_silu_and_mul(tokens, intermediate, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_rounding_helper_matches_torch_casts(dtype):
+    from rounding_kernel import check_round_to_dtype
+    check_round_to_dtype(dtype, "cuda")
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ with the reference to the last bit wherever the arithmetic allows. bf16 is round
 integer operations rather than a cast because Triton's CPU interpreter truncates on an
 fp32 -> bf16 cast where the GPU rounds to nearest even; rounding by hand gives both the
 GPU's result, and a value already representable in bf16 then casts exactly everywhere.
+fp16 is rounded by hand too (see below).
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ def round_to_dtype(x, DTYPE: tl.constexpr):
         rounded = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
         return tl.where(x != x, x, rounded)  # NaN payloads must not carry into the sign
     elif DTYPE == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
+        # Also by hand: on the GPU a cast round trip (fp32 -> fp16 -> fp32) can be folded
+        # away, leaving the product unrounded (seen on an H200 as ~1% one-unit flips against
+        # torch). Normal fp16 values keep 10 of fp32's 23 mantissa bits.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0xFFF + ((bits >> 13) & 1)
+        rounded = ((bits >> 13) << 13).to(tl.float32, bitcast=True)
+        overflow = tl.where(x > 0, float("inf"), float("-inf"))
+        rounded = tl.where(tl.abs(rounded) > 65504.0, overflow, rounded)
+        # fp16 subnormals (below 2**-14) have fewer bits; the cast handles those rare values.
+        rounded = tl.where(tl.abs(x) < 6.103515625e-05, x.to(tl.float16).to(tl.float32), rounded)
+        return tl.where(x != x, x, rounded)
     else:
         return x
