@@ -45,6 +45,29 @@ def test_choose_num_splits_fills_idle_sms_only():
     assert choose_num_splits(2, 8, 4096, num_sms=0) == 1         # unknown SM count: never
 
 
+def test_prefill_autotune_drops_tiles_that_cannot_fit_shared_memory():
+    import triton
+
+    from archserve.kernels.attention.triton_prefill import (
+        PREFILL_CONFIGS,
+        fitting_prefill_configs,
+    )
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+               for m, n, w, st in PREFILL_CONFIGS]
+    h200 = 232448   # opt-in shared memory per block on SM90
+
+    def tiles(kept):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages) for c in kept]
+
+    # bf16, head 128: every tile fits, the measured winner (128x128, 3 stages) included.
+    assert len(fitting_prefill_configs(configs, h200, 128, 2)) == len(configs)
+    # fp32, head 256: only the small tiles are worth compiling.
+    assert tiles(fitting_prefill_configs(configs, h200, 256, 4)) == [(64, 64, 2), (64, 32, 2),
+                                                                     (32, 32, 1)]
+    # Nothing fits a tiny limit: the smallest tile stays, so the tuner always has one.
+    assert tiles(fitting_prefill_configs(configs, 1024, 256, 4)) == [(32, 32, 1)]
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

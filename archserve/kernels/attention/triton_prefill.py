@@ -136,9 +136,37 @@ def _prefill_tiles(head_size: int, dtype: torch.dtype) -> tuple[int, int, int, i
     return 64, 64, 4, 2
 
 
+def prefill_tile_smem_bytes(block_m: int, block_n: int, num_stages: int, block_d: int,
+                            element_size: int) -> int:
+    """Shared memory a tile needs, roughly: the Q tile plus K and V tiles for each of the
+    pipeline's in-flight stages (num_stages - 1, at least one)."""
+    return element_size * block_d * (block_m + 2 * block_n * max(1, num_stages - 1))
+
+
+def fitting_prefill_configs(configs: list, smem_limit: int, block_d: int,
+                            element_size: int) -> list:
+    """The configs whose tiles fit ``smem_limit``; the smallest one if none does.
+
+    Tiles that cannot fit (fp32, head 256) would fail only after a compile of many seconds
+    each; dropping them first keeps an fp32 or large-head start from stalling in the tuner."""
+    def need(c):
+        return prefill_tile_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],
+                                       c.num_stages, block_d, element_size)
+    fitting = [c for c in configs if need(c) <= smem_limit]
+    return fitting or [min(configs, key=need)]
+
+
+def _prune_prefill_configs(configs, named_args, **kwargs):
+    args = {**named_args, **kwargs}
+    query = args["q_ptr"]
+    limit = torch.cuda.get_device_properties(query.device).shared_memory_per_block_optin
+    return fitting_prefill_configs(configs, limit, args["BLOCK_D"], query.element_size())
+
+
 _tuned_prefill_kernel = triton.autotune(
     configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
              for m, n, w, st in PREFILL_CONFIGS],
+    prune_configs_by={"early_config_prune": _prune_prefill_configs},
     # tune_bucket: tiles that win on a 5-row canary lose on a 4096-row prefill, so the
     # problem's size class is part of the key (it is otherwise unused by the kernel).
     key=["HEAD_SIZE", "GROUP", "SLIDING_WINDOW", "USE_SOFT_CAP", "tune_bucket"],
