@@ -36,6 +36,7 @@ def doctor(
 
 def _print_report(report) -> None:  # noqa: ANN001 - a DoctorReport
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -43,7 +44,9 @@ def _print_report(report) -> None:  # noqa: ANN001 - a DoctorReport
     data = report.to_dict()
     gib = d.memory_bytes / 1024**3
     cap = f", capability {d.capability} ({d.capability.arch})" if d.capability else ""
-    console.print(f"[bold]device[/bold]   {d.name} [{d.platform}{cap}], {gib:.1f} GiB")
+    # escape(): "[cuda, capability 9.0 (sm_90)]" would otherwise be read as a style tag.
+    console.print(f"[bold]device[/bold]   {escape(f'{d.name} [{d.platform}{cap}]')}, "
+                  f"{gib:.1f} GiB")
     versions = data["versions"]
     libs = ", ".join(f"{k} {v}" for k, v in versions["libraries"].items() if v) or "none"
     console.print(f"[bold]torch[/bold]    {versions['torch'] or 'unknown'}; libraries: {libs}")
@@ -55,24 +58,24 @@ def _print_report(report) -> None:  # noqa: ANN001 - a DoctorReport
     console.print(report.arch_text, markup=False)
     for f in report.findings:
         colour = {"error": "red", "warning": "yellow"}.get(f.severity, "cyan")
-        console.print(f"[{colour}]{f.severity}[/{colour}] {f.code}: {f.title}")
+        console.print(f"[{colour}]{f.severity}[/{colour}] {escape(f'{f.code}: {f.title}')}")
         console.print(f"    {f.detail}\n    fix: {f.remedy}", markup=False)
     for decision in report.decisions:
-        console.print(f"[bold]{decision.what}[/bold] {decision.requested} -> {decision.chosen}: "
-                      f"{decision.reason}")
+        console.print(f"[bold]{decision.what}[/bold] " + escape(
+            f"{decision.requested} -> {decision.chosen}: {decision.reason}"))
     table = Table(title="backend per op kind (representative request)")
     for column in ("op", "backend", "ideal", "why the others were not chosen"):
         table.add_column(column)
     for op, r in report.ops.items():
         if r.route is None:
-            table.add_row(op, "[red]none[/red]", "", r.error or "")
+            table.add_row(op, "[red]none[/red]", "", escape(r.error or ""))
             continue
         why = [f"{x.backend}: {x.reason}" for x in r.route.rejected]
         why += [f"{name}: {reason}" for name, reason in r.others]
         backend = r.route.backend + (f" ({r.route.detail})" if r.route.detail else "")
-        table.add_row(op, backend, r.route.ideal or "", "\n".join(why))
+        table.add_row(op, escape(backend), r.route.ideal or "", escape("\n".join(why)))
     console.print(table)
     if report.can_run:
         console.print("[green]archserve can run here.[/green]")
     else:
-        console.print("[red]archserve cannot run here:[/red] " + "; ".join(report.blockers))
+        console.print("[red]archserve cannot run here:[/red] " + escape("; ".join(report.blockers)))

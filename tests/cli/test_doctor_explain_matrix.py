@@ -99,6 +99,8 @@ def test_doctor_profile_text() -> None:
     result = run("doctor", "-d", "t4")
     assert result.exit_code == 0, result.output
     assert "Tesla T4" in result.output and "can run here" in result.output
+    # The bracketed platform and capability are text, not swallowed as rich markup.
+    assert "[cuda, capability SM75 (sm_75)]" in result.output
 
 
 def test_matrix_json() -> None:
