@@ -37,7 +37,9 @@ def load_peer_model(model_path: str, load_format: str, dtype: torch.dtype,
                                                 gguf_file=os.path.basename(gguf_path))
         else:
             config = AutoConfig.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # Built on the target device: random init of an 8B model on the host takes minutes.
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     elif gguf_path is not None:
         from archserve.loader.transformers_gguf import transformers_model_from_gguf
         model = transformers_model_from_gguf(gguf_path, dtype=dtype)
@@ -59,16 +61,19 @@ def run_continuous_batching(model, requests: list[BenchRequest], ignore_eos: boo
                             max_num_seqs: int, show_progress: bool) -> ThroughputResult:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     device = next(model.parameters()).device
-    cb_options: dict = {"max_requests_per_batch": max_num_seqs}
+    # The cache is sized for the workload, as ours is bounded by it too; sizing from free
+    # memory is slow on a CPU and, on a GPU, leaves nothing for the fallback path.
+    pages = sum(math.ceil((r.input_len + r.output_len) / CB_PAGE_SIZE) for r in requests)
+    cb_options: dict = {"max_requests_per_batch": max_num_seqs,
+                        "num_blocks": pages + len(requests)}
     if device.type != "cuda":
-        # Sizing from free memory is slow and meaningless on a CPU: size for the workload.
-        pages = sum(math.ceil((r.input_len + r.output_len) / CB_PAGE_SIZE) for r in requests)
-        cb_options.update(num_blocks=pages + len(requests), max_batch_tokens=2048,
-                          use_cuda_graph=False)
+        cb_options.update(max_batch_tokens=2048, use_cuda_graph=False)
     cb_config = ContinuousBatchingConfig(**cb_options)
     gen_config = _generation_config(model, ignore_eos,
                                     max_new_tokens=max(r.output_len for r in requests))
-    with progress_bar(show_progress) as bar, torch.inference_mode():
+    # No inference_mode here: transformers' batching thread updates tensors made in this
+    # one, which inference mode would forbid ("Inplace update to inference tensor").
+    with progress_bar(show_progress) as bar, torch.no_grad():
         task = bar.add_task("transformers (continuous batching)", total=len(requests))
         with model.continuous_batching_context_manager(
                 generation_config=gen_config, continuous_batching_config=cb_config,
@@ -105,7 +110,9 @@ def run_padded_generate(model, requests: list[BenchRequest], ignore_eos: bool,
     pad = gen_config.pad_token_id
     eos = set() if ignore_eos else set(_as_list(model.config.eos_token_id))
     output_tokens = 0
-    with progress_bar(show_progress) as bar, torch.inference_mode():
+    # No inference_mode here: transformers' batching thread updates tensors made in this
+    # one, which inference mode would forbid ("Inplace update to inference tensor").
+    with progress_bar(show_progress) as bar, torch.no_grad():
         task = bar.add_task("transformers (batched generate)", total=len(requests))
         t0 = time.perf_counter()
         for start in range(0, len(requests), max_num_seqs):

@@ -55,6 +55,9 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
                  ("MBU (decode steps)", _num(result["mbu"], 1, 100, " %")),
                  ("roofline floor / step time (s)",
                   f"{_num(roof['floor_s'], 3)} / {_num(roof['measured_s'], 3)}"),
+                 ("decode step: mean time / floor (ms)",
+                  f"{_num(roof['decode_step_s_mean'], 3, 1e3)} / "
+                  f"{_num(roof['decode_floor_s_mean'], 3, 1e3)}"),
                  ("steps (decode, compute-bound)",
                   f"{roof['num_steps']} ({roof['num_decode_steps']}, "
                   f"{roof['compute_bound_steps']})")]

@@ -99,6 +99,8 @@ class RooflineReport:
     achieved_bytes_per_s: float
     mbu: float                    # decode steps only; nan when there were none
     decode_bytes_per_s: float
+    decode_step_s_mean: float     # measured time of a decode step, on average
+    decode_floor_s_mean: float    # its floor, on average (the target's yardstick)
 
     def to_json(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v)
@@ -107,12 +109,13 @@ class RooflineReport:
 
 def analyze(trace: StepTrace, facts: ModelFacts, ceilings: Ceilings) -> RooflineReport:
     floor = flops = moved = 0.0
-    decode_bytes = decode_s = 0.0
+    decode_bytes = decode_s = decode_floor = 0.0
     decode_steps = compute_bound = 0
     for step in trace.steps:
         f, b = step_flops(facts, step.work), step_bytes(facts, step.work)
         compute_s, memory_s = f / ceilings.matmul_flops_per_s, b / ceilings.copy_bytes_per_s
-        floor += max(compute_s, memory_s)
+        step_floor = max(compute_s, memory_s)
+        floor += step_floor
         compute_bound += compute_s > memory_s
         flops += f
         moved += b
@@ -120,6 +123,7 @@ def analyze(trace: StepTrace, facts: ModelFacts, ceilings: Ceilings) -> Roofline
             decode_steps += 1
             decode_bytes += b
             decode_s += step.seconds
+            decode_floor += step_floor
     measured = trace.seconds
     decode_rate = decode_bytes / decode_s if decode_s > 0 else math.nan
     return RooflineReport(
@@ -129,4 +133,6 @@ def analyze(trace: StepTrace, facts: ModelFacts, ceilings: Ceilings) -> Roofline
         total_flops=flops, total_bytes=moved,
         achieved_flops_per_s=flops / measured if measured > 0 else math.nan,
         achieved_bytes_per_s=moved / measured if measured > 0 else math.nan,
-        mbu=decode_rate / ceilings.copy_bytes_per_s, decode_bytes_per_s=decode_rate)
+        mbu=decode_rate / ceilings.copy_bytes_per_s, decode_bytes_per_s=decode_rate,
+        decode_step_s_mean=decode_s / decode_steps if decode_steps else math.nan,
+        decode_floor_s_mean=decode_floor / decode_steps if decode_steps else math.nan)

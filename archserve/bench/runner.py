@@ -58,14 +58,6 @@ class BenchOptions:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
 
 
-def has_tokenizer(model_path: str) -> bool:
-    import os
-    if model_path.endswith(".gguf"):
-        return True
-    return any(os.path.exists(os.path.join(model_path, name))
-               for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-
-
 def build_requests(options: BenchOptions, tokenizer, vocab_size: int) -> list[BenchRequest]:
     if options.dataset:
         return dataset_requests(options.dataset, tokenizer, options.output_len,
@@ -106,10 +98,9 @@ def run_offline_bench(options: BenchOptions) -> dict:
     from archserve.engine.llm_engine import LLMEngine
     from archserve.loader.loader import resolve_model_path
 
+    from archserve.loader.tokenizer import dummy_without_tokenizer
     model_path = resolve_model_path(options.model)
-    # Dummy weights of a real shape often come as a bare config.json: random token ids
-    # need no tokenizer, so run without one rather than fail.
-    no_tokenizer = options.load_format == "dummy" and not has_tokenizer(model_path)
+    no_tokenizer = dummy_without_tokenizer(model_path, options.load_format)
     engine = LLMEngine(EngineConfig(
         model=model_path, dtype=options.dtype, load_format=options.load_format,
         max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,

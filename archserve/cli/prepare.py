@@ -32,11 +32,15 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
     from archserve.engine.config import EngineConfig
     from archserve.engine.llm_engine import LLMEngine
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from archserve.loader.loader import resolve_model_path
+    from archserve.loader.tokenizer import dummy_without_tokenizer
     try:
+        model_path = resolve_model_path(model)
         engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, attention_backend=attention_backend,
+            model=model_path, dtype=dtype, attention_backend=attention_backend,
             enforce_eager=enforce_eager, load_format=load_format, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization))
+            max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+            skip_tokenizer_init=dummy_without_tokenizer(model_path, load_format)))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -8,6 +8,19 @@ from typing import Any
 from archserve.loader.gguf_loader import find_gguf_file
 
 
+def has_tokenizer(model_path: str) -> bool:
+    if model_path.endswith(".gguf"):
+        return True
+    return any(os.path.exists(os.path.join(model_path, name))
+               for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def dummy_without_tokenizer(model_path: str, load_format: str) -> bool:
+    """Dummy weights of a real shape often come as a bare config.json: benchmarks and
+    warm-ups feed token ids, so such a model runs without a tokenizer rather than fail."""
+    return load_format == "dummy" and not has_tokenizer(model_path)
+
+
 def load_tokenizer(model_path: str | None = None) -> Any:
     """The HF tokenizer of a local HF directory or GGUF file (None: the default model)."""
     from transformers import AutoTokenizer

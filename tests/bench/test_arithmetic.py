@@ -86,6 +86,8 @@ def test_roofline_floor_of_a_hand_computed_two_step_run():
     assert report.num_decode_steps == 1 and report.compute_bound_steps == 0
     # MBU over decode steps: 4448 bytes in 0.2 s against 1e5 B/s
     assert report.mbu == pytest.approx(4448 / 0.2 / 1e5)
+    assert report.decode_step_s_mean == pytest.approx(0.2)
+    assert report.decode_floor_s_mean == pytest.approx(0.04448)
     assert report.total_flops == 10960 + 8896
 
 
