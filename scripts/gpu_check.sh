@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
-#   bash scripts/gpu_check.sh OUTDIR [doctor|engine|kernels|bench|all]   (default: all)
+#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|perf|all]   (default: all)
+#   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
+#   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
+#           run under xdist while the engine tests run beside them on the same GPU;
+#   perf:   benchmarks/h200_targets.sh (issue 6's workloads) and the kernel benchmarks.
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
 set -uo pipefail
 OUT=${1:-${OUT:-out}}
@@ -11,28 +15,28 @@ if [ -d .whl ] && [ ! -d /tmp/site ]; then
     --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-PYTEST="python3 -m pytest -rA -p no:cacheprovider -m gpu"
+PYTEST="python3 -m pytest -rfEs -p no:cacheprovider -m gpu"
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 
 if want doctor; then
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
-  python3 -m archserve.cli.main doctor 2>&1 | tee "$OUT/doctor.txt"
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -m archserve.cli.main doctor; } 2>&1 | tee "$OUT/doctor.txt"
   python3 -m archserve.cli.main explain --device live --op attention --head-size 128 \
-    --dtype bfloat16 --libraries installed --json > "$OUT/explain.json" 2>&1
+    --dtype bfloat16 --libraries installed --json > "$OUT/explain_live.json" 2>&1
   python3 -m archserve.cli.main explain --device h200 --op attention --head-size 128 \
     --dtype bfloat16 --libraries installed 2>&1 | tee "$OUT/explain_h200.txt"
 fi
-if want engine; then
-  timeout 420 $PYTEST --junitxml="$OUT/junit_engine.xml" --ignore=tests/serve \
-    --ignore=tests/kernels tests 2>&1 | tee "$OUT/pytest_gpu_engine.log" | tail -40
+if want tests; then
+  # -v: one line per test as it ends, so a run cut by the timeout still says what passed;
+  # SIGINT makes pytest print its summary before it exits.
+  timeout -s INT ${KERNEL_TIMEOUT:-500} $PYTEST -v -n ${WORKERS:-14} --durations=10 \
+    ${KERNEL_ARGS:-} tests/kernels > "$OUT/pytest_gpu_kernels.log" 2>&1 &
+  kernels=$!
+  timeout -s INT ${ENGINE_TIMEOUT:-500} $PYTEST --durations=10 --ignore=tests/serve \
+    --ignore=tests/kernels ${ENGINE_ARGS:-} tests > "$OUT/pytest_gpu_engine.log" 2>&1
+  wait $kernels
+  tail -n 25 "$OUT/pytest_gpu_kernels.log" "$OUT/pytest_gpu_engine.log"
 fi
-if want kernels; then
-  timeout 480 $PYTEST --junitxml="$OUT/junit_kernels.xml" tests/kernels \
-    2>&1 | tee "$OUT/pytest_gpu_kernels.log" | tail -40
-fi
-if want bench; then
-  timeout 150 python3 benchmarks/bench_elementwise.py --out "$OUT/bench_elementwise.json" \
-    2>&1 | tee "$OUT/bench_elementwise.md" | tail -20
-  timeout 150 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json" \
-    2>&1 | tee "$OUT/bench_attention.md" | tail -30
+if want perf; then
+  bash benchmarks/h200_targets.sh "$OUT"
 fi
