@@ -85,6 +85,7 @@ GPU_SHAPES = [
     ([(512, 512), (100, 700), (1, 64), (257, 1300)], 32, 8, 16),     # mixed prefill/chunk
     ([(300, 300), (1, 129)], 32, 2, 32),                              # GQA 16 -> tl.dot decode
     ([(1, 4000), (1, 100)], 16, 16, 32),                              # MHA, long decode
+    ([(1, 700), (300, 900), (1, 33), (64, 64)], 32, 4, 16),          # GQA 8, mixed
 ]
 
 
@@ -99,7 +100,7 @@ def test_gpu_backends_match_reference(backend, head_size, dtype, shape):
     # head x dtype x shape grid is walked by our own kernels only; the torch backends get
     # a slice that exercises their own code paths.
     if backend == "TRITON_ATTN" and shape >= 2 and head_size != 128:
-        pytest.skip("GQA-16 / MHA shapes: head 128 only")
+        pytest.skip("GQA-16, MHA and GQA-8 shapes: head 128 only")
     if backend == "TORCH_SDPA" and (head_size not in (64, 80, 128) or shape >= 2):
         pytest.skip("torch SDPA: heads 64/80/128 on the decode and mixed shapes")
     if backend == "FLEX_ATTENTION" and (head_size != 128 or dtype == torch.float32
