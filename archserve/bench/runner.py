@@ -97,7 +97,6 @@ def run_offline_bench(options: BenchOptions) -> dict:
     from archserve.engine.config import EngineConfig
     from archserve.engine.llm_engine import LLMEngine
     from archserve.loader.loader import resolve_model_path
-
     from archserve.loader.tokenizer import dummy_without_tokenizer
     model_path = resolve_model_path(options.model)
     no_tokenizer = dummy_without_tokenizer(model_path, options.load_format)

@@ -20,9 +20,10 @@ from archserve.engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from archserve.engine.sampler import Sampler
+from archserve.engine.phases import phase
+from archserve.engine.sampler import Sampler, SamplerOutput
 from archserve.engine.sampling_params import RequestOutputKind, SamplingParams
-from archserve.engine.scheduler import Scheduler, SchedulerConfig
+from archserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from archserve.engine.self_check import run_self_check
 from archserve.engine.sequence import Sequence, SequenceStatus
 from archserve.engine.stop_checker import find_stop_string
@@ -230,7 +231,8 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        with phase("schedule"):
+            out = self.scheduler.schedule()
         if out.is_empty:
             return []
         now = time.time()
@@ -246,7 +248,14 @@ class LLMEngine:
         if result is None:
             self.scheduler.postprocess(out, [])
             return []
-        tokens = result.sampled_token_ids.tolist()
+        with phase("wait_for_device"):   # the first copy to the host waits for the GPU
+            tokens = result.sampled_token_ids.tolist()
+        with phase("outputs"):
+            return self._process_sampled(out, sampled_seqs, result, tokens)
+
+    def _process_sampled(self, out: SchedulerOutput, sampled_seqs: list[Sequence],
+                         result: SamplerOutput, tokens: list[int]) -> list[RequestOutput]:
+        """Append the sampled tokens, check stops, detokenize, and build the outputs."""
         logprobs = result.sampled_logprobs.tolist()
         topn = self._topn_per_row(result, sampled_seqs)
         updated = self.scheduler.postprocess(out, tokens, logprobs)

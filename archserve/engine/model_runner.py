@@ -14,6 +14,7 @@ import torch
 from archserve.engine.batch import ModelBatch, build_batch
 from archserve.engine.cuda_graphs import DecodeGraphRunner, default_graph_sizes
 from archserve.engine.kv_cache import allocate_kv_caches
+from archserve.engine.phases import phase
 from archserve.engine.scheduler import ScheduledSeq
 from archserve.kernels.attention.interface import AttentionMetadata
 from archserve.models.layers.forward_context import ForwardContext, set_forward_context
@@ -129,13 +130,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledSeq]):
         """One step: forward every scheduled token, sample where a sequence reached its end."""
-        batch = build_batch(chunks, self.block_size, self.device)
-        hidden = self.run_model(batch)
+        with phase("build_batch"):
+            batch = build_batch(chunks, self.block_size, self.device)
+        with phase("forward"):
+            hidden = self.run_model(batch)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not batch.sampled_seqs:
             return [], None, prompt_logprobs
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        result = self.sampler.sample(logits, batch.sampled_seqs)
+        with phase("logits"):
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        with phase("sample"):
+            result = self.sampler.sample(logits, batch.sampled_seqs)
         return batch.sampled_seqs, result, prompt_logprobs
 
     def _prompt_logprobs(self, batch: ModelBatch, hidden: torch.Tensor):

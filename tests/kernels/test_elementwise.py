@@ -239,8 +239,6 @@ if not INTERPRETED:
 
 else:
 
-    import triton
-    import triton.language as tl
 
     from rounding_kernel import check_round_to_dtype
 

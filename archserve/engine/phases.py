@@ -1,0 +1,21 @@
+"""Named phases of an engine step, visible in a torch.profiler trace as ``archserve::NAME``.
+
+Free when no profiler runs (one C-level flag check), so the step loop always carries them;
+benchmarks/profile_engine_step.py reads them to split a step into host and device parts.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+PREFIX = "archserve::"
+_NOTHING = nullcontext()
+
+
+def phase(name: str):
+    """Context manager marking ``name`` in a running profile; a no-op otherwise."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(PREFIX + name)
+    return _NOTHING
