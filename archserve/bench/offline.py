@@ -38,10 +38,11 @@ class ThroughputResult:
 
 
 def _params(output_len: int, ignore_eos: bool):
-    from archserve.engine.sampling_params import SamplingParams
-    # Greedy and no detokenizing: the bench measures the engine, not text assembly.
+    from archserve.engine.sampling_params import RequestOutputKind, SamplingParams
+    # Greedy, no detokenizing and one output per request at its end (as LLM.generate):
+    # the bench measures the engine, not text assembly or per-step output copies.
     return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos,
-                          detokenize=False)
+                          detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def warm_up(engine, request: BenchRequest) -> None:
