@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
-#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|perf|all]   (default: all)
+#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|perf|profile|all]   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
 #           run under xdist while the engine tests run beside them on the same GPU;
-#   perf:   benchmarks/h200_targets.sh (issue 6's workloads) and the kernel benchmarks.
+#   perf:   benchmarks/h200_targets.sh (issue 6's workloads);
+#   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
+#           (device busy/idle per decode step, top kernels, engine phases).
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
 set -uo pipefail
 OUT=${1:-${OUT:-out}}
@@ -39,4 +41,11 @@ if want tests; then
 fi
 if want perf; then
   bash benchmarks/h200_targets.sh "$OUT"
+fi
+if want profile; then
+  for m in llama-3-8b qwen3-0.6b; do
+    timeout 240 python3 benchmarks/profile_engine_step.py --model benchmarks/models/$m \
+      --load-format dummy --dtype bfloat16 --batch-sizes 1,256 --input-len 512 --steps 20 \
+      --out "$OUT/profile_$m.json" 2>&1 | grep -v "^USDT" | tee "$OUT/profile_$m.txt"
+  done
 fi
