@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                     help="KV budget (CPU runs); on a GPU the memory utilisation sizes it")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--output-kind", default="final_only",
+                    choices=["final_only", "cumulative", "delta"],
+                    help="what the engine builds per step (the bench uses final_only)")
+    ap.add_argument("--no-profiler", action="store_true",
+                    help="time the steps without torch.profiler (no breakdown, no overhead)")
     ap.add_argument("--out", default=None, help="write the profiles here as JSON")
     ap.add_argument("--trace-dir", default=None, help="keep a Chrome trace per batch size")
     args = ap.parse_args(argv)
@@ -56,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         trace = (str(Path(args.trace_dir) / f"trace_b{batch_size}.json")
                  if args.trace_dir else None)
         result = profile_decode_steps(engine, batch_size, args.input_len, args.steps,
-                                      trace_path=trace)
+                                      trace_path=trace, output_kind=args.output_kind,
+                                      use_profiler=not args.no_profiler)
         print(result.render(), flush=True)
         results.append(result.to_json())
         del engine

@@ -37,19 +37,20 @@ class ThroughputResult:
                 "requests_per_s": self.requests_per_s}
 
 
-def _params(output_len: int, ignore_eos: bool):
+def bench_sampling_params(output_len: int, ignore_eos: bool = True, **overrides):
     from archserve.engine.sampling_params import RequestOutputKind, SamplingParams
     # Greedy, no detokenizing and one output per request at its end (as LLM.generate):
     # the bench measures the engine, not text assembly or per-step output copies.
-    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos,
-                          detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+    options = dict(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos,
+                   detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+    return SamplingParams(**{**options, **overrides})
 
 
 def warm_up(engine, request: BenchRequest) -> None:
     """One short request first, so one-time costs (kernel compiles, allocator growth)
     stay out of the measurement. Its prompt fills no KV block, so nothing it leaves in
     the prefix cache can shorten a measured prefill."""
-    engine.add_request("bench-warmup", request.prompt_token_ids[:1] * 4, _params(2, True))
+    engine.add_request("bench-warmup", request.prompt_token_ids[:1] * 4, bench_sampling_params(2))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -65,7 +66,7 @@ def run_offline(engine, requests: list[BenchRequest], ignore_eos: bool = True,
         t0 = time.perf_counter()
         for i, req in enumerate(requests):
             engine.add_request(f"bench-{i}", req.prompt_token_ids,
-                               _params(req.output_len, ignore_eos))
+                               bench_sampling_params(req.output_len, ignore_eos))
         output_tokens = 0
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -19,6 +19,7 @@ On a CPU the trace has no device kernels: busy time is 0 and the host table is t
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 from archserve.engine.phases import PREFIX as PHASE_PREFIX
@@ -106,16 +107,20 @@ def _on_device(event) -> bool:
 
 
 def profile_decode_steps(engine, batch_size: int, input_len: int, steps: int,
-                         warmup_steps: int = 3, trace_path: str | None = None) -> StepProfile:
-    """Fill ``engine`` with ``batch_size`` requests, run past their prefill and a few warm-up
-    decode steps, then profile ``steps`` pure decode steps."""
+                         warmup_steps: int = 3, trace_path: str | None = None,
+                         output_kind: str = "FINAL_ONLY", use_profiler: bool = True
+                         ) -> StepProfile:
+    """Fill ``engine`` with ``batch_size`` requests (the offline bench's sampling
+    parameters), run past their prefill and a few warm-up decode steps, then profile
+    ``steps`` pure decode steps."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from archserve.engine.sampling_params import SamplingParams
+    from archserve.bench.offline import bench_sampling_params
+    from archserve.engine.sampling_params import RequestOutputKind
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + warmup_steps + 8,
-                            ignore_eos=True)
+    params = bench_sampling_params(steps + warmup_steps + 8,
+                                   output_kind=RequestOutputKind[output_kind.upper()])
     vocab = engine.model_config.vocab_size
     for i in range(batch_size):
         prompt = [(7 + 31 * i + 17 * j) % (vocab - 1) + 1 for j in range(input_len)]
@@ -130,14 +135,16 @@ def profile_decode_steps(engine, batch_size: int, input_len: int, steps: int,
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     sync()
-    with profile(activities=activities) as prof:
+    # Without the profiler: plain wall-clock steps, for timings the profiler does not inflate.
+    prof = profile(activities=activities) if use_profiler else nullcontext()
+    with prof:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         sync()
         wall = time.perf_counter() - start
-    if trace_path:
+    if trace_path and use_profiler:
         prof.export_chrome_trace(trace_path)
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
-    return summarize(prof.events(), batch_size, steps, wall)
+    return summarize(prof.events() if use_profiler else [], batch_size, steps, wall)
