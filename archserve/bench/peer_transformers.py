@@ -110,9 +110,7 @@ def run_padded_generate(model, requests: list[BenchRequest], ignore_eos: bool,
     pad = gen_config.pad_token_id
     eos = set() if ignore_eos else set(_as_list(model.config.eos_token_id))
     output_tokens = 0
-    # No inference_mode here: transformers' batching thread updates tensors made in this
-    # one, which inference mode would forbid ("Inplace update to inference tensor").
-    with progress_bar(show_progress) as bar, torch.no_grad():
+    with progress_bar(show_progress) as bar, torch.inference_mode():
         task = bar.add_task("transformers (batched generate)", total=len(requests))
         t0 = time.perf_counter()
         for start in range(0, len(requests), max_num_seqs):

@@ -44,7 +44,7 @@ def _print_report(report) -> None:  # noqa: ANN001 - a DoctorReport
     data = report.to_dict()
     gib = d.memory_bytes / 1024**3
     cap = f", capability {d.capability} ({d.capability.arch})" if d.capability else ""
-    # escape(): "[cuda, capability 9.0 (sm_90)]" would otherwise be read as a style tag.
+    # escape(): "[cuda, capability SM90 (sm_90)]" would otherwise be read as a style tag.
     console.print(f"[bold]device[/bold]   {escape(f'{d.name} [{d.platform}{cap}]')}, "
                   f"{gib:.1f} GiB")
     versions = data["versions"]
