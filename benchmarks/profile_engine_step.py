@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                     help="KV budget (CPU runs); on a GPU the memory utilisation sizes it")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--output-kind", default="final_only",
                     choices=["final_only", "cumulative", "delta"],
                     help="what the engine builds per step (the bench uses final_only)")
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine(EngineConfig(
             model=model_path, load_format=args.load_format, dtype=args.dtype,
             max_model_len=args.max_model_len, max_num_seqs=max(batch_size, 1),
-            enforce_eager=args.enforce_eager,
+            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             skip_tokenizer_init=dummy_without_tokenizer(model_path, args.load_format)))
         trace = (str(Path(args.trace_dir) / f"trace_b{batch_size}.json")
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                                       trace_path=trace, output_kind=args.output_kind,
                                       use_profiler=not args.no_profiler)
         print(result.render(), flush=True)
-        results.append(result.to_json())
+        results.append({**result.to_json(), "async_scheduling": args.async_scheduling})
         del engine
         gc.collect()
     if args.out:

@@ -38,6 +38,7 @@ class BenchOptions:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     enforce_eager: bool = False
+    async_scheduling: bool = False
     peer: str | None = None                     # None | "transformers"
     url: str = "http://127.0.0.1:8000"
     api_key: str | None = None
@@ -103,7 +104,8 @@ def run_offline_bench(options: BenchOptions) -> dict:
     engine = LLMEngine(EngineConfig(
         model=model_path, dtype=options.dtype, load_format=options.load_format,
         max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
-        enforce_eager=options.enforce_eager, seed=options.seed,
+        enforce_eager=options.enforce_eager, async_scheduling=options.async_scheduling,
+        seed=options.seed,
         skip_tokenizer_init=no_tokenizer))
     vocab = engine.model_config.vocab_size
     if engine.tokenizer is not None:
@@ -121,6 +123,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
         "load_format": options.load_format, "device": engine.report.device.describe(),
         "dtype": str(dtype).removeprefix("torch."),
         "attention_backend": engine.report.attention.name,
+        "async_scheduling": options.async_scheduling,
         **_workload_json(options, requests),
         **throughput.to_json(),
         "roofline_efficiency": roofline.roofline_efficiency, "mbu": roofline.mbu,

@@ -4,7 +4,11 @@
 runs: per sequence, new tokens and the context already in the KV cache) and
 ``engine.step`` (to time the whole step) as instance attributes, and removes the
 wrappers on exit. The engine's code is untouched and pays nothing when not traced.
-On CUDA each step ends with a synchronize so its wall time covers its kernels.
+On CUDA each step ends with a synchronize so its wall time covers its kernels, except
+with ``async_scheduling``: a synchronize would undo the overlap being measured. Then a
+call's time covers the previous step's kernels and this one's host work; the sum over the
+run is still the run's time, and a call that schedules nothing (it only resolves the step
+in flight) adds its time to the step before.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def trace_steps(engine) -> Iterator[StepTrace]:
     trace = StepTrace()
     scheduler = engine.scheduler
     inner_schedule, inner_step = scheduler.schedule, engine.step
-    sync = engine.runner.device.type == "cuda"
+    sync = engine.runner.device.type == "cuda" and not engine.config.async_scheduling
     pending: list[list[ScheduledWork]] = []
 
     def schedule():
@@ -70,6 +74,8 @@ def trace_steps(engine) -> Iterator[StepTrace]:
         seconds = time.perf_counter() - t0
         if pending and pending[-1]:
             trace.steps.append(StepRecord(pending[-1], seconds))
+        elif trace.steps:
+            trace.steps[-1].seconds += seconds
         return outputs
 
     scheduler.schedule, engine.step = schedule, step

@@ -32,6 +32,7 @@ def bench(
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="Context length cap.")] = None,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Sequences in one batch at most.")] = 256,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")] = False,
+    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later).")] = False,
     peer: Annotated[str | None, typer.Option("--peer", help="Also run the requests through 'transformers' and report the ratio.")] = None,
     url: Annotated[str, typer.Option("--url", help="Server base URL (serve mode).")] = "http://127.0.0.1:8000",
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="ARCHSERVE_API_KEY", help="Bearer key for the server.")] = None,
@@ -55,7 +56,8 @@ def bench(
         mode=mode, model=model, load_format=load_format, dtype=dtype, num_prompts=num_prompts,
         input_len=input_len, output_len=output_len, random_range=random_range, seed=seed,
         dataset=dataset, ignore_eos=ignore_eos, max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, peer=peer, url=url,
+        max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling, peer=peer, url=url,
         api_key=api_key, concurrency=_levels(concurrency), request_rate=request_rate,
         metrics_interval_s=metrics_interval, plots_dir=plots, show_progress=not json_out)
     try:

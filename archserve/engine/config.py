@@ -25,6 +25,9 @@ class EngineConfig:
     block_size: int | None = None            # None: the attention backend's preferred size
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Schedule and launch step N+1 before step N's tokens reach the host, so host work
+    # overlaps the device (vLLM's --async-scheduling). Outputs arrive one step later.
+    async_scheduling: bool = False
     cuda_graph_sizes: list[int] = field(default_factory=list)  # empty: a default ladder
     seed: int = 0
     skip_canary: bool = False                # numerics canary of the attention kernel at start

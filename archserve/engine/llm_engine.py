@@ -13,6 +13,7 @@ from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.ceilings import load_or_measure
 from archserve.engine.config import EngineConfig
 from archserve.engine.kernel_cache import configure_kernel_caches
+from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.model_runner import ModelRunner
 from archserve.engine.outputs import (
     CompletionOutput,
@@ -125,6 +126,8 @@ class LLMEngine:
         self.report.timings["total_s"] = startup.elapsed(t0)
         self.requests: dict[str, RequestState] = {}
         self._counter = 0
+        # async_scheduling: the step launched but not yet resolved (its schedule, its launch).
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         log.info("%s", self.describe_route())
 
     # -- introspection ---------------------------------------------------------------
@@ -226,15 +229,26 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         return True
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
-
     # -- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of the requests it advanced.
+
+        With ``async_scheduling``, the step scheduled and launched here is resolved by the
+        next call: its outputs come one call later, while the device runs that next step.
+        """
+        try:
+            return self._step()
+        except BaseException:
+            self._in_flight = None   # a failed step leaves nothing to resolve
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        if self._in_flight is not None and not self._can_overlap():
+            return self._finish_in_flight()
         with phase("schedule"):
             out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return self._finish_in_flight() if self._in_flight is not None else []
         now = time.time()
         for entry in out.scheduled:
             state = self.requests.get(entry.seq.request_id)
@@ -243,22 +257,53 @@ class LLMEngine:
                 # The prefix-cache hit users see is the first admission's, not a
                 # recompute's after preemption (those hit the sequence's own blocks).
                 state.num_cached_tokens = max(s.num_cached_tokens for s in state.seqs)
-        sampled_seqs, result, prompt_lps = self.runner.execute(out.scheduled)
-        self._record_prompt_logprobs(prompt_lps)
-        if result is None:
-            self.scheduler.postprocess(out, [])
-            return []
-        with phase("wait_for_device"):   # the first copy to the host waits for the GPU
-            tokens = result.sampled_token_ids.tolist()
-        with phase("outputs"):
-            return self._process_sampled(out, sampled_seqs, result, tokens)
+        launched = self.runner.execute(out.scheduled, self._in_flight and self._in_flight[1])
+        # The previous step resolves while this one runs; its finished sequences are then
+        # skipped by commit (their work in this step is discarded).
+        outputs = self._finish_in_flight() if self._in_flight is not None else []
+        self.scheduler.commit(out)
+        if self.config.async_scheduling:
+            self._in_flight = (out, launched)
+            return outputs
+        return self._finish(out, launched)
 
-    def _process_sampled(self, out: SchedulerOutput, sampled_seqs: list[Sequence],
-                         result: SamplerOutput, tokens: list[int]) -> list[RequestOutput]:
-        """Append the sampled tokens, check stops, detokenize, and build the outputs."""
-        logprobs = result.sampled_logprobs.tolist()
+    def has_unfinished_requests(self) -> bool:
+        return self._in_flight is not None or self.scheduler.has_unfinished()
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight resolves.
+
+        Not when a sampler needs the previous tokens' values (penalties), and not when
+        the pool might have to preempt: a preempted sequence is recomputed from its token
+        ids, and a placeholder is not one.
+        """
+        running = self.scheduler.running
+        if any(s.sampling_params.needs_output_token_values for s in running):
+            return False
+        pool = self.block_pool
+        needed = sum(pool.blocks_needed(s, s.num_uncomputed_tokens) for s in running)
+        return needed <= pool.num_free_blocks
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        out, launched = self._in_flight
+        self._in_flight = None
+        return self._finish(out, launched)
+
+    def _finish(self, out: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for ``launched``'s tokens, give them to their sequences, build the outputs."""
+        self._record_prompt_logprobs(launched.prompt_logprobs)
+        with phase("wait_for_device"):
+            tokens, logprobs = launched.wait()
+        with phase("outputs"):
+            updated = self.scheduler.resolve(out, tokens, logprobs)
+            if launched.result is None:
+                return []
+            return self._process_sampled(launched.sampled_seqs, launched.result, updated)
+
+    def _process_sampled(self, sampled_seqs: list[Sequence], result: SamplerOutput,
+                         updated: list[Sequence]) -> list[RequestOutput]:
+        """Logprobs, detokenizing, stop strings and outputs of the sequences that got a token."""
         topn = self._topn_per_row(result, sampled_seqs)
-        updated = self.scheduler.postprocess(out, tokens, logprobs)
         updated_ids = {id(s) for s in updated}
         touched: dict[str, RequestState] = {}
         now = time.time()

@@ -14,6 +14,7 @@ import torch
 from archserve.engine.batch import ModelBatch, build_batch
 from archserve.engine.cuda_graphs import DecodeGraphRunner, default_graph_sizes
 from archserve.engine.kv_cache import allocate_kv_caches
+from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.phases import phase
 from archserve.engine.scheduler import ScheduledSeq
 from archserve.kernels.attention.interface import AttentionMetadata
@@ -128,20 +129,27 @@ class ModelRunner:
         return self._forward(batch.input_ids, batch.positions, meta)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledSeq]):
-        """One step: forward every scheduled token, sample where a sequence reached its end."""
+    def execute(self, chunks: list[ScheduledSeq], previous: LaunchedStep | None = None
+                ) -> LaunchedStep:
+        """One step: forward every scheduled token, sample where a sequence reached its end.
+
+        Returns without waiting for the device. ``previous`` is the step still in flight,
+        if any: input tokens that are its placeholders are taken from its device output.
+        """
         with phase("build_batch"):
             batch = build_batch(chunks, self.block_size, self.device)
+            if previous is not None:
+                previous.feed_pending_inputs(batch, chunks, self.device)
         with phase("forward"):
             hidden = self.run_model(batch)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not batch.sampled_seqs:
-            return [], None, prompt_logprobs
+            return LaunchedStep([], None, prompt_logprobs)
         with phase("logits"):
             logits = self.model.compute_logits(hidden[batch.logits_indices])
         with phase("sample"):
             result = self.sampler.sample(logits, batch.sampled_seqs)
-        return batch.sampled_seqs, result, prompt_logprobs
+        return LaunchedStep.start_copy(batch.sampled_seqs, result, prompt_logprobs)
 
     def _prompt_logprobs(self, batch: ModelBatch, hidden: torch.Tensor):
         """For sequences that asked: logprob of each prompt token given the ones before it."""

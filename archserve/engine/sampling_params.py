@@ -123,3 +123,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def needs_output_token_values(self) -> bool:
+        """Sampling reads the generated tokens themselves (penalties), not just their count."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)

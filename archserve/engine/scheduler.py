@@ -151,8 +151,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         planned: dict[int, ScheduledSeq] = {}  # seq_id -> its entry, so preemption can undo it
 
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        # A sequence whose pending token already reaches its length limit finishes when that
+        # token is resolved (asynchronous scheduling): nothing more to compute for it.
+        active = [s for s in self.running if not (s.num_pending and self._done_by_length(s))]
+        decodes = [s for s in active if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in active if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -177,7 +180,28 @@ class Scheduler:
 
     def postprocess(self, output: SchedulerOutput, sampled_token_ids: Iterable[int],
                     sampled_logprobs: Iterable[float] | None = None) -> list[Sequence]:
-        """Record a finished forward pass: advance KV state, append sampled tokens, stop.
+        """Record a finished forward pass: ``commit`` then ``resolve`` with its tokens."""
+        self.commit(output)
+        return self.resolve(output, sampled_token_ids, sampled_logprobs)
+
+    def commit(self, output: SchedulerOutput) -> None:
+        """The forward pass of ``output`` is under way: its tokens count as computed, and
+        every sampling sequence holds a placeholder for its new token until ``resolve``.
+
+        The next ``schedule`` may then run before the tokens reach the host.
+        """
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted, or finished by the resolve of the step before
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.block_pool.cache_full_blocks(seq)   # every computed token has its value
+            if entry.samples:
+                seq.append_placeholder()
+
+    def resolve(self, output: SchedulerOutput, sampled_token_ids: Iterable[int],
+                sampled_logprobs: Iterable[float] | None = None) -> list[Sequence]:
+        """Give the committed step's placeholders their sampled values, and stop.
 
         ``sampled_token_ids`` (and ``sampled_logprobs``) are aligned with
         ``output.sampling_seqs``. Returns the sequences that received a token, in that
@@ -188,16 +212,14 @@ class Scheduler:
         updated: list[Sequence] = []
         finished = False
         for entry in output.scheduled:
-            seq = entry.seq
-            token = next(tokens) if entry.samples else None
-            logprob = next(logprobs) if entry.samples and logprobs is not None else None
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens += entry.num_new_tokens
-            self.block_pool.cache_full_blocks(seq)
-            if token is None:
+            if not entry.samples:
                 continue
-            seq.append_token(int(token), None if logprob is None else float(logprob))
+            seq = entry.seq
+            token = next(tokens)
+            logprob = next(logprobs) if logprobs is not None else None
+            if seq.status is not SequenceStatus.RUNNING or not seq.num_pending:
+                continue  # aborted or finished while the step ran
+            seq.resolve_placeholder(int(token), None if logprob is None else float(logprob))
             updated.append(seq)
             if check_stop(seq, self.eos_token_ids, self.config.max_model_len):
                 self.block_pool.free(seq)
@@ -206,6 +228,11 @@ class Scheduler:
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
         return updated
+
+    def _done_by_length(self, seq: Sequence) -> bool:
+        limit = seq.sampling_params.max_tokens
+        return ((limit is not None and seq.num_output_tokens >= limit)
+                or seq.num_tokens >= self.config.max_model_len)
 
     # -- internals ----------------------------------------------------------------
     def _admit_waiting(self, budget: int, planned: dict[int, ScheduledSeq]) -> int:

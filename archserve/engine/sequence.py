@@ -39,6 +39,9 @@ _FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_
 
 _seq_ids = itertools.count()
 
+# Stands for a sampled token whose value is still on the device (asynchronous scheduling).
+PLACEHOLDER = -1
+
 
 class Sequence:
     """Token state, KV bookkeeping and output state of one sequence.
@@ -53,7 +56,7 @@ class Sequence:
         "prompt_token_ids", "token_ids", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes",
         "output_logprobs", "cumulative_logprob", "stop_reason", "num_preemptions",
-        "output_text", "extra",
+        "output_text", "extra", "num_pending",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: SequenceOf[int],
@@ -85,6 +88,9 @@ class Sequence:
         # Detokenized output and engine-private state (incremental detokenizer offsets...).
         self.output_text = ""
         self.extra: dict[str, Any] = {}
+        # Trailing tokens sampled on the device whose values the host does not know yet
+        # (PLACEHOLDER in token_ids and output_token_ids): counted, not read.
+        self.num_pending = 0
 
     # -- lengths ------------------------------------------------------------------
     @property
@@ -123,6 +129,23 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float | None = None) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.cumulative_logprob += logprob
+
+    def append_placeholder(self) -> None:
+        """A token was sampled on the device but not copied back yet: it counts (lengths,
+        positions, max_tokens) before its value is known."""
+        self.token_ids.append(PLACEHOLDER)
+        self.output_token_ids.append(PLACEHOLDER)
+        self.num_pending += 1
+
+    def resolve_placeholder(self, token_id: int, logprob: float | None = None) -> None:
+        """Give the oldest pending token its value."""
+        if self.num_pending == 0:
+            raise RuntimeError(f"sequence {self.seq_id} has no pending token to resolve")
+        self.token_ids[len(self.token_ids) - self.num_pending] = token_id
+        self.output_token_ids[len(self.output_token_ids) - self.num_pending] = token_id
+        self.num_pending -= 1
         if logprob is not None:
             self.cumulative_logprob += logprob
 

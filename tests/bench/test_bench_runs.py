@@ -27,11 +27,13 @@ def _assert_png(path: str) -> None:
         assert f.read(8) == PNG_MAGIC, path
 
 
-def test_offline_step_trace_accounts_for_every_token(tiny_checkpoint):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_offline_step_trace_accounts_for_every_token(tiny_checkpoint, async_scheduling):
     from archserve.engine.config import EngineConfig
     from archserve.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig(model=tiny_checkpoint("llama"), max_model_len=128,
-                                    max_num_seqs=4, max_num_batched_tokens=64))
+                                    max_num_seqs=4, max_num_batched_tokens=64,
+                                    async_scheduling=async_scheduling))
     requests = random_requests(6, 40, 7, vocab_size=384, special_token_ids={0, 1, 2},
                                range_ratio=0.5, seed=1)
     result, trace = run_offline(engine, requests, ignore_eos=True, show_progress=False)
@@ -45,6 +47,8 @@ def test_offline_step_trace_accounts_for_every_token(tiny_checkpoint):
     assert all(w.context_len + w.num_new_tokens <= longest
                for step in trace.steps for w in step.work)
     assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
+    # Every call's time is in the trace, also the async engine's resolve-only calls.
+    assert 0.5 * result.elapsed_s <= trace.seconds <= result.elapsed_s
 
 
 def test_offline_bench_json_and_plot(tiny_checkpoint, tmp_path):

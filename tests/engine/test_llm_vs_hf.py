@@ -85,8 +85,8 @@ def test_preemption_really_happens_with_a_tiny_pool(tiny_checkpoint):
         out = engine.scheduler.schedule()
         preempted += len(out.preempted)
         # Run the step the scheduler planned, as LLMEngine.step would.
-        seqs, result, _ = engine.runner.execute(out.scheduled)
-        engine.scheduler.postprocess(out, result.sampled_token_ids.tolist() if result else [])
+        launched = engine.runner.execute(out.scheduled)
+        engine.scheduler.postprocess(out, launched.wait()[0])
     assert preempted > 0
 
 
