@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Issue 6's workloads on one GPU (Llama-3-8B and Qwen3-0.6B shapes, dummy weights, bf16),
 # in the order: cold and warm start, batch-1 decode, 256-request throughput (+ transformers).
-#   bash benchmarks/h200_targets.sh OUTDIR      (results: OUTDIR/perf.tgz and OUTDIR/perf.log)
+#   bash benchmarks/h200_targets.sh OUTDIR [LABEL [EXTRA BENCH ARGS...]]
+#   results: OUTDIR/perfLABEL.tgz and OUTDIR/perfLABEL.log; e.g. LABEL=_async with
+#   --async-scheduling runs every bench row in that mode (the start-up rows are the same).
 set -uo pipefail
 OUT=${1:-out}
-D=$(mktemp -d)/perf
+LABEL=${2:-}
+EXTRA=("${@:3}")
+D=$(mktemp -d)/perf$LABEL
 mkdir -p "$D"
 AS="python3 -m archserve.cli.main"
 L8=benchmarks/models/llama-3-8b
@@ -20,8 +24,8 @@ start() {   # start NAME: time one `archserve prepare`
 }
 bench() {   # bench NAME ARGS...: one `archserve bench` run, JSON kept
   local name=$1; shift
-  echo "== $name: archserve bench $*"
-  timeout 300 $AS bench "$@" --output-json "$D/$name.json" > "$D/$name.log" 2>&1
+  echo "== $name: archserve bench $* ${EXTRA[*]}"
+  timeout 300 $AS bench "$@" "${EXTRA[@]}" --output-json "$D/$name.json" > "$D/$name.log" 2>&1
   echo "exit $?"; tail -n 22 "$D/$name.log"
 }
 
@@ -37,5 +41,5 @@ bench() {   # bench NAME ARGS...: one `archserve bench` run, JSON kept
   bench llama8b_256x128x1024 $E8 --num-prompts 256 --input-len 128 --output-len 1024
   bench llama8b_256x1024x128 $E8 --num-prompts 256 --input-len 1024 --output-len 128
 } 2>&1 | tee "$D/perf.log"
-cp "$D/perf.log" "$OUT/perf.log"
-tar -C "$(dirname "$D")" -czf "$OUT/perf.tgz" perf
+cp "$D/perf.log" "$OUT/perf$LABEL.log"
+tar -C "$(dirname "$D")" -czf "$OUT/perf$LABEL.tgz" "perf$LABEL"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
-#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|perf|profile|all]   (default: all)
+#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|perf|perf_async|profile|all]   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
 #           run under xdist while the engine tests run beside them on the same GPU;
-#   perf:   benchmarks/h200_targets.sh (issue 6's workloads);
+#   perf:   benchmarks/h200_targets.sh (issue 6's workloads); perf_async: the same rows
+#           with --async-scheduling;
 #   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
 #           (device busy/idle per decode step, top kernels, engine phases).
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
@@ -42,10 +43,17 @@ fi
 if want perf; then
   bash benchmarks/h200_targets.sh "$OUT"
 fi
+if want perf_async; then   # the bench rows again with --async-scheduling
+  bash benchmarks/h200_targets.sh "$OUT" _async --async-scheduling
+fi
 if want profile; then
   for m in llama-3-8b qwen3-0.6b; do
-    timeout 240 python3 benchmarks/profile_engine_step.py --model benchmarks/models/$m \
-      --load-format dummy --dtype bfloat16 --batch-sizes 1,256 --input-len 512 --steps 20 \
-      --out "$OUT/profile_$m.json" 2>&1 | grep -v "^USDT" | tee "$OUT/profile_$m.txt"
+    for mode in "" --async-scheduling; do
+      tag=$m${mode:+_async}
+      timeout 240 python3 benchmarks/profile_engine_step.py --model benchmarks/models/$m \
+        --load-format dummy --dtype bfloat16 --batch-sizes 1,256 --input-len 512 --steps 20 \
+        $mode --out "$OUT/profile_$tag.json" 2>&1 | grep -v "^USDT" > "$OUT/profile_$tag.txt"
+    done
   done
+  tail -n 40 "$OUT"/profile_*.txt
 fi

@@ -99,3 +99,20 @@ def test_default_backend_on_this_gpu_is_the_ideal_one(tiny_checkpoint):
     check = llm.llm_engine.report.self_check
     assert check is not None and check.graphs and 0 < check.ratio
     assert set(check.time_by_kind) >= {"attention", "linear"}
+
+
+def test_async_scheduling_on_the_gpu_equals_sync(tiny_checkpoint):
+    """Pinned copies behind an event, placeholder inputs fed from the device, graphs on."""
+    path = tiny_checkpoint("llama-h64")
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1)
+              for n in (1, 5, 16, 33, 9, 2, 20, 12)]
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(path, dtype="bfloat16", async_scheduling=async_scheduling,
+                  kv_cache_memory_bytes=1 << 28, max_num_seqs=16, self_check=False)
+        assert llm.llm_engine.report.graph_sizes
+        outs = llm.generate(PROMPTS, params)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        assert llm.llm_engine.block_pool.num_used_blocks == 0
+        del llm
+    assert results[0] == results[1]
