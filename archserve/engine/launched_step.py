@@ -47,7 +47,7 @@ class LaunchedStep:
             step.host_tokens.copy_(tokens, non_blocking=True)
             step.host_logprobs.copy_(logprobs, non_blocking=True)
             step.ready = torch.cuda.Event()
-            step.ready.record()
+            step.ready.record(torch.cuda.current_stream(tokens.device))  # cuda:N too
         else:
             step.host_tokens, step.host_logprobs = tokens.cpu(), logprobs.cpu()
         return step

@@ -236,13 +236,8 @@ class LLMEngine:
         With ``async_scheduling``, the step scheduled and launched here is resolved by the
         next call: its outputs come one call later, while the device runs that next step.
         """
-        try:
-            return self._step()
-        except BaseException:
-            self._in_flight = None   # a failed step leaves nothing to resolve
-            raise
-
-    def _step(self) -> list[RequestOutput]:
+        # A failure leaves a consistent state: a step that raised before its commit changed
+        # nothing, and one whose tokens never arrived is rolled back (see _finish).
         if self._in_flight is not None and not self._can_overlap():
             return self._finish_in_flight()
         with phase("schedule"):
@@ -281,7 +276,9 @@ class LLMEngine:
         if any(s.sampling_params.needs_output_token_values for s in running):
             return False
         pool = self.block_pool
-        needed = sum(pool.blocks_needed(s, s.num_uncomputed_tokens) for s in running)
+        budget = self.scheduler.config.max_num_batched_tokens   # the most one step computes
+        needed = sum(pool.blocks_needed(s, min(s.num_uncomputed_tokens, budget))
+                     for s in running)
         return needed <= pool.num_free_blocks
 
     def _finish_in_flight(self) -> list[RequestOutput]:
@@ -293,7 +290,11 @@ class LLMEngine:
         """Wait for ``launched``'s tokens, give them to their sequences, build the outputs."""
         self._record_prompt_logprobs(launched.prompt_logprobs)
         with phase("wait_for_device"):
-            tokens, logprobs = launched.wait()
+            try:
+                tokens, logprobs = launched.wait()
+            except BaseException:
+                self.scheduler.uncommit(out)   # to be computed again, not left a placeholder
+                raise
         with phase("outputs"):
             updated = self.scheduler.resolve(out, tokens, logprobs)
             if launched.result is None:
@@ -385,7 +386,9 @@ class LLMEngine:
     def _record_prompt_logprobs(self, prompt_lps) -> None:
         for seq, first_pos, logprobs, targets in prompt_lps:
             state = self.requests.get(seq.request_id)
-            if state is None or state.prompt_logprobs is None:
+            # By identity: a request id reused after an abort must not get the old one's rows.
+            if (state is None or state.prompt_logprobs is None
+                    or not any(s is seq for s in state.seqs)):
                 continue
             have = len(state.prompt_logprobs)          # entries for positions 0..have-1
             skip = have - (first_pos + 1)             # rows already recorded (recompute)

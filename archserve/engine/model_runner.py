@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
-from archserve.engine.batch import ModelBatch, build_batch
+from archserve.engine.batch import ModelBatch, build_batch, host_to_device
 from archserve.engine.cuda_graphs import DecodeGraphRunner, default_graph_sizes
 from archserve.engine.kv_cache import allocate_kv_caches
 from archserve.engine.launched_step import LaunchedStep
@@ -157,7 +158,9 @@ class ModelRunner:
         for seq, row_start, row_end, first_pos in batch.prompt_logprob_rows:
             logits = self.model.compute_logits(hidden[row_start:row_end])
             logprobs = torch.log_softmax(logits.float(), dim=-1)
-            targets = torch.tensor(seq.token_ids_slice(first_pos + 1, first_pos + 1 + row_end - row_start),
-                                   dtype=torch.long, device=logprobs.device)
+            # Pinned and non-blocking: a pageable copy would wait for the queued step.
+            targets = host_to_device(np.asarray(seq.token_ids_slice(
+                first_pos + 1, first_pos + 1 + row_end - row_start), dtype=np.int64),
+                logprobs.device)
             out.append((seq, first_pos, logprobs, targets))
         return out

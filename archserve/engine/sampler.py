@@ -245,7 +245,7 @@ class Sampler:
             x = x.masked_fill(~batch.allowed_mask, float("-inf"))
         if batch.blocked_rows is not None:
             x = x.index_put((batch.blocked_rows, batch.blocked_tokens),
-                            torch.tensor(float("-inf"), device=x.device))
+                            x.new_full((), float("-inf")))   # no host-to-device copy
         x = apply_penalties(x, batch)
         greedy_tokens = x.argmax(dim=-1)
         if batch.all_greedy:
@@ -270,7 +270,7 @@ class Sampler:
                 gen.manual_seed(key)
                 draws.append(torch.empty(probs.shape[-1], device=probs.device)
                              .exponential_(generator=gen))
-            rows = torch.tensor(batch.seeded_rows, device=probs.device)
+            rows = host_to_device(np.asarray(batch.seeded_rows, dtype=np.int64), probs.device)
             q.index_copy_(0, rows, torch.stack(draws))
         # Exp(1) can round to 0; a tiny floor keeps 0/q at 0 instead of NaN.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)

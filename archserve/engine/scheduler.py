@@ -199,6 +199,17 @@ class Scheduler:
             if entry.samples:
                 seq.append_placeholder()
 
+    def uncommit(self, output: SchedulerOutput) -> None:
+        """Undo ``commit`` for a step whose tokens will never arrive (the device failed):
+        its sequences compute those tokens again next time."""
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if entry.samples and seq.num_pending:
+                seq.drop_newest_placeholder()
+            seq.num_computed_tokens -= entry.num_new_tokens
+
     def resolve(self, output: SchedulerOutput, sampled_token_ids: Iterable[int],
                 sampled_logprobs: Iterable[float] | None = None) -> list[Sequence]:
         """Give the committed step's placeholders their sampled values, and stop.

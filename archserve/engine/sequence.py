@@ -149,6 +149,13 @@ class Sequence:
         if logprob is not None:
             self.cumulative_logprob += logprob
 
+    def drop_newest_placeholder(self) -> None:
+        if self.num_pending == 0:
+            raise RuntimeError(f"sequence {self.seq_id} has no pending token to drop")
+        self.token_ids.pop()
+        self.output_token_ids.pop()
+        self.num_pending -= 1
+
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, index={self.index}, "
                 f"status={self.status.name}, tokens={self.num_prompt_tokens}+"
