@@ -127,7 +127,8 @@ def profile_decode_steps(engine, batch_size: int, input_len: int, steps: int,
         engine.add_request(f"profile-{i}", prompt, params)
     # Until every prompt is in the cache and a few decode steps ran (graphs warm).
     scheduler = engine.scheduler
-    while scheduler.waiting or any(s.num_output_tokens == 0 for s in scheduler.running):
+    while scheduler.waiting or any(s.num_output_tokens - s.num_pending == 0
+                                   for s in scheduler.running):
         engine.step()
     for _ in range(warmup_steps):
         engine.step()
