@@ -1,8 +1,8 @@
 """A step whose kernels are queued: its sampled tokens on their way to the host.
 
-The runner queues a step and returns at once. The sampled token ids and their logprobs
-start a non-blocking copy into pinned host memory right behind the sampler, with an event
-after it. ``wait`` then blocks only until *this* step is done, not the one queued after
+The runner queues a step and returns at once. The sampler's outputs (token ids, logprobs,
+and ranks and top-N where asked) start a non-blocking copy into pinned host memory right
+behind the sampler, with an event after it. ``wait`` then blocks only until *this* step is done, not the one queued after
 it, which is what lets the engine prepare step N+1 (and resolve step N) while the
 device still runs.
 
@@ -13,7 +13,7 @@ from this step's device output: the host never needs its value for that.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -27,38 +27,43 @@ from archserve.engine.sequence import Sequence
 @dataclass
 class LaunchedStep:
     sampled_seqs: list[Sequence]
-    result: SamplerOutput | None
+    result: SamplerOutput | None                 # on the device
     prompt_logprobs: list
-    host_tokens: torch.Tensor | None = None     # int64 [B], on the host once ``ready``
-    host_logprobs: torch.Tensor | None = None   # float32 [B]
-    ready: torch.cuda.Event | None = None       # None off CUDA: the copy was synchronous
+    host: SamplerOutput | None = None            # its copy on the host, complete once ready
+    ready: torch.cuda.Event | None = None        # None off CUDA: the copy was synchronous
     row_of: dict[int, int] = field(default_factory=dict)   # seq_id -> row of the output
 
     @classmethod
     def start_copy(cls, seqs: list[Sequence], result: SamplerOutput, prompt_logprobs: list
                    ) -> LaunchedStep:
+        """Queue the copy of every tensor of ``result`` (tokens, logprobs, and the ranks and
+        top-N when asked) to the host, behind the sampler."""
         step = cls(seqs, result, prompt_logprobs,
                    row_of={seq.seq_id: row for row, seq in enumerate(seqs)})
-        tokens, logprobs = result.sampled_token_ids, result.sampled_logprobs
-        if tokens.device.type == "cuda":
-            step.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            step.host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype,
-                                             pin_memory=True)
-            step.host_tokens.copy_(tokens, non_blocking=True)
-            step.host_logprobs.copy_(logprobs, non_blocking=True)
+        on_cuda = result.sampled_token_ids.device.type == "cuda"
+        copies = {}
+        for f in fields(result):
+            tensor = getattr(result, f.name)
+            if tensor is None:
+                copies[f.name] = None
+            elif on_cuda:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                copies[f.name] = host.copy_(tensor, non_blocking=True)
+            else:
+                copies[f.name] = tensor
+        step.host = SamplerOutput(**copies)
+        if on_cuda:
             step.ready = torch.cuda.Event()
-            step.ready.record(torch.cuda.current_stream(tokens.device))  # cuda:N too
-        else:
-            step.host_tokens, step.host_logprobs = tokens.cpu(), logprobs.cpu()
+            device = result.sampled_token_ids.device
+            step.ready.record(torch.cuda.current_stream(device))   # cuda:N too
         return step
 
-    def wait(self) -> tuple[list[int], list[float]]:
-        """The sampled token ids and logprobs, once this step's copies have landed."""
-        if self.result is None:
-            return [], []
+    def wait(self) -> SamplerOutput | None:
+        """The sampler's output on the host (None if nothing was sampled), once this step's
+        copies have landed."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host_tokens.tolist(), self.host_logprobs.tolist()
+        return self.host
 
     def feed_pending_inputs(self, batch: ModelBatch, chunks: list[ScheduledSeq],
                             device: torch.device) -> None:

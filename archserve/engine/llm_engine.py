@@ -291,19 +291,23 @@ class LLMEngine:
         self._record_prompt_logprobs(launched.prompt_logprobs)
         with phase("wait_for_device"):
             try:
-                tokens, logprobs = launched.wait()
+                host = launched.wait()
             except BaseException:
                 self.scheduler.uncommit(out)   # to be computed again, not left a placeholder
                 raise
         with phase("outputs"):
-            updated = self.scheduler.resolve(out, tokens, logprobs)
-            if launched.result is None:
+            if host is None:
+                self.scheduler.resolve(out, [])
                 return []
-            return self._process_sampled(launched.sampled_seqs, launched.result, updated)
+            updated = self.scheduler.resolve(out, host.sampled_token_ids.tolist(),
+                                             host.sampled_logprobs.tolist())
+            return self._process_sampled(launched.sampled_seqs, host, updated)
 
     def _process_sampled(self, sampled_seqs: list[Sequence], result: SamplerOutput,
                          updated: list[Sequence]) -> list[RequestOutput]:
-        """Logprobs, detokenizing, stop strings and outputs of the sequences that got a token."""
+        """Logprobs, detokenizing, stop strings and outputs of the sequences that got a token.
+
+        ``result`` is the sampler's output copied to the host."""
         topn = self._topn_per_row(result, sampled_seqs)
         updated_ids = {id(s) for s in updated}
         touched: dict[str, RequestState] = {}

@@ -85,8 +85,8 @@ def test_preemption_really_happens_with_a_tiny_pool(tiny_checkpoint):
         out = engine.scheduler.schedule()
         preempted += len(out.preempted)
         # Run the step the scheduler planned, as LLMEngine.step would.
-        launched = engine.runner.execute(out.scheduled)
-        engine.scheduler.postprocess(out, launched.wait()[0])
+        host = engine.runner.execute(out.scheduled).wait()
+        engine.scheduler.postprocess(out, host.sampled_token_ids.tolist() if host else [])
     assert preempted > 0
 
 
