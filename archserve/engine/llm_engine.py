@@ -288,7 +288,6 @@ class LLMEngine:
 
     def _finish(self, out: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for ``launched``'s tokens, give them to their sequences, build the outputs."""
-        self._record_prompt_logprobs(launched.prompt_logprobs)
         with phase("wait_for_device"):
             try:
                 host = launched.wait()
@@ -296,6 +295,7 @@ class LLMEngine:
                 self.scheduler.uncommit(out)   # to be computed again, not left a placeholder
                 raise
         with phase("outputs"):
+            self._record_prompt_logprobs(launched.prompt_logprobs)
             if host is None:
                 self.scheduler.resolve(out, [])
                 return []
