@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.sequence import Sequence, SequenceStatus
-from archserve.engine.stop_checker import check_stop
+from archserve.engine.stop_checker import check_stop, reached_length_limit
 
 
 @dataclass(slots=True)
@@ -153,7 +153,9 @@ class Scheduler:
 
         # A sequence whose pending token already reaches its length limit finishes when that
         # token is resolved (asynchronous scheduling): nothing more to compute for it.
-        active = [s for s in self.running if not (s.num_pending and self._done_by_length(s))]
+        limit = self.config.max_model_len
+        active = [s for s in self.running
+                  if not (s.num_pending and reached_length_limit(s, limit))]
         decodes = [s for s in active if s.num_uncomputed_tokens == 1]
         prefills = [s for s in active if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
@@ -239,11 +241,6 @@ class Scheduler:
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
         return updated
-
-    def _done_by_length(self, seq: Sequence) -> bool:
-        limit = seq.sampling_params.max_tokens
-        return ((limit is not None and seq.num_output_tokens >= limit)
-                or seq.num_tokens >= self.config.max_model_len)
 
     # -- internals ----------------------------------------------------------------
     def _admit_waiting(self, budget: int, planned: dict[int, ScheduledSeq]) -> int:

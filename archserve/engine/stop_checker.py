@@ -31,13 +31,17 @@ def check_stop(seq: Sequence, eos_token_ids: Collection[int], max_model_len: int
             seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = token
             return True
-    if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-        seq.status = SequenceStatus.FINISHED_LENGTH
-        return True
-    if seq.num_tokens >= max_model_len:
+    if reached_length_limit(seq, max_model_len):
         seq.status = SequenceStatus.FINISHED_LENGTH
         return True
     return False
+
+
+def reached_length_limit(seq: Sequence, max_model_len: int) -> bool:
+    """``max_tokens`` outputs or ``max_model_len`` tokens (pending ones count too)."""
+    limit = seq.sampling_params.max_tokens
+    return ((limit is not None and seq.num_output_tokens >= limit)
+            or seq.num_tokens >= max_model_len)
 
 
 def find_stop_string(text: str, new_text_len: int, stop_strings: list[str]
