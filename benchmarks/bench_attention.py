@@ -6,7 +6,10 @@ Decode rows report the KV bytes the kernel must read per second next to this dev
 measured device-to-device copy bandwidth (the practical ceiling). Prefill rows report
 TFLOP/s counting causal work only (2 * 2 * s^2 * h * d / 2 per sequence), for TRITON_ATTN
 and, side by side, torch SDPA (flash backend) on contiguous tensors of the same shape.
-Times come from CUDA events: warm-up, then the median of --iters runs.
+Times come from CUDA events: warm-up, then the median of --iters runs. Decode is timed as
+CUDA-graph replays (as the engine runs it): a kernel of a few microseconds timed eagerly
+measures Python and launch overhead. ``--split-sweep`` adds decode rows for each forced
+number of KV splits, the data behind ``choose_num_splits``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 # Runnable from a plain checkout as well as from an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from archserve.bench.cuda_timing import median_ms  # noqa: E402
+from archserve.bench.cuda_timing import graph_median_us, median_ms  # noqa: E402
 
 
 def copy_bandwidth(iters: int, warmup: int, nbytes: int = 2 << 30) -> float:
@@ -63,20 +66,30 @@ def paged_batch(batch: int, ctx: int, query_len: int, block_size: int, heads: in
     return query, key, value, cache, meta, layer
 
 
-def bench_decode(args, batch: int, ctx: int, block_size: int, copy_bw: float) -> dict:
-    from archserve.kernels.attention.triton_backend import TritonAttentionImpl
+def bench_decode(args, batch: int, ctx: int, block_size: int, copy_bw: float,
+                 num_splits: int | None = None) -> dict:
+    """The engine's decode call; ``num_splits`` forces the split count (None: the heuristic)."""
+    from archserve.kernels.attention.triton_decode import choose_num_splits, decode_attention
 
     heads, kv_heads, d, dtype = 32, 8, 128, torch.bfloat16
     query, key, value, cache, meta, layer = paged_batch(batch, ctx, 1, block_size, heads,
                                                         kv_heads, d, dtype)
-    impl = TritonAttentionImpl()
-    # Time the attention read alone: the one-token cache write is not what is being measured.
-    ms = median_ms(lambda: impl.forward(query, None, None, cache, meta, layer),
-                   args.iters, args.warmup)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = num_splits or choose_num_splits(batch, kv_heads, ctx, num_sms)
+    out = torch.empty_like(query)
+
+    # The attention read alone: the one-token cache write is not what is being measured.
+    def run():
+        decode_attention(query, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                         out, num_seqs=batch, max_seq_len=ctx, scale=layer.scale,
+                         num_splits=splits)
+
+    us, timing = graph_median_us(run, args.iters, args.warmup)
     kv_bytes = 2 * batch * ctx * kv_heads * d * cache.element_size()
-    bw = kv_bytes / (ms * 1e-3)
+    bw = kv_bytes / (us * 1e-6)
     return {"kind": "decode", "backend": "TRITON_ATTN", "batch": batch, "ctx": ctx,
-            "block_size": block_size, "ms": ms, "kv_GBps": bw / 1e9,
+            "block_size": block_size, "num_splits": splits, "forced_splits": num_splits is not None,
+            "timing": timing, "ms": us / 1e3, "kv_GBps": bw / 1e9,
             "fraction_of_copy_bw": bw / copy_bw,
             "fraction_of_4.3TBps": bw / 4.3e12}
 
@@ -127,8 +140,10 @@ def markdown(rows: list[dict], copy_bw: float, device: str) -> str:
             lines.append(f"| {r['kind']} | {r['backend']} | {r.get('shape', '')} | | | "
                          f"error: {r['error']} |")
         elif r["kind"] == "decode":
-            lines.append(f"| decode | {r['backend']} | {r['batch']} x ctx {r['ctx']} | "
-                         f"{r['block_size']} | {r['ms']:.3f} | {r['kv_GBps']:.0f} GB/s KV "
+            forced = " (forced)" if r.get("forced_splits") else ""
+            lines.append(f"| decode | {r['backend']} | {r['batch']} x ctx {r['ctx']}, "
+                         f"{r['num_splits']} split(s){forced} | "
+                         f"{r['block_size']} | {r['ms']:.4f} | {r['kv_GBps']:.0f} GB/s KV "
                          f"({100 * r['fraction_of_copy_bw']:.0f}% of copy, "
                          f"{100 * r['fraction_of_4.3TBps']:.0f}% of 4.3 TB/s) |")
         else:
@@ -155,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--block-sizes", default="16,32",
                         help="paged block sizes to measure (16 and the preferred size)")
+    parser.add_argument("--split-sweep", default="",
+                        help="also time decode with each of these forced split counts, e.g. 1,2,4,8")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA/ROCm GPU; nothing measured", file=sys.stderr)
@@ -167,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         for batch, ctx in ((64, 4096), (8, 512)):
             guarded(rows, "decode", "TRITON_ATTN", f"{batch}x{ctx}",
                     lambda b=batch, c=ctx, bs=block_size: bench_decode(args, b, c, bs, copy_bw))
+    for splits in [int(n) for n in args.split_sweep.split(",") if n]:
+        for batch, ctx in ((64, 4096), (8, 512), (8, 4096), (1, 2048)):
+            guarded(rows, "decode", "TRITON_ATTN", f"{batch}x{ctx}/{splits}",
+                    lambda b=batch, c=ctx, n=splits: bench_decode(args, b, c, 16, copy_bw, n))
     for block_size in block_sizes:
         guarded(rows, "prefill", "TRITON_ATTN", "4x4096",
                 lambda bs=block_size: bench_prefill_triton(args, 4, 4096, bs))

@@ -27,7 +27,7 @@ import torch
 # Runnable from a plain checkout as well as from an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from archserve.bench.cuda_timing import median_ms  # noqa: E402
+from archserve.bench.cuda_timing import graph_median_us, median_ms  # noqa: E402
 from archserve.kernels.elementwise import (  # noqa: E402
     apply_rotary,
     forced_fused_route,
@@ -97,26 +97,6 @@ def op_cases(shape: ModelShape, tokens: int, dtype: torch.dtype) -> list[OpCase]
     return cases
 
 
-def time_us(run: Callable[[], object], iters: int, warmup: int, reps: int) -> tuple[float, str]:
-    """Median µs per call: a graph of ``reps`` calls when capture works, else eager."""
-    for _ in range(warmup):  # also compiles the Triton kernels before any capture
-        run()
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                run()
-        graph.replay()
-        torch.cuda.synchronize()
-        return 1e3 * median_ms(graph.replay, iters) / reps, "graph"
-    except Exception as exc:  # noqa: BLE001 - the row records the fallback
-        print(f"graph capture failed ({type(exc).__name__}: {exc}); timing eagerly",
-              file=sys.stderr)
-        torch.cuda.synchronize()
-        return 1e3 * median_ms(run, iters), "eager"
-
-
 def copy_bandwidth(iters: int, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -132,8 +112,8 @@ def measure(args, model: str, tokens: int, dtype: torch.dtype) -> list[dict]:
         for route in ("torch", "triton"):
             try:
                 with forced_fused_route(route):
-                    us, mode = time_us(case.run, args.iters, args.warmup,
-                                       args.reps if tokens <= 256 else 2)
+                    us, mode = graph_median_us(case.run, args.iters, args.warmup,
+                                               args.reps if tokens <= 256 else 2)
                 row[f"{route}_us"], row[f"{route}_timing"] = us, mode
             except Exception as exc:  # noqa: BLE001 - every failure is reported in the table
                 traceback.print_exc()

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
-#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|perf|perf_async|profile|all]   (default: all)
+#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|perf|perf_async|profile|all]
+#   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
 #           run under xdist while the engine tests run beside them on the same GPU;
+#   attention: benchmarks/bench_attention.py, with a decode split sweep (env SPLITS);
 #   perf:   benchmarks/h200_targets.sh (issue 6's workloads); perf_async: the same rows
 #           with --async-scheduling;
 #   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
@@ -39,6 +41,10 @@ if want tests; then
     --ignore=tests/kernels ${ENGINE_ARGS:-} tests > "$OUT/pytest_gpu_engine.log" 2>&1
   wait $kernels
   tail -n 25 "$OUT/pytest_gpu_kernels.log" "$OUT/pytest_gpu_engine.log"
+fi
+if want attention; then
+  python3 benchmarks/bench_attention.py --iters 30 --split-sweep ${SPLITS:-1,2,4,8,16} \
+    --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.txt"
 fi
 if want perf; then
   bash benchmarks/h200_targets.sh "$OUT"

@@ -1,8 +1,13 @@
-"""Kernel timing with CUDA events: warm-up, then the median of timed runs."""
+"""Kernel timing with CUDA events: warm-up, then the median of timed runs.
+
+``graph_median_us`` times a CUDA graph of several calls, which is what the engine replays;
+timed eagerly, a kernel of a few microseconds would measure Python and launch overhead.
+"""
 
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Callable
 
 import torch
@@ -21,3 +26,24 @@ def median_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graph_median_us(run: Callable[[], object], iters: int, warmup: int = 3, reps: int = 20
+                    ) -> tuple[float, str]:
+    """Median µs per call: a graph of ``reps`` calls when capture works, else eager."""
+    for _ in range(warmup):  # also compiles Triton kernels before any capture
+        run()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                run()
+        graph.replay()
+        torch.cuda.synchronize()
+        return 1e3 * median_ms(graph.replay, iters) / reps, "graph"
+    except Exception as exc:  # noqa: BLE001 - the caller records the fallback
+        print(f"graph capture failed ({type(exc).__name__}: {exc}); timing eagerly",
+              file=sys.stderr)
+        torch.cuda.synchronize()
+        return 1e3 * median_ms(run, iters), "eager"

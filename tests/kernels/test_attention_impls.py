@@ -39,8 +39,9 @@ def test_sdpa_decode_skips_sequences_without_queries():
 def test_choose_num_splits_fills_idle_sms_only():
     from archserve.kernels.attention.triton_decode import choose_num_splits
     assert choose_num_splits(64, 8, 4096, num_sms=132) == 1      # 512 programs: GPU is full
-    assert choose_num_splits(8, 8, 512, num_sms=132) == 1        # short context: not worth it
-    assert choose_num_splits(8, 8, 4096, num_sms=132) == 4       # 64 programs, 4 splits max
+    assert choose_num_splits(8, 8, 512, num_sms=132) == 8        # 64 programs: 8 splits of 64
+    assert choose_num_splits(8, 8, 100, num_sms=132) == 1        # under two tiles: no split
+    assert choose_num_splits(8, 8, 4096, num_sms=132) == 8       # ~4 programs per SM
     assert choose_num_splits(1, 8, 32768, num_sms=132) == 32     # one long sequence: split hard
     assert choose_num_splits(2, 8, 4096, num_sms=0) == 1         # unknown SM count: never
 

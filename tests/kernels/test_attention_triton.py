@@ -34,16 +34,8 @@ else:
     from archserve.kernels.attention.triton_decode import decode_attention
     from archserve.kernels.attention.triton_prefill import prefill_attention
 
-    # The interpreter's tl.dot on bf16 operands returns garbage (~1e10 off on a 16x16
-    # product), so bf16 through tl.dot is checked on the GPU only; bf16 through the
-    # broadcast decode path is checked here.
-    INTERPRETER_BF16_DOT = {"chunked-bf16"}
-
     @pytest.mark.parametrize("name,case_args", CPU_CASES, ids=[n for n, _ in CPU_CASES])
     def test_triton_matches_reference(name, case_args):
-        if name in INTERPRETER_BF16_DOT:
-            pytest.skip("interpreter bf16 tl.dot is wrong; test_gpu_backends_match_reference "
-                        "covers bf16")
         assert_matches_reference(make_case(**case_args), TritonAttentionImpl())
 
     @pytest.mark.parametrize("num_splits", [2, 4])

@@ -2,10 +2,10 @@
 
 One program owns (sequence, KV head, split) and computes every query head of that KV head's
 group, so each cached K/V tile is read from memory once per group instead of once per query
-head. The group is the M dimension of a ``tl.dot``, padded to 16 rows: on an H200 (bf16,
-head 128, 4 query heads per KV head, 64 x 4096 context) that reads KV at ~3.4 TB/s where a
-broadcast-multiply-reduce managed 0.9 TB/s. Groups of 1-2 heads keep the broadcast form,
-where padding would waste 8-16x the math on a tile that small.
+head. The group is the M dimension of a ``tl.dot``, padded to 16 rows, for every group size:
+decode is bound by memory, so the padded math costs nothing, while the broadcast-multiply-
+reduce it replaced ran Qwen3-0.6B's 2-head groups at about an eighth of the bandwidth on an
+H200 (14.4 ms of a 17.5 ms batch-256 step).
 
 When sequences x KV heads cannot fill the GPU, the context is split into ``num_splits``
 chunks (flash-decoding); each writes a partial output and its log-sum-exp, and a small second
@@ -14,6 +14,8 @@ kernel merges them.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -21,9 +23,12 @@ import triton.language as tl
 from archserve.kernels.attention.triton_cache_write import paged_token_offsets
 
 LOG2E = 1.4426950408889634
-# A split shorter than this costs more (partials, a second launch) than it gains: on an H200,
-# 8 sequences x 512 tokens ran at 240 GB/s unsplit and 147 GB/s with 2 splits.
-MIN_TOKENS_PER_SPLIT = 1024
+# Split-KV rule, from an H200 sweep timed as CUDA-graph replays (benchmarks/bench_attention.py
+# --split-sweep; bf16, head 128, 8 KV heads): 8 x 512 tokens ran at 27% of bandwidth unsplit
+# and 45% with 8 splits of 64 tokens; 8 x 4096 at 25% -> 80% with 8 splits; 1 x 2048 at 4% ->
+# 24% with 16. Splits pay down to one 64-token tile each, and about four programs per SM.
+MIN_TOKENS_PER_SPLIT = 64
+PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
 
 
@@ -44,8 +49,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
                    GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-                   USE_SOFT_CAP: tl.constexpr, USE_DOT: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -72,6 +76,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     heads = kv_head * GROUP + offs_g
     q = tl.load(q_ptr + token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
                 + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if DOT_PRECISION == "ieee":  # K, V and P follow q's dtype (see dot_precision)
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -90,10 +96,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
         v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-        if USE_DOT:
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        else:
-            scores = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores = scores * qk_scale
         if USE_SOFT_CAP:
             scores = soft_cap_scores(scores, soft_cap)
@@ -103,11 +106,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32),
-                                                axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0
@@ -154,32 +153,38 @@ def _merge_splits_kernel(partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, 
     tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=mask_d & live)
 
 
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get exact fp32 products (TF32 would lose ~3 digits against the reference)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """The kernels' tl.dot precision; "ieee" also makes them upcast the query to fp32.
 
-
-def decode_uses_dot(group: int) -> bool:
-    """tl.dot with M padded to 16 from 4 query heads per KV head (measured, see module doc)."""
-    return group >= 4
+    fp32 inputs get exact fp32 products (TF32 would lose ~3 digits against the reference).
+    bf16 gets them too under the CPU interpreter only, whose bf16 tl.dot returns garbage
+    (~1e10 off on a 16 x 16 product): upcast, the kernels' logic is still checked on CPU.
+    """
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and triton_interpreted()):
+        return "ieee"
+    return "tf32"
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Split the context only when sequences x KV heads leave SMs idle.
 
-    Aims at about two programs per SM, never below MIN_TOKENS_PER_SPLIT tokens per split;
-    a power of two so the number of compiled variants stays small.
+    Aims at about PROGRAMS_PER_SM programs per SM, never below MIN_TOKENS_PER_SPLIT tokens
+    per split; a power of two so the number of compiled variants stays small.
     """
     programs = num_seqs * num_kv_heads
     if num_sms <= 0 or programs >= num_sms:
         return 1
-    wanted = triton.cdiv(2 * num_sms, programs)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
     useful = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     splits = min(wanted, useful, MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)
 
 
-def _decode_tiles(head_size: int, group: int) -> tuple[int, int, int]:
+def decode_tiles(head_size: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages): decode is bandwidth-bound, so keep many loads in flight."""
     if head_size > 128:
         return 32, 4, 2
@@ -191,11 +196,13 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
                      *, num_seqs: int, max_seq_len: int, scale: float,
                      sliding_window: int | None = None, soft_cap: float | None = None,
                      k_scale: float = 1.0, v_scale: float = 1.0, num_sms: int = 0,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None,
+                     tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Attend one query token per sequence over its paged context; writes into ``out``.
 
     query/out [T, H, D] (row ``query_start_loc[i]`` belongs to sequence i), kv_cache in the
-    engine layout. ``num_splits`` overrides the split heuristic (a power of two).
+    engine layout. ``num_splits`` overrides the split heuristic (a power of two), ``tiles``
+    the (BLOCK_N, num_warps, num_stages) of ``decode_tiles`` (both for benchmark sweeps).
     """
     _, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -205,9 +212,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-    block_n, num_warps, num_stages = _decode_tiles(head_size, group)
-    use_dot = decode_uses_dot(group)
-    block_g = max(triton.next_power_of_2(group), 16 if use_dot else 1)
+    block_n, num_warps, num_stages = tiles or decode_tiles(head_size, group)
+    block_g = max(triton.next_power_of_2(group), 16)  # tl.dot needs M >= 16
     block_d = triton.next_power_of_2(head_size)
     partial_out = partial_lse = out  # unused placeholders when there is a single split
     if num_splits > 1:
@@ -223,7 +229,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         GROUP=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, BLOCK_G=block_g,
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
-        USE_DOT=use_dot, DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

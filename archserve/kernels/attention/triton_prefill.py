@@ -9,14 +9,16 @@ that cross it (or the sliding window's lower edge) pay for masking; tiles above 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from archserve.kernels.attention.triton_cache_write import paged_token_offsets
-from archserve.kernels.attention.triton_decode import dot_precision, soft_cap_scores
+from archserve.kernels.attention.triton_decode import (
+    dot_precision,
+    soft_cap_scores,
+    triton_interpreted,
+)
 
 
 @triton.jit
@@ -87,6 +89,8 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
     tokens = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_q_token + head * stride_q_head + offs_d[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if DOT_PRECISION == "ieee":  # K, V and P follow q's dtype (see dot_precision)
+        q = q.to(tl.float32)
 
     first_q_pos = prefix_len + m_block * BLOCK_M
     # Keys past the tile's last query are never visible (causal), nor past the sequence.
@@ -186,10 +190,6 @@ def tune_bucket(max_query_len: int) -> int:
     return 256 if max_query_len <= 1024 else 4096
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
                       *, num_seqs: int, max_query_len: int, scale: float,
@@ -215,7 +215,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         BLOCK_D=triton.next_power_of_2(head_size), SLIDING_WINDOW=sliding_window or 0,
         USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
         DOT_PRECISION=dot_precision(query.dtype))
-    if tiles is None and not _interpreted():
+    if tiles is None and not triton_interpreted():
         def grid(meta: dict) -> tuple[int, int, int]:
             return triton.cdiv(max_query_len, meta["BLOCK_M"]), num_seqs, num_heads
         _tuned_prefill_kernel[grid](*args, **constants)
