@@ -15,6 +15,7 @@ number of KV splits, the data behind ``choose_num_splits``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import traceback
@@ -67,11 +68,17 @@ def paged_batch(batch: int, ctx: int, query_len: int, block_size: int, heads: in
 
 
 def bench_decode(args, batch: int, ctx: int, block_size: int, copy_bw: float,
-                 num_splits: int | None = None) -> dict:
-    """The engine's decode call; ``num_splits`` forces the split count (None: the heuristic)."""
-    from archserve.kernels.attention.triton_decode import choose_num_splits, decode_attention
+                 num_splits: int | None = None, heads: int = 32,
+                 tiles: tuple[int, int, int] | None = None) -> dict:
+    """The engine's decode call over 8 KV heads; ``num_splits`` and ``tiles`` force the split
+    count and the (BLOCK_N, num_warps, num_stages) (None: the engine's rules)."""
+    from archserve.kernels.attention.triton_decode import (
+        choose_num_splits,
+        decode_attention,
+        decode_tiles,
+    )
 
-    heads, kv_heads, d, dtype = 32, 8, 128, torch.bfloat16
+    kv_heads, d, dtype = 8, 128, torch.bfloat16
     query, key, value, cache, meta, layer = paged_batch(batch, ctx, 1, block_size, heads,
                                                         kv_heads, d, dtype)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -88,6 +95,7 @@ def bench_decode(args, batch: int, ctx: int, block_size: int, copy_bw: float,
     kv_bytes = 2 * batch * ctx * kv_heads * d * cache.element_size()
     bw = kv_bytes / (us * 1e-6)
     return {"kind": "decode", "backend": "TRITON_ATTN", "batch": batch, "ctx": ctx,
+            "heads": heads, "kv_heads": kv_heads, "tiles": tiles or decode_tiles(d, heads // kv_heads),
             "block_size": block_size, "num_splits": splits, "forced_splits": num_splits is not None,
             "timing": timing, "ms": us / 1e3, "kv_GBps": bw / 1e9,
             "fraction_of_copy_bw": bw / copy_bw,
@@ -142,7 +150,8 @@ def markdown(rows: list[dict], copy_bw: float, device: str) -> str:
         elif r["kind"] == "decode":
             forced = " (forced)" if r.get("forced_splits") else ""
             lines.append(f"| decode | {r['backend']} | {r['batch']} x ctx {r['ctx']}, "
-                         f"{r['num_splits']} split(s){forced} | "
+                         f"{r['heads']}/{r['kv_heads']} heads, {r['num_splits']} split(s)"
+                         f"{forced}, tiles {tuple(r['tiles'])} | "
                          f"{r['block_size']} | {r['ms']:.4f} | {r['kv_GBps']:.0f} GB/s KV "
                          f"({100 * r['fraction_of_copy_bw']:.0f}% of copy, "
                          f"{100 * r['fraction_of_4.3TBps']:.0f}% of 4.3 TB/s) |")
@@ -172,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="paged block sizes to measure (16 and the preferred size)")
     parser.add_argument("--split-sweep", default="",
                         help="also time decode with each of these forced split counts, e.g. 1,2,4,8")
+    parser.add_argument("--tile-sweep", action="store_true",
+                        help="also time decode for each (BLOCK_N, warps, stages) on batch 256")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA/ROCm GPU; nothing measured", file=sys.stderr)
@@ -188,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         for batch, ctx in ((64, 4096), (8, 512), (8, 4096), (1, 2048)):
             guarded(rows, "decode", "TRITON_ATTN", f"{batch}x{ctx}/{splits}",
                     lambda b=batch, c=ctx, n=splits: bench_decode(args, b, c, 16, copy_bw, n))
+    if args.tile_sweep:
+        for tiles in itertools.product((32, 64, 128), (4, 8), (2, 3)):
+            for batch, ctx, heads in ((256, 512, 32), (256, 512, 16), (64, 4096, 32)):
+                guarded(rows, "decode", "TRITON_ATTN", f"{batch}x{ctx}/{heads} {tiles}",
+                        lambda b=batch, c=ctx, h=heads, t=tiles:
+                        bench_decode(args, b, c, 16, copy_bw, heads=h, tiles=t))
     for block_size in block_sizes:
         guarded(rows, "prefill", "TRITON_ATTN", "4x4096",
                 lambda bs=block_size: bench_prefill_triton(args, 4, 4096, bs))

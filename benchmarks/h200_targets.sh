@@ -2,8 +2,8 @@
 # Issue 6's workloads on one GPU (Llama-3-8B and Qwen3-0.6B shapes, dummy weights, bf16),
 # in the order: cold and warm start, batch-1 decode, 256-request throughput (+ transformers).
 #   bash benchmarks/h200_targets.sh OUTDIR [LABEL [EXTRA BENCH ARGS...]]
-#   results: OUTDIR/perfLABEL.tgz and OUTDIR/perfLABEL.log; e.g. LABEL=_async with
-#   --async-scheduling runs every bench row in that mode (the start-up rows are the same).
+#   results: OUTDIR/perfLABEL.tgz and OUTDIR/perfLABEL.log; e.g. LABEL=_sync with
+#   --no-async-scheduling runs every bench row in that mode (the start-up rows are the same).
 set -uo pipefail
 OUT=${1:-out}
 LABEL=${2:-}

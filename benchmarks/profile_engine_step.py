@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                     help="KV budget (CPU runs); on a GPU the memory utilisation sizes it")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: the engine's (on for CUDA, off on CPU)")
     ap.add_argument("--output-kind", default="final_only",
                     choices=["final_only", "cumulative", "delta"],
                     help="what the engine builds per step (the bench uses final_only)")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                                       trace_path=trace, output_kind=args.output_kind,
                                       use_profiler=not args.no_profiler)
         print(result.render(), flush=True)
-        results.append({**result.to_json(), "async_scheduling": args.async_scheduling})
+        results.append({**result.to_json(), "async_scheduling": engine.config.async_scheduling})
         del engine
         gc.collect()
     if args.out:

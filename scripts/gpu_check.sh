@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
-#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|perf|perf_async|profile|all]
+#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|perf|perf_sync|profile|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
-#           run under xdist while the engine tests run beside them on the same GPU;
+#           run under xdist while the engine tests run beside them on the same GPU
+#           (env KERNEL_K / ENGINE_K: a pytest -k expression for either);
 #   attention: benchmarks/bench_attention.py, with a decode split sweep (env SPLITS);
-#   perf:   benchmarks/h200_targets.sh (issue 6's workloads); perf_async: the same rows
-#           with --async-scheduling;
+#   perf:   benchmarks/h200_targets.sh (issue 6's workloads, async scheduling: the CUDA
+#           default); perf_sync: the same rows with --no-async-scheduling;
 #   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
 #           (device busy/idle per decode step, top kernels, engine phases).
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
@@ -35,10 +36,10 @@ if want tests; then
   # -v: one line per test as it ends, so a run cut by the timeout still says what passed;
   # SIGINT makes pytest print its summary before it exits.
   timeout -s INT ${KERNEL_TIMEOUT:-500} $PYTEST -v -n ${WORKERS:-14} --durations=10 \
-    ${KERNEL_ARGS:-} tests/kernels > "$OUT/pytest_gpu_kernels.log" 2>&1 &
+    ${KERNEL_ARGS:-} ${KERNEL_K:+-k "$KERNEL_K"} tests/kernels > "$OUT/pytest_gpu_kernels.log" 2>&1 &
   kernels=$!
   timeout -s INT ${ENGINE_TIMEOUT:-500} $PYTEST --durations=10 --ignore=tests/serve \
-    --ignore=tests/kernels ${ENGINE_ARGS:-} tests > "$OUT/pytest_gpu_engine.log" 2>&1
+    --ignore=tests/kernels ${ENGINE_ARGS:-} ${ENGINE_K:+-k "$ENGINE_K"} tests > "$OUT/pytest_gpu_engine.log" 2>&1
   wait $kernels
   tail -n 25 "$OUT/pytest_gpu_kernels.log" "$OUT/pytest_gpu_engine.log"
 fi
@@ -49,13 +50,13 @@ fi
 if want perf; then
   bash benchmarks/h200_targets.sh "$OUT"
 fi
-if want perf_async; then   # the bench rows again with --async-scheduling
-  bash benchmarks/h200_targets.sh "$OUT" _async --async-scheduling
+if want perf_sync; then   # the bench rows again without async scheduling
+  bash benchmarks/h200_targets.sh "$OUT" _sync --no-async-scheduling
 fi
 if want profile; then
   for m in llama-3-8b qwen3-0.6b; do
-    for mode in "" --async-scheduling; do
-      tag=$m${mode:+_async}
+    for mode in "" --no-async-scheduling; do
+      tag=$m${mode:+_sync}
       timeout 240 python3 benchmarks/profile_engine_step.py --model benchmarks/models/$m \
         --load-format dummy --dtype bfloat16 --batch-sizes 1,256 --input-len 512 --steps 20 \
         $mode --out "$OUT/profile_$tag.json" 2>&1 | grep -v "^USDT" > "$OUT/profile_$tag.txt"

@@ -38,7 +38,7 @@ class BenchOptions:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     enforce_eager: bool = False
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: the engine's default for the device
     peer: str | None = None                     # None | "transformers"
     url: str = "http://127.0.0.1:8000"
     api_key: str | None = None
@@ -123,7 +123,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
         "load_format": options.load_format, "device": engine.report.device.describe(),
         "dtype": str(dtype).removeprefix("torch."),
         "attention_backend": engine.report.attention.name,
-        "async_scheduling": options.async_scheduling,
+        "async_scheduling": engine.config.async_scheduling,
         **_workload_json(options, requests),
         **throughput.to_json(),
         "roofline_efficiency": roofline.roofline_efficiency, "mbu": roofline.mbu,

@@ -32,7 +32,7 @@ def bench(
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="Context length cap.")] = None,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Sequences in one batch at most.")] = 256,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")] = False,
-    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later).")] = False,
+    async_scheduling: Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later). Default: on for CUDA, off on CPU.")] = None,
     peer: Annotated[str | None, typer.Option("--peer", help="Also run the requests through 'transformers' and report the ratio.")] = None,
     url: Annotated[str, typer.Option("--url", help="Server base URL (serve mode).")] = "http://127.0.0.1:8000",
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="ARCHSERVE_API_KEY", help="Bearer key for the server.")] = None,

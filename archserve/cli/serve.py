@@ -18,7 +18,7 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Sequences in one batch at most.")] = 256,
     attention_backend: Annotated[str | None, typer.Option("--attention-backend", help="Force an attention backend (validated; see `archserve explain`).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")] = False,
-    async_scheduling: Annotated[bool, typer.Option("--async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later).")] = False,
+    async_scheduling: Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later). Default: on for CUDA, off on CPU.")] = None,
     load_format: Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")] = "auto",
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of GPU memory for weights, activations and KV cache.")] = 0.9,
     kv_cache_memory_bytes: Annotated[int | None, typer.Option("--kv-cache-memory-bytes", help="Explicit KV cache budget in bytes.")] = None,

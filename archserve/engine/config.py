@@ -27,7 +27,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # Schedule and launch step N+1 before step N's tokens reach the host, so host work
     # overlaps the device (vLLM's --async-scheduling). Outputs arrive one step later.
-    async_scheduling: bool = False
+    # None: on for CUDA, off on CPU (where every op is synchronous); the engine resolves it.
+    async_scheduling: bool | None = None
     cuda_graph_sizes: list[int] = field(default_factory=list)  # empty: a default ladder
     seed: int = 0
     skip_canary: bool = False                # numerics canary of the attention kernel at start

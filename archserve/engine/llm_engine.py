@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,10 @@ class LLMEngine:
         model_path = config.model
         probe_config = _peek_model_config(model_path)
         dtype, kv_cache_dtype, decisions = startup.resolve_precision(device, config, probe_config)
+        scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
+        decisions.append(scheduling)
+        self.config = config = dataclasses.replace(
+            config, async_scheduling=scheduling.chosen == "async")
         self.model, self.model_config = load_model(model_path, dtype=dtype, device=torch_device,
                                                    load_format=config.load_format)
         self.tokenizer = (None if config.skip_tokenizer_init

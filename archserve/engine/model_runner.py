@@ -108,9 +108,14 @@ class ModelRunner:
         with set_forward_context(ctx):
             return self.model(input_ids, positions)
 
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """A decode step through the LM head: float32 logits of every row (what graphs run)."""
+        return self.model.compute_logits(self._forward(input_ids, positions, meta))
+
     def capture_cuda_graphs(self, max_num_seqs: int, sizes: list[int] | None = None) -> None:
         sizes = sizes or default_graph_sizes(max_num_seqs)
-        self.graphs = DecodeGraphRunner(self._forward, self.device, max(sizes),
+        self.graphs = DecodeGraphRunner(self._forward_logits, self.device, max(sizes),
                                         self.max_blocks_per_seq, self.max_model_len)
         start = time.perf_counter()
         with torch.inference_mode():
@@ -120,14 +125,15 @@ class ModelRunner:
                  time.perf_counter() - start,
                  f"; demoted to eager: {result.demoted}" if result.demoted else "")
 
-    @torch.inference_mode()
-    def run_model(self, batch: ModelBatch) -> torch.Tensor:
+    def replay_decode_graph(self, batch: ModelBatch) -> torch.Tensor | None:
+        """Logits of every row from a captured graph, or None when none fits this batch."""
         meta = batch.meta
-        if self.graphs is not None and meta.is_pure_decode:
-            size = self.graphs.size_for(meta.num_seqs)
-            if size is not None:
-                return self.graphs.replay(size, batch.input_ids, batch.positions, meta)
-        return self._forward(batch.input_ids, batch.positions, meta)
+        if self.graphs is None or not meta.is_pure_decode or batch.prompt_logprob_rows:
+            return None
+        size = self.graphs.size_for(meta.num_seqs)
+        if size is None:
+            return None
+        return self.graphs.replay(size, batch.input_ids, batch.positions, meta)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledSeq], previous: LaunchedStep | None = None
@@ -142,12 +148,22 @@ class ModelRunner:
             if previous is not None:
                 previous.feed_pending_inputs(batch, chunks, self.device)
         with phase("forward"):
-            hidden = self.run_model(batch)
-        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+            row_logits = self.replay_decode_graph(batch)
+            if row_logits is None:
+                hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
+        if row_logits is not None:
+            prompt_logprobs = []
+        else:
+            prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not batch.sampled_seqs:
             return LaunchedStep([], None, prompt_logprobs)
         with phase("logits"):
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            if row_logits is None:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
+            elif len(batch.sampled_seqs) == batch.meta.num_seqs:
+                logits = row_logits  # every row sampled, in row order (a decode batch)
+            else:
+                logits = row_logits[batch.logits_indices]
         with phase("sample"):
             result = self.sampler.sample(logits, batch.sampled_seqs)
         return LaunchedStep.start_copy(batch.sampled_seqs, result, prompt_logprobs)

@@ -86,7 +86,7 @@ def run_self_check(runner, copy_bytes_per_s: float, repeats: int = 20) -> SelfCh
             if graphs:
                 runner.graphs.replay(runner.graphs.size_for(1), ids, pos, meta)
             else:
-                runner._forward(ids, pos, meta)
+                runner._forward_logits(ids, pos, meta)
 
     step()
     torch.cuda.synchronize(dev)
@@ -101,7 +101,7 @@ def run_self_check(runner, copy_bytes_per_s: float, repeats: int = 20) -> SelfCh
 
     def eager_step() -> None:
         with torch.inference_mode():
-            runner._forward(ids, pos, meta)
+            runner._forward_logits(ids, pos, meta)
 
     kinds = profile_kinds(eager_step)
     check = SelfCheck(step_ms, floor_ms, floor_ms / step_ms if step_ms else 0.0, kinds, graphs)

@@ -24,6 +24,7 @@ from archserve.kernels.catalog import select_attention_backend
 from archserve.kernels.registry import BackendError, Selection
 from archserve.kernels.specs import AttentionSpec
 from archserve.platform import DeviceInfo, detect
+from archserve.routing.decision import Decision
 from archserve.routing.dtypes import resolve_dtype, resolve_kv_cache_dtype
 
 log = logging.getLogger("archserve")
@@ -149,8 +150,10 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
             f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
     if torch_device.type == "cuda":
         peak = runner.profile_peak_activation_bytes(max_num_batched_tokens, max_num_seqs)
-        # CUDA graphs keep their own memory pool: set aside an estimate so graphs fit.
-        reserve = 0 if config.enforce_eager else 256 << 20
+        # CUDA graphs keep their own memory pool: set aside an estimate so graphs fit,
+        # plus their LM-head output (float32 logits, and the model-dtype product before it).
+        logits_bytes = max_num_seqs * model_config.vocab_size * (4 + 2)
+        reserve = 0 if config.enforce_eager else (256 << 20) + logits_bytes
         avail = cuda_available_kv_bytes(torch_device, config.gpu_memory_utilization, peak, reserve)
         return blocks_for_budget(avail, per_block), (
             f"gpu_memory_utilization={config.gpu_memory_utilization}, activation peak "
@@ -159,6 +162,18 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
     needed_blocks = max_num_seqs * ((max_model_len + runner.block_size - 1) // runner.block_size)
     return min(needed_blocks, blocks_for_budget(DEFAULT_CPU_KV_BYTES, per_block)), \
         f"CPU default budget {DEFAULT_CPU_KV_BYTES >> 20} MiB"
+
+
+def resolve_async_scheduling(requested: bool | None, torch_device: torch.device) -> Decision:
+    """Async scheduling unless asked otherwise, where the device runs behind the host."""
+    asked = {None: "auto", True: "async", False: "sync"}[requested]
+    if requested is not None:
+        return Decision("scheduling", asked, asked, "set by async_scheduling")
+    if torch_device.type == "cuda":
+        return Decision("scheduling", asked, "async",
+                        "CUDA runs behind the host: the next step is built while this one runs")
+    return Decision("scheduling", asked, "sync",
+                    f"{torch_device.type} runs each op before returning: nothing to overlap")
 
 
 def resolve_precision(device: DeviceInfo, config: EngineConfig, model_config):
