@@ -107,6 +107,10 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, max_batched, self.max_model_len,
                             config.enable_chunked_prefill),
             self.block_pool, self.eos_token_ids)
+        t_warm = time.perf_counter()
+        if torch_device.type == "cuda":  # JIT compilers run on GPUs only
+            self.runner.warm_up_prefill(max_batched)
+        warm_up_s = startup.elapsed(t_warm)
         graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection)
         graphs = graphs_off is None
         t_graphs = time.perf_counter()
@@ -122,7 +126,7 @@ class LLMEngine:
             graphs_off=graphs_off, kernel_cache=kernel_cache, kv_sizing=sizing,
             routes=startup.model_routes(device, config, mc, dtype, kv_cache_dtype, selection),
             timings={"load_s": load_s, "select_and_canary_s": select_s,
-                     "cuda_graphs_s": graphs_s})
+                     "prefill_warm_up_s": warm_up_s, "cuda_graphs_s": graphs_s})
         if torch_device.type == "cuda" and config.self_check:
             t_check = time.perf_counter()
             ceilings = load_or_measure(torch_device)
@@ -304,8 +308,9 @@ class LLMEngine:
             if host is None:
                 self.scheduler.resolve(out, [])
                 return []
+            logprobs = host.sampled_logprobs
             updated = self.scheduler.resolve(out, host.sampled_token_ids.tolist(),
-                                             host.sampled_logprobs.tolist())
+                                             None if logprobs is None else logprobs.tolist())
             return self._process_sampled(launched.sampled_seqs, host, updated)
 
     def _process_sampled(self, sampled_seqs: list[Sequence], result: SamplerOutput,

@@ -172,7 +172,8 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor           # int64 [B]
-    sampled_logprobs: torch.Tensor            # float32 [B], raw model logprob of the token
+    sampled_logprobs: torch.Tensor | None = None  # float32 [B], raw model logprob of the
+                                                  # token; None when no row asked logprobs
     sampled_ranks: torch.Tensor | None = None # int64 [B], 1-based; when any row asked logprobs
     topn_token_ids: torch.Tensor | None = None   # int64 [B, N]; N = widest ask (row i uses
     topn_logprobs: torch.Tensor | None = None    # float32 [B, N]   its own first n_i columns)
@@ -284,12 +285,13 @@ class Sampler:
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, max_num_logprobs: int
                   ) -> SamplerOutput:
+        if max_num_logprobs < 0:  # nobody reads them: no pass over the vocabulary for them
+            return SamplerOutput(sampled_token_ids=tokens)
         lse = raw.logsumexp(dim=-1, keepdim=True)
         token_logits = raw.gather(1, tokens[:, None])
         out = SamplerOutput(sampled_token_ids=tokens,
                             sampled_logprobs=(token_logits - lse).squeeze(1))
-        if max_num_logprobs >= 0:
-            out.sampled_ranks = (raw > token_logits).sum(dim=-1) + 1
+        out.sampled_ranks = (raw > token_logits).sum(dim=-1) + 1
         if max_num_logprobs > 0:
             values, ids = raw.topk(min(max_num_logprobs, raw.shape[-1]), dim=-1)
             out.topn_token_ids, out.topn_logprobs = ids, values - lse

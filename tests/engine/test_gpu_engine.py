@@ -116,3 +116,15 @@ def test_async_scheduling_on_the_gpu_equals_sync(tiny_checkpoint):
         assert llm.llm_engine.block_pool.num_used_blocks == 0
         del llm
     assert results[0] == results[1]
+
+
+def test_no_prefill_kernel_is_tuned_on_the_serving_path(tiny_checkpoint):
+    """Start-up warms every prefill tune bucket: prompts of any length then tune nothing."""
+    from archserve.kernels.attention.triton_prefill import _tuned_prefill_kernel
+    llm = LLM(tiny_checkpoint("llama-h64"), dtype="bfloat16", attention_backend="TRITON_ATTN",
+              kv_cache_memory_bytes=1 << 28, max_model_len=2048, self_check=False)
+    tuned = dict(_tuned_prefill_kernel.cache)
+    prompts = [{"prompt_token_ids": [7 + i % 50 for i in range(n)]} for n in (3, 20, 129, 700,
+                                                                             1200)]
+    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert dict(_tuned_prefill_kernel.cache) == tuned

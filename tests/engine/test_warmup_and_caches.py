@@ -86,3 +86,20 @@ def test_memory_profile_builds_the_largest_legal_step(tokens, seqs, max_len, exp
     from archserve.engine.model_runner import profile_sequence_lengths
     lens = profile_sequence_lengths(tokens, seqs, max_len)
     assert lens == expected and len(lens) <= seqs and max(lens) <= max_len
+
+
+def test_prefill_warm_up_covers_each_tune_bucket_and_writes_nothing(tiny_checkpoint):
+    import torch
+
+    from archserve import LLM, SamplingParams
+    from archserve.kernels.attention.triton_prefill import tune_bucket
+    llm = LLM(tiny_checkpoint("llama"), max_model_len=256, max_num_seqs=4)
+    runner = llm.llm_engine.runner
+    llm.generate(["a cached prompt"], SamplingParams(max_tokens=3))
+    before = [c.clone() for c in runner.kv_caches]
+    lengths = runner.warm_up_prefill(max_num_batched_tokens=4096)
+    assert max(lengths) <= 256  # never past max_model_len
+    # Every bucket the engine can reach, in a length that is a multiple of 16 and one not.
+    assert {tune_bucket(n) for n in lengths} == {tune_bucket(n) for n in range(1, 257)}
+    assert {n % 16 == 0 for n in lengths if n > 1} == {True, False}
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))

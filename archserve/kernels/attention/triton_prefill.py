@@ -183,11 +183,15 @@ _tuned_prefill_kernel = triton.autotune(
 )(_prefill_kernel)
 
 
+# The largest max_query_len of each autotune size class but the last (which is unbounded).
+TUNE_BUCKET_BOUNDS = (64, 1024)
+
+
 def tune_bucket(max_query_len: int) -> int:
     """Size class of a prefill for autotuning (multiples of 16: one compiled variant)."""
-    if max_query_len <= 64:
+    if max_query_len <= TUNE_BUCKET_BOUNDS[0]:
         return 16
-    return 256 if max_query_len <= 1024 else 4096
+    return 256 if max_query_len <= TUNE_BUCKET_BOUNDS[1] else 4096
 
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
