@@ -42,7 +42,7 @@ def classify_kernel(name: str) -> str:
     """The op kind a CUDA kernel belongs to, from its name."""
     n = name.lower()
     if any(k in n for k in ("attn", "attention", "_decode", "_prefill", "flash", "cache",
-                            "_write_kv")):
+                            "_write_kv", "merge_splits")):
         return "attention"
     if any(k in n for k in ("gemm", "gemv", "matmul", "cutlass", "xmma", "nvjet", "cublas",
                             "splitk")):

@@ -38,7 +38,7 @@ def test_kernel_caches_live_under_the_archserve_cache(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("name, kind", [
     ("_decode_kernel", "attention"), ("_prefill_kernel", "attention"),
-    ("_write_kv_kernel", "attention"), ("flash_fwd_splitkv_kernel", "attention"),
+    ("_write_kv_kernel", "attention"), ("_merge_splits_kernel", "attention"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32", "linear"), ("nvjet_hsh_128x64", "linear"),
     ("triton_poi_fused_add_mul", "elementwise"), ("_rms_norm_kernel", "elementwise"),
 ])

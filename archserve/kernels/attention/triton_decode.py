@@ -8,10 +8,8 @@ reduce it replaced ran Qwen3-0.6B's 2-head groups at about an eighth of the band
 H200 (14.4 ms of a 17.5 ms batch-256 step).
 
 When sequences x KV heads cannot fill the GPU, the context is split into ``num_splits``
-chunks (flash-decoding); each writes a partial output and its log-sum-exp, then counts
-itself done on a per-(sequence, KV head) counter, and the last split to finish merges the
-partials and resets the counter. A second merge kernel would cost a launch per layer that
-is a third of the attention time of a batch-1 decode step.
+chunks (flash-decoding); each writes a partial output and its log-sum-exp, and a small second
+kernel merges them.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ def soft_cap_scores(scores, soft_cap):
 
 @triton.jit
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                   out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+                   out_ptr, partial_out_ptr, partial_lse_ptr,
                    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
                    stride_block_table, qk_scale, v_scale, soft_cap,
@@ -112,47 +110,47 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
         m_i = m_new
 
     has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_mask = mask_g[:, None] & mask_d[None, :]
-    dst = (out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
-           + offs_d[None, :])
-    # (broadcast before comparing: the interpreter mistypes scalar-bool & tensor)
-    live = (tl.zeros([BLOCK_G, BLOCK_D], tl.int32) + query_len) > 0
     if NUM_SPLITS == 1:
-        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        dst = (out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
+               + offs_d[None, :])
+        # (broadcast before comparing: the interpreter mistypes scalar-bool & tensor)
+        live = (tl.zeros([BLOCK_G, BLOCK_D], tl.int32) + query_len) > 0
         tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=out_mask & live)
     else:
         # Partials are [num_seqs, num_heads, NUM_SPLITS, (HEAD_SIZE)] fp32, lse in log2 units.
-        rows = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS
-        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        tl.store(partial_out_ptr + (rows + split)[:, None] * HEAD_SIZE + offs_d[None, :], out,
-                 mask=out_mask)
+        row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(partial_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], out, mask=out_mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(partial_lse_ptr + rows + split, lse, mask=mask_g)
-        # Every thread's partial stores come before the release below (barrier, then the
-        # counter's acq_rel atomic); the last split's acquire makes them all visible to it.
-        tl.debug_barrier()
-        counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-        finished_before = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if finished_before == NUM_SPLITS - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-            lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            for s in range(NUM_SPLITS):
-                lse_s = tl.load(partial_lse_ptr + rows + s, mask=mask_g, other=float("-inf"),
-                                cache_modifier=".cg")
-                lse_max = tl.maximum(lse_max, lse_s)
-            # Empty splits carry lse = -inf and weigh 0; a row with no keys at all stays 0.
-            lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-            total = tl.zeros([BLOCK_G], tl.float32)
-            merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            for s in range(NUM_SPLITS):
-                weight = tl.exp2(tl.load(partial_lse_ptr + rows + s, mask=mask_g,
-                                         other=float("-inf"), cache_modifier=".cg") - lse_max)
-                part = tl.load(partial_out_ptr + (rows + s)[:, None] * HEAD_SIZE
-                               + offs_d[None, :], mask=out_mask, other=0.0, cache_modifier=".cg")
-                total += weight
-                merged += weight[:, None] * part
-            merged = merged / tl.where(total > 0.0, total, 1.0)[:, None]
-            tl.store(dst, (merged * v_scale).to(out_ptr.dtype.element_ty), mask=out_mask & live)
+        tl.store(partial_lse_ptr + row, lse, mask=mask_g)
+
+
+@triton.jit
+def _merge_splits_kernel(partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, out_ptr,
+                         stride_out_token, stride_out_head, v_scale,
+                         HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - token
+    row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_SIZE
+    lse = tl.load(partial_lse_ptr + row0 + offs_s)
+    lse_max = tl.max(lse, axis=0)
+    # Empty splits carry lse = -inf and get weight 0; split 0 is never empty for a live sequence.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)
+    parts = tl.load(partial_out_ptr + (row0 + offs_s)[:, None] * HEAD_SIZE + offs_d[None, :],
+                    mask=mask_d[None, :], other=0.0)
+    total = tl.sum(weights, axis=0)
+    out = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
+    dst = out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + offs_d
+    live = (tl.zeros([BLOCK_D], tl.int32) + query_len) > 0
+    tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=mask_d & live)
 
 
 def triton_interpreted() -> bool:
@@ -186,21 +184,6 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return 1 << (splits.bit_length() - 1)
 
 
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), shared by every split launch on
-    ``device``: each launch's last split resets the ones it used, and launches on one
-    stream never overlap. Grown (never shrunk) when a batch needs more; the engine's eager
-    warm-up of its largest decode batch grows it before any CUDA graph capture."""
-    counters = _SPLIT_COUNTERS.get(device)
-    if counters is None or counters.numel() < count:
-        counters = _SPLIT_COUNTERS[device] = torch.zeros(max(count, 1024), dtype=torch.int32,
-                                                         device=device)
-    return counters
-
-
 def decode_tiles(head_size: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages): decode is bandwidth-bound, so keep many loads in flight."""
     if head_size > 128:
@@ -232,16 +215,14 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     block_n, num_warps, num_stages = tiles or decode_tiles(head_size, group)
     block_g = max(triton.next_power_of_2(group), 16)  # tl.dot needs M >= 16
     block_d = triton.next_power_of_2(head_size)
-    partial_out = partial_lse = counters = out  # unused placeholders for a single split
+    partial_out = partial_lse = out  # unused placeholders when there is a single split
     if num_splits > 1:
         partial_out = torch.empty((num_seqs, num_heads, num_splits, head_size),
                                   dtype=torch.float32, device=query.device)
         partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
                                   device=query.device)
-        counters = split_counters(query.device, num_seqs * num_kv_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
-        counters,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
@@ -250,4 +231,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
         DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            partial_out, partial_lse, query_start_loc, out, out.stride(0), out.stride(1),
+            v_scale, HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        )
     return out
