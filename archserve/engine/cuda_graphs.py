@@ -33,7 +33,6 @@ class GraphSet:
     sizes: list[int] = field(default_factory=list)         # captured, ascending
     demoted: dict[int, str] = field(default_factory=dict)  # size -> reason
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class DecodeGraphRunner:
@@ -82,7 +81,6 @@ class DecodeGraphRunner:
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.set.graphs[size] = graph
-                self.set.outputs[size] = self.output[:size]
             except Exception as exc:  # demote this size only
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 self.set.demoted[size] = reason
@@ -120,7 +118,6 @@ class DecodeGraphRunner:
             for s in list(self.set.sizes):
                 self.set.demoted[s] = reason
             self.set.graphs.clear()
-            self.set.outputs.clear()
             self.set.sizes = []
             log.warning("CUDA graphs disabled: %s", reason)
             return reason
@@ -145,4 +142,4 @@ class DecodeGraphRunner:
         self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
         self.block_tables[b:size].zero_()
         self.set.graphs[size].replay()
-        return self.set.outputs[size][:b]
+        return self.output[:b]
