@@ -13,6 +13,7 @@ Reasons are short sentences a user can act on: "needs SM80+, device is SM70".
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 import torch
@@ -25,6 +26,11 @@ _FAMILY_NAMES = {
     70: "Volta", 80: "Ampere/Ada", 90: "Hopper", 100: "data-centre Blackwell",
     110: "Thor Blackwell", 120: "RTX Blackwell",
 }
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def device_text(device: DeviceInfo) -> str:

@@ -15,7 +15,9 @@ import sys
 import pytest
 import torch
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from archserve.kernels.rules import triton_interpreted
+
+INTERPRETED = triton_interpreted()
 
 if not INTERPRETED:
 

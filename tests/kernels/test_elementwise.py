@@ -33,10 +33,11 @@ from archserve.kernels.elementwise.reference import (
     rotary_reference,
     silu_and_mul_reference,
 )
+from archserve.kernels.rules import triton_interpreted
 from archserve.models.layers.rotary import RotaryEmbedding
 
 sys.path.insert(0, os.path.dirname(__file__))  # rounding_kernel beside this file
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = triton_interpreted()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}

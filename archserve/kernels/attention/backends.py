@@ -6,8 +6,6 @@ follow today's vLLM instead of the seed, docs/deviations.md says so.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from archserve.kernels.rules import (
@@ -19,6 +17,7 @@ from archserve.kernels.rules import (
     needs_capability,
     needs_dtype,
     needs_gpu,
+    triton_interpreted,
 )
 from archserve.kernels.specs import AttentionSpec
 from archserve.platform.capability import SM80, SM121
@@ -130,7 +129,7 @@ class TritonAttentionBackend(RuleBackend):
     def device_rule(self, device: DeviceInfo) -> str | None:
         if device.platform in ("cuda", "rocm"):
             return None
-        if device.platform == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        if device.platform == "cpu" and triton_interpreted():
             return None
         return "needs a GPU (runs on CPU only under TRITON_INTERPRET=1)"
 

@@ -14,13 +14,12 @@ kernel merges them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from archserve.kernels.attention.triton_cache_write import paged_token_offsets
+from archserve.kernels.rules import triton_interpreted
 
 LOG2E = 1.4426950408889634
 # Split-KV rule, from an H200 sweep timed as CUDA-graph replays (benchmarks/bench_attention.py
@@ -151,10 +150,6 @@ def _merge_splits_kernel(partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, 
     dst = out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + offs_d
     live = (tl.zeros([BLOCK_D], tl.int32) + query_len) > 0
     tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=mask_d & live)
-
-
-def triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def dot_precision(dtype: torch.dtype) -> str:

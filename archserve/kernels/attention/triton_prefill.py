@@ -14,11 +14,8 @@ import triton
 import triton.language as tl
 
 from archserve.kernels.attention.triton_cache_write import paged_token_offsets
-from archserve.kernels.attention.triton_decode import (
-    dot_precision,
-    soft_cap_scores,
-    triton_interpreted,
-)
+from archserve.kernels.attention.triton_decode import dot_precision, soft_cap_scores
+from archserve.kernels.rules import triton_interpreted
 
 
 @triton.jit
