@@ -27,7 +27,7 @@ import torch
 # Runnable from a plain checkout as well as from an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from archserve.bench.cuda_timing import graph_median_us, median_ms  # noqa: E402
+from archserve.kernels.cuda_timing import graph_median_us, median_ms  # noqa: E402
 from archserve.kernels.elementwise import (  # noqa: E402
     apply_rotary,
     forced_fused_route,

@@ -12,6 +12,8 @@ import torch
 from archserve.engine import startup
 from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.ceilings import load_or_measure
+from archserve.engine.cuda_graphs import default_graph_sizes
+from archserve.engine.decode_gemms import install_linear_route
 from archserve.engine.config import EngineConfig
 from archserve.engine.kernel_cache import configure_kernel_caches
 from archserve.engine.launched_step import LaunchedStep
@@ -85,6 +87,14 @@ class LLMEngine:
             device, config, mc, dtype, kv_cache_dtype, torch_device)
         block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
         select_s = startup.elapsed(t_select)
+        graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection)
+        graph_sizes = (config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
+                       if graphs_off is None else [])
+        t_gemms = time.perf_counter()
+        _, gemm_decision = install_linear_route(device, self.model, dtype, graph_sizes)
+        if gemm_decision is not None:
+            decisions.append(gemm_decision)
+        gemm_tune_s = startup.elapsed(t_gemms)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.runner = ModelRunner(self.model, mc, torch_device, dtype, attn_impl, block_size,
@@ -111,11 +121,10 @@ class LLMEngine:
         if torch_device.type == "cuda":  # JIT compilers run on GPUs only
             self.runner.warm_up_prefill(max_batched)
         warm_up_s = startup.elapsed(t_warm)
-        graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection)
         graphs = graphs_off is None
         t_graphs = time.perf_counter()
         if graphs:
-            self.runner.capture_cuda_graphs(config.max_num_seqs, config.cuda_graph_sizes or None)
+            self.runner.capture_cuda_graphs(config.max_num_seqs, graph_sizes)
         graphs_s = startup.elapsed(t_graphs)
         self.report = startup.StartupReport(
             device=device, torch_device=torch_device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -126,7 +135,7 @@ class LLMEngine:
             graphs_off=graphs_off, kernel_cache=kernel_cache, kv_sizing=sizing,
             routes=startup.model_routes(device, config, mc, dtype, kv_cache_dtype, selection),
             timings={"load_s": load_s, "select_and_canary_s": select_s,
-                     "prefill_warm_up_s": warm_up_s, "cuda_graphs_s": graphs_s})
+                     "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s, "cuda_graphs_s": graphs_s})
         if torch_device.type == "cuda" and config.self_check:
             t_check = time.perf_counter()
             ceilings = load_or_measure(torch_device)

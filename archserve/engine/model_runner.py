@@ -19,6 +19,7 @@ from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.phases import phase
 from archserve.engine.scheduler import ScheduledSeq
 from archserve.kernels.attention.interface import AttentionMetadata
+from archserve.kernels.linear.skinny_choice import decode_graph_scope
 from archserve.models.layers.forward_context import ForwardContext, set_forward_context
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,8 @@ class ModelRunner:
         self.graphs = DecodeGraphRunner(self._forward_logits, self.device, max(sizes),
                                         self.max_blocks_per_seq, self.max_model_len)
         start = time.perf_counter()
-        with torch.inference_mode():
+        # In this scope the linear routine may take kernels worth launching only in a graph.
+        with torch.inference_mode(), decode_graph_scope():
             result = self.graphs.capture(sizes)
         self.graphs.replay_canary()
         log.info("captured CUDA graphs for %d decode batch sizes in %.1fs%s", len(result.sizes),

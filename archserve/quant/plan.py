@@ -54,7 +54,7 @@ def plan_quantization(device: DeviceInfo, method: str | None, dtype: torch.dtype
     dtype_text = str(dtype).removeprefix("torch.")
     if scheme.dequantized_at_load:
         why = (f"archserve's {scheme.display} loader dequantizes every tensor to {dtype_text} "
-               "at load, so linear layers run TORCH_MATMUL on every device")
+               "at load, so its linear layers take the dense route of an unquantized model")
         return QuantPlan(scheme, LinearSpec(dtype=dtype), None,
                          [Decision("quantization", scheme.name, f"dense {dtype_text}", why)])
 

@@ -106,6 +106,8 @@ def matrix_rows() -> list[MatrixRow]:
         _row(gemm, "Grouped GEMM", _backend("linear", "CUTLASS_GROUPED_GEMM",
                                             _linear("grouped"))),
         _row(gemm, "Marlin (weight-only)", _backend("linear", "MARLIN", _linear("wna16"))),
+        _row(gemm, "Decode GEMV (Triton, fp16)", _backend("linear", "TRITON_SKINNY_GEMM",
+                                                          LinearSpec(dtype=torch.float16))),
         _row(gemm, "Dense torch matmul", _backend("linear", "TORCH_MATMUL", LinearSpec())),
         _row(moe, "Triton fused_moe", _backend("moe", "TRITON_FUSED_MOE", _moe(None))),
         _row(moe, "CUTLASS MoE FP8", _backend("moe", "CUTLASS_MOE_FP8", _moe("fp8"))),

@@ -101,6 +101,9 @@ def test_default_backend_on_this_gpu_is_the_ideal_one(tiny_checkpoint):
     # On an H200 with no flash_attn/flashinfer installed, our Triton kernels win.
     assert sel.name in ("TRITON_ATTN", sel.ideal)
     assert llm.llm_engine.report.graph_sizes and not llm.llm_engine.report.graph_demoted
+    linear = next(r for r in llm.llm_engine.report.routes if r.op == "linear")
+    assert linear.backend == "TRITON_SKINNY_GEMM"
+    assert any(d.what == "decode GEMMs" for d in llm.llm_engine.report.decisions)
     check = llm.llm_engine.report.self_check
     assert check is not None and check.graphs and 0 < check.ratio
     assert set(check.time_by_kind) >= {"attention", "linear"}

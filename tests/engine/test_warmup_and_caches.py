@@ -74,6 +74,11 @@ def test_gpu_warm_start_skips_tuning_and_self_check_runs(tiny_checkpoint, tmp_pa
     cold, warm = runs
     assert cold["attention"] == "TRITON_ATTN" and cold["self_check"]
     assert warm["timings_s"]["select_and_canary_s"] < cold["timings_s"]["select_and_canary_s"]
+    # The decode GEMM choice is timed once, then read from the cache.
+    gemms = [next(d for d in run["decisions"] if d["what"] == "decode GEMMs") for run in runs]
+    assert gemms[0]["chosen"] == "TRITON_SKINNY_GEMM" and "tuned in" in gemms[0]["reason"]
+    assert "cached" in gemms[1]["reason"]
+    assert warm["timings_s"]["decode_gemm_tuning_s"] < cold["timings_s"]["decode_gemm_tuning_s"]
 
 
 @pytest.mark.parametrize("tokens, seqs, max_len, expected", [

@@ -18,12 +18,22 @@ def ideal(op: str, profile: str, spec) -> str | None:
     return REGISTRY.select(op, get_profile(profile), spec, libraries="all").ideal
 
 
-def test_dense_linear_is_torch_matmul_everywhere() -> None:
-    for profile in ("v100", "h100", "cpu", "mi300x"):
-        s = REGISTRY.select("linear", get_profile(profile), LinearSpec(), libraries="installed")
-        assert s.name == "TORCH_MATMUL"
-        assert s.backend.make_impl(get_profile(profile), LinearSpec()) is \
-            torch.nn.functional.linear
+def test_dense_linear_is_the_tuned_skinny_gemm_on_gpus_and_torch_elsewhere() -> None:
+    for profile in ("h100", "mi300x", "b200", "rtx5090"):
+        s = REGISTRY.select("linear", get_profile(profile), LinearSpec(), libraries="all")
+        assert s.name == "TRITON_SKINNY_GEMM"
+    cpu = REGISTRY.select("linear", get_profile("cpu"), LinearSpec(), libraries="all")
+    assert cpu.name == "TORCH_MATMUL"
+    assert cpu.backend.make_impl(get_profile("cpu"), LinearSpec()) is torch.nn.functional.linear
+    # bf16 is SM80+ silicon; fp16 on a V100 takes the Triton route.
+    v100 = REGISTRY.select("linear", get_profile("v100"), LinearSpec(), libraries="all")
+    assert v100.name == "TORCH_MATMUL"
+    assert v100.rejected[0].reason == "bfloat16 needs SM80+, device is SM70"
+    assert REGISTRY.select("linear", get_profile("v100"), LinearSpec(dtype=torch.float16),
+                           libraries="all").name == "TRITON_SKINNY_GEMM"
+    # Without triton installed, the dense route is torch's, and says why.
+    none = REGISTRY.select("linear", get_profile("h100"), LinearSpec(), libraries="none")
+    assert none.name == "TORCH_MATMUL" and "triton" in none.rejected[0].reason
 
 
 def test_fp8_linear_dual_path() -> None:

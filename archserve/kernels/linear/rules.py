@@ -3,7 +3,9 @@
 A `LinearSpec.quant_scheme` here is a *weight format* the kernels understand, not a
 checkpoint's ``quant_method``: archserve.quant maps methods to formats (AWQ and GPTQ
 are both ``wna16``; FBGEMM and ModelOpt FP8 are both ``fp8``). Rules follow seed 000
-§3 and the §5.3 matrix; only the two torch paths are implemented in this build.
+§3 and the §5.3 matrix. This build implements the torch paths and, for dense layers on
+GPUs, TRITON_SKINNY_GEMM (decode-sized GEMMs through a Triton GEMV where it measures
+faster than cuBLAS).
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from typing import Any
 
 import torch
 
-from archserve.kernels.rules import RuleBackend, needs_capability, needs_family, runtime_at_least
+from archserve.kernels.rules import (
+    RuleBackend,
+    bf16_on_device,
+    needs_capability,
+    needs_dtype,
+    needs_family,
+    runtime_at_least,
+)
 from archserve.kernels.specs import LinearSpec
 from archserve.platform.capability import SM75, SM89, SM90, SM100
 from archserve.platform.device import DeviceInfo
@@ -158,6 +167,30 @@ class TorchDequantBackend(RuleBackend):
         return _torch_linear(device, spec)
 
 
+class TritonSkinnyGemmBackend(RuleBackend):
+    """Dense GEMMs of 1-8 rows (decode batches) in CUDA graphs through a Triton GEMV, per
+    shape only where start-up timing shows it faster than cuBLAS; everything else is
+    torch's. It never loses to TORCH_MATMUL by more than timing noise."""
+
+    name = "TRITON_SKINNY_GEMM"
+    op = "linear"
+    library = "triton"
+    description = ("Triton GEMV for decode GEMMs of 1-8 rows in CUDA graphs, per shape where "
+                   "it times faster than cuBLAS; torch matmul otherwise (any CUDA/ROCm GPU)")
+    impl_path = "archserve.kernels.linear.skinny_choice:SkinnyGemmRoutine"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        if device.platform in ("cuda", "rocm"):
+            return None
+        return "needs a GPU (its choice is timed inside CUDA graphs)"
+
+    def request_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
+        if spec.quant_scheme is not None:
+            return f"dense weights only; this layer is {spec.quant_scheme}"
+        return (needs_dtype(spec.dtype, (torch.float16, torch.bfloat16, torch.float32))
+                or bf16_on_device(device, spec.dtype))
+
+
 class TorchMatmulBackend(RuleBackend):
     """Dense GEMM through torch (cuBLAS, hipBLAS, oneDNN/CPU): the universal fallback."""
 
@@ -178,7 +211,7 @@ class TorchMatmulBackend(RuleBackend):
 LINEAR_BACKENDS: tuple[type[RuleBackend], ...] = (
     CutlassNvfp4Backend, CutlassW4A8Backend, CutlassSparse24Backend, CutlassBlockFp8Backend,
     CutlassFp8Backend, CutlassInt8Backend, CutlassGroupedGemmBackend, MarlinBackend,
-    TorchDequantBackend, TorchMatmulBackend,
+    TorchDequantBackend, TritonSkinnyGemmBackend, TorchMatmulBackend,
 )
 LINEAR_FALLBACK = TorchMatmulBackend.name
 
@@ -189,9 +222,10 @@ _QUANT_ORDER = ("CUTLASS_NVFP4", "CUTLASS_W4A8", "CUTLASS_SPARSE_2_4", "CUTLASS_
 
 
 def linear_priority(device: DeviceInfo, spec: LinearSpec) -> list[str]:
-    """Dense layers go straight to torch; quantized ones try the kernels that know the format."""
+    """Dense layers: the tuned skinny GEMM on GPUs, else torch; quantized ones try the
+    kernels that know the format."""
     if spec.quant_scheme is None:
-        return ["TORCH_MATMUL"]
+        return ["TRITON_SKINNY_GEMM", "TORCH_MATMUL"] if device.is_gpu else ["TORCH_MATMUL"]
     executes = {cls.name for cls in LINEAR_BACKENDS
                 if spec.quant_scheme in getattr(cls, "formats", ())}
     return [name for name in _QUANT_ORDER if name in executes] + ["TORCH_DEQUANT"]

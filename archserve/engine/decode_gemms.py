@@ -1,0 +1,63 @@
+"""The dense linear route of a loaded model: select it, tune it for the decode graphs, and
+install it as the routine every ``Linear`` computes through.
+
+Selection is the registry's (ARCHSERVE_LINEAR_BACKEND overrides it, as for every op).
+A routine that can be tuned (TRITON_SKINNY_GEMM) times its kernel against cuBLAS on the
+model's own weights for each decode graph size it covers; the result is cached next to
+the compiled kernels of this device, so a second start reads it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from archserve.cache import cache_dir
+from archserve.engine.kernel_cache import kernel_cache_key
+from archserve.kernels.catalog import select_linear_backend
+from archserve.kernels.registry import Selection
+from archserve.kernels.specs import LinearSpec
+from archserve.models.layers.embedding import LMHead
+from archserve.models.layers.linear import Linear, set_linear_routine
+from archserve.platform import DeviceInfo
+from archserve.routing.decision import Decision
+
+
+def linear_weights_by_shape(model: torch.nn.Module
+                            ) -> dict[tuple[int, int, torch.dtype], list[torch.Tensor]]:
+    """Every weight that goes through the linear routine, grouped by (out_features,
+    in_features, dtype); a weight shared by two modules (a tied LM head) counts once."""
+    groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, (Linear, LMHead)) or id(module.weight) in seen:
+            continue
+        seen.add(id(module.weight))
+        w = module.weight
+        groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
+    return groups
+
+
+def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torch.dtype,
+                         graph_sizes: list[int]) -> tuple[Selection, Decision | None]:
+    """Select the dense linear backend, tune it for ``graph_sizes`` (empty: decode runs
+    eager, nothing to tune) and install it. Returns the selection and, when it tuned, a
+    decision saying what it chose."""
+    spec = LinearSpec(dtype=dtype)
+    selection = select_linear_backend(device, spec)
+    routine = selection.backend.make_impl(device, spec)
+    decision = None
+    tune = getattr(routine, "tune", None)
+    if tune is not None:
+        if graph_sizes:
+            path = os.path.join(cache_dir("kernels", kernel_cache_key(device)),
+                                "decode_gemms.json")
+            report = tune(linear_weights_by_shape(model), graph_sizes, path)
+            torch.cuda.empty_cache()  # the timing graphs' outputs
+            reason = report.summary()
+        else:
+            reason = "decode runs eager (no CUDA graphs): every GEMM is cuBLAS's"
+        decision = Decision("decode GEMMs", selection.name, selection.name, reason)
+    set_linear_routine(routine)
+    return selection, decision

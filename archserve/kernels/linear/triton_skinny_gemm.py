@@ -1,0 +1,130 @@
+"""y = x W^T (+ b) for a few rows of x: the GEMM of a small decode batch, as a GEMV.
+
+At one to eight rows a GEMM reads its weight once and does almost no arithmetic, so its
+time is the weight's bytes over the memory bandwidth. cuBLAS reaches that on the wide
+matrices of an 8B model (gate/up, down) but not on the narrow ones (QKV, O at 3.1 of
+4.3 TB/s on an H200), and it adds split-K reduce kernels there. This kernel gives each
+program ``BLOCK_N`` output columns over the whole of K, so no reduction crosses programs
+and there is no second kernel. The product runs on the CUDA cores in fp32, broadcast
+over the rows, and is summed over K once at the end; tensor cores would only add
+padding at these row counts.
+
+Whether it beats cuBLAS depends on the shape and the GPU, so nothing calls it blindly:
+``archserve.kernels.linear.skinny_choice`` times it against cuBLAS per shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows this kernel is built for. Its fp32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
+# values; at eight rows cuBLAS was faster on every Llama-3-8B and Qwen3-0.6B shape.
+MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+
+    def key(self) -> str:
+        return f"n{self.block_n}_k{self.block_k}_w{self.num_warps}"
+
+    @classmethod
+    def from_key(cls, key: str) -> SkinnyConfig:
+        n, k, w = (int(part[1:]) for part in key.split("_"))
+        return cls(n, k, w)
+
+
+# Tiles (BLOCK_N, BLOCK_K, warps) worth timing per BLOCK_M: the leaders of sweeps of 1-32 x
+# 128-4096 tiles at 2, 4 and 8 warps over the 8B and 0.6B shapes on an H200
+# (benchmarks/bench_skinny_gemm.py; docs/benchmarks.md). Few: each is compiled and timed
+# at the first start.
+_CANDIDATE_TILES = {1: [(2, 1024, 4), (1, 2048, 4), (2, 2048, 8), (4, 512, 4)],
+                    2: [(2, 1024, 4), (4, 512, 4), (8, 512, 4), (16, 128, 4)],
+                    4: [(2, 1024, 4), (4, 256, 4), (8, 256, 4)]}
+
+
+def candidate_configs(rows: int) -> list[SkinnyConfig]:
+    """The configs the engine times at ``rows`` rows (1 <= rows <= MAX_ROWS)."""
+    return [SkinnyConfig(*tile) for tile in _CANDIDATE_TILES[triton.next_power_of_2(rows)]]
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    ks = tl.arange(0, BLOCK_K)
+    # int64: an LM head's weight (vocab x hidden) passes 2^31 elements.
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None],
+                        other=0.0)
+        else:
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = w.to(tl.float32)
+        x = x.to(tl.float32)
+        if BLOCK_M == 1:
+            acc += w * x
+        else:
+            acc += x[:, None, :] * w[None, :, :]
+    if BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[None, :]
+    else:
+        y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None) -> str | None:
+    """Why this kernel cannot take these operands, or None."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return f"operands x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        return f"{x.shape[0]} rows; the kernel takes 1-{MAX_ROWS}"
+    if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"x {x.dtype}, weight {weight.dtype}"
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        return f"bias {tuple(bias.shape)}"
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        return "operands not contiguous along K"
+    return None
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                config: SkinnyConfig) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype.
+    The caller checks ``skinny_gemm_unsupported`` first."""
+    rows, depth = x.shape
+    cols = weight.shape[0]
+    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(cols, config.block_n),)
+    _skinny_gemm_kernel[grid](
+        x, weight, bias if bias is not None else weight, y, rows, cols, depth,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
+        num_warps=config.num_warps)
+    return y

@@ -1,0 +1,222 @@
+"""The Triton skinny GEMM (decode-sized rows) against a float64 reference, and the routine
+that chooses it per shape against cuBLAS.
+
+On CPU the kernel runs under Triton's interpreter in a child process (as the other
+Triton test files do); on a GPU the ``gpu``-marked tests run it compiled at the real
+shapes of Llama-3-8B and Qwen3-0.6B, inside a CUDA graph, and tune a routine on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from archserve.kernels.linear.skinny_choice import (
+    CUBLAS,
+    ShapeTiming,
+    SkinnyGemmRoutine,
+    decode_graph_scope,
+    shape_key,
+)
+from archserve.kernels.linear.triton_skinny_gemm import (
+    MAX_ROWS,
+    SkinnyConfig,
+    candidate_configs,
+    skinny_gemm,
+    skinny_gemm_unsupported,
+)
+from archserve.kernels.rules import triton_interpreted
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ (triton_interpreter)
+INTERPRETED = triton_interpreted()
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+
+
+def check_against_float64(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
+                          config: SkinnyConfig, with_bias: bool = False) -> None:
+    torch.manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if with_bias else None
+    expected = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    got = skinny_gemm(x, w, b, config)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # Exact fp32 sums in another order, then one rounding to the output dtype.
+    ulp = {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    scale = expected.abs().max().item()
+    assert (got.double() - expected).abs().max().item() <= ulp * scale + 1e-5 * scale
+
+
+# ------------------------------------------------------------------- anywhere (no kernel)
+
+def test_configs_fit_the_accumulator_and_round_trip_their_keys():
+    for rows in range(1, MAX_ROWS + 1):
+        configs = candidate_configs(rows)
+        assert configs, rows
+        block_m = 1 << (rows - 1).bit_length()
+        for c in configs:
+            assert c.block_n * c.block_k * block_m <= 8192
+            assert SkinnyConfig.from_key(c.key()) == c
+
+
+def test_unsupported_operands_are_named():
+    w = torch.zeros(64, 32)
+    assert skinny_gemm_unsupported(torch.zeros(1, 32), w, None) is None
+    assert "9 rows" in skinny_gemm_unsupported(torch.zeros(9, 32), w, None)
+    assert "operands" in skinny_gemm_unsupported(torch.zeros(1, 16), w, None)
+    assert "bfloat16" in skinny_gemm_unsupported(torch.zeros(1, 32, dtype=torch.bfloat16), w, None)
+    assert "bias" in skinny_gemm_unsupported(torch.zeros(1, 32), w, torch.zeros(3))
+    assert "contiguous" in skinny_gemm_unsupported(torch.zeros(32, 2).T, w, None)
+
+
+def test_routine_is_torch_linear_outside_graph_scope_and_on_cpu():
+    routine = SkinnyGemmRoutine()
+    routine.choices[shape_key(2, 8, 16, torch.float32)] = SkinnyConfig(4, 512, 4).key()
+    x, w, b = torch.randn(2, 16), torch.randn(8, 16), torch.randn(8)
+    torch.testing.assert_close(routine(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
+    with decode_graph_scope():  # CPU tensors: still torch
+        torch.testing.assert_close(routine(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
+
+
+def test_tune_reads_a_complete_cache_without_timing(tmp_path):
+    """A second start finds every shape in the cache and times nothing (CPU weights here
+    would fail any timing, which needs CUDA)."""
+    groups = {(8, 16, torch.float32): [torch.randn(8, 16)],
+              (16, 8, torch.float32): [torch.randn(16, 8)]}
+    path = tmp_path / "decode_gemms.json"
+    shapes = {shape_key(r, n, k, torch.float32): ShapeTiming(
+        cublas_us=5.0, triton_us={"n4_k512_w4": 3.0}, chosen="n4_k512_w4" if n == 8 else CUBLAS)
+        for r in (1, 2) for (n, k, _) in groups}
+    path.write_text(json.dumps({"version": 1, "shapes": {k: vars(v) for k, v in shapes.items()}}))
+    routine = SkinnyGemmRoutine()
+    report = routine.tune(groups, [1, 2, 16], str(path))   # 16 rows: beyond the kernel
+    assert report.from_cache and len(report.timings) == 4
+    assert routine.choices[shape_key(1, 8, 16, torch.float32)] == "n4_k512_w4"
+    assert routine.choices[shape_key(2, 16, 8, torch.float32)] == CUBLAS
+    assert "Triton GEMV for 2 of 4" in report.summary() and "cached" in report.summary()
+
+
+def test_an_unreadable_cache_is_ignored(tmp_path):
+    from archserve.kernels.linear.skinny_choice import _read_cache
+    path = tmp_path / "decode_gemms.json"
+    path.write_text("{not json")
+    assert _read_cache(str(path)) == {}
+    path.write_text(json.dumps({"version": 0, "shapes": {}}))
+    assert _read_cache(str(path)) == {}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.parametrize("target", [("cuda", 80, 32), ("cuda", 90, 32), ("cuda", 70, 32),
+                                    ("hip", "gfx942", 64)], ids=["sm80", "sm90", "sm70", "gfx942"])
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_kernel_compiles_for_gpu_targets(target, block_m):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from archserve.kernels.linear.triton_skinny_gemm import _skinny_gemm_kernel
+    act = "*fp16" if target[1] == 70 else "*bf16"
+    signature = {"x_ptr": act, "w_ptr": act, "b_ptr": act, "y_ptr": act, "M": "i32", "N": "i32",
+                 "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
+                 **dict.fromkeys(["HAS_BIAS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K"],
+                                 "constexpr")}
+    constexprs = {"HAS_BIAS": True, "BLOCK_M": block_m, "BLOCK_N": 4, "BLOCK_K": 256,
+                  "EVEN_K": False}
+    compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
+                              target=GPUTarget(*target), options={"num_warps": 4})
+    assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco")
+
+
+# ---------------------------------------------------------------- CPU: the interpreter
+
+if not INTERPRETED:
+
+    @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the compiled kernel is tested at real sizes")
+    def test_skinny_gemm_under_interpreter():
+        from triton_interpreter import assert_passes_under_interpreter
+        assert_passes_under_interpreter(__file__, timeout=900)
+
+else:
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize("rows", [1, 2, 3, 4])
+    @pytest.mark.parametrize("n,k", [(40, 256), (33, 520)])  # K a multiple of the tile, or not
+    def test_matches_float64_reference(rows, n, k, dtype):
+        for config in candidate_configs(rows)[:2]:
+            check_against_float64(rows, n, k, dtype, "cpu", config)
+
+    def test_bias_is_added():
+        check_against_float64(3, 24, 96, torch.float16, "cpu", SkinnyConfig(8, 128, 4),
+                              with_bias=True)
+
+
+# ------------------------------------------------------------------ GPU: real shapes
+
+REAL_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+               (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", REAL_SHAPES, ids=[f"{n}x{k}" for n, k in REAL_SHAPES])
+def test_gpu_real_shapes_every_candidate(n, k, rows):
+    for config in candidate_configs(rows):
+        check_against_float64(rows, n, k, torch.bfloat16, "cuda", config)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_bias_fp16_and_uneven_k():
+    check_against_float64(4, 1000, 1000, torch.float16, "cuda", SkinnyConfig(8, 128, 4),
+                          with_bias=True)
+    check_against_float64(1, 1000, 4100, torch.bfloat16, "cuda", SkinnyConfig(4, 512, 4),
+                          with_bias=True)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_tune_chooses_per_shape_caches_and_replays_in_a_graph(tmp_path):
+    """Tuning times both ways on real weights, a second tune reads the cache, and a graph
+    captured in the decode scope replays the chosen kernels with cuBLAS's results."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    groups = {(n, k, torch.bfloat16): [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+                                       for _ in range(4)]
+              for n, k in [(6144, 4096), (1024, 2048)]}
+    path = str(tmp_path / "decode_gemms.json")
+    routine = SkinnyGemmRoutine()
+    report = routine.tune(groups, [1, 2, 16], path)
+    assert not report.from_cache and len(report.timings) == 4
+    for key, timing in report.timings.items():
+        assert timing.cublas_us > 0 and timing.triton_us, (key, timing)
+        if timing.chosen != CUBLAS:
+            assert timing.triton_us[timing.chosen] < timing.cublas_us
+    again = SkinnyGemmRoutine().tune(groups, [1, 2], path)
+    assert again.from_cache
+    assert {k: t.chosen for k, t in again.timings.items()} == \
+        {k: t.chosen for k, t in report.timings.items()}
+
+    # Force the kernel for one shape so the graph path is exercised whatever was chosen.
+    routine.choices[shape_key(1, 6144, 4096, torch.bfloat16)] = candidate_configs(1)[0].key()
+    weight = groups[(6144, 4096, torch.bfloat16)][0]
+    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    static_out = torch.empty(1, 6144, device=dev, dtype=torch.bfloat16)
+    with decode_graph_scope():
+        routine(x, weight)  # eager warm-up inside the scope compiles the kernel
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out.copy_(routine(x, weight))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_out.float(), F.linear(x, weight).float(),
+                                   rtol=2e-2, atol=2e-2)
