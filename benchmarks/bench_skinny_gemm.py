@@ -1,11 +1,14 @@
 """Decode-sized GEMMs: cuBLAS (torch.nn.functional.linear) against the Triton skinny GEMM.
 
 For each weight shape of Llama-3-8B and Qwen3-0.6B and each row count (a decode batch),
-times cuBLAS and every Triton tile in a sweep, as CUDA-graph replays that cycle through
-enough copies of the weight (>= 256 MB in all) that L2 cannot hold them, as a decode
-step's layers do. Prints µs and the achieved bandwidth (weight bytes / time); --out
-writes the same as JSON. The engine's own choice (skinny_choice.candidate_configs) is a
-subset of this sweep, picked from its results.
+times cuBLAS and every Triton tile in a sweep with the engine's own timing routine
+(``skinny_choice.time_shape``): CUDA-graph replays cycling through enough copies of the
+weight (>= 256 MB in all) that L2 cannot hold them, as a decode step's layers do. A
+"+silu" shape is the gate/up GEMM followed by silu(gate) * up: cuBLAS then the SiLU
+kernel, against the Triton kernel with the SiLU in its epilogue ("n.._k.._w..") and the
+Triton GEMV then the SiLU kernel ("unfused:n.._k.._w.."). Prints µs and the achieved
+bandwidth (weight bytes / time); --out writes the timings as JSON. The engine's candidate
+configs (triton_skinny_gemm._CANDIDATE_TILES) were picked from this sweep's results.
 
     python3 benchmarks/bench_skinny_gemm.py [--rows 1,2,4,8] [--iters 10] [--configs K,..]
         [--shapes 8b.qkv,..] [--out F.json]
@@ -19,38 +22,62 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from archserve.kernels.cuda_timing import graph_median_us  # noqa: E402
-from archserve.kernels.linear.triton_skinny_gemm import (  # noqa: E402
-    SkinnyConfig,
-    candidate_configs,
-    skinny_gemm,
+from archserve.kernels.linear.skinny_choice import (  # noqa: E402
+    LINEAR,
+    SILU_MUL,
+    UNFUSED,
+    time_shape,
 )
+from archserve.kernels.linear.triton_skinny_gemm import SkinnyConfig  # noqa: E402
 
-SHAPES = {  # name: (out_features, in_features)
+SHAPES = {  # name: (out_features, in_features); "+silu": the GEMM then silu(gate) * up
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096),
-    "8b.down": (4096, 14336), "8b.lm_head": (128256, 4096),
+    "8b.gate_up+silu": (28672, 4096), "8b.down": (4096, 14336), "8b.lm_head": (128256, 4096),
     "0.6b.qkv": (4096, 1024), "0.6b.o": (1024, 2048), "0.6b.gate_up": (6144, 1024),
-    "0.6b.down": (1024, 3072), "0.6b.lm_head": (151936, 1024),
+    "0.6b.gate_up+silu": (6144, 1024), "0.6b.down": (1024, 3072),
+    "0.6b.lm_head": (151936, 1024),
 }
+STEP = ("qkv", "o", "gate_up+silu", "down", "lm_head")  # the GEMMs of one decode step
 LAYERS = {"8b": 32, "0.6b": 28}
 
 
-def sweep_configs(rows: int) -> list[SkinnyConfig]:
+def sweep_configs(rows: int) -> list[str]:
     block_m = 1 << (rows - 1).bit_length()
-    configs = []
-    for bn in (2, 4, 8, 16, 32):
-        for bk in (128, 256, 512, 1024):
+    keys = []
+    for bn in (1, 2, 4, 8, 16):
+        for bk in (256, 512, 1024, 2048):
             tile = bn * bk
-            if tile < 512 or tile * block_m > 16384:
+            if tile < 512 or tile * block_m > 8192:
                 continue
-            configs.append(SkinnyConfig(bn, bk, 4))
-            if tile * block_m >= 8192:
-                configs.append(SkinnyConfig(bn, bk, 8))
-    return configs
+            keys.append(SkinnyConfig(bn, bk, 4).key())
+            if tile * block_m >= 4096:
+                keys.append(SkinnyConfig(bn, bk, 8).key())
+    return keys
+
+
+def time_one(name: str, rows: int, configs: list[str] | None, iters: int) -> dict:
+    n, k = SHAPES[name]
+    kind = SILU_MUL if name.endswith("+silu") else LINEAR
+    nbytes = n * k * 2
+    copies = max(1, min(32, -(-(256 << 20) // nbytes)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(copies)]
+    choices = configs or sweep_configs(rows)
+    if kind == SILU_MUL:
+        choices = choices + [UNFUSED + c for c in choices]
+    t = time_shape(kind, rows, weights, iters, choices)
+    best = min(t.triton_us, key=t.triton_us.get) if t.triton_us else None
+    tb = lambda us: nbytes / us / 1e6  # noqa: E731 - TB/s from µs
+    line = f"{name:17s} rows {rows}: cuBLAS {t.cublas_us:7.2f} µs ({tb(t.cublas_us):.2f} TB/s)"
+    if best is not None:
+        line += (f"  best Triton {best:22s} {t.triton_us[best]:7.2f} µs "
+                 f"({tb(t.triton_us[best]):.2f} TB/s)")
+    print(line + (f"  [{t.note.strip()}]" if t.note else ""), flush=True)
+    return {"shape": name, "n": n, "k": k, "rows": rows, "copies": copies,
+            "cublas_us": t.cublas_us, "triton_us": t.triton_us, "best": best, "note": t.note}
 
 
 def main() -> None:
@@ -62,53 +89,21 @@ def main() -> None:
                                           "instead of the built-in sweep")
     parser.add_argument("--out")
     args = parser.parse_args()
-    dtype, dev = torch.bfloat16, torch.device("cuda")
-    results = []
-    for name in args.shapes.split(","):
-        n, k = SHAPES[name]
-        nbytes = n * k * 2
-        copies = max(1, min(32, -(-(256 << 20) // nbytes)))
-        weights = [torch.randn(n, k, device=dev, dtype=dtype) * 0.02 for _ in range(copies)]
-        for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, k, device=dev, dtype=dtype)
-
-            def per_call(gemm):
-                us, _ = graph_median_us(lambda: [gemm(w) for w in weights], args.iters,
-                                        warmup=2, reps=1)
-                return us / copies
-
-            ref = F.linear(x, weights[0]).float()
-            row = {"shape": name, "n": n, "k": k, "rows": rows, "copies": copies,
-                   "cublas_us": per_call(lambda w: F.linear(x, w)), "triton": {}}
-            engine_keys = {c.key() for c in candidate_configs(rows)}
-            configs = ([SkinnyConfig.from_key(c) for c in args.configs.split(",")]
-                       if args.configs else sweep_configs(rows))
-            for config in configs:
-                got = skinny_gemm(x, weights[0], None, config).float()
-                err = ((got - ref).abs().max() / ref.abs().max()).item()
-                us = per_call(lambda w, c=config: skinny_gemm(x, w, None, c))
-                row["triton"][config.key()] = {"us": us, "rel_err": err,
-                                               "engine_candidate": config.key() in engine_keys}
-            best = min(row["triton"], key=lambda c: row["triton"][c]["us"])
-            row["best"] = best
-            tb = lambda us: nbytes / us / 1e6  # noqa: E731 - TB/s from µs
-            print(f"{name:13s} rows {rows}: cuBLAS {row['cublas_us']:7.2f} µs "
-                  f"({tb(row['cublas_us']):.2f} TB/s)  best Triton {best:14s} "
-                  f"{row['triton'][best]['us']:7.2f} µs ({tb(row['triton'][best]['us']):.2f} TB/s)"
-                  f"  err {row['triton'][best]['rel_err']:.1e}", flush=True)
-            results.append(row)
-        del weights
-        torch.cuda.empty_cache()
-    # Per-model decode step: layers x (qkv + o + gate_up + down) + lm_head, both ways.
+    configs = args.configs.split(",") if args.configs else None
+    results = [time_one(name, int(rows), configs, args.iters)
+               for name in args.shapes.split(",") for rows in args.rows.split(",")]
+    # Per-model decode step: layers x (qkv + o + gate_up+silu + down) + lm_head, both ways.
     for model, layers in LAYERS.items():
         for rows in sorted({r["rows"] for r in results}):
-            mine = [r for r in results if r["shape"].startswith(model + ".") and r["rows"] == rows]
-            if len(mine) != 5:
+            mine = [r for r in results
+                    if r["shape"] in {f"{model}.{s}" for s in STEP} and r["rows"] == rows]
+            if len(mine) != len(STEP):
                 continue
-            mult = lambda r: 1 if r["shape"].endswith("lm_head") else layers  # noqa: E731
-            cublas = sum(mult(r) * r["cublas_us"] for r in mine)
-            best = sum(mult(r) * min(r["cublas_us"], r["triton"][r["best"]]["us"]) for r in mine)
-            print(f"{model} rows {rows}: GEMMs per step cuBLAS {cublas / 1e3:.3f} ms, "
+            calls = [1 if r["shape"].endswith("lm_head") else layers for r in mine]
+            cublas = sum(c * r["cublas_us"] for c, r in zip(calls, mine, strict=True))
+            best = sum(c * min([r["cublas_us"], *r["triton_us"].values()])
+                       for c, r in zip(calls, mine, strict=True))
+            print(f"{model} rows {rows}: GEMMs (+ SiLU) per step cuBLAS {cublas / 1e3:.3f} ms, "
                   f"best of both {best / 1e3:.3f} ms")
     if args.out:
         with open(args.out, "w") as f:

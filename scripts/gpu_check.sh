@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
-#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|perf|perf_sync|profile|all]
+#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
 #           run under xdist while the engine tests run beside them on the same GPU
 #           (env KERNEL_K / ENGINE_K: a pytest -k expression for either);
 #   attention: benchmarks/bench_attention.py, with a decode split sweep (env SPLITS);
+#   gemm:   benchmarks/bench_skinny_gemm.py, cuBLAS against the Triton skinny GEMM sweep;
 #   perf:   benchmarks/h200_targets.sh (issue 6's workloads, async scheduling: the CUDA
 #           default); perf_sync: the same rows with --no-async-scheduling;
 #   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
@@ -46,6 +47,10 @@ fi
 if want attention; then
   python3 benchmarks/bench_attention.py --iters 30 --split-sweep ${SPLITS:-1,2,4,8,16} \
     --out "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.txt"
+fi
+if want gemm; then
+  python3 benchmarks/bench_skinny_gemm.py --out "$OUT/bench_skinny_gemm.json" 2>&1 \
+    | tee "$OUT/bench_skinny_gemm.txt"
 fi
 if want perf; then
   bash benchmarks/h200_targets.sh "$OUT"

@@ -16,26 +16,28 @@ import torch
 from archserve.cache import cache_dir
 from archserve.engine.kernel_cache import kernel_cache_key
 from archserve.kernels.catalog import select_linear_backend
+from archserve.kernels.linear.skinny_choice import LINEAR, SILU_MUL, WeightGroups
 from archserve.kernels.registry import Selection
 from archserve.kernels.specs import LinearSpec
 from archserve.models.layers.embedding import LMHead
-from archserve.models.layers.linear import Linear, set_linear_routine
+from archserve.models.layers.linear import GateUpLinear, Linear, set_linear_routine
 from archserve.platform import DeviceInfo
 from archserve.routing.decision import Decision
 
 
-def linear_weights_by_shape(model: torch.nn.Module
-                            ) -> dict[tuple[int, int, torch.dtype], list[torch.Tensor]]:
-    """Every weight that goes through the linear routine, grouped by (out_features,
-    in_features, dtype); a weight shared by two modules (a tied LM head) counts once."""
-    groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+def linear_weights_by_shape(model: torch.nn.Module) -> WeightGroups:
+    """Every weight that goes through the linear routine, grouped by (kind, out_features,
+    in_features, dtype): a GateUpLinear's GEMM is followed by silu * mul, the others are
+    plain. A weight shared by two modules (a tied LM head) counts once."""
+    groups: WeightGroups = {}
     seen: set[int] = set()
     for module in model.modules():
         if not isinstance(module, (Linear, LMHead)) or id(module.weight) in seen:
             continue
         seen.add(id(module.weight))
         w = module.weight
-        groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
+        kind = SILU_MUL if isinstance(module, GateUpLinear) else LINEAR
+        groups.setdefault((kind, w.shape[0], w.shape[1], w.dtype), []).append(w)
     return groups
 
 

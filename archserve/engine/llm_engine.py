@@ -12,9 +12,9 @@ import torch
 from archserve.engine import startup
 from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.ceilings import load_or_measure
+from archserve.engine.config import EngineConfig
 from archserve.engine.cuda_graphs import default_graph_sizes
 from archserve.engine.decode_gemms import install_linear_route
-from archserve.engine.config import EngineConfig
 from archserve.engine.kernel_cache import configure_kernel_caches
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.model_runner import ModelRunner

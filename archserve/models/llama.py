@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from archserve.models.layers.activation import SiluAndMul
 from archserve.models.layers.attention import Attention
 from archserve.models.layers.embedding import LMHead, VocabEmbedding
 from archserve.models.layers.linear import GateUpLinear, Linear, MergedLinear, QKVLinear
@@ -72,10 +71,9 @@ class LlamaMLP(nn.Module):
                                          bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size,
                                 bias=config.mlp_bias)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):

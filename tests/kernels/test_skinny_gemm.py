@@ -16,11 +16,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from archserve.kernels.elementwise.reference import silu_and_mul_reference
 from archserve.kernels.linear.skinny_choice import (
     CUBLAS,
+    LINEAR,
+    SILU_MUL,
+    UNFUSED,
     ShapeTiming,
     SkinnyGemmRoutine,
     decode_graph_scope,
+    implementation,
     shape_key,
 )
 from archserve.kernels.linear.triton_skinny_gemm import (
@@ -38,19 +43,39 @@ HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 
 
-def check_against_float64(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
-                          config: SkinnyConfig, with_bias: bool = False) -> None:
+ULP = {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def operands(rows: int, n: int, k: int, dtype: torch.dtype, device: str, with_bias: bool):
     torch.manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, device=device).to(dtype)
     w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
     b = torch.randn(n, device=device).to(dtype) if with_bias else None
+    return x, w, b
+
+
+def check_against_float64(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
+                          config: SkinnyConfig, with_bias: bool = False) -> None:
+    x, w, b = operands(rows, n, k, dtype, device, with_bias)
     expected = x.double() @ w.double().T + (b.double() if with_bias else 0)
     got = skinny_gemm(x, w, b, config)
     assert got.dtype == dtype and got.shape == (rows, n)
     # Exact fp32 sums in another order, then one rounding to the output dtype.
-    ulp = {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
     scale = expected.abs().max().item()
-    assert (got.double() - expected).abs().max().item() <= ulp * scale + 1e-5 * scale
+    assert (got.double() - expected).abs().max().item() <= ULP[dtype] * scale + 1e-5 * scale
+
+
+def check_silu_mul_against_unfused(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
+                                   config: SkinnyConfig, with_bias: bool = False) -> None:
+    """The fused epilogue against the GEMM then silu_and_mul: the same roundings, so they
+    differ only where the GEMM's own sum order flips a rounding (a unit or two)."""
+    x, w, b = operands(rows, 2 * n, k, dtype, device, with_bias)
+    expected = silu_and_mul_reference(F.linear(x.double(), w.double(),
+                                               b.double() if with_bias else None))
+    got = skinny_gemm(x, w, b, config, silu_mul=True)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    scale = expected.abs().max().item()
+    assert (got.double() - expected).abs().max().item() <= 3 * ULP[dtype] * scale + 1e-5 * scale
 
 
 # ------------------------------------------------------------------- anywhere (no kernel)
@@ -77,29 +102,36 @@ def test_unsupported_operands_are_named():
 
 def test_routine_is_torch_linear_outside_graph_scope_and_on_cpu():
     routine = SkinnyGemmRoutine()
-    routine.choices[shape_key(2, 8, 16, torch.float32)] = SkinnyConfig(4, 512, 4).key()
+    routine.choices[shape_key(LINEAR, 2, 8, 16, torch.float32)] = SkinnyConfig(4, 512, 4).key()
+    routine.choices[shape_key(SILU_MUL, 2, 8, 16, torch.float32)] = SkinnyConfig(4, 512, 4).key()
     x, w, b = torch.randn(2, 16), torch.randn(8, 16), torch.randn(8)
+    gated = silu_and_mul_reference(F.linear(x, w, b))
     torch.testing.assert_close(routine(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
+    torch.testing.assert_close(routine.linear_silu_mul(x, w, b), gated, rtol=0, atol=0)
     with decode_graph_scope():  # CPU tensors: still torch
         torch.testing.assert_close(routine(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
+        torch.testing.assert_close(routine.linear_silu_mul(x, w, b), gated, rtol=0, atol=0)
 
 
 def test_tune_reads_a_complete_cache_without_timing(tmp_path):
     """A second start finds every shape in the cache and times nothing (CPU weights here
     would fail any timing, which needs CUDA)."""
-    groups = {(8, 16, torch.float32): [torch.randn(8, 16)],
-              (16, 8, torch.float32): [torch.randn(16, 8)]}
+    groups = {(LINEAR, 8, 16, torch.float32): [torch.randn(8, 16)] * 3,
+              (SILU_MUL, 16, 8, torch.float32): [torch.randn(16, 8)]}
     path = tmp_path / "decode_gemms.json"
-    shapes = {shape_key(r, n, k, torch.float32): ShapeTiming(
-        cublas_us=5.0, triton_us={"n4_k512_w4": 3.0}, chosen="n4_k512_w4" if n == 8 else CUBLAS)
-        for r in (1, 2) for (n, k, _) in groups}
-    path.write_text(json.dumps({"version": 1, "shapes": {k: vars(v) for k, v in shapes.items()}}))
+    shapes = {shape_key(kind, r, n, k, torch.float32): ShapeTiming(
+        cublas_us=5.0, triton_us={"n4_k512_w4": 3.0}, rows=r, calls=len(groups[kind, n, k, dt]),
+        chosen="n4_k512_w4" if n == 8 else CUBLAS)
+        for r in (1, 2) for (kind, n, k, dt) in groups}
+    path.write_text(json.dumps({"version": 3, "shapes": {k: vars(v) for k, v in shapes.items()}}))
     routine = SkinnyGemmRoutine()
     report = routine.tune(groups, [1, 2, 16], str(path))   # 16 rows: beyond the kernel
     assert report.from_cache and len(report.timings) == 4
-    assert routine.choices[shape_key(1, 8, 16, torch.float32)] == "n4_k512_w4"
-    assert routine.choices[shape_key(2, 16, 8, torch.float32)] == CUBLAS
-    assert "Triton GEMV for 2 of 4" in report.summary() and "cached" in report.summary()
+    assert routine.choices[shape_key(LINEAR, 1, 8, 16, torch.float32)] == "n4_k512_w4"
+    assert routine.choices[shape_key(SILU_MUL, 2, 16, 8, torch.float32)] == CUBLAS
+    summary = report.summary()
+    assert "Triton GEMV for 2 of 4" in summary and "cached" in summary
+    assert "0.006 ms at 1" in summary   # 3 layers x 2 µs
 
 
 def test_an_unreadable_cache_is_ignored(tmp_path):
@@ -124,10 +156,10 @@ def test_kernel_compiles_for_gpu_targets(target, block_m):
     act = "*fp16" if target[1] == 70 else "*bf16"
     signature = {"x_ptr": act, "w_ptr": act, "b_ptr": act, "y_ptr": act, "M": "i32", "N": "i32",
                  "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
-                 **dict.fromkeys(["HAS_BIAS", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K"],
+                 **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K"],
                                  "constexpr")}
-    constexprs = {"HAS_BIAS": True, "BLOCK_M": block_m, "BLOCK_N": 4, "BLOCK_K": 256,
-                  "EVEN_K": False}
+    constexprs = {"HAS_BIAS": True, "GATED": True, "BLOCK_M": block_m, "BLOCK_N": 4,
+                  "BLOCK_K": 256, "EVEN_K": False}
     compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                               target=GPUTarget(*target), options={"num_warps": 4})
     assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco")
@@ -155,6 +187,22 @@ else:
         check_against_float64(3, 24, 96, torch.float16, "cpu", SkinnyConfig(8, 128, 4),
                               with_bias=True)
 
+    def test_every_silu_mul_choice_computes_the_same():
+        """cuBLAS then SiLU, the fused epilogue, and the GEMV then SiLU: one function each."""
+        x, w, b = operands(2, 80, 520, torch.float16, "cpu", with_bias=True)
+        expected = silu_and_mul_reference(F.linear(x, w, b))
+        key = candidate_configs(2)[0].key()
+        for choice in (CUBLAS, key, UNFUSED + key):
+            got = implementation(SILU_MUL, choice)(x, w, b)
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2e-3, atol=2e-3)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize("rows", [1, 3])
+    @pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
+    def test_silu_mul_epilogue_matches_unfused(rows, dtype, with_bias):
+        for config in candidate_configs(rows)[:2]:
+            check_silu_mul_against_unfused(rows, 40, 520, dtype, "cpu", config, with_bias)
+
 
 # ------------------------------------------------------------------ GPU: real shapes
 
@@ -173,6 +221,15 @@ def test_gpu_real_shapes_every_candidate(n, k, rows):
 
 @gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(14336, 4096), (3072, 1024)], ids=["8b", "0.6b"])
+def test_gpu_silu_mul_epilogue_real_shapes(n, k, rows):
+    for config in candidate_configs(rows):
+        check_silu_mul_against_unfused(rows, n, k, torch.bfloat16, "cuda", config)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_bias_fp16_and_uneven_k():
     check_against_float64(4, 1000, 1000, torch.float16, "cuda", SkinnyConfig(8, 128, 4),
                           with_bias=True)
@@ -187,9 +244,9 @@ def test_gpu_tune_chooses_per_shape_caches_and_replays_in_a_graph(tmp_path):
     captured in the decode scope replays the chosen kernels with cuBLAS's results."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    groups = {(n, k, torch.bfloat16): [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-                                       for _ in range(4)]
-              for n, k in [(6144, 4096), (1024, 2048)]}
+    groups = {(kind, n, k, torch.bfloat16): [
+        torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+        for kind, n, k in [(LINEAR, 6144, 4096), (SILU_MUL, 2048, 2048)]}
     path = str(tmp_path / "decode_gemms.json")
     routine = SkinnyGemmRoutine()
     report = routine.tune(groups, [1, 2, 16], path)
@@ -204,19 +261,31 @@ def test_gpu_tune_chooses_per_shape_caches_and_replays_in_a_graph(tmp_path):
         {k: t.chosen for k, t in report.timings.items()}
 
     # Force the kernel for one shape so the graph path is exercised whatever was chosen.
-    routine.choices[shape_key(1, 6144, 4096, torch.bfloat16)] = candidate_configs(1)[0].key()
-    weight = groups[(6144, 4096, torch.bfloat16)][0]
+    routine.choices[shape_key(LINEAR, 1, 6144, 4096, torch.bfloat16)] = \
+        candidate_configs(1)[0].key()
+    weight = groups[(LINEAR, 6144, 4096, torch.bfloat16)][0]
+    gate_up = groups[(SILU_MUL, 2048, 2048, torch.bfloat16)][0]
     x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    h = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16)
     static_out = torch.empty(1, 6144, device=dev, dtype=torch.bfloat16)
-    with decode_graph_scope():
-        routine(x, weight)  # eager warm-up inside the scope compiles the kernel
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out.copy_(routine(x, weight))
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(static_out.float(), F.linear(x, weight).float(),
-                                   rtol=2e-2, atol=2e-2)
+    static_act = torch.empty(1, 1024, device=dev, dtype=torch.bfloat16)
+    for silu_choice in (candidate_configs(1)[1].key(), UNFUSED + candidate_configs(1)[0].key()):
+        routine.choices[shape_key(SILU_MUL, 1, 2048, 2048, torch.bfloat16)] = silu_choice
+        with decode_graph_scope():
+            routine(x, weight)  # eager warm-up inside the scope compiles the kernels
+            routine.linear_silu_mul(h, gate_up)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out.copy_(routine(x, weight))
+                static_act.copy_(routine.linear_silu_mul(h, gate_up))
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            h.copy_(torch.randn_like(h))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(static_out.float(), F.linear(x, weight).float(),
+                                       rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(static_act.float(),
+                                       silu_and_mul_reference(F.linear(h, gate_up)).float(),
+                                       rtol=2e-2, atol=2e-2)

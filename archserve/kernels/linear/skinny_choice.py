@@ -1,8 +1,11 @@
 """The TRITON_SKINNY_GEMM linear routine: per GEMM shape, the Triton GEMV or cuBLAS,
 whichever measured faster on this GPU.
 
-Each (rows, out_features, in_features, dtype) a decode graph will run is timed once at
-start-up, both ways, inside a CUDA graph (as the engine replays it) and cycling through
+Two kinds of GEMM are chosen: a plain linear, and a gate/up linear followed by
+silu(gate) * up ("silu_mul"), which the Triton kernel computes in its epilogue (one
+kernel, no [rows, 2I] intermediate) against cuBLAS plus the SiLU kernel. Each (kind, rows,
+out_features, in_features, dtype) a decode graph will run is timed once at start-up,
+both ways, inside a CUDA graph (as the engine replays it) and cycling through
 every layer's weight of that shape (as a decode step does, so a weight that would fit
 in L2 is not read from there). A Triton config wins only when it is faster by a margin
 and its output agrees with cuBLAS's; otherwise that shape stays on cuBLAS. The result
@@ -30,11 +33,17 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 CUBLAS = "cublas"
+LINEAR, SILU_MUL = "linear", "silu_mul"   # the kinds of GEMM
+# A silu_mul choice "unfused:<config>" is the Triton GEMV, then the SiLU kernel: on some
+# shapes (Llama-3-8B's gate/up) the fused epilogue's two weight streams per program cost
+# more than the separate SiLU launch. A plain "<config>" is fused for silu_mul.
+UNFUSED = "unfused:"
 # A Triton config must beat cuBLAS by this fraction: below it, timing noise decides.
 MIN_GAIN = 0.03
-_CACHE_VERSION = 1
+_CACHE_VERSION = 3
 
-WeightGroups = dict[tuple[int, int, torch.dtype], list[torch.Tensor]]
+# (kind, out_features, in_features, dtype) -> every weight of that kind and shape
+WeightGroups = dict[tuple[str, int, int, torch.dtype], list[torch.Tensor]]
 
 _graph_scope_depth = 0
 
@@ -50,8 +59,9 @@ def decode_graph_scope() -> Iterator[None]:
         _graph_scope_depth -= 1
 
 
-def shape_key(rows: int, out_features: int, in_features: int, dtype: torch.dtype) -> str:
-    return f"{rows}x{out_features}x{in_features}:{str(dtype).removeprefix('torch.')}"
+def shape_key(kind: str, rows: int, out_features: int, in_features: int, dtype: torch.dtype
+              ) -> str:
+    return f"{kind}:{rows}x{out_features}x{in_features}:{str(dtype).removeprefix('torch.')}"
 
 
 @dataclass
@@ -61,6 +71,14 @@ class ShapeTiming:
     triton_us: dict[str, float] = field(default_factory=dict)
     chosen: str = CUBLAS
     note: str = ""
+    rows: int = 1
+    calls: int = 1          # weights of this shape: calls per decode step
+
+    def gain_us(self) -> float:
+        """Device time the choice saves per decode step (all calls of this shape)."""
+        if self.chosen == CUBLAS:
+            return 0.0
+        return (self.cublas_us - self.triton_us[self.chosen]) * self.calls
 
 
 @dataclass
@@ -70,14 +88,16 @@ class TuneReport:
     seconds: float = 0.0
 
     def summary(self) -> str:
-        won = sorted(k for k, t in self.timings.items() if t.chosen != CUBLAS)
         if not self.timings:
             return "no decode GEMM shapes to tune"
-        saved = sum(t.cublas_us - t.triton_us[t.chosen] for k, t in self.timings.items()
-                    if t.chosen != CUBLAS)
+        won = [t for t in self.timings.values() if t.chosen != CUBLAS]
+        gains = {}
+        for t in self.timings.values():
+            gains[t.rows] = gains.get(t.rows, 0.0) + t.gain_us()
+        per_step = ", ".join(f"{gain / 1e3:.3f} ms at {rows}" for rows, gain in sorted(gains.items()))
         source = "cached" if self.from_cache else f"tuned in {self.seconds:.1f}s"
-        return (f"Triton GEMV for {len(won)} of {len(self.timings)} decode GEMM shapes "
-                f"(sum of per-shape gains {saved:.1f} µs), cuBLAS for the rest; {source}")
+        return (f"Triton GEMV for {len(won)} of {len(self.timings)} decode GEMM shapes, cuBLAS "
+                f"for the rest; saves per decode step (rows): {per_step}; {source}")
 
 
 class SkinnyGemmRoutine:
@@ -89,36 +109,49 @@ class SkinnyGemmRoutine:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        if _graph_scope_depth and x.is_cuda and x.dim() == 2:
-            chosen = self.choices.get(shape_key(x.shape[0], weight.shape[0], weight.shape[1],
-                                                x.dtype), CUBLAS)
-            if chosen != CUBLAS:
-                from archserve.kernels.linear.triton_skinny_gemm import (
-                    SkinnyConfig,
-                    skinny_gemm,
-                    skinny_gemm_unsupported,
-                )
-                if skinny_gemm_unsupported(x, weight, bias) is None:
-                    return skinny_gemm(x, weight, bias, SkinnyConfig.from_key(chosen))
-        return F.linear(x, weight, bias)
+        chosen = self._triton(LINEAR, x, weight, bias) or F.linear
+        return chosen(x, weight, bias)
+
+    def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up of x times a gate-then-up weight [2I, K] -> [.., I]."""
+        chosen = self._triton(SILU_MUL, x, weight, bias) or implementation(SILU_MUL, CUBLAS)
+        return chosen(x, weight, bias)
+
+    def _triton(self, kind: str, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None):
+        """The tuned Triton path for this call as a function of (x, weight, bias), or None
+        (outside the graph scope, not chosen, or operands it cannot take)."""
+        if not (_graph_scope_depth and x.is_cuda and x.dim() == 2):
+            return None
+        chosen = self.choices.get(shape_key(kind, x.shape[0], weight.shape[0], weight.shape[1],
+                                            x.dtype), CUBLAS)
+        if chosen == CUBLAS:
+            return None
+        from archserve.kernels.linear.triton_skinny_gemm import skinny_gemm_unsupported
+        if skinny_gemm_unsupported(x, weight, bias) is not None:
+            return None
+        return implementation(kind, chosen)
+
 
     def tune(self, groups: WeightGroups, rows: Sequence[int], cache_path: str | None
              ) -> TuneReport:
         """Choose per shape for every row count in ``rows`` (those above the kernel's
-        limit stay on cuBLAS). ``groups``: the model's linear weights by (out_features,
-        in_features, dtype). Reads and writes ``cache_path`` when given."""
+        limit stay on cuBLAS). ``groups``: the model's linear weights by (kind,
+        out_features, in_features, dtype). Reads and writes ``cache_path`` when given."""
         from archserve.kernels.linear.triton_skinny_gemm import MAX_ROWS
         start = time.perf_counter()
-        wanted = [shape_key(r, n, k, dtype) for r in rows if 1 <= r <= MAX_ROWS
-                  for (n, k, dtype) in groups]
+        wanted = [shape_key(kind, r, n, k, dtype) for r in rows if 1 <= r <= MAX_ROWS
+                  for (kind, n, k, dtype) in groups]
         cached = _read_cache(cache_path)
         if wanted and all(key in cached for key in wanted):
             report = TuneReport({key: cached[key] for key in wanted}, from_cache=True)
         else:
             report = TuneReport()
             for r in sorted({r for r in rows if 1 <= r <= MAX_ROWS}):
-                for (n, k, dtype), weights in groups.items():
-                    report.timings[shape_key(r, n, k, dtype)] = time_shape(r, weights)
+                for (kind, n, k, dtype), weights in groups.items():
+                    report.timings[shape_key(kind, r, n, k, dtype)] = time_shape(kind, r,
+                                                                                 weights)
             if cache_path is not None:
                 _write_cache(cache_path, {**cached, **report.timings})
         report.seconds = time.perf_counter() - start
@@ -127,12 +160,28 @@ class SkinnyGemmRoutine:
         return report
 
 
-def time_shape(rows: int, weights: list[torch.Tensor], iters: int = 10) -> ShapeTiming:
-    """cuBLAS and every candidate config on one shape; the fastest that agrees wins."""
+def implementation(kind: str, choice: str):
+    """The function (x, weight, bias) -> output that ``choice`` names for ``kind``."""
+    from archserve.kernels.elementwise import silu_and_mul
+    if choice == CUBLAS:
+        if kind == SILU_MUL:
+            return lambda x, w, b: silu_and_mul(F.linear(x, w, b))
+        return F.linear
+    from archserve.kernels.linear.triton_skinny_gemm import SkinnyConfig, skinny_gemm
+    config = SkinnyConfig.from_key(choice.removeprefix(UNFUSED))
+    if choice.startswith(UNFUSED):
+        return lambda x, w, b: silu_and_mul(skinny_gemm(x, w, b, config))
+    return lambda x, w, b: skinny_gemm(x, w, b, config, silu_mul=kind == SILU_MUL)
+
+
+def time_shape(kind: str, rows: int, weights: list[torch.Tensor], iters: int = 10,
+               choices: Sequence[str] | None = None) -> ShapeTiming:
+    """cuBLAS (then the SiLU kernel, for silu_mul) and each Triton choice on one shape; the
+    fastest that agrees with cuBLAS wins. ``choices`` default to the candidate configs at
+    this row count (fused and not, for silu_mul)."""
     from archserve.kernels.cuda_timing import graph_median_us
     from archserve.kernels.linear.triton_skinny_gemm import (
         candidate_configs,
-        skinny_gemm,
         skinny_gemm_unsupported,
     )
     weight = weights[0]
@@ -144,25 +193,32 @@ def time_shape(rows: int, weights: list[torch.Tensor], iters: int = 10) -> Shape
             raise RuntimeError("the candidate could not be captured in a CUDA graph")
         return us / len(weights)
 
-    timing = ShapeTiming(cublas_us=per_call_us(lambda w: F.linear(x, w)))
+    baseline = implementation(kind, CUBLAS)
+    timing = ShapeTiming(cublas_us=per_call_us(lambda w: baseline(x, w, None)), rows=rows,
+                         calls=len(weights))
     if skinny_gemm_unsupported(x, weight, None) is not None:
         timing.note = skinny_gemm_unsupported(x, weight, None)
         return timing
-    expected = F.linear(x, weight).float()
+    expected = baseline(x, weight, None).float()
     best_us = timing.cublas_us * (1 - MIN_GAIN)
-    for config in candidate_configs(rows):
+    if choices is None:
+        choices = [c.key() for c in candidate_configs(rows)]
+        if kind == SILU_MUL:
+            choices += [UNFUSED + c for c in choices]
+    for choice in choices:
+        run = implementation(kind, choice)
         try:
-            got = skinny_gemm(x, weight, None, config).float()
+            got = run(x, weight, None).float()
             if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max()):
-                timing.note += f"{config.key()}: disagrees with cuBLAS; "
+                timing.note += f"{choice}: disagrees with cuBLAS; "
                 continue
-            us = per_call_us(lambda w, c=config: skinny_gemm(x, w, None, c))
+            us = per_call_us(lambda w, run=run: run(x, w, None))
         except Exception as exc:  # noqa: BLE001 - a config that fails is skipped, and said so
-            timing.note += f"{config.key()}: {type(exc).__name__}: {exc}; "
+            timing.note += f"{choice}: {type(exc).__name__}: {exc}; "
             continue
-        timing.triton_us[config.key()] = us
+        timing.triton_us[choice] = us
         if us < best_us:
-            best_us, timing.chosen = us, config.key()
+            best_us, timing.chosen = us, choice
     return timing
 
 

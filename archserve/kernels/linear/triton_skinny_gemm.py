@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from archserve.kernels.elementwise.triton_rounding import round_to_dtype
+
 # Rows this kernel is built for. Its fp32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
 # values; at eight rows cuBLAS was faster on every Llama-3-8B and Qwen3-0.6B shape.
 MAX_ROWS = 4
@@ -56,9 +58,36 @@ def candidate_configs(rows: int) -> list[SkinnyConfig]:
 
 
 @triton.jit
+def _weight_times_rows(acc, w_rows, x_tile, k, col_ok, K, BLOCK_M: tl.constexpr,
+                       EVEN_K: tl.constexpr):
+    """acc + one [BLOCK_N, BLOCK_K] weight tile times the rows' fp32 [BLOCK_M, BLOCK_K]."""
+    if EVEN_K:
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None], other=0.0)
+    else:
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+    w = w.to(tl.float32)
+    if BLOCK_M == 1:
+        acc += w * x_tile
+    else:
+        acc += x_tile[:, None, :] * w[None, :, :]
+    return acc
+
+
+@triton.jit
+def _sum_over_k(acc, BLOCK_M: tl.constexpr):
+    """The accumulator summed over K: [BLOCK_M, BLOCK_N]."""
+    if BLOCK_M == 1:
+        total = tl.sum(acc, axis=1)[None, :]
+    else:
+        total = tl.sum(acc, axis=2)
+    return total
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
@@ -66,35 +95,37 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     ks = tl.arange(0, BLOCK_K)
     # int64: an LM head's weight (vocab x hidden) passes 2^31 elements.
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # read only when GATED
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None], other=0.0)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None],
                         other=0.0)
         else:
-            k_ok = k < K
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = w.to(tl.float32)
+                        mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         x = x.to(tl.float32)
-        if BLOCK_M == 1:
-            acc += w * x
-        else:
-            acc += x[:, None, :] * w[None, :, :]
-    if BLOCK_M == 1:
-        y = tl.sum(acc, axis=1)[None, :]
-    else:
-        y = tl.sum(acc, axis=2)
+        acc = _weight_times_rows(acc, w_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
+        if GATED:
+            acc_up = _weight_times_rows(acc_up, up_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    y = _sum_over_k(acc, BLOCK_M)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        up = _sum_over_k(acc_up, BLOCK_M)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        # Rounded where the unfused path rounds: the GEMM's outputs, silu(gate), the product.
+        gate = round_to_dtype(y, dtype)
+        y = round_to_dtype(gate * tl.sigmoid(gate), dtype) * round_to_dtype(up, dtype)
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, y.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
@@ -114,17 +145,19 @@ def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                config: SkinnyConfig) -> torch.Tensor:
+                config: SkinnyConfig, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype.
-    The caller checks ``skinny_gemm_unsupported`` first."""
+    With ``silu_mul`` the weight holds gate rows then up rows (as GateUpLinear stores
+    them) and the result is silu(gate) * up, [M, N/2], as ``silu_and_mul`` of the plain
+    product would give. The caller checks ``skinny_gemm_unsupported`` first."""
     rows, depth = x.shape
-    cols = weight.shape[0]
+    cols = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(cols, config.block_n),)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y, rows, cols, depth,
         x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows),
+        HAS_BIAS=bias is not None, GATED=silu_mul, BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
         num_warps=config.num_warps)
     return y

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from archserve.kernels.elementwise import silu_and_mul
+
 LinearRoutine = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 _routine: LinearRoutine = F.linear
@@ -28,6 +30,19 @@ def set_linear_routine(routine: LinearRoutine | None) -> None:
 def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
     return _routine(x, weight, bias)
+
+
+def apply_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up of x times a gate-then-up weight [2I, K] -> [.., I].
+
+    A routine that can fuse the activation into its GEMM provides ``linear_silu_mul``;
+    otherwise this is the GEMM, then the SiLU kernel.
+    """
+    fused = getattr(_routine, "linear_silu_mul", None)
+    if fused is not None:
+        return fused(x, weight, bias)
+    return silu_and_mul(_routine(x, weight, bias))
 
 
 class Linear(nn.Module):
@@ -100,3 +115,8 @@ class QKVLinear(MergedLinear):
 class GateUpLinear(MergedLinear):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__(hidden_size, [intermediate_size, intermediate_size], ["gate", "up"], bias)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up [.., intermediate_size]: the gated MLP's activation, fused into
+        the GEMM where the routine can."""
+        return apply_linear_silu_mul(x, self.weight, self.bias)
