@@ -135,7 +135,8 @@ class LLMEngine:
             graphs_off=graphs_off, kernel_cache=kernel_cache, kv_sizing=sizing,
             routes=startup.model_routes(device, config, mc, dtype, kv_cache_dtype, selection),
             timings={"load_s": load_s, "select_and_canary_s": select_s,
-                     "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s, "cuda_graphs_s": graphs_s})
+                     "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s,
+                     "cuda_graphs_s": graphs_s})
         if torch_device.type == "cuda" and config.self_check:
             t_check = time.perf_counter()
             ceilings = load_or_measure(torch_device)

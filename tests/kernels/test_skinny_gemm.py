@@ -134,6 +134,18 @@ def test_tune_reads_a_complete_cache_without_timing(tmp_path):
     assert "0.006 ms at 1" in summary   # 3 layers x 2 µs
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="the failure here is timing without CUDA")
+def test_a_shape_that_cannot_be_timed_stays_on_cublas_and_is_not_cached(tmp_path):
+    groups = {(LINEAR, 8, 16, torch.float32): [torch.randn(8, 16)]}
+    path = tmp_path / "decode_gemms.json"
+    routine = SkinnyGemmRoutine()
+    report = routine.tune(groups, [1], str(path))
+    timing = report.timings[shape_key(LINEAR, 1, 8, 16, torch.float32)]
+    assert timing.chosen == CUBLAS and "timing failed" in timing.note
+    assert json.loads(path.read_text())["shapes"] == {}
+    assert not routine.tune(groups, [1], str(path)).from_cache   # retried next start
+
+
 def test_an_unreadable_cache_is_ignored(tmp_path):
     from archserve.kernels.linear.skinny_choice import _read_cache
     path = tmp_path / "decode_gemms.json"
