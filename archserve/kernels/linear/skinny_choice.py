@@ -2,8 +2,9 @@
 whichever measured faster on this GPU.
 
 Two kinds of GEMM are chosen: a plain linear, and a gate/up linear followed by
-silu(gate) * up ("silu_mul"), which the Triton kernel computes in its epilogue (one
-kernel, no [rows, 2I] intermediate) against cuBLAS plus the SiLU kernel. Each (kind, rows,
+silu(gate) * up ("silu_mul"). For the second, cuBLAS then the SiLU kernel is timed
+against the Triton kernel with the SiLU in its epilogue (one kernel, no [rows, 2I]
+intermediate) and against the Triton GEMV then the SiLU kernel. Each (kind, rows,
 out_features, in_features, dtype) a decode graph will run is timed once at start-up,
 both ways, inside a CUDA graph (as the engine replays it) and cycling through
 every layer's weight of that shape (as a decode step does, so a weight that would fit
