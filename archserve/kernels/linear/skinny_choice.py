@@ -95,7 +95,8 @@ class TuneReport:
         gains = {}
         for t in self.timings.values():
             gains[t.rows] = gains.get(t.rows, 0.0) + t.gain_us()
-        per_step = ", ".join(f"{gain / 1e3:.3f} ms at {rows}" for rows, gain in sorted(gains.items()))
+        per_step = ", ".join(f"{gain / 1e3:.3f} ms at {rows}"
+                             for rows, gain in sorted(gains.items()))
         source = "cached" if self.from_cache else f"tuned in {self.seconds:.1f}s"
         return (f"Triton GEMV for {len(won)} of {len(self.timings)} decode GEMM shapes, cuBLAS "
                 f"for the rest; saves per decode step (rows): {per_step}; {source}")
@@ -133,7 +134,6 @@ class SkinnyGemmRoutine:
         if skinny_gemm_unsupported(x, weight, bias) is not None:
             return None
         return implementation(kind, chosen)
-
 
     def tune(self, groups: WeightGroups, rows: Sequence[int], cache_path: str | None
              ) -> TuneReport:
