@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from archserve.kernels.elementwise import silu_and_mul
+
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +48,6 @@ class TorchMoEImpl:
             start += count
             tokens = token_of[picks]
             x = hidden[tokens]
-            gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[expert])
+            y = F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert])
             out.index_add_(0, tokens, y.float() * weights.reshape(-1)[picks, None])
         return out.to(hidden.dtype)
