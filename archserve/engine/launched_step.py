@@ -2,9 +2,9 @@
 
 The runner queues a step and returns at once. The sampler's outputs (token ids, logprobs,
 and ranks and top-N where asked) start a non-blocking copy into pinned host memory right
-behind the sampler, with an event after it. ``wait`` then blocks only until *this* step is done, not the one queued after
-it, which is what lets the engine prepare step N+1 (and resolve step N) while the
-device still runs.
+behind the sampler, with an event after it. ``wait`` then blocks only until *this* step is
+done, not the one queued after it, which is what lets the engine prepare step N+1 (and
+resolve step N) while the device still runs.
 
 Until then, a sequence that sampled here holds a placeholder token (Sequence.PLACEHOLDER).
 If the next step must feed that token back as an input, ``feed_pending_inputs`` copies it
