@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from archserve.kernels.linear.skinny_choice import (  # noqa: E402
     LINEAR,
     SILU_MUL,
-    UNFUSED,
     time_shape,
+    triton_choices,
 )
 from archserve.kernels.linear.triton_skinny_gemm import SkinnyConfig  # noqa: E402
 
@@ -65,10 +65,7 @@ def time_one(name: str, rows: int, configs: list[str] | None, iters: int) -> dic
     copies = max(1, min(32, -(-(256 << 20) // nbytes)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(copies)]
-    choices = configs or sweep_configs(rows)
-    if kind == SILU_MUL:
-        choices = choices + [UNFUSED + c for c in choices]
-    t = time_shape(kind, rows, weights, iters, choices)
+    t = time_shape(kind, rows, weights, iters, triton_choices(kind, configs or sweep_configs(rows)))
     best = min(t.triton_us, key=t.triton_us.get) if t.triton_us else None
     tb = lambda us: nbytes / us / 1e6  # noqa: E731 - TB/s from µs
     line = f"{name:17s} rows {rows}: cuBLAS {t.cublas_us:7.2f} µs ({tb(t.cublas_us):.2f} TB/s)"

@@ -13,11 +13,9 @@ import os
 
 import torch
 
-from archserve.cache import cache_dir
-from archserve.engine.kernel_cache import kernel_cache_key
+from archserve.engine.kernel_cache import device_kernel_dir
 from archserve.kernels.catalog import select_linear_backend
 from archserve.kernels.linear.skinny_choice import LINEAR, SILU_MUL, WeightGroups
-from archserve.kernels.registry import Selection
 from archserve.kernels.specs import LinearSpec
 from archserve.models.layers.embedding import LMHead
 from archserve.models.layers.linear import GateUpLinear, Linear, set_linear_routine
@@ -42,10 +40,10 @@ def linear_weights_by_shape(model: torch.nn.Module) -> WeightGroups:
 
 
 def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torch.dtype,
-                         graph_sizes: list[int]) -> tuple[Selection, Decision | None]:
+                         graph_sizes: list[int]) -> Decision | None:
     """Select the dense linear backend, tune it for ``graph_sizes`` (empty: decode runs
-    eager, nothing to tune) and install it. Returns the selection and, when it tuned, a
-    decision saying what it chose."""
+    eager, nothing to tune) and install it. Returns, for a tunable backend, a decision
+    saying what it chose."""
     spec = LinearSpec(dtype=dtype)
     selection = select_linear_backend(device, spec)
     routine = selection.backend.make_impl(device, spec)
@@ -53,8 +51,7 @@ def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torc
     tune = getattr(routine, "tune", None)
     if tune is not None:
         if graph_sizes:
-            path = os.path.join(cache_dir("kernels", kernel_cache_key(device)),
-                                "decode_gemms.json")
+            path = os.path.join(device_kernel_dir(device), "decode_gemms.json")
             report = tune(linear_weights_by_shape(model), graph_sizes, path)
             torch.cuda.empty_cache()  # the timing graphs' outputs
             reason = report.summary()
@@ -62,4 +59,4 @@ def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torc
             reason = "decode runs eager (no CUDA graphs): every GEMM is cuBLAS's"
         decision = Decision("decode GEMMs", selection.name, selection.name, reason)
     set_linear_routine(routine)
-    return selection, decision
+    return decision

@@ -23,6 +23,11 @@ def kernel_cache_key(device: DeviceInfo) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def device_kernel_dir(device: DeviceInfo) -> str:
+    """This device's directory for what is compiled and tuned on it."""
+    return cache_dir("kernels", kernel_cache_key(device))
+
+
 def configure_kernel_caches(device: DeviceInfo) -> str | None:
     """Point Triton's cache (compiles and autotune results) at this device's directory.
 
@@ -32,7 +37,7 @@ def configure_kernel_caches(device: DeviceInfo) -> str | None:
     if not device.is_gpu:
         return None
     if "TRITON_CACHE_DIR" not in os.environ:
-        os.environ["TRITON_CACHE_DIR"] = cache_dir("kernels", kernel_cache_key(device))
+        os.environ["TRITON_CACHE_DIR"] = device_kernel_dir(device)
     # Persist autotune timings too (read by triton.autotune at first use of a kernel).
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     return os.environ["TRITON_CACHE_DIR"]

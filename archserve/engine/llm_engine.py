@@ -91,7 +91,7 @@ class LLMEngine:
         graph_sizes = (config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
                        if graphs_off is None else [])
         t_gemms = time.perf_counter()
-        _, gemm_decision = install_linear_route(device, self.model, dtype, graph_sizes)
+        gemm_decision = install_linear_route(device, self.model, dtype, graph_sizes)
         if gemm_decision is not None:
             decisions.append(gemm_decision)
         gemm_tune_s = startup.elapsed(t_gemms)
@@ -124,7 +124,7 @@ class LLMEngine:
         graphs = graphs_off is None
         t_graphs = time.perf_counter()
         if graphs:
-            self.runner.capture_cuda_graphs(config.max_num_seqs, graph_sizes)
+            self.runner.capture_cuda_graphs(graph_sizes)
         graphs_s = startup.elapsed(t_graphs)
         self.report = startup.StartupReport(
             device=device, torch_device=torch_device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,

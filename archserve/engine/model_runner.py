@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from archserve.engine.batch import ModelBatch, build_batch, host_to_device
-from archserve.engine.cuda_graphs import DecodeGraphRunner, default_graph_sizes
+from archserve.engine.cuda_graphs import DecodeGraphRunner
 from archserve.engine.kv_cache import allocate_kv_caches
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.phases import phase
@@ -158,8 +158,7 @@ class ModelRunner:
         """A decode step through the LM head: float32 logits of every row (what graphs run)."""
         return self.model.compute_logits(self._forward(input_ids, positions, meta))
 
-    def capture_cuda_graphs(self, max_num_seqs: int, sizes: list[int] | None = None) -> None:
-        sizes = sizes or default_graph_sizes(max_num_seqs)
+    def capture_cuda_graphs(self, sizes: list[int]) -> None:
         self.graphs = DecodeGraphRunner(self._forward_logits, self.device, max(sizes),
                                         self.max_blocks_per_seq, self.max_model_len)
         start = time.perf_counter()

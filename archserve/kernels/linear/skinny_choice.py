@@ -185,11 +185,17 @@ def implementation(kind: str, choice: str):
     return lambda x, w, b: skinny_gemm(x, w, b, config, silu_mul=kind == SILU_MUL)
 
 
+def triton_choices(kind: str, config_keys: Sequence[str]) -> list[str]:
+    """The Triton choices the configs give for ``kind``: each config, and for silu_mul each
+    config again as the GEMV followed by the SiLU kernel."""
+    return list(config_keys) + ([UNFUSED + c for c in config_keys] if kind == SILU_MUL else [])
+
+
 def time_shape(kind: str, rows: int, weights: list[torch.Tensor], iters: int = 10,
                choices: Sequence[str] | None = None) -> ShapeTiming:
     """cuBLAS (then the SiLU kernel, for silu_mul) and each Triton choice on one shape; the
-    fastest that agrees with cuBLAS wins. ``choices`` default to the candidate configs at
-    this row count (fused and not, for silu_mul)."""
+    fastest that agrees with cuBLAS wins. ``choices`` default to ``triton_choices`` of the
+    candidate configs at this row count."""
     from archserve.kernels.cuda_timing import graph_median_us
     from archserve.kernels.linear.triton_skinny_gemm import (
         candidate_configs,
@@ -207,15 +213,14 @@ def time_shape(kind: str, rows: int, weights: list[torch.Tensor], iters: int = 1
     baseline = implementation(kind, CUBLAS)
     timing = ShapeTiming(cublas_us=per_call_us(lambda w: baseline(x, w, None)), rows=rows,
                          calls=len(weights))
-    if skinny_gemm_unsupported(x, weight, None) is not None:
-        timing.note = skinny_gemm_unsupported(x, weight, None)
+    unsupported = skinny_gemm_unsupported(x, weight, None)
+    if unsupported is not None:
+        timing.note = unsupported
         return timing
     expected = baseline(x, weight, None).float()
     best_us = timing.cublas_us * (1 - MIN_GAIN)
     if choices is None:
-        choices = [c.key() for c in candidate_configs(rows)]
-        if kind == SILU_MUL:
-            choices += [UNFUSED + c for c in choices]
+        choices = triton_choices(kind, [c.key() for c in candidate_configs(rows)])
     for choice in choices:
         run = implementation(kind, choice)
         try:
