@@ -1,0 +1,513 @@
+"""Weight-only quantized GEMM: y = x W^T (+ b), W stored as 4/8-bit integer groups
+(IntGroupWeight) or FP8 e4m3 (Fp8Weight executed weight-only), dequantized in registers.
+
+One kernel family, two shapes of work, a constexpr switch for the weight kind:
+
+* ``_weight_only_mma_kernel`` (prefill, more than MAX_GEMV_ROWS rows): tl.dot tiles. The
+  integer or e4m3 values of a weight tile are exact in the activations' dtype (q - 2**(b-1)
+  in -128..127, and every e4m3 value, are fp16 and bf16 numbers), so the tile is multiplied
+  unscaled and the scale (and offset, through the tile's row sums of x) is applied to the
+  fp32 product while the tile stays inside one group:
+  ``sum_k x (q s + o) = s sum_k x (q - h) + (o + h s) sum_k x`` with h = 2**(bits-1).
+* ``_weight_only_gemv_kernel`` (decode, up to MAX_GEMV_ROWS rows): the packed weight is
+  read once, each int32 of an integer weight unpacked into its values in registers
+  (coalesced along N, the layout's contiguous axis), FP8 rows read along K; the fp32
+  products accumulate per element and are summed over K once at the end. K may be split
+  across programs (``split_k``) so a narrow layer still fills the GPU; the partial sums
+  then go through an fp32 buffer and one torch sum, in a fixed order.
+
+FP8 bytes are turned into fp16 with integer operations (triton_fp8_bits), never a float8
+type, so the FP8 path runs on GPUs without FP8 hardware. On SM70/SM75 Triton lowers
+tl.dot to FMA rather than tensor cores: correct there, not fast.
+
+Configs are fixed per call (``default_config``: a small rule on rows, N, K and the
+weight); ``candidate_configs`` lists what a start-up tuner may time instead.
+
+Measured on an H200 (bf16, CUDA-graph replay, default configs, 4096x4096 / 4096x14336):
+one row, int4 g128 11 / 25 us and FP8 9 / 31 us against cuBLAS bf16's 10 / 31 us; but
+4 rows already 30 / 90 us (int4), and prefill (4096 rows) 4.5x (int) and 2.3x (FP8)
+cuBLAS bf16's time. The MMA path's per-tile dequantization is what a tuner or a
+dequantize-then-cuBLAS path for large M would have to beat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from archserve.kernels.elementwise.triton_rounding import round_to_dtype
+from archserve.kernels.linear.gemm_tiles import ConfiguredRoutine, occupancy_block_n
+from archserve.kernels.linear.quantized_weights import Fp8Weight, IntGroupWeight
+from archserve.kernels.linear.triton_dequantize import dequantized_linear
+from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
+
+INT_WEIGHT: tl.constexpr = tl.constexpr(0)
+FP8_WEIGHT: tl.constexpr = tl.constexpr(1)
+# Rows up to which the GEMV kernel runs; its fp32 accumulator holds rows x a weight tile.
+MAX_GEMV_ROWS = 8
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class WeightOnlyConfig:
+    """A launch of one of the two kernels. GEMV: ``block_k`` counts unpacked values, and
+    ``split_k`` programs share K. MMA: ``block_m`` rows per program, ``num_stages``."""
+
+    gemv: bool
+    block_n: int
+    block_k: int
+    num_warps: int
+    block_m: int = 0
+    num_stages: int = 1
+    split_k: int = 1
+
+    def key(self) -> str:
+        if self.gemv:
+            return f"gemv_n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}"
+        return (f"mma_m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
+                f"_st{self.num_stages}")
+
+    @classmethod
+    def from_key(cls, key: str) -> WeightOnlyConfig:
+        kind, *parts = key.split("_")
+        values = {part.rstrip("0123456789"): int(part.lstrip("abcdefghijklmnopqrstuvwxyz"))
+                  for part in parts}
+        if kind == "gemv":
+            return cls(True, values["n"], values["k"], values["w"], split_k=values["s"])
+        return cls(False, values["n"], values["k"], values["w"], block_m=values["m"],
+                   num_stages=values["st"])
+
+
+# ---- the kernels ------------------------------------------------------------------------
+
+@triton.jit
+def _int_group_params(scale_ptr, offset_ptr, g, cols, col_ok, stride_sg,
+                      HAS_OFFSETS: tl.constexpr, BITS: tl.constexpr):
+    """fp32 scale and offset of group(s) ``g`` (any shape broadcasting against cols)."""
+    s = tl.load(scale_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_OFFSETS:
+        o = tl.load(offset_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+    else:
+        HALF: tl.constexpr = 1 << (BITS - 1)
+        o = s * (-HALF)
+    return s, o
+
+
+@triton.jit
+def _weight_only_gemv_kernel(
+        x_ptr, w_ptr, scale_ptr, offset_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
+        stride_xm, stride_w, stride_s, stride_ym, stride_yk,
+        KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+        GROUP_TILE: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_SCALE_N: tl.constexpr,
+        BLOCK_SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``pid(2)*BLOCK_M..`` x columns ``pid(0)*BLOCK_N..`` over the K range of split
+    ``pid(1)``. INT: w is int32 [K/pack, N] (stride_w per packed row), scales/offsets
+    [K/GROUP, N]; GROUP_TILE: a BLOCK_K tile lies in one group. FP8: w is uint8 [N, K]
+    (stride_w per row); BLOCK_SCALE_N == 0: per-channel scales [N], else block scales
+    [ceil(N/bn), ceil(K/bk)] (stride_s per block row) with BLOCK_K dividing bk.
+    PARTIAL: store fp32 sums to y[split] (stride_yk) for the host to add up."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    if KIND == INT_WEIGHT:
+        PACK: tl.constexpr = 32 // BITS
+        MASK: tl.constexpr = (1 << BITS) - 1
+        BLOCK_P: tl.constexpr = BLOCK_K // PACK
+        prow = tl.arange(0, BLOCK_P)
+        if BLOCK_M == 1:
+            acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_P, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            p = k0 // PACK + prow                       # packed rows of this tile
+            p_ok = p < k_end // PACK
+            packed = tl.load(w_ptr + p.to(tl.int64)[:, None] * stride_w + cols[None, :],
+                             mask=p_ok[:, None] & col_ok[None, :], other=0)
+            if GROUP_TILE:
+                s, o = _int_group_params(scale_ptr, offset_ptr, k0 // GROUP, cols[None, :],
+                                         col_ok[None, :], stride_s, HAS_OFFSETS, BITS)
+            else:   # GROUP is a multiple of PACK: the values of one int32 share a group
+                s, o = _int_group_params(scale_ptr, offset_ptr, (p * PACK // GROUP)[:, None],
+                                         cols[None, :], p_ok[:, None] & col_ok[None, :],
+                                         stride_s, HAS_OFFSETS, BITS)
+            for j in tl.static_range(PACK):
+                q = ((packed >> (j * BITS)) & MASK).to(tl.float32)
+                w = q * s + o                           # [BLOCK_P, BLOCK_N]
+                k = p * PACK + j
+                if BLOCK_M == 1:
+                    xk = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + k, mask=p_ok,
+                                 other=0.0).to(tl.float32)
+                    acc += xk[:, None] * w
+                else:
+                    xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & p_ok[None, :],
+                                 other=0.0).to(tl.float32)
+                    acc += xk[:, :, None] * w[None, :, :]
+        if BLOCK_M == 1:
+            total = tl.sum(acc, axis=0)[None, :]
+        else:
+            total = tl.sum(acc, axis=1)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+        if BLOCK_M == 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < k_end
+            bits = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+            w = e4m3_bits_to_fp16(bits).to(tl.float32)   # the e4m3 value / 256
+            if BLOCK_SCALE_N > 0:
+                s = tl.load(scale_ptr + (cols // BLOCK_SCALE_N) * stride_s + k0 // BLOCK_SCALE_K,
+                            mask=col_ok, other=0.0)
+                w = w * s[:, None]
+            if BLOCK_M == 1:
+                xk = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + k, mask=k_ok,
+                             other=0.0).to(tl.float32)
+                acc += xk[None, :] * w
+            else:
+                xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                             other=0.0).to(tl.float32)
+                acc += xk[:, None, :] * w[None, :, :]
+        if BLOCK_M == 1:
+            total = tl.sum(acc, axis=1)[None, :]
+        else:
+            total = tl.sum(acc, axis=2)
+        total = total * 256.0
+        if BLOCK_SCALE_N == 0:
+            total = total * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    if PARTIAL:
+        out = y_ptr + tl.program_id(1) * stride_yk + rows[:, None] * stride_ym + cols[None, :]
+        tl.store(out, total, mask=out_ok)
+    else:
+        dtype: tl.constexpr = y_ptr.dtype.element_ty
+        if HAS_BIAS:
+            total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        tl.store(out, round_to_dtype(total, dtype).to(dtype), mask=out_ok)
+
+
+@triton.jit
+def _weight_only_mma_kernel(
+        x_ptr, w_ptr, scale_ptr, offset_ptr, b_ptr, y_ptr, M, N, K,
+        stride_xm, stride_w, stride_s, stride_ym,
+        KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+        HAS_OFFSETS: tl.constexpr, BLOCK_SCALE_N: tl.constexpr, BLOCK_SCALE_K: tl.constexpr,
+        SCALE_AT_END: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] of y per program. INT: BLOCK_K divides GROUP (or K is one group,
+    GROUP == K) so a tile has one scale per column. FP8 block scales: BLOCK_K divides bk.
+    SCALE_AT_END (one scale per column over all of K: per-channel FP8, or one INT group):
+    tl.dot accumulates into one fp32 tile, which Hopper's wgmma pipelines; otherwise each
+    tile's product is scaled before it is added."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)     # sum_k x, for the INT offsets
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        a = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if KIND == INT_WEIGHT:
+            PACK: tl.constexpr = 32 // BITS
+            BLOCK_P: tl.constexpr = BLOCK_K // PACK
+            # Read each int32 once and shift its PACK values apart: [BLOCK_P, PACK, N] is
+            # row k = p * PACK + j, so the reshape lists the rows in order.
+            p = k0 // PACK + tl.arange(0, BLOCK_P)
+            packed = tl.load(w_ptr + p.to(tl.int64)[:, None] * stride_w + cols[None, :],
+                             mask=(p < K // PACK)[:, None] & col_ok[None, :], other=0)
+            shifts = tl.arange(0, PACK) * BITS
+            # Centred on HALF: -128..127 are exact in fp16 and bf16, and the product keeps
+            # no large common term that the offsets would cancel after fp32 rounding.
+            q = ((packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)) - HALF
+            b = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32).to(dtype)
+        else:
+            bits = tl.load(w_ptr + cols.to(tl.int64)[None, :] * stride_w + k[:, None],
+                           mask=k_ok[:, None] & col_ok[None, :], other=0)
+            b = e4m3_bits_to_fp16(bits).to(dtype)       # the e4m3 value / 256, exact
+        if SCALE_AT_END:
+            if dtype == tl.float32:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            if KIND == INT_WEIGHT and HAS_OFFSETS:
+                x_sum += tl.sum(a.to(tl.float32), axis=1)
+        else:
+            if dtype == tl.float32:
+                t = tl.dot(a, b, input_precision="ieee")
+            else:
+                t = tl.dot(a, b)
+            if KIND == INT_WEIGHT:
+                s, o = _int_group_params(scale_ptr, offset_ptr, k0 // GROUP, cols, col_ok,
+                                         stride_s, HAS_OFFSETS, BITS)
+                if HAS_OFFSETS:     # w = (q - HALF) s + (o + HALF s); symmetric: no 2nd term
+                    row_sum = tl.sum(a.to(tl.float32), axis=1)
+                    acc += t * s[None, :] + row_sum[:, None] * (o + HALF * s)[None, :]
+                else:
+                    acc += t * s[None, :]
+            else:
+                s = tl.load(scale_ptr + (cols // BLOCK_SCALE_N) * stride_s + k0 // BLOCK_SCALE_K,
+                            mask=col_ok, other=0.0)
+                acc += t * s[None, :]
+    if KIND == FP8_WEIGHT:
+        acc = acc * 256.0
+        if SCALE_AT_END:
+            acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    elif SCALE_AT_END:
+        s, o = _int_group_params(scale_ptr, offset_ptr, 0, cols, col_ok, stride_s, HAS_OFFSETS,
+                                 BITS)
+        acc = acc * s[None, :]
+        if HAS_OFFSETS:
+            acc += x_sum[:, None] * (o + HALF * s)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_dtype: tl.constexpr = y_ptr.dtype.element_ty
+    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(out, round_to_dtype(acc, out_dtype).to(out_dtype),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ---- what a weight allows ----------------------------------------------------------------
+
+WeightOnly = IntGroupWeight | Fp8Weight
+
+
+def _largest_pow2_divisor(value: int, cap: int) -> int:
+    d = 1
+    while d < cap and value % (2 * d) == 0:
+        d *= 2
+    return d
+
+
+def mma_block_k_limit(weight: WeightOnly) -> int:
+    """The largest BLOCK_K the MMA kernel may take for this weight (0: it cannot run it):
+    a tile must lie in one scale group (INT) or one scale block along K (FP8)."""
+    if isinstance(weight, IntGroupWeight):
+        if weight.group_size == weight.in_features:
+            return 128
+        limit = _largest_pow2_divisor(weight.group_size, 128)
+    elif weight.block is not None:
+        limit = _largest_pow2_divisor(weight.block[1], 128)
+    else:
+        return 128
+    return limit if limit >= 16 else 0
+
+
+def weight_only_unsupported(x: torch.Tensor, weight: WeightOnly,
+                            bias: torch.Tensor | None) -> str | None:
+    """Why these kernels cannot take these operands, or None."""
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        return f"x {tuple(x.shape)} for in_features {weight.in_features}"
+    if x.dtype not in DTYPES:
+        return f"activations are {x.dtype}"
+    if bias is not None and tuple(bias.shape) != (weight.out_features,):
+        return f"bias {tuple(bias.shape)}"
+    if isinstance(weight, IntGroupWeight):
+        if weight.bits not in (4, 8):
+            return f"{weight.bits}-bit weights"
+        if weight.group_size % weight.pack and weight.group_size != weight.in_features:
+            return (f"group size {weight.group_size} is not a multiple of the "
+                    f"{weight.pack} values per int32")
+        if weight.qweight.stride(1) != 1:
+            return "packed weight not contiguous along N"
+        return None
+    if isinstance(weight, Fp8Weight):
+        if weight.weight.stride(1) != 1:
+            return "FP8 weight not contiguous along K"
+        if weight.block is not None and _largest_pow2_divisor(weight.block[1], 1 << 30) < 16:
+            return f"FP8 scale block {weight.block}: its K side must be a multiple of 16"
+        if weight.block is None and weight.weight_scale.numel() != weight.out_features:
+            return f"FP8 weight scales {tuple(weight.weight_scale.shape)}: expected one per row"
+        return None
+    return f"{type(weight).__name__} is not a weight-only layout"
+
+
+# ---- configs -----------------------------------------------------------------------------
+
+def _gemv_rows(rows: int) -> int:
+    return triton.next_power_of_2(max(1, min(rows, MAX_GEMV_ROWS)))
+
+
+def _split_k(programs_n: int, k: int, block_k: int, split: int | None = None) -> int:
+    """Split K until about 256 programs run (two per SM of a large GPU), each split at
+    least four tiles deep."""
+    if split is not None:
+        return split
+    tiles_k = triton.cdiv(k, block_k)
+    split = 1
+    while programs_n * split < 256 and tiles_k // (2 * split) >= 4:
+        split *= 2
+    return split
+
+
+def _gemv_tiles(rows: int, weight: WeightOnly) -> list[tuple[int, int, int]]:
+    """(block_n, block_k, num_warps) worth running at this many rows, the default first.
+    The accumulator (rows x tile) stays at or below 2048 fp32 values per 128 threads."""
+    block_m = _gemv_rows(rows)
+    if isinstance(weight, IntGroupWeight):
+        pack = weight.pack
+        # Packed rows per tile by block_m: coalesced along N, 64 or 128 columns.
+        packed = {1: 16, 2: 8, 4: 8, 8: 4}[block_m]
+        return [(64, packed * pack, 4), (128, max(1, packed // 2) * pack, 4),
+                (32, packed * 2 * pack, 4), (128, packed * pack, 8)]
+    tiles = {1: [(8, 512, 4), (4, 1024, 4), (16, 256, 4)],
+             2: [(4, 512, 4), (8, 256, 4), (2, 1024, 4)],
+             4: [(4, 256, 4), (2, 512, 4), (8, 128, 4)],
+             8: [(2, 256, 4), (4, 128, 4), (1, 512, 4)]}[block_m]
+    limit = mma_block_k_limit(weight) if weight.block is not None else 1 << 30
+    # Block scales: a tile lies in one scale block along K; keep the tile's size.
+    return [(min(64, bn * bk // min(bk, limit)), min(bk, limit), w) for bn, bk, w in tiles]
+
+
+def _gemv_config(rows: int, n: int, k: int, tile: tuple[int, int, int],
+                 split: int | None = None) -> WeightOnlyConfig:
+    block_n, block_k, warps = tile
+    return WeightOnlyConfig(True, block_n, block_k, warps,
+                            split_k=_split_k(triton.cdiv(n, block_n), k, block_k, split))
+
+
+def _mma_block_m(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
+
+
+def _mma_config(rows: int, n: int, weight: WeightOnly, block_n: int | None = None,
+                block_k: int = 64, num_warps: int | None = None, num_stages: int = 2
+                ) -> WeightOnlyConfig:
+    block_m = _mma_block_m(rows)
+    if block_n is None:
+        block_n = occupancy_block_n(rows, n, block_m)
+    block_k = min(block_k, mma_block_k_limit(weight))
+    if num_warps is None:
+        num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return WeightOnlyConfig(False, block_n, block_k, num_warps, block_m=block_m,
+                            num_stages=num_stages)
+
+
+def default_config(rows: int, n: int, k: int, weight: WeightOnly) -> WeightOnlyConfig:
+    """The fixed launch at ``rows`` rows: the GEMV up to MAX_GEMV_ROWS rows (or where no
+    MMA tile fits the weight's groups), the MMA kernel above."""
+    if rows <= MAX_GEMV_ROWS or mma_block_k_limit(weight) == 0:
+        return _gemv_config(rows, n, k, _gemv_tiles(rows, weight)[0])
+    return _mma_config(rows, n, weight)
+
+
+def candidate_configs(rows: int, n: int, k: int, weight: WeightOnly) -> list[WeightOnlyConfig]:
+    """What a start-up tuner may time at ``rows`` rows, ``default_config`` first."""
+    configs = [default_config(rows, n, k, weight)]
+    if configs[0].gemv:
+        for tile in _gemv_tiles(rows, weight):
+            split = _split_k(triton.cdiv(n, tile[0]), k, tile[1])
+            configs += [_gemv_config(rows, n, k, tile, s) for s in (split, 2 * split)]
+    else:
+        limit = mma_block_k_limit(weight)
+        for block_n, block_k, warps, stages in [(128, 64, 4, 3), (64, 64, 4, 3),
+                                                (32, 64, 4, 3), (128, 32, 4, 4),
+                                                (128, 64, 8, 3), (256, 64, 8, 3)]:
+            configs.append(_mma_config(rows, n, weight, block_n, min(block_k, limit), warps,
+                                       stages))
+    unique: list[WeightOnlyConfig] = []
+    for config in configs:
+        if config not in unique:
+            unique.append(config)
+    return unique
+
+
+# ---- the call ----------------------------------------------------------------------------
+
+def _weight_operands(weight: WeightOnly) -> tuple[tuple, dict]:
+    """(w, scale, offset pointers, strides of w and scale) and the kind's constexprs."""
+    if isinstance(weight, IntGroupWeight):
+        scales = weight.scales.contiguous()
+        offsets = weight.offsets.contiguous() if weight.offsets is not None else scales
+        tensors = (weight.qweight, scales, offsets, weight.qweight.stride(0), scales.stride(0))
+        return tensors, dict(KIND=INT_WEIGHT, BITS=weight.bits, GROUP=weight.group_size,
+                             HAS_OFFSETS=weight.offsets is not None, BLOCK_SCALE_N=0,
+                             BLOCK_SCALE_K=1)
+    scale = weight.weight_scale
+    block_n, block_k = weight.block if weight.block is not None else (0, 1)
+    tensors = (weight.weight.view(torch.uint8), scale, scale, weight.weight.stride(0),
+               scale.stride(0) if weight.block is not None else 0)
+    return tensors, dict(KIND=FP8_WEIGHT, BITS=8, GROUP=1, HAS_OFFSETS=False,
+                         BLOCK_SCALE_N=block_n, BLOCK_SCALE_K=block_k)
+
+
+def weight_only_gemm(x: torch.Tensor, weight: WeightOnly, bias: torch.Tensor | None = None,
+                     config: WeightOnlyConfig | None = None) -> torch.Tensor:
+    """x [M, K] (fp16, bf16, fp32), an IntGroupWeight or Fp8Weight (its activation scheme
+    ignored: weight-only), bias [N] or None -> [M, N] in x's dtype. Act order: x is
+    gathered by ``weight.perm`` first. The caller checks ``weight_only_unsupported``."""
+    if isinstance(weight, IntGroupWeight) and weight.perm is not None:
+        x = x.index_select(1, weight.perm)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, depth = x.shape
+    cols = weight.out_features
+    config = config or default_config(rows, cols, depth, weight)
+    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    (w, scale, offset, stride_w, stride_s), kind = _weight_operands(weight)
+    b = bias if bias is not None else y
+    if not config.gemv:
+        grid = (triton.cdiv(cols, config.block_n), triton.cdiv(rows, config.block_m))
+        scale_at_end = (kind["BLOCK_SCALE_N"] == 0 if kind["KIND"] == FP8_WEIGHT
+                        else weight.group_size == depth)
+        _weight_only_mma_kernel[grid](
+            x, w, scale, offset, b, y, rows, cols, depth, x.stride(0), stride_w, stride_s,
+            y.stride(0), **kind, SCALE_AT_END=scale_at_end, HAS_BIAS=bias is not None,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+            num_stages=config.num_stages)
+        return y
+    k_per_split = triton.cdiv(triton.cdiv(depth, config.split_k), config.block_k) * config.block_k
+    splits = triton.cdiv(depth, k_per_split)
+    block_m = _gemv_rows(rows)
+    group_tile = kind["KIND"] == INT_WEIGHT and (
+        weight.group_size % config.block_k == 0 or weight.group_size == depth)
+    out = y if splits == 1 else torch.empty((splits, rows, cols), dtype=torch.float32,
+                                            device=x.device)
+    grid = (triton.cdiv(cols, config.block_n), splits, triton.cdiv(rows, block_m))
+    _weight_only_gemv_kernel[grid](
+        x, w, scale, offset, b, out, rows, cols, depth, k_per_split, x.stride(0), stride_w,
+        stride_s, out.stride(-2), out.stride(0) if splits > 1 else 0, **kind,
+        GROUP_TILE=group_tile, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps)
+    if splits == 1:
+        return y
+    total = out.sum(dim=0)
+    if bias is not None:
+        total += bias.float()
+    return total.to(x.dtype)
+
+
+# From this many rows a prefill GEMM dequantizes the weight once (triton_dequantize) and
+# runs cuBLAS: the MMA kernel's per-tile dequantization measured 2.3-4.5x cuBLAS bf16 at
+# 4096 rows on an H200, while a dequantization pass costs about one weight write.
+# vLLM's AWQ layer switches at 256 tokens too; not yet tuned here.
+DENSE_PREFILL_ROWS = 256
+
+
+class WeightOnlyLinear(ConfiguredRoutine):
+    """The TRITON_WEIGHT_ONLY routine. From DENSE_PREFILL_ROWS rows (and no tuned config)
+    the weight is dequantized for one cuBLAS GEMM instead."""
+
+    def run(self, x, weight, bias, config):  # noqa: ANN001, ANN201
+        if config is None and x.shape[0] >= DENSE_PREFILL_ROWS:
+            return dequantized_linear(x, weight, bias)
+        return weight_only_gemm(x, weight, bias, config)

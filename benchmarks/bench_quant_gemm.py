@@ -1,0 +1,162 @@
+"""Quantized GEMMs against cuBLAS bf16 and torch._scaled_mm, at decode and prefill sizes.
+
+For each Llama-3-8B weight shape and each M (rows of activations), times every quantized
+kernel this build runs (the weight-only Triton kernel on int4 group 128, int4 group 32
+with offsets (GGUF Q4_K's repacked form), int8 per channel and fp8 per channel; the W8A8
+kernels: torch._scaled_mm fp8, Triton block fp8, Triton int8) beside dense cuBLAS bf16,
+each timed as CUDA-graph replays cycling through enough copies of the weight that L2
+cannot hold them (as a decode step's layers do). Each kernel is called through the
+layer routine the engine installs (its `prepare`, then calls), so activation
+quantization is inside the time. Prints µs, GB/s (weight bytes / time) and TFLOP/s;
+--out writes JSON.
+
+    python3 benchmarks/bench_quant_gemm.py [--m 1,16,256,4096] [--shapes qkv,o,gate_up,down]
+        [--iters 20] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from archserve.kernels.cuda_timing import graph_median_us  # noqa: E402
+from archserve.kernels.linear.quantized_weights import (  # noqa: E402
+    ACT_DYNAMIC_GROUP,
+    ACT_DYNAMIC_TOKEN,
+    ACT_NONE,
+    FP8_DTYPE,
+    Fp8Weight,
+    Int8Weight,
+    IntGroupWeight,
+    pack_int_rows,
+)
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}
+L2_BYTES = 256 << 20        # cycle through at least this much weight
+
+
+def int_group(n: int, k: int, bits: int, group: int, offsets: bool) -> IntGroupWeight:
+    q = torch.randint(0, 2 ** bits, (k, n), device="cuda", dtype=torch.int32)
+    scales = torch.rand(k // group, n, device="cuda") * 1e-3
+    offs = -scales * torch.randint(0, 2 ** bits, scales.shape, device="cuda") if offsets else None
+    return IntGroupWeight(pack_int_rows(q, bits), scales, offs, bits, group, k, n)
+
+
+def fp8(n: int, k: int, activation: str, block: bool) -> Fp8Weight:
+    w = torch.randn(n, k, device="cuda").clamp(-4, 4).to(FP8_DTYPE)
+    if block:
+        scale = torch.rand((n + 127) // 128, (k + 127) // 128, device="cuda") * 1e-3
+        return Fp8Weight(w, scale, activation, block=(128, 128))
+    return Fp8Weight(w, torch.rand(n, device="cuda") * 1e-3, activation)
+
+
+def int8(n: int, k: int) -> Int8Weight:
+    w = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+    return Int8Weight(w, torch.rand(n, device="cuda") * 1e-3, ACT_DYNAMIC_TOKEN)
+
+
+def weight_bytes(w) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(t.numel() * t.element_size() for t in vars(w).values()
+               if isinstance(t, torch.Tensor))
+
+
+# name -> (backend impl class path, weight factory)
+KERNELS = {
+    "w4a16 g128 (TRITON_WEIGHT_ONLY)":
+        ("triton_weight_only:WeightOnlyLinear", lambda n, k: int_group(n, k, 4, 128, False)),
+    "int4 g32+offset = Q4_K form (TRITON_WEIGHT_ONLY)":
+        ("triton_weight_only:WeightOnlyLinear", lambda n, k: int_group(n, k, 4, 32, True)),
+    "w8a16 channel (TRITON_WEIGHT_ONLY)":
+        ("triton_weight_only:WeightOnlyLinear", lambda n, k: int_group(n, k, 8, k, False)),
+    "fp8 weight-only (TRITON_WEIGHT_ONLY)":
+        ("triton_weight_only:WeightOnlyLinear", lambda n, k: fp8(n, k, ACT_NONE, False)),
+    "fp8 W8A8 channel (TORCH_SCALED_MM)":
+        ("fp8_gemm:ScaledMmFp8Linear", lambda n, k: fp8(n, k, ACT_DYNAMIC_TOKEN, False)),
+    "fp8 W8A8 block (TRITON_BLOCK_FP8)":
+        ("fp8_gemm:BlockFp8Linear", lambda n, k: fp8(n, k, ACT_DYNAMIC_GROUP, True)),
+    "int8 W8A8 (TRITON_INT8)": ("int8_gemm:Int8Linear", lambda n, k: int8(n, k)),
+}
+
+
+def impl(path: str):
+    import importlib
+    module, _, cls = path.partition(":")
+    return getattr(importlib.import_module(f"archserve.kernels.linear.{module}"), cls)()
+
+
+def time_cycled(call, weights: list, x: torch.Tensor, iters: int) -> float:
+    state = {"i": 0}
+
+    def run():
+        w = weights[state["i"] % len(weights)]
+        state["i"] += 1
+        return call(x, w)
+
+    # One graph replays every copy once per `reps` calls, so L2 never holds the weight.
+    us, _mode = graph_median_us(run, iters, reps=len(weights))
+    return us
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--m", default="1,16,256,4096")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--kernels", default="", help="substring filter on kernel names")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    header = f"{'shape':8s} {'M':>5s} {'kernel':48s} {'us':>9s} {'GB/s':>7s} {'TFLOP/s':>8s}"
+    print(header)
+    for shape in args.shapes.split(","):
+        n, k = SHAPES[shape]
+        for m in (int(v) for v in args.m.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            flops = 2.0 * m * n * k
+            dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.01
+            copies = max(1, L2_BYTES // weight_bytes(dense))
+            dense_list = [dense.clone() for _ in range(copies)]
+            entries = [("bf16 dense (cuBLAS)", lambda a, w: F.linear(a, w), dense_list)]
+            for name, (path, make) in KERNELS.items():
+                if args.kernels and args.kernels not in name:
+                    continue
+                routine = impl(path)
+                prepare = getattr(routine, "prepare", lambda w, dtype: w)
+                one = prepare(make(n, k), torch.bfloat16)
+                copies = max(1, L2_BYTES // weight_bytes(one))
+                prepared = [one] + [prepare(make(n, k), torch.bfloat16)
+                                    for _ in range(min(copies, 64) - 1)]
+                entries.append((name, lambda a, w, r=routine: r(a, w), prepared))
+            for name, call, weights in entries:
+                try:
+                    us = time_cycled(call, weights, x, args.iters)
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    print(f"{shape:8s} {m:5d} {name:48s} failed: {type(exc).__name__}: "
+                          f"{str(exc)[:120]}")
+                    continue
+                gbs = weight_bytes(weights[0]) / us / 1e3
+                row = dict(shape=shape, m=m, kernel=name, us=us, gb_s=gbs,
+                           tflops=flops / us / 1e6)
+                rows.append(row)
+                print(f"{shape:8s} {m:5d} {name:48s} {us:9.1f} {gbs:7.0f} "
+                      f"{row['tflops']:8.1f}", flush=True)
+            del entries
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

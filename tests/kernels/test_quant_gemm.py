@@ -1,0 +1,679 @@
+"""The quantized GEMM kernels (weight-only, FP8 W8A8, INT8 W8A8) against reference_linear,
+the weight-only ones also against a float64 product with the dequantized weight, and
+their backends' rules.
+
+On CPU the kernels run under Triton's interpreter in a child process (as the other Triton
+test files do) at small shapes; the interpreter cannot run a bf16 tl.dot (it multiplies
+the raw bf16 bits), so bf16 is checked there only where the kernel does not multiply in
+bf16 (the GEMV, and the 8-bit W8A8 kernels). torch._scaled_mm has no CPU FP8 kernel: its
+tests are GPU-only. On a GPU the ``gpu``-marked tests run the compiled kernels at
+Llama-3-8B's shapes and inside a CUDA graph.
+
+Tolerances (``assert_close``): a kernel's output may differ from the reference by one
+unit in the last place of the output dtype (both round an fp32 sum that was added up in
+another order) plus ``floor`` x max|reference| for the fp32 sums themselves; the floor is
+1e-5, and FP8_FLOOR for FP8 tensor-core products on a GPU. Quantized activations must
+equal the reference's bit for bit, the reference evaluated on the CPU (see ``oracle``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+from archserve.kernels.linear.quantized_weights import (
+    ACT_DYNAMIC_GROUP,
+    ACT_DYNAMIC_TOKEN,
+    ACT_NONE,
+    ACT_STATIC_TENSOR,
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Weight,
+    Int8Weight,
+    IntGroupWeight,
+    dequantize,
+    dequantize_activation,
+    pack_int_rows,
+    quantize_activation_fp8,
+    quantize_activation_int8,
+    reference_linear,
+)
+from archserve.kernels.rules import triton_interpreted
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ (triton_interpreter)
+INTERPRETED = triton_interpreted()
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+
+# Relative size of one unit in the last place (an upper bound, normal numbers).
+ULP = {torch.float32: 2.0 ** -22, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+ROWS = [1, 2, 3, 4, 5, 16, 33, 128]
+# FP8 tensor-core products on a GPU: Hopper adds the products inside an MMA with fewer bits
+# than fp32 (truncating), so sums drift by a few 1e-4 of the largest output (measured on an
+# H200 through torch._scaled_mm); fp32 products elsewhere stay within the 1e-5 floor.
+FP8_FLOOR = 1e-3
+
+
+# ---- operands (plain torch, any device) -------------------------------------------------
+
+def _generator(*seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(hash(seed) % (2 ** 31))
+
+
+def int_group_weight(n: int, k: int, bits: int, group: int, asym: bool, act_order: bool,
+                     scale_dtype: torch.dtype = torch.float16, device: str = "cpu"
+                     ) -> IntGroupWeight:
+    g = _generator(n, k, bits, group, asym, act_order)
+    q = torch.randint(0, 2 ** bits, (k, n), generator=g)
+    scales = (torch.rand(k // group, n, generator=g) * 0.02 + 0.002) / (2 ** (bits - 4))
+    scales = scales.to(scale_dtype)
+    offsets = None
+    if asym:
+        zeros = torch.randint(0, 2 ** bits, (k // group, n), generator=g).float()
+        offsets = (-zeros * scales.float()).to(scale_dtype)
+    perm = torch.randperm(k, generator=g) if act_order else None
+    w = IntGroupWeight(pack_int_rows(q, bits), scales, offsets, bits, group, k, n, perm)
+    w.validate()
+    return _to(w, device)
+
+
+def fp8_weight(n: int, k: int, block: tuple[int, int] | None, activation: str = ACT_NONE,
+               device: str = "cpu") -> Fp8Weight:
+    g = _generator(n, k, 8, *(block or (0, 0)))
+    values = (torch.randn(n, k, generator=g) * 120).clamp(-FP8_MAX, FP8_MAX)
+    values[0, : min(k, 16)] = torch.tensor([2.0 ** -9, -(2.0 ** -8), 0.0, 448.0] * 4)[: min(k, 16)]
+    if block is None:
+        scale = torch.rand(n, generator=g) * 1e-3 + 1e-4
+    else:
+        scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 1e-3 + 1e-4
+    input_scale = torch.tensor(0.03) if activation == ACT_STATIC_TENSOR else None
+    return _to(Fp8Weight(values.to(FP8_DTYPE), scale, activation, block, input_scale), device)
+
+
+def int8_weight(n: int, k: int, activation: str, device: str = "cpu") -> Int8Weight:
+    g = _generator(n, k, 127)
+    values = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 1e-3 + 1e-4
+    input_scale = torch.tensor(0.03) if activation == ACT_STATIC_TENSOR else None
+    return _to(Int8Weight(values, scale, activation, input_scale), device)
+
+
+def _to(w, device: str):
+    for name, value in vars(w).items():
+        if isinstance(value, torch.Tensor):
+            setattr(w, name, value.to(device))
+    return w
+
+
+def activations(rows: int, k: int, dtype: torch.dtype, device: str, seed: int = 0
+                ) -> torch.Tensor:
+    x = torch.randn(rows, k, generator=_generator(rows, k, seed)) * 2
+    if rows > 1:
+        x[1] = 0.0                        # a zero row: the scale floor, no 0/0
+    return x.to(dtype).to(device)
+
+
+def bias_for(n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.randn(n, generator=_generator(n, 3)).to(dtype).to(device)
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+                 floor: float = 1e-5) -> None:
+    assert got.dtype == dtype and got.shape == expected.shape
+    expected = expected.double()
+    err = (got.double() - expected).abs()
+    bound = ULP[dtype] * expected.abs() + floor * expected.abs().max().clamp(min=1e-30)
+    worst = (err - bound).argmax()
+    assert bool((err <= bound).all()), (
+        f"{int((err > bound).sum())} of {err.numel()} outside; worst got "
+        f"{got.flatten()[worst].item()} expected {expected.flatten()[worst].item()}")
+
+
+def oracle(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """reference_linear, with W8A8 activations quantized on the CPU. On CUDA, torch divides
+    by a Python number as a multiply by its fp32 reciprocal (the CPU divides), so there
+    reference_linear's per-token and per-group scales (absmax / FP8_MAX, / INT8_MAX) move
+    by an ulp and x / scale crosses rounding ties differently; the kernels divide exactly."""
+    activation = getattr(w, "activation", ACT_NONE)
+    if x.device.type == "cpu" or activation == ACT_NONE:
+        return reference_linear(x, w, bias)
+    quantize = quantize_activation_fp8 if isinstance(w, Fp8Weight) else quantize_activation_int8
+    input_scale = w.input_scale.cpu() if w.input_scale is not None else None
+    q, scale = quantize(x.cpu(), activation, input_scale)
+    y = dequantize_activation(q.to(x.device), scale.to(x.device)) @ dequantize(w).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def check_weight_only(x: torch.Tensor, w, bias: torch.Tensor | None, config=None) -> None:
+    from archserve.kernels.linear.triton_weight_only import (
+        weight_only_gemm,
+        weight_only_unsupported,
+    )
+    assert weight_only_unsupported(x, w, bias) is None
+    got = weight_only_gemm(x, w, bias, config)
+    assert_close(got, reference_linear(x, w, bias), x.dtype)
+    x64 = x.double()[:, w.perm] if getattr(w, "perm", None) is not None else x.double()
+    exact = x64 @ dequantize(w).double().t() + (bias.double() if bias is not None else 0)
+    assert_close(got, exact, x.dtype)
+
+
+def check_w8a8(gemm, x: torch.Tensor, w, bias: torch.Tensor | None, floor: float = 1e-5,
+               **kwargs) -> None:
+    assert_close(gemm(x, w, bias, **kwargs), oracle(x, w, bias), x.dtype, floor)
+
+
+def check_activation_quantization(x: torch.Tensor, activation: str) -> None:
+    from archserve.kernels.linear.fp8_gemm import quantize_fp8_activation
+    from archserve.kernels.linear.int8_gemm import quantize_int8_activation
+    input_scale = torch.tensor(0.05, device=x.device)
+    x_cpu, scale_cpu = x.cpu(), input_scale.cpu()   # the reference divides exactly there
+    if activation != ACT_DYNAMIC_GROUP:
+        q, s = quantize_int8_activation(x, activation, input_scale)
+        rq, rs = quantize_activation_int8(x_cpu, activation, scale_cpu)
+        assert torch.equal(q.cpu(), rq) and torch.equal(s.cpu(), rs.expand_as(s))
+    q, s = quantize_fp8_activation(x, activation, input_scale)
+    rq, rs = quantize_activation_fp8(x_cpu, activation, scale_cpu)
+    assert torch.equal(q.view(torch.uint8).cpu(), rq.view(torch.uint8))
+    assert torch.equal(s.cpu(), rs.expand_as(s))
+
+
+# ------------------------------------------------------------------- anywhere (no kernel)
+
+def test_config_keys_round_trip_and_rules_pick_the_kernel():
+    from archserve.kernels.linear import fp8_gemm, int8_gemm
+    from archserve.kernels.linear.gemm_tiles import TileConfig
+    from archserve.kernels.linear.triton_weight_only import (
+        MAX_GEMV_ROWS,
+        WeightOnlyConfig,
+        candidate_configs,
+        default_config,
+    )
+    weights = [int_group_weight(64, 256, 4, 32, True, False),
+               int_group_weight(64, 256, 8, 256, False, False),
+               fp8_weight(64, 256, None), fp8_weight(64, 256, (128, 64))]
+    for w in weights:
+        # The K extent one MMA tile may span: one scale group or block (K: one group).
+        span = getattr(w, "group_size", None) or (w.block[1] if w.block else 256)
+        for rows in ROWS:
+            configs = candidate_configs(rows, 64, 256, w)
+            assert configs[0] == default_config(rows, 64, 256, w)
+            assert len(configs) == len(set(configs)) > 1
+            for c in configs:
+                assert WeightOnlyConfig.from_key(c.key()) == c
+                assert c.gemv == (rows <= MAX_GEMV_ROWS)
+                if c.gemv:   # the fp32 accumulator: at most 32 values per thread
+                    block_m = 1 << (rows - 1).bit_length()
+                    values = block_m * c.block_n * c.block_k
+                    if isinstance(w, IntGroupWeight):
+                        values //= w.pack
+                    assert values <= 32 * 32 * c.num_warps
+                else:
+                    assert c.block_k >= 16 and span % c.block_k == 0
+                    assert c.block_m >= min(rows, 128)
+    for rows in ROWS:
+        for module in (fp8_gemm, int8_gemm):
+            tiles = module.candidate_configs(rows, 4096)
+            assert tiles[0] == module.default_config(rows, 4096)
+            assert all(TileConfig.from_key(t.key()) == t for t in tiles)
+            assert all(t.block_m >= min(rows, 128) for t in tiles)
+
+
+def test_split_k_fills_the_gpu_only_where_n_is_narrow():
+    from archserve.kernels.linear.triton_weight_only import default_config
+    w4 = int_group_weight(64, 256, 4, 128, False, False)
+    narrow = default_config(1, 4096, 4096, w4)
+    wide = default_config(1, 28672, 4096, w4)
+    assert narrow.gemv and narrow.split_k > 1
+    assert wide.split_k == 1
+    assert 4096 // narrow.block_n * narrow.split_k >= 256
+
+
+def test_unsupported_operands_are_named():
+    from archserve.kernels.linear.fp8_gemm import block_fp8_unsupported, scaled_mm_unsupported
+    from archserve.kernels.linear.int8_gemm import int8_unsupported
+    from archserve.kernels.linear.triton_weight_only import weight_only_unsupported
+    x = torch.zeros(2, 256, dtype=torch.float16)
+    w4 = int_group_weight(32, 256, 4, 64, False, False)
+    assert weight_only_unsupported(x, w4, None) is None
+    assert "in_features" in weight_only_unsupported(torch.zeros(2, 128), w4, None)
+    assert "int8" in weight_only_unsupported(x.to(torch.int8), w4, None)
+    assert "bias" in weight_only_unsupported(x, w4, torch.zeros(3))
+    odd = IntGroupWeight(w4.qweight, torch.zeros(256 // 4, 32), None, 4, 4, 256, 32)
+    assert "multiple of the 8 values per int32" in weight_only_unsupported(x, odd, None)
+    per_channel = fp8_weight(32, 256, None, ACT_DYNAMIC_TOKEN)
+    block = fp8_weight(32, 256, (128, 128), ACT_DYNAMIC_GROUP)
+    assert weight_only_unsupported(x, per_channel, None) is None
+    assert weight_only_unsupported(x, block, None) is None
+    assert scaled_mm_unsupported(x, per_channel) is None
+    assert "block" in scaled_mm_unsupported(x, block)
+    assert "divisible by 16" in scaled_mm_unsupported(torch.zeros(2, 40),
+                                                      fp8_weight(24, 40, None, ACT_DYNAMIC_TOKEN))
+    assert block_fp8_unsupported(x, block) is None
+    assert "128-deep" in block_fp8_unsupported(x, per_channel)
+    assert "activation scheme" in block_fp8_unsupported(
+        x, fp8_weight(32, 256, (128, 128), ACT_DYNAMIC_TOKEN))
+    assert int8_unsupported(x, int8_weight(32, 256, ACT_DYNAMIC_TOKEN)) is None
+    assert "activation scheme" in int8_unsupported(x, int8_weight(32, 256, ACT_NONE))
+
+
+def test_backend_rules_name_the_hardware_reason():
+    from archserve.kernels.linear.quantized_backends import (
+        QUANTIZED_LINEAR_BACKENDS,
+        TorchScaledMmBackend,
+        TritonBlockFp8Backend,
+        TritonInt8Backend,
+        TritonWeightOnlyBackend,
+    )
+    from archserve.kernels.specs import LinearSpec
+    from archserve.platform.profiles import get_profile
+
+    activation = {"fp8": ACT_DYNAMIC_TOKEN, "int8": ACT_STATIC_TENSOR,
+                  "fp8_block": ACT_DYNAMIC_GROUP, "wna16": ACT_NONE}
+
+    def check(cls, profile, scheme, dtype=torch.float16, **spec):
+        spec = {"activation": activation[scheme], **spec}
+        return cls().check(get_profile(profile), LinearSpec(dtype=dtype, quant_scheme=scheme,
+                                                            **spec), libraries="all")
+
+    wo = TritonWeightOnlyBackend
+    for scheme in ("wna16", "fp8", "fp8_block"):
+        assert check(wo, "v100", scheme) is None and check(wo, "mi300x", scheme) is None
+    assert check(wo, "v100", "wna16", torch.bfloat16) == "bfloat16 needs SM80+, device is SM70"
+    assert check(wo, "a100", "wna16", torch.bfloat16) is None
+    assert check(wo, "cpu", "wna16") == "needs a CUDA or ROCm GPU, device is cpu"
+    assert "executes fp8, fp8_block, wna16 weights; this layer is int8" == check(wo, "h200", "int8")
+    assert check(TorchScaledMmBackend, "a100", "fp8") == "needs SM89+, device is SM80"
+    assert check(TorchScaledMmBackend, "v100", "fp8", torch.bfloat16) == \
+        "needs SM89+, device is SM70"
+    assert check(TorchScaledMmBackend, "l40s", "fp8") is None
+    assert check(TorchScaledMmBackend, "h200", "fp8", torch.bfloat16) is None
+    assert "divisible by 16" in check(TorchScaledMmBackend, "h200", "fp8", in_features=4100)
+    assert "fp8_block" in check(TorchScaledMmBackend, "h200", "fp8_block")
+    assert check(wo, "a10", "fp8", activation=ACT_STATIC_TENSOR) is None   # any scheme
+    assert "dynamic group" in check(TorchScaledMmBackend, "h200", "fp8",
+                                    activation=ACT_DYNAMIC_GROUP)
+    assert "dynamic token" in check(TritonBlockFp8Backend, "h200", "fp8_block",
+                                    activation=ACT_DYNAMIC_TOKEN)
+    assert "none" in check(TritonInt8Backend, "a100", "int8", activation=ACT_NONE)
+    assert check(TritonBlockFp8Backend, "a100", "fp8_block") == "needs SM89+, device is SM80"
+    assert check(TritonBlockFp8Backend, "h200", "fp8_block") is None
+    assert "divisible by 128" in check(TritonBlockFp8Backend, "h200", "fp8_block",
+                                       in_features=4160)
+    assert check(TritonInt8Backend, "t4", "int8") == "needs SM80+, device is SM75"
+    assert check(TritonInt8Backend, "a100", "int8") is None
+    assert check(TritonInt8Backend, "mi300x", "int8") is None
+    for cls in QUANTIZED_LINEAR_BACKENDS:
+        backend = cls()
+        assert backend.implemented and backend.library == "triton"
+        scheme = sorted(backend.formats)[0]
+        assert "triton" in backend.check(get_profile("h200"), LinearSpec(
+            quant_scheme=scheme, activation=activation[scheme]), libraries="none")
+        module, _, name = backend.impl_path.partition(":")
+        assert callable(getattr(importlib.import_module(module), name))
+
+
+# Compiling for a GPU needs no GPU: Triton's own ptxas and ld.lld ship with it.
+
+def _compile(kernel, target, pointers: dict[str, str], constexprs: dict):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+                 for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget(*target),
+                              options={"num_warps": 4})
+    return compiled.asm.get("ptx") or compiled.asm.get("amdgcn") or ""
+
+
+SM70, SM75, SM80, SM89, SM90 = (("cuda", c, 32) for c in (70, 75, 80, 89, 90))
+GFX942 = ("hip", "gfx942", 64)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+def test_kernels_compile_for_their_gpu_targets():
+    """Weight-only everywhere (fp16 on SM70, FP8 bytes without FP8 instructions); the
+    block-FP8 kernel to FP8 tensor-core instructions; the INT8 kernel to int8 mma."""
+    from archserve.kernels.linear import fp8_gemm, int8_gemm
+    from archserve.kernels.linear import triton_weight_only as wo
+    common = dict(GROUP=128, HAS_OFFSETS=True, BLOCK_SCALE_N=0, BLOCK_SCALE_K=1, HAS_BIAS=True,
+                  BITS=4)
+    mma = dict(common, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SCALE_AT_END=False)
+    gemv = {0: dict(common, GROUP_TILE=False, PARTIAL=False, BLOCK_M=2, BLOCK_N=32, BLOCK_K=32),
+            1: dict(common, GROUP_TILE=False, PARTIAL=True, BLOCK_M=2, BLOCK_N=4, BLOCK_K=128)}
+    # (target, activations, weight kind, kernel): both kernels and kinds in fp16 on SM70.
+    builds = [(SM70, "*fp16", kind, kernel) for kind in (0, 1) for kernel in ("mma", "gemv")]
+    builds += [(SM80, "*bf16", 0, "mma"), (SM80, "*bf16", 1, "mma"), (SM90, "*bf16", 1, "mma"),
+               (GFX942, "*bf16", 0, "mma"), (GFX942, "*fp16", 1, "gemv")]
+    for target, act, kind, kernel in builds:
+        ptrs = dict(x_ptr=act, w_ptr=("*i32", "*u8")[kind], scale_ptr="*fp32",
+                    offset_ptr="*fp32", b_ptr=act, y_ptr=act)
+        if kernel == "mma":
+            code = _compile(wo._weight_only_mma_kernel, target, ptrs,
+                            dict(mma, KIND=kind, SCALE_AT_END=target in (SM80, SM90)))
+        else:
+            code = _compile(wo._weight_only_gemv_kernel, target, ptrs, dict(gemv[kind], KIND=kind))
+        assert code, (target, kind, kernel)
+        if target[0] == "cuda":
+            assert "e4m3" not in code                    # no FP8 hardware needed
+        if target == SM80:
+            assert "mma.sync" in code
+    ptrs = dict(a_ptr="*fp8e4nv", a_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32",
+                b_ptr="*bf16", y_ptr="*bf16")
+    tile = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=True)   # 64 rows: wgmma
+    for target, instruction in [(SM89, r"mma\.sync\S*e4m3"), (SM90, r"wgmma\S*e4m3")]:
+        ptx = _compile(fp8_gemm._block_fp8_gemm_kernel, target, ptrs,
+                       dict(tile, GROUP_K=128, SCALE_BLOCK_N=128))
+        assert re.search(instruction, ptx), target
+    ptrs = dict(a_ptr="*i8", a_scale_ptr="*fp32", w_ptr="*i8", w_scale_ptr="*fp32",
+                b_ptr="*fp16", y_ptr="*fp16")
+    for target, instruction in [(SM80, r"mma\.sync\S*s8"), (SM90, r"wgmma\S*s8"),
+                                (GFX942, r"v_mfma_i32")]:
+        assert re.search(instruction, _compile(int8_gemm._int8_gemm_kernel, target, ptrs, tile))
+    with pytest.raises(Exception):  # noqa: B017 - Triton's compile error type varies
+        _compile(int8_gemm._int8_gemm_kernel, SM75, ptrs, tile)
+    for mode in (0, 1, 2):
+        assert _compile(fp8_gemm._quantize_fp8_kernel, SM89,
+                        dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", in_scale_ptr="*fp32"),
+                        dict(MODE=mode, BLOCK=128))
+    assert _compile(int8_gemm._quantize_int8_kernel, SM80,
+                    dict(x_ptr="*bf16", q_ptr="*i8", s_ptr="*fp32", in_scale_ptr="*fp32"),
+                    dict(STATIC=False, BLOCK=1024))
+
+
+# ---------------------------------------------------------------- CPU: the interpreter
+
+# (N, K, bits, group, asymmetric, act order, dtype): every group size (32/64/128/K), both
+# widths, sym and asym, act order, odd N, fp16/fp32 through both kernels, bf16 (GEMV).
+INT_CASES = [(40, 128, 4, 32, True, True, torch.float16),
+             (96, 256, 8, 128, False, False, torch.float16),
+             (33, 64, 4, 64, False, False, torch.float32),
+             (8, 256, 8, 256, True, True, torch.float16),
+             (96, 256, 4, 64, True, False, torch.bfloat16),
+             (40, 128, 8, 32, False, True, torch.bfloat16)]
+# (N, K, block, dtype)
+FP8_CASES = [(40, 256, None, torch.float16), (96, 128, (16, 128), torch.float16),
+             (33, 256, (32, 64), torch.float32), (40, 128, (128, 128), torch.bfloat16)]
+
+
+def _case_id(case) -> str:
+    return "-".join(str(v).replace("torch.", "") for v in case)
+
+
+if not INTERPRETED:
+
+    @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the compiled kernels are tested at real sizes")
+    def test_quant_gemm_under_interpreter():
+        from triton_interpreter import assert_passes_under_interpreter
+        assert_passes_under_interpreter(__file__, timeout=900)
+
+else:
+
+    import triton
+    import triton.language as tl
+
+    from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16, fp32_to_e4m3_bits
+
+    @triton.jit
+    def _e4m3_round_trip(x_ptr, q_ptr, back_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        q = fp32_to_e4m3_bits(tl.load(x_ptr + offs, mask=ok))
+        tl.store(q_ptr + offs, q, mask=ok)
+        tl.store(back_ptr + offs, e4m3_bits_to_fp16(q).to(tl.float32) * 256.0, mask=ok)
+
+    def test_e4m3_encoding_matches_torch_at_every_tie():
+        codes = torch.arange(256).to(torch.uint8)
+        values = codes.view(FP8_DTYPE).float()
+        values = values[values.isfinite()].unique()
+        mid = (values[1:] + values[:-1]) / 2
+        up, down = torch.full_like(mid, 1e9), torch.full_like(mid, -1e9)
+        x = torch.cat([values, mid, torch.nextafter(mid, up), torch.nextafter(mid, down),
+                       torch.randn(20000, generator=_generator(1)) * 30,
+                       torch.randn(2000, generator=_generator(2)) * 1e-2,
+                       torch.tensor([0.0, 1e-30, -1e-30, 2.0 ** -10])])
+        q = torch.empty(x.numel(), dtype=torch.uint8)
+        back = torch.empty(x.numel())
+        _e4m3_round_trip[(triton.cdiv(x.numel(), 8192),)](x, q, back, x.numel(),
+                                                          BLOCK=8192)
+        expected = x.to(FP8_DTYPE)
+        assert torch.equal(q, expected.view(torch.uint8))
+        assert torch.equal(back, expected.float())
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+    @pytest.mark.parametrize("activation", [ACT_DYNAMIC_TOKEN, ACT_STATIC_TENSOR,
+                                            ACT_DYNAMIC_GROUP])
+    def test_activation_quantization_is_the_reference_bit_for_bit(activation, dtype):
+        x = activations(5, 384, dtype, "cpu")
+        x[2, :6] = torch.tensor([0.5, 1.5, 2.5, -2.5, 6.35, 1e4]).to(dtype) * 0.05  # ties, clamp
+        check_activation_quantization(x, activation)
+
+    @pytest.mark.parametrize("case", INT_CASES, ids=_case_id)
+    def test_int_weight_only_every_row_count(case):
+        n, k, bits, group, asym, act_order, dtype = case
+        w = int_group_weight(n, k, bits, group, asym, act_order)
+        bias = bias_for(n, dtype, "cpu")
+        rows = ROWS if dtype != torch.bfloat16 else [r for r in ROWS if r <= 5]
+        for r in rows:
+            check_weight_only(activations(r, k, dtype, "cpu"), w, bias if r % 2 else None)
+
+    @pytest.mark.parametrize("case", FP8_CASES, ids=_case_id)
+    def test_fp8_weight_only_every_row_count(case):
+        n, k, block, dtype = case
+        w = fp8_weight(n, k, block)     # ACT_NONE: the reference keeps x unquantized too
+        bias = bias_for(n, dtype, "cpu")
+        rows = ROWS if dtype != torch.bfloat16 else [r for r in ROWS if r <= 5]
+        for r in rows:
+            check_weight_only(activations(r, k, dtype, "cpu"), w, bias if r % 2 else None)
+
+    def test_every_weight_only_candidate_computes_the_same():
+        from archserve.kernels.linear.triton_weight_only import candidate_configs
+        for w in (int_group_weight(40, 256, 4, 64, True, False, torch.float32),
+                  fp8_weight(40, 256, (16, 128))):
+            for rows in (1, 4, 33):
+                x = activations(rows, 256, torch.float16, "cpu", seed=1)
+                for config in candidate_configs(rows, 40, 256, w):
+                    check_weight_only(x, w, None, config)
+
+    def test_weight_only_scales_in_bf16_and_a_group_no_mma_tile_fits():
+        from archserve.kernels.linear.triton_weight_only import default_config
+        w = int_group_weight(24, 96, 8, 12, True, False, torch.bfloat16)   # groups of 12
+        assert default_config(20, 24, 96, w).gemv                        # MMA cannot tile it
+        for rows in (3, 20):
+            check_weight_only(activations(rows, 96, torch.float16, "cpu"), w,
+                              bias_for(24, torch.float16, "cpu"))
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+    @pytest.mark.parametrize("n,k,block", [(40, 256, (128, 128)), (96, 128, (32, 128))])
+    def test_block_fp8_gemm_every_row_count(n, k, block, dtype):
+        from archserve.kernels.linear.fp8_gemm import block_fp8_gemm
+        w = fp8_weight(n, k, block, ACT_DYNAMIC_GROUP)
+        bias = bias_for(n, dtype, "cpu")
+        for r in ROWS if dtype == torch.float16 else [1, 5, 33]:
+            check_w8a8(block_fp8_gemm, activations(r, k, dtype, "cpu"), w,
+                       bias if r % 2 else None)
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+    @pytest.mark.parametrize("activation", [ACT_DYNAMIC_TOKEN, ACT_STATIC_TENSOR])
+    def test_int8_gemm_every_row_count(activation, dtype):
+        from archserve.kernels.linear.int8_gemm import int8_gemm
+        bias = bias_for(40, dtype, "cpu")
+        for (n, k) in [(40, 200), (96, 128)]:
+            w = int8_weight(n, k, activation)
+            for r in ROWS if dtype == torch.float16 else [1, 5, 33]:
+                check_w8a8(int8_gemm, activations(r, k, dtype, "cpu"), w,
+                           bias[:n] if r % 2 and n == 40 else None)
+
+    def test_w8a8_candidate_tiles_compute_the_same():
+        from archserve.kernels.linear import fp8_gemm, int8_gemm
+        x = activations(20, 256, torch.float16, "cpu")
+        for config in fp8_gemm.candidate_configs(20, 40):
+            check_w8a8(fp8_gemm.block_fp8_gemm, x, fp8_weight(40, 256, (128, 128),
+                                                                ACT_DYNAMIC_GROUP), None,
+                       config=config)
+        for config in int8_gemm.candidate_configs(20, 40):
+            check_w8a8(int8_gemm.int8_gemm, x, int8_weight(40, 256, ACT_DYNAMIC_TOKEN), None,
+                       config=config)
+
+
+# ------------------------------------------------------------------ GPU: real shapes
+
+LLAMA_8B = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]
+GPU_ROWS = [1, 16, 256, 4096]
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability() if HAS_CUDA else (0, 0)
+
+
+needs_fp8 = pytest.mark.skipif(_capability() < (8, 9), reason="needs FP8 tensor cores (SM89+)")
+
+
+def _gpu_weight(kind: str, n: int, k: int):
+    if kind == "int4_g128_asym":
+        return int_group_weight(n, k, 4, 128, True, False, torch.bfloat16, "cuda")
+    if kind == "int8_channel_sym":
+        return int_group_weight(n, k, 8, k, False, False, torch.float32, "cuda")
+    if kind == "fp8_channel":
+        return fp8_weight(n, k, None, device="cuda")
+    return fp8_weight(n, k, (128, 128), device="cuda")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", ["int4_g128_asym", "int8_channel_sym", "fp8_channel",
+                                  "fp8_block"])
+@pytest.mark.parametrize("n,k", LLAMA_8B, ids=[f"{n}x{k}" for n, k in LLAMA_8B])
+def test_gpu_weight_only_real_shapes(n, k, kind):
+    w = _gpu_weight(kind, n, k)
+    bias = bias_for(n, torch.bfloat16, "cuda")
+    for rows in GPU_ROWS:
+        check_weight_only(activations(rows, k, torch.bfloat16, "cuda"), w,
+                          bias if rows == 16 else None)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", ["int4_g128_asym", "fp8_block"])
+def test_gpu_weight_only_every_candidate_fp16_and_act_order(kind):
+    from archserve.kernels.linear.triton_weight_only import candidate_configs
+    w = _gpu_weight(kind, 6144, 4096)
+    for rows in (1, 3, 16, 256):
+        x = activations(rows, 4096, torch.float16, "cuda")
+        for config in candidate_configs(rows, 6144, 4096, w)[:None if rows in (1, 16) else 1]:
+            check_weight_only(x, w, None, config)
+    for group in (32, 64):
+        w = int_group_weight(4096, 4096, 4, group, True, True, torch.float16, "cuda")
+        for rows in (2, 64):
+            check_weight_only(activations(rows, 4096, torch.float16, "cuda"), w, None)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("activation", [ACT_DYNAMIC_TOKEN, ACT_STATIC_TENSOR,
+                                        ACT_DYNAMIC_GROUP])
+def test_gpu_activation_quantization_is_the_reference_bit_for_bit(activation, dtype):
+    for rows, k in [(1, 4096), (300, 14336), (7, 384)]:
+        x = activations(rows, k, dtype, "cuda") * 3
+        check_activation_quantization(x, activation)
+
+
+@gpu
+@needs_cuda
+@needs_fp8
+@pytest.mark.parametrize("activation", [ACT_DYNAMIC_TOKEN, ACT_STATIC_TENSOR])
+@pytest.mark.parametrize("n,k", LLAMA_8B, ids=[f"{n}x{k}" for n, k in LLAMA_8B])
+def test_gpu_scaled_mm_fp8_real_shapes(n, k, activation):
+    from archserve.kernels.linear.fp8_gemm import scaled_mm_fp8
+    w = fp8_weight(n, k, None, activation, "cuda")
+    bias = bias_for(n, torch.bfloat16, "cuda")
+    for rows in GPU_ROWS:
+        check_w8a8(scaled_mm_fp8, activations(rows, k, torch.bfloat16, "cuda"), w,
+                   bias if rows == 16 else None, floor=FP8_FLOOR)
+
+
+@gpu
+@needs_cuda
+@needs_fp8
+def test_gpu_scaled_mm_fp16_fp32_bias_and_the_tensorwise_fallback():
+    from archserve.kernels.linear.fp8_gemm import rowwise_scaled_mm_works, scaled_mm_fp8
+    assert rowwise_scaled_mm_works(torch.device("cuda"))
+    w = fp8_weight(6144, 4096, None, ACT_DYNAMIC_TOKEN, "cuda")
+    for dtype in (torch.float16, torch.float32, torch.bfloat16):
+        bias = bias_for(6144, dtype, "cuda")
+        for rows in (1, 5, 256):
+            x = activations(rows, 4096, dtype, "cuda")
+            for rowwise in (True, False):
+                check_w8a8(scaled_mm_fp8, x, w, bias, floor=FP8_FLOOR, rowwise=rowwise)
+
+
+@gpu
+@needs_cuda
+@needs_fp8
+@pytest.mark.parametrize("n,k", LLAMA_8B, ids=[f"{n}x{k}" for n, k in LLAMA_8B])
+def test_gpu_block_fp8_real_shapes(n, k):
+    from archserve.kernels.linear.fp8_gemm import block_fp8_gemm, candidate_configs
+    w = fp8_weight(n, k, (128, 128), ACT_DYNAMIC_GROUP, "cuda")
+    bias = bias_for(n, torch.bfloat16, "cuda")
+    for rows in GPU_ROWS:
+        x = activations(rows, k, torch.bfloat16, "cuda")
+        check_w8a8(block_fp8_gemm, x, w, bias if rows == 16 else None, floor=FP8_FLOOR)
+        if (n, k) == (6144, 4096) and rows in (1, 256):
+            for config in candidate_configs(rows, n):
+                check_w8a8(block_fp8_gemm, x, w, None, floor=FP8_FLOOR, config=config)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.skipif(_capability() < (8, 0), reason="int8 tl.dot needs SM80+")
+@pytest.mark.parametrize("activation", [ACT_DYNAMIC_TOKEN, ACT_STATIC_TENSOR])
+@pytest.mark.parametrize("n,k", LLAMA_8B, ids=[f"{n}x{k}" for n, k in LLAMA_8B])
+def test_gpu_int8_real_shapes(n, k, activation):
+    from archserve.kernels.linear.int8_gemm import candidate_configs, int8_gemm
+    w = int8_weight(n, k, activation, "cuda")
+    bias = bias_for(n, torch.bfloat16, "cuda")
+    for rows in GPU_ROWS:
+        x = activations(rows, k, torch.bfloat16, "cuda")
+        check_w8a8(int8_gemm, x, w, bias if rows == 16 else None)
+        if (n, k) == (6144, 4096) and activation == ACT_DYNAMIC_TOKEN and rows in (1, 256):
+            for config in candidate_configs(rows, n):
+                check_w8a8(int8_gemm, x, w, None, config=config)
+
+
+@gpu
+@needs_cuda
+@needs_fp8
+def test_gpu_every_routine_replays_in_a_cuda_graph():
+    """Each backend's routine captured once in a CUDA graph gives, on replay with new
+    inputs, what it gives eagerly (the same kernels, so bit for bit)."""
+    from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, ScaledMmFp8Linear
+    from archserve.kernels.linear.int8_gemm import Int8Linear
+    from archserve.kernels.linear.triton_weight_only import WeightOnlyLinear
+    k = 4096
+    layers = [(WeightOnlyLinear(), _gpu_weight("int4_g128_asym", 4096, k)),   # GEMV, split K
+              (WeightOnlyLinear(), _gpu_weight("fp8_block", 6144, k)),
+              (ScaledMmFp8Linear(), fp8_weight(6144, k, None, ACT_DYNAMIC_TOKEN, "cuda")),
+              (BlockFp8Linear(), fp8_weight(6144, k, (128, 128), ACT_DYNAMIC_GROUP, "cuda")),
+              (Int8Linear(), int8_weight(6144, k, ACT_STATIC_TENSOR, "cuda"))]
+    for rows in (1, 16):
+        x = activations(rows, k, torch.bfloat16, "cuda")
+        outs = [routine(x, w) for routine, w in layers]          # eager warm-up (compiles)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [routine(x, w) for routine, w in layers]
+        for seed in (1, 2):
+            x.copy_(activations(rows, k, torch.bfloat16, "cuda", seed=seed))
+            graph.replay()
+            torch.cuda.synchronize()
+            for (routine, w), out in zip(layers, outs, strict=True):
+                assert torch.equal(out, routine(x, w)), type(routine).__name__
+                assert_close(out, oracle(x, w), torch.bfloat16, floor=FP8_FLOOR)
