@@ -75,9 +75,23 @@ def _llama_cpp_permute(weight, num_heads: int):
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def write_tiny_gguf(hf_dir: str, out_path: str) -> str:
-    """Write the HF checkpoint in ``hf_dir`` as an F32 GGUF file, the way llama.cpp's
-    converter lays it out (tensor names, q/k permutation for llama, BPE tokenizer)."""
+def _quantize_rows(data, type_name: str):
+    """GGUF blocks of ``type_name`` for a float32 [rows, cols] array: the legacy types by
+    the gguf package, the K-quants by libgguf (llama.cpp's own quantizer)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name.endswith("_K"):
+        import libgguf
+        return libgguf.quantize_rows(data, libgguf.GGMLQuantizationType[type_name]), qtype
+    return gguf.quants.quantize(data, qtype), qtype
+
+
+def write_tiny_gguf(hf_dir: str, out_path: str, linear_types=None) -> str:
+    """Write the HF checkpoint in ``hf_dir`` as a GGUF file, the way llama.cpp's converter
+    lays it out (tensor names, q/k permutation for llama, BPE tokenizer). Tensors are F32,
+    except linear weights for which ``linear_types(hf_name)`` names a GGUF type (Q4_K ...).
+    """
     import json
 
     import gguf
@@ -126,7 +140,13 @@ def write_tiny_gguf(hf_dir: str, out_path: str) -> str:
         if arch_name == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             data = _llama_cpp_permute(data, heads)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(data))
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        type_name = linear_types(name) if linear_types and name.endswith("proj.weight") else None
+        if type_name:
+            raw, qtype = _quantize_rows(np.ascontiguousarray(data), type_name)
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -28,6 +28,7 @@ class BenchOptions:
     model: str | None = None                    # None: the embedded default model
     load_format: str = "auto"
     dtype: str = "auto"
+    quantization: str | None = None             # None: the checkpoint's own
     num_prompts: int = 100
     input_len: int = 128
     output_len: int = 128
@@ -103,6 +104,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
     no_tokenizer = dummy_without_tokenizer(model_path, options.load_format)
     engine = LLMEngine(EngineConfig(
         model=model_path, dtype=options.dtype, load_format=options.load_format,
+        quantization=options.quantization,
         max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
         enforce_eager=options.enforce_eager, async_scheduling=options.async_scheduling,
         seed=options.seed,

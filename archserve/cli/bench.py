@@ -22,6 +22,7 @@ def bench(
     model: Annotated[str | None, typer.Option("--model", "-m", help="HF directory or .gguf file; default: the embedded SmolLM2-135M-Instruct. In serve mode: the served model's tokenizer.")] = None,
     load_format: Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy (random weights).")] = "auto",
     dtype: Annotated[str, typer.Option("--dtype", help="auto, bfloat16, float16, float32.")] = "auto",
+    quantization: Annotated[str | None, typer.Option("--quantization", "-q", help="Default: the checkpoint's own scheme; fp8 quantizes a 16-bit checkpoint at load.")] = None,
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="Requests to send.")] = 100,
     input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens per request.")] = 128,
     output_len: Annotated[int, typer.Option("--output-len", help="Output tokens per request.")] = 128,
@@ -53,7 +54,8 @@ def bench(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     options = BenchOptions(
-        mode=mode, model=model, load_format=load_format, dtype=dtype, num_prompts=num_prompts,
+        mode=mode, model=model, load_format=load_format, dtype=dtype,
+        quantization=quantization, num_prompts=num_prompts,
         input_len=input_len, output_len=output_len, random_range=random_range, seed=seed,
         dataset=dataset, ignore_eos=ignore_eos, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,

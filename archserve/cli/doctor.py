@@ -39,6 +39,8 @@ def _print_report(report) -> None:  # noqa: ANN001 - a DoctorReport
     from rich.markup import escape
     from rich.table import Table
 
+    from archserve.kernels.catalog import default_registry
+
     console = Console()
     d = report.device
     data = report.to_dict()
@@ -73,7 +75,10 @@ def _print_report(report) -> None:  # noqa: ANN001 - a DoctorReport
         why = [f"{x.backend}: {x.reason}" for x in r.route.rejected]
         why += [f"{name}: {reason}" for name, reason in r.others]
         backend = r.route.backend + (f" ({r.route.detail})" if r.route.detail else "")
-        table.add_row(op, escape(backend), r.route.ideal or "", escape("\n".join(why)))
+        ideal = r.route.ideal or ""
+        if ideal and not default_registry().get(r.route.op, ideal).implemented:
+            ideal += " (rules only)"
+        table.add_row(op, escape(backend), escape(ideal), escape("\n".join(why)))
     console.print(table)
     if report.can_run:
         console.print("[green]archserve can run here.[/green]")

@@ -72,6 +72,8 @@ def _print_explanation(result) -> None:  # noqa: ANN001 - an Explanation
     from rich.console import Console
     from rich.table import Table
 
+    from archserve.kernels.catalog import default_registry
+
     console = Console()
     d = result.device
     cap = f" {d.capability}" if d.capability else ""
@@ -81,12 +83,18 @@ def _print_explanation(result) -> None:  # noqa: ANN001 - an Explanation
     for decision in result.decisions:
         console.print(f"  {decision.what}: {decision.requested} -> {decision.chosen} "
                       f"({decision.reason})", markup=False)
+    if result.not_loadable:
+        console.print("[red]not loadable in this build:[/red] ", end="")
+        console.print(result.not_loadable, markup=False)
     table = Table()
     for column in ("layer", "backend", "ideal (hardware rules)", "rejected"):
         table.add_column(column)
+    registry = default_registry()
     for r in result.routes:
-        backend = r.backend + (f" ({r.detail})" if r.detail else "")
+        backend = (r.backend + (f" ({r.detail})" if r.detail else "")) if r.backend else "none"
         ideal = (r.ideal or "") + (f" ({r.ideal_detail})" if r.ideal_detail else "")
+        if r.ideal and not registry.get(r.op, r.ideal).implemented:
+            ideal += " (rules only)"
         rejected = "\n".join(f"{x.backend}: {x.reason}" for x in r.rejected)
         table.add_row(f"{r.layer}\n[dim]{r.op}[/dim]", backend, ideal, rejected)
     console.print(table)

@@ -18,10 +18,12 @@ BackendOpt = Annotated[str | None, typer.Option("--attention-backend", help="For
 EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")]
 LoadFormatOpt = Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")]
 MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Context length cap.")]
+QuantOpt = Annotated[str | None, typer.Option("--quantization", "-q", help="Default: the checkpoint's own scheme; fp8 quantizes a 16-bit checkpoint at load (checked against the checkpoint).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log the start-up route.")]
 
 
-def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_model_len, verbose):
+def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_model_len, verbose,
+            quantization=None):
     import logging
 
     from archserve.engine.config import EngineConfig
@@ -30,7 +32,8 @@ def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_mod
                         format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig(model=model, dtype=dtype, attention_backend=attention_backend,
                           enforce_eager=enforce_eager, load_format=load_format,
-                          max_model_len=max_model_len, max_num_seqs=8)
+                          max_model_len=max_model_len, max_num_seqs=8,
+                          quantization=quantization)
     return LLMEngine(config)
 
 
@@ -46,13 +49,14 @@ def generate(prompt: Annotated[str, typer.Argument(help="The prompt text.")],
              chat_template: Annotated[bool, typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template (default) or send it raw.")] = True,
              dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
              enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
-             max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False) -> None:
+             max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
+             quantization: QuantOpt = None) -> None:
     """Generate a completion for PROMPT, streamed to the terminal."""
     from archserve.engine.streaming import stream_text
     from archserve.loader.tokenizer import apply_chat_template
     try:
         engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
-                         max_model_len, verbose)
+                         max_model_len, verbose, quantization)
         params = _params(max_tokens, temperature, top_p, top_k, seed)
         request = (apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
                    if chat_template else prompt)
@@ -70,7 +74,8 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
          system: Annotated[str | None, typer.Option("--system", help="A system message.")] = None,
          dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
          enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
-         max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False) -> None:
+         max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
+         quantization: QuantOpt = None) -> None:
     """Chat with a model in the terminal; replies stream token by token.
 
     Type a message and press Enter. `/reset` clears the conversation, `/exit` (or
@@ -80,7 +85,7 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
     from archserve.loader.tokenizer import apply_chat_template
     try:
         engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
-                         max_model_len, verbose)
+                         max_model_len, verbose, quantization)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -13,12 +13,13 @@ from archserve.cli.generate import (
     LoadFormatOpt,
     MaxLenOpt,
     ModelOpt,
+    QuantOpt,
 )
 
 
 def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
             enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
-            max_model_len: MaxLenOpt = None,
+            max_model_len: MaxLenOpt = None, quantization: QuantOpt = None,
             max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Largest decode batch (CUDA graph sizes follow it).")] = 256,
             gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
             json_output: Annotated[bool, typer.Option("--json", help="Print the timings as JSON.")] = False) -> None:
@@ -40,6 +41,7 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
             model=model_path, dtype=dtype, attention_backend=attention_backend,
             enforce_eager=enforce_eager, load_format=load_format, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+            quantization=quantization,
             skip_tokenizer_init=dummy_without_tokenizer(model_path, load_format)))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -35,7 +35,9 @@ class EngineConfig:
     self_check: bool = True                  # roofline self-check of a decode step (GPU)
     # Accepted for vLLM compatibility:
     tensor_parallel_size: int = 1            # only 1 today
-    quantization: str | None = None          # None (from the checkpoint) or "gguf"
+    # None: the checkpoint's own; else a method checked against it ("fp8" on a 16-bit
+    # checkpoint quantizes it at load, as vLLM's online fp8).
+    quantization: str | None = None
     trust_remote_code: bool = False          # no effect: archserve never runs checkpoint code
     disable_log_stats: bool = False
 
@@ -53,8 +55,5 @@ class EngineConfig:
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: archserve runs "
                              "one GPU per engine today (tensor parallelism is not implemented)")
-        if self.quantization not in (None, "gguf"):
-            raise ValueError(f"quantization={self.quantization!r} is not supported; archserve "
-                             "loads unquantized checkpoints and GGUF files (dequantized)")
         if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

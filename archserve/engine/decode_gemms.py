@@ -9,17 +9,20 @@ the compiled kernels of this device, so a second start reads it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
 from archserve.engine.kernel_cache import device_kernel_dir
-from archserve.kernels.catalog import select_linear_backend
+from archserve.kernels.catalog import default_registry, select_linear_backend
 from archserve.kernels.linear.skinny_choice import LINEAR, SILU_MUL, WeightGroups
 from archserve.kernels.specs import LinearSpec
 from archserve.models.layers.embedding import LMHead
 from archserve.models.layers.linear import GateUpLinear, Linear, set_linear_routine
 from archserve.platform import DeviceInfo
+from archserve.quant.linear_state import quantized_layers
+from archserve.quant.plan import QuantPlan
 from archserve.routing.decision import Decision
 
 
@@ -30,13 +33,43 @@ def linear_weights_by_shape(model: torch.nn.Module) -> WeightGroups:
     groups: WeightGroups = {}
     seen: set[int] = set()
     for module in model.modules():
-        if not isinstance(module, (Linear, LMHead)) or id(module.weight) in seen:
+        if (not isinstance(module, (Linear, LMHead)) or getattr(module, "quant", None)
+                is not None or id(module.weight) in seen):
             continue
         seen.add(id(module.weight))
         w = module.weight
         kind = SILU_MUL if isinstance(module, GateUpLinear) else LINEAR
         groups.setdefault((kind, w.shape[0], w.shape[1], w.dtype), []).append(w)
     return groups
+
+
+def install_quantized_kernels(device: DeviceInfo, model: torch.nn.Module, plan: QuantPlan
+                              ) -> list[Decision]:
+    """Give every quantized layer the kernel the plan selected for its kind of layer (the
+    selection ``explain`` and the start-up decisions show). A layer whose shape that
+    kernel cannot take (a dimension it needs divisible) gets the next candidate for its
+    own shape; each such exception is returned as a decision."""
+    registry = default_registry()
+    kinds = {layer.quant: layer for layer in plan.layers if layer.selection is not None}
+    impls: dict[tuple, tuple[str, object]] = {}
+    decisions = []
+    for name, state in quantized_layers(model):
+        kind = kinds.get(state.quant)
+        if kind is None:
+            raise ValueError(f"{name}: no kernel was selected for {state.quant.describe()}")
+        spec = dataclasses.replace(kind.spec, in_features=state.in_features,
+                                   out_features=sum(state.rows))
+        backend = kind.selection.backend
+        why = backend.check(device, spec)
+        if why is not None:
+            backend = registry.select("linear", device, spec).backend
+            decisions.append(Decision(f"quantized linear {name}", kind.selection.name,
+                                      backend.name, why))
+        key = (backend.name, state.quant)
+        if key not in impls:
+            impls[key] = (backend.name, backend.make_impl(device, spec))
+        state.install_kernel(*impls[key])
+    return decisions
 
 
 def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torch.dtype,

@@ -14,7 +14,7 @@ from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.ceilings import load_or_measure
 from archserve.engine.config import EngineConfig
 from archserve.engine.cuda_graphs import default_graph_sizes
-from archserve.engine.decode_gemms import install_linear_route
+from archserve.engine.decode_gemms import install_linear_route, install_quantized_kernels
 from archserve.engine.kernel_cache import configure_kernel_caches
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.model_runner import ModelRunner
@@ -66,14 +66,20 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         device = startup.device_info_for(torch_device)
         model_path = config.model
-        probe_config = _peek_model_config(model_path)
+        probe_config, gguf_path = _peek_model_config(model_path)
         dtype, kv_cache_dtype, decisions = startup.resolve_precision(device, config, probe_config)
+        # Refused here, before any weight is read, when no kernel can run the checkpoint.
+        quant_plan = startup.plan_checkpoint_quantization(device, config, probe_config,
+                                                          gguf_path, dtype)
+        decisions += quant_plan.decisions
         scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
         decisions.append(scheduling)
         self.config = config = dataclasses.replace(
             config, async_scheduling=scheduling.chosen == "async")
         self.model, self.model_config = load_model(model_path, dtype=dtype, device=torch_device,
-                                                   load_format=config.load_format)
+                                                   load_format=config.load_format,
+                                                   quantization=quant_plan.config)
+        decisions += install_quantized_kernels(device, self.model, quant_plan)
         self.tokenizer = (None if config.skip_tokenizer_init
                           else load_tokenizer(config.tokenizer or model_path))
         load_s = startup.elapsed(t0)
@@ -133,7 +139,8 @@ class LLMEngine:
             graph_sizes=self.runner.graphs.set.sizes if graphs else [],
             graph_demoted=self.runner.graphs.set.demoted if graphs else {},
             graphs_off=graphs_off, kernel_cache=kernel_cache, kv_sizing=sizing,
-            routes=startup.model_routes(device, config, mc, dtype, kv_cache_dtype, selection),
+            routes=startup.model_routes(device, config, mc, dtype, kv_cache_dtype, selection,
+                                        is_gguf=gguf_path is not None),
             timings={"load_s": load_s, "select_and_canary_s": select_s,
                      "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s,
                      "cuda_graphs_s": graphs_s})
@@ -482,6 +489,6 @@ def visible_text_length(seq: Sequence) -> int:
 
 
 def _peek_model_config(model_path: str | None):
-    """The model's config without its weights (dtype decisions need only the config)."""
+    """(the model's config, its GGUF file or None), without its weights."""
     from archserve.loader.loader import load_model_config, resolve_model_path
-    return load_model_config(resolve_model_path(model_path))[0]
+    return load_model_config(resolve_model_path(model_path))

@@ -118,13 +118,17 @@ def cuda_graphs_off_reason(torch_device: torch.device, config: EngineConfig,
 
 
 def model_routes(device: DeviceInfo, config: EngineConfig, model_config, dtype: torch.dtype,
-                 kv_cache_dtype: str, attention: Selection) -> list:
+                 kv_cache_dtype: str, attention: Selection, is_gguf: bool = False) -> list:
     """The explain routes of the loaded model, with attention as actually selected here."""
+    import dataclasses
+
     from archserve.routing.dtypes import dtype_name
     from archserve.routing.explain import explain_model, route_from_selection
     from archserve.routing.model_summary import summary_from_hf_config
-    summary = summary_from_hf_config(model_config.hf_config.to_dict())
-    explanation = explain_model(device, summary, dtype_name(dtype), kv_cache_dtype)
+    summary = dataclasses.replace(summary_from_hf_config(model_config.hf_config.to_dict()),
+                                  is_gguf=is_gguf)
+    explanation = explain_model(device, summary, dtype_name(dtype), kv_cache_dtype,
+                                config.quantization)
     spec = attention_spec_of(config, model_config, dtype, kv_cache_dtype)
     return [route_from_selection(attention, "attention", device, spec) if r.op == "attention"
             else r for r in explanation.routes]
@@ -174,6 +178,22 @@ def resolve_async_scheduling(requested: bool | None, torch_device: torch.device)
                         "CUDA runs behind the host: the next step is built while this one runs")
     return Decision("scheduling", asked, "sync",
                     f"{torch_device.type} runs each op before returning: nothing to overlap")
+
+
+def plan_checkpoint_quantization(device: DeviceInfo, config: EngineConfig, model_config,
+                                 gguf_path: str | None, dtype: torch.dtype):
+    """The kernel of every kind of quantized layer, from config.json alone; raises
+    ValueError ("not loadable in this build: ...") when none can run one of them."""
+    from archserve.quant.config import resolve_quant_config
+    from archserve.quant.plan import plan_quantization
+
+    # A GGUF file stays quantized on GPUs (a dequantizing kernel reads it); CPUs expand it.
+    quant = resolve_quant_config(model_config.quantization_config, config.quantization,
+                                 gguf_path is not None, keep_gguf_quantized=device.is_gpu)
+    plan = plan_quantization(device, quant, dtype)
+    if plan.not_loadable:
+        raise ValueError(f"not loadable in this build: {plan.not_loadable}")
+    return plan
 
 
 def resolve_precision(device: DeviceInfo, config: EngineConfig, model_config):

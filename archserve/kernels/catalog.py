@@ -14,6 +14,7 @@ from archserve.kernels.attention.backends import (
     ATTENTION_FALLBACK,
     attention_priority,
 )
+from archserve.kernels.linear.quantized_backends import QUANTIZED_LINEAR_BACKENDS
 from archserve.kernels.linear.rules import LINEAR_BACKENDS, LINEAR_FALLBACK, linear_priority
 from archserve.kernels.mla.backends import MLA_BACKENDS, MLA_FALLBACK, mla_priority
 from archserve.kernels.moe.rules import MOE_BACKENDS, MOE_FALLBACK, moe_priority
@@ -36,7 +37,8 @@ def build_registry() -> Registry:
     for classes, op, priority, fallback in (
         (ATTENTION_BACKENDS, "attention", attention_priority, ATTENTION_FALLBACK),
         (MLA_BACKENDS, "mla_attention", mla_priority, MLA_FALLBACK),
-        (LINEAR_BACKENDS, "linear", linear_priority, LINEAR_FALLBACK),
+        (LINEAR_BACKENDS + QUANTIZED_LINEAR_BACKENDS, "linear", linear_priority,
+         LINEAR_FALLBACK),
         (MOE_BACKENDS, "moe", moe_priority, MOE_FALLBACK),
     ):
         for cls in classes:

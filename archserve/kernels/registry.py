@@ -212,6 +212,10 @@ class Registry:
         raise BackendError(f"no {op} backend can run this request; the fallback "
                            f"{fallback.name} said: {rejected[-1].reason}")
 
+    def ideal(self, op: str, device: DeviceInfo, spec: Any) -> str | None:
+        """The first candidate the hardware rules allow, whatever this build holds."""
+        return self._first_passing(op, device, spec, lambda b: b.hardware_rule(device, spec))
+
     def _first_passing(self, op: str, device: DeviceInfo, spec: Any,
                        reject: Callable[[Backend], str | None]) -> str | None:
         for name in self.priority(op, device, spec):

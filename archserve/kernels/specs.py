@@ -37,7 +37,10 @@ class LinearSpec:
     """A linear layer: dense (quant_scheme None) or one quantization scheme's GEMM."""
 
     dtype: torch.dtype = torch.bfloat16
-    quant_scheme: str | None = None       # e.g. "fp8", "awq", "gptq", "gguf"
+    quant_scheme: str | None = None       # a weight format: "fp8", "fp8_block", "int8", "wna16"
+    # How the checkpoint quantizes activations (quantized_weights.ACT_*): "none" for
+    # weight-only schemes; a W8A8 kernel needs the scheme it was built for.
+    activation: str = "none"
     in_features: int = 4096
     out_features: int = 4096
 

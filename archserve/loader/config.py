@@ -1,8 +1,9 @@
 """ModelConfig: the facts about a decoder that archserve needs, normalised from HF or GGUF.
 
 Hugging Face configs differ between model families and transformers versions (rope
-parameters moved from ``rope_theta``/``rope_scaling`` to ``rope_parameters``; Qwen2 has
-biases on q/k/v only; head_dim may be absent). This is the one place that reads them.
+parameters moved from ``rope_theta``/``rope_scaling`` to ``rope_parameters``, per layer
+type for Gemma 3; Qwen2 has biases on q/k/v only; head_dim may be absent; multimodal
+wrappers keep the decoder in ``text_config``). This is the one place that reads them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Any
 
 import torch
 
+from archserve.models.registry import default_architecture
+
 # Families whose attention has q/k/v biases regardless of the ``attention_bias`` field.
 _QKV_BIAS_ALWAYS = {"qwen2"}
-_QK_NORM = {"qwen3"}
+_QK_NORM = {"qwen3", "gemma3_text"}
 
 
 @dataclass
@@ -44,27 +47,50 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int]
     torch_dtype: torch.dtype | None
+    quantization_config: dict[str, Any] | None = None   # config.json's, as written
+    # Gemma-style switches; the defaults are Llama's.
+    hidden_activation: str = "silu"            # of the gated MLP
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power
+    final_logit_soft_cap: float | None = None
+    # The sliding-window layers' own RoPE where it differs (Gemma 3's local base).
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: dict[str, Any] | None = None
     hf_config: Any = field(default=None, repr=False)
 
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer_index: int) -> tuple[float, dict[str, Any] | None]:
+        """(base, scaling) of one layer's RoPE."""
+        if (self.sliding_rope_theta is not None
+                and self.layer_sliding_windows[layer_index] is not None):
+            return self.sliding_rope_theta, self.sliding_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
     @classmethod
     def from_hf_config(cls, hf_config: Any, generation_config: dict[str, Any] | None = None
                        ) -> ModelConfig:
         architectures = getattr(hf_config, "architectures", None) or []
         model_type = hf_config.model_type
-        architecture = architectures[0] if architectures else _default_architecture(model_type)
-        num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        num_layers = hf_config.num_hidden_layers
-        rope_theta, rope_scaling = _rope(hf_config)
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        architecture = architectures[0] if architectures else default_architecture(model_type)
+        # The decoder's facts; a multimodal wrapper (Gemma 3) keeps them in text_config.
+        text = _text_config(hf_config)
+        model_type = text.model_type
+        num_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        num_layers = text.num_hidden_layers
+        rope_theta, rope_scaling = _rope(text)
+        sliding_rope_theta, sliding_rope_scaling = _sliding_rope(text)
+        attention_bias = bool(getattr(text, "attention_bias", False))
         generation_config = generation_config or {}
-        eos = generation_config.get("eos_token_id", hf_config.eos_token_id)
-        bos = generation_config.get("bos_token_id", hf_config.bos_token_id)
-        window, per_layer = _sliding_windows(hf_config, num_layers)
+        eos = generation_config.get("eos_token_id", getattr(text, "eos_token_id", None))
+        bos = generation_config.get("bos_token_id", getattr(text, "bos_token_id", None))
+        window, per_layer = _sliding_windows(text, num_layers)
         # transformers 5 names it `dtype` (reading `torch_dtype` there logs a deprecation).
         dtype = (hf_config.dtype if hasattr(hf_config, "dtype")
                  else getattr(hf_config, "torch_dtype", None))
@@ -73,36 +99,48 @@ class ModelConfig:
         return cls(
             architecture=architecture,
             model_type=model_type,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            intermediate_size=hf_config.intermediate_size,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
+            intermediate_size=text.intermediate_size,
+            rms_norm_eps=float(text.rms_norm_eps),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            max_position_embeddings=text.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
             attention_bias=attention_bias or model_type in _QKV_BIAS_ALWAYS,
             o_proj_bias=attention_bias,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            mlp_bias=bool(getattr(text, "mlp_bias", False)),
             qk_norm=model_type in _QK_NORM,
             sliding_window=window,
             layer_sliding_windows=per_layer,
             bos_token_id=bos,
             eos_token_ids=_as_list(eos),
             torch_dtype=dtype if isinstance(dtype, torch.dtype) else None,
+            quantization_config=_quantization_config(hf_config),
+            hidden_activation=(getattr(text, "hidden_activation", None)
+                               or getattr(text, "hidden_act", None) or "silu"),
+            query_pre_attn_scalar=getattr(text, "query_pre_attn_scalar", None),
+            final_logit_soft_cap=getattr(text, "final_logit_softcapping", None),
+            sliding_rope_theta=sliding_rope_theta,
+            sliding_rope_scaling=sliding_rope_scaling,
             hf_config=hf_config,
         )
 
 
-def _default_architecture(model_type: str) -> str:
-    # GGUF-derived configs carry no `architectures`; the model type names the family.
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
-                model_type, f"{model_type}ForCausalLM")
+def _text_config(hf_config: Any) -> Any:
+    text = getattr(hf_config, "text_config", None)
+    return text if text is not None else hf_config
+
+
+def _quantization_config(hf_config: Any) -> dict[str, Any] | None:
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None or isinstance(config, dict):
+        return config
+    return config.to_dict()   # transformers may have parsed it into its own config object
 
 
 def _as_list(token_ids: Any) -> list[int]:
@@ -114,11 +152,30 @@ def _as_list(token_ids: Any) -> list[int]:
 
 
 def _rope(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(base, scaling) of the full-attention layers (of every layer, for most models)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if "full_attention" in params:   # one set per layer type (Gemma 3, transformers 5)
+        params = dict(params["full_attention"] or {})
     legacy = getattr(hf_config, "rope_scaling", None)
     if not params and legacy:
         params = dict(legacy)
-    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    return _theta_and_scaling(params, getattr(hf_config, "rope_theta", None))
+
+
+def _sliding_rope(hf_config: Any) -> tuple[float | None, dict[str, Any] | None]:
+    """The sliding-window layers' own (base, scaling), or (None, None) where they share
+    the others'. Gemma 3: ``rope_parameters["sliding_attention"]`` in transformers 5,
+    ``rope_local_base_freq`` in configs written by transformers 4."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("sliding_attention"):
+        return _theta_and_scaling(dict(params["sliding_attention"]), None)
+    local_base = getattr(hf_config, "rope_local_base_freq", None)
+    return (float(local_base), None) if local_base else (None, None)
+
+
+def _theta_and_scaling(params: dict[str, Any], fallback_theta: float | None
+                       ) -> tuple[float, dict[str, Any] | None]:
+    theta = params.pop("rope_theta", None) or fallback_theta or 10000.0
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return float(theta), None

@@ -1,7 +1,9 @@
 """Dummy weights: real shapes, random values, made directly on the target device.
 
 For benchmarks and tests of real model shapes without a checkpoint. Small uniform values
-keep activations finite through dozens of layers; norms keep their ones.
+keep activations finite through dozens of layers; norms are the identity. A quantized
+layer's checkpoint tensors get random bits (packed integers), values in [-1, 1] (fp8
+weights) and small scales, so its dequantized weight is as small as a dense one.
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
                              seed: int = 0) -> None:
     generator_device = next(model.parameters()).device
     generator = torch.Generator(device=generator_device).manual_seed(seed)
+    modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            # Gemma's norms scale by (1 + weight): their identity is 0.
+            owner = modules[name.rpartition(".")[0]]
+            param.fill_(getattr(owner, "identity_weight", 1.0))
+        elif param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            values = torch.empty(param.shape, device=param.device)
+            param.copy_(values.uniform_(-1.0, 1.0, generator=generator))
         elif param.is_floating_point():
             # uniform_ in the parameter's own dtype and device: no host round trip.
             param.uniform_(low, high, generator=generator)
+        elif param.dtype in (torch.int32, torch.int8, torch.uint8) and param.dim() == 2:
+            info = torch.iinfo(param.dtype)
+            param.random_(info.min, info.max, generator=generator)

@@ -4,6 +4,8 @@ Reading and dequantizing use the ``gguf`` package; names come from its HF->GGUF 
 name map, asked once for the names the model expects. llama.cpp's converter permutes the
 rows of q and k for the "llama" architecture (its RoPE kernel pairs adjacent elements,
 HF pairs the two halves); we undo that here so the model keeps one (neox) RoPE layout.
+For Gemma it stores every norm weight with 1 added (ggml's norm multiplies by the
+weight, Gemma's by 1 + weight); we subtract it again, so a GGUF loads like its HF original.
 
 transformers' ``load_gguf_checkpoint`` does the same but rebuilds the name map for every
 submodule of a full HF model (about 6 s on SmolLM2-135M) before dequantizing everything
@@ -13,13 +15,15 @@ into one dict; this reader streams tensor by tensor.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 
 import numpy as np
 import torch
 
 # GGUF architectures whose q/k rows were permuted by llama.cpp's converter.
 _PERMUTED_QK_ARCHITECTURES = {"llama"}
+# GGUF architectures whose "*_norm.weight" tensors were stored as 1 + weight.
+_UNIT_OFFSET_NORM_ARCHITECTURES = {"gemma", "gemma2", "gemma3"}
 
 
 def _open_reader(path: str):
@@ -67,12 +71,35 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+def _kept_quantized(tensor, hf_name: str, keep_quantized: Container[str], num_heads: int,
+                    num_kv_heads: int, permuted: bool):
+    """The tensor as integer groups (GgufGroups), or None when it is to be dequantized."""
+    import gguf
+
+    from archserve.quant.gguf_blocks import KEPT_QUANTIZED, GgufGroups, split_blocks
+
+    type_name = tensor.tensor_type.name
+    if hf_name not in keep_quantized or type_name not in KEPT_QUANTIZED:
+        return None
+    rows, cols = gguf.quants.quant_shape_from_byte_shape(tensor.data.shape, tensor.tensor_type)
+    weight = GgufGroups(split_blocks(type_name, np.asarray(tensor.data), rows, cols))
+    heads = {".attn_q.": num_heads, ".attn_k.": num_kv_heads}
+    for part, count in heads.items():
+        if permuted and part in tensor.name:
+            order = _unpermute_rows(np.arange(rows).reshape(rows, 1), count)[:, 0]
+            weight = weight.permute_rows(order)
+    return weight
+
+
 def iterate_gguf(path: str, hf_names: Iterable[str], num_layers: int, num_heads: int,
-                 num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+                 num_kv_heads: int, keep_quantized: Container[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, float32 tensor) for every GGUF tensor the model knows.
 
     Tensors with no HF counterpart among ``hf_names`` are yielded under their GGUF name,
     so the model's loader reports them as unexpected instead of silently dropping them.
+    Tensors named in ``keep_quantized`` whose type archserve keeps quantized come as
+    GgufGroups (integer groups, archserve.quant.gguf_blocks) instead.
     """
     import gguf
 
@@ -80,7 +107,14 @@ def iterate_gguf(path: str, hf_names: Iterable[str], num_layers: int, num_heads:
     architecture = _architecture(reader, path)
     names = gguf_to_hf_names(architecture, num_layers, hf_names)
     permuted = architecture in _PERMUTED_QK_ARCHITECTURES
+    norm_offset = architecture in _UNIT_OFFSET_NORM_ARCHITECTURES
     for tensor in reader.tensors:
+        hf_name = names.get(tensor.name, tensor.name)
+        kept = _kept_quantized(tensor, hf_name, keep_quantized, num_heads, num_kv_heads,
+                               permuted)
+        if kept is not None:
+            yield hf_name, kept
+            continue
         try:
             weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:
@@ -90,10 +124,12 @@ def iterate_gguf(path: str, hf_names: Iterable[str], num_layers: int, num_heads:
             weight = _unpermute_rows(weight, num_heads)
         elif permuted and ".attn_k." in tensor.name:
             weight = _unpermute_rows(weight, num_kv_heads)
+        if norm_offset and tensor.name.endswith("_norm.weight"):
+            weight = weight - 1.0
         weight = np.ascontiguousarray(weight, dtype=np.float32)
         if not weight.flags.writeable:  # unquantized tensors are views of the read-only map
             weight = weight.copy()
-        yield names.get(tensor.name, tensor.name), torch.from_numpy(weight)
+        yield hf_name, torch.from_numpy(weight)
 
 
 def read_metadata_int(path: str, key_suffix: str) -> int | None:

@@ -15,7 +15,10 @@ from archserve.loader.dummy import initialize_dummy_weights
 from archserve.loader.gguf_cache import cached_gguf_weights, caching_gguf_weights
 from archserve.loader.gguf_loader import find_gguf_file, iterate_gguf
 from archserve.loader.safetensors_loader import iterate_safetensors
+from archserve.models.layers.linear import deferred_linear_weights
 from archserve.models.registry import model_class_for
+from archserve.quant.config import QuantConfig, resolve_quant_config
+from archserve.quant.linear_state import attach_quantization, finalize_quantized_layers
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -58,13 +61,19 @@ def _with_progress(weights: Iterable[tuple[str, torch.Tensor]], description: str
 
 
 def load_model(model_path: str | None, dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu", load_format: str = "auto"
+               device: torch.device | str = "cpu", load_format: str = "auto",
+               quantization: str | QuantConfig | None = None
                ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for ``model_path`` on ``device`` in ``dtype`` and fill its weights.
 
     ``dtype`` None means the checkpoint's dtype (float32 when it names none, e.g. GGUF).
     ``load_format``: "auto" (GGUF for a .gguf file or a directory holding one, else
     safetensors), "safetensors", "gguf", or "dummy" (random weights of the real shapes).
+    ``quantization``: None (the checkpoint's own), a scheme name to check it against
+    ("fp8" on a 16-bit checkpoint quantizes it at load), or the QuantConfig the engine
+    resolved (archserve.quant.config.resolve_quant_config: it decides, for instance,
+    whether a GGUF file stays quantized). Quantized layers come back holding their
+    weights in the kernels' layout, ready for a kernel (engine start-up installs it).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -74,13 +83,24 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
         raise ValueError(f"{path}: load_format 'gguf' but no .gguf file there")
     if load_format == "safetensors" and gguf_path is not None:
         raise ValueError(f"{path}: load_format 'safetensors' but this is a GGUF model")
+    quant = (quantization if isinstance(quantization, QuantConfig) else
+             resolve_quant_config(config.quantization_config, quantization,
+                                  gguf_path is not None))
     dtype = dtype or config.torch_dtype or torch.float32
     device = torch.device(device)
     model_class = model_class_for(config.architecture)
-    with torch.device(device), _default_dtype(dtype):
+    deferred = deferred_linear_weights() if quant else contextlib.nullcontext()
+    with torch.device(device), _default_dtype(dtype), deferred:
         model = model_class(config)
+    if quant is not None:
+        attach_quantization(model, quant, device, dtype)
     if load_format == "dummy":
         initialize_dummy_weights(model)
+    elif gguf_path is not None and quant is not None:     # kept quantized: no dense cache
+        kept = {f"{name}.weight" for name in model.linear_checkpoint_modules()}
+        weights = iterate_gguf(gguf_path, model.checkpoint_shapes(), config.num_layers,
+                               config.num_heads, config.num_kv_heads, keep_quantized=kept)
+        model.load_weights(_with_progress(weights, f"Loading {os.path.basename(gguf_path)}"))
     elif gguf_path is not None:
         weights = cached_gguf_weights(gguf_path) or caching_gguf_weights(
             gguf_path, iterate_gguf(gguf_path, model.checkpoint_shapes(), config.num_layers,
@@ -88,4 +108,6 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
         model.load_weights(_with_progress(weights, f"Loading {os.path.basename(gguf_path)}"))
     else:
         model.load_weights(_with_progress(iterate_safetensors(path), "Loading safetensors"))
+    if quant is not None:
+        finalize_quantized_layers(model)
     return model.eval(), config

@@ -48,6 +48,13 @@ def transformers_model_from_gguf(path: str, hf_config: Any = None,
         raise ValueError(f"{path}: transformers could not map every GGUF tensor "
                          f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
     model.tie_weights()
-    # Buffers built in __init__ (rotary inverse frequencies) were left on the meta device.
+    # Buffers built in __init__ were left on the meta device: the rotary inverse
+    # frequencies, and Gemma's embedding scale (sqrt(hidden_size)).
     model.model.rotary_emb = type(model.model.rotary_emb)(hf_config)
+    embed = model.get_input_embeddings()
+    if hasattr(embed, "scalar_embed_scale"):
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale)
+    left = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    if left:
+        raise ValueError(f"{path}: transformers' model kept buffers on the meta device: {left}")
     return model.eval()

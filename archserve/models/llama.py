@@ -16,7 +16,7 @@ from torch import nn
 
 from archserve.models.layers.attention import Attention
 from archserve.models.layers.embedding import LMHead, VocabEmbedding
-from archserve.models.layers.linear import GateUpLinear, Linear, MergedLinear, QKVLinear
+from archserve.models.layers.linear import GateUpLinear, Linear, QKVLinear
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.rotary import RotaryEmbedding
 
@@ -31,6 +31,7 @@ _FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
+_SHARD_MODULES = {(fused, shard): hf for hf, (fused, shard) in _FUSED_SHARDS.items()}
 # Checkpoint entries that carry no weights we use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -109,10 +110,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    op_kinds = ("attention", "linear")      # what routing must find a backend for
+    # The decoder stack; a family with other layers (Gemma 3) swaps it and keeps the
+    # checkpoint handling below, which reads only module names.
+    model_class: type[nn.Module] = LlamaModel
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.model_class(config)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
@@ -129,22 +135,33 @@ class LlamaForCausalLM(nn.Module):
     # ---- weights -------------------------------------------------------------------------
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor a checkpoint must provide, by its Hugging Face name, with its shape."""
+        """Every tensor a checkpoint must provide, by its Hugging Face name, with its shape.
+
+        Linear layers answer for themselves (a quantized one stores scales, packed
+        integers ...); a fused layer answers once per checkpoint matrix it fuses.
+        """
         shapes: dict[str, tuple[int, ...]] = {}
-        modules = dict(self.named_modules())
+        for hf_module, (module, shard) in self.linear_checkpoint_modules().items():
+            for param in module.checkpoint_params():
+                shapes[f"{hf_module}.{param}"] = module.shard_shape(shard, param)
+        linears = {name for name, m in self.named_modules() if isinstance(m, Linear)}
         # named_parameters lists a tied lm_head weight once, under the embedding.
         for name, param in self.named_parameters():
-            module_name, _, param_name = name.rpartition(".")
-            module = modules[module_name]
-            if isinstance(module, MergedLinear):
-                prefix = module_name.rpartition(".")[0]
-                for hf_module, (fused, shard) in _FUSED_SHARDS.items():
-                    if module_name.endswith("." + fused) and shard in module.shard_names:
-                        shapes[f"{prefix}.{hf_module}.{param_name}"] = module.shard_shape(
-                            shard, param_name)
-            else:
+            if name.rpartition(".")[0] not in linears:
                 shapes[name] = tuple(param.shape)
         return shapes
+
+    def linear_checkpoint_modules(self) -> dict[str, tuple[Linear, str | None]]:
+        """HF module name -> (our linear layer, its shard) for every checkpoint linear."""
+        out: dict[str, tuple[Linear, str | None]] = {}
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            prefix, _, own = name.rpartition(".")
+            for shard in module.shard_names:
+                hf_module = name if shard is None else f"{prefix}.{_SHARD_MODULES[own, shard]}"
+                out[hf_module] = (module, shard)
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy (hf_name, tensor) pairs into the model, fusing q/k/v and gate/up.
@@ -154,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         """
         expected = self.checkpoint_shapes()
         params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
+        linears = self.linear_checkpoint_modules()
         loaded: set[str] = set()
         unexpected: list[str] = []
         mismatched: list[str] = []
@@ -166,23 +183,34 @@ class LlamaForCausalLM(nn.Module):
             if name not in expected:
                 unexpected.append(name)
                 continue
-            if tuple(tensor.shape) != expected[name]:
+            if not _same_shape(tuple(tensor.shape), expected[name]):
                 mismatched.append(f"{name}: checkpoint {tuple(tensor.shape)}, "
                                   f"model {expected[name]}")
                 continue
             module_path, _, param_name = name.rpartition(".")
-            prefix, _, module_name = module_path.rpartition(".")
-            if module_name in _FUSED_SHARDS:
-                fused, shard = _FUSED_SHARDS[module_name]
-                modules[f"{prefix}.{fused}"].load_shard(shard, param_name, tensor)
+            if module_path in linears:
+                module, shard = linears[module_path]
+                module.load_shard(shard, param_name, tensor.reshape(expected[name]))
             else:
                 with torch.no_grad():
                     params[name].copy_(tensor)
             loaded.add(name)
-        missing = sorted(set(expected) - loaded)
+        missing = sorted(n for n in set(expected) - loaded if not _optional(n, linears))
         if missing or unexpected or mismatched:
             raise ValueError(_weights_mismatch_message(missing, unexpected, mismatched))
         return loaded
+
+
+def _same_shape(got: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Equal up to size-1 dimensions: a per-tensor scale is stored as [], [1] or [1, 1]."""
+    return [d for d in got if d != 1] == [d for d in expected if d != 1]
+
+
+def _optional(name: str, linears: dict[str, tuple[Linear, str | None]]) -> bool:
+    """A tensor some checkpoints of the layer's format leave out (a symmetric zero point)."""
+    module_path, _, param = name.rpartition(".")
+    module = linears.get(module_path, (None, None))[0]
+    return module is not None and module.quant is not None and module.quant.optional(param)
 
 
 def _weights_mismatch_message(missing: list[str], unexpected: list[str],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from archserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from archserve.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -16,12 +17,36 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 
+def default_architecture(model_type: str) -> str:
+    # GGUF-derived configs carry no `architectures`; the model type names the family.
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM",
+            "gemma3": "Gemma3ForConditionalGeneration"}.get(
+                model_type, f"{model_type}ForCausalLM")
+
+
+def op_kinds_of_supported_architectures() -> set[str]:
+    """The op kinds (attention, linear, moe, mla_attention) some loadable model runs."""
+    return {op for cls in MODEL_REGISTRY.values() for op in getattr(cls, "op_kinds", ())}
+
+
+def architecture_unsupported(architecture: str) -> str | None:
+    """None when this build runs the architecture (an HF class name, or the GGUF/model-type
+    family name such as "llama"), else the reason."""
+    if architecture in MODEL_REGISTRY or default_architecture(architecture) in MODEL_REGISTRY:
+        return None
+    return (f"architecture {architecture!r} is not supported in this build (supported: "
+            f"{', '.join(sorted(MODEL_REGISTRY))})")
+
+
 def model_class_for(architecture: str) -> type[nn.Module]:
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
-                         f"{', '.join(sorted(MODEL_REGISTRY))}") from None
+    reason = architecture_unsupported(architecture)
+    if reason:
+        raise ValueError(reason)
+    return MODEL_REGISTRY.get(architecture) or MODEL_REGISTRY[default_architecture(architecture)]

@@ -1,9 +1,13 @@
-"""Degradation rules: how a quantized checkpoint runs on this device, and the decision said aloud.
+"""How a quantized checkpoint runs on a device: the kernel per kind of quantized layer, and
+the decision said aloud.
 
-Seed 000 §5.2's dual path, generalised: the scheme's native kernel where the silicon
-has it (FP8 on SM89+ -> CUTLASS_FP8), else the weight-only Marlin path (SM75-88),
-else - where vLLM refuses - weights dequantized to the model dtype at load
-(TORCH_DEQUANT), recorded as a decision.
+Seed 000 §5.2's dual path, made real: the scheme's native kernel where the silicon and
+this build have it (FP8 W8A8 through ``torch._scaled_mm`` on SM89+), else the Triton
+weight-only kernel (FP8 and integer weights dequantized in registers, from SM70), else
+the weight dequantized once at start-up (TORCH_DEQUANT: CPUs; it still quantizes a W8A8
+checkpoint's activations). Rules-only backends (the
+CUTLASS and Marlin kernels of vLLM) can be the *ideal*, never the route. The engine
+installs exactly the selections made here, so ``explain`` and start-up tell one story.
 """
 
 from __future__ import annotations
@@ -13,82 +17,87 @@ from dataclasses import dataclass, field
 import torch
 
 from archserve.kernels.catalog import default_registry
-from archserve.kernels.registry import LibraryAssumption, Selection
+from archserve.kernels.linear.quantized_weights import ACT_NONE
+from archserve.kernels.registry import BackendError, LibraryAssumption, Selection
 from archserve.kernels.specs import LinearSpec
 from archserve.platform.device import DeviceInfo
-from archserve.quant.schemes import QuantScheme, get_scheme
+from archserve.quant.config import LayerQuant, QuantConfig
 from archserve.routing.decision import Decision
 
-WEIGHT_ONLY_BACKENDS = ("MARLIN",)
+# Backends that run a W8A8 checkpoint's weights without quantizing its activations.
+WEIGHT_ONLY_BACKENDS = ("TRITON_WEIGHT_ONLY", "MARLIN")
+
+
+@dataclass
+class LayerPlan:
+    """One kind of quantized linear layer and the backend that runs it here."""
+
+    quant: LayerQuant
+    spec: LinearSpec
+    selection: Selection | None
+    error: str | None = None
 
 
 @dataclass
 class QuantPlan:
-    scheme: QuantScheme | None
-    linear_spec: LinearSpec            # what the linear layers ask the selector for
-    moe_format: str | None             # what the expert layers ask for
+    config: QuantConfig | None
+    layers: list[LayerPlan] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
 
+    @property
+    def moe_format(self) -> str | None:
+        return self.layers[0].quant.weight_format if self.layers else None
 
-def linear_path(device: DeviceInfo, scheme: QuantScheme, dtype: torch.dtype = torch.float16
-                ) -> str:
-    """The ideal linear backend for the scheme here, by hardware rules alone."""
-    if scheme.dequantized_at_load or scheme.weight_format is None:
-        return "TORCH_MATMUL"
-    spec = LinearSpec(dtype=dtype, quant_scheme=scheme.weight_format)
-    return default_registry().select("linear", device, spec, libraries="all").ideal or ""
-
-
-def fp8_path(device: DeviceInfo) -> str:
-    """Seed 000 §5.2: "native" (SM89+), "marlin" (SM75-88, weight-only) or "dequant"."""
-    ideal = linear_path(device, get_scheme("fp8"))
-    return {"CUTLASS_FP8": "native", "MARLIN": "marlin"}.get(ideal, "dequant")
+    @property
+    def not_loadable(self) -> str | None:
+        errors = [p.error for p in self.layers if p.error]
+        return "; ".join(errors) if errors else None
 
 
-def plan_quantization(device: DeviceInfo, method: str | None, dtype: torch.dtype
-                      ) -> QuantPlan:
-    """Which weight format the layers run and every degradation on the way."""
-    if method is None:
-        return QuantPlan(None, LinearSpec(dtype=dtype), None)
-    scheme = get_scheme(method)
-    dtype_text = str(dtype).removeprefix("torch.")
-    if scheme.dequantized_at_load:
-        why = (f"archserve's {scheme.display} loader dequantizes every tensor to {dtype_text} "
-               "at load, so its linear layers take the dense route of an unquantized model")
-        return QuantPlan(scheme, LinearSpec(dtype=dtype), None,
-                         [Decision("quantization", scheme.name, f"dense {dtype_text}", why)])
-
-    linear_spec = LinearSpec(dtype=dtype, quant_scheme=scheme.weight_format)
-    decisions: list[Decision] = []
-    unsupported = scheme.hardware_rule(device)
-    ideal = linear_path(device, scheme, dtype)
-    if unsupported:
-        decisions.append(Decision(
-            "quantization", scheme.name, "TORCH_DEQUANT",
-            f"{unsupported}; vLLM refuses, archserve dequantizes the weights to {dtype_text} "
-            "at load (correct, but slower and without the memory saving)"))
-    elif not scheme.native_backends:
-        decisions.append(Decision(
-            "quantization", scheme.name, "TORCH_DEQUANT",
-            f"no {scheme.weight_format} GEMM kernel is registered; weights dequantized to "
-            f"{dtype_text} at load"))
-    elif ideal not in scheme.native_backends:
-        native = default_registry().get("linear", scheme.native_backends[0])
-        why = native.hardware_rule(device, linear_spec) or "unavailable"
-        path = ("weight-only: weights dequantized inside the kernel, activations stay "
-                f"{dtype_text}" if ideal in WEIGHT_ONLY_BACKENDS
-                else f"weights dequantized to {dtype_text} at load")
-        decisions.append(Decision("quantization", f"{scheme.name} ({native.name})", ideal,
-                                  f"{native.name} {why}; {path}"))
-    else:
-        decisions.append(Decision("quantization", scheme.name, ideal or "TORCH_DEQUANT",
-                                  f"{scheme.display} runs its native kernel here"))
-    return QuantPlan(scheme, linear_spec, scheme.moe_format, decisions)
+def layer_spec(quant: LayerQuant, dtype: torch.dtype) -> LinearSpec:
+    return LinearSpec(dtype=dtype, quant_scheme=quant.weight_format, activation=quant.activation)
 
 
-def select_quantized_linear(device: DeviceInfo, plan: QuantPlan,
-                            libraries: LibraryAssumption = "installed",
-                            override: str | None = None) -> Selection:
-    """The linear backend for a plan (thin: the registry does the choosing)."""
-    return default_registry().select("linear", device, plan.linear_spec, libraries=libraries,
+def plan_quantization(device: DeviceInfo, config: QuantConfig | None, dtype: torch.dtype,
+                      libraries: LibraryAssumption = "installed") -> QuantPlan:
+    """The backend of every kind of quantized layer in ``config``, with the decision."""
+    plan = QuantPlan(config)
+    if config is None:
+        return plan
+    registry = default_registry()
+    for quant in dict.fromkeys(config.layers):          # distinct, in config order
+        spec = layer_spec(quant, dtype)
+        try:
+            selection = registry.select("linear", device, spec, libraries=libraries)
+        except BackendError as exc:
+            plan.layers.append(LayerPlan(quant, spec, None, f"{quant.describe()}: {exc}"))
+            continue
+        plan.layers.append(LayerPlan(quant, spec, selection))
+        plan.decisions.append(Decision("quantization", f"{config.method} {quant.describe()}",
+                                       selection.name, _reason(device, quant, spec, selection,
+                                                               dtype, libraries)))
+    return plan
+
+
+def _reason(device: DeviceInfo, quant: LayerQuant, spec: LinearSpec, selection: Selection,
+            dtype: torch.dtype, libraries: LibraryAssumption) -> str:
+    registry = default_registry()
+    chosen = selection.backend
+    parts = []
+    if selection.ideal and selection.ideal != chosen.name:
+        ideal = registry.get("linear", selection.ideal)
+        why = ideal.availability(device, libraries) or "it lost to a runtime check"
+        parts.append(f"ideal {ideal.name} is not used: {why}")
+    parts.append(f"{chosen.name}: {chosen.description}")
+    if quant.activation != ACT_NONE and chosen.name in WEIGHT_ONLY_BACKENDS:
+        parts.append(f"the checkpoint's {quant.activation.replace('_', ' ')} activation "
+                     f"quantization is not applied: activations stay "
+                     f"{str(dtype).removeprefix('torch.')}")
+    return "; ".join(parts)
+
+
+def select_layer_kernel(device: DeviceInfo, quant: LayerQuant, dtype: torch.dtype,
+                        override: str | None = None) -> Selection:
+    """The backend for one kind of layer (thin: the registry does the choosing)."""
+    return default_registry().select("linear", device, layer_spec(quant, dtype),
                                      override=override)

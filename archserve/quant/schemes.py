@@ -1,9 +1,9 @@
 """Quantization schemes (seed 000 §5.1): what each needs and which kernels can execute it.
 
 ``min_capability`` is today's vLLM ``get_min_capability()`` (docs/deviations.md lists
-where the seed differs). It is the least SM with a real kernel path; below it (and
-on CPUs) archserve still runs the model by dequantizing the weights at load - a
-degradation decided in archserve.quant.plan, never a silent one.
+where the seed differs): the least SM where vLLM has a kernel path. What archserve runs
+is decided per layer by archserve.quant.plan from the kernels this build has; which
+schemes this build can load at all is archserve.quant.config's (``LOADABLE_METHODS``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ class QuantScheme:
     native_backends: tuple[str, ...]       # the linear kernels that are the scheme's own path
     carries: str                           # what the checkpoint holds, for humans
     feature: str | None = None             # a Features flag the silicon must also have
-    dequantized_at_load: bool = False      # archserve's loader turns it dense at load
+    dequantized_at_load: bool = False      # archserve's GGUF loader turns it dense at load
+
+    @property
+    def loadable(self) -> bool:
+        """Whether archserve's loader reads checkpoints of this scheme."""
+        from archserve.quant.config import LOADABLE_METHODS
+        return self.name in LOADABLE_METHODS or self.name in ("fp8_block", "w8a8_int8")
 
     def hardware_rule(self, device: DeviceInfo) -> str | None:
         """None if some kernel path for this scheme exists on the device (vLLM's notion)."""
@@ -46,6 +52,8 @@ def _cap(n: int) -> Capability:
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     QuantScheme("gguf", "GGUF", _cap(60), None, None, (),
                 "k-quant / legacy ggml blocks", dequantized_at_load=True),
+    QuantScheme("compressed-tensors", "compressed-tensors", _cap(70), None, None, (),
+                "per-group config: fp8/int8 W8A8, fp8 block, packed int4/int8 W4A16/W8A16"),
     QuantScheme("gptq", "GPTQ", _cap(60), fmt.WNA16, fmt.WNA16, ("MARLIN",),
                 "int4/int8 weights, group scales, fp16 activations"),
     QuantScheme("bitsandbytes", "BitsAndBytes", _cap(70), fmt.BNB, None, (),
@@ -79,7 +87,7 @@ SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
                 "int4 weights, fp8 activations"),
 )}
 
-ALIASES = {"modelopt_fp8": "modelopt", "nvfp4": "modelopt_fp4", "bnb": "bitsandbytes",
+ALIASES = {"compressed_tensors": "compressed-tensors", "modelopt_fp8": "modelopt", "nvfp4": "modelopt_fp4", "bnb": "bitsandbytes",
            "mxfp8": "modelopt_mxfp8", "int8": "w8a8_int8"}
 
 
@@ -101,4 +109,9 @@ def scheme_from_config(quant_config: dict | None) -> str | None:
     if method == "modelopt":
         algo = str(quant_config.get("quant_algo", "fp8")).lower()
         return {"nvfp4": "modelopt_fp4", "mxfp8": "modelopt_mxfp8"}.get(algo, "modelopt")
-    return get_scheme(method).name if method else None
+    if not method:
+        return None
+    try:
+        return get_scheme(method).name
+    except ValueError:
+        return method     # unknown here: explain reports it as not loadable

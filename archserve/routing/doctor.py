@@ -13,8 +13,11 @@ from typing import Any
 from archserve.kernels.catalog import default_registry
 from archserve.kernels.registry import BackendError, LibraryAssumption
 from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
+from archserve.models.registry import op_kinds_of_supported_architectures
 from archserve.platform.device import DeviceInfo
 from archserve.platform.toolchain import Finding, arch_verdict, diagnose, three_layer_verdict
+from archserve.quant.config import explain_quant_config
+from archserve.quant.plan import plan_quantization
 from archserve.routing.decision import Decision
 from archserve.routing.dtypes import resolve_dtype
 from archserve.routing.explain import DEEPSEEK_V3_MLA, Route, device_dict, explain_op
@@ -99,11 +102,32 @@ def _op_report(device: DeviceInfo, op: str, spec: Any, libraries: LibraryAssumpt
     return OpReport(route, None, others)
 
 
+# The quantized layer kinds a checkpoint of each loadable scheme typically holds.
+QUANT_ROWS = {"linear fp8 W8A8": "fp8", "linear fp8 block": "fp8_block",
+              "linear int8 W8A8": "w8a8_int8", "linear int4 W4A16 (AWQ/GPTQ)": "awq"}
+
+
+def _quant_reports(device: DeviceInfo, dtype: Any, libraries: LibraryAssumption
+                   ) -> dict[str, OpReport]:
+    reports = {}
+    for label, scheme in QUANT_ROWS.items():
+        config = explain_quant_config(None, scheme)
+        layer = plan_quantization(device, config, dtype, libraries).layers[0]
+        reports[label] = (_op_report(device, "linear", layer.spec, libraries)
+                          if layer.error is None else OpReport(None, layer.error))
+    return reports
+
+
 def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed") -> DoctorReport:
     toolchain_ok, toolchain_text = three_layer_verdict(device)
     arch_ok, arch_text = arch_verdict(device)
     decisions, specs = _representative_specs(device)
-    ops = {op: _op_report(device, op, spec, libraries) for op, spec in specs.items()}
+    used = op_kinds_of_supported_architectures()
+    ops = {}
+    for op, spec in specs.items():
+        ops[op] = (_op_report(device, op, spec, libraries) if op in used else OpReport(
+            None, f"not loadable in this build: no supported architecture has {op} layers"))
+    ops.update(_quant_reports(device, specs["linear"].dtype, libraries))
     blockers = [f"{op}: {ops[op].error}" for op in REQUIRED_OPS if ops[op].error]
     if device.is_gpu and not toolchain_ok:
         # torch cannot drive this GPU (wrong build, runtime newer than the driver, ...).

@@ -13,9 +13,17 @@ from typing import Any
 import torch
 
 from archserve.kernels.catalog import default_registry
-from archserve.kernels.registry import LibraryAssumption, Rejection, Selection, override_from_env
+from archserve.kernels.registry import (
+    BackendError,
+    LibraryAssumption,
+    Rejection,
+    Selection,
+    override_from_env,
+)
 from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
+from archserve.models.registry import architecture_unsupported
 from archserve.platform.device import DeviceInfo
+from archserve.quant.config import UnsupportedQuantization, explain_quant_config
 from archserve.quant.plan import plan_quantization
 from archserve.routing.decision import Decision
 from archserve.routing.dtypes import dtype_name, resolve_dtype, resolve_kv_cache_dtype
@@ -53,10 +61,11 @@ class Explanation:
     decisions: list[Decision]
     routes: list[Route]
     libraries: str = "installed"
+    not_loadable: str | None = None      # why this build cannot load the model, if it cannot
 
     def to_dict(self) -> dict[str, Any]:
         return {"device": device_dict(self.device), "dtype": dtype_name(self.dtype),
-                "libraries": self.libraries,
+                "libraries": self.libraries, "not_loadable": self.not_loadable,
                 "decisions": [d.to_dict() for d in self.decisions],
                 "routes": [r.to_dict() for r in self.routes]}
 
@@ -123,7 +132,8 @@ def explain_attention_request(device: DeviceInfo, op: str, head_size: int | None
     elif op == "attention":
         raise ValueError("--op attention needs --head-size")
     spec = AttentionSpec(dtype=torch_dtype, kv_cache_dtype=kv, block_size=block_size, **shape)
-    route = explain_op(device, op, spec, libraries, override=override)
+    route = (explain_op(device, op, spec, libraries, override=override) if override
+             else _route(device, op, spec, libraries, op, None))
     return Explanation(device, torch_dtype, decisions + kv_decisions, [route],
                        libraries_text(libraries))
 
@@ -131,12 +141,28 @@ def explain_attention_request(device: DeviceInfo, op: str, head_size: int | None
 def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
                   kv_cache_dtype: str = "auto", quantization: str | None = None,
                   libraries: LibraryAssumption = "installed") -> Explanation:
-    """One route per layer kind of the model: attention (or MLA), linear, MoE, lm_head."""
+    """One route per layer kind of the model: attention (or MLA), linear, MoE, lm_head.
+
+    A model this build cannot load (architecture or quantization) gets no route: the
+    explanation says why in ``not_loadable`` and shows each layer's ideal backend only.
+    """
     torch_dtype, decisions = resolve_dtype(device, dtype, model.dtype)
     kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype)
     decisions += kv_decisions
-    plan = plan_quantization(device, quantization or model.quantization, torch_dtype)
-    decisions += plan.decisions
+    not_loadable = architecture_unsupported(model.architecture)
+    try:
+        quant = explain_quant_config(model.quantization_config, quantization, model.is_gguf,
+                                     keep_gguf_quantized=device.is_gpu)
+    except UnsupportedQuantization as exc:
+        quant, not_loadable = None, "; ".join(filter(None, [not_loadable, str(exc)]))
+    plan = plan_quantization(device, quant, torch_dtype, libraries)
+    not_loadable = "; ".join(filter(None, [not_loadable, plan.not_loadable])) or None
+    if not_loadable is None:
+        decisions += plan.decisions
+    if model.is_gguf and quant is None and quantization in (None, "gguf"):
+        decisions.append(Decision("quantization", "gguf", f"dense {dtype_name(torch_dtype)}",
+                                  "archserve's GGUF loader dequantizes every tensor at load, so "
+                                  "its linear layers take the dense route"))
 
     attention = AttentionSpec(
         head_size=model.head_size, dtype=torch_dtype, kv_cache_dtype=kv,
@@ -146,16 +172,37 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
         qk_rope_head_dim=model.qk_rope_head_dim, qk_nope_head_dim=model.qk_nope_head_dim,
         v_head_dim=model.v_head_dim)
     op = "mla_attention" if model.use_mla else "attention"
-    routes = [explain_op(device, op, attention, libraries, layer="attention")]
-    routes.append(explain_op(device, "linear", plan.linear_spec, libraries,
-                             layer="linear (qkv, o, mlp)"))
+    routes = [_route(device, op, attention, libraries, "attention", not_loadable)]
+    if plan.layers:
+        for layer in plan.layers:
+            label = ("linear (qkv, o, mlp)" if len(plan.layers) == 1
+                     else f"linear ({layer.quant.describe()})")
+            routes.append(_route(device, "linear", layer.spec, libraries, label, not_loadable))
+    else:
+        routes.append(_route(device, "linear", LinearSpec(dtype=torch_dtype), libraries,
+                             "linear (qkv, o, mlp)", not_loadable))
     if model.is_moe:
         moe = MoESpec(dtype=torch_dtype, quant_scheme=plan.moe_format,
                       num_experts=model.num_experts, top_k=model.experts_per_token or 2,
                       hidden_size=model.hidden_size,
                       intermediate_size=model.intermediate_size)
-        routes.append(explain_op(device, "moe", moe, libraries, layer="moe experts"))
+        routes.append(_route(device, "moe", moe, libraries, "moe experts", not_loadable))
     # lm_head stays unquantized in every scheme archserve loads (as in vLLM by default).
-    routes.append(explain_op(device, "linear", LinearSpec(dtype=torch_dtype), libraries,
-                             layer="lm_head"))
-    return Explanation(device, torch_dtype, decisions, routes, libraries_text(libraries))
+    routes.append(_route(device, "linear", LinearSpec(dtype=torch_dtype), libraries, "lm_head",
+                         not_loadable))
+    return Explanation(device, torch_dtype, decisions, routes, libraries_text(libraries),
+                       not_loadable)
+
+
+def _route(device: DeviceInfo, op: str, spec: Any, libraries: LibraryAssumption, layer: str,
+           not_loadable: str | None) -> Route:
+    """The layer's route; with nothing that can run it (or an unloadable model), its ideal."""
+    registry = default_registry()
+    if not_loadable is None:
+        try:
+            return explain_op(device, op, spec, libraries, layer=layer)
+        except BackendError:
+            pass
+    ideal = registry.ideal(op, device, spec)
+    return Route(op=op, layer=layer, backend="", ideal=ideal,
+                 ideal_detail=_detail(op, ideal, device, spec))

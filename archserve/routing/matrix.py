@@ -51,17 +51,23 @@ def _row(group: str, name: str, base: MatrixRow, note: Callable[[DeviceInfo], st
     return MatrixRow(group, name, base.rule, base.implemented, note)
 
 
+# The activation quantization each format's native (W8A8) kernels are built for.
+_ACTIVATION_OF = {"fp8": "dynamic_token", "fp8_block": "dynamic_group", "int8": "dynamic_token"}
+
+
 def _linear(fmt: str) -> LinearSpec:
-    return LinearSpec(dtype=torch.float16, quant_scheme=fmt)
+    return LinearSpec(dtype=torch.float16, quant_scheme=fmt,
+                      activation=_ACTIVATION_OF.get(fmt, "none"))
 
 
 def _moe(fmt: str | None) -> MoESpec:
     return MoESpec(dtype=torch.float16, quant_scheme=fmt)
 
 
-def _scheme(group: str, name: str, scheme: str, implemented: bool = False) -> MatrixRow:
-    rule = get_scheme(scheme).hardware_rule
-    return MatrixRow(group, name, rule, implemented)
+def _scheme(group: str, name: str, scheme: str) -> MatrixRow:
+    """A scheme's row: vLLM's hardware rule; "implemented" when archserve loads it."""
+    found = get_scheme(scheme)
+    return MatrixRow(group, name, found.hardware_rule, found.loadable)
 
 
 def _fa_version(device: DeviceInfo) -> str:
@@ -106,6 +112,13 @@ def matrix_rows() -> list[MatrixRow]:
         _row(gemm, "Grouped GEMM", _backend("linear", "CUTLASS_GROUPED_GEMM",
                                             _linear("grouped"))),
         _row(gemm, "Marlin (weight-only)", _backend("linear", "MARLIN", _linear("wna16"))),
+        _row(gemm, "Triton weight-only (int4/int8/fp8)",
+             _backend("linear", "TRITON_WEIGHT_ONLY", _linear("wna16"))),
+        _row(gemm, "FP8 W8A8 (torch._scaled_mm)",
+             _backend("linear", "TORCH_SCALED_MM", _linear("fp8"))),
+        _row(gemm, "Block-wise FP8 (Triton)",
+             _backend("linear", "TRITON_BLOCK_FP8", _linear("fp8_block"))),
+        _row(gemm, "INT8 W8A8 (Triton)", _backend("linear", "TRITON_INT8", _linear("int8"))),
         _row(gemm, "Decode GEMV (Triton, fp16)", _backend("linear", "TRITON_SKINNY_GEMM",
                                                           LinearSpec(dtype=torch.float16))),
         _row(gemm, "Dense torch matmul", _backend("linear", "TORCH_MATMUL", LinearSpec())),
@@ -120,11 +133,12 @@ def matrix_rows() -> list[MatrixRow]:
         _row(moe, "FlashInfer CuteDSL MoE", _backend("moe", "FLASHINFER_CUTEDSL_MOE",
                                                      _moe("nvfp4"))),
         _row(moe, "PyTorch MoE", _backend("moe", "TORCH_MOE", _moe(None))),
-        _scheme(quant, "GGUF", "gguf", implemented=True),
+        _scheme(quant, "GGUF", "gguf"),
         _scheme(quant, "GPTQ", "gptq"),
         _scheme(quant, "BitsAndBytes", "bitsandbytes"),
         _scheme(quant, "AWQ", "awq"),
         _scheme(quant, "GPTQ-Marlin", "gptq_marlin"),
+        _scheme(quant, "compressed-tensors", "compressed-tensors"),
         # The seed's two FP8 rows are the two paths of §5.2, i.e. two linear kernels.
         _row(quant, "FP8 (Marlin path)", _backend("linear", "MARLIN", _linear("fp8"))),
         _row(quant, "FP8 (native)", _backend("linear", "CUTLASS_FP8", _linear("fp8"))),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from archserve.quant.schemes import scheme_from_config
@@ -36,6 +36,8 @@ class ModelSummary:
     intermediate_size: int = 11008
     quantization: str | None = None      # an archserve.quant scheme name
     dtype: str | None = None             # the checkpoint's dtype name
+    quantization_config: dict[str, Any] | None = field(default=None, compare=False)
+    is_gguf: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -90,6 +92,7 @@ def summary_from_hf_config(config: dict[str, Any]) -> ModelSummary:
                               or config.get("intermediate_size") or 4 * hidden),
         quantization=scheme_from_config(config.get("quantization_config")),
         dtype=config.get("dtype") or config.get("torch_dtype"),
+        quantization_config=config.get("quantization_config"),
     )
 
 
@@ -122,4 +125,5 @@ def summary_from_gguf(path: str) -> ModelSummary:
         hidden_size=hidden,
         intermediate_size=int(field(f"{arch}.feed_forward_length", 4 * hidden)),
         quantization="gguf",
+        is_gguf=True,
     )

@@ -7,6 +7,7 @@ import torch
 
 from archserve.kernels.attention.backends import flash_attn_version
 from archserve.kernels.catalog import build_registry
+from archserve.kernels.registry import BackendError
 from archserve.kernels.specs import AttentionSpec
 from archserve.platform.profiles import PROFILE_IDS, get_profile
 
@@ -50,25 +51,28 @@ def test_attention_route_on_every_profile(profile: str, monkeypatch) -> None:
 
 @pytest.mark.parametrize("profile", PROFILE_IDS)
 def test_mla_route_on_every_profile(profile: str) -> None:
-    s = select("mla_attention", profile, AttentionSpec(dtype=torch.float16, **MLA))
-    assert s.ideal == MLA_IDEAL[profile]
-    assert s.name == "TORCH_REFERENCE"      # no MLA kernel is implemented yet
+    spec = AttentionSpec(dtype=torch.float16, **MLA)
+    assert REGISTRY.ideal("mla_attention", get_profile(profile), spec) == MLA_IDEAL[profile]
+    # No MLA kernel is implemented yet: selection names no route, and says why.
+    with pytest.raises(BackendError, match="TORCH_REFERENCE is not implemented in this build"):
+        select("mla_attention", profile, spec)
 
 
-def test_mla_fallback_says_mla_is_unsupported() -> None:
-    backend = REGISTRY.get("mla_attention", "TORCH_REFERENCE")
-    with pytest.raises(NotImplementedError, match="MLA models are not supported yet"):
-        backend.make_impl(get_profile("h100"), AttentionSpec(**MLA))
+def test_mla_fallback_is_rules_only() -> None:
+    assert not REGISTRY.get("mla_attention", "TORCH_REFERENCE").implemented
 
 
 def test_sparse_mla_order_depends_on_kv_dtype_and_heads() -> None:
     sparse = AttentionSpec(dtype=torch.bfloat16, mla_sparse=True, **MLA)
-    assert select("mla_attention", "b200", sparse).ideal == "FLASHMLA_SPARSE"
+    def ideal(profile: str, spec: AttentionSpec) -> str | None:
+        return REGISTRY.ideal("mla_attention", get_profile(profile), spec)
+
+    assert ideal("b200", sparse) == "FLASHMLA_SPARSE"
     few_heads = AttentionSpec(dtype=torch.bfloat16, mla_sparse=True,
                               **{**MLA, "num_heads": 16})
-    assert select("mla_attention", "b200", few_heads).ideal == "FLASHINFER_MLA_SPARSE"
-    assert select("mla_attention", "h100", sparse).ideal == "FLASHMLA_SPARSE"
-    assert select("mla_attention", "rtx5090", sparse).ideal == "TORCH_REFERENCE"
+    assert ideal("b200", few_heads) == "FLASHINFER_MLA_SPARSE"
+    assert ideal("h100", sparse) == "FLASHMLA_SPARSE"
+    assert ideal("rtx5090", sparse) == "TORCH_REFERENCE"
 
 
 @pytest.mark.parametrize("profile,head,version", [

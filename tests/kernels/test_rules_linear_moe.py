@@ -15,7 +15,7 @@ REGISTRY = build_registry()
 
 
 def ideal(op: str, profile: str, spec) -> str | None:
-    return REGISTRY.select(op, get_profile(profile), spec, libraries="all").ideal
+    return REGISTRY.ideal(op, get_profile(profile), spec)
 
 
 def test_dense_linear_is_the_tuned_skinny_gemm_on_gpus_and_torch_elsewhere() -> None:
@@ -37,16 +37,22 @@ def test_dense_linear_is_the_tuned_skinny_gemm_on_gpus_and_torch_elsewhere() -> 
 
 
 def test_fp8_linear_dual_path() -> None:
-    fp8 = LinearSpec(quant_scheme="fp8")
-    assert ideal("linear", "v100", fp8) == "TORCH_DEQUANT"
+    fp8 = LinearSpec(quant_scheme="fp8", activation="dynamic_token")
+    assert ideal("linear", "v100", replace(fp8, dtype=torch.float16)) == "TRITON_WEIGHT_ONLY"
+    assert ideal("linear", "v100", fp8) == "TORCH_DEQUANT"       # bf16 needs SM80+
     assert ideal("linear", "t4", fp8) == "MARLIN"
     assert ideal("linear", "a100", fp8) == "MARLIN"
     assert ideal("linear", "l40s", fp8) == "CUTLASS_FP8"
     assert ideal("linear", "h100", fp8) == "CUTLASS_FP8"
-    # This build has only the torch paths.
+    # CUTLASS is rules only in this build: torch._scaled_mm runs it.
     s = REGISTRY.select("linear", get_profile("h100"), fp8, libraries="all")
-    assert s.name == "TORCH_DEQUANT"
-    assert [r.backend for r in s.rejected] == ["CUTLASS_FP8", "MARLIN"]
+    assert s.name == "TORCH_SCALED_MM"
+    assert [r.backend for r in s.rejected] == ["CUTLASS_FP8"]
+    # A weight-only fp8 checkpoint (no activation scales) is not a W8A8 kernel's.
+    w8a16 = LinearSpec(quant_scheme="fp8", activation="none")
+    s = REGISTRY.select("linear", get_profile("h100"), w8a16, libraries="all")
+    assert s.name == "TRITON_WEIGHT_ONLY"
+    assert "quantizes activations" in s.rejected[0].reason
 
 
 def test_cutlass_fp8_needs_a_new_enough_runtime_on_ada() -> None:

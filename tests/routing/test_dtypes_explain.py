@@ -111,10 +111,10 @@ def test_explain_fp8_moe_mla_model(tmp_path) -> None:
     assert routes["attention"]["ideal"] == "FLASH_ATTN_MLA"
     assert routes["linear (qkv, o, mlp)"]["ideal"] == "CUTLASS_BLOCK_FP8"
     assert routes["moe experts"]["ideal"] == "DEEPGEMM_MOE"
-    assert routes["moe experts"]["backend"] == "TORCH_MOE"
-    a100 = explain_model(get_profile("a100"), summary, libraries="all").to_dict()
-    quant = [d for d in a100["decisions"] if d["what"] == "quantization"]
-    assert quant[0]["chosen"] == "MARLIN"
+    # No DeepSeek model loads in this build: no route is printed, only the ideal.
+    assert "DeepseekV3ForCausalLM" in out["not_loadable"]
+    assert all(r["backend"] == "" for r in out["routes"])
+    assert not [d for d in out["decisions"] if d["what"] == "quantization"]
 
 
 def test_explain_gguf_model(tmp_path) -> None:
@@ -131,6 +131,8 @@ def test_explain_gguf_model(tmp_path) -> None:
     summary = read_model_summary(str(path))
     assert (summary.head_size, summary.num_kv_heads, summary.quantization) == (64, 2, "gguf")
     out = explain_model(get_profile("v100"), summary, libraries="all").to_dict()
-    # Dense after load: fp16 on a V100 takes the dense GPU route.
-    assert out["routes"][1]["backend"] == "TRITON_SKINNY_GEMM"
+    # Kept quantized on GPUs: the weight-only kernel reads the GGUF blocks.
+    assert out["routes"][1]["backend"] == "TRITON_WEIGHT_ONLY"
     assert any(d["what"] == "quantization" for d in out["decisions"])
+    cpu = explain_model(get_profile("cpu"), summary, libraries="all").to_dict()
+    assert cpu["routes"][1]["backend"] == "TORCH_MATMUL"      # dequantized at load

@@ -17,7 +17,8 @@ from archserve.kernels.catalog import (
 from archserve.kernels.registry import ENTRY_POINT_GROUP, BackendError
 from archserve.kernels.specs import AttentionSpec, LinearSpec
 from archserve.platform.profiles import get_profile
-from archserve.quant.plan import fp8_path, plan_quantization
+from archserve.quant.config import explain_quant_config
+from archserve.quant.plan import plan_quantization
 from archserve.quant.schemes import get_scheme, scheme_from_config
 
 SPEC = AttentionSpec(head_size=128, dtype=torch.float16)
@@ -103,40 +104,52 @@ def test_broken_plugin_is_skipped() -> None:
 def test_linear_selection_for_quantized_layers() -> None:
     s = select_linear_backend(get_profile("a100"), LinearSpec(quant_scheme="wna16"),
                               libraries="all")
-    assert s.ideal == "MARLIN" and s.name == "TORCH_DEQUANT"
+    # Marlin is vLLM's kernel and rules only here: the ideal, never the route.
+    assert s.ideal == "MARLIN" and s.name == "TRITON_WEIGHT_ONLY"
 
 
-@pytest.mark.parametrize("profile,path", [("v100", "dequant"), ("t4", "marlin"),
-                                          ("a100", "marlin"), ("l40s", "native"),
-                                          ("b200", "native"), ("cpu", "dequant")])
-def test_fp8_dual_path(profile: str, path: str) -> None:
-    assert fp8_path(get_profile(profile)) == path
+def _plan(profile: str, scheme: str, dtype=torch.bfloat16):
+    device = get_profile(profile)
+    return plan_quantization(device, explain_quant_config(None, scheme), dtype)
+
+
+@pytest.mark.parametrize("profile,ideal,route", [
+    ("v100", "TRITON_WEIGHT_ONLY", "TRITON_WEIGHT_ONLY"),     # the V100 path vLLM lacks
+    ("t4", "MARLIN", "TRITON_WEIGHT_ONLY"), ("a100", "MARLIN", "TRITON_WEIGHT_ONLY"),
+    ("l40s", "CUTLASS_FP8", "TORCH_SCALED_MM"), ("b200", "CUTLASS_FP8", "TORCH_SCALED_MM"),
+    ("cpu", "TORCH_DEQUANT", "TORCH_DEQUANT")])
+def test_fp8_dual_path(profile: str, ideal: str, route: str) -> None:
+    dtype = torch.float16 if profile in ("v100", "t4") else torch.bfloat16
+    (layer,) = _plan(profile, "fp8", dtype).layers
+    assert (layer.selection.ideal, layer.selection.name) == (ideal, route)
 
 
 def test_fp8_plan_records_the_weight_only_degradation() -> None:
-    plan = plan_quantization(get_profile("a100"), "fp8", torch.bfloat16)
-    (decision,) = plan.decisions
-    assert decision.chosen == "MARLIN"
-    assert "needs SM89+, device is SM80" in decision.reason
-    assert "weight-only" in decision.reason
+    (decision,) = _plan("a100", "fp8").decisions
+    assert decision.chosen == "TRITON_WEIGHT_ONLY"
+    assert "MARLIN is not implemented in this build" in decision.reason
+    assert "activations stay bfloat16" in decision.reason
 
 
-def test_below_min_capability_degrades_to_dequant() -> None:
-    plan = plan_quantization(get_profile("v100"), "awq", torch.float16)
-    (decision,) = plan.decisions
-    assert decision.chosen == "TORCH_DEQUANT" and "needs SM75+, device is SM70" in decision.reason
+def test_int8_below_triton_int8_degrades_to_dequant() -> None:
+    (decision,) = _plan("v100", "w8a8_int8", torch.float16).decisions
+    assert decision.chosen == "TORCH_DEQUANT" and "TRITON_INT8" not in decision.reason
+    assert "activations quantized as the checkpoint says" in decision.reason
 
 
-def test_gguf_is_dense_after_load_everywhere() -> None:
-    for profile in ("v100", "h100", "cpu"):
-        plan = plan_quantization(get_profile(profile), "gguf", torch.float16)
-        assert plan.linear_spec.quant_scheme is None
-        assert "dense route" in plan.decisions[0].reason
+def test_gguf_on_gpus_stays_quantized_and_on_cpus_is_dense() -> None:
+    for profile in ("v100", "h100"):
+        (layer,) = plan_quantization(get_profile(profile),
+                                     explain_quant_config(None, "gguf", True, True),
+                                     torch.float16).layers
+        assert layer.selection.name == "TRITON_WEIGHT_ONLY"
+    assert explain_quant_config(None, "gguf", True, keep_gguf_quantized=False) is None
 
 
 def test_native_scheme_has_no_degradation() -> None:
-    plan = plan_quantization(get_profile("h100"), "fp8", torch.bfloat16)
-    assert plan.decisions[0].chosen == "CUTLASS_FP8"
+    (decision,) = _plan("h100", "fp8_block").decisions
+    assert decision.chosen == "TRITON_BLOCK_FP8"
+    assert "activations" not in decision.reason.split(";")[-1]
 
 
 def test_scheme_lookup() -> None:
@@ -147,3 +160,4 @@ def test_scheme_lookup() -> None:
     assert get_scheme("NVFP4").name == "modelopt_fp4"
     with pytest.raises(ValueError, match="unknown quantization 'zzz'"):
         get_scheme("zzz")
+    assert scheme_from_config({"quant_method": "hqq"}) == "hqq"   # unknown: not loadable

@@ -1,5 +1,6 @@
-"""Fused elementwise ops (RMSNorm + residual, rotary, SiLU * mul): Triton on GPUs, torch
-elsewhere, chosen in ``dispatch``. Layers call these functions, never a kernel module.
+"""Fused elementwise ops (RMSNorm + residual, rotary, SiLU * mul, GELU-tanh * mul): Triton
+on GPUs, torch elsewhere, chosen in ``dispatch``. Layers call these functions, never a
+kernel module.
 
 The kernel modules are named triton_* so that importing one never shadows a function of
 the same name exported here (a submodule import sets an attribute on this package).
@@ -10,9 +11,10 @@ from archserve.kernels.elementwise.dispatch import (
     apply_rotary,
     forced_fused_route,
     fused_kernel_route,
+    gelu_tanh_and_mul,
     rms_norm,
     silu_and_mul,
 )
 
 __all__ = ["DISABLE_ENV", "apply_rotary", "forced_fused_route", "fused_kernel_route",
-           "rms_norm", "silu_and_mul"]
+           "gelu_tanh_and_mul", "rms_norm", "silu_and_mul"]

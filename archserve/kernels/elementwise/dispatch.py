@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from archserve.kernels.elementwise.reference import (
+    gelu_tanh_and_mul_reference,
     rms_norm_reference,
     rotary_reference,
     silu_and_mul_reference,
@@ -89,12 +90,14 @@ def _log_fallback_once(reason: str) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None, unit_offset: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (weight * RMSNorm(x + residual), x + residual), or (.., x) without a residual.
 
     Statistics in fp32; the normalised row is cast to x's dtype before the weight multiply
     (HF numerics); the output dtype is the promotion of weight's and x's. Any leading
     shape: [T, hidden] for a layer norm, [T, heads, head_dim] for Qwen3's q/k norm.
+    ``unit_offset`` (Gemma): scale by (1 + weight) in fp32, output in x's dtype.
     """
     unsupported = None
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
@@ -103,8 +106,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         unsupported = f"rms_norm row width {x.shape[-1]} (weight {tuple(weight.shape)})"
     if _takes_triton(x.device, unsupported):
         from archserve.kernels.elementwise.triton_rms_norm import rms_norm_triton
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_reference(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, unit_offset)
+    return rms_norm_reference(x, weight, eps, residual, unit_offset)
 
 
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -136,3 +139,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from archserve.kernels.elementwise.triton_silu_mul import silu_and_mul_triton
         return silu_and_mul_triton(x)
     return silu_and_mul_reference(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [.., 2I] (gate then up) -> gelu(gate, approximate="tanh") * up [.., I]."""
+    unsupported = "gelu_tanh_and_mul on an odd last dimension" if x.shape[-1] % 2 else None
+    if _takes_triton(x.device, unsupported):
+        from archserve.kernels.elementwise.triton_gelu_tanh_mul import gelu_tanh_and_mul_triton
+        return gelu_tanh_and_mul_triton(x)
+    return gelu_tanh_and_mul_reference(x)

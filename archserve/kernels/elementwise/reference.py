@@ -12,14 +12,20 @@ import torch.nn.functional as F
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       residual: torch.Tensor | None = None
+                       residual: torch.Tensor | None = None, unit_offset: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * normalise(x + residual), x + residual); without residual, (.., x) itself."""
+    """(weight * normalise(x + residual), x + residual); without residual, (.., x) itself.
+
+    ``unit_offset`` is Gemma's form: the row is scaled by (1 + weight) in fp32 and
+    rounded once, to x's dtype, at the end.
+    """
     if residual is not None:
         x = x + residual
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.float())).to(dtype), x
     # Cast before the weight multiply, as the HF reference does, so bf16 results agree.
     return weight * x32.to(dtype), x
 
@@ -49,3 +55,9 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """x [.., 2I] (gate then up) -> silu(gate) * up [.., I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [.., 2I] (gate then up) -> gelu_tanh(gate) * up [.., I] (Gemma's GeGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

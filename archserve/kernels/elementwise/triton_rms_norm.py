@@ -4,6 +4,8 @@ Numerics follow ``rms_norm_reference``: the sum x + residual is rounded to the i
 dtype (it is the next residual), statistics are fp32, the normalised row is rounded to
 the input dtype before the weight multiply (as Hugging Face does), and the product is
 rounded to the output dtype, which is the promotion of the weight's and the input's.
+With UNIT_OFFSET (Gemma) the row is scaled by 1 + weight in fp32 and rounded once, to
+the input dtype.
 
 Rows may be strided two ways, so a per-head q/k norm reads [T, H, D] views of the fused
 qkv output without a copy: row r is at (r // rows_per_group) * group_stride +
@@ -23,7 +25,8 @@ from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
                      rows_per_group, x_group_stride, x_row_stride,
                      r_group_stride, r_row_stride, width, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     group = row // rows_per_group
     inner = row % rows_per_group
@@ -40,8 +43,12 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
         tl.store(new_residual_ptr + row * width + cols, x.to(in_dtype), mask=mask)
 
     mean_square = tl.sum(x * x, axis=0) / width
-    normed = round_to_dtype(x * tl.math.rsqrt(mean_square + eps), in_dtype)
+    normed = x * tl.math.rsqrt(mean_square + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        w = w + 1.0
+    else:
+        normed = round_to_dtype(normed, in_dtype)
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     tl.store(out_ptr + row * width + cols, round_to_dtype(normed * w, out_dtype).to(out_dtype),
              mask=mask)
@@ -60,12 +67,12 @@ def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None
+                    residual: torch.Tensor | None = None, unit_offset: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``rms_norm_reference``; ``residual`` must have x's shape and dtype."""
     width = x.shape[-1]
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
-                      device=x.device)
+    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     new_residual = x if residual is None else torch.empty(x.shape, dtype=x.dtype,
                                                           device=x.device)
     if out.numel() == 0:
@@ -77,6 +84,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(out.numel() // width,)](
         x_rows, r_rows, weight.contiguous(), out, new_residual,
         rows_per_group, x_group_stride, x_row_stride, r_group_stride, r_row_stride,
-        width, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        width, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, UNIT_OFFSET=unit_offset,
         num_warps=min(max(block // 256, 1), 16))
     return out, new_residual

@@ -57,6 +57,9 @@ class QuantGemmBackend(RuleBackend):
     op = "linear"
     implemented = False
     formats: frozenset[str] = frozenset()
+    # The activation quantizations (quantized_weights.ACT_*) a W8A8 kernel is built for;
+    # None: weight-only, it runs any checkpoint's weights with 16-bit activations.
+    activations: frozenset[str] | None = None
 
     def hardware_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
         # The format decides first: "this layer is unquantized" explains more than an SM.
@@ -66,12 +69,20 @@ class QuantGemmBackend(RuleBackend):
         if spec.quant_scheme not in self.formats:
             return (f"executes {', '.join(sorted(self.formats))} weights; "
                     f"this layer is {_format_text(spec.quant_scheme)}")
+        if self.activations is not None and spec.activation not in self.activations:
+            wanted = " or ".join(a.replace("_", " ") for a in sorted(self.activations))
+            return (f"quantizes activations {wanted}; the checkpoint's are "
+                    f"{spec.activation.replace('_', ' ')}")
         return None
+
+
+_PER_TOKEN_OR_TENSOR = frozenset({"dynamic_token", "static_tensor"})
 
 
 class CutlassInt8Backend(QuantGemmBackend):
     name = "CUTLASS_INT8"
     formats = frozenset({INT8})
+    activations = _PER_TOKEN_OR_TENSOR
     description = "CUTLASS W8A8 INT8 scaled_mm (SM75+)"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
@@ -81,6 +92,7 @@ class CutlassInt8Backend(QuantGemmBackend):
 class CutlassFp8Backend(QuantGemmBackend):
     name = "CUTLASS_FP8"
     formats = frozenset({FP8})
+    activations = _PER_TOKEN_OR_TENSOR
     description = "CUTLASS W8A8 FP8 scaled_mm on FP8 tensor cores (SM89+)"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
@@ -94,6 +106,7 @@ class CutlassFp8Backend(QuantGemmBackend):
 class CutlassBlockFp8Backend(QuantGemmBackend):
     name = "CUTLASS_BLOCK_FP8"
     formats = frozenset({FP8_BLOCK})
+    activations = frozenset({"dynamic_group"})
     description = "CUTLASS block-wise FP8 GEMM (SM90+)"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
@@ -152,19 +165,23 @@ class MarlinBackend(QuantGemmBackend):
 
 
 class TorchDequantBackend(RuleBackend):
-    """Weights were dequantized to the model dtype at load; the GEMM is a plain torch matmul."""
+    """The universal quantized path: the weight dequantized once at start-up, then torch."""
 
     name = "TORCH_DEQUANT"
     op = "linear"
-    description = "dequantize weights to the model dtype at load, then torch matmul (any device)"
+    description = ("weights dequantized to the model dtype once at start-up, then torch matmul; "
+                   "W8A8 activations quantized as the checkpoint says (any device; no memory "
+                   "saving)")
+    impl_path = "archserve.kernels.linear.torch_dequant:TorchDequantLinear"
+    formats = frozenset({FP8, FP8_BLOCK, INT8, WNA16})
 
     def request_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
         if spec.quant_scheme is None:
             return "nothing to dequantize: this layer is unquantized"
+        if spec.quant_scheme not in self.formats:
+            return (f"dequantizes {', '.join(sorted(self.formats))} weights; "
+                    f"this layer is {spec.quant_scheme}")
         return None
-
-    def make_impl(self, device: DeviceInfo, spec: LinearSpec) -> Any:
-        return _torch_linear(device, spec)
 
 
 class TritonSkinnyGemmBackend(RuleBackend):
@@ -215,17 +232,23 @@ LINEAR_BACKENDS: tuple[type[RuleBackend], ...] = (
 )
 LINEAR_FALLBACK = TorchMatmulBackend.name
 
-# Preference among the kernels that execute a format: native tensor-core paths before the
-# weight-only Marlin path, and the load-time dequantization last (seed 000 §5.2).
+# Preference among the kernels that execute a format: native tensor-core paths (vLLM's
+# CUTLASS kernels, rules only here, then this build's own) before the weight-only paths
+# (Marlin, rules only; the Triton weight-only kernel), and the start-up dequantization
+# last (seed 000 §5.2).
 _QUANT_ORDER = ("CUTLASS_NVFP4", "CUTLASS_W4A8", "CUTLASS_SPARSE_2_4", "CUTLASS_BLOCK_FP8",
-                "CUTLASS_FP8", "CUTLASS_INT8", "CUTLASS_GROUPED_GEMM", "MARLIN", "TORCH_DEQUANT")
+                "TRITON_BLOCK_FP8", "CUTLASS_FP8", "TORCH_SCALED_MM", "CUTLASS_INT8",
+                "TRITON_INT8", "CUTLASS_GROUPED_GEMM", "MARLIN", "TRITON_WEIGHT_ONLY",
+                "TORCH_DEQUANT")
 
 
 def linear_priority(device: DeviceInfo, spec: LinearSpec) -> list[str]:
     """Dense layers: the tuned skinny GEMM on GPUs, else torch; quantized ones try the
     kernels that know the format."""
+    from archserve.kernels.linear.quantized_backends import QUANTIZED_LINEAR_BACKENDS
+
     if spec.quant_scheme is None:
         return ["TRITON_SKINNY_GEMM", "TORCH_MATMUL"] if device.is_gpu else ["TORCH_MATMUL"]
-    executes = {cls.name for cls in LINEAR_BACKENDS
+    executes = {cls.name for cls in LINEAR_BACKENDS + QUANTIZED_LINEAR_BACKENDS
                 if spec.quant_scheme in getattr(cls, "formats", ())}
-    return [name for name in _QUANT_ORDER if name in executes] + ["TORCH_DEQUANT"]
+    return [name for name in _QUANT_ORDER if name in executes]

@@ -2,13 +2,11 @@
 
 Capability ranges follow today's vLLM where it differs from seed 000 §2.2 (FlashMLA
 and FlashMLA-sparse are Hopper and data-centre Blackwell, not Ada); see
-docs/deviations.md. archserve runs no MLA model yet: the fallback is registered so
-selection and ``explain`` work, and building it says so plainly.
+docs/deviations.md. archserve runs no MLA model yet: every backend here is rules only,
+so ``explain`` shows an MLA model's ideal route and says it is not loadable.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -147,17 +145,16 @@ class TritonMlaBackend(MlaBackend):
 
 
 class ReferenceMlaBackend(MlaBackend):
-    """The universal fallback. Registered so selection never fails; no MLA model runs yet."""
+    """The fallback's place in the priority list; no MLA code exists in this build yet, so
+    it is rules only and MLA selection names no route."""
 
     name = "TORCH_REFERENCE"
     fixed_latent = False
-    description = "plain PyTorch MLA (placeholder: MLA models are not supported yet)"
+    implemented = False
+    description = "plain PyTorch MLA (rules only: no MLA model runs in this build)"
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         return None
-
-    def make_impl(self, device: DeviceInfo, spec: Any) -> Any:
-        raise NotImplementedError("MLA models are not supported yet")
 
 
 MLA_BACKENDS: tuple[type[RuleBackend], ...] = (

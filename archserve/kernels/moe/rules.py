@@ -117,7 +117,8 @@ class TorchMoEBackend(RuleBackend):
 
     name = "TORCH_MOE"
     op = "moe"
-    description = "plain PyTorch expert loop (any device, any format dequantized at load)"
+    description = ("plain PyTorch expert loop over 16-bit experts (any device; the reference: "
+                   "no MoE architecture loads in this build yet)")
     impl_path = f"{_IMPL}.torch_moe:TorchMoEImpl"
 
 

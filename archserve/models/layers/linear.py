@@ -1,14 +1,22 @@
 """Dense linear layers, and the fused forms that merge several checkpoint matrices into one.
 
-Every layer computes through ``apply_linear``, a module-level routine: a selected linear
-backend installs its GEMM with ``set_linear_routine`` and every model picks it up without
-knowing the backend. Fusing q/k/v (and gate/up) at load time turns three (two) GEMM
-launches per layer into one.
+Every dense layer computes through ``apply_linear``, a module-level routine: a selected
+linear backend installs its GEMM with ``set_linear_routine`` and every model picks it up
+without knowing the backend. A quantized layer carries its own ``quant`` state instead
+(archserve.quant.linear_state attaches it after the model is built): it owns the layer's
+checkpoint tensors, repacks them after loading and runs the selected quantized kernel.
+Fusing q/k/v (and gate/up) at load time turns three (two) GEMM launches per layer into one.
+
+Loaders talk to every linear layer through one protocol: ``shard_rows`` (the output rows
+of each checkpoint matrix the layer fuses), ``checkpoint_params`` / ``shard_shape`` (what
+the checkpoint must hold) and ``load_shard`` (copy one checkpoint tensor in).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +27,29 @@ from archserve.kernels.elementwise import silu_and_mul
 LinearRoutine = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 _routine: LinearRoutine = F.linear
+# While set (a quantized model is being built), dense weights are allocated on "meta":
+# the quantizer gives each layer its checkpoint tensors instead, so a model that fits the
+# device only quantized is never materialised dense first.
+_defer_weights = False
+
+
+@contextlib.contextmanager
+def deferred_linear_weights() -> Iterator[None]:
+    global _defer_weights
+    previous, _defer_weights = _defer_weights, True
+    try:
+        yield
+    finally:
+        _defer_weights = previous
+
+
+class LinearQuantState(Protocol):
+    """What a quantized layer's ``quant`` provides (archserve.quant.linear_state)."""
+
+    def checkpoint_params(self) -> list[str]: ...
+    def shard_shape(self, shard: int, param: str) -> tuple[int, ...]: ...
+    def load_shard(self, shard: int, param: str, tensor: torch.Tensor) -> None: ...
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
 def set_linear_routine(routine: LinearRoutine | None) -> None:
@@ -53,12 +84,56 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         # Uninitialised on purpose: a loader (real or dummy) always fills it.
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, device="meta" if _defer_weights else None),
+            requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
+        self.quant: Any = None          # a LinearQuantState when the layer is quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x, self.bias)
         return apply_linear(x, self.weight, self.bias)
+
+    # ---- the loader protocol ------------------------------------------------------------
+    @property
+    def shard_names(self) -> list[str | None]:
+        return [None]
+
+    def shard_rows(self) -> list[int]:
+        return [self.out_features]
+
+    def checkpoint_params(self) -> list[str]:
+        """The tensor names (``weight``, ``bias``, ``weight_scale``...) one shard stores."""
+        names = self.quant.checkpoint_params() if self.quant is not None else ["weight"]
+        return names + (["bias"] if self.bias is not None else [])
+
+    def shard_shape(self, shard: str | None, param: str) -> tuple[int, ...]:
+        rows = self.shard_rows()[self.shard_names.index(shard)]
+        if param == "bias":
+            return (rows,)
+        if self.quant is not None:
+            return self.quant.shard_shape(self.shard_names.index(shard), param)
+        return (rows, self.in_features)
+
+    def _row_slice(self, shard: str | None) -> slice:
+        i = self.shard_names.index(shard)
+        start = sum(self.shard_rows()[:i])
+        return slice(start, start + self.shard_rows()[i])
+
+    def load_shard(self, shard: str | None, param: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (of one fused shard) into the layer."""
+        if param != "bias" and self.quant is not None:
+            self.quant.load_shard(self.shard_names.index(shard), param, tensor)
+            return
+        target = getattr(self, param, None)
+        expected = self.shard_shape(shard, param)
+        if target is None or tuple(tensor.shape) != expected:
+            got = "a tensor" if target is None else f"shape {tuple(tensor.shape)}"
+            raise ValueError(f"{shard or 'linear'} {param}: expected shape {expected}, got {got}")
+        with torch.no_grad():
+            target[self._row_slice(shard)].copy_(tensor)
 
 
 class MergedLinear(Linear):
@@ -74,29 +149,14 @@ class MergedLinear(Linear):
             raise ValueError("output_sizes and shard_names differ in length")
         super().__init__(in_features, sum(output_sizes), bias)
         self.output_sizes = list(output_sizes)
-        self.shard_names = list(shard_names)
-        offsets = [0]
-        for size in output_sizes:
-            offsets.append(offsets[-1] + size)
-        self._offsets = offsets
+        self._shard_names = list(shard_names)
 
-    def shard_slice(self, shard: str) -> slice:
-        i = self.shard_names.index(shard)
-        return slice(self._offsets[i], self._offsets[i + 1])
+    @property
+    def shard_names(self) -> list[str | None]:
+        return list(self._shard_names)
 
-    def shard_shape(self, shard: str, param: str) -> tuple[int, ...]:
-        rows = self.output_sizes[self.shard_names.index(shard)]
-        return (rows, self.in_features) if param == "weight" else (rows,)
-
-    def load_shard(self, shard: str, param: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor (``param`` is "weight" or "bias") into its block."""
-        target = getattr(self, param)
-        expected = self.shard_shape(shard, param)
-        if target is None or tuple(tensor.shape) != expected:
-            got = "a tensor" if target is None else f"shape {tuple(tensor.shape)}"
-            raise ValueError(f"{shard} {param}: expected shape {expected}, got {got}")
-        with torch.no_grad():
-            target[self.shard_slice(shard)].copy_(tensor)
+    def shard_rows(self) -> list[int]:
+        return list(self.output_sizes)
 
     def split(self, y: torch.Tensor) -> list[torch.Tensor]:
         """Split a merged output [.., sum(sizes)] into the per-shard outputs."""
@@ -119,4 +179,6 @@ class GateUpLinear(MergedLinear):
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [.., intermediate_size]: the gated MLP's activation, fused into
         the GEMM where the routine can."""
+        if self.quant is not None:
+            return silu_and_mul(self(x))
         return apply_linear_silu_mul(x, self.weight, self.bias)

@@ -13,6 +13,8 @@ from archserve.kernels.elementwise import rms_norm
 
 
 class RMSNorm(nn.Module):
+    identity_weight = 1.0   # the weight value that leaves a normalised row unchanged
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -27,3 +29,19 @@ class RMSNorm(nn.Module):
         ``h, residual = norm(h, residual)`` for both its first and later layers.
         """
         return rms_norm(x, self.weight, self.eps, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the row is scaled by (1 + weight), in fp32, so a zero weight is
+    the identity (checkpoints store the offset from one)."""
+
+    identity_weight = 0.0
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual, unit_offset=True)

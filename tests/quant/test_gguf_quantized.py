@@ -1,0 +1,63 @@
+"""A GGUF kept quantized: the same weights as the dense load, on every block type.
+
+The fixture (scripts/quant_fixtures/gguf_mixed.py) mixes all seven kept types, and
+mixes them inside fused layers (q/k Q4_K with v Q6_K ...), so the widening of fused
+shards to a common container is exercised too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from archserve.engine.decode_gemms import install_quantized_kernels
+from archserve.loader.loader import load_model
+from archserve.platform import get_profile
+from archserve.quant.config import gguf_quant_config
+from archserve.quant.linear_state import quantized_layers
+from archserve.quant.plan import plan_quantization
+
+GGUF = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant", "gguf-mixed",
+                    "tiny-mixed.gguf")
+
+
+def test_kept_quantized_weights_equal_the_dense_load() -> None:
+    quantized, _ = load_model(GGUF, dtype=torch.float32, quantization=gguf_quant_config())
+    layers = dict(quantized_layers(quantized))
+    assert len(layers) == 8           # qkv, o, gate_up, down in two layers
+    qkv = layers["model.layers.0.self_attn.qkv_proj"].weight
+    assert (qkv.bits, qkv.group_size) == (8, 16)       # Q4_K q/k widened to fuse with Q6_K v
+    assert layers["model.layers.1.mlp.down_proj"].weight.bits == 4
+    plan = plan_quantization(get_profile("cpu"), gguf_quant_config(), torch.float32)
+    install_quantized_kernels(get_profile("cpu"), quantized, plan)
+    dense, _ = load_model(GGUF, dtype=torch.float32)
+    modules = dict(dense.named_modules())
+    for name, module in quantized.named_modules():
+        if name in layers:
+            torch.testing.assert_close(module.weight, modules[name].weight, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gguf_runs_quantized_on_the_gpu() -> None:
+    from archserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
+    prompts = ["The quick brown fox", "A paged KV cache"]
+    gpu = LLM(GGUF, dtype="float16", device="cuda", max_model_len=128)
+    routes = {r.layer: r.backend for r in gpu.llm_engine.report.routes}
+    assert routes["linear (qkv, o, mlp)"] == "TRITON_WEIGHT_ONLY"
+    got = gpu.generate(prompts, params)
+    del gpu
+    cpu = LLM(GGUF, dtype="float32", device="cpu", max_model_len=128)
+    want = cpu.generate(prompts, params)
+    for g, w in zip(got, want, strict=True):
+        ours, theirs = g.outputs[0], w.outputs[0]
+        n = next((i for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids,
+                                                  strict=True)) if a != b), len(ours.token_ids))
+        assert n >= 4, (ours.token_ids, theirs.token_ids)
+        for i in range(n):
+            a = ours.logprobs[i][ours.token_ids[i]].logprob
+            b = theirs.logprobs[i][theirs.token_ids[i]].logprob
+            assert abs(a - b) < 0.05

@@ -1,0 +1,70 @@
+"""Routes tell the truth: what explain and doctor print as the route is code that runs.
+
+For every scheme ``explain`` knows and every device profile, either the printed route of
+every layer is a backend implemented in this build, or explain says the model is not
+loadable (and prints no route). A scheme explain calls loadable has a tiny real
+checkpoint that loads and generates (test_fixtures_end_to_end.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from archserve.kernels.catalog import default_registry
+from archserve.platform.profiles import all_profiles, get_profile
+from archserve.quant.schemes import SCHEMES
+from archserve.routing.doctor import run_doctor
+from archserve.routing.explain import explain_model
+from archserve.routing.model_summary import summary_from_hf_config
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336}
+
+# Scheme -> the fixture(s) under tests/fixtures/quant that prove it loads and generates.
+FIXTURES = {
+    "compressed-tensors": ["ct-fp8-tensor-static", "ct-fp8-channel-dynamic", "ct-fp8-block",
+                           "ct-int8-w8a8", "ct-w4a16-g128-sym", "ct-w4a16-g32-asym",
+                           "ct-w8a16-g128"],
+    "gptq": ["gptq-w4-g128-sym", "gptq-w4-g32-asym-actorder", "gptq-w8-g128"],
+    "gptq_marlin": ["gptq-w4-g128-sym"], "awq": ["awq-w4-g64"], "awq_marlin": ["awq-w4-g64"],
+    "fp8": ["online fp8 of a dense checkpoint"], "fp8_block": ["hf-fp8-block"],
+    "gguf": ["gguf-mixed"], "w8a8_int8": ["ct-int8-w8a8"],
+}
+
+
+def _explain(profile: str, scheme: str):
+    summary = summary_from_hf_config(LLAMA)
+    return explain_model(get_profile(profile), summary, quantization=scheme,
+                         libraries="installed")
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("profile", ["v100", "t4", "a100", "h100", "b200", "mi300x", "cpu"])
+def test_every_printed_route_runs_in_this_build(profile: str, scheme: str) -> None:
+    out = _explain(profile, scheme)
+    registry = default_registry()
+    if out.not_loadable:
+        assert all(r.backend == "" for r in out.routes)
+        assert not [d for d in out.decisions if d.what == "quantization"]
+        return
+    for route in out.routes:
+        assert registry.get(route.op, route.backend).implemented, (route.layer, route.backend)
+    for decision in out.decisions:
+        if decision.what == "quantization" and decision.chosen.isupper():
+            assert registry.get("linear", decision.chosen).implemented
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_a_scheme_is_loadable_only_with_a_real_checkpoint_to_show_it(scheme: str) -> None:
+    loadable = _explain("cpu", scheme).not_loadable is None
+    assert loadable == (scheme in FIXTURES), _explain("cpu", scheme).not_loadable
+
+
+@pytest.mark.parametrize("profile", [p.id for p in all_profiles()])
+def test_doctor_routes_run_in_this_build(profile: str) -> None:
+    report = run_doctor(get_profile(profile))
+    registry = default_registry()
+    for op, r in report.ops.items():
+        if r.route is not None:
+            base_op = "linear" if op.startswith("linear") else op
+            assert registry.get(base_op, r.route.backend).implemented, (op, r.route.backend)
