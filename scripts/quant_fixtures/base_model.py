@@ -87,3 +87,23 @@ def smoke_generate(model, tokenizer, prompt: str = "The capital of France is",
 
 if __name__ == "__main__":
     print(build(sys.argv[1]))
+
+
+def make_each(names, root: str, make, check) -> int:
+    """make(out_dir, name) then check(out_dir) for every fixture; a failure is reported and
+    the others still run. Returns the process exit code."""
+    results = {}
+    for name in names:
+        out = os.path.join(root, name)
+        try:
+            make(out, name)
+        except Exception as exc:  # report and go on with the others
+            results[name] = f"QUANTIZE FAILED: {type(exc).__name__}: {exc}"
+            continue
+        try:
+            results[name] = f"load+generate ok: {check(out)!r}"
+        except Exception as exc:
+            results[name] = f"saved; LOAD FAILED: {type(exc).__name__}: {exc}"
+    for name, result in results.items():
+        print(f"{name}: {result}")
+    return 0 if all("FAILED" not in r for r in results.values()) else 1

@@ -87,21 +87,7 @@ def main(argv):
     print(f"llmcompressor {llmcompressor.__version__}, compressed-tensors "
           f"{compressed_tensors.__version__}, transformers {transformers.__version__}, "
           f"torch {torch.__version__}")
-    results = {}
-    for name in names:
-        out = os.path.join(root, name)
-        try:
-            make(base, out, name)
-        except Exception as exc:  # report and go on with the others
-            results[name] = f"QUANTIZE FAILED: {type(exc).__name__}: {exc}"
-            continue
-        try:
-            results[name] = f"load+generate ok: {check(out)!r}"
-        except Exception as exc:
-            results[name] = f"saved; LOAD FAILED: {type(exc).__name__}: {exc}"
-    for name, result in results.items():
-        print(f"{name}: {result}")
-    return 0 if all("FAILED" not in r for r in results.values()) else 1
+    return base_model.make_each(names, root, lambda out, name: make(base, out, name), check)
 
 
 if __name__ == "__main__":

@@ -68,3 +68,30 @@ def test_doctor_routes_run_in_this_build(profile: str) -> None:
         if r.route is not None:
             base_op = "linear" if op.startswith("linear") else op
             assert registry.get(base_op, r.route.backend).implemented, (op, r.route.backend)
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({**LLAMA, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+      "num_local_experts": 8, "num_experts_per_tok": 2},
+     "architecture 'MixtralForCausalLM' is not supported in this build"),
+    ({**LLAMA, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+     "quantization method 'bitsandbytes' is not loadable in this build"),
+    ({**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 3, "group_size": 128}},
+     "GPTQ 3-bit"),
+])
+def test_unloadable_checkpoint_is_refused_before_any_weight_is_read(tmp_path, config,
+                                                                     needle) -> None:
+    import json
+
+    from archserve import LLM
+
+    small = {**config, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 64,
+             "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    # Not a safetensors file: reading any weight would fail with another message.
+    (tmp_path / "model.safetensors").write_bytes(b"not weights")
+    with pytest.raises(ValueError, match=needle):
+        LLM(str(tmp_path), skip_tokenizer_init=True)
+    out = explain_model(get_profile("cpu"), summary_from_hf_config(small))
+    assert needle.split(" (")[0] in out.not_loadable
