@@ -11,7 +11,9 @@
 #   perf:   benchmarks/h200_targets.sh (issue 6's workloads, async scheduling: the CUDA
 #           default); perf_sync: the same rows with --no-async-scheduling;
 #   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
-#           (device busy/idle per decode step, top kernels, engine phases).
+#           (device busy/idle per decode step, top kernels, engine phases);
+#   quant_gemm: benchmarks/bench_quant_gemm.py, every quantized GEMM beside cuBLAS bf16;
+#   quant_perf: benchmarks/h200_quant_targets.sh (the quantized 8B rows beside bf16).
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
 set -uo pipefail
 OUT=${1:-${OUT:-out}}
@@ -57,6 +59,13 @@ if want perf; then
 fi
 if want perf_sync; then   # the bench rows again without async scheduling
   bash benchmarks/h200_targets.sh "$OUT" _sync --no-async-scheduling
+fi
+if want quant_gemm; then
+  python3 benchmarks/bench_quant_gemm.py --out "$OUT/bench_quant_gemm.json" 2>&1 \
+    | tee "$OUT/bench_quant_gemm.txt"
+fi
+if want quant_perf; then
+  bash benchmarks/h200_quant_targets.sh "$OUT"
 fi
 if want profile; then
   for m in llama-3-8b qwen3-0.6b; do
