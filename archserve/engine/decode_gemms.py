@@ -16,6 +16,8 @@ import torch
 
 from archserve.engine.kernel_cache import device_kernel_dir
 from archserve.kernels.catalog import default_registry, select_linear_backend
+from archserve.kernels.linear.quantized_tuning import tune_quantized
+from archserve.kernels.linear.quantized_weights import weight_signature
 from archserve.kernels.linear.skinny_choice import LINEAR, SILU_MUL, WeightGroups
 from archserve.kernels.specs import LinearSpec
 from archserve.models.layers.embedding import LMHead
@@ -70,6 +72,32 @@ def install_quantized_kernels(device: DeviceInfo, model: torch.nn.Module, plan: 
             impls[key] = (backend.name, backend.make_impl(device, spec))
         state.install_kernel(*impls[key])
     return decisions
+
+
+def quantized_kinds(model: torch.nn.Module) -> list:
+    """(routine, backend, prepared weights) for every kind of quantized layer whose routine
+    takes tuned configs: one entry per routine, shape and weight signature."""
+    kinds: dict[tuple, tuple] = {}
+    for _name, state in quantized_layers(model):
+        if not hasattr(state.kernel, "candidates"):
+            continue
+        w = state.prepared
+        key = (id(state.kernel), w.out_features, w.in_features, weight_signature(w))
+        kinds.setdefault(key, (state.kernel, state.kernel_name, []))[2].append(w)
+    return list(kinds.values())
+
+
+def tune_quantized_decode(device: DeviceInfo, model: torch.nn.Module, dtype: torch.dtype,
+                          graph_sizes: list[int]) -> Decision | None:
+    """Tune the quantized GEMMs at the decode graph sizes (cached per device)."""
+    kinds = quantized_kinds(model)
+    if not kinds or not graph_sizes:
+        return None
+    path = os.path.join(device_kernel_dir(device), "quantized_gemms.json")
+    report = tune_quantized(kinds, graph_sizes, dtype, path)
+    torch.cuda.empty_cache()
+    names = ", ".join(sorted({backend for _routine, backend, _weights in kinds}))
+    return Decision("quantized decode GEMMs", names, names, report.summary())
 
 
 def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torch.dtype,

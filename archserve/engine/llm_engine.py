@@ -14,7 +14,11 @@ from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.ceilings import load_or_measure
 from archserve.engine.config import EngineConfig
 from archserve.engine.cuda_graphs import default_graph_sizes
-from archserve.engine.decode_gemms import install_linear_route, install_quantized_kernels
+from archserve.engine.decode_gemms import (
+    install_linear_route,
+    install_quantized_kernels,
+    tune_quantized_decode,
+)
 from archserve.engine.kernel_cache import configure_kernel_caches
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.model_runner import ModelRunner
@@ -97,9 +101,10 @@ class LLMEngine:
         graph_sizes = (config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
                        if graphs_off is None else [])
         t_gemms = time.perf_counter()
-        gemm_decision = install_linear_route(device, self.model, dtype, graph_sizes)
-        if gemm_decision is not None:
-            decisions.append(gemm_decision)
+        for gemm_decision in (install_linear_route(device, self.model, dtype, graph_sizes),
+                              tune_quantized_decode(device, self.model, dtype, graph_sizes)):
+            if gemm_decision is not None:
+                decisions.append(gemm_decision)
         gemm_tune_s = startup.elapsed(t_gemms)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)

@@ -73,17 +73,29 @@ def candidate_tiles(rows: int, n: int, block_k: int) -> list[TileConfig]:
 
 class ConfiguredRoutine:
     """A linear routine ``routine(x, weight, bias)`` for x [..., K] over a GEMM that takes
-    an explicit config: ``configs`` maps (rows, N, K) to a tuned one, absent shapes use
-    the GEMM's default. Subclasses name the GEMM in ``run``."""
+    an explicit config: ``configs`` maps ``config_key(rows, weight)`` to a tuned one
+    (archserve.kernels.linear.quantized_tuning), absent shapes use the GEMM's default.
+    Subclasses name the GEMM in ``run``, its config type and its candidates."""
+
+    config_type: type = TileConfig
 
     def __init__(self, device=None, spec=None) -> None:
-        self.configs: dict[tuple[int, int, int], Any] = {}
+        self.configs: dict[tuple, Any] = {}
 
     def run(self, x, weight, bias, config):  # noqa: ANN001, ANN201 - the GEMM's own types
         raise NotImplementedError
 
+    def candidates(self, rows: int, weight) -> list:  # noqa: ANN001
+        """The configs a tuner may time at ``rows`` rows, the default first; [] when the
+        GEMM takes no config there."""
+        raise NotImplementedError
+
+    @staticmethod
+    def config_key(rows: int, weight) -> tuple:  # noqa: ANN001
+        from archserve.kernels.linear.quantized_weights import weight_signature
+        return (rows, weight.out_features, weight.in_features, weight_signature(weight))
+
     def __call__(self, x, weight, bias=None):  # noqa: ANN001, ANN204
         x2 = x.reshape(-1, x.shape[-1])
-        config = self.configs.get((x2.shape[0], weight.out_features, weight.in_features))
-        y = self.run(x2, weight, bias, config)
+        y = self.run(x2, weight, bias, self.configs.get(self.config_key(x2.shape[0], weight)))
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -168,3 +168,6 @@ class Int8Linear(ConfiguredRoutine):
 
     def run(self, x, weight, bias, config):  # noqa: ANN001, ANN201
         return int8_gemm(x, weight, bias, config)
+
+    def candidates(self, rows: int, weight) -> list:  # noqa: ANN001
+        return candidate_configs(rows, weight.out_features)

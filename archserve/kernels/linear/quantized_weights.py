@@ -104,6 +104,16 @@ class Int8Weight(_RowsByColumns):
 QuantizedWeight = IntGroupWeight | Fp8Weight | Int8Weight
 
 
+def weight_signature(w: QuantizedWeight) -> str:
+    """What, besides its shape, decides which kernel configs suit a weight."""
+    if isinstance(w, IntGroupWeight):
+        return (f"int{w.bits}g{w.group_size}{'+offset' if w.offsets is not None else ''}"
+                f"{'+perm' if w.perm is not None else ''}")
+    if isinstance(w, Fp8Weight):
+        return f"fp8{'block' if w.block else 'channel'}-{w.activation}"
+    return f"int8-{w.activation}"
+
+
 # ---- packing helpers (shared by every repacker and the tests) ----------------------------
 
 def pack_int_rows(q: torch.Tensor, bits: int) -> torch.Tensor:

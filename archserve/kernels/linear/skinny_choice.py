@@ -20,9 +20,7 @@ decode without graphs) stay on cuBLAS.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -30,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from archserve.kernels.tuning_cache import read_cache, write_cache
 
 log = logging.getLogger(__name__)
 
@@ -239,23 +239,13 @@ def time_shape(kind: str, rows: int, weights: list[torch.Tensor], iters: int = 1
 
 
 def _read_cache(path: str | None) -> dict[str, ShapeTiming]:
-    if path is None or not os.path.exists(path):
-        return {}
     try:
-        with open(path) as f:
-            data = json.load(f)
-        if data.get("version") != _CACHE_VERSION:
-            return {}
-        return {key: ShapeTiming(**value) for key, value in data["shapes"].items()}
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        log.warning("ignoring unreadable GEMM tuning cache %s (%s)", path, exc)
+        return {key: ShapeTiming(**value)
+                for key, value in read_cache(path, _CACHE_VERSION, "shapes").items()}
+    except TypeError as exc:      # an entry of another shape: tune again
+        log.warning("ignoring tuning cache %s (%s)", path, exc)
         return {}
 
 
 def _write_cache(path: str, timings: dict[str, ShapeTiming]) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"version": _CACHE_VERSION,
-                   "shapes": {key: vars(t) for key, t in sorted(timings.items())}}, f, indent=1)
-    os.replace(tmp, path)  # atomic: a concurrent start reads the old file or the new one
+    write_cache(path, _CACHE_VERSION, "shapes", {key: vars(t) for key, t in timings.items()})

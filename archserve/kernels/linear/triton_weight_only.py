@@ -507,7 +507,14 @@ class WeightOnlyLinear(ConfiguredRoutine):
     """The TRITON_WEIGHT_ONLY routine. From DENSE_PREFILL_ROWS rows (and no tuned config)
     the weight is dequantized for one cuBLAS GEMM instead."""
 
+    config_type = WeightOnlyConfig
+
     def run(self, x, weight, bias, config):  # noqa: ANN001, ANN201
         if config is None and x.shape[0] >= DENSE_PREFILL_ROWS:
             return dequantized_linear(x, weight, bias)
         return weight_only_gemm(x, weight, bias, config)
+
+    def candidates(self, rows: int, weight) -> list:  # noqa: ANN001
+        if rows >= DENSE_PREFILL_ROWS:          # cuBLAS after one dequantization pass
+            return []
+        return candidate_configs(rows, weight.out_features, weight.in_features, weight)
