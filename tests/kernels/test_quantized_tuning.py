@@ -24,17 +24,17 @@ def test_tuned_configs_are_installed_agree_and_are_cached(tmp_path) -> None:
     routine = WeightOnlyLinear()
     weights = [int_weight(4096, 4096, 4, 128, False, "cuda") for _ in range(4)]
     path = str(tmp_path / "quantized_gemms.json")
-    report = tune_quantized([(routine, "TRITON_WEIGHT_ONLY", weights)], [1, 4, 512],
+    report = tune_quantized([(routine, "TRITON_WEIGHT_ONLY", weights)], [1, 4, 64, 512],
                             torch.bfloat16, path)
-    assert len(report.timings) == 2            # 512 rows: dequantize + cuBLAS, nothing to tune
-    assert all(t.default_us > 0 for t in report.timings.values())
+    assert len(report.timings) == 4
+    assert all(t.default_us > 0 for t in report.timings.values()), report.timings
     chosen = [t for t in report.timings.values() if t.chosen != DEFAULT]
     assert len(routine.configs) == len(chosen)
-    for rows in (1, 4):
+    for rows in (1, 4, 64, 512):
         x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(routine(x, weights[0]), reference_linear(x, weights[0]),
                                    rtol=2e-2, atol=2e-2)
     again = WeightOnlyLinear()
-    cached = tune_quantized([(again, "TRITON_WEIGHT_ONLY", weights)], [1, 4], torch.bfloat16,
-                            path)
+    cached = tune_quantized([(again, "TRITON_WEIGHT_ONLY", weights)], [1, 4, 64, 512],
+                            torch.bfloat16, path)
     assert cached.from_cache and again.configs == routine.configs

@@ -496,11 +496,13 @@ def weight_only_gemm(x: torch.Tensor, weight: WeightOnly, bias: torch.Tensor | N
     return total.to(x.dtype)
 
 
-# From this many rows a prefill GEMM dequantizes the weight once (triton_dequantize) and
-# runs cuBLAS: the MMA kernel's per-tile dequantization measured 2.3-4.5x cuBLAS bf16 at
-# 4096 rows on an H200, while a dequantization pass costs about one weight write.
-# vLLM's AWQ layer switches at 256 tokens too; not yet tuned here.
+# From this many rows a GEMM with no tuned config dequantizes the weight once
+# (triton_dequantize) and runs cuBLAS: the MMA kernel's per-tile dequantization measured
+# 2.3-4.5x cuBLAS bf16 at 4096 rows on an H200, while a dequantization pass costs about one
+# dense weight write. vLLM's AWQ layer switches at 256 tokens too. At decode graph sizes
+# the start-up tuner chooses between the two (DENSE_CONFIG is the dequantize path).
 DENSE_PREFILL_ROWS = 256
+DENSE_CONFIG = WeightOnlyConfig(False, 0, 0, 0)
 
 
 class WeightOnlyLinear(ConfiguredRoutine):
@@ -510,11 +512,16 @@ class WeightOnlyLinear(ConfiguredRoutine):
     config_type = WeightOnlyConfig
 
     def run(self, x, weight, bias, config):  # noqa: ANN001, ANN201
-        if config is None and x.shape[0] >= DENSE_PREFILL_ROWS:
+        if config == DENSE_CONFIG or (config is None and x.shape[0] >= DENSE_PREFILL_ROWS):
             return dequantized_linear(x, weight, bias)
         return weight_only_gemm(x, weight, bias, config)
 
     def candidates(self, rows: int, weight) -> list:  # noqa: ANN001
-        if rows >= DENSE_PREFILL_ROWS:          # cuBLAS after one dequantization pass
-            return []
-        return candidate_configs(rows, weight.out_features, weight.in_features, weight)
+        """The kernel's configs, the default first; above the GEMV's rows also the
+        dequantize-then-cuBLAS path (first from DENSE_PREFILL_ROWS, where it is the
+        default)."""
+        configs = candidate_configs(rows, weight.out_features, weight.in_features, weight)
+        if rows <= MAX_GEMV_ROWS:
+            return configs
+        return [DENSE_CONFIG] + configs if rows >= DENSE_PREFILL_ROWS else configs + [
+            DENSE_CONFIG]
