@@ -183,9 +183,9 @@ def test_torch_route_rotates_in_place():
 
 def _kernel_signatures(dtype: str) -> list[tuple[object, dict[str, str], dict[str, object]]]:
     """(kernel, signature, constexprs) for each kernel at one activation dtype."""
+    from archserve.kernels.elementwise.triton_gated_act import GELU_TANH, SILU, _gated_act_kernel
     from archserve.kernels.elementwise.triton_rms_norm import _rms_norm_kernel
     from archserve.kernels.elementwise.triton_rotary import _rotary_kernel
-    from archserve.kernels.elementwise.triton_silu_mul import _silu_mul_kernel
 
     act = f"*{dtype}"
     rms = {"x_ptr": act, "residual_ptr": act, "weight_ptr": act, "out_ptr": act,
@@ -200,13 +200,16 @@ def _kernel_signatures(dtype: str) -> list[tuple[object, dict[str, str], dict[st
                   ["q_stride", "k_stride", "q_out_stride", "k_out_stride", "cache_stride"], "i32"),
               **dict.fromkeys(["NUM_Q_HEADS", "NUM_K_HEADS", "HEAD_SIZE", "Q_HEADS_BLOCK",
                                "K_HEADS_BLOCK", "HALF_BLOCK"], "constexpr")}
-    silu = {"x_ptr": act, "out_ptr": act, "x_stride": "i32", "width": "i32",
-            "BLOCK": "constexpr"}
+    gated = {"x_ptr": act, "out_ptr": act, "x_stride": "i32", "width": "i32",
+             "ACT": "constexpr", "BLOCK": "constexpr"}
     return [(_rms_norm_kernel, rms, {"HAS_RESIDUAL": True, "BLOCK": 4096, "UNIT_OFFSET": False}),
+            # Gemma's norm: (1 + weight)
+            (_rms_norm_kernel, rms, {"HAS_RESIDUAL": True, "BLOCK": 1024, "UNIT_OFFSET": True}),
             (_rotary_kernel, rotary, {"NUM_Q_HEADS": 32, "NUM_K_HEADS": 8, "HEAD_SIZE": 128,
                                       "Q_HEADS_BLOCK": 32, "K_HEADS_BLOCK": 8,
                                       "HALF_BLOCK": 64}),
-            (_silu_mul_kernel, silu, {"BLOCK": 1024})]
+            (_gated_act_kernel, gated, {"ACT": SILU, "BLOCK": 1024}),
+            (_gated_act_kernel, gated, {"ACT": GELU_TANH, "BLOCK": 1024})]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")

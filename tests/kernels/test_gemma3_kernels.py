@@ -125,38 +125,6 @@ def test_torch_attention_head256_window(name, case_args):
     assert_matches_reference(gemma_case(**case_args), FlexAttentionImpl())
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-@pytest.mark.parametrize("target", [("cuda", 80, 32, "bf16"), ("cuda", 90, 32, "bf16"),
-                                    ("cuda", 70, 32, "fp16"), ("hip", "gfx942", 64, "bf16")],
-                         ids=["sm80", "sm90", "sm70-fp16", "gfx942"])
-def test_gelu_kernel_compiles_for_gpu_targets(target):
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from archserve.kernels.elementwise.triton_gelu_tanh_mul import _gelu_tanh_mul_kernel
-    from archserve.kernels.elementwise.triton_rms_norm import _rms_norm_kernel
-
-    backend, arch, warp_size, dtype = target
-    act = f"*{dtype}"
-    gelu = {"x_ptr": act, "out_ptr": act, "x_stride": "i32", "width": "i32",
-            "BLOCK": "constexpr"}
-    rms = {"x_ptr": act, "residual_ptr": act, "weight_ptr": act, "out_ptr": act,
-           "new_residual_ptr": act, **dict.fromkeys(
-               ["rows_per_group", "x_group_stride", "x_row_stride", "r_group_stride",
-                "r_row_stride", "width"], "i32"),
-           "eps": "fp32", **dict.fromkeys(["HAS_RESIDUAL", "BLOCK", "UNIT_OFFSET"],
-                                          "constexpr")}
-    for kernel, signature, constexprs in (
-            (_gelu_tanh_mul_kernel, gelu, {"BLOCK": 1024}),
-            (_rms_norm_kernel, rms, {"HAS_RESIDUAL": True, "BLOCK": 1024,
-                                     "UNIT_OFFSET": True})):
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                                  target=GPUTarget(backend, arch, warp_size),
-                                  options={"num_warps": 4})
-        assert compiled.asm.get("cubin" if backend == "cuda" else "hsaco")
-
-
 # ---------------------------------------------------------------- CPU: the interpreter
 
 if not INTERPRETED:

@@ -136,7 +136,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [.., 2I] (gate then up) -> silu(gate) * up [.., I]."""
     unsupported = "silu_and_mul on an odd last dimension" if x.shape[-1] % 2 else None
     if _takes_triton(x.device, unsupported):
-        from archserve.kernels.elementwise.triton_silu_mul import silu_and_mul_triton
+        from archserve.kernels.elementwise.triton_gated_act import silu_and_mul_triton
         return silu_and_mul_triton(x)
     return silu_and_mul_reference(x)
 
@@ -145,6 +145,6 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [.., 2I] (gate then up) -> gelu(gate, approximate="tanh") * up [.., I]."""
     unsupported = "gelu_tanh_and_mul on an odd last dimension" if x.shape[-1] % 2 else None
     if _takes_triton(x.device, unsupported):
-        from archserve.kernels.elementwise.triton_gelu_tanh_mul import gelu_tanh_and_mul_triton
+        from archserve.kernels.elementwise.triton_gated_act import gelu_tanh_and_mul_triton
         return gelu_tanh_and_mul_triton(x)
     return gelu_tanh_and_mul_reference(x)
