@@ -33,6 +33,12 @@ ONLINE_FP8 = "online fp8"                           # a dense weight, quantized 
 GGUF = "gguf"                                       # GGUF blocks, split into integer groups
 
 
+ACTIVATION_TEXT = {ACT_NONE: "16-bit activations",
+                   ACT_DYNAMIC_TOKEN: "dynamic per-token activations",
+                   ACT_DYNAMIC_GROUP: "dynamic per-group activations",
+                   ACT_STATIC_TENSOR: "static per-tensor activations"}
+
+
 @dataclass(frozen=True)
 class LayerQuant:
     layout: str                      # one of the checkpoint layouts above
@@ -55,10 +61,7 @@ class LayerQuant:
                    }[self.strategy]
         kind = "fp8" if self.weight_format in (fmt.FP8, fmt.FP8_BLOCK) else f"int{self.bits}"
         sym = "" if self.symmetric else " asymmetric"
-        acts = {ACT_NONE: "16-bit activations", ACT_DYNAMIC_TOKEN: "dynamic per-token activations",
-                ACT_DYNAMIC_GROUP: "dynamic per-group activations",
-                ACT_STATIC_TENSOR: "static per-tensor activations"}[self.activation]
-        return f"{kind}{sym} weights ({weights}), {acts}"
+        return f"{kind}{sym} weights ({weights}), {ACTIVATION_TEXT[self.activation]}"
 
 
 class UnsupportedQuantization(ValueError):

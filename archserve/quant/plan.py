@@ -21,7 +21,7 @@ from archserve.kernels.linear.quantized_weights import ACT_NONE
 from archserve.kernels.registry import BackendError, LibraryAssumption, Selection
 from archserve.kernels.specs import LinearSpec
 from archserve.platform.device import DeviceInfo
-from archserve.quant.config import LayerQuant, QuantConfig
+from archserve.quant.config import ACTIVATION_TEXT, LayerQuant, QuantConfig
 from archserve.routing.decision import Decision
 
 # Backends that run a W8A8 checkpoint's weights without quantizing its activations.
@@ -90,9 +90,8 @@ def _reason(device: DeviceInfo, quant: LayerQuant, spec: LinearSpec, selection: 
         parts.append(f"ideal {ideal.name} is not used: {why}")
     parts.append(f"{chosen.name}: {chosen.description}")
     if quant.activation != ACT_NONE and chosen.name in WEIGHT_ONLY_BACKENDS:
-        parts.append(f"the checkpoint's {quant.activation.replace('_', ' ')} activation "
-                     f"quantization is not applied: activations stay "
-                     f"{str(dtype).removeprefix('torch.')}")
+        parts.append(f"the checkpoint's {ACTIVATION_TEXT[quant.activation]} are not "
+                     f"quantized: they stay {str(dtype).removeprefix('torch.')}")
     return "; ".join(parts)
 
 

@@ -128,7 +128,7 @@ def test_fp8_plan_records_the_weight_only_degradation() -> None:
     (decision,) = _plan("a100", "fp8").decisions
     assert decision.chosen == "TRITON_WEIGHT_ONLY"
     assert "MARLIN is not implemented in this build" in decision.reason
-    assert "activations stay bfloat16" in decision.reason
+    assert "activations are not quantized: they stay bfloat16" in decision.reason
 
 
 def test_int8_below_triton_int8_degrades_to_dequant() -> None:
