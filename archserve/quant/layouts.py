@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from archserve.kernels.linear.quantized_weights import (
+    ACT_DYNAMIC_GROUP,
     ACT_DYNAMIC_TOKEN,
     ACT_NONE,
     ACT_STATIC_TENSOR,
@@ -118,7 +119,11 @@ def _scale_layout(q: LayerQuant, name: str, k: int) -> TensorLayout:
 
 
 def check_shard_alignment(q: LayerQuant, in_features: int, shard_rows: list[int]) -> str | None:
-    """Why fused shards of these sizes cannot share one tensor of this format, else None."""
+    """Why a layer of this shape (fused shards of these sizes) cannot hold this format,
+    else None."""
+    if q.activation == ACT_DYNAMIC_GROUP and in_features % 128:
+        return (f"block-FP8 activations are quantized per 128 input channels; the layer has "
+                f"{in_features}")
     if q.layout in (ONLINE_FP8, GGUF):       # dense or per-shard until finalize
         return None
     offset = 0

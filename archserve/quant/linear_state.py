@@ -171,7 +171,7 @@ def attach_quantization(model: nn.Module, config: QuantConfig, device: torch.dev
             raise ValueError(f"{', '.join(hf_names)} are fused into one layer but the "
                              "checkpoint quantizes them differently")
         quant = kinds.pop()
-        if quant is not None and len(layer.shard_rows()) > 1:
+        if quant is not None:
             reason = check_shard_alignment(quant, layer.in_features, layer.shard_rows())
             if reason:
                 raise ValueError(f"{', '.join(hf_names)}: {reason}")

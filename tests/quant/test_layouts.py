@@ -133,3 +133,13 @@ def test_gptq_act_order_sorts_groups_and_permutes_inputs() -> None:
     x = torch.randn(3, K, dtype=torch.float64)
     y = x[:, w.perm] @ dequantize(w).double().t()
     torch.testing.assert_close(y, x @ original.double().t(), rtol=1e-9, atol=1e-9)
+
+
+def test_block_fp8_needs_input_channels_in_whole_groups() -> None:
+    """Per-128-group activation scales need K a multiple of 128 (SmolLM2's 576 is not):
+    refused at load, naming the layer, not a crash in the first forward."""
+    from archserve.quant.layouts import check_shard_alignment
+
+    quant = parse_quant_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert "per 128 input channels" in check_shard_alignment(quant.layers[0], 576, [576])
+    assert check_shard_alignment(quant.layers[0], 512, [512]) is None
