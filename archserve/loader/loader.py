@@ -96,15 +96,15 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
         attach_quantization(model, quant, device, dtype)
     if load_format == "dummy":
         initialize_dummy_weights(model)
-    elif gguf_path is not None and quant is not None:     # kept quantized: no dense cache
-        kept = {f"{name}.weight" for name in model.linear_checkpoint_modules()}
-        weights = iterate_gguf(gguf_path, model.checkpoint_shapes(), config.num_layers,
-                               config.num_heads, config.num_kv_heads, keep_quantized=kept)
-        model.load_weights(_with_progress(weights, f"Loading {os.path.basename(gguf_path)}"))
     elif gguf_path is not None:
-        weights = cached_gguf_weights(gguf_path) or caching_gguf_weights(
-            gguf_path, iterate_gguf(gguf_path, model.checkpoint_shapes(), config.num_layers,
-                                    config.num_heads, config.num_kv_heads))
+        args = (gguf_path, model.checkpoint_shapes(), config.num_layers, config.num_heads,
+                config.num_kv_heads)
+        if quant is not None:       # kept quantized: the dense-weights cache does not apply
+            kept = {f"{name}.weight" for name in model.linear_checkpoint_modules()}
+            weights = iterate_gguf(*args, keep_quantized=kept)
+        else:
+            weights = (cached_gguf_weights(gguf_path)
+                       or caching_gguf_weights(gguf_path, iterate_gguf(*args)))
         model.load_weights(_with_progress(weights, f"Loading {os.path.basename(gguf_path)}"))
     else:
         model.load_weights(_with_progress(iterate_safetensors(path), "Loading safetensors"))

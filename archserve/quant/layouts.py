@@ -144,27 +144,33 @@ def _per_channel(per_shard: torch.Tensor, shard_rows: list[int]) -> torch.Tensor
     return per_shard.reshape(-1).float().repeat_interleave(sizes)
 
 
-def _fp8(q: LayerQuant, t: dict[str, torch.Tensor], shard_rows: list[int]) -> Fp8Weight:
-    scale = t.get("weight_scale_inv", t.get("weight_scale"))
+def _weight_scales(q: LayerQuant, scale: torch.Tensor, shard_rows: list[int]) -> torch.Tensor:
+    """float32 scales in the kernels' form: one per output row, or the block grid as is."""
     if q.strategy == "tensor":
         scale = _per_channel(scale, shard_rows)
     elif q.strategy == "channel":
-        scale = scale.reshape(-1).float()
+        scale = scale.reshape(-1)
+    return scale.float().contiguous()
+
+
+def _input_scale(t: dict[str, torch.Tensor]) -> torch.Tensor | None:
     # Fused shards calibrated separately share the largest input scale (as vLLM does).
-    input_scale = t["input_scale"].max().float() if "input_scale" in t else None
-    return Fp8Weight(t["weight"], scale.float().contiguous(), q.activation,
-                     block=q.block if q.strategy == "block" else None, input_scale=input_scale)
+    return t["input_scale"].max().float() if "input_scale" in t else None
+
+
+def _fp8(q: LayerQuant, t: dict[str, torch.Tensor], shard_rows: list[int]) -> Fp8Weight:
+    scale = t.get("weight_scale_inv", t.get("weight_scale"))
+    return Fp8Weight(t["weight"], _weight_scales(q, scale, shard_rows), q.activation,
+                     block=q.block if q.strategy == "block" else None,
+                     input_scale=_input_scale(t))
 
 
 def _int8(q: LayerQuant, t: dict[str, torch.Tensor], shard_rows: list[int]) -> Int8Weight:
     zero = t.get("weight_zero_point")
     if zero is not None and bool(zero.ne(0).any()):
         raise ValueError("int8 W8A8 weights with non-zero zero points are not loadable")
-    scale = t["weight_scale"]
-    scale = (_per_channel(scale, shard_rows) if q.strategy == "tensor"
-             else scale.reshape(-1).float())
-    input_scale = t["input_scale"].max().float() if "input_scale" in t else None
-    return Int8Weight(t["weight"], scale.contiguous(), q.activation, input_scale=input_scale)
+    return Int8Weight(t["weight"], _weight_scales(q, t["weight_scale"], shard_rows),
+                      q.activation, input_scale=_input_scale(t))
 
 
 def _unpack_columns(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None

@@ -94,9 +94,3 @@ def _reason(device: DeviceInfo, quant: LayerQuant, spec: LinearSpec, selection: 
                      f"quantized: they stay {str(dtype).removeprefix('torch.')}")
     return "; ".join(parts)
 
-
-def select_layer_kernel(device: DeviceInfo, quant: LayerQuant, dtype: torch.dtype,
-                        override: str | None = None) -> Selection:
-    """The backend for one kind of layer (thin: the registry does the choosing)."""
-    return default_registry().select("linear", device, layer_spec(quant, dtype),
-                                     override=override)
