@@ -319,72 +319,106 @@ def test_backend_rules_name_the_hardware_reason():
         assert callable(getattr(importlib.import_module(module), name))
 
 
-# Compiling for a GPU needs no GPU: Triton's own ptxas and ld.lld ship with it.
-
-def _compile(kernel, target, pointers: dict[str, str], constexprs: dict):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
-                 for name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget(*target),
-                              options={"num_warps": 4})
-    return compiled.asm.get("ptx") or compiled.asm.get("amdgcn") or ""
-
+# Compiling for a GPU needs no GPU: Triton's own ptxas and ld.lld ship with it. The launches
+# are the wrappers' own (tests/triton_compile.py), so every specialization the engine can
+# launch reaches the compiler, which refuses code the interpreter runs.
 
 SM70, SM75, SM80, SM89, SM90 = (("cuda", c, 32) for c in (70, 75, 80, 89, 90))
 GFX942 = ("hip", "gfx942", 64)
+COMPILE_N, COMPILE_K = 256, 512
+# Every weight-only layout: symmetric and offset groups, act order, one group over K, FP8.
+WEIGHT_ONLY_LAYOUTS = {
+    "int4 g128": lambda: int_group_weight(COMPILE_N, COMPILE_K, 4, 128, False, False),
+    "int4 g32 offsets act-order": lambda: int_group_weight(COMPILE_N, COMPILE_K, 4, 32, True,
+                                                           True),
+    "int8 channel": lambda: int_group_weight(COMPILE_N, COMPILE_K, 8, COMPILE_K, False, False),
+    "fp8 channel": lambda: fp8_weight(COMPILE_N, COMPILE_K, None),
+    "fp8 block": lambda: fp8_weight(COMPILE_N, COMPILE_K, (128, 128)),
+}
+# GEMV rows, MMA rows, and the dequantize-then-cuBLAS rows.
+COMPILE_ROWS = (1, 3, 8, 16, 64, 256)
+
+
+def _launch_all(target, routine, weight, rows_list, dtype, bias=True, every_candidate=False):
+    """Compile what ``routine`` launches at each row count (its default config, or every
+    candidate the start-up tuner may time); returns the compiled launches."""
+    from triton_compile import compiled_launches
+    b = bias_for(weight.out_features, dtype, "cpu") if bias else None
+    with compiled_launches(target) as launches:
+        for rows in rows_list:
+            x = activations(rows, weight.in_features, dtype, "cpu")
+            configs = routine.candidates(rows, weight) if every_candidate else [None]
+            for config in configs:
+                routine.run(x, weight, b, config) if config is not None else routine(x, weight, b)
+    return launches
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-def test_kernels_compile_for_their_gpu_targets():
-    """Weight-only everywhere (fp16 on SM70, FP8 bytes without FP8 instructions); the
-    block-FP8 kernel to FP8 tensor-core instructions; the INT8 kernel to int8 mma."""
-    from archserve.kernels.linear import fp8_gemm, int8_gemm
-    from archserve.kernels.linear import triton_weight_only as wo
-    common = dict(GROUP=128, HAS_OFFSETS=True, BLOCK_SCALE_N=0, BLOCK_SCALE_K=1, HAS_BIAS=True,
-                  BITS=4)
-    mma = dict(common, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SCALE_AT_END=False)
-    gemv = {0: dict(common, GROUP_TILE=False, PARTIAL=False, BLOCK_M=2, BLOCK_N=32, BLOCK_K=32),
-            1: dict(common, GROUP_TILE=False, PARTIAL=True, BLOCK_M=2, BLOCK_N=4, BLOCK_K=128)}
-    # (target, activations, weight kind, kernel): both kernels and kinds in fp16 on SM70.
-    builds = [(SM70, "*fp16", kind, kernel) for kind in (0, 1) for kernel in ("mma", "gemv")]
-    builds += [(SM80, "*bf16", 0, "mma"), (SM80, "*bf16", 1, "mma"), (SM90, "*bf16", 1, "mma"),
-               (GFX942, "*bf16", 0, "mma"), (GFX942, "*fp16", 1, "gemv")]
-    for target, act, kind, kernel in builds:
-        ptrs = dict(x_ptr=act, w_ptr=("*i32", "*u8")[kind], scale_ptr="*fp32",
-                    offset_ptr="*fp32", b_ptr=act, y_ptr=act)
-        if kernel == "mma":
-            code = _compile(wo._weight_only_mma_kernel, target, ptrs,
-                            dict(mma, KIND=kind, SCALE_AT_END=target in (SM80, SM90)))
-        else:
-            code = _compile(wo._weight_only_gemv_kernel, target, ptrs, dict(gemv[kind], KIND=kind))
-        assert code, (target, kind, kernel)
-        if target[0] == "cuda":
-            assert "e4m3" not in code                    # no FP8 hardware needed
-        if target == SM80:
-            assert "mma.sync" in code
-    ptrs = dict(a_ptr="*fp8e4nv", a_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32",
-                b_ptr="*bf16", y_ptr="*bf16")
-    tile = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=True)   # 64 rows: wgmma
+@pytest.mark.parametrize("layout", sorted(WEIGHT_ONLY_LAYOUTS))
+def test_weight_only_launches_compile(layout):
+    """Every weight-only launch compiles: bf16 for SM90 at every row count (GEMV, MMA and
+    dequantize kernels), fp16 for SM70; no FP8 instruction anywhere (FP8 bytes are decoded
+    with integer operations); tensor-core MMA on SM80."""
+    from archserve.kernels.linear.triton_weight_only import WeightOnlyLinear
+    weight = WEIGHT_ONLY_LAYOUTS[layout]()
+    routine = WeightOnlyLinear()
+    builds = [(SM90, torch.bfloat16, COMPILE_ROWS), (SM80, torch.bfloat16, (1, 64, 256)),
+              (SM70, torch.float16, (1, 64, 256))]
+    for target, dtype, rows in builds:
+        launches = _launch_all(target, routine, weight, rows, dtype)
+        kernels = {launch.kernel for launch in launches}
+        assert {"_weight_only_gemv_kernel", "_weight_only_mma_kernel"} <= kernels, kernels
+        assert any(name.startswith("_dequantize_") for name in kernels), kernels
+        for launch in launches:
+            assert launch.code() and "e4m3" not in launch.code(), (target, launch)
+            if target == SM80 and launch.kernel == "_weight_only_mma_kernel":
+                assert "mma.sync" in launch.code()
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+def test_every_tuner_candidate_compiles():
+    """What the start-up tuner may time compiles too (a failing candidate is skipped at
+    start-up, but would be a config the tuner can never pick)."""
+    from archserve.kernels.linear.fp8_gemm import BlockFp8Linear
+    from archserve.kernels.linear.int8_gemm import Int8Linear
+    from archserve.kernels.linear.triton_weight_only import WeightOnlyLinear
+    cases = [(WeightOnlyLinear(), WEIGHT_ONLY_LAYOUTS["int4 g128"]()),
+             (WeightOnlyLinear(), WEIGHT_ONLY_LAYOUTS["fp8 block"]()),
+             (BlockFp8Linear(), fp8_weight(COMPILE_N, COMPILE_K, (128, 128), ACT_DYNAMIC_GROUP)),
+             (Int8Linear(), int8_weight(COMPILE_N, COMPILE_K, ACT_DYNAMIC_TOKEN))]
+    for routine, weight in cases:
+        launches = _launch_all(SM90, routine, weight, (1, 64), torch.bfloat16,
+                               every_candidate=True)
+        assert len(launches) >= 6 and all(launch.code() for launch in launches)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+def test_w8a8_launches_compile_to_their_tensor_core_instructions():
+    """Block FP8 on FP8 tensor cores (mma.sync on SM89, wgmma on SM90), INT8 on int8 MMA
+    (SM80, SM90, MI300) and refused by SM75's compiler; every activation quantization
+    mode compiles."""
+    from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, quantize_fp8_activation
+    from archserve.kernels.linear.int8_gemm import Int8Linear
+    from triton_compile import compiled_launches
+    block = fp8_weight(COMPILE_N, COMPILE_K, (128, 128), ACT_DYNAMIC_GROUP)
     for target, instruction in [(SM89, r"mma\.sync\S*e4m3"), (SM90, r"wgmma\S*e4m3")]:
-        ptx = _compile(fp8_gemm._block_fp8_gemm_kernel, target, ptrs,
-                       dict(tile, GROUP_K=128, SCALE_BLOCK_N=128))
-        assert re.search(instruction, ptx), target
-    ptrs = dict(a_ptr="*i8", a_scale_ptr="*fp32", w_ptr="*i8", w_scale_ptr="*fp32",
-                b_ptr="*fp16", y_ptr="*fp16")
-    for target, instruction in [(SM80, r"mma\.sync\S*s8"), (SM90, r"wgmma\S*s8"),
-                                (GFX942, r"v_mfma_i32")]:
-        assert re.search(instruction, _compile(int8_gemm._int8_gemm_kernel, target, ptrs, tile))
+        launches = _launch_all(target, BlockFp8Linear(), block, (1, 64, 256), torch.bfloat16)
+        gemms = [launch for launch in launches if launch.kernel == "_block_fp8_gemm_kernel"]
+        assert gemms and re.search(instruction, gemms[-1].code()), target
+    for activation in (ACT_DYNAMIC_TOKEN, ACT_STATIC_TENSOR):
+        weight = int8_weight(COMPILE_N, COMPILE_K, activation)
+        for target, instruction in [(SM80, r"mma\.sync\S*s8"), (SM90, r"wgmma\S*s8"),
+                                    (GFX942, r"v_mfma_i32")]:
+            launches = _launch_all(target, Int8Linear(), weight, (1, 256), torch.float16)
+            assert re.search(instruction, launches[-1].code()), (target, activation)
+        with compiled_launches(SM89) as launches:
+            x = activations(4, COMPILE_K, torch.bfloat16, "cpu")
+            quantize_fp8_activation(x, activation, fp8_weight(
+                COMPILE_N, COMPILE_K, None, activation).input_scale)
+        assert launches and launches[0].code()
     with pytest.raises(Exception):  # noqa: B017 - Triton's compile error type varies
-        _compile(int8_gemm._int8_gemm_kernel, SM75, ptrs, tile)
-    for mode in (0, 1, 2):
-        assert _compile(fp8_gemm._quantize_fp8_kernel, SM89,
-                        dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", in_scale_ptr="*fp32"),
-                        dict(MODE=mode, BLOCK=128))
-    assert _compile(int8_gemm._quantize_int8_kernel, SM80,
-                    dict(x_ptr="*bf16", q_ptr="*i8", s_ptr="*fp32", in_scale_ptr="*fp32"),
-                    dict(STATIC=False, BLOCK=1024))
+        _launch_all(SM75, Int8Linear(), int8_weight(COMPILE_N, COMPILE_K, ACT_DYNAMIC_TOKEN),
+                    (256,), torch.float16)
 
 
 # ---------------------------------------------------------------- CPU: the interpreter

@@ -29,6 +29,7 @@ def _dequantize_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, K, N, stride_q, stride_
     """Packed rows pid(0)*BLOCK_P.. x columns pid(1)*BLOCK_N.. -> out [K, N]."""
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    HALF: tl.constexpr = 1 << (BITS - 1)   # the zero point of a symmetric layout
     prow = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (prow < K // PACK)[:, None] & (cols < N)[None, :]
@@ -45,7 +46,6 @@ def _dequantize_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, K, N, stride_q, stride_
                         other=0.0).to(tl.float32)
             value = q * s + o
         else:
-            HALF: tl.constexpr = 1 << (BITS - 1)
             value = (q - HALF) * s
         tl.store(out_ptr + k.to(tl.int64)[:, None] * N + cols[None, :],
                  value.to(out_ptr.dtype.element_ty), mask=ok)

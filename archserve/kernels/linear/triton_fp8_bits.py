@@ -20,7 +20,7 @@ import triton.language as tl
 
 # e4m3's 4-bit exponent (bias 7) sits in the low bits of fp16's 5-bit exponent (bias 15),
 # so the fp16 built from the same bits is the e4m3 value times 2**-8: multiply by this.
-E4M3_AS_FP16_SCALE = 256.0
+E4M3_AS_FP16_SCALE: tl.constexpr = tl.constexpr(256.0)
 
 
 @triton.jit

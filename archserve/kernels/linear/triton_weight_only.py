@@ -42,7 +42,7 @@ from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.linear.gemm_tiles import ConfiguredRoutine, occupancy_block_n
 from archserve.kernels.linear.quantized_weights import Fp8Weight, IntGroupWeight
 from archserve.kernels.linear.triton_dequantize import dequantized_linear
-from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
+from archserve.kernels.linear.triton_fp8_bits import E4M3_AS_FP16_SCALE, e4m3_bits_to_fp16
 
 INT_WEIGHT: tl.constexpr = tl.constexpr(0)
 FP8_WEIGHT: tl.constexpr = tl.constexpr(1)
@@ -182,7 +182,7 @@ def _weight_only_gemv_kernel(
             total = tl.sum(acc, axis=1)[None, :]
         else:
             total = tl.sum(acc, axis=2)
-        total = total * 256.0
+        total = total * E4M3_AS_FP16_SCALE
         if BLOCK_SCALE_N == 0:
             total = total * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     out_ok = row_ok[:, None] & col_ok[None, :]
@@ -266,7 +266,7 @@ def _weight_only_mma_kernel(
                             mask=col_ok, other=0.0)
                 acc += t * s[None, :]
     if KIND == FP8_WEIGHT:
-        acc = acc * 256.0
+        acc = acc * E4M3_AS_FP16_SCALE
         if SCALE_AT_END:
             acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     elif SCALE_AT_END:
