@@ -397,9 +397,10 @@ def test_w8a8_launches_compile_to_their_tensor_core_instructions():
     """Block FP8 on FP8 tensor cores (mma.sync on SM89, wgmma on SM90), INT8 on int8 MMA
     (SM80, SM90, MI300) and refused by SM75's compiler; every activation quantization
     mode compiles."""
+    from triton_compile import compiled_launches
+
     from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, quantize_fp8_activation
     from archserve.kernels.linear.int8_gemm import Int8Linear
-    from triton_compile import compiled_launches
     block = fp8_weight(COMPILE_N, COMPILE_K, (128, 128), ACT_DYNAMIC_GROUP)
     for target, instruction in [(SM89, r"mma\.sync\S*e4m3"), (SM90, r"wgmma\S*e4m3")]:
         launches = _launch_all(target, BlockFp8Linear(), block, (1, 64, 256), torch.bfloat16)
