@@ -97,6 +97,24 @@ def _int_group_params(scale_ptr, offset_ptr, g, cols, col_ok, stride_sg,
 
 
 @triton.jit
+def _centered_as(q, dtype: tl.constexpr, BITS: tl.constexpr):
+    """Integers q in [0, 2**BITS) -> q - 2**(BITS-1) in ``dtype``, exactly, with bit
+    operations and one subtraction instead of an int-to-float conversion (quarter rate on
+    NVIDIA GPUs): or'ing q into the low mantissa bits of 1024 (fp16), 128 (bf16, 4-bit q)
+    or 2**23 (fp32) gives that number plus q."""
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    if dtype == tl.float16:
+        v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        return v - (1024.0 + HALF)
+    elif dtype == tl.bfloat16 and BITS == 4:
+        v = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return v - (128.0 + HALF)
+    else:
+        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + HALF)
+        return v.to(dtype)
+
+
+@triton.jit
 def _weight_only_gemv_kernel(
         x_ptr, w_ptr, scale_ptr, offset_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
         stride_xm, stride_w, stride_s, stride_ym, stride_yk,
@@ -126,30 +144,54 @@ def _weight_only_gemv_kernel(
             acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_P, BLOCK_N], dtype=tl.float32)
+        # q as fp32 without an int-to-float conversion (a quarter-rate instruction that
+        # bounded this loop on an H200): the bits of 2**23 + q are those of 2**23 with q
+        # or'ed in, and subtracting ZERO leaves q (offsets) or q - 2**(bits-1), exactly.
+        MAGIC: tl.constexpr = 0x4B000000
+        ZERO: tl.constexpr = 8388608.0 if HAS_OFFSETS else 8388608.0 + (1 << (BITS - 1))
         for k0 in range(k_start, k_end, BLOCK_K):
             p = k0 // PACK + prow                       # packed rows of this tile
             p_ok = p < k_end // PACK
             packed = tl.load(w_ptr + p.to(tl.int64)[:, None] * stride_w + cols[None, :],
                              mask=p_ok[:, None] & col_ok[None, :], other=0)
-            if GROUP_TILE:
-                s, o = _int_group_params(scale_ptr, offset_ptr, k0 // GROUP, cols[None, :],
-                                         col_ok[None, :], stride_s, HAS_OFFSETS, BITS)
-            else:   # GROUP is a multiple of PACK: the values of one int32 share a group
-                s, o = _int_group_params(scale_ptr, offset_ptr, (p * PACK // GROUP)[:, None],
-                                         cols[None, :], p_ok[:, None] & col_ok[None, :],
-                                         stride_s, HAS_OFFSETS, BITS)
+            # The PACK values of an int32 share one group (GROUP is a multiple of PACK):
+            # sum x q over them, then scale once per int32,
+            #   sum_j x_j (q_j s + o) = s sum_j x_j q_j + o sum_j x_j.
+            if BLOCK_M == 1:
+                xq = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+                x_sum = tl.zeros([BLOCK_P], dtype=tl.float32)
+            else:
+                xq = tl.zeros([BLOCK_M, BLOCK_P, BLOCK_N], dtype=tl.float32)
+                x_sum = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
             for j in tl.static_range(PACK):
-                q = ((packed >> (j * BITS)) & MASK).to(tl.float32)
-                w = q * s + o                           # [BLOCK_P, BLOCK_N]
+                bits = ((packed >> (j * BITS)) & MASK) | MAGIC
+                q = bits.to(tl.float32, bitcast=True) - ZERO    # [BLOCK_P, BLOCK_N]
                 k = p * PACK + j
                 if BLOCK_M == 1:
                     xk = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + k, mask=p_ok,
                                  other=0.0).to(tl.float32)
-                    acc += xk[:, None] * w
+                    xq += xk[:, None] * q
                 else:
                     xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & p_ok[None, :],
                                  other=0.0).to(tl.float32)
-                    acc += xk[:, :, None] * w[None, :, :]
+                    xq += xk[:, :, None] * q[None, :, :]
+                if HAS_OFFSETS:
+                    x_sum += xk
+            if GROUP_TILE:
+                s, o = _int_group_params(scale_ptr, offset_ptr, k0 // GROUP, cols[None, :],
+                                         col_ok[None, :], stride_s, HAS_OFFSETS, BITS)
+            else:
+                s, o = _int_group_params(scale_ptr, offset_ptr, (p * PACK // GROUP)[:, None],
+                                         cols[None, :], p_ok[:, None] & col_ok[None, :],
+                                         stride_s, HAS_OFFSETS, BITS)
+            if BLOCK_M == 1:
+                acc += xq * s
+                if HAS_OFFSETS:
+                    acc += x_sum[:, None] * o
+            else:
+                acc += xq * s[None, :, :]
+                if HAS_OFFSETS:
+                    acc += x_sum[:, :, None] * o[None, :, :]
         if BLOCK_M == 1:
             total = tl.sum(acc, axis=0)[None, :]
         else:
@@ -235,8 +277,8 @@ def _weight_only_mma_kernel(
             shifts = tl.arange(0, PACK) * BITS
             # Centred on HALF: -128..127 are exact in fp16 and bf16, and the product keeps
             # no large common term that the offsets would cancel after fp32 rounding.
-            q = ((packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)) - HALF
-            b = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32).to(dtype)
+            q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+            b = _centered_as(tl.reshape(q, (BLOCK_K, BLOCK_N)), dtype, BITS)
         else:
             bits = tl.load(w_ptr + cols.to(tl.int64)[None, :] * stride_w + k[:, None],
                            mask=k_ok[:, None] & col_ok[None, :], other=0)
