@@ -58,7 +58,10 @@ def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
                                             (8, 64, True, False), (8, 256, False, False)]:
         w = int_weight(40, 256, bits, group, offsets, device, act_order)
         dense = td.dequantize_int_group(w, torch.float32)
-        torch.testing.assert_close(dense, dequantize(w).t(), rtol=1e-6, atol=1e-7)
+        # q * s + o: a GPU build fuses it into one FMA (one rounding, not two), which near
+        # an exact cancellation differs by an ulp of the terms, not of the result.
+        torch.testing.assert_close(dense, dequantize(w).t(), rtol=1e-6,
+                                   atol=1e-6 * float(dense.abs().max()))
         for dtype in dtypes:
             x = torch.randn(5, 256, device=device).to(dtype)
             torch.testing.assert_close(td.dequantized_linear(x, w), reference_linear(x, w),

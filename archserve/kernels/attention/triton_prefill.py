@@ -199,8 +199,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
                       tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged context; writes ``out``.
 
-    On a GPU the tiles are autotuned once per head size, group, dtype and feature set;
-    ``tiles`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) pins them (tests, tuning).
+    On a GPU the tiles are autotuned once per head size, group, dtype and feature set
+    (16-bit dtypes; fp32 takes ``_prefill_tiles``); ``tiles`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) pins them (tests, tuning).
     """
     _, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -216,7 +216,10 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         BLOCK_D=triton.next_power_of_2(head_size), SLIDING_WINDOW=sliding_window or 0,
         USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
         DOT_PRECISION=dot_precision(query.dtype))
-    if tiles is None and not triton_interpreted():
+    # fp32 is not autotuned: its products run on FMA units (ieee tl.dot), where the tile
+    # barely matters, while every candidate compiles for many seconds (a Gemma-3 start in
+    # fp32 spent minutes tuning its sliding and global layers on an H200).
+    if tiles is None and not triton_interpreted() and query.dtype != torch.float32:
         def grid(meta: dict) -> tuple[int, int, int]:
             return triton.cdiv(max_query_len, meta["BLOCK_M"]), num_seqs, num_heads
         _tuned_prefill_kernel[grid](*args, **constants)
