@@ -64,8 +64,11 @@ def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
                                    atol=1e-6 * float(dense.abs().max()))
         for dtype in dtypes:
             x = torch.randn(5, 256, device=device).to(dtype)
-            torch.testing.assert_close(td.dequantized_linear(x, w), reference_linear(x, w),
-                                       rtol=2e-2, atol=2e-2)
+            # The dense weight is rounded to ``dtype`` before the GEMM: each product gains
+            # a rounding, so the error is bounded by the output's scale, not per element.
+            expected = reference_linear(x, w)
+            torch.testing.assert_close(td.dequantized_linear(x, w), expected, rtol=2e-2,
+                                       atol=2e-2 * float(expected.abs().max()))
     for block in (False, True):
         w = fp8_weight(136, 256, block, device)
         torch.testing.assert_close(td.dequantize_fp8(w, torch.float32), dequantize(w),
