@@ -45,3 +45,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory_after_each_test():
+    """An engine sizes its KV cache from the GPU memory free at start; an earlier test's
+    engine, still held by a reference cycle or by torch's caching allocator, would leave
+    the next one none. Only where there is a GPU: gc.collect per test costs the CPU run."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()

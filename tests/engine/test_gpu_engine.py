@@ -34,14 +34,6 @@ def hf_reference(path: str, tokenizer, num_tokens: int):
     return refs
 
 
-@pytest.fixture(autouse=True)
-def free_gpu_memory_after_each_test():
-    yield
-    import gc
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @pytest.fixture(scope="module", params=["llama-h64", "qwen2-h64", "qwen3-h64"])
 def checkpoint_and_reference(request, tiny_checkpoint):
     path = tiny_checkpoint(request.param)

@@ -91,5 +91,6 @@ def test_compiled_on_the_gpu() -> None:
     from archserve.kernels.linear.triton_weight_only import DENSE_PREFILL_ROWS, WeightOnlyLinear
     w = int_weight(6144, 4096, 4, 128, False, "cuda")
     x = torch.randn(DENSE_PREFILL_ROWS * 2, 4096, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(WeightOnlyLinear()(x, w), reference_linear(x, w),
-                               rtol=2e-2, atol=2e-2)
+    expected = reference_linear(x, w)     # bf16 dense weight: see check_all
+    torch.testing.assert_close(WeightOnlyLinear()(x, w), expected, rtol=2e-2,
+                               atol=2e-2 * float(expected.abs().max()))
