@@ -16,10 +16,11 @@ def explain(
         "--libraries", help="Which kernel libraries to assume: all | none | installed | "
                             "NAME,NAME. Default: all for profiles, installed for live.")] = None,
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="An HF model directory or a .gguf file (config only, no weights).")
-    ] = None,
+        "--model", "-m", help="An HF model directory or a .gguf file (config only, no weights); "
+                              "default: the embedded SmolLM2-135M-Instruct.")] = None,
     op: Annotated[str | None, typer.Option(
-        "--op", help="Explain one op instead of a model: attention | mla_attention.")] = None,
+        "--op", help="Explain one layer instead of a model: attention | mla_attention | "
+                     "linear | moe (linear and moe take --quantization).")] = None,
     head_size: Annotated[int | None, typer.Option(
         "--head-size", help="Head size for --op attention (mla_attention assumes DeepSeek-V3, "
                             "576).")] = None,
@@ -39,26 +40,23 @@ def explain(
 ) -> None:
     """Show which backend each layer kind runs on DEVICE, the ideal one, and why others lost."""
     from archserve.kernels.registry import BackendError
+    from archserve.loader.loader import resolve_model_path
     from archserve.platform.profiles import resolve_device
-    from archserve.routing.explain import (
-        explain_attention_request,
-        explain_model,
-        parse_libraries,
-    )
+    from archserve.routing.explain import explain_model, explain_op_request, parse_libraries
     from archserve.routing.model_summary import read_model_summary
 
-    if (model is None) == (op is None):
-        raise typer.BadParameter("give exactly one of --model PATH or --op OP")
+    if model is not None and op is not None:
+        raise typer.BadParameter("give --model PATH or --op OP, not both")
     try:
         info = resolve_device(device)
         default_libraries = "installed" if device.strip().lower() == "live" else "all"
         assumption = parse_libraries(libraries or default_libraries)
-        if model is not None:
-            result = explain_model(info, read_model_summary(model), dtype, kv_cache_dtype,
-                                   quantization, assumption)
+        if op is None:
+            summary = read_model_summary(resolve_model_path(model))
+            result = explain_model(info, summary, dtype, kv_cache_dtype, quantization, assumption)
         else:
-            result = explain_attention_request(info, op, head_size, dtype, kv_cache_dtype,
-                                               block_size, assumption, override=backend)
+            result = explain_op_request(info, op, head_size, dtype, kv_cache_dtype, block_size,
+                                        assumption, override=backend, quantization=quantization)
     except (ValueError, BackendError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -96,5 +94,7 @@ def _print_explanation(result) -> None:  # noqa: ANN001 - an Explanation
         if r.ideal and not registry.get(r.op, r.ideal).implemented:
             ideal += " (rules only)"
         rejected = "\n".join(f"{x.backend}: {x.reason}" for x in r.rejected)
-        table.add_row(f"{r.layer}\n[dim]{r.op}[/dim]", backend, ideal, rejected)
+        # The op under the layer's name only where the name does not already say it.
+        layer = r.layer if r.layer.split(" ")[0] == r.op else f"{r.layer}\n[dim]{r.op}[/dim]"
+        table.add_row(layer, backend, ideal, rejected)
     console.print(table)

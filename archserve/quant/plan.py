@@ -43,6 +43,7 @@ class QuantPlan:
     config: QuantConfig | None
     layers: list[LayerPlan] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
+    refused: str | None = None      # the scheme itself is not loadable (no layers planned)
 
     @property
     def moe_format(self) -> str | None:
@@ -50,8 +51,8 @@ class QuantPlan:
 
     @property
     def not_loadable(self) -> str | None:
-        errors = [p.error for p in self.layers if p.error]
-        return "; ".join(errors) if errors else None
+        errors = [self.refused] + [p.error for p in self.layers]
+        return "; ".join(e for e in errors if e) or None
 
 
 def layer_spec(quant: LayerQuant, dtype: torch.dtype) -> LinearSpec:

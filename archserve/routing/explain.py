@@ -14,6 +14,7 @@ import torch
 
 from archserve.kernels.catalog import default_registry
 from archserve.kernels.registry import (
+    OP_KINDS,
     BackendError,
     LibraryAssumption,
     Rejection,
@@ -21,10 +22,10 @@ from archserve.kernels.registry import (
     override_from_env,
 )
 from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
-from archserve.models.registry import architecture_unsupported
+from archserve.models.registry import architecture_unsupported, op_kinds_of_supported_architectures
 from archserve.platform.device import DeviceInfo
 from archserve.quant.config import UnsupportedQuantization, explain_quant_config
-from archserve.quant.plan import plan_quantization
+from archserve.quant.plan import QuantPlan, plan_quantization
 from archserve.routing.decision import Decision
 from archserve.routing.dtypes import dtype_name, resolve_dtype, resolve_kv_cache_dtype
 from archserve.routing.model_summary import ModelSummary
@@ -116,15 +117,37 @@ def explain_op(device: DeviceInfo, op: str, spec: Any,
     return route_from_selection(selection, layer or op, device, spec)
 
 
-def explain_attention_request(device: DeviceInfo, op: str, head_size: int | None,
-                              dtype: str = "auto", kv_cache_dtype: str = "auto",
-                              block_size: int | None = None,
-                              libraries: LibraryAssumption = "installed",
-                              override: str | None = None) -> Explanation:
-    """``explain --op attention|mla_attention``: one attention layer, dtype decisions first."""
-    if op not in ("attention", "mla_attention"):
-        raise ValueError(f"--op must be attention or mla_attention, not {op!r}")
+def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None,
+                       dtype: str = "auto", kv_cache_dtype: str = "auto",
+                       block_size: int | None = None,
+                       libraries: LibraryAssumption = "installed",
+                       override: str | None = None, quantization: str | None = None
+                       ) -> Explanation:
+    """``explain --op OP``: one layer of any op kind the registry routes, dtype decisions
+    first. Attention needs a head size (MLA assumes DeepSeek-V3's); linear and MoE take
+    Llama-3-8B's and Mixtral-8x7B's shapes, quantized as ``quantization`` says."""
+    if op not in OP_KINDS:
+        raise ValueError(f"--op must be one of {', '.join(OP_KINDS)}, not {op!r}")
     torch_dtype, decisions = resolve_dtype(device, dtype)
+    # As in doctor: an op no loadable architecture has gets its ideal, never a route.
+    not_loadable = (None if op in op_kinds_of_supported_architectures()
+                    else f"no supported architecture has {op} layers")
+    if op in ("linear", "moe"):
+        plan = _quantization_plan(device, None, quantization, False, torch_dtype, libraries)
+        if plan.not_loadable:
+            raise ValueError(plan.not_loadable)
+        routes = (_linear_routes(device, plan, torch_dtype, libraries, not_loadable)
+                  if op == "linear"
+                  else [_moe_route(device, MoESpec(dtype=torch_dtype,
+                                                   quant_scheme=plan.moe_format), libraries,
+                                   not_loadable)])
+        if override and not_loadable is None:
+            routes = [explain_op(device, op, route_spec, libraries, layer=route.layer,
+                                 override=override)
+                      for route, route_spec in zip(routes, _specs_of(op, plan, torch_dtype),
+                                                   strict=True)]
+        return Explanation(device, torch_dtype, decisions + plan.decisions, routes,
+                           libraries_text(libraries), not_loadable)
     kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype)
     shape: dict[str, Any] = dict(DEEPSEEK_V3_MLA) if op == "mla_attention" else {}
     if head_size is not None:
@@ -132,10 +155,48 @@ def explain_attention_request(device: DeviceInfo, op: str, head_size: int | None
     elif op == "attention":
         raise ValueError("--op attention needs --head-size")
     spec = AttentionSpec(dtype=torch_dtype, kv_cache_dtype=kv, block_size=block_size, **shape)
-    route = (explain_op(device, op, spec, libraries, override=override) if override
-             else _route(device, op, spec, libraries, op, None))
+    route = (explain_op(device, op, spec, libraries, override=override)
+             if override and not_loadable is None
+             else _route(device, op, spec, libraries, op, not_loadable))
     return Explanation(device, torch_dtype, decisions + kv_decisions, [route],
-                       libraries_text(libraries))
+                       libraries_text(libraries), not_loadable)
+
+
+def _specs_of(op: str, plan: QuantPlan, dtype: torch.dtype) -> list[Any]:
+    """The spec behind each route ``explain_op_request`` lists for linear or MoE."""
+    if op == "moe":
+        return [MoESpec(dtype=dtype, quant_scheme=plan.moe_format)]
+    return [layer.spec for layer in plan.layers] or [LinearSpec(dtype=dtype)]
+
+
+def _quantization_plan(device: DeviceInfo, checkpoint_config: dict[str, Any] | None,
+                       quantization: str | None, is_gguf: bool, dtype: torch.dtype,
+                       libraries: LibraryAssumption) -> QuantPlan:
+    """The plan of the checkpoint's (or the requested) quantization; an unloadable scheme
+    gives an empty plan whose ``not_loadable`` says why."""
+    try:
+        quant = explain_quant_config(checkpoint_config, quantization, is_gguf,
+                                     keep_gguf_quantized=device.is_gpu)
+    except UnsupportedQuantization as exc:
+        return QuantPlan(None, refused=str(exc))
+    return plan_quantization(device, quant, dtype, libraries)
+
+
+def _linear_routes(device: DeviceInfo, plan: QuantPlan, dtype: torch.dtype,
+                   libraries: LibraryAssumption, not_loadable: str | None) -> list[Route]:
+    """One route per quantized layer kind of the plan, or the dense linear route."""
+    if not plan.layers:
+        return [_route(device, "linear", LinearSpec(dtype=dtype), libraries,
+                       "linear (qkv, o, mlp)", not_loadable)]
+    return [_route(device, "linear", layer.spec, libraries,
+                   "linear (qkv, o, mlp)" if len(plan.layers) == 1
+                   else f"linear ({layer.quant.describe()})", not_loadable)
+            for layer in plan.layers]
+
+
+def _moe_route(device: DeviceInfo, spec: MoESpec, libraries: LibraryAssumption,
+               not_loadable: str | None) -> Route:
+    return _route(device, "moe", spec, libraries, "moe experts", not_loadable)
 
 
 def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
@@ -150,16 +211,12 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype)
     decisions += kv_decisions
     not_loadable = architecture_unsupported(model.architecture)
-    try:
-        quant = explain_quant_config(model.quantization_config, quantization, model.is_gguf,
-                                     keep_gguf_quantized=device.is_gpu)
-    except UnsupportedQuantization as exc:
-        quant, not_loadable = None, "; ".join(filter(None, [not_loadable, str(exc)]))
-    plan = plan_quantization(device, quant, torch_dtype, libraries)
+    plan = _quantization_plan(device, model.quantization_config, quantization, model.is_gguf,
+                              torch_dtype, libraries)
     not_loadable = "; ".join(filter(None, [not_loadable, plan.not_loadable])) or None
     if not_loadable is None:
         decisions += plan.decisions
-    if model.is_gguf and quant is None and quantization in (None, "gguf"):
+    if model.is_gguf and plan.config is None and quantization in (None, "gguf"):
         decisions.append(Decision("quantization", "gguf", f"dense {dtype_name(torch_dtype)}",
                                   "archserve's GGUF loader dequantizes every tensor at load, so "
                                   "its linear layers take the dense route"))
@@ -173,20 +230,13 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
         v_head_dim=model.v_head_dim)
     op = "mla_attention" if model.use_mla else "attention"
     routes = [_route(device, op, attention, libraries, "attention", not_loadable)]
-    if plan.layers:
-        for layer in plan.layers:
-            label = ("linear (qkv, o, mlp)" if len(plan.layers) == 1
-                     else f"linear ({layer.quant.describe()})")
-            routes.append(_route(device, "linear", layer.spec, libraries, label, not_loadable))
-    else:
-        routes.append(_route(device, "linear", LinearSpec(dtype=torch_dtype), libraries,
-                             "linear (qkv, o, mlp)", not_loadable))
+    routes += _linear_routes(device, plan, torch_dtype, libraries, not_loadable)
     if model.is_moe:
         moe = MoESpec(dtype=torch_dtype, quant_scheme=plan.moe_format,
                       num_experts=model.num_experts, top_k=model.experts_per_token or 2,
                       hidden_size=model.hidden_size,
                       intermediate_size=model.intermediate_size)
-        routes.append(_route(device, "moe", moe, libraries, "moe experts", not_loadable))
+        routes.append(_moe_route(device, moe, libraries, not_loadable))
     # lm_head stays unquantized in every scheme archserve loads (as in vLLM by default).
     routes.append(_route(device, "linear", LinearSpec(dtype=torch_dtype), libraries, "lm_head",
                          not_loadable))

@@ -69,7 +69,44 @@ def test_explain_refuses_impossible_and_unknown_backends() -> None:
     assert result.exit_code == 2 and "needs SM80+" in result.output
     result = run("explain", "-d", "nosuchgpu", "--op", "attention", "--head-size", "128")
     assert result.exit_code == 2 and "valid ids" in result.output
-    assert run("explain", "-d", "h100").exit_code != 0     # neither --model nor --op
+    assert run("explain", "--op", "foo").exit_code == 2
+    both = run("explain", "--op", "linear", "--model", ".")
+    assert both.exit_code != 0 and "not both" in both.output
+
+
+def test_explain_defaults_to_the_embedded_model() -> None:
+    """Like generate and bench, explain with no --model explains the embedded model."""
+    result = run("explain", "-d", "h100", "--json")
+    assert result.exit_code == 0, result.output
+    layers = [r["layer"] for r in json.loads(result.output)["routes"]]
+    assert layers[0] == "attention" and "lm_head" in layers
+
+
+def test_explain_every_op_kind() -> None:
+    """--op takes every op kind the registry routes; linear and moe take --quantization;
+    an op no loadable architecture has gets its ideal and the reason, never a route."""
+    dense = json.loads(run("explain", "-d", "h100", "--op", "linear", "--json").output)
+    assert dense["routes"][0]["backend"] and dense["not_loadable"] is None
+    awq = json.loads(run("explain", "-d", "h100", "--op", "linear", "-q", "awq",
+                         "--json").output)
+    assert awq["routes"][0]["backend"] == "TRITON_WEIGHT_ONLY"
+    assert awq["routes"][0]["ideal"] == "MARLIN"
+    moe = json.loads(run("explain", "-d", "h100", "--op", "moe", "--json").output)
+    assert moe["routes"][0]["backend"] == "" and moe["routes"][0]["ideal"]
+    assert "no supported architecture has moe layers" in moe["not_loadable"]
+    refused = run("explain", "--op", "linear", "-q", "bitsandbytes")
+    assert refused.exit_code == 2 and "not loadable" in refused.output
+
+
+def test_explain_names_the_op_only_where_the_layer_does_not() -> None:
+    text = run("explain", "-d", "h100", "--op", "attention", "--head-size", "128").output
+    layer_cells = [line.split("│")[1].strip() for line in text.splitlines()
+                   if line.startswith("│")]
+    assert layer_cells.count("attention") == 1, layer_cells
+    text = run("explain", "-d", "h100").output
+    layer_cells = [line.split("│")[1].strip() for line in text.splitlines()
+                   if line.startswith("│")]
+    assert "lm_head" in layer_cells and "linear" in layer_cells   # lm_head's op is named
 
 
 def test_explain_model_directory(tmp_path) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from archserve.platform.profiles import get_profile
 from archserve.routing.dtypes import resolve_dtype, resolve_kv_cache_dtype
-from archserve.routing.explain import explain_attention_request, explain_model
+from archserve.routing.explain import explain_op_request, explain_model
 from archserve.routing.model_summary import read_model_summary
 
 
@@ -55,7 +55,7 @@ def test_fp8_kv_cache() -> None:
     ("rtx5090", "FLASH_ATTN", "FA2"),
 ])
 def test_done_when_routes(profile: str, ideal: str, detail: str) -> None:
-    out = explain_attention_request(get_profile(profile), "attention", 128, "bfloat16",
+    out = explain_op_request(get_profile(profile), "attention", 128, "bfloat16",
                                     libraries="all").to_dict()
     (route,) = out["routes"]
     assert route["ideal"] == ideal and route["ideal_detail"] == detail
@@ -64,7 +64,7 @@ def test_done_when_routes(profile: str, ideal: str, detail: str) -> None:
 
 
 def test_v100_json_shape_records_bf16_to_fp16() -> None:
-    out = explain_attention_request(get_profile("v100"), "attention", 128, "bfloat16",
+    out = explain_op_request(get_profile("v100"), "attention", 128, "bfloat16",
                                     libraries="all").to_dict()
     assert out["device"] == {"id": "v100", "name": "Tesla V100-SXM2-32GB", "platform": "cuda",
                              "capability": [7, 0]}
@@ -75,7 +75,7 @@ def test_v100_json_shape_records_bf16_to_fp16() -> None:
 
 
 def test_mla_op_assumes_deepseek_dims() -> None:
-    out = explain_attention_request(get_profile("b200"), "mla_attention", None,
+    out = explain_op_request(get_profile("b200"), "mla_attention", None,
                                     libraries="all").to_dict()
     assert out["routes"][0]["ideal"] == "FLASHINFER_MLA"
 
