@@ -2,7 +2,7 @@
 
 Every cell asks a rule: a feature flag of `features_for`, a backend's
 ``hardware_rule`` with a representative spec, or a quantization scheme's
-``hardware_rule``. Nothing here is typed per GPU, so the table cannot drift from
+``hardware_rule`` (archserve's own quantization plan for a scheme it loads). Nothing here is typed per GPU, so the table cannot drift from
 what selection does.
 """
 
@@ -65,9 +65,35 @@ def _moe(fmt: str | None) -> MoESpec:
 
 
 def _scheme(group: str, name: str, scheme: str) -> MatrixRow:
-    """A scheme's row: vLLM's hardware rule; "implemented" when archserve loads it."""
+    """A scheme's row. One archserve loads is supported where this build runs it (the
+    quantization plan's route on the silicon: GGUF and the dequantizing CPU path run on
+    CPUs, which vLLM's kernels do not); one it does not load keeps vLLM's hardware rule."""
     found = get_scheme(scheme)
-    return MatrixRow(group, name, found.hardware_rule, found.loadable)
+    if not found.loadable:
+        return MatrixRow(group, name, found.hardware_rule, False)
+    return MatrixRow(group, name, lambda device: _archserve_scheme_rule(scheme, device), True,
+                     lambda device: _archserve_scheme_route(scheme, device))
+
+
+def _scheme_plan(scheme: str, device: DeviceInfo):  # noqa: ANN202 - a QuantPlan
+    from archserve.quant.config import explain_quant_config
+    from archserve.quant.plan import plan_quantization
+    from archserve.routing.dtypes import resolve_dtype
+    config = explain_quant_config(None, scheme, is_gguf=scheme == "gguf",
+                                  keep_gguf_quantized=device.is_gpu)
+    dtype, _ = resolve_dtype(device, "auto")
+    return plan_quantization(device, config, dtype, "all")
+
+
+def _archserve_scheme_rule(scheme: str, device: DeviceInfo) -> str | None:
+    return _scheme_plan(scheme, device).not_loadable
+
+
+def _archserve_scheme_route(scheme: str, device: DeviceInfo) -> str:
+    plan = _scheme_plan(scheme, device)
+    return ", ".join(sorted({layer.selection.name for layer in plan.layers
+                            if layer.selection is not None})) or (
+        "dense after load")
 
 
 def _fa_version(device: DeviceInfo) -> str:

@@ -159,6 +159,17 @@ def test_matrix_json() -> None:
     assert text.exit_code == 0 and "FA4" in text.output
 
 
+def test_matrix_marks_schemes_archserve_runs_where_it_runs_them() -> None:
+    """The embedded model is GGUF and runs on the CPU: its row says so, with the route;
+    a scheme this build does not load keeps vLLM's rule (no CPU kernels)."""
+    out = json.loads(run("matrix", "--json").output)
+    rows = {f["name"]: f for f in out["features"]}
+    assert rows["GGUF"]["support"]["cpu"] and rows["GGUF"]["notes"]["cpu"] == "dense after load"
+    assert rows["AWQ"]["support"]["cpu"] and rows["AWQ"]["notes"]["cpu"] == "TORCH_DEQUANT"
+    assert rows["AWQ"]["notes"]["h100"] == "TRITON_WEIGHT_ONLY"
+    assert not rows["BitsAndBytes"]["support"]["cpu"] and not rows["BitsAndBytes"]["implemented"]
+
+
 def test_commands_table_points_at_real_functions() -> None:
     import importlib
 

@@ -65,6 +65,7 @@ DEVIATIONS = {
     ("GGUF", "sm75"),
     ("GPTQ", "sm70"),              # vLLM min capability 60 (the seed's own §5.1 and §8.1)
     ("GPTQ", "sm75"),
+    ("AWQ", "sm70"),               # vLLM min capability 75; archserve's weight-only kernel: SM70
 }
 
 
