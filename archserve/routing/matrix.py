@@ -2,8 +2,8 @@
 
 Every cell asks a rule: a feature flag of `features_for`, a backend's
 ``hardware_rule`` with a representative spec, or a quantization scheme's
-``hardware_rule`` (archserve's own quantization plan for a scheme it loads). Nothing here is typed per GPU, so the table cannot drift from
-what selection does.
+``hardware_rule`` (for a scheme archserve loads, its own quantization plan). Nothing
+here is typed per GPU, so the table cannot drift from what selection does.
 """
 
 from __future__ import annotations

@@ -137,3 +137,17 @@ def test_lone_surrogates_are_a_400(server, path, body):
 
 def test_error_messages_quoting_a_surrogate_still_render(server):
     _assert_error(_post_raw(server, "/v1/completions", {"model": "\ud800", "prompt": "hi"}), 404)
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("POST", "/v1/models", {"GET"}),
+    ("DELETE", "/v1/models", {"GET"}),
+    ("GET", "/v1/completions", {"POST"}),
+    ("PUT", "/v1/chat/completions", {"POST"}),
+])
+def test_method_not_allowed_names_the_allowed_methods(server, method, path, allowed):
+    r = httpx.request(method, f"{server.url}{path}", headers=AUTH, timeout=60)
+    _assert_error(r, 405)
+    # Starlette lets HEAD through wherever GET is allowed; the header may say so too.
+    named = {m.strip() for m in r.headers["allow"].split(",")}
+    assert allowed <= named <= allowed | {"HEAD"}, r.headers["allow"]
