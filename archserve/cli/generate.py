@@ -46,7 +46,7 @@ def _params(max_tokens, temperature, top_p, top_k, seed):
 def generate(prompt: Annotated[str, typer.Argument(help="The prompt text.")],
              model: ModelOpt = None, max_tokens: MaxTokensOpt = 64, temperature: TempOpt = 0.0,
              top_p: TopPOpt = 1.0, top_k: TopKOpt = 0, seed: SeedOpt = None,
-             chat_template: Annotated[bool, typer.Option("--chat/--raw", help="Wrap the prompt in the model's chat template (default) or send it raw.")] = True,
+             chat_template: Annotated[bool, typer.Option("--chat/--raw", help="Send PROMPT raw, as a completion (default, as vLLM's generate does), or wrapped in the model's chat template.")] = False,
              dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
              enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
              max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
@@ -107,6 +107,7 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
             break
         if message == "/reset":
             history = history[:1] if system else []
+            typer.echo("(conversation cleared)")
             continue
         history.append({"role": "user", "content": message})
         params = _params(max_tokens, temperature, top_p, top_k, seed)

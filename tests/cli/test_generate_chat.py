@@ -1,0 +1,48 @@
+"""`archserve generate` and `archserve chat` on a tiny checkpoint, through typer's CliRunner."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from archserve import LLM, SamplingParams
+from archserve.cli.main import app
+
+runner = CliRunner()
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    from tiny_checkpoints import build_tiny_checkpoint
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("generate")), "llama")
+
+
+def _greedy(llm: LLM, prompt: str) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    return llm.generate([prompt], params)[0].outputs[0].text
+
+
+def test_generate_is_a_raw_completion_by_default_and_chat_on_request(checkpoint) -> None:
+    """As vLLM's generate: the prompt goes to the model as it is; --chat wraps it in the
+    chat template."""
+    from archserve.loader.tokenizer import apply_chat_template
+    llm = LLM(checkpoint, dtype="float32")
+    raw = _greedy(llm, PROMPT)
+    templated = _greedy(llm, apply_chat_template(llm.get_tokenizer(),
+                                                 [{"role": "user", "content": PROMPT}]))
+    assert raw != templated       # else the check below could not tell them apart
+    common = ["generate", PROMPT, "--model", checkpoint, "--max-tokens", "8", "--dtype",
+              "float32"]
+    out = runner.invoke(app, common)
+    assert out.exit_code == 0, out.output
+    assert out.output.rstrip("\n") == raw
+    chat = runner.invoke(app, [*common, "--chat"])
+    assert chat.exit_code == 0 and chat.output.rstrip("\n") == templated
+
+
+def test_chat_reset_says_so(checkpoint) -> None:
+    out = runner.invoke(app, ["chat", "--model", checkpoint, "--max-tokens", "2"],
+                        input="hello\n/reset\n")
+    assert out.exit_code == 0, out.output
+    assert "(conversation cleared)" in out.output
