@@ -44,7 +44,9 @@ def _load_command(name: str) -> Any:
         function = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:   # one broken command must not hide the rest
         function = _unavailable(name, exc)
-    single = typer.Typer(add_completion=False)
+    # Plain (click) help: it wraps long option names and defaults at any width, where the
+    # rich panels cut them to an ellipsis at 80 columns.
+    single = typer.Typer(add_completion=False, rich_markup_mode=None)
     single.command(name)(function)
     return typer.main.get_command(single)
 

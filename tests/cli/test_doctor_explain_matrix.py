@@ -28,6 +28,16 @@ def test_help_lists_every_command_and_each_has_help() -> None:
         assert "unavailable" not in sub.output
 
 
+def test_help_at_80_columns_cuts_nothing() -> None:
+    """Every command's --help fits 80 columns by wrapping: no option name or default is
+    cut to an ellipsis."""
+    for name in COMMANDS:
+        result = runner.invoke(app, [name, "--help"], terminal_width=80, env={"COLUMNS": "80"})
+        assert result.exit_code == 0, (name, result.output)
+        assert "…" not in result.output, (name, result.output)
+        assert max(map(len, result.output.splitlines())) <= 80, name
+
+
 def test_importing_the_cli_does_not_import_torch() -> None:
     code = "import sys, archserve.cli.main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
