@@ -56,5 +56,5 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
     if json_output:
         typer.echo(json.dumps(result, indent=2))
         return
-    typer.echo(engine.describe_route())
+    # The route is already on the console: the engine logs it at start-up (INFO, above).
     typer.echo("start-up timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in report.timings.items()))

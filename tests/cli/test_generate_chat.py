@@ -46,3 +46,15 @@ def test_chat_reset_says_so(checkpoint) -> None:
                         input="hello\n/reset\n")
     assert out.exit_code == 0, out.output
     assert "(conversation cleared)" in out.output
+
+
+def test_prepare_prints_the_route_once(checkpoint) -> None:
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "archserve.cli.main", "prepare", "--model",
+                          checkpoint, "--max-model-len", "128"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert text.count("route attention:") == 1, text
+    assert "start-up timings:" in out.stdout
