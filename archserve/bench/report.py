@@ -61,6 +61,8 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
                  ("steps (decode, compute-bound)",
                   f"{roof['num_steps']} ({roof['num_decode_steps']}, "
                   f"{roof['compute_bound_steps']})")]
+        if result.get("ceilings_text"):
+            rows.append(("ceilings used", result["ceilings_text"]))
         if result.get("peer"):
             peer = result["peer"]
             rows += [(f"transformers ({peer['method']}) output tokens/s",

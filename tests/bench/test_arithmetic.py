@@ -91,6 +91,34 @@ def test_roofline_floor_of_a_hand_computed_two_step_run():
     assert report.total_flops == 10960 + 8896
 
 
+def test_a_run_faster_than_its_ceilings_measures_again_then_raises_them():
+    """Ceilings measured on a busy machine come out low: a run that beats them measures
+    them again; if it still beats the new ones, they are raised to what it reached, so
+    efficiency and MBU never exceed 100%."""
+    from archserve.bench.roofline import analyze_within_ceilings
+    decode = [ScheduledWork(1, 4, True), ScheduledWork(1, 10, True)]
+    trace = StepTrace([StepRecord(decode, 0.01)])        # 4448 B in 10 ms: 4.4e5 B/s
+    assert analyze(trace, FACTS, CEILINGS).mbu > 1       # a stale entry: 1e5 B/s
+    calls = []
+
+    def remeasure(rate: float):
+        def again():
+            calls.append(rate)
+            return Ceilings(1e7, rate, "test", "float32", measured_at="now")
+        return again
+    report, used = analyze_within_ceilings(trace, FACTS, CEILINGS, remeasure(1e6))
+    assert calls == [1e6] and used.copy_bytes_per_s == 1e6 and used.raised_by_run == 1
+    assert report.mbu == pytest.approx(4448 / 0.01 / 1e6)
+    report, used = analyze_within_ceilings(trace, FACTS, CEILINGS, remeasure(2e5))
+    assert report.mbu == pytest.approx(1.0) and report.roofline_efficiency <= 1 + 1e-9
+    assert used.raised_by_run == pytest.approx(4448 / 0.01 / 2e5)
+    assert "raised" in used.describe() and "measured now" in used.describe()
+    calls.clear()
+    report, used = analyze_within_ceilings(trace, FACTS, Ceilings(1e9, 1e9, "t", "f"),
+                                           remeasure(1.0))
+    assert not calls and used.raised_by_run == 1         # within its ceilings: as it was
+
+
 def test_mbu_is_null_without_decode_steps():
     trace = StepTrace([StepRecord([ScheduledWork(8, 0, True)], 0.05)])
     assert analyze(trace, FACTS, CEILINGS).to_json()["mbu"] is None
@@ -164,5 +192,17 @@ def test_calibration_is_cached_on_disk(tmp_path, monkeypatch):
     second = load_or_measure(torch.device("cpu"))
     assert second.cached
     assert second.matmul_flops_per_s == first.matmul_flops_per_s
+    assert second.measured_at == first.measured_at and first.measured_at.endswith("Z")
+    assert "cached, measured " + first.measured_at in second.describe()
     files[0].write_text("not json")              # a corrupt entry is measured again
     assert not load_or_measure(torch.device("cpu")).cached
+
+
+def test_the_calibration_key_retires_entries_of_another_method(tmp_path, monkeypatch):
+    import torch
+
+    from archserve.engine import ceilings
+    monkeypatch.setenv("ARCHSERVE_CACHE_DIR", str(tmp_path))
+    path = ceilings.cache_path(torch.device("cpu"))
+    monkeypatch.setattr(ceilings, "CALIBRATION_VERSION", ceilings.CALIBRATION_VERSION + 1)
+    assert ceilings.cache_path(torch.device("cpu")) != path

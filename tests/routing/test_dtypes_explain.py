@@ -9,7 +9,7 @@ import torch
 
 from archserve.platform.profiles import get_profile
 from archserve.routing.dtypes import resolve_dtype, resolve_kv_cache_dtype
-from archserve.routing.explain import explain_op_request, explain_model
+from archserve.routing.explain import explain_model, explain_op_request
 from archserve.routing.model_summary import read_model_summary
 
 
