@@ -115,10 +115,12 @@ class IncrementalDetokenizer:
         return delta
 
     def finish(self) -> str:
-        """Emit whatever is held back (an incomplete character at the very end)."""
+        """Emit what is held back, less an incomplete character at its very end: the
+        output stopped inside that character (max_tokens, a stop token), and U+FFFD in
+        its place would be text the model never wrote."""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         window_text = self._decode(self.ids[self.prefix_offset:])
-        delta = window_text[len(prefix_text):]
+        delta = window_text[len(prefix_text):].rstrip("\ufffd")
         self.prefix_offset = self.read_offset = len(self.ids)
         self.output_text += delta
         return delta

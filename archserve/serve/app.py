@@ -25,6 +25,7 @@ from archserve.serve.protocol import (
     now,
 )
 from archserve.serve.sampling import check_token_ids
+from archserve.serve.streams import ClientDisconnected
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -61,7 +62,13 @@ def build_app(ctx: ServingContext) -> RequestGuard:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(str(exc.detail), exc.status_code)
+        # Starlette's own headers matter: a 405 names the allowed methods in ``Allow``.
+        return error_response(str(exc.detail), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request: Request, exc: ClientDisconnected):
+        # Nobody reads this (the connection is closed); nginx's 499 keeps the metrics honest.
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -75,13 +82,20 @@ def build_app(ctx: ServingContext) -> RequestGuard:
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, body, raw)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": now(), "owned_by": "archserve",
+                "root": ctx.engine.engine.config.model or "embedded:SmolLM2-135M-Instruct",
+                "parent": None, "max_model_len": ctx.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now(), "owned_by": "archserve",
-             "root": ctx.engine.engine.config.model or "embedded:SmolLM2-135M-Instruct",
-             "parent": None, "max_model_len": ctx.max_model_len}
-            for name in ctx.model_names]}
+        return {"object": "list", "data": [model_card(name) for name in ctx.model_names]}
+
+    # ``:path``: a name the server answers to may be a model path, slashes and all.
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        ctx.check_model(model_id)     # 404 for a name it does not answer to
+        return model_card(model_id)
 
     @app.get("/health")
     async def health():

@@ -25,7 +25,14 @@ from archserve.serve.protocol import (
     random_id,
 )
 from archserve.serve.sampling import resolve_max_tokens, sampling_params_for, truncated
-from archserve.serve.streams import SSE_DONE, merge, sse, sse_error, unless_disconnected
+from archserve.serve.streams import (
+    SSE_DONE,
+    logging_disconnect,
+    merge,
+    sse,
+    sse_error,
+    unless_disconnected,
+)
 
 
 def _message_dict(message: ChatMessage) -> dict:
@@ -75,8 +82,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     view = _ChatView(ctx, req, request_id, len(ids))
     stream = ctx.generate(request_id, ids, params)
     if req.stream:
-        return StreamingResponse(view.stream(stream), media_type="text/event-stream")
-    final = await unless_disconnected(raw, _last_output(stream))
+        return StreamingResponse(logging_disconnect(request_id, view.stream(stream)),
+                                 media_type="text/event-stream")
+    final = await unless_disconnected(raw, _last_output(stream), request_id)
     return JSONResponse(view.response(final).model_dump())
 
 
@@ -130,8 +138,9 @@ class _ChatView:
                 last = output
                 for c in output.outputs:
                     ends = c.finish_reason is not None and c.index not in done
-                    if len(c.text) == sent_text[c.index] and not ends \
-                            and len(c.token_ids) == sent_tokens[c.index]:
+                    # Tokens whose text is held back (part of a character, a possible stop
+                    # string) wait, logprobs too, for the chunk that carries their text.
+                    if len(c.text) == sent_text[c.index] and not ends:
                         continue
                     choice = ChatStreamChoice(
                         index=c.index, delta=DeltaMessage(content=c.text[sent_text[c.index]:]),

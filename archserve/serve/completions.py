@@ -25,7 +25,14 @@ from archserve.serve.sampling import (
     sampling_params_for,
     truncated,
 )
-from archserve.serve.streams import SSE_DONE, merge, sse, sse_error, unless_disconnected
+from archserve.serve.streams import (
+    SSE_DONE,
+    logging_disconnect,
+    merge,
+    sse,
+    sse_error,
+    unless_disconnected,
+)
 
 
 def _prompts(ctx: ServingContext, prompt) -> list[tuple[str, list[int]]]:
@@ -71,8 +78,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     view = _CompletionView(ctx, req, request_id, prompts)
     if req.stream:
-        return StreamingResponse(view.stream(streams), media_type="text/event-stream")
-    finals = await unless_disconnected(raw, _last_outputs(streams))
+        return StreamingResponse(logging_disconnect(request_id, view.stream(streams)),
+                                 media_type="text/event-stream")
+    finals = await unless_disconnected(raw, _last_outputs(streams), request_id)
     return JSONResponse(view.response(finals).model_dump())
 
 
@@ -141,7 +149,10 @@ class _CompletionView:
                     first = key not in sent_text
                     start_text, start_token = sent_text.get(key, 0), sent_tokens.get(key, 0)
                     ends = c.finish_reason is not None and key not in done
-                    if not first and len(c.text) == start_text and not ends:
+                    # Tokens whose text is held back (part of a character, a possible stop
+                    # string) wait, logprobs too, for the chunk that carries their text;
+                    # an echoed prompt is text of its own.
+                    if len(c.text) == start_text and not ends and not (first and self.req.echo):
                         continue
                     choice = self._choice(i, output, c, start_text, start_token, first)
                     if not ends:

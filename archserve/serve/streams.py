@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -14,6 +15,11 @@ from archserve.serve.errors import OpenAIError, error_body
 
 T = TypeVar("T")
 _DONE = object()
+log = logging.getLogger("archserve.serve")
+
+
+class ClientDisconnected(Exception):
+    """The client left before its response: the request is aborted, nothing to report."""
 
 
 async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -70,9 +76,15 @@ def sse_error(exc: Exception) -> str:
     return sse(error_body(f"{type(exc).__name__}: {exc}", 500))
 
 
-async def unless_disconnected(request: Request, work: Awaitable[Any],
+def _log_disconnect(request_id: str) -> None:
+    # Clients leave all the time (timeouts, Ctrl-C); it is not a server error.
+    log.info("%s: aborted, the client disconnected", request_id)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any], request_id: str,
                               poll_s: float = 0.2) -> Any:
-    """Await ``work``; if the client goes away first, cancel it (aborting its requests)."""
+    """Await ``work``; if the client goes away first, cancel it (aborting its requests)
+    and raise ClientDisconnected."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -82,8 +94,26 @@ async def unless_disconnected(request: Request, work: Awaitable[Any],
             if await request.is_disconnected():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                raise asyncio.CancelledError("client disconnected")
+                _log_disconnect(request_id)
+                raise ClientDisconnected(request_id)
     finally:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def logging_disconnect(request_id: str, body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``body``, noting in the log when the client leaves before its end.
+
+    Starlette ends a stream whose client left by cancelling it (CancelledError inside
+    ``body``, which aborts the engine requests on its way out); a generator closed while
+    suspended at a yield sees GeneratorExit instead.
+    """
+    try:
+        async for chunk in body:
+            yield chunk
+    except (asyncio.CancelledError, GeneratorExit):
+        _log_disconnect(request_id)
+        raise
+    finally:
+        await body.aclose()   # at a GeneratorExit ``body`` is suspended, not finished
