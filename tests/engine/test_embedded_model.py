@@ -51,3 +51,19 @@ def test_greedy_chat_matches_transformers_and_is_english(llm, hf_model):
         words = re.findall(r"[A-Za-z]+", text)
         assert len(words) >= 3, text
     assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_cpu_threads_do_not_spin_unless_the_user_says_so():
+    """KMP_BLOCKTIME=0 is set before torch starts its OpenMP runtime (spinning workers
+    made a decode step 6x slower on a busy machine); a value the user set is kept."""
+    import os
+    import subprocess
+    import sys
+    code = "import os, archserve, torch; print(os.environ['KMP_BLOCKTIME'])"
+    env = {k: v for k, v in os.environ.items() if k != "KMP_BLOCKTIME"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "0"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "KMP_BLOCKTIME": "50"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "50"
