@@ -86,7 +86,7 @@ def _print_explanation(result) -> None:  # noqa: ANN001 - an Explanation
         console.print(result.not_loadable, markup=False)
     table = Table()
     for column in ("layer", "backend", "ideal (hardware rules)", "rejected"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")   # a backend's name is never cut short
     registry = default_registry()
     for r in result.routes:
         backend = (r.backend + (f" ({r.detail})" if r.detail else "")) if r.backend else "none"

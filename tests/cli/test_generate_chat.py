@@ -58,3 +58,24 @@ def test_prepare_prints_the_route_once(checkpoint) -> None:
     text = out.stdout + out.stderr
     assert text.count("route attention:") == 1, text
     assert "start-up timings:" in out.stdout
+
+
+def test_the_engine_and_cli_run_on_a_cpu_without_triton(checkpoint) -> None:
+    """Triton is not a dependency of archserve (only of its tests): with it absent, the
+    hardware commands and a generation on the CPU work."""
+    import subprocess
+    import sys
+    hide = ("import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None; "
+            "sys.argv = ['archserve'] + sys.argv[1:]; from archserve.cli.main import app; app()")
+    for args in (["doctor"], ["explain", "-d", "h100"], ["matrix"],
+                 ["generate", PROMPT, "--model", checkpoint, "--max-tokens", "4"]):
+        out = subprocess.run([sys.executable, "-c", hide, *args], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, (args, out.stderr[-2000:])
+
+
+def test_explain_never_cuts_a_backend_name_at_80_columns() -> None:
+    out = runner.invoke(app, ["explain", "-d", "h100"], terminal_width=80,
+                        env={"COLUMNS": "80"})
+    # Folded onto a second line if it must be, never cut to an ellipsis.
+    assert out.exit_code == 0 and "…" not in out.output and "TRITON_SKINNY_GEM" in out.output
