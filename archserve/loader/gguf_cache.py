@@ -3,9 +3,11 @@ from a GGUF file are saved on disk and reused while the file is unchanged.
 
 Parsing a GGUF's metadata through transformers takes seconds per call (the gguf reader
 walks every vocabulary entry), and start-up needs the config and the tokenizer. The
-cache key is the file's absolute path, size and modification time plus the transformers
-version, so an edited file or an upgrade re-derives. A cache that cannot be written
-(read-only home) or read (corrupt) silently falls back to parsing.
+cache key is the file's content (its sha256) plus the transformers version: copies of one
+file in several installs share one entry, and an edited file or an upgrade re-derives.
+The content hash itself is remembered per (path, size, modification time), so a file is
+read for hashing once. A cache that cannot be written (read-only home) or read (corrupt)
+silently falls back to parsing.
 """
 
 from __future__ import annotations
@@ -25,10 +27,38 @@ def cache_root() -> str:
     return cache_dir("gguf")
 
 
+@functools.lru_cache(maxsize=16)
+def _content_digest(gguf_path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of the file, looked up by (path, size, mtime) before it is computed."""
+    where = f"{os.path.abspath(gguf_path)}|{size}|{mtime_ns}"
+    index = os.path.join(cache_root(), "by-path", hashlib.sha256(where.encode()).hexdigest()[:24])
+    try:
+        with open(index, encoding="utf-8") as f:
+            digest = f.read().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    sha = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            sha.update(chunk)
+    digest = sha.hexdigest()
+    _save(lambda directory: _write_text(index, digest), os.path.dirname(index), "file hash")
+    return digest
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def _entry_dir(gguf_path: str) -> str:
     import transformers
     stat = os.stat(gguf_path)
-    key = f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = f"{_content_digest(gguf_path, stat.st_size, stat.st_mtime_ns)}|{transformers.__version__}"
     return os.path.join(cache_root(), hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
@@ -122,3 +152,9 @@ def caching_gguf_weights(gguf_path: str, weights):
             raise
 
     _save(save, os.path.dirname(path), "weights")
+    if os.path.isfile(path):
+        # Said once, when it is written: the cache is much larger than the GGUF file.
+        log.info("cached the dequantized weights of %s (%.0f MB) in %s, shared by every copy "
+                 "of this file; set ARCHSERVE_CACHE_DIR to keep it elsewhere, delete it to "
+                 "free the space", os.path.basename(gguf_path),
+                 os.path.getsize(path) / 1e6, os.path.dirname(path))
