@@ -26,6 +26,8 @@ def serve(
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Larger request bodies get 413.")] = 8 * 1024 * 1024,
     max_queued_requests: Annotated[int | None, typer.Option("--max-queued-requests", help="Waiting requests beyond this get 503 with Retry-After.")] = None,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="Seconds to let in-flight requests finish on SIGTERM before aborting them.")] = 10.0,
+    max_tokens_default: Annotated[int | None, typer.Option("--max-tokens-default", min=1, help="max_tokens for requests that give none (default: generation_config.json's max_new_tokens, else the rest of the context; 16 for /v1/completions).")] = None,
+    generation_config: Annotated[str, typer.Option("--generation-config", help="Defaults for unset sampling fields: auto (the checkpoint's generation_config.json), vllm (ignore it) or a folder holding a generation_config.json.")] = "auto",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, metrics)."""
     import logging
@@ -46,7 +48,9 @@ def serve(
                               max_request_bytes=max_request_bytes,
                               max_queued_requests=max_queued_requests,
                               served_model_names=names,
-                              shutdown_timeout_s=shutdown_timeout)
+                              shutdown_timeout_s=shutdown_timeout,
+                              max_tokens_default=max_tokens_default,
+                              generation_config=generation_config)
     config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, attention_backend=attention_backend,
                           enforce_eager=enforce_eager, load_format=load_format,

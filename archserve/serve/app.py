@@ -7,10 +7,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import archserve
+from archserve.serve.api_docs import errors, finish, json_or_sse
 from archserve.serve.chat import create_chat_completion, render_chat_prompt
 from archserve.serve.completions import create_completion
 from archserve.serve.context import ServingContext
@@ -19,9 +21,16 @@ from archserve.serve.guard import RequestGuard
 from archserve.serve.metrics import CONTENT_TYPE
 from archserve.serve.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
     TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
     now,
 )
 from archserve.serve.sampling import check_token_ids
@@ -29,13 +38,47 @@ from archserve.serve.streams import ClientDisconnected
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One 400 message for pydantic's errors, and OpenAI's ``param`` (messages[0].role)."""
+    errors = exc.errors()
+    if errors and errors[0].get("type") == "json_invalid":
+        return _json_error_message(errors[0], exc.body), None
     parts, param = [], None
-    for err in exc.errors()[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if loc and param is None:
-            param = loc[0]
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    for err in errors[:5]:
+        path = _field_path(err, exc.body)
+        if param is None and path:
+            param = path
+        parts.append(f"{path or 'body'}: {err.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request body", param
+
+
+def _field_path(err: dict, body) -> str:
+    """The error's ``loc`` as OpenAI writes a field (messages[0].role). Pydantic also puts
+    the union member it tried into ``loc`` ('list[int]'); walking the body drops those."""
+    loc = list(err.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    path, node = "", body
+    for i, part in enumerate(loc):
+        if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            path, node = f"{path}[{part}]", node[part]
+        elif isinstance(node, dict) and part in node:
+            path, node = f"{path}.{part}" if path else str(part), node[part]
+        elif isinstance(node, dict) and i == len(loc) - 1 and (
+                err.get("type") == "missing" or err.get("input", ...) is None):
+            # A field the body leaves out (required, or its default refused): no value
+            # to walk into. A union tag's input would be the body's value, not None.
+            path = f"{path}.{part}" if path else str(part)
+    return path
+
+
+def _json_error_message(err: dict, doc) -> str:
+    pos = err["loc"][-1]
+    reason = err.get("ctx", {}).get("error", "not valid JSON")
+    if isinstance(doc, str) and isinstance(pos, int):
+        line = doc.count("\n", 0, pos) + 1
+        column = pos - doc.rfind("\n", 0, pos)
+        return f"invalid JSON in the request body at line {line}, column {column}: {reason}"
+    return f"invalid JSON in the request body: {reason}"
 
 
 def build_app(ctx: ServingContext) -> RequestGuard:
@@ -47,9 +90,18 @@ def build_app(ctx: ServingContext) -> RequestGuard:
         # graceful timeout); whatever is left is aborted so its blocks are freed.
         await asyncio.to_thread(ctx.engine.shutdown, ctx.settings.shutdown_timeout_s)
 
-    app = FastAPI(title="archserve", version=archserve.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json, /docs and /redoc as FastAPI serves them (and vLLM: open, no API key).
+    app = FastAPI(title="archserve", version=archserve.__version__, lifespan=lifespan)
     app.state.ctx = ctx
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = finish(get_openapi(
+                title=app.title, version=app.version, routes=app.routes,
+                description="OpenAI-compatible API (with vLLM's extensions)."))
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
@@ -74,11 +126,15 @@ def build_app(ctx: ServingContext) -> RequestGuard:
     async def _unexpected(request: Request, exc: Exception):
         return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
 
-    @app.post("/v1/completions")
+    generation_errors = errors(400, 401, 404, 413, 500, 503)
+
+    @app.post("/v1/completions", responses={**json_or_sse(CompletionResponse),
+                                            **generation_errors})
     async def completions(body: CompletionRequest, raw: Request):
         return await create_completion(ctx, body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**json_or_sse(ChatCompletionResponse),
+                                                 **generation_errors})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, body, raw)
 
@@ -87,31 +143,36 @@ def build_app(ctx: ServingContext) -> RequestGuard:
                 "root": ctx.engine.engine.config.model or "embedded:SmolLM2-135M-Instruct",
                 "parent": None, "max_model_len": ctx.max_model_len}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(401, 413, 500)})
     async def models():
         return {"object": "list", "data": [model_card(name) for name in ctx.model_names]}
 
     # ``:path``: a name the server answers to may be a model path, slashes and all.
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}",
+             responses={200: {"model": ModelCard}, **errors(401, 404, 413, 500)})
     async def model(model_id: str):
         ctx.check_model(model_id)     # 404 for a name it does not answer to
         return model_card(model_id)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine runs (empty body)."},
+                        **errors(413, 500, 503)})
     async def health():
         if not ctx.engine.is_alive:
             return error_response(ctx.engine.dead_reason or "the engine is not running", 503)
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", responses={200: {"model": VersionResponse}, **errors(413, 500)})
     async def version():
         return {"version": archserve.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format."}, **errors(413, 500)})
     async def metrics():
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse},
+                                      **errors(400, 404, 413, 500)})
     async def tokenize(body: TokenizeRequest):
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -125,7 +186,8 @@ def build_app(ctx: ServingContext) -> RequestGuard:
             result["token_strs"] = ctx.tokenizer.convert_ids_to_tokens(ids)
         return result
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse},
+                                        **errors(400, 404, 413, 500)})
     async def detokenize(body: DetokenizeRequest):
         ctx.check_model(body.model)
         check_token_ids(body.tokens, ctx.vocab_size, "tokens")

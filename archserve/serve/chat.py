@@ -74,9 +74,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
     ids = truncated(render_chat_prompt(ctx, req.messages, req.add_generation_prompt), req)
     requested = req.max_completion_tokens or req.max_tokens
-    max_tokens = resolve_max_tokens(len(ids), requested, ctx.max_model_len, "messages")
+    max_tokens = resolve_max_tokens(len(ids), requested, ctx.max_model_len, "messages",
+                                    ctx.default_max_tokens)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params_for(req, max_tokens, num_logprobs, None, ctx.vocab_size)
+    params = sampling_params_for(req, max_tokens, num_logprobs, None, ctx.vocab_size,
+                                 ctx.sampling_defaults)
     ctx.admit()
     request_id = random_id("chatcmpl")
     view = _ChatView(ctx, req, request_id, len(ids))

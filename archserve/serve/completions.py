@@ -34,6 +34,8 @@ from archserve.serve.streams import (
     unless_disconnected,
 )
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
 
 def _prompts(ctx: ServingContext, prompt) -> list[tuple[str, list[int]]]:
     """Each prompt as (text, token ids); token-id prompts are decoded for ``echo``."""
@@ -68,9 +70,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise OpenAIError("best_of must equal n (or be omitted)", param="best_of")
     prompts = [(text, truncated(ids, req)) for text, ids in _prompts(ctx, req.prompt)]
     echo_logprobs = req.logprobs if req.echo else None
+    # Legacy completions default to 16 tokens (OpenAI, vLLM) unless the server sets one.
+    default = ctx.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     params = [sampling_params_for(req, resolve_max_tokens(len(ids), req.max_tokens,
-                                                          ctx.max_model_len, "prompt"),
-                                  req.logprobs, echo_logprobs, ctx.vocab_size)
+                                                          ctx.max_model_len, "prompt", default),
+                                  req.logprobs, echo_logprobs, ctx.vocab_size,
+                                  ctx.sampling_defaults)
               for _, ids in prompts]
     ctx.admit(len(prompts))
     request_id = random_id("cmpl")

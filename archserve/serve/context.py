@@ -11,6 +11,7 @@ from archserve.engine.outputs import RequestOutput
 from archserve.engine.sampling_params import SamplingParams
 from archserve.serve.async_engine import AsyncEngine, EngineDeadError
 from archserve.serve.errors import OpenAIError
+from archserve.serve.generation_defaults import load_generation_defaults
 from archserve.serve.metrics import ServerMetrics
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
@@ -25,6 +26,8 @@ class ServerSettings:
     max_queued_requests: int | None = None
     served_model_names: list[str] = field(default_factory=list)
     shutdown_timeout_s: float = 10.0
+    max_tokens_default: int | None = None   # for requests without max_tokens
+    generation_config: str = "auto"         # vLLM's --generation-config: auto, vllm or a folder
 
 
 class ServingContext:
@@ -40,6 +43,11 @@ class ServingContext:
         self.max_model_len: int = llm_engine.max_model_len
         self.vocab_size: int = llm_engine.model_config.vocab_size
         self.model_names = settings.served_model_names or ["archserve-default"]
+        # Defaults for what a request leaves unset; --max-tokens-default beats the checkpoint's.
+        self.sampling_defaults = load_generation_defaults(settings.generation_config,
+                                                          llm_engine.config.model)
+        self.default_max_tokens: int | None = (settings.max_tokens_default
+                                               or self.sampling_defaults.get("max_tokens"))
         self._reserved = 0   # admitted requests whose streams have not started yet
 
     @property

@@ -48,6 +48,12 @@ def run_server(engine_config: EngineConfig, settings: ServerSettings) -> None:
     # LLMEngine has already logged its route (engine.describe_route()) while loading.
     log.info("kv cache: %d blocks of %d tokens = %d tokens", report.num_blocks,
              report.block_size, report.num_blocks * report.block_size)
+    if ctx.sampling_defaults:   # as vLLM says it: the checkpoint changes what requests get
+        source = (engine.config.model if settings.generation_config == "auto"
+                  else settings.generation_config)
+        log.info("default sampling parameters from %s/generation_config.json: %s (relaunch "
+                 "with --generation-config vllm to ignore them)", source,
+                 ctx.sampling_defaults)
     app = build_app(ctx)
     # Binding first means the address is known before we announce it (port 0 works).
     sock = _bind(settings.host, settings.port)

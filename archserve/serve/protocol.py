@@ -2,7 +2,9 @@
 
 Requests are validated here for shape and range; anything that depends on the model
 (context length, vocabulary) is checked in ``sampling.py``. Unknown fields are ignored,
-as the OpenAI and vLLM servers do, so newer clients keep working.
+as the OpenAI and vLLM servers do, so newer clients keep working. Known fields are
+strict, as OpenAI's API is: "5" is not an integer, "yes" or 1 not a boolean, and true
+not a token id (pydantic's lax mode would coerce all three).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # Ranges that keep one request from hurting the batch it joins (a huge n or logprobs
 # would allocate without bound; a huge penalty would turn logits into inf/nan).
@@ -20,11 +23,28 @@ MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 
 _INT64 = 2**63 - 1
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+_INT32 = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=_INT32)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# The sampler divides logits by it; below 1/100 (or above 100 the other way) the
+# penalized logits only run towards float32's infinity.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
+
+
+def _fits_float32(value: float) -> float:
+    """The sampler holds these numbers as float32: one that would become inf there, or
+    0 when it is not 0 (1e-300), would turn the logits into inf or nan."""
+    as32 = np.float32(value) if abs(value) <= np.finfo(np.float32).max else np.float32("inf")
+    if not np.isfinite(as32) or (value != 0 and as32 == 0):
+        raise ValueError(f"{value!r} is outside the range of a 32-bit float")
+    return value
+
+
+Float32 = Annotated[float, AfterValidator(_fits_float32)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Request):
@@ -32,17 +52,19 @@ class StreamOptions(_Request):
 
 
 class SamplingFields(_Request):
-    """Sampling options shared by completions and chat (names as in vLLM)."""
+    """Sampling options shared by completions and chat (names and ranges as in vLLM)."""
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    temperature: Annotated[float, Field(ge=0.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    # vLLM sets no upper bound on temperature (OpenAI's is 2); float32's is the sampler's.
+    temperature: Annotated[Float32, Field(ge=0.0)] | None = None
+    top_p: Annotated[Float32, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=_INT32)] | None = None   # 0 or -1: disabled
+    min_p: Annotated[Float32, Field(ge=0.0, le=1.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY,
+                                               le=MAX_REPETITION_PENALTY)] | None = None
     seed: Annotated[int, Field(ge=-_INT64 - 1, le=_INT64)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
@@ -64,8 +86,17 @@ class SamplingFields(_Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # Examples show up in /docs, and schema-driven clients and fuzzers start from them.
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        {"prompt": ["Hello", "Goodbye"], "max_tokens": 4, "n": 2, "stream": True,
+         "stream_options": {"include_usage": True}, "logprobs": 2, "echo": True}]})
+    prompt: (NonEmptyStr | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[NonEmptyStr], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1)])
+    # Unset: the server's default, else 16 (see completions.py).
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
     echo: bool | None = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
@@ -73,13 +104,38 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    # Extra keys (tool_call_id, ...) travel on to the chat template. The schema says what
+    # _content_required checks, so that schema-driven clients send content.
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"anyOf": [
+        {"properties": {"content": {"type": ["string", "array"]}}, "required": ["content"]},
+        {"properties": {"role": {"const": "assistant"},
+                        "tool_calls": {"type": "array", "minItems": 1}},
+         "required": ["tool_calls"]}]})
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    # Declared after role and tool_calls: its validator reads them.
+    content: Annotated[str | list[dict[str, Any]] | None, Field(validate_default=True)] = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, content, info: ValidationInfo):
+        # As in OpenAI: only an assistant message that calls tools may leave content out.
+        if content is None and "role" in info.data and not (
+                info.data["role"] == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (it may be null only on an assistant "
+                             "message with tool_calls)")
+        return content
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "system", "content": "Answer briefly."},
+                      {"role": "user", "content": "What is the capital of France?"}],
+         "max_tokens": 8, "temperature": 0},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi!"}]}],
+         "max_completion_tokens": 4, "stream": True, "logprobs": True, "top_logprobs": 2,
+         "stop": ["\n"], "seed": 1}]})
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -90,6 +146,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "Hello world"}, {"messages": [{"role": "user", "content": "Hi"}]}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -99,6 +157,7 @@ class TokenizeRequest(_Request):
 
 
 class DetokenizeRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [19556, 905]}]})
     model: str | None = None
     tokens: list[TokenId]
 
@@ -199,3 +258,46 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error status (as OpenAI's and vLLM's servers send it)."""
+
+    error: ErrorInfo

@@ -6,21 +6,26 @@ it is not in the pydantic models. Every failure is an OpenAIError with status 40
 
 from __future__ import annotations
 
+from typing import Any
+
 from archserve.engine.sampling_params import SamplingParams
 from archserve.serve.errors import OpenAIError
 from archserve.serve.protocol import SamplingFields
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
-                       what: str = "messages") -> int:
-    """The completion budget, or a 400 that states the lengths (as vLLM words it)."""
+                       what: str = "messages", default: int | None = None) -> int:
+    """The completion budget, or a 400 that states the lengths (as vLLM words it).
+
+    Without ``requested``: ``default`` (the server's) or else the rest of the context, as
+    in vLLM; a default never exceeds what the context has left."""
     if prompt_len >= max_model_len:
         raise OpenAIError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {prompt_len} input tokens. Please reduce the length of the input "
             f"{what}.", param="max_tokens" if requested else "messages")
     if requested is None:
-        return max_model_len - prompt_len
+        return min(default or max_model_len, max_model_len - prompt_len)
     if prompt_len + requested > max_model_len:
         raise OpenAIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -67,8 +72,14 @@ def truncated(ids: list[int], req: SamplingFields) -> list[int]:
 
 
 def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None, vocab_size: int) -> SamplingParams:
-    """SamplingParams with OpenAI's defaults for fields the client left out."""
+                        prompt_logprobs: int | None, vocab_size: int,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams for the request; a field it left out takes the server's default
+    (generation_config.json, see generation_defaults.py) or else OpenAI's."""
+    def pick(name: str, fallback):
+        value = getattr(req, name)
+        return value if value is not None else (defaults or {}).get(name, fallback)
+
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
     if req.allowed_token_ids:
@@ -81,11 +92,11 @@ def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | No
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
