@@ -160,12 +160,18 @@ else:
 
     def test_unit_offset_rms_norm_on_head_views():
         """Gemma's q/k norm: per head of 256 on strided views of the fused qkv output."""
-        qkv = torch.randn(5, (4 + 1 + 1) * 256).to(torch.bfloat16)
-        weight = (0.3 * torch.randn(256)).to(torch.bfloat16)
+        gen = torch.Generator().manual_seed(0)
+        qkv = torch.randn(5, (4 + 1 + 1) * 256, generator=gen).to(torch.bfloat16)
+        weight = (0.3 * torch.randn(256, generator=gen)).to(torch.bfloat16)
         heads = qkv[:, :4 * 256].view(5, 4, 256)
         with forced_fused_route("triton"):
             out, _ = rms_norm(heads, weight, 1e-6, unit_offset=True)
-        assert torch.equal(out, rms_norm_reference(heads, weight, 1e-6, unit_offset=True)[0])
+        # Within one bf16 unit in the last place: the kernel and the reference add the
+        # squares in different orders, and an fp32 sum a hair apart can round to the
+        # neighbouring bf16 (an unseeded input hit that tie once in CI).
+        torch.testing.assert_close(out, rms_norm_reference(heads, weight, 1e-6,
+                                                           unit_offset=True)[0],
+                                   rtol=2.0 ** -7, atol=0)
 
     @pytest.mark.parametrize("name,case_args", GEMMA_ATTENTION_CASES,
                              ids=[n for n, _ in GEMMA_ATTENTION_CASES])
