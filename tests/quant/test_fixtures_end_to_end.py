@@ -102,6 +102,33 @@ def test_online_fp8_quantizes_a_dense_checkpoint(tiny_checkpoint) -> None:
     assert 0 < sum(deltas) / len(deltas) < 0.05      # quantized (not identical), and close
 
 
+# In bf16 a scheme that quantizes activations moves further from the float32 reference than
+# bf16 alone does: an activation rounded differently in bf16 falls into another 8-bit code.
+# Measured on CPU with archserve's emulation (TORCH_DEQUANT, bf16), before any GPU kernel:
+# FP8 0.09-0.10 mean |delta| with top-1 0.78-0.84, INT8 0.05 with 0.87, weight-only <= 0.018.
+# (mean |delta| bound, top-1 floor) in bf16; weight-only schemes keep the float32 bound + 0.05.
+BF16_ACTIVATION_BOUNDS = {"fp8": (0.15, 0.7), "int8": (0.13, 0.75)}
+
+
+def bf16_bounds(name: str) -> tuple[float, float]:
+    if "fp8" in name:
+        return BF16_ACTIVATION_BOUNDS["fp8"]
+    if "w8a8" in name:
+        return BF16_ACTIVATION_BOUNDS["int8"]
+    bound, min_top1 = BOUNDS.get(name, (0.01, 0.95))
+    return bound + 0.05, min_top1 - 0.1
+
+
+@pytest.mark.parametrize("name", [n for n in FIXTURES if "fp8" in n or "w8a8" in n])
+def test_activation_quantized_fixture_in_bf16_on_cpu(name: str) -> None:
+    """The bf16 bounds the GPU test uses hold for the CPU emulation already: the distance is
+    bf16's, not a GPU kernel's."""
+    llm = LLM(os.path.join(ROOT, name), dtype="bfloat16", max_model_len=128)
+    mean_delta, top1 = compare(llm, name)
+    bound, min_top1 = bf16_bounds(name)
+    assert mean_delta < bound and top1 >= min_top1, (mean_delta, top1)
+
+
 # The kernel each fixture's layers must run on an SM90 GPU (the H200 of the device tool).
 SM90_ROUTES = {"ct-fp8-tensor-static": "TORCH_SCALED_MM", "ct-fp8-channel-dynamic":
                "TORCH_SCALED_MM", "ct-fp8-block": "TRITON_BLOCK_FP8", "hf-fp8-block":
@@ -118,8 +145,8 @@ def test_fixture_on_the_gpu_runs_its_native_kernel_and_matches(name: str) -> Non
     routes = {r.layer: r.backend for r in llm.llm_engine.report.routes}
     assert routes["linear (qkv, o, mlp)"] == SM90_ROUTES.get(name, "TRITON_WEIGHT_ONLY")
     mean_delta, top1 = compare(llm, name)
-    bound, min_top1 = BOUNDS.get(name, (0.01, 0.95))
-    assert mean_delta < bound + 0.05 and top1 >= min_top1 - 0.1, (mean_delta, top1)
+    bound, min_top1 = bf16_bounds(name)
+    assert mean_delta < bound and top1 >= min_top1, (mean_delta, top1)
     greedy = llm.generate(["The quick brown fox"] * 3,
                           SamplingParams(temperature=0.0, max_tokens=16))
     assert len({tuple(o.outputs[0].token_ids) for o in greedy}) == 1   # batch-invariant
