@@ -118,6 +118,9 @@ def run_offline_bench(options: BenchOptions) -> dict:
     ceilings = load_or_measure(device)
     throughput, trace = run_offline(engine, requests, options.ignore_eos,
                                     options.show_progress)
+    if engine.cpu_threads is not None:
+        # Re-measured ceilings and the peer run with torch's own thread count.
+        engine.cpu_threads.restore()
     facts = model_facts(engine)
 
     def remeasure():  # noqa: ANN202 - Ceilings

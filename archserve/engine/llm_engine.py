@@ -13,6 +13,7 @@ from archserve.engine import startup
 from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.ceilings import load_or_measure
 from archserve.engine.config import EngineConfig
+from archserve.engine.cpu_threads import cpu_thread_governor
 from archserve.engine.cuda_graphs import default_graph_sizes
 from archserve.engine.decode_gemms import (
     install_linear_route,
@@ -78,6 +79,9 @@ class LLMEngine:
         decisions += quant_plan.decisions
         scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
         decisions.append(scheduling)
+        self.cpu_threads, threads_decision = cpu_thread_governor(torch_device)
+        if threads_decision is not None:
+            decisions.append(threads_decision)
         self.config = config = dataclasses.replace(
             config, async_scheduling=scheduling.chosen == "async")
         self.model, self.model_config = load_model(model_path, dtype=dtype, device=torch_device,
@@ -271,6 +275,8 @@ class LLMEngine:
         # nothing, and one whose tokens never arrived is rolled back (see _finish).
         if self._in_flight is not None and not self._can_overlap():
             return self._finish_in_flight()
+        if self.cpu_threads is not None:
+            self.cpu_threads.update()
         with phase("schedule"):
             out = self.scheduler.schedule()
         if out.is_empty:
