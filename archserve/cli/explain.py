@@ -20,14 +20,17 @@ def explain(
                               "default: the embedded SmolLM2-135M-Instruct.")] = None,
     op: Annotated[str | None, typer.Option(
         "--op", help="Explain one layer instead of a model: attention | mla_attention | "
-                     "linear | moe (linear and moe take --quantization).")] = None,
+                     "linear | moe (linear and moe take --quantization), or vLLM's side "
+                     "selections vit_attention | mla_prefill (rules only).")] = None,
     head_size: Annotated[int | None, typer.Option(
         "--head-size", help="Head size for --op attention (mla_attention assumes DeepSeek-V3, "
                             "576).")] = None,
     dtype: Annotated[str, typer.Option(
         "--dtype", help="auto | bfloat16 | float16 | float32.")] = "auto",
     kv_cache_dtype: Annotated[str, typer.Option(
-        "--kv-cache-dtype", help="auto | fp8 | fp8_e4m3 | fp8_e5m2.")] = "auto",
+        "--kv-cache-dtype", help="auto | fp8 | fp8_e4m3 | fp8_e5m2 run here; vLLM's other "
+                                 "names (nvfp4, int8_per_token_head, fp8_ds_mla, "
+                                 "turboquant_*, ...) show their ideal.")] = "auto",
     block_size: Annotated[int | None, typer.Option(
         "--block-size", help="KV cache block size to require (default: the backend's).")] = None,
     quantization: Annotated[str | None, typer.Option(
@@ -36,27 +39,60 @@ def explain(
     backend: Annotated[str | None, typer.Option(
         "--backend", help="Force a backend for --op and validate it (as "
                           "ARCHSERVE_ATTENTION_BACKEND would).")] = None,
+    sinks: Annotated[bool, typer.Option(
+        "--sinks", help="The attention layers have learned sinks (gpt-oss).")] = False,
+    attn_type: Annotated[str, typer.Option(
+        "--attn-type", help="decoder | encoder | encoder_only | encoder_decoder.")] = "decoder",
+    non_causal: Annotated[bool, typer.Option(
+        "--non-causal", help="Bidirectional attention over the paged cache.")] = False,
+    batch_invariant: Annotated[bool, typer.Option(
+        "--batch-invariant", help="Results must not depend on the batch (vLLM's "
+                                  "VLLM_BATCH_INVARIANT).")] = False,
+    per_head_kv_scales: Annotated[bool, typer.Option(
+        "--per-head-kv-scales", help="Per-head KV quantization scales.")] = False,
+    fa_version: Annotated[int | None, typer.Option(
+        "--fa-version", help="Force the FlashAttention generation (2, 3 or 4).")] = None,
+    sparse_mla: Annotated[bool, typer.Option(
+        "--sparse-mla", help="--op mla_attention: sparse (indexer) MLA, as DeepSeek-V3.2."
+    )] = False,
+    tensor_parallel_size: Annotated[int, typer.Option(
+        "--tensor-parallel-size", "-tp", help="GPUs per tensor-parallel group: heads per rank "
+                                              "and the MoE layout follow it.")] = 1,
+    expert_parallel: Annotated[bool, typer.Option(
+        "--enable-expert-parallel", help="Experts split across GPUs (MoE).")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
     """Show which backend each layer kind runs on DEVICE, the ideal one, and why others lost."""
     from archserve.kernels.registry import BackendError
     from archserve.loader.loader import resolve_model_path
     from archserve.platform.profiles import resolve_device
-    from archserve.routing.explain import explain_model, explain_op_request, parse_libraries
+    from archserve.routing.explain import (
+        SelectionInputs,
+        explain_model,
+        explain_op_request,
+        parse_libraries,
+    )
     from archserve.routing.model_summary import read_model_summary
 
     if model is not None and op is not None:
         raise typer.BadParameter("give --model PATH or --op OP, not both")
     try:
+        inputs = SelectionInputs(
+            has_sink=sinks, attn_type=attn_type.strip().lower(), non_causal=non_causal,
+            batch_invariant=batch_invariant, per_head_kv_scales=per_head_kv_scales,
+            fa_version=fa_version, tensor_parallel_size=tensor_parallel_size,
+            expert_parallel=expert_parallel)
         info = resolve_device(device)
         default_libraries = "installed" if device.strip().lower() == "live" else "all"
         assumption = parse_libraries(libraries or default_libraries)
         if op is None:
             summary = read_model_summary(resolve_model_path(model))
-            result = explain_model(info, summary, dtype, kv_cache_dtype, quantization, assumption)
+            result = explain_model(info, summary, dtype, kv_cache_dtype, quantization, assumption,
+                                   inputs)
         else:
             result = explain_op_request(info, op, head_size, dtype, kv_cache_dtype, block_size,
-                                        assumption, override=backend, quantization=quantization)
+                                        assumption, override=backend, quantization=quantization,
+                                        inputs=inputs, sparse_mla=sparse_mla)
     except (ValueError, BackendError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -78,6 +114,11 @@ def _print_explanation(result) -> None:  # noqa: ANN001 - an Explanation
     console.print(f"[bold]{d.name}[/bold] ({d.id}, {d.platform}{cap}); dtype "
                   f"{str(result.dtype).removeprefix('torch.')}; libraries assumed: "
                   f"{result.libraries}")
+    changed = {k: v for k, v in result.inputs.to_dict().items()
+               if v != type(result.inputs)().to_dict()[k]}
+    if changed:
+        console.print("  inputs: " + ", ".join(f"{k}={v}" for k, v in changed.items()),
+                      markup=False)
     for decision in result.decisions:
         console.print(f"  {decision.what}: {decision.requested} -> {decision.chosen} "
                       f"({decision.reason})", markup=False)
@@ -88,10 +129,11 @@ def _print_explanation(result) -> None:  # noqa: ANN001 - an Explanation
     for column in ("layer", "backend", "ideal (hardware rules)", "rejected"):
         table.add_column(column, overflow="fold")   # a backend's name is never cut short
     registry = default_registry()
+    from archserve.kernels.registry import OP_KINDS as registry_ops
     for r in result.routes:
         backend = (r.backend + (f" ({r.detail})" if r.detail else "")) if r.backend else "none"
         ideal = (r.ideal or "") + (f" ({r.ideal_detail})" if r.ideal_detail else "")
-        if r.ideal and not registry.get(r.op, r.ideal).implemented:
+        if r.ideal and (r.op not in registry_ops or not registry.get(r.op, r.ideal).implemented):
             ideal += " (rules only)"
         rejected = "\n".join(f"{x.backend}: {x.reason}" for x in r.rejected)
         # The op under the layer's name only where the name does not already say it.

@@ -76,9 +76,16 @@ class Backend:
             return None if self.library in libraries else f"{self.library} is assumed absent"
         return None if library_version(device, self.library) else f"{self.library} is not installed"
 
+    def build_rule(self, device: DeviceInfo, spec: Any) -> str | None:
+        """None if this build's implementation handles the request; else the reason. Part of
+        availability: a request the hardware rule allows (the ideal) but whose feature
+        archserve's kernel lacks (attention sinks, say) is refused here, not there."""
+        return None
+
     def check(self, device: DeviceInfo, spec: Any, libraries: LibraryAssumption = "installed"
               ) -> str | None:
-        return self.hardware_rule(device, spec) or self.availability(device, libraries)
+        return (self.hardware_rule(device, spec) or self.availability(device, libraries)
+                or (self.build_rule(device, spec) if self.implemented else None))
 
     def make_impl(self, device: DeviceInfo, spec: Any) -> Any:
         """Build the object that computes the op. Only called after ``check`` passed."""

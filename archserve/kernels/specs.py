@@ -13,7 +13,8 @@ class AttentionSpec:
 
     head_size: int
     dtype: torch.dtype = torch.bfloat16
-    kv_cache_dtype: str = "auto"          # "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
+    kv_cache_dtype: str = "auto"          # "auto", "fp8", "fp8_e4m3", "fp8_e5m2" run here;
+                                          # the rest of KV_CACHE_DTYPES are rules only
     block_size: int | None = None         # None: the backend's preferred size
     num_heads: int = 32
     num_kv_heads: int = 8
@@ -26,10 +27,36 @@ class AttentionSpec:
     qk_rope_head_dim: int = 64
     qk_nope_head_dim: int = 128
     v_head_dim: int = 128
+    # What else vLLM selects on (vllm/v1/attention/selector.py, AttentionSelectorConfig).
+    has_sink: bool = False                # learned per-head attention sinks (gpt-oss)
+    attn_type: str = "decoder"            # one of ATTENTION_TYPES
+    non_causal: bool = False              # bidirectional attention over the paged cache
+    batch_invariant: bool = False         # results must not depend on the batch's make-up
+    per_head_kv_scales: bool = False      # per-head (not per-tensor) KV quantization scales
+    fa_version: int | None = None         # force a FlashAttention generation (2, 3 or 4)
 
     @property
     def fp8_kv(self) -> bool:
-        return self.kv_cache_dtype.startswith("fp8")
+        """A per-tensor-scaled fp8 cache (what archserve's kernels read)."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+    @property
+    def quantized_kv(self) -> bool:
+        """Any KV cache not stored in 16 bits (fp8, int8/int4, nvfp4, turboquant, ...)."""
+        return self.kv_cache_dtype not in ("auto", "float16", "bfloat16")
+
+
+ATTENTION_TYPES = ("decoder", "encoder", "encoder_only", "encoder_decoder")
+# Every --kv-cache-dtype vLLM 0.33 knows (vllm/config/cache.py, CacheDType). archserve's
+# kernels read the first six; the others are rules only (explain shows their ideal).
+KV_CACHE_DTYPES = (
+    "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2",
+    "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla", "nvfp4", "nvfp4_4over6",
+    "int8_per_token_head", "int4_per_token_head", "fp8_per_token_head",
+    "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+    "octave_k3v4", "octave_k3v3", "octave_k3v3_compact", "ultraquant_4bit",
+)
+RUNNABLE_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from archserve.platform.capability import (
     SM90,
     SM100,
     SM103,
+    SM110,
     SM120,
     SM121,
     Capability,
@@ -55,12 +56,20 @@ _DRIVER_CUDA13 = ("580.95.05", "13.0")
 _DRIVER_CUDA12 = ("570.195.03", "12.8")
 
 
+# Jetson Thor (SM110) is not in the PyPI wheels' arch lists: its users install NVIDIA's
+# JetPack 7 (CUDA 13) torch build, which ships sm_110 code.
+_JETSON_THOR_ARCH_LIST = ("sm_87", "sm_110")
+
+
 def _cuda_toolchain(cap: Capability) -> Toolchain:
     """The toolchain a well-set-up user of a CUDA device of this capability has."""
     if cap < SM75:   # Volta: the newest wheels that still ship sm_70 are CUDA 12.x
         wheel, (driver, driver_cuda) = _WHEELS["cu126"], _DRIVER_CUDA12
     else:
         wheel, (driver, driver_cuda) = _WHEELS["cu130"], _DRIVER_CUDA13
+    arch_list, tag = wheel.arch_list, wheel.tag
+    if cap.family == 110:
+        arch_list, tag = _JETSON_THOR_ARCH_LIST, "jetpack7"
     libraries: dict[str, str | None] = {
         "triton": "3.7.0",
         "flash_attn": "2.8.3" if cap >= SM80 else None,
@@ -71,11 +80,11 @@ def _cuda_toolchain(cap: Capability) -> Toolchain:
         "deep_gemm": "2.1.0" if cap.family in (90, 100) else None,
     }
     return Toolchain(
-        torch_version=f"{TORCH_VERSION}+{wheel.tag}",
+        torch_version=f"{TORCH_VERSION}+{tag}",
         driver_version=driver,
         driver_cuda_version=driver_cuda,
         runtime_version=wheel.cuda,
-        torch_arch_list=wheel.arch_list,
+        torch_arch_list=arch_list,
         torch_has_cuda=True,
         libraries=libraries,
     )
@@ -104,6 +113,8 @@ _CUDA_SPECS: dict[str, _CudaSpec] = {
     "h200": _CudaSpec("NVIDIA H200", SM90, 150_109_880_320, 4800, 132, _SMEM_SM90_SM100),
     "b200": _CudaSpec("NVIDIA B200", SM100, 183359 * MiB, 8000, 148, _SMEM_SM90_SM100),
     "b300": _CudaSpec("NVIDIA B300 SXM6 AC", SM103, 275040 * MiB, 8000, 148, _SMEM_SM90_SM100),
+    # Jetson AGX Thor: 20 SMs sharing 128 GB of LPDDR5X with the Arm CPU (273 GB/s).
+    "thor": _CudaSpec("NVIDIA Thor", SM110, 125772 * MiB, 273, 20, _SMEM_SM90_SM100),
     "rtx5090": _CudaSpec("NVIDIA GeForce RTX 5090", SM120, 32607 * MiB, 1792, 170,
                          _SMEM_SM8X_CONSUMER),
     "rtx5070-laptop": _CudaSpec("NVIDIA GeForce RTX 5070 Laptop GPU", SM120, 8151 * MiB, 384, 36,
@@ -184,14 +195,14 @@ def _build_profiles() -> dict[str, DeviceInfo]:
 _PROFILES: dict[str, DeviceInfo] = _build_profiles()
 
 PROFILE_IDS: tuple[str, ...] = (
-    "v100", "t4", "a100", "a10", "l40s", "rtx4090", "h100", "h200", "b200", "b300",
+    "v100", "t4", "a100", "a10", "l40s", "rtx4090", "h100", "h200", "b200", "b300", "thor",
     "rtx5090", "rtx5070-laptop", "gb10", "mi300x", "cpu",
 )
 
 # One representative profile per SM, so "--device sm90" works without naming a GPU.
 ALIASES: dict[str, str] = {
     "sm70": "v100", "sm75": "t4", "sm80": "a100", "sm86": "a10", "sm89": "l40s",
-    "sm90": "h100", "sm100": "b200", "sm103": "b300", "sm120": "rtx5090", "sm121": "gb10",
+    "sm90": "h100", "sm100": "b200", "sm103": "b300", "sm110": "thor", "sm120": "rtx5090", "sm121": "gb10",
 }
 
 assert set(PROFILE_IDS) == set(_PROFILES), "PROFILE_IDS and the profile table disagree"

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from archserve.kernels.rules import device_text
-from archserve.platform.capability import SM80, SM89
+from archserve.kernels.specs import KV_CACHE_DTYPES, RUNNABLE_KV_CACHE_DTYPES
+from archserve.platform.capability import SM80
 from archserve.platform.device import DeviceInfo
 from archserve.routing.decision import Decision
 
@@ -19,7 +20,6 @@ _DTYPE_NAMES: dict[str, torch.dtype | None] = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
 }
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -68,16 +68,34 @@ def resolve_dtype(device: DeviceInfo, requested: str | torch.dtype | None = "aut
 
 def resolve_kv_cache_dtype(device: DeviceInfo, requested: str = "auto"
                            ) -> tuple[str, list[Decision]]:
-    """"auto" (the compute dtype) or an fp8 format; fp8 without fp8 support degrades to auto."""
+    """The KV cache dtype: "auto" (the compute dtype) or any name vLLM knows.
+
+    fp8 is kept on every CUDA GPU, as vLLM keeps it (FlashInfer reads it on SM8x, Triton
+    everywhere: archserve's Triton kernels decode e4m3 bytes in software below SM89); on
+    a device with neither CUDA nor fp8 (a CPU) it becomes the compute dtype. "float16" and
+    "bfloat16" mean a 16-bit cache, which archserve keeps in the compute dtype. The other
+    names (nvfp4, int8 per token-head, turboquant, ...) pass through to selection, whose
+    rules know them; no kernel in this build reads them, so they have an ideal, not a route.
+    """
     key = (requested or "auto").strip().lower()
     if key not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv-cache dtype {requested!r}; "
                          f"choose from {', '.join(KV_CACHE_DTYPES)}")
     if key == "auto":
         return "auto", [Decision("kv_cache_dtype", "auto", "auto", "same as the compute dtype")]
+    if key in ("float16", "bfloat16"):
+        return "auto", [Decision("kv_cache_dtype", key, "auto",
+                                 "a 16-bit cache: archserve stores it in the compute dtype")]
     chosen = "fp8_e4m3" if key == "fp8" else key
-    if not device.features.fp8:
-        where = f"needs {SM89}+" if device.is_cuda else "needs fp8 support"
-        why = f"fp8 KV cache {where}, device is {device_text(device)}; using the compute dtype"
+    if chosen in RUNNABLE_KV_CACHE_DTYPES and not device.features.fp8 and not device.is_cuda:
+        why = (f"fp8 KV cache needs fp8 support or a CUDA GPU, device is "
+               f"{device_text(device)}; using the compute dtype")
         return "auto", [Decision("kv_cache_dtype", key, "auto", why)]
+    if chosen in RUNNABLE_KV_CACHE_DTYPES and not device.features.fp8:
+        why = (f"kept on {device_text(device)} without fp8 tensor cores: the cache stores fp8 "
+               "bytes and the attention kernel widens them as it reads (as vLLM does)")
+        return chosen, [Decision("kv_cache_dtype", key, chosen, why)]
+    if chosen not in RUNNABLE_KV_CACHE_DTYPES:
+        return chosen, [Decision("kv_cache_dtype", key, chosen,
+                                 "rules only: no kernel in this build reads this cache")]
     return chosen, [Decision("kv_cache_dtype", key, chosen, "as requested")]

@@ -21,7 +21,13 @@ from archserve.kernels.registry import (
     Selection,
     override_from_env,
 )
-from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
+from archserve.kernels.specs import (
+    ATTENTION_TYPES,
+    RUNNABLE_KV_CACHE_DTYPES,
+    AttentionSpec,
+    LinearSpec,
+    MoESpec,
+)
 from archserve.models.registry import architecture_unsupported, op_kinds_of_supported_architectures
 from archserve.platform.device import DeviceInfo
 from archserve.quant.config import UnsupportedQuantization, explain_quant_config
@@ -34,6 +40,45 @@ from archserve.routing.model_summary import ModelSummary
 DEEPSEEK_V3_MLA = dict(head_size=576, num_heads=128, num_kv_heads=1, use_mla=True,
                        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
                        v_head_dim=128)
+
+
+@dataclass(frozen=True)
+class SelectionInputs:
+    """What else vLLM selects on, beyond dtype, KV dtype, head and block size (vLLM 0.33
+    v1/attention/selector.py, AttentionSelectorConfig; parallel sizes for MoE). Defaults
+    are a plain causal decoder on one GPU."""
+
+    has_sink: bool = False
+    attn_type: str = "decoder"
+    non_causal: bool = False
+    batch_invariant: bool = False
+    per_head_kv_scales: bool = False
+    fa_version: int | None = None
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attn_type not in ATTENTION_TYPES:
+            raise ValueError(f"attention type must be one of {', '.join(ATTENTION_TYPES)}, "
+                             f"not {self.attn_type!r}")
+        if self.fa_version not in (None, 2, 3, 4):
+            raise ValueError(f"FlashAttention version must be 2, 3 or 4, not {self.fa_version}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor parallel size must be >= 1")
+
+    def attention_fields(self) -> dict[str, Any]:
+        return dict(has_sink=self.has_sink, attn_type=self.attn_type,
+                    non_causal=self.non_causal, batch_invariant=self.batch_invariant,
+                    per_head_kv_scales=self.per_head_kv_scales, fa_version=self.fa_version)
+
+    def per_rank_heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+        """Heads one tensor-parallel rank holds (KV heads are replicated below one per rank)."""
+        tp = self.tensor_parallel_size
+        return max(1, num_heads // tp), max(1, num_kv_heads // tp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.attention_fields(), tensor_parallel_size=self.tensor_parallel_size,
+                    expert_parallel=self.expert_parallel)
 
 
 @dataclass
@@ -63,10 +108,12 @@ class Explanation:
     routes: list[Route]
     libraries: str = "installed"
     not_loadable: str | None = None      # why this build cannot load the model, if it cannot
+    inputs: SelectionInputs = field(default_factory=SelectionInputs)
 
     def to_dict(self) -> dict[str, Any]:
         return {"device": device_dict(self.device), "dtype": dtype_name(self.dtype),
                 "libraries": self.libraries, "not_loadable": self.not_loadable,
+                "inputs": self.inputs.to_dict(),
                 "decisions": [d.to_dict() for d in self.decisions],
                 "routes": [r.to_dict() for r in self.routes]}
 
@@ -121,14 +168,20 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
                        dtype: str = "auto", kv_cache_dtype: str = "auto",
                        block_size: int | None = None,
                        libraries: LibraryAssumption = "installed",
-                       override: str | None = None, quantization: str | None = None
+                       override: str | None = None, quantization: str | None = None,
+                       inputs: SelectionInputs | None = None, sparse_mla: bool = False
                        ) -> Explanation:
     """``explain --op OP``: one layer of any op kind the registry routes, dtype decisions
     first. Attention needs a head size (MLA assumes DeepSeek-V3's); linear and MoE take
-    Llama-3-8B's and Mixtral-8x7B's shapes, quantized as ``quantization`` says."""
-    if op not in OP_KINDS:
-        raise ValueError(f"--op must be one of {', '.join(OP_KINDS)}, not {op!r}")
+    Llama-3-8B's and Mixtral-8x7B's shapes, quantized as ``quantization`` says.
+    ``vit_attention`` and ``mla_prefill`` are vLLM's two side selections (rules only)."""
+    inputs = inputs or SelectionInputs()
+    if op not in OP_KINDS + SIDE_SELECTIONS:
+        raise ValueError(f"--op must be one of {', '.join(OP_KINDS + SIDE_SELECTIONS)}, "
+                         f"not {op!r}")
     torch_dtype, decisions = resolve_dtype(device, dtype)
+    if op in SIDE_SELECTIONS:
+        return _side_selection(device, op, head_size, torch_dtype, decisions, libraries, inputs)
     # As in doctor: an op no loadable architecture has gets its ideal, never a route.
     not_loadable = (None if op in op_kinds_of_supported_architectures()
                     else f"no supported architecture has {op} layers")
@@ -138,34 +191,82 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
             raise ValueError(plan.not_loadable)
         routes = (_linear_routes(device, plan, torch_dtype, libraries, not_loadable)
                   if op == "linear"
-                  else [_moe_route(device, MoESpec(dtype=torch_dtype,
-                                                   quant_scheme=plan.moe_format), libraries,
-                                   not_loadable)])
+                  else [_moe_route(device, _moe_spec(inputs, dtype=torch_dtype,
+                                                     quant_scheme=plan.moe_format),
+                                   libraries, not_loadable)])
         if override and not_loadable is None:
             routes = [explain_op(device, op, route_spec, libraries, layer=route.layer,
                                  override=override)
-                      for route, route_spec in zip(routes, _specs_of(op, plan, torch_dtype),
-                                                   strict=True)]
+                      for route, route_spec in zip(
+                          routes, _specs_of(op, plan, torch_dtype, inputs), strict=True)]
         return Explanation(device, torch_dtype, decisions + plan.decisions, routes,
-                           libraries_text(libraries), not_loadable)
+                           libraries_text(libraries), not_loadable, inputs)
     kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype)
     shape: dict[str, Any] = dict(DEEPSEEK_V3_MLA) if op == "mla_attention" else {}
     if head_size is not None:
         shape["head_size"] = head_size
     elif op == "attention":
         raise ValueError("--op attention needs --head-size")
-    spec = AttentionSpec(dtype=torch_dtype, kv_cache_dtype=kv, block_size=block_size, **shape)
+    num_heads, num_kv_heads = inputs.per_rank_heads(shape.get("num_heads", 32),
+                                                    shape.get("num_kv_heads", 8))
+    shape.update(num_heads=num_heads, num_kv_heads=num_kv_heads)
+    spec = AttentionSpec(dtype=torch_dtype, kv_cache_dtype=kv, block_size=block_size,
+                         mla_sparse=sparse_mla and op == "mla_attention",
+                         **shape, **inputs.attention_fields())
+    if kv not in RUNNABLE_KV_CACHE_DTYPES:
+        not_loadable = not_loadable or f"no kernel in this build reads a {kv} KV cache"
     route = (explain_op(device, op, spec, libraries, override=override)
              if override and not_loadable is None
              else _route(device, op, spec, libraries, op, not_loadable))
     return Explanation(device, torch_dtype, decisions + kv_decisions, [route],
-                       libraries_text(libraries), not_loadable)
+                       libraries_text(libraries), not_loadable, inputs)
 
 
-def _specs_of(op: str, plan: QuantPlan, dtype: torch.dtype) -> list[Any]:
+SIDE_SELECTIONS = ("vit_attention", "mla_prefill")
+
+
+def _side_selection(device: DeviceInfo, op: str, head_size: int | None, dtype: torch.dtype,
+                    decisions: list[Decision], libraries: LibraryAssumption,
+                    inputs: SelectionInputs) -> Explanation:
+    """vLLM's ViT-encoder and MLA-prefill selections: each has its own priority list and asks
+    fewer questions than decoder attention. No architecture archserve loads has either, so
+    the route is the ideal alone."""
+    from archserve.kernels.attention.backends import vit_attention_priority, vit_rule
+    from archserve.kernels.mla.backends import mla_prefill_priority, mla_prefill_rule
+
+    if op == "vit_attention":
+        if head_size is None:
+            raise ValueError("--op vit_attention needs --head-size")
+        spec = AttentionSpec(head_size=head_size, dtype=dtype, attn_type="encoder_only")
+        order, rule = vit_attention_priority(device), vit_rule
+        if not device.is_cuda:
+            order = ["TORCH_SDPA"]
+    else:
+        spec = AttentionSpec(dtype=dtype, **DEEPSEEK_V3_MLA)
+        order, rule = mla_prefill_priority(device, spec), mla_prefill_rule
+    rejected: list[Rejection] = []
+    ideal = None
+    for name in order:
+        reason = rule(name, device, spec)
+        if reason is None:
+            ideal = name
+            break
+        rejected.append(Rejection(name, reason))
+    route = Route(op=op, layer=op, backend="", ideal=ideal, rejected=rejected)
+    return Explanation(device, dtype, decisions, [route], libraries_text(libraries),
+                       f"no supported architecture has {op} layers", inputs)
+
+
+def _moe_spec(inputs: SelectionInputs, **fields: Any) -> MoESpec:
+    return MoESpec(tensor_parallel=inputs.tensor_parallel_size > 1,
+                   expert_parallel=inputs.expert_parallel, **fields)
+
+
+def _specs_of(op: str, plan: QuantPlan, dtype: torch.dtype, inputs: SelectionInputs
+              ) -> list[Any]:
     """The spec behind each route ``explain_op_request`` lists for linear or MoE."""
     if op == "moe":
-        return [MoESpec(dtype=dtype, quant_scheme=plan.moe_format)]
+        return [_moe_spec(inputs, dtype=dtype, quant_scheme=plan.moe_format)]
     return [layer.spec for layer in plan.layers] or [LinearSpec(dtype=dtype)]
 
 
@@ -201,12 +302,14 @@ def _moe_route(device: DeviceInfo, spec: MoESpec, libraries: LibraryAssumption,
 
 def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
                   kv_cache_dtype: str = "auto", quantization: str | None = None,
-                  libraries: LibraryAssumption = "installed") -> Explanation:
+                  libraries: LibraryAssumption = "installed",
+                  inputs: SelectionInputs | None = None) -> Explanation:
     """One route per layer kind of the model: attention (or MLA), linear, MoE, lm_head.
 
     A model this build cannot load (architecture or quantization) gets no route: the
     explanation says why in ``not_loadable`` and shows each layer's ideal backend only.
     """
+    inputs = inputs or SelectionInputs()
     torch_dtype, decisions = resolve_dtype(device, dtype, model.dtype)
     kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype)
     decisions += kv_decisions
@@ -221,9 +324,13 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
                                   "archserve's GGUF loader dequantizes every tensor at load, so "
                                   "its linear layers take the dense route"))
 
+    if kv not in RUNNABLE_KV_CACHE_DTYPES:
+        not_loadable = "; ".join(filter(None, [
+            not_loadable, f"no kernel in this build reads a {kv} KV cache"]))
+    num_heads, num_kv_heads = inputs.per_rank_heads(model.num_heads, model.num_kv_heads)
     attention = AttentionSpec(
         head_size=model.head_size, dtype=torch_dtype, kv_cache_dtype=kv,
-        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, **inputs.attention_fields(),
         sliding_window=model.sliding_window, logit_soft_cap=model.logit_soft_cap,
         use_mla=model.use_mla, mla_sparse=model.mla_sparse, kv_lora_rank=model.kv_lora_rank,
         qk_rope_head_dim=model.qk_rope_head_dim, qk_nope_head_dim=model.qk_nope_head_dim,
@@ -232,16 +339,16 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     routes = [_route(device, op, attention, libraries, "attention", not_loadable)]
     routes += _linear_routes(device, plan, torch_dtype, libraries, not_loadable)
     if model.is_moe:
-        moe = MoESpec(dtype=torch_dtype, quant_scheme=plan.moe_format,
-                      num_experts=model.num_experts, top_k=model.experts_per_token or 2,
-                      hidden_size=model.hidden_size,
-                      intermediate_size=model.intermediate_size)
+        moe = _moe_spec(inputs, dtype=torch_dtype, quant_scheme=plan.moe_format,
+                        num_experts=model.num_experts, top_k=model.experts_per_token or 2,
+                        hidden_size=model.hidden_size,
+                        intermediate_size=model.intermediate_size)
         routes.append(_moe_route(device, moe, libraries, not_loadable))
     # lm_head stays unquantized in every scheme archserve loads (as in vLLM by default).
     routes.append(_route(device, "linear", LinearSpec(dtype=torch_dtype), libraries, "lm_head",
                          not_loadable))
     return Explanation(device, torch_dtype, decisions, routes, libraries_text(libraries),
-                       not_loadable)
+                       not_loadable, inputs)
 
 
 def _route(device: DeviceInfo, op: str, spec: Any, libraries: LibraryAssumption, layer: str,
@@ -254,5 +361,8 @@ def _route(device: DeviceInfo, op: str, spec: Any, libraries: LibraryAssumption,
         except BackendError:
             pass
     ideal = registry.ideal(op, device, spec)
-    return Route(op=op, layer=layer, backend="", ideal=ideal,
+    # Why nothing runs: every candidate's reason (hardware, availability or this build).
+    rejected = [Rejection(name, reason) for name in registry.priority(op, device, spec)
+                if (reason := registry.get(op, name).check(device, spec, libraries))]
+    return Route(op=op, layer=layer, backend="", ideal=ideal, rejected=rejected,
                  ideal_detail=_detail(op, ideal, device, spec))

@@ -17,7 +17,7 @@ REGISTRY = build_registry()
 ATTENTION_IDEAL = {
     "v100": "TRITON_ATTN", "t4": "TRITON_ATTN", "a100": "FLASH_ATTN", "a10": "FLASH_ATTN",
     "l40s": "FLASH_ATTN", "rtx4090": "FLASH_ATTN", "h100": "FLASH_ATTN", "h200": "FLASH_ATTN",
-    "b200": "FLASHINFER", "b300": "FLASHINFER", "rtx5090": "FLASH_ATTN",
+    "b200": "FLASHINFER", "b300": "FLASHINFER", "thor": "FLASH_ATTN", "rtx5090": "FLASH_ATTN",
     "rtx5070-laptop": "FLASH_ATTN", "gb10": "FLASH_ATTN", "mi300x": "TRITON_ATTN",
     "cpu": "TORCH_SDPA",
 }
@@ -28,7 +28,7 @@ MLA_IDEAL = {
     "v100": "TRITON_MLA", "t4": "TRITON_MLA", "a100": "TRITON_MLA", "a10": "TRITON_MLA",
     "l40s": "TRITON_MLA", "rtx4090": "TRITON_MLA", "h100": "FLASH_ATTN_MLA",
     "h200": "FLASH_ATTN_MLA", "b200": "FLASHINFER_MLA", "b300": "FLASHINFER_MLA",
-    "rtx5090": "TRITON_MLA", "rtx5070-laptop": "TRITON_MLA", "gb10": "TRITON_MLA",
+    "thor": "TRITON_MLA", "rtx5090": "TRITON_MLA", "rtx5070-laptop": "TRITON_MLA", "gb10": "TRITON_MLA",
     "mi300x": "TRITON_MLA", "cpu": "TORCH_REFERENCE",
 }
 MLA = dict(head_size=576, num_heads=128, num_kv_heads=1, use_mla=True)
@@ -67,12 +67,19 @@ def test_sparse_mla_order_depends_on_kv_dtype_and_heads() -> None:
     def ideal(profile: str, spec: AttentionSpec) -> str | None:
         return REGISTRY.ideal("mla_attention", get_profile(profile), spec)
 
+    # vLLM 0.33 platforms/cuda.py, _get_backend_priorities (use_mla): on the SM100 family
+    # a 16-bit cache prefers FlashMLA sparse, or FA4 sparse at <= 16 heads; a quantized
+    # cache FlashInfer sparse. Hopper tries FA sparse first; SM12x has its own FlashInfer.
     assert ideal("b200", sparse) == "FLASHMLA_SPARSE"
     few_heads = AttentionSpec(dtype=torch.bfloat16, mla_sparse=True,
                               **{**MLA, "num_heads": 16})
-    assert ideal("b200", few_heads) == "FLASHINFER_MLA_SPARSE"
-    assert ideal("h100", sparse) == "FLASHMLA_SPARSE"
-    assert ideal("rtx5090", sparse) == "TORCH_REFERENCE"
+    assert ideal("b200", few_heads) == "FLASH_ATTN_MLA_SPARSE_FA4"
+    fp8 = AttentionSpec(dtype=torch.bfloat16, mla_sparse=True, kv_cache_dtype="fp8", **MLA)
+    assert ideal("b200", fp8) == "FLASHINFER_MLA_SPARSE"
+    assert ideal("h100", sparse) == "FLASH_ATTN_MLA_SPARSE"
+    assert ideal("h100", fp8) == "FLASHMLA_SPARSE"
+    assert ideal("rtx5090", sparse) == "FLASHINFER_MLA_SPARSE_SM120"
+    assert ideal("a100", sparse) == "TORCH_REFERENCE"
 
 
 @pytest.mark.parametrize("profile,head,version", [
@@ -97,10 +104,11 @@ def test_fp8_kv_cache_rules() -> None:
     assert reason("h100", "FLASH_ATTN", fp8) is None
     assert "FA3" in reason("a100", "FLASH_ATTN", fp8)
     assert "FA2" in reason("rtx5090", "FLASH_ATTN", fp8)
-    assert reason("t4", "TRITON_ATTN", fp8) == "fp8 KV cache needs SM89+, device is SM75"
+    # vLLM 0.33 keeps fp8 below SM89: Triton and FlashInfer list it with no capability check.
+    assert reason("t4", "TRITON_ATTN", fp8) is None
     assert reason("l40s", "TRITON_ATTN", fp8) is None
     assert reason("l40s", "FLASHINFER", fp8) is None
-    assert "SM89" in reason("a100", "FLASHINFER", fp8)
+    assert reason("a100", "FLASHINFER", fp8) is None
     # The torch backends dequantize an fp8 cache as they gather it.
     assert reason("h100", "FLEX_ATTENTION", fp8) is None
     assert reason("h100", "TORCH_SDPA", fp8) is None
@@ -113,20 +121,27 @@ def test_head_size_rules() -> None:
     assert "head size 68" in reason("h100", "FLASH_ATTN", AttentionSpec(head_size=68))
     assert "head size 96" in reason("h100", "FLASHINFER", AttentionSpec(head_size=96))
     assert reason("h100", "TRITON_ATTN", AttentionSpec(head_size=80)) is None
-    assert "head size 72" in reason("h100", "TRITON_ATTN", AttentionSpec(head_size=72))
-    # An odd head size still has a route: FLEX on any device.
+    assert reason("h100", "TRITON_ATTN", AttentionSpec(head_size=72)) is None
+    assert "head size 24" in reason("h100", "TRITON_ATTN", AttentionSpec(head_size=24))
+    # An odd head size runs on Triton (any size >= 32), below that on FLEX.
     s = REGISTRY.select("attention", get_profile("h100"), AttentionSpec(head_size=72),
                         libraries="all")
-    assert s.ideal == "FLASH_ATTN" and s.name == "FLEX_ATTENTION"
+    assert s.ideal == "FLASH_ATTN" and s.name == "TRITON_ATTN"
+    s = REGISTRY.select("attention", get_profile("h100"), AttentionSpec(head_size=24),
+                        libraries="all")
+    assert s.name == "FLEX_ATTENTION"
 
 
 def test_block_size_constrains_the_choice() -> None:
     assert "multiple of 16" in reason("h100", "FLASH_ATTN", AttentionSpec(128, block_size=8))
     assert reason("h100", "FLASH_ATTN", AttentionSpec(128, block_size=48)) is None
-    assert "one of 16, 32, 64" in reason("b200", "FLASHINFER", AttentionSpec(128, block_size=48))
+    # vLLM 0.33 (v1/attention/backend.py, supports_block_size): a multiple of an advertised
+    # size is accepted, so FlashInfer's 16 admits 48 and 256.
+    assert reason("b200", "FLASHINFER", AttentionSpec(128, block_size=48)) is None
+    assert "multiple of 16" in reason("b200", "FLASHINFER", AttentionSpec(128, block_size=8))
     s = REGISTRY.select("attention", get_profile("b200"), AttentionSpec(128, block_size=48),
                         libraries="all")
-    assert s.ideal == "FLASH_ATTN"
+    assert s.ideal == "FLASHINFER"
 
 
 def test_bf16_on_a_device_without_it_is_rejected_by_gpu_kernels() -> None:

@@ -11,6 +11,7 @@ from archserve.platform.capability import (
     SM90,
     SM100,
     SM103,
+    SM110,
     SM120,
     SM121,
 )
@@ -23,11 +24,11 @@ from archserve.platform.profiles import (
 )
 
 EXPECTED_IDS = ("v100", "t4", "a100", "a10", "l40s", "rtx4090", "h100", "h200", "b200", "b300",
-                "rtx5090", "rtx5070-laptop", "gb10", "mi300x", "cpu")
+                "thor", "rtx5090", "rtx5070-laptop", "gb10", "mi300x", "cpu")
 
 EXPECTED_CAPABILITY = {
     "v100": SM70, "t4": SM75, "a100": SM80, "a10": SM86, "l40s": SM89, "rtx4090": SM89,
-    "h100": SM90, "h200": SM90, "b200": SM100, "b300": SM103, "rtx5090": SM120,
+    "h100": SM90, "h200": SM90, "b200": SM100, "b300": SM103, "thor": SM110, "rtx5090": SM120,
     "rtx5070-laptop": SM120, "gb10": SM121, "mi300x": None, "cpu": None,
 }
 
@@ -45,7 +46,8 @@ def test_every_profile_resolves_with_its_real_capability(profile_id):
     assert device.memory_bytes > 4 * 1024**3
     assert device.memory_bandwidth_bytes_per_s and device.memory_bandwidth_bytes_per_s > 1e10
     if device.is_gpu:
-        assert device.multiprocessor_count and device.multiprocessor_count >= 30
+        # Jetson Thor is the smallest: 20 SMs.
+        assert device.multiprocessor_count and device.multiprocessor_count >= 20
         assert device.shared_memory_per_block_bytes >= 48 * 1024
         assert device.toolchain.torch_has_cuda
         assert device.toolchain.torch_version.startswith("2.11")
@@ -55,7 +57,8 @@ def test_every_profile_resolves_with_its_real_capability(profile_id):
 def test_aliases_map_to_representative_profiles():
     assert ALIASES == {
         "sm70": "v100", "sm75": "t4", "sm80": "a100", "sm86": "a10", "sm89": "l40s",
-        "sm90": "h100", "sm100": "b200", "sm103": "b300", "sm120": "rtx5090", "sm121": "gb10",
+        "sm90": "h100", "sm100": "b200", "sm103": "b300", "sm110": "thor",
+        "sm120": "rtx5090", "sm121": "gb10",
     }
     for alias, target in ALIASES.items():
         assert get_profile(alias) is get_profile(target)

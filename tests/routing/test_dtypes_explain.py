@@ -43,9 +43,16 @@ def test_unknown_dtype_is_refused() -> None:
 def test_fp8_kv_cache() -> None:
     assert resolve_kv_cache_dtype(get_profile("h100"), "fp8")[0] == "fp8_e4m3"
     assert resolve_kv_cache_dtype(get_profile("l40s"), "fp8_e5m2")[0] == "fp8_e5m2"
-    kv, (decision,) = resolve_kv_cache_dtype(get_profile("a100"), "fp8")
-    assert kv == "auto" and "SM89" in decision.reason
+    # vLLM 0.33 keeps fp8 below SM89 (FlashInfer on SM8x, Triton on SM7x read it):
+    # archserve keeps it on every CUDA GPU and says the kernel widens the bytes.
+    for profile in ("a100", "t4", "v100"):
+        kv, (decision,) = resolve_kv_cache_dtype(get_profile(profile), "fp8")
+        assert kv == "fp8_e4m3" and "kept" in decision.reason
     assert resolve_kv_cache_dtype(get_profile("cpu"), "fp8")[0] == "auto"
+    # vLLM's other names pass through as rules only; unknown names are refused.
+    kv, (decision,) = resolve_kv_cache_dtype(get_profile("h100"), "int8_per_token_head")
+    assert kv == "int8_per_token_head" and "rules only" in decision.reason
+    assert resolve_kv_cache_dtype(get_profile("h100"), "bfloat16")[0] == "auto"
     with pytest.raises(ValueError):
         resolve_kv_cache_dtype(get_profile("h100"), "int4")
 

@@ -61,6 +61,7 @@ DEVIATIONS = {
     ("FlashInfer", "sm75"),        # FlashInfer is broken on Turing; vLLM requires SM80+
     ("FlashMLA", "sm89"),          # FlashMLA needs Hopper+ (major 9 or 10)
     ("FlashMLA", "sm90"),          # ... and runs on Hopper
+    ("FlashMLA", "sm100"),         # dense FlashMLA is Hopper only in vLLM 0.33
     ("GGUF", "sm70"),              # vLLM min capability 60; our loader dequantizes at load
     ("GGUF", "sm75"),
     ("GPTQ", "sm70"),              # vLLM min capability 60 (the seed's own §5.1 and §8.1)

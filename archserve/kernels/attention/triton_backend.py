@@ -18,10 +18,13 @@ from archserve.platform.device import DeviceInfo
 class TritonAttentionImpl:
     """Writes this step's K/V, then runs the decode kernel or the general varlen kernel."""
 
-    def __init__(self, device: DeviceInfo | None = None, spec: AttentionSpec | None = None
-                 ) -> None:
+    def __init__(self, device: DeviceInfo | None = None, spec: AttentionSpec | None = None,
+                 fp8_bytes: bool | None = None) -> None:
         self.device = device
         self.spec = spec
+        # Whether an fp8 cache is written and read as bytes with integer conversions (what
+        # GPUs without fp8 need); None: decided per GPU by the kernels' wrappers.
+        self.fp8_bytes = fp8_bytes
         # The split-KV heuristic needs the SM count; unknown (0) means "never split".
         self.num_sms = (device.multiprocessor_count if device is not None else None) or 0
 
@@ -34,12 +37,17 @@ class TritonAttentionImpl:
                 kv_cache: torch.Tensor, meta: AttentionMetadata, layer: AttentionLayerParams,
                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D] (None: nothing to write) -> [T, H, D]."""
+        e4m3 = self.fp8_bytes and kv_cache.dtype == torch.float8_e4m3fn
+        e5m2 = self.fp8_bytes and kv_cache.dtype == torch.float8_e5m2
         if key is not None and value is not None:
-            write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+            write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale,
+                           e4m3_bits=None if self.fp8_bytes is None else e4m3,
+                           e5m2_bits=None if self.fp8_bytes is None else e5m2)
         out = torch.empty_like(query)
         common = dict(scale=layer.scale, sliding_window=layer.sliding_window,
                       soft_cap=layer.logit_soft_cap, k_scale=k_scale, v_scale=v_scale,
-                      num_seqs=meta.num_seqs)
+                      num_seqs=meta.num_seqs,
+                      e4m3_bits=None if self.fp8_bytes is None else e4m3)
         # max_query_len is a host int: choosing the kernel costs no device sync.
         if meta.max_query_len == 1:
             decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens,

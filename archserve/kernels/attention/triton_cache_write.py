@@ -11,7 +11,57 @@ import torch
 import triton
 import triton.language as tl
 
+from archserve.kernels.linear.triton_fp8_bits import fp32_to_e4m3_bits
+
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# An e4m3 cache read as bytes holds value / 256 once widened (e4m3_bits_to_fp16): the
+# readers fold this factor into their K and V scales.
+E4M3_BITS_SCALE = 256.0
+
+
+@triton.jit
+def fp32_to_e5m2_bits(v):
+    """fp32 ``v`` with |v| <= 57344 -> uint8 e5m2 bits, rounded half to even (the same
+    integer method as fp32_to_e4m3_bits, with two mantissa bits and exponent bias 15)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    rounded = (mag + 0xFFFFF + ((mag >> 21) & 1)) >> 21
+    normal = rounded - (112 << 2)
+    scaled = tl.abs(v) * 65536.0 + 8388608.0     # subnormals: multiples of 2**-16
+    sub = scaled.to(tl.uint32, bitcast=True) & 0x7
+    code = tl.where(mag >= 0x38800000, normal, sub)       # 0x38800000 is 2**-14
+    return (code | sign).to(tl.uint8)
+
+
+E5M2_MAX = 57344.0
+
+
+def e5m2_written_in_software(kv_cache: torch.Tensor) -> bool:
+    """Triton's fp32 -> e5m2 conversion uses SM80 instructions: below SM80 the writer
+    encodes e5m2 bytes itself (reading e5m2 needs no help on any target)."""
+    if kv_cache.dtype != torch.float8_e5m2 or not kv_cache.is_cuda or torch.version.hip:
+        return False
+    return torch.cuda.get_device_capability(kv_cache.device) < (8, 0)
+
+
+def e4m3_in_software(kv_cache: torch.Tensor) -> bool:
+    """Whether an e4m3 cache must be written and read as bytes here: Triton has no e4m3
+    type below SM89 (it refuses "fp8e4nv" there), so those GPUs convert with integer ops.
+    e5m2 needs no help: Triton widens it on every target."""
+    if kv_cache.dtype != torch.float8_e4m3fn or not kv_cache.is_cuda or torch.version.hip:
+        return False
+    return torch.cuda.get_device_capability(kv_cache.device) < (8, 9)
+
+
+def cache_operand(kv_cache: torch.Tensor, e4m3_bits: bool | None) -> tuple[torch.Tensor, bool]:
+    """(the tensor a kernel gets, whether it holds e4m3 bytes); ``None`` decides by device."""
+    if e4m3_bits is None:
+        e4m3_bits = e4m3_in_software(kv_cache)
+    if e4m3_bits:
+        assert kv_cache.dtype == torch.float8_e4m3fn, "byte mode is for an e4m3 cache"
+        return kv_cache.view(torch.uint8), True
+    return kv_cache, False
 
 
 @triton.jit
@@ -30,7 +80,8 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
                      k_scale, v_scale,
                      NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     QUANTIZE: tl.constexpr):
+                     QUANTIZE: tl.constexpr, E4M3_BITS: tl.constexpr,
+                     E5M2_BITS: tl.constexpr):
     # One program per token: all its KV heads at once, so a token's row is one wide store.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -50,6 +101,12 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
     offset = slot % BLOCK_SIZE
     dst = (cache_ptr + block * stride_cache_block + offset * stride_cache_token
            + heads * stride_cache_head + dims)
+    if E4M3_BITS:   # saturate as the hardware conversion does, then round to e4m3 bytes
+        key = fp32_to_e4m3_bits(tl.minimum(tl.maximum(key, -448.0), 448.0))
+        value = fp32_to_e4m3_bits(tl.minimum(tl.maximum(value, -448.0), 448.0))
+    if E5M2_BITS:
+        key = fp32_to_e5m2_bits(tl.minimum(tl.maximum(key, -57344.0), 57344.0))
+        value = fp32_to_e5m2_bits(tl.minimum(tl.maximum(value, -57344.0), 57344.0))
     element = cache_ptr.dtype.element_ty
     tl.store(dst, key.to(element), mask=mask)
     tl.store(dst + stride_cache_kv, value.to(element), mask=mask)
@@ -60,11 +117,13 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
-                   ) -> None:
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                   e4m3_bits: bool | None = None, e5m2_bits: bool | None = None) -> None:
     """Write key/value [T, Hkv, D] into ``kv_cache`` at ``slot_mapping`` (slot -1 skipped).
 
-    An fp8 cache stores ``x / scale``; readers multiply by the scale again.
+    An fp8 cache stores ``x / scale``; readers multiply by the scale again. ``e4m3_bits``
+    writes an e4m3 cache as bytes (None: where the device has no e4m3 type, see
+    ``e4m3_in_software``), ``e5m2_bits`` an e5m2 one (None: below SM80).
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
@@ -73,6 +132,13 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     assert kv_cache.stride(-1) == 1, "the KV cache's head dimension must be contiguous"
     quantize = kv_cache.dtype in FP8_CACHE_DTYPES
+    if e5m2_bits is None:
+        e5m2_bits = e5m2_written_in_software(kv_cache)
+    if e5m2_bits:
+        assert kv_cache.dtype == torch.float8_e5m2, "e5m2 byte mode is for an e5m2 cache"
+        kv_cache, bits = kv_cache.view(torch.uint8), False
+    else:
+        kv_cache, bits = cache_operand(kv_cache, e4m3_bits)
     _write_kv_kernel[(num_tokens,)](
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -80,5 +146,5 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         float(k_scale), float(v_scale),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_size),
-        QUANTIZE=quantize,
+        QUANTIZE=quantize, E4M3_BITS=bits, E5M2_BITS=e5m2_bits,
     )

@@ -18,7 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.attention.triton_cache_write import paged_token_offsets
+from archserve.kernels.attention.triton_cache_write import (
+    E4M3_BITS_SCALE,
+    cache_operand,
+    paged_token_offsets,
+)
+from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
 from archserve.kernels.rules import triton_interpreted
 
 LOG2E = 1.4426950408889634
@@ -48,7 +53,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
                    GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-                   USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   E4M3_BITS: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,6 +99,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
+            k = e4m3_bits_to_fp16(k)
+            v = e4m3_bits_to_fp16(v)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -192,18 +201,24 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
                      sliding_window: int | None = None, soft_cap: float | None = None,
                      k_scale: float = 1.0, v_scale: float = 1.0, num_sms: int = 0,
                      num_splits: int | None = None,
-                     tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                     tiles: tuple[int, int, int] | None = None,
+                     e4m3_bits: bool | None = None) -> torch.Tensor:
     """Attend one query token per sequence over its paged context; writes into ``out``.
 
     query/out [T, H, D] (row ``query_start_loc[i]`` belongs to sequence i), kv_cache in the
     engine layout. ``num_splits`` overrides the split heuristic (a power of two), ``tiles``
     the (BLOCK_N, num_warps, num_stages) of ``decode_tiles`` (both for benchmark sweeps).
+    Head sizes need not be powers of two: the kernel pads to the next one and masks.
+    ``e4m3_bits`` reads an e4m3 cache as bytes (None: where the GPU lacks e4m3).
     """
     _, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     if num_seqs == 0:
         return out
+    kv_cache, bits = cache_operand(kv_cache, e4m3_bits)
+    if bits:
+        k_scale, v_scale = k_scale * E4M3_BITS_SCALE, v_scale * E4M3_BITS_SCALE
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
@@ -224,7 +239,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         GROUP=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, BLOCK_G=block_g,
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
-        DOT_PRECISION=dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

@@ -13,8 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.attention.triton_cache_write import paged_token_offsets
+from archserve.kernels.attention.triton_cache_write import (
+    E4M3_BITS_SCALE,
+    cache_operand,
+    paged_token_offsets,
+)
 from archserve.kernels.attention.triton_decode import dot_precision, soft_cap_scores
+from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
 from archserve.kernels.rules import triton_interpreted
 
 
@@ -24,7 +29,8 @@ def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
                       soft_cap, offs_d, mask_d,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-                      MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      E4M3_BITS: tl.constexpr):
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -36,6 +42,9 @@ def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
+            k = e4m3_bits_to_fp16(k)
+            v = e4m3_bits_to_fp16(v)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFT_CAP:
             scores = soft_cap_scores(scores, soft_cap)
@@ -65,7 +74,7 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
                     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -111,11 +120,11 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, q_pos, lo, unmasked_end, seq_len, k_base, v_base, block_table_row,
         stride_cache_block, stride_cache_token, qk_scale, soft_cap, offs_d, mask_d,
-        BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, False, DOT_PRECISION)
+        BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, False, DOT_PRECISION, E4M3_BITS)
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, q_pos, unmasked_end, hi, seq_len, k_base, v_base, block_table_row,
         stride_cache_block, stride_cache_token, qk_scale, soft_cap, offs_d, mask_d,
-        BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, True, DOT_PRECISION)
+        BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, True, DOT_PRECISION, E4M3_BITS)
 
     out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     dst = out_ptr + tokens[:, None] * stride_out_token + head * stride_out_head + offs_d[None, :]
@@ -173,7 +182,7 @@ _tuned_prefill_kernel = triton.autotune(
     prune_configs_by={"early_config_prune": _prune_prefill_configs},
     # tune_bucket: tiles that win on a 5-row canary lose on a 4096-row prefill, so the
     # problem's size class is part of the key (it is otherwise unused by the kernel).
-    key=["HEAD_SIZE", "GROUP", "SLIDING_WINDOW", "USE_SOFT_CAP", "tune_bucket"],
+    key=["HEAD_SIZE", "GROUP", "SLIDING_WINDOW", "USE_SOFT_CAP", "E4M3_BITS", "tune_bucket"],
     # Timings persist in Triton's cache dir, which the engine keys by device and versions
     # (engine/kernel_cache.py): a second start on the same machine does not tune again.
     cache_results=True,
@@ -196,7 +205,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
                       *, num_seqs: int, max_query_len: int, scale: float,
                       sliding_window: int | None = None, soft_cap: float | None = None,
                       k_scale: float = 1.0, v_scale: float = 1.0,
-                      tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                      tiles: tuple[int, int, int, int] | None = None,
+                      e4m3_bits: bool | None = None) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged context; writes ``out``.
 
     On a GPU the tiles are autotuned once per head size, group, dtype and feature set
@@ -206,6 +216,9 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if num_seqs == 0 or max_query_len == 0:
         return out
+    kv_cache, bits = cache_operand(kv_cache, e4m3_bits)
+    if bits:
+        k_scale, v_scale = k_scale * E4M3_BITS_SCALE, v_scale * E4M3_BITS_SCALE
     args = (query, kv_cache, block_tables, seq_lens, query_start_loc, out,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -215,7 +228,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         GROUP=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
         BLOCK_D=triton.next_power_of_2(head_size), SLIDING_WINDOW=sliding_window or 0,
         USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
-        DOT_PRECISION=dot_precision(query.dtype))
+        DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits)
     # fp32 is not autotuned: its products run on FMA units (ieee tl.dot), where the tile
     # barely matters, while every candidate compiles for many seconds (a Gemma-3 start in
     # fp32 spent minutes tuning its sliding and global layers on an H200).

@@ -34,13 +34,17 @@ def _latent_rule(spec: AttentionSpec) -> str | None:
 
 
 class MlaBackend(RuleBackend):
-    """Common request rules: an MLA spec, half-precision compute, dense vs sparse."""
+    """Common request rules: an MLA spec, half-precision compute, dense vs sparse.
+
+    Block sizes follow vLLM 0.33 (v1/attention/backend.py, supports_block_size): a block
+    is accepted when it is a multiple of one of the backend's advertised kernel sizes.
+    """
 
     op = "mla_attention"
     sparse = False
-    fp8_kv = True
+    kv_dtypes: tuple[str, ...] = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
     fixed_latent = True          # fused kernels only exist for DeepSeek's latent sizes
-    block_sizes: tuple[int, ...] | None = None
     block_multiple: int | None = None
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
@@ -50,12 +54,16 @@ class MlaBackend(RuleBackend):
             return "the model uses sparse MLA; needs a *_SPARSE backend"
         if self.sparse and not spec.mla_sparse:
             return "sparse MLA kernel; the model uses dense MLA"
-        return (needs_dtype(spec.dtype, HALF_DTYPES)
+        kv = spec.kv_cache_dtype
+        return (needs_dtype(spec.dtype, self.dtypes)
                 or bf16_on_device(device, spec.dtype)
                 or (_latent_rule(spec) if self.fixed_latent else None)
-                or ("fp8 KV cache unsupported" if spec.fp8_kv and not self.fp8_kv else None)
-                or block_size_rule(spec.block_size, multiple_of=self.block_multiple,
-                                   choices=self.block_sizes))
+                or (f"{kv} KV cache unsupported" if kv not in self.kv_dtypes else None)
+                or self.combination_rule(device, spec)
+                or block_size_rule(spec.block_size, multiple_of=self.block_multiple))
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        return None
 
 
 class FlashInferMlaBackend(MlaBackend):
@@ -64,10 +72,17 @@ class FlashInferMlaBackend(MlaBackend):
     implemented = False
     description = "FlashInfer MLA decode (SM100 family)"
     preferred_block_size = 64
-    block_sizes = (32, 64)
+    block_multiple = 32
+    fixed_latent = False
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         return needs_family(device, 100)
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        # vLLM 0.33 flashinfer_mla.py, FlashInferMLABackend.supports_combination.
+        if spec.qk_nope_head_dim not in (64, 128, 192):
+            return f"needs qk_nope_head_dim 64, 128 or 192, model has {spec.qk_nope_head_dim}"
+        return None
 
 
 class CutlassMlaBackend(MlaBackend):
@@ -75,7 +90,7 @@ class CutlassMlaBackend(MlaBackend):
     implemented = False
     description = "CUTLASS MLA (SM100 family)"
     preferred_block_size = 128
-    block_sizes = (128,)
+    block_multiple = 128
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         return needs_family(device, 100)
@@ -85,7 +100,7 @@ class FlashAttnMlaBackend(MlaBackend):
     name = "FLASH_ATTN_MLA"
     library = "flash_attn"
     implemented = False
-    fp8_kv = False
+    kv_dtypes = ("auto", "float16", "bfloat16")
     description = "FlashAttention-3 MLA (Hopper)"
     block_multiple = 16
 
@@ -96,12 +111,14 @@ class FlashAttnMlaBackend(MlaBackend):
 class FlashMlaBackend(MlaBackend):
     name = "FLASHMLA"
     implemented = False
-    description = "FlashMLA (Hopper and SM100 family)"
+    description = "FlashMLA dense (Hopper)"
     preferred_block_size = 64
-    block_sizes = (64,)
+    block_multiple = 64
 
     def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90, 100)
+        # vLLM 0.33 ops/flashmla.py, is_flashmla_dense_supported: Hopper only (the SM100
+        # family runs FlashMLA's sparse kernels, not its dense one).
+        return needs_family(device, 90)
 
 
 class FlashInferMlaSparseBackend(MlaBackend):
@@ -109,33 +126,122 @@ class FlashInferMlaSparseBackend(MlaBackend):
     library = "flashinfer"
     implemented = False
     sparse = True
-    description = "FlashInfer sparse MLA (SM100 family)"
+    fixed_latent = False
+    description = "FlashInfer sparse MLA, TRT-LLM kernels (SM100 family)"
     preferred_block_size = 64
-    block_sizes = (32, 64)
+    block_multiple = 32
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         return needs_family(device, 100)
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        if spec.qk_rope_head_dim == 0:
+            if (spec.qk_nope_head_dim, spec.kv_lora_rank) != (256, 512):
+                return "a NoPE model needs qk_nope_head_dim 256 and kv_lora_rank 512"
+        elif spec.qk_nope_head_dim not in (128, 192):
+            return f"needs qk_nope_head_dim 128 or 192, model has {spec.qk_nope_head_dim}"
+        return None
+
+
+class FlashInferMlaSparseSm90Backend(MlaBackend):
+    name = "FLASHINFER_MLA_SPARSE_SM90"
+    library = "flashinfer"
+    implemented = False
+    sparse = True
+    fixed_latent = False
+    description = "FlashInfer sparse MLA (Hopper)"
+    block_multiple = 64
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_family(device, 90)
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        if spec.head_size not in (512, 576):
+            return f"head size {spec.head_size} unsupported (512, 576)"
+        if spec.kv_lora_rank != 512 or spec.qk_rope_head_dim not in (0, 64):
+            return "needs kv_lora_rank 512 and qk_rope_head_dim 0 or 64"
+        return None
+
+
+class FlashInferMlaSparseSm120Backend(MlaBackend):
+    name = "FLASHINFER_MLA_SPARSE_SM120"
+    library = "flashinfer"
+    implemented = False
+    sparse = True
+    fixed_latent = False
+    dtypes = (torch.bfloat16,)
+    kv_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+    description = "FlashInfer sparse MLA (RTX Blackwell, SM12x)"
+    block_multiple = 64
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_family(device, 120)
 
 
 class FlashMlaSparseBackend(MlaBackend):
     name = "FLASHMLA_SPARSE"
     implemented = False
     sparse = True
+    fixed_latent = False
+    kv_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")
     description = "FlashMLA sparse (Hopper and SM100 family)"
     preferred_block_size = 64
-    block_sizes = (64,)
+    block_multiple = 64
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         return needs_family(device, 90, 100)
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        if spec.head_size not in (512, 576):
+            return f"head size {spec.head_size} unsupported (512, 576)"
+        if spec.head_size == 512 and not (
+                device.family == 90 and spec.kv_cache_dtype in ("auto", "float16", "bfloat16",
+                                                                "fp8_ds_mla")):
+            return "head size 512 (NoPE) needs Hopper and a bf16 or fp8_ds_mla cache"
+        if spec.kv_cache_dtype == "nvfp4_ds_mla" and device.family != 100:
+            return "nvfp4_ds_mla KV cache needs the SM100 family"
+        return None
+
+
+class FlashAttnMlaSparseBackend(MlaBackend):
+    name = "FLASH_ATTN_MLA_SPARSE"
+    library = "flash_attn"
+    implemented = False
+    sparse = True
+    fixed_latent = False
+    kv_dtypes = ("auto", "float16", "bfloat16")
+    description = "FlashAttention-3 sparse MLA (Hopper)"
+    block_multiple = 64
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_family(device, 90)
+
+
+class FlashAttnMlaSparseFa4Backend(MlaBackend):
+    name = "FLASH_ATTN_MLA_SPARSE_FA4"
+    library = "flash_attn"
+    implemented = False
+    sparse = True
+    dtypes = (torch.bfloat16,)
+    kv_dtypes = ("auto", "bfloat16")
+    description = "FlashAttention-4 sparse MLA decode (SM100 family)"
+    block_multiple = 64
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_family(device, 100)
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        if spec.head_size != 576:
+            return f"head size {spec.head_size} unsupported (576)"
+        return None
 
 
 class TritonMlaBackend(MlaBackend):
     name = "TRITON_MLA"
     library = "triton"
     implemented = False
-    fp8_kv = False
     fixed_latent = False
-    description = "Triton MLA (any GPU)"
+    description = "Triton MLA (any GPU; reads an fp8 latent cache)"
     block_multiple = 16
 
     def device_rule(self, device: DeviceInfo) -> str | None:
@@ -159,20 +265,63 @@ class ReferenceMlaBackend(MlaBackend):
 
 MLA_BACKENDS: tuple[type[RuleBackend], ...] = (
     FlashInferMlaBackend, CutlassMlaBackend, FlashAttnMlaBackend, FlashMlaBackend,
-    FlashInferMlaSparseBackend, FlashMlaSparseBackend, TritonMlaBackend, ReferenceMlaBackend,
+    FlashInferMlaSparseBackend, FlashInferMlaSparseSm90Backend, FlashInferMlaSparseSm120Backend,
+    FlashMlaSparseBackend, FlashAttnMlaSparseBackend, FlashAttnMlaSparseFa4Backend,
+    TritonMlaBackend, ReferenceMlaBackend,
 )
 MLA_FALLBACK = ReferenceMlaBackend.name
 
 
 def mla_priority(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
-    """Seed 000 §2.1: the SM100 family list (sparse order by KV dtype and head count), else Hopper-first."""
+    """vLLM 0.33's MLA order (platforms/cuda.py, _get_backend_priorities with use_mla)."""
     if needs_cuda(device):
         return ["TRITON_MLA"] if device.is_gpu else []
     if device.family == 100:
-        if spec.fp8_kv or spec.num_heads <= 16:
+        if spec.quantized_kv:
             sparse = ["FLASHINFER_MLA_SPARSE", "FLASHMLA_SPARSE"]
+        elif spec.num_heads <= 16:
+            sparse = ["FLASH_ATTN_MLA_SPARSE_FA4", "FLASHINFER_MLA_SPARSE", "FLASHMLA_SPARSE"]
         else:
             sparse = ["FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE"]
         return ["FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA",
                 *sparse]
-    return ["FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA", "TRITON_MLA", "FLASHMLA_SPARSE"]
+    if device.family == 120:
+        return ["TRITON_MLA", "FLASHINFER_MLA_SPARSE_SM120"]
+    sparse = ["FLASH_ATTN_MLA_SPARSE", "FLASHMLA_SPARSE"]
+    if spec.head_size == 512:
+        sparse.insert(0, "FLASHINFER_MLA_SPARSE_SM90")
+    else:
+        sparse.append("FLASHINFER_MLA_SPARSE_SM90")
+    return ["FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA", "TRITON_MLA", *sparse]
+
+
+# MLA prefill (vLLM 0.33 platforms/interface.py, get_mla_prefill_backend_cls, and
+# v1/attention/backends/mla/prefill/*): its own small selection over MLA dimensions
+# (qk_nope_head_dim, qk_rope_head_dim, v_head_dim). Rules only here.
+MLA_PREFILL_DIMENSIONS = {
+    "FLASH_ATTN": ((128, 64, 128), (192, 64, 256), (64, 64, 128), (256, 0, 256)),
+    "TRTLLM_RAGGED": ((128, 64, 128), (192, 64, 256)),
+    "FLASHINFER": ((128, 64, 128),),
+    "TOKENSPEED_MLA": ((128, 64, 128),),
+}
+
+
+def mla_prefill_priority(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
+    if device.family == 100:
+        if (spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim) == (192, 64, 256):
+            return ["TRTLLM_RAGGED", "FLASH_ATTN", "FLASHINFER", "TOKENSPEED_MLA"]
+        return ["FLASH_ATTN", "TRTLLM_RAGGED", "FLASHINFER", "TOKENSPEED_MLA"]
+    return ["FLASH_ATTN"]
+
+
+def mla_prefill_rule(name: str, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+    dims = (spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim)
+    if name != "FLASH_ATTN":
+        reason = needs_family(device, 100)
+        if reason:
+            return reason
+    elif not device.is_cuda:
+        return f"needs an NVIDIA GPU (CUDA), device is {device_text(device)}"
+    return (needs_dtype(spec.dtype, HALF_DTYPES)
+            or (f"MLA dimensions {dims} unsupported"
+                if dims not in MLA_PREFILL_DIMENSIONS[name] else None))
