@@ -5,10 +5,15 @@ Bookkeeping only: the engine's KV tensors are indexed by the block ids handed ou
 ``Sequence.block_table``.
 
 Prefix caching: every *full* block a sequence has computed gets a chained hash,
-``hash((previous block's hash, this block's tokens))``, so a hash names the whole
+``sha256(previous block's hash + this block's tokens)``, so a hash names the whole
 prefix up to and including that block. A new sequence walks its prompt block by block
 through ``_cached`` (hash -> block id) and reuses what it finds (reference count + 1).
 Full blocks are never written again, so sharing needs no copy-on-write.
+
+A hit is verified, not trusted to the hash: the found block must hold this block's
+tokens, and its parent must be the block the walk matched just before it (the same
+block id, registered at the same time). So even a hash collision cannot serve KV that
+was computed after another prefix; the walk stops there instead.
 
 Freed blocks whose hash is known stay findable: they wait in ``_free_cached`` in the
 order they were freed, and are evicted (hash forgotten) least recently freed first,
@@ -23,21 +28,22 @@ first to register a hash owns the cache entry (the duplicate block is simply fre
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from archserve.engine.sequence import Sequence
 
-_NO_PARENT = 0x9E3779B97F4A7C15  # seed of every hash chain; any constant works
+_NO_PARENT = b"archserve-prefix-v1"   # seed of every hash chain
+_ROOT = (-1, -1)                       # the "parent" of a sequence's first block
 
 
-def chain_hash(parent_hash: int | None, block_tokens: tuple[int, ...]) -> int:
-    """Hash of a full block given the hash of the block before it (None for the first).
-
-    Python hashes of int tuples are stable within and across processes (they are not
-    salted like str hashes); collisions are checked against the stored tokens anyway.
-    """
-    return hash((_NO_PARENT if parent_hash is None else parent_hash, block_tokens))
+def chain_hash(parent_hash: bytes | None, block_tokens: tuple[int, ...]) -> bytes:
+    """SHA-256 of a full block chained to the hash of the block before it (None: first)."""
+    digest = hashlib.sha256(_NO_PARENT if parent_hash is None else parent_hash)
+    digest.update(array("q", block_tokens).tobytes())
+    return digest.digest()
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class CachedPrefix:
     """The longest cached run of full blocks at the start of a sequence."""
 
     block_ids: tuple[int, ...] = ()
-    block_hashes: tuple[int, ...] = ()
+    block_hashes: tuple[bytes, ...] = ()
     num_tokens: int = 0
 
 
@@ -58,9 +64,14 @@ class KVBlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_count = [0] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}                    # hash -> block id
+        # Per cached block: (its parent's block id, the parent's registration number), and
+        # its own registration number, which changes whenever the block id is re-registered.
+        self._block_parent: list[tuple[int, int]] = [_ROOT] * num_blocks
+        self._registration = [0] * num_blocks
+        self._registrations = 0
+        self._cached: dict[bytes, int] = {}                  # hash -> block id
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         # Prefix cache counters in tokens, for metrics (hit rate = hits / queries).
@@ -102,13 +113,14 @@ class KVBlockPool:
         max_blocks = (seq.num_tokens - 1) // bs
         tokens = seq.token_ids
         ids: list[int] = []
-        hashes: list[int] = []
-        parent: int | None = None
+        hashes: list[bytes] = []
+        parent: bytes | None = None
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             h = seq.block_hashes[i] if i < len(seq.block_hashes) else chain_hash(parent, block_tokens)
             block_id = self._cached.get(h)
-            if block_id is None or self._block_tokens[block_id] != block_tokens:
+            if (block_id is None or self._block_tokens[block_id] != block_tokens
+                    or self._block_parent[block_id] != self._identity(ids[-1] if ids else None)):
                 break
             ids.append(block_id)
             hashes.append(h)
@@ -177,10 +189,19 @@ class KVBlockPool:
             seq.block_hashes.append(h)
             parent = h
             block_id = seq.block_table[i]
+            # This block's KV was computed after the sequence's own previous block: it
+            # is findable only behind that block, so that block must be the cache's entry
+            # (not a duplicate computed beside another sequence's).
+            parent_id = seq.block_table[i - 1] if i else None
+            if parent_id is not None and self._block_hash[parent_id] != seq.block_hashes[i - 1]:
+                continue
             if h not in self._cached and self._block_hash[block_id] is None:
                 self._cached[h] = block_id
                 self._block_hash[block_id] = h
                 self._block_tokens[block_id] = block_tokens
+                self._block_parent[block_id] = self._identity(parent_id)
+                self._registrations += 1
+                self._registration[block_id] = self._registrations
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, and clear its KV state."""
@@ -214,6 +235,10 @@ class KVBlockPool:
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     # -- internals ----------------------------------------------------------------
+    def _identity(self, block_id: int | None) -> tuple[int, int]:
+        """What a child records of its parent: the block id and when it was registered."""
+        return _ROOT if block_id is None else (block_id, self._registration[block_id])
+
     def _fresh_blocks_for_admission(self, prefix: CachedPrefix, num_new_tokens: int) -> int:
         total = -(-(prefix.num_tokens + num_new_tokens) // self.block_size)
         return max(0, total - len(prefix.block_ids))

@@ -79,7 +79,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         # Chained hashes of this sequence's computed full blocks, in order (see block_pool).
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         # Filled by the engine: one {token_id: Logprob} per generated token when asked for.
         self.output_logprobs: list[Any] = []
         self.cumulative_logprob = 0.0

@@ -232,3 +232,32 @@ def test_invariants_under_random_operations(ops):
         pool.free(seq)
     assert pool.num_used_blocks == 0
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_chain_hash_is_sha256_of_the_chain():
+    from archserve.engine.block_pool import chain_hash
+    first = chain_hash(None, (1, 2, 3, 4))
+    assert isinstance(first, bytes) and len(first) == 32
+    assert chain_hash(first, (5, 6, 7, 8)) != chain_hash(chain_hash(None, (0, 2, 3, 4)),
+                                                         (5, 6, 7, 8))
+
+
+def test_a_forced_hash_collision_never_serves_another_prefixs_kv(monkeypatch):
+    """With a hash that ignores the parent (every block with the same tokens collides), the
+    block computed after prompt A's first block must not be served behind prompt C's."""
+    import hashlib
+
+    import archserve.engine.block_pool as block_pool
+    monkeypatch.setattr(block_pool, "chain_hash",
+                        lambda parent, tokens: hashlib.sha256(bytes(tokens)).digest())
+    pool = KVBlockPool(num_blocks=16, block_size=4)
+    common = [9, 9, 9, 9]
+    a = seq_of([1, 1, 1, 1] + common + [0], "a")
+    admit(pool, a)                       # owns hash(common), computed after [1, 1, 1, 1]
+    c = seq_of([2, 2, 2, 2] + common + [0], "c")
+    admit(pool, c)                       # its common block collides: A's entry stays
+    b = seq_of([2, 2, 2, 2] + common + [0], "b")
+    hit = pool.find_cached_prefix(b)
+    assert hit.block_ids == (c.block_table[0],)      # its first block; A's second is refused
+    assert a.block_table[1] not in hit.block_ids
+
