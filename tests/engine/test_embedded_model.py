@@ -18,11 +18,8 @@ NUM_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def llm():
-    try:
-        return LLM(max_model_len=1024)
-    except ValueError as exc:   # the embedded model package is not installed
-        pytest.skip(str(exc))
+def llm(embedded_model_path):
+    return LLM(embedded_model_path, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")

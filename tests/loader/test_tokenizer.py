@@ -6,7 +6,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from archserve.loader.default_model import default_model_path
 from archserve.loader.tokenizer import (
     IncrementalDetokenizer,
     apply_chat_template,
@@ -15,11 +14,8 @@ from archserve.loader.tokenizer import (
 
 
 @pytest.fixture(scope="module")
-def smollm_tokenizer():
-    try:
-        return load_tokenizer(default_model_path())
-    except ValueError as exc:
-        pytest.skip(str(exc))
+def smollm_tokenizer(embedded_model_path):
+    return load_tokenizer(embedded_model_path)
 
 
 def sentencepiece_style_tokenizer():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archserve.loader.default_model import default_model_path
 from archserve.loader.loader import load_model
 from archserve.loader.transformers_gguf import transformers_model_from_gguf
 from models.helpers import PagedSequences, hf_last_logits
@@ -22,11 +21,8 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 28, 7018, 411, 
 
 
 @pytest.fixture(scope="module")
-def models():
-    try:
-        path = default_model_path()
-    except ValueError as exc:
-        pytest.skip(str(exc))
+def models(embedded_model_path):
+    path = embedded_model_path
     ours, config = load_model(path, dtype=torch.float32, device="cpu")
     # config.hf_config is exactly AutoConfig.from_pretrained(dir, gguf_file=name).
     return ours, config, transformers_model_from_gguf(path, config.hf_config)
