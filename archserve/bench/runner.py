@@ -189,6 +189,10 @@ def run_serving_bench(options: BenchOptions) -> dict:
                              api_key=options.api_key, show_progress=options.show_progress)
         runs.append(result.to_json())
         ok = [t for t in result.timings if t.error is None]
+        if result.timings and not ok:
+            first = next(t.error for t in result.timings)
+            raise ValueError(f"every one of the {len(result.timings)} requests failed at "
+                             f"{options.url}; the first: {first}")
         raw["ttft"].append([t.ttft_s * 1000 for t in ok if t.ttft_s is not None])
         raw["tpot"].append([t.tpot_s * 1000 for t in ok if t.tpot_s is not None])
         raw["itl"].append([x * 1000 for t in ok for x in t.itl_s])

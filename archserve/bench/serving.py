@@ -73,12 +73,20 @@ class ServingResult:
 
 
 async def discover_model_name(client: httpx.AsyncClient, url: str) -> str | None:
-    """The first model the server lists, which OpenAI-compatible servers accept."""
+    """The first model the server lists, which OpenAI-compatible servers accept.
+
+    Raises ConnectionError when nothing answers at ``url``: a benchmark of a server that
+    is not up is an error, not a run of failed requests.
+    """
     try:
         response = await client.get(f"{url}/v1/models", timeout=10.0)
+    except httpx.TransportError as exc:
+        raise ConnectionError(f"no server answers at {url} ({type(exc).__name__}: {exc}); "
+                              f"start one with `archserve serve` or pass --url") from None
+    try:
         data = response.json().get("data") or []
         return data[0]["id"] if data else None
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -150,7 +158,8 @@ async def run_serving_async(url: str, requests: list[BenchRequest], concurrency:
     limits = httpx.Limits(max_connections=(concurrency or len(requests)) + 4)
     timeout = httpx.Timeout(600.0, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
-        model = model or await discover_model_name(client, url)
+        listed = await discover_model_name(client, url)      # raises if nothing answers
+        model = model or listed
         gate = asyncio.Semaphore(concurrency or len(requests))
         poller = MetricsPoller(client, url, metrics_interval_s)
         with progress_bar(show_progress) as bar:

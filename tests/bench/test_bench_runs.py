@@ -160,3 +160,16 @@ def test_shipped_benchmark_shapes_load_as_configs():
     qwen3 = load_hf_model_config(str(root / "qwen3-0.6b"))
     assert (llama.num_layers, llama.num_kv_heads, llama.vocab_size) == (32, 8, 128256)
     assert qwen3.qk_norm and qwen3.tie_word_embeddings and qwen3.head_dim == 128
+
+
+def test_serve_bench_without_a_server_exits_nonzero_and_says_why(tiny_checkpoint):
+    import socket
+    with socket.socket() as s:        # a port nothing listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        result = CliRunner().invoke(app, ["bench", "--mode", "serve", "--url",
+                                          f"http://127.0.0.1:{port}", "--model",
+                                          tiny_checkpoint("llama"), "--num-prompts", "3",
+                                          "--json"])
+    assert result.exit_code == 2, result.output
+    assert "no server answers at http://127.0.0.1:" in result.output
