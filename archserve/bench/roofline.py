@@ -40,30 +40,14 @@ class ModelFacts:
 
 def model_facts(engine) -> ModelFacts:
     """The facts of a loaded engine, from its model config and its actual parameters."""
-    from archserve.quant.linear_state import quantized_layers
+    from archserve.engine.step_weights import step_weights
 
     mc = engine.model_config
-    body_params = body_bytes = 0
-    embed_weight = None
-    # A quantized layer holds packed integers and scales: its bytes are what it holds, its
-    # parameters (for FLOPs) the weights it represents.
-    quantized = {name: state for name, state in quantized_layers(engine.model)}
-    for name, param in engine.model.named_parameters():
-        if "embed" in name and param.dim() == 2 and param.shape[0] >= mc.vocab_size:
-            embed_weight = param
-            continue
-        if name.startswith("lm_head") or ".lm_head." in name:
-            continue
-        if name.rpartition(".")[0] not in quantized:
-            body_params += param.numel()
-        body_bytes += param.numel() * param.element_size()
-    body_params += sum(s.in_features * sum(s.rows) for s in quantized.values())
-    lm_head_params = mc.vocab_size * mc.hidden_size
-    head_elem = embed_weight.element_size() if embed_weight is not None else 2
+    weights = step_weights(engine.model, mc)
     kv = engine.runner.kv_caches[0]
     kv_bytes = 2 * mc.num_kv_heads * mc.head_dim * kv.element_size()
-    return ModelFacts(body_params=body_params, lm_head_params=lm_head_params,
-                      weight_bytes=body_bytes + lm_head_params * head_elem,
+    return ModelFacts(body_params=weights.body_params, lm_head_params=weights.lm_head_params,
+                      weight_bytes=weights.bytes_per_step,
                       num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
                       kv_bytes_per_token_per_layer=kv_bytes)
 

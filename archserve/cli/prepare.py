@@ -52,7 +52,7 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
               "cuda_graphs_demoted": {str(k): v for k, v in report.graph_demoted.items()},
               "attention": report.attention.name, "canary": report.canary,
               "decisions": [d.to_dict() for d in report.decisions],
-              "self_check": report.self_check.summary() if report.self_check else None}
+              "self_check": report.self_check.to_json() if report.self_check else None}
     if json_output:
         typer.echo(json.dumps(result, indent=2))
         return

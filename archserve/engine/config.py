@@ -32,7 +32,7 @@ class EngineConfig:
     cuda_graph_sizes: list[int] = field(default_factory=list)  # empty: a default ladder
     seed: int = 0
     skip_canary: bool = False                # numerics canary of the attention kernel at start
-    self_check: bool = True                  # roofline self-check of a decode step (GPU)
+    self_check: bool | None = None           # roofline self-check of a decode step (None: on GPUs)
     # Accepted for vLLM compatibility:
     tensor_parallel_size: int = 1            # only 1 today
     # None: the checkpoint's own; else a method checked against it ("fp8" on a 16-bit

@@ -153,7 +153,7 @@ class LLMEngine:
             timings={"load_s": load_s, "select_and_canary_s": select_s,
                      "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s,
                      "cuda_graphs_s": graphs_s})
-        if torch_device.type == "cuda" and config.self_check:
+        if config.self_check or (config.self_check is None and torch_device.type == "cuda"):
             t_check = time.perf_counter()
             ceilings = load_or_measure(torch_device)
             self.report.self_check = run_self_check(self.runner, ceilings.copy_bytes_per_s)

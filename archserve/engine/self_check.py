@@ -1,17 +1,23 @@
 """Roofline self-check at warm-up: is a decode step as fast as this device allows?
 
-A batch-1 decode step must read every weight once, so its floor is weight bytes over
+A batch-1 decode step must read every weight once (engine/step_weights.py: the body and
+the LM head; the embedding table is one row per token), so its floor is those bytes over
 the measured copy bandwidth. A step far slower than that (below 50% of the floor's
 speed) usually means an op fell back to a slow path; the profile of one eager step
-names the op kind that takes the most time.
+names the op kind that takes the most time. It runs at start-up on GPUs, and on a CPU
+when asked (``self_check=True``): a CPU decode step is rarely near its floor, so there
+the check is a diagnosis, not an alarm.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
+
+from archserve.engine.step_weights import step_weights
 
 log = logging.getLogger("archserve")
 
@@ -26,6 +32,20 @@ class SelfCheck:
     time_by_kind: dict[str, float]    # op kind -> share of one eager step's kernel time
     graphs: bool
 
+    @property
+    def flagged(self) -> bool:
+        return self.ratio < WARN_BELOW
+
+    @property
+    def slowest_kind(self) -> str:
+        return max(self.time_by_kind, key=self.time_by_kind.get) if self.time_by_kind else "unknown"
+
+    def to_json(self) -> dict:
+        return {"step_ms": self.step_ms, "floor_ms": self.floor_ms, "ratio": self.ratio,
+                "flagged": self.flagged, "warn_below": WARN_BELOW,
+                "slowest_kind": self.slowest_kind, "time_by_kind": self.time_by_kind,
+                "graphs": self.graphs, "summary": self.summary()}
+
     def summary(self) -> str:
         kinds = ", ".join(f"{k} {v:.0%}" for k, v in sorted(self.time_by_kind.items(),
                                                             key=lambda kv: -kv[1]))
@@ -34,37 +54,65 @@ class SelfCheck:
                 f"({self.ratio:.0%} of roofline); kernel time: {kinds or 'n/a'}")
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def classify_kernel(name: str) -> str:
-    """The op kind a CUDA kernel belongs to, from its name."""
+    """The op kind a CUDA kernel (or, on a CPU, an aten op) belongs to, from its name."""
     n = name.lower()
     if any(k in n for k in ("attn", "attention", "_decode", "_prefill", "flash", "cache",
                             "_write_kv", "merge_splits")):
         return "attention"
     if any(k in n for k in ("gemm", "gemv", "matmul", "cutlass", "xmma", "nvjet", "cublas",
-                            "splitk")):
+                            "splitk", "aten::mm", "aten::addmm", "aten::bmm")):
         return "linear"
     if any(k in n for k in ("softmax", "argmax", "topk", "sort", "exponential")):
         return "sampling"
     return "elementwise"
 
 
-def profile_kinds(run_step) -> dict[str, float]:
+def profile_kinds(run_step, device: torch.device) -> dict[str, float]:
+    """Share of one step's time per op kind: CUDA kernel time by kernel name on GPUs; on a
+    CPU, wall time inside the attention region (engine/phases.py), matmuls outside it, and
+    the rest of the forward as elementwise."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         run_step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+    totals = _kernel_times(prof) if cuda else _cpu_times(prof)
+    total = sum(totals.values()) or 1.0
+    return {k: v / total for k, v in totals.items() if v > 0}
+
+
+def _kernel_times(prof) -> dict[str, float]:
     totals: dict[str, float] = {}
     for evt in prof.key_averages():
         t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
         if t and evt.device_type == torch.autograd.DeviceType.CUDA:
             kind = classify_kernel(evt.key)
             totals[kind] = totals.get(kind, 0.0) + t
-    total = sum(totals.values()) or 1.0
-    return {k: v / total for k, v in totals.items()}
+    return totals
+
+
+def _cpu_times(prof) -> dict[str, float]:
+    from archserve.engine.phases import OP_PREFIX
+    events = prof.events()
+
+    def inside_attention(evt) -> bool:
+        parent = evt.cpu_parent
+        while parent is not None:
+            if parent.name == OP_PREFIX + "attention":
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    top = [e for e in events if e.cpu_parent is None]
+    total = sum(e.cpu_time_total for e in top)
+    attention = sum(e.cpu_time_total for e in events if e.name == OP_PREFIX + "attention"
+                    and not inside_attention(e))
+    linear = sum(e.self_cpu_time_total for e in events if e.name.startswith("aten::")
+                 and classify_kernel(e.name) == "linear" and not inside_attention(e))
+    return {"attention": attention, "linear": linear,
+            "elementwise": max(0.0, total - attention - linear)}
 
 
 def run_self_check(runner, copy_bytes_per_s: float, repeats: int = 20) -> SelfCheck:
@@ -88,27 +136,37 @@ def run_self_check(runner, copy_bytes_per_s: float, repeats: int = 20) -> SelfCh
             else:
                 runner._forward_logits(ids, pos, meta)
 
-    step()
-    torch.cuda.synchronize(dev)
+    step_ms = _mean_ms(step, repeats, dev)
+    floor_ms = (step_weights(runner.model, runner.model_config).bytes_per_step
+                / copy_bytes_per_s * 1e3)
+
+    def eager_step() -> None:
+        with torch.inference_mode():
+            runner._forward_logits(ids, pos, meta)
+
+    kinds = profile_kinds(eager_step, dev)
+    check = SelfCheck(step_ms, floor_ms, floor_ms / step_ms if step_ms else 0.0, kinds, graphs)
+    if check.flagged and dev.type == "cuda":
+        log.warning("roofline self-check: %s — below %d%%: likely on a fallback path; "
+                    "the slowest op kind is %s", check.summary(), WARN_BELOW * 100,
+                    check.slowest_kind)
+    else:
+        log.info("roofline self-check: %s", check.summary())
+    return check
+
+
+def _mean_ms(step, repeats: int, device: torch.device) -> float:
+    step()                                     # warm: the first call may allocate
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        return (time.perf_counter() - t0) / repeats * 1e3
+    torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
         step()
     end.record()
     end.synchronize()
-    step_ms = start.elapsed_time(end) / repeats
-    floor_ms = weight_bytes(runner.model) / copy_bytes_per_s * 1e3
-
-    def eager_step() -> None:
-        with torch.inference_mode():
-            runner._forward_logits(ids, pos, meta)
-
-    kinds = profile_kinds(eager_step)
-    check = SelfCheck(step_ms, floor_ms, floor_ms / step_ms if step_ms else 0.0, kinds, graphs)
-    if check.ratio < WARN_BELOW:
-        slowest = max(kinds, key=kinds.get) if kinds else "unknown"
-        log.warning("roofline self-check: %s — below %d%%: likely on a fallback path; "
-                    "the slowest op kind is %s", check.summary(), WARN_BELOW * 100, slowest)
-    else:
-        log.info("roofline self-check: %s", check.summary())
-    return check
+    return start.elapsed_time(end) / repeats

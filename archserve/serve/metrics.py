@@ -41,12 +41,30 @@ class _EngineGauges:
         ):
             yield GaugeMetricFamily(f"archserve:{name}", doc, value=value)
         yield from _device_memory_gauges(self.engine.runner.device)
+        yield from _self_check_gauges(getattr(self.engine.report, "self_check", None))
         yield CounterMetricFamily("archserve:prefix_cache_queries",
                                   "Prompt tokens looked up in the prefix cache.",
                                   value=pool.prefix_cache_queries)
         yield CounterMetricFamily("archserve:prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache.",
                                   value=pool.prefix_cache_hits)
+
+
+def _self_check_gauges(check):
+    """The start-up roofline self-check (engine/self_check.py), when it ran."""
+    if check is None:
+        return
+    for name, doc, value in (
+        ("roofline_self_check_ratio", "Batch-1 decode step floor / measured time at start-up "
+         "(1 = at the roofline).", check.ratio),
+        ("roofline_self_check_step_seconds", "Measured batch-1 decode step at start-up.",
+         check.step_ms / 1e3),
+        ("roofline_self_check_floor_seconds", "Weight bytes of a decode step over the "
+         "measured copy bandwidth.", check.floor_ms / 1e3),
+        ("roofline_self_check_flagged", "1 when the step ran below half its floor's speed "
+         "(likely a fallback path).", float(check.flagged)),
+    ):
+        yield GaugeMetricFamily(f"archserve:{name}", doc, value=value)
 
 
 def _device_memory_gauges(device):

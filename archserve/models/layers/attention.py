@@ -7,6 +7,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from archserve.engine.phases import op_region
 from archserve.kernels.attention.interface import AttentionLayerParams
 from archserve.models.layers.forward_context import get_forward_context
 
@@ -38,14 +39,15 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = q.shape[0]
-        out = ctx.attn_impl.forward(
-            q.view(num_tokens, self.num_heads, self.head_size),
-            k.view(num_tokens, self.num_kv_heads, self.head_size),
-            v.view(num_tokens, self.num_kv_heads, self.head_size),
-            kv_cache=ctx.kv_caches[self.layer_index],
-            meta=ctx.attn_metadata,
-            layer=self._params_for(ctx.kv_cache_dtype),
-            k_scale=ctx.k_scale,
-            v_scale=ctx.v_scale,
-        )
+        with op_region("attention"):   # the self-check's CPU profile attributes time by it
+            out = ctx.attn_impl.forward(
+                q.view(num_tokens, self.num_heads, self.head_size),
+                k.view(num_tokens, self.num_kv_heads, self.head_size),
+                v.view(num_tokens, self.num_kv_heads, self.head_size),
+                kv_cache=ctx.kv_caches[self.layer_index],
+                meta=ctx.attn_metadata,
+                layer=self._params_for(ctx.kv_cache_dtype),
+                k_scale=ctx.k_scale,
+                v_scale=ctx.v_scale,
+            )
         return out.reshape(num_tokens, self.num_heads * self.head_size)

@@ -1,0 +1,79 @@
+"""The roofline self-check: its floor counts the bytes a decode step reads, a deliberately
+slow route is flagged and named, and the result reaches `prepare --json` and /metrics."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from archserve import LLM
+from archserve.engine.ceilings import load_or_measure
+from archserve.kernels.attention.reference import ReferenceAttentionImpl
+from archserve.kernels.catalog import default_registry
+from archserve.kernels.registry import Backend
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])    # untied, tied
+def test_floor_reads_the_lm_head_and_one_embedding_row_not_the_table(tiny_checkpoint, variant):
+    llm = LLM(tiny_checkpoint(variant), dtype="float32", self_check=True)
+    engine = llm.llm_engine
+    check = engine.report.self_check
+    model, mc = engine.model, engine.model_config
+    every_weight = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = mc.vocab_size * mc.hidden_size * 4
+    # Tied: the table is the LM head, read once; untied: the table is a row gather.
+    expected = every_weight if mc.tie_word_embeddings else every_weight - table
+    bandwidth = load_or_measure(engine.runner.device).copy_bytes_per_s
+    assert check.floor_ms == pytest.approx(expected / bandwidth * 1e3, rel=1e-9)
+    assert check.step_ms > 0 and check.time_by_kind
+
+
+class SlowAttentionImpl(ReferenceAttentionImpl):
+    """Correct attention that sleeps 20 ms per call: a route far off its floor."""
+
+    def forward(self, *args, **kwargs):
+        time.sleep(0.02)
+        return super().forward(*args, **kwargs)
+
+
+class SlowAttention(Backend):
+    name = "SLOW_ATTN"
+    op = "attention"
+    description = "a plug-in that is correct and slow"
+
+    def make_impl(self, device, spec):
+        return SlowAttentionImpl(device, spec)
+
+
+@pytest.fixture
+def slow_attention():
+    registry = default_registry()
+    registry.register(SlowAttention())
+    yield
+    registry.unregister("attention", "SLOW_ATTN")
+
+
+def test_a_deliberately_slow_route_is_flagged_and_named(tiny_checkpoint, slow_attention):
+    fast = LLM(tiny_checkpoint("llama"), dtype="float32", self_check=True)
+    slow = LLM(tiny_checkpoint("llama"), dtype="float32", self_check=True,
+               attention_backend="SLOW_ATTN")
+    fast_check = fast.llm_engine.report.self_check
+    check = slow.llm_engine.report.self_check
+    assert check.flagged and check.slowest_kind == "attention", check.to_json()
+    assert check.ratio < fast_check.ratio / 5
+    assert check.to_json()["flagged"] is True
+
+
+def test_self_check_reaches_the_metrics(tiny_checkpoint):
+    from prometheus_client import generate_latest
+
+    from archserve.serve.metrics import ServerMetrics
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", self_check=True)
+    text = generate_latest(ServerMetrics(llm.llm_engine).registry).decode()
+    ratio = llm.llm_engine.report.self_check.ratio
+    line = next(x for x in text.splitlines()
+                if x.startswith("archserve:roofline_self_check_ratio "))
+    assert float(line.split()[1]) == pytest.approx(ratio)
+    assert "archserve:roofline_self_check_flagged " in text
+
