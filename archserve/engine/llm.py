@@ -60,13 +60,11 @@ class LLM:
         # Only final outputs are returned: the engine then skips per-step output work.
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         engine = self.llm_engine
-        for prompt in prompt_list:
-            text, ids = engine.tokenize_prompt(_prompt_value(prompt))
-            if len(ids) >= engine.max_model_len:
-                raise ValueError(f"a prompt has {len(ids)} tokens; the maximum context length "
-                                 f"is {engine.max_model_len}")
-        ids_in_order = [engine.add_request(None, _prompt_value(p), sp)
-                        for p, sp in zip(prompt_list, params_list, strict=True)]
+        # Each prompt is validated and tokenized once, as its request is checked (its own
+        # truncate_prompt_tokens included); none is queued until all are.
+        prepared = [engine.prepare_request(None, _prompt_value(p), sp)
+                    for p, sp in zip(prompt_list, params_list, strict=True)]
+        ids_in_order = [engine.queue_request(state) for state in prepared]
         finished: dict[str, RequestOutput] = {}
         progress = _progress(len(ids_in_order)) if use_tqdm else None
         try:

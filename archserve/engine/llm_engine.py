@@ -223,6 +223,14 @@ class LLMEngine:
                     params: SamplingParams | None = None, arrival_time: float | None = None
                     ) -> str:
         """Validate and queue a request; raises ValueError and changes nothing on bad input."""
+        return self.queue_request(self.prepare_request(request_id, prompt, params,
+                                                       arrival_time))
+
+    def prepare_request(self, request_id: str | None, prompt: str | list[int],
+                        params: SamplingParams | None = None,
+                        arrival_time: float | None = None) -> RequestState:
+        """Validate and tokenize a request without queuing it (ValueError on bad input):
+        a caller with several requests prepares them all before it queues any."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or self.new_request_id()
@@ -243,18 +251,24 @@ class LLMEngine:
                 f"{self.max_model_len} tokens, and at least one must be left to generate")
         now = time.time() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
-        state = RequestState(request_id, text, ids, params, seqs, RequestMetrics(now),
-                             [None] if params.prompt_logprobs is not None else None)
+        return RequestState(request_id, text, ids, params, seqs, RequestMetrics(now),
+                            [None] if params.prompt_logprobs is not None else None)
+
+    def queue_request(self, state: RequestState) -> str:
+        """Queue a prepared request; returns its id."""
+        if state.request_id in self.requests:
+            raise ValueError(f"request id {state.request_id!r} is already in use")
         if self.tokenizer is not None:
             from archserve.loader.tokenizer import IncrementalDetokenizer
             state.detokenizers = [IncrementalDetokenizer(self.tokenizer,
-                                                         params.skip_special_tokens, ids)
-                                  for _ in seqs]
-        state.sent = [(0, 0)] * len(seqs)
-        for seq in seqs:
+                                                         state.params.skip_special_tokens,
+                                                         state.prompt_token_ids)
+                                  for _ in state.seqs]
+        state.sent = [(0, 0)] * len(state.seqs)
+        for seq in state.seqs:
             self.scheduler.add(seq)
-        self.requests[request_id] = state
-        return request_id
+        self.requests[state.request_id] = state
+        return state.request_id
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request now; its KV blocks are free when this returns."""

@@ -133,3 +133,28 @@ def test_vllm_arguments_are_accepted_or_refused_clearly(tiny_checkpoint):
         LLM(tiny_checkpoint("llama"), quantization="awq")
     with pytest.raises(TypeError, match="unknown LLM argument"):
         LLM(tiny_checkpoint("llama"), not_a_real_option=3)
+
+
+def test_a_long_prompt_that_truncation_makes_valid_is_accepted(llm):
+    long_ids = list(range(3, 203))               # 200 tokens, max_model_len 64
+    out = llm.generate([{"prompt_token_ids": long_ids}],
+                       SamplingParams(max_tokens=2, truncate_prompt_tokens=16))
+    assert out[0].prompt_token_ids == long_ids[-16:]
+    assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([{"prompt_token_ids": long_ids}], SamplingParams(max_tokens=2))
+
+
+def test_generate_tokenizes_each_prompt_once(llm, monkeypatch):
+    tokenizer = llm.get_tokenizer()
+    calls = []
+    original = type(tokenizer).encode
+
+    def counting_encode(self, *args, **kwargs):
+        calls.append(args[0] if args else kwargs.get("text"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "encode", counting_encode)
+    llm.generate(["Hello there", "General Kenobi"], SamplingParams(max_tokens=1))
+    assert sorted(c for c in calls if c in ("Hello there", "General Kenobi")) == \
+        ["General Kenobi", "Hello there"]
