@@ -2,8 +2,9 @@
 
 One graph per batch size in a ladder; a decode batch of ``b`` sequences replays the
 smallest captured size >= b with the tail padded (slot -1: nothing is written; the
-padded rows' outputs are discarded). A size whose capture fails is demoted to eager
-with its reason recorded; the other sizes keep their graphs.
+padded rows' outputs are discarded). A size whose capture fails is demoted with its
+reason recorded: its batches replay the next larger graph (eager only above the largest);
+the other sizes keep their graphs.
 
 The graphs end with the LM head: every decode row is sampled, and an eager LM head after
 the replay cost the host 4-7 ms per batch-256 step on an H200 (``aten::mm`` blocked while
@@ -84,27 +85,53 @@ class DecodeGraphRunner:
             except Exception as exc:  # demote this size only
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 self.set.demoted[size] = reason
-                log.warning("CUDA graph capture for batch size %d failed, using eager: %s",
+                log.warning("CUDA graph capture for batch size %d failed (%s); its batches "
+                            "replay the next larger graph, or run eager above the largest",
                             size, reason)
                 torch.cuda.synchronize(self.device)
         self.set.sizes = sorted(self.set.graphs)
         return self.set
 
-    def replay_canary(self, tolerance: float = 2e-2) -> str | None:
-        """Replay the smallest graph once against the same step run eagerly.
+    def replay_canary(self, kv_caches: list[torch.Tensor] | tuple = (),
+                      tolerance: float = 2e-2) -> str | None:
+        """Replay the smallest and the largest graph against the same step run eagerly.
 
-        A kernel that bakes a host-side value into the capture would replay a stale
-        value; then every graph is dropped (decode runs eager) with the reason.
+        A kernel that bakes a host-side value into the capture replays a stale value; then
+        every graph is dropped (decode runs eager) with the reason. The step reads KV
+        blocks filled with random values (zeroed again after), with host-side lengths
+        unlike the capture's: on an all-zero cache every wrong length gives the same zero
+        output, and the check could not fail.
         """
         if not self.set.sizes:
             return None
-        # The largest graph, with values unlike the capture's (zeros, length 1), so a
-        # host value baked into the capture cannot pass unnoticed.
-        size = self.set.sizes[-1]
+        num_blocks = self.block_tables.shape[1]
+        touched = [kv[:num_blocks] for kv in kv_caches]
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        for blocks in touched:
+            blocks.copy_(torch.randn(blocks.shape, generator=generator, device=self.device))
+        try:
+            for size in sorted({self.set.sizes[0], self.set.sizes[-1]}):
+                reason = self._canary_at(size, tolerance)
+                if reason is not None:
+                    for s in list(self.set.sizes):
+                        self.set.demoted[s] = reason
+                    self.set.graphs.clear()
+                    self.set.sizes = []
+                    log.warning("CUDA graphs disabled: %s", reason)
+                    return reason
+            return None
+        finally:
+            for blocks in touched:
+                blocks.zero_()
+
+    def _canary_at(self, size: int, tolerance: float) -> str | None:
         rows = torch.arange(size, dtype=torch.long, device=self.device)
         positions = 3 + rows % 7
+        lengths = [3 + r % 7 + 1 for r in range(size)]
         meta = self._meta(size)
         meta.seq_lens = (positions + 1).to(torch.int32)
+        meta.seq_lens_cpu = lengths
+        meta.max_seq_len = max(lengths)
         meta.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=self.device)
         meta.block_tables = (rows % self.block_tables.shape[1]).to(torch.int32)[:, None]
         ids = 5 + rows % 11
@@ -114,13 +141,7 @@ class DecodeGraphRunner:
         err = (eager - replayed).abs().max().item()
         scale = max(1.0, eager.abs().max().item())
         if not torch.isfinite(replayed).all() or err > tolerance * scale:
-            reason = f"graph replay canary: max error {err:.3g} against eager"
-            for s in list(self.set.sizes):
-                self.set.demoted[s] = reason
-            self.set.graphs.clear()
-            self.set.sizes = []
-            log.warning("CUDA graphs disabled: %s", reason)
-            return reason
+            return f"graph replay canary (batch {size}): max error {err:.3g} against eager"
         return None
 
     def size_for(self, num_seqs: int) -> int | None:

@@ -165,7 +165,7 @@ class ModelRunner:
         # In this scope the linear routine may take kernels worth launching only in a graph.
         with torch.inference_mode(), decode_graph_scope():
             result = self.graphs.capture(sizes)
-        self.graphs.replay_canary()
+        self.graphs.replay_canary(self.kv_caches)
         log.info("captured CUDA graphs for %d decode batch sizes in %.1fs%s", len(result.sizes),
                  time.perf_counter() - start,
                  f"; demoted to eager: {result.demoted}" if result.demoted else "")
