@@ -105,7 +105,8 @@ class DecodeGraphRunner:
         if not self.set.sizes:
             return None
         num_blocks = self.block_tables.shape[1]
-        touched = [kv[:num_blocks] for kv in kv_caches]
+        # [2, blocks, block_size, Hkv, D] per layer: only the blocks the canary's tables use.
+        touched = [kv[:, :num_blocks] for kv in kv_caches]
         generator = torch.Generator(device=self.device).manual_seed(0)
         for blocks in touched:
             blocks.copy_(torch.randn(blocks.shape, generator=generator, device=self.device))

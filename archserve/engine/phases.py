@@ -20,13 +20,3 @@ def phase(name: str):
         return torch.profiler.record_function(PREFIX + name)
     return _NOTHING
 
-
-OP_PREFIX = "archserve.op::"
-
-
-def op_region(name: str):
-    """Marks an op kind's calls inside the forward (``archserve.op::NAME``), for the
-    self-check's CPU profile; nested in the ``forward`` phase, so not a phase itself."""
-    if torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(OP_PREFIX + name)
-    return _NOTHING

@@ -94,7 +94,7 @@ def _kernel_times(prof) -> dict[str, float]:
 
 
 def _cpu_times(prof) -> dict[str, float]:
-    from archserve.engine.phases import OP_PREFIX
+    from archserve.models.layers.forward_context import OP_PREFIX
     events = prof.events()
 
     def inside_attention(evt) -> bool:

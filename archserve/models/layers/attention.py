@@ -7,9 +7,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from archserve.engine.phases import op_region
 from archserve.kernels.attention.interface import AttentionLayerParams
-from archserve.models.layers.forward_context import get_forward_context
+from archserve.models.layers.forward_context import get_forward_context, op_region
 
 
 class Attention(nn.Module):

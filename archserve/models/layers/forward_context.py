@@ -8,7 +8,7 @@ forward arguments threaded through every module.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,17 @@ class ForwardContext:
 
 
 _current: ForwardContext | None = None
+
+# Op regions inside the forward (``archserve.op::NAME`` in a torch profile), by which the
+# self-check's CPU profile attributes time; free when no profiler runs.
+OP_PREFIX = "archserve.op::"
+_NOTHING = nullcontext()
+
+
+def op_region(name: str):
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(OP_PREFIX + name)
+    return _NOTHING
 
 
 @contextmanager
