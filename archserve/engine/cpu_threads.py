@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from archserve.routing.decision import Decision
+from archserve.platform.decision import Decision
 
 log = logging.getLogger("archserve")
 

@@ -23,9 +23,9 @@ from archserve.kernels.specs import LinearSpec
 from archserve.models.layers.embedding import LMHead
 from archserve.models.layers.linear import GateUpLinear, Linear, set_linear_routine
 from archserve.platform import DeviceInfo
+from archserve.platform.decision import Decision
 from archserve.quant.linear_state import quantized_layers
 from archserve.quant.plan import QuantPlan
-from archserve.routing.decision import Decision
 
 
 def linear_weights_by_shape(model: torch.nn.Module) -> WeightGroups:

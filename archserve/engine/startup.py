@@ -24,7 +24,7 @@ from archserve.kernels.catalog import select_attention_backend
 from archserve.kernels.registry import BackendError, Selection
 from archserve.kernels.specs import AttentionSpec
 from archserve.platform import DeviceInfo, detect
-from archserve.routing.decision import Decision
+from archserve.platform.decision import Decision
 from archserve.routing.dtypes import resolve_dtype, resolve_kv_cache_dtype
 
 log = logging.getLogger("archserve")

@@ -20,9 +20,9 @@ from archserve.kernels.catalog import default_registry
 from archserve.kernels.linear.quantized_weights import ACT_NONE
 from archserve.kernels.registry import BackendError, LibraryAssumption, Selection
 from archserve.kernels.specs import LinearSpec
+from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
 from archserve.quant.config import ACTIVATION_TEXT, LayerQuant, QuantConfig
-from archserve.routing.decision import Decision
 
 # Backends that run a W8A8 checkpoint's weights without quantizing its activations.
 WEIGHT_ONLY_BACKENDS = ("TRITON_WEIGHT_ONLY", "MARLIN")

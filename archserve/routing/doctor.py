@@ -14,11 +14,11 @@ from archserve.kernels.catalog import default_registry
 from archserve.kernels.registry import BackendError, LibraryAssumption
 from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
 from archserve.models.registry import op_kinds_of_supported_architectures
+from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
 from archserve.platform.toolchain import Finding, arch_verdict, diagnose, three_layer_verdict
 from archserve.quant.config import explain_quant_config
 from archserve.quant.plan import plan_quantization
-from archserve.routing.decision import Decision
 from archserve.routing.dtypes import resolve_dtype
 from archserve.routing.explain import DEEPSEEK_V3_MLA, Route, device_dict, explain_op
 

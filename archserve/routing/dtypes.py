@@ -11,8 +11,8 @@ import torch
 from archserve.kernels.rules import device_text
 from archserve.kernels.specs import KV_CACHE_DTYPES, RUNNABLE_KV_CACHE_DTYPES
 from archserve.platform.capability import SM80
+from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
-from archserve.routing.decision import Decision
 
 _DTYPE_NAMES: dict[str, torch.dtype | None] = {
     "auto": None,

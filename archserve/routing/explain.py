@@ -29,10 +29,10 @@ from archserve.kernels.specs import (
     MoESpec,
 )
 from archserve.models.registry import architecture_unsupported, op_kinds_of_supported_architectures
+from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
 from archserve.quant.config import UnsupportedQuantization, explain_quant_config
 from archserve.quant.plan import QuantPlan, plan_quantization
-from archserve.routing.decision import Decision
 from archserve.routing.dtypes import dtype_name, resolve_dtype, resolve_kv_cache_dtype
 from archserve.routing.model_summary import ModelSummary
 
