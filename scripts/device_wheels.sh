@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU machine lacks (it has torch, triton, transformers, safetensors,
-# numpy, pytest) into .whl/, for the device tool's `carry`. Run here, on a machine with pip.
+# numpy, pytest) into .whl/ for the device tool's `carry`: the CLI's, the server's (fastapi,
+# uvicorn, prometheus-client), the serving bench's (httpx) and the server tests' client (openai).
+# Run here, on a machine with pip.
 # On the device: pip install --no-index --no-deps --target /tmp/site .whl/*.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,5 +13,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 -d .whl \
   typer==0.29.1 click rich markdown-it-py mdurl pygments shellingham gguf \
   pydantic==2.14.3 pydantic-core==2.50.4 annotated-types annotated-doc typing-inspection \
-  typing-extensions
+  typing-extensions \
+  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 h11 prometheus-client httpx==0.28.1 \
+  httpcore anyio sniffio idna certifi psutil openai jiter distro tqdm
 ls .whl

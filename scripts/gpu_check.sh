@@ -13,7 +13,8 @@
 #   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
 #           (device busy/idle per decode step, top kernels, engine phases);
 #   quant_gemm: benchmarks/bench_quant_gemm.py, every quantized GEMM beside cuBLAS bf16;
-#   quant_perf: benchmarks/h200_quant_targets.sh (the quantized 8B rows beside bf16).
+#   quant_perf: benchmarks/h200_quant_targets.sh (the quantized 8B rows beside bf16);
+#   serve:  benchmarks/h200_serve.sh (a real server, 8B shape; bench --mode serve over HTTP).
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
 set -uo pipefail
 OUT=${1:-${OUT:-out}}
@@ -41,7 +42,7 @@ if want tests; then
   timeout -s INT ${KERNEL_TIMEOUT:-500} $PYTEST -v -n ${WORKERS:-14} --durations=10 \
     ${KERNEL_ARGS:-} ${KERNEL_K:+-k "$KERNEL_K"} tests/kernels > "$OUT/pytest_gpu_kernels.log" 2>&1 &
   kernels=$!
-  timeout -s INT ${ENGINE_TIMEOUT:-500} $PYTEST --durations=10 --ignore=tests/serve \
+  timeout -s INT ${ENGINE_TIMEOUT:-500} $PYTEST --durations=10 \
     --ignore=tests/kernels ${ENGINE_ARGS:-} ${ENGINE_K:+-k "$ENGINE_K"} tests > "$OUT/pytest_gpu_engine.log" 2>&1
   wait $kernels
   tail -n 25 "$OUT/pytest_gpu_kernels.log" "$OUT/pytest_gpu_engine.log"
@@ -66,6 +67,9 @@ if want quant_gemm; then
 fi
 if want quant_perf; then
   bash benchmarks/h200_quant_targets.sh "$OUT"
+fi
+if want serve; then
+  bash benchmarks/h200_serve.sh "$OUT"
 fi
 if want profile; then
   for m in llama-3-8b qwen3-0.6b; do

@@ -20,6 +20,7 @@ def serve(
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")] = False,
     async_scheduling: Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later). Default: on for CUDA, off on CPU.")] = None,
     load_format: Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")] = "auto",
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="HF directory or .gguf file to take the tokenizer from; default: --model's (e.g. dummy weights of a config-only folder with another model's tokenizer).")] = None,
     quantization: Annotated[str | None, typer.Option("--quantization", "-q", help="Default: the checkpoint's own scheme; fp8 quantizes a 16-bit checkpoint at load (checked against the checkpoint).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of GPU memory for weights, activations and KV cache.")] = 0.9,
     kv_cache_memory_bytes: Annotated[int | None, typer.Option("--kv-cache-memory-bytes", help="Explicit KV cache budget in bytes.")] = None,
@@ -54,6 +55,7 @@ def serve(
     config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, attention_backend=attention_backend,
                           enforce_eager=enforce_eager, load_format=load_format,
+                          tokenizer=tokenizer,
                           quantization=quantization, async_scheduling=async_scheduling,
                           gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_memory_bytes=kv_cache_memory_bytes)

@@ -36,6 +36,16 @@ class GraphSet:
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
 
 
+def describe_demoted(sizes: list[int], demoted: dict[int, str]) -> str:
+    """What a demoted size's batches run: the next larger captured graph, else eager."""
+    parts = []
+    for size, reason in sorted(demoted.items()):
+        larger = [s for s in sizes if s > size]
+        runs = f"replays the size-{larger[0]} graph" if larger else "runs eager"
+        parts.append(f"size {size} {runs} ({reason})")
+    return "; ".join(parts)
+
+
 class DecodeGraphRunner:
     """Owns the static input buffers and the captured graphs of one model runner."""
 

@@ -14,7 +14,7 @@ from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.ceilings import load_or_measure
 from archserve.engine.config import EngineConfig
 from archserve.engine.cpu_threads import cpu_thread_governor
-from archserve.engine.cuda_graphs import default_graph_sizes
+from archserve.engine.cuda_graphs import default_graph_sizes, describe_demoted
 from archserve.engine.decode_gemms import (
     install_linear_route,
     install_quantized_kernels,
@@ -194,7 +194,8 @@ class LLMEngine:
             lines.append(f"cuda graphs: off ({r.graphs_off})")
         if r.graph_sizes or r.graph_demoted:
             lines.append(f"cuda graphs: {len(r.graph_sizes)} decode sizes"
-                         + (f"; eager for {r.graph_demoted}" if r.graph_demoted else ""))
+                         + (f"; not captured: {describe_demoted(r.graph_sizes, r.graph_demoted)}"
+                            if r.graph_demoted else ""))
         return "\n".join(lines)
 
     # -- requests --------------------------------------------------------------------

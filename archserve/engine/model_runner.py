@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from archserve.engine.batch import ModelBatch, build_batch, host_to_device
-from archserve.engine.cuda_graphs import DecodeGraphRunner
+from archserve.engine.cuda_graphs import DecodeGraphRunner, describe_demoted
 from archserve.engine.kv_cache import allocate_kv_caches
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.phases import phase
@@ -168,7 +168,8 @@ class ModelRunner:
         self.graphs.replay_canary(self.kv_caches)
         log.info("captured CUDA graphs for %d decode batch sizes in %.1fs%s", len(result.sizes),
                  time.perf_counter() - start,
-                 f"; demoted to eager: {result.demoted}" if result.demoted else "")
+                 f"; not captured: {describe_demoted(result.sizes, result.demoted)}"
+                 if result.demoted else "")
 
     def replay_decode_graph(self, batch: ModelBatch) -> torch.Tensor | None:
         """Logits of every row from a captured graph, or None when none fits this batch."""

@@ -46,3 +46,10 @@ def test_forcing_a_wrong_kernel_is_an_error(tiny_checkpoint, wrong_backend_first
 def test_correct_kernels_pass(tiny_checkpoint):
     report = LLM(tiny_checkpoint("llama")).llm_engine.report
     assert report.canary == ["TORCH_SDPA: passed"]
+
+
+def test_a_demoted_graph_size_is_described_by_what_its_batches_run():
+    from archserve.engine.cuda_graphs import describe_demoted
+    assert (describe_demoted([1, 2, 8], {4: "RuntimeError: x"})
+            == "size 4 replays the size-8 graph (RuntimeError: x)")
+    assert describe_demoted([1, 2], {4: "r"}) == "size 4 runs eager (r)"

@@ -1,7 +1,11 @@
 """The engine on a CUDA GPU in bf16 against transformers on the same GPU, graphs on and off.
 
-bf16 rounding differs between implementations, so a near-tie can flip a greedy token:
-we require the first 16 tokens to agree on most prompts and the logprobs to stay close.
+bf16 rounding differs between implementations, so a near-tie can flip a greedy token and the
+two greedy continuations then diverge. So the check scores *our* continuation: transformers
+runs one forward pass over prompt + our generated tokens, and at every decode step (replayed
+from a CUDA graph in the graphs run) our logprob of our token must match transformers' within
+bf16 tolerance, and our token must be transformers' argmax up to a near-tie. Every prompt,
+every step.
 """
 
 from __future__ import annotations
@@ -16,36 +20,32 @@ pytestmark = pytest.mark.gpu
 PROMPTS = ["Hello world! How are you", "The capital of France is Paris. The capital of",
            "1 2 3", "A paged KV cache stores keys and values in fixed-size blocks. Continuous",
            "Once upon a time there was", "def main():", "The quick brown fox", "Ünïcödé façade"]
-
-
-def hf_reference(path: str, tokenizer, num_tokens: int):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    model.generation_config.eos_token_id = None
-    refs = []
-    for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=num_tokens,
-                                 do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        refs.append((out.sequences[0, len(ids):].tolist(),
-                     [torch.log_softmax(x[0].float(), -1).cpu() for x in out.logits]))
-    return refs
+NUM_TOKENS = 16
+LOGPROB_TOL = 0.1   # bf16 logits of a 2-layer model: observed differences are ~0.01-0.05
+NEAR_TIE = 0.1      # our greedy token may lose to transformers' argmax by at most this
 
 
 @pytest.fixture(scope="module", params=["llama-h64", "qwen2-h64", "qwen3-h64"])
-def checkpoint_and_reference(request, tiny_checkpoint):
+def checkpoint_and_model(request, tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
     path = tiny_checkpoint(request.param)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
-    return path, hf_reference(path, tok, 16)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    yield path, model
+    del model
+
+
+def transformers_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at every position of ``ids`` (fp32, on CPU)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device="cuda")).logits[0]
+    return torch.log_softmax(logits.float(), -1).cpu()
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("backend", [None, "TORCH_SDPA", "FLEX_ATTENTION", "TORCH_REFERENCE"])
-def test_bf16_greedy_close_to_transformers(checkpoint_and_reference, enforce_eager, backend):
-    path, refs = checkpoint_and_reference
+def test_bf16_decode_matches_transformers_on_every_prompt(checkpoint_and_model, enforce_eager,
+                                                          backend):
+    path, model = checkpoint_and_model
     llm = LLM(path, dtype="bfloat16", enforce_eager=enforce_eager, attention_backend=backend,
               kv_cache_memory_bytes=1 << 28, max_num_seqs=16,
               self_check=False)   # one test below covers it; 24 starts need not repeat it
@@ -56,29 +56,22 @@ def test_bf16_greedy_close_to_transformers(checkpoint_and_reference, enforce_eag
         assert report.graph_sizes, f"no CUDA graph captured: {report.graph_demoted}"
     else:
         assert not report.graph_sizes and "host" in report.graphs_off
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16,
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS,
                                                 ignore_eos=True, logprobs=1))
-    agree = 0
-    for out, (ref_tokens, ref_lps) in zip(outs, refs, strict=True):
-        got = out.outputs[0].token_ids
-        agree += got == ref_tokens
-        # Wherever the prefixes still agree, the chosen token's logprob is close.
-        for step, (a, b) in enumerate(zip(got, ref_tokens, strict=True)):
-            if a != b:
-                break
-            assert abs(out.outputs[0].logprobs[step][a].logprob - ref_lps[step][a].item()) < 0.1
-    # "Most prompts": a strict majority (bf16 near-ties can flip a greedy token).
-    assert agree > len(PROMPTS) // 2, f"only {agree}/{len(PROMPTS)} prompts agree"
-    # Teacher-forced: score transformers' own continuation; every logprob stays close, so a
-    # disagreement above is a near-tie, not a wrong kernel.
     tok = llm.get_tokenizer()
-    forced = [tok.encode(p) + ref for p, (ref, _) in zip(PROMPTS, refs, strict=True)]
-    scored = llm.generate(forced, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    for out, prompt, (ref_tokens, ref_lps) in zip(scored, PROMPTS, refs, strict=True):
-        start = len(tok.encode(prompt))
-        for step, token in enumerate(ref_tokens):
-            ours = out.prompt_logprobs[start + step][token].logprob
-            assert abs(ours - ref_lps[step][token].item()) < 0.1, (prompt, step)
+    failures = []
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        prompt_ids = tok.encode(prompt)
+        got = out.outputs[0].token_ids
+        assert len(got) == NUM_TOKENS
+        ref = transformers_logprobs(model, prompt_ids + got)
+        for step, token in enumerate(got):
+            row = ref[len(prompt_ids) + step - 1]   # the logits that chose token ``step``
+            ours = out.outputs[0].logprobs[step][token].logprob
+            theirs = row[token].item()
+            if abs(ours - theirs) > LOGPROB_TOL or row.max().item() - theirs > NEAR_TIE:
+                failures.append((prompt, step, token, ours, theirs, row.max().item()))
+    assert not failures, failures
 
 
 def test_default_backend_on_this_gpu_is_the_ideal_one(tiny_checkpoint):

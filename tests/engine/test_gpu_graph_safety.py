@@ -73,6 +73,7 @@ def test_one_failed_capture_demotes_that_size_alone(tiny_checkpoint, plugins):
     assert report.graph_demoted == {4: "RuntimeError: injected capture failure"}
     assert 8 in report.graph_sizes and 4 not in report.graph_sizes
     assert llm.llm_engine.runner.graphs.size_for(4) == 8       # the next larger graph
+    assert "size 4 replays the size-8 graph" in llm.llm_engine.describe_route()
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(10 + i, 30 + i))} for i in range(4)]
     graphs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
