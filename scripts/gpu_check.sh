@@ -20,9 +20,11 @@ set -uo pipefail
 OUT=${1:-${OUT:-out}}
 PART=${2:-all}
 mkdir -p "$OUT"
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
+# Reinstalled when the wheel list changes (a warm machine keeps /tmp/site between calls).
+if [ -d .whl ] && [ "$(ls .whl | md5sum)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
+  rm -rf /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site .whl/*.whl && ls .whl | md5sum > /tmp/site/.wheels
 fi
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 PYTEST="python3 -m pytest -rfEs -p no:cacheprovider -m gpu"
