@@ -16,12 +16,13 @@ pytestmark = pytest.mark.gpu
 
 
 class StaleLengthImpl(TritonAttentionImpl):
-    """Attends every sequence over the batch's longest length, a host value: right only
-    when every sequence is that long, and baked into a graph at capture."""
+    """Correct when run eagerly, wrong when replayed: it folds a host value (the shortest
+    sequence length of the batch) into device math. Eagerly the clamp changes nothing; a
+    graph bakes the capture's lengths (the longest possible) and replays them."""
 
     def forward(self, query, key, value, kv_cache, meta, layer, k_scale=1.0, v_scale=1.0):
-        if meta.max_query_len == 1:
-            meta.seq_lens = torch.full_like(meta.seq_lens, meta.max_seq_len)
+        if meta.max_query_len == 1 and meta.seq_lens_cpu:
+            meta.seq_lens = torch.clamp(meta.seq_lens, min=min(meta.seq_lens_cpu))
         return super().forward(query, key, value, kv_cache, meta, layer, k_scale, v_scale)
 
 
