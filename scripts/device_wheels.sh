@@ -16,5 +16,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   typing-extensions \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 h11 prometheus-client httpx==0.28.1 \
   httpcore anyio sniffio idna certifi psutil openai==3.57.0 jiter==0.19.0 \
-  httpx2==2.16.2 httpcore2==2.16.2 truststore distro tqdm
+  httpx2==2.16.2 httpcore2==2.16.2 truststore distro tqdm \
+  opentelemetry-api==1.45.2
 ls .whl
