@@ -4,21 +4,19 @@
 # request rates (issue 21's workload: 512±50% prompt tokens, 128±50% output tokens).
 #   bash benchmarks/h200_serve.sh OUTDIR
 #   results: OUTDIR/serve/*.json, *.log and server.log
-# The config-only model folder has no tokenizer: the server takes the tiny test tokenizer
-# (--tokenizer; its ids are a subset of the 8B vocabulary). The prompts are token ids, so the
-# tokenizer changes nothing the engine computes.
+# The config-only model folder has no tokenizer: the server takes one with a word per id of
+# the model's vocabulary (benchmarks/word_tokenizer.py; --tokenizer), so every sampled id is
+# one streamed delta. The prompts are token ids.
 set -uo pipefail
 OUT=${1:-out}
 D=$OUT/serve
 mkdir -p "$D"
 AS="python3 -m archserve.cli.main"
+MODEL=${MODEL:-benchmarks/models/llama-3-8b}   # MODEL=...: another config-only folder
 TOK=$(mktemp -d)/tokenizer
-python3 -c "import sys; sys.path.insert(0, 'tests')
-from tiny_checkpoints import train_tokenizer
-train_tokenizer().save_pretrained('$TOK')"
+python3 benchmarks/word_tokenizer.py "$MODEL" "$TOK"
 PORT=${PORT:-8011}
 URL=http://127.0.0.1:$PORT
-MODEL=${MODEL:-benchmarks/models/llama-3-8b}   # MODEL=...: another config-only folder
 $AS serve --model "$MODEL" --load-format dummy --dtype bfloat16 \
   --tokenizer "$TOK" --max-model-len 2048 --max-num-seqs 256 --port $PORT \
   > "$D/server.log" 2>&1 &
