@@ -36,6 +36,7 @@ from archserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutp
 from archserve.engine.self_check import run_self_check
 from archserve.engine.sequence import Sequence, SequenceStatus
 from archserve.engine.stop_checker import find_stop_string
+from archserve.structured import GrammarCompiler, attach_grammars
 
 log = logging.getLogger("archserve")
 
@@ -112,6 +113,9 @@ class LLMEngine:
         gemm_tune_s = startup.elapsed(t_gemms)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
+        # Grammars of structured-output requests (xgrammar loads on first use).
+        self.grammars = (GrammarCompiler(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
+                         if self.tokenizer is not None else None)
         self.runner = ModelRunner(self.model, mc, torch_device, dtype, attn_impl, block_size,
                                   self.max_model_len, self.sampler)
         max_batched = config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
@@ -251,6 +255,7 @@ class LLMEngine:
                 f"{self.max_model_len} tokens, and at least one must be left to generate")
         now = time.time() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
+        attach_grammars(self.grammars, seqs)   # ValueError when the spec does not compile
         return RequestState(request_id, text, ids, params, seqs, RequestMetrics(now),
                             [None] if params.prompt_logprobs is not None else None)
 

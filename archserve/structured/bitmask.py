@@ -1,0 +1,109 @@
+"""Per-sequence grammar state and the per-step token mask of the constrained rows.
+
+Each constrained sequence holds a ``GrammarState`` (a matcher over its compiled
+grammar). Before a step samples, the state catches up with the tokens its sequence has
+accepted since the previous step (so preemption, recomputation and asynchronous
+scheduling need no bookkeeping of their own), then the matchers fill one packed bitmask
+(1 bit per token, int32 words, xgrammar's layout) for the constrained rows only. The
+sampler applies it to those rows' logits; free rows are never touched.
+
+EOS is in a mask only where the grammar may end, so a constrained sequence finishes when
+its grammar does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+log = logging.getLogger("archserve")
+
+_BATCH_FILL_MIN_ROWS = 8     # below this the thread pool costs more than it saves
+_batch_matcher = None
+
+
+class GrammarState:
+    """One sequence's position in its grammar."""
+
+    __slots__ = ("matcher", "num_consumed", "failed")
+
+    def __init__(self, compiled) -> None:
+        import xgrammar as xgr
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.num_consumed = 0          # output tokens the matcher has accepted
+        self.failed = False            # a token outside the grammar arrived
+
+    def catch_up(self, output_token_ids: list[int]) -> None:
+        """Accept the sequence's output tokens the matcher has not seen yet."""
+        for token in output_token_ids[self.num_consumed:]:
+            if token < 0:
+                raise RuntimeError("a constrained sequence reached sampling with a pending "
+                                   "token (its step must resolve first)")
+            if not self.failed and not self.matcher.is_terminated() \
+                    and not self.matcher.accept_token(token):
+                # Only a stop token the grammar did not offer gets here (min_tokens,
+                # ignore_eos): from now on only stop tokens are allowed.
+                log.warning("token %d is outside the grammar; the sequence can only stop",
+                            token)
+                self.failed = True
+            self.num_consumed += 1
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.failed or self.matcher.is_terminated()
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmask(states: list[GrammarState], vocab_size: int,
+                 stop_token_ids: list[int]) -> torch.Tensor:
+    """int32 [len(states), ceil(V/32)] on the host: bit t of row i set where row i may
+    sample token t."""
+    global _batch_matcher
+    import xgrammar as xgr
+    width = bitmask_width(vocab_size)
+    bitmask = torch.full((len(states), width), -1, dtype=torch.int32)
+    live = [i for i, s in enumerate(states) if not s.is_terminated]
+    for i, s in enumerate(states):
+        if s.is_terminated:   # only stopping is left
+            bitmask[i] = 0
+            words = bitmask[i].numpy().view(np.uint32)
+            for t in stop_token_ids:
+                if t < vocab_size:
+                    words[t // 32] |= np.uint32(1 << (t % 32))
+    if len(live) >= _BATCH_FILL_MIN_ROWS:
+        if _batch_matcher is None:
+            _batch_matcher = xgr.BatchGrammarMatcher()
+        _batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in live],
+                                                     bitmask, live)
+    else:
+        for i in live:
+            states[i].matcher.fill_next_token_bitmask(bitmask, i)
+    return bitmask
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+                  ) -> torch.Tensor:
+    """Set to -inf the logits of ``rows`` whose bit in ``bitmask`` (on the logits' device,
+    one row per entry of ``rows``) is clear. In place; returns ``logits``.
+
+    Plain torch, so it runs wherever the logits are, outside any CUDA graph: the words
+    are read as little-endian bytes and each byte expands to 8 booleans.
+    """
+    shifts = _SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _SHIFTS[logits.device] = torch.arange(8, dtype=torch.uint8,
+                                                       device=logits.device)
+    vocab = logits.shape[-1]
+    num_rows = bitmask.shape[0]
+    bits = (bitmask.contiguous().view(torch.uint8)[..., None] >> shifts) & 1
+    allowed = bits.view(num_rows, -1)[:, :vocab].bool()
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy_(0, rows, masked)

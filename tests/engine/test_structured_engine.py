@@ -1,0 +1,138 @@
+"""Structured output in the engine: the grammar holds, free rows are untouched, the
+mask agrees with a plain reference, async scheduling gives what sync gives."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from archserve import LLM, SamplingParams
+from archserve.structured import StructuredOutputsParams as S
+from archserve.structured.bitmask import apply_bitmask
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+FREE_PROMPTS = ["The capital of France is", "1 2 3 4", "def main():"]
+
+
+@pytest.fixture(scope="module")
+def llm(embedded_model_path):
+    return LLM(embedded_model_path, max_model_len=512)
+
+
+def _constrained():
+    return [("Describe a person as JSON:", S(json=PERSON)),
+            ("Is water wet? Answer:", S(choice=["yes", "no", "it depends"])),
+            ("A date in ISO format:", S(regex=r"\d{4}-\d{2}-\d{2}")),
+            ("A JSON object about cats:", S(json_object=True, disable_any_whitespace=True))]
+
+
+def _check(spec: S, text: str) -> None:
+    if spec.json is not None:
+        jsonschema.validate(json.loads(text), spec.json)
+    elif spec.choice is not None:
+        assert text in spec.choice
+    elif spec.regex is not None:
+        assert re.fullmatch(spec.regex, text)
+    else:
+        assert isinstance(json.loads(text), dict)
+
+
+def test_constrained_outputs_match_and_free_rows_are_untouched(llm):
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(FREE_PROMPTS, free)
+    cases = _constrained()
+    prompts = [p for p, _ in cases] + FREE_PROMPTS
+    params = [SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=spec)
+              for _, spec in cases] + [free] * len(FREE_PROMPTS)
+    mixed = llm.generate(prompts, params)
+    for (_, spec), out in zip(cases, mixed, strict=False):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (spec, c.text)
+        _check(spec, c.text)
+    for a, b in zip(alone, mixed[len(cases):], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_sampled_constrained_outputs_match(llm):
+    cases = _constrained()
+    outs = llm.generate([p for p, _ in cases],
+                        [SamplingParams(temperature=1.0, top_p=0.95, seed=7, n=2, max_tokens=64,
+                                        structured_outputs=s) for _, s in cases])
+    for (_, spec), out in zip(cases, outs, strict=True):
+        for c in out.outputs:
+            if c.finish_reason == "stop":
+                _check(spec, c.text)
+
+
+def test_async_scheduling_gives_what_sync_gives(embedded_model_path):
+    cases = _constrained()[:2]
+    prompts = [p for p, _ in cases] + FREE_PROMPTS[:2]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=s)
+              for _, s in cases] + [SamplingParams(temperature=0.0, max_tokens=24)] * 2
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(embedded_model_path, max_model_len=256, async_scheduling=async_scheduling)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        del llm
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("spec, words", [
+    (dict(json={"type": "objekt"}), "objekt"),
+    (dict(regex="[a-"), "regex"),
+    (dict(grammar="root ::= "), "grammar"),
+])
+def test_a_bad_spec_is_refused_before_it_is_queued(llm, spec, words):
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=words):
+        engine.add_request(None, "hi", SamplingParams(structured_outputs=S(**spec)))
+    assert not engine.has_unfinished_requests()
+
+
+def test_the_spec_shape_is_checked():
+    with pytest.raises(ValueError, match="exactly one"):
+        S(json={"type": "object"}, regex="a")
+    with pytest.raises(ValueError, match="exactly one"):
+        S()
+    with pytest.raises(ValueError, match="choice"):
+        S(choice=[])
+    assert S(json={"a": 1, "b": 2}).cache_key() == S(json='{"b": 2, "a": 1}').cache_key()
+
+
+def test_apply_bitmask_matches_a_reference():
+    gen = torch.Generator().manual_seed(0)
+    batch, vocab = 6, 100
+    logits = torch.randn(batch, vocab, generator=gen)
+    rows = torch.tensor([1, 4])
+    allowed = torch.rand(len(rows), vocab, generator=gen) < 0.3
+    words = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int64)
+    for r in range(len(rows)):
+        for t in allowed[r].nonzero().flatten().tolist():
+            words[r, t // 32] |= 1 << (t % 32)
+    bitmask = ((words + 2**31) % 2**32 - 2**31).to(torch.int32)   # as signed words
+    out = apply_bitmask(logits.clone(), bitmask, rows)
+    expected = logits.clone()
+    for r, row in enumerate(rows.tolist()):
+        expected[row][~allowed[r]] = float("-inf")
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+def test_constrained_decoding_on_the_gpu_with_graphs(embedded_model_path):
+    llm = LLM(embedded_model_path, max_model_len=512)   # CUDA graphs, async scheduling
+    cases = _constrained()
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(FREE_PROMPTS, free)
+    outs = llm.generate([p for p, _ in cases] + FREE_PROMPTS,
+                        [SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=s)
+                         for _, s in cases] + [free] * len(FREE_PROMPTS))
+    for (_, spec), out in zip(cases, outs, strict=False):
+        _check(spec, out.outputs[0].text)
+    for a, b in zip(alone, outs[len(cases):], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
