@@ -19,7 +19,7 @@ logits), vLLM's default; ranks are 1-based (1 = the most likely token).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -92,7 +92,12 @@ class SamplingBatch:
     @classmethod
     def from_sequences(cls, seqs: SequenceOf[Sequence], vocab_size: int,
                        device: torch.device | str,
-                       eos_token_ids: Collection[int] = ()) -> SamplingBatch:
+                       eos_token_ids: Collection[int] = (),
+                       pending_token: Callable[[Sequence], int] | None = None
+                       ) -> SamplingBatch:
+        """``pending_token(seq)``: the value of ``seq``'s pending token, from the step still
+        in flight (asynchronous scheduling); only a grammar row asks for it, after this
+        step's forward pass is queued, so waiting for it overlaps that pass."""
         device = torch.device(device)
         n = len(seqs)
         # One host array, one transfer: temperature, top_p, min_p, rep, freq, presence, greedy.
@@ -119,7 +124,8 @@ class SamplingBatch:
                 seeded_keys.append(draw_seed(p.seed, seq.index, seq.num_output_tokens))
             grammar = seq.extra.get("grammar") if p.structured_outputs is not None else None
             if grammar is not None:
-                grammar.catch_up(seq.output_token_ids)
+                grammar.catch_up(seq.output_token_ids, pending_token and (
+                    lambda seq=seq: pending_token(seq)))
                 grammar_rows.append(i)
                 grammar_states.append(grammar)
             elif seq.num_output_tokens < p.min_tokens:   # a grammar decides where EOS goes
@@ -247,12 +253,13 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor,
-               batch: SamplingBatch | SequenceOf[Sequence]) -> SamplerOutput:
-        """Sample one token per row of ``logits`` [B, V]; ``batch`` may be the B sequences."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch | SequenceOf[Sequence],
+               pending_token: Callable[[Sequence], int] | None = None) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [B, V]; ``batch`` may be the B sequences
+        (``pending_token``: see ``SamplingBatch.from_sequences``)."""
         if not isinstance(batch, SamplingBatch):
             batch = SamplingBatch.from_sequences(batch, logits.shape[-1], logits.device,
-                                                 self.eos_token_ids)
+                                                 self.eos_token_ids, pending_token)
         raw = logits.float()
         x = raw
         if batch.bias_rows is not None:   # OpenAI's logit_bias: added before anything else

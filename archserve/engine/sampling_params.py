@@ -134,7 +134,10 @@ class SamplingParams:
 
     @property
     def needs_output_token_values(self) -> bool:
-        """Sampling reads the generated tokens themselves (penalties; a grammar, whose mask
-        follows the tokens accepted so far), not just their count."""
+        """Sampling reads the generated tokens themselves (penalties), not just their count.
+
+        A grammar reads them too, but only after the step's forward pass is queued (it
+        waits for the in-flight step's copy then: see ``SamplingBatch.from_sequences``),
+        so it does not stop asynchronous scheduling from overlapping steps."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0 or self.structured_outputs is not None)
+                or self.presence_penalty != 0.0)

@@ -14,6 +14,8 @@ its grammar does.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -25,22 +27,40 @@ _batch_matcher = None
 
 
 class GrammarState:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar.
 
-    __slots__ = ("matcher", "num_consumed", "failed")
+    Holds the compilation's future: the scheduler admits the sequence once it is done
+    (``Sequence.gate``), so the matcher is made on the first step that samples.
+    """
 
-    def __init__(self, compiled) -> None:
-        import xgrammar as xgr
-        self.matcher = xgr.GrammarMatcher(compiled)
+    __slots__ = ("compiled", "_matcher", "num_consumed", "failed")
+
+    def __init__(self, compiled: Future) -> None:
+        self.compiled = compiled
+        self._matcher = None
         self.num_consumed = 0          # output tokens the matcher has accepted
         self.failed = False            # a token outside the grammar arrived
 
-    def catch_up(self, output_token_ids: list[int]) -> None:
-        """Accept the sequence's output tokens the matcher has not seen yet."""
+    @property
+    def matcher(self):
+        if self._matcher is None:
+            import xgrammar as xgr
+            self._matcher = xgr.GrammarMatcher(self.compiled.result())
+        return self._matcher
+
+    def catch_up(self, output_token_ids: list[int],
+                 pending_value: Callable[[], int] | None = None) -> None:
+        """Accept the sequence's output tokens the matcher has not seen yet.
+
+        A pending token (asynchronous scheduling: sampled by the step still in flight)
+        is read through ``pending_value``, which waits for that step's copy to land.
+        """
         for token in output_token_ids[self.num_consumed:]:
             if token < 0:
-                raise RuntimeError("a constrained sequence reached sampling with a pending "
-                                   "token (its step must resolve first)")
+                if pending_value is None:
+                    raise RuntimeError("a constrained sequence reached sampling with a "
+                                       "pending token and no step to read it from")
+                token = pending_value()
             if not self.failed and not self.matcher.is_terminated() \
                     and not self.matcher.accept_token(token):
                 # Only a stop token the grammar did not offer gets here (min_tokens,

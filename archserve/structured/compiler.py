@@ -93,7 +93,12 @@ class GrammarCompiler:
     def _compiler(self):
         with self._init_lock:
             if self._xgr_compiler is None:
-                import xgrammar as xgr
+                try:
+                    import xgrammar as xgr
+                except ImportError as exc:
+                    raise GrammarError(
+                        f"structured output needs xgrammar, which is not installed here "
+                        f"({exc}); scripts/install.sh installs it") from None
                 # A copy: the engine thread keeps using its tokenizer meanwhile.
                 tokenizer = copy.deepcopy(self._tokenizer)
                 info = xgr.TokenizerInfo.from_huggingface(

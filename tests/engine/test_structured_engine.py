@@ -3,14 +3,17 @@ mask agrees with a plain reference, async scheduling gives what sync gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from concurrent.futures import Future
 
 import jsonschema
 import pytest
 import torch
 
 from archserve import LLM, SamplingParams
+from archserve.structured import GrammarError
 from archserve.structured import StructuredOutputsParams as S
 from archserve.structured.bitmask import apply_bitmask
 
@@ -48,7 +51,7 @@ def test_constrained_outputs_match_and_free_rows_are_untouched(llm):
     alone = llm.generate(FREE_PROMPTS, free)
     cases = _constrained()
     prompts = [p for p, _ in cases] + FREE_PROMPTS
-    params = [SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=spec)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec)
               for _, spec in cases] + [free] * len(FREE_PROMPTS)
     mixed = llm.generate(prompts, params)
     for (_, spec), out in zip(cases, mixed, strict=False):
@@ -62,7 +65,7 @@ def test_constrained_outputs_match_and_free_rows_are_untouched(llm):
 def test_sampled_constrained_outputs_match(llm):
     cases = _constrained()
     outs = llm.generate([p for p, _ in cases],
-                        [SamplingParams(temperature=1.0, top_p=0.95, seed=7, n=2, max_tokens=64,
+                        [SamplingParams(temperature=1.0, top_p=0.95, seed=7, max_tokens=32,
                                         structured_outputs=s) for _, s in cases])
     for (_, spec), out in zip(cases, outs, strict=True):
         for c in out.outputs:
@@ -70,17 +73,62 @@ def test_sampled_constrained_outputs_match(llm):
                 _check(spec, c.text)
 
 
-def test_async_scheduling_gives_what_sync_gives(embedded_model_path):
+def test_async_scheduling_gives_what_sync_gives(llm):
+    """The grammar reads the in-flight step's tokens when steps overlap: same tokens."""
+    engine = llm.llm_engine
     cases = _constrained()[:2]
     prompts = [p for p, _ in cases] + FREE_PROMPTS[:2]
-    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=s)
-              for _, s in cases] + [SamplingParams(temperature=0.0, max_tokens=24)] * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=s)
+              for _, s in cases] + [SamplingParams(temperature=0.0, max_tokens=12)] * 2
+    sync_config = engine.config
     results = []
-    for async_scheduling in (False, True):
-        llm = LLM(embedded_model_path, max_model_len=256, async_scheduling=async_scheduling)
-        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        del llm
+    try:
+        for async_scheduling in (False, True):
+            engine.config = dataclasses.replace(sync_config, async_scheduling=async_scheduling)
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    finally:
+        engine.config = sync_config
     assert results[0] == results[1]
+
+
+def test_a_compiling_grammar_waits_while_others_run(llm, monkeypatch):
+    """A request whose grammar is not compiled yet is not scheduled; the free request
+    beside it runs to the end; once the grammar arrives the first one runs and matches."""
+    engine = llm.llm_engine
+    compiler = engine.grammars
+    spec = S(choice=["alpha", "beta"])
+    compiled = compiler.compile(spec)
+    pending: Future = Future()
+    monkeypatch.setattr(compiler, "submit", lambda _spec: pending)
+    waiting = engine.prepare_request(
+        "gated", "Pick one:", SamplingParams(temperature=0.0, max_tokens=8,
+                                             structured_outputs=spec))
+    engine.queue_request(waiting)
+    engine.add_request("free", "1 2 3", SamplingParams(temperature=0.0, max_tokens=4))
+    finished = {}
+    while "free" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert waiting.seqs[0].num_computed_tokens == 0 and not waiting.seqs[0].is_finished
+    pending.set_result(compiled)
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["gated"].outputs[0].text in ("alpha", "beta")
+
+
+def test_a_grammar_failing_after_queueing_ends_only_its_request(llm, monkeypatch):
+    engine = llm.llm_engine
+    pending: Future = Future()
+    monkeypatch.setattr(engine.grammars, "submit", lambda _spec: pending)
+    engine.queue_request(engine.prepare_request(
+        "doomed", "hi", SamplingParams(max_tokens=4, structured_outputs=S(regex="a+"))))
+    engine.add_request("fine", "hello", SamplingParams(temperature=0.0, max_tokens=3))
+    pending.set_exception(GrammarError("structured output regex does not compile: boom"))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    doomed = finished["doomed"].outputs[0]
+    assert doomed.finish_reason == "abort" and "boom" in doomed.stop_reason
+    assert len(finished["fine"].outputs[0].token_ids) == 3
 
 
 @pytest.mark.parametrize("spec, words", [
