@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU machine lacks (it has torch, triton, transformers, safetensors,
-# numpy, pytest) into .whl/, for the device tool's `carry`. Run here, on a machine with pip.
+# numpy, pytest; it lacks xgrammar, structured output's grammar library) into .whl/, for the
+# device tool's `carry`. Run here, on a machine with pip.
 # On the device: pip install --no-index --no-deps --target /tmp/site .whl/*.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,5 +12,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 -d .whl \
   typer==0.29.1 click rich markdown-it-py mdurl pygments shellingham gguf \
   pydantic==2.14.3 pydantic-core==2.50.4 annotated-types annotated-doc typing-inspection \
-  typing-extensions
+  typing-extensions xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 ls .whl
