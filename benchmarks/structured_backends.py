@@ -118,7 +118,7 @@ class LLGuidance:
 
 def measure(lib, tokenizer, rows_list: list[int]) -> dict:
     out = {"compile_ms": [], "first_mask_ms": [], "mask_us": {}}
-    for schema, answer in SCHEMAS:
+    for schema, _answer in SCHEMAS:
         t = time.perf_counter()
         compiled = lib.compile(schema)
         out["compile_ms"].append((time.perf_counter() - t) * 1e3)

@@ -162,9 +162,10 @@ class _ChatView:
         if parser is None:
             return ChatResponseMessage(content=c.text), c.finish_reason
         events = parser.feed(c.text, final=True)
+        # A call cut off by max_tokens has no whole arguments object: it is left out.
         calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name,
                                                             arguments=call.arguments))
-                 for call in parser.calls if call.name is not None]
+                 for call in parser.complete_calls]
         return (ChatResponseMessage(content=events.content or None, tool_calls=calls or None),
                 self._finish_reason(c, parser))
 

@@ -254,6 +254,20 @@ class ToolCallParser:
     def found_calls(self) -> bool:
         return any(c.name is not None for c in self.calls)
 
+    @property
+    def complete_calls(self) -> list[ParsedCall]:
+        """The calls with a name and a whole JSON object of arguments."""
+        out = []
+        for call in self.calls:
+            if call.name is None:
+                continue
+            try:
+                if isinstance(json.loads(call.arguments), dict):
+                    out.append(call)
+            except ValueError:
+                pass
+        return out
+
     def feed(self, text: str, final: bool = False) -> ParserEvents:
         ev = ParserEvents()
         if self.format == "llama3_json":
