@@ -48,6 +48,13 @@ class GrammarState:
             self._matcher = xgr.GrammarMatcher(self.compiled.result())
         return self._matcher
 
+    def fail(self, why: str) -> None:
+        """From now on only stop tokens are allowed: the sequence ends at its next token
+        instead of failing the step for the whole batch."""
+        if not self.failed:
+            log.warning("%s; the sequence can only stop", why)
+        self.failed = True
+
     def catch_up(self, output_token_ids: list[int],
                  pending_value: Callable[[], int] | None = None) -> None:
         """Accept the sequence's output tokens the matcher has not seen yet.
@@ -61,48 +68,65 @@ class GrammarState:
                     raise RuntimeError("a constrained sequence reached sampling with a "
                                        "pending token and no step to read it from")
                 token = pending_value()
-            if not self.failed and not self.matcher.is_terminated() \
-                    and not self.matcher.accept_token(token):
-                # Only a stop token the grammar did not offer gets here (min_tokens,
-                # ignore_eos): from now on only stop tokens are allowed.
-                log.warning("token %d is outside the grammar; the sequence can only stop",
-                            token)
-                self.failed = True
+            if not self.failed:
+                try:
+                    matcher = self.matcher
+                    # Only a stop token the grammar did not offer is refused (min_tokens,
+                    # ignore_eos).
+                    if not matcher.is_terminated() and not matcher.accept_token(token):
+                        self.fail(f"token {token} is outside the grammar")
+                except Exception as exc:  # noqa: BLE001 - one row's grammar, not the step
+                    self.fail(f"the grammar failed: {type(exc).__name__}: {exc}")
             self.num_consumed += 1
 
     @property
     def is_terminated(self) -> bool:
-        return self.failed or self.matcher.is_terminated()
+        if self.failed:
+            return True
+        try:
+            return self.matcher.is_terminated()
+        except Exception as exc:  # noqa: BLE001
+            self.fail(f"the grammar failed: {type(exc).__name__}: {exc}")
+            return True
 
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def _stop_only_row(vocab_size: int, stop_token_ids: list[int]) -> torch.Tensor:
+    words = np.zeros(bitmask_width(vocab_size), dtype=np.uint32)
+    for t in stop_token_ids:
+        if t < vocab_size:
+            words[t // 32] |= np.uint32(1 << (t % 32))
+    return torch.from_numpy(words.view(np.int32))
+
+
 def fill_bitmask(states: list[GrammarState], vocab_size: int,
                  stop_token_ids: list[int]) -> torch.Tensor:
     """int32 [len(states), ceil(V/32)] on the host: bit t of row i set where row i may
-    sample token t."""
+    sample token t. A row whose grammar ended, or failed, allows only stop tokens."""
     global _batch_matcher
     import xgrammar as xgr
-    width = bitmask_width(vocab_size)
-    bitmask = torch.full((len(states), width), -1, dtype=torch.int32)
+    bitmask = torch.full((len(states), bitmask_width(vocab_size)), -1, dtype=torch.int32)
     live = [i for i, s in enumerate(states) if not s.is_terminated]
-    for i, s in enumerate(states):
-        if s.is_terminated:   # only stopping is left
-            bitmask[i] = 0
-            words = bitmask[i].numpy().view(np.uint32)
-            for t in stop_token_ids:
-                if t < vocab_size:
-                    words[t // 32] |= np.uint32(1 << (t % 32))
     if len(live) >= _BATCH_FILL_MIN_ROWS:
-        if _batch_matcher is None:
-            _batch_matcher = xgr.BatchGrammarMatcher()
-        _batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in live],
-                                                     bitmask, live)
-    else:
-        for i in live:
+        try:
+            if _batch_matcher is None:
+                _batch_matcher = xgr.BatchGrammarMatcher()
+            _batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in live],
+                                                         bitmask, live)
+            live = []
+        except Exception:  # noqa: BLE001 - row by row finds the row at fault
+            log.exception("batch bitmask fill failed; filling row by row")
+    for i in live:
+        try:
             states[i].matcher.fill_next_token_bitmask(bitmask, i)
+        except Exception as exc:  # noqa: BLE001 - one row's grammar, not the step
+            states[i].fail(f"the grammar failed: {type(exc).__name__}: {exc}")
+    stop_only = [i for i, s in enumerate(states) if s.is_terminated]
+    if stop_only:
+        bitmask[stop_only] = _stop_only_row(vocab_size, stop_token_ids)
     return bitmask
 
 
@@ -125,5 +149,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     num_rows = bitmask.shape[0]
     bits = (bitmask.contiguous().view(torch.uint8)[..., None] >> shifts) & 1
     allowed = bits.view(num_rows, -1)[:, :vocab].bool()
+    if num_rows == logits.shape[0]:   # every row constrained (rows are sorted, unique)
+        return logits.masked_fill_(~allowed, float("-inf"))
     masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
     return logits.index_copy_(0, rows, masked)

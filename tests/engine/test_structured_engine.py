@@ -153,11 +153,12 @@ def test_the_spec_shape_is_checked():
     assert S(json={"a": 1, "b": 2}).cache_key() == S(json='{"b": 2, "a": 1}').cache_key()
 
 
-def test_apply_bitmask_matches_a_reference():
+@pytest.mark.parametrize("rows", [[1, 4], [0, 1, 2, 3, 4, 5]])
+def test_apply_bitmask_matches_a_reference(rows):
     gen = torch.Generator().manual_seed(0)
     batch, vocab = 6, 100
     logits = torch.randn(batch, vocab, generator=gen)
-    rows = torch.tensor([1, 4])
+    rows = torch.tensor(rows)
     allowed = torch.rand(len(rows), vocab, generator=gen) < 0.3
     words = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int64)
     for r in range(len(rows)):
@@ -204,3 +205,29 @@ def test_batch_fill_and_async_scheduling_on_a_tiny_model(tiny_checkpoint):
     """The same on the CPU: twelve constrained rows take xgrammar's batch fill, and the
     steps overlap (the grammar reads the in-flight step's tokens)."""
     _mixed_batch_on(tiny_checkpoint("llama-h64"), async_scheduling=True)
+
+
+def test_a_grammar_that_fails_in_a_step_ends_only_its_row(llm):
+    """A matcher raising while the mask is filled does not fail the step: its row may
+    only stop, the row beside it keeps its grammar."""
+    from archserve.structured.bitmask import GrammarState, fill_bitmask
+
+    class Broken:
+        def is_terminated(self):
+            return False
+
+        def fill_next_token_bitmask(self, *args):
+            raise RuntimeError("boom")
+
+    engine = llm.llm_engine
+    compiled = engine.grammars.submit(S(regex="a+"))
+    states = [GrammarState(compiled), GrammarState(compiled)]
+    states[1]._matcher = Broken()
+    vocab = engine.model_config.vocab_size
+    eos = sorted(engine.eos_token_ids)
+    mask = fill_bitmask(states, vocab, eos)
+    logits = apply_bitmask(torch.zeros(2, vocab), mask, torch.tensor([0, 1]))
+    allowed = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+    assert allowed[1] == set(eos) and states[1].failed
+    a = engine.tokenizer.encode("a", add_special_tokens=False)[0]
+    assert a in allowed[0] and not states[0].failed
