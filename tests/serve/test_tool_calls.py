@@ -156,3 +156,56 @@ def test_bad_tool_requests_are_a_400(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kwargs)
     assert info.value.body["param"] == param, info.value.body
+
+
+@pytest.fixture(scope="module")
+def grammar_compiler(embedded_model_path):
+    from archserve.loader.tokenizer import load_tokenizer
+    from archserve.structured import GrammarCompiler
+    tokenizer = load_tokenizer(embedded_model_path)
+    return tokenizer, GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+               '</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+])
+def test_the_required_grammar_accepts_what_the_parser_reads(grammar_compiler, fmt, text):
+    """The grammar of tool_choice required/named and the parser agree on the format."""
+    import xgrammar as xgr
+
+    from archserve.serve.tool_calls import ToolPlan, parse_tools, tool_grammar
+    tokenizer, compiler = grammar_compiler
+    tools = parse_tools([WEATHER, TIME])
+    for plan in (ToolPlan(tools, "required", fmt), ToolPlan(tools[:1], "named", fmt,
+                                                             "get_weather")):
+        matcher = xgr.GrammarMatcher(compiler.compile(tool_grammar(plan, parallel=False)))
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            assert matcher.accept_token(token), (plan.mode, tokenizer.decode([token]))
+        assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+        bad = xgr.GrammarMatcher(compiler.compile(tool_grammar(plan, parallel=False)))
+        wrong = text.replace('"city"', '"town"')   # not the function's parameters
+        assert not all(bad.accept_token(t)
+                       for t in tokenizer.encode(wrong, add_special_tokens=False))
+    parser = ToolCallParser(fmt)
+    parser.feed(text, final=True)
+    assert [(c.name, json.loads(c.arguments)) for c in parser.complete_calls] == [
+        ("get_weather", {"city": "Oslo"})]
+
+
+def test_native_templates_get_tools_and_object_arguments():
+    from archserve.serve.tool_calls import messages_for_template
+    qwen_like = "{% if tools %}{{ tools }}{% endif %}<tool_call>"
+    plan = plan_tools([WEATHER], "auto", qwen_like)
+    history = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]}]
+    messages, extra = messages_for_template(history, plan, qwen_like)
+    assert extra["tools"][0]["function"]["name"] == "get_weather"
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
+    plain, extra = messages_for_template(
+        history + [{"role": "tool", "content": "21C"}], plan, "{{ messages }}")
+    assert extra == {} and plain[0]["role"] == "system" and "<tools>" in plain[0]["content"]
+    assert "<tool_call>" in plain[1]["content"] and plain[2] == {
+        "role": "user", "content": "<tool_response>\n21C\n</tool_response>"}
