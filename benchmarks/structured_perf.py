@@ -63,8 +63,8 @@ def _unpack(bitmask: torch.Tensor, vocab: int) -> np.ndarray:
 def mask_micro(engine: LLMEngine, batch: int, steps: int, rng: np.random.Generator) -> dict:
     """Host fill and device apply of B rows, the matchers advancing on random allowed
     tokens (what the engine's sampler does, without the model)."""
-    from archserve.structured.bitmask import GrammarState, apply_bitmask, fill_bitmask
     from archserve.engine.batch import host_to_device
+    from archserve.structured.bitmask import GrammarState, apply_bitmask, fill_bitmask
     compiled = engine.grammars.submit(StructuredOutputsParams(json=SCHEMA))
     compiled.result()
     vocab = engine.model_config.vocab_size
