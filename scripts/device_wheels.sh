@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU machine lacks (it has torch, triton, transformers, safetensors,
 # numpy, pytest) into .whl/ for the device tool's `carry`: the CLI's, the server's (fastapi,
-# uvicorn, prometheus-client), the serving bench's (httpx) and the server tests' client (openai).
-# Run here, on a machine with pip.
+# uvicorn, prometheus-client), the serving bench's (httpx), the server tests' client (openai)
+# and structured output's grammar library (xgrammar). Run here, on a machine with pip.
 # On the device: pip install --no-index --no-deps --target /tmp/site .whl/*.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 -d .whl \
   typer==0.29.1 click rich markdown-it-py mdurl pygments shellingham gguf \
   pydantic==2.14.3 pydantic-core==2.50.4 annotated-types annotated-doc typing-inspection \
-  typing-extensions \
+  typing-extensions xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 h11 prometheus-client httpx==0.28.1 \
   httpcore anyio sniffio idna certifi psutil openai==3.57.0 jiter==0.19.0 \
   httpx2==2.16.2 httpcore2==2.16.2 truststore distro tqdm \

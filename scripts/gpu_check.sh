@@ -14,7 +14,13 @@
 #           (device busy/idle per decode step, top kernels, engine phases);
 #   quant_gemm: benchmarks/bench_quant_gemm.py, every quantized GEMM beside cuBLAS bf16;
 #   quant_perf: benchmarks/h200_quant_targets.sh (the quantized 8B rows beside bf16);
-#   serve:  benchmarks/h200_serve.sh (a real server, 8B shape; bench --mode serve over HTTP).
+#   serve:  benchmarks/h200_serve.sh (a real server, 8B shape; bench --mode serve over HTTP);
+#   structured: benchmarks/structured_perf.py (issue 20: the token mask's cost per decode
+#           step at batch 1, 32, 256; TTFT with a cold and a cached grammar) on the 0.6B and
+#           8B shapes, with the embedded model's tokenizer carried in .tok/smollm2 (made
+#           here by `python benchmarks/structured_perf.py --save-tokenizer .tok/smollm2`;
+#           carry .tok and .whl: xgrammar is a carried wheel), then the structured-output
+#           GPU tests.
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
 set -uo pipefail
 OUT=${1:-${OUT:-out}}
@@ -73,6 +79,15 @@ if want quant_perf; then
 fi
 if want serve; then
   bash benchmarks/h200_serve.sh "$OUT"
+fi
+if want structured; then
+  for m in qwen3-0.6b llama-3-8b; do
+    timeout 280 python3 benchmarks/structured_perf.py --model benchmarks/models/$m \
+      --load-format dummy --dtype bfloat16 --tokenizer .tok/smollm2 --batch-sizes 1,32,256 \
+      --out "$OUT/structured_perf_$m.json" 2>&1 | grep -v "^USDT" | tee "$OUT/structured_perf_$m.txt"
+  done
+  timeout 240 $PYTEST -v tests/engine/test_structured_engine.py 2>&1 | tail -n 15 \
+    | tee "$OUT/pytest_gpu_structured.log"
 fi
 if want profile; then
   for m in llama-3-8b qwen3-0.6b; do

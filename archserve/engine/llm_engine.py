@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,7 @@ from archserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutp
 from archserve.engine.self_check import run_self_check
 from archserve.engine.sequence import Sequence, SequenceStatus
 from archserve.engine.stop_checker import find_stop_string
+from archserve.structured import GrammarCompiler, attach_grammars, grammar_error
 
 log = logging.getLogger("archserve")
 
@@ -54,6 +57,7 @@ class RequestState:
     detokenizers: list = field(default_factory=list)
     sent: list = field(default_factory=list)   # per sequence (text, tokens) already output
     num_cached_tokens: int = 0                 # prompt tokens found in the prefix cache
+    grammar: Future | None = None              # its grammar's compilation (structured output)
 
 
 class LLMEngine:
@@ -112,6 +116,9 @@ class LLMEngine:
         gemm_tune_s = startup.elapsed(t_gemms)
         self.eos_token_ids = set(mc.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
+        # Grammars of structured-output requests (xgrammar loads on first use).
+        self.grammars = (GrammarCompiler(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
+                         if self.tokenizer is not None else None)
         self.runner = ModelRunner(self.model, mc, torch_device, dtype, attn_impl, block_size,
                                   self.max_model_len, self.sampler)
         max_batched = config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
@@ -163,6 +170,8 @@ class LLMEngine:
         self._counter = 0
         # async_scheduling: the step launched but not yet resolved (its schedule, its launch).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        # Queued requests whose grammar is still compiling (the scheduler passes them over).
+        self._compiling: dict[str, RequestState] = {}
         log.info("%s", self.describe_route())
 
     # -- introspection ---------------------------------------------------------------
@@ -223,9 +232,22 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None
                     ) -> str:
-        """Validate and queue a request; raises ValueError and changes nothing on bad input."""
-        return self.queue_request(self.prepare_request(request_id, prompt, params,
-                                                       arrival_time))
+        """Validate and queue a request; raises ValueError and changes nothing on bad input
+        (a grammar that does not compile included: this waits for its compilation)."""
+        state = self.prepare_request(request_id, prompt, params, arrival_time)
+        self.wait_for_grammars([state])
+        return self.queue_request(state)
+
+    @staticmethod
+    def wait_for_grammars(states: list[RequestState]) -> None:
+        """Wait until the grammars of ``states`` are compiled (in parallel); raises the
+        first one's error (a ValueError naming the problem)."""
+        for state in states:
+            if state.grammar is not None:
+                wait_futures([state.grammar])
+                error = grammar_error(state.grammar)
+                if error is not None:
+                    raise error
 
     def prepare_request(self, request_id: str | None, prompt: str | list[int],
                         params: SamplingParams | None = None,
@@ -252,13 +274,20 @@ class LLMEngine:
                 f"{self.max_model_len} tokens, and at least one must be left to generate")
         now = time.time() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
+        grammar = attach_grammars(self.grammars, seqs)   # compiles on the compiler's threads
         return RequestState(request_id, text, ids, params, seqs, RequestMetrics(now),
-                            [None] if params.prompt_logprobs is not None else None)
+                            [None] if params.prompt_logprobs is not None else None,
+                            grammar=grammar)
 
     def queue_request(self, state: RequestState) -> str:
-        """Queue a prepared request; returns its id."""
+        """Queue a prepared request; returns its id. One whose grammar is still compiling
+        waits in the queue while others run (a compile that fails later ends it: see
+        ``_end_failed_grammars``)."""
         if state.request_id in self.requests:
             raise ValueError(f"request id {state.request_id!r} is already in use")
+        error = grammar_error(state.grammar)
+        if error is not None:
+            raise error
         if self.tokenizer is not None:
             from archserve.loader.tokenizer import IncrementalDetokenizer
             state.detokenizers = [IncrementalDetokenizer(self.tokenizer,
@@ -269,6 +298,8 @@ class LLMEngine:
         for seq in state.seqs:
             self.scheduler.add(seq)
         self.requests[state.request_id] = state
+        if state.grammar is not None and not state.grammar.done():
+            self._compiling[state.request_id] = state
         return state.request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -276,6 +307,7 @@ class LLMEngine:
         state = self.requests.pop(request_id, None)
         if state is None:
             return False
+        self._compiling.pop(request_id, None)
         self.scheduler.abort(request_id)
         return True
 
@@ -292,10 +324,16 @@ class LLMEngine:
             return self._finish_in_flight()
         if self.cpu_threads is not None:
             self.cpu_threads.update()
+        ended = self._end_failed_grammars() if self._compiling else []
         with phase("schedule"):
             out = self.scheduler.schedule()
         if out.is_empty:
-            return self._finish_in_flight() if self._in_flight is not None else []
+            if self._in_flight is not None:
+                return ended + self._finish_in_flight()
+            if not ended and self._compiling:   # only grammars to wait for: not a busy loop
+                wait_futures([s.grammar for s in self._compiling.values()], timeout=0.01,
+                             return_when=FIRST_COMPLETED)
+            return ended
         now = time.time()
         for entry in out.scheduled:
             state = self.requests.get(entry.seq.request_id)
@@ -311,8 +349,27 @@ class LLMEngine:
         self.scheduler.commit(out)
         if self.config.async_scheduling:
             self._in_flight = (out, launched)
-            return outputs
-        return self._finish(out, launched)
+            return ended + outputs
+        return ended + outputs + self._finish(out, launched)
+
+    def _end_failed_grammars(self) -> list[RequestOutput]:
+        """Finish (aborted, the error as stop_reason) the queued requests whose grammar
+        failed to compile after they were queued; forget those that compiled."""
+        outputs = []
+        for request_id, state in list(self._compiling.items()):
+            if not state.grammar.done():
+                continue
+            del self._compiling[request_id]
+            error = grammar_error(state.grammar)
+            if error is None or self.requests.get(request_id) is not state:
+                continue
+            log.warning("request %s: %s", request_id, error)
+            for seq in state.seqs:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, stop_reason=str(error))
+            state.metrics.finished_time = time.time()
+            del self.requests[request_id]
+            outputs.append(self._request_output(state, True))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()

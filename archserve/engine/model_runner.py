@@ -211,7 +211,8 @@ class ModelRunner:
             else:
                 logits = row_logits[batch.logits_indices]
         with phase("sample"):
-            result = self.sampler.sample(logits, batch.sampled_seqs)
+            result = self.sampler.sample(logits, batch.sampled_seqs,
+                                         previous and previous.token_of)
         return LaunchedStep.start_copy(batch.sampled_seqs, result, prompt_logprobs)
 
     def _prompt_logprobs(self, batch: ModelBatch, hidden: torch.Tensor):

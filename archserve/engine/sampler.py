@@ -3,7 +3,8 @@
 Per step the engine builds one ``SamplingBatch`` (per-row parameters as tensors) and
 calls ``Sampler.sample``. Processing order, as in vLLM:
 
-    raw logits -> min_tokens (stop tokens masked) -> repetition/frequency/presence
+    raw logits -> logit_bias -> allowed_token_ids -> grammar bitmask (constrained rows)
+    -> min_tokens (stop tokens masked) -> repetition/frequency/presence
     penalties -> [greedy rows: argmax here] -> temperature -> min_p -> top_k/top_p
     -> exponential race
 
@@ -18,7 +19,7 @@ logits), vLLM's default; ranks are 1-based (1 = the most likely token).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -82,6 +83,8 @@ class SamplingBatch:
     bias_tokens: torch.Tensor | None = None   # int64 [K]
     bias_values: torch.Tensor | None = None   # float32 [K]
     allowed_mask: torch.Tensor | None = None  # bool [B, V]: False where a row may not sample
+    grammar_rows: torch.Tensor | None = None  # int64 [M]: rows under a grammar
+    grammar_bitmask: torch.Tensor | None = None  # int32 [M, ceil(V/32)]: their allowed tokens
     seeded_rows: tuple[int, ...] = ()         # random rows with their own generator
     seeded_keys: tuple[int, ...] = ()         # their draw seeds (see ``draw_seed``)
     max_num_logprobs: int = -1                # -1: no row asked; N: top-N for the widest ask
@@ -89,7 +92,12 @@ class SamplingBatch:
     @classmethod
     def from_sequences(cls, seqs: SequenceOf[Sequence], vocab_size: int,
                        device: torch.device | str,
-                       eos_token_ids: Collection[int] = ()) -> SamplingBatch:
+                       eos_token_ids: Collection[int] = (),
+                       pending_token: Callable[[Sequence], int] | None = None
+                       ) -> SamplingBatch:
+        """``pending_token(seq)``: the value of ``seq``'s pending token, from the step still
+        in flight (asynchronous scheduling); only a grammar row asks for it, after this
+        step's forward pass is queued, so waiting for it overlaps that pass."""
         device = torch.device(device)
         n = len(seqs)
         # One host array, one transfer: temperature, top_p, min_p, rep, freq, presence, greedy.
@@ -100,6 +108,8 @@ class SamplingBatch:
         blocked: list[tuple[int, int]] = []
         biases: list[tuple[int, int, float]] = []
         allowed_rows: list[tuple[int, list[int]]] = []
+        grammar_rows: list[int] = []
+        grammar_states: list = []
         max_logprobs = -1
         for i, seq in enumerate(seqs):
             p = seq.sampling_params
@@ -112,7 +122,13 @@ class SamplingBatch:
             if p.seed is not None and not greedy:
                 seeded_rows.append(i)
                 seeded_keys.append(draw_seed(p.seed, seq.index, seq.num_output_tokens))
-            if seq.num_output_tokens < p.min_tokens:
+            grammar = seq.extra.get("grammar") if p.structured_outputs is not None else None
+            if grammar is not None:
+                grammar.catch_up(seq.output_token_ids, pending_token and (
+                    lambda seq=seq: pending_token(seq)))
+                grammar_rows.append(i)
+                grammar_states.append(grammar)
+            elif seq.num_output_tokens < p.min_tokens:   # a grammar decides where EOS goes
                 stops = set(p.stop_token_ids)
                 if not p.ignore_eos:
                     stops.update(eos_token_ids)
@@ -148,6 +164,12 @@ class SamplingBatch:
             for i, ids in allowed_rows:
                 mask[i, [t for t in ids if t < vocab_size]] = True
             batch.allowed_mask = mask.to(device, non_blocking=True)
+        if grammar_rows:
+            from archserve.structured.bitmask import fill_bitmask
+            mask = fill_bitmask(grammar_states, vocab_size, sorted(eos_token_ids))
+            batch.grammar_bitmask = host_to_device(mask.numpy(), device)
+            batch.grammar_rows = host_to_device(np.asarray(grammar_rows, dtype=np.int64),
+                                                device)
         if biases:
             rows_tokens = host_to_device(np.asarray([(r, t) for r, t, _ in biases],
                                                 dtype=np.int64).T.copy(), device)
@@ -231,12 +253,13 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor,
-               batch: SamplingBatch | SequenceOf[Sequence]) -> SamplerOutput:
-        """Sample one token per row of ``logits`` [B, V]; ``batch`` may be the B sequences."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch | SequenceOf[Sequence],
+               pending_token: Callable[[Sequence], int] | None = None) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [B, V]; ``batch`` may be the B sequences
+        (``pending_token``: see ``SamplingBatch.from_sequences``)."""
         if not isinstance(batch, SamplingBatch):
             batch = SamplingBatch.from_sequences(batch, logits.shape[-1], logits.device,
-                                                 self.eos_token_ids)
+                                                 self.eos_token_ids, pending_token)
         raw = logits.float()
         x = raw
         if batch.bias_rows is not None:   # OpenAI's logit_bias: added before anything else
@@ -244,6 +267,10 @@ class Sampler:
                             accumulate=True)
         if batch.allowed_mask is not None:
             x = x.masked_fill(~batch.allowed_mask, float("-inf"))
+        if batch.grammar_rows is not None:
+            from archserve.structured.bitmask import apply_bitmask
+            x = apply_bitmask(x.clone() if x is raw else x, batch.grammar_bitmask,
+                              batch.grammar_rows)
         if batch.blocked_rows is not None:
             x = x.index_put((batch.blocked_rows, batch.blocked_tokens),
                             x.new_full((), float("-inf")))   # no host-to-device copy

@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from archserve.structured.params import StructuredOutputsParams
+
 # The widest top-N a request may ask for, per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
 
@@ -43,6 +45,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit
     allowed_token_ids: list[int] | None = None   # sample only among these
     truncate_prompt_tokens: int | None = None    # keep only the prompt's last k tokens
+    # The output must match a JSON schema, regex, choice or grammar (vLLM's field).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -119,6 +123,10 @@ class SamplingParams:
             bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +134,10 @@ class SamplingParams:
 
     @property
     def needs_output_token_values(self) -> bool:
-        """Sampling reads the generated tokens themselves (penalties), not just their count."""
+        """Sampling reads the generated tokens themselves (penalties), not just their count.
+
+        A grammar reads them too, but only after the step's forward pass is queued (it
+        waits for the in-flight step's copy then: see ``SamplingBatch.from_sequences``),
+        so it does not stop asynchronous scheduling from overlapping steps."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)

@@ -8,7 +8,8 @@ of a step:
 2. running sequences part-way through a chunked prefill;
 3. waiting sequences (new, or preempted and re-prefilling), front of the queue first,
    while ``max_num_seqs`` and the budget allow; none are admitted in a step that had to
-   preempt, because that step is already short of blocks.
+   preempt, because that step is already short of blocks. A sequence whose ``gate`` is
+   still open (its grammar compiling) is passed over, keeping its place.
 
 When the pool runs dry for a running sequence, the most recently arrived running
 sequence is preempted by recomputation: its blocks are freed, ``num_computed_tokens``
@@ -244,9 +245,15 @@ class Scheduler:
 
     # -- internals ----------------------------------------------------------------
     def _admit_waiting(self, budget: int, planned: dict[int, ScheduledSeq]) -> int:
+        """Admit waiting sequences, front first; one whose gate is still open (its grammar
+        compiling) keeps its place while those behind it go ahead."""
         chunked = self.config.enable_chunked_prefill
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if not seq.is_ready:
+                skipped.append(self.waiting.popleft())
+                continue
             prefix = self.block_pool.find_cached_prefix(seq)
             remaining = seq.num_tokens - prefix.num_tokens
             if remaining > budget and not chunked:
@@ -260,6 +267,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_arrival_key)
             planned[seq.seq_id] = ScheduledSeq(seq, num_new, num_new == remaining)
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return budget
 
     def _preempt(self, seq: Sequence, planned: dict[int, ScheduledSeq],

@@ -56,7 +56,7 @@ class Sequence:
         "prompt_token_ids", "token_ids", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes",
         "output_logprobs", "cumulative_logprob", "stop_reason", "num_preemptions",
-        "output_text", "extra", "num_pending",
+        "output_text", "extra", "num_pending", "gate",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: SequenceOf[int],
@@ -91,6 +91,9 @@ class Sequence:
         # Trailing tokens sampled on the device whose values the host does not know yet
         # (PLACEHOLDER in token_ids and output_token_ids): counted, not read.
         self.num_pending = 0
+        # Work the sequence waits for before it may be scheduled (a future: its grammar's
+        # compilation); None when it waits for nothing.
+        self.gate: Any = None
 
     # -- lengths ------------------------------------------------------------------
     @property
@@ -117,6 +120,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_ready(self) -> bool:
+        """Nothing it waits for is still running (see ``gate``)."""
+        return self.gate is None or self.gate.done()
 
     @property
     def finish_reason(self) -> str | None:

@@ -158,7 +158,10 @@ class AsyncEngine:
 
     def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params)
+            # Not add_request: a grammar still compiling must not hold up this thread (the
+            # scheduler admits the request once it is ready; the server compiled it ahead).
+            engine = self.engine
+            engine.queue_request(engine.prepare_request(request_id, prompt, params))
         except ValueError as exc:
             stream.put(exc)
             return

@@ -20,11 +20,19 @@ from archserve.serve.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
     now,
     random_id,
 )
-from archserve.serve.sampling import resolve_max_tokens, sampling_params_for, truncated
+from archserve.serve.sampling import (
+    resolve_max_tokens,
+    sampling_params_for,
+    structured_spec,
+    truncated,
+)
 from archserve.serve.streams import (
     SSE_DONE,
     logging_disconnect,
@@ -32,6 +40,13 @@ from archserve.serve.streams import (
     sse,
     sse_error,
     unless_disconnected,
+)
+from archserve.serve.tool_calls import (
+    ToolCallParser,
+    ToolPlan,
+    messages_for_template,
+    plan_tools,
+    tool_grammar,
 )
 
 
@@ -52,12 +67,16 @@ def _message_dict(message: ChatMessage) -> dict:
 
 
 def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage],
-                       add_generation_prompt: bool = True) -> list[int]:
+                       add_generation_prompt: bool = True,
+                       plan: ToolPlan | None = None) -> list[int]:
     from archserve.loader.tokenizer import apply_chat_template
     dicts = [_message_dict(m) for m in messages]
     try:
-        ids = apply_chat_template(ctx.tokenizer, dicts,
-                                  add_generation_prompt=add_generation_prompt)
+        if plan is None:
+            ids = apply_chat_template(ctx.tokenizer, dicts,
+                                      add_generation_prompt=add_generation_prompt)
+        else:
+            ids = _render_with_tools(ctx.tokenizer, dicts, plan, add_generation_prompt)
     except ValueError as exc:
         raise OpenAIError(str(exc), param="messages") from None
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
@@ -68,20 +87,45 @@ def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage],
     return list(ids)
 
 
+def _render_with_tools(tokenizer, dicts: list[dict], plan: ToolPlan,
+                       add_generation_prompt: bool) -> list[int]:
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
+    dicts, extra = messages_for_template(dicts, plan, template)
+    text = tokenizer.apply_chat_template(dicts, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **extra)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     ctx.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = truncated(render_chat_prompt(ctx, req.messages, req.add_generation_prompt), req)
+    plan = None
+    if req.tools or req.tool_choice is not None:
+        plan = plan_tools(req.tools, req.tool_choice,
+                          getattr(ctx.tokenizer, "chat_template", None))
+    structured, structured_param = structured_spec(req)
+    tool_spec = tool_grammar(plan, req.parallel_tool_calls is not False) if plan else None
+    if tool_spec is not None:
+        if structured is not None:
+            raise OpenAIError(f"tool_choice {plan.mode!r} constrains the output itself; it "
+                              f"cannot be combined with {structured_param}",
+                              param=structured_param)
+        structured, structured_param = tool_spec, "tools"
+    ids = truncated(render_chat_prompt(ctx, req.messages, req.add_generation_prompt, plan), req)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(len(ids), requested, ctx.max_model_len, "messages",
                                     ctx.default_max_tokens)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params_for(req, max_tokens, num_logprobs, None, ctx.vocab_size,
-                                 ctx.sampling_defaults)
+                                 ctx.sampling_defaults, structured)
+    await ctx.compile_grammar(structured, structured_param)
     ctx.admit()
     request_id = random_id("chatcmpl")
-    view = _ChatView(ctx, req, request_id, len(ids))
+    view = _ChatView(ctx, req, request_id, len(ids),
+                     plan if plan is not None and plan.parses_calls else None)
     stream = ctx.generate(request_id, ids, params)
     if req.stream:
         return StreamingResponse(logging_disconnect(request_id, view.stream(stream)),
@@ -99,9 +143,31 @@ async def _last_output(stream) -> RequestOutput:
 
 class _ChatView:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                 prompt_len: int) -> None:
+                 prompt_len: int, tools: ToolPlan | None = None) -> None:
         self.ctx, self.req, self.id, self.prompt_len = ctx, req, request_id, prompt_len
+        self.tools = tools     # set when tool calls are read out of the text
         self.created = now()
+
+    def _parser(self) -> ToolCallParser | None:
+        return ToolCallParser(self.tools.format) if self.tools is not None else None
+
+    @staticmethod
+    def _finish_reason(c: CompletionOutput, parser: ToolCallParser | None) -> str | None:
+        if parser is not None and parser.found_calls and c.finish_reason == "stop":
+            return "tool_calls"
+        return c.finish_reason
+
+    def _message(self, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
+        parser = self._parser()
+        if parser is None:
+            return ChatResponseMessage(content=c.text), c.finish_reason
+        events = parser.feed(c.text, final=True)
+        # A call cut off by max_tokens has no whole arguments object: it is left out.
+        calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name,
+                                                            arguments=call.arguments))
+                 for call in parser.complete_calls]
+        return (ChatResponseMessage(content=events.content or None, tool_calls=calls or None),
+                self._finish_reason(c, parser))
 
     def _logprobs(self, c: CompletionOutput, start: int):
         if not self.req.logprobs:
@@ -115,10 +181,12 @@ class _ChatView:
                          total_tokens=self.prompt_len + completion)
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._logprobs(c, 0), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason)
-                   for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = self._message(c)
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=self._logprobs(c, 0),
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created,
                                       model=self.ctx.model_name, choices=choices,
                                       usage=self._usage(output))
@@ -131,6 +199,7 @@ class _ChatView:
         sent_text = [0] * self.req.n
         sent_tokens = [0] * self.req.n
         done: set[int] = set()
+        parsers = [self._parser() for _ in range(self.req.n)]
         last = None
         try:
             for index in range(self.req.n):   # the role comes first, as OpenAI sends it
@@ -144,10 +213,19 @@ class _ChatView:
                     # string) wait, logprobs too, for the chunk that carries their text.
                     if len(c.text) == sent_text[c.index] and not ends:
                         continue
+                    parser = parsers[c.index]
+                    if parser is None:
+                        delta = DeltaMessage(content=c.text[sent_text[c.index]:])
+                    else:
+                        events = parser.feed(c.text, final=ends)
+                        if not events.content and not events.calls and not ends:
+                            continue
+                        delta = DeltaMessage(content=events.content or None, tool_calls=[
+                            DeltaToolCall(**call) for call in events.calls] or None)
                     choice = ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text[sent_text[c.index]:]),
+                        index=c.index, delta=delta,
                         logprobs=self._logprobs(c, sent_tokens[c.index]),
-                        finish_reason=c.finish_reason if ends else None,
+                        finish_reason=self._finish_reason(c, parser) if ends else None,
                         stop_reason=c.stop_reason if ends else None)
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                     if ends:

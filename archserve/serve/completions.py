@@ -23,6 +23,7 @@ from archserve.serve.sampling import (
     check_token_ids,
     resolve_max_tokens,
     sampling_params_for,
+    structured_spec,
     truncated,
 )
 from archserve.serve.streams import (
@@ -68,6 +69,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise OpenAIError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError("best_of must equal n (or be omitted)", param="best_of")
+    if req.tools or req.tool_choice not in (None, "none"):
+        raise OpenAIError("tools are for /v1/chat/completions", param="tools")
+    structured, structured_param = structured_spec(req)
     prompts = [(text, truncated(ids, req)) for text, ids in _prompts(ctx, req.prompt)]
     echo_logprobs = req.logprobs if req.echo else None
     # Legacy completions default to 16 tokens (OpenAI, vLLM) unless the server sets one.
@@ -75,8 +79,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     params = [sampling_params_for(req, resolve_max_tokens(len(ids), req.max_tokens,
                                                           ctx.max_model_len, "prompt", default),
                                   req.logprobs, echo_logprobs, ctx.vocab_size,
-                                  ctx.sampling_defaults)
+                                  ctx.sampling_defaults, structured)
               for _, ids in prompts]
+    await ctx.compile_grammar(structured, structured_param)
     ctx.admit(len(prompts))
     request_id = random_id("cmpl")
     streams = [ctx.generate(f"{request_id}-{i}", ids, p)

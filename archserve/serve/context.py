@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import weakref
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from archserve.serve.async_engine import AsyncEngine, EngineDeadError
 from archserve.serve.errors import OpenAIError
 from archserve.serve.generation_defaults import load_generation_defaults
 from archserve.serve.metrics import ServerMetrics
+from archserve.structured import GrammarError, StructuredOutputsParams
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
@@ -66,6 +68,21 @@ class ServingContext:
         except (UnicodeEncodeError, TypeError, ValueError) as exc:
             raise OpenAIError(f"{param} is not valid Unicode text ({type(exc).__name__})",
                               param=param) from None
+
+    async def compile_grammar(self, spec: StructuredOutputsParams | None, param: str | None
+                              ) -> None:
+        """Compile ``spec`` on the compiler's threads before the request reaches the engine
+        (whose check is then a cache hit, so no step waits for a compiler); a spec that
+        does not compile is a 400 naming the problem."""
+        if spec is None:
+            return
+        compiler = self.engine.engine.grammars
+        if compiler is None:
+            raise OpenAIError("structured output needs the model's tokenizer", param=param)
+        try:
+            await asyncio.wrap_future(compiler.submit(spec))
+        except GrammarError as exc:
+            raise OpenAIError(str(exc), param=param) from None
 
     def admit(self, num_requests: int = 1) -> None:
         """503 when the waiting queue is full (the client should retry later)."""

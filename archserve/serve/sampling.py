@@ -11,6 +11,7 @@ from typing import Any
 from archserve.engine.sampling_params import SamplingParams
 from archserve.serve.errors import OpenAIError
 from archserve.serve.protocol import SamplingFields
+from archserve.structured import StructuredOutputsParams
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int,
@@ -53,16 +54,62 @@ def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int
     return parsed
 
 
-def reject_unsupported(req: SamplingFields) -> None:
-    """Say no clearly to what archserve does not do, instead of silently ignoring it."""
+def structured_spec(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field that gave it (for error messages).
+
+    OpenAI's ``response_format`` (json_object, json_schema; text is no constraint),
+    vLLM's ``structured_outputs`` {json, regex, choice, grammar, json_object,
+    structural_tag} and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar``. Only the shape is checked here; compiling is ``ServingContext``'s.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
     fmt = req.response_format
-    if fmt and fmt.get("type", "text") != "text":
-        raise OpenAIError(f"response_format type {fmt.get('type')!r} (structured output) is "
-                          "not supported", param="response_format")
-    if req.tools:
-        raise OpenAIError("tool calling is not supported", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise OpenAIError("tool calling is not supported", param="tool_choice")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            body = fmt.get("json_schema")
+            schema = body.get("schema") if isinstance(body, dict) else None
+            if not isinstance(schema, dict):
+                raise OpenAIError("response_format json_schema needs json_schema.schema, a "
+                                  "JSON schema object", param="response_format.json_schema")
+            found.append(("response_format", {"json": schema}))
+        elif kind == "structural_tag":
+            found.append(("response_format", {"structural_tag": fmt}))
+        elif kind != "text":
+            raise OpenAIError(f"response_format type must be text, json_object, json_schema "
+                              f"or structural_tag; got {kind!r}", param="response_format.type")
+    if req.structured_outputs is not None:
+        unknown = set(req.structured_outputs) - _STRUCTURED_KEYS
+        if unknown:
+            raise OpenAIError(f"structured_outputs has unknown field(s) {sorted(unknown)}; "
+                              f"known: {sorted(_STRUCTURED_KEYS)}", param="structured_outputs")
+        found.append(("structured_outputs", dict(req.structured_outputs)))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            found.append((f"guided_{name}", {name: value}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise OpenAIError("give one output constraint; got " + ", ".join(f for f, _ in found),
+                          param=found[1][0])
+    param, fields = found[0]
+    if param == "structured_outputs" and isinstance(fields.get("choice"), list):
+        fields["choice"] = tuple(fields["choice"])
+    for ignored in ("disable_fallback", "disable_additional_properties", "whitespace_pattern",
+                    "backend"):
+        fields.pop(ignored, None)
+    try:
+        return StructuredOutputsParams(**fields), param
+    except (ValueError, TypeError) as exc:
+        raise OpenAIError(str(exc), param=param) from None
+
+
+_STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag",
+                    "disable_any_whitespace", "disable_fallback", "disable_additional_properties",
+                    "whitespace_pattern", "backend"}
 
 
 def truncated(ids: list[int], req: SamplingFields) -> list[int]:
@@ -73,7 +120,8 @@ def truncated(ids: list[int], req: SamplingFields) -> list[int]:
 
 def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None, vocab_size: int,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+                        defaults: dict[str, Any] | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams for the request; a field it left out takes the server's default
     (generation_config.json, see generation_defaults.py) or else OpenAI's."""
     def pick(name: str, fallback):
@@ -84,7 +132,6 @@ def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | No
         check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
     if req.allowed_token_ids:
         check_token_ids(req.allowed_token_ids, vocab_size, "allowed_token_ids")
-    reject_unsupported(req)
     logit_bias = parse_logit_bias(req.logit_bias, vocab_size)
     if req.min_tokens > max_tokens:
         raise OpenAIError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
@@ -105,6 +152,6 @@ def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | No
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,
-            allowed_token_ids=req.allowed_token_ids)
+            allowed_token_ids=req.allowed_token_ids, structured_outputs=structured)
     except ValueError as exc:
         raise OpenAIError(str(exc)) from None

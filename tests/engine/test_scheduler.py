@@ -304,3 +304,20 @@ def test_find_stop_string():
     assert find_stop_string("a.b!c", 5, ["!", "."]) == (1, ".")      # earliest wins
     assert find_stop_string("abc", 3, []) is None
     assert find_stop_string("abc", 0, ["c"]) is None
+
+
+def test_a_gated_sequence_keeps_its_place_while_later_ones_are_admitted():
+    """A sequence whose gate is open (its grammar compiling) is passed over, not dropped:
+    it stays at the front and is admitted once the gate closes."""
+    from concurrent.futures import Future
+    s = make()
+    gated, free = seq(6, arrival=0.0), seq(6, arrival=1.0)
+    gated.gate = Future()
+    s.add(gated)
+    s.add(free)
+    out = s.schedule()
+    assert [e.seq for e in out.scheduled] == [free] and list(s.waiting) == [gated]
+    s.postprocess(out, [3])
+    gated.gate.set_result(None)
+    out = s.schedule()
+    assert gated in [e.seq for e in out.scheduled] and not s.waiting
