@@ -36,7 +36,7 @@ class MultiprocessExecutor(Executor):
         self._finalizer: weakref.finalize | None = None
 
     def start(self, factory: WorkerFactory, *args: Any) -> list[Any]:
-        ctx = mp.get_context("spawn")      # CUDA cannot be used in a forked child
+        ctx = _worker_context()
         init_method = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(self.size):
             device = f"cuda:{rank}" if self.device_type == "cuda" else "cpu"
@@ -103,6 +103,14 @@ class MultiprocessExecutor(Executor):
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+
+def _worker_context():
+    """Workers fork from a fork server (never from the engine process, which may hold a
+    CUDA context) that has already imported what every rank needs."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["archserve.distributed.worker_preload"])
+    return ctx
 
 
 def _stop(procs: list[mp.Process], conns: list[Connection]) -> None:
