@@ -6,6 +6,8 @@ from typing import Annotated
 
 import typer
 
+from archserve.cli.generate import ExecutorOpt, TPOpt
+
 
 def serve(
     model: Annotated[str | None, typer.Option("--model", "-m", help="HF directory or .gguf file; default: the embedded SmolLM2-135M-Instruct.")] = None,
@@ -21,6 +23,8 @@ def serve(
     async_scheduling: Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later). Default: on for CUDA, off on CPU.")] = None,
     load_format: Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")] = "auto",
     quantization: Annotated[str | None, typer.Option("--quantization", "-q", help="Default: the checkpoint's own scheme; fp8 quantizes a 16-bit checkpoint at load (checked against the checkpoint).")] = None,
+    tensor_parallel_size: TPOpt = 1,
+    distributed_executor_backend: ExecutorOpt = "mp",
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of GPU memory for weights, activations and KV cache.")] = 0.9,
     kv_cache_memory_bytes: Annotated[int | None, typer.Option("--kv-cache-memory-bytes", help="Explicit KV cache budget in bytes.")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Larger request bodies get 413.")] = 8 * 1024 * 1024,
@@ -56,7 +60,9 @@ def serve(
                           enforce_eager=enforce_eager, load_format=load_format,
                           quantization=quantization, async_scheduling=async_scheduling,
                           gpu_memory_utilization=gpu_memory_utilization,
-                          kv_cache_memory_bytes=kv_cache_memory_bytes)
+                          kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          tensor_parallel_size=tensor_parallel_size,
+                          distributed_executor_backend=distributed_executor_backend)
     try:
         run_server(config, settings)
     except (ValueError, OSError) as exc:

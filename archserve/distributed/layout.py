@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from archserve.platform.decision import Decision
+
 
 @dataclass(frozen=True)
 class HeadSplit:
@@ -71,11 +73,17 @@ def vocab_part(vocab_size: int, size: int, rank: int) -> tuple[int, int, int]:
     return start, min(per, vocab_size - start), per
 
 
-def layout_problems(model_config, size: int) -> list[str]:
-    """Why ``model_config`` cannot run over ``size`` tensor-parallel ranks (empty: it can)."""
+def layout_problems(model_config, size: int, device_type: str = "cpu",
+                    num_devices: int = 0) -> list[str]:
+    """Why ``model_config`` (a ModelConfig or routing's ModelSummary) cannot run over
+    ``size`` tensor-parallel ranks on ``num_devices`` devices of ``device_type`` (empty:
+    it can)."""
     if size == 1:
         return []
     problems = []
+    devices = device_count_problem(size, device_type, num_devices)
+    if devices:
+        problems.append(devices)
     head = head_split_problem(model_config.num_heads, model_config.num_kv_heads, size)
     if head:
         problems.append(head)
@@ -106,11 +114,28 @@ def rank_model_config(model_config, size: int, rank: int):
 def describe_rank(model_config, size: int, rank: int) -> str:
     """What one rank holds, in words (explain, doctor, the start-up log)."""
     heads = split_heads(model_config.num_heads, model_config.num_kv_heads, size, rank)
-    first_vocab, vocab_rows, _ = vocab_part(model_config.vocab_size, size, rank)
     _, mlp = split_evenly(model_config.intermediate_size, size, rank)
     kv = (f"KV head {heads.first_kv_head} (replicated on {heads.kv_replicas} ranks)"
           if heads.kv_replicas > 1 else
           f"KV heads {heads.first_kv_head}..{heads.first_kv_head + heads.num_kv_heads - 1}")
-    return (f"rank {rank}: query heads {heads.first_head}..{heads.first_head + heads.num_heads - 1}"
-            f", {kv}, MLP columns {rank * mlp}..{(rank + 1) * mlp - 1}, vocabulary rows "
-            f"{first_vocab}..{first_vocab + vocab_rows - 1}")
+    text = (f"rank {rank}: query heads {heads.first_head}.."
+            f"{heads.first_head + heads.num_heads - 1}, {kv}, MLP columns {rank * mlp}.."
+            f"{(rank + 1) * mlp - 1}")
+    vocab = getattr(model_config, "vocab_size", None)      # a ModelSummary has none
+    if vocab:
+        first, rows, _ = vocab_part(vocab, size, rank)
+        text += f", vocabulary rows {first}..{first + rows - 1}"
+    return text
+
+
+def comm_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def layout_decision(model_config, size: int, device_type: str, executor: str = "mp"
+                    ) -> Decision:
+    """The parallel layout as a start-up / explain / doctor decision: ranks, the
+    communication backend, the executor, and what each rank holds."""
+    ranks = "; ".join(describe_rank(model_config, size, rank) for rank in range(size))
+    return Decision("tensor parallel", str(size),
+                    f"{size} ranks, {comm_backend(device_type)}, {executor} executor", ranks)

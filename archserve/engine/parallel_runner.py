@@ -17,7 +17,7 @@ import logging
 import torch
 
 from archserve.distributed.executor import Executor, WorkerFailure, make_executor
-from archserve.distributed.layout import describe_rank, device_count_problem, layout_problems
+from archserve.distributed.layout import layout_decision, layout_problems
 from archserve.distributed.process_group import RankPlace
 from archserve.engine import startup
 from archserve.engine.config import EngineConfig
@@ -28,20 +28,7 @@ from archserve.platform.decision import Decision
 
 log = logging.getLogger("archserve")
 
-__all__ = ["ParallelRunner", "start_parallel_runner", "WorkerFailure", "layout_refusal"]
-
-
-def layout_refusal(model_config, size: int, device_type: str, num_devices: int) -> str | None:
-    """Why this model cannot run over ``size`` ranks here (None: it can)."""
-    problems = layout_problems(model_config, size)
-    devices = device_count_problem(size, device_type, num_devices)
-    if devices:
-        problems.append(devices)
-    return "; ".join(problems) or None
-
-
-def layout_lines(model_config, size: int) -> list[str]:
-    return [describe_rank(model_config, size, rank) for rank in range(size)]
+__all__ = ["ParallelRunner", "start_parallel_runner", "WorkerFailure"]
 
 
 def start_parallel_runner(config: EngineConfig) -> RunnerSetup:
@@ -50,12 +37,11 @@ def start_parallel_runner(config: EngineConfig) -> RunnerSetup:
     device_type = startup.resolve_torch_device(config).type
     model_config, _gguf = peek_model_config(config.model)
     num_devices = torch.cuda.device_count() if device_type == "cuda" else 0
-    if config.distributed_executor_backend == "mp":   # Ray counts the cluster's GPUs itself
-        reason = layout_refusal(model_config, size, device_type, num_devices)
-    else:
-        reason = layout_refusal(model_config, size, "cpu", 0)
-    if reason:
-        raise ValueError(f"tensor_parallel_size={size}: {reason}")
+    if config.distributed_executor_backend == "ray":   # Ray counts the cluster's GPUs
+        num_devices = size
+    problems = layout_problems(model_config, size, device_type, num_devices)
+    if problems:
+        raise ValueError(f"tensor_parallel_size={size}: {'; '.join(problems)}")
     # The step's tokens come back through the engine before the next step is built.
     rank_config = dataclasses.replace(config, async_scheduling=False)
     executor = make_executor(config.distributed_executor_backend, size, device_type)
@@ -65,11 +51,8 @@ def start_parallel_runner(config: EngineConfig) -> RunnerSetup:
         executor.shutdown()
         raise
     setup: RunnerSetup = replies[0]
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    setup.report.decisions.insert(0, Decision(
-        "tensor parallel", str(size),
-        f"{size} ranks, {backend}, {config.distributed_executor_backend} executor",
-        "; ".join(layout_lines(setup.model_config, size))))
+    setup.report.decisions.insert(0, layout_decision(
+        setup.model_config, size, device_type, config.distributed_executor_backend))
     setup.report.decisions = [d for d in setup.report.decisions if d.what != "scheduling"]
     setup.report.decisions.append(Decision(
         "scheduling", {None: "auto", True: "async", False: "sync"}[config.async_scheduling],

@@ -57,3 +57,27 @@ def test_a_rank_that_disagrees_stops_the_start_with_a_message():
         agree.same("the attention backend", "TRITON_ATTN")
     RankAgreement(lambda value: [value, value]).same("the attention backend", "X")
     assert RankAgreement(lambda value: [4096, 4000]).min(4096) == 4000
+
+
+def test_explain_and_doctor_report_the_layout_and_refuse_impossible_ones():
+    from archserve.platform import get_profile
+    from archserve.routing.doctor import run_doctor
+    from archserve.routing.explain import SelectionInputs, explain_model
+    from archserve.routing.model_summary import ModelSummary
+
+    h100 = get_profile("h100")
+    model = ModelSummary("LlamaForCausalLM", head_size=128, num_heads=32, num_kv_heads=8,
+                         intermediate_size=14336)
+    two = explain_model(h100, model, inputs=SelectionInputs(tensor_parallel_size=2))
+    layout = next(d for d in two.decisions if d.what == "tensor parallel")
+    assert layout.chosen == "2 ranks, nccl, mp executor" and "rank 1: query heads 16..31" in \
+        layout.reason and two.not_loadable is None
+    three = explain_model(h100, model, inputs=SelectionInputs(tensor_parallel_size=3))
+    assert "32 attention heads do not split over 3" in three.not_loadable
+
+    report = run_doctor(h100, tensor_parallel_size=4, model=model, num_devices=2)
+    assert any("needs 4 GPUs, this machine has 2" in b for b in report.blockers)
+    assert not report.can_run
+    fits = run_doctor(h100, tensor_parallel_size=2, model=model, num_devices=2)
+    assert not any("tensor parallel" in b for b in fits.blockers)
+    assert any(d.what == "tensor parallel" for d in fits.decisions)
