@@ -86,6 +86,9 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     decisions += install_quantized_kernels(device, model, quant_plan)
     load_s = startup.elapsed(t0)
 
+    if tp.size > 1 and torch_device.type == "cuda":   # before graphs capture the all-reduces
+        from archserve.distributed.peer_all_reduce import install_peer_all_reduce
+        decisions.append(install_peer_all_reduce(tp, dtype))
     rank_mc = rank_model_config(mc, tp.size, tp.rank)      # this rank's heads
     max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                         mc.max_position_embeddings)
