@@ -36,7 +36,7 @@ class MultiprocessExecutor(Executor):
         self._finalizer: weakref.finalize | None = None
 
     def start(self, factory: WorkerFactory, *args: Any) -> list[Any]:
-        ctx = _worker_context()
+        ctx = _worker_context(factory)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(self.size):
             device = f"cuda:{rank}" if self.device_type == "cuda" else "cpu"
@@ -105,11 +105,15 @@ class MultiprocessExecutor(Executor):
         return [p.pid for p in self._procs]
 
 
-def _worker_context():
+def _worker_context(factory: WorkerFactory):
     """Workers fork from a fork server (never from the engine process, which may hold a
-    CUDA context) that has already imported what every rank needs."""
+    CUDA context) that has already imported what every rank needs: the factory's module,
+    and the modules it lists in ``WORKER_PRELOAD``. A rank's first seconds are imports
+    (about 8 s on a 2-core machine, paid by every rank at once); the fork server pays them
+    once per engine process."""
+    module = sys.modules[factory.__module__]
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["archserve.distributed.worker_preload"])
+    ctx.set_forkserver_preload([factory.__module__, *getattr(module, "WORKER_PRELOAD", ())])
     return ctx
 
 

@@ -30,6 +30,10 @@ log = logging.getLogger("archserve")
 
 __all__ = ["ParallelRunner", "start_parallel_runner", "WorkerFailure"]
 
+# Imported by the mp executor's fork server before it forks a rank: the slow imports every
+# rank makes (torch.distributed; transformers' config machinery, for the model's config).
+WORKER_PRELOAD = ("torch.distributed", "transformers.activations", "archserve.loader.loader")
+
 
 def start_parallel_runner(config: EngineConfig) -> RunnerSetup:
     """Check the layout, start the workers, and return the engine's view of their runner."""
