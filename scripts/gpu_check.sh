@@ -20,7 +20,9 @@
 #           8B shapes, with the embedded model's tokenizer carried in .tok/smollm2 (made
 #           here by `python benchmarks/structured_perf.py --save-tokenizer .tok/smollm2`;
 #           carry .tok and .whl: xgrammar is a carried wheel), then the structured-output
-#           GPU tests.
+#           GPU tests;
+#   tp:     (2+ GPUs) the tensor-parallel tests, benchmarks/tp_perf.py allreduce and engine
+#           (8B shape TP=2 against TP=1); `all` leaves it out, ask for it by name.
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
 set -uo pipefail
 OUT=${1:-${OUT:-out}}
@@ -35,6 +37,14 @@ fi
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 PYTEST="python3 -m pytest -rfEs -p no:cacheprovider -m gpu"
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
+if [ "$PART" = tp ]; then
+  $PYTEST -v --durations=10 tests/distributed 2>&1 | tee "$OUT/pytest_tp.log" | tail -n 25
+  python3 benchmarks/tp_perf.py allreduce --out "$OUT/tp_allreduce.json" 2>&1 \
+    | tee "$OUT/tp_allreduce.txt"
+  python3 benchmarks/tp_perf.py engine --out "$OUT/tp_perf" 2>&1 | tee "$OUT/tp_engine.txt"
+  tar -C "$OUT" -czf "$OUT/tp_perf.tgz" tp_perf
+  exit 0
+fi
 
 if want doctor; then
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv

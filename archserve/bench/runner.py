@@ -39,6 +39,8 @@ class BenchOptions:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
     async_scheduling: bool | None = None  # None: the engine's default for the device
     peer: str | None = None                     # None | "transformers"
     url: str = "http://127.0.0.1:8000"
@@ -107,7 +109,8 @@ def run_offline_bench(options: BenchOptions) -> dict:
         quantization=options.quantization,
         max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
         enforce_eager=options.enforce_eager, async_scheduling=options.async_scheduling,
-        seed=options.seed,
+        seed=options.seed, tensor_parallel_size=options.tensor_parallel_size,
+        distributed_executor_backend=options.distributed_executor_backend,
         skip_tokenizer_init=no_tokenizer))
     vocab = engine.model_config.vocab_size
     if engine.tokenizer is not None:

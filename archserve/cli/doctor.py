@@ -13,6 +13,12 @@ def doctor(
     device: Annotated[str | None, typer.Option(
         "--device", "-d", help="A profile id or SM alias to simulate; default: this machine.")
     ] = None,
+    tensor_parallel_size: Annotated[int, typer.Option(
+        "--tensor-parallel-size", "-tp", min=1,
+        help="Check a layout over N ranks: enough devices, heads that split.")] = 1,
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="With --tensor-parallel-size: the model whose layout to check "
+                              "(config only).")] = None,
 ) -> None:
     """Check device, driver / CUDA runtime / torch build and kernel libraries; show each op's backend.
 
@@ -25,7 +31,16 @@ def doctor(
         info = resolve_device(device)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from exc
-    report = run_doctor(info)
+    summary = None
+    if model is not None or tensor_parallel_size > 1:
+        from archserve.loader.loader import resolve_model_path
+        from archserve.routing.model_summary import read_model_summary
+        try:
+            summary = read_model_summary(resolve_model_path(model))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--model") from exc
+    report = run_doctor(info, tensor_parallel_size=tensor_parallel_size, model=summary,
+                        num_devices=_live_device_count() if device is None else None)
     if json_output:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -84,3 +99,8 @@ def _print_report(report) -> None:  # noqa: ANN001 - a DoctorReport
         console.print("[green]archserve can run here.[/green]")
     else:
         console.print("[red]archserve cannot run here:[/red] " + escape("; ".join(report.blockers)))
+
+
+def _live_device_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -19,11 +19,13 @@ EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA gr
 LoadFormatOpt = Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")]
 MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Context length cap.")]
 QuantOpt = Annotated[str | None, typer.Option("--quantization", "-q", help="Default: the checkpoint's own scheme; fp8 quantizes a 16-bit checkpoint at load (checked against the checkpoint).")]
+TPOpt = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="Ranks to split the model over: one worker process per GPU (gloo ranks share the cores on a CPU).")]
+ExecutorOpt = Annotated[str, typer.Option("--distributed-executor-backend", help="mp (worker processes on this machine) or ray (actors of a Ray cluster; see docs/tensor-parallel.md).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log the start-up route.")]
 
 
 def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_model_len, verbose,
-            quantization=None):
+            quantization=None, tensor_parallel_size=1, distributed_executor_backend="mp"):
     import logging
 
     from archserve.engine.config import EngineConfig
@@ -33,7 +35,8 @@ def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_mod
     config = EngineConfig(model=model, dtype=dtype, attention_backend=attention_backend,
                           enforce_eager=enforce_eager, load_format=load_format,
                           max_model_len=max_model_len, max_num_seqs=8,
-                          quantization=quantization)
+                          quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+                          distributed_executor_backend=distributed_executor_backend)
     return LLMEngine(config)
 
 
@@ -50,13 +53,15 @@ def generate(prompt: Annotated[str, typer.Argument(help="The prompt text.")],
              dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
              enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
              max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
-             quantization: QuantOpt = None) -> None:
+             quantization: QuantOpt = None, tensor_parallel_size: TPOpt = 1,
+             distributed_executor_backend: ExecutorOpt = "mp") -> None:
     """Generate a completion for PROMPT, streamed to the terminal."""
     from archserve.engine.streaming import stream_text
     from archserve.loader.tokenizer import apply_chat_template
     try:
         engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
-                         max_model_len, verbose, quantization)
+                         max_model_len, verbose, quantization, tensor_parallel_size,
+                         distributed_executor_backend)
         params = _params(max_tokens, temperature, top_p, top_k, seed)
         request = (apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
                    if chat_template else prompt)
@@ -75,7 +80,8 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
          dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
          enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
          max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
-         quantization: QuantOpt = None) -> None:
+         quantization: QuantOpt = None, tensor_parallel_size: TPOpt = 1,
+         distributed_executor_backend: ExecutorOpt = "mp") -> None:
     """Chat with a model in the terminal; replies stream token by token.
 
     Type a message and press Enter. `/reset` clears the conversation, `/exit` (or
@@ -85,7 +91,8 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
     from archserve.loader.tokenizer import apply_chat_template
     try:
         engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
-                         max_model_len, verbose, quantization)
+                         max_model_len, verbose, quantization, tensor_parallel_size,
+                         distributed_executor_backend)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

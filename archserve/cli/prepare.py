@@ -10,16 +10,19 @@ from archserve.cli.generate import (
     BackendOpt,
     DtypeOpt,
     EagerOpt,
+    ExecutorOpt,
     LoadFormatOpt,
     MaxLenOpt,
     ModelOpt,
     QuantOpt,
+    TPOpt,
 )
 
 
 def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
             enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
             max_model_len: MaxLenOpt = None, quantization: QuantOpt = None,
+            tensor_parallel_size: TPOpt = 1, distributed_executor_backend: ExecutorOpt = "mp",
             max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Largest decode batch (CUDA graph sizes follow it).")] = 256,
             gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
             json_output: Annotated[bool, typer.Option("--json", help="Print the timings as JSON.")] = False) -> None:
@@ -41,7 +44,8 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
             model=model_path, dtype=dtype, attention_backend=attention_backend,
             enforce_eager=enforce_eager, load_format=load_format, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
-            quantization=quantization,
+            quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
             skip_tokenizer_init=dummy_without_tokenizer(model_path, load_format)))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

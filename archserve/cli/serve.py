@@ -6,6 +6,8 @@ from typing import Annotated
 
 import typer
 
+from archserve.cli.generate import ExecutorOpt, TPOpt
+
 
 def serve(
     model: Annotated[str | None, typer.Option("--model", "-m", help="HF directory or .gguf file; default: the embedded SmolLM2-135M-Instruct.")] = None,
@@ -22,6 +24,8 @@ def serve(
     load_format: Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")] = "auto",
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="HF directory or .gguf file to take the tokenizer from; default: --model's (e.g. dummy weights of a config-only folder with another model's tokenizer).")] = None,
     quantization: Annotated[str | None, typer.Option("--quantization", "-q", help="Default: the checkpoint's own scheme; fp8 quantizes a 16-bit checkpoint at load (checked against the checkpoint).")] = None,
+    tensor_parallel_size: TPOpt = 1,
+    distributed_executor_backend: ExecutorOpt = "mp",
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of GPU memory for weights, activations and KV cache.")] = 0.9,
     kv_cache_memory_bytes: Annotated[int | None, typer.Option("--kv-cache-memory-bytes", help="Explicit KV cache budget in bytes.")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Larger request bodies get 413.")] = 8 * 1024 * 1024,
@@ -58,7 +62,9 @@ def serve(
                           tokenizer=tokenizer,
                           quantization=quantization, async_scheduling=async_scheduling,
                           gpu_memory_utilization=gpu_memory_utilization,
-                          kv_cache_memory_bytes=kv_cache_memory_bytes)
+                          kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          tensor_parallel_size=tensor_parallel_size,
+                          distributed_executor_backend=distributed_executor_backend)
     try:
         run_server(config, settings)
     except (ValueError, OSError) as exc:

@@ -33,8 +33,10 @@ class EngineConfig:
     seed: int = 0
     skip_canary: bool = False                # numerics canary of the attention kernel at start
     self_check: bool | None = None           # roofline self-check of a decode step (None: on GPUs)
+    # One worker process per rank, each on its own GPU (or sharing the CPU's cores).
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp" # mp (this machine) | ray (a Ray cluster)
     # Accepted for vLLM compatibility:
-    tensor_parallel_size: int = 1            # only 1 today
     # None: the checkpoint's own; else a method checked against it ("fp8" on a 16-bit
     # checkpoint quantizes it at load, as vLLM's online fp8).
     quantization: str | None = None
@@ -52,8 +54,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: archserve runs "
-                             "one GPU per engine today (tensor parallelism is not implemented)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend must be mp or ray; got "
+                             f"{self.distributed_executor_backend!r}")
         if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

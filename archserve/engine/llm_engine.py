@@ -9,22 +9,11 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
-import torch
-
 from archserve.engine import startup
 from archserve.engine.block_pool import KVBlockPool
-from archserve.engine.ceilings import load_or_measure
 from archserve.engine.config import EngineConfig
-from archserve.engine.cpu_threads import cpu_thread_governor
-from archserve.engine.cuda_graphs import default_graph_sizes, describe_demoted
-from archserve.engine.decode_gemms import (
-    install_linear_route,
-    install_quantized_kernels,
-    tune_quantized_decode,
-)
-from archserve.engine.kernel_cache import configure_kernel_caches
+from archserve.engine.cuda_graphs import describe_demoted
 from archserve.engine.launched_step import LaunchedStep
-from archserve.engine.model_runner import ModelRunner
 from archserve.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -32,18 +21,15 @@ from archserve.engine.outputs import (
     RequestOutput,
 )
 from archserve.engine.phases import phase
-from archserve.engine.sampler import Sampler, SamplerOutput
+from archserve.engine.runner_setup import build_runner
+from archserve.engine.sampler import SamplerOutput
 from archserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from archserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from archserve.engine.self_check import run_self_check
 from archserve.engine.sequence import Sequence, SequenceStatus
 from archserve.engine.stop_checker import find_stop_string
 from archserve.structured import GrammarCompiler, attach_grammars, grammar_error
 
 log = logging.getLogger("archserve")
-
-DEFAULT_MAX_BATCHED_TOKENS = 8192
-
 
 @dataclass
 class RequestState:
@@ -65,106 +51,32 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
-        self.config = config
         t0 = time.perf_counter()
-        from archserve.loader.loader import load_model
         from archserve.loader.tokenizer import load_tokenizer
 
-        torch_device = startup.resolve_torch_device(config)
-        # Unseeded requests draw from torch's global generator: make runs repeatable.
-        torch.manual_seed(config.seed)
-        device = startup.device_info_for(torch_device)
-        model_path = config.model
-        probe_config, gguf_path = _peek_model_config(model_path)
-        dtype, kv_cache_dtype, decisions = startup.resolve_precision(device, config, probe_config)
-        # Refused here, before any weight is read, when no kernel can run the checkpoint.
-        quant_plan = startup.plan_checkpoint_quantization(device, config, probe_config,
-                                                          gguf_path, dtype)
-        decisions += quant_plan.decisions
-        scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
-        decisions.append(scheduling)
-        self.cpu_threads, threads_decision = cpu_thread_governor(torch_device)
-        if threads_decision is not None:
-            decisions.append(threads_decision)
-        self.config = config = dataclasses.replace(
-            config, async_scheduling=scheduling.chosen == "async")
-        self.model, self.model_config = load_model(model_path, dtype=dtype, device=torch_device,
-                                                   load_format=config.load_format,
-                                                   quantization=quant_plan.config)
-        decisions += install_quantized_kernels(device, self.model, quant_plan)
+        if config.tensor_parallel_size > 1:
+            from archserve.engine.parallel_runner import start_parallel_runner
+            setup = start_parallel_runner(config)      # one worker process per rank
+        else:
+            setup = build_runner(config)
+        self.runner, self.model, self.model_config = setup.runner, setup.model, setup.model_config
+        self.report, self.cpu_threads = setup.report, setup.cpu_threads
+        self.config = config = dataclasses.replace(config,
+                                                   async_scheduling=setup.async_scheduling)
         self.tokenizer = (None if config.skip_tokenizer_init
-                          else load_tokenizer(config.tokenizer or model_path))
-        load_s = startup.elapsed(t0)
-
-        mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
-        kernel_cache = configure_kernel_caches(device)
-        t_select = time.perf_counter()
-        selection, attn_impl, canary = startup.select_attention_with_canary(
-            device, config, mc, dtype, kv_cache_dtype, torch_device)
-        block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
-        select_s = startup.elapsed(t_select)
-        graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection)
-        graph_sizes = (config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
-                       if graphs_off is None else [])
-        t_gemms = time.perf_counter()
-        for gemm_decision in (install_linear_route(device, self.model, dtype, graph_sizes),
-                              tune_quantized_decode(device, self.model, dtype, graph_sizes)):
-            if gemm_decision is not None:
-                decisions.append(gemm_decision)
-        gemm_tune_s = startup.elapsed(t_gemms)
-        self.eos_token_ids = set(mc.eos_token_ids)
-        self.sampler = Sampler(self.eos_token_ids)
+                          else load_tokenizer(config.tokenizer or config.model))
+        self.max_model_len = setup.max_model_len
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
         # Grammars of structured-output requests (xgrammar loads on first use).
-        self.grammars = (GrammarCompiler(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                         sorted(self.eos_token_ids))
                          if self.tokenizer is not None else None)
-        self.runner = ModelRunner(self.model, mc, torch_device, dtype, attn_impl, block_size,
-                                  self.max_model_len, self.sampler)
-        max_batched = config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
-        if not config.enable_chunked_prefill:
-            max_batched = max(max_batched, self.max_model_len)  # a whole prompt fits one step
-        kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
-        num_blocks, sizing = startup.size_kv_pool(config, self.runner, mc, kv_torch_dtype,
-                                                  max_batched, self.max_model_len,
-                                                  config.max_num_seqs, torch_device)
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache has room for {num_blocks * block_size} tokens ({sizing}), "
-                f"fewer than max_model_len={self.max_model_len}; lower max_model_len or give "
-                f"the cache more memory")
-        self.runner.allocate_kv_cache(num_blocks, kv_torch_dtype, kv_cache_dtype)
-        self.block_pool = KVBlockPool(num_blocks, block_size, config.enable_prefix_caching)
+        self.block_pool = KVBlockPool(setup.num_blocks, setup.block_size,
+                                      config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, max_batched, self.max_model_len,
-                            config.enable_chunked_prefill),
+            SchedulerConfig(config.max_num_seqs, setup.max_num_batched_tokens,
+                            self.max_model_len, config.enable_chunked_prefill),
             self.block_pool, self.eos_token_ids)
-        t_warm = time.perf_counter()
-        if torch_device.type == "cuda":  # JIT compilers run on GPUs only
-            self.runner.warm_up_prefill(max_batched)
-        warm_up_s = startup.elapsed(t_warm)
-        graphs = graphs_off is None
-        t_graphs = time.perf_counter()
-        if graphs:
-            self.runner.capture_cuda_graphs(graph_sizes)
-        graphs_s = startup.elapsed(t_graphs)
-        self.report = startup.StartupReport(
-            device=device, torch_device=torch_device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-            decisions=decisions, attention=selection, block_size=block_size, canary=canary,
-            num_blocks=num_blocks, max_model_len=self.max_model_len,
-            graph_sizes=self.runner.graphs.set.sizes if graphs else [],
-            graph_demoted=self.runner.graphs.set.demoted if graphs else {},
-            graphs_off=graphs_off, kernel_cache=kernel_cache, kv_sizing=sizing,
-            routes=startup.model_routes(device, config, mc, dtype, kv_cache_dtype, selection,
-                                        is_gguf=gguf_path is not None),
-            timings={"load_s": load_s, "select_and_canary_s": select_s,
-                     "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s,
-                     "cuda_graphs_s": graphs_s})
-        if config.self_check or (config.self_check is None and torch_device.type == "cuda"):
-            t_check = time.perf_counter()
-            ceilings = load_or_measure(torch_device)
-            self.report.self_check = run_self_check(self.runner, ceilings.copy_bytes_per_s)
-            self.report.timings["self_check_s"] = startup.elapsed(t_check)
         self.report.timings["total_s"] = startup.elapsed(t0)
         self.requests: dict[str, RequestState] = {}
         self._counter = 0
@@ -173,6 +85,12 @@ class LLMEngine:
         # Queued requests whose grammar is still compiling (the scheduler passes them over).
         self._compiling: dict[str, RequestState] = {}
         log.info("%s", self.describe_route())
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (a single-rank engine holds none)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # -- introspection ---------------------------------------------------------------
     def describe_route(self) -> str:
@@ -265,6 +183,11 @@ class LLMEngine:
         if out_of_vocab:
             raise ValueError(f"token ids must be below the vocabulary size {vocab}; "
                              f"got {out_of_vocab[:5]}")
+        if params.structured_outputs is not None and self.config.tensor_parallel_size > 1:
+            # The grammar matchers live with the engine's sequences; rank 0 samples in its
+            # worker process, which does not hold them.
+            raise ValueError("structured output is not supported with tensor_parallel_size > 1 "
+                             "yet; serve this model with --tensor-parallel-size 1 for it")
         text, ids = self.tokenize_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
@@ -569,9 +492,3 @@ def visible_text_length(seq: Sequence) -> int:
         return len(seq.output_text)
     hold = max(len(stop) for stop in params.stop_strings) - 1
     return max(0, len(seq.output_text) - hold)
-
-
-def _peek_model_config(model_path: str | None):
-    """(the model's config, its GGUF file or None), without its weights."""
-    from archserve.loader.loader import load_model_config, resolve_model_path
-    return load_model_config(resolve_model_path(model_path))

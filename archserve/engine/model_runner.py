@@ -210,6 +210,8 @@ class ModelRunner:
                 logits = row_logits  # every row sampled, in row order (a decode batch)
             else:
                 logits = row_logits[batch.logits_indices]
+        if self.sampler is None:   # a tensor-parallel rank other than 0: it computes, 0 samples
+            return LaunchedStep([], None, prompt_logprobs)
         with phase("sample"):
             result = self.sampler.sample(logits, batch.sampled_seqs,
                                          previous and previous.token_of)

@@ -21,9 +21,13 @@ from torch import nn
 
 from archserve.kernels.elementwise import gelu_tanh_and_mul
 from archserve.models.layers.attention import Attention
-from archserve.models.layers.embedding import VocabEmbedding
-from archserve.models.layers.linear import GateUpLinear, Linear, QKVLinear
 from archserve.models.layers.norm import GemmaRMSNorm
+from archserve.models.layers.parallel_embedding import VocabParallelEmbedding
+from archserve.models.layers.parallel_linear import (
+    GateUpParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from archserve.models.layers.rotary import RotaryEmbedding
 from archserve.models.llama import LlamaForCausalLM
 
@@ -39,15 +43,17 @@ class Gemma3Attention(nn.Module):
                  rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         h, d = config.num_heads, config.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, d, h, config.num_kv_heads,
-                                  bias=config.attention_bias)
-        self.o_proj = Linear(h * d, config.hidden_size, bias=config.attention_bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, h, config.num_kv_heads,
+                                          bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=config.attention_bias)
         self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.rotary_emb = rotary_emb  # shared by every layer with the same RoPE
         # No attention soft-capping: Gemma 3 replaced Gemma 2's with the q/k norms, and
         # transformers ignores a config's attn_logit_softcapping for it too.
-        self.attn = Attention(h, config.num_kv_heads, d, scale=config.attention_scale,
+        heads = self.qkv_proj.heads          # this rank's heads
+        self.attn = Attention(heads.num_heads, heads.num_kv_heads, d,
+                              scale=config.attention_scale,
                               layer_index=layer_index,
                               sliding_window=config.layer_sliding_windows[layer_index])
         self.head_dim = d
@@ -70,10 +76,10 @@ class Gemma3MLP(nn.Module):
         if config.hidden_activation not in _GELU_TANH:
             raise ValueError(f"Gemma 3 MLP activation {config.hidden_activation!r} is not "
                              f"supported; supported: {', '.join(_GELU_TANH)}")
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size,
-                                         bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size,
-                                bias=config.mlp_bias)
+        self.gate_up_proj = GateUpParallelLinear(config.hidden_size, config.intermediate_size,
+                                                 bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
@@ -104,7 +110,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # A tensor in the model dtype (bf16 rounds sqrt(640) to 25.25), as in HF.
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5),
                              persistent=False)

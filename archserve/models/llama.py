@@ -15,9 +15,14 @@ import torch
 from torch import nn
 
 from archserve.models.layers.attention import Attention
-from archserve.models.layers.embedding import LMHead, VocabEmbedding
-from archserve.models.layers.linear import GateUpLinear, Linear, QKVLinear
+from archserve.models.layers.linear import Linear
 from archserve.models.layers.norm import RMSNorm
+from archserve.models.layers.parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from archserve.models.layers.parallel_linear import (
+    GateUpParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from archserve.models.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -40,14 +45,15 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         h, d = config.num_heads, config.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, d, h, config.num_kv_heads,
-                                  bias=config.attention_bias)
-        self.o_proj = Linear(h * d, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, h, config.num_kv_heads,
+                                          bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(h * d, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling)
-        self.attn = Attention(h, config.num_kv_heads, d, scale=d ** -0.5,
+        heads = self.qkv_proj.heads          # this rank's heads
+        self.attn = Attention(heads.num_heads, heads.num_kv_heads, d, scale=d ** -0.5,
                               layer_index=layer_index,
                               sliding_window=config.layer_sliding_windows[layer_index])
         self.head_dim = d
@@ -68,10 +74,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size,
-                                         bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size,
-                                bias=config.mlp_bias)
+        self.gate_up_proj = GateUpParallelLinear(config.hidden_size, config.intermediate_size,
+                                                 bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
@@ -96,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -120,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = self.model_class(config)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -144,11 +150,15 @@ class LlamaForCausalLM(nn.Module):
         for hf_module, (module, shard) in self.linear_checkpoint_modules().items():
             for param in module.checkpoint_params():
                 shapes[f"{hf_module}.{param}"] = module.shard_shape(shard, param)
-        linears = {name for name, m in self.named_modules() if isinstance(m, Linear)}
+        modules = dict(self.named_modules())
         # named_parameters lists a tied lm_head weight once, under the embedding.
         for name, param in self.named_parameters():
-            if name.rpartition(".")[0] not in linears:
-                shapes[name] = tuple(param.shape)
+            owner, _, param_name = name.rpartition(".")
+            if isinstance(modules[owner], Linear):
+                continue
+            # A vocabulary-parallel layer holds part of what the checkpoint stores.
+            whole = getattr(modules[owner], "checkpoint_shape", None)
+            shapes[name] = whole(param_name) if whole else tuple(param.shape)
         return shapes
 
     def linear_checkpoint_modules(self) -> dict[str, tuple[Linear, str | None]]:
@@ -171,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
         """
         expected = self.checkpoint_shapes()
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         linears = self.linear_checkpoint_modules()
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -191,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
             if module_path in linears:
                 module, shard = linears[module_path]
                 module.load_shard(shard, param_name, tensor.reshape(expected[name]))
+            elif hasattr(modules[module_path], "load_checkpoint"):
+                modules[module_path].load_checkpoint(param_name, tensor)
             else:
                 with torch.no_grad():
                     params[name].copy_(tensor)

@@ -118,7 +118,11 @@ def _quant_reports(device: DeviceInfo, dtype: Any, libraries: LibraryAssumption
     return reports
 
 
-def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed") -> DoctorReport:
+def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed",
+               tensor_parallel_size: int = 1, model=None, num_devices: int | None = None
+               ) -> DoctorReport:
+    """``model`` (a ModelSummary) and ``num_devices`` (None: unknown, a simulated device)
+    let it check a tensor-parallel layout too."""
     toolchain_ok, toolchain_text = three_layer_verdict(device)
     arch_ok, arch_text = arch_verdict(device)
     decisions, specs = _representative_specs(device)
@@ -132,6 +136,35 @@ def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed") -
     if device.is_gpu and not toolchain_ok:
         # torch cannot drive this GPU (wrong build, runtime newer than the driver, ...).
         blockers.append(f"the toolchain cannot run on {device.describe()}: see findings")
+    if tensor_parallel_size > 1:
+        blockers += _parallel_layout(device, tensor_parallel_size, model, num_devices, decisions)
     return DoctorReport(device, decisions, toolchain_ok, toolchain_text, arch_ok, arch_text,
                         diagnose(device), ops, blockers)
 
+
+
+def _parallel_layout(device: DeviceInfo, size: int, model, num_devices: int | None,
+                     decisions: list[Decision]) -> list[str]:
+    """Blockers of a tensor-parallel layout; what each rank holds goes to ``decisions``."""
+    from archserve.distributed.layout import (
+        comm_backend,
+        device_count_problem,
+        layout_decision,
+        layout_problems,
+    )
+    device_type = "cuda" if device.is_gpu else "cpu"
+    blockers = []
+    if num_devices is not None:
+        problem = device_count_problem(size, device_type, num_devices)
+        if problem:
+            blockers.append(f"tensor parallel: {problem}")
+    if model is None:
+        decisions.append(Decision("tensor parallel", str(size),
+                                  f"{size} ranks, {comm_backend(device_type)}",
+                                  "give --model to see what each rank holds"))
+        return blockers
+    problems = layout_problems(model, size)
+    if problems:
+        return blockers + [f"tensor parallel: {p}" for p in problems]
+    decisions.append(layout_decision(model, size, device_type))
+    return blockers

@@ -327,6 +327,8 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     if kv not in RUNNABLE_KV_CACHE_DTYPES:
         not_loadable = "; ".join(filter(None, [
             not_loadable, f"no kernel in this build reads a {kv} KV cache"]))
+    not_loadable = _tensor_parallel_layout(device, model, inputs.tensor_parallel_size,
+                                           decisions, not_loadable)
     num_heads, num_kv_heads = inputs.per_rank_heads(model.num_heads, model.num_kv_heads)
     attention = AttentionSpec(
         head_size=model.head_size, dtype=torch_dtype, kv_cache_dtype=kv,
@@ -349,6 +351,22 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
                          not_loadable))
     return Explanation(device, torch_dtype, decisions, routes, libraries_text(libraries),
                        not_loadable, inputs)
+
+
+def _tensor_parallel_layout(device: DeviceInfo, model: ModelSummary, size: int,
+                            decisions: list[Decision], not_loadable: str | None) -> str | None:
+    """Add the layout over ``size`` ranks to ``decisions``, or its refusal to
+    ``not_loadable`` (returned). The dense decoders only: MLA and MoE models do not split
+    here yet, and their MoE route shows its own layout."""
+    from archserve.distributed.layout import layout_decision, layout_problems
+    if size == 1 or model.use_mla or model.is_moe:
+        return not_loadable
+    problems = layout_problems(model, size)
+    if problems:
+        return "; ".join(filter(None, [not_loadable,
+                                       f"tensor_parallel_size={size}: {'; '.join(problems)}"]))
+    decisions.append(layout_decision(model, size, "cuda" if device.is_gpu else "cpu"))
+    return not_loadable
 
 
 def _route(device: DeviceInfo, op: str, spec: Any, libraries: LibraryAssumption, layer: str,

@@ -178,6 +178,8 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+            if getattr(exc, "fatal", False):
+                raise               # a lost worker: the engine cannot serve again
             log.exception("engine step failed; failing the requests in flight")
             self._fail_all(RuntimeError(f"the engine failed while running this request: "
                                         f"{type(exc).__name__}: {exc}"))

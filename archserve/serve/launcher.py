@@ -74,5 +74,6 @@ def run_server(engine_config: EngineConfig, settings: ServerSettings) -> None:
         server.run(sockets=[sock])
     finally:
         ctx.engine.shutdown(settings.shutdown_timeout_s)
+        engine.shutdown()           # tensor-parallel workers, if any
         sock.close()
     log.info("archserve: server stopped")

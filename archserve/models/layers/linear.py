@@ -111,6 +111,11 @@ class Linear(nn.Module):
         return names + (["bias"] if self.bias is not None else [])
 
     def shard_shape(self, shard: str | None, param: str) -> tuple[int, ...]:
+        """The shape the checkpoint stores (a tensor-parallel layer holds a part of it)."""
+        return self.local_shard_shape(shard, param)
+
+    def local_shard_shape(self, shard: str | None, param: str) -> tuple[int, ...]:
+        """The shape of what this layer holds of one checkpoint tensor."""
         rows = self.shard_rows()[self.shard_names.index(shard)]
         if param == "bias":
             return (rows,)
@@ -129,7 +134,7 @@ class Linear(nn.Module):
             self.quant.load_shard(self.shard_names.index(shard), param, tensor)
             return
         target = getattr(self, param, None)
-        expected = self.shard_shape(shard, param)
+        expected = self.local_shard_shape(shard, param)
         if target is None or tuple(tensor.shape) != expected:
             got = "a tensor" if target is None else f"shape {tuple(tensor.shape)}"
             raise ValueError(f"{shard or 'linear'} {param}: expected shape {expected}, got {got}")

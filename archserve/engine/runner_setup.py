@@ -1,0 +1,162 @@
+"""Build a ready model runner from an EngineConfig: precision, weights, attention route,
+GEMM tuning, KV pool, warm-up, CUDA graphs, self-check, and the report of every decision.
+
+The engine process runs this itself at one rank; with tensor parallelism every worker
+runs it on its own shard, and the ranks agree (``distributed.agreement``) on the route
+and on the KV pool before they allocate it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from archserve.distributed.agreement import SINGLE_RANK, RankAgreement
+from archserve.distributed.layout import rank_model_config
+from archserve.distributed.parallel_state import get_tp
+from archserve.engine import startup
+from archserve.engine.ceilings import load_or_measure
+from archserve.engine.config import EngineConfig
+from archserve.engine.cpu_threads import cpu_thread_governor
+from archserve.engine.cuda_graphs import default_graph_sizes
+from archserve.engine.decode_gemms import (
+    install_linear_route,
+    install_quantized_kernels,
+    tune_quantized_decode,
+)
+from archserve.engine.kernel_cache import configure_kernel_caches
+from archserve.engine.model_runner import ModelRunner
+from archserve.engine.sampler import Sampler
+from archserve.engine.self_check import run_self_check
+
+DEFAULT_MAX_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class RunnerSetup:
+    runner: ModelRunner
+    model: nn.Module
+    model_config: object               # the whole model's ModelConfig
+    max_model_len: int
+    max_num_batched_tokens: int
+    num_blocks: int
+    block_size: int
+    async_scheduling: bool
+    report: startup.StartupReport
+    cpu_threads: object | None = None  # the CPU thread governor, where one runs
+
+
+def peek_model_config(model_path: str | None):
+    """(the model's config, its GGUF file or None), without its weights."""
+    from archserve.loader.loader import load_model_config, resolve_model_path
+    return load_model_config(resolve_model_path(model_path))
+
+
+def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> RunnerSetup:
+    from archserve.loader.loader import load_model
+
+    t0 = time.perf_counter()
+    tp = get_tp()
+    torch_device = startup.resolve_torch_device(config)
+    # Unseeded requests draw from torch's global generator: make runs repeatable.
+    torch.manual_seed(config.seed)
+    device = startup.device_info_for(torch_device)
+    probe_config, gguf_path = peek_model_config(config.model)
+    dtype, kv_cache_dtype, decisions = startup.resolve_precision(device, config, probe_config)
+    # Refused here, before any weight is read, when no kernel can run the checkpoint.
+    quant_plan = startup.plan_checkpoint_quantization(device, config, probe_config,
+                                                      gguf_path, dtype)
+    if tp.size > 1 and quant_plan.config is not None:
+        raise ValueError("tensor parallelism does not split quantized linear layers yet "
+                         "(their scales and groups would have to follow the split): run "
+                         "this checkpoint with tensor_parallel_size=1")
+    decisions += quant_plan.decisions
+    scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
+    decisions.append(scheduling)
+    cpu_threads = None
+    if tp.size == 1:   # tensor-parallel CPU ranks split the cores between them instead
+        cpu_threads, threads_decision = cpu_thread_governor(torch_device)
+        if threads_decision is not None:
+            decisions.append(threads_decision)
+    model, mc = load_model(config.model, dtype=dtype, device=torch_device,
+                           load_format=config.load_format, quantization=quant_plan.config)
+    decisions += install_quantized_kernels(device, model, quant_plan)
+    load_s = startup.elapsed(t0)
+
+    if tp.size > 1 and torch_device.type == "cuda":   # before graphs capture the all-reduces
+        from archserve.distributed.peer_all_reduce import install_peer_all_reduce
+        decisions.append(install_peer_all_reduce(tp, dtype))
+    rank_mc = rank_model_config(mc, tp.size, tp.rank)      # this rank's heads
+    max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                        mc.max_position_embeddings)
+    kernel_cache = configure_kernel_caches(device)
+    t_select = time.perf_counter()
+    selection, attn_impl, canary = startup.select_attention_with_canary(
+        device, config, rank_mc, dtype, kv_cache_dtype, torch_device)
+    agree.same("the attention backend", selection.name)
+    block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
+    select_s = startup.elapsed(t_select)
+    graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection)
+    graph_sizes = (config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
+                   if graphs_off is None else [])
+    t_gemms = time.perf_counter()
+
+    def tune_gemms() -> list:
+        return [d for d in (install_linear_route(device, model, dtype, graph_sizes),
+                            tune_quantized_decode(device, model, dtype, graph_sizes))
+                if d is not None]
+
+    decisions += agree.rank0_first(tune_gemms)
+    gemm_tune_s = startup.elapsed(t_gemms)
+    agree.same("the kernel choices", [(d.what, d.chosen) for d in decisions])
+    runner = ModelRunner(model, rank_mc, torch_device, dtype, attn_impl, block_size,
+                         max_model_len, Sampler(set(mc.eos_token_ids)))
+    max_batched = config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
+    if not config.enable_chunked_prefill:
+        max_batched = max(max_batched, max_model_len)  # a whole prompt fits one step
+    kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
+    num_blocks, sizing = startup.size_kv_pool(config, runner, rank_mc, kv_torch_dtype,
+                                              max_batched, max_model_len,
+                                              config.max_num_seqs, torch_device)
+    if tp.size > 1:
+        own, num_blocks = num_blocks, agree.min(num_blocks)
+        sizing += (f"; the smallest of {tp.size} ranks' pools (this rank: {own})"
+                   if own != num_blocks else f"; every rank of {tp.size} fits it")
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache has room for {num_blocks * block_size} tokens ({sizing}), "
+            f"fewer than max_model_len={max_model_len}; lower max_model_len or give "
+            f"the cache more memory")
+    runner.allocate_kv_cache(num_blocks, kv_torch_dtype, kv_cache_dtype)
+    t_warm = time.perf_counter()
+    if torch_device.type == "cuda":  # JIT compilers run on GPUs only
+        runner.warm_up_prefill(max_batched)
+    warm_up_s = startup.elapsed(t_warm)
+    graphs = graphs_off is None
+    t_graphs = time.perf_counter()
+    if graphs:
+        runner.capture_cuda_graphs(graph_sizes)
+        agree.same("the captured CUDA graph sizes", runner.graphs.set.sizes)
+    graphs_s = startup.elapsed(t_graphs)
+    report = startup.StartupReport(
+        device=device, torch_device=torch_device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+        decisions=decisions, attention=selection, block_size=block_size, canary=canary,
+        num_blocks=num_blocks, max_model_len=max_model_len,
+        graph_sizes=runner.graphs.set.sizes if graphs else [],
+        graph_demoted=runner.graphs.set.demoted if graphs else {},
+        graphs_off=graphs_off, kernel_cache=kernel_cache, kv_sizing=sizing,
+        routes=startup.model_routes(device, config, rank_mc, dtype, kv_cache_dtype, selection,
+                                    is_gguf=gguf_path is not None),
+        timings={"load_s": load_s, "select_and_canary_s": select_s,
+                 "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s,
+                 "cuda_graphs_s": graphs_s})
+    if config.self_check or (config.self_check is None and torch_device.type == "cuda"):
+        t_check = time.perf_counter()
+        ceilings = load_or_measure(torch_device)
+        report.self_check = run_self_check(runner, ceilings.copy_bytes_per_s)
+        report.timings["self_check_s"] = startup.elapsed(t_check)
+    return RunnerSetup(runner, model, mc, max_model_len, max_batched, num_blocks, block_size,
+                       scheduling.chosen == "async", report, cpu_threads)

@@ -1,0 +1,83 @@
+"""How a model splits over ranks, and the start-up agreement, without processes."""
+
+import pytest
+
+from archserve.distributed.agreement import RankAgreement
+from archserve.distributed.layout import (
+    head_split_problem,
+    layout_problems,
+    split_heads,
+    vocab_part,
+)
+
+
+def test_kv_heads_split_when_at_least_as_many_as_ranks():
+    parts = [split_heads(8, 4, 2, r) for r in range(2)]
+    assert [(p.num_heads, p.num_kv_heads, p.first_head, p.first_kv_head) for p in parts] == \
+        [(4, 2, 0, 0), (4, 2, 4, 2)]
+    assert all(p.kv_replicas == 1 for p in parts)
+
+
+def test_kv_heads_replicated_on_the_ranks_whose_queries_read_them():
+    # 8 query heads, 2 KV heads (4 queries per KV head), 4 ranks of 2 query heads each.
+    parts = [split_heads(8, 2, 4, r) for r in range(4)]
+    assert [p.first_kv_head for p in parts] == [0, 0, 1, 1]
+    for p in parts:
+        assert p.num_kv_heads == 1 and p.kv_replicas == 2
+        # every query head of the rank reads the rank's KV head
+        assert {h // 4 for h in range(p.first_head, p.first_head + p.num_heads)} == \
+            {p.first_kv_head}
+
+
+def test_impossible_layouts_say_why():
+    assert "attention heads" in head_split_problem(6, 2, 4)
+    assert "KV heads" in head_split_problem(12, 6, 4)
+    assert "replicated" in head_split_problem(12, 4, 6)
+    assert head_split_problem(12, 3, 6) is None           # each KV head on 2 ranks
+    assert head_split_problem(16, 3, 2) is not None      # 3 KV heads over 2 ranks
+
+    class Config:
+        num_heads, num_kv_heads, intermediate_size = 4, 2, 96
+
+    assert layout_problems(Config, 2) == []
+    assert any("attention heads" in p for p in layout_problems(Config, 3))
+
+
+def test_vocab_parts_cover_the_vocabulary_once():
+    vocab, size = 385, 2
+    parts = [vocab_part(vocab, size, r) for r in range(size)]
+    assert parts[0] == (0, 193, 193) and parts[1] == (193, 192, 193)
+    assert sum(rows for _, rows, _ in parts) == vocab
+
+
+def test_a_rank_that_disagrees_stops_the_start_with_a_message():
+    values = {"attention": ["TRITON_ATTN", "TORCH_SDPA"]}
+    agree = RankAgreement(lambda value: values["attention"])
+    with pytest.raises(ValueError, match="disagree on the attention backend.*rank 1: 'TORCH_SDPA'"):
+        agree.same("the attention backend", "TRITON_ATTN")
+    RankAgreement(lambda value: [value, value]).same("the attention backend", "X")
+    assert RankAgreement(lambda value: [4096, 4000]).min(4096) == 4000
+
+
+def test_explain_and_doctor_report_the_layout_and_refuse_impossible_ones():
+    from archserve.platform import get_profile
+    from archserve.routing.doctor import run_doctor
+    from archserve.routing.explain import SelectionInputs, explain_model
+    from archserve.routing.model_summary import ModelSummary
+
+    h100 = get_profile("h100")
+    model = ModelSummary("LlamaForCausalLM", head_size=128, num_heads=32, num_kv_heads=8,
+                         intermediate_size=14336)
+    two = explain_model(h100, model, inputs=SelectionInputs(tensor_parallel_size=2))
+    layout = next(d for d in two.decisions if d.what == "tensor parallel")
+    assert layout.chosen == "2 ranks, nccl, mp executor" and "rank 1: query heads 16..31" in \
+        layout.reason and two.not_loadable is None
+    three = explain_model(h100, model, inputs=SelectionInputs(tensor_parallel_size=3))
+    assert "32 attention heads do not split over 3" in three.not_loadable
+
+    report = run_doctor(h100, tensor_parallel_size=4, model=model, num_devices=2)
+    assert any("needs 4 GPUs, this machine has 2" in b for b in report.blockers)
+    assert not report.can_run
+    fits = run_doctor(h100, tensor_parallel_size=2, model=model, num_devices=2)
+    assert not any("tensor parallel" in b for b in fits.blockers)
+    assert any(d.what == "tensor parallel" for d in fits.decisions)

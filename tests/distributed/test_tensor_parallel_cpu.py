@@ -1,0 +1,101 @@
+"""Tensor parallelism on CPU: two gloo ranks in worker processes against one rank in
+the engine process, and what a lost worker does to the engine and the server loop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from archserve import LLM
+from archserve.engine.sampling_params import SamplingParams
+
+PROMPTS = ["Hello world! How are you", "The capital of France is", "1 2 3 4 5"]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def _generate(llm: LLM, params: SamplingParams = GREEDY):
+    return llm.generate(PROMPTS, params)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# llama: 4 query / 2 KV heads, each rank holds one KV head.
+# qwen3-h64: 4 query / 1 KV head, q/k norms: the KV head is replicated on both ranks.
+@pytest.mark.parametrize("variant", ["llama", "qwen3-h64"])
+def test_two_ranks_generate_the_tokens_one_rank_does(tiny_checkpoint, variant):
+    path = tiny_checkpoint(variant)
+    common = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8)
+    single = LLM(path, **common)
+    one = _generate(single)
+    tp = LLM(path, tensor_parallel_size=2, **common)
+    try:
+        two = _generate(tp)
+        for a, b in zip(one, two, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert len(b.outputs[0].token_ids) == 32
+        # Prompt logprobs come from rank 0's gathered logits, as close as one rank's.
+        asked = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1, logprobs=2)
+        lp_one = single.generate(PROMPTS[0], asked)[0]
+        lp_two = tp.generate(PROMPTS[0], asked)[0]
+        assert len(lp_two.prompt_logprobs) == len(lp_two.prompt_token_ids)
+        for row_one, row_two in zip(lp_one.prompt_logprobs[1:], lp_two.prompt_logprobs[1:],
+                                    strict=True):
+            assert row_one.keys() == row_two.keys()
+            for token, entry in row_one.items():
+                assert row_two[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        decisions = {d.what: d for d in tp.llm_engine.report.decisions}
+        assert decisions["tensor parallel"].chosen.startswith("2 ranks, gloo, mp")
+        assert "rank 1:" in decisions["tensor parallel"].reason
+    finally:
+        tp.llm_engine.shutdown()
+
+
+def test_a_killed_worker_fails_the_engine_cleanly_and_a_restart_works(tiny_checkpoint):
+    from archserve.distributed.executor import WorkerFailure
+    from archserve.serve.async_engine import AsyncEngine
+
+    path = tiny_checkpoint("llama")
+    common = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8,
+                  tensor_parallel_size=2)
+    llm = LLM(path, **common)
+    pids = llm.llm_engine.runner.executor.pids
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    served = AsyncEngine(llm.llm_engine)
+    served.start()
+    try:
+        import asyncio
+
+        async def one_request():
+            return [o async for o in served.generate("r1", PROMPTS[0], SamplingParams(
+                max_tokens=200, temperature=0.0, ignore_eos=True))]
+
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(Exception, match="rank 1"):
+            asyncio.run(one_request())
+        # The loop is dead: /health reads is_alive and answers 503 with this reason.
+        deadline = time.time() + 10
+        while served.is_alive and time.time() < deadline:
+            time.sleep(0.05)
+        assert not served.is_alive and "rank 1" in served.dead_reason
+        with pytest.raises(WorkerFailure):
+            llm.generate(PROMPTS[0], GREEDY)
+    finally:
+        served.shutdown()
+    deadline = time.time() + 15
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), "a worker outlived its failed engine"
+    again = LLM(path, **common)
+    try:
+        assert len(again.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids) == 32
+    finally:
+        again.llm_engine.shutdown()
