@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from archserve.kernels.registry import Backend, LibraryAssumption
-from archserve.platform.capability import SM80, SM89, Capability
+from archserve.platform.capability import SM80, Capability
 from archserve.platform.device import DeviceInfo
 
 _FAMILY_NAMES = {
@@ -86,13 +86,6 @@ def bf16_on_device(device: DeviceInfo, dtype: torch.dtype) -> str | None:
     if dtype == torch.bfloat16 and not device.features.bf16:
         where = f"needs {SM80}+" if device.is_cuda else "is not supported"
         return f"bfloat16 {where}, device is {device_text(device)}"
-    return None
-
-
-def fp8_kv_on_device(device: DeviceInfo, kv_cache_dtype: str) -> str | None:
-    if kv_cache_dtype.startswith("fp8") and not device.features.fp8:
-        where = f"needs {SM89}+" if device.is_cuda else "needs fp8 support"
-        return f"fp8 KV cache {where}, device is {device_text(device)}"
     return None
 
 

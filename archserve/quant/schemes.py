@@ -71,12 +71,14 @@ SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
                 ("CUTLASS_BLOCK_FP8",), "fp8 e4m3 weights with 128x128 block scales"),
     QuantScheme("fbgemm_fp8", "FBGEMM FP8", _cap(80), fmt.FP8, fmt.FP8, ("CUTLASS_FP8",),
                 "fp8 weights, per-channel scales"),
-    QuantScheme("modelopt", "ModelOpt FP8", _cap(89), fmt.FP8, fmt.FP8, ("CUTLASS_FP8",),
+    # ModelOpt FP8 and MXFP8 reach SM80 weight-only through Marlin (vLLM 0.33's
+    # ModelOptFp8Config / ModelOptMxFp8Config.get_min_capability); natively 89+ / SM100.
+    QuantScheme("modelopt", "ModelOpt FP8", _cap(80), fmt.FP8, fmt.FP8, ("CUTLASS_FP8",),
                 "fp8 weights and activations, static scales"),
     QuantScheme("modelopt_fp4", "NVFP4", _cap(75), fmt.NVFP4, fmt.NVFP4, ("CUTLASS_NVFP4",),
                 "nvfp4 e2m1 weights, fp8 block scales (Marlin weight-only below SM100)"),
-    QuantScheme("modelopt_mxfp8", "ModelOpt MXFP8", _cap(100), fmt.MXFP8, fmt.MXFP8, (),
-                "mxfp8 weights, e8m0 block scales", feature="mxfp8"),
+    QuantScheme("modelopt_mxfp8", "ModelOpt MXFP8", _cap(80), fmt.MXFP8, fmt.MXFP8, (),
+                "mxfp8 weights, e8m0 block scales (Marlin weight-only below SM100)"),
     QuantScheme("mxfp4", "MXFP4", _cap(80), fmt.MXFP4, fmt.MXFP4, ("MARLIN",),
                 "mxfp4 e2m1 weights, e8m0 block scales"),
     QuantScheme("experts_int8", "Experts INT8", _cap(80), None, fmt.INT8, (),
