@@ -5,46 +5,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 
 from archserve.engine import startup
 from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.config import EngineConfig
 from archserve.engine.cuda_graphs import describe_demoted
 from archserve.engine.launched_step import LaunchedStep
-from archserve.engine.outputs import (
-    CompletionOutput,
-    Logprob,
-    RequestMetrics,
-    RequestOutput,
-)
+from archserve.engine.output_processor import OutputProcessor, RequestState
+from archserve.engine.outputs import RequestMetrics, RequestOutput
 from archserve.engine.phases import phase
 from archserve.engine.runner_setup import build_runner
-from archserve.engine.sampler import SamplerOutput
-from archserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from archserve.engine.sampling_params import SamplingParams
 from archserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from archserve.engine.sequence import Sequence, SequenceStatus
-from archserve.engine.stop_checker import find_stop_string
 from archserve.structured import GrammarCompiler, attach_grammars, grammar_error
 
 log = logging.getLogger("archserve")
-
-@dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    prompt_logprobs: list | None = None
-    detokenizers: list = field(default_factory=list)
-    sent: list = field(default_factory=list)   # per sequence (text, tokens) already output
-    num_cached_tokens: int = 0                 # prompt tokens found in the prefix cache
-    grammar: Future | None = None              # its grammar's compilation (structured output)
-
 
 class LLMEngine:
     """Owns the model runner, the scheduler and the tokenizer; serves requests step by step."""
@@ -79,6 +57,7 @@ class LLMEngine:
             self.block_pool, self.eos_token_ids)
         self.report.timings["total_s"] = startup.elapsed(t0)
         self.requests: dict[str, RequestState] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.requests, self.scheduler.finish)
         self._counter = 0
         # async_scheduling: the step launched but not yet resolved (its schedule, its launch).
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
@@ -291,7 +270,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, stop_reason=str(error))
             state.metrics.finished_time = time.time()
             del self.requests[request_id]
-            outputs.append(self._request_output(state, True))
+            outputs.append(self.outputs.request_output(state, True))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -327,146 +306,14 @@ class LLMEngine:
                 self.scheduler.uncommit(out)   # to be computed again, not left a placeholder
                 raise
         with phase("outputs"):
-            self._record_prompt_logprobs(launched.prompt_logprobs)
+            self.outputs.record_prompt_logprobs(launched.prompt_logprobs)
             if host is None:
                 self.scheduler.resolve(out, [])
                 return []
             logprobs = host.sampled_logprobs
             updated = self.scheduler.resolve(out, host.sampled_token_ids.tolist(),
                                              None if logprobs is None else logprobs.tolist())
-            return self._process_sampled(launched.sampled_seqs, host, updated)
-
-    def _process_sampled(self, sampled_seqs: list[Sequence], result: SamplerOutput,
-                         updated: list[Sequence]) -> list[RequestOutput]:
-        """Logprobs, detokenizing, stop strings and outputs of the sequences that got a token.
-
-        ``result`` is the sampler's output copied to the host."""
-        topn = self._topn_per_row(result, sampled_seqs)
-        updated_ids = {id(s) for s in updated}
-        touched: dict[str, RequestState] = {}
-        now = time.time()
-        for row, seq in enumerate(sampled_seqs):
-            if id(seq) not in updated_ids:
-                continue
-            state = self.requests.get(seq.request_id)
-            if state is None:
-                continue
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            if seq.sampling_params.logprobs is not None:
-                seq.output_logprobs.append(topn[row])
-            self._detokenize(state, seq)
-            touched[seq.request_id] = state
-        outputs = []
-        for request_id, state in touched.items():
-            finished = all(s.is_finished for s in state.seqs)
-            if finished:
-                state.metrics.finished_time = now
-                del self.requests[request_id]
-            elif state.params.output_kind is RequestOutputKind.FINAL_ONLY:
-                continue
-            outputs.append(self._request_output(state, finished))
-        return outputs
-
-    def _detokenize(self, state: RequestState, seq: Sequence) -> None:
-        params = seq.sampling_params
-        if not params.detokenize or self.tokenizer is None:
-            return
-        detok = state.detokenizers[seq.index]
-        stopped_by_token = (seq.status is SequenceStatus.FINISHED_STOPPED)
-        # The stop token's text is not part of the output (vLLM semantics).
-        drop_last = stopped_by_token and not params.include_stop_str_in_output
-        if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop_strings:
-            # Nobody reads the text before the end: detokenize once, when it finishes.
-            if seq.is_finished:
-                ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
-                seq.output_text = detok.add_tokens(list(ids)) + detok.finish()
-            return
-        if drop_last:
-            seq.output_text += detok.finish()
-            return
-        delta = detok.add_tokens([seq.last_token_id])
-        if seq.is_finished:
-            delta += detok.finish()
-        seq.output_text += delta
-        if not params.stop_strings or seq.num_output_tokens < params.min_tokens:
-            return
-        hit = find_stop_string(seq.output_text, len(delta), params.stop_strings)
-        if hit is None:
-            return
-        index, matched = hit
-        end = index + len(matched) if params.include_stop_str_in_output else index
-        seq.output_text = seq.output_text[:end]
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=matched)
-
-    def _topn_per_row(self, result, seqs: list[Sequence]) -> list:
-        if result.sampled_ranks is None:
-            return [None] * len(seqs)
-        ids = result.sampled_token_ids.tolist()
-        lps = result.sampled_logprobs.tolist()
-        ranks = result.sampled_ranks.tolist()
-        top_ids = result.topn_token_ids.tolist() if result.topn_token_ids is not None else None
-        top_lps = result.topn_logprobs.tolist() if result.topn_logprobs is not None else None
-        rows = []
-        for i, seq in enumerate(seqs):
-            n = seq.sampling_params.logprobs
-            if n is None:
-                rows.append(None)
-                continue
-            entry = {ids[i]: Logprob(lps[i], ranks[i], self._decode_one(ids[i]))}
-            if n and top_ids is not None:
-                for rank, (tid, lp) in enumerate(zip(top_ids[i][:n], top_lps[i][:n], strict=True), start=1):
-                    entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
-            rows.append(entry)
-        return rows
-
-    def _record_prompt_logprobs(self, prompt_lps) -> None:
-        for seq, first_pos, logprobs, targets in prompt_lps:
-            state = self.requests.get(seq.request_id)
-            # By identity: a request id reused after an abort must not get the old one's rows.
-            if (state is None or state.prompt_logprobs is None
-                    or not any(s is seq for s in state.seqs)):
-                continue
-            have = len(state.prompt_logprobs)          # entries for positions 0..have-1
-            skip = have - (first_pos + 1)             # rows already recorded (recompute)
-            if skip < 0 or skip >= targets.numel():
-                continue
-            n = seq.sampling_params.prompt_logprobs
-            tok_lp = logprobs.gather(1, targets[:, None]).squeeze(1)
-            ranks = (logprobs > tok_lp[:, None]).sum(-1) + 1
-            top_v, top_i = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1) if n else (None, None)
-            for r in range(skip, targets.numel()):
-                tid = int(targets[r])
-                entry = {tid: Logprob(float(tok_lp[r]), int(ranks[r]), self._decode_one(tid))}
-                if n:
-                    for rank, (v, t) in enumerate(zip(top_v[r].tolist(), top_i[r].tolist(), strict=True), 1):
-                        entry.setdefault(t, Logprob(v, rank, self._decode_one(t)))
-                state.prompt_logprobs.append(entry)
-
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
-
-    def _request_output(self, state: RequestState, finished: bool) -> RequestOutput:
-        delta = state.params.output_kind is RequestOutputKind.DELTA
-        wants_logprobs = state.params.logprobs is not None
-        completions = []
-        for s in state.seqs:
-            text_from, tokens_from = state.sent[s.index] if delta else (0, 0)
-            text_to = visible_text_length(s)
-            completions.append(CompletionOutput(
-                index=s.index, text=s.output_text[text_from:text_to],
-                token_ids=s.output_token_ids[tokens_from:],
-                cumulative_logprob=s.cumulative_logprob if wants_logprobs else None,
-                logprobs=s.output_logprobs[tokens_from:] if wants_logprobs else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-            if delta:
-                state.sent[s.index] = (max(text_from, text_to), s.num_output_tokens)
-        return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            prompt_logprobs=state.prompt_logprobs, outputs=completions, finished=finished,
-            metrics=state.metrics,
-            num_cached_tokens=state.num_cached_tokens)
+            return self.outputs.process_sampled(launched.sampled_seqs, host, updated)
 
     # -- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -481,14 +328,3 @@ class LLMEngine:
             "num_used_blocks": pool.num_used_blocks,
             "num_blocks": pool.num_blocks,
         }
-
-
-def visible_text_length(seq: Sequence) -> int:
-    """How much of a running sequence's text may be shown: while a stop string could still
-    be completing at its end, the last ``len(longest stop) - 1`` characters wait (text once
-    shown cannot be taken back when the stop string truncates it)."""
-    params = seq.sampling_params
-    if seq.is_finished or not params.stop_strings or params.include_stop_str_in_output:
-        return len(seq.output_text)
-    hold = max(len(stop) for stop in params.stop_strings) - 1
-    return max(0, len(seq.output_text) - hold)
