@@ -71,9 +71,9 @@ def test_doctor_routes_run_in_this_build(profile: str) -> None:
 
 
 @pytest.mark.parametrize("config,needle", [
-    ({**LLAMA, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+    ({**LLAMA, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
       "num_local_experts": 8, "num_experts_per_tok": 2},
-     "architecture 'MixtralForCausalLM' is not supported in this build"),
+     "architecture 'GptOssForCausalLM' is not supported in this build"),
     ({**LLAMA, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
      "quantization method 'bitsandbytes' is not loadable in this build"),
     ({**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 3, "group_size": 128}},

@@ -67,6 +67,9 @@ DEVIATIONS = {
     ("GPTQ", "sm70"),              # vLLM min capability 60 (the seed's own §5.1 and §8.1)
     ("GPTQ", "sm75"),
     ("AWQ", "sm70"),               # vLLM min capability 75; archserve's weight-only kernel: SM70
+    ("CUTLASS MoE FP8", "sm120"),  # vLLM 0.33 cutlass_group_gemm_supported: 90 <= SM < 110
+    ("DeepGEMM MoE", "sm120"),     # vLLM 0.33 support_deep_gemm: SM90, SM100 and SM120 families
+    ("DeepGEMM MoE", "sm121"),
 }
 
 

@@ -90,6 +90,15 @@ def _cap_in(device: DeviceInfo, low: int, high: int, what: str) -> str | None:
     return None
 
 
+def _sm90_or_families(device: DeviceInfo, *families: int) -> str | None:
+    """SM90 exactly (not SM9x at large) or one of ``families``: vLLM's
+    ``is_device_capability(90) or is_device_capability_family(...)``."""
+    reason = needs_family(device, 90, *families)
+    if reason is None and device.family == 90 and device.capability != SM90:
+        return f"needs SM90 exactly, device is {device_text(device)}"
+    return reason
+
+
 class TrtllmMoEBf16Backend(MoEBackend):
     """vLLM 0.33 experts/trtllm_bf16_moe.py: TrtLlmBf16Experts (SM100 family, <= 2048 experts)."""
 
@@ -168,10 +177,7 @@ class FlashInferCutlassMoEBackend(MoEBackend):
     description = "FlashInfer CUTLASS MoE (SM90, SM100 and SM120 families)"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
-        reason = needs_family(device, 90, 100, 120)
-        if reason is None and device.capability != SM90 and device.family == 90:
-            return f"needs SM90 exactly, device is {device_text(device)}"
-        return reason
+        return _sm90_or_families(device, 100, 120)
 
     def request_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
         reason = super().request_rule(device, spec)
@@ -199,7 +205,8 @@ class FlashInferCuteDslMoEBackend(MoEBackend):
 
 
 class DeepGemmMoEBackend(MoEBackend):
-    """vLLM 0.33 platforms/cuda.py ``support_deep_gemm``: SM90, SM100 and SM120 families."""
+    """vLLM 0.33 platforms/cuda.py ``support_deep_gemm``: SM90 exactly, the SM100 and SM120
+    families (the seed's table says no on SM12x; vLLM 0.33 enables it there)."""
 
     name = "DEEPGEMM_MOE"
     library = "deep_gemm"
@@ -207,7 +214,7 @@ class DeepGemmMoEBackend(MoEBackend):
     description = "DeepGEMM block-FP8 grouped GEMM (SM90, SM100 and SM120 families)"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90, 100, 120)
+        return _sm90_or_families(device, 100, 120)
 
 
 class TritonMxfp4MoEBackend(MoEBackend):
