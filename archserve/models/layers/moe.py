@@ -80,6 +80,10 @@ class FusedMoE(nn.Module):
         self._impl_key: tuple | None = None
         self.backend_name = ""
 
+    def expert_params(self) -> int:
+        """The weights the experts stand for (gate, up and down of each)."""
+        return 3 * self.num_experts * self.hidden_size * self.intermediate_size
+
     def spec(self, dtype: torch.dtype) -> Any:
         from archserve.kernels.specs import MoESpec
         return MoESpec(dtype=dtype, num_experts=self.num_experts, top_k=self.top_k,
