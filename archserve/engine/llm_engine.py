@@ -18,6 +18,7 @@ from archserve.engine.cuda_graphs import default_graph_sizes
 from archserve.engine.decode_gemms import (
     install_linear_route,
     install_quantized_kernels,
+    tune_moe_decode,
     tune_quantized_decode,
 )
 from archserve.engine.kernel_cache import configure_kernel_caches
@@ -106,7 +107,8 @@ class LLMEngine:
                        if graphs_off is None else [])
         t_gemms = time.perf_counter()
         for gemm_decision in (install_linear_route(device, self.model, dtype, graph_sizes),
-                              tune_quantized_decode(device, self.model, dtype, graph_sizes)):
+                              tune_quantized_decode(device, self.model, dtype, graph_sizes),
+                              tune_moe_decode(device, self.model, graph_sizes)):
             if gemm_decision is not None:
                 decisions.append(gemm_decision)
         gemm_tune_s = startup.elapsed(t_gemms)

@@ -128,6 +128,50 @@ def test_the_kernel_refuses_what_it_cannot_compute():
     assert "float16" in fused_moe_unsupported(x.double(), w13.double(), w2.double())
 
 
+# ---------------------------------------------------------------- tiles and their tuning
+
+def test_tiles_are_keyed_by_power_of_two_token_buckets():
+    from archserve.kernels.moe.triton_fused_moe import (
+        MoETile,
+        TritonFusedMoEImpl,
+        candidate_tiles,
+        default_tile,
+        token_bucket,
+    )
+    assert [token_bucket(n) for n in (1, 2, 3, 16, 17, 256, 257)] == [1, 2, 4, 16, 32, 256, 512]
+    impl = TritonFusedMoEImpl()
+    tuned = MoETile(16, 128, 64, 4, 3)
+    impl.tiles[32] = tuned
+    assert impl.tile_for(17) == tuned and impl.tile_for(32) == tuned
+    assert impl.tile_for(33) == default_tile(33) != tuned
+    for n in (1, 64, 1024):
+        tiles = candidate_tiles(n)
+        assert tiles[0] == default_tile(n) and len(set(tiles)) == len(tiles) > 2
+
+
+def test_cached_moe_tiles_are_installed_without_timing(tmp_path):
+    import json
+
+    from archserve.kernels.moe.triton_fused_moe import MoETile, TritonFusedMoEImpl
+    from archserve.kernels.moe.tuning import MoEShape, tune_moe
+    _, _, w13, w2 = operands(1, 8, 32, 16, torch.float16)
+    impls = [TritonFusedMoEImpl(), TritonFusedMoEImpl()]
+    shape = MoEShape(impls, w13, w2, 2, True)
+    tile = MoETile(16, 32, 128, 4, 4)
+    path = tmp_path / "moe_tiles.json"
+    path.write_text(json.dumps({"version": 1, "shapes": {
+        shape.key(1): {"default_us": 9.0, "best_us": 6.0, "chosen": json.dumps(vars(tile)),
+                       "calls": 2, "note": ""},
+        shape.key(2): {"default_us": 9.0, "best_us": 9.0, "chosen": "default", "calls": 2,
+                       "note": ""}}}))
+
+    def no_timing(*_):
+        raise AssertionError("a cached bucket must not be timed")
+    report = tune_moe([shape], [1, 2], str(path), timer=no_timing)
+    assert report.from_cache and "1 of 2" in report.summary()
+    assert all(impl.tiles == {1: tile} for impl in impls)
+
+
 # ---------------------------------------------------------------- compiled for real GPUs
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -155,13 +199,15 @@ def test_kernel_launches_compile_for_gpu_targets(target, dtype):
 
 # ---------------------------------------------------------------- CPU: the interpreter
 
-CASES = [  # tokens, experts, top_k, hidden, inter, renormalize
-    (1, 8, 2, 32, 48, True),        # decode, M = 1
-    (1, 128, 8, 64, 32, True),      # 128 experts, top-8, one token: 120 experts idle
-    (13, 16, 1, 40, 24, False),     # top-1, odd sizes
-    (5, 8, 8, 32, 48, True),        # top-8 of 8: every expert on every token
-    (37, 64, 4, 48, 40, False),     # odd tokens, most experts with few or no tokens
-    (70, 8, 2, 24, 72, True),       # several row tiles per expert
+F32, F16 = torch.float32, torch.float16
+CASES = [  # tokens, experts, top_k, hidden, inter, renormalize, dtype (interpreter time: fp16
+           # on the cases where its rounding differs most from fp32's)
+    (1, 8, 2, 32, 48, True, F32),        # decode, M = 1
+    (1, 128, 8, 64, 32, True, F16),      # 128 experts, top-8, one token: 120 experts idle
+    (13, 16, 1, 40, 24, False, F32),     # top-1, odd sizes
+    (5, 8, 8, 32, 48, True, F16),        # top-8 of 8: every expert on every token
+    (21, 32, 4, 48, 40, False, F32),     # odd tokens, most experts with few or no tokens
+    (70, 8, 2, 24, 72, True, F32),       # several row tiles per expert
 ]
 
 if not INTERPRETED:
@@ -175,8 +221,7 @@ if not INTERPRETED:
 else:
     from archserve.kernels.moe.triton_fused_moe import MoETile, TritonFusedMoEImpl, fused_moe
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-    @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, renormalize", CASES)
+    @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, renormalize, dtype", CASES)
     def test_matches_torch_moe(tokens, experts, top_k, hidden, inter, renormalize, dtype):
         x, logits, w13, w2 = operands(tokens, experts, hidden, inter, dtype)
         tile = MoETile(16, 32, 32) if tokens < 64 else MoETile(32, 32, 16)
@@ -194,6 +239,26 @@ else:
         got = TritonFusedMoEImpl().forward(x, logits, w13, w2, 2, True)
         torch.testing.assert_close(got.double(), reference(x, logits, w13, w2, 2, True),
                                    atol=1e-5, rtol=1e-5)
+
+    def test_the_tuner_installs_the_fastest_agreeing_tile(tmp_path):
+        from archserve.kernels.moe.triton_fused_moe import candidate_tiles
+        from archserve.kernels.moe.tuning import MoEShape, tune_moe
+        _, _, w13, w2 = operands(1, 4, 32, 16, torch.float32)
+        impl = TritonFusedMoEImpl()
+        shape = MoEShape([impl], w13, w2, 2, True)
+        fastest = candidate_tiles(2)[2]
+        timed = []
+
+        def timer(_shape, tokens, tile):
+            timed.append((tokens, tile))
+            return 5.0 if tile == fastest else 10.0
+        path = str(tmp_path / "moe_tiles.json")
+        report = tune_moe([shape], [2], path, timer=timer)
+        assert not report.from_cache and impl.tiles == {2: fastest}
+        assert [t for t, _ in timed] == [2] * len(candidate_tiles(2))
+        again = tune_moe([MoEShape([TritonFusedMoEImpl()], w13, w2, 2, True)], [2], path,
+                         timer=lambda *_: 1 / 0)
+        assert again.from_cache
 
     def test_a_wrong_expert_weight_shows():
         """The comparison can fail: one expert's weight changed moves its tokens' rows."""

@@ -283,6 +283,8 @@ def test_gpu_llm_greedy_equals_transformers(tmp_path, variant, enforce_eager):
     engine = llm.llm_engine
     assert {m.backend_name for m in engine.model.moe_layers()} == {"TRITON_FUSED_MOE"}
     assert bool(engine.report.graph_sizes) != enforce_eager
+    tiles = [d for d in engine.report.decisions if d.what == "MoE tiles"]
+    assert len(tiles) == (0 if enforce_eager else 1)    # tuned (or cached) for the graphs
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     for out in llm.generate(TEXT_PROMPTS, params):
         _greedy_agrees(hf_model, out.prompt_token_ids, list(out.outputs[0].token_ids), 1e-4)

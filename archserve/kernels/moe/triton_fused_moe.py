@@ -59,20 +59,35 @@ DEFAULT_TILES: tuple[tuple[int, MoETile], ...] = (
     (1024, MoETile(64, 64, 64, 4, 3)),
     (1 << 62, MoETile(64, 128, 64, 8, 3)),
 )
+# What the start-up tuner (kernels/moe/tuning.py) times against the default, per class of
+# batch: few candidates, since each one is two Triton compiles on the first start.
+_CANDIDATES: tuple[tuple[int, tuple[MoETile, ...]], ...] = (
+    (16, (MoETile(16, 32, 128, 4, 4), MoETile(16, 64, 64, 4, 4), MoETile(16, 128, 64, 4, 3),
+          MoETile(16, 32, 256, 4, 3))),
+    (128, (MoETile(16, 64, 128, 4, 3), MoETile(32, 128, 64, 4, 3), MoETile(16, 128, 128, 8, 3),
+           MoETile(64, 64, 64, 4, 3))),
+    (1 << 62, (MoETile(64, 64, 64, 4, 3), MoETile(64, 128, 64, 8, 3),
+               MoETile(64, 128, 64, 4, 4), MoETile(128, 128, 64, 8, 3))),
+)
+
+
+def _by_tokens(table: tuple, num_tokens: int):  # noqa: ANN202 - an entry of ``table``
+    return next(entry for bound, entry in table if num_tokens <= bound)
 
 
 def default_tile(num_tokens: int) -> MoETile:
-    for bound, tile in DEFAULT_TILES:
-        if num_tokens <= bound:
-            return tile
-    return DEFAULT_TILES[-1][1]
+    return _by_tokens(DEFAULT_TILES, num_tokens)
 
 
-def candidate_tiles() -> list[MoETile]:
-    """Tiles a sweep (benchmarks/bench_moe.py --sweep) times to refine DEFAULT_TILES."""
-    return [MoETile(m, n, k, w, s) for m in (16, 32, 64) for n in (64, 128)
-            for k in (64, 128) for w in (4, 8) for s in (3,)
-            if not (m == 64 and n == 128 and w == 4)]
+def token_bucket(num_tokens: int) -> int:
+    """The tuned tiles' key: the batch rounded up to a power of two."""
+    return 1 << max(num_tokens - 1, 0).bit_length()
+
+
+def candidate_tiles(num_tokens: int) -> list[MoETile]:
+    """The default tile first, then the others the tuner times for this batch size."""
+    default = default_tile(num_tokens)
+    return [default] + [t for t in _by_tokens(_CANDIDATES, num_tokens) if t != default]
 
 
 if triton is not None:
@@ -205,17 +220,18 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
 
 
 class TritonFusedMoEImpl:
-    """The backend's implementation: ``forward`` as TORCH_MOE's, through the fused kernels."""
+    """The backend's implementation: ``forward`` as TORCH_MOE's, through the fused kernels.
+    ``tiles`` maps a token bucket (``token_bucket``) to the tile the tuner chose."""
 
     graph_capturable = True
 
     def __init__(self, device: Any = None, spec: Any = None) -> None:
         self.device = device
         self.spec = spec
-        self.tiles: dict[int, MoETile] = {}     # tokens -> tile chosen by a sweep
+        self.tiles: dict[int, MoETile] = {}
 
     def tile_for(self, num_tokens: int) -> MoETile:
-        return self.tiles.get(num_tokens) or default_tile(num_tokens)
+        return self.tiles.get(token_bucket(num_tokens)) or default_tile(num_tokens)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
