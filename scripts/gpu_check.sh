@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
-#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|all]
+#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
+#                                     quant_gemm|quant_perf|moe|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -13,7 +14,9 @@
 #   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
 #           (device busy/idle per decode step, top kernels, engine phases);
 #   quant_gemm: benchmarks/bench_quant_gemm.py, every quantized GEMM beside cuBLAS bf16;
-#   quant_perf: benchmarks/h200_quant_targets.sh (the quantized 8B rows beside bf16).
+#   quant_perf: benchmarks/h200_quant_targets.sh (the quantized 8B rows beside bf16);
+#   moe:    benchmarks/moe_perf.py, the MoE kernel table then the Qwen3-30B-A3B and
+#           Mixtral-8x7B engine rows (env MOE_ARGS: extra arguments, e.g. --skip-peer).
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
 set -uo pipefail
 OUT=${1:-${OUT:-out}}
@@ -66,6 +69,10 @@ if want quant_gemm; then
 fi
 if want quant_perf; then
   bash benchmarks/h200_quant_targets.sh "$OUT"
+fi
+if want moe; then
+  timeout ${MOE_TIMEOUT:-580} python3 benchmarks/moe_perf.py ${MOE_ARGS:-} \
+    --out "$OUT/moe_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/moe_perf.txt"
 fi
 if want profile; then
   for m in llama-3-8b qwen3-0.6b; do
