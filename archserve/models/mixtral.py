@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from archserve.models.layers.embedding import VocabEmbedding
 from archserve.models.layers.moe import (
     HF_EXPERT_NAMES,
     MIXTRAL_EXPERT_NAMES,
@@ -27,8 +26,7 @@ from archserve.models.layers.moe import (
     SparseMoEBlock,
     expert_checkpoint_names,
 )
-from archserve.models.layers.norm import RMSNorm
-from archserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from archserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 if TYPE_CHECKING:
     from archserve.loader.config import ModelConfig
@@ -86,46 +84,25 @@ def _text_config(config: ModelConfig) -> Any:
     return getattr(hf, "text_config", None) or hf
 
 
-class MoEDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, family: MoEFamily) -> None:
-        super().__init__()
-        hf = _text_config(config)
-        self.self_attn = LlamaAttention(config, layer_index)
-        mlp = (SparseMoEBlock(config.hidden_size, family.num_experts(hf),
-                              int(hf.num_experts_per_tok),
-                              family.expert_intermediate_size(hf), family.renormalize(hf),
-                              family.expert_names, family.shared_intermediate_size(hf))
-               if family.is_sparse(hf, layer_index) else LlamaMLP(config))
-        # The checkpoint's name for the MLP: Mixtral's sparse block is "block_sparse_moe".
-        self.mlp_name = family.block_name if isinstance(mlp, SparseMoEBlock) else "mlp"
-        self.add_module(self.mlp_name, mlp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
+def moe_decoder_layer(config: ModelConfig, layer_index: int, family: MoEFamily
+                      ) -> LlamaDecoderLayer:
+    """Llama's layer with, where the config makes the layer sparse, the sparse MoE block
+    under the family's checkpoint name (Mixtral's is "block_sparse_moe")."""
+    hf = _text_config(config)
+    if not family.is_sparse(hf, layer_index):
+        return LlamaDecoderLayer(config, layer_index)
+    block = SparseMoEBlock(config.hidden_size, family.num_experts(hf),
+                           int(hf.num_experts_per_tok), family.expert_intermediate_size(hf),
+                           family.renormalize(hf), family.expert_names,
+                           family.shared_intermediate_size(hf))
+    return LlamaDecoderLayer(config, layer_index, block, family.block_name)
 
 
-class MoEModel(nn.Module):
+class MoEModel(LlamaModel):
     family: MoEFamily = MoEFamily()
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MoEDecoderLayer(config, i, self.family)
-                                    for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        return self.norm(hidden, residual)[0]
+    def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        return moe_decoder_layer(config, layer_index, self.family)
 
 
 class MoEForCausalLM(LlamaForCausalLM):

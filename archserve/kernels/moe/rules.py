@@ -99,16 +99,21 @@ def _sm90_or_families(device: DeviceInfo, *families: int) -> str | None:
     return reason
 
 
-class TrtllmMoEBf16Backend(MoEBackend):
-    """vLLM 0.33 experts/trtllm_bf16_moe.py: TrtLlmBf16Experts (SM100 family, <= 2048 experts)."""
+class FlashInferSm100MoEBackend(MoEBackend):
+    """FlashInfer's TRT-LLM and CuteDSL MoE kernels: data-centre Blackwell (SM100 family)."""
 
-    name = "TRTLLM_MOE_BF16"
     library = "flashinfer"
-    formats = frozenset({None})
-    description = "FlashInfer TRT-LLM bf16 MoE (SM100 family)"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         return needs_family(device, 100)
+
+
+class TrtllmMoEBf16Backend(FlashInferSm100MoEBackend):
+    """vLLM 0.33 experts/trtllm_bf16_moe.py: TrtLlmBf16Experts (SM100 family, <= 2048 experts)."""
+
+    name = "TRTLLM_MOE_BF16"
+    formats = frozenset({None})
+    description = "FlashInfer TRT-LLM bf16 MoE (SM100 family)"
 
     def request_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
         if spec.num_experts > 2048:
@@ -128,16 +133,12 @@ class CutlassMoEFp8Backend(MoEBackend):
         return _cap_in(device, 90, 110, "the CUTLASS grouped GEMM")
 
 
-class TrtllmMoEFp8Backend(MoEBackend):
+class TrtllmMoEFp8Backend(FlashInferSm100MoEBackend):
     """vLLM 0.33 experts/trtllm_fp8_moe.py: block fp8, per-tensor static fp8, mxfp8."""
 
     name = "TRTLLM_MOE_FP8"
-    library = "flashinfer"
     formats = frozenset({"fp8", "fp8_block", "mxfp8"})
     description = "FlashInfer TRT-LLM FP8 MoE (SM100 family)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
 
     def request_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
         if spec.quant_scheme == "fp8" and spec.activation != ACT_STATIC_TENSOR:
@@ -145,26 +146,18 @@ class TrtllmMoEFp8Backend(MoEBackend):
         return super().request_rule(device, spec)
 
 
-class TrtllmMoENvfp4Backend(MoEBackend):
+class TrtllmMoENvfp4Backend(FlashInferSm100MoEBackend):
     name = "TRTLLM_MOE_NVFP4"
-    library = "flashinfer"
     formats = frozenset({"nvfp4"})
     description = "FlashInfer TRT-LLM NVFP4 MoE (SM100 family)"
 
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
 
-
-class TrtllmMoEMxfp4Backend(MoEBackend):
+class TrtllmMoEMxfp4Backend(FlashInferSm100MoEBackend):
     """vLLM 0.33 oracle/mxfp4.py FLASHINFER_TRTLLM_MXFP4_* (SM100 family)."""
 
     name = "TRTLLM_MOE_MXFP4"
-    library = "flashinfer"
     formats = frozenset({"mxfp4"})
     description = "FlashInfer TRT-LLM MXFP4 MoE (SM100 family)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
 
 
 class FlashInferCutlassMoEBackend(MoEBackend):
@@ -194,14 +187,10 @@ class FlashInferCutlassMoEBackend(MoEBackend):
         return None
 
 
-class FlashInferCuteDslMoEBackend(MoEBackend):
+class FlashInferCuteDslMoEBackend(FlashInferSm100MoEBackend):
     name = "FLASHINFER_CUTEDSL_MOE"
-    library = "flashinfer"
     formats = frozenset({"nvfp4"})
     description = "FlashInfer CuteDSL MoE (SM100 family)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
 
 
 class DeepGemmMoEBackend(MoEBackend):

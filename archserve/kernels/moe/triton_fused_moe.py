@@ -93,20 +93,43 @@ def candidate_tiles(num_tokens: int) -> list[MoETile]:
 if triton is not None:
 
     @triton.jit
+    def _program_tile(block_expert_ptr, sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+        """This program's expert (-1: past the last tile), its (token, slot) pairs, which
+        of them are real, and its output columns."""
+        pid_m = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + pid_m)
+        rows = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return expert, rows, rows < num_pairs, cols
+
+    @triton.jit
+    def _operand_tiles(a_ptr, a_rows, stride_a, row_ok, w_base, w_cols, stride_wn, col_ok,
+                       ks, k_ok):
+        """The activation tile [M, K] (rows ``a_rows``) and the weight tile [K, N]."""
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + w_cols[None, :] * stride_wn + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        return a, w
+
+    @triton.jit
+    def _dot(acc, a, w, IEEE_FP32: tl.constexpr):
+        if IEEE_FP32:
+            return acc + tl.dot(a, w, input_precision="ieee")
+        return acc + tl.dot(a, w)
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
                         num_pairs, inter, hidden, stride_xt, stride_we, stride_wn,
                         stride_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         IEEE_FP32: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        expert = tl.load(block_expert_ptr + pid_m)
+        expert, rows, row_ok, cols = _program_tile(block_expert_ptr, sorted_pairs_ptr,
+                                                   num_pairs, BLOCK_M, BLOCK_N)
         if expert < 0:
             return
-        rows = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        row_ok = rows < num_pairs
         tokens = rows // TOP_K
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
         w_base = w13_ptr + expert.to(tl.int64) * stride_we
         gate_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -114,19 +137,12 @@ if triton is not None:
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < hidden
-            a = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            gate_w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask,
-                             other=0.0)
+            a, gate_w = _operand_tiles(x_ptr, tokens, stride_xt, row_ok, w_base, cols,
+                                       stride_wn, col_ok, ks, k_ok)
             up_w = tl.load(w_base + (cols + inter)[None, :] * stride_wn + ks[:, None],
-                           mask=w_mask, other=0.0)
-            if IEEE_FP32:
-                gate_acc += tl.dot(a, gate_w, input_precision="ieee")
-                up_acc += tl.dot(a, up_w, input_precision="ieee")
-            else:
-                gate_acc += tl.dot(a, gate_w)
-                up_acc += tl.dot(a, up_w)
+                           mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            gate_acc = _dot(gate_acc, a, gate_w, IEEE_FP32)
+            up_acc = _dot(up_acc, a, up_w, IEEE_FP32)
         act = gate_acc / (1.0 + tl.exp(-gate_acc)) * up_acc
         tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :],
                  act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -136,28 +152,19 @@ if triton is not None:
                      block_expert_ptr, num_pairs, hidden, inter, stride_at, stride_we,
                      stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        expert = tl.load(block_expert_ptr + pid_m)
+        expert, rows, row_ok, cols = _program_tile(block_expert_ptr, sorted_pairs_ptr,
+                                                   num_pairs, BLOCK_M, BLOCK_N)
         if expert < 0:
             return
-        rows = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        row_ok = rows < num_pairs
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
         w_base = w2_ptr + expert.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < inter
-            a = tl.load(act_ptr + rows[:, None] * stride_at + ks[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
-                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if IEEE_FP32:
-                acc += tl.dot(a, w, input_precision="ieee")
-            else:
-                acc += tl.dot(a, w)
+            a, w = _operand_tiles(act_ptr, rows, stride_at, row_ok, w_base, cols, stride_wn,
+                                  col_ok, ks, k_ok)
+            acc = _dot(acc, a, w, IEEE_FP32)
         scale = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
         acc = acc * scale[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :],

@@ -16,11 +16,16 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from archserve.kernels.linear.quantized_tuning import DEFAULT, MIN_GAIN, KindTiming
+from archserve.kernels.linear.quantized_tuning import (
+    DEFAULT,
+    MIN_GAIN,
+    KindTiming,
+    QuantTuneReport,
+)
 from archserve.kernels.moe.triton_fused_moe import (
     MoETile,
     TritonFusedMoEImpl,
@@ -50,11 +55,8 @@ class MoEShape:
                 f":b{bucket}")
 
 
-@dataclass
-class MoETuneReport:
-    timings: dict[str, KindTiming] = field(default_factory=dict)
-    from_cache: bool = False
-    seconds: float = 0.0
+class MoETuneReport(QuantTuneReport):
+    """The quantized tuner's record (timings per key, cached or not), per MoE bucket."""
 
     def summary(self) -> str:
         if not self.timings:

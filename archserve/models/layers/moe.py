@@ -21,21 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archserve.models.layers.linear import GateUpLinear, Linear
+from archserve.models.layers.linear import GateUpLinear, Linear, WeightOnly
 
 # (gate, up, down) names of one expert's matrices in the two checkpoint conventions.
 HF_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 
 
-class Router(nn.Module):
-    """logits = x W^T in the model dtype, as transformers computes them. A plain module
-    rather than a ``Linear``: a quantized checkpoint never quantizes the router (vLLM
-    builds it with quant_config=None), and online quantization must not either."""
-
-    def __init__(self, num_outputs: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_outputs, hidden_size), requires_grad=False)
+class Router(WeightOnly):
+    """logits = x W^T in the model dtype, as transformers computes them. Not a ``Linear``:
+    a quantized checkpoint never quantizes the router (vLLM builds it with
+    quant_config=None), and online quantization must not either."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
