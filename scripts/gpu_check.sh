@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
-#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|all]
+#   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
+#                                     quant_gemm|quant_perf|moe|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -22,7 +23,9 @@
 #           carry .tok and .whl: xgrammar is a carried wheel), then the structured-output
 #           GPU tests;
 #   tp:     (2+ GPUs) the tensor-parallel tests, benchmarks/tp_perf.py allreduce and engine
-#           (8B shape TP=2 against TP=1); `all` leaves it out, ask for it by name.
+#           (8B shape TP=2 against TP=1); `all` leaves it out, ask for it by name;
+#   moe:    benchmarks/moe_perf.py, the MoE kernel table then the Qwen3-30B-A3B and
+#           Mixtral-8x7B engine rows (env MOE_ARGS: extra arguments, e.g. --skip-peer).
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
 set -uo pipefail
 OUT=${1:-${OUT:-out}}
@@ -98,6 +101,10 @@ if want structured; then
   done
   timeout 240 $PYTEST -v tests/engine/test_structured_engine.py 2>&1 | tail -n 15 \
     | tee "$OUT/pytest_gpu_structured.log"
+fi
+if want moe; then
+  timeout ${MOE_TIMEOUT:-580} python3 benchmarks/moe_perf.py ${MOE_ARGS:-} \
+    --out "$OUT/moe_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/moe_perf.txt"
 fi
 if want profile; then
   for m in llama-3-8b qwen3-0.6b; do

@@ -8,12 +8,14 @@ steps, bytes moved / time / measured bandwidth.
 What a step costs, for each scheduled sequence with ``n`` new tokens after ``c``
 cached ones:
 
-- FLOPs: ``2 * body_params * n`` for the transformer body, ``2 * lm_head_params`` if
+- FLOPs: ``2 * body_params * n`` for the transformer body (for MoE, the dense body plus
+  k experts per layer), ``2 * lm_head_params`` if
   the chunk is sampled (the engine runs the LM head on sampled rows only), and per
   layer ``4 * head_dim * num_heads * attended`` for QK^T and PV, where
   ``attended = n*c + n*(n+1)/2`` (causal: token i sees the c cached tokens and i+1 new).
 - bytes: the weights once per step (body + LM head; the embedding is a row gather and
-  is not counted), plus per layer ``kv_bytes_per_token * (c + n)``: the cached context
+  is not counted; of an MoE layer's routed experts, those the step's tokens touch:
+  engine/step_weights.py), plus per layer ``kv_bytes_per_token * (c + n)``: the cached context
   is read and the new tokens' keys and values are written.
 """
 
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 from archserve.bench.step_trace import ScheduledWork, StepTrace
 from archserve.engine.ceilings import Ceilings
+from archserve.engine.step_weights import StepWeights
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,17 @@ class ModelFacts:
     num_heads: int
     head_dim: int
     kv_bytes_per_token_per_layer: int   # keys + values of one token in one layer
+    # Routed experts (MoE), apart from body_params / weight_bytes: a step reads the ones
+    # its tokens touch (engine/step_weights.py).
+    expert_params: int = 0
+    expert_bytes: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def weights(self) -> StepWeights:
+        return StepWeights(self.body_params, self.weight_bytes, self.lm_head_params, 0,
+                           self.expert_params, self.expert_bytes, self.num_experts,
+                           self.top_k)
 
 
 def model_facts(engine) -> ModelFacts:
@@ -47,9 +61,11 @@ def model_facts(engine) -> ModelFacts:
     kv = engine.runner.kv_caches[0]
     kv_bytes = 2 * mc.num_kv_heads * mc.head_dim * kv.element_size()
     return ModelFacts(body_params=weights.body_params, lm_head_params=weights.lm_head_params,
-                      weight_bytes=weights.bytes_per_step,
+                      weight_bytes=weights.body_bytes + weights.lm_head_bytes,
                       num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
-                      kv_bytes_per_token_per_layer=kv_bytes)
+                      kv_bytes_per_token_per_layer=kv_bytes,
+                      expert_params=weights.expert_params, expert_bytes=weights.expert_bytes,
+                      num_experts=weights.num_experts, top_k=weights.top_k)
 
 
 def attended_pairs(num_new_tokens: int, context_len: int) -> int:
@@ -62,12 +78,14 @@ def step_flops(facts: ModelFacts, work: list[ScheduledWork]) -> float:
     sampled = sum(1 for w in work if w.samples)
     pairs = sum(attended_pairs(w.num_new_tokens, w.context_len) for w in work)
     attention = facts.num_layers * 4 * facts.head_dim * facts.num_heads * pairs
-    return 2.0 * facts.body_params * tokens + 2.0 * facts.lm_head_params * sampled + attention
+    return (2.0 * facts.weights().active_params_per_token * tokens
+            + 2.0 * facts.lm_head_params * sampled + attention)
 
 
 def step_bytes(facts: ModelFacts, work: list[ScheduledWork]) -> float:
     kv_tokens = sum(w.context_len + w.num_new_tokens for w in work)
-    return float(facts.weight_bytes
+    tokens = sum(w.num_new_tokens for w in work)
+    return float(facts.weights().bytes_for_tokens(tokens)
                  + facts.num_layers * facts.kv_bytes_per_token_per_layer * kv_tokens)
 
 

@@ -100,6 +100,29 @@ def tune_quantized_decode(device: DeviceInfo, model: torch.nn.Module, dtype: tor
     return Decision("quantized decode GEMMs", names, names, report.summary())
 
 
+def tune_moe_decode(device: DeviceInfo, model: torch.nn.Module, graph_sizes: list[int]
+                    ) -> Decision | None:
+    """Tune the fused MoE's tiles at the decode graph sizes (cached per device)."""
+    from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+    from archserve.kernels.moe.tuning import MoEShape, tune_moe
+    from archserve.models.layers.moe import FusedMoE
+
+    shapes: dict[tuple, MoEShape] = {}
+    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        impl = moe.impl()
+        if not isinstance(impl, TritonFusedMoEImpl):
+            continue
+        key = (tuple(moe.w13.shape), moe.w13.dtype, moe.top_k, moe.renormalize)
+        shapes.setdefault(key, MoEShape([], moe.w13, moe.w2, moe.top_k, moe.renormalize)
+                          ).impls.append(impl)
+    if not shapes or not graph_sizes:
+        return None
+    path = os.path.join(device_kernel_dir(device), "moe_tiles.json")
+    report = tune_moe(list(shapes.values()), graph_sizes, path)
+    torch.cuda.empty_cache()
+    return Decision("MoE tiles", "TRITON_FUSED_MOE", "TRITON_FUSED_MOE", report.summary())
+
+
 def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torch.dtype,
                          graph_sizes: list[int]) -> Decision | None:
     """Select the dense linear backend, tune it for ``graph_sizes`` (empty: decode runs

@@ -25,6 +25,7 @@ from archserve.engine.cuda_graphs import default_graph_sizes
 from archserve.engine.decode_gemms import (
     install_linear_route,
     install_quantized_kernels,
+    tune_moe_decode,
     tune_quantized_decode,
 )
 from archserve.engine.kernel_cache import configure_kernel_caches
@@ -106,7 +107,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
 
     def tune_gemms() -> list:
         return [d for d in (install_linear_route(device, model, dtype, graph_sizes),
-                            tune_quantized_decode(device, model, dtype, graph_sizes))
+                            tune_quantized_decode(device, model, dtype, graph_sizes),
+                            tune_moe_decode(device, model, graph_sizes))
                 if d is not None]
 
     decisions += agree.rank0_first(tune_gemms)

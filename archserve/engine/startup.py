@@ -184,15 +184,18 @@ def plan_checkpoint_quantization(device: DeviceInfo, config: EngineConfig, model
                                  gguf_path: str | None, dtype: torch.dtype):
     """The kernel of every kind of quantized layer, from config.json alone; raises
     ValueError ("not loadable in this build: ...") when none can run one of them."""
+    from archserve.models.registry import model_class_for
     from archserve.quant.config import resolve_quant_config
-    from archserve.quant.plan import plan_quantization
+    from archserve.quant.plan import plan_quantization, quantized_experts_refusal
 
     # A GGUF file stays quantized on GPUs (a dequantizing kernel reads it); CPUs expand it.
     quant = resolve_quant_config(model_config.quantization_config, config.quantization,
                                  gguf_path is not None, keep_gguf_quantized=device.is_gpu)
     plan = plan_quantization(device, quant, dtype)
-    if plan.not_loadable:
-        raise ValueError(f"not loadable in this build: {plan.not_loadable}")
+    has_moe = "moe" in getattr(model_class_for(model_config.architecture), "op_kinds", ())
+    reason = plan.not_loadable or quantized_experts_refusal(quant, has_moe, gguf_path is not None)
+    if reason:
+        raise ValueError(f"not loadable in this build: {reason}")
     return plan
 
 

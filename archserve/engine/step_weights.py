@@ -4,6 +4,12 @@ Every body weight is read once per step; so is the LM head (tied or not: a tied 
 reads the embedding table as its matrix). The embedding table itself is a row gather,
 one row per token, and is not counted. A quantized layer's bytes are what it holds
 (packed integers and scales); its parameters (for FLOPs) are the weights it stands for.
+
+The routed experts of an MoE layer are the exception: a step reads only the experts its
+tokens are routed to. They are counted apart (``expert_*``), and ``bytes_for_tokens``
+charges each step the experts that ``tokens`` tokens touch: k per layer for one token,
+and for more the expected number of distinct experts under uniform routing,
+E * (1 - (1 - k/E)^tokens), since which experts a batch picks is only known on the device.
 """
 
 from __future__ import annotations
@@ -19,10 +25,34 @@ class StepWeights:
     body_bytes: int
     lm_head_params: int
     lm_head_bytes: int
+    expert_params: int = 0  # the routed experts of every MoE layer (not in body_*)
+    expert_bytes: int = 0
+    num_experts: int = 0    # per MoE layer
+    top_k: int = 0
 
     @property
     def bytes_per_step(self) -> int:
-        return self.body_bytes + self.lm_head_bytes
+        """What a batch-1 decode step reads."""
+        return self.bytes_for_tokens(1)
+
+    def bytes_for_tokens(self, tokens: int) -> float:
+        return (self.body_bytes + self.lm_head_bytes
+                + self.expert_bytes * experts_touched(tokens, self.num_experts, self.top_k)
+                / max(self.num_experts, 1))
+
+    @property
+    def active_params_per_token(self) -> float:
+        """Body parameters one token multiplies: the dense body and its k experts a layer."""
+        return self.body_params + self.expert_params * self.top_k / max(self.num_experts, 1)
+
+
+def experts_touched(tokens: int, num_experts: int, top_k: int) -> float:
+    """Distinct experts a layer reads for ``tokens`` tokens (expected, uniform routing)."""
+    if num_experts == 0 or tokens <= 0:
+        return 0.0
+    if tokens == 1:
+        return float(top_k)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 def _is_embedding_table(name: str, param: torch.Tensor, vocab_size: int) -> bool:
@@ -34,9 +64,15 @@ def _is_lm_head(name: str) -> bool:
 
 
 def step_weights(model: torch.nn.Module, model_config) -> StepWeights:
+    from archserve.models.layers.moe import FusedMoE
     from archserve.quant.linear_state import quantized_layers
 
     quantized = {name: state for name, state in quantized_layers(model)}
+    moes = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+    expert_params = expert_bytes = 0
+    for moe in moes.values():
+        expert_params += moe.expert_params()
+        expert_bytes += sum(p.numel() * p.element_size() for p in moe.parameters())
     body_params = body_bytes = 0
     head_bytes_per_param = 2
     for name, param in model.named_parameters():
@@ -46,10 +82,14 @@ def step_weights(model: torch.nn.Module, model_config) -> StepWeights:
         if _is_lm_head(name):
             head_bytes_per_param = param.element_size()
             continue
+        if any(name.startswith(f"{m}.") for m in moes):
+            continue
         if name.rpartition(".")[0] not in quantized:
             body_params += param.numel()
         body_bytes += param.numel() * param.element_size()
     body_params += sum(s.in_features * sum(s.rows) for s in quantized.values())
     lm_head_params = model_config.vocab_size * model_config.hidden_size
+    first = next(iter(moes.values()), None)
     return StepWeights(body_params, body_bytes, lm_head_params,
-                       lm_head_params * head_bytes_per_param)
+                       lm_head_params * head_bytes_per_param, expert_params, expert_bytes,
+                       first.num_experts if first else 0, first.top_k if first else 0)

@@ -83,3 +83,6 @@ class MoESpec:
     num_tokens: int = 256
     tensor_parallel: bool = False
     expert_parallel: bool = False
+    # How a quantized checkpoint quantizes the experts' activations (quantized_weights.ACT_*):
+    # vLLM's MoE kernels accept different (weight, activation) pairs (kernels/moe/rules.py).
+    activation: str = "dynamic_token"

@@ -19,7 +19,7 @@ from archserve.models.registry import default_architecture
 
 # Families whose attention has q/k/v biases regardless of the ``attention_bias`` field.
 _QKV_BIAS_ALWAYS = {"qwen2"}
-_QK_NORM = {"qwen3", "gemma3_text"}
+_QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text"}
 
 
 @dataclass
@@ -111,7 +111,9 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=text.max_position_embeddings,
             tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
-            attention_bias=attention_bias or model_type in _QKV_BIAS_ALWAYS,
+            # Qwen2-MoE names its q/k/v biases ``qkv_bias`` (o_proj has none).
+            attention_bias=(attention_bias or model_type in _QKV_BIAS_ALWAYS
+                            or bool(getattr(text, "qkv_bias", False))),
             o_proj_bias=attention_bias,
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
             qk_norm=model_type in _QK_NORM,

@@ -84,10 +84,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    """Attention then MLP, each after an RMSNorm. A family whose MLP differs (a sparse MoE
+    block) passes its own, under the name its checkpoints give it."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, mlp: nn.Module | None = None,
+                 mlp_name: str = "mlp") -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_index)
-        self.mlp = LlamaMLP(config)
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp if mlp is not None else LlamaMLP(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -96,16 +101,20 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return getattr(self, self.mlp_name)(hidden), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i)
+        self.layers = nn.ModuleList(self.make_layer(config, i)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        """One decoder layer (a family whose MLP differs builds its own)."""
+        return LlamaDecoderLayer(config, layer_index)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

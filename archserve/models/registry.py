@@ -11,6 +11,9 @@ from archserve.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from archserve.models.mixtral import MixtralForCausalLM
+from archserve.models.qwen2_moe import Qwen2MoeForCausalLM
+from archserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,6 +22,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -27,7 +33,8 @@ def default_architecture(model_type: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM",
-            "gemma3": "Gemma3ForConditionalGeneration"}.get(
+            "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(
                 model_type, f"{model_type}ForCausalLM")
 
 

@@ -22,7 +22,7 @@ from archserve.kernels.registry import BackendError, LibraryAssumption, Selectio
 from archserve.kernels.specs import LinearSpec
 from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
-from archserve.quant.config import ACTIVATION_TEXT, LayerQuant, QuantConfig
+from archserve.quant.config import ACTIVATION_TEXT, ONLINE_FP8, LayerQuant, QuantConfig
 
 # Backends that run a W8A8 checkpoint's weights without quantizing its activations.
 WEIGHT_ONLY_BACKENDS = ("TRITON_WEIGHT_ONLY", "MARLIN")
@@ -95,3 +95,28 @@ def _reason(device: DeviceInfo, quant: LayerQuant, spec: LinearSpec, selection: 
                      f"quantized: they stay {str(dtype).removeprefix('torch.')}")
     return "; ".join(parts)
 
+
+# The checkpoint names of one expert matrix in the two conventions (models/layers/moe.py).
+_EXPERT_MATRICES = ("model.layers.0.mlp.experts.0.gate_proj",
+                    "model.layers.0.block_sparse_moe.experts.0.w1")
+
+
+def quantized_experts_refusal(config: QuantConfig | None, has_moe: bool,
+                              is_gguf: bool = False) -> str | None:
+    """Why a checkpoint whose routed experts are quantized cannot load here (None if it can).
+
+    This build's MoE kernels (TRITON_FUSED_MOE, TORCH_MOE) take 16-bit experts only, and
+    the expert loader has no quantized layout; online fp8 (``--quantization fp8``) leaves
+    the experts in 16 bits, so it loads."""
+    if has_moe and is_gguf:
+        return ("GGUF MoE checkpoints are not loadable in this build: the GGUF loader has no "
+                "map for stacked expert tensors (ffn_*_exps); use the HF safetensors")
+    if config is None or not has_moe:
+        return None
+    for name in _EXPERT_MATRICES:
+        quant = config.layer(name)
+        if quant is not None and quant.layout != ONLINE_FP8:
+            return (f"the routed experts are quantized ({quant.describe()}); this build's MoE "
+                    f"kernels run 16-bit experts only (quantized experts are rules only: "
+                    f"`explain --op moe --quantization ...` shows vLLM's choice)")
+    return None

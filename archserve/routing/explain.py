@@ -316,7 +316,13 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     not_loadable = architecture_unsupported(model.architecture)
     plan = _quantization_plan(device, model.quantization_config, quantization, model.is_gguf,
                               torch_dtype, libraries)
-    not_loadable = "; ".join(filter(None, [not_loadable, plan.not_loadable])) or None
+    experts = None
+    if not_loadable is None:
+        from archserve.models.registry import model_class_for
+        from archserve.quant.plan import quantized_experts_refusal
+        has_moe = "moe" in getattr(model_class_for(model.architecture), "op_kinds", ())
+        experts = quantized_experts_refusal(plan.config, has_moe, model.is_gguf)
+    not_loadable = "; ".join(filter(None, [not_loadable, plan.not_loadable, experts])) or None
     if not_loadable is None:
         decisions += plan.decisions
     if model.is_gguf and plan.config is None and quantization in (None, "gguf"):

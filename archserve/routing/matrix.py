@@ -150,7 +150,9 @@ def matrix_rows() -> list[MatrixRow]:
         _row(gemm, "Dense torch matmul", _backend("linear", "TORCH_MATMUL", LinearSpec())),
         _row(moe, "Triton fused_moe", _backend("moe", "TRITON_FUSED_MOE", _moe(None))),
         _row(moe, "CUTLASS MoE FP8", _backend("moe", "CUTLASS_MOE_FP8", _moe("fp8"))),
-        _row(moe, "TRTLLM MoE FP8", _backend("moe", "TRTLLM_MOE_FP8", _moe("fp8"))),
+        # Block fp8: the format both of vLLM's TRT-LLM FP8 expert classes take (per-tensor
+        # fp8 only with static activation scales, which _moe's spec does not have).
+        _row(moe, "TRTLLM MoE FP8", _backend("moe", "TRTLLM_MOE_FP8", _moe("fp8_block"))),
         _row(moe, "TRTLLM MoE NVFP4", _backend("moe", "TRTLLM_MOE_NVFP4", _moe("nvfp4"))),
         _row(moe, "DeepGEMM MoE", _backend("moe", "DEEPGEMM_MOE", _moe("fp8_block"))),
         _row(moe, "Marlin MoE", _backend("moe", "MARLIN_MOE", _moe("wna16"))),

@@ -206,3 +206,19 @@ def test_the_calibration_key_retires_entries_of_another_method(tmp_path, monkeyp
     path = ceilings.cache_path(torch.device("cpu"))
     monkeypatch.setattr(ceilings, "CALIBRATION_VERSION", ceilings.CALIBRATION_VERSION + 1)
     assert ceilings.cache_path(torch.device("cpu")) != path
+
+
+def test_moe_steps_read_the_experts_their_tokens_touch():
+    """8 experts of 100 bytes (top-2) beside 1000 dense bytes: one token reads 2 experts,
+    a large batch all 8; FLOPs count the 2 experts each token multiplies."""
+    from archserve.engine.step_weights import experts_touched
+    moe = ModelFacts(body_params=500, lm_head_params=0, weight_bytes=1000, num_layers=1,
+                     num_heads=1, head_dim=1, kv_bytes_per_token_per_layer=0,
+                     expert_params=400, expert_bytes=800, num_experts=8, top_k=2)
+    one = [ScheduledWork(num_new_tokens=1, context_len=0, samples=False)]
+    assert step_bytes(moe, one) == 1000 + 2 * 100
+    many = [ScheduledWork(num_new_tokens=1, context_len=0, samples=False)] * 64
+    assert step_bytes(moe, many) == pytest.approx(1000 + 800 * (1 - 0.75 ** 64))
+    assert step_flops(moe, one) == 2 * (500 + 400 * 2 / 8) + 4     # + attention: 4 * 1 pair
+    assert experts_touched(2, 8, 2) == pytest.approx(8 * (1 - 0.75 ** 2))
+    assert experts_touched(5, 0, 0) == 0.0

@@ -102,8 +102,17 @@ def test_explain_every_op_kind() -> None:
     assert awq["routes"][0]["backend"] == "TRITON_WEIGHT_ONLY"
     assert awq["routes"][0]["ideal"] == "MARLIN"
     moe = json.loads(run("explain", "-d", "h100", "--op", "moe", "--json").output)
-    assert moe["routes"][0]["backend"] == "" and moe["routes"][0]["ideal"]
-    assert "no supported architecture has moe layers" in moe["not_loadable"]
+    assert moe["routes"][0]["backend"] == "TRITON_FUSED_MOE" and moe["not_loadable"] is None
+    # B200: vLLM's ideal is FlashInfer's TRT-LLM bf16 MoE (rules only here); the route runs.
+    b200 = run("explain", "-d", "b200", "--op", "moe").output
+    assert "TRITON_FUSED_MOE" in b200 and "TRTLLM_MOE_BF16" in b200 and "rules only" in b200
+    b200 = json.loads(run("explain", "-d", "b200", "--op", "moe", "--json").output)["routes"][0]
+    assert (b200["backend"], b200["ideal"]) == ("TRITON_FUSED_MOE", "TRTLLM_MOE_BF16")
+    cpu = json.loads(run("explain", "-d", "cpu", "--op", "moe", "--json").output)["routes"][0]
+    assert cpu["backend"] == "TORCH_MOE"
+    fp8 = json.loads(run("explain", "-d", "h100", "--op", "moe", "-q", "fp8",
+                         "--json").output)["routes"][0]
+    assert fp8["backend"] == "" and fp8["ideal"] == "CUTLASS_MOE_FP8"   # quantized: rules only
     refused = run("explain", "--op", "linear", "-q", "bitsandbytes")
     assert refused.exit_code == 2 and "not loadable" in refused.output
 
@@ -130,6 +139,18 @@ def test_explain_model_directory(tmp_path) -> None:
     assert out["routes"][1]["ideal"] == "MARLIN"
 
 
+def test_explain_moe_model_shows_the_route_and_vllms_ideal() -> None:
+    from pathlib import Path
+    model = str(Path(__file__).resolve().parents[2] / "benchmarks" / "models" / "qwen3-30b-a3b")
+    for device, route, ideal in (("h200", "TRITON_FUSED_MOE", "TRITON_FUSED_MOE"),
+                                 ("b200", "TRITON_FUSED_MOE", "TRTLLM_MOE_BF16"),
+                                 ("cpu", "TORCH_MOE", "TORCH_MOE")):
+        out = json.loads(run("explain", "-d", device, "--model", model, "--json").output)
+        moe = next(r for r in out["routes"] if r["op"] == "moe")
+        assert (moe["backend"], moe["ideal"]) == (route, ideal), device
+        assert out["not_loadable"] is None
+
+
 def test_doctor_live_json_can_run_here() -> None:
     result = run("doctor", "--json")
     assert result.exit_code == 0, result.output
@@ -141,9 +162,9 @@ def test_doctor_live_json_can_run_here() -> None:
     quantized = {op: r for op, r in out["ops"].items() if op.startswith("linear ")}
     assert len(quantized) == 4 and all(r["backend"] == "TORCH_DEQUANT"
                                        for r in quantized.values())
-    # No MLA or MoE model loads in this build: doctor names no backend for them.
+    # No MLA model loads in this build: doctor names no backend for it. MoE runs the loop.
     assert out["ops"]["mla_attention"]["backend"] is None
-    assert "not loadable in this build" in out["ops"]["moe"]["error"]
+    assert out["ops"]["moe"]["backend"] == "TORCH_MOE"
     reasons = {o["backend"]: o["reason"] for o in out["ops"]["attention"]["others"]}
     reasons.update({r["backend"]: r["reason"] for r in out["ops"]["attention"]["rejected"]})
     assert "FLASH_ATTN" in reasons

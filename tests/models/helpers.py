@@ -92,3 +92,31 @@ class PagedSequences:
 def hf_last_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+def assert_prompt_positions_match_hf(model, hf_model, config, prompt: list[int],
+                                     tol: float = 1e-4) -> None:
+    """The logits of every position of one prompt (a single prefill) equal transformers'."""
+    cache = PagedSequences.for_config(config)
+    ids, positions, meta, _ = cache.step({0: prompt})
+    with set_forward_context(ForwardContext(meta, cache.kv_caches, ReferenceAttentionImpl())):
+        logits = model.compute_logits(model(ids, positions))
+    with torch.no_grad():
+        expected = hf_model(ids[None]).logits[0]
+    torch.testing.assert_close(logits, expected, atol=tol, rtol=tol)
+
+
+def assert_prefill_then_decode_match_hf(model, hf_model, config, prompts: list[list[int]],
+                                        tol: float = 1e-4) -> None:
+    """A batched prefill of ``prompts``, then one decode step of each greedy next token:
+    the last logits of each sequence equal transformers' on the same tokens."""
+    cache = PagedSequences.for_config(config)
+    prefill = cache.run(model, dict(enumerate(prompts)))
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(prefill[i], hf_last_logits(hf_model, prompt),
+                                   atol=tol, rtol=tol)
+    next_tokens = {i: [int(prefill[i].argmax())] for i in range(len(prompts))}
+    decode = cache.run(model, next_tokens)
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(decode[i], hf_last_logits(hf_model, prompt + next_tokens[i]),
+                                   atol=tol, rtol=tol)

@@ -14,10 +14,14 @@ import torch
 from tiny_checkpoints import build_tiny_checkpoint
 
 from archserve import LLM, SamplingParams
-from archserve.kernels.attention.reference import ReferenceAttentionImpl
 from archserve.loader.loader import load_model
-from archserve.models.layers.forward_context import ForwardContext, set_forward_context
-from models.helpers import PagedSequences, hf_last_logits, tiny_hf_model
+from models.helpers import (
+    PagedSequences,
+    assert_prefill_then_decode_match_hf,
+    assert_prompt_positions_match_hf,
+    hf_last_logits,
+    tiny_hf_model,
+)
 
 WINDOW = 8
 GEMMA3 = dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
@@ -93,27 +97,12 @@ def test_dummy_weights_leave_gemma_norms_the_identity(tmp_path):
 
 def test_batched_prefill_then_decode_matches_hf(pair):
     hf_model, model, config = pair
-    cache = PagedSequences.for_config(config)
-    prefill = cache.run(model, dict(enumerate(PROMPTS)))
-    for i, prompt in enumerate(PROMPTS):
-        torch.testing.assert_close(prefill[i], hf_last_logits(hf_model, prompt),
-                                   atol=ATOL, rtol=RTOL)
-    next_tokens = {i: [int(prefill[i].argmax())] for i in range(len(PROMPTS))}
-    decode = cache.run(model, next_tokens)
-    for i, prompt in enumerate(PROMPTS):
-        torch.testing.assert_close(decode[i], hf_last_logits(hf_model, prompt + next_tokens[i]),
-                                   atol=ATOL, rtol=RTOL)
+    assert_prefill_then_decode_match_hf(model, hf_model, config, PROMPTS, ATOL)
 
 
 def test_all_positions_of_a_prompt_match_hf(pair):
     hf_model, model, config = pair
-    cache = PagedSequences.for_config(config)
-    ids, positions, meta, _ = cache.step({0: PROMPTS[0]})
-    with set_forward_context(ForwardContext(meta, cache.kv_caches, ReferenceAttentionImpl())):
-        logits = model.compute_logits(model(ids, positions))
-    with torch.no_grad():
-        expected = hf_model(ids[None]).logits[0]
-    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
+    assert_prompt_positions_match_hf(model, hf_model, config, PROMPTS[0], ATOL)
 
 
 def test_window_and_rope_bases_matter(pair):

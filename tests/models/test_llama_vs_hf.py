@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from archserve.loader.loader import load_model
-from models.helpers import PagedSequences, hf_last_logits, tiny_hf_model
+from models.helpers import (
+    PagedSequences,
+    assert_prefill_then_decode_match_hf,
+    assert_prompt_positions_match_hf,
+    hf_last_logits,
+    tiny_hf_model,
+)
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
@@ -44,26 +50,9 @@ def test_single_prefill_matches_hf(pair):
 
 def test_batched_prefill_then_decode_matches_hf(pair):
     hf_model, model, config = pair
-    cache = PagedSequences.for_config(config)
-    prefill = cache.run(model, dict(enumerate(PROMPTS)))
-    for i, prompt in enumerate(PROMPTS):
-        torch.testing.assert_close(prefill[i], hf_last_logits(hf_model, prompt),
-                                   atol=1e-4, rtol=1e-4)
-    next_tokens = {i: [int(prefill[i].argmax())] for i in range(len(PROMPTS))}
-    decode = cache.run(model, next_tokens)
-    for i, prompt in enumerate(PROMPTS):
-        expected = hf_last_logits(hf_model, prompt + next_tokens[i])
-        torch.testing.assert_close(decode[i], expected, atol=1e-4, rtol=1e-4)
+    assert_prefill_then_decode_match_hf(model, hf_model, config, PROMPTS)
 
 
 def test_all_positions_of_a_prompt_match_hf(pair):
     hf_model, model, config = pair
-    cache = PagedSequences.for_config(config)
-    ids, positions, meta, _ = cache.step({0: PROMPTS[0]})
-    from archserve.kernels.attention.reference import ReferenceAttentionImpl
-    from archserve.models.layers.forward_context import ForwardContext, set_forward_context
-    with set_forward_context(ForwardContext(meta, cache.kv_caches, ReferenceAttentionImpl())):
-        logits = model.compute_logits(model(ids, positions))
-    with torch.no_grad():
-        expected = hf_model(ids[None]).logits[0]
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert_prompt_positions_match_hf(model, hf_model, config, PROMPTS[0])

@@ -71,9 +71,14 @@ def test_doctor_routes_run_in_this_build(profile: str) -> None:
 
 
 @pytest.mark.parametrize("config,needle", [
-    ({**LLAMA, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+    ({**LLAMA, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
       "num_local_experts": 8, "num_experts_per_tok": 2},
-     "architecture 'MixtralForCausalLM' is not supported in this build"),
+     "architecture 'GptOssForCausalLM' is not supported in this build"),
+    ({**LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+      "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+      "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                              "weight_block_size": [128, 128]}},
+     "the routed experts are quantized"),
     ({**LLAMA, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
      "quantization method 'bitsandbytes' is not loadable in this build"),
     ({**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 3, "group_size": 128}},
@@ -95,3 +100,16 @@ def test_unloadable_checkpoint_is_refused_before_any_weight_is_read(tmp_path, co
         LLM(str(tmp_path), skip_tokenizer_init=True)
     out = explain_model(get_profile("cpu"), summary_from_hf_config(small))
     assert needle.split(" (")[0] in out.not_loadable
+
+
+def test_moe_refusals_name_what_this_build_lacks() -> None:
+    """GGUF MoE and quantized experts are refused up front; online fp8 (dense layers
+    quantized at load, experts left in 16 bits) and dense models are not."""
+    from archserve.quant.config import online_quant_config, parse_quant_config
+    from archserve.quant.plan import quantized_experts_refusal
+    assert "GGUF MoE" in quantized_experts_refusal(None, has_moe=True, is_gguf=True)
+    assert quantized_experts_refusal(None, has_moe=False, is_gguf=True) is None
+    assert quantized_experts_refusal(online_quant_config("fp8"), has_moe=True) is None
+    w4 = parse_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 128})
+    assert "routed experts are quantized" in quantized_experts_refusal(w4, has_moe=True)
+    assert quantized_experts_refusal(w4, has_moe=False) is None

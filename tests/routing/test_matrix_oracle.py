@@ -72,6 +72,9 @@ DEVIATIONS = {
     ("ModelOpt MXFP8", "sm80"),
     ("ModelOpt MXFP8", "sm89"),
     ("ModelOpt MXFP8", "sm90"),
+    ("CUTLASS MoE FP8", "sm120"),  # vLLM 0.33 cutlass_group_gemm_supported: 90 <= SM < 110
+    ("DeepGEMM MoE", "sm120"),     # vLLM 0.33 support_deep_gemm: SM90, SM100 and SM120 families
+    ("DeepGEMM MoE", "sm121"),
 }
 
 

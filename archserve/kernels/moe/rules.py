@@ -2,14 +2,26 @@
 
 ``MoESpec.quant_scheme`` uses the weight-format vocabulary of
 archserve.kernels.linear.rules (None, fp8, fp8_block, nvfp4, mxfp8, mxfp4, wna16, int8).
-Only the torch fallback is implemented in this build.
+TRITON_FUSED_MOE (16-bit experts) and the torch fallback run in this build; the others are
+rules only: they can be the ideal, never the route.
 """
 
 from __future__ import annotations
 
-from archserve.kernels.rules import RuleBackend, device_text, needs_capability, needs_family
+import torch
+
+from archserve.kernels.linear.quantized_weights import ACT_STATIC_TENSOR
+from archserve.kernels.rules import (
+    RuleBackend,
+    bf16_on_device,
+    device_text,
+    needs_capability,
+    needs_cuda,
+    needs_dtype,
+    needs_family,
+)
 from archserve.kernels.specs import MoESpec
-from archserve.platform.capability import SM75
+from archserve.platform.capability import SM75, SM89, SM90, SM100
 from archserve.platform.device import DeviceInfo
 
 _IMPL = "archserve.kernels.moe"
@@ -35,72 +47,176 @@ class MoEBackend(RuleBackend):
 class TritonFusedMoEBackend(MoEBackend):
     name = "TRITON_FUSED_MOE"
     library = "triton"
-    formats = frozenset({None, "fp8", "fp8_block", "int8", "wna16", "mxfp4"})
-    description = "Triton fused_moe (any CUDA or ROCm GPU)"
+    implemented = True
+    graph_capturable = True
+    formats = frozenset({None, "fp8", "fp8_block", "int8", "wna16"})
+    description = ("Triton fused MoE: token-sorted grouped GEMMs, gate/up with SiLU*mul "
+                   "fused, then down scaled by the routing weights (any CUDA or ROCm GPU)")
+    impl_path = f"{_IMPL}.triton_fused_moe:TritonFusedMoEImpl"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         if device.platform not in ("cuda", "rocm"):
             return f"needs a CUDA or ROCm GPU, device is {device_text(device)}"
         return None
 
+    def request_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
+        """vLLM 0.33 experts/triton_moe.py TritonExperts._supports_quant_scheme: fp8 needs
+        ``supports_fp8()`` (SM89+), int8 SM75+ (any ROCm GPU); 16-bit runs everywhere."""
+        reason = super().request_rule(device, spec)
+        if reason or not device.is_cuda:
+            return reason
+        if spec.quant_scheme in ("fp8", "fp8_block") and not device.has_capability(SM89):
+            return f"fp8 experts need SM89+, device is {device_text(device)}"
+        if spec.quant_scheme == "int8" and not device.has_capability(SM75):
+            return f"int8 experts need SM75+, device is {device_text(device)}"
+        return None
 
-class CutlassMoEFp8Backend(MoEBackend):
-    name = "CUTLASS_MOE_FP8"
-    formats = frozenset({"fp8"})
-    description = "CUTLASS grouped-GEMM FP8 MoE (SM90, SM100, SM120 builds)"
+    def build_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
+        if spec.quant_scheme is not None:
+            return (f"this build's Triton fused MoE runs 16-bit experts only; "
+                    f"{spec.quant_scheme} experts are rules only")
+        return (needs_dtype(spec.dtype, (torch.float16, torch.bfloat16, torch.float32))
+                or bf16_on_device(device, spec.dtype))
+
+
+def _cap_in(device: DeviceInfo, low: int, high: int, what: str) -> str | None:
+    """CUDA with low <= SM < high (capabilities as vLLM's integers, 90 for SM90)."""
+    reason = needs_cuda(device)
+    if reason:
+        return reason
+    cap = device.capability.to_int()
+    if not low <= cap < high:
+        return f"{what} covers SM{low} <= SM < SM{high}, device is {device_text(device)}"
+    return None
+
+
+def _sm90_or_families(device: DeviceInfo, *families: int) -> str | None:
+    """SM90 exactly (not SM9x at large) or one of ``families``: vLLM's
+    ``is_device_capability(90) or is_device_capability_family(...)``."""
+    reason = needs_family(device, 90, *families)
+    if reason is None and device.family == 90 and device.capability != SM90:
+        return f"needs SM90 exactly, device is {device_text(device)}"
+    return reason
+
+
+class FlashInferSm100MoEBackend(MoEBackend):
+    """FlashInfer's TRT-LLM and CuteDSL MoE kernels: data-centre Blackwell (SM100 family)."""
+
+    library = "flashinfer"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90, 100, 120)
+        return needs_family(device, 100)
 
 
-class TrtllmMoEFp8Backend(MoEBackend):
+class TrtllmMoEBf16Backend(FlashInferSm100MoEBackend):
+    """vLLM 0.33 experts/trtllm_bf16_moe.py: TrtLlmBf16Experts (SM100 family, <= 2048 experts)."""
+
+    name = "TRTLLM_MOE_BF16"
+    formats = frozenset({None})
+    description = "FlashInfer TRT-LLM bf16 MoE (SM100 family)"
+
+    def request_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
+        if spec.num_experts > 2048:
+            return f"routes at most 2048 experts, this model has {spec.num_experts}"
+        return super().request_rule(device, spec)
+
+
+class CutlassMoEFp8Backend(MoEBackend):
+    """vLLM 0.33 experts/cutlass_moe.py CutlassExpertsFp8: ``cutlass_group_gemm_supported``
+    (_custom_ops.py) is 90 <= SM < 110; per-channel or per-tensor fp8, not block."""
+
+    name = "CUTLASS_MOE_FP8"
+    formats = frozenset({"fp8"})
+    description = "vLLM CUTLASS grouped-GEMM FP8 MoE (SM90 <= SM < SM110)"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return _cap_in(device, 90, 110, "the CUTLASS grouped GEMM")
+
+
+class TrtllmMoEFp8Backend(FlashInferSm100MoEBackend):
+    """vLLM 0.33 experts/trtllm_fp8_moe.py: block fp8, per-tensor static fp8, mxfp8."""
+
     name = "TRTLLM_MOE_FP8"
-    library = "flashinfer"
     formats = frozenset({"fp8", "fp8_block", "mxfp8"})
     description = "FlashInfer TRT-LLM FP8 MoE (SM100 family)"
 
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
+    def request_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
+        if spec.quant_scheme == "fp8" and spec.activation != ACT_STATIC_TENSOR:
+            return "takes per-tensor fp8 experts with static activation scales only"
+        return super().request_rule(device, spec)
 
 
-class TrtllmMoENvfp4Backend(MoEBackend):
+class TrtllmMoENvfp4Backend(FlashInferSm100MoEBackend):
     name = "TRTLLM_MOE_NVFP4"
-    library = "flashinfer"
     formats = frozenset({"nvfp4"})
     description = "FlashInfer TRT-LLM NVFP4 MoE (SM100 family)"
 
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
+
+class TrtllmMoEMxfp4Backend(FlashInferSm100MoEBackend):
+    """vLLM 0.33 oracle/mxfp4.py FLASHINFER_TRTLLM_MXFP4_* (SM100 family)."""
+
+    name = "TRTLLM_MOE_MXFP4"
+    formats = frozenset({"mxfp4"})
+    description = "FlashInfer TRT-LLM MXFP4 MoE (SM100 family)"
 
 
 class FlashInferCutlassMoEBackend(MoEBackend):
+    """vLLM 0.33 experts/flashinfer_cutlass_moe.py FlashInferExperts: SM90 exactly or the
+    SM100/SM120 families (SM110 excluded), then a floor per scheme."""
+
     name = "FLASHINFER_CUTLASS_MOE"
     library = "flashinfer"
-    formats = frozenset({"fp8", "nvfp4", "mxfp4"})
-    description = "FlashInfer CUTLASS MoE (SM90/100/110/120)"
+    formats = frozenset({None, "fp8", "fp8_block", "nvfp4", "mxfp4"})
+    description = "FlashInfer CUTLASS MoE (SM90, SM100 and SM120 families)"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90, 100, 110, 120)
+        return _sm90_or_families(device, 100, 120)
+
+    def request_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
+        reason = super().request_rule(device, spec)
+        if reason:
+            return reason
+        fmt = spec.quant_scheme
+        if fmt == "fp8" and spec.activation != ACT_STATIC_TENSOR:
+            return "takes per-tensor fp8 experts with static activation scales only"
+        if fmt in ("fp8_block", "mxfp4") and device.capability != SM90:
+            # fp8 block and mxfp4 with 16-bit activations: the Hopper kernels only.
+            return f"runs {fmt} experts on SM90 only, device is {device_text(device)}"
+        if fmt == "nvfp4" and not device.has_capability(SM100):
+            return f"runs nvfp4 experts from SM100, device is {device_text(device)}"
+        return None
 
 
-class FlashInferCuteDslMoEBackend(MoEBackend):
+class FlashInferCuteDslMoEBackend(FlashInferSm100MoEBackend):
     name = "FLASHINFER_CUTEDSL_MOE"
-    library = "flashinfer"
     formats = frozenset({"nvfp4"})
     description = "FlashInfer CuteDSL MoE (SM100 family)"
 
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
-
 
 class DeepGemmMoEBackend(MoEBackend):
+    """vLLM 0.33 platforms/cuda.py ``support_deep_gemm``: SM90 exactly, the SM100 and SM120
+    families (the seed's table says no on SM12x; vLLM 0.33 enables it there)."""
+
     name = "DEEPGEMM_MOE"
     library = "deep_gemm"
     formats = frozenset({"fp8_block"})
-    description = "DeepGEMM block-FP8 grouped GEMM (Hopper; SM100 unverified)"
+    description = "DeepGEMM block-FP8 grouped GEMM (SM90, SM100 and SM120 families)"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90, 100)
+        return _sm90_or_families(device, 100, 120)
+
+
+class TritonMxfp4MoEBackend(MoEBackend):
+    """vLLM 0.33 experts/gpt_oss_triton_kernels_moe.py: OpenAI's triton_kernels MXFP4 MoE,
+    ``_triton_kernel_moe_supports_current_device``: 9.0 <= SM < 13.0."""
+
+    name = "TRITON_MXFP4_MOE"
+    library = "triton_kernels"
+    formats = frozenset({"mxfp4"})
+    description = "OpenAI triton_kernels MXFP4 MoE (9.0 <= SM < 13.0)"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return _cap_in(device, 90, 130, "OpenAI's Triton MXFP4 kernels")
 
 
 class MarlinMoEBackend(MoEBackend):
@@ -117,54 +233,80 @@ class TorchMoEBackend(RuleBackend):
 
     name = "TORCH_MOE"
     op = "moe"
-    description = ("plain PyTorch expert loop over 16-bit experts (any device; the reference: "
-                   "no MoE architecture loads in this build yet)")
+    description = ("plain PyTorch loop over the experts that got tokens (any device; the "
+                   "reference every MoE kernel is tested against)")
     impl_path = f"{_IMPL}.torch_moe:TorchMoEImpl"
+
+    def request_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
+        if spec.quant_scheme is not None:
+            return (f"runs 16-bit experts only; {spec.quant_scheme} experts need a "
+                    f"quantized MoE kernel")
+        return None
 
 
 MOE_BACKENDS: tuple[type[RuleBackend], ...] = (
-    TritonFusedMoEBackend, CutlassMoEFp8Backend, TrtllmMoEFp8Backend, TrtllmMoENvfp4Backend,
-    FlashInferCutlassMoEBackend, FlashInferCuteDslMoEBackend, DeepGemmMoEBackend,
-    MarlinMoEBackend, TorchMoEBackend,
+    TrtllmMoEBf16Backend, TritonFusedMoEBackend, CutlassMoEFp8Backend, TrtllmMoEFp8Backend,
+    TrtllmMoENvfp4Backend, TrtllmMoEMxfp4Backend, FlashInferCutlassMoEBackend,
+    FlashInferCuteDslMoEBackend, DeepGemmMoEBackend, TritonMxfp4MoEBackend, MarlinMoEBackend,
+    TorchMoEBackend,
 )
 MOE_FALLBACK = TorchMoEBackend.name
 
-# Seed 000 §4.1 global FP8 order (AITER, ROCm-only, is not registered).
+# vLLM 0.33 oracle/unquantized.py _get_priority_backends (CUDA; BATCHED_TRITON is the
+# batched-activation form of TRITON, the same kernel family here).
+_BF16_ORDER = ["TRTLLM_MOE_BF16", "FLASHINFER_CUTLASS_MOE", "TRITON_FUSED_MOE"]
+# vLLM 0.33 oracle/fp8.py _get_priority_backends (AITER, ROCm-only, is not registered;
+# the batched and HUMMING variants are not modelled). VLLM_CUTLASS is in the order for
+# compressed-tensors and online fp8 (allow_vllm_cutlass=True), not for the HF fp8 method.
 _FP8_ORDER = ["TRTLLM_MOE_FP8", "FLASHINFER_CUTLASS_MOE", "DEEPGEMM_MOE", "CUTLASS_MOE_FP8",
               "TRITON_FUSED_MOE", "MARLIN_MOE"]
-# Seed 000 §4.4 NVFP4 order.
+# vLLM 0.33 oracle/nvfp4.py select_nvfp4_moe_backend (VLLM_CUTLASS FP4 not modelled).
 _NVFP4_ORDER = ["TRTLLM_MOE_NVFP4", "FLASHINFER_CUTEDSL_MOE", "FLASHINFER_CUTLASS_MOE",
                 "MARLIN_MOE"]
-_MXFP4_ORDER = ["FLASHINFER_CUTLASS_MOE", "TRITON_FUSED_MOE", "MARLIN_MOE"]
+# vLLM 0.33 oracle/mxfp4.py _get_priority_backends_for_gpt_oss (16-bit-activation variants).
+_MXFP4_ORDER = ["TRTLLM_MOE_MXFP4", "TRITON_MXFP4_MOE", "FLASHINFER_CUTLASS_MOE",
+                "MARLIN_MOE"]
+# vLLM 0.33 oracle/int_wna16.py _get_priority_backends (RDNA3 and TRT-LLM int4 not modelled).
+_WNA16_ORDER = ["MARLIN_MOE", "TRITON_FUSED_MOE"]
 
 
-def _prefer(order: list[str], first: str, before: str | None = None) -> list[str]:
-    """Move ``first`` to the front, or just ahead of ``before``."""
-    rest = [n for n in order if n != first]
-    at = rest.index(before) if before in rest else 0
-    return rest[:at] + [first] + rest[at:]
+def _move_to_back(order: list[str], name: str) -> list[str]:
+    return [n for n in order if n != name] + [name]
+
+
+def _move_to_front(order: list[str], name: str) -> list[str]:
+    return [name] + [n for n in order if n != name]
 
 
 def moe_priority(device: DeviceInfo, spec: MoESpec) -> list[str]:
+    """The candidates in vLLM 0.33's order for this device and expert format."""
     fmt = spec.quant_scheme
+    if fmt is None:
+        if not device.is_cuda:
+            return ["TRITON_FUSED_MOE"]     # ROCm: AITER (not registered), then Triton
+        order = list(_BF16_ORDER)
+        if device.family == 90:
+            # "On Hopper (SM90), the FlashInfer unquantized MoE kernels are slower than Triton"
+            order = _move_to_back(_move_to_back(order, "TRTLLM_MOE_BF16"),
+                                  "FLASHINFER_CUTLASS_MOE")
+        return order
     if fmt in ("fp8", "fp8_block"):
         order = list(_FP8_ORDER)
-        if device.family == 90 and fmt == "fp8_block":
-            # Hopper block FP8: Triton is faster under TP; EP needs FlashInfer's batched layout.
-            if spec.expert_parallel:
-                order = _prefer(order, "FLASHINFER_CUTLASS_MOE")
-            elif spec.tensor_parallel:
-                order = _prefer(order, "TRITON_FUSED_MOE")
-        if device.family == 100 and spec.num_tokens <= 8:
-            # Tiny batches: CUTLASS grouped-GEMM launch overhead loses to one Triton kernel.
-            order = _prefer(order, "TRITON_FUSED_MOE", before="CUTLASS_MOE_FP8")
+        if device.is_cuda and device.capability == SM90 and fmt == "fp8_block":
+            # Hopper block FP8: Triton under EP = 1, FlashInfer CUTLASS under EP > 1.
+            order = _move_to_front(order, "FLASHINFER_CUTLASS_MOE" if spec.expert_parallel
+                                   else "TRITON_FUSED_MOE")
         return order
     if fmt == "nvfp4":
         return list(_NVFP4_ORDER)
     if fmt == "mxfp8":
-        return ["TRTLLM_MOE_FP8"]
+        return ["TRTLLM_MOE_FP8", "MARLIN_MOE"]
     if fmt == "mxfp4":
-        return list(_MXFP4_ORDER)
+        order = list(_MXFP4_ORDER)
+        if device.family == 120:
+            # Consumer Blackwell: the OAI Triton kernels' small tiles lose to Marlin.
+            order = _move_to_back(order, "TRITON_MXFP4_MOE")
+        return order
     if fmt == "wna16":
-        return ["MARLIN_MOE", "TRITON_FUSED_MOE"]
+        return list(_WNA16_ORDER)
     return ["TRITON_FUSED_MOE"]

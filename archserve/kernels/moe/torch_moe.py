@@ -14,16 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from archserve.kernels.elementwise import silu_and_mul
+from archserve.kernels.moe.routing import route
 
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k]) from router logits [T, E]."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = probs.topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+__all__ = ["TorchMoEImpl", "route"]
 
 
 class TorchMoEImpl:

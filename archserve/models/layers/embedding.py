@@ -6,14 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archserve.models.layers.linear import apply_linear
+from archserve.models.layers.linear import WeightOnly, apply_linear
 
 
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-
+class VocabEmbedding(WeightOnly):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
 

@@ -77,6 +77,15 @@ def apply_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     return silu_and_mul(_routine(x, weight, bias))
 
 
+class WeightOnly(nn.Module):
+    """One [rows, cols] weight, no bias, uninitialised on purpose (a loader fills it): the
+    storage of modules that are not ``Linear`` (embeddings, MoE routers)."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W stored [out_features, in_features] like a checkpoint."""
 

@@ -1,0 +1,78 @@
+"""Routing and token sorting for MoE: shared by every backend.
+
+``route``: softmax over the router logits, top-k, optionally renormalised (Mixtral and
+Qwen3 renormalise, Qwen2-MoE's default does not).
+
+``align_to_blocks``: the token order of a grouped GEMM. The T*k (token, slot) pairs are
+sorted by expert and each expert's run is padded to a multiple of the GEMM's row tile,
+so one program of the kernel reads one expert's weights for one tile of its tokens and
+no expert is padded to the whole batch. Every size here is fixed by (T, k, E, tile): the
+padded length is the worst case, so nothing reads a device value back to the host and a
+decode step that runs it can be captured once in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) from router logits [T, E]."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows the sorted order can need: every pair, plus at most block_m - 1 of padding for
+    each expert that gets a pair (no more experts than pairs get one), to a whole tile."""
+    padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-padded // block_m) * block_m
+
+
+@dataclass
+class BlockAlignment:
+    """The grouped-GEMM order of one batch.
+
+    ``sorted_pairs`` [P]: pair index t*k + j in expert order, each expert's run padded to a
+    multiple of the tile with the sentinel T*k (a row the kernels skip).
+    ``block_expert`` [P / block_m]: the expert of each tile of rows; -1 past the last one.
+    """
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.numel()
+
+
+def align_to_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> BlockAlignment:
+    """Sort the (token, slot) pairs of ``expert_ids`` [T, k] by expert, padded per expert."""
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    device = flat.device
+    # scatter_add, not bincount: CUDA's bincount reads the maximum back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    first = counts.cumsum(0) - counts              # first sorted position of each expert
+    order = torch.sort(flat, stable=True).indices  # pair indices, grouped by expert
+    by_expert = flat[order]
+    rank = torch.arange(pairs, device=device) - first[by_expert]
+    total = max_padded_rows(pairs, num_experts, block_m)
+    sorted_pairs = torch.full((total,), pairs, dtype=torch.int32, device=device)
+    sorted_pairs[padded_start[by_expert] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, total, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return BlockAlignment(sorted_pairs, block_expert, block_m)

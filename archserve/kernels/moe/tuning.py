@@ -1,0 +1,150 @@
+"""Start-up tuning of TRITON_FUSED_MOE's tiles per (experts, N, K, top-k, batch bucket).
+
+For each expert shape in the model and each token bucket the decode graphs use, the
+tiles of ``candidate_tiles`` are timed against the default inside a CUDA graph on one
+layer's real weights (a layer's experts are far larger than L2, as in a decode step);
+the fastest that agrees with the default and beats it by MIN_GAIN goes into every layer
+impl's ``tiles``. Results are cached with the other tuning results of this device
+(kernels/tuning_cache.py), so a second start, or ``archserve prepare`` before it, pays
+nothing. A timing that fails keeps the default, is logged and not cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from archserve.kernels.linear.quantized_tuning import (
+    DEFAULT,
+    MIN_GAIN,
+    KindTiming,
+    QuantTuneReport,
+)
+from archserve.kernels.moe.triton_fused_moe import (
+    MoETile,
+    TritonFusedMoEImpl,
+    candidate_tiles,
+    fused_moe,
+    token_bucket,
+)
+from archserve.kernels.tuning_cache import read_cache, write_cache
+
+log = logging.getLogger(__name__)
+_CACHE_VERSION = 1
+
+
+@dataclass
+class MoEShape:
+    """Every layer impl that runs one expert shape, and one layer's weights to time."""
+
+    impls: list[TritonFusedMoEImpl]
+    w13: torch.Tensor          # [E, 2I, H]
+    w2: torch.Tensor           # [E, H, I]
+    top_k: int
+    renormalize: bool
+
+    def key(self, bucket: int) -> str:
+        e, n, k = self.w13.shape
+        return (f"moe:E{e}xN{n}xK{k}:top{self.top_k}:{str(self.w13.dtype).removeprefix('torch.')}"
+                f":b{bucket}")
+
+
+class MoETuneReport(QuantTuneReport):
+    """The quantized tuner's record (timings per key, cached or not), per MoE bucket."""
+
+    def summary(self) -> str:
+        if not self.timings:
+            return "no MoE layer to tune"
+        won = sum(t.chosen != DEFAULT for t in self.timings.values())
+        source = "cached" if self.from_cache else f"tuned in {self.seconds:.1f}s"
+        return (f"a tuned tile for {won} of {len(self.timings)} (expert shape, token bucket), "
+                f"the default for the rest; {source}")
+
+
+def tune_moe(shapes: Sequence[MoEShape], token_counts: Sequence[int], cache_path: str | None,
+             timer=None) -> MoETuneReport:  # noqa: ANN001 - timer(shape, tokens, tile) -> µs
+    """Choose a tile per (shape, bucket of ``token_counts``) for the impls; see the doc."""
+    start = time.perf_counter()
+    timer = timer or _graph_us
+    cached = _read(cache_path)
+    buckets = sorted({token_bucket(n) for n in token_counts})
+    work = [(shape, b) for shape in shapes for b in buckets]
+    report = MoETuneReport(from_cache=bool(work) and all(s.key(b) in cached for s, b in work))
+    failed: set[str] = set()
+    for shape, bucket in work:
+        key = shape.key(bucket)
+        timing = cached.get(key)
+        if timing is None:
+            try:
+                timing = _time_bucket(shape, bucket, timer)
+            except Exception as exc:  # noqa: BLE001 - the default serves; the start goes on
+                log.warning("MoE %s keeps its default tile: timing failed (%s: %s)", key,
+                            type(exc).__name__, exc)
+                timing = KindTiming(0.0, 0.0, note=f"timing failed: {type(exc).__name__}")
+                failed.add(key)
+        report.timings[key] = timing
+        if timing.chosen != DEFAULT:
+            tile = MoETile(**json.loads(timing.chosen))
+            for impl in shape.impls:
+                impl.tiles[bucket] = tile
+    if cache_path is not None and not report.from_cache:
+        write_cache(cache_path, _CACHE_VERSION, "shapes",
+                    {k: vars(t) for k, t in {**cached, **report.timings}.items()
+                     if k not in failed})
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _time_bucket(shape: MoEShape, bucket: int, timer) -> KindTiming:  # noqa: ANN001
+    candidates = candidate_tiles(bucket)
+    x, logits = _inputs(shape, bucket)
+    expected = fused_moe(x, logits, shape.w13, shape.w2, shape.top_k, shape.renormalize,
+                         candidates[0]).float()
+    default_us = timer(shape, bucket, candidates[0])
+    timing = KindTiming(default_us, default_us, calls=len(shape.impls))
+    for tile in candidates[1:]:
+        try:
+            got = fused_moe(x, logits, shape.w13, shape.w2, shape.top_k, shape.renormalize,
+                            tile).float()
+            if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max()):
+                timing.note += f"{tile.key()}: disagrees with the default; "
+                continue
+            us = timer(shape, bucket, tile)
+        except Exception as exc:  # noqa: BLE001 - a tile that fails is skipped, and said so
+            timing.note += f"{tile.key()}: {type(exc).__name__}; "
+            continue
+        if us < timing.best_us and us < default_us * (1 - MIN_GAIN):
+            timing.best_us, timing.chosen = us, json.dumps(dataclasses.asdict(tile))
+    return timing
+
+
+def _inputs(shape: MoEShape, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=shape.w13.device).manual_seed(tokens)
+    x = torch.randn(tokens, shape.w13.shape[2], generator=gen, device=shape.w13.device,
+                    dtype=shape.w13.dtype)
+    logits = torch.randn(tokens, shape.w13.shape[0], generator=gen, device=shape.w13.device)
+    return x, logits
+
+
+def _graph_us(shape: MoEShape, tokens: int, tile: MoETile) -> float:
+    from archserve.kernels.cuda_timing import graph_median_us
+    x, logits = _inputs(shape, tokens)
+    us, how = graph_median_us(lambda: fused_moe(x, logits, shape.w13, shape.w2, shape.top_k,
+                                                shape.renormalize, tile), 10, warmup=2, reps=4)
+    if how != "graph":
+        raise RuntimeError("the fused MoE could not be captured in a CUDA graph")
+    return us
+
+
+def _read(path: str | None) -> dict[str, KindTiming]:
+    try:
+        return {k: KindTiming(**v) for k, v in read_cache(path, _CACHE_VERSION, "shapes").items()}
+    except TypeError as exc:       # an entry of another shape: tune again
+        log.warning("ignoring MoE tuning cache %s (%s)", path, exc)
+        return {}

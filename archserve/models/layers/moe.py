@@ -1,0 +1,185 @@
+"""Mixture-of-experts layers: the router, the experts of one layer, the sparse MLP block.
+
+The experts of a layer live in two stacked tensors, the layout every MoE kernel reads:
+``w13`` [E, 2I, H] (each expert's gate rows, then its up rows) and ``w2`` [E, H, I]. The
+checkpoint stores one matrix per expert and projection (``experts.3.gate_proj.weight``
+or Mixtral's ``experts.3.w1.weight``); each is registered as a parameter that is a view
+into the stacked tensor, so the loaders (safetensors, dummy) fill the kernel layout by
+copying into checkpoint-named parameters, with no repacking pass and no second copy.
+
+The layer computes through the ``moe`` backend the registry selects for its device and
+dtype (ARCHSERVE_MOE_BACKEND overrides it); it never names a backend itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archserve.models.layers.linear import GateUpLinear, Linear, WeightOnly
+
+# (gate, up, down) names of one expert's matrices in the two checkpoint conventions.
+HF_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
+class Router(WeightOnly):
+    """logits = x W^T in the model dtype, as transformers computes them. Not a ``Linear``:
+    a quantized checkpoint never quantizes the router (vLLM builds it with
+    quant_config=None), and online quantization must not either."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class _Matrix(nn.Module):
+    def __init__(self, view: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(view, requires_grad=False)
+
+
+class _Expert(nn.Module):
+    """One expert's checkpoint matrices, each a view into the layer's stacked weights."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 names: tuple[str, str, str]) -> None:
+        super().__init__()
+        for name, view in zip(names, (gate, up, down), strict=True):
+            self.add_module(name, _Matrix(view))
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer: hidden [T, H] and router logits [T, E] -> [T, H]."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, expert_names: tuple[str, str, str] = HF_EXPERT_NAMES
+                 ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be between 1 and the {num_experts} experts")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        inter = intermediate_size
+        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden_size),
+                             persistent=False)
+        self.register_buffer("w2", torch.empty(num_experts, hidden_size, inter),
+                             persistent=False)
+        for e in range(num_experts):
+            self.add_module(str(e), _Expert(self.w13[e, :inter], self.w13[e, inter:],
+                                            self.w2[e], expert_names))
+        self._impl: Any = None
+        self._impl_key: tuple | None = None
+        self.backend_name = ""
+
+    def expert_params(self) -> int:
+        """The weights the experts stand for (gate, up and down of each)."""
+        return 3 * self.num_experts * self.hidden_size * self.intermediate_size
+
+    def spec(self, dtype: torch.dtype) -> Any:
+        from archserve.kernels.specs import MoESpec
+        return MoESpec(dtype=dtype, num_experts=self.num_experts, top_k=self.top_k,
+                       hidden_size=self.hidden_size, intermediate_size=self.intermediate_size)
+
+    def impl(self) -> Any:
+        """The selected backend's implementation for where the weights live (selected on
+        first use and again only if the weights move or change dtype)."""
+        key = (self.w13.device, self.w13.dtype)
+        if self._impl_key != key:
+            from archserve.kernels.catalog import select_moe_backend
+            device = _device_info(self.w13.device)
+            spec = self.spec(self.w13.dtype)
+            selection = select_moe_backend(device, spec)
+            self._impl = selection.backend.make_impl(device, spec)
+            self._impl_key, self.backend_name = key, selection.name
+        return self._impl
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return self.impl().forward(hidden, router_logits, self.w13, self.w2, self.top_k,
+                                   self.renormalize)
+
+
+def _device_info(device: torch.device) -> Any:
+    """The DeviceInfo of the device the weights are on (a CPU tensor on a GPU host is a CPU)."""
+    from archserve.platform import detect, get_profile
+    if device.type == "cpu":
+        return get_profile("cpu")
+    return detect()
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) of a given width: a shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
+
+
+class SparseMoEBlock(nn.Module):
+    """Router + routed experts (+ a shared expert scaled by its sigmoid gate, Qwen2-MoE)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool, expert_names: tuple[str, str, str] = HF_EXPERT_NAMES,
+                 shared_intermediate_size: int = 0) -> None:
+        super().__init__()
+        self.gate = Router(num_experts, hidden_size)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size,
+                                renormalize, expert_names)
+        self.shared_expert = (GatedMLP(hidden_size, shared_intermediate_size)
+                              if shared_intermediate_size else None)
+        self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+# ---- checkpoint names -------------------------------------------------------------------
+
+_PER_EXPERT = re.compile(r"^(?P<block>.*)\.(?P<moe>mlp|block_sparse_moe)\.experts\."
+                         r"(?P<e>\d+)\.(?P<proj>\w+)\.(?P<param>\w+)$")
+_STACKED = re.compile(r"^(?P<block>.*)\.(?P<moe>mlp|block_sparse_moe)\.experts\."
+                      r"(?P<proj>gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"^(?P<block>.*)\.(?P<moe>mlp|block_sparse_moe)\.gate\.weight$")
+_TO_ROLE = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+
+
+def expert_checkpoint_names(weights: Iterable[tuple[str, torch.Tensor]], block_name: str,
+                            expert_names: tuple[str, str, str]
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rename the MoE tensors of any checkpoint convention to the model's own.
+
+    Accepts the sparse block as ``mlp`` or ``block_sparse_moe``, each expert's matrices as
+    gate_proj/up_proj/down_proj or w1/w3/w2, and transformers 5's stacked form
+    (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]), which is split
+    per expert. Everything else passes through unchanged.
+    """
+    for name, tensor in weights:
+        if m := _PER_EXPERT.match(name):
+            role = _TO_ROLE.get(m["proj"])
+            if role is not None:
+                name = (f"{m['block']}.{block_name}.experts.{m['e']}."
+                        f"{expert_names[role]}.{m['param']}")
+        elif m := _STACKED.match(name):
+            prefix = f"{m['block']}.{block_name}.experts"
+            for e, matrix in enumerate(tensor):
+                if m["proj"] == "down_proj":
+                    yield f"{prefix}.{e}.{expert_names[2]}.weight", matrix
+                else:
+                    gate, up = matrix.chunk(2, dim=0)
+                    yield f"{prefix}.{e}.{expert_names[0]}.weight", gate
+                    yield f"{prefix}.{e}.{expert_names[1]}.weight", up
+            continue
+        elif m := _ROUTER.match(name):
+            name = f"{m['block']}.{block_name}.gate.weight"
+        yield name, tensor

@@ -1,0 +1,263 @@
+"""MoE speed on one GPU (issue 13): the engine on Qwen3-30B-A3B and Mixtral-8x7B shapes with
+dummy bf16 weights, and a kernel table of the fused MoE.
+
+Engine rows (``--part engine``), one engine per model, several workloads on it:
+
+- batch-1 decode: 1 request, 128 tokens in, 256 out. The decode step's mean time against
+  its floor: the bytes a step reads (dense weights, LM head, the k experts per layer one
+  token touches, the KV cache) over the measured copy bandwidth (engine/ceilings.py).
+- 256 x 256/128 (Qwen3 shape; Mixtral with --mixtral-throughput): output tok/s and MBU,
+  with each decode step charged the experts its batch touches (expected distinct experts
+  under uniform routing, engine/step_weights.py).
+- transformers on a small workload (16 x 128/64, Qwen3 shape): ours, then transformers
+  with the same dummy-initialised architecture, after our engine is freed.
+
+Kernel table (``--part kernels``), per expert shape and token count (1, 16, 64, 256, 1024):
+the fused Triton MoE with its tuned tile (the engine's tuner and cache, so a later engine
+start reads the result), the TORCH_MOE loop, and dense cuBLAS GEMMs of the same FLOPs
+(T*k rows through one expert's gate/up and down matrices). µs, TFLOP/s and GB/s of the
+expert weights the tokens touch.
+
+    python3 benchmarks/moe_perf.py [--part engine|kernels|all] [--models qwen3-30b-a3b,..]
+        [--skip-peer] [--mixtral-throughput] [--out F.json]
+    python3 benchmarks/moe_perf.py --tiny          # CPU smoke run: tiny shapes, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from archserve.bench.offline import run_offline  # noqa: E402
+from archserve.bench.roofline import analyze, model_facts  # noqa: E402
+from archserve.bench.workload import random_requests  # noqa: E402
+from archserve.engine.ceilings import load_or_measure  # noqa: E402
+from archserve.engine.step_weights import experts_touched  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODELS = {"qwen3-30b-a3b": os.path.join(HERE, "models", "qwen3-30b-a3b"),
+          "mixtral-8x7b": os.path.join(HERE, "models", "mixtral-8x7b")}
+# experts, top_k, hidden, expert intermediate
+KERNEL_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+TOKENS = (1, 16, 64, 256, 1024)
+TINY_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+               "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+               "num_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+               "vocab_size": 256, "max_position_embeddings": 512, "norm_topk_prob": True,
+               "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+# ---------------------------------------------------------------- engine rows
+
+def _engine(model: str, dtype: str, max_num_seqs: int):
+    from archserve.engine.config import EngineConfig
+    from archserve.engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig(model=model, dtype=dtype, load_format="dummy",
+                                  max_model_len=1024, max_num_seqs=max_num_seqs,
+                                  skip_tokenizer_init=True))
+
+
+def _workload(engine, ceilings, num: int, input_len: int, output_len: int) -> dict:
+    requests = random_requests(num, input_len, output_len, engine.model_config.vocab_size,
+                               seed=num)
+    throughput, trace = run_offline(engine, requests, True, show_progress=False)
+    roof = analyze(trace, model_facts(engine), ceilings)
+    step_ms, floor_ms = roof.decode_step_s_mean * 1e3, roof.decode_floor_s_mean * 1e3
+    return {"requests": num, "input_len": input_len, "output_len": output_len,
+            "output_tok_s": throughput.output_tokens_per_s, "elapsed_s": throughput.elapsed_s,
+            "decode_step_ms": step_ms, "decode_floor_ms": floor_ms,
+            "step_over_floor": step_ms / floor_ms if floor_ms else None, "mbu": roof.mbu}
+
+
+def engine_rows(name: str, path: str, args) -> dict:  # noqa: ANN001
+    dtype = "float32" if args.tiny else "bfloat16"
+    t0 = time.perf_counter()
+    engine = _engine(path, dtype, 256)
+    device = engine.runner.device
+    ceilings = load_or_measure(device)
+    facts = model_facts(engine)
+    result = {"model": name, "start_s": time.perf_counter() - t0,
+              "moe_backend": sorted({m.backend_name for m in engine.model.moe_layers()}),
+              "decisions": [d.to_dict() for d in engine.report.decisions
+                            if d.what in ("MoE tiles", "decode GEMMs")],
+              "ceilings": ceilings.describe(),
+              "active_bytes_b1": facts.weights().bytes_per_step,
+              "all_weight_bytes": facts.weight_bytes + facts.expert_bytes}
+    scale = 8 if args.tiny else 1
+    result["b1"] = _workload(engine, ceilings, 1, 128 // scale, 256 // scale)
+    _print_row(name, "b1 128/256", result["b1"])
+    if name != "mixtral-8x7b" or args.mixtral_throughput:
+        result["256x256/128"] = _workload(engine, ceilings, 256 // scale, 256 // scale,
+                                          128 // scale)
+        _print_row(name, "256x256/128", result["256x256/128"])
+    if not args.skip_peer and name == "qwen3-30b-a3b":
+        small = (16, 128 // scale, 64 // scale)
+        ours = _workload(engine, ceilings, *small)
+        engine_dtype = engine.report.dtype
+        del engine
+        _release(device)
+        from archserve.bench.peer_transformers import run_peer
+        requests = random_requests(small[0], small[1], small[2], facts_vocab(path),
+                                   seed=small[0])
+        peer, method = run_peer(path, "dummy", engine_dtype, device, requests,
+                                max_num_seqs=small[0], show_progress=False)
+        result["vs_transformers"] = {
+            "workload": "x".join(map(str, small)), "ours_tok_s": ours["output_tok_s"],
+            "transformers_tok_s": peer.output_tokens_per_s, "method": method,
+            "speedup": ours["output_tok_s"] / peer.output_tokens_per_s}
+        print(f"{name:16s} vs transformers {result['vs_transformers']['workload']}: ours "
+              f"{ours['output_tok_s']:.1f} tok/s, transformers {peer.output_tokens_per_s:.1f} "
+              f"tok/s ({method}): {result['vs_transformers']['speedup']:.1f}x", flush=True)
+    else:
+        del engine
+        _release(device)
+    return result
+
+
+def facts_vocab(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
+
+
+def _print_row(name: str, what: str, row: dict) -> None:
+    ratio = row["step_over_floor"]
+    print(f"{name:16s} {what:12s} step {row['decode_step_ms']:.3f} ms / floor "
+          f"{row['decode_floor_ms']:.3f} ms = {ratio:.2f}x; {row['output_tok_s']:.1f} out tok/s;"
+          f" MBU {row['mbu']:.1%}", flush=True)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- kernel table
+
+def _time_us(fn, device: torch.device) -> tuple[float, str]:  # noqa: ANN001
+    if device.type == "cuda":
+        from archserve.kernels.cuda_timing import graph_median_us
+        return graph_median_us(fn, 10, warmup=2, reps=4)
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return (time.perf_counter() - t0) / 3 * 1e6, "cpu"
+
+
+def kernel_rows(name: str, shape: tuple[int, int, int, int], tokens_list, device, dtype,
+                cache_path: str | None) -> list[dict]:
+    from archserve.kernels.moe.torch_moe import TorchMoEImpl
+    experts, top_k, hidden, inter = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype,
+                      generator=gen) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, device=device, dtype=dtype,
+                     generator=gen) * inter ** -0.5
+    fused = None
+    if device.type == "cuda":
+        from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+        from archserve.kernels.moe.tuning import MoEShape, tune_moe
+        fused = TritonFusedMoEImpl()
+        report = tune_moe([MoEShape([fused], w13, w2, top_k, True)], tokens_list, cache_path)
+        print(f"{name}: {report.summary()}", flush=True)
+    loop = TorchMoEImpl()
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    rows = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+        logits = torch.randn(tokens, experts, device=device, generator=gen)
+        flops = 2.0 * tokens * top_k * 3 * hidden * inter
+        touched = experts_touched(tokens, experts, top_k) * expert_bytes
+        row = {"shape": name, "tokens": tokens, "flops": flops, "expert_bytes": touched}
+        runs = {"torch_moe": lambda x=x, lg=logits: loop.forward(x, lg, w13, w2, top_k, True)}
+        if fused is not None:
+            runs["fused"] = lambda x=x, lg=logits: fused.forward(x, lg, w13, w2, top_k, True)
+            row["tile"] = fused.tile_for(tokens).key()
+        a13 = torch.randn(tokens * top_k, hidden, device=device, dtype=dtype, generator=gen)
+        a2 = torch.randn(tokens * top_k, inter, device=device, dtype=dtype, generator=gen)
+        runs["dense_same_flops"] = lambda a13=a13, a2=a2: (
+            torch.nn.functional.linear(a13, w13[0]), torch.nn.functional.linear(a2, w2[0]))
+        for kind, fn in runs.items():
+            us, how = _time_us(fn, device)
+            row[kind] = {"us": us, "how": how, "tflops": flops / us / 1e6,
+                         "gb_s": touched / us / 1e3 if kind != "dense_same_flops" else None}
+        if fused is not None:
+            ref = loop.forward(x, logits, w13, w2, top_k, True).float()
+            got = fused.forward(x, logits, w13, w2, top_k, True).float()
+            row["max_abs_diff_vs_torch_moe"] = float((got - ref).abs().max())
+        rows.append(row)
+        print(_kernel_line(row), flush=True)
+    return rows
+
+
+def _kernel_line(row: dict) -> str:
+    def cell(kind: str) -> str:
+        r = row.get(kind)
+        if r is None:
+            return "-"
+        gb = f" / {r['gb_s']:.0f} GB/s" if r["gb_s"] else ""
+        return f"{r['us']:.1f} us ({r['tflops']:.1f} TF{gb})"
+    return (f"{row['shape']:16s} T={row['tokens']:5d} fused {cell('fused')} "
+            f"[{row.get('tile', '-')}] | torch_moe {cell('torch_moe')} | dense same FLOPs "
+            f"{cell('dense_same_flops')}")
+
+
+# ---------------------------------------------------------------- main
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", default="all", choices=("engine", "kernels", "all"))
+    parser.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b")
+    parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--mixtral-throughput", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run on tiny shapes")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    names = [n for n in args.models.split(",") if n]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "engine": [], "kernels": []}
+    tmp = tempfile.mkdtemp(prefix="moe_perf_")
+    paths = dict(MODELS)
+    shapes = dict(KERNEL_SHAPES)
+    tokens = TOKENS
+    if args.tiny:
+        path = os.path.join(tmp, "tiny-qwen3-moe")
+        os.makedirs(path)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(TINY_CONFIG, f)
+        paths = {n: path for n in names}
+        shapes = {n: (16, 4, 64, 32) for n in names}
+        tokens = (1, 16, 64)
+    if args.part in ("kernels", "all"):
+        cache = None
+        if device.type == "cuda":
+            from archserve.engine.kernel_cache import device_kernel_dir
+            from archserve.platform import detect
+            cache = os.path.join(device_kernel_dir(detect()), "moe_tiles.json")
+        dtype = torch.float32 if args.tiny else torch.bfloat16
+        for name in names:
+            result["kernels"] += kernel_rows(name, shapes[name], tokens, device, dtype, cache)
+            _release(device)
+    if args.part in ("engine", "all"):
+        for name in names:
+            result["engine"].append(engine_rows(name, paths[name], args))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

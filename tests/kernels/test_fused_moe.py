@@ -1,0 +1,325 @@
+"""TRITON_FUSED_MOE against TORCH_MOE (the reference), and the token sort it runs on.
+
+On CPU the kernels run under Triton's interpreter in a child process (as the other Triton
+test files do) at small sizes, in float32 and float16 (the interpreter cannot multiply
+bf16 in tl.dot); they are also compiled for SM80 and SM90 from the arguments the wrapper
+really passes, since the interpreter accepts code the compiler refuses. On a GPU the
+``gpu``-marked tests run the compiled kernels at Qwen3-30B-A3B's and Mixtral-8x7B's expert
+shapes in bf16, and replay a captured decode step in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from archserve.kernels.catalog import select_moe_backend
+from archserve.kernels.moe.routing import align_to_blocks, max_padded_rows, route
+from archserve.kernels.moe.torch_moe import TorchMoEImpl
+from archserve.kernels.rules import triton_interpreted
+from archserve.kernels.specs import MoESpec
+from archserve.platform import get_profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ (triton helpers)
+INTERPRETED = triton_interpreted()
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+
+
+def operands(tokens: int, experts: int, hidden: int, inter: int, dtype: torch.dtype,
+             device: str = "cpu", seed: int = 0):
+    gen = torch.Generator().manual_seed(seed * 7919 + tokens * 31 + experts)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen) * 2
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
+    return [t.to(device) if i == 1 else t.to(device, dtype)
+            for i, t in enumerate((x, logits, w13, w2))]
+
+
+def reference(x, logits, w13, w2, top_k, renormalize):
+    """TORCH_MOE in float64: the kernel's rounding is then the only difference."""
+    out = TorchMoEImpl().forward(x.double(), logits, w13.double(), w2.double(), top_k,
+                                 renormalize)
+    return out
+
+
+# ---------------------------------------------------------------- routing and the sort
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [
+    (1, 8, 2, 16), (1, 128, 8, 16), (7, 4, 1, 16), (33, 16, 4, 32), (64, 64, 8, 64),
+    (5, 8, 8, 16),
+])
+def test_alignment_groups_every_pair_once_per_expert_tile(tokens, experts, top_k, block_m):
+    gen = torch.Generator().manual_seed(tokens + experts)
+    ids = torch.randn(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
+    align = align_to_blocks(ids, experts, block_m)
+    pairs = tokens * top_k
+    sorted_pairs = align.sorted_pairs.tolist()
+    assert len(sorted_pairs) == max_padded_rows(pairs, experts, block_m)
+    assert len(sorted_pairs) % block_m == 0
+    real = [p for p in sorted_pairs if p < pairs]
+    assert sorted(real) == list(range(pairs))           # every pair exactly once
+    assert all(p == pairs for p in sorted_pairs if p >= pairs)   # padding is the sentinel
+    flat = ids.reshape(-1).tolist()
+    blocks = align.block_expert.tolist()
+    for b, expert in enumerate(blocks):
+        rows = [p for p in sorted_pairs[b * block_m:(b + 1) * block_m] if p < pairs]
+        if expert < 0:
+            assert not rows                               # past the end: nothing to do
+        else:
+            assert all(flat[p] == expert for p in rows)   # a tile holds one expert's pairs
+    used = [e for e in blocks if e >= 0]
+    assert used == sorted(used)                           # experts in order, no empty tile
+    assert all(any(p < pairs for p in sorted_pairs[b * block_m:(b + 1) * block_m])
+               for b, e in enumerate(blocks) if e >= 0)
+
+
+def test_worst_case_length_is_bounded_by_pairs_not_experts():
+    # Decode, 1 token, top-8 of 128 experts, tile 16: 8 tiles, not 128.
+    assert max_padded_rows(8, 128, 16) == 8 * 16
+    assert max_padded_rows(1024, 8, 64) == 1536       # 1024 + 8 * 63, to a whole tile
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_softmax_top_k(renormalize):
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    weights, experts = route(logits, 2, renormalize)
+    probs = torch.softmax(logits, -1)[0]
+    assert experts.tolist() == [[1, 2]]
+    expected = probs[[1, 2]] / (probs[[1, 2]].sum() if renormalize else 1)
+    torch.testing.assert_close(weights[0], expected)
+
+
+# ---------------------------------------------------------------- the backend
+
+def test_cuda_selects_the_fused_kernel_and_cpu_the_torch_loop():
+    h100 = select_moe_backend(get_profile("h100"), MoESpec(), libraries="all")
+    assert h100.name == "TRITON_FUSED_MOE" and h100.backend.implemented
+    assert h100.backend.graph_capturable
+    from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+    assert isinstance(h100.backend.make_impl(get_profile("h100"), MoESpec()),
+                      TritonFusedMoEImpl)
+    cpu = select_moe_backend(get_profile("cpu"), MoESpec(dtype=torch.float32))
+    assert cpu.name == "TORCH_MOE"
+    assert cpu.rejected[0].reason == "needs a CUDA or ROCm GPU, device is cpu"
+    # No Triton: the GPU falls back to the loop, and says why.
+    none = select_moe_backend(get_profile("h100"), MoESpec(), libraries="none")
+    assert none.name == "TORCH_MOE" and "triton" in none.rejected[0].reason
+
+
+def test_quantized_experts_are_not_routed_to_a_16_bit_kernel():
+    from archserve.kernels.catalog import default_registry
+    registry = default_registry()
+    spec = MoESpec(quant_scheme="fp8")
+    for name in ("TRITON_FUSED_MOE", "TORCH_MOE"):
+        reason = registry.get("moe", name).check(get_profile("h100"), spec, "all")
+        assert reason is not None and "fp8" in reason
+
+
+def test_the_kernel_refuses_what_it_cannot_compute():
+    from archserve.kernels.moe.triton_fused_moe import fused_moe_unsupported
+    x, _, w13, w2 = operands(2, 4, 16, 16, torch.float32)
+    assert fused_moe_unsupported(x, w13, w2) is None
+    assert "dtype" in fused_moe_unsupported(x, w13.half(), w2)
+    assert "float16" in fused_moe_unsupported(x.double(), w13.double(), w2.double())
+
+
+# ---------------------------------------------------------------- tiles and their tuning
+
+def test_tiles_are_keyed_by_power_of_two_token_buckets():
+    from archserve.kernels.moe.triton_fused_moe import (
+        MoETile,
+        TritonFusedMoEImpl,
+        candidate_tiles,
+        default_tile,
+        token_bucket,
+    )
+    assert [token_bucket(n) for n in (1, 2, 3, 16, 17, 256, 257)] == [1, 2, 4, 16, 32, 256, 512]
+    impl = TritonFusedMoEImpl()
+    tuned = MoETile(16, 128, 64, 4, 3)
+    impl.tiles[32] = tuned
+    assert impl.tile_for(17) == tuned and impl.tile_for(32) == tuned
+    assert impl.tile_for(33) == default_tile(33) != tuned
+    for n in (1, 64, 1024):
+        tiles = candidate_tiles(n)
+        assert tiles[0] == default_tile(n) and len(set(tiles)) == len(tiles) > 2
+
+
+def test_cached_moe_tiles_are_installed_without_timing(tmp_path):
+    import json
+
+    from archserve.kernels.moe.triton_fused_moe import MoETile, TritonFusedMoEImpl
+    from archserve.kernels.moe.tuning import MoEShape, tune_moe
+    _, _, w13, w2 = operands(1, 8, 32, 16, torch.float16)
+    impls = [TritonFusedMoEImpl(), TritonFusedMoEImpl()]
+    shape = MoEShape(impls, w13, w2, 2, True)
+    tile = MoETile(16, 32, 128, 4, 4)
+    path = tmp_path / "moe_tiles.json"
+    path.write_text(json.dumps({"version": 1, "shapes": {
+        shape.key(1): {"default_us": 9.0, "best_us": 6.0, "chosen": json.dumps(vars(tile)),
+                       "calls": 2, "note": ""},
+        shape.key(2): {"default_us": 9.0, "best_us": 9.0, "chosen": "default", "calls": 2,
+                       "note": ""}}}))
+
+    def no_timing(*_):
+        raise AssertionError("a cached bucket must not be timed")
+    report = tune_moe([shape], [1, 2], str(path), timer=no_timing)
+    assert report.from_cache and "1 of 2" in report.summary()
+    assert all(impl.tiles == {1: tile} for impl in impls)
+
+
+# ---------------------------------------------------------------- compiled for real GPUs
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.parametrize("target, dtype", [  # cold compiles are slow on CI: three pairs
+    (("cuda", 80, 32), torch.bfloat16), (("cuda", 90, 32), torch.float16),
+    (("cuda", 90, 32), torch.float32)], ids=["sm80-bf16", "sm90-fp16", "sm90-fp32"])
+def test_kernel_launches_compile_for_gpu_targets(target, dtype):
+    pytest.importorskip("triton")
+    from triton_compile import compiled_launches
+
+    from archserve.kernels.moe.triton_fused_moe import DEFAULT_TILES, fused_moe
+    x, logits, w13, w2 = operands(4, 8, 64, 48, dtype)
+    tiles = [DEFAULT_TILES[0][1], DEFAULT_TILES[-1][1]] if dtype != torch.float32 \
+        else [DEFAULT_TILES[0][1]]
+    for tile in tiles:
+        with compiled_launches(target) as launches:
+            fused_moe(x, logits, w13, w2, 2, True, tile)
+        assert [launch.kernel for launch in launches] == ["_gate_up_kernel", "_down_kernel"]
+        for launch in launches:
+            code = launch.code()
+            assert code and launch.constexprs["BLOCK_M"] == tile.block_m
+            # Tensor-core MMAs, not a scalar loop (fp32 asks for exact IEEE products).
+            if dtype != torch.float32:
+                assert "mma" in code
+
+
+# ---------------------------------------------------------------- CPU: the interpreter
+
+F32, F16 = torch.float32, torch.float16
+CASES = [  # tokens, experts, top_k, hidden, inter, renormalize, dtype (interpreter time: fp16
+           # on the cases where its rounding differs most from fp32's)
+    (1, 8, 2, 32, 48, True, F32),        # decode, M = 1
+    (1, 128, 8, 64, 32, True, F16),      # 128 experts, top-8, one token: 120 experts idle
+    (13, 16, 1, 40, 24, False, F32),     # top-1, odd sizes
+    (5, 8, 8, 32, 48, True, F16),        # top-8 of 8: every expert on every token
+    (21, 32, 4, 48, 40, False, F32),     # odd tokens, most experts with few or no tokens
+    (70, 8, 2, 24, 72, True, F32),       # several row tiles per expert
+]
+
+if not INTERPRETED:
+
+    @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the compiled kernels are tested instead")
+    def test_fused_moe_under_interpreter():
+        pytest.importorskip("triton")
+        from triton_interpreter import assert_passes_under_interpreter
+        assert_passes_under_interpreter(__file__, timeout=900)
+
+else:
+    from archserve.kernels.moe.triton_fused_moe import MoETile, TritonFusedMoEImpl, fused_moe
+
+    @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, renormalize, dtype", CASES)
+    def test_matches_torch_moe(tokens, experts, top_k, hidden, inter, renormalize, dtype):
+        x, logits, w13, w2 = operands(tokens, experts, hidden, inter, dtype)
+        tile = MoETile(16, 32, 32) if tokens < 64 else MoETile(32, 32, 16)
+        got = fused_moe(x, logits, w13, w2, top_k, renormalize, tile)
+        assert got.dtype == dtype and got.shape == x.shape
+        expected = reference(x, logits, w13, w2, top_k, renormalize)
+        tol = 1e-5 if dtype == torch.float32 else 4e-3
+        torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+        if dtype == torch.float32:   # and TORCH_MOE itself, as the model would run it
+            loop = TorchMoEImpl().forward(x, logits, w13, w2, top_k, renormalize)
+            torch.testing.assert_close(got, loop, atol=1e-5, rtol=1e-5)
+
+    def test_the_impl_uses_the_default_tiles():
+        x, logits, w13, w2 = operands(3, 8, 32, 32, torch.float32)
+        got = TritonFusedMoEImpl().forward(x, logits, w13, w2, 2, True)
+        torch.testing.assert_close(got.double(), reference(x, logits, w13, w2, 2, True),
+                                   atol=1e-5, rtol=1e-5)
+
+    def test_the_tuner_installs_the_fastest_agreeing_tile(tmp_path):
+        from archserve.kernels.moe.triton_fused_moe import candidate_tiles
+        from archserve.kernels.moe.tuning import MoEShape, tune_moe
+        _, _, w13, w2 = operands(1, 4, 32, 16, torch.float32)
+        impl = TritonFusedMoEImpl()
+        shape = MoEShape([impl], w13, w2, 2, True)
+        fastest = candidate_tiles(2)[2]
+        timed = []
+
+        def timer(_shape, tokens, tile):
+            timed.append((tokens, tile))
+            return 5.0 if tile == fastest else 10.0
+        path = str(tmp_path / "moe_tiles.json")
+        report = tune_moe([shape], [2], path, timer=timer)
+        assert not report.from_cache and impl.tiles == {2: fastest}
+        assert [t for t, _ in timed] == [2] * len(candidate_tiles(2))
+        again = tune_moe([MoEShape([TritonFusedMoEImpl()], w13, w2, 2, True)], [2], path,
+                         timer=lambda *_: 1 / 0)
+        assert again.from_cache
+
+    def test_a_wrong_expert_weight_shows():
+        """The comparison can fail: one expert's weight changed moves its tokens' rows."""
+        x, logits, w13, w2 = operands(9, 8, 32, 32, torch.float32)
+        _, experts = route(logits, 2, True)
+        e = int(experts[0, 0])
+        tile = MoETile(16, 32, 32)
+        good = fused_moe(x, logits, w13, w2, 2, True, tile)
+        w2_bad = w2.clone()
+        w2_bad[e] *= 1.5
+        bad = fused_moe(x, logits, w13, w2_bad, 2, True, tile)
+        touched = (experts == e).any(dim=1)
+        assert (bad - good)[touched].abs().max() > 1e-3
+        assert (bad - good)[~touched].abs().max() == 0
+
+
+# ---------------------------------------------------------------- GPU, real shapes
+
+REAL = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+
+
+@gpu
+@pytest.mark.parametrize("shape", sorted(REAL))
+@pytest.mark.parametrize("tokens", [1, 16, 64, 256, 1024])
+def test_gpu_real_shapes_match_torch_moe(shape, tokens):
+    from archserve.kernels.moe.triton_fused_moe import fused_moe
+    experts, top_k, hidden, inter = REAL[shape]
+    x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda")
+    got = fused_moe(x, logits, w13, w2, top_k, True)
+    expected = TorchMoEImpl().forward(x.float(), logits, w13.float(), w2.float(), top_k, True)
+    # bf16 operands and output: a few bf16 ulps of the output's scale.
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+@gpu
+def test_gpu_fp32_is_exact_to_rounding():
+    from archserve.kernels.moe.triton_fused_moe import fused_moe
+    x, logits, w13, w2 = operands(37, 64, 256, 96, torch.float32, "cuda")
+    got = fused_moe(x, logits, w13, w2, 4, False)
+    expected = reference(x, logits, w13, w2, 4, False)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@gpu
+def test_gpu_decode_step_replays_in_a_cuda_graph():
+    """Capture once, then replay with other tokens and other routing: the graph holds no
+    value read back to the host, so the replay computes the new batch."""
+    from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+    experts, top_k, hidden, inter = REAL["qwen3-30b-a3b"]
+    x, logits, w13, w2 = operands(8, experts, hidden, inter, torch.bfloat16, "cuda")
+    impl = TritonFusedMoEImpl()
+    impl.forward(x, logits, w13, w2, top_k, True)          # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = impl.forward(x, logits, w13, w2, top_k, True)
+    for seed in (1, 2):
+        x2, logits2, _, _ = operands(8, experts, hidden, inter, torch.bfloat16, "cuda", seed)
+        x.copy_(x2)
+        logits.copy_(logits2)
+        graph.replay()
+        expected = impl.forward(x, logits, w13, w2, top_k, True)
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)
