@@ -87,10 +87,24 @@ def layout_problems(model_config, size: int, device_type: str = "cpu",
     head = head_split_problem(model_config.num_heads, model_config.num_kv_heads, size)
     if head:
         problems.append(head)
+    if _is_moe(model_config):
+        problems.append(f"{model_config.architecture} is a mixture-of-experts model: its "
+                        f"experts do not split over tensor-parallel ranks in this build yet "
+                        f"(use tensor_parallel_size=1)")
     if model_config.intermediate_size % size:
         problems.append(f"MLP intermediate size {model_config.intermediate_size} does not "
                         f"split over {size} tensor-parallel ranks")
     return problems
+
+
+def _is_moe(model_config) -> bool:
+    """A ModelSummary says so; a ModelConfig's HF config has an expert count."""
+    if getattr(model_config, "is_moe", False):
+        return True
+    hf = getattr(model_config, "hf_config", None)
+    text = getattr(hf, "text_config", None) or hf
+    return any(getattr(text, key, None) for key in ("num_local_experts", "num_experts",
+                                                    "n_routed_experts"))
 
 
 def device_count_problem(size: int, device_type: str, num_devices: int) -> str | None:

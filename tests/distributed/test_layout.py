@@ -81,3 +81,18 @@ def test_explain_and_doctor_report_the_layout_and_refuse_impossible_ones():
     fits = run_doctor(h100, tensor_parallel_size=2, model=model, num_devices=2)
     assert not any("tensor parallel" in b for b in fits.blockers)
     assert any(d.what == "tensor parallel" for d in fits.decisions)
+
+
+def test_a_moe_model_is_refused_with_a_reason_until_its_experts_split():
+    from transformers import MixtralConfig
+
+    from archserve.loader.config import ModelConfig
+    from archserve.routing.model_summary import summary_from_hf_config
+
+    hf = MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                       num_key_value_heads=2, num_local_experts=4, num_hidden_layers=1,
+                       architectures=["MixtralForCausalLM"])
+    for config in (ModelConfig.from_hf_config(hf), summary_from_hf_config(hf.to_dict())):
+        problems = layout_problems(config, 2)
+        assert any("mixture-of-experts" in p for p in problems), problems
+        assert layout_problems(config, 1) == []
