@@ -29,6 +29,9 @@ ATOL = RTOL = 1e-4
 MOE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
            head_dim=16, tie_word_embeddings=False)
 
+# Attention heads every GPU attention backend takes, so decode runs in CUDA graphs.
+GRAPH_HEADS = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+
 VARIANTS = {
     # Mixtral: renormalised top-2 of 4.
     "mixtral_top2": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -262,11 +265,13 @@ def _greedy_agrees(hf_model, prompt_ids: list[int], ours: list[int], near_tie: f
                                      "qwen3_moe_top8_mlp_only"])
 def test_gpu_llm_greedy_equals_transformers(tmp_path, variant, enforce_eager):
     """The engine on the GPU runs the fused Triton MoE (decode inside CUDA graphs unless
-    eager); in fp32 its greedy tokens are transformers' (on the CPU)."""
+    eager); in fp32 its greedy tokens are transformers' (on the CPU). Head size 64: below
+    32 the attention route is one that reads host lengths, and graphs stay off."""
     from transformers import AutoModelForCausalLM
 
     model_type, overrides = VARIANTS[variant]
-    path = build_tiny_checkpoint(str(tmp_path), model_type, **{**MOE, **overrides})
+    path = build_tiny_checkpoint(str(tmp_path), model_type,
+                                 **{**MOE, **overrides, **GRAPH_HEADS})
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, dtype="float32", device="cuda", enforce_eager=enforce_eager)
     engine = llm.llm_engine
