@@ -26,17 +26,8 @@ L8 = "benchmarks/models/llama-3-8b"
 
 
 def _time_us(fn, iters: int) -> float:
-    import torch
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+    from archserve.kernels.cuda_timing import mean_ms
+    return 1000 * mean_ms(fn, iters, warmup=3)
 
 
 def _allreduce_rank(rank: int, size: int, init: str, queue) -> None:

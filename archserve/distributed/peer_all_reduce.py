@@ -72,16 +72,9 @@ class PeerAllReduce:
 
 
 def _time(fn, iters: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / iters     # microseconds
+    """Microseconds per call (after 5 warm-up calls)."""
+    from archserve.kernels.cuda_timing import mean_ms
+    return 1000 * mean_ms(fn, iters, warmup=5)
 
 
 def install_peer_all_reduce(group: TensorParallelGroup, dtype: torch.dtype) -> Decision:

@@ -162,11 +162,5 @@ def _mean_ms(step, repeats: int, device: torch.device) -> float:
         for _ in range(repeats):
             step()
         return (time.perf_counter() - t0) / repeats * 1e3
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+    from archserve.kernels.cuda_timing import mean_ms
+    return mean_ms(step, repeats)

@@ -28,6 +28,21 @@ def median_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
     return statistics.median(times)
 
 
+def mean_ms(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
+    """Mean ms per call of ``iters`` calls back to back (one event pair around them all:
+    launches queue up as they would in a loop, so a short call is not timed alone)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def graph_median_us(run: Callable[[], object], iters: int, warmup: int = 3, reps: int = 20
                     ) -> tuple[float, str]:
     """Median µs per call: a graph of ``reps`` calls when capture works, else eager."""
