@@ -33,23 +33,6 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def _metadata(query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-              slot_mapping: np.ndarray, device: torch.device) -> AttentionMetadata:
-    query_lens = np.diff(query_start_loc)
-    num_seqs = len(seq_lens)
-    return AttentionMetadata(
-        query_start_loc=host_to_device(query_start_loc, device),
-        seq_lens=host_to_device(seq_lens, device),
-        block_tables=host_to_device(block_tables, device),
-        slot_mapping=host_to_device(slot_mapping, device),
-        max_query_len=int(query_lens.max()) if num_seqs else 0,
-        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-        num_seqs=num_seqs,
-        query_lens_cpu=query_lens.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-    )
-
-
 def _block_table_matrix(tables: list[list[int]]) -> np.ndarray:
     width = max(1, max(map(len, tables)))
     return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
@@ -68,10 +51,11 @@ def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, device: torc
     n = len(seqs)
     slot_mapping = [t[p // block_size] * block_size + p % block_size
                     for t, p in zip(tables, positions, strict=True)]
-    meta = _metadata(np.arange(n + 1, dtype=np.int32),
-                     np.asarray(positions, dtype=np.int32) + 1,
-                     _block_table_matrix(tables),
-                     np.asarray(slot_mapping, dtype=np.int64), device)
+    meta = AttentionMetadata.from_lengths(np.ones(n, dtype=np.int32),
+                                          np.asarray(positions, dtype=np.int32) + 1,
+                                          _block_table_matrix(tables),
+                                          np.asarray(slot_mapping, dtype=np.int64), device,
+                                          upload=lambda a: host_to_device(a, device))
     return ModelBatch(
         input_ids=host_to_device(np.asarray([s.token_ids[p] for s, p in zip(seqs, positions,
                                                                       strict=True)],
@@ -93,7 +77,7 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.devic
     input_ids = np.empty(num_tokens, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+    query_lens = np.empty(num_seqs, dtype=np.int32)
     seq_lens = np.empty(num_seqs, dtype=np.int32)
     block_tables = _block_table_matrix([c.seq.block_table for c in chunks])
     logits_rows: list[int] = []
@@ -112,7 +96,7 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.devic
         slot_mapping[row:row + chunk.num_new_tokens] = (
             block_tables[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
         seq_lens[i] = end
-        query_start_loc[i + 1] = query_start_loc[i] + chunk.num_new_tokens
+        query_lens[i] = chunk.num_new_tokens
         params = seq.sampling_params
         if params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
             # Rows whose *next* token is a prompt token: their logits score that token.
@@ -124,7 +108,8 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.devic
             sampled_seqs.append(seq)
         row += chunk.num_new_tokens
 
-    meta = _metadata(query_start_loc, seq_lens, block_tables, slot_mapping, device)
+    meta = AttentionMetadata.from_lengths(query_lens, seq_lens, block_tables, slot_mapping,
+                                          device, upload=lambda a: host_to_device(a, device))
     return ModelBatch(
         input_ids=host_to_device(input_ids, device),
         positions=host_to_device(positions, device),

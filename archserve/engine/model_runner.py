@@ -88,9 +88,6 @@ class ModelRunner:
         blocks_per_seq = -(-max(lens) // self.block_size)
         caches = allocate_kv_caches(cfg.num_layers, blocks_per_seq * len(lens), self.block_size,
                                     cfg.num_kv_heads, cfg.head_dim, self.dtype, dev)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
         tables = torch.arange(blocks_per_seq * len(lens), dtype=torch.int32,
                               device=dev).view(len(lens), blocks_per_seq)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
@@ -98,12 +95,7 @@ class ModelRunner:
                                             torch.tensor(lens, device=dev))
         slots = (tables[seq_index, positions // self.block_size].long() * self.block_size
                  + positions % self.block_size)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=tables, slot_mapping=slots,
-            max_query_len=max(lens), max_seq_len=max(lens), num_seqs=len(lens),
-            query_lens_cpu=list(lens), seq_lens_cpu=list(lens))
+        meta = AttentionMetadata.from_lengths(lens, lens, tables, slots, dev)
         ids = torch.zeros(sum(lens), dtype=torch.long, device=dev)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -139,13 +131,9 @@ class ModelRunner:
         dev = self.device
         for n in lengths:
             width = -(-n // self.block_size)
-            meta = AttentionMetadata(
-                query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-                block_tables=torch.zeros((1, width), dtype=torch.int32, device=dev),
-                slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
-                max_query_len=n, max_seq_len=n, num_seqs=1, query_lens_cpu=[n],
-                seq_lens_cpu=[n])
+            meta = AttentionMetadata.from_lengths(
+                [n], [n], torch.zeros((1, width), dtype=torch.int32, device=dev),
+                torch.full((n,), -1, dtype=torch.long, device=dev), dev)
             ids = torch.zeros(n, dtype=torch.long, device=dev)
             positions = torch.arange(n, device=dev)
             self.model.compute_logits(self._forward(ids, positions, meta)[-1:])

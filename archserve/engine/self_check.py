@@ -119,12 +119,9 @@ def run_self_check(runner, copy_bytes_per_s: float, repeats: int = 20) -> SelfCh
     """Time a batch-1 decode step (graph replay when captured) against its floor."""
     from archserve.kernels.attention.interface import AttentionMetadata
     dev = runner.device
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([1], dtype=torch.int32, device=dev),
-        block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
-        slot_mapping=torch.full((1,), -1, dtype=torch.long, device=dev),
-        max_query_len=1, max_seq_len=1, num_seqs=1, query_lens_cpu=[1], seq_lens_cpu=[1])
+    meta = AttentionMetadata.from_lengths(
+        [1], [1], torch.zeros((1, 1), dtype=torch.int32, device=dev),
+        torch.full((1,), -1, dtype=torch.long, device=dev), dev)
     ids = torch.zeros(1, dtype=torch.long, device=dev)
     pos = torch.zeros(1, dtype=torch.long, device=dev)
     graphs = runner.graphs is not None and runner.graphs.size_for(1) is not None

@@ -84,20 +84,8 @@ def make_case(seqs: list[tuple[int, int]], *, num_heads: int = 4, num_kv_heads: 
         k_scale, v_scale = 0.5, 0.25
         cache[0] /= k_scale
         cache[1] /= v_scale
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        slot_mapping=slot_mapping.to(device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(s for _, s in seqs),
-        num_seqs=len(seqs),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=[s for _, s in seqs],
-    )
+    meta = AttentionMetadata.from_lengths(query_lens, [s for _, s in seqs], block_tables,
+                                          slot_mapping, device)
     layer = AttentionLayerParams(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                  head_size=head_size, scale=head_size ** -0.5,
                                  sliding_window=sliding_window, logit_soft_cap=soft_cap,
@@ -113,7 +101,7 @@ def make_case(seqs: list[tuple[int, int]], *, num_heads: int = 4, num_kv_heads: 
         value=value.to(device),
         kv_cache=cache.to(cache_dtype).to(device),
         meta=meta, layer=layer, k_scale=k_scale, v_scale=v_scale,
-        num_valid_tokens=starts[-1],
+        num_valid_tokens=sum(query_lens),
     )
 
 

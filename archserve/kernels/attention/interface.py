@@ -22,9 +22,11 @@ Every implementation does the same two things per layer:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -42,6 +44,35 @@ class AttentionMetadata:
     # Host copies (lists) of the same facts, for backends that loop or build masks on the host.
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_lengths(cls, query_lens: Sequence[int] | np.ndarray,
+                     seq_lens: Sequence[int] | np.ndarray,
+                     block_tables: torch.Tensor | np.ndarray,
+                     slot_mapping: torch.Tensor | np.ndarray, device: torch.device | str,
+                     upload: Callable[[np.ndarray], torch.Tensor] | None = None
+                     ) -> AttentionMetadata:
+        """The one builder of a batch's metadata from its per-sequence lengths: the query
+        offsets, the host maxima and the host copies all follow from them, so no caller
+        can let them disagree. Host arrays go to ``device`` through ``upload`` (the
+        engine's pinned, non-blocking copy) or a plain copy; tensors are moved as given.
+        (The CUDA-graph runner's metadata is the exception: views of its static buffers.)
+        """
+        q = np.asarray(query_lens, dtype=np.int32)
+        s = np.asarray(seq_lens, dtype=np.int32)
+        starts = np.zeros(len(q) + 1, dtype=np.int32)
+        np.cumsum(q, out=starts[1:])
+
+        def put(x: torch.Tensor | np.ndarray) -> torch.Tensor:
+            if isinstance(x, torch.Tensor):
+                return x.to(device)
+            return upload(x) if upload is not None else torch.from_numpy(x).to(device)
+
+        return cls(query_start_loc=put(starts), seq_lens=put(s),
+                   block_tables=put(block_tables), slot_mapping=put(slot_mapping),
+                   max_query_len=int(q.max()) if len(q) else 0,
+                   max_seq_len=int(s.max()) if len(s) else 0, num_seqs=len(s),
+                   query_lens_cpu=q.tolist(), seq_lens_cpu=s.tolist())
 
     @property
     def num_tokens(self) -> int:
