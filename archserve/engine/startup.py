@@ -120,13 +120,11 @@ def cuda_graphs_off_reason(torch_device: torch.device, config: EngineConfig,
 def model_routes(device: DeviceInfo, config: EngineConfig, model_config, dtype: torch.dtype,
                  kv_cache_dtype: str, attention: Selection, is_gguf: bool = False) -> list:
     """The explain routes of the loaded model, with attention as actually selected here."""
-    import dataclasses
 
     from archserve.routing.dtypes import dtype_name
     from archserve.routing.explain import explain_model, route_from_selection
-    from archserve.routing.model_summary import summary_from_hf_config
-    summary = dataclasses.replace(summary_from_hf_config(model_config.hf_config.to_dict()),
-                                  is_gguf=is_gguf)
+    from archserve.routing.model_summary import summary_from_model_config
+    summary = summary_from_model_config(model_config, is_gguf=is_gguf)
     explanation = explain_model(device, summary, dtype_name(dtype), kv_cache_dtype,
                                 config.quantization)
     spec = attention_spec_of(config, model_config, dtype, kv_cache_dtype)

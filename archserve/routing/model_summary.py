@@ -1,19 +1,21 @@
 """The few facts about a model that routing needs, read without touching any weight.
 
-Reads ``config.json`` of a Hugging Face directory, or a GGUF file's metadata. The
-loader's ModelConfig (archserve.loader.config) is the full description for running a
-model; this summary only covers what ``explain`` routes on: attention shape, MLA,
-experts and quantization.
+For a Hugging Face directory the summary is derived from the loader's ModelConfig
+(archserve.loader.config), so explain and the engine read config.json one way (the same
+sliding-window rule, the same multimodal unwrapping). A GGUF file's metadata is read here.
+The summary covers what ``explain`` routes on: attention shape, MLA, experts, quantization.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from archserve.quant.schemes import scheme_from_config
+
+if TYPE_CHECKING:
+    from archserve.loader.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -47,52 +49,67 @@ class ModelSummary:
 def read_model_summary(path: str) -> ModelSummary:
     """A summary from an HF model directory (config.json) or a .gguf file."""
     if os.path.isdir(path):
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"{path}: no config.json, so this is not a Hugging Face model "
-                             "directory")
-        with open(config_path, encoding="utf-8") as f:
-            return summary_from_hf_config(json.load(f))
+        from archserve.loader.config import load_hf_model_config
+        return summary_from_model_config(load_hf_model_config(path))
     if path.endswith(".gguf") and os.path.isfile(path):
         return summary_from_gguf(path)
     raise ValueError(f"{path}: expected a Hugging Face model directory or a .gguf file")
 
 
 def summary_from_hf_config(config: dict[str, Any]) -> ModelSummary:
-    text = config.get("text_config")
-    if isinstance(text, dict):   # multimodal wrappers keep the decoder's facts here
-        config = {**text, "quantization_config": config.get("quantization_config")}
-    heads = int(config.get("num_attention_heads", 32))
-    hidden = int(config.get("hidden_size", 4096))
-    kv_lora_rank = config.get("kv_lora_rank")
+    """A summary from config.json's contents, parsed by transformers as the loader does."""
+    from transformers import AutoConfig
+
+    from archserve.loader.config import ModelConfig
+
+    fields = dict(config)
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise ValueError("config.json has no model_type")
+    try:
+        hf_config = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"config.json could not be read: {exc}") from exc
+    return summary_from_model_config(ModelConfig.from_hf_config(hf_config))
+
+
+def summary_from_model_config(model_config: ModelConfig, is_gguf: bool = False
+                              ) -> ModelSummary:
+    """Routing's facts from the loader's ModelConfig: config.json is read once, and the
+    attention shape and sliding windows are the ones the engine runs with. What only routing
+    asks (MLA latents, experts, soft-capping) comes from the same parsed HF config."""
+    hf_config = model_config.hf_config
+    text = getattr(hf_config, "text_config", None) or hf_config
+
+    def get(name: str) -> Any:
+        return getattr(text, name, None)
+
+    kv_lora_rank = get("kv_lora_rank")
     use_mla = kv_lora_rank is not None
-    rope = int(config.get("qk_rope_head_dim", 64))
-    experts = (config.get("num_local_experts") or config.get("num_experts")
-               or config.get("n_routed_experts") or 0)
-    head_size = (int(kv_lora_rank) + rope if use_mla
-                 else int(config.get("head_dim") or hidden // heads))
+    rope = int(get("qk_rope_head_dim") or 64)
+    experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts") or 0
+    dtype = model_config.torch_dtype
     return ModelSummary(
-        architecture=(config.get("architectures") or [config.get("model_type", "unknown")])[0],
-        head_size=head_size,
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        sliding_window=config.get("sliding_window") if config.get("use_sliding_window",
-                                                                  True) else None,
-        logit_soft_cap=config.get("attn_logit_softcapping"),
+        architecture=model_config.architecture,
+        head_size=int(kv_lora_rank) + rope if use_mla else model_config.head_dim,
+        num_heads=model_config.num_heads,
+        num_kv_heads=model_config.num_kv_heads,
+        sliding_window=model_config.sliding_window,
+        logit_soft_cap=get("attn_logit_softcapping"),
         use_mla=use_mla,
-        mla_sparse=config.get("index_topk") is not None,
+        mla_sparse=get("index_topk") is not None,
         kv_lora_rank=int(kv_lora_rank or 512),
         qk_rope_head_dim=rope,
-        qk_nope_head_dim=int(config.get("qk_nope_head_dim", 128)),
-        v_head_dim=int(config.get("v_head_dim", 128)),
+        qk_nope_head_dim=int(get("qk_nope_head_dim") or 128),
+        v_head_dim=int(get("v_head_dim") or 128),
         num_experts=int(experts),
-        experts_per_token=int(config.get("num_experts_per_tok") or 0),
-        hidden_size=hidden,
-        intermediate_size=int(config.get("moe_intermediate_size")
-                              or config.get("intermediate_size") or 4 * hidden),
-        quantization=scheme_from_config(config.get("quantization_config")),
-        dtype=config.get("dtype") or config.get("torch_dtype"),
-        quantization_config=config.get("quantization_config"),
+        experts_per_token=int(get("num_experts_per_tok") or 0),
+        hidden_size=model_config.hidden_size,
+        intermediate_size=int(get("moe_intermediate_size") or model_config.intermediate_size),
+        quantization=scheme_from_config(model_config.quantization_config),
+        dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
+        quantization_config=model_config.quantization_config,
+        is_gguf=is_gguf,
     )
 
 

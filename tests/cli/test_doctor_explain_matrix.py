@@ -130,7 +130,8 @@ def test_explain_names_the_op_only_where_the_layer_does_not() -> None:
 
 def test_explain_model_directory(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "head_dim": 128,
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024,
+        "head_dim": 128,
         "num_attention_heads": 16, "num_key_value_heads": 8,
         "quantization_config": {"quant_method": "fp8"}}))
     result = run("explain", "-d", "a100", "--model", str(tmp_path), "--json")

@@ -93,7 +93,8 @@ def _write_config(tmp_path, **config) -> str:
 
 
 def test_explain_dense_model(tmp_path) -> None:
-    path = _write_config(tmp_path, architectures=["LlamaForCausalLM"], hidden_size=576,
+    path = _write_config(tmp_path, model_type="llama", architectures=["LlamaForCausalLM"],
+                         hidden_size=576,
                          num_attention_heads=9, num_key_value_heads=3, torch_dtype="bfloat16")
     summary = read_model_summary(path)
     assert summary.head_size == 64 and not summary.is_moe and summary.quantization is None
@@ -105,7 +106,8 @@ def test_explain_dense_model(tmp_path) -> None:
 
 def test_explain_fp8_moe_mla_model(tmp_path) -> None:
     path = _write_config(
-        tmp_path, architectures=["DeepseekV3ForCausalLM"], hidden_size=7168,
+        tmp_path, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+        hidden_size=7168,
         num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512,
         qk_rope_head_dim=64, n_routed_experts=256, num_experts_per_tok=8,
         moe_intermediate_size=2048,
@@ -145,3 +147,17 @@ def test_explain_gguf_model(tmp_path) -> None:
     assert any(d["what"] == "quantization" for d in out["decisions"])
     cpu = explain_model(get_profile("cpu"), summary, libraries="all").to_dict()
     assert cpu["routes"][1]["backend"] == "TORCH_MATMUL"      # dequantized at load
+
+
+def test_explain_reads_sliding_windows_as_the_engine_does(tmp_path) -> None:
+    """Qwen2 slides only in the layers from max_window_layers on: with all 4 layers below
+    it, no layer slides. The engine's loader knows that; explain once read config.json on
+    its own and routed for a 4096-token window."""
+    from archserve.loader.config import load_hf_model_config
+
+    path = _write_config(tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                         hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=4, use_sliding_window=True, sliding_window=4096,
+                         max_window_layers=4)
+    assert load_hf_model_config(path).sliding_window is None
+    assert read_model_summary(path).sliding_window is None
