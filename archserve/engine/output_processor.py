@@ -169,7 +169,8 @@ class OutputProcessor:
                 token_ids=s.output_token_ids[tokens_from:],
                 cumulative_logprob=s.cumulative_logprob if wants_logprobs else None,
                 logprobs=s.output_logprobs[tokens_from:] if wants_logprobs else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                num_generated_tokens=s.num_output_tokens))
             if delta:
                 state.sent[s.index] = (max(text_from, text_to), s.num_output_tokens)
         return RequestOutput(

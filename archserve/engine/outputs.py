@@ -24,6 +24,9 @@ class CompletionOutput:
     logprobs: list[LogprobsDict] | None
     finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    # Tokens generated so far, whatever the output kind (a DELTA output's token_ids holds
+    # only the new ones): what usage and metrics count.
+    num_generated_tokens: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None

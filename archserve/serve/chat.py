@@ -34,11 +34,10 @@ from archserve.serve.sampling import (
     truncated,
 )
 from archserve.serve.streams import (
-    SSE_DONE,
+    PendingTokens,
     logging_disconnect,
-    merge,
     sse,
-    sse_error,
+    sse_stream,
     unless_disconnected,
 )
 from archserve.serve.tool_calls import (
@@ -169,73 +168,76 @@ class _ChatView:
         return (ChatResponseMessage(content=events.content or None, tool_calls=calls or None),
                 self._finish_reason(c, parser))
 
-    def _logprobs(self, c: CompletionOutput, start: int):
+    def _logprobs(self, token_ids: list[int], entries: list):
         if not self.req.logprobs:
             return None
-        return chat_logprobs(self.ctx.tokenizer, c.token_ids[start:],
-                             list((c.logprobs or [])[start:]), self.req.top_logprobs or 0)
+        return chat_logprobs(self.ctx.tokenizer, token_ids, list(entries),
+                             self.req.top_logprobs or 0)
 
-    def _usage(self, output: RequestOutput | None) -> UsageInfo:
-        completion = sum(len(c.token_ids) for c in output.outputs) if output else 0
-        return UsageInfo(prompt_tokens=self.prompt_len, completion_tokens=completion,
-                         total_tokens=self.prompt_len + completion)
+    def _usage(self, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_len, completion_tokens=completion_tokens,
+                         total_tokens=self.prompt_len + completion_tokens)
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for c in output.outputs:
             message, finish_reason = self._message(c)
             choices.append(ChatChoice(index=c.index, message=message,
-                                      logprobs=self._logprobs(c, 0),
+                                      logprobs=self._logprobs(c.token_ids, c.logprobs or []),
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created,
                                       model=self.ctx.model_name, choices=choices,
-                                      usage=self._usage(output))
+                                      usage=self._usage(sum(c.num_generated_tokens
+                                                            for c in output.outputs)))
 
     def _chunk(self, choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created,
                                        model=self.ctx.model_name, choices=[choice]))
 
-    async def stream(self, stream) -> AsyncIterator[str]:
-        sent_text = [0] * self.req.n
-        sent_tokens = [0] * self.req.n
-        done: set[int] = set()
+    def stream(self, stream) -> AsyncIterator[str]:
+        self._pending = [PendingTokens() for _ in range(self.req.n)]
+        return sse_stream(self._chunks(stream), self._usage_chunk)
+
+    async def _chunks(self, stream) -> AsyncIterator[str]:
+        """The role first (as OpenAI sends it), then one chunk per engine delta that carries
+        text, tool-call pieces or a choice's end."""
         parsers = [self._parser() for _ in range(self.req.n)]
-        last = None
+        texts = [""] * self.req.n        # the text so far, for a choice whose calls are parsed
         try:
-            for index in range(self.req.n):   # the role comes first, as OpenAI sends it
+            for index in range(self.req.n):
                 yield self._chunk(ChatStreamChoice(
                     index=index, delta=DeltaMessage(role="assistant", content="")))
-            async for _, output in merge([stream]):
-                last = output
+            async for output in stream:
                 for c in output.outputs:
-                    ends = c.finish_reason is not None and c.index not in done
-                    # Tokens whose text is held back (part of a character, a possible stop
-                    # string) wait, logprobs too, for the chunk that carries their text.
-                    if len(c.text) == sent_text[c.index] and not ends:
+                    pending = self._pending[c.index]
+                    pending.add(c.token_ids, c.logprobs)
+                    ends = c.finish_reason is not None and not pending.done
+                    if not c.text and not ends:
                         continue
                     parser = parsers[c.index]
                     if parser is None:
-                        delta = DeltaMessage(content=c.text[sent_text[c.index]:])
+                        delta = DeltaMessage(content=c.text)
                     else:
-                        events = parser.feed(c.text, final=ends)
+                        texts[c.index] += c.text
+                        events = parser.feed(texts[c.index], final=ends)
                         if not events.content and not events.calls and not ends:
                             continue
                         delta = DeltaMessage(content=events.content or None, tool_calls=[
                             DeltaToolCall(**call) for call in events.calls] or None)
-                    choice = ChatStreamChoice(
-                        index=c.index, delta=delta,
-                        logprobs=self._logprobs(c, sent_tokens[c.index]),
+                    token_ids, entries, _ = pending.take(c.text)
+                    pending.done = pending.done or ends
+                    yield self._chunk(ChatStreamChoice(
+                        index=c.index, delta=delta, logprobs=self._logprobs(token_ids, entries),
                         finish_reason=self._finish_reason(c, parser) if ends else None,
-                        stop_reason=c.stop_reason if ends else None)
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    if ends:
-                        done.add(c.index)
-                    yield self._chunk(choice)
-            options = self.req.stream_options
-            if options is not None and options.include_usage:
-                yield sse(ChatCompletionChunk(id=self.id, created=self.created,
-                                              model=self.ctx.model_name, choices=[],
-                                              usage=self._usage(last)))
-        except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
-            yield sse_error(exc)
-        yield SSE_DONE
+                        stop_reason=c.stop_reason if ends else None))
+        finally:
+            await stream.aclose()   # a client that left: the request is aborted now
+
+    def _usage_chunk(self) -> str | None:
+        options = self.req.stream_options
+        if options is None or not options.include_usage:
+            return None
+        used = sum(p.num_tokens for p in self._pending)
+        return sse(ChatCompletionChunk(id=self.id, created=self.created,
+                                       model=self.ctx.model_name, choices=[],
+                                       usage=self._usage(used)))

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from archserve.engine.outputs import CompletionOutput, RequestOutput
+from archserve.engine.outputs import RequestOutput
 from archserve.serve.context import ServingContext
 from archserve.serve.errors import OpenAIError
 from archserve.serve.logprobs import completion_logprobs
@@ -27,11 +27,11 @@ from archserve.serve.sampling import (
     truncated,
 )
 from archserve.serve.streams import (
-    SSE_DONE,
+    PendingTokens,
     logging_disconnect,
     merge,
     sse,
-    sse_error,
+    sse_stream,
     unless_disconnected,
 )
 
@@ -116,67 +116,68 @@ class _CompletionView:
         entries = output.prompt_logprobs or [None] * len(ids)
         return text, ids, list(entries)
 
-    def _choice(self, prompt_index: int, output: RequestOutput, c: CompletionOutput,
-                start_text: int, start_token: int, with_echo: bool) -> CompletionChoice:
+    def _choice(self, prompt_index: int, output: RequestOutput, index: int, text: str,
+                token_ids: list[int], entries: list, text_start: int, with_echo: bool,
+                finish_reason: str | None, stop_reason) -> CompletionChoice:
+        """One choice carrying ``text`` and its tokens; ``text_start``: characters of the
+        completion the client already has (logprobs' text_offset counts on from there)."""
         prefix, prefix_ids, prefix_lps = (self._echo(prompt_index, output) if with_echo
                                           else ("", [], []))
         logprobs = None
         if self.req.logprobs is not None:
-            ids = prefix_ids + c.token_ids[start_token:]
-            entries = prefix_lps + list((c.logprobs or [])[start_token:])
             # text_offset counts from the start of the whole text the client has seen,
             # which begins with the echoed prompt even in chunks that no longer carry it.
             echoed = len(self.prompts[prompt_index][0]) if self.req.echo and not with_echo else 0
-            logprobs = completion_logprobs(self.ctx.tokenizer, ids, entries,
-                                           self.req.logprobs, echoed + start_text)
-        return CompletionChoice(index=prompt_index * self.req.n + c.index,
-                                text=prefix + c.text[start_text:], logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            logprobs = completion_logprobs(self.ctx.tokenizer, prefix_ids + token_ids,
+                                           prefix_lps + list(entries), self.req.logprobs,
+                                           echoed + text_start)
+        return CompletionChoice(index=prompt_index * self.req.n + index, text=prefix + text,
+                                logprobs=logprobs, finish_reason=finish_reason,
+                                stop_reason=stop_reason)
 
-    def _usage(self, finals: dict[int, RequestOutput]) -> UsageInfo:
+    def _usage(self, completion_tokens: int) -> UsageInfo:
         prompt = sum(len(ids) for _, ids in self.prompts)
-        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                         total_tokens=prompt + completion)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion_tokens,
+                         total_tokens=prompt + completion_tokens)
 
     def response(self, finals: dict[int, RequestOutput]) -> CompletionResponse:
-        choices = [self._choice(i, finals[i], c, 0, 0, True)
+        choices = [self._choice(i, finals[i], c.index, c.text, c.token_ids, c.logprobs or [],
+                                0, True, c.finish_reason, c.stop_reason)
                    for i in sorted(finals) for c in finals[i].outputs]
         choices.sort(key=lambda ch: ch.index)
+        used = sum(c.num_generated_tokens for o in finals.values() for c in o.outputs)
         return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
-                                  choices=choices, usage=self._usage(finals))
+                                  choices=choices, usage=self._usage(used))
 
-    async def stream(self, streams) -> AsyncIterator[str]:
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        done: set[int] = set()
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for i, output in merge(streams):
-                finals[i] = output
-                for c in output.outputs:
-                    key = i * self.req.n + c.index
-                    first = key not in sent_text
-                    start_text, start_token = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                    ends = c.finish_reason is not None and key not in done
-                    # Tokens whose text is held back (part of a character, a possible stop
-                    # string) wait, logprobs too, for the chunk that carries their text;
-                    # an echoed prompt is text of its own.
-                    if len(c.text) == start_text and not ends and not (first and self.req.echo):
-                        continue
-                    choice = self._choice(i, output, c, start_text, start_token, first)
-                    if not ends:
-                        choice.finish_reason = choice.stop_reason = None
-                    sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
-                    if ends:
-                        done.add(key)
-                    yield sse(CompletionResponse(id=self.id, created=self.created,
-                                                 model=self.ctx.model_name, choices=[choice]))
-            options = self.req.stream_options
-            if options is not None and options.include_usage:
+    def stream(self, streams) -> AsyncIterator[str]:
+        self._pending: dict[int, PendingTokens] = {}
+        return sse_stream(self._chunks(streams), self._usage_chunk)
+
+    async def _chunks(self, streams) -> AsyncIterator[str]:
+        """One chunk per engine delta that carries text (or ends a choice, or echoes)."""
+        async for i, output in merge(streams):
+            for c in output.outputs:
+                key = i * self.req.n + c.index
+                first = key not in self._pending
+                pending = self._pending.setdefault(key, PendingTokens())
+                pending.add(c.token_ids, c.logprobs)
+                ends = c.finish_reason is not None and not pending.done
+                # An echoed prompt is text of its own: the first chunk always goes.
+                if not c.text and not ends and not (first and self.req.echo):
+                    continue
+                token_ids, entries, start = pending.take(c.text)
+                pending.done = pending.done or ends
+                choice = self._choice(i, output, c.index, c.text, token_ids, entries, start,
+                                      first, c.finish_reason if ends else None,
+                                      c.stop_reason if ends else None)
                 yield sse(CompletionResponse(id=self.id, created=self.created,
-                                             model=self.ctx.model_name, choices=[],
-                                             usage=self._usage(finals)))
-        except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
-            yield sse_error(exc)
-        yield SSE_DONE
+                                             model=self.ctx.model_name, choices=[choice]))
+
+    def _usage_chunk(self) -> str | None:
+        options = self.req.stream_options
+        if options is None or not options.include_usage:
+            return None
+        used = sum(p.num_tokens for p in self._pending.values())
+        return sse(CompletionResponse(id=self.id, created=self.created,
+                                      model=self.ctx.model_name, choices=[],
+                                      usage=self._usage(used)))

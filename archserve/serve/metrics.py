@@ -129,7 +129,7 @@ class ServerMetrics:
                 if rid not in self._seen_tokens:
                     self._seen_tokens[rid] = 0
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
-                total = sum(len(c.token_ids) for c in out.outputs)
+                total = sum(c.num_generated_tokens for c in out.outputs)
                 self.generation_tokens.inc(max(0, total - self._seen_tokens[rid]))
                 self._seen_tokens[rid] = total
                 if out.finished:
@@ -145,7 +145,7 @@ class ServerMetrics:
         self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
-            most = max((len(c.token_ids) for c in out.outputs), default=0)
+            most = max((c.num_generated_tokens for c in out.outputs), default=0)
             if most > 1:
                 self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (most - 1))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archserve.engine.sampling_params import SamplingParams
+from archserve.engine.sampling_params import RequestOutputKind, SamplingParams
 from archserve.serve.errors import OpenAIError
 from archserve.serve.protocol import SamplingFields
 from archserve.structured import StructuredOutputsParams
@@ -152,6 +152,10 @@ def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | No
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,
-            allowed_token_ids=req.allowed_token_ids, structured_outputs=structured)
+            allowed_token_ids=req.allowed_token_ids, structured_outputs=structured,
+            # A stream takes each step's new text and tokens (no copy of what was sent);
+            # a plain response needs only the end.
+            output_kind=(RequestOutputKind.DELTA if getattr(req, "stream", False)
+                         else RequestOutputKind.FINAL_ONLY))
     except ValueError as exc:
         raise OpenAIError(str(exc)) from None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -74,6 +75,46 @@ def sse_error(exc: Exception) -> str:
     if isinstance(exc, OpenAIError):
         return sse(error_body(exc.message, exc.status, exc.param))
     return sse(error_body(f"{type(exc).__name__}: {exc}", 500))
+
+
+async def sse_stream(chunks: AsyncIterator[str], usage_chunk: Callable[[], str | None]
+                     ) -> AsyncIterator[str]:
+    """The tail every streamed response shares: its chunks, then the usage chunk when the
+    client asked for one, an error in-band if the stream fails once the status line is
+    sent, and [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+        usage = usage_chunk()
+        if usage is not None:
+            yield usage
+    except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
+        yield sse_error(exc)
+    yield SSE_DONE
+
+
+@dataclass
+class PendingTokens:
+    """A streamed choice's tokens whose text has not gone out yet (part of a character, a
+    possible stop string): they and their logprobs wait for the chunk that carries it."""
+
+    token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    text_sent: int = 0         # characters of this choice already streamed
+    num_tokens: int = 0        # tokens of this choice so far (usage)
+    done: bool = False
+
+    def add(self, token_ids: list, logprobs: list | None) -> None:
+        self.token_ids += token_ids
+        self.logprobs += logprobs or []
+        self.num_tokens += len(token_ids)
+
+    def take(self, text: str) -> tuple[list, list, int]:
+        """The waiting tokens and logprobs, and where ``text`` starts in the choice."""
+        out = self.token_ids, self.logprobs, self.text_sent
+        self.token_ids, self.logprobs = [], []
+        self.text_sent += len(text)
+        return out
 
 
 def _log_disconnect(request_id: str) -> None:
