@@ -72,3 +72,17 @@ def test_nvfp4_gemm_is_two_separate_families() -> None:
     assert ideal("linear", "b200", nvfp4) == "CUTLASS_NVFP4"
     assert ideal("linear", "rtx5090", nvfp4) == "CUTLASS_NVFP4"
     assert ideal("linear", "h100", nvfp4) == "MARLIN"
+
+
+def test_rules_only_gemm_backends_are_rows_of_one_table():
+    """vLLM's quantized GEMMs that this build models without a kernel differ only in data:
+    one class reads its row (formats, SM floor or families, CUDA runtime)."""
+    from archserve.kernels.catalog import build_registry
+    from archserve.kernels.linear.rules import _RULES_ONLY_GEMMS, RulesOnlyGemmBackend
+
+    rules_only = {name: b for name, b in build_registry().backends("linear").items()
+                  if not b.implemented}
+    assert set(rules_only) == {row.name for row in _RULES_ONLY_GEMMS}
+    for backend in rules_only.values():
+        assert isinstance(backend, RulesOnlyGemmBackend)
+        assert backend.formats == backend.row.formats

@@ -10,6 +10,7 @@ faster than cuBLAS).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from archserve.kernels.rules import (
     runtime_at_least,
 )
 from archserve.kernels.specs import LinearSpec
-from archserve.platform.capability import SM75, SM89, SM90, SM100
+from archserve.platform.capability import SM75, SM89, SM90, SM100, Capability
 from archserve.platform.device import DeviceInfo
 
 # Weight formats (the vocabulary shared with archserve.quant and MoESpec).
@@ -76,92 +77,77 @@ class QuantGemmBackend(RuleBackend):
         return None
 
 
+@dataclass(frozen=True)
+class RulesOnlyGemm:
+    """One of vLLM's quantized GEMM kernels that this build models as rules only: the
+    backends differ in data alone (formats, SM floor or families, CUDA runtime)."""
+
+    name: str
+    formats: frozenset[str]
+    description: str
+    min_capability: Capability | None = None
+    families: tuple[int, ...] = ()                 # SM families (90: Hopper, 100, 120)
+    activations: frozenset[str] | None = None      # W8A8 kernels: the activation scales
+    # (capability, CUDA runtime): the first row whose capability the device has (None:
+    # any) gives the runtime this kernel's build needs (seed 000 §3.2).
+    cuda_runtime: tuple[tuple[Capability | None, tuple[int, int]], ...] = ()
+
+
+class RulesOnlyGemmBackend(QuantGemmBackend):
+    """A backend built from a RulesOnlyGemm row (see ``_RULES_ONLY_GEMMS``)."""
+
+    row: RulesOnlyGemm
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        if self.row.families:
+            return needs_family(device, *self.row.families)
+        return needs_capability(device, self.row.min_capability)
+
+    def runtime_rule(self, device: DeviceInfo) -> str | None:
+        for capability, version in self.row.cuda_runtime:
+            if capability is None or device.has_capability(capability):
+                return runtime_at_least(device, version)
+        return None
+
+
 _PER_TOKEN_OR_TENSOR = frozenset({"dynamic_token", "static_tensor"})
+# Preference order is _QUANT_ORDER's, not this table's.
+_RULES_ONLY_GEMMS = (
+    RulesOnlyGemm("CUTLASS_NVFP4", frozenset({NVFP4}),
+                  "CUTLASS NVFP4 GEMM (SM100 and SM120 families, separate builds)",
+                  families=(100, 120), cuda_runtime=((None, (12, 8)),)),
+    RulesOnlyGemm("CUTLASS_W4A8", frozenset({W4A8}),
+                  "CUTLASS W4A8 mixed-precision GEMM (Hopper, SM100 family)",
+                  families=(90, 100)),
+    RulesOnlyGemm("CUTLASS_SPARSE_2_4", frozenset({SPARSE_2_4}),
+                  "CUTLASS 2:4 structured-sparse GEMM (Hopper, SM100 family)",
+                  families=(90, 100)),
+    RulesOnlyGemm("CUTLASS_BLOCK_FP8", frozenset({FP8_BLOCK}),
+                  "CUTLASS block-wise FP8 GEMM (SM90+)", min_capability=SM90,
+                  activations=frozenset({"dynamic_group"}),
+                  cuda_runtime=((SM100, (12, 8)), (None, (12, 0)))),
+    # Ada's FP8 kernels need CUDA 12.4, Hopper's 12.0.
+    RulesOnlyGemm("CUTLASS_FP8", frozenset({FP8}),
+                  "CUTLASS W8A8 FP8 scaled_mm on FP8 tensor cores (SM89+)",
+                  min_capability=SM89, activations=_PER_TOKEN_OR_TENSOR,
+                  cuda_runtime=((SM90, (12, 0)), (None, (12, 4)))),
+    RulesOnlyGemm("CUTLASS_INT8", frozenset({INT8}), "CUTLASS W8A8 INT8 scaled_mm (SM75+)",
+                  min_capability=SM75, activations=_PER_TOKEN_OR_TENSOR),
+    RulesOnlyGemm("CUTLASS_GROUPED_GEMM", frozenset({GROUPED}),
+                  "CUTLASS grouped GEMM for expert layers (Hopper, SM100 family)",
+                  families=(90, 100)),
+    RulesOnlyGemm("MARLIN", frozenset({WNA16, FP8, FP8_BLOCK, NVFP4, MXFP4}),
+                  "Marlin weight-only GEMM: dequantize in registers, FP16/BF16 tensor cores "
+                  "(SM75+)", min_capability=SM75),
+)
 
 
-class CutlassInt8Backend(QuantGemmBackend):
-    name = "CUTLASS_INT8"
-    formats = frozenset({INT8})
-    activations = _PER_TOKEN_OR_TENSOR
-    description = "CUTLASS W8A8 INT8 scaled_mm (SM75+)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_capability(device, SM75)
-
-
-class CutlassFp8Backend(QuantGemmBackend):
-    name = "CUTLASS_FP8"
-    formats = frozenset({FP8})
-    activations = _PER_TOKEN_OR_TENSOR
-    description = "CUTLASS W8A8 FP8 scaled_mm on FP8 tensor cores (SM89+)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_capability(device, SM89)
-
-    def runtime_rule(self, device: DeviceInfo) -> str | None:
-        # Seed 000 §3.2: Ada's FP8 kernels need CUDA 12.4, Hopper's 12.0.
-        return runtime_at_least(device, (12, 0) if device.has_capability(SM90) else (12, 4))
-
-
-class CutlassBlockFp8Backend(QuantGemmBackend):
-    name = "CUTLASS_BLOCK_FP8"
-    formats = frozenset({FP8_BLOCK})
-    activations = frozenset({"dynamic_group"})
-    description = "CUTLASS block-wise FP8 GEMM (SM90+)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_capability(device, SM90)
-
-    def runtime_rule(self, device: DeviceInfo) -> str | None:
-        return runtime_at_least(device, (12, 8) if device.has_capability(SM100) else (12, 0))
-
-
-class CutlassW4A8Backend(QuantGemmBackend):
-    name = "CUTLASS_W4A8"
-    formats = frozenset({W4A8})
-    description = "CUTLASS W4A8 mixed-precision GEMM (Hopper, SM100 family)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90, 100)
-
-
-class CutlassNvfp4Backend(QuantGemmBackend):
-    name = "CUTLASS_NVFP4"
-    formats = frozenset({NVFP4})
-    description = "CUTLASS NVFP4 GEMM (SM100 and SM120 families, separate builds)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100, 120)
-
-    def runtime_rule(self, device: DeviceInfo) -> str | None:
-        return runtime_at_least(device, (12, 8))
-
-
-class CutlassSparse24Backend(QuantGemmBackend):
-    name = "CUTLASS_SPARSE_2_4"
-    formats = frozenset({SPARSE_2_4})
-    description = "CUTLASS 2:4 structured-sparse GEMM (Hopper, SM100 family)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90, 100)
-
-
-class CutlassGroupedGemmBackend(QuantGemmBackend):
-    name = "CUTLASS_GROUPED_GEMM"
-    formats = frozenset({GROUPED})
-    description = "CUTLASS grouped GEMM for expert layers (Hopper, SM100 family)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90, 100)
-
-
-class MarlinBackend(QuantGemmBackend):
-    name = "MARLIN"
-    formats = frozenset({WNA16, FP8, FP8_BLOCK, NVFP4, MXFP4})
-    description = "Marlin weight-only GEMM: dequantize in registers, FP16/BF16 tensor cores (SM75+)"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_capability(device, SM75)
+def _rules_only_backend(row: RulesOnlyGemm) -> type[RulesOnlyGemmBackend]:
+    """A backend class per row, so the registry and priority code treat it like any other."""
+    class_name = "".join(part.title() for part in row.name.split("_")) + "Backend"
+    return type(class_name, (RulesOnlyGemmBackend,),
+                {"row": row, "name": row.name, "formats": row.formats,
+                 "activations": row.activations, "description": row.description})
 
 
 class TorchDequantBackend(RuleBackend):
@@ -226,8 +212,7 @@ class TorchMatmulBackend(RuleBackend):
 
 
 LINEAR_BACKENDS: tuple[type[RuleBackend], ...] = (
-    CutlassNvfp4Backend, CutlassW4A8Backend, CutlassSparse24Backend, CutlassBlockFp8Backend,
-    CutlassFp8Backend, CutlassInt8Backend, CutlassGroupedGemmBackend, MarlinBackend,
+    *(_rules_only_backend(row) for row in _RULES_ONLY_GEMMS),
     TorchDequantBackend, TritonSkinnyGemmBackend, TorchMatmulBackend,
 )
 LINEAR_FALLBACK = TorchMatmulBackend.name
