@@ -40,6 +40,9 @@ class BenchOptions:
     max_num_seqs: int = 256
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    max_num_batched_tokens: int | None = None    # None: the engine's default
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
     distributed_executor_backend: str = "mp"
     async_scheduling: bool | None = None  # None: the engine's default for the device
     peer: str | None = None                     # None | "transformers"
@@ -111,6 +114,9 @@ def run_offline_bench(options: BenchOptions) -> dict:
         enforce_eager=options.enforce_eager, async_scheduling=options.async_scheduling,
         seed=options.seed, tensor_parallel_size=options.tensor_parallel_size,
         distributed_executor_backend=options.distributed_executor_backend,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        enable_prefix_caching=options.enable_prefix_caching,
+        enable_chunked_prefill=options.enable_chunked_prefill,
         skip_tokenizer_init=no_tokenizer))
     vocab = engine.model_config.vocab_size
     if engine.tokenizer is not None:
@@ -137,6 +143,10 @@ def run_offline_bench(options: BenchOptions) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "attention_backend": engine.report.attention.name,
         "async_scheduling": engine.config.async_scheduling,
+        # The step budget in force (the flag's value, or the engine's default).
+        "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
+        "enable_prefix_caching": engine.config.enable_prefix_caching,
+        "enable_chunked_prefill": engine.config.enable_chunked_prefill,
         **_workload_json(options, requests),
         **throughput.to_json(),
         "roofline_efficiency": roofline.roofline_efficiency, "mbu": roofline.mbu,

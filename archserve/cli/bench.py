@@ -7,7 +7,13 @@ from typing import Annotated
 
 import typer
 
-from archserve.cli.generate import ExecutorOpt, TPOpt
+from archserve.cli.generate import (
+    BatchedTokensOpt,
+    ChunkedPrefillOpt,
+    ExecutorOpt,
+    PrefixCachingOpt,
+    TPOpt,
+)
 
 
 def _levels(text: str | None) -> list[int]:
@@ -38,6 +44,9 @@ def bench(
     async_scheduling: Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later). Default: on for CUDA, off on CPU.")] = None,
     tensor_parallel_size: TPOpt = 1,
     distributed_executor_backend: ExecutorOpt = "mp",
+    max_num_batched_tokens: BatchedTokensOpt = None,
+    enable_prefix_caching: PrefixCachingOpt = True,
+    enable_chunked_prefill: ChunkedPrefillOpt = True,
     peer: Annotated[str | None, typer.Option("--peer", help="Also run the requests through 'transformers' and report the ratio.")] = None,
     url: Annotated[str, typer.Option("--url", help="Server base URL (serve mode).")] = "http://127.0.0.1:8000",
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="ARCHSERVE_API_KEY", help="Bearer key for the server.")] = None,
@@ -64,7 +73,10 @@ def bench(
         dataset=dataset, ignore_eos=ignore_eos, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
         async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
-        distributed_executor_backend=distributed_executor_backend, peer=peer, url=url,
+        distributed_executor_backend=distributed_executor_backend,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        enable_chunked_prefill=enable_chunked_prefill, peer=peer, url=url,
         api_key=api_key, concurrency=_levels(concurrency), request_rate=request_rate,
         metrics_interval_s=metrics_interval, plots_dir=plots, show_progress=not json_out)
     try:

@@ -21,6 +21,9 @@ MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Context 
 QuantOpt = Annotated[str | None, typer.Option("--quantization", "-q", help="Default: the checkpoint's own scheme; fp8 quantizes a 16-bit checkpoint at load (checked against the checkpoint).")]
 TPOpt = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="Ranks to split the model over: one worker process per GPU (gloo ranks share the cores on a CPU).")]
 ExecutorOpt = Annotated[str, typer.Option("--distributed-executor-backend", help="mp (worker processes on this machine) or ray (actors of a Ray cluster; see docs/tensor-parallel.md).")]
+BatchedTokensOpt = Annotated[int | None, typer.Option("--max-num-batched-tokens", min=1, help="Tokens one step computes at most (the chunked-prefill budget: smaller keeps decodes from waiting behind long prompts, larger fills the device). Default: the engine's.")]
+PrefixCachingOpt = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV blocks of a prompt prefix seen before.")]
+ChunkedPrefillOpt = Annotated[bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over steps, beside the running decodes.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log the start-up route.")]
 
 

@@ -6,7 +6,13 @@ from typing import Annotated
 
 import typer
 
-from archserve.cli.generate import ExecutorOpt, TPOpt
+from archserve.cli.generate import (
+    BatchedTokensOpt,
+    ChunkedPrefillOpt,
+    ExecutorOpt,
+    PrefixCachingOpt,
+    TPOpt,
+)
 
 
 def serve(
@@ -26,6 +32,9 @@ def serve(
     quantization: Annotated[str | None, typer.Option("--quantization", "-q", help="Default: the checkpoint's own scheme; fp8 quantizes a 16-bit checkpoint at load (checked against the checkpoint).")] = None,
     tensor_parallel_size: TPOpt = 1,
     distributed_executor_backend: ExecutorOpt = "mp",
+    max_num_batched_tokens: BatchedTokensOpt = None,
+    enable_prefix_caching: PrefixCachingOpt = True,
+    enable_chunked_prefill: ChunkedPrefillOpt = True,
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of GPU memory for weights, activations and KV cache.")] = 0.9,
     kv_cache_memory_bytes: Annotated[int | None, typer.Option("--kv-cache-memory-bytes", help="Explicit KV cache budget in bytes.")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Larger request bodies get 413.")] = 8 * 1024 * 1024,
@@ -64,7 +73,10 @@ def serve(
                           gpu_memory_utilization=gpu_memory_utilization,
                           kv_cache_memory_bytes=kv_cache_memory_bytes,
                           tensor_parallel_size=tensor_parallel_size,
-                          distributed_executor_backend=distributed_executor_backend)
+                          distributed_executor_backend=distributed_executor_backend,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enable_prefix_caching=enable_prefix_caching,
+                          enable_chunked_prefill=enable_chunked_prefill)
     try:
         run_server(config, settings)
     except (ValueError, OSError) as exc:

@@ -51,6 +51,15 @@ def test_offline_step_trace_accounts_for_every_token(tiny_checkpoint, async_sche
     assert 0.5 * result.elapsed_s <= trace.seconds <= result.elapsed_s
 
 
+def test_offline_bench_takes_vllm_scheduling_flags(tiny_checkpoint):
+    data = _bench("--model", tiny_checkpoint("llama"), "--num-prompts", "2",
+                  "--input-len", "24", "--output-len", "4", "--max-model-len", "128",
+                  "--max-num-batched-tokens", "16", "--no-enable-prefix-caching")
+    assert data["max_num_batched_tokens"] == 16
+    assert data["enable_prefix_caching"] is False and data["enable_chunked_prefill"] is True
+    assert data["output_tokens"] == 8
+
+
 def test_offline_bench_json_and_plot(tiny_checkpoint, tmp_path):
     out = tmp_path / "result.json"
     data = _bench("--model", tiny_checkpoint("llama"), "--num-prompts", "6",
