@@ -19,6 +19,7 @@ from archserve.loader.loader import load_model
 from archserve.models.layers.moe import FusedMoE, SparseMoEBlock
 from models.helpers import (
     PagedSequences,
+    assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
     hf_last_logits,
@@ -218,28 +219,9 @@ NUM_TOKENS = 32
 @pytest.mark.parametrize("variant", ["mixtral_top1_64_experts", "qwen2_moe_shared_step2",
                                      "qwen3_moe_top8_mlp_only"])
 def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path, variant):
-    from transformers import AutoModelForCausalLM
-
     model_type, overrides = VARIANTS[variant]
     path = build_tiny_checkpoint(str(tmp_path), model_type, **{**MOE, **overrides})
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf_model.generation_config.eos_token_id = None
-    llm = LLM(path, dtype="float32", max_num_seqs=4)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                            prompt_logprobs=1)
-    seen: set[int] = set()
-    for out in llm.generate(TEXT_PROMPTS, params):
-        ids = out.prompt_token_ids
-        with torch.no_grad():
-            expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS,
-                                         do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
-            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
-        assert list(out.outputs[0].token_ids) == expected, out.prompt
-        seen.update(expected)
-        for pos in range(1, len(ids)):
-            got = out.prompt_logprobs[pos][ids[pos]].logprob
-            assert abs(got - ref[pos - 1, ids[pos]].item()) < 1e-4
-    assert len(seen) > 6      # real sequences, not one token repeated everywhere
+    assert_llm_greedy_and_prompt_logprobs_equal_hf(path, TEXT_PROMPTS, NUM_TOKENS)
 
 
 # ---------------------------------------------------------------- GPU

@@ -1,0 +1,139 @@
+"""DeepSeek-V2 (with q_lora_rank), V2-Lite (without) and V3 against transformers with the same
+tiny random weights, fp32, CPU: every prompt position, batched prefill then decode through
+the latent paged cache, and the whole engine's greedy tokens (32) and prompt log-probs.
+
+The variants cover MLA with and without the q LoRA, YaRN with mscale (the softmax scale and
+the cos/sin attention factor), V2's softmax top-k (greedy and group-limited) scaled by
+routed_scaling_factor, V3's sigmoid scores with e_score_correction_bias and grouped top-k,
+shared experts and the first_k_dense_replace dense layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_checkpoints import build_tiny_checkpoint
+
+from archserve.engine.config import EngineConfig
+from archserve.engine.startup import attention_spec_of
+from archserve.kernels.catalog import select_attention_backend
+from archserve.loader.loader import load_model
+from archserve.models.deepseek import DeepseekMoE
+from archserve.platform import get_profile
+from models.helpers import (
+    PagedSequences,
+    assert_llm_greedy_and_prompt_logprobs_equal_hf,
+    assert_prefill_then_decode_match_hf,
+    assert_prompt_positions_match_hf,
+    hf_last_logits,
+    tiny_hf_model,
+)
+
+ATOL = 1e-4
+# qk_rope_head_dim is the config's head_dim (transformers' rotary reads head_dim).
+MLA = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
+           kv_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
+           moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+           n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+           max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def _yarn(mscale: float) -> dict:
+    return dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                mscale=mscale, mscale_all_dim=mscale, beta_fast=32, beta_slow=1)
+
+
+VARIANTS = {
+    # V2: q LoRA, YaRN, softmax top-2 within the best 2 of 4 groups, scaled by 2.5.
+    "v2": ("deepseek_v2", dict(q_lora_rank=48, topk_method="group_limited_greedy", n_group=4,
+                               topk_group=2, routed_scaling_factor=2.5,
+                               rope_scaling=_yarn(0.707))),
+    # V2-Lite: no q LoRA, plain softmax top-2 (greedy), one dense layer of two.
+    "v2_lite": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy",
+                                    routed_scaling_factor=1.0, num_hidden_layers=2)),
+    # V3: sigmoid scores + correction bias, grouped top-2 (2 of 4 groups), renormalised.
+    "v3": ("deepseek_v3", dict(q_lora_rank=48, n_group=4, topk_group=2,
+                               routed_scaling_factor=2.5, norm_topk_prob=True,
+                               rope_scaling=_yarn(1.0))),
+}
+RANDOM_BUFFERS = ("e_score_correction_bias",)
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 9], [200, 1, 2], [33, 34, 35, 36, 37, 38]]
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request, tmp_path_factory):
+    model_type, overrides = VARIANTS[request.param]
+    hf_model = tiny_hf_model(model_type, **{**MLA, **overrides, "vocab_size": 256})
+    with torch.no_grad():
+        for name, buffer in hf_model.named_buffers():
+            if name.endswith(RANDOM_BUFFERS):
+                buffer.add_(torch.randn_like(buffer) * 0.05)
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(path)
+    model, config = load_model(str(path), dtype=torch.float32, device="cpu")
+    return request.param, hf_model, model, config
+
+
+def test_layers_and_cache_follow_the_config(pair):
+    name, hf_model, model, config = pair
+    sparse = [isinstance(layer.mlp, DeepseekMoE) for layer in model.model.layers]
+    assert sparse == [False] + [True] * (len(sparse) - 1)
+    assert config.kv_cache_planes == 1 and config.kv_cache_heads == 1
+    assert config.kv_cache_head_size == 32 + 8        # kv_lora_rank + qk_rope_head_dim
+    assert (config.mla.q_lora_rank is None) == (name == "v2_lite")
+    if name == "v3":
+        bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+        assert bias.abs().max() > 0
+
+
+def test_all_positions_of_a_prompt_match_hf(pair):
+    _, hf_model, model, config = pair
+    assert_prompt_positions_match_hf(model, hf_model, config, PROMPTS[0], ATOL)
+
+
+def test_batched_prefill_then_decode_matches_hf(pair):
+    _, hf_model, model, config = pair
+    assert_prefill_then_decode_match_hf(model, hf_model, config, PROMPTS, ATOL)
+
+
+def test_the_comparison_can_fail(pair):
+    """Routing matters: without the group limit and the scaling the logits move."""
+    _, hf_model, model, config = pair
+    blocks = [m for m in model.modules() if isinstance(m, DeepseekMoE)]
+    saved = [dict(b.route_args) for b in blocks]
+    for b in blocks:
+        b.route_args.update(scaling=b.route_args["scaling"] * 2, num_groups=1)
+    try:
+        changed = PagedSequences.for_config(config).run(model, {0: PROMPTS[0]})[0]
+    finally:
+        for b, args in zip(blocks, saved, strict=True):
+            b.route_args = args
+    assert (changed - hf_last_logits(hf_model, PROMPTS[0])).abs().max() > 1e-3
+
+
+def test_cpu_selects_the_torch_mla_route(pair):
+    _, _, _, config = pair
+    spec = attention_spec_of(EngineConfig(model="x"), config, torch.float32, "auto")
+    assert spec.use_mla and spec.head_size == 40 and spec.num_kv_heads == 1
+    selection = select_attention_backend(get_profile("cpu"), spec)
+    assert selection.name == "TORCH_REFERENCE" and selection.backend.op == "mla_attention"
+
+
+def test_dummy_weights_run(tmp_path):
+    model_type, overrides = VARIANTS["v3"]
+    tiny_hf_model(model_type, **{**MLA, **overrides, "vocab_size": 256}).save_pretrained(tmp_path)
+    model, config = load_model(str(tmp_path), torch.bfloat16, load_format="dummy")
+    logits = PagedSequences.for_config(config, dtype=torch.bfloat16).run(model, {0: PROMPTS[0]})
+    assert torch.isfinite(logits).all()
+
+
+TEXT_PROMPTS = ["Hello world! How are you", "The capital of France is Paris. The capital of",
+                "1 2 3", "A paged KV cache stores keys and values in fixed-size blocks."]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path, variant):
+    model_type, overrides = VARIANTS[variant]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**MLA, **overrides})
+    assert_llm_greedy_and_prompt_logprobs_equal_hf(path, TEXT_PROMPTS, 32)
