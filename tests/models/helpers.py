@@ -35,6 +35,22 @@ def attention_impl_for(config):
     return TorchMlaImpl() if getattr(config, "mla", None) else ReferenceAttentionImpl()
 
 
+# Token-id prompts for model-level comparisons, text prompts for the engine's.
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 9], [200, 1, 2], [33, 34, 35, 36, 37, 38]]
+TEXT_PROMPTS = ["Hello world! How are you", "The capital of France is Paris. The capital of",
+                "1 2 3", "A paged KV cache stores keys and values in fixed-size blocks."]
+
+
+def saved_and_loaded(hf_model, path):
+    """Save ``hf_model`` under ``path`` and load it back as archserve's fp32 CPU model:
+    (hf_model, model, config)."""
+    from archserve.loader.loader import load_model
+
+    hf_model.save_pretrained(path)
+    model, config = load_model(str(path), dtype=torch.float32, device="cpu")
+    return hf_model, model, config
+
+
 @dataclass
 class PagedSequences:
     """A minimal block allocator: enough of the engine to drive a model by hand."""
@@ -131,9 +147,12 @@ def assert_prefill_then_decode_match_hf(model, hf_model, config, prompts: list[l
 
 def assert_llm_greedy_and_prompt_logprobs_equal_hf(path: str, prompts: list[str],
                                                   num_tokens: int = 32, tol: float = 1e-4,
-                                                  **llm_kwargs) -> None:
+                                                  prompt_logprobs: bool = True,
+                                                  **llm_kwargs) -> list:
     """The whole engine (archserve.LLM, fp32) against transformers from the same checkpoint:
-    token-identical greedy output and prompt log-probabilities within ``tol``."""
+    token-identical greedy output and prompt log-probabilities within ``tol`` (unless
+    ``prompt_logprobs`` is off: a request asking for them computes its whole prompt, never
+    reading the prefix cache). Returns the engine's outputs."""
     from transformers import AutoModelForCausalLM
 
     from archserve import LLM, SamplingParams
@@ -142,9 +161,10 @@ def assert_llm_greedy_and_prompt_logprobs_equal_hf(path: str, prompts: list[str]
     hf_model.generation_config.eos_token_id = None
     llm = LLM(path, dtype="float32", **{"max_num_seqs": 4, **llm_kwargs})
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True,
-                            prompt_logprobs=1)
+                            prompt_logprobs=1 if prompt_logprobs else None)
     seen: set[int] = set()
-    for out in llm.generate(prompts, params):
+    outputs = llm.generate(prompts, params)
+    for out in outputs:
         ids = out.prompt_token_ids
         with torch.no_grad():
             expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=num_tokens,
@@ -152,7 +172,8 @@ def assert_llm_greedy_and_prompt_logprobs_equal_hf(path: str, prompts: list[str]
             ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
         assert list(out.outputs[0].token_ids) == expected, out.prompt
         seen.update(expected)
-        for pos in range(1, len(ids)):
+        for pos in range(1, len(ids) if prompt_logprobs else 0):
             got = out.prompt_logprobs[pos][ids[pos]].logprob
             assert abs(got - ref[pos - 1, ids[pos]].item()) < tol
     assert len(seen) > 6      # real sequences, not one token repeated everywhere
+    return outputs

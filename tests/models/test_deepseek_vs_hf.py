@@ -15,17 +15,21 @@ import torch
 from tiny_checkpoints import build_tiny_checkpoint
 
 from archserve.engine.config import EngineConfig
+from archserve.engine.scheduler import Scheduler
 from archserve.engine.startup import attention_spec_of
 from archserve.kernels.catalog import select_attention_backend
 from archserve.loader.loader import load_model
 from archserve.models.deepseek import DeepseekMoE
 from archserve.platform import get_profile
 from models.helpers import (
+    PROMPTS,
+    TEXT_PROMPTS,
     PagedSequences,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
     hf_last_logits,
+    saved_and_loaded,
     tiny_hf_model,
 )
 
@@ -57,7 +61,6 @@ VARIANTS = {
                                rope_scaling=_yarn(1.0))),
 }
 RANDOM_BUFFERS = ("e_score_correction_bias",)
-PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 9], [200, 1, 2], [33, 34, 35, 36, 37, 38]]
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -68,10 +71,7 @@ def pair(request, tmp_path_factory):
         for name, buffer in hf_model.named_buffers():
             if name.endswith(RANDOM_BUFFERS):
                 buffer.add_(torch.randn_like(buffer) * 0.05)
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(path)
-    model, config = load_model(str(path), dtype=torch.float32, device="cpu")
-    return request.param, hf_model, model, config
+    return request.param, *saved_and_loaded(hf_model, tmp_path_factory.mktemp(request.param))
 
 
 def test_layers_and_cache_follow_the_config(pair):
@@ -86,13 +86,11 @@ def test_layers_and_cache_follow_the_config(pair):
         assert bias.abs().max() > 0
 
 
-def test_all_positions_of_a_prompt_match_hf(pair):
+def test_prompt_positions_and_prefill_then_decode_match_hf(pair):
+    """Every position of one prompt, then a batched prefill and a decode step of each
+    sequence through the latent cache."""
     _, hf_model, model, config = pair
     assert_prompt_positions_match_hf(model, hf_model, config, PROMPTS[0], ATOL)
-
-
-def test_batched_prefill_then_decode_matches_hf(pair):
-    _, hf_model, model, config = pair
     assert_prefill_then_decode_match_hf(model, hf_model, config, PROMPTS, ATOL)
 
 
@@ -127,8 +125,6 @@ def test_dummy_weights_run(tmp_path):
     assert torch.isfinite(logits).all()
 
 
-TEXT_PROMPTS = ["Hello world! How are you", "The capital of France is Paris. The capital of",
-                "1 2 3", "A paged KV cache stores keys and values in fixed-size blocks."]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -137,3 +133,27 @@ def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path, variant):
     path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
                                  **{**MLA, **overrides})
     assert_llm_greedy_and_prompt_logprobs_equal_hf(path, TEXT_PROMPTS, 32)
+
+
+def test_llm_chunked_prefill_prefix_cache_and_preemption(tmp_path, monkeypatch):
+    """The latent cache through the engine's harder paths: prompts sharing a cached prefix,
+    prefills chunked over several steps (8-token budget), and a pool too small for every
+    sequence at once, so some are preempted and recomputed."""
+    model_type, overrides = VARIANTS["v3"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**MLA, **overrides})
+    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
+    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
+    preempted = []
+    original = Scheduler._preempt
+
+    def counting(self, seq, *args):
+        preempted.append(seq.seq_id)
+        return original(self, seq, *args)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
+        path, prompts, 32, prompt_logprobs=False, enable_prefix_caching=True, enable_chunked_prefill=True,
+        max_num_batched_tokens=8, block_size=4, num_kv_blocks=24, max_model_len=80)
+    assert preempted, "the pool was large enough for every sequence: nothing was preempted"
+    assert max(out.num_cached_tokens for out in outputs) >= 8

@@ -18,11 +18,14 @@ from archserve import LLM, SamplingParams
 from archserve.loader.loader import load_model
 from archserve.models.layers.moe import FusedMoE, SparseMoEBlock
 from models.helpers import (
+    PROMPTS,
+    TEXT_PROMPTS,
     PagedSequences,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
     hf_last_logits,
+    saved_and_loaded,
     tiny_hf_model,
 )
 
@@ -54,17 +57,13 @@ VARIANTS = {
         norm_topk_prob=False)),
 }
 
-PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 9], [200, 1, 2], [33, 34, 35, 36, 37, 38]]
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request, tmp_path_factory):
     model_type, overrides = VARIANTS[request.param]
     hf_model = tiny_hf_model(model_type, **{**MOE, **overrides})
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(path)
-    model, config = load_model(str(path), dtype=torch.float32, device="cpu")
-    return request.param, hf_model, model, config
+    return request.param, *saved_and_loaded(hf_model, tmp_path_factory.mktemp(request.param))
 
 
 def test_sparse_and_dense_layers_follow_the_config(pair):
@@ -211,8 +210,6 @@ def test_dummy_weights_fill_the_experts(tmp_path):
 
 # ---------------------------------------------------------------- the engine
 
-TEXT_PROMPTS = ["Hello world! How are you", "The capital of France is Paris. The capital of",
-                "1 2 3", "A paged KV cache stores keys and values in fixed-size blocks."]
 NUM_TOKENS = 32
 
 

@@ -5,6 +5,7 @@ Written for clarity, not speed: one loop over sequences, fp32 math, explicit mas
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,6 +61,16 @@ def attention_mask(query_len: int, seq_len: int, sliding_window: int | None,
     return allowed
 
 
+def scheduled_sequences(meta: AttentionMetadata) -> Iterator[tuple[int, int, int, int]]:
+    """(index, first query row, end query row, context length) of each sequence with
+    tokens in this step."""
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    for i in range(meta.num_seqs):
+        if starts[i + 1] > starts[i]:
+            yield i, starts[i], starts[i + 1], seq_lens[i]
+
+
 class ReferenceAttentionImpl:
     """AttentionImpl in plain PyTorch."""
 
@@ -73,13 +84,8 @@ class ReferenceAttentionImpl:
         write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(query)
         group = layer.num_heads // layer.num_kv_heads
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
-        for i in range(meta.num_seqs):
-            q_start, q_end = starts[i], starts[i + 1]
-            query_len, seq_len = q_end - q_start, seq_lens[i]
-            if query_len == 0:
-                continue
+        for i, q_start, q_end, seq_len in scheduled_sequences(meta):
+            query_len = q_end - q_start
             k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, k_scale, v_scale)
             k = k.repeat_interleave(group, dim=1)        # [S, H, D]
             v = v.repeat_interleave(group, dim=1)

@@ -19,7 +19,12 @@ from typing import Any
 import torch
 
 from archserve.kernels.attention.interface import AttentionMetadata
-from archserve.kernels.attention.reference import attention_mask, gather_plane, write_kv_cache
+from archserve.kernels.attention.reference import (
+    attention_mask,
+    gather_plane,
+    scheduled_sequences,
+    write_kv_cache,
+)
 
 
 class TorchMlaImpl:
@@ -37,17 +42,11 @@ class TorchMlaImpl:
         write_kv_cache(latent[:, None, :], None, kv_cache, meta.slot_mapping, k_scale)
         out = torch.empty(*query.shape[:2], kv_lora_rank, dtype=query.dtype,
                           device=query.device)
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
-        for i in range(meta.num_seqs):
-            q_start, q_end = starts[i], starts[i + 1]
-            query_len, seq_len = q_end - q_start, seq_lens[i]
-            if query_len == 0:
-                continue
+        for i, q_start, q_end, seq_len in scheduled_sequences(meta):
             kv = gather_plane(kv_cache, 0, meta.block_tables[i], seq_len, k_scale)[:, 0]
             q = query[q_start:q_end].float()                       # [Q, H, L+R]
             scores = torch.einsum("qhd,kd->hqk", q, kv) * scale
-            mask = attention_mask(query_len, seq_len, None, query.device)
+            mask = attention_mask(q_end - q_start, seq_len, None, query.device)
             probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             out[q_start:q_end] = torch.einsum("hqk,kl->qhl", probs,
                                               kv[:, :kv_lora_rank]).to(query.dtype)
