@@ -128,8 +128,8 @@ def model_routes(device: DeviceInfo, config: EngineConfig, model_config, dtype: 
     explanation = explain_model(device, summary, dtype_name(dtype), kv_cache_dtype,
                                 config.quantization)
     spec = attention_spec_of(config, model_config, dtype, kv_cache_dtype)
-    return [route_from_selection(attention, "attention", device, spec) if r.op == "attention"
-            else r for r in explanation.routes]
+    return [route_from_selection(attention, r.layer, device, spec)
+            if r.op in ("attention", "mla_attention") else r for r in explanation.routes]
 
 
 def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype) -> AttentionSpec:

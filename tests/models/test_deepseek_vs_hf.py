@@ -157,3 +157,17 @@ def test_llm_chunked_prefill_prefix_cache_and_preemption(tmp_path, monkeypatch):
         max_num_batched_tokens=8, block_size=4, num_kv_blocks=24, max_model_len=80)
     assert preempted, "the pool was large enough for every sequence: nothing was preempted"
     assert max(out.num_cached_tokens for out in outputs) >= 8
+
+
+def test_engine_reports_the_mla_route_and_latent_cache(tmp_path):
+    from archserve import LLM
+
+    model_type, overrides = VARIANTS["v2_lite"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, **{**MLA, **overrides})
+    engine = LLM(path, dtype="float32", max_num_seqs=2).llm_engine
+    routes = {r.layer: r for r in engine.report.routes}
+    assert routes["attention"].op == "mla_attention"
+    assert routes["attention"].backend == "TORCH_REFERENCE"
+    assert routes["moe experts"].backend == "TORCH_MOE"
+    # One latent entry (kv_lora_rank + qk_rope_head_dim) per token per layer.
+    assert [tuple(c.shape[::2]) for c in engine.runner.kv_caches] == [(1, 16, 40)] * 2
