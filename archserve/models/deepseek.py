@@ -125,8 +125,18 @@ class DeepseekV3Family(DeepseekFamily):
 class DeepseekV2Model(MoEModel):
     family = DeepseekFamily()
 
+    def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        # Every layer reads one cos/sin table (V3's covers 163840 positions): the first
+        # layer's, which later layers take in place of the one they built.
+        layer = super().make_layer(config, layer_index)
+        if layer_index == 0:
+            self.__dict__["_shared_rotary"] = layer.self_attn.rotary_emb
+        else:
+            layer.self_attn.rotary_emb = self.__dict__["_shared_rotary"]
+        return layer
 
-class DeepseekV3Model(MoEModel):
+
+class DeepseekV3Model(DeepseekV2Model):
     family = DeepseekV3Family()
 
 

@@ -171,3 +171,9 @@ def test_engine_reports_the_mla_route_and_latent_cache(tmp_path):
     assert routes["moe experts"].backend == "TORCH_MOE"
     # One latent entry (kv_lora_rank + qk_rope_head_dim) per token per layer.
     assert [tuple(c.shape[::2]) for c in engine.runner.kv_caches] == [(1, 16, 40)] * 2
+
+
+def test_layers_share_one_rope_table(pair):
+    _, _, model, _ = pair
+    tables = {id(layer.self_attn.rotary_emb.cos_cache) for layer in model.model.layers}
+    assert len(tables) == 1
