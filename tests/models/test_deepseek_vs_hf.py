@@ -177,3 +177,18 @@ def test_layers_share_one_rope_table(pair):
     _, _, model, _ = pair
     tables = {id(layer.self_attn.rotary_emb.cos_cache) for layer in model.model.layers}
     assert len(tables) == 1
+
+
+def test_online_fp8_leaves_the_absorbed_matrix_in_16_bits(tmp_path):
+    """--quantization fp8 quantizes the MLA projections but not kv_b_proj, whose matrix the
+    layer absorbs into q and the output."""
+    from archserve import LLM, SamplingParams
+
+    model_type, overrides = VARIANTS["v2_lite"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, **{**MLA, **overrides})
+    llm = LLM(path, dtype="float32", max_num_seqs=2, quantization="fp8")
+    attn = llm.llm_engine.model.model.layers[0].self_attn
+    assert attn.kv_a_proj_with_mqa.quant is not None
+    assert attn.kv_b_proj.weight.dtype == torch.float32
+    out = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=8))
+    assert len(out[0].outputs[0].token_ids) == 8

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from archserve.models.layers.forward_context import get_forward_context, op_region
-from archserve.models.layers.linear import Linear
+from archserve.models.layers.linear import Linear, WeightOnly
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.rotary import RotaryEmbedding, yarn_mscale
 
@@ -66,7 +66,9 @@ class MLAAttention(nn.Module):
             self.q_proj = Linear(hidden, h * m.qk_head_dim)
         self.kv_a_proj_with_mqa = Linear(hidden, m.latent_size, bias=bias)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim))
+        # Not a Linear: the layer reads its matrix (absorbed into q and the output), so it
+        # stays in the model dtype under online quantization.
+        self.kv_b_proj = WeightOnly(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
         self.o_proj = Linear(h * m.v_head_dim, hidden, bias=bias)
         self.rotary_emb = RotaryEmbedding(m.qk_rope_head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
