@@ -48,8 +48,11 @@ def train_tokenizer(vocab_size: int = 384):
 
 
 def build_tiny_checkpoint(path: str, model_type: str = "llama", seed: int = 0,
-                          dtype: torch.dtype = torch.float32, **overrides) -> str:
-    """Save a random ``model_type`` causal LM and its tokenizer under ``path``; return path."""
+                          dtype: torch.dtype = torch.float32,
+                          random_buffers: tuple[str, ...] = (), **overrides) -> str:
+    """Save a random ``model_type`` causal LM and its tokenizer under ``path``; return path.
+    ``random_buffers``: name endings of saved buffers to randomise too (transformers keeps
+    DeepSeek-V3's e_score_correction_bias as a zero buffer)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = train_tokenizer()
@@ -63,6 +66,9 @@ def build_tiny_checkpoint(path: str, model_type: str = "llama", seed: int = 0,
     with torch.no_grad():
         for param in model.parameters():  # norms and biases non-trivial too
             param.add_(torch.randn_like(param) * 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith(random_buffers) if random_buffers else False:
+                buffer.add_(torch.randn_like(buffer) * 0.05)
     os.makedirs(path, exist_ok=True)
     model.to(dtype).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

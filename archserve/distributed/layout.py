@@ -91,6 +91,10 @@ def layout_problems(model_config, size: int, device_type: str = "cpu",
         problems.append(f"{model_config.architecture} is a mixture-of-experts model: its "
                         f"experts do not split over tensor-parallel ranks in this build yet "
                         f"(use tensor_parallel_size=1)")
+    if getattr(model_config, "mla", None) or getattr(model_config, "use_mla", False):
+        problems.append(f"{model_config.architecture} uses MLA attention: its latent "
+                        f"projections do not split over tensor-parallel ranks in this build "
+                        f"yet (use tensor_parallel_size=1)")
     if model_config.intermediate_size % size:
         problems.append(f"MLP intermediate size {model_config.intermediate_size} does not "
                         f"split over {size} tensor-parallel ranks")

@@ -18,20 +18,29 @@ def kv_dtype_of(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_size: int,
-                    dtype: torch.dtype) -> int:
+                    dtype: torch.dtype, planes: int = 2) -> int:
+    """planes: 2 (keys and values) or 1 (an MLA latent, one "head" of the latent size)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_size * elem
+    return planes * num_layers * block_size * num_kv_heads * head_size * elem
 
 
 def blocks_for_budget(budget_bytes: int, per_block: int) -> int:
     return max(0, budget_bytes // per_block)
 
 
+def model_kv_caches(model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
+                    device: torch.device) -> list[torch.Tensor]:
+    """The paged cache of every layer in the model's layout (MLA: one latent plane)."""
+    return allocate_kv_caches(model_config.num_layers, num_blocks, block_size,
+                              model_config.kv_cache_heads, model_config.kv_cache_head_size,
+                              dtype, device, model_config.kv_cache_planes)
+
+
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_size: int, dtype: torch.dtype, device: torch.device
-                       ) -> list[torch.Tensor]:
+                       head_size: int, dtype: torch.dtype, device: torch.device,
+                       planes: int = 2) -> list[torch.Tensor]:
     """One contiguous allocation, viewed per layer (one free, one pointer per layer)."""
-    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    shape = (planes, *kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)[1:])
     pool = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
     return list(pool.unbind(0))
 

@@ -14,7 +14,7 @@ import torch
 
 from archserve.engine.batch import ModelBatch, build_batch, host_to_device
 from archserve.engine.cuda_graphs import DecodeGraphRunner, describe_demoted
-from archserve.engine.kv_cache import allocate_kv_caches
+from archserve.engine.kv_cache import model_kv_caches
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.phases import phase
 from archserve.engine.scheduler import ScheduledSeq
@@ -74,8 +74,7 @@ class ModelRunner:
                           ) -> None:
         cfg = self.model_config
         self.kv_cache_dtype = kv_cache_dtype
-        self.kv_caches = allocate_kv_caches(cfg.num_layers, num_blocks, self.block_size,
-                                            cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
+        self.kv_caches = model_kv_caches(cfg, num_blocks, self.block_size, kv_dtype, self.device)
 
     @torch.inference_mode()
     def profile_peak_activation_bytes(self, num_tokens: int, max_num_seqs: int = 256) -> int:
@@ -86,8 +85,8 @@ class ModelRunner:
         dev = self.device
         lens = profile_sequence_lengths(num_tokens, max_num_seqs, self.max_model_len)
         blocks_per_seq = -(-max(lens) // self.block_size)
-        caches = allocate_kv_caches(cfg.num_layers, blocks_per_seq * len(lens), self.block_size,
-                                    cfg.num_kv_heads, cfg.head_dim, self.dtype, dev)
+        caches = model_kv_caches(cfg, blocks_per_seq * len(lens), self.block_size, self.dtype,
+                                 dev)
         tables = torch.arange(blocks_per_seq * len(lens), dtype=torch.int32,
                               device=dev).view(len(lens), blocks_per_seq)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])

@@ -128,15 +128,20 @@ def model_routes(device: DeviceInfo, config: EngineConfig, model_config, dtype: 
     explanation = explain_model(device, summary, dtype_name(dtype), kv_cache_dtype,
                                 config.quantization)
     spec = attention_spec_of(config, model_config, dtype, kv_cache_dtype)
-    return [route_from_selection(attention, "attention", device, spec) if r.op == "attention"
-            else r for r in explanation.routes]
+    return [route_from_selection(attention, r.layer, device, spec)
+            if r.op in ("attention", "mla_attention") else r for r in explanation.routes]
 
 
 def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype) -> AttentionSpec:
+    mla = getattr(model_config, "mla", None)
+    mla_fields = {} if mla is None else dict(
+        use_mla=True, kv_lora_rank=mla.kv_lora_rank, qk_rope_head_dim=mla.qk_rope_head_dim,
+        qk_nope_head_dim=mla.qk_nope_head_dim, v_head_dim=mla.v_head_dim)
     return AttentionSpec(
-        head_size=model_config.head_dim, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+        head_size=model_config.kv_cache_head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
         block_size=config.block_size, num_heads=model_config.num_heads,
-        num_kv_heads=model_config.num_kv_heads, sliding_window=model_config.sliding_window)
+        num_kv_heads=model_config.kv_cache_heads, sliding_window=model_config.sliding_window,
+        **mla_fields)
 
 
 def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: torch.dtype,
@@ -144,7 +149,8 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
                  torch_device: torch.device) -> tuple[int, str]:
     """Number of KV blocks, and how that number was reached."""
     per_block = bytes_per_block(model_config.num_layers, runner.block_size,
-                                model_config.num_kv_heads, model_config.head_dim, kv_torch_dtype)
+                                model_config.kv_cache_heads, model_config.kv_cache_head_size,
+                                kv_torch_dtype, model_config.kv_cache_planes)
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks, "num_kv_blocks given"
     if config.kv_cache_memory_bytes is not None:

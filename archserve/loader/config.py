@@ -22,6 +22,26 @@ _QKV_BIAS_ALWAYS = {"qwen2"}
 _QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text"}
 
 
+@dataclass(frozen=True)
+class MlaDims:
+    """DeepSeek's multi-head latent attention: the compressed KV latent and the head split."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None        # None: q is one projection (V2-Lite)
+
+    @property
+    def latent_size(self) -> int:
+        """Values one token keeps in the cache per layer: the latent plus the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -55,11 +75,27 @@ class ModelConfig:
     # The sliding-window layers' own RoPE where it differs (Gemma 3's local base).
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
+    mla: MlaDims | None = None                 # DeepSeek-style latent attention
     hf_config: Any = field(default=None, repr=False)
 
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    # The paged KV cache of one layer is [planes, blocks, block_size, heads, head_size]: keys
+    # and values (2 planes of num_kv_heads x head_dim), or for MLA one plane holding one
+    # latent "head" (kv_lora_rank + qk_rope_head_dim) per token.
+    @property
+    def kv_cache_planes(self) -> int:
+        return 1 if self.mla else 2
+
+    @property
+    def kv_cache_heads(self) -> int:
+        return 1 if self.mla else self.num_kv_heads
+
+    @property
+    def kv_cache_head_size(self) -> int:
+        return self.mla.latent_size if self.mla else self.head_dim
 
     @property
     def attention_scale(self) -> float:
@@ -129,8 +165,20 @@ class ModelConfig:
             final_logit_soft_cap=getattr(text, "final_logit_softcapping", None),
             sliding_rope_theta=sliding_rope_theta,
             sliding_rope_scaling=sliding_rope_scaling,
+            mla=_mla_dims(text),
             hf_config=hf_config,
         )
+
+
+def _mla_dims(text: Any) -> MlaDims | None:
+    if getattr(text, "kv_lora_rank", None) is None:
+        return None
+    q_lora = getattr(text, "q_lora_rank", None)
+    return MlaDims(kv_lora_rank=int(text.kv_lora_rank),
+                   qk_rope_head_dim=int(text.qk_rope_head_dim),
+                   qk_nope_head_dim=int(text.qk_nope_head_dim),
+                   v_head_dim=int(text.v_head_dim),
+                   q_lora_rank=int(q_lora) if q_lora else None)
 
 
 def _text_config(hf_config: Any) -> Any:

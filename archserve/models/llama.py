@@ -85,12 +85,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Attention then MLP, each after an RMSNorm. A family whose MLP differs (a sparse MoE
-    block) passes its own, under the name its checkpoints give it."""
+    block) passes its own, under the name its checkpoints give it; one whose attention
+    differs (DeepSeek's MLA) passes that."""
 
     def __init__(self, config: ModelConfig, layer_index: int, mlp: nn.Module | None = None,
-                 mlp_name: str = "mlp") -> None:
+                 mlp_name: str = "mlp", attention: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index)
+        self.self_attn = attention if attention is not None else LlamaAttention(config,
+                                                                                layer_index)
         self.mlp_name = mlp_name
         self.add_module(mlp_name, mlp if mlp is not None else LlamaMLP(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -53,6 +53,17 @@ class MoEFamily:
     def is_sparse(self, hf: Any, layer_index: int) -> bool:
         return True
 
+    def make_block(self, config: ModelConfig, hf: Any) -> nn.Module:
+        """The sparse MLP of a sparse layer."""
+        return SparseMoEBlock(config.hidden_size, self.num_experts(hf),
+                              int(hf.num_experts_per_tok), self.expert_intermediate_size(hf),
+                              self.renormalize(hf), self.expert_names,
+                              self.shared_intermediate_size(hf))
+
+    def make_attention(self, config: ModelConfig, layer_index: int) -> nn.Module | None:
+        """The attention of every layer; None is Llama's."""
+        return None
+
 
 class QwenMoEFamily(MoEFamily):
     """Qwen2-MoE and Qwen3-MoE: block ``mlp``; sparse unless listed in mlp_only_layers or off
@@ -89,13 +100,11 @@ def moe_decoder_layer(config: ModelConfig, layer_index: int, family: MoEFamily
     """Llama's layer with, where the config makes the layer sparse, the sparse MoE block
     under the family's checkpoint name (Mixtral's is "block_sparse_moe")."""
     hf = _text_config(config)
+    attention = family.make_attention(config, layer_index)
     if not family.is_sparse(hf, layer_index):
-        return LlamaDecoderLayer(config, layer_index)
-    block = SparseMoEBlock(config.hidden_size, family.num_experts(hf),
-                           int(hf.num_experts_per_tok), family.expert_intermediate_size(hf),
-                           family.renormalize(hf), family.expert_names,
-                           family.shared_intermediate_size(hf))
-    return LlamaDecoderLayer(config, layer_index, block, family.block_name)
+        return LlamaDecoderLayer(config, layer_index, attention=attention)
+    return LlamaDecoderLayer(config, layer_index, family.make_block(config, hf),
+                             family.block_name, attention=attention)
 
 
 class MoEModel(LlamaModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from archserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from archserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from archserve.models.llama import (
     LlamaForCausalLM,
@@ -25,6 +26,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
@@ -34,7 +37,8 @@ def default_architecture(model_type: str) -> str:
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM",
             "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(
+            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}.get(
                 model_type, f"{model_type}ForCausalLM")
 
 

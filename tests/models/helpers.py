@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from archserve.kernels.attention.interface import AttentionMetadata, kv_cache_shape
+from archserve.engine.kv_cache import model_kv_caches
+from archserve.kernels.attention.interface import AttentionMetadata
 from archserve.kernels.attention.reference import ReferenceAttentionImpl
+from archserve.kernels.mla.torch_mla import TorchMlaImpl
 from archserve.models.layers.forward_context import ForwardContext, set_forward_context
 
 TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -28,12 +30,34 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
     return model
 
 
+def attention_impl_for(config):
+    """The plain-PyTorch attention of the model's kind (MLA or standard)."""
+    return TorchMlaImpl() if getattr(config, "mla", None) else ReferenceAttentionImpl()
+
+
+# Token-id prompts for model-level comparisons, text prompts for the engine's.
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 9], [200, 1, 2], [33, 34, 35, 36, 37, 38]]
+TEXT_PROMPTS = ["Hello world! How are you", "The capital of France is Paris. The capital of",
+                "1 2 3", "A paged KV cache stores keys and values in fixed-size blocks."]
+
+
+def saved_and_loaded(hf_model, path):
+    """Save ``hf_model`` under ``path`` and load it back as archserve's fp32 CPU model:
+    (hf_model, model, config)."""
+    from archserve.loader.loader import load_model
+
+    hf_model.save_pretrained(path)
+    model, config = load_model(str(path), dtype=torch.float32, device="cpu")
+    return hf_model, model, config
+
+
 @dataclass
 class PagedSequences:
     """A minimal block allocator: enough of the engine to drive a model by hand."""
 
     kv_caches: list[torch.Tensor]
     block_size: int
+    attn_impl: object = field(default_factory=ReferenceAttentionImpl)
     next_block: int = 0
     blocks: dict[int, list[int]] = field(default_factory=dict)
     lengths: dict[int, int] = field(default_factory=dict)
@@ -41,9 +65,8 @@ class PagedSequences:
     @classmethod
     def for_config(cls, config, num_blocks: int = 64, block_size: int = 4,
                    dtype: torch.dtype = torch.float32) -> PagedSequences:
-        shape = kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        caches = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        return cls(caches, block_size)
+        caches = model_kv_caches(config, num_blocks, block_size, dtype, torch.device("cpu"))
+        return cls(caches, block_size, attention_impl_for(config))
 
     def _slot(self, seq: int, position: int) -> int:
         table = self.blocks.setdefault(seq, [])
@@ -83,7 +106,7 @@ class PagedSequences:
         """One model step; float32 logits [num_seqs, vocab] at each sequence's last token."""
         ids, positions, meta, last_rows = self.step(new_tokens)
         ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches,
-                             attn_impl=ReferenceAttentionImpl())
+                             attn_impl=self.attn_impl)
         with set_forward_context(ctx):
             hidden = model(ids, positions)
         return model.compute_logits(hidden[last_rows])
@@ -99,7 +122,7 @@ def assert_prompt_positions_match_hf(model, hf_model, config, prompt: list[int],
     """The logits of every position of one prompt (a single prefill) equal transformers'."""
     cache = PagedSequences.for_config(config)
     ids, positions, meta, _ = cache.step({0: prompt})
-    with set_forward_context(ForwardContext(meta, cache.kv_caches, ReferenceAttentionImpl())):
+    with set_forward_context(ForwardContext(meta, cache.kv_caches, cache.attn_impl)):
         logits = model.compute_logits(model(ids, positions))
     with torch.no_grad():
         expected = hf_model(ids[None]).logits[0]
@@ -120,3 +143,37 @@ def assert_prefill_then_decode_match_hf(model, hf_model, config, prompts: list[l
     for i, prompt in enumerate(prompts):
         torch.testing.assert_close(decode[i], hf_last_logits(hf_model, prompt + next_tokens[i]),
                                    atol=tol, rtol=tol)
+
+
+def assert_llm_greedy_and_prompt_logprobs_equal_hf(path: str, prompts: list[str],
+                                                  num_tokens: int = 32, tol: float = 1e-4,
+                                                  prompt_logprobs: bool = True,
+                                                  **llm_kwargs) -> list:
+    """The whole engine (archserve.LLM, fp32) against transformers from the same checkpoint:
+    token-identical greedy output and prompt log-probabilities within ``tol`` (unless
+    ``prompt_logprobs`` is off: a request asking for them computes its whole prompt, never
+    reading the prefix cache). Returns the engine's outputs."""
+    from transformers import AutoModelForCausalLM
+
+    from archserve import LLM, SamplingParams
+
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_model.generation_config.eos_token_id = None
+    llm = LLM(path, dtype="float32", **{"max_num_seqs": 4, **llm_kwargs})
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True,
+                            prompt_logprobs=1 if prompt_logprobs else None)
+    seen: set[int] = set()
+    outputs = llm.generate(prompts, params)
+    for out in outputs:
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=num_tokens,
+                                         do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+        assert list(out.outputs[0].token_ids) == expected, out.prompt
+        seen.update(expected)
+        for pos in range(1, len(ids) if prompt_logprobs else 0):
+            got = out.prompt_logprobs[pos][ids[pos]].logprob
+            assert abs(got - ref[pos - 1, ids[pos]].item()) < tol
+    assert len(seen) > 6      # real sequences, not one token repeated everywhere
+    return outputs

@@ -18,10 +18,14 @@ from archserve import LLM, SamplingParams
 from archserve.loader.loader import load_model
 from archserve.models.layers.moe import FusedMoE, SparseMoEBlock
 from models.helpers import (
+    PROMPTS,
+    TEXT_PROMPTS,
     PagedSequences,
+    assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
     hf_last_logits,
+    saved_and_loaded,
     tiny_hf_model,
 )
 
@@ -53,17 +57,13 @@ VARIANTS = {
         norm_topk_prob=False)),
 }
 
-PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 9], [200, 1, 2], [33, 34, 35, 36, 37, 38]]
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request, tmp_path_factory):
     model_type, overrides = VARIANTS[request.param]
     hf_model = tiny_hf_model(model_type, **{**MOE, **overrides})
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(path)
-    model, config = load_model(str(path), dtype=torch.float32, device="cpu")
-    return request.param, hf_model, model, config
+    return request.param, *saved_and_loaded(hf_model, tmp_path_factory.mktemp(request.param))
 
 
 def test_sparse_and_dense_layers_follow_the_config(pair):
@@ -210,36 +210,15 @@ def test_dummy_weights_fill_the_experts(tmp_path):
 
 # ---------------------------------------------------------------- the engine
 
-TEXT_PROMPTS = ["Hello world! How are you", "The capital of France is Paris. The capital of",
-                "1 2 3", "A paged KV cache stores keys and values in fixed-size blocks."]
 NUM_TOKENS = 32
 
 
 @pytest.mark.parametrize("variant", ["mixtral_top1_64_experts", "qwen2_moe_shared_step2",
                                      "qwen3_moe_top8_mlp_only"])
 def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path, variant):
-    from transformers import AutoModelForCausalLM
-
     model_type, overrides = VARIANTS[variant]
     path = build_tiny_checkpoint(str(tmp_path), model_type, **{**MOE, **overrides})
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf_model.generation_config.eos_token_id = None
-    llm = LLM(path, dtype="float32", max_num_seqs=4)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                            prompt_logprobs=1)
-    seen: set[int] = set()
-    for out in llm.generate(TEXT_PROMPTS, params):
-        ids = out.prompt_token_ids
-        with torch.no_grad():
-            expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS,
-                                         do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
-            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
-        assert list(out.outputs[0].token_ids) == expected, out.prompt
-        seen.update(expected)
-        for pos in range(1, len(ids)):
-            got = out.prompt_logprobs[pos][ids[pos]].logprob
-            assert abs(got - ref[pos - 1, ids[pos]].item()) < 1e-4
-    assert len(seen) > 6      # real sequences, not one token repeated everywhere
+    assert_llm_greedy_and_prompt_logprobs_equal_hf(path, TEXT_PROMPTS, NUM_TOKENS)
 
 
 # ---------------------------------------------------------------- GPU

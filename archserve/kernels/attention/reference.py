@@ -5,6 +5,7 @@ Written for clarity, not speed: one loop over sequences, fp32 math, explicit mas
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -12,18 +13,19 @@ import torch
 from archserve.kernels.attention.interface import AttentionLayerParams, AttentionMetadata
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Scatter this step's keys/values into the paged cache; slot -1 is skipped."""
-    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    """Scatter this step's keys/values into the paged cache; slot -1 is skipped. A cache of
+    one plane (an MLA latent) takes ``key`` only (``value`` None)."""
+    planes, num_blocks, block_size = kv_cache.shape[:3]
+    flat = kv_cache.view(planes, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     if slots.numel() == 0:
         return
     cache_dtype = kv_cache.dtype
     fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    for i, (src, scale) in enumerate(((key, k_scale), (value, v_scale))):
+    for i, (src, scale) in enumerate(((key, k_scale), (value, v_scale))[:planes]):
         src = src[valid]
         if fp8:
             # index_copy_ has no float8 kernel on every device: scatter the bytes instead.
@@ -33,15 +35,19 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
             flat[i].index_copy_(0, slots, src.to(cache_dtype))
 
 
+def gather_plane(kv_cache: torch.Tensor, plane: int, block_table: torch.Tensor, seq_len: int,
+                 scale: float = 1.0) -> torch.Tensor:
+    """The first ``seq_len`` cached entries of one plane of one sequence, fp32 [seq_len, Hkv, D]."""
+    block_size = kv_cache.shape[2]
+    blocks = block_table[:(seq_len + block_size - 1) // block_size].long()
+    return kv_cache[plane, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len].float() * scale
+
+
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
               k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``seq_len`` cached keys and values of one sequence, as fp32 [seq_len, Hkv, D]."""
-    block_size = kv_cache.shape[2]
-    num_blocks_needed = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks_needed].long()
-    k = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len].float() * k_scale
-    v = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len].float() * v_scale
-    return k, v
+    return (gather_plane(kv_cache, 0, block_table, seq_len, k_scale),
+            gather_plane(kv_cache, 1, block_table, seq_len, v_scale))
 
 
 def attention_mask(query_len: int, seq_len: int, sliding_window: int | None,
@@ -53,6 +59,16 @@ def attention_mask(query_len: int, seq_len: int, sliding_window: int | None,
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
     return allowed
+
+
+def scheduled_sequences(meta: AttentionMetadata) -> Iterator[tuple[int, int, int, int]]:
+    """(index, first query row, end query row, context length) of each sequence with
+    tokens in this step."""
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    for i in range(meta.num_seqs):
+        if starts[i + 1] > starts[i]:
+            yield i, starts[i], starts[i + 1], seq_lens[i]
 
 
 class ReferenceAttentionImpl:
@@ -68,13 +84,8 @@ class ReferenceAttentionImpl:
         write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(query)
         group = layer.num_heads // layer.num_kv_heads
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
-        for i in range(meta.num_seqs):
-            q_start, q_end = starts[i], starts[i + 1]
-            query_len, seq_len = q_end - q_start, seq_lens[i]
-            if query_len == 0:
-                continue
+        for i, q_start, q_end, seq_len in scheduled_sequences(meta):
+            query_len = q_end - q_start
             k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, k_scale, v_scale)
             k = k.repeat_interleave(group, dim=1)        # [S, H, D]
             v = v.repeat_interleave(group, dim=1)

@@ -2,8 +2,8 @@
 
 Capability ranges follow today's vLLM where it differs from seed 000 §2.2 (FlashMLA
 and FlashMLA-sparse are Hopper and data-centre Blackwell, not Ada); see
-docs/deviations.md. archserve runs no MLA model yet: every backend here is rules only,
-so ``explain`` shows an MLA model's ideal route and says it is not loadable.
+docs/deviations.md. The fused GPU kernels are rules only (``explain`` shows an MLA model's
+ideal route); TORCH_REFERENCE runs (kernels/mla/torch_mla.py) and is what executes today.
 """
 
 from __future__ import annotations
@@ -251,15 +251,19 @@ class TritonMlaBackend(MlaBackend):
 
 
 class ReferenceMlaBackend(MlaBackend):
-    """The fallback's place in the priority list; no MLA code exists in this build yet, so
-    it is rules only and MLA selection names no route."""
+    """The universal fallback: plain PyTorch latent attention (absorbed), any device."""
 
     name = "TORCH_REFERENCE"
     fixed_latent = False
-    implemented = False
-    description = "plain PyTorch MLA (rules only: no MLA model runs in this build)"
+    description = ("plain PyTorch MLA over the latent paged cache (absorbed W_UK/W_UV): "
+                   "slow, exact, runs everywhere")
+    impl_path = "archserve.kernels.mla.torch_mla:TorchMlaImpl"
+    graph_capturable = False
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        from archserve.kernels.specs import RUNNABLE_KV_CACHE_DTYPES
+        if spec.kv_cache_dtype not in RUNNABLE_KV_CACHE_DTYPES:
+            return f"KV cache dtype {spec.kv_cache_dtype} unsupported"
         return None
 
 

@@ -28,6 +28,37 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, experts
 
 
+def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+                  renormalize: bool = False, num_groups: int = 1, topk_groups: int = 1,
+                  correction_bias: torch.Tensor | None = None, scaling: float = 1.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing: (weights [T, k] float32, expert ids [T, k]).
+
+    Scores are softmax (V2) or sigmoid (V3) of the logits. Experts are chosen on the scores
+    plus ``correction_bias`` (V3's e_score_correction_bias), only among the ``topk_groups``
+    best of ``num_groups`` expert groups: a group scores its best expert (V2's
+    group_limited_greedy) or, with a correction bias, its best two summed (V3's noaux_tc).
+    The weights are the unbiased scores of the chosen experts, renormalised when asked, times
+    ``scaling`` (routed_scaling_factor).
+    """
+    logits = router_logits.float()
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_groups > 1 and topk_groups < num_groups:
+        grouped = choice.view(choice.shape[0], num_groups, -1)
+        group_scores = (grouped.max(dim=-1).values if correction_bias is None
+                        else grouped.topk(2, dim=-1).values.sum(dim=-1))
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1),
+                                    float("-inf"))
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, experts
+
+
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Rows the sorted order can need: every pair, plus at most block_m - 1 of padding for
     each expert that gets a pair (no more experts than pairs get one), to a whole tile."""

@@ -25,9 +25,12 @@ class TorchMoEImpl:
         self.spec = spec
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
-        """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x)."""
-        weights, experts = route(router_logits, top_k, renormalize)
+                w2: torch.Tensor, top_k: int, renormalize: bool = True,
+                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x).
+        ``routed``: (weights, experts) [T, k] chosen by the model (DeepSeek's grouped top-k)
+        instead of the softmax top-k of the logits."""
+        weights, experts = routed or route(router_logits, top_k, renormalize)
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         flat_experts = experts.reshape(-1)
         token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)

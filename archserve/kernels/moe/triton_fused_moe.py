@@ -187,9 +187,10 @@ def fused_moe_unsupported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
 
 def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, top_k: int, renormalize: bool,
-              tile: MoETile | None = None) -> torch.Tensor:
+              tile: MoETile | None = None,
+              routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x)."""
-    weights, experts = route(router_logits, top_k, renormalize)
+    weights, experts = routed or route(router_logits, top_k, renormalize)
     return fused_experts(hidden, weights, experts, w13, w2, tile)
 
 
@@ -241,9 +242,10 @@ class TritonFusedMoEImpl:
         return self.tiles.get(token_bucket(num_tokens)) or default_tile(num_tokens)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, top_k: int, renormalize: bool = True) -> torch.Tensor:
+                w2: torch.Tensor, top_k: int, renormalize: bool = True,
+                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         reason = fused_moe_unsupported(hidden, w13, w2)
         if reason is not None:
             raise ValueError(f"TRITON_FUSED_MOE cannot run this layer: {reason}")
         return fused_moe(hidden, router_logits, w13, w2, top_k, renormalize,
-                         self.tile_for(hidden.shape[0]))
+                         self.tile_for(hidden.shape[0]), routed)

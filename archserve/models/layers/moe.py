@@ -98,9 +98,15 @@ class FusedMoE(nn.Module):
             self._impl_key, self.backend_name = key, selection.name
         return self._impl
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``routed``: (weights, experts) a family chose itself (DeepSeek), else the
+        backend's softmax top-k of ``router_logits``."""
+        if routed is None:
+            return self.impl().forward(hidden, router_logits, self.w13, self.w2, self.top_k,
+                                       self.renormalize)
         return self.impl().forward(hidden, router_logits, self.w13, self.w2, self.top_k,
-                                   self.renormalize)
+                                   self.renormalize, routed=routed)
 
 
 def _device_info(device: torch.device) -> Any:

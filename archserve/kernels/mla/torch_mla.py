@@ -1,0 +1,53 @@
+"""TORCH_REFERENCE for ``mla_attention``: DeepSeek's latent attention over a latent paged cache.
+
+The cache of one layer is ``[1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``:
+per token the normalised KV latent ``c_kv`` followed by the rotated rope key ``k_pe``, shared
+by every head. The model absorbs ``W_UK`` into the query and applies ``W_UV`` after attention
+(archserve/models/layers/mla.py), so attention here is multi-query attention over the latent:
+
+    q [T, H, L + R] . cache [S, L + R]  ->  softmax  ->  @ cache[:, :L]  ->  [T, H, L]
+
+Both prefill and decode take this absorbed path (plain fp32 torch, one loop over sequences):
+exact, and it reads only the latent, so chunked prefill over a cached prefix and preemption
+need nothing else. A GPU kernel (Triton MLA) and a non-absorbed prefill are later work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from archserve.kernels.attention.interface import AttentionMetadata
+from archserve.kernels.attention.reference import (
+    attention_mask,
+    gather_plane,
+    scheduled_sequences,
+    write_kv_cache,
+)
+
+
+class TorchMlaImpl:
+    graph_capturable = False      # reads sequence lengths on the host
+
+    def __init__(self, device: Any = None, spec: Any = None) -> None:
+        self.device = device
+        self.spec = spec
+
+    def forward(self, query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, kv_lora_rank: int,
+                k_scale: float = 1.0) -> torch.Tensor:
+        """query [T, H, L+R] (absorbed nope part, then rope part); latent [T, L+R] (this
+        step's c_kv and k_pe, written to the cache first) -> [T, H, L] in query's dtype."""
+        write_kv_cache(latent[:, None, :], None, kv_cache, meta.slot_mapping, k_scale)
+        out = torch.empty(*query.shape[:2], kv_lora_rank, dtype=query.dtype,
+                          device=query.device)
+        for i, q_start, q_end, seq_len in scheduled_sequences(meta):
+            kv = gather_plane(kv_cache, 0, meta.block_tables[i], seq_len, k_scale)[:, 0]
+            q = query[q_start:q_end].float()                       # [Q, H, L+R]
+            scores = torch.einsum("qhd,kd->hqk", q, kv) * scale
+            mask = attention_mask(q_end - q_start, seq_len, None, query.device)
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            out[q_start:q_end] = torch.einsum("hqk,kl->qhl", probs,
+                                              kv[:, :kv_lora_rank]).to(query.dtype)
+        return out

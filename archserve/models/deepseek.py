@@ -1,0 +1,161 @@
+"""DeepSeek-V2 (V2, V2-Lite) and DeepSeek-V3: MLA attention and MoE with shared experts.
+
+The decoder is the MoE decoder (Llama's layer, norms and checkpoint handling) with two
+family parts swapped in:
+
+- attention: ``MLAAttention`` (models/layers/mla.py) on every layer, over the latent
+  paged cache; q through a LoRA (``q_lora_rank``, V2 and V3) or one projection (V2-Lite);
+- the sparse MLP of layers from ``first_k_dense_replace`` on (every ``moe_layer_freq``-th):
+  the routed experts plus ``n_shared_experts`` always-on experts as one gated MLP
+  (``shared_experts``), routed by ``grouped_route``: V2 softmax top-k (optionally within
+  groups, ``group_limited_greedy``), V3 sigmoid scores with ``e_score_correction_bias``
+  choosing within the ``topk_group`` best of ``n_group`` groups; weights times
+  ``routed_scaling_factor``. The router runs in fp32, as DeepSeek's does.
+
+The earlier layers are dense (``intermediate_size``). YaRN RoPE comes from the config
+(models/layers/rotary.py); its mscale enters the softmax scale (mla.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archserve.kernels.moe.routing import grouped_route
+from archserve.models.layers.mla import MLAAttention
+from archserve.models.layers.moe import HF_EXPERT_NAMES, FusedMoE, GatedMLP, Router
+from archserve.models.mixtral import MoEFamily, MoEForCausalLM, MoEModel
+
+if TYPE_CHECKING:
+    from archserve.loader.config import ModelConfig
+
+
+class DeepseekRouter(Router):
+    """fp32 router logits; V3's gate also holds the score correction bias."""
+
+    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool) -> None:
+        super().__init__(num_experts, hidden_size)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+            if correction_bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config: ModelConfig, hf: Any, family: DeepseekFamily) -> None:
+        super().__init__()
+        num_experts = family.num_experts(hf)
+        self.top_k = int(hf.num_experts_per_tok)
+        self.sigmoid = family.scoring(hf) == "sigmoid"
+        self.gate = DeepseekRouter(num_experts, config.hidden_size, self.sigmoid)
+        self.experts = FusedMoE(num_experts, self.top_k, config.hidden_size,
+                                family.expert_intermediate_size(hf), family.renormalize(hf),
+                                HF_EXPERT_NAMES)
+        shared = family.shared_intermediate_size(hf)
+        self.shared_experts = GatedMLP(config.hidden_size, shared) if shared else None
+        grouped = family.grouped(hf)
+        self.route_args = dict(
+            scoring=family.scoring(hf), renormalize=family.renormalize(hf),
+            num_groups=int(hf.n_group or 1) if grouped else 1,
+            topk_groups=int(hf.topk_group or 1) if grouped else 1,
+            scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        routed = grouped_route(logits, self.top_k, correction_bias=self.gate.e_score_correction_bias,
+                               **self.route_args)
+        out = self.experts(x, logits, routed=routed)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekFamily(MoEFamily):
+    block_name = "mlp"
+    expert_names = HF_EXPERT_NAMES
+    rope_interleaved_default = True
+
+    def num_experts(self, hf: Any) -> int:
+        return int(hf.n_routed_experts or 0)
+
+    def expert_intermediate_size(self, hf: Any) -> int:
+        return int(hf.moe_intermediate_size)
+
+    def renormalize(self, hf: Any) -> bool:
+        return bool(getattr(hf, "norm_topk_prob", False))
+
+    def shared_intermediate_size(self, hf: Any) -> int:
+        return int(hf.moe_intermediate_size) * int(getattr(hf, "n_shared_experts", 0) or 0)
+
+    def scoring(self, hf: Any) -> str:
+        return "softmax"
+
+    def grouped(self, hf: Any) -> bool:
+        return getattr(hf, "topk_method", "greedy") == "group_limited_greedy"
+
+    def is_sparse(self, hf: Any, layer_index: int) -> bool:
+        freq = int(getattr(hf, "moe_layer_freq", 1) or 1)
+        return (self.num_experts(hf) > 0 and layer_index >= int(hf.first_k_dense_replace or 0)
+                and layer_index % freq == 0)
+
+    def make_block(self, config: ModelConfig, hf: Any) -> nn.Module:
+        return DeepseekMoE(config, hf, self)
+
+    def make_attention(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        hf = config.hf_config
+        hf = getattr(hf, "text_config", None) or hf
+        interleaved = getattr(hf, "rope_interleave", self.rope_interleaved_default)
+        return MLAAttention(config, layer_index, rope_interleaved=bool(interleaved))
+
+
+class DeepseekV3Family(DeepseekFamily):
+    def scoring(self, hf: Any) -> str:
+        return str(getattr(hf, "scoring_func", "sigmoid") or "sigmoid")
+
+    def grouped(self, hf: Any) -> bool:
+        return True
+
+
+class DeepseekV2Model(MoEModel):
+    family = DeepseekFamily()
+
+    def make_layer(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        # Every layer reads one cos/sin table (V3's covers 163840 positions): the first
+        # layer's, which later layers take in place of the one they built.
+        layer = super().make_layer(config, layer_index)
+        if layer_index == 0:
+            self.__dict__["_shared_rotary"] = layer.self_attn.rotary_emb
+        else:
+            layer.self_attn.rotary_emb = self.__dict__["_shared_rotary"]
+        return layer
+
+
+class DeepseekV3Model(DeepseekV2Model):
+    family = DeepseekV3Family()
+
+
+class DeepseekV2ForCausalLM(MoEForCausalLM):
+    op_kinds = ("mla_attention", "linear", "moe")
+    model_class = DeepseekV2Model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # V3 checkpoints carry a multi-token-prediction layer after the last decoder layer.
+        last = self.config.num_layers
+        return super().load_weights((n, t) for n, t in weights
+                                    if not _layer_at_or_after(n, last))
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    model_class = DeepseekV3Model
+
+
+def _layer_at_or_after(name: str, first: int) -> bool:
+    parts = name.split(".")
+    return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= first)

@@ -1,0 +1,109 @@
+"""DeepSeek's multi-head latent attention (MLA) layer, absorbed form.
+
+Per token the layer projects hidden -> q (through the q LoRA ``q_a_proj``/``q_a_layernorm``/
+``q_b_proj`` when ``q_lora_rank`` is set, else ``q_proj``) and hidden -> ``kv_a_proj_with_mqa``
+= [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]. The paged cache keeps only the normalised
+c_kv and the rotated k_pe (one entry per token, shared by every head).
+
+``kv_b_proj`` [H * (nope + v), kv_lora_rank] holds W_UK and W_UV per head. Rather than
+expanding the cache to per-head keys and values, W_UK is absorbed into the query
+(q_nope . W_UK c_kv = (W_UK^T q_nope) . c_kv) and W_UV applied to the attention output over
+the latent, so the attention backend (op ``mla_attention``) reads only the latent.
+
+RoPE: DeepSeek stores the rope dimensions as interleaved pairs (V2 always, V3 when
+``rope_interleave``); they are de-interleaved (evens, then odds) for both q and k before the
+neox rotation, which leaves every q.k product unchanged. The softmax scale is
+qk_head_dim^-1/2, times mscale(factor, mscale_all_dim)^2 under YaRN.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from archserve.models.layers.forward_context import get_forward_context, op_region
+from archserve.models.layers.linear import Linear, WeightOnly
+from archserve.models.layers.norm import RMSNorm
+from archserve.models.layers.rotary import RotaryEmbedding, yarn_mscale
+
+if TYPE_CHECKING:
+    from archserve.loader.config import ModelConfig
+
+LORA_NORM_EPS = 1e-6   # the q/kv LoRA norms use the RMSNorm default, not rms_norm_eps
+
+
+def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
+    scale = qk_head_dim ** -0.5
+    scaling = rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        mscale_all_dim = scaling.get("mscale_all_dim") or 0
+        if mscale_all_dim:
+            m = yarn_mscale(float(scaling["factor"]), float(mscale_all_dim))
+            scale *= m * m
+    return scale
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, rope_interleaved: bool = True
+                 ) -> None:
+        super().__init__()
+        m = config.mla
+        assert m is not None
+        self.dims, self.layer_index = m, layer_index
+        self.num_heads = h = config.num_heads
+        hidden, bias = config.hidden_size, config.attention_bias
+        if m.q_lora_rank:
+            self.q_a_proj = Linear(hidden, m.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = Linear(m.q_lora_rank, h * m.qk_head_dim)
+        else:
+            self.q_proj = Linear(hidden, h * m.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden, m.latent_size, bias=bias)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LORA_NORM_EPS)
+        # Not a Linear: the layer reads its matrix (absorbed into q and the output), so it
+        # stays in the model dtype under online quantization.
+        self.kv_b_proj = WeightOnly(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        self.o_proj = Linear(h * m.v_head_dim, hidden, bias=bias)
+        self.rotary_emb = RotaryEmbedding(m.qk_rope_head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+        self.rope_interleaved = rope_interleaved
+        self.scale = mla_softmax_scale(m.qk_head_dim, config.rope_scaling)
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.dims.q_lora_rank:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))[0])
+        return self.q_proj(hidden)
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, L], W_UV [H, v, L]) from kv_b_proj."""
+        m = self.dims
+        w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim,
+                                       m.kv_lora_rank)
+        return w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        m, h, t = self.dims, self.num_heads, hidden.shape[0]
+        q = self._query(hidden).view(t, h, m.qk_head_dim)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([m.kv_lora_rank, m.qk_rope_head_dim],
+                                                           dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv.contiguous())[0]
+        if self.rope_interleaved:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, -1), k_pe.contiguous())
+        w_uk, w_uv = self._absorbed_weights()
+        q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)
+        query = torch.cat((q_latent, q_pe.view(t, h, m.qk_rope_head_dim)), dim=-1)
+        ctx = get_forward_context()
+        with op_region("attention"):
+            out = ctx.attn_impl.forward(query, torch.cat((c_kv, k_pe), dim=-1),
+                                        ctx.kv_caches[self.layer_index], ctx.attn_metadata,
+                                        self.scale, m.kv_lora_rank, ctx.k_scale)
+        out = torch.einsum("thl,hvl->thv", out, w_uv)
+        return self.o_proj(out.reshape(t, h * m.v_head_dim))

@@ -1,0 +1,194 @@
+"""DeepSeek-V2 (with q_lora_rank), V2-Lite (without) and V3 against transformers with the same
+tiny random weights, fp32, CPU: every prompt position, batched prefill then decode through
+the latent paged cache, and the whole engine's greedy tokens (32) and prompt log-probs.
+
+The variants cover MLA with and without the q LoRA, YaRN with mscale (the softmax scale and
+the cos/sin attention factor), V2's softmax top-k (greedy and group-limited) scaled by
+routed_scaling_factor, V3's sigmoid scores with e_score_correction_bias and grouped top-k,
+shared experts and the first_k_dense_replace dense layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_checkpoints import build_tiny_checkpoint
+
+from archserve.engine.config import EngineConfig
+from archserve.engine.scheduler import Scheduler
+from archserve.engine.startup import attention_spec_of
+from archserve.kernels.catalog import select_attention_backend
+from archserve.loader.loader import load_model
+from archserve.models.deepseek import DeepseekMoE
+from archserve.platform import get_profile
+from models.helpers import (
+    PROMPTS,
+    TEXT_PROMPTS,
+    PagedSequences,
+    assert_llm_greedy_and_prompt_logprobs_equal_hf,
+    assert_prefill_then_decode_match_hf,
+    assert_prompt_positions_match_hf,
+    hf_last_logits,
+    saved_and_loaded,
+    tiny_hf_model,
+)
+
+ATOL = 1e-4
+# qk_rope_head_dim is the config's head_dim (transformers' rotary reads head_dim).
+MLA = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
+           kv_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
+           moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+           n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+           max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def _yarn(mscale: float) -> dict:
+    return dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                mscale=mscale, mscale_all_dim=mscale, beta_fast=32, beta_slow=1)
+
+
+VARIANTS = {
+    # V2: q LoRA, YaRN, softmax top-2 within the best 2 of 4 groups, scaled by 2.5.
+    "v2": ("deepseek_v2", dict(q_lora_rank=48, topk_method="group_limited_greedy", n_group=4,
+                               topk_group=2, routed_scaling_factor=2.5,
+                               rope_scaling=_yarn(0.707))),
+    # V2-Lite: no q LoRA, plain softmax top-2 (greedy), one dense layer of two.
+    "v2_lite": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy",
+                                    routed_scaling_factor=1.0, num_hidden_layers=2)),
+    # V3: sigmoid scores + correction bias, grouped top-2 (2 of 4 groups), renormalised.
+    "v3": ("deepseek_v3", dict(q_lora_rank=48, n_group=4, topk_group=2,
+                               routed_scaling_factor=2.5, norm_topk_prob=True,
+                               rope_scaling=_yarn(1.0))),
+}
+RANDOM_BUFFERS = ("e_score_correction_bias",)
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request, tmp_path_factory):
+    model_type, overrides = VARIANTS[request.param]
+    hf_model = tiny_hf_model(model_type, **{**MLA, **overrides, "vocab_size": 256})
+    with torch.no_grad():
+        for name, buffer in hf_model.named_buffers():
+            if name.endswith(RANDOM_BUFFERS):
+                buffer.add_(torch.randn_like(buffer) * 0.05)
+    return request.param, *saved_and_loaded(hf_model, tmp_path_factory.mktemp(request.param))
+
+
+def test_layers_and_cache_follow_the_config(pair):
+    name, hf_model, model, config = pair
+    sparse = [isinstance(layer.mlp, DeepseekMoE) for layer in model.model.layers]
+    assert sparse == [False] + [True] * (len(sparse) - 1)
+    assert config.kv_cache_planes == 1 and config.kv_cache_heads == 1
+    assert config.kv_cache_head_size == 32 + 8        # kv_lora_rank + qk_rope_head_dim
+    assert (config.mla.q_lora_rank is None) == (name == "v2_lite")
+    if name == "v3":
+        bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+        assert bias.abs().max() > 0
+
+
+def test_prompt_positions_and_prefill_then_decode_match_hf(pair):
+    """Every position of one prompt, then a batched prefill and a decode step of each
+    sequence through the latent cache."""
+    _, hf_model, model, config = pair
+    assert_prompt_positions_match_hf(model, hf_model, config, PROMPTS[0], ATOL)
+    assert_prefill_then_decode_match_hf(model, hf_model, config, PROMPTS, ATOL)
+
+
+def test_the_comparison_can_fail(pair):
+    """Routing matters: without the group limit and the scaling the logits move."""
+    _, hf_model, model, config = pair
+    blocks = [m for m in model.modules() if isinstance(m, DeepseekMoE)]
+    saved = [dict(b.route_args) for b in blocks]
+    for b in blocks:
+        b.route_args.update(scaling=b.route_args["scaling"] * 2, num_groups=1)
+    try:
+        changed = PagedSequences.for_config(config).run(model, {0: PROMPTS[0]})[0]
+    finally:
+        for b, args in zip(blocks, saved, strict=True):
+            b.route_args = args
+    assert (changed - hf_last_logits(hf_model, PROMPTS[0])).abs().max() > 1e-3
+
+
+def test_cpu_selects_the_torch_mla_route(pair):
+    _, _, _, config = pair
+    spec = attention_spec_of(EngineConfig(model="x"), config, torch.float32, "auto")
+    assert spec.use_mla and spec.head_size == 40 and spec.num_kv_heads == 1
+    selection = select_attention_backend(get_profile("cpu"), spec)
+    assert selection.name == "TORCH_REFERENCE" and selection.backend.op == "mla_attention"
+
+
+def test_dummy_weights_run(tmp_path):
+    model_type, overrides = VARIANTS["v3"]
+    tiny_hf_model(model_type, **{**MLA, **overrides, "vocab_size": 256}).save_pretrained(tmp_path)
+    model, config = load_model(str(tmp_path), torch.bfloat16, load_format="dummy")
+    logits = PagedSequences.for_config(config, dtype=torch.bfloat16).run(model, {0: PROMPTS[0]})
+    assert torch.isfinite(logits).all()
+
+
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path, variant):
+    model_type, overrides = VARIANTS[variant]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**MLA, **overrides})
+    assert_llm_greedy_and_prompt_logprobs_equal_hf(path, TEXT_PROMPTS, 32)
+
+
+def test_llm_chunked_prefill_prefix_cache_and_preemption(tmp_path, monkeypatch):
+    """The latent cache through the engine's harder paths: prompts sharing a cached prefix,
+    prefills chunked over several steps (8-token budget), and a pool too small for every
+    sequence at once, so some are preempted and recomputed."""
+    model_type, overrides = VARIANTS["v3"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**MLA, **overrides})
+    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
+    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
+    preempted = []
+    original = Scheduler._preempt
+
+    def counting(self, seq, *args):
+        preempted.append(seq.seq_id)
+        return original(self, seq, *args)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
+        path, prompts, 32, prompt_logprobs=False, enable_prefix_caching=True, enable_chunked_prefill=True,
+        max_num_batched_tokens=8, block_size=4, num_kv_blocks=24, max_model_len=80)
+    assert preempted, "the pool was large enough for every sequence: nothing was preempted"
+    assert max(out.num_cached_tokens for out in outputs) >= 8
+
+
+def test_engine_reports_the_mla_route_and_latent_cache(tmp_path):
+    from archserve import LLM
+
+    model_type, overrides = VARIANTS["v2_lite"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, **{**MLA, **overrides})
+    engine = LLM(path, dtype="float32", max_num_seqs=2).llm_engine
+    routes = {r.layer: r for r in engine.report.routes}
+    assert routes["attention"].op == "mla_attention"
+    assert routes["attention"].backend == "TORCH_REFERENCE"
+    assert routes["moe experts"].backend == "TORCH_MOE"
+    # One latent entry (kv_lora_rank + qk_rope_head_dim) per token per layer.
+    assert [tuple(c.shape[::2]) for c in engine.runner.kv_caches] == [(1, 16, 40)] * 2
+
+
+def test_layers_share_one_rope_table(pair):
+    _, _, model, _ = pair
+    tables = {id(layer.self_attn.rotary_emb.cos_cache) for layer in model.model.layers}
+    assert len(tables) == 1
+
+
+def test_online_fp8_leaves_the_absorbed_matrix_in_16_bits(tmp_path):
+    """--quantization fp8 quantizes the MLA projections but not kv_b_proj, whose matrix the
+    layer absorbs into q and the output."""
+    from archserve import LLM, SamplingParams
+
+    model_type, overrides = VARIANTS["v2_lite"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, **{**MLA, **overrides})
+    llm = LLM(path, dtype="float32", max_num_seqs=2, quantization="fp8")
+    attn = llm.llm_engine.model.model.layers[0].self_attn
+    assert attn.kv_a_proj_with_mqa.quant is not None
+    assert attn.kv_b_proj.weight.dtype == torch.float32
+    out = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=8))
+    assert len(out[0].outputs[0].token_ids) == 8
