@@ -24,6 +24,8 @@ ExecutorOpt = Annotated[str, typer.Option("--distributed-executor-backend", help
 BatchedTokensOpt = Annotated[int | None, typer.Option("--max-num-batched-tokens", min=1, help="Tokens one step computes at most (the chunked-prefill budget: smaller keeps decodes from waiting behind long prompts, larger fills the device). Default: the engine's.")]
 PrefixCachingOpt = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV blocks of a prompt prefix seen before.")]
 ChunkedPrefillOpt = Annotated[bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over steps, beside the running decodes.")]
+KvCacheDtypeOpt = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2: half the KV bytes per token; scales from the checkpoint when it has them.")]
+CalculateKvScalesOpt = Annotated[bool, typer.Option("--calculate-kv-scales", help="With an fp8 KV cache: measure each layer's k/v scales on the first prompt (the checkpoint's own scales otherwise, else 1.0).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log the start-up route.")]
 
 

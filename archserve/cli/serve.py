@@ -8,8 +8,10 @@ import typer
 
 from archserve.cli.generate import (
     BatchedTokensOpt,
+    CalculateKvScalesOpt,
     ChunkedPrefillOpt,
     ExecutorOpt,
+    KvCacheDtypeOpt,
     PrefixCachingOpt,
     TPOpt,
 )
@@ -35,6 +37,8 @@ def serve(
     max_num_batched_tokens: BatchedTokensOpt = None,
     enable_prefix_caching: PrefixCachingOpt = True,
     enable_chunked_prefill: ChunkedPrefillOpt = True,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    calculate_kv_scales: CalculateKvScalesOpt = False,
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of GPU memory for weights, activations and KV cache.")] = 0.9,
     kv_cache_memory_bytes: Annotated[int | None, typer.Option("--kv-cache-memory-bytes", help="Explicit KV cache budget in bytes.")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Larger request bodies get 413.")] = 8 * 1024 * 1024,
@@ -76,7 +80,9 @@ def serve(
                           distributed_executor_backend=distributed_executor_backend,
                           max_num_batched_tokens=max_num_batched_tokens,
                           enable_prefix_caching=enable_prefix_caching,
-                          enable_chunked_prefill=enable_chunked_prefill)
+                          enable_chunked_prefill=enable_chunked_prefill,
+                          kv_cache_dtype=kv_cache_dtype,
+                          calculate_kv_scales=calculate_kv_scales)
     try:
         run_server(config, settings)
     except (ValueError, OSError) as exc:

@@ -12,6 +12,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False        # no tokenizer: token-id prompts, no output text
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    # fp8 cache without scales in the checkpoint: measure them on the first prefill
+    # (vLLM's --calculate-kv-scales); checkpoint scales are used when present.
+    calculate_kv_scales: bool = False
     load_format: str = "auto"                # auto | safetensors | gguf | dummy
     device: str = "auto"                     # auto | cpu | cuda | cuda:N
     attention_backend: str | None = None     # override, validated alone (or ARCHSERVE_ATTENTION_BACKEND)

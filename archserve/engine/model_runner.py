@@ -65,9 +65,12 @@ class ModelRunner:
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
         self.sampler = sampler
         self.kv_caches: list[torch.Tensor] = []
-        self.kv_scales = (1.0, 1.0)
         self.kv_cache_dtype = "auto"
         self.graphs: DecodeGraphRunner | None = None
+        # calculate_kv_scales: the next prefill measures each layer's fp8 KV scales, then
+        # the decode graphs (which bake the scales in) are captured at these sizes.
+        self.kv_calibration_pending = False
+        self.graph_sizes_after_calibration: list[int] = []
 
     # -- memory -------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype, kv_cache_dtype: str = "auto"
@@ -111,9 +114,10 @@ class ModelRunner:
 
     # -- forward ------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        ctx = ForwardContext(meta, self.kv_caches, self.attn_impl, *self.kv_scales,
-                             kv_cache_dtype=self.kv_cache_dtype)
+                 meta: AttentionMetadata, calibrate_kv_scales: bool = False) -> torch.Tensor:
+        ctx = ForwardContext(meta, self.kv_caches, self.attn_impl,
+                             kv_cache_dtype=self.kv_cache_dtype,
+                             calibrate_kv_scales=calibrate_kv_scales)
         with set_forward_context(ctx):
             return self.model(input_ids, positions)
 
@@ -158,6 +162,28 @@ class ModelRunner:
                  f"; not captured: {describe_demoted(result.sizes, result.demoted)}"
                  if result.demoted else "")
 
+    def calibrate_kv_scales_on_first_prefill(self, graph_sizes: list[int]) -> None:
+        """Measure the fp8 KV scales on the next step that has prompt tokens; then capture
+        decode graphs at ``graph_sizes`` (none: decode stays as it is)."""
+        self.kv_calibration_pending = True
+        self.graph_sizes_after_calibration = list(graph_sizes)
+
+    def _forward_step(self, batch: ModelBatch) -> torch.Tensor:
+        """The eager forward of a step; the first one with prompt tokens calibrates the
+        KV scales when that is pending."""
+        calibrate = self.kv_calibration_pending and not batch.meta.is_pure_decode
+        hidden = self._forward(batch.input_ids, batch.positions, batch.meta, calibrate)
+        if calibrate:
+            self.kv_calibration_pending = False
+            log.info("calculate_kv_scales: fp8 KV-cache scales measured on a prefill of %d "
+                     "tokens", batch.input_ids.shape[0])
+        return hidden
+
+    def _capture_after_calibration(self) -> None:
+        if self.graph_sizes_after_calibration and not self.kv_calibration_pending:
+            sizes, self.graph_sizes_after_calibration = self.graph_sizes_after_calibration, []
+            self.capture_cuda_graphs(sizes)
+
     def replay_decode_graph(self, batch: ModelBatch) -> torch.Tensor | None:
         """Logits of every row from a captured graph, or None when none fits this batch."""
         meta = batch.meta
@@ -176,6 +202,7 @@ class ModelRunner:
         Returns without waiting for the device. ``previous`` is the step still in flight,
         if any: input tokens that are its placeholders are taken from its device output.
         """
+        self._capture_after_calibration()
         with phase("build_batch"):
             batch = build_batch(chunks, self.block_size, self.device)
             if previous is not None:
@@ -183,7 +210,7 @@ class ModelRunner:
         with phase("forward"):
             row_logits = self.replay_decode_graph(batch)
             if row_logits is None:
-                hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
+                hidden = self._forward_step(batch)
         if row_logits is not None:
             prompt_logprobs = []
         else:

@@ -6,17 +6,11 @@ benchmarks/profile_engine_step.py reads them to split a step into host and devic
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
-import torch
+from archserve.models.layers.forward_context import profiled_region
 
 PREFIX = "archserve::"
-_NOTHING = nullcontext()
 
 
 def phase(name: str):
     """Context manager marking ``name`` in a running profile; a no-op otherwise."""
-    if torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(PREFIX + name)
-    return _NOTHING
-
+    return profiled_region(PREFIX + name)

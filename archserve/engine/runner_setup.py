@@ -32,6 +32,7 @@ from archserve.engine.kernel_cache import configure_kernel_caches
 from archserve.engine.model_runner import ModelRunner
 from archserve.engine.sampler import Sampler
 from archserve.engine.self_check import run_self_check
+from archserve.models.layers.kv_scales import is_quantized_cache
 
 DEFAULT_MAX_BATCHED_TOKENS = 8192
 
@@ -137,7 +138,13 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     if torch_device.type == "cuda":  # JIT compilers run on GPUs only
         runner.warm_up_prefill(max_batched)
     warm_up_s = startup.elapsed(t_warm)
-    graphs = graphs_off is None
+    calibrate = config.calculate_kv_scales and is_quantized_cache(kv_cache_dtype)
+    deferred_graphs = graph_sizes if calibrate else []
+    graphs = graphs_off is None and not calibrate
+    if deferred_graphs:
+        # A graph bakes the scales in: capture once the first prefill has measured them.
+        graphs_off = ("captured after the first prefill, where calculate_kv_scales measures "
+                      "the fp8 KV-cache scales")
     t_graphs = time.perf_counter()
     if graphs:
         runner.capture_cuda_graphs(graph_sizes)
@@ -160,5 +167,7 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
         ceilings = load_or_measure(torch_device)
         report.self_check = run_self_check(runner, ceilings.copy_bytes_per_s)
         report.timings["self_check_s"] = startup.elapsed(t_check)
+    if calibrate:   # after every start-up forward: only a real prompt calibrates
+        runner.calibrate_kv_scales_on_first_prefill(deferred_graphs)
     return RunnerSetup(runner, model, mc, max_model_len, max_batched, num_blocks, block_size,
                        scheduling.chosen == "async", report, cpu_threads)

@@ -142,6 +142,23 @@ class RuleBackend(Backend):
         return cls(device, spec)
 
 
+def backend_class(base: type[RuleBackend], name: str, **attrs: Any) -> type[RuleBackend]:
+    """A backend whose rules are all ``base``'s and whose differences are data (name,
+    formats, families, text): a table row, made a class so the registry and the priority
+    code treat it like any other backend."""
+    class_name = "".join(part.title() for part in name.split("_")) + "Backend"
+    return type(class_name, (base,), {"name": name, **attrs})
+
+
+class FamilyGated(RuleBackend):
+    """Runs on the SM families in ``families`` only (90: Hopper, 100, 120, ...)."""
+
+    families: tuple[int, ...] = ()     # empty: no family gate
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_family(device, *self.families) if self.families else None
+
+
 def block_size_rule(block_size: int | None, *, multiple_of: int | None = None,
                     choices: tuple[int, ...] | None = None) -> str | None:
     """A user-given KV block size constrains the backend; None means "use the preferred one"."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from archserve.models.layers.attention import Attention
+from archserve.models.layers.kv_scales import KVCacheScales, checkpoint_kv_scale
 from archserve.models.layers.linear import Linear
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -184,6 +185,19 @@ class LlamaForCausalLM(nn.Module):
                 out[hf_module] = (module, shard)
         return out
 
+    @staticmethod
+    def _load_kv_scale(name: str, tensor: torch.Tensor, modules: dict[str, nn.Module]) -> bool:
+        """Give an fp8 KV-cache scale to its attention layer; False if ``name`` is none."""
+        found = _kv_scale_layer(name, modules)
+        if found is None:
+            return False
+        layer, planes = found
+        try:
+            layer.load_kv_scale(planes, tensor)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        return True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy (hf_name, tensor) pairs into the model, fusing q/k/v and gate/up.
 
@@ -202,6 +216,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints still store the copy
+            if self._load_kv_scale(name, tensor, modules):
+                loaded.add(name)
+                continue
             if name not in expected:
                 unexpected.append(name)
                 continue
@@ -223,6 +240,16 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected or mismatched:
             raise ValueError(_weights_mismatch_message(missing, unexpected, mismatched))
         return loaded
+
+
+def _kv_scale_layer(name: str, modules: dict[str, nn.Module]) -> tuple[KVCacheScales, tuple[str, ...]] | None:
+    """The attention layer a checkpoint's KV-cache scale belongs to, and its planes."""
+    target = checkpoint_kv_scale(name)
+    if target is None or target[0] not in modules:
+        return None
+    module = modules[target[0]]
+    layer = getattr(module, "attn", module)   # Llama's self_attn holds an Attention; MLA is one
+    return (layer, target[1]) if isinstance(layer, KVCacheScales) else None
 
 
 def _same_shape(got: tuple[int, ...], expected: tuple[int, ...]) -> bool:

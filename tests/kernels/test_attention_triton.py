@@ -56,7 +56,9 @@ else:
 
     # vLLM 0.33 TRITON_ATTN takes any head size >= 32 (v1/attention/backends/triton_attn.py,
     # TritonAttentionBackend.supports_head_size): the kernels pad to the next power of two.
-    @pytest.mark.parametrize("head_size", [32, 40, 72, 96, 160, 192])
+    # (CPU time: 40 and 192 cover padding up and the largest tile; the GPU's
+    # test_attention_compile.py runs the other odd sizes at real shapes.)
+    @pytest.mark.parametrize("head_size", [40, 192])
     @pytest.mark.parametrize("phase", ["decode", "chunked"])
     def test_any_head_size_from_32(head_size, phase):
         seqs = [(1, 37), (1, 20)] if phase == "decode" else [(9, 30), (1, 17)]
@@ -71,7 +73,7 @@ else:
     @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
     @pytest.mark.parametrize("seqs", [[(1, 40), (1, 70)], [(20, 40), (1, 30)]],
                              ids=["decode", "chunked"])
-    @pytest.mark.parametrize("head_size", [64, 72])
+    @pytest.mark.parametrize("head_size", [72])
     def test_fp8_cache_as_bytes_matches_reference(kv, seqs, head_size):
         case = make_case(seqs, num_heads=4, num_kv_heads=2, head_size=head_size,
                          kv_cache_dtype=kv, dtype=torch.float16, fp8_exact_kv=False, seed=7)
@@ -84,14 +86,15 @@ else:
         for dtype, limit in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
             x = values[values.float().abs() <= limit].float()
             x = x[torch.isfinite(x)]
-            n = x.numel() // 8 * 8
-            src = x[:n].reshape(-1, 1, 8)
-            cache = torch.zeros(2, src.shape[0], 1, 1, 8, dtype=dtype)
+            # 256 values per slot (zero-padded): one interpreted program per 256 values.
+            x = torch.cat((x, x.new_zeros(-x.numel() % 256)))
+            src = x.reshape(-1, 1, 256)
+            cache = torch.zeros(2, src.shape[0], 1, 1, 256, dtype=dtype)
             slots = torch.arange(src.shape[0])
             bits = dtype == torch.float8_e4m3fn
             write_kv_cache(src, src, cache, slots, e4m3_bits=bits, e5m2_bits=not bits)
             expected = src.to(dtype).view(torch.uint8)
-            assert torch.equal(cache[0].reshape(-1, 1, 8).view(torch.uint8), expected), dtype
+            assert torch.equal(cache[0].reshape(-1, 1, 256).view(torch.uint8), expected), dtype
 
     def test_prefill_causal_skipping_with_small_tiles():
         # 16x16 tiles over a 2-block prefix: unmasked, diagonal and skipped tiles all occur,

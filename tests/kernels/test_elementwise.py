@@ -234,6 +234,8 @@ def test_kernels_compile_for_gpu_targets(target):
 
 # ---------------------------------------------------------------- CPU: the interpreter
 
+# Interpreted on CPU (CI time): 1 and 7 tokens cover one row and a ragged grid; the GPU
+# tests below (test_gpu_kernels_match_reference) run the real model sizes and batches.
 if not INTERPRETED:
 
     @pytest.mark.skipif(torch.cuda.is_available(),
@@ -253,8 +255,8 @@ else:
         check_round_to_dtype(dtype, "cpu")
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-    @pytest.mark.parametrize("width", [576, 1024, 4096])
-    @pytest.mark.parametrize("tokens", [1, 7, 64])
+    @pytest.mark.parametrize("width", [576, 4096])
+    @pytest.mark.parametrize("tokens", [1, 7])
     @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
     def test_rms_norm_matches_reference(tokens, width, dtype, with_residual):
         check_rms_norm(tokens, width, dtype, with_residual, "cpu")
@@ -279,7 +281,7 @@ else:
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("heads", [(16, 8), (3, 1)], ids=["gqa16-8", "odd3-1"])
     @pytest.mark.parametrize("head_size", [64, 128])
-    @pytest.mark.parametrize("tokens", [1, 7, 64])
+    @pytest.mark.parametrize("tokens", [1, 7])
     def test_rotary_matches_reference(tokens, head_size, heads, dtype):
         check_rotary(tokens, *heads, head_size, dtype, "cpu", inplace=False)
 
@@ -291,8 +293,8 @@ else:
         check_rotary(5, 4, 2, 80, torch.bfloat16, "cpu", inplace=False)
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-    @pytest.mark.parametrize("intermediate", [100, 1536, 3072])
-    @pytest.mark.parametrize("tokens", [1, 7, 64])
+    @pytest.mark.parametrize("intermediate", [100, 3072])
+    @pytest.mark.parametrize("tokens", [1, 7])
     def test_silu_and_mul_matches_reference(tokens, intermediate, dtype):
         check_silu_and_mul(tokens, intermediate, dtype, "cpu")
 

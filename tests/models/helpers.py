@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from archserve.engine.kv_cache import model_kv_caches
+from archserve.engine.kv_cache import kv_dtype_of, model_kv_caches
 from archserve.kernels.attention.interface import AttentionMetadata
 from archserve.kernels.attention.reference import ReferenceAttentionImpl
 from archserve.kernels.mla.torch_mla import TorchMlaImpl
@@ -58,15 +58,18 @@ class PagedSequences:
     kv_caches: list[torch.Tensor]
     block_size: int
     attn_impl: object = field(default_factory=ReferenceAttentionImpl)
+    kv_cache_dtype: str = "auto"           # fp8_e4m3 / fp8_e5m2 with caches of that dtype
     next_block: int = 0
     blocks: dict[int, list[int]] = field(default_factory=dict)
     lengths: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def for_config(cls, config, num_blocks: int = 64, block_size: int = 4,
-                   dtype: torch.dtype = torch.float32) -> PagedSequences:
-        caches = model_kv_caches(config, num_blocks, block_size, dtype, torch.device("cpu"))
-        return cls(caches, block_size, attention_impl_for(config))
+                   dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto"
+                   ) -> PagedSequences:
+        caches = model_kv_caches(config, num_blocks, block_size,
+                                 kv_dtype_of(kv_cache_dtype, dtype), torch.device("cpu"))
+        return cls(caches, block_size, attention_impl_for(config), kv_cache_dtype)
 
     def _slot(self, seq: int, position: int) -> int:
         table = self.blocks.setdefault(seq, [])
@@ -102,11 +105,13 @@ class PagedSequences:
         return (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                 meta, last_rows)
 
-    def run(self, model, new_tokens: dict[int, list[int]]) -> torch.Tensor:
+    def run(self, model, new_tokens: dict[int, list[int]], calibrate_kv_scales: bool = False
+            ) -> torch.Tensor:
         """One model step; float32 logits [num_seqs, vocab] at each sequence's last token."""
         ids, positions, meta, last_rows = self.step(new_tokens)
         ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches,
-                             attn_impl=self.attn_impl)
+                             attn_impl=self.attn_impl, kv_cache_dtype=self.kv_cache_dtype,
+                             calibrate_kv_scales=calibrate_kv_scales)
         with set_forward_context(ctx):
             hidden = model(ids, positions)
         return model.compute_logits(hidden[last_rows])

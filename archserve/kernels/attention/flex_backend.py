@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from archserve.kernels.attention.interface import AttentionLayerParams, AttentionMetadata
-from archserve.kernels.attention.sdpa_backend import dequantize, host_lengths, write_kv_cache_torch
+from archserve.kernels.attention.sdpa_backend import TorchCacheWriter, dequantize, host_lengths
 from archserve.kernels.specs import AttentionSpec
 from archserve.platform.device import DeviceInfo
 
@@ -31,13 +31,12 @@ def _packed_positions(lengths: torch.Tensor, total: int) -> tuple[torch.Tensor, 
     return seq_ids, positions
 
 
-class FlexAttentionImpl:
+class FlexAttentionImpl(TorchCacheWriter):
     """AttentionImpl on torch.nn.attention.flex_attention."""
 
     def __init__(self, device: DeviceInfo | None = None, spec: AttentionSpec | None = None
                  ) -> None:
-        self.device = device
-        self.spec = spec
+        super().__init__(device, spec)
         self._compiled: Callable | None = None
 
     def _flex(self, on_cuda: bool) -> Callable:
@@ -47,16 +46,13 @@ class FlexAttentionImpl:
             self._compiled = torch.compile(flex_attention, dynamic=True)
         return self._compiled
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, layer: AttentionLayerParams,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        if key is not None and value is not None:
-            write_kv_cache_torch(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
-        out = torch.empty_like(query)
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               layer: AttentionLayerParams, out: torch.Tensor, k_scale: float,
+               v_scale: float) -> None:
         query_lens, seq_lens = host_lengths(meta)
         num_q, num_kv = sum(query_lens), sum(seq_lens)
         if num_q == 0:
-            return out
+            return
         device = query.device
         block_size = kv_cache.shape[2]
         seq_len_t = meta.seq_lens[: meta.num_seqs].long()
@@ -98,4 +94,3 @@ class FlexAttentionImpl:
             o = self._flex(on_cuda)(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                     scale=layer.scale, enable_gqa=True, kernel_options=options)
         out[:num_q] = o[0].transpose(0, 1)
-        return out

@@ -107,6 +107,37 @@ class AttentionImpl(Protocol):
         ...
 
 
+class PagedAttentionImpl:
+    """What every attention implementation over the paged cache does the same way: write
+    this step's keys and values to their slots (None: nothing new, e.g. a fused kernel
+    wrote them already), allocate the output, then attend. Subclasses give the two steps:
+    ``write_cache`` and ``attend``, which fills ``out`` [T, H, D]."""
+
+    def __init__(self, device=None, spec=None) -> None:   # noqa: ANN001 - DeviceInfo, spec
+        self.device = device
+        self.spec = spec
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None,
+                value: torch.Tensor | None, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                layer: AttentionLayerParams, k_scale: float = 1.0, v_scale: float = 1.0
+                ) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] -> output [T, H, D] (query's dtype)."""
+        if key is not None and value is not None:
+            self.write_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        out = torch.empty_like(query)
+        self.attend(query, kv_cache, meta, layer, out, k_scale, v_scale)
+        return out
+
+    def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
+        raise NotImplementedError
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               layer: AttentionLayerParams, out: torch.Tensor, k_scale: float,
+               v_scale: float) -> None:
+        raise NotImplementedError
+
+
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
                    ) -> tuple[int, int, int, int, int]:
     return (2, num_blocks, block_size, num_kv_heads, head_size)

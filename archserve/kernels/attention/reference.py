@@ -6,11 +6,14 @@ Written for clarity, not speed: one loop over sequences, fp32 math, explicit mas
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
-from archserve.kernels.attention.interface import AttentionLayerParams, AttentionMetadata
+from archserve.kernels.attention.interface import (
+    AttentionLayerParams,
+    AttentionMetadata,
+    PagedAttentionImpl,
+)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -71,18 +74,16 @@ def scheduled_sequences(meta: AttentionMetadata) -> Iterator[tuple[int, int, int
             yield i, starts[i], starts[i + 1], seq_lens[i]
 
 
-class ReferenceAttentionImpl:
+class ReferenceAttentionImpl(PagedAttentionImpl):
     """AttentionImpl in plain PyTorch."""
 
-    def __init__(self, device: Any = None, spec: Any = None) -> None:
-        self.device = device
-        self.spec = spec
+    def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
+        write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, layer: AttentionLayerParams,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
-        out = torch.empty_like(query)
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               layer: AttentionLayerParams, out: torch.Tensor, k_scale: float,
+               v_scale: float) -> None:
         group = layer.num_heads // layer.num_kv_heads
         for i, q_start, q_end, seq_len in scheduled_sequences(meta):
             query_len = q_end - q_start
@@ -97,4 +98,3 @@ class ReferenceAttentionImpl:
             scores = scores.masked_fill(~mask, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
-        return out

@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from archserve.kernels.attention.interface import AttentionLayerParams, AttentionMetadata
-from archserve.kernels.specs import AttentionSpec
-from archserve.platform.device import DeviceInfo
+from archserve.kernels.attention.interface import (
+    AttentionLayerParams,
+    AttentionMetadata,
+    PagedAttentionImpl,
+)
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -34,6 +36,14 @@ def write_kv_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch
             half.view(torch.uint8)[slots] = quantized.view(torch.uint8)
         else:
             half[slots] = src.to(kv_cache.dtype)
+
+
+class TorchCacheWriter(PagedAttentionImpl):
+    """The torch backends' cache write (SDPA, FLEX_ATTENTION)."""
+
+    def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
+        write_kv_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -87,24 +97,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)
 
 
-class SdpaAttentionImpl:
+class SdpaAttentionImpl(TorchCacheWriter):
     """AttentionImpl on torch SDPA; correct everywhere torch runs, fastest on CPU."""
 
-    def __init__(self, device: DeviceInfo | None = None, spec: AttentionSpec | None = None
-                 ) -> None:
-        self.device = device
-        self.spec = spec
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, layer: AttentionLayerParams,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        if key is not None and value is not None:
-            write_kv_cache_torch(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
-        out = torch.empty_like(query)
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               layer: AttentionLayerParams, out: torch.Tensor, k_scale: float,
+               v_scale: float) -> None:
         query_lens, seq_lens = host_lengths(meta)
         if meta.num_seqs > 1 and all(n == 1 for n in query_lens):
             self._decode_batch(query, kv_cache, meta, layer, seq_lens, out, k_scale, v_scale)
-            return out
+            return
         start = 0
         for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
             if query_len == 0:
@@ -124,7 +126,6 @@ class SdpaAttentionImpl:
             o = attend(q, k, v, mask, is_causal, layer.scale, layer.logit_soft_cap)
             out[start:start + query_len] = o[0].transpose(0, 1)
             start += query_len
-        return out
 
     @staticmethod
     def _decode_batch(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

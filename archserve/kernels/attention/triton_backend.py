@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from archserve.kernels.attention.interface import AttentionLayerParams, AttentionMetadata
+from archserve.kernels.attention.interface import (
+    AttentionLayerParams,
+    AttentionMetadata,
+    PagedAttentionImpl,
+)
 from archserve.kernels.attention.triton_cache_write import write_kv_cache
 from archserve.kernels.attention.triton_decode import decode_attention
 from archserve.kernels.attention.triton_prefill import prefill_attention
@@ -15,13 +19,12 @@ from archserve.kernels.specs import AttentionSpec
 from archserve.platform.device import DeviceInfo
 
 
-class TritonAttentionImpl:
+class TritonAttentionImpl(PagedAttentionImpl):
     """Writes this step's K/V, then runs the decode kernel or the general varlen kernel."""
 
     def __init__(self, device: DeviceInfo | None = None, spec: AttentionSpec | None = None,
                  fp8_bytes: bool | None = None) -> None:
-        self.device = device
-        self.spec = spec
+        super().__init__(device, spec)
         # Whether an fp8 cache is written and read as bytes with integer conversions (what
         # GPUs without fp8 need); None: decided per GPU by the kernels' wrappers.
         self.fp8_bytes = fp8_bytes
@@ -33,21 +36,28 @@ class TritonAttentionImpl:
             self.num_sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count
         return self.num_sms
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, layer: AttentionLayerParams,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D] (None: nothing to write) -> [T, H, D]."""
-        e4m3 = self.fp8_bytes and kv_cache.dtype == torch.float8_e4m3fn
-        e5m2 = self.fp8_bytes and kv_cache.dtype == torch.float8_e5m2
-        if key is not None and value is not None:
-            write_kv_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale,
-                           e4m3_bits=None if self.fp8_bytes is None else e4m3,
-                           e5m2_bits=None if self.fp8_bytes is None else e5m2)
-        out = torch.empty_like(query)
+    def _fp8_bits(self, kv_cache: torch.Tensor) -> tuple[bool | None, bool | None]:
+        """(e4m3, e5m2): whether the kernels treat the cache as those fp8 bytes; None: the
+        wrappers decide per GPU."""
+        if self.fp8_bytes is None:
+            return None, None
+        return (self.fp8_bytes and kv_cache.dtype == torch.float8_e4m3fn,
+                self.fp8_bytes and kv_cache.dtype == torch.float8_e5m2)
+
+    def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
+        e4m3, e5m2 = self._fp8_bits(kv_cache)
+        write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale,
+                       e4m3_bits=e4m3, e5m2_bits=e5m2)
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               layer: AttentionLayerParams, out: torch.Tensor, k_scale: float,
+               v_scale: float) -> None:
+        e4m3, _ = self._fp8_bits(kv_cache)
         common = dict(scale=layer.scale, sliding_window=layer.sliding_window,
                       soft_cap=layer.logit_soft_cap, k_scale=k_scale, v_scale=v_scale,
                       num_seqs=meta.num_seqs,
-                      e4m3_bits=None if self.fp8_bytes is None else e4m3)
+                      e4m3_bits=e4m3)
         # max_query_len is a host int: choosing the kernel costs no device sync.
         if meta.max_query_len == 1:
             decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
@@ -57,4 +67,3 @@ class TritonAttentionImpl:
             prefill_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
                               meta.query_start_loc, out, max_query_len=meta.max_query_len,
                               **common)
-        return out

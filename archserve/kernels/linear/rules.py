@@ -17,6 +17,7 @@ import torch
 
 from archserve.kernels.rules import (
     RuleBackend,
+    backend_class,
     bf16_on_device,
     needs_capability,
     needs_dtype,
@@ -144,10 +145,8 @@ _RULES_ONLY_GEMMS = (
 
 def _rules_only_backend(row: RulesOnlyGemm) -> type[RulesOnlyGemmBackend]:
     """A backend class per row, so the registry and priority code treat it like any other."""
-    class_name = "".join(part.title() for part in row.name.split("_")) + "Backend"
-    return type(class_name, (RulesOnlyGemmBackend,),
-                {"row": row, "name": row.name, "formats": row.formats,
-                 "activations": row.activations, "description": row.description})
+    return backend_class(RulesOnlyGemmBackend, row.name, row=row, formats=row.formats,
+                         activations=row.activations, description=row.description)
 
 
 class TorchDequantBackend(RuleBackend):

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from archserve.kernels.rules import (
+    FamilyGated,
     RuleBackend,
+    backend_class,
     bf16_on_device,
     block_size_rule,
     device_text,
@@ -33,8 +35,9 @@ def _latent_rule(spec: AttentionSpec) -> str | None:
     return None
 
 
-class MlaBackend(RuleBackend):
-    """Common request rules: an MLA spec, half-precision compute, dense vs sparse.
+class MlaBackend(FamilyGated):
+    """Common request rules: an MLA spec, half-precision compute, dense vs sparse; the
+    device rule is the SM families of ``families``.
 
     Block sizes follow vLLM 0.33 (v1/attention/backend.py, supports_block_size): a block
     is accepted when it is a multiple of one of the backend's advertised kernel sizes.
@@ -74,9 +77,7 @@ class FlashInferMlaBackend(MlaBackend):
     preferred_block_size = 64
     block_multiple = 32
     fixed_latent = False
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
+    families = (100,)
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         # vLLM 0.33 flashinfer_mla.py, FlashInferMLABackend.supports_combination.
@@ -85,40 +86,28 @@ class FlashInferMlaBackend(MlaBackend):
         return None
 
 
-class CutlassMlaBackend(MlaBackend):
-    name = "CUTLASS_MLA"
-    implemented = False
-    description = "CUTLASS MLA (SM100 family)"
-    preferred_block_size = 128
-    block_multiple = 128
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
-
-
-class FlashAttnMlaBackend(MlaBackend):
-    name = "FLASH_ATTN_MLA"
-    library = "flash_attn"
-    implemented = False
-    kv_dtypes = ("auto", "float16", "bfloat16")
-    description = "FlashAttention-3 MLA (Hopper)"
-    block_multiple = 16
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90)
-
-
-class FlashMlaBackend(MlaBackend):
-    name = "FLASHMLA"
-    implemented = False
-    description = "FlashMLA dense (Hopper)"
-    preferred_block_size = 64
-    block_multiple = 64
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        # vLLM 0.33 ops/flashmla.py, is_flashmla_dense_supported: Hopper only (the SM100
-        # family runs FlashMLA's sparse kernels, not its dense one).
-        return needs_family(device, 90)
+# The rules-only MLA kernels that differ in data alone (SM families, dtypes, block sizes).
+_SIXTEEN_BIT_KV = ("auto", "float16", "bfloat16")
+_MLA_ROWS = (
+    dict(name="CUTLASS_MLA", families=(100,), description="CUTLASS MLA (SM100 family)",
+         preferred_block_size=128, block_multiple=128),
+    dict(name="FLASH_ATTN_MLA", families=(90,), library="flash_attn", kv_dtypes=_SIXTEEN_BIT_KV,
+         description="FlashAttention-3 MLA (Hopper)", block_multiple=16),
+    # vLLM 0.33 ops/flashmla.py, is_flashmla_dense_supported: Hopper only (the SM100
+    # family runs FlashMLA's sparse kernels, not its dense one).
+    dict(name="FLASHMLA", families=(90,), description="FlashMLA dense (Hopper)",
+         preferred_block_size=64, block_multiple=64),
+    dict(name="FLASHINFER_MLA_SPARSE_SM120", families=(120,), library="flashinfer",
+         sparse=True, fixed_latent=False, dtypes=(torch.bfloat16,),
+         kv_dtypes=("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"),
+         description="FlashInfer sparse MLA (RTX Blackwell, SM12x)", block_multiple=64),
+    dict(name="FLASH_ATTN_MLA_SPARSE", families=(90,), library="flash_attn", sparse=True,
+         fixed_latent=False, kv_dtypes=_SIXTEEN_BIT_KV,
+         description="FlashAttention-3 sparse MLA (Hopper)", block_multiple=64),
+)
+(CutlassMlaBackend, FlashAttnMlaBackend, FlashMlaBackend, FlashInferMlaSparseSm120Backend,
+ FlashAttnMlaSparseBackend) = (backend_class(MlaBackend, implemented=False, **row)
+                               for row in _MLA_ROWS)
 
 
 class FlashInferMlaSparseBackend(MlaBackend):
@@ -130,9 +119,7 @@ class FlashInferMlaSparseBackend(MlaBackend):
     description = "FlashInfer sparse MLA, TRT-LLM kernels (SM100 family)"
     preferred_block_size = 64
     block_multiple = 32
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
+    families = (100,)
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         if spec.qk_rope_head_dim == 0:
@@ -151,9 +138,7 @@ class FlashInferMlaSparseSm90Backend(MlaBackend):
     fixed_latent = False
     description = "FlashInfer sparse MLA (Hopper)"
     block_multiple = 64
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90)
+    families = (90,)
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         if spec.head_size not in (512, 576):
@@ -161,21 +146,6 @@ class FlashInferMlaSparseSm90Backend(MlaBackend):
         if spec.kv_lora_rank != 512 or spec.qk_rope_head_dim not in (0, 64):
             return "needs kv_lora_rank 512 and qk_rope_head_dim 0 or 64"
         return None
-
-
-class FlashInferMlaSparseSm120Backend(MlaBackend):
-    name = "FLASHINFER_MLA_SPARSE_SM120"
-    library = "flashinfer"
-    implemented = False
-    sparse = True
-    fixed_latent = False
-    dtypes = (torch.bfloat16,)
-    kv_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
-    description = "FlashInfer sparse MLA (RTX Blackwell, SM12x)"
-    block_multiple = 64
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 120)
 
 
 class FlashMlaSparseBackend(MlaBackend):
@@ -187,9 +157,7 @@ class FlashMlaSparseBackend(MlaBackend):
     description = "FlashMLA sparse (Hopper and SM100 family)"
     preferred_block_size = 64
     block_multiple = 64
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90, 100)
+    families = (90, 100)
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         if spec.head_size not in (512, 576):
@@ -203,20 +171,6 @@ class FlashMlaSparseBackend(MlaBackend):
         return None
 
 
-class FlashAttnMlaSparseBackend(MlaBackend):
-    name = "FLASH_ATTN_MLA_SPARSE"
-    library = "flash_attn"
-    implemented = False
-    sparse = True
-    fixed_latent = False
-    kv_dtypes = ("auto", "float16", "bfloat16")
-    description = "FlashAttention-3 sparse MLA (Hopper)"
-    block_multiple = 64
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 90)
-
-
 class FlashAttnMlaSparseFa4Backend(MlaBackend):
     name = "FLASH_ATTN_MLA_SPARSE_FA4"
     library = "flash_attn"
@@ -226,9 +180,7 @@ class FlashAttnMlaSparseFa4Backend(MlaBackend):
     kv_dtypes = ("auto", "bfloat16")
     description = "FlashAttention-4 sparse MLA decode (SM100 family)"
     block_multiple = 64
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
+    families = (100,)
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         if spec.head_size != 576:

@@ -12,7 +12,9 @@ import torch
 
 from archserve.kernels.linear.quantized_weights import ACT_STATIC_TENSOR
 from archserve.kernels.rules import (
+    FamilyGated,
     RuleBackend,
+    backend_class,
     bf16_on_device,
     device_text,
     needs_capability,
@@ -99,13 +101,11 @@ def _sm90_or_families(device: DeviceInfo, *families: int) -> str | None:
     return reason
 
 
-class FlashInferSm100MoEBackend(MoEBackend):
+class FlashInferSm100MoEBackend(MoEBackend, FamilyGated):
     """FlashInfer's TRT-LLM and CuteDSL MoE kernels: data-centre Blackwell (SM100 family)."""
 
     library = "flashinfer"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        return needs_family(device, 100)
+    families = (100,)
 
 
 class TrtllmMoEBf16Backend(FlashInferSm100MoEBackend):
@@ -146,18 +146,16 @@ class TrtllmMoEFp8Backend(FlashInferSm100MoEBackend):
         return super().request_rule(device, spec)
 
 
-class TrtllmMoENvfp4Backend(FlashInferSm100MoEBackend):
-    name = "TRTLLM_MOE_NVFP4"
-    formats = frozenset({"nvfp4"})
-    description = "FlashInfer TRT-LLM NVFP4 MoE (SM100 family)"
-
-
-class TrtllmMoEMxfp4Backend(FlashInferSm100MoEBackend):
-    """vLLM 0.33 oracle/mxfp4.py FLASHINFER_TRTLLM_MXFP4_* (SM100 family)."""
-
-    name = "TRTLLM_MOE_MXFP4"
-    formats = frozenset({"mxfp4"})
-    description = "FlashInfer TRT-LLM MXFP4 MoE (SM100 family)"
+# FlashInfer's SM100-family MoE kernels that differ in name, formats and text alone
+# (vLLM 0.33 oracle/nvfp4.py and oracle/mxfp4.py, FLASHINFER_TRTLLM_MXFP4_*).
+TrtllmMoENvfp4Backend, TrtllmMoEMxfp4Backend, FlashInferCuteDslMoEBackend = (
+    backend_class(FlashInferSm100MoEBackend, name, formats=frozenset(formats),
+                  description=description)
+    for name, formats, description in (
+        ("TRTLLM_MOE_NVFP4", {"nvfp4"}, "FlashInfer TRT-LLM NVFP4 MoE (SM100 family)"),
+        ("TRTLLM_MOE_MXFP4", {"mxfp4"}, "FlashInfer TRT-LLM MXFP4 MoE (SM100 family)"),
+        ("FLASHINFER_CUTEDSL_MOE", {"nvfp4"}, "FlashInfer CuteDSL MoE (SM100 family)"),
+    ))
 
 
 class FlashInferCutlassMoEBackend(MoEBackend):
@@ -185,12 +183,6 @@ class FlashInferCutlassMoEBackend(MoEBackend):
         if fmt == "nvfp4" and not device.has_capability(SM100):
             return f"runs nvfp4 experts from SM100, device is {device_text(device)}"
         return None
-
-
-class FlashInferCuteDslMoEBackend(FlashInferSm100MoEBackend):
-    name = "FLASHINFER_CUTEDSL_MOE"
-    formats = frozenset({"nvfp4"})
-    description = "FlashInfer CuteDSL MoE (SM100 family)"
 
 
 class DeepGemmMoEBackend(MoEBackend):

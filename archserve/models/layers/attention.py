@@ -9,9 +9,10 @@ from torch import nn
 
 from archserve.kernels.attention.interface import AttentionLayerParams
 from archserve.models.layers.forward_context import get_forward_context, op_region
+from archserve.models.layers.kv_scales import KVCacheScales
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, KVCacheScales):
     """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D] through ``ForwardContext.attn_impl``."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
@@ -38,6 +39,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = q.shape[0]
+        k_scale, v_scale = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, k, v)
         with op_region("attention"):   # the self-check's CPU profile attributes time by it
             out = ctx.attn_impl.forward(
                 q.view(num_tokens, self.num_heads, self.head_size),
@@ -46,7 +48,7 @@ class Attention(nn.Module):
                 kv_cache=ctx.kv_caches[self.layer_index],
                 meta=ctx.attn_metadata,
                 layer=self._params_for(ctx.kv_cache_dtype),
-                k_scale=ctx.k_scale,
-                v_scale=ctx.v_scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out.reshape(num_tokens, self.num_heads * self.head_size)

@@ -21,9 +21,10 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]          # one [2, blocks, block_size, Hkv, D] tensor per layer
     attn_impl: AttentionImpl
-    k_scale: float = 1.0
-    v_scale: float = 1.0
     kv_cache_dtype: str = "auto"           # forwarded to AttentionLayerParams.kv_cache_dtype
+    # Set on the first real prefill under calculate_kv_scales: each layer measures its
+    # fp8 cache scales from this forward's keys and values (models/layers/kv_scales.py).
+    calibrate_kv_scales: bool = False
 
 
 _current: ForwardContext | None = None
@@ -34,10 +35,16 @@ OP_PREFIX = "archserve.op::"
 _NOTHING = nullcontext()
 
 
-def op_region(name: str):
+def profiled_region(label: str):
+    """``label`` as a region of a running torch profile; a no-op (one C-level flag check)
+    otherwise. The engine's step phases (engine/phases.py) and the ops below use it."""
     if torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(OP_PREFIX + name)
+        return torch.profiler.record_function(label)
     return _NOTHING
+
+
+def op_region(name: str):
+    return profiled_region(OP_PREFIX + name)
 
 
 @contextmanager

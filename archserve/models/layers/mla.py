@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from archserve.models.layers.forward_context import get_forward_context, op_region
+from archserve.models.layers.kv_scales import KVCacheScales
 from archserve.models.layers.linear import Linear, WeightOnly
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -49,7 +50,7 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(nn.Module, KVCacheScales):
     def __init__(self, config: ModelConfig, layer_index: int, rope_interleaved: bool = True
                  ) -> None:
         super().__init__()
@@ -101,9 +102,11 @@ class MLAAttention(nn.Module):
         q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)
         query = torch.cat((q_latent, q_pe.view(t, h, m.qk_rope_head_dim)), dim=-1)
         ctx = get_forward_context()
+        latent = torch.cat((c_kv, k_pe), dim=-1)
+        # One scale for the latent: MLA's cache has one plane, written and read as "k".
+        k_scale, _ = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, latent, latent)
         with op_region("attention"):
-            out = ctx.attn_impl.forward(query, torch.cat((c_kv, k_pe), dim=-1),
-                                        ctx.kv_caches[self.layer_index], ctx.attn_metadata,
-                                        self.scale, m.kv_lora_rank, ctx.k_scale)
+            out = ctx.attn_impl.forward(query, latent, ctx.kv_caches[self.layer_index],
+                                        ctx.attn_metadata, self.scale, m.kv_lora_rank, k_scale)
         out = torch.einsum("thl,hvl->thv", out, w_uv)
         return self.o_proj(out.reshape(t, h * m.v_head_dim))
