@@ -117,7 +117,7 @@ def pair_tile(num_pairs: int, narrowest: int, sm_count: int, block_n: int | None
     return MoETile(16, block_n, block_k, 4, num_stages, pair_rows=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a host-side property: no sync, so it is
     safe inside a graph capture); 1 elsewhere, where it only sizes interpreter grids."""
