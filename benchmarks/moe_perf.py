@@ -6,20 +6,25 @@ Engine rows (``--part engine``), one engine per model, several workloads on it:
 - batch-1 decode: 1 request, 128 tokens in, 256 out. The decode step's mean time against
   its floor: the bytes a step reads (dense weights, LM head, the k experts per layer one
   token touches, the KV cache) over the measured copy bandwidth (engine/ceilings.py).
-- 256 x 256/128 (Qwen3 shape; Mixtral with --mixtral-throughput): output tok/s and MBU,
-  with each decode step charged the experts its batch touches (expected distinct experts
-  under uniform routing, engine/step_weights.py).
+- 256 x 256/128 (both shapes; --skip-mixtral-throughput leaves Mixtral's out): output
+  tok/s and MBU, with each decode step charged the experts its batch touches (expected
+  distinct experts under uniform routing, kernels/moe/routing.experts_touched).
 - transformers on a small workload (16 x 128/64, Qwen3 shape): ours, then transformers
-  with the same dummy-initialised architecture, after our engine is freed.
+  with the same dummy-initialised architecture, after our engine is freed. transformers
+  loops over the experts in Python; --peer-layers N runs both on the first N layers only
+  (a config copy), for when the whole model is too slow for the device call; the row
+  records the layers it ran.
 
 Kernel table (``--part kernels``), per expert shape and token count (1, 16, 64, 256, 1024):
 the fused Triton MoE with its tuned tile (the engine's tuner and cache, so a later engine
-start reads the result), the TORCH_MOE loop, and dense cuBLAS GEMMs of the same FLOPs
-(T*k rows through one expert's gate/up and down matrices). µs, TFLOP/s and GB/s of the
-expert weights the tokens touch.
+start reads the result; "_pairs" in the tile: the unsorted pair layout), the TORCH_MOE loop,
+and dense cuBLAS GEMMs of the same FLOPs (T*k rows through one expert's gate/up and down
+matrices). µs, TFLOP/s and GB/s of the expert weights the tokens touch, the fused MoE's
+floor (those bytes over the measured copy bandwidth), and the routing alone: the Triton
+routing kernel against routing.route's torch ops.
 
     python3 benchmarks/moe_perf.py [--part engine|kernels|all] [--models qwen3-30b-a3b,..]
-        [--skip-peer] [--mixtral-throughput] [--out F.json]
+        [--skip-peer] [--peer-layers N] [--skip-mixtral-throughput] [--out F.json]
     python3 benchmarks/moe_perf.py --tiny          # CPU smoke run: tiny shapes, no GPU
 """
 
@@ -96,14 +101,20 @@ def engine_rows(name: str, path: str, args) -> dict:  # noqa: ANN001
     scale = 8 if args.tiny else 1
     result["b1"] = _workload(engine, ceilings, 1, 128 // scale, 256 // scale)
     _print_row(name, "b1 128/256", result["b1"])
-    if name != "mixtral-8x7b" or args.mixtral_throughput:
+    if name != "mixtral-8x7b" or not args.skip_mixtral_throughput:
         result["256x256/128"] = _workload(engine, ceilings, 256 // scale, 256 // scale,
                                           128 // scale)
         _print_row(name, "256x256/128", result["256x256/128"])
     if not args.skip_peer and name == "qwen3-30b-a3b":
         small = (16, 128 // scale, 64 // scale)
-        ours = _workload(engine, ceilings, *small)
         engine_dtype = engine.report.dtype
+        layers = _num_layers(path)
+        if args.peer_layers and args.peer_layers < layers:
+            del engine
+            _release(device)
+            path, layers = _first_layers(path, args.peer_layers), args.peer_layers
+            engine = _engine(path, dtype, small[0])
+        ours = _workload(engine, ceilings, *small)
         del engine
         _release(device)
         from archserve.bench.peer_transformers import run_peer
@@ -112,16 +123,34 @@ def engine_rows(name: str, path: str, args) -> dict:  # noqa: ANN001
         peer, method = run_peer(path, "dummy", engine_dtype, device, requests,
                                 max_num_seqs=small[0], show_progress=False)
         result["vs_transformers"] = {
-            "workload": "x".join(map(str, small)), "ours_tok_s": ours["output_tok_s"],
+            "workload": "x".join(map(str, small)), "layers": layers,
+            "ours_tok_s": ours["output_tok_s"],
             "transformers_tok_s": peer.output_tokens_per_s, "method": method,
             "speedup": ours["output_tok_s"] / peer.output_tokens_per_s}
-        print(f"{name:16s} vs transformers {result['vs_transformers']['workload']}: ours "
-              f"{ours['output_tok_s']:.1f} tok/s, transformers {peer.output_tokens_per_s:.1f} "
-              f"tok/s ({method}): {result['vs_transformers']['speedup']:.1f}x", flush=True)
+        print(f"{name:16s} vs transformers {result['vs_transformers']['workload']} "
+              f"({layers} layers): ours {ours['output_tok_s']:.1f} tok/s, transformers "
+              f"{peer.output_tokens_per_s:.1f} tok/s ({method}): "
+              f"{result['vs_transformers']['speedup']:.1f}x", flush=True)
     else:
         del engine
         _release(device)
     return result
+
+
+def _num_layers(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        return int(json.load(f)["num_hidden_layers"])
+
+
+def _first_layers(path: str, layers: int) -> str:
+    """A config folder of the model cut to its first ``layers`` layers."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = layers
+    folder = tempfile.mkdtemp(prefix=f"moe_perf_{layers}l_")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
 
 
 def facts_vocab(path: str) -> int:
@@ -158,6 +187,7 @@ def _time_us(fn, device: torch.device) -> tuple[float, str]:  # noqa: ANN001
 
 def kernel_rows(name: str, shape: tuple[int, int, int, int], tokens_list, device, dtype,
                 cache_path: str | None) -> list[dict]:
+    from archserve.kernels.moe.routing import route
     from archserve.kernels.moe.torch_moe import TorchMoEImpl
     experts, top_k, hidden, inter = shape
     gen = torch.Generator(device=device).manual_seed(0)
@@ -165,9 +195,11 @@ def kernel_rows(name: str, shape: tuple[int, int, int, int], tokens_list, device
                       generator=gen) * hidden ** -0.5
     w2 = torch.randn(experts, hidden, inter, device=device, dtype=dtype,
                      generator=gen) * inter ** -0.5
-    fused = None
+    fused, copy_bytes_per_s = None, None
     if device.type == "cuda":
         from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+        from archserve.kernels.moe.triton_routing import triton_route
+        copy_bytes_per_s = load_or_measure(device).copy_bytes_per_s
         from archserve.kernels.moe.tuning import MoEShape, tune_moe
         fused = TritonFusedMoEImpl()
         report = tune_moe([MoEShape([fused], w13, w2, top_k, True)], tokens_list, cache_path)
@@ -184,7 +216,11 @@ def kernel_rows(name: str, shape: tuple[int, int, int, int], tokens_list, device
         runs = {"torch_moe": lambda x=x, lg=logits: loop.forward(x, lg, w13, w2, top_k, True)}
         if fused is not None:
             runs["fused"] = lambda x=x, lg=logits: fused.forward(x, lg, w13, w2, top_k, True)
-            row["tile"] = fused.tile_for(tokens).key()
+            row["tile"] = fused.tile_for(tokens, top_k, w13, w2).key()
+            row["floor_us"] = touched / copy_bytes_per_s * 1e6
+            for kind, fn in (("route_triton", triton_route), ("route_torch", route)):
+                row[f"{kind}_us"] = _time_us(lambda fn=fn, lg=logits: fn(lg, top_k, True),
+                                             device)[0]
         a13 = torch.randn(tokens * top_k, hidden, device=device, dtype=dtype, generator=gen)
         a2 = torch.randn(tokens * top_k, inter, device=device, dtype=dtype, generator=gen)
         runs["dense_same_flops"] = lambda a13=a13, a2=a2: (
@@ -209,9 +245,11 @@ def _kernel_line(row: dict) -> str:
             return "-"
         gb = f" / {r['gb_s']:.0f} GB/s" if r["gb_s"] else ""
         return f"{r['us']:.1f} us ({r['tflops']:.1f} TF{gb})"
+    floor = (f" floor {row['floor_us']:.1f} us; route {row['route_triton_us']:.1f} us "
+             f"(torch {row['route_torch_us']:.1f})" if "floor_us" in row else "")
     return (f"{row['shape']:16s} T={row['tokens']:5d} fused {cell('fused')} "
-            f"[{row.get('tile', '-')}] | torch_moe {cell('torch_moe')} | dense same FLOPs "
-            f"{cell('dense_same_flops')}")
+            f"[{row.get('tile', '-')}]{floor} | torch_moe {cell('torch_moe')} | dense same "
+            f"FLOPs {cell('dense_same_flops')}")
 
 
 # ---------------------------------------------------------------- main
@@ -221,7 +259,9 @@ def main() -> None:
     parser.add_argument("--part", default="all", choices=("engine", "kernels", "all"))
     parser.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b")
     parser.add_argument("--skip-peer", action="store_true")
-    parser.add_argument("--mixtral-throughput", action="store_true")
+    parser.add_argument("--skip-mixtral-throughput", action="store_true")
+    parser.add_argument("--peer-layers", type=int, default=0,
+                        help="run the transformers comparison on the first N layers only")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on tiny shapes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

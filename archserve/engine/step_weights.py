@@ -18,6 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from archserve.kernels.moe.routing import experts_touched
+
+__all__ = ["StepWeights", "experts_touched", "step_weights"]
+
 
 @dataclass(frozen=True)
 class StepWeights:
@@ -44,15 +48,6 @@ class StepWeights:
     def active_params_per_token(self) -> float:
         """Body parameters one token multiplies: the dense body and its k experts a layer."""
         return self.body_params + self.expert_params * self.top_k / max(self.num_experts, 1)
-
-
-def experts_touched(tokens: int, num_experts: int, top_k: int) -> float:
-    """Distinct experts a layer reads for ``tokens`` tokens (expected, uniform routing)."""
-    if num_experts == 0 or tokens <= 0:
-        return 0.0
-    if tokens == 1:
-        return float(top_k)
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 def _is_embedding_table(name: str, param: torch.Tensor, vocab_size: int) -> bool:

@@ -1,4 +1,5 @@
-"""TRITON_FUSED_MOE against TORCH_MOE (the reference), and the token sort it runs on.
+"""TRITON_FUSED_MOE against TORCH_MOE (the reference), its routing kernel against
+routing.route, and the token sort it runs on (or, for a few pairs, the pair layout).
 
 On CPU the kernels run under Triton's interpreter in a child process (as the other Triton
 test files do) at small sizes, in float32 and float16 (the interpreter cannot multiply
@@ -38,6 +39,20 @@ def operands(tokens: int, experts: int, hidden: int, inter: int, dtype: torch.dt
     w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
     return [t.to(device) if i == 1 else t.to(device, dtype)
             for i, t in enumerate((x, logits, w13, w2))]
+
+
+def meta_experts(experts: int, hidden: int, inter: int, dtype=torch.bfloat16):
+    """Expert weights of a real shape that take no memory (the tile rules read shapes)."""
+    return (torch.empty(experts, 2 * inter, hidden, dtype=dtype, device="meta"),
+            torch.empty(experts, hidden, inter, dtype=dtype, device="meta"))
+
+
+def distinct_logits(tokens: int, experts: int, seed: int = 0) -> torch.Tensor:
+    """Router logits whose order no rounding can change: each row a permutation of
+    well-separated values, so any routing must pick the same experts as route."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = torch.stack([torch.randperm(experts, generator=gen) for _ in range(tokens)])
+    return steps.float() * (6.0 / experts) - 3.0
 
 
 def reference(x, logits, w13, w2, top_k, renormalize):
@@ -142,11 +157,44 @@ def test_tiles_are_keyed_by_power_of_two_token_buckets():
     impl = TritonFusedMoEImpl()
     tuned = MoETile(16, 128, 64, 4, 3)
     impl.tiles[32] = tuned
-    assert impl.tile_for(17) == tuned and impl.tile_for(32) == tuned
-    assert impl.tile_for(33) == default_tile(33) != tuned
+    w13, w2 = meta_experts(128, 2048, 768)
+    assert impl.tile_for(17, 8, w13, w2) == tuned and impl.tile_for(32, 8, w13, w2) == tuned
+    assert impl.tile_for(33, 8, w13, w2) == default_tile(33) != tuned
     for n in (1, 64, 1024):
-        tiles = candidate_tiles(n)
-        assert tiles[0] == default_tile(n) and len(set(tiles)) == len(tiles) > 2
+        tiles = candidate_tiles(n, 8, w13, w2)
+        assert len(set(tiles)) == len(tiles) > 2
+        assert tiles[0] == impl.tile_for(n, 8, w13, w2)
+    assert candidate_tiles(1024, 8, w13, w2)[0] == default_tile(1024)
+    # Both layouts are timed at the small batches, where either may win.
+    assert {t.pair_rows for t in candidate_tiles(1, 8, w13, w2)} == {True, False}
+    assert {t.pair_rows for t in candidate_tiles(16, 8, w13, w2)} == {True, False}
+    assert not any(t.pair_rows for t in candidate_tiles(64, 8, w13, w2))
+
+
+# (experts, top_k, hidden, inter): Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes.
+REAL = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+
+
+@pytest.mark.parametrize("shape, pair_tokens, sorted_tokens", [
+    ("qwen3-30b-a3b", (1, 2, 4, 8), (16, 32, 256)),
+    ("mixtral-8x7b", (1, 2), (3, 4, 16, 256))])
+def test_few_pairs_skip_the_sort_while_rereading_experts_is_cheap(shape, pair_tokens,
+                                                                  sorted_tokens):
+    from archserve.kernels.moe.triton_fused_moe import choose_tile
+    experts, top_k, hidden, inter = REAL[shape]
+    w13, w2 = meta_experts(experts, hidden, inter)
+    assert all(choose_tile(n, top_k, w13, w2).pair_rows for n in pair_tokens)
+    assert not any(choose_tile(n, top_k, w13, w2).pair_rows for n in sorted_tokens)
+
+
+def test_the_pair_tile_gives_every_sm_programs_at_batch_1():
+    from archserve.kernels.moe.triton_fused_moe import pair_tile
+    # Qwen3-30B-A3B at batch 1 on 132 SMs: 8 pairs x 768 / 16 = 384 gate/up programs.
+    tile = pair_tile(8, 768, 132)
+    assert tile.pair_rows and tile.block_m == 16 and tile.block_n == 16
+    assert 8 * 768 // tile.block_n >= 2 * 132
+    assert pair_tile(64, 768, 132).block_n == 64      # 64 pairs fill the GPU at any width
+    assert pair_tile(8, 768, 1).block_n == 64
 
 
 def test_cached_moe_tiles_are_installed_without_timing(tmp_path):
@@ -159,7 +207,7 @@ def test_cached_moe_tiles_are_installed_without_timing(tmp_path):
     shape = MoEShape(impls, w13, w2, 2, True)
     tile = MoETile(16, 32, 128, 4, 4)
     path = tmp_path / "moe_tiles.json"
-    path.write_text(json.dumps({"version": 1, "shapes": {
+    path.write_text(json.dumps({"version": 2, "shapes": {
         shape.key(1): {"default_us": 9.0, "best_us": 6.0, "chosen": json.dumps(vars(tile)),
                        "calls": 2, "note": ""},
         shape.key(2): {"default_us": 9.0, "best_us": 9.0, "chosen": "default", "calls": 2,
@@ -182,20 +230,33 @@ def test_kernel_launches_compile_for_gpu_targets(target, dtype):
     pytest.importorskip("triton")
     from triton_compile import compiled_launches
 
-    from archserve.kernels.moe.triton_fused_moe import DEFAULT_TILES, fused_moe
+    from archserve.kernels.moe.triton_fused_moe import DEFAULT_TILES, fused_moe, pair_tile
+    from archserve.kernels.moe.triton_routing import triton_route
     x, logits, w13, w2 = operands(4, 8, 64, 48, dtype)
-    tiles = [DEFAULT_TILES[0][1], DEFAULT_TILES[-1][1]] if dtype != torch.float32 \
-        else [DEFAULT_TILES[0][1]]
+    tiles = [DEFAULT_TILES[0][1], DEFAULT_TILES[-1][1], pair_tile(8, 48, 132)] \
+        if dtype != torch.float32 else [DEFAULT_TILES[0][1]]
+    # Compiled launches leave their outputs unwritten: routed by torch, so the sort of the
+    # sorted layout gets real expert ids.
+    routed = route(logits, 2, True)
     for tile in tiles:
         with compiled_launches(target) as launches:
-            fused_moe(x, logits, w13, w2, 2, True, tile)
-        assert [launch.kernel for launch in launches] == ["_gate_up_kernel", "_down_kernel"]
-        for launch in launches:
+            fused_moe(x, logits, w13, w2, 2, True, tile, routed)
+        assert [launch.kernel for launch in launches] == ["_gate_up_kernel", "_down_kernel",
+                                                          "_sum_slots_kernel"]
+        for launch in launches[:2]:
             code = launch.code()
             assert code and launch.constexprs["BLOCK_M"] == tile.block_m
+            assert launch.constexprs["PAIR_ROWS"] == tile.pair_rows
             # Tensor-core MMAs, not a scalar loop (fp32 asks for exact IEEE products).
             if dtype != torch.float32:
                 assert "mma" in code
+        assert launches[2].code()
+    if dtype != torch.float16:
+        return
+    with compiled_launches(target) as launches:   # fp32 logits whatever the model dtype
+        triton_route(torch.randn(3, 512), 8, True)
+    assert [launch.kernel for launch in launches] == ["_route_kernel"]
+    assert launches[0].code() and launches[0].constexprs["BLOCK_E"] == 512
 
 
 # ---------------------------------------------------------------- CPU: the interpreter
@@ -220,7 +281,53 @@ if not INTERPRETED:
         assert_passes_under_interpreter(__file__, timeout=900)
 
 else:
-    from archserve.kernels.moe.triton_fused_moe import MoETile, TritonFusedMoEImpl, fused_moe
+    from archserve.kernels.moe.triton_fused_moe import (
+        MoETile,
+        TritonFusedMoEImpl,
+        choose_tile,
+        fused_moe,
+        pair_tile,
+    )
+    from archserve.kernels.moe.triton_routing import triton_route
+
+    @pytest.mark.parametrize("tokens, experts, top_k, renormalize", [
+        (5, 128, 8, True), (3, 512, 8, False), (4, 60, 1, False), (2, 8, 8, True)])
+    def test_routing_kernel_matches_route(tokens, experts, top_k, renormalize):
+        logits = distinct_logits(tokens, experts, seed=experts)
+        weights, ids = triton_route(logits, top_k, renormalize)
+        ref_weights, ref_ids = route(logits, top_k, renormalize)
+        assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+        assert ids.tolist() == ref_ids.tolist()            # same experts, same slot order
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+    def test_routing_kernel_reads_strided_low_precision_logits():
+        # The router's output in the model dtype; a column slice is strided in rows.
+        wide = torch.zeros(3, 40, dtype=torch.float16)
+        wide[:, 4:36] = distinct_logits(3, 32).half()      # steps of 6/32: exact in fp16
+        logits = wide[:, 4:36]
+        weights, ids = triton_route(logits, 4, True)
+        ref_weights, ref_ids = route(logits, 4, True)
+        assert ids.tolist() == ref_ids.tolist()
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+    PAIR_CASES = [  # tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n
+        (1, 8, 1, 32, 48, False, F32, 16),   # decode, top-1, 3 column tiles of 16
+        (1, 128, 8, 48, 40, True, F16, 64),  # decode, top-8 of 128: 120 experts idle
+        (3, 16, 4, 40, 24, True, F32, 64),   # odd sizes, experts shared between tokens
+        (1, 8, 8, 24, 40, False, F32, 64),   # top-8 of 8: every expert
+    ]
+
+    @pytest.mark.parametrize(
+        "tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n", PAIR_CASES)
+    def test_pair_rows_match_torch_moe(tokens, experts, top_k, hidden, inter, renormalize,
+                                       dtype, block_n):
+        x, logits, w13, w2 = operands(tokens, experts, hidden, inter, dtype, seed=3)
+        tile = pair_tile(tokens * top_k, min(hidden, inter), 1, block_n)
+        got = fused_moe(x, logits, w13, w2, top_k, renormalize, tile)
+        assert got.dtype == dtype and got.shape == x.shape
+        expected = reference(x, logits, w13, w2, top_k, renormalize)
+        tol = 1e-5 if dtype == torch.float32 else 4e-3
+        torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
 
     @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, renormalize, dtype", CASES)
     def test_matches_torch_moe(tokens, experts, top_k, hidden, inter, renormalize, dtype):
@@ -237,6 +344,9 @@ else:
 
     def test_the_impl_uses_the_default_tiles():
         x, logits, w13, w2 = operands(3, 8, 32, 32, torch.float32)
+        # 3 tokens x 2 slots run a pair each (the sorted layout: test_matches_torch_moe).
+        assert choose_tile(3, 2, w13, w2).pair_rows
+        assert not choose_tile(40, 2, w13, w2).pair_rows
         got = TritonFusedMoEImpl().forward(x, logits, w13, w2, 2, True)
         torch.testing.assert_close(got.double(), reference(x, logits, w13, w2, 2, True),
                                    atol=1e-5, rtol=1e-5)
@@ -247,7 +357,7 @@ else:
         _, _, w13, w2 = operands(1, 4, 32, 16, torch.float32)
         impl = TritonFusedMoEImpl()
         shape = MoEShape([impl], w13, w2, 2, True)
-        fastest = candidate_tiles(2)[2]
+        fastest = candidate_tiles(2, 2, w13, w2)[2]
         timed = []
 
         def timer(_shape, tokens, tile):
@@ -256,7 +366,7 @@ else:
         path = str(tmp_path / "moe_tiles.json")
         report = tune_moe([shape], [2], path, timer=timer)
         assert not report.from_cache and impl.tiles == {2: fastest}
-        assert [t for t, _ in timed] == [2] * len(candidate_tiles(2))
+        assert [t for t, _ in timed] == [2] * len(candidate_tiles(2, 2, w13, w2))
         again = tune_moe([MoEShape([TritonFusedMoEImpl()], w13, w2, 2, True)], [2], path,
                          timer=lambda *_: 1 / 0)
         assert again.from_cache
@@ -278,8 +388,6 @@ else:
 
 # ---------------------------------------------------------------- GPU, real shapes
 
-REAL = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
-
 
 @gpu
 @pytest.mark.parametrize("shape", sorted(REAL))
@@ -295,6 +403,39 @@ def test_gpu_real_shapes_match_torch_moe(shape, tokens):
 
 
 @gpu
+@pytest.mark.parametrize("shape", sorted(REAL))
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_gpu_both_layouts_match_torch_moe_at_small_batches(shape, tokens):
+    """The pair layout and the sorted one at every pair-tile width, against the loop."""
+    from archserve.kernels.moe.triton_fused_moe import default_tile, fused_moe, pair_tile
+    experts, top_k, hidden, inter = REAL[shape]
+    x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda", 5)
+    expected = TorchMoEImpl().forward(x.float(), logits, w13.float(), w2.float(), top_k, True)
+    pairs = tokens * top_k
+    tiles = [default_tile(tokens)] + [pair_tile(pairs, min(hidden, inter), 132, n)
+                                      for n in (16, 32, 64)]
+    tiles.append(pair_tile(pairs, min(hidden, inter), 132, 32, 256, 3))
+    for tile in tiles:
+        got = fused_moe(x, logits, w13, w2, top_k, True, tile)
+        torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2,
+                                   msg=lambda m, tile=tile: f"{tile.key()}: {m}")
+
+
+@gpu
+@pytest.mark.parametrize("experts, top_k", [(8, 2), (128, 8), (256, 8), (512, 8)])
+@pytest.mark.parametrize("tokens", [1, 37, 4096])
+def test_gpu_routing_kernel_matches_route(experts, top_k, tokens):
+    from archserve.kernels.moe.triton_routing import triton_route
+    # fp32: 512 steps in [-3, 3) are closer than bf16 resolves.
+    logits = distinct_logits(tokens, experts, seed=tokens).to("cuda")
+    for renormalize in (True, False):
+        weights, ids = triton_route(logits, top_k, renormalize)
+        ref_weights, ref_ids = route(logits, top_k, renormalize)
+        assert torch.equal(ids.long(), ref_ids), "the routing kernel chose other experts"
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+@gpu
 def test_gpu_fp32_is_exact_to_rounding():
     from archserve.kernels.moe.triton_fused_moe import fused_moe
     x, logits, w13, w2 = operands(37, 64, 256, 96, torch.float32, "cuda")
@@ -304,20 +445,23 @@ def test_gpu_fp32_is_exact_to_rounding():
 
 
 @gpu
-def test_gpu_decode_step_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("tokens", [8, 32], ids=["pair-rows", "sorted"])
+def test_gpu_decode_step_replays_in_a_cuda_graph(tokens):
     """Capture once, then replay with other tokens and other routing: the graph holds no
     value read back to the host, so the replay computes the new batch."""
     from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
     experts, top_k, hidden, inter = REAL["qwen3-30b-a3b"]
-    x, logits, w13, w2 = operands(8, experts, hidden, inter, torch.bfloat16, "cuda")
+    x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda")
     impl = TritonFusedMoEImpl()
+    assert impl.tile_for(tokens, top_k, w13, w2).pair_rows == (tokens == 8)
     impl.forward(x, logits, w13, w2, top_k, True)          # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = impl.forward(x, logits, w13, w2, top_k, True)
     for seed in (1, 2):
-        x2, logits2, _, _ = operands(8, experts, hidden, inter, torch.bfloat16, "cuda", seed)
+        x2, logits2, _, _ = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda",
+                                     seed)
         x.copy_(x2)
         logits.copy_(logits2)
         graph.replay()

@@ -3,6 +3,9 @@
 ``route``: softmax over the router logits, top-k, optionally renormalised (Mixtral and
 Qwen3 renormalise, Qwen2-MoE's default does not).
 
+``experts_touched``: how many distinct experts a batch reads (expected, uniform routing),
+for the bytes a step moves and for the choice of the fused kernel's layout.
+
 ``align_to_blocks``: the token order of a grouped GEMM. The T*k (token, slot) pairs are
 sorted by expert and each expert's run is padded to a multiple of the GEMM's row tile,
 so one program of the kernel reads one expert's weights for one tile of its tokens and
@@ -57,6 +60,15 @@ def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "so
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, experts
+
+
+def experts_touched(tokens: int, num_experts: int, top_k: int) -> float:
+    """Distinct experts a layer reads for ``tokens`` tokens (expected, uniform routing)."""
+    if num_experts == 0 or tokens <= 0:
+        return 0.0
+    if tokens == 1:
+        return float(top_k)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -1,7 +1,9 @@
 """TRITON_FUSED_MOE: the experts of a layer as two grouped GEMMs over token-sorted rows.
 
-After routing, the (token, slot) pairs are sorted by expert and padded per expert to the
-row tile (routing.align_to_blocks). Then:
+Routing is one launch (triton_routing.triton_route). Then the (token, slot) pairs are
+sorted by expert and padded per expert to the row tile (routing.align_to_blocks), or, for a
+batch of a few pairs, not sorted at all (``MoETile.pair_rows``: see ``pair_rows_pay``).
+Then:
 
 1. ``_gate_up_kernel``: each program takes one tile of one expert's rows and a tile of
    the intermediate columns, multiplies the gathered token rows by that expert's gate
@@ -10,9 +12,9 @@ row tile (routing.align_to_blocks). Then:
 2. ``_down_kernel``: the same tiles over the down projection, each row scaled by its
    routing weight before it is written to its (token, slot) row.
 
-The k slots of a token are then summed in fp32 (one torch reduction: a token's slots sit
-in different experts' tiles, so summing inside the kernel would need atomics, whose
-order, and so rounding, changes from run to run).
+The k slots of a token are then summed in fp32, in slot order, by ``_sum_slots_kernel``
+(one launch: a token's slots sit in different experts' tiles, so summing inside the down
+kernel would need atomics, whose order, and so rounding, changes from run to run).
 
 Accumulation is fp32; fp32 operands multiply in full precision (no TF32), so the CPU
 interpreter and an fp32 GPU run agree with the reference to rounding. Launch sizes come
@@ -21,12 +23,14 @@ from (T, k, E, tile) only: no host synchronisation, so decode can be graph-captu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from archserve.kernels.moe.routing import align_to_blocks, route
+from archserve.kernels.moe.routing import align_to_blocks, experts_touched
+from archserve.kernels.moe.triton_routing import triton_route
 
 try:
     import triton
@@ -44,10 +48,13 @@ class MoETile:
     block_k: int        # reduction step
     num_warps: int = 4
     num_stages: int = 3
+    # One (token, slot) pair per program, no sort: block_m rows of which row 0 is real
+    # (tl.dot needs 16), the expert of the program is the pair's own (``pair_rows_pay``).
+    pair_rows: bool = False
 
     def key(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
-                f"_s{self.num_stages}")
+                f"_s{self.num_stages}" + ("_pairs" if self.pair_rows else ""))
 
 
 # Default tiles by tokens in the batch (the decode buckets first). Decode rows per expert
@@ -71,6 +78,58 @@ _CANDIDATES: tuple[tuple[int, tuple[MoETile, ...]], ...] = (
 )
 
 
+# The pair layout against the sorted one. align_to_blocks is ~15 small launches per layer:
+# ~40 µs of a graph replay on an H200 (issue 13's trace: ~25 launches of 2-3 µs with the
+# torch routing), while giving each pair its own rows costs one more read of an expert's
+# weights per pair that shares it with an earlier pair (an upper bound: pairs of one expert
+# run side by side in the grid and may meet in L2). At HBM speed (~4.8 TB/s) 40 µs moves
+# ~190 MB: so pairs get their own rows while the expected re-read bytes stay under that.
+# Qwen3-30B-A3B (E 128, k 8, 9.4 MB experts): up to 8 tokens (12.4 re-reads, 117 MB); 16
+# would re-read ~48 (450 MB). Mixtral-8x7B (E 8, k 2, 352 MB experts): 1 and 2 tokens (0
+# and 0.5 re-reads); 3 re-read 1.4. Past PAIR_ROWS_MAX_PAIRS the grid (a program row per
+# pair) grows with the batch while the sorted one does not. The tuner (kernels/moe/
+# tuning.py) times both layouts near the boundary and may choose either.
+PAIR_ROWS_BYTES = 190 << 20
+PAIR_ROWS_MAX_PAIRS = 64
+PAIR_TILE_BLOCK_NS = (64, 32, 16)     # widest first: fewer programs, longer loads
+
+
+def pair_rows_pay(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> bool:
+    """Whether this batch runs faster unsorted, each (token, slot) pair its own row tile."""
+    pairs = num_tokens * top_k
+    if pairs > PAIR_ROWS_MAX_PAIRS:
+        return False
+    rereads = pairs - experts_touched(num_tokens, num_experts, top_k)
+    return rereads * expert_bytes <= PAIR_ROWS_BYTES
+
+
+def pair_tile(num_pairs: int, narrowest: int, sm_count: int, block_n: int | None = None,
+              block_k: int = 128, num_stages: int = 4) -> MoETile:
+    """The pair layout's tile. Its grid is num_pairs x (columns / block_n), a few hundred
+    programs at most in decode: the default block_n is the widest that still gives both
+    GEMMs (``narrowest``: the smaller of intermediate and hidden) two programs per SM, so
+    that a batch-1 step keeps every SM loading weights (8 pairs x 768 / 16 = 384 programs
+    for Qwen3-30B-A3B's gate/up on 132 SMs, where 64 would give 96)."""
+    if block_n is None:
+        block_n = next((n for n in PAIR_TILE_BLOCK_NS
+                        if num_pairs * -(-narrowest // n) >= 2 * sm_count),
+                       PAIR_TILE_BLOCK_NS[-1])
+    return MoETile(16, block_n, block_k, 4, num_stages, pair_rows=True)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a host-side property: no sync, so it is
+    safe inside a graph capture); 1 elsewhere, where it only sizes interpreter grids."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
+    return w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
+
+
 def _by_tokens(table: tuple, num_tokens: int):  # noqa: ANN202 - an entry of ``table``
     return next(entry for bound, entry in table if num_tokens <= bound)
 
@@ -84,24 +143,56 @@ def token_bucket(num_tokens: int) -> int:
     return 1 << max(num_tokens - 1, 0).bit_length()
 
 
-def candidate_tiles(num_tokens: int) -> list[MoETile]:
-    """The default tile first, then the others the tuner times for this batch size."""
-    default = default_tile(num_tokens)
-    return [default] + [t for t in _by_tokens(_CANDIDATES, num_tokens) if t != default]
+def choose_tile(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor
+                ) -> MoETile:
+    """The untuned tile of a batch: the pair layout where ``pair_rows_pay``, else the sorted
+    layout's ``default_tile``."""
+    if pair_rows_pay(num_tokens, top_k, w13.shape[0], _expert_bytes(w13, w2)):
+        return pair_tile(num_tokens * top_k, min(w13.shape[1] // 2, w13.shape[2]),
+                         _sm_count(w13.device))
+    return default_tile(num_tokens)
+
+
+def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor
+                    ) -> list[MoETile]:
+    """``choose_tile`` first, then the others the tuner times for this batch: where the
+    pair layout is the default, its other widths and the sorted default; near the boundary
+    (up to twice PAIR_ROWS_MAX_PAIRS pairs), the sorted tiles and two pair tiles."""
+    default = choose_tile(num_tokens, top_k, w13, w2)
+    pairs = num_tokens * top_k
+    narrowest = min(w13.shape[1] // 2, w13.shape[2])
+    sms = _sm_count(w13.device)
+    pair_tiles = [pair_tile(pairs, narrowest, sms, n) for n in PAIR_TILE_BLOCK_NS]
+    pair_tiles.append(pair_tile(pairs, narrowest, sms, default.block_n, 256, 3))
+    if default.pair_rows:
+        tiles = pair_tiles + [default_tile(num_tokens)]
+    elif pairs <= 2 * PAIR_ROWS_MAX_PAIRS:
+        tiles = list(_by_tokens(_CANDIDATES, num_tokens)) + pair_tiles[:2]
+    else:
+        tiles = list(_by_tokens(_CANDIDATES, num_tokens))
+    return [default] + [t for t in dict.fromkeys(tiles) if t != default]
 
 
 if triton is not None:
 
     @triton.jit
     def _program_tile(block_expert_ptr, sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      BLOCK_N: tl.constexpr, PAIR_ROWS: tl.constexpr):
         """This program's expert (-1: past the last tile), its (token, slot) pairs, which
-        of them are real, and its output columns."""
+        of them are real, and its output columns. PAIR_ROWS: program m is pair m, whose
+        expert is block_expert[m] (the flat expert ids); row 0 of the tile is the pair, the
+        other rows repeat it masked off, so they load nothing and store nothing."""
         pid_m = tl.program_id(0)
         expert = tl.load(block_expert_ptr + pid_m)
-        rows = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        lanes = tl.arange(0, BLOCK_M)
+        if PAIR_ROWS:
+            rows = pid_m + lanes * 0
+            row_ok = lanes == 0
+        else:
+            rows = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + lanes)
+            row_ok = rows < num_pairs
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return expert, rows, rows < num_pairs, cols
+        return expert, rows, row_ok, cols
 
     @triton.jit
     def _operand_tiles(a_ptr, a_rows, stride_a, row_ok, w_base, w_cols, stride_wn, col_ok,
@@ -124,9 +215,9 @@ if triton is not None:
                         num_pairs, inter, hidden, stride_xt, stride_we, stride_wn,
                         stride_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE_FP32: tl.constexpr):
+                        IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr):
         expert, rows, row_ok, cols = _program_tile(block_expert_ptr, sorted_pairs_ptr,
-                                                   num_pairs, BLOCK_M, BLOCK_N)
+                                                   num_pairs, BLOCK_M, BLOCK_N, PAIR_ROWS)
         if expert < 0:
             return
         tokens = rows // TOP_K
@@ -151,9 +242,9 @@ if triton is not None:
     def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
                      block_expert_ptr, num_pairs, hidden, inter, stride_at, stride_we,
                      stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr):
+                     BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr):
         expert, rows, row_ok, cols = _program_tile(block_expert_ptr, sorted_pairs_ptr,
-                                                   num_pairs, BLOCK_M, BLOCK_N)
+                                                   num_pairs, BLOCK_M, BLOCK_N, PAIR_ROWS)
         if expert < 0:
             return
         col_ok = cols < hidden
@@ -169,6 +260,21 @@ if triton is not None:
         acc = acc * scale[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _sum_slots_kernel(src_ptr, dst_ptr, hidden, stride_src, stride_dst,
+                          TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+        """dst[t] = sum over j of src[t * TOP_K + j], in fp32 and slot order (the same
+        rounding on every run)."""
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = cols < hidden
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(src_ptr + (token * TOP_K + j) * stride_src + cols, mask=ok,
+                           other=0.0).to(tl.float32)
+        tl.store(dst_ptr + token * stride_dst + cols, acc.to(dst_ptr.dtype.element_ty),
+                 mask=ok)
 
 
 def fused_moe_unsupported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
@@ -190,7 +296,7 @@ def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tens
               tile: MoETile | None = None,
               routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x)."""
-    weights, experts = routed or route(router_logits, top_k, renormalize)
+    weights, experts = routed or triton_route(router_logits, top_k, renormalize)
     return fused_experts(hidden, weights, experts, w13, w2, tile)
 
 
@@ -202,29 +308,45 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     top_k = experts.shape[1]
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
-    tile = tile or default_tile(num_tokens)
+    tile = tile or choose_tile(num_tokens, top_k, w13, w2)
     hidden = hidden.contiguous()
-    align = align_to_blocks(experts, num_experts, tile.block_m)
     pairs = num_tokens * top_k
+    if tile.pair_rows:   # no sort: program m is pair m, of expert flat_experts[m]
+        flat_experts = experts.reshape(-1)
+        sorted_pairs, block_expert, num_blocks = flat_experts, flat_experts, pairs
+    else:
+        align = align_to_blocks(experts, num_experts, tile.block_m)
+        sorted_pairs, block_expert = align.sorted_pairs, align.block_expert
+        num_blocks = align.num_blocks
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     out = torch.empty(pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     ieee = hidden.dtype == torch.float32
     launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
-    _gate_up_kernel[(align.num_blocks, triton.cdiv(inter, tile.block_n))](
-        hidden, w13, act, align.sorted_pairs, align.block_expert, pairs, inter, hidden_size,
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tile.block_n))](
+        hidden, w13, act, sorted_pairs, block_expert, pairs, inter, hidden_size,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
-        **launch)
-    _down_kernel[(align.num_blocks, triton.cdiv(hidden_size, tile.block_n))](
-        act, w2, out, flat_weights, align.sorted_pairs, align.block_expert, pairs,
+        PAIR_ROWS=tile.pair_rows, **launch)
+    _down_kernel[(num_blocks, triton.cdiv(hidden_size, tile.block_n))](
+        act, w2, out, flat_weights, sorted_pairs, block_expert, pairs,
         hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
-        **launch)
+        PAIR_ROWS=tile.pair_rows, **launch)
     if top_k == 1:
         return out
-    return out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(
-        hidden.dtype)
+    return sum_slots(out, num_tokens, top_k)
+
+
+def sum_slots(out: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """[T * k, H] -> [T, H]: each token's k rows summed in fp32 (one launch)."""
+    hidden_size = out.shape[1]
+    summed = torch.empty(num_tokens, hidden_size, dtype=out.dtype, device=out.device)
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        out, summed, hidden_size, out.stride(0), summed.stride(0), TOP_K=top_k,
+        BLOCK_H=block_h, num_warps=4)
+    return summed
 
 
 class TritonFusedMoEImpl:
@@ -238,8 +360,10 @@ class TritonFusedMoEImpl:
         self.spec = spec
         self.tiles: dict[int, MoETile] = {}
 
-    def tile_for(self, num_tokens: int) -> MoETile:
-        return self.tiles.get(token_bucket(num_tokens)) or default_tile(num_tokens)
+    def tile_for(self, num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor
+                 ) -> MoETile:
+        return (self.tiles.get(token_bucket(num_tokens))
+                or choose_tile(num_tokens, top_k, w13, w2))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, top_k: int, renormalize: bool = True,
@@ -248,4 +372,4 @@ class TritonFusedMoEImpl:
         if reason is not None:
             raise ValueError(f"TRITON_FUSED_MOE cannot run this layer: {reason}")
         return fused_moe(hidden, router_logits, w13, w2, top_k, renormalize,
-                         self.tile_for(hidden.shape[0]), routed)
+                         self.tile_for(hidden.shape[0], top_k, w13, w2), routed)

@@ -2,7 +2,7 @@
 
 For each expert shape in the model and each token bucket the decode graphs use, the
 tiles of ``candidate_tiles`` are timed against the default inside a CUDA graph on one
-layer's real weights (a layer's experts are far larger than L2, as in a decode step);
+layer's real weights (at small batches both layouts: a pair per program, and sorted) (a layer's experts are far larger than L2, as in a decode step);
 the fastest that agrees with the default and beats it by MIN_GAIN goes into every layer
 impl's ``tiles``. Results are cached with the other tuning results of this device
 (kernels/tuning_cache.py), so a second start, or ``archserve prepare`` before it, pays
@@ -36,7 +36,7 @@ from archserve.kernels.moe.triton_fused_moe import (
 from archserve.kernels.tuning_cache import read_cache, write_cache
 
 log = logging.getLogger(__name__)
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2     # 2: the pair layout (MoETile.pair_rows) and its defaults
 
 
 @dataclass
@@ -102,7 +102,7 @@ def tune_moe(shapes: Sequence[MoEShape], token_counts: Sequence[int], cache_path
 
 
 def _time_bucket(shape: MoEShape, bucket: int, timer) -> KindTiming:  # noqa: ANN001
-    candidates = candidate_tiles(bucket)
+    candidates = candidate_tiles(bucket, shape.top_k, shape.w13, shape.w2)
     x, logits = _inputs(shape, bucket)
     expected = fused_moe(x, logits, shape.w13, shape.w2, shape.top_k, shape.renormalize,
                          candidates[0]).float()
