@@ -59,10 +59,12 @@ if triton is not None:
         """The activation tile [M, BLOCK_K] as tl.dot takes it (e4m3 bits widened to fp16
         = value / 256 unless NATIVE_FP8), and its per-group scales for this K step."""
         ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + a_rows.to(tl.int64)[:, None] * stride_a + ks[None, :],
-                    mask=row_ok[:, None] & (ks < K)[None, :], other=0)
+        ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_a + ks[None, :]
+        mask = row_ok[:, None] & (ks < K)[None, :]
         if A_FP8 and not NATIVE_FP8:
-            a = e4m3_bits_to_fp16(a)
+            a = e4m3_bits_to_fp16(tl.load(ptrs, mask=mask, other=0))
+        else:
+            a = tl.load(ptrs, mask=mask, other=0.0)
         sa = 1.0
         if A_GROUPED:
             sa = tl.load(a_scale_ptr + a_rows.to(tl.int64) * stride_as + k0 // 128,
@@ -105,11 +107,12 @@ if triton is not None:
                 row_sum = tl.sum(a.to(tl.float32), axis=1)
                 acc += row_sum[:, None] * (o + HALF * s)[None, :]
         else:
-            b = tl.load(w_base + cols.to(tl.int64)[None, :] * stride_wn
-                        + ks[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :],
-                        other=0)
-            if not NATIVE_FP8:
-                b = e4m3_bits_to_fp16(b)
+            ptrs = w_base + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None] * stride_wk
+            mask = k_ok[:, None] & col_ok[None, :]
+            if NATIVE_FP8:
+                b = tl.load(ptrs, mask=mask, other=0.0)
+            else:
+                b = e4m3_bits_to_fp16(tl.load(ptrs, mask=mask, other=0))
                 if not A_FP8:
                     b = b.to(a.dtype)       # e4m3 / 256 is exact in fp16, bf16 and fp32
             t = _product(a, b, IEEE)
