@@ -36,7 +36,7 @@ from archserve.kernels.linear.quantized_weights import (
     IntGroupWeight,
 )
 from archserve.kernels.moe.quantized_experts import ExpertWeight, QuantizedExperts, expert_shape
-from archserve.kernels.moe.routing import align_to_blocks
+from archserve.kernels.moe.routing import align_to_blocks, route
 from archserve.kernels.moe.triton_fused_moe import MoETile, default_tile, triton
 
 ACT_GROUP = 128      # activation channels per dynamic group scale (fp8_gemm.GROUP)
@@ -326,3 +326,15 @@ def fused_quantized_experts(hidden: torch.Tensor, weights: torch.Tensor, experts
     return out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(
         hidden.dtype)
 
+
+
+def quantized_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: ExpertWeight,
+                  w2: ExpertWeight, top_k: int, renormalize: bool, tile: MoETile | None = None,
+                  routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """TritonFusedMoEImpl.forward for quantized experts: route, then the kernels."""
+    quantized = QuantizedExperts(w13, w2)
+    reason = quantized_experts_unsupported(hidden, quantized)
+    if reason is not None:
+        raise ValueError(f"TRITON_FUSED_MOE cannot run these quantized experts: {reason}")
+    weights, experts = routed or route(router_logits, top_k, renormalize)
+    return fused_quantized_experts(hidden, weights, experts, quantized, tile)
