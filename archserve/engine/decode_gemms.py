@@ -109,6 +109,8 @@ def tune_moe_decode(device: DeviceInfo, model: torch.nn.Module, graph_sizes: lis
 
     shapes: dict[tuple, MoEShape] = {}
     for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        if moe.quantized is not None:       # the tuner times 16-bit experts' tiles only
+            continue
         impl = moe.impl()
         if not isinstance(impl, TritonFusedMoEImpl):
             continue

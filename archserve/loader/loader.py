@@ -18,6 +18,7 @@ from archserve.loader.safetensors_loader import iterate_safetensors
 from archserve.models.layers.linear import deferred_linear_weights
 from archserve.models.registry import model_class_for
 from archserve.quant.config import QuantConfig, resolve_quant_config
+from archserve.quant.expert_state import attach_expert_quantization, finalize_quantized_experts
 from archserve.quant.linear_state import attach_quantization, finalize_quantized_layers
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -94,6 +95,7 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
         model = model_class(config)
     if quant is not None:
         attach_quantization(model, quant, device, dtype)
+        attach_expert_quantization(model, quant, device, dtype)
     if load_format == "dummy":
         initialize_dummy_weights(model)
     elif gguf_path is not None:
@@ -110,4 +112,5 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
         model.load_weights(_with_progress(iterate_safetensors(path), "Loading safetensors"))
     if quant is not None:
         finalize_quantized_layers(model)
+        finalize_quantized_experts(model, dtype)
     return model.eval(), config

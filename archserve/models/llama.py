@@ -236,7 +236,8 @@ class LlamaForCausalLM(nn.Module):
                 with torch.no_grad():
                     params[name].copy_(tensor)
             loaded.add(name)
-        missing = sorted(n for n in set(expected) - loaded if not _optional(n, linears))
+        missing = sorted(n for n in set(expected) - loaded
+                         if not _optional(n, linears, modules))
         if missing or unexpected or mismatched:
             raise ValueError(_weights_mismatch_message(missing, unexpected, mismatched))
         return loaded
@@ -257,11 +258,16 @@ def _same_shape(got: tuple[int, ...], expected: tuple[int, ...]) -> bool:
     return [d for d in got if d != 1] == [d for d in expected if d != 1]
 
 
-def _optional(name: str, linears: dict[str, tuple[Linear, str | None]]) -> bool:
-    """A tensor some checkpoints of the layer's format leave out (a symmetric zero point)."""
+def _optional(name: str, linears: dict[str, tuple[Linear, str | None]],
+              modules: dict[str, nn.Module]) -> bool:
+    """A tensor some checkpoints of the layer's format leave out (a symmetric zero point);
+    a quantized expert matrix answers for itself."""
     module_path, _, param = name.rpartition(".")
     module = linears.get(module_path, (None, None))[0]
-    return module is not None and module.quant is not None and module.quant.optional(param)
+    if module is None:
+        owner = modules.get(module_path)
+        return owner is not None and hasattr(owner, "optional") and owner.optional(param)
+    return module.quant is not None and module.quant.optional(param)
 
 
 def _weights_mismatch_message(missing: list[str], unexpected: list[str],

@@ -17,12 +17,24 @@ from dataclasses import dataclass, field
 import torch
 
 from archserve.kernels.catalog import default_registry
-from archserve.kernels.linear.quantized_weights import ACT_NONE
+from archserve.kernels.linear import rules as fmt
+from archserve.kernels.linear.quantized_weights import ACT_DYNAMIC_TOKEN, ACT_NONE
 from archserve.kernels.registry import BackendError, LibraryAssumption, Selection
 from archserve.kernels.specs import LinearSpec
 from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
-from archserve.quant.config import ACTIVATION_TEXT, ONLINE_FP8, LayerQuant, QuantConfig
+from archserve.quant.config import (
+    ACTIVATION_TEXT,
+    AWQ,
+    CT_FLOAT,
+    CT_INT,
+    CT_PACKED,
+    GPTQ,
+    HF_FP8,
+    ONLINE_FP8,
+    LayerQuant,
+    QuantConfig,
+)
 
 # Backends that run a W8A8 checkpoint's weights without quantizing its activations.
 WEIGHT_ONLY_BACKENDS = ("TRITON_WEIGHT_ONLY", "MARLIN")
@@ -47,7 +59,13 @@ class QuantPlan:
 
     @property
     def moe_format(self) -> str | None:
-        return self.layers[0].quant.weight_format if self.layers else None
+        quant = expert_quant(self.config)
+        return quant.weight_format if quant else None
+
+    @property
+    def moe_activation(self) -> str:
+        quant = expert_quant(self.config)
+        return quant.activation if quant else ACT_DYNAMIC_TOKEN
 
     @property
     def not_loadable(self) -> str | None:
@@ -99,24 +117,40 @@ def _reason(device: DeviceInfo, quant: LayerQuant, spec: LinearSpec, selection: 
 # The checkpoint names of one expert matrix in the two conventions (models/layers/moe.py).
 _EXPERT_MATRICES = ("model.layers.0.mlp.experts.0.gate_proj",
                     "model.layers.0.block_sparse_moe.experts.0.w1")
+# Checkpoint layouts whose experts load (quant/expert_state.py repacks them per expert).
+_EXPERT_LAYOUTS = (CT_FLOAT, HF_FP8, CT_PACKED, CT_INT, GPTQ, AWQ, ONLINE_FP8)
+
+
+def expert_quant(config: QuantConfig | None) -> LayerQuant | None:
+    """How the checkpoint quantizes the routed experts (None: 16-bit or no MoE)."""
+    if config is None:
+        return None
+    return next((q for q in map(config.layer, _EXPERT_MATRICES) if q is not None), None)
 
 
 def quantized_experts_refusal(config: QuantConfig | None, has_moe: bool,
                               is_gguf: bool = False) -> str | None:
     """Why a checkpoint whose routed experts are quantized cannot load here (None if it can).
 
-    This build's MoE kernels (TRITON_FUSED_MOE, TORCH_MOE) take 16-bit experts only, and
-    the expert loader has no quantized layout; online fp8 (``--quantization fp8``) leaves
-    the experts in 16 bits, so it loads."""
+    Loadable: FP8 (per-tensor, per-channel, 128x128 blocks; compressed-tensors or HF
+    ``fp8``), integer groups without act order (GPTQ, AWQ, compressed-tensors W4A16 /
+    W8A16), and online fp8 (``--quantization fp8``) of a 16-bit MoE."""
     if has_moe and is_gguf:
         return ("GGUF MoE checkpoints are not loadable in this build: the GGUF loader has no "
                 "map for stacked expert tensors (ffn_*_exps); use the HF safetensors")
-    if config is None or not has_moe:
+    quant = expert_quant(config) if has_moe else None
+    if quant is None:
         return None
-    for name in _EXPERT_MATRICES:
-        quant = config.layer(name)
-        if quant is not None and quant.layout != ONLINE_FP8:
-            return (f"the routed experts are quantized ({quant.describe()}); this build's MoE "
-                    f"kernels run 16-bit experts only (quantized experts are rules only: "
-                    f"`explain --op moe --quantization ...` shows vLLM's choice)")
+    what = f"the routed experts are quantized ({quant.describe()})"
+    if quant.layout not in _EXPERT_LAYOUTS or quant.weight_format not in (
+            fmt.FP8, fmt.FP8_BLOCK, fmt.WNA16):
+        return (f"{what}; this build's MoE kernels run fp8 (per-tensor, per-channel, "
+                f"128x128 blocks) and W4A16/W8A16 integer-group experts, not "
+                f"{quant.weight_format} (`explain --op moe --quantization ...` shows vLLM's "
+                f"choice)")
+    if quant.act_order:
+        return (f"{what} with GPTQ act order (desc_act): each expert would read its input "
+                f"channels in its own order, which the MoE kernels do not")
+    if quant.block is not None and quant.block != (128, 128):
+        return f"{what}; the MoE kernels take 128x128 fp8 blocks only"
     return None

@@ -192,7 +192,8 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
         routes = (_linear_routes(device, plan, torch_dtype, libraries, not_loadable)
                   if op == "linear"
                   else [_moe_route(device, _moe_spec(inputs, dtype=torch_dtype,
-                                                     quant_scheme=plan.moe_format),
+                                                     quant_scheme=plan.moe_format,
+                                                     activation=plan.moe_activation),
                                    libraries, not_loadable)])
         if override and not_loadable is None:
             routes = [explain_op(device, op, route_spec, libraries, layer=route.layer,
@@ -266,7 +267,8 @@ def _specs_of(op: str, plan: QuantPlan, dtype: torch.dtype, inputs: SelectionInp
               ) -> list[Any]:
     """The spec behind each route ``explain_op_request`` lists for linear or MoE."""
     if op == "moe":
-        return [_moe_spec(inputs, dtype=dtype, quant_scheme=plan.moe_format)]
+        return [_moe_spec(inputs, dtype=dtype, quant_scheme=plan.moe_format,
+                          activation=plan.moe_activation)]
     return [layer.spec for layer in plan.layers] or [LinearSpec(dtype=dtype)]
 
 
@@ -348,6 +350,7 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     routes += _linear_routes(device, plan, torch_dtype, libraries, not_loadable)
     if model.is_moe:
         moe = _moe_spec(inputs, dtype=torch_dtype, quant_scheme=plan.moe_format,
+                        activation=plan.moe_activation,
                         num_experts=model.num_experts, top_k=model.experts_per_token or 2,
                         hidden_size=model.hidden_size,
                         intermediate_size=model.intermediate_size)

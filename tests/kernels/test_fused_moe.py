@@ -126,13 +126,17 @@ def test_cuda_selects_the_fused_kernel_and_cpu_the_torch_loop():
     assert none.name == "TORCH_MOE" and "triton" in none.rejected[0].reason
 
 
-def test_quantized_experts_are_not_routed_to_a_16_bit_kernel():
-    from archserve.kernels.catalog import default_registry
-    registry = default_registry()
-    spec = MoESpec(quant_scheme="fp8")
-    for name in ("TRITON_FUSED_MOE", "TORCH_MOE"):
-        reason = registry.get("moe", name).check(get_profile("h100"), spec, "all")
-        assert reason is not None and "fp8" in reason
+def test_quantized_experts_route_by_vllm_fp8_rule():
+    """Triton fp8 experts need SM89+ (vLLM 0.33); below, TORCH_MOE runs them dequantized."""
+    h100 = select_moe_backend(get_profile("h100"), MoESpec(quant_scheme="fp8_block"))
+    assert h100.name == "TRITON_FUSED_MOE"
+    a100 = select_moe_backend(get_profile("a100"), MoESpec(quant_scheme="fp8"), "all")
+    assert a100.name == "TORCH_MOE"
+    assert any(r.reason == "fp8 experts need SM89+, device is SM80" for r in a100.rejected)
+    assert select_moe_backend(get_profile("a100"), MoESpec(quant_scheme="wna16"),
+                              "all").name == "TRITON_FUSED_MOE"
+    with pytest.raises(Exception, match="int8 experts need a quantized MoE kernel"):
+        select_moe_backend(get_profile("h100"), MoESpec(quant_scheme="int8"), "all")
 
 
 def test_the_kernel_refuses_what_it_cannot_compute():

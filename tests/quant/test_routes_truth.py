@@ -76,9 +76,9 @@ def test_doctor_routes_run_in_this_build(profile: str) -> None:
      "architecture 'GptOssForCausalLM' is not supported in this build"),
     ({**LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-      "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                              "weight_block_size": [128, 128]}},
-     "the routed experts are quantized"),
+      "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                              "desc_act": True}},
+     "with GPTQ act order"),
     ({**LLAMA, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
      "quantization method 'bitsandbytes' is not loadable in this build"),
     ({**LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 3, "group_size": 128}},
@@ -103,13 +103,22 @@ def test_unloadable_checkpoint_is_refused_before_any_weight_is_read(tmp_path, co
 
 
 def test_moe_refusals_name_what_this_build_lacks() -> None:
-    """GGUF MoE and quantized experts are refused up front; online fp8 (dense layers
-    quantized at load, experts left in 16 bits) and dense models are not."""
+    """GGUF MoE, int8 W8A8 and act-order experts are refused up front; fp8, W4A16 and
+    online fp8 experts load."""
     from archserve.quant.config import online_quant_config, parse_quant_config
     from archserve.quant.plan import quantized_experts_refusal
     assert "GGUF MoE" in quantized_experts_refusal(None, has_moe=True, is_gguf=True)
     assert quantized_experts_refusal(None, has_moe=False, is_gguf=True) is None
     assert quantized_experts_refusal(online_quant_config("fp8"), has_moe=True) is None
     w4 = parse_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 128})
-    assert "routed experts are quantized" in quantized_experts_refusal(w4, has_moe=True)
+    assert quantized_experts_refusal(w4, has_moe=True) is None
+    act_order = parse_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                    "desc_act": True})
+    assert "act order" in quantized_experts_refusal(act_order, has_moe=True)
+    int8 = parse_quant_config({"quant_method": "compressed-tensors", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int",
+                                                 "strategy": "channel"},
+              "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                    "dynamic": True}}}})
+    assert "not int8" in quantized_experts_refusal(int8, has_moe=True)
     assert quantized_experts_refusal(w4, has_moe=False) is None

@@ -2,8 +2,9 @@
 
 ``MoESpec.quant_scheme`` uses the weight-format vocabulary of
 archserve.kernels.linear.rules (None, fp8, fp8_block, nvfp4, mxfp8, mxfp4, wna16, int8).
-TRITON_FUSED_MOE (16-bit experts) and the torch fallback run in this build; the others are
-rules only: they can be the ideal, never the route.
+TRITON_FUSED_MOE (16-bit, FP8 per-channel / per-tensor / block, and W4A16 / W8A16
+integer-group experts) and the torch fallback (any of those, dequantized once) run in this
+build; the others are rules only: they can be the ideal, never the route.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from archserve.platform.capability import SM75, SM89, SM90, SM100
 from archserve.platform.device import DeviceInfo
 
 _IMPL = "archserve.kernels.moe"
+# Expert formats a kernel of this build executes (TRITON_FUSED_MOE, and TORCH_MOE after
+# dequantizing them); the loader and quant/plan.py refuse the rest.
+RUNNABLE_EXPERT_FORMATS = frozenset({None, "fp8", "fp8_block", "wna16"})
 
 
 class MoEBackend(RuleBackend):
@@ -74,9 +78,9 @@ class TritonFusedMoEBackend(MoEBackend):
         return None
 
     def build_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
-        if spec.quant_scheme is not None:
-            return (f"this build's Triton fused MoE runs 16-bit experts only; "
-                    f"{spec.quant_scheme} experts are rules only")
+        if spec.quant_scheme not in RUNNABLE_EXPERT_FORMATS:
+            return (f"this build's Triton fused MoE runs 16-bit, fp8, fp8_block and wna16 "
+                    f"experts; {spec.quant_scheme} experts are rules only")
         return (needs_dtype(spec.dtype, (torch.float16, torch.bfloat16, torch.float32))
                 or bf16_on_device(device, spec.dtype))
 
@@ -226,13 +230,15 @@ class TorchMoEBackend(RuleBackend):
     name = "TORCH_MOE"
     op = "moe"
     description = ("plain PyTorch loop over the experts that got tokens (any device; the "
-                   "reference every MoE kernel is tested against)")
+                   "reference every MoE kernel is tested against; quantized experts are "
+                   "dequantized once at start-up, no memory saving, and W8A8 activations "
+                   "still quantized)")
     impl_path = f"{_IMPL}.torch_moe:TorchMoEImpl"
 
     def request_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
-        if spec.quant_scheme is not None:
-            return (f"runs 16-bit experts only; {spec.quant_scheme} experts need a "
-                    f"quantized MoE kernel")
+        if spec.quant_scheme not in RUNNABLE_EXPERT_FORMATS:
+            return (f"dequantizes fp8, fp8_block and wna16 experts; {spec.quant_scheme} "
+                    f"experts need a quantized MoE kernel")
         return None
 
 

@@ -4,25 +4,50 @@ Weights use the fused layout the model layer keeps: ``w13[e]`` is expert e's gat
 projections stacked ([2I, H], gate first), ``w2[e]`` its down projection ([H, I]).
 Work is proportional to routed tokens (each expert sees only its tokens), so it runs on
 any device; a fused kernel (TRITON_FUSED_MOE) replaces the Python loop on GPUs.
+
+Quantized experts (kernels/moe/quantized_experts.py) are dequantized once, at start-up,
+expert by expert as TORCH_DEQUANT does a dense layer (no memory saving); a W8A8
+checkpoint's activations are still quantized as its scheme says, so the products are
+those of the quantized kernels, computed in floating point.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from archserve.kernels.elementwise import silu_and_mul
+from archserve.kernels.linear.torch_dequant import DequantizedWeight, TorchDequantLinear
+from archserve.kernels.moe.quantized_experts import QuantizedExperts, expert_weight
 from archserve.kernels.moe.routing import route
 
 __all__ = ["TorchMoEImpl", "route"]
+_DEQUANT = TorchDequantLinear()
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor | DequantizedWeight, expert: int) -> torch.Tensor:
+    if isinstance(w, DequantizedWeight):
+        return _DEQUANT(x, dataclasses.replace(w, weight=w.weight[expert]))
+    return F.linear(x, w[expert])
 
 
 class TorchMoEImpl:
     def __init__(self, device: Any = None, spec: Any = None) -> None:
         self.device = device
         self.spec = spec
+
+    def prepare(self, quantized: QuantizedExperts, dtype: torch.dtype
+                ) -> tuple[DequantizedWeight, DequantizedWeight]:
+        """(w13, w2) for ``forward``: each stacked weight dequantized to ``dtype``."""
+        def dense(w) -> DequantizedWeight:  # noqa: ANN001 - an ExpertWeight
+            per_expert = [_DEQUANT.prepare(expert_weight(w, e), dtype)
+                          for e in range(quantized.num_experts)]
+            return dataclasses.replace(per_expert[0], weight=torch.stack(
+                [p.weight for p in per_expert]))
+        return dense(quantized.w13), dense(quantized.w2)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, top_k: int, renormalize: bool = True,
@@ -35,7 +60,7 @@ class TorchMoEImpl:
         flat_experts = experts.reshape(-1)
         token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
         order = flat_experts.argsort()
-        counts = torch.bincount(flat_experts, minlength=w13.shape[0]).tolist()
+        counts = torch.bincount(flat_experts, minlength=_num_experts(w13)).tolist()
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -44,6 +69,10 @@ class TorchMoEImpl:
             start += count
             tokens = token_of[picks]
             x = hidden[tokens]
-            y = F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert])
+            y = _linear(silu_and_mul(_linear(x, w13, expert)), w2, expert)
             out.index_add_(0, tokens, y.float() * weights.reshape(-1)[picks, None])
         return out.to(hidden.dtype)
+
+
+def _num_experts(w13: torch.Tensor | DequantizedWeight) -> int:
+    return (w13.weight if isinstance(w13, DequantizedWeight) else w13).shape[0]

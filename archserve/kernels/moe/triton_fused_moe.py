@@ -365,9 +365,17 @@ class TritonFusedMoEImpl:
         return (self.tiles.get(token_bucket(num_tokens))
                 or choose_tile(num_tokens, top_k, w13, w2))
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, top_k: int, renormalize: bool = True,
+    def prepare(self, quantized: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+        """Quantized experts (QuantizedExperts) as ``forward`` takes them: as they are."""
+        return quantized.w13, quantized.w2
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: Any, w2: Any,
+                top_k: int, renormalize: bool = True,
                 routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if not isinstance(w13, torch.Tensor):        # quantized experts
+            from archserve.kernels.moe.triton_quantized_moe import quantized_moe
+            return quantized_moe(hidden, router_logits, w13, w2, top_k, renormalize,
+                                 self.tile_for(hidden.shape[0]), routed)
         reason = fused_moe_unsupported(hidden, w13, w2)
         if reason is not None:
             raise ValueError(f"TRITON_FUSED_MOE cannot run this layer: {reason}")

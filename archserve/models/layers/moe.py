@@ -9,6 +9,11 @@ copying into checkpoint-named parameters, with no repacking pass and no second c
 
 The layer computes through the ``moe`` backend the registry selects for its device and
 dtype (ARCHSERVE_MOE_BACKEND overrides it); it never names a backend itself.
+
+Quantized experts (archserve.quant.expert_state attaches them before loading): the
+stacked tensors are never allocated dense; each expert's matrices hold the checkpoint's
+own tensors until the loader repacks them into ``quantized`` (kernels/moe/
+quantized_experts.py), which the selected backend then ``prepare``s once.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from archserve.models.layers import linear as _linear
 from archserve.models.layers.linear import GateUpLinear, Linear, WeightOnly
 
 # (gate, up, down) names of one expert's matrices in the two checkpoint conventions.
@@ -64,17 +70,37 @@ class FusedMoE(nn.Module):
             raise ValueError(f"top_k {top_k} must be between 1 and the {num_experts} experts")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        inter = intermediate_size
-        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden_size),
-                             persistent=False)
-        self.register_buffer("w2", torch.empty(num_experts, hidden_size, inter),
-                             persistent=False)
-        for e in range(num_experts):
-            self.add_module(str(e), _Expert(self.w13[e, :inter], self.w13[e, inter:],
-                                            self.w2[e], expert_names))
+        self.expert_names = expert_names
+        # A quantized model is built with its dense weights on "meta" (as Linear's).
+        self.allocate_dense(torch.device("meta") if _linear._defer_weights else None)
+        self.quantized: Any = None      # a QuantizedExperts once a quantized checkpoint loads
+        self.quant_dtype: torch.dtype | None = None     # the activations' dtype then
         self._impl: Any = None
         self._impl_key: tuple | None = None
+        self._operands: tuple = ()
         self.backend_name = ""
+
+    def allocate_dense(self, device: torch.device | None, dtype: torch.dtype | None = None
+                       ) -> None:
+        """The stacked 16-bit weights and each expert's checkpoint matrices as views."""
+        inter, hidden = self.intermediate_size, self.hidden_size
+        self.register_buffer("w13", torch.empty(self.num_experts, 2 * inter, hidden,
+                                                device=device, dtype=dtype), persistent=False)
+        self.register_buffer("w2", torch.empty(self.num_experts, hidden, inter, device=device,
+                                               dtype=dtype), persistent=False)
+        for e in range(self.num_experts):
+            self.add_module(str(e), _Expert(self.w13[e, :inter], self.w13[e, inter:],
+                                            self.w2[e], self.expert_names))
+
+    def set_quantized(self, quantized: Any, dtype: torch.dtype) -> None:
+        """From here on the experts are ``quantized`` (the dense buffers and the
+        per-expert checkpoint tensors are dropped)."""
+        for e in range(self.num_experts):
+            delattr(self, str(e))
+        empty = torch.empty(0, device=quantized_device(quantized))
+        self.w13, self.w2 = empty, empty
+        self.quantized, self.quant_dtype = quantized, dtype
+        self._impl_key = None
 
     def expert_params(self) -> int:
         """The weights the experts stand for (gate, up and down of each)."""
@@ -82,31 +108,45 @@ class FusedMoE(nn.Module):
 
     def spec(self, dtype: torch.dtype) -> Any:
         from archserve.kernels.specs import MoESpec
+        quant = {} if self.quantized is None else dict(
+            quant_scheme=self.quantized.weight_format, activation=self.quantized.activation)
         return MoESpec(dtype=dtype, num_experts=self.num_experts, top_k=self.top_k,
-                       hidden_size=self.hidden_size, intermediate_size=self.intermediate_size)
+                       hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                       **quant)
 
     def impl(self) -> Any:
         """The selected backend's implementation for where the weights live (selected on
-        first use and again only if the weights move or change dtype)."""
-        key = (self.w13.device, self.w13.dtype)
+        first use and again only if the weights move or change dtype). Quantized experts
+        are prepared for it once (TORCH_MOE dequantizes them)."""
+        dtype = self.w13.dtype if self.quantized is None else self.quant_dtype
+        key = (self.w13.device, dtype)
         if self._impl_key != key:
             from archserve.kernels.catalog import select_moe_backend
             device = _device_info(self.w13.device)
-            spec = self.spec(self.w13.dtype)
+            spec = self.spec(dtype)
             selection = select_moe_backend(device, spec)
             self._impl = selection.backend.make_impl(device, spec)
             self._impl_key, self.backend_name = key, selection.name
+            if self.quantized is not None:
+                self._operands = self._impl.prepare(self.quantized, dtype)
         return self._impl
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``routed``: (weights, experts) a family chose itself (DeepSeek), else the
         backend's softmax top-k of ``router_logits``."""
+        impl = self.impl()
+        operands = (self.w13, self.w2) if self.quantized is None else self._operands
         if routed is None:
-            return self.impl().forward(hidden, router_logits, self.w13, self.w2, self.top_k,
-                                       self.renormalize)
-        return self.impl().forward(hidden, router_logits, self.w13, self.w2, self.top_k,
-                                   self.renormalize, routed=routed)
+            return impl.forward(hidden, router_logits, *operands, self.top_k,
+                                self.renormalize)
+        return impl.forward(hidden, router_logits, *operands, self.top_k,
+                            self.renormalize, routed=routed)
+
+
+def quantized_device(quantized: Any) -> torch.device:
+    w = quantized.w13
+    return (w.qweight if hasattr(w, "qweight") else w.weight).device
 
 
 def _device_info(device: torch.device) -> Any:

@@ -1,0 +1,139 @@
+"""Quantized routed experts, from checkpoint tensors to the stacked kernel layout.
+
+The dense linears' two load stages (quant/linear_state.py), applied to a FusedMoE:
+
+1. ``attach_expert_quantization`` (before any weight is read): when the checkpoint
+   quantizes the experts, each expert's gate, up and down matrix becomes a holder of the
+   checkpoint's own tensors for that format (``tensor_layouts``: fp8 weight + scales,
+   GPTQ/AWQ qweight/qzeros/scales, compressed-tensors weight_packed ...), registered under
+   the checkpoint's names so the model's loader fills them like any parameter. Online
+   fp8 keeps the dense stacked weights.
+2. ``finalize_quantized_experts`` (after the weights): per expert, gate and up are stacked
+   as the fused shards of one layer and repacked by ``to_kernel_weight`` (the dense
+   layers' repacking: AWQ nibble order, GPTQ zero points, per-tensor scales per shard ...),
+   down likewise; the experts' weights are then stacked (quantized_experts.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from archserve.kernels.moe.quantized_experts import QuantizedExperts, stack_expert_weights
+from archserve.quant.config import ONLINE_FP8, LayerQuant, QuantConfig
+from archserve.quant.layouts import (
+    TensorLayout,
+    check_shard_alignment,
+    quantize_fp8_per_channel,
+    tensor_layouts,
+    to_kernel_weight,
+)
+
+
+class QuantizedExpertMatrix(nn.Module):
+    """One expert's gate, up or down matrix as the checkpoint stores it."""
+
+    def __init__(self, quant: LayerQuant, rows: int, in_features: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.layouts: dict[str, TensorLayout] = {
+            t.name: t for t in tensor_layouts(quant, in_features)}
+        self.loaded: set[str] = set()
+        for name, t in self.layouts.items():
+            self.register_parameter(name, nn.Parameter(
+                torch.zeros(t.shape(rows), dtype=t.dtype, device=device), requires_grad=False))
+
+    def load_checkpoint(self, param: str, tensor: torch.Tensor) -> None:
+        target = getattr(self, param)
+        with torch.no_grad():
+            target.copy_(tensor.reshape(target.shape))
+        self.loaded.add(param)
+
+    def optional(self, param: str) -> bool:
+        layout = self.layouts.get(param)
+        return layout is not None and layout.optional
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name, layout in self.layouts.items()
+                if name in self.loaded or not layout.optional}
+
+
+def _expert_quant(config: QuantConfig, moe_name: str, moe: nn.Module) -> LayerQuant | None:
+    """The one quantization of every expert matrix of the layer (None: 16-bit)."""
+    names = [f"{moe_name}.{e}.{proj}" for e in range(moe.num_experts)
+             for proj in moe.expert_names]
+    kinds = {config.layer(name) for name in names}
+    if len(kinds) > 1:
+        raise ValueError(f"{moe_name}: the checkpoint quantizes its experts' matrices "
+                         "differently; one format per layer's experts is loadable")
+    return kinds.pop()
+
+
+def attach_expert_quantization(model: nn.Module, config: QuantConfig, device: torch.device,
+                               dtype: torch.dtype) -> int:
+    """Give every FusedMoE the checkpoint quantizes its checkpoint-tensor holders; give
+    the others (and online fp8's) their dense weights. Returns the quantized layers."""
+    from archserve.models.layers.moe import FusedMoE
+
+    quantized = 0
+    for name, moe in list(model.named_modules()):
+        if not isinstance(moe, FusedMoE):
+            continue
+        quant = _expert_quant(config, name, moe)
+        moe.checkpoint_quant = quant
+        if quant is None or quant.layout == ONLINE_FP8:
+            moe.allocate_dense(device, dtype)
+            quantized += quant is not None
+            continue
+        hidden, inter = moe.hidden_size, moe.intermediate_size
+        for in_features, shards in ((hidden, [inter, inter]), (inter, [hidden])):
+            reason = check_shard_alignment(quant, in_features, shards)
+            if reason:
+                raise ValueError(f"{name} experts: {reason}")
+        moe.allocate_dense(torch.device("meta"))
+        for e in range(moe.num_experts):
+            expert = getattr(moe, str(e))
+            for proj, (rows, k) in zip(moe.expert_names,
+                                       ((inter, hidden), (inter, hidden), (hidden, inter)),
+                                       strict=True):
+                setattr(expert, proj, QuantizedExpertMatrix(quant, rows, k, device))
+        quantized += 1
+    return quantized
+
+
+def _fused(gate: QuantizedExpertMatrix, up: QuantizedExpertMatrix) -> dict[str, torch.Tensor]:
+    """Gate and up as the two shards of one fused layer (TensorLayout's stacking)."""
+    a, b = gate.tensors(), up.tensors()
+    out = {}
+    for name in a.keys() & b.keys():
+        dim = gate.layouts[name].out_dim
+        out[name] = (torch.stack([a[name], b[name]]) if dim is None
+                     else torch.cat([a[name], b[name]], dim=dim))
+    return out
+
+
+def _single(matrix: QuantizedExpertMatrix) -> dict[str, torch.Tensor]:
+    return {name: t.unsqueeze(0) if matrix.layouts[name].out_dim is None else t
+            for name, t in matrix.tensors().items()}
+
+
+def finalize_quantized_experts(model: nn.Module, dtype: torch.dtype) -> None:
+    from archserve.models.layers.moe import FusedMoE
+
+    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        quant = getattr(moe, "checkpoint_quant", None)
+        if quant is None:
+            continue
+        hidden, inter = moe.hidden_size, moe.intermediate_size
+        w13, w2 = [], []
+        with torch.no_grad():
+            for e in range(moe.num_experts):
+                if quant.layout == ONLINE_FP8:
+                    w13.append(quantize_fp8_per_channel(moe.w13[e]))
+                    w2.append(quantize_fp8_per_channel(moe.w2[e]))
+                    continue
+                gate, up, down = (getattr(getattr(moe, str(e)), p) for p in moe.expert_names)
+                w13.append(to_kernel_weight(quant, _fused(gate, up), [inter, inter], hidden))
+                w2.append(to_kernel_weight(quant, _single(down), [hidden], inter))
+            moe.set_quantized(QuantizedExperts(stack_expert_weights(w13),
+                                               stack_expert_weights(w2)), dtype)
