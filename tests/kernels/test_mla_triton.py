@@ -95,3 +95,70 @@ def test_decode_compiles_for_hopper():
                    e4m3_bits=True)
     assert [launch.kernel for launch in launches] == ["_mla_decode_kernel", "_merge_splits_kernel"]
     assert "mma" in launches[0].code()
+
+
+# ---------------------------------------------------------------- GPU, DeepSeek's sizes
+
+DEEPSEEK = dict(kv_lora_rank=512, rope=64, nope=128, v_head=128)
+CONTEXTS = [1, 17, 64, 255, 1000, 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_decode_kernel_at_deepseek_sizes(heads, block_size, kv):
+    """Contexts 1..4096 in one batch, unsplit, split by the rule (the H200's SMs) and split
+    8 ways; bf16 queries over a bf16 or e4m3 latent."""
+    case = make_mla_case([(1, n) for n in CONTEXTS], num_heads=heads, block_size=block_size,
+                         dtype=torch.bfloat16, kv_cache_dtype=kv, device="cuda", seed=heads,
+                         fp8_exact_kv=False, **DEEPSEEK)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for splits, num_sms in ((1, 0), (None, sms), (8, 0)):
+        decode_against_reference(case, num_splits=splits, num_sms=num_sms, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_impl_at_deepseek_sizes(heads, kv):
+    """Through TritonMlaImpl: a prompt, a chunk over a 700-token cached prefix and a decode
+    in one step (expanded prefill beside the absorbed kernel), then a pure-decode step."""
+    from archserve.kernels.mla.cases import compare_mla_with_reference
+    from archserve.kernels.mla.triton_mla import TritonMlaImpl
+
+    for seqs in ([(300, 300), (64, 764), (1, 4096)], [(1, 300), (1, 764), (1, 4096)]):
+        case = make_mla_case(seqs, num_heads=heads, block_size=16, dtype=torch.bfloat16,
+                             kv_cache_dtype=kv, device="cuda", seed=7, fp8_exact_kv=False,
+                             **DEEPSEEK)
+        assert compare_mla_with_reference(case, TritonMlaImpl()) is None, seqs
+
+
+@pytest.mark.gpu
+def test_gpu_decode_replays_in_a_cuda_graph():
+    """Captured once at the longest context, replayed with other lengths in the same
+    buffers: the split count and grid come from shapes, not from the lengths."""
+    from archserve.kernels.mla.triton_mla_decode import mla_decode
+
+    case = make_mla_case([(1, n) for n in (4096, 2000, 1)], num_heads=16, block_size=16,
+                         dtype=torch.bfloat16, device="cuda", seed=5, **DEEPSEEK)
+    meta, query = case.meta, case.absorbed_query.contiguous()
+    out = torch.zeros(*query.shape[:2], 512, dtype=query.dtype, device="cuda")
+
+    def launch():
+        mla_decode(query, case.kv_cache, meta.block_tables, meta.seq_lens,
+                   meta.query_start_loc, out, num_seqs=3, max_seq_len=4096, scale=case.scale,
+                   num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    # (each no longer than at capture: the block tables cover those lengths)
+    meta.seq_lens.copy_(torch.tensor([100, 1999, 1], dtype=torch.int32))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = TorchMlaImpl().attend_latent(query, case.kv_cache, meta, case.scale, 512)
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
