@@ -26,6 +26,11 @@
 #           (8B shape TP=2 against TP=1); `all` leaves it out, ask for it by name;
 #   moe:    benchmarks/moe_perf.py, the MoE kernel table then the Qwen3-30B-A3B and
 #           Mixtral-8x7B engine rows (env MOE_ARGS: extra arguments, e.g. --skip-peer).
+#   mla:    (issue 14) the MLA GPU tests (TRITON_MLA kernel and implementation at DeepSeek's
+#           sizes, tiny V2/V3 engines against transformers), then benchmarks/mla_perf.py:
+#           the MLA decode kernel's GB/s (env MLA_ARGS, e.g. --sweep), DeepSeek-V2-Lite
+#           batch-1 step vs floor and 256 x 1024/128, KV bytes per token and 4k-token
+#           sequences vs an MHA-sized cache; `all` leaves it out, ask for it by name.
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
 set -uo pipefail
 OUT=${1:-${OUT:-out}}
@@ -116,4 +121,10 @@ if want profile; then
     done
   done
   tail -n 40 "$OUT"/profile_*.txt
+fi
+if [ "$PART" = mla ]; then
+  $PYTEST -v --durations=15 tests/kernels/test_mla_triton.py tests/models/test_deepseek_vs_hf.py \
+    2>&1 | tee "$OUT/pytest_mla.log" | tail -n 30
+  timeout ${MLA_TIMEOUT:-480} python3 benchmarks/mla_perf.py ${MLA_ARGS:-} \
+    --out "$OUT/mla_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/mla_perf.txt"
 fi

@@ -59,7 +59,8 @@ def model_facts(engine) -> ModelFacts:
     mc = engine.model_config
     weights = step_weights(engine.model, mc)
     kv = engine.runner.kv_caches[0]
-    kv_bytes = 2 * mc.num_kv_heads * mc.head_dim * kv.element_size()
+    # What a token keeps per layer in the cache's own layout (an MLA latent: one plane).
+    kv_bytes = mc.kv_cache_planes * mc.kv_cache_heads * mc.kv_cache_head_size * kv.element_size()
     return ModelFacts(body_params=weights.body_params, lm_head_params=weights.lm_head_params,
                       weight_bytes=weights.body_bytes + weights.lm_head_bytes,
                       num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,

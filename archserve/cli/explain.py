@@ -21,7 +21,7 @@ def explain(
     op: Annotated[str | None, typer.Option(
         "--op", help="Explain one layer instead of a model: attention | mla_attention | "
                      "linear | moe (linear and moe take --quantization), or vLLM's side "
-                     "selections vit_attention | mla_prefill (rules only).")] = None,
+                     "selections vit_attention | mla_prefill (vLLM rules; mla_prefill also shows what runs).")] = None,
     head_size: Annotated[int | None, typer.Option(
         "--head-size", help="Head size for --op attention (mla_attention assumes DeepSeek-V3, "
                             "576).")] = None,

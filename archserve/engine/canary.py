@@ -22,6 +22,8 @@ CANARY_STEPS = {"prefill": [(5, 21), (1, 40)], "decode": [(1, 40), (1, 2100), (1
 def attention_canary(impl, spec: AttentionSpec, block_size: int, device: torch.device
                      ) -> str | None:
     """None if ``impl`` passes both steps, else the reason (mismatch, NaN/Inf, exception)."""
+    if spec.use_mla:
+        return mla_canary(impl, spec, block_size, device)
     for step, seqs in CANARY_STEPS.items():
         case = make_case(seqs, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                          head_size=spec.head_size, block_size=block_size, dtype=spec.dtype,
@@ -29,6 +31,24 @@ def attention_canary(impl, spec: AttentionSpec, block_size: int, device: torch.d
                          sliding_window=spec.sliding_window, soft_cap=spec.logit_soft_cap,
                          device=device.type, seed=1234, fp8_exact_kv=device.type == "cpu")
         reason = compare_with_reference(case, impl)
+        if reason is not None:
+            return f"numerics canary ({step} step): {reason}"
+    return None
+
+
+def mla_canary(impl, spec: AttentionSpec, block_size: int, device: torch.device) -> str | None:
+    """The same two steps for an ``mla_attention`` implementation, at the model's MLA sizes
+    (the prefill step mixes prompts, expanded, with a decode, absorbed)."""
+    from archserve.kernels.mla.cases import compare_mla_with_reference, make_mla_case
+
+    kv = "fp8_e4m3" if spec.kv_cache_dtype in ("fp8", "fp8_e4m3") else "auto"
+    for step, seqs in CANARY_STEPS.items():
+        case = make_mla_case(seqs, num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
+                             rope=spec.qk_rope_head_dim, nope=spec.qk_nope_head_dim,
+                             v_head=spec.v_head_dim, block_size=block_size, dtype=spec.dtype,
+                             kv_cache_dtype=kv, device=device.type, seed=1234,
+                             fp8_exact_kv=device.type == "cpu")
+        reason = compare_mla_with_reference(case, impl)
         if reason is not None:
             return f"numerics canary ({step} step): {reason}"
     return None

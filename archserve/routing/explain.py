@@ -174,7 +174,8 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
     """``explain --op OP``: one layer of any op kind the registry routes, dtype decisions
     first. Attention needs a head size (MLA assumes DeepSeek-V3's); linear and MoE take
     Llama-3-8B's and Mixtral-8x7B's shapes, quantized as ``quantization`` says.
-    ``vit_attention`` and ``mla_prefill`` are vLLM's two side selections (rules only)."""
+    ``vit_attention`` and ``mla_prefill`` are vLLM's two side selections (their vLLM
+    backends are rules only; mla_prefill's route is what archserve runs for MLA prompts)."""
     inputs = inputs or SelectionInputs()
     if op not in OP_KINDS + SIDE_SELECTIONS:
         raise ValueError(f"--op must be one of {', '.join(OP_KINDS + SIDE_SELECTIONS)}, "
@@ -230,8 +231,8 @@ def _side_selection(device: DeviceInfo, op: str, head_size: int | None, dtype: t
                     decisions: list[Decision], libraries: LibraryAssumption,
                     inputs: SelectionInputs) -> Explanation:
     """vLLM's ViT-encoder and MLA-prefill selections: each has its own priority list and asks
-    fewer questions than decoder attention. No architecture archserve loads has either, so
-    the route is the ideal alone."""
+    fewer questions than decoder attention. No architecture archserve loads has a ViT, so its
+    route is the ideal alone; MLA prompts run what the MLA route runs for them."""
     from archserve.kernels.attention.backends import vit_attention_priority, vit_rule
     from archserve.kernels.mla.backends import mla_prefill_priority, mla_prefill_rule
 
@@ -253,6 +254,15 @@ def _side_selection(device: DeviceInfo, op: str, head_size: int | None, dtype: t
             ideal = name
             break
         rejected.append(Rejection(name, reason))
+    if op == "mla_prefill":
+        # What runs here follows the mla_attention route (DeepSeek loads; its prompts do).
+        from archserve.kernels.mla.backends import mla_prefill_runs
+        selection = default_registry().select("mla_attention", device, spec,
+                                              libraries=libraries)
+        route = Route(op=op, layer=op, backend=mla_prefill_runs(selection.name), ideal=ideal,
+                      rejected=rejected)
+        return Explanation(device, dtype, decisions, [route], libraries_text(libraries),
+                           None, inputs)
     route = Route(op=op, layer=op, backend="", ideal=ideal, rejected=rejected)
     return Explanation(device, dtype, decisions, [route], libraries_text(libraries),
                        f"no supported architecture has {op} layers", inputs)

@@ -52,9 +52,7 @@ def test_absorbed_equals_expanded(query_lens, seq_lens, kv_dtype):
     rows = [offsets[i] + p for i, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True))
             for p in range(s - q, s)]
     meta = _meta(query_lens, seq_lens)
-    query = torch.cat([torch.einsum("thd,hdl->thl", q_nope, w_uk), q_pe], -1)
-    got = torch.einsum("thl,hvl->thv", mla.forward(query, latent[rows], cache, meta, scale, L,
-                                                   k_scale), w_uv)
+    got = mla.forward(q_nope, q_pe, latent[rows], cache, meta, w_uk, w_uv, scale, k_scale)
     # Non-absorbed: expand each sequence's (cache-rounded) latent to per-head K and V.
     stored = latent if kv_dtype == torch.float32 else (latent / k_scale).to(kv_dtype).float() * k_scale
     keys = torch.cat([torch.einsum("sl,hdl->shd", stored[:, :L], w_uk),

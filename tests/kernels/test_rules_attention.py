@@ -52,13 +52,36 @@ def test_attention_route_on_every_profile(profile: str, monkeypatch) -> None:
 def test_mla_route_on_every_profile(profile: str) -> None:
     spec = AttentionSpec(dtype=torch.float16, **MLA)
     assert REGISTRY.ideal("mla_attention", get_profile(profile), spec) == MLA_IDEAL[profile]
-    # The fused MLA kernels are rules only: what runs everywhere is the torch fallback.
-    assert select("mla_attention", profile, spec).name == "TORCH_REFERENCE"
+    # The library MLA kernels are rules only: GPUs run archserve's Triton MLA, the CPU the
+    # torch fallback.
+    built = "TORCH_REFERENCE" if profile == "cpu" else "TRITON_MLA"
+    assert select("mla_attention", profile, spec).name == built
 
 
-def test_mla_fallback_runs_and_the_fused_kernels_are_rules_only() -> None:
+def test_triton_mla_and_the_fallback_run_the_library_kernels_are_rules_only() -> None:
     assert REGISTRY.get("mla_attention", "TORCH_REFERENCE").implemented
-    assert not REGISTRY.get("mla_attention", "TRITON_MLA").implemented
+    assert REGISTRY.get("mla_attention", "TRITON_MLA").implemented
+    assert REGISTRY.get("mla_attention", "TRITON_MLA").graph_capturable
+    assert not REGISTRY.get("mla_attention", "FLASHMLA").implemented
+
+
+def test_triton_mla_rules_follow_vllm_033() -> None:
+    """mla/triton_mla.py (TritonMLABackend): fp16/bf16, a bf16 or e4m3 latent cache (no
+    fp16 or e5m2 one), MLACommonBackend's head sizes 320 and 576; blocks of 16."""
+    def reason(**fields) -> str | None:
+        spec = AttentionSpec(**{"dtype": torch.bfloat16, **MLA, **fields})
+        return REGISTRY.get("mla_attention", "TRITON_MLA").hardware_rule(get_profile("h200"),
+                                                                         spec)
+
+    assert reason() is None and reason(kv_cache_dtype="fp8") is None
+    assert reason(head_size=320, kv_lora_rank=256) is None
+    assert "fp8_e5m2" in reason(kv_cache_dtype="fp8_e5m2")
+    assert "float16" in reason(kv_cache_dtype="float16")
+    assert "float32" in reason(dtype=torch.float32)
+    assert "head size 40" in reason(head_size=40, kv_lora_rank=32, qk_rope_head_dim=8)
+    assert "multiple of 16" in reason(block_size=8)
+    assert "CUDA or ROCm" in REGISTRY.get("mla_attention", "TRITON_MLA").hardware_rule(
+        get_profile("cpu"), AttentionSpec(dtype=torch.bfloat16, **MLA))
 
 
 def test_sparse_mla_order_depends_on_kv_dtype_and_heads() -> None:
@@ -171,3 +194,13 @@ def test_preferred_block_sizes() -> None:
     assert REGISTRY.get("attention", "FLASH_ATTN").preferred_block_size == 16
     assert REGISTRY.get("mla_attention", "FLASHMLA").preferred_block_size == 64
     assert REGISTRY.get("mla_attention", "CUTLASS_MLA").preferred_block_size == 128
+
+
+def test_mla_prefill_shows_vllms_choice_and_what_runs_here() -> None:
+    from archserve.routing.explain import explain_op_request
+
+    for profile, runs in (("h200", "TRITON_ATTN"), ("cpu", "TORCH_REFERENCE")):
+        out = explain_op_request(get_profile(profile), "mla_prefill", libraries="all")
+        route = out.routes[0]
+        assert out.not_loadable is None and route.backend == runs
+        assert route.ideal == ("FLASH_ATTN" if profile == "h200" else None)

@@ -192,3 +192,86 @@ def test_online_fp8_leaves_the_absorbed_matrix_in_16_bits(tmp_path):
     assert attn.kv_b_proj.weight.dtype == torch.float32
     out = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=8))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+# ---------------------------------------------------------------- GPU
+
+# Latent 256 + 64 (a head size TRITON_MLA takes, as vLLM's MLA kernels: 320 or 576), q/k
+# heads of 128 + 64 and values of 128 for the Triton prefill, bf16-sized hidden state.
+GPU_MLA = dict(MLA, hidden_size=256, intermediate_size=256, kv_lora_rank=256,
+               qk_rope_head_dim=64, head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+               moe_intermediate_size=64, max_position_embeddings=1024)
+# A fixed small pool (two engines may share the GPU in one process) and a quick start.
+GPU_ENGINE = dict(kv_cache_memory_bytes=1 << 28, max_num_seqs=8, self_check=False)
+
+
+def _logprob_gaps(hf_model, outputs) -> list[float]:
+    """|ours - transformers'| of every prompt token and every generated token's log-prob."""
+    gaps = []
+    for out in outputs:
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids], device="cuda")).logits[0]
+                                    .float(), -1)
+        n = len(out.prompt_token_ids)
+        gaps += [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
+                 for p in range(1, n)]
+        gaps += [abs(step[ids[n + i]].logprob - ref[n + i - 1, ids[n + i]].item())
+                 for i, step in enumerate(out.outputs[0].logprobs)]
+    return gaps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("variant", ["v2", "v3"])
+def test_gpu_bf16_engine_is_close_to_transformers(tmp_path, variant, enforce_eager):
+    """The engine on the GPU in bf16 (TRITON_MLA: prompts expanded through the Triton
+    prefill, decode absorbed, in CUDA graphs unless eager) against transformers bf16 on the
+    GPU: prompt and generated tokens' log-probabilities agree to bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from archserve import LLM, SamplingParams
+
+    model_type, overrides = VARIANTS[variant]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**GPU_MLA, **overrides})
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    llm = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=enforce_eager,
+              **GPU_ENGINE)
+    engine = llm.llm_engine
+    routes = {r.layer: r for r in engine.report.routes}
+    assert (routes["attention"].op, routes["attention"].backend) == ("mla_attention", "TRITON_MLA")
+    assert bool(engine.report.graph_sizes) != enforce_eager, engine.report.graphs_off
+    assert not engine.report.canary or all("passed" in c for c in engine.report.canary), \
+        engine.report.canary
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=1)
+    gaps = _logprob_gaps(hf_model, llm.generate(TEXT_PROMPTS, params))
+    assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.02, (max(gaps), sum(gaps) / len(gaps))
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
+    """Prompts sharing a cached prefix, chunked 16 tokens a step beside decodes (mixed
+    steps: expanded prefill next to the absorbed kernel): the same greedy tokens as the
+    engine without prefix caching or chunking."""
+    from archserve import LLM, SamplingParams
+
+    model_type, overrides = VARIANTS["v3"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**GPU_MLA, **overrides})
+    shared = "A paged KV cache stores keys and values in fixed-size blocks. " * 3
+    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=False,
+                enable_chunked_prefill=False, **GPU_ENGINE)
+    expected = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
+    del plain
+    torch.cuda.empty_cache()
+    llm = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=16, **GPU_ENGINE)
+    llm.generate(prompts[:1], params)            # the shared prefix is cached
+    outputs = llm.generate(prompts, params)
+    assert max(o.num_cached_tokens for o in outputs) >= 16
+    same = sum(list(o.outputs[0].token_ids) == e for o, e in zip(outputs, expected, strict=True))
+    assert same >= 2, "chunked prefill over the cached prefix changed most continuations"

@@ -116,18 +116,23 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
                    e4m3_bits: bool | None = None, e5m2_bits: bool | None = None) -> None:
     """Write key/value [T, Hkv, D] into ``kv_cache`` at ``slot_mapping`` (slot -1 skipped).
 
     An fp8 cache stores ``x / scale``; readers multiply by the scale again. ``e4m3_bits``
     writes an e4m3 cache as bytes (None: where the device has no e4m3 type, see
-    ``e4m3_in_software``), ``e5m2_bits`` an e5m2 one (None: below SM80).
+    ``e4m3_in_software``), ``e5m2_bits`` an e5m2 one (None: below SM80). A one-plane
+    cache (an MLA latent) takes ``key`` alone, ``value`` None.
     """
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
+    # One plane: the kernel's value store rewrites the key's row (plane stride 0).
+    one_plane = value is None
+    if one_plane:
+        value, v_scale = key, k_scale
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     assert kv_cache.stride(-1) == 1, "the KV cache's head dimension must be contiguous"
@@ -142,8 +147,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     _write_kv_kernel[(num_tokens,)](
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        float(k_scale), float(v_scale),
+        0 if one_plane else kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), float(k_scale), float(v_scale),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_size),
         QUANTIZE=quantize, E4M3_BITS=bits, E5M2_BITS=e5m2_bits,

@@ -2,8 +2,9 @@
 
 Capability ranges follow today's vLLM where it differs from seed 000 §2.2 (FlashMLA
 and FlashMLA-sparse are Hopper and data-centre Blackwell, not Ada); see
-docs/deviations.md. The fused GPU kernels are rules only (``explain`` shows an MLA model's
-ideal route); TORCH_REFERENCE runs (kernels/mla/torch_mla.py) and is what executes today.
+docs/deviations.md. The fused library kernels are rules only (``explain`` shows an MLA
+model's ideal route); TRITON_MLA (kernels/mla/triton_mla.py) runs on GPUs and
+TORCH_REFERENCE (kernels/mla/torch_mla.py) everywhere.
 """
 
 from __future__ import annotations
@@ -188,17 +189,33 @@ class FlashAttnMlaSparseFa4Backend(MlaBackend):
         return None
 
 
+# vLLM 0.33's MLA kernels take the latent head sizes MLACommonBackend lists: DeepSeek's
+# 512 + 64, and 256 + 64.
+MLA_COMMON_HEAD_SIZES = (320, 576)
+
+
 class TritonMlaBackend(MlaBackend):
+    """vLLM 0.33 mla/triton_mla.py: any GPU, fp16/bf16, a 16-bit or e4m3 latent cache."""
+
     name = "TRITON_MLA"
     library = "triton"
-    implemented = False
     fixed_latent = False
-    description = "Triton MLA (any GPU; reads an fp8 latent cache)"
+    kv_dtypes = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+    description = ("archserve's Triton MLA: absorbed decode over the latent cache (split-KV), "
+                   "prompts expanded to per-head K/V through the Triton prefill (any GPU)")
     block_multiple = 16
+    graph_capturable = True
+    impl_path = "archserve.kernels.mla.triton_mla:TritonMlaImpl"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         if device.platform not in ("cuda", "rocm"):
             return f"needs a CUDA or ROCm GPU, device is {device_text(device)}"
+        return None
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        if spec.head_size not in MLA_COMMON_HEAD_SIZES:
+            return (f"latent head size {spec.head_size} unsupported "
+                    f"({', '.join(map(str, MLA_COMMON_HEAD_SIZES))})")
         return None
 
 
@@ -253,7 +270,8 @@ def mla_priority(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
 
 # MLA prefill (vLLM 0.33 platforms/interface.py, get_mla_prefill_backend_cls, and
 # v1/attention/backends/mla/prefill/*): its own small selection over MLA dimensions
-# (qk_nope_head_dim, qk_rope_head_dim, v_head_dim). Rules only here.
+# (qk_nope_head_dim, qk_rope_head_dim, v_head_dim). Rules only here: archserve's prompts run
+# inside the selected mla_attention implementation (mla_prefill_runs).
 MLA_PREFILL_DIMENSIONS = {
     "FLASH_ATTN": ((128, 64, 128), (192, 64, 256), (64, 64, 128), (256, 0, 256)),
     "TRTLLM_RAGGED": ((128, 64, 128), (192, 64, 256)),
@@ -281,3 +299,10 @@ def mla_prefill_rule(name: str, device: DeviceInfo, spec: AttentionSpec) -> str 
     return (needs_dtype(spec.dtype, HALF_DTYPES)
             or (f"MLA dimensions {dims} unsupported"
                 if dims not in MLA_PREFILL_DIMENSIONS[name] else None))
+
+
+def mla_prefill_runs(mla_backend: str) -> str:
+    """What runs MLA prompts under the selected mla_attention backend: TRITON_MLA expands the
+    latent to per-head K/V for archserve's Triton prefill kernel (TRITON_ATTN's); the torch
+    fallback attends over the latent, absorbed."""
+    return "TRITON_ATTN" if mla_backend == "TRITON_MLA" else mla_backend

@@ -9,7 +9,7 @@ by every head. The model absorbs ``W_UK`` into the query and applies ``W_UV`` af
 
 Both prefill and decode take this absorbed path (plain fp32 torch, one loop over sequences):
 exact, and it reads only the latent, so chunked prefill over a cached prefix and preemption
-need nothing else. A GPU kernel (Triton MLA) and a non-absorbed prefill are later work.
+need nothing else. TRITON_MLA (kernels/mla/triton_mla.py) is tested against ``attend_latent``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from archserve.kernels.attention.reference import (
     scheduled_sequences,
     write_kv_cache,
 )
+from archserve.kernels.mla.interface import absorb_query, latent_output_to_heads
 
 
 class TorchMlaImpl:
@@ -34,12 +35,20 @@ class TorchMlaImpl:
         self.device = device
         self.spec = spec
 
-    def forward(self, query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, kv_lora_rank: int,
-                k_scale: float = 1.0) -> torch.Tensor:
-        """query [T, H, L+R] (absorbed nope part, then rope part); latent [T, L+R] (this
-        step's c_kv and k_pe, written to the cache first) -> [T, H, L] in query's dtype."""
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, w_uk: torch.Tensor,
+                w_uv: torch.Tensor, scale: float, k_scale: float = 1.0) -> torch.Tensor:
+        """The MlaImpl contract (kernels/mla/interface.py): absorbed, every step."""
         write_kv_cache(latent[:, None, :], None, kv_cache, meta.slot_mapping, k_scale)
+        out = self.attend_latent(absorb_query(q_nope, q_pe, w_uk), kv_cache, meta, scale,
+                                 w_uk.shape[-1], k_scale)
+        return latent_output_to_heads(out, w_uv)
+
+    def attend_latent(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, kv_lora_rank: int,
+                      k_scale: float = 1.0) -> torch.Tensor:
+        """query [T, H, L+R] (absorbed nope part, then rope part) over the cached latent
+        (this step's rows already written) -> [T, H, L] in query's dtype."""
         out = torch.empty(*query.shape[:2], kv_lora_rank, dtype=query.dtype,
                           device=query.device)
         for i, q_start, q_end, seq_len in scheduled_sequences(meta):

@@ -6,9 +6,10 @@ Per token the layer projects hidden -> q (through the q LoRA ``q_a_proj``/``q_a_
 c_kv and the rotated k_pe (one entry per token, shared by every head).
 
 ``kv_b_proj`` [H * (nope + v), kv_lora_rank] holds W_UK and W_UV per head. Rather than
-expanding the cache to per-head keys and values, W_UK is absorbed into the query
+expanding the cache to per-head keys and values, W_UK can be absorbed into the query
 (q_nope . W_UK c_kv = (W_UK^T q_nope) . c_kv) and W_UV applied to the attention output over
-the latent, so the attention backend (op ``mla_attention``) reads only the latent.
+the latent, so attention reads only the latent. The layer hands both halves to the
+``mla_attention`` implementation, which picks the form per step (kernels/mla/interface.py).
 
 RoPE: DeepSeek stores the rope dimensions as interleaved pairs (V2 always, V3 when
 ``rope_interleave``); they are de-interleaved (evens, then odds) for both q and k before the
@@ -99,14 +100,12 @@ class MLAAttention(nn.Module, KVCacheScales):
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, -1), k_pe.contiguous())
         w_uk, w_uv = self._absorbed_weights()
-        q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)
-        query = torch.cat((q_latent, q_pe.view(t, h, m.qk_rope_head_dim)), dim=-1)
         ctx = get_forward_context()
         latent = torch.cat((c_kv, k_pe), dim=-1)
         # One scale for the latent: MLA's cache has one plane, written and read as "k".
         k_scale, _ = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, latent, latent)
         with op_region("attention"):
-            out = ctx.attn_impl.forward(query, latent, ctx.kv_caches[self.layer_index],
-                                        ctx.attn_metadata, self.scale, m.kv_lora_rank, k_scale)
-        out = torch.einsum("thl,hvl->thv", out, w_uv)
+            out = ctx.attn_impl.forward(q_nope, q_pe.view(t, h, m.qk_rope_head_dim), latent,
+                                        ctx.kv_caches[self.layer_index], ctx.attn_metadata,
+                                        w_uk, w_uv, self.scale, k_scale)
         return self.o_proj(out.reshape(t, h * m.v_head_dim))

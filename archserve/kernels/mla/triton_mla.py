@@ -1,0 +1,100 @@
+"""TRITON_MLA: the MlaImpl built from archserve's Triton kernels over the latent paged cache.
+
+A pure-decode step (one query token per sequence; the steps CUDA graphs replay) runs
+absorbed: W_UK folded into the query, the MLA decode kernel over the latent
+(triton_mla_decode.py), W_UV after. A step with prompt tokens runs eagerly and splits by
+sequence: its decoding sequences take the same absorbed kernel, its prefilling ones the
+expanded form through the Triton prefill kernel (expanded_prefill.py), which costs fewer
+FLOPs per query-key pair once a sequence brings more than one query row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from archserve.kernels.attention.interface import AttentionMetadata
+from archserve.kernels.attention.triton_cache_write import write_kv_cache
+from archserve.kernels.mla.expanded_prefill import expanded_prefill
+from archserve.kernels.mla.interface import absorb_query, latent_output_to_heads
+from archserve.kernels.mla.triton_mla_decode import mla_decode
+
+
+class TritonMlaImpl:
+    graph_capturable = True
+
+    def __init__(self, device=None, spec=None, fp8_bytes: bool | None = None) -> None:  # noqa: ANN001
+        self.device = device
+        self.spec = spec
+        # Whether an e4m3 latent is written and read as bytes (GPUs without e4m3); None:
+        # decided per GPU by the kernels' wrappers.
+        self.fp8_bytes = fp8_bytes
+        self.num_sms = (getattr(device, "multiprocessor_count", None) or 0) if device else 0
+
+    def _sm_count(self, tensor: torch.Tensor) -> int:
+        if self.num_sms == 0 and tensor.is_cuda:
+            self.num_sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count
+        return self.num_sms
+
+    def _e4m3_bits(self, kv_cache: torch.Tensor) -> bool | None:
+        if self.fp8_bytes is None:
+            return None
+        return self.fp8_bytes and kv_cache.dtype == torch.float8_e4m3fn
+
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int,
+               max_seq_len: int, scale: float, kv_lora_rank: int, k_scale: float
+               ) -> torch.Tensor:
+        """Absorbed query [T, H, L+R], one row per sequence -> [T, H, L]."""
+        out = torch.empty(*query.shape[:2], kv_lora_rank, dtype=query.dtype, device=query.device)
+        return mla_decode(query, kv_cache, block_tables, seq_lens, query_start_loc, out,
+                          num_seqs=num_seqs, max_seq_len=max_seq_len, scale=scale,
+                          k_scale=k_scale, num_sms=self._sm_count(query),
+                          e4m3_bits=self._e4m3_bits(kv_cache))
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, w_uk: torch.Tensor,
+                w_uv: torch.Tensor, scale: float, k_scale: float = 1.0) -> torch.Tensor:
+        """The MlaImpl contract (kernels/mla/interface.py)."""
+        e4m3 = self._e4m3_bits(kv_cache)
+        write_kv_cache(latent[:, None], None, kv_cache, meta.slot_mapping, k_scale,
+                       e4m3_bits=e4m3, e5m2_bits=None if self.fp8_bytes is None else False)
+        kv_rank = w_uk.shape[-1]
+        # max_query_len is a host int: choosing the path costs no device sync.
+        if meta.max_query_len <= 1:
+            out = self.decode(absorb_query(q_nope, q_pe, w_uk), kv_cache, meta.block_tables,
+                              meta.seq_lens, meta.query_start_loc, meta.num_seqs,
+                              meta.max_seq_len, scale, kv_rank, k_scale)
+            return latent_output_to_heads(out, w_uv)
+        return self._mixed_step(q_nope, q_pe, kv_cache, meta, w_uk, w_uv, scale, k_scale)
+
+    def _mixed_step(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                    scale: float, k_scale: float) -> torch.Tensor:
+        query_lens = np.asarray(meta.query_lens_cpu or
+                                np.diff(meta.query_start_loc.tolist()), dtype=np.int64)
+        seq_lens = np.asarray(meta.seq_lens_cpu or meta.seq_lens.tolist(), dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(query_lens)])
+        device = q_nope.device
+        out = torch.zeros(*q_nope.shape[:2], w_uv.shape[1], dtype=q_nope.dtype, device=device)
+        decoding = np.flatnonzero(query_lens == 1)
+        if len(decoding):
+            rows = torch.from_numpy(starts[decoding]).to(device)
+            seqs = torch.from_numpy(decoding).to(device)
+            n = len(decoding)
+            latent_out = self.decode(
+                absorb_query(q_nope[rows], q_pe[rows], w_uk), kv_cache,
+                meta.block_tables[seqs], meta.seq_lens[seqs],
+                torch.arange(n + 1, dtype=torch.int32, device=device), n,
+                int(seq_lens[decoding].max()), scale, w_uk.shape[-1], k_scale)
+            out[rows] = latent_output_to_heads(latent_out, w_uv)
+        prefilling = np.flatnonzero(query_lens > 1)
+        if len(prefilling):
+            rows = torch.from_numpy(np.concatenate(
+                [np.arange(starts[i], starts[i + 1]) for i in prefilling])).to(device)
+            out[rows] = expanded_prefill(
+                q_nope[rows], q_pe[rows], kv_cache,
+                meta.block_tables[torch.from_numpy(prefilling).to(device)],
+                query_lens[prefilling].tolist(), seq_lens[prefilling].tolist(), w_uk, w_uv,
+                scale, k_scale)
+        return out

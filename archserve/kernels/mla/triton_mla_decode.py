@@ -1,0 +1,186 @@
+"""Triton paged MLA decode: absorbed queries over the latent cache, one query token per sequence.
+
+Every query head of a sequence attends to the same latent rows (``c_kv | k_pe``, one shared
+KV head), so a program owns a block of BLOCK_H heads of one sequence and makes those heads
+the M dimension of its ``tl.dot``s: each latent tile is read from memory once for all of
+them and serves both products, scores = q_nope . c_kv + q_pe . k_pe and out += p . c_kv.
+The head blocks of one sequence are neighbours in the grid (axis 0), so where a model has
+more heads than one block (DeepSeek-V3's 128), the blocks read the same tiles while they
+are still in L2.
+
+When sequences x head blocks cannot fill the GPU the context is split (flash-decoding, the
+same rule as the standard decode kernel); each split writes a partial output and its
+log-sum-exp, merged by the standard decode's merge kernel. Grid and split count follow
+from host ints (the batch size, the longest possible context, the SM count), never from
+device values, so the launch is captured in CUDA graphs.
+
+An fp8 (e4m3) latent cache holds ``latent / k_scale``; both products are scaled back by
+``k_scale``. GPUs without an e4m3 type read it as bytes (see triton_cache_write).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from archserve.kernels.attention.triton_cache_write import (
+    E4M3_BITS_SCALE,
+    cache_operand,
+    paged_token_offsets,
+)
+from archserve.kernels.attention.triton_decode import (
+    _merge_splits_kernel,
+    choose_num_splits,
+    dot_precision,
+)
+from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
+
+
+@triton.jit
+def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+                       out_ptr, partial_out_ptr, partial_lse_ptr,
+                       stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+                       stride_cache_block, stride_cache_token, stride_block_table,
+                       qk_scale, v_scale,
+                       NUM_HEADS: tl.constexpr, KV_RANK: tl.constexpr, ROPE: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr):
+    head_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    split = tl.program_id(2)
+
+    token = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - token
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # A sequence with no query token this step (graph padding) attends to nothing.
+    seq_len = tl.where(query_len > 0, seq_len, 0)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, seq_len)
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < NUM_HEADS
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_l = offs_l < KV_RANK
+    mask_r = offs_r < ROPE
+    q_rows = q_ptr + token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
+    q_nope = tl.load(q_rows + offs_l[None, :], mask=mask_h[:, None] & mask_l[None, :], other=0.0)
+    q_pe = tl.load(q_rows + KV_RANK + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :],
+                   other=0.0)
+    if DOT_PRECISION == "ieee":  # the latent and P follow q's dtype (see dot_precision)
+        q_nope = q_nope.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
+                                   stride_cache_token, BLOCK_SIZE)
+        c_kv = tl.load(cache_ptr + rows[:, None] + offs_l[None, :],
+                       mask=mask_n[:, None] & mask_l[None, :], other=0.0)
+        k_pe = tl.load(cache_ptr + rows[:, None] + KV_RANK + offs_r[None, :],
+                       mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
+            c_kv = e4m3_bits_to_fp16(c_kv)
+            k_pe = e4m3_bits_to_fp16(k_pe)
+        c_kv = c_kv.to(q_nope.dtype)
+        k_pe = k_pe.to(q_nope.dtype)
+        scores = tl.dot(q_nope, tl.trans(c_kv), input_precision=DOT_PRECISION)
+        scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        scores = tl.where(mask_n[None, :], scores * (qk_scale * 1.4426950408889634),
+                          float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv,
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_mask = mask_h[:, None] & mask_l[None, :]
+    if NUM_SPLITS == 1:
+        dst = (out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
+               + offs_l[None, :])
+        # (broadcast before comparing: the interpreter mistypes scalar-bool & tensor)
+        live = (tl.zeros([BLOCK_H, BLOCK_L], tl.int32) + query_len) > 0
+        tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=out_mask & live)
+    else:
+        # The merge kernel's layout: [num_seqs, num_heads, NUM_SPLITS, (KV_RANK)] fp32,
+        # lse in log2 units, unscaled (the merge applies v_scale).
+        row = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(partial_out_ptr + row[:, None] * KV_RANK + offs_l[None, :], out, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + row, lse, mask=mask_h)
+
+
+def mla_decode_tiles(num_heads: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages). 16 heads per program: tl.dot's smallest M,
+    and its [16, 512] fp32 accumulator fits 4 warps' registers; more heads per program would
+    spill. A 32-token latent tile is 36 KiB in bf16, two stages in flight."""
+    return 16, 32, 4, 2
+
+
+def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor, *,
+               num_seqs: int, max_seq_len: int, scale: float, k_scale: float = 1.0,
+               num_sms: int = 0, num_splits: int | None = None,
+               tiles: tuple[int, int, int, int] | None = None,
+               e4m3_bits: bool | None = None) -> torch.Tensor:
+    """Attend one absorbed query token per sequence over its paged latent; writes ``out``.
+
+    query [T, H, L + R] (row ``query_start_loc[i]`` belongs to sequence i), kv_cache
+    [1, num_blocks, block_size, 1, L + R], out [T, H, L] with L = ``out.shape[-1]``.
+    ``num_splits`` overrides the split rule (a power of two), ``tiles`` the
+    ``mla_decode_tiles`` (both for benchmark sweeps); ``e4m3_bits`` reads an e4m3 cache as
+    bytes (None: where the GPU lacks e4m3).
+    """
+    _, num_heads, latent_size = query.shape
+    kv_rank = out.shape[-1]
+    rope = latent_size - kv_rank
+    assert kv_cache.shape[0] == 1 and kv_cache.shape[3] == 1 and kv_cache.shape[4] == latent_size
+    assert rope > 0, "the kernel reads a rope part (qk_rope_head_dim > 0)"
+    assert kv_cache.stride(-1) == 1 and query.stride(-1) == 1 and out.stride(-1) == 1
+    if num_seqs == 0:
+        return out
+    block_size = kv_cache.shape[2]
+    kv_cache, bits = cache_operand(kv_cache, e4m3_bits)
+    v_scale = k_scale * (E4M3_BITS_SCALE if bits else 1.0)
+    block_h, block_n, num_warps, num_stages = tiles or mla_decode_tiles(num_heads)
+    head_blocks = triton.cdiv(num_heads, block_h)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, head_blocks, max_seq_len, num_sms)
+    assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    block_l = triton.next_power_of_2(kv_rank)
+    partial_out = partial_lse = out  # unused placeholders when there is a single split
+    if num_splits > 1:
+        partial_out = torch.empty((num_seqs, num_heads, num_splits, kv_rank),
+                                  dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                                  device=query.device)
+    _mla_decode_kernel[(head_blocks, num_seqs, num_splits)](
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
+        scale * v_scale, v_scale,
+        NUM_HEADS=num_heads, KV_RANK=kv_rank, ROPE=rope, BLOCK_SIZE=block_size,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=block_l,
+        BLOCK_R=max(triton.next_power_of_2(rope), 16), NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            partial_out, partial_lse, query_start_loc, out, out.stride(0), out.stride(1),
+            v_scale, HEAD_SIZE=kv_rank, BLOCK_D=block_l, NUM_SPLITS=num_splits,
+        )
+    return out

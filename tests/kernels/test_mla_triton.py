@@ -1,0 +1,164 @@
+"""TRITON_MLA against TORCH_REFERENCE: the MLA decode kernel over the latent cache (absorbed
+queries, head blocks, split-KV), and the whole implementation (latent write, decode, mixed
+steps whose prompts take the expanded Triton prefill).
+
+On CPU the kernels run under Triton's interpreter in a child process at tiny sizes (see
+test_attention_triton.py for why a child), and compile for real GPU targets; on a GPU the
+gpu-marked tests run them at DeepSeek's sizes (latent 512 + 64; 16 and 128 heads).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from archserve.kernels.mla.cases import make_mla_case
+from archserve.kernels.mla.torch_mla import TorchMlaImpl
+from archserve.kernels.rules import triton_interpreted
+
+INTERPRETED = triton_interpreted()
+# (The interpreter's time goes by programs x ops: one head block but where masking is tested.)
+TINY = dict(num_heads=16, kv_lora_rank=32, rope=16, nope=16, v_head=24)
+
+
+def decode_against_reference(case, *, num_splits=None, tiles=None, num_sms=0, e4m3_bits=None,
+                             atol=2e-3) -> None:
+    from archserve.kernels.mla.triton_mla_decode import mla_decode
+
+    meta = case.meta
+    query = case.absorbed_query
+    cache = case.kv_cache.clone()
+    expected = TorchMlaImpl().attend_latent(query, cache, meta, case.scale,
+                                            case.w_uk.shape[-1], case.k_scale)
+    out = torch.zeros_like(expected)
+    mla_decode(query, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+               num_seqs=meta.num_seqs, max_seq_len=meta.max_seq_len, scale=case.scale,
+               k_scale=case.k_scale, num_splits=num_splits, tiles=tiles, num_sms=num_sms,
+               e4m3_bits=e4m3_bits)
+    n = case.num_valid_tokens
+    err = (out[:n].float() - expected[:n].float()).abs().max().item()
+    assert err <= atol * max(1.0, expected[:n].float().abs().max().item()), f"max error {err:.3g}"
+
+
+if not INTERPRETED:
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu-marked tests run")
+    def test_triton_mla_under_interpreter():
+        from triton_interpreter import assert_passes_under_interpreter
+        assert_passes_under_interpreter(__file__, timeout=300)
+
+else:
+    def test_split_decode_kernel_matches_reference():
+        # 4 splits of one 32-token tile: the 5-token sequence's later splits are empty;
+        # 20 heads leave the second block of 16 partly masked; blocks of 8 tokens.
+        case = make_mla_case([(1, 70), (1, 5)], block_size=8, seed=1,
+                             **{**TINY, "num_heads": 20})
+        decode_against_reference(case, num_splits=4)
+
+    def test_decode_kernel_reads_e4m3_bytes():
+        case = make_mla_case([(1, 40)], kv_cache_dtype="fp8_e4m3", dtype=torch.float16,
+                             seed=2, **TINY)
+        decode_against_reference(case, num_splits=2, e4m3_bits=True, atol=2e-2)
+
+    @pytest.mark.parametrize("seqs", [[(1, 21), (1, 40)],              # decode, padded rows
+                                      [(5, 21), (1, 40), (3, 3)]],     # prompts + a decode
+                             ids=["decode", "mixed"])
+    def test_impl_matches_reference(seqs):
+        from archserve.kernels.mla.triton_mla import TritonMlaImpl
+
+        case = make_mla_case(seqs, pad_tokens=2, seed=3, **TINY)
+        (out, cache), (expected, expected_cache) = case.run(TritonMlaImpl()), \
+            case.run(TorchMlaImpl())
+        torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(cache, expected_cache)    # the same latent rows written
+
+
+# ---------------------------------------------------------------- compiled for real GPUs
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+def test_decode_compiles_for_hopper():
+    """DeepSeek's latent (512 + 64, 16 heads) in bf16 over an e4m3 cache read as bytes,
+    split (decode and merge kernels), as the compiler takes it: tensor-core MMAs. (One
+    target: a cold compile costs CI seconds; the GPU tests run the rest.)"""
+    from triton_compile import compiled_launches
+
+    from archserve.kernels.mla.triton_mla_decode import mla_decode
+
+    target, cache_dtype = ("cuda", 90, 32), torch.float8_e4m3fn
+    query = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 4, 64, 1, 576, dtype=cache_dtype)
+    tables, lens = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    starts = torch.arange(3, dtype=torch.int32)
+    with compiled_launches(target) as launches:
+        mla_decode(query, cache, tables, lens, starts, torch.zeros(2, 16, 512, dtype=torch.bfloat16),
+                   num_seqs=2, max_seq_len=256, scale=0.1, k_scale=0.5, num_splits=2,
+                   e4m3_bits=True)
+    assert [launch.kernel for launch in launches] == ["_mla_decode_kernel", "_merge_splits_kernel"]
+    assert "mma" in launches[0].code()
+
+
+# ---------------------------------------------------------------- GPU, DeepSeek's sizes
+
+DEEPSEEK = dict(kv_lora_rank=512, rope=64, nope=128, v_head=128)
+CONTEXTS = [1, 17, 64, 255, 1000, 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_decode_kernel_at_deepseek_sizes(heads, block_size, kv):
+    """Contexts 1..4096 in one batch, unsplit, split by the rule (the H200's SMs) and split
+    8 ways; bf16 queries over a bf16 or e4m3 latent."""
+    case = make_mla_case([(1, n) for n in CONTEXTS], num_heads=heads, block_size=block_size,
+                         dtype=torch.bfloat16, kv_cache_dtype=kv, device="cuda", seed=heads,
+                         fp8_exact_kv=False, **DEEPSEEK)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for splits, num_sms in ((1, 0), (None, sms), (8, 0)):
+        decode_against_reference(case, num_splits=splits, num_sms=num_sms, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_impl_at_deepseek_sizes(heads, kv):
+    """Through TritonMlaImpl: a prompt, a chunk over a 700-token cached prefix and a decode
+    in one step (expanded prefill beside the absorbed kernel), then a pure-decode step."""
+    from archserve.kernels.mla.cases import compare_mla_with_reference
+    from archserve.kernels.mla.triton_mla import TritonMlaImpl
+
+    for seqs in ([(300, 300), (64, 764), (1, 4096)], [(1, 300), (1, 764), (1, 4096)]):
+        case = make_mla_case(seqs, num_heads=heads, block_size=16, dtype=torch.bfloat16,
+                             kv_cache_dtype=kv, device="cuda", seed=7, fp8_exact_kv=False,
+                             **DEEPSEEK)
+        assert compare_mla_with_reference(case, TritonMlaImpl()) is None, seqs
+
+
+@pytest.mark.gpu
+def test_gpu_decode_replays_in_a_cuda_graph():
+    """Captured once at the longest context, replayed with other lengths in the same
+    buffers: the split count and grid come from shapes, not from the lengths."""
+    from archserve.kernels.mla.triton_mla_decode import mla_decode
+
+    case = make_mla_case([(1, n) for n in (4096, 2000, 1)], num_heads=16, block_size=16,
+                         dtype=torch.bfloat16, device="cuda", seed=5, **DEEPSEEK)
+    meta, query = case.meta, case.absorbed_query.contiguous()
+    out = torch.zeros(*query.shape[:2], 512, dtype=query.dtype, device="cuda")
+
+    def launch():
+        mla_decode(query, case.kv_cache, meta.block_tables, meta.seq_lens,
+                   meta.query_start_loc, out, num_seqs=3, max_seq_len=4096, scale=case.scale,
+                   num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    # (each no longer than at capture: the block tables cover those lengths)
+    meta.seq_lens.copy_(torch.tensor([100, 1999, 1], dtype=torch.int32))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = TorchMlaImpl().attend_latent(query, case.kv_cache, meta, case.scale, 512)
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
