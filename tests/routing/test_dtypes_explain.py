@@ -122,10 +122,11 @@ def test_explain_fp8_moe_mla_model(tmp_path) -> None:
     # vLLM 0.33 oracle/fp8.py _get_priority_backends: Hopper block FP8 with EP = 1 moves
     # Triton to the front (FlashInfer CUTLASS under EP > 1).
     assert routes["moe experts"]["ideal"] == "TRITON_FUSED_MOE"
-    # DeepSeek-V3 loads, but not its block-FP8 experts: no route is printed, only the ideal.
-    assert "experts are quantized" in out["not_loadable"]
-    assert all(r["backend"] == "" for r in out["routes"])
-    assert not [d for d in out["decisions"] if d["what"] == "quantization"]
+    # Block-FP8 DeepSeek-V3 loads (experts included): each layer shows what runs here.
+    assert out["not_loadable"] is None
+    assert routes["attention"]["backend"] == "TRITON_MLA"
+    assert routes["moe experts"]["backend"] == "TRITON_FUSED_MOE"
+    assert routes["linear (qkv, o, mlp)"]["backend"] == "TRITON_BLOCK_FP8"
 
 
 def test_explain_gguf_model(tmp_path) -> None:
