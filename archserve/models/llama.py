@@ -58,17 +58,10 @@ class LlamaAttention(nn.Module):
                               sliding_window=config.layer_sliding_windows[layer_index])
         self.head_dim = d
 
-    def _per_head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        return norm(x.view(num_tokens, -1, self.head_dim))[0].view(num_tokens, -1)
-
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        if self.q_norm is not None:
-            q = self._per_head_norm(self.q_norm, q)
-            k = self._per_head_norm(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        qkv = self.qkv_proj(hidden)
+        return self.o_proj(self.attn.forward_qkv(positions, qkv, self.rotary_emb,
+                                                 self.q_norm, self.k_norm))
 
 
 class LlamaMLP(nn.Module):
