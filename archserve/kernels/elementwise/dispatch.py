@@ -45,6 +45,8 @@ _forced_route: Route | None = None
 DISABLE_FUSIONS_ENV = "ARCHSERVE_DISABLE_FUSIONS"
 FUSIONS = {
     "qk_norm_rope_cache": "q/k RMSNorm, rotary and the KV-cache write after the QKV GEMM",
+    # Only where the decode GEMM after the norm runs TRITON_SKINNY_GEMM's kernel.
+    "rms_norm_gemm": "residual add + RMSNorm in the prologue of the QKV and gate/up GEMMs",
 }
 
 
