@@ -59,17 +59,20 @@ class LlamaAttention(nn.Module):
                               sliding_window=config.layer_sliding_windows[layer_index])
         self.head_dim = d
 
-    def _per_head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        return norm(x.view(num_tokens, -1, self.head_dim))[0].view(num_tokens, -1)
-
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        if self.q_norm is not None:
-            q = self._per_head_norm(self.q_norm, q)
-            k = self._per_head_norm(self.k_norm, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        return self._attend(positions, self.qkv_proj(hidden))
+
+    def forward_after_norm(self, positions: torch.Tensor, hidden: torch.Tensor,
+                           residual: torch.Tensor | None, norm: RMSNorm
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(hidden, residual)) and the new residual, the norm fused into the
+        QKV GEMM where the linear routine can."""
+        qkv, residual = self.qkv_proj.forward_after_norm(hidden, residual, norm)
+        return self._attend(positions, qkv), residual
+
+    def _attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attn.forward_qkv(positions, qkv, self.rotary_emb,
+                                                 self.q_norm, self.k_norm))
 
 
 class LlamaMLP(nn.Module):
@@ -82,6 +85,13 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x, residual)) and the new residual, the norm fused into the
+        gate/up GEMM where the linear routine can."""
+        act, residual = self.gate_up_proj.forward_silu_mul_after_norm(x, residual, norm)
+        return self.down_proj(act), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,10 +111,22 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
+        hidden, residual = _after_norm(self.self_attn, self.input_layernorm, hidden, residual,
+                                       positions)
+        return _after_norm(getattr(self, self.mlp_name), self.post_attention_layernorm,
+                           hidden, residual)
+
+
+def _after_norm(block: nn.Module, norm: RMSNorm, hidden: torch.Tensor,
+                residual: torch.Tensor | None, *args: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """block(*args, norm(hidden, residual)) and the new residual; a block that can take the
+    norm into its first GEMM (``forward_after_norm``) is handed it."""
+    after_norm = getattr(block, "forward_after_norm", None)
+    if after_norm is not None:
+        return after_norm(*args, hidden, residual, norm)
+    hidden, residual = norm(hidden, residual)
+    return block(*args, hidden), residual
 
 
 class LlamaModel(nn.Module):

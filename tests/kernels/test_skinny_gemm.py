@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from archserve.kernels.elementwise.reference import silu_and_mul_reference
+from archserve.kernels.elementwise.reference import rms_norm_reference, silu_and_mul_reference
 from archserve.kernels.linear.skinny_choice import (
     CUBLAS,
     LINEAR,
@@ -32,6 +32,7 @@ from archserve.kernels.linear.triton_skinny_gemm import (
     MAX_ROWS,
     SkinnyConfig,
     candidate_configs,
+    rms_norm_skinny_gemm,
     skinny_gemm,
     skinny_gemm_unsupported,
 )
@@ -76,6 +77,26 @@ def check_silu_mul_against_unfused(rows: int, n: int, k: int, dtype: torch.dtype
     assert got.dtype == dtype and got.shape == (rows, n)
     scale = expected.abs().max().item()
     assert (got.double() - expected).abs().max().item() <= 3 * ULP[dtype] * scale + 1e-5 * scale
+
+
+def check_norm_prologue(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
+                        config: SkinnyConfig, with_residual: bool, silu_mul: bool) -> None:
+    """The norm in the GEMM's prologue against rms_norm's kernel-free reference, then the
+    same GEMM: the normalised row rounds as the reference rounds it, so the products
+    differ only where the two fp32 sums of squares round 1/rms apart (a unit or two)."""
+    x, w, b = operands(rows, 2 * n if silu_mul else n, k, dtype, device, with_bias=True)
+    gen = torch.Generator().manual_seed(rows + k)
+    residual = torch.randn(rows, k, generator=gen).to(device, dtype) if with_residual else None
+    norm_weight = (1 + 0.2 * torch.randn(k, generator=gen)).to(device, dtype)
+    normed, expected_residual = rms_norm_reference(x, norm_weight, 1e-6, residual)
+    expected = skinny_gemm(normed, w, b, config, silu_mul=silu_mul)
+    got, new_residual = rms_norm_skinny_gemm(x, residual, norm_weight, 1e-6, w, b, config,
+                                             silu_mul=silu_mul)
+    assert got.dtype == dtype and got.shape == expected.shape
+    assert torch.equal(new_residual, expected_residual), "one rounded add: exact"
+    scale = expected.double().abs().max().item()
+    assert (got.double() - expected.double()).abs().max().item() <= \
+        4 * ULP[dtype] * scale + 1e-5 * scale
 
 
 # ------------------------------------------------------------------- anywhere (no kernel)
@@ -168,10 +189,13 @@ def test_kernel_compiles_for_gpu_targets(target, block_m):
     act = "*fp16" if target[1] == 70 else "*bf16"
     signature = {"x_ptr": act, "w_ptr": act, "b_ptr": act, "y_ptr": act, "M": "i32", "N": "i32",
                  "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
-                 **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K"],
-                                 "constexpr")}
+                 "r_ptr": act, "norm_w_ptr": act, "new_r_ptr": act, "eps": "fp32",
+                 **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
+                                  "NORM", "HAS_RESIDUAL"], "constexpr")}
+    # block_m 4 also compiles the norm prologue (with a residual); block_m 1 without it.
     constexprs = {"HAS_BIAS": True, "GATED": True, "BLOCK_M": block_m, "BLOCK_N": 4,
-                  "BLOCK_K": 256, "EVEN_K": False}
+                  "BLOCK_K": 256, "EVEN_K": False, "NORM": block_m > 1,
+                  "HAS_RESIDUAL": block_m > 1}
     compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                               target=GPUTarget(*target), options={"num_warps": 4})
     assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco")
@@ -214,6 +238,16 @@ else:
     def test_silu_mul_epilogue_matches_unfused(rows, dtype, with_bias):
         for config in candidate_configs(rows)[:2]:
             check_silu_mul_against_unfused(rows, 40, 520, dtype, "cpu", config, with_bias)
+
+
+    @pytest.mark.parametrize("rows,dtype,with_residual,silu_mul", [
+        (1, torch.bfloat16, True, False), (3, torch.float16, True, True),
+        (2, torch.float32, False, False)],
+        ids=["1-bf16-residual", "3-fp16-residual-silu", "2-fp32-first-layer"])
+    def test_norm_prologue_matches_norm_then_gemm(rows, dtype, with_residual, silu_mul):
+        # K 520: the last tile is partial, in both passes over K.
+        check_norm_prologue(rows, 16, 520, dtype, "cpu", SkinnyConfig(8, 256, 4),
+                            with_residual, silu_mul)
 
 
 # ------------------------------------------------------------------ GPU: real shapes
@@ -301,3 +335,41 @@ def test_gpu_tune_chooses_per_shape_caches_and_replays_in_a_graph(tmp_path):
             torch.testing.assert_close(static_act.float(),
                                        silu_and_mul_reference(F.linear(h, gate_up)).float(),
                                        rtol=2e-2, atol=2e-2)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("n,k,silu_mul", [(4096, 1024, False), (3072, 1024, True),
+                                          (6144, 4096, False), (14336, 4096, True)],
+                         ids=["0.6b-qkv", "0.6b-gate-up", "8b-qkv", "8b-gate-up"])
+def test_gpu_norm_prologue_real_shapes(n, k, silu_mul, rows):
+    for config in candidate_configs(rows):
+        check_norm_prologue(rows, n, k, torch.bfloat16, "cuda", config, True, silu_mul)
+    check_norm_prologue(rows, n, k, torch.bfloat16, "cuda", candidate_configs(rows)[0],
+                        False, silu_mul)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_routine_fuses_the_norm_only_where_it_chose_the_kernel():
+    """rms_norm_linear: the fused kernel for a shape tuned to Triton (inside the graph
+    scope), None for a cuBLAS shape or outside the scope (the caller then runs the norm)."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    x = torch.randn(1, 1024, device=dev, dtype=dtype)
+    residual = torch.randn_like(x)
+    norm_weight = torch.rand(1024, device=dev, dtype=dtype) + 0.5
+    w_triton = torch.randn(4096, 1024, device=dev, dtype=dtype) * 0.03
+    w_cublas = torch.randn(2048, 1024, device=dev, dtype=dtype) * 0.03
+    routine = SkinnyGemmRoutine()
+    config = candidate_configs(1)[0]
+    routine.choices[shape_key(LINEAR, 1, 4096, 1024, dtype)] = config.key()
+    routine.choices[shape_key(LINEAR, 1, 2048, 1024, dtype)] = CUBLAS
+    assert routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_triton) is None
+    with decode_graph_scope():
+        assert routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_cublas) is None
+        y, new_residual = routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_triton)
+    normed, expected_residual = rms_norm_reference(x, norm_weight, 1e-6, residual)
+    assert torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(y, skinny_gemm(normed, w_triton, None, config), rtol=3e-2,
+                               atol=3e-2 * y.abs().max().item())

@@ -22,6 +22,10 @@ from archserve.platform.device import DeviceInfo
 class TritonAttentionImpl(PagedAttentionImpl):
     """Writes this step's K/V, then runs the decode kernel or the general varlen kernel."""
 
+    # Given no key/value, the kernels read this step's from the cache: a layer may write
+    # them itself (the fused attention preamble, kernels/attention/preamble.py).
+    takes_written_kv = True
+
     def __init__(self, device: DeviceInfo | None = None, spec: AttentionSpec | None = None,
                  fp8_bytes: bool | None = None) -> None:
         super().__init__(device, spec)

@@ -8,13 +8,17 @@ the same name exported here (a submodule import sets an attribute on this packag
 
 from archserve.kernels.elementwise.dispatch import (
     DISABLE_ENV,
+    DISABLE_FUSIONS_ENV,
+    FUSIONS,
     apply_rotary,
     forced_fused_route,
     fused_kernel_route,
+    fusion_enabled,
     gelu_tanh_and_mul,
     rms_norm,
     silu_and_mul,
 )
 
-__all__ = ["DISABLE_ENV", "apply_rotary", "forced_fused_route", "fused_kernel_route",
-           "gelu_tanh_and_mul", "rms_norm", "silu_and_mul"]
+__all__ = ["DISABLE_ENV", "DISABLE_FUSIONS_ENV", "FUSIONS", "apply_rotary",
+           "forced_fused_route", "fused_kernel_route", "fusion_enabled", "gelu_tanh_and_mul",
+           "rms_norm", "silu_and_mul"]

@@ -39,6 +39,16 @@ MAX_NORM_WIDTH = 65536
 
 _forced_route: Route | None = None
 
+# Kernels that fuse work across ops, each of which ARCHSERVE_DISABLE_FUSIONS can turn off
+# by name (a comma-separated list; "all" is not a name): so a benchmark times a model with
+# and without each, and a fusion suspected of a fault can be ruled out in production.
+DISABLE_FUSIONS_ENV = "ARCHSERVE_DISABLE_FUSIONS"
+FUSIONS = {
+    "qk_norm_rope_cache": "q/k RMSNorm, rotary and the KV-cache write after the QKV GEMM",
+    # Only where the decode GEMM after the norm runs TRITON_SKINNY_GEMM's kernel.
+    "rms_norm_gemm": "residual add + RMSNorm in the prologue of the QKV and gate/up GEMMs",
+}
+
 
 @functools.cache
 def _triton_import_error() -> str | None:
@@ -62,6 +72,15 @@ def fused_kernel_route(device: torch.device | str) -> tuple[Route, str]:
     if missing is not None:
         return "torch", missing
     return "triton", "CUDA/ROCm device and triton importable"
+
+
+def fusion_enabled(name: str, device: torch.device | str) -> bool:
+    """Whether the fusion ``name`` (one of ``FUSIONS``) runs for tensors on ``device``: the
+    fused kernels' route is Triton and ``ARCHSERVE_DISABLE_FUSIONS`` does not list it."""
+    if name not in FUSIONS:
+        raise ValueError(f"unknown fusion {name!r}; known: {', '.join(FUSIONS)}")
+    disabled = {part.strip() for part in os.environ.get(DISABLE_FUSIONS_ENV, "").split(",")}
+    return name not in disabled and fused_kernel_route(device)[0] == "triton"
 
 
 @contextmanager

@@ -22,6 +22,20 @@ from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 
 
 @triton.jit
+def scale_normalized(x, inv_rms, w, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr):
+    """fp32 ``x`` times its fp32 1/rms, then the fp32 weight ``w``, rounded as the
+    reference rounds: to IN_DTYPE before the weight (HF), to OUT_DTYPE after it; Gemma's
+    form (UNIT_OFFSET) scales by 1 + w and rounds once."""
+    normed = x * inv_rms
+    if UNIT_OFFSET:
+        w = w + 1.0
+    else:
+        normed = round_to_dtype(normed, IN_DTYPE)
+    return round_to_dtype(normed * w, OUT_DTYPE)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
                      rows_per_group, x_group_stride, x_row_stride,
                      r_group_stride, r_row_stride, width, eps,
@@ -43,15 +57,11 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
         tl.store(new_residual_ptr + row * width + cols, x.to(in_dtype), mask=mask)
 
     mean_square = tl.sum(x * x, axis=0) / width
-    normed = x * tl.math.rsqrt(mean_square + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        w = w + 1.0
-    else:
-        normed = round_to_dtype(normed, in_dtype)
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row * width + cols, round_to_dtype(normed * w, out_dtype).to(out_dtype),
-             mask=mask)
+    out = scale_normalized(x, tl.math.rsqrt(mean_square + eps), w, in_dtype, out_dtype,
+                           UNIT_OFFSET)
+    tl.store(out_ptr + row * width + cols, out.to(out_dtype), mask=mask)
 
 
 def _row_layout(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:

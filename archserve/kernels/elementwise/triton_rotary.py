@@ -16,6 +16,30 @@ from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos, sin, DTYPE: tl.constexpr):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) of fp32 halves, in fp32 holding DTYPE values.
+
+    Each product is rounded before the sum, as the reference's (and HF's) separate
+    multiplies in the activations' dtype do: bf16/fp16 results then agree bit for bit.
+    """
+    x1_cos, x2_sin = round_to_dtype(x1 * cos, DTYPE), round_to_dtype(x2 * sin, DTYPE)
+    x2_cos, x1_sin = round_to_dtype(x2 * cos, DTYPE), round_to_dtype(x1 * sin, DTYPE)
+    return round_to_dtype(x1_cos - x2_sin, DTYPE), round_to_dtype(x2_cos + x1_sin, DTYPE)
+
+
+@triton.jit
+def rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, cache_stride, cols, col_mask,
+                   DTYPE: tl.constexpr):
+    """One token's cos and sin rows [1, HALF_BLOCK], rounded to DTYPE (as the reference
+    casts the cache to the activations' dtype)."""
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_ptr + position * cache_stride + cols, mask=col_mask, other=0.0)
+    sin = tl.load(sin_ptr + position * cache_stride + cols, mask=col_mask, other=0.0)
+    return (round_to_dtype(cos.to(tl.float32), DTYPE),
+            round_to_dtype(sin.to(tl.float32), DTYPE))
+
+
+@triton.jit
 def _rotate_heads(src_ptr, dst_ptr, cos, sin, NUM_HEADS: tl.constexpr,
                   HEAD_SIZE: tl.constexpr, HEADS_BLOCK: tl.constexpr,
                   HALF_BLOCK: tl.constexpr):
@@ -27,12 +51,7 @@ def _rotate_heads(src_ptr, dst_ptr, cos, sin, NUM_HEADS: tl.constexpr,
     x1 = tl.load(src_ptr + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_ptr + first + half, mask=mask, other=0.0).to(tl.float32)
     dtype: tl.constexpr = dst_ptr.dtype.element_ty
-    # Each product is rounded before the sum, as the reference's (and HF's) separate
-    # multiplies in the activations' dtype do: bf16/fp16 results then agree bit for bit.
-    x1_cos, x2_sin = round_to_dtype(x1 * cos, dtype), round_to_dtype(x2 * sin, dtype)
-    x2_cos, x1_sin = round_to_dtype(x2 * cos, dtype), round_to_dtype(x1 * sin, dtype)
-    out1 = round_to_dtype(x1_cos - x2_sin, dtype)
-    out2 = round_to_dtype(x2_cos + x1_sin, dtype)
+    out1, out2 = rotate_halves(x1, x2, cos, sin, dtype)
     tl.store(dst_ptr + first, out1.to(dtype), mask=mask)
     tl.store(dst_ptr + first + half, out2.to(dtype), mask=mask)
 
@@ -44,14 +63,11 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, s
                    HEAD_SIZE: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr,
                    K_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, HALF_BLOCK)[None, :]
     col_mask = cols < HEAD_SIZE // 2
     dtype: tl.constexpr = q_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + position * cache_stride + cols, mask=col_mask, other=0.0)
-    sin = tl.load(sin_ptr + position * cache_stride + cols, mask=col_mask, other=0.0)
-    cos = round_to_dtype(cos.to(tl.float32), dtype)
-    sin = round_to_dtype(sin.to(tl.float32), dtype)
+    cos, sin = rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, cache_stride, cols,
+                              col_mask, dtype)
     _rotate_heads(q_ptr + token * q_stride, q_out_ptr + token * q_out_stride, cos, sin,
                   NUM_Q_HEADS, HEAD_SIZE, Q_HEADS_BLOCK, HALF_BLOCK)
     _rotate_heads(k_ptr + token * k_stride, k_out_ptr + token * k_out_stride, cos, sin,

@@ -120,10 +120,41 @@ class SkinnyGemmRoutine:
         chosen = self._triton(SILU_MUL, x, weight, bias) or implementation(SILU_MUL, CUBLAS)
         return chosen(x, weight, bias)
 
+    def rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None, silu_mul: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(this GEMM of rms_norm(x, norm_weight, eps, residual), the new residual) with the
+        norm in the Triton kernel's prologue: one launch instead of two. None where the
+        shape runs on cuBLAS (then the norm kernel runs first, as always)."""
+        kind = SILU_MUL if silu_mul else LINEAR
+        chosen = self._choice(kind, x, weight, bias)
+        from archserve.kernels.linear.triton_skinny_gemm import (
+            SkinnyConfig,
+            norm_unsupported,
+            rms_norm_skinny_gemm,
+        )
+        if chosen is None or norm_unsupported(x, residual, norm_weight) is not None:
+            return None
+        config = SkinnyConfig.from_key(chosen.removeprefix(UNFUSED))
+        fused_silu = silu_mul and not chosen.startswith(UNFUSED)
+        y, new_residual = rms_norm_skinny_gemm(x, residual, norm_weight, eps, weight, bias,
+                                               config, silu_mul=fused_silu)
+        if silu_mul and not fused_silu:
+            from archserve.kernels.elementwise import silu_and_mul
+            y = silu_and_mul(y)
+        return y, new_residual
+
     def _triton(self, kind: str, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None):
         """The tuned Triton path for this call as a function of (x, weight, bias), or None
         (outside the graph scope, not chosen, or operands it cannot take)."""
+        chosen = self._choice(kind, x, weight, bias)
+        return None if chosen is None else implementation(kind, chosen)
+
+    def _choice(self, kind: str, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> str | None:
+        """The tuned Triton choice for this call, or None (see ``_triton``)."""
         if not (_graph_scope_depth and x.is_cuda and x.dim() == 2):
             return None
         chosen = self.choices.get(shape_key(kind, x.shape[0], weight.shape[0], weight.shape[1],
@@ -133,7 +164,7 @@ class SkinnyGemmRoutine:
         from archserve.kernels.linear.triton_skinny_gemm import skinny_gemm_unsupported
         if skinny_gemm_unsupported(x, weight, bias) is not None:
             return None
-        return implementation(kind, chosen)
+        return chosen
 
     def tune(self, groups: WeightGroups, rows: Sequence[int], cache_path: str | None
              ) -> TuneReport:

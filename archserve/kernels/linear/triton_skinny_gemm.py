@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 
 # Rows this kernel is built for. Its fp32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
@@ -84,15 +85,52 @@ def _sum_over_k(acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_residual,
+               HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, STORE: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_K] of x (+ residual, rounded to x's dtype as the norm rounds
+    its sum; with STORE, where ``write_residual`` holds, that sum is stored: the next
+    residual)."""
+    if EVEN_K:
+        mask = row_ok[:, None] & (k >= 0)[None, :]
+    else:
+        mask = row_ok[:, None] & (k < K)[None, :]
+    offsets = rows[:, None] * stride_xm + k[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        dtype: tl.constexpr = x_ptr.dtype.element_ty
+        x = round_to_dtype(x + tl.load(r_ptr + offsets, mask=mask, other=0.0).to(tl.float32),
+                           dtype)
+        if STORE:
+            tl.store(new_r_ptr + rows[:, None] * K + k[None, :], x.to(dtype),
+                     mask=mask & write_residual)
+    return x
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        r_ptr, norm_w_ptr, new_r_ptr, eps,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
+    # NORM: x is first RMS-normalised (after adding the residual, with HAS_RESIDUAL) with
+    # the weight at norm_w_ptr, as rms_norm would do in a kernel of its own: a first pass
+    # over K sums the squares, program 0 writes the new residual.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    if NORM:
+        # Broadcast before the compare: the interpreter mistypes scalar-bool & tensor.
+        first = (tl.zeros([BLOCK_M, BLOCK_K], tl.int32) + tl.program_id(0)) == 0
+        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k0 + ks, K, stride_xm,
+                           first, HAS_RESIDUAL, EVEN_K, True)
+            squares += x * x
+        inv_rms = tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
     # int64: an LM head's weight (vocab x hidden) passes 2^31 elements.
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # read only when GATED
@@ -103,17 +141,14 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     acc_up = tl.zeros_like(acc)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
-        if EVEN_K:
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None],
-                        other=0.0)
-        else:
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :],
-                        mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-        x = x.to(tl.float32)
+        x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, row_ok,
+                       HAS_RESIDUAL, EVEN_K, False)
+        if NORM:
+            norm_w = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+            x = scale_normalized(x, inv_rms, norm_w, dtype, dtype, False)
         acc = _weight_times_rows(acc, w_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
         if GATED:
             acc_up = _weight_times_rows(acc_up, up_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
-    dtype: tl.constexpr = y_ptr.dtype.element_ty
     y = _sum_over_k(acc, BLOCK_M)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -150,14 +185,45 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     With ``silu_mul`` the weight holds gate rows then up rows (as GateUpLinear stores
     them) and the result is silu(gate) * up, [M, N/2], as ``silu_and_mul`` of the plain
     product would give. The caller checks ``skinny_gemm_unsupported`` first."""
+    return _launch(x, weight, bias, config, silu_mul, None, None, 0.0)[0]
+
+
+def rms_norm_skinny_gemm(x: torch.Tensor, residual: torch.Tensor | None,
+                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                         bias: torch.Tensor | None, config: SkinnyConfig,
+                         silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``skinny_gemm`` of rms_norm(x, norm_weight, eps, residual)'s output, and its new
+    residual (x + residual; x itself without one), in one kernel. The caller checks
+    ``skinny_gemm_unsupported`` and ``norm_unsupported`` first."""
+    return _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps)
+
+
+def norm_unsupported(x: torch.Tensor, residual: torch.Tensor | None,
+                     norm_weight: torch.Tensor) -> str | None:
+    """Why the norm prologue cannot take these operands, or None."""
+    if norm_weight.shape != x.shape[-1:] or norm_weight.dtype != x.dtype:
+        return f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} for x {x.dtype}"
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.stride() != x.stride()):
+        return "residual of another shape, dtype or layout than x"
+    return None
+
+
+def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps):
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    new_residual = x
+    if residual is not None:
+        new_residual = torch.empty((rows, depth), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(cols, config.block_n),)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y, rows, cols, depth,
         x.stride(0), weight.stride(0), y.stride(0),
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else x, new_residual, float(eps),
         HAS_BIAS=bias is not None, GATED=silu_mul, BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
+        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
         num_warps=config.num_warps)
-    return y
+    return y, new_residual

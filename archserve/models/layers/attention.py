@@ -8,8 +8,11 @@ import torch
 from torch import nn
 
 from archserve.kernels.attention.interface import AttentionLayerParams
+from archserve.kernels.attention.preamble import attention_preamble
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.kv_scales import KVCacheScales
+from archserve.models.layers.norm import RMSNorm
+from archserve.models.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module, KVCacheScales):
@@ -36,15 +39,32 @@ class Attention(nn.Module, KVCacheScales):
             self.params = dataclasses.replace(self.params, kv_cache_dtype=kv_cache_dtype)
         return self.params
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding,
+                    q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                    ) -> torch.Tensor:
+        """qkv [T, (H + 2 Hkv) D] straight from the QKV GEMM -> [T, H*D]: per-head q/k
+        norm, rotary, the cache write and attention (the first three one kernel where the
+        fused route allows, see ``attention_preamble``)."""
+        ctx = get_forward_context()
+        norm_weights = None if q_norm is None else (q_norm.weight, k_norm.weight)
+        q, k, v = attention_preamble(
+            qkv, positions, rotary.cos_cache, rotary.sin_cache, norm_weights,
+            q_norm.eps if q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
+            ctx.kv_caches[self.layer_index], ctx.attn_metadata.slot_mapping,
+            getattr(ctx.attn_impl, "takes_written_kv", False))
+        return self(q, k, v)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+                ) -> torch.Tensor:
+        """k and v None: this step's keys and values are already in the cache."""
         ctx = get_forward_context()
         num_tokens = q.shape[0]
         k_scale, v_scale = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, k, v)
         with op_region("attention"):   # the self-check's CPU profile attributes time by it
             out = ctx.attn_impl.forward(
                 q.view(num_tokens, self.num_heads, self.head_size),
-                k.view(num_tokens, self.num_kv_heads, self.head_size),
-                v.view(num_tokens, self.num_kv_heads, self.head_size),
+                None if k is None else k.view(num_tokens, self.num_kv_heads, self.head_size),
+                None if v is None else v.view(num_tokens, self.num_kv_heads, self.head_size),
                 kv_cache=ctx.kv_caches[self.layer_index],
                 meta=ctx.attn_metadata,
                 layer=self._params_for(ctx.kv_cache_dtype),

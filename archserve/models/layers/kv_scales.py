@@ -73,12 +73,13 @@ class KVCacheScales:
                 setattr(self, f"{plane}_scale", amax / span)
         self.kv_scales_from = "calibrated"
 
-    def kv_scales(self, kv_cache_dtype: str, calibrate: bool, key: torch.Tensor,
-                  value: torch.Tensor) -> tuple[float, float]:
+    def kv_scales(self, kv_cache_dtype: str, calibrate: bool, key: torch.Tensor | None,
+                  value: torch.Tensor | None) -> tuple[float, float]:
         """The scales this forward writes and reads the cache with: 1.0 for a 16-bit cache
-        (a checkpoint's fp8 scales would only distort it)."""
+        (a checkpoint's fp8 scales would only distort it). key/value None: a fused kernel
+        wrote them already (16-bit caches only), nothing to measure."""
         if not is_quantized_cache(kv_cache_dtype):
             return 1.0, 1.0
-        if calibrate and self.kv_scales_from != "calibrated":
+        if calibrate and key is not None and self.kv_scales_from != "calibrated":
             self.calibrate_kv_scales(key, value)
         return self.k_scale, self.v_scale

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archserve.kernels.elementwise import silu_and_mul
+from archserve.kernels.elementwise import fusion_enabled, rms_norm, silu_and_mul
+from archserve.models.layers.norm import RMSNorm
 
 LinearRoutine = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -77,6 +78,25 @@ def apply_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     return silu_and_mul(_routine(x, weight, bias))
 
 
+def apply_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None, silu_mul: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the GEMM, or with ``silu_mul`` the gated activation, of rms_norm(x, norm_weight,
+    eps, residual)'s output; the new residual). A routine that can fuse the norm into its
+    GEMM provides ``rms_norm_linear`` (fusion ``rms_norm_gemm``); otherwise, or where it
+    declines the shape, this is the norm kernel, then the GEMM."""
+    fused = getattr(_routine, "rms_norm_linear", None)
+    if fused is not None and fusion_enabled("rms_norm_gemm", x.device):
+        out = fused(x, residual, norm_weight, eps, weight, bias, silu_mul)
+        if out is not None:
+            return out
+    normed, new_residual = rms_norm(x, norm_weight, eps, residual)
+    if silu_mul:
+        return apply_linear_silu_mul(normed, weight, bias), new_residual
+    return apply_linear(normed, weight, bias), new_residual
+
+
 class WeightOnly(nn.Module):
     """One [rows, cols] weight, no bias, uninitialised on purpose (a loader fills it): the
     storage of modules that are not ``Linear`` (embeddings, MoE routers)."""
@@ -105,6 +125,16 @@ class Linear(nn.Module):
         if self.quant is not None:
             return self.quant(x, self.bias)
         return apply_linear(x, self.weight, self.bias)
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer of norm(x, residual)'s output, the new residual), the norm fused
+        into the GEMM where the routine can (``apply_rms_norm_linear``)."""
+        if self.quant is not None or norm.identity_weight != RMSNorm.identity_weight:
+            hidden, residual = norm(x, residual)
+            return self(hidden), residual
+        return apply_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
+                                     self.bias)
 
     # ---- the loader protocol ------------------------------------------------------------
     @property
@@ -197,3 +227,12 @@ class GateUpLinear(MergedLinear):
         if self.quant is not None:
             return silu_and_mul(self(x))
         return apply_linear_silu_mul(x, self.weight, self.bias)
+
+    def forward_silu_mul_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                                    norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_silu_mul`` of norm(x, residual)'s output, and the new residual."""
+        if self.quant is not None or norm.identity_weight != RMSNorm.identity_weight:
+            hidden, residual = norm(x, residual)
+            return self.forward_silu_mul(hidden), residual
+        return apply_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
+                                     self.bias, silu_mul=True)
