@@ -24,8 +24,9 @@ from tests.models.helpers import PROMPTS, PagedSequences, tiny_hf_model
 GAIN = 1000.0
 
 
-def _rescaled_checkpoint(path, scales: dict[str, torch.Tensor] | None = None) -> str:
-    hf = tiny_hf_model("llama")
+def _rescaled_checkpoint(path, scales: dict[str, torch.Tensor] | None = None,
+                         **overrides) -> str:
+    hf = tiny_hf_model("llama", **overrides)
     with torch.no_grad():
         for layer in hf.model.layers:
             for proj, gain in ((layer.self_attn.k_proj, GAIN), (layer.self_attn.v_proj, GAIN),
@@ -120,19 +121,22 @@ def test_a_bad_checkpoint_scale_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.gpu
-def test_engine_calibrates_fp8_kv_scales_then_captures_graphs(plain):
+def test_engine_calibrates_fp8_kv_scales_then_captures_graphs(tmp_path):
     """The whole engine on a GPU: calculate_kv_scales defers the decode graphs to after the
     first prefill, and the fp8 run's prompt log-probabilities (the first prefill, which
     reads the cache it calibrated) match the 16-bit cache's; without the scales they do
     not. On the CPU the same model gives 0.05 with calibrated scales, 0.70 without."""
     from archserve import LLM, SamplingParams
 
+    # Head size 64: TRITON_ATTN's (graph-capturable) range; bf16, the GPU's dtype.
+    plain = _rescaled_checkpoint(tmp_path, hidden_size=256, head_dim=64,
+                                 num_attention_heads=4, num_key_value_heads=1)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     runs = {}
     for name, kwargs in (("auto", {}), ("unscaled", dict(kv_cache_dtype="fp8_e4m3")),
                          ("fp8", dict(kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True))):
-        llm = LLM(plain, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+        llm = LLM(plain, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64,
                   max_num_seqs=4, gpu_memory_utilization=0.3, **kwargs)
         runner = llm.llm_engine.runner
         assert (runner.graphs is None) == (name == "fp8"), name   # deferred until calibrated

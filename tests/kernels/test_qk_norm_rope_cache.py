@@ -66,10 +66,23 @@ def unfused_reference(qkv, positions, rope, weights, cache, slots, num_heads, nu
     return q, expected_cache
 
 
-def check_fused_preamble(tokens: int, num_heads: int, num_kv_heads: int, head_size: int,
-                         dtype: torch.dtype, device: str, qk_norm: bool) -> None:
+def assert_rotated_match(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """As test_elementwise.assert_matches, with an absolute term of one unit in the last
+    place of O(1) values: rotary mixes two normalised components, so a rounding flipped in
+    the norm moves an output near zero by a fraction of that unit (seen once on an H200:
+    2^-12 at a value of 0.016 in fp16, one element of 524288)."""
     from test_elementwise import assert_matches
 
+    if expected.dtype == torch.float32:
+        assert_matches(actual, expected)
+        return
+    ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[expected.dtype]
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2 * ulp, atol=ulp)
+
+
+def check_fused_preamble(tokens: int, num_heads: int, num_kv_heads: int, head_size: int,
+                         dtype: torch.dtype, device: str, qk_norm: bool) -> None:
     qkv, positions, rope, weights, cache, slots = preamble_case(
         tokens, num_heads, num_kv_heads, head_size, dtype, device, qk_norm)
     expected_q, expected_cache = unfused_reference(qkv, positions, rope, weights, cache, slots,
@@ -78,8 +91,8 @@ def check_fused_preamble(tokens: int, num_heads: int, num_kv_heads: int, head_si
         q, k, v = attention_preamble(qkv, positions, rope.cos_cache, rope.sin_cache, weights,
                                      1e-6, num_heads, num_kv_heads, cache, slots, True)
     assert k is None and v is None, "the fused path writes k and v itself"
-    assert_matches(q, expected_q)
-    assert_matches(cache, expected_cache)
+    assert_rotated_match(q, expected_q)
+    assert_rotated_match(cache, expected_cache)
     assert torch.equal(cache[1], expected_cache[1]), "v is copied, never rounded"
 
 
