@@ -132,7 +132,14 @@ def test_online_fp8_quantizes_a_dense_checkpoint(tiny_checkpoint) -> None:
 BF16_ACTIVATION_BOUNDS = {"fp8": (0.15, 0.7), "int8": (0.13, 0.75)}
 
 
+# The tiny DeepSeek-V3 moves further in float32 already (0.131 / 0.84; bf16 on CPU 0.091 /
+# 0.82): two layers of MLA whose q and latent both pass through fp8 activations.
+BF16_FIXTURE_BOUNDS = {"hf-deepseek-v3-fp8-block": (0.2, 0.7)}
+
+
 def bf16_bounds(name: str) -> tuple[float, float]:
+    if name in BF16_FIXTURE_BOUNDS:
+        return BF16_FIXTURE_BOUNDS[name]
     if "fp8" in name:
         return BF16_ACTIVATION_BOUNDS["fp8"]
     if "w8a8" in name:
@@ -156,6 +163,9 @@ SM90_ROUTES = {"ct-fp8-tensor-static": "TORCH_SCALED_MM", "ct-fp8-channel-dynami
                "TORCH_SCALED_MM", "ct-fp8-block": "TRITON_BLOCK_FP8", "hf-fp8-block":
                "TRITON_BLOCK_FP8", "hf-deepseek-v3-fp8-block": "TRITON_BLOCK_FP8",
                "ct-int8-w8a8": "TRITON_INT8"}
+# The other layers' routes where a fixture has more than attention and dense linears.
+SM90_OTHER_ROUTES = {"hf-deepseek-v3-fp8-block": {"attention": "TRITON_MLA",
+                                                  "moe experts": "TRITON_FUSED_MOE"}}
 
 
 @pytest.mark.gpu
@@ -167,6 +177,11 @@ def test_fixture_on_the_gpu_runs_its_native_kernel_and_matches(name: str) -> Non
               gpu_memory_utilization=0.3)
     routes = {r.layer: r.backend for r in llm.llm_engine.report.routes}
     assert routes["linear (qkv, o, mlp)"] == SM90_ROUTES.get(name, "TRITON_WEIGHT_ONLY")
+    for layer, backend in SM90_OTHER_ROUTES.get(name, {}).items():
+        assert routes[layer] == backend, (layer, routes)
+    if name in SM90_OTHER_ROUTES:
+        report = llm.llm_engine.report
+        assert report.graph_sizes, report.graphs_off           # decode in CUDA graphs
     mean_delta, top1 = compare(llm, name)
     bound, min_top1 = bf16_bounds(name)
     assert mean_delta < bound and top1 >= min_top1, (mean_delta, top1)
