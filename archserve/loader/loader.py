@@ -17,6 +17,7 @@ from archserve.loader.gguf_loader import find_gguf_file, iterate_gguf
 from archserve.loader.safetensors_loader import iterate_safetensors
 from archserve.models.layers.linear import deferred_linear_weights
 from archserve.models.registry import model_class_for
+from archserve.quant.checkpoint_matrix import attach_dense_matrices, finalize_dense_matrices
 from archserve.quant.config import QuantConfig, resolve_quant_config
 from archserve.quant.expert_state import attach_expert_quantization, finalize_quantized_experts
 from archserve.quant.linear_state import attach_quantization, finalize_quantized_layers
@@ -96,6 +97,7 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
     if quant is not None:
         attach_quantization(model, quant, device, dtype)
         attach_expert_quantization(model, quant, device, dtype)
+        attach_dense_matrices(model, quant, device)
     if load_format == "dummy":
         initialize_dummy_weights(model)
     elif gguf_path is not None:
@@ -113,4 +115,5 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
     if quant is not None:
         finalize_quantized_layers(model)
         finalize_quantized_experts(model, dtype)
+        finalize_dense_matrices(model, dtype)
     return model.eval(), config

@@ -82,8 +82,11 @@ class QuantConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def layer(self, module_name: str) -> LayerQuant | None:
-        """The layer's quantization, or None when it stays unquantized (ignored, lm_head)."""
-        if _matches_any(module_name, self.ignore):
+        """The layer's quantization, or None when it stays unquantized (ignored, lm_head).
+        An ignored name also covers every module under it ("model.layers.0": the whole
+        first layer), as transformers reads HF fp8's modules_to_not_convert."""
+        if _matches_any(module_name, self.ignore) or any(
+                module_name.startswith(p + ".") for p in self.ignore if not p.startswith("re:")):
             return None
         for group in self.groups:
             if _matches_any(module_name, group.targets, linear_default=True):

@@ -20,42 +20,13 @@ import torch
 from torch import nn
 
 from archserve.kernels.moe.quantized_experts import QuantizedExperts, stack_expert_weights
+from archserve.quant.checkpoint_matrix import QuantizedMatrix
 from archserve.quant.config import ONLINE_FP8, LayerQuant, QuantConfig
 from archserve.quant.layouts import (
-    TensorLayout,
     check_shard_alignment,
     quantize_fp8_per_channel,
-    tensor_layouts,
     to_kernel_weight,
 )
-
-
-class QuantizedExpertMatrix(nn.Module):
-    """One expert's gate, up or down matrix as the checkpoint stores it."""
-
-    def __init__(self, quant: LayerQuant, rows: int, in_features: int,
-                 device: torch.device) -> None:
-        super().__init__()
-        self.layouts: dict[str, TensorLayout] = {
-            t.name: t for t in tensor_layouts(quant, in_features)}
-        self.loaded: set[str] = set()
-        for name, t in self.layouts.items():
-            self.register_parameter(name, nn.Parameter(
-                torch.zeros(t.shape(rows), dtype=t.dtype, device=device), requires_grad=False))
-
-    def load_checkpoint(self, param: str, tensor: torch.Tensor) -> None:
-        target = getattr(self, param)
-        with torch.no_grad():
-            target.copy_(tensor.reshape(target.shape))
-        self.loaded.add(param)
-
-    def optional(self, param: str) -> bool:
-        layout = self.layouts.get(param)
-        return layout is not None and layout.optional
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name, layout in self.layouts.items()
-                if name in self.loaded or not layout.optional}
 
 
 def _expert_quant(config: QuantConfig, moe_name: str, moe: nn.Module) -> LayerQuant | None:
@@ -96,12 +67,12 @@ def attach_expert_quantization(model: nn.Module, config: QuantConfig, device: to
             for proj, (rows, k) in zip(moe.expert_names,
                                        ((inter, hidden), (inter, hidden), (hidden, inter)),
                                        strict=True):
-                setattr(expert, proj, QuantizedExpertMatrix(quant, rows, k, device))
+                setattr(expert, proj, QuantizedMatrix(quant, rows, k, device))
         quantized += 1
     return quantized
 
 
-def _fused(gate: QuantizedExpertMatrix, up: QuantizedExpertMatrix) -> dict[str, torch.Tensor]:
+def _fused(gate: QuantizedMatrix, up: QuantizedMatrix) -> dict[str, torch.Tensor]:
     """Gate and up as the two shards of one fused layer (TensorLayout's stacking)."""
     a, b = gate.tensors(), up.tensors()
     out = {}
@@ -110,11 +81,6 @@ def _fused(gate: QuantizedExpertMatrix, up: QuantizedExpertMatrix) -> dict[str, 
         out[name] = (torch.stack([a[name], b[name]]) if dim is None
                      else torch.cat([a[name], b[name]], dim=dim))
     return out
-
-
-def _single(matrix: QuantizedExpertMatrix) -> dict[str, torch.Tensor]:
-    return {name: t.unsqueeze(0) if matrix.layouts[name].out_dim is None else t
-            for name, t in matrix.tensors().items()}
 
 
 def finalize_quantized_experts(model: nn.Module, dtype: torch.dtype) -> None:
@@ -134,6 +100,6 @@ def finalize_quantized_experts(model: nn.Module, dtype: torch.dtype) -> None:
                     continue
                 gate, up, down = (getattr(getattr(moe, str(e)), p) for p in moe.expert_names)
                 w13.append(to_kernel_weight(quant, _fused(gate, up), [inter, inter], hidden))
-                w2.append(to_kernel_weight(quant, _single(down), [hidden], inter))
+                w2.append(to_kernel_weight(quant, down.as_one_shard(), [hidden], inter))
             moe.set_quantized(QuantizedExperts(stack_expert_weights(w13),
                                                stack_expert_weights(w2)), dtype)

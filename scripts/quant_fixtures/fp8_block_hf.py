@@ -2,7 +2,7 @@
 
     python fp8_block_hf.py BASE_DIR OUT_DIR [BLOCK_N BLOCK_K]
 
-Each q/k/v/o/gate/up/down ``weight`` [N, K] becomes float8_e4m3fn plus a float32
+Each q/k/v/o/gate/up/down ``weight`` [N, K] (or those of ``linears``) becomes float8_e4m3fn plus a float32
 ``weight_scale_inv`` [ceil(N/bn), ceil(K/bk)] with scale_inv = block absmax / 448, so that
 dequantized weight = fp8 value * weight_scale_inv of its block. Everything else stays bf16.
 """
@@ -40,13 +40,13 @@ def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, bn: int, bk: int)
     return q.float() * s
 
 
-def write(base: str, out: str, block=(128, 128)) -> str:
+def write(base: str, out: str, block=(128, 128), linears=LINEARS) -> str:
     bn, bk = block
     os.makedirs(out, exist_ok=True)
     state = load_file(os.path.join(base, "model.safetensors"))
     tensors = {}
     for name, t in state.items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+        if name.endswith(".weight") and name.split(".")[-2] in linears:
             q, s = quantize_block(t, bn, bk)
             err = (dequantize_block(q, s, bn, bk) - t.float()).abs().max() / t.float().abs().max()
             assert err < 0.07, (name, float(err))

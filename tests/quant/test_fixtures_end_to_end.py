@@ -41,6 +41,11 @@ BOUNDS = {
     # W4A16 one is weight-only on both sides: a random model's near-ties cost top-1.
     "ct-moe-fp8-block": (0.06, 0.85), "ct-moe-fp8-dynamic": (0.06, 0.85),
     "ct-moe-w4a16": (0.02, 0.9),
+    # Tiny block-FP8 DeepSeek-V3 (scripts/quant_fixtures/deepseek_v3_fp8.py): MLA, routed
+    # and shared experts, kv_b_proj dequantized at load. The reference is weight-only (the
+    # weights dequantized, activations 16-bit); measured 0.131 / 0.84, nearly all of it the
+    # dense projections' fp8 activations (0.022 with those off).
+    "hf-deepseek-v3-fp8-block": (0.18, 0.75),
 }
 
 
@@ -74,7 +79,7 @@ def test_fixture_loads_generates_and_matches_its_tool(name: str) -> None:
     llm = LLM(os.path.join(ROOT, name), dtype="float32", max_model_len=128)
     routes = {r.layer: r.backend for r in llm.llm_engine.report.routes}
     assert routes["linear (qkv, o, mlp)"] == "TORCH_DEQUANT"
-    if "moe" in name:      # quantized experts, dequantized once on a CPU
+    if "moe" in name or "deepseek" in name:      # quantized experts, dequantized once on a CPU
         assert routes["moe experts"] == "TORCH_MOE"
     out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0.0, max_tokens=8))
     assert len(out[0].outputs[0].token_ids) == 8
@@ -83,15 +88,24 @@ def test_fixture_loads_generates_and_matches_its_tool(name: str) -> None:
     assert mean_delta < bound and top1 >= min_top1, (mean_delta, top1)
 
 
-def test_block_fp8_weights_match_exactly() -> None:
-    """The block-FP8 reference is weight-only: with the activation quantization of each
-    layer's prepared weight turned off, archserve's logits are the tool's."""
+@pytest.mark.parametrize("name", ["hf-fp8-block", "hf-deepseek-v3-fp8-block"])
+def test_block_fp8_weights_match_exactly(name: str) -> None:
+    """The block-FP8 references are weight-only: with the activation quantization of each
+    layer's (and each MoE layer's) prepared weights turned off, archserve's logits are the
+    reference's. For DeepSeek-V3 that covers MLA's kv_b_proj, dequantized at load, and the
+    partial last row block of kv_a_proj_with_mqa (320 rows)."""
+    from archserve.models.layers.moe import FusedMoE
     from archserve.quant.linear_state import quantized_layers
 
-    llm = LLM(os.path.join(ROOT, "hf-fp8-block"), dtype="float32", max_model_len=128)
-    for _name, state in quantized_layers(llm.llm_engine.model):
+    llm = LLM(os.path.join(ROOT, name), dtype="float32", max_model_len=128)
+    model = llm.llm_engine.model
+    for _name, state in quantized_layers(model):
         state.prepared.activation = "none"
-    mean_delta, top1 = compare(llm, "hf-fp8-block")
+    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        moe.impl()                          # prepares TORCH_MOE's dequantized experts
+        for weight in moe._operands:
+            weight.activation = "none"
+    mean_delta, top1 = compare(llm, name)
     assert mean_delta < 1e-4 and top1 == 1.0
 
 
@@ -118,7 +132,14 @@ def test_online_fp8_quantizes_a_dense_checkpoint(tiny_checkpoint) -> None:
 BF16_ACTIVATION_BOUNDS = {"fp8": (0.15, 0.7), "int8": (0.13, 0.75)}
 
 
+# The tiny DeepSeek-V3 moves further in float32 already (0.131 / 0.84; bf16 on CPU 0.091 /
+# 0.82): two layers of MLA whose q and latent both pass through fp8 activations.
+BF16_FIXTURE_BOUNDS = {"hf-deepseek-v3-fp8-block": (0.2, 0.7)}
+
+
 def bf16_bounds(name: str) -> tuple[float, float]:
+    if name in BF16_FIXTURE_BOUNDS:
+        return BF16_FIXTURE_BOUNDS[name]
     if "fp8" in name:
         return BF16_ACTIVATION_BOUNDS["fp8"]
     if "w8a8" in name:
@@ -140,7 +161,11 @@ def test_activation_quantized_fixture_in_bf16_on_cpu(name: str) -> None:
 # The kernel each fixture's layers must run on an SM90 GPU (the H200 of the device tool).
 SM90_ROUTES = {"ct-fp8-tensor-static": "TORCH_SCALED_MM", "ct-fp8-channel-dynamic":
                "TORCH_SCALED_MM", "ct-fp8-block": "TRITON_BLOCK_FP8", "hf-fp8-block":
-               "TRITON_BLOCK_FP8", "ct-int8-w8a8": "TRITON_INT8"}
+               "TRITON_BLOCK_FP8", "hf-deepseek-v3-fp8-block": "TRITON_BLOCK_FP8",
+               "ct-int8-w8a8": "TRITON_INT8"}
+# The other layers' routes where a fixture has more than attention and dense linears.
+SM90_OTHER_ROUTES = {"hf-deepseek-v3-fp8-block": {"attention": "TRITON_MLA",
+                                                  "moe experts": "TRITON_FUSED_MOE"}}
 
 
 @pytest.mark.gpu
@@ -152,6 +177,11 @@ def test_fixture_on_the_gpu_runs_its_native_kernel_and_matches(name: str) -> Non
               gpu_memory_utilization=0.3)
     routes = {r.layer: r.backend for r in llm.llm_engine.report.routes}
     assert routes["linear (qkv, o, mlp)"] == SM90_ROUTES.get(name, "TRITON_WEIGHT_ONLY")
+    for layer, backend in SM90_OTHER_ROUTES.get(name, {}).items():
+        assert routes[layer] == backend, (layer, routes)
+    if name in SM90_OTHER_ROUTES:
+        report = llm.llm_engine.report
+        assert report.graph_sizes, report.graphs_off           # decode in CUDA graphs
     mean_delta, top1 = compare(llm, name)
     bound, min_top1 = bf16_bounds(name)
     assert mean_delta < bound and top1 >= min_top1, (mean_delta, top1)

@@ -91,6 +91,20 @@ def test_gptq_awq_hf_fp8() -> None:
     assert block.layers[0].block == (128, 128)
 
 
+def test_hf_fp8_modules_to_not_convert_covers_the_modules_under_a_name() -> None:
+    """transformers skips a module named in modules_to_not_convert, any module whose name
+    ends with it, and every module under it; a DeepSeek-V3 router or kv_b_proj named there
+    stays 16-bit."""
+    config = parse_quant_config({
+        "quant_method": "fp8", "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "model.layers.0", "self_attn.kv_b_proj"]})
+    assert config.layer("model.layers.0.self_attn.q_a_proj") is None
+    assert config.layer("model.layers.0.mlp.experts.3.up_proj") is None
+    assert config.layer("model.layers.2.self_attn.kv_b_proj") is None
+    assert config.layer("model.layers.1.self_attn.q_a_proj") is not None
+    assert config.layer("model.layers.10.mlp.down_proj") is not None
+
+
 @pytest.mark.parametrize("config,needle", [
     ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not loadable"),
     ({"quant_method": "awq", "version": "gemv"}, "AWQ 4-bit gemv"),

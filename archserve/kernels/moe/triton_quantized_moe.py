@@ -156,8 +156,9 @@ if triton is not None:
             GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_SCALE_N: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             IEEE: tl.constexpr):
+        # Sorted tiles only (align_to_blocks): never the pair-rows layout.
         expert, rows, row_ok, cols = _program_tile(block_expert_ptr, sorted_pairs_ptr,
-                                                   num_pairs, BLOCK_M, BLOCK_N)
+                                                   num_pairs, BLOCK_M, BLOCK_N, False)
         if expert < 0:
             return
         tokens = rows // TOP_K
@@ -199,7 +200,7 @@ if triton is not None:
             HAS_OFFSETS: tl.constexpr, BLOCK_SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
         expert, rows, row_ok, cols = _program_tile(block_expert_ptr, sorted_pairs_ptr,
-                                                   num_pairs, BLOCK_M, BLOCK_N)
+                                                   num_pairs, BLOCK_M, BLOCK_N, False)
         if expert < 0:
             return
         col_ok = cols < hidden

@@ -106,6 +106,13 @@ class WeightOnly(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
 
 
+class DenseMatrix(WeightOnly):
+    """A matrix its layer reads itself instead of multiplying through a linear kernel (MLA
+    absorbs kv_b_proj into q and the output), so it is always in the model dtype: online
+    quantization leaves it alone, and a checkpoint that quantizes it is dequantized at load
+    (archserve.quant.checkpoint_matrix)."""
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W stored [out_features, in_features] like a checkpoint."""
 

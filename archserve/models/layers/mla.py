@@ -26,7 +26,7 @@ from torch import nn
 
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.kv_scales import KVCacheScales
-from archserve.models.layers.linear import Linear, WeightOnly
+from archserve.models.layers.linear import DenseMatrix, Linear
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.rotary import RotaryEmbedding, yarn_mscale
 
@@ -69,8 +69,8 @@ class MLAAttention(nn.Module, KVCacheScales):
         self.kv_a_proj_with_mqa = Linear(hidden, m.latent_size, bias=bias)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LORA_NORM_EPS)
         # Not a Linear: the layer reads its matrix (absorbed into q and the output), so it
-        # stays in the model dtype under online quantization.
-        self.kv_b_proj = WeightOnly(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        # is in the model dtype, dequantized at load where the checkpoint quantizes it.
+        self.kv_b_proj = DenseMatrix(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
         self.o_proj = Linear(h * m.v_head_dim, hidden, bias=bias)
         self.rotary_emb = RotaryEmbedding(m.qk_rope_head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)

@@ -1,0 +1,101 @@
+"""One matrix held as the checkpoint stores it, for modules that are not ``Linear``.
+
+``QuantizedMatrix`` registers a quantized matrix's checkpoint tensors (``tensor_layouts``:
+fp8 weight + scales, packed integers ...) under the checkpoint's names, so the model's
+loader fills it like any parameter; the quantized experts (quant/expert_state.py) hold each
+expert's gate, up and down this way.
+
+Some matrices a layer reads itself rather than multiplying through a linear kernel: MLA
+absorbs ``kv_b_proj`` into its query and output (models/layers/mla.py), so it is a
+``DenseMatrix``. When the checkpoint quantizes one (DeepSeek-V3's block-FP8 release does),
+``attach_dense_matrices`` puts a holder in its place before loading and
+``finalize_dense_matrices`` dequantizes it to the model dtype afterwards, with the dense
+layers' own repacking and dequantization (``to_kernel_weight``, ``dequantize``).
+Online fp8 and GGUF leave such a matrix dense, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from archserve.kernels.linear.quantized_weights import dequantize
+from archserve.quant.config import GGUF, ONLINE_FP8, LayerQuant, QuantConfig
+from archserve.quant.layouts import TensorLayout, tensor_layouts, to_kernel_weight
+
+
+class QuantizedMatrix(nn.Module):
+    """One [rows, in_features] matrix as the checkpoint stores it."""
+
+    def __init__(self, quant: LayerQuant, rows: int, in_features: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.quant, self.rows, self.in_features = quant, rows, in_features
+        self.layouts: dict[str, TensorLayout] = {
+            t.name: t for t in tensor_layouts(quant, in_features)}
+        self.loaded: set[str] = set()
+        for name, t in self.layouts.items():
+            self.register_parameter(name, nn.Parameter(
+                torch.zeros(t.shape(rows), dtype=t.dtype, device=device), requires_grad=False))
+
+    def load_checkpoint(self, param: str, tensor: torch.Tensor) -> None:
+        target = getattr(self, param)
+        with torch.no_grad():
+            target.copy_(tensor.reshape(target.shape))
+        self.loaded.add(param)
+
+    def optional(self, param: str) -> bool:
+        layout = self.layouts.get(param)
+        return layout is not None and layout.optional
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name, layout in self.layouts.items()
+                if name in self.loaded or not layout.optional}
+
+    def as_one_shard(self) -> dict[str, torch.Tensor]:
+        """``tensors()`` as a layer of one fused shard (per-shard values stacked)."""
+        return {name: t.unsqueeze(0) if self.layouts[name].out_dim is None else t
+                for name, t in self.tensors().items()}
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [rows, in_features]."""
+        return dequantize(to_kernel_weight(self.quant, self.as_one_shard(), [self.rows],
+                                           self.in_features))
+
+
+class QuantizedDenseMatrix(QuantizedMatrix):
+    """A ``DenseMatrix``'s stand-in while its quantized checkpoint tensors load."""
+
+
+def attach_dense_matrices(model: nn.Module, config: QuantConfig, device: torch.device) -> int:
+    """Put a holder of the checkpoint's tensors in place of every ``DenseMatrix`` the
+    checkpoint quantizes. Returns how many."""
+    from archserve.models.layers.linear import DenseMatrix
+
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, DenseMatrix):
+            continue
+        quant = config.layer(name)
+        if quant is None or quant.layout in (ONLINE_FP8, GGUF):
+            continue
+        rows, cols = module.weight.shape
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child,
+                QuantizedDenseMatrix(quant, rows, cols, device))
+        count += 1
+    return count
+
+
+def finalize_dense_matrices(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every holder of ``attach_dense_matrices`` -> a DenseMatrix of its dequantized weight."""
+    from archserve.models.layers.linear import DenseMatrix
+
+    for name, holder in list(model.named_modules()):
+        if not isinstance(holder, QuantizedDenseMatrix):
+            continue
+        dense = DenseMatrix(holder.rows, holder.in_features)
+        with torch.no_grad():
+            dense.weight = nn.Parameter(holder.dequantized().to(dtype), requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, dense)
