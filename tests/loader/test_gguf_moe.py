@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from models.helpers import assert_prompt_positions_match_hf
 from tiny_checkpoints import build_tiny_checkpoint, write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
@@ -20,7 +21,6 @@ from archserve.loader.loader import load_model
 from archserve.platform import get_profile
 from archserve.routing.explain import explain_model
 from archserve.routing.model_summary import summary_from_gguf
-from models.helpers import assert_prompt_positions_match_hf
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 8, 9, 120]
 SIZES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, tie_word_embeddings=False)
