@@ -13,11 +13,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from models.helpers import assert_prompt_positions_match_hf
+from models.helpers import PagedSequences, assert_prompt_positions_match_hf
 from tiny_checkpoints import build_tiny_checkpoint, write_tiny_gguf
 from transformers import AutoModelForCausalLM
 
 from archserve.loader.loader import load_model
+from archserve.models.layers.forward_context import ForwardContext, set_forward_context
 from archserve.platform import get_profile
 from archserve.routing.explain import explain_model
 from archserve.routing.model_summary import summary_from_gguf
@@ -27,7 +28,7 @@ SIZES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, tie_word
 VARIANTS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, norm_topk_prob=False),
+                      shared_expert_intermediate_size=96, norm_topk_prob=False),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True),
 }
@@ -142,3 +143,32 @@ def test_an_unsupported_gguf_moe_architecture_is_refused_by_name(tmp_path):
     writer.close()
     out = explain_model(get_profile("cpu"), summary_from_gguf(path))
     assert out.not_loadable and "'olmoe' is not supported" in out.not_loadable
+
+
+def test_kept_quantized_linears_with_dequantized_experts(tmp_path_factory):
+    """The GPU's load (GGUF linears kept as integer groups) on the CPU: the shared expert and
+    attention stay Q8_0 blocks, the routed experts are dense, logits equal the dense load."""
+    from archserve.engine.decode_gemms import install_quantized_kernels
+    from archserve.quant.config import gguf_quant_config
+    from archserve.quant.linear_state import quantized_layers
+    from archserve.quant.plan import plan_quantization
+
+    hf_dir, _, root = _built("qwen2_moe", tmp_path_factory)
+    path = write_tiny_gguf(hf_dir, str(root / "all-q8_0.gguf"), expert_type="Q8_0",
+                           linear_types=lambda name: "Q8_0")
+    kept, config = load_model(path, dtype=torch.float32, quantization=gguf_quant_config())
+    layers = dict(quantized_layers(kept))
+    assert "model.layers.0.mlp.shared_expert.down_proj" in layers
+    assert all(m.quantized is None and m.w13.dtype == torch.float32 for m in kept.moe_layers())
+    install_quantized_kernels(get_profile("cpu"), kept,
+                              plan_quantization(get_profile("cpu"), gguf_quant_config(),
+                                                torch.float32))
+    dense, _ = load_model(path, dtype=torch.float32)
+    torch.testing.assert_close(kept.moe_layers()[1].w2, dense.moe_layers()[1].w2, rtol=0, atol=0)
+    logits = []
+    for model in (kept, dense):
+        cache = PagedSequences.for_config(config)
+        ids, positions, meta, _ = cache.step({0: PROMPT})
+        with set_forward_context(ForwardContext(meta, cache.kv_caches, cache.attn_impl)):
+            logits.append(model.compute_logits(model(ids, positions)))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
