@@ -172,3 +172,34 @@ def test_kept_quantized_linears_with_dequantized_experts(tmp_path_factory):
         with set_forward_context(ForwardContext(meta, cache.kv_caches, cache.attn_impl)):
             logits.append(model.compute_logits(model(ids, positions)))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gguf_moe_runs_on_the_gpu(tmp_path_factory):
+    """Q8_0 linears kept quantized (TRITON_WEIGHT_ONLY), Q8_0 experts dequantized to fp16
+    (TRITON_FUSED_MOE): the greedy tokens follow the fp32 CPU run, log-probs close."""
+    from archserve import LLM, SamplingParams
+
+    hf_dir, _, root = _built("qwen2_moe", tmp_path_factory)
+    path = write_tiny_gguf(hf_dir, str(root / "gpu-q8_0.gguf"), expert_type="Q8_0",
+                           linear_types=lambda name: "Q8_0")
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1, ignore_eos=True)
+    prompts = ["Hello world! The capital of France", "A paged KV cache"]
+    gpu = LLM(path, dtype="float16", device="cuda", max_model_len=128)
+    routes = {r.layer: r.backend for r in gpu.llm_engine.report.routes}
+    assert routes["linear (qkv, o, mlp)"] == "TRITON_WEIGHT_ONLY", routes
+    assert routes["moe experts"] == "TRITON_FUSED_MOE", routes
+    decisions = {d.requested: d.chosen for d in gpu.llm_engine.report.decisions}
+    assert decisions["gguf experts"] == "dense float16"
+    got = gpu.generate(prompts, params)
+    del gpu
+    want = LLM(path, dtype="float32", device="cpu", max_model_len=128).generate(prompts, params)
+    for g, w in zip(got, want, strict=True):
+        ours, theirs = g.outputs[0], w.outputs[0]
+        n = next((i for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids,
+                                                  strict=True)) if a != b), len(ours.token_ids))
+        assert n >= 4, (ours.token_ids, theirs.token_ids)
+        for i in range(n):
+            a = ours.logprobs[i][ours.token_ids[i]].logprob
+            b = theirs.logprobs[i][theirs.token_ids[i]].logprob
+            assert abs(a - b) < 0.05
