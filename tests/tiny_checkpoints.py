@@ -93,10 +93,47 @@ def _quantize_rows(data, type_name: str):
     return gguf.quants.quantize(data, qtype), qtype
 
 
-def write_tiny_gguf(hf_dir: str, out_path: str, linear_types=None) -> str:
+# llama.cpp's architecture name for each transformers model type (Mixtral is "llama").
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                       "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def _add_moe_metadata(writer, cfg) -> None:
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if not experts:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _gguf_tensors(state: dict):
+    """(HF module name or None, GGUF-side suffix, tensor) as llama.cpp's converter splits
+    them: transformers 5's stacked experts become ffn_{gate,up,down}_exps [E, rows, cols];
+    Qwen2-MoE's shared expert gate is stored as [H]."""
+    for name, tensor in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            block = name.removesuffix(".gate_up_proj")
+            yield f"{block}.gate_proj", "weight", gate
+            yield f"{block}.up_proj", "weight", up
+        elif name.endswith("mlp.experts.down_proj"):
+            yield name, "weight", tensor
+        elif name.endswith("shared_expert_gate.weight"):
+            yield name.removesuffix(".weight"), "weight", tensor.reshape(-1)
+        else:
+            base, _, suffix = name.rpartition(".")
+            yield base, suffix, tensor
+
+
+def write_tiny_gguf(hf_dir: str, out_path: str, linear_types=None, expert_type=None) -> str:
     """Write the HF checkpoint in ``hf_dir`` as a GGUF file, the way llama.cpp's converter
-    lays it out (tensor names, q/k permutation for llama, BPE tokenizer). Tensors are F32,
-    except linear weights for which ``linear_types(hf_name)`` names a GGUF type (Q4_K ...).
+    lays it out (tensor names, q/k permutation for llama, BPE tokenizer, stacked experts).
+    Tensors are F32, except linear weights for which ``linear_types(hf_name)`` names a GGUF
+    type (Q4_K ...) and the routed experts when ``expert_type`` names one (Q8_0 ...).
     """
     import json
 
@@ -106,7 +143,7 @@ def write_tiny_gguf(hf_dir: str, out_path: str, linear_types=None) -> str:
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     cfg = model.config
-    arch_name = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    arch_name = _GGUF_ARCHITECTURES[cfg.model_type]
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch_name)
     writer = gguf.GGUFWriter(out_path, arch_name)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -120,6 +157,7 @@ def write_tiny_gguf(hf_dir: str, out_path: str, linear_types=None) -> str:
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
     writer.add_rope_freq_base(rope)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    _add_moe_metadata(writer, cfg)
     writer.add_file_type(0)
     tok = AutoTokenizer.from_pretrained(hf_dir)
     spec = json.loads(tok.backend_tokenizer.to_str())
@@ -138,16 +176,20 @@ def write_tiny_gguf(hf_dir: str, out_path: str, linear_types=None) -> str:
     writer.add_eos_token_id(tok.eos_token_id)
     writer.add_chat_template(tok.chat_template)
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        base, _, suffix = name.rpartition(".")
+    state = {k: v for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+    for base, suffix, tensor in _gguf_tensors(state):
+        name = f"{base}.{suffix}"
         data = tensor.numpy().astype(np.float32)
         if arch_name == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             data = _llama_cpp_permute(data, heads)
         gguf_name = f"{names.get_name(base)}.{suffix}"
-        type_name = linear_types(name) if linear_types and name.endswith("proj.weight") else None
+        if ".experts." in base:
+            type_name = expert_type
+        else:
+            type_name = (linear_types(name) if linear_types and name.endswith("proj.weight")
+                         else None)
         if type_name:
             raw, qtype = _quantize_rows(np.ascontiguousarray(data), type_name)
             writer.add_tensor(gguf_name, raw, raw_dtype=qtype)

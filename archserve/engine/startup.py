@@ -190,16 +190,23 @@ def plan_checkpoint_quantization(device: DeviceInfo, config: EngineConfig, model
     ValueError ("not loadable in this build: ...") when none can run one of them."""
     from archserve.models.registry import model_class_for
     from archserve.quant.config import resolve_quant_config
-    from archserve.quant.plan import plan_quantization, quantized_experts_refusal
+    from archserve.quant.plan import (
+        gguf_experts_decision,
+        plan_quantization,
+        quantized_experts_refusal,
+    )
 
     # A GGUF file stays quantized on GPUs (a dequantizing kernel reads it); CPUs expand it.
     quant = resolve_quant_config(model_config.quantization_config, config.quantization,
                                  gguf_path is not None, keep_gguf_quantized=device.is_gpu)
     plan = plan_quantization(device, quant, dtype)
     has_moe = "moe" in getattr(model_class_for(model_config.architecture), "op_kinds", ())
-    reason = plan.not_loadable or quantized_experts_refusal(quant, has_moe, gguf_path is not None)
+    reason = plan.not_loadable or quantized_experts_refusal(quant, has_moe)
     if reason:
         raise ValueError(f"not loadable in this build: {reason}")
+    experts = gguf_experts_decision(gguf_path is not None, has_moe, dtype)
+    if experts is not None:
+        plan.decisions.append(experts)
     return plan
 
 

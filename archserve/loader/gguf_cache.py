@@ -55,10 +55,15 @@ def _write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+# Raised whenever _correct_config changes, so configs derived by an older rule are redone.
+_DERIVATION = 2
+
+
 def _entry_dir(gguf_path: str) -> str:
     import transformers
     stat = os.stat(gguf_path)
-    key = f"{_content_digest(gguf_path, stat.st_size, stat.st_mtime_ns)}|{transformers.__version__}"
+    key = (f"{_content_digest(gguf_path, stat.st_size, stat.st_mtime_ns)}|"
+           f"{transformers.__version__}|{_DERIVATION}")
     return os.path.join(cache_root(), hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
@@ -73,8 +78,8 @@ def _save(save_fn, directory: str, what: str) -> None:
 def _derived(gguf_path: str, kind: str, marker: str, auto_class, fix=None) -> Any:
     """``auto_class`` (AutoConfig / AutoTokenizer) from the cache, else from the GGUF + save.
 
-    ``fix(derived, gguf_path)`` corrects what transformers' conversion gets wrong, once,
-    before the result is cached."""
+    ``fix(derived, gguf_path)`` returns it corrected where transformers' conversion gets
+    it wrong, once, before the result is cached."""
     entry = os.path.join(_entry_dir(gguf_path), kind)
     if os.path.isfile(os.path.join(entry, marker)):
         try:
@@ -84,7 +89,7 @@ def _derived(gguf_path: str, kind: str, marker: str, auto_class, fix=None) -> An
     directory, name = os.path.split(os.path.abspath(gguf_path))
     derived = auto_class.from_pretrained(directory, gguf_file=name, local_files_only=True)
     if fix is not None:
-        fix(derived, gguf_path)
+        derived = fix(derived, gguf_path)
     _save(derived.save_pretrained, entry, kind)
     return derived
 
@@ -93,16 +98,36 @@ def _derived(gguf_path: str, kind: str, marker: str, auto_class, fix=None) -> An
 def gguf_hf_config(gguf_path: str) -> Any:
     """The transformers config of a GGUF file (parsed once per file version)."""
     from transformers import AutoConfig
-    return _derived(gguf_path, "config", "config.json", AutoConfig, _head_dim_from_metadata)
+    return _derived(gguf_path, "config", "config.json", AutoConfig, _correct_config)
 
 
-def _head_dim_from_metadata(config: Any, gguf_path: str) -> None:
-    """transformers does not map ``<arch>.attention.key_length`` for every architecture and
-    falls back to the config class's default (Qwen3: 128). The file says what it is."""
-    from archserve.loader.gguf_loader import read_metadata_int
-    key_length = read_metadata_int(gguf_path, ".attention.key_length")
-    if key_length and getattr(config, "head_dim", None) != key_length:
-        config.head_dim = key_length
+# Metadata transformers does not map for every architecture: it falls back to the config
+# class's defaults (Qwen3: head_dim 128; Qwen2/3-MoE: the released models' expert widths).
+_METADATA_FIELDS = {".attention.key_length": "head_dim",
+                    ".expert_feed_forward_length": "moe_intermediate_size",
+                    ".expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+def _correct_config(config: Any, gguf_path: str) -> Any:
+    """The config with what the file says where transformers' conversion differs, and
+    Mixtral's: llama.cpp writes Mixtral as "llama" with experts, which transformers reads
+    as a dense Llama (or Mistral)."""
+    from archserve.loader.gguf_loader import read_metadata_ints
+    found = read_metadata_ints(gguf_path, *_METADATA_FIELDS, ".expert_count",
+                               ".expert_used_count")
+    if found.get(".expert_count") and config.model_type in ("llama", "mistral"):
+        from transformers import MixtralConfig
+        fields = {k: v for k, v in config.to_dict().items()
+                  if k not in ("model_type", "architectures", "transformers_version")}
+        config = MixtralConfig(**fields, num_local_experts=found[".expert_count"],
+                               num_experts_per_tok=found[".expert_used_count"])
+    for suffix, name in _METADATA_FIELDS.items():
+        value = found.get(suffix)
+        # Every decoder has a head dim; only MoE configs have expert widths.
+        applies = name == "head_dim" or hasattr(config, name)
+        if value and applies and getattr(config, name, None) != value:
+            setattr(config, name, value)
+    return config
 
 
 def gguf_tokenizer(gguf_path: str) -> Any:

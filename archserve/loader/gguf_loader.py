@@ -6,6 +6,10 @@ rows of q and k for the "llama" architecture (its RoPE kernel pairs adjacent ele
 HF pairs the two halves); we undo that here so the model keeps one (neox) RoPE layout.
 For Gemma it stores every norm weight with 1 added (ggml's norm multiplies by the
 weight, Gemma's by 1 + weight); we subtract it again, so a GGUF loads like its HF original.
+MoE files stack a layer's routed experts in one tensor per projection
+(``blk.N.ffn_gate_exps`` [E, I, H], ``ffn_up_exps``, ``ffn_down_exps`` [E, H, I]); each
+expert's slice is dequantized on its own and yielded under that expert's HF name, so a
+layer's experts never sit in float32 all at once.
 
 transformers' ``load_gguf_checkpoint`` does the same but rebuilds the name map for every
 submodule of a full HF model (about 6 s on SmolLM2-135M) before dequantizing everything
@@ -15,6 +19,7 @@ into one dict; this reader streams tensor by tensor.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Container, Iterable, Iterator
 
 import numpy as np
@@ -24,6 +29,19 @@ import torch
 _PERMUTED_QK_ARCHITECTURES = {"llama"}
 # GGUF architectures whose "*_norm.weight" tensors were stored as 1 + weight.
 _UNIT_OFFSET_NORM_ARCHITECTURES = {"gemma", "gemma2", "gemma3"}
+# GGUF architecture -> transformers model type, where they differ (Mixtral: gguf_model_type).
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# One expert's matrix in an HF name ("mlp.experts.3.gate_proj"): its index is dropped to
+# ask the gguf name map for the layer's stacked tensor ("mlp.experts.gate_proj").
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+def gguf_model_type(architecture: str, expert_count: int) -> str:
+    """The transformers model type of a GGUF architecture: llama.cpp writes Mixtral as
+    "llama" with experts."""
+    if architecture == "llama" and expert_count:
+        return "mixtral"
+    return _GGUF_MODEL_TYPES.get(architecture, architecture)
 
 
 def _open_reader(path: str):
@@ -44,8 +62,9 @@ def _architecture(reader, path: str) -> str:
 
 
 def gguf_to_hf_names(gguf_architecture: str, num_layers: int, hf_names: Iterable[str]
-                     ) -> dict[str, str]:
-    """Map GGUF tensor names to the given HF names (those the model expects)."""
+                     ) -> dict[str, str | tuple[str, ...]]:
+    """Map GGUF tensor names to the given HF names (those the model expects). A stacked
+    expert tensor maps to the tuple of its experts' HF names, in expert order."""
     import gguf
 
     arch = next((key for key, value in gguf.MODEL_ARCH_NAMES.items()
@@ -54,12 +73,22 @@ def gguf_to_hf_names(gguf_architecture: str, num_layers: int, hf_names: Iterable
         raise ValueError(f"GGUF architecture {gguf_architecture!r} is unknown to the gguf "
                          "package")
     name_map = gguf.get_tensor_name_map(arch, num_layers)
-    mapping = {}
+    mapping: dict[str, str | tuple[str, ...]] = {}
+    experts: dict[str, dict[int, str]] = {}
     for hf_name in hf_names:
         base, _, suffix = hf_name.rpartition(".")
+        expert = _EXPERT_INDEX.search(base)
+        if expert is not None:
+            stacked = f"{base[:expert.start()]}.experts.{base[expert.end():]}"
+            gguf_base = name_map.get_name(stacked)
+            if gguf_base is not None:
+                experts.setdefault(f"{gguf_base}.{suffix}", {})[int(expert[1])] = hf_name
+            continue
         gguf_base = name_map.get_name(base)
         if gguf_base is not None:
             mapping[f"{gguf_base}.{suffix}"] = hf_name
+    for gguf_name, by_index in experts.items():
+        mapping[gguf_name] = tuple(by_index[e] for e in sorted(by_index))
     return mapping
 
 
@@ -101,8 +130,6 @@ def iterate_gguf(path: str, hf_names: Iterable[str], num_layers: int, num_heads:
     Tensors named in ``keep_quantized`` whose type archserve keeps quantized come as
     GgufGroups (integer groups, archserve.quant.gguf_blocks) instead.
     """
-    import gguf
-
     reader = _open_reader(path)
     architecture = _architecture(reader, path)
     names = gguf_to_hf_names(architecture, num_layers, hf_names)
@@ -110,36 +137,65 @@ def iterate_gguf(path: str, hf_names: Iterable[str], num_layers: int, num_heads:
     norm_offset = architecture in _UNIT_OFFSET_NORM_ARCHITECTURES
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name, tensor.name)
+        if isinstance(hf_name, tuple):
+            yield from _split_experts(path, tensor, hf_name)
+            continue
         kept = _kept_quantized(tensor, hf_name, keep_quantized, num_heads, num_kv_heads,
                                permuted)
         if kept is not None:
             yield hf_name, kept
             continue
-        try:
-            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except Exception as exc:
-            raise ValueError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) "
-                             f"cannot be dequantized ({exc})") from exc
+        weight = _dequantize(path, tensor, tensor.data)
         if permuted and ".attn_q." in tensor.name:
             weight = _unpermute_rows(weight, num_heads)
         elif permuted and ".attn_k." in tensor.name:
             weight = _unpermute_rows(weight, num_kv_heads)
         if norm_offset and tensor.name.endswith("_norm.weight"):
             weight = weight - 1.0
-        weight = np.ascontiguousarray(weight, dtype=np.float32)
-        if not weight.flags.writeable:  # unquantized tensors are views of the read-only map
-            weight = weight.copy()
-        yield hf_name, torch.from_numpy(weight)
+        if tensor.name.endswith(".ffn_gate_inp_shexp.weight") and weight.ndim == 1:
+            weight = weight[None]     # llama.cpp stores Qwen2-MoE's shared gate as [H], HF [1, H]
+        yield hf_name, _as_torch(weight)
 
 
-def read_metadata_int(path: str, key_suffix: str) -> int | None:
-    """The integer metadata value whose key ends with ``key_suffix`` (e.g.
-    ".attention.key_length" matches "qwen3.attention.key_length"), or None."""
+def _dequantize(path: str, tensor, data) -> np.ndarray:
+    import gguf
+
+    try:
+        return gguf.quants.dequantize(data, tensor.tensor_type)
+    except Exception as exc:
+        raise ValueError(f"{path}: tensor {tensor.name} ({tensor.tensor_type.name}) "
+                         f"cannot be dequantized ({exc})") from exc
+
+
+def _as_torch(weight: np.ndarray) -> torch.Tensor:
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    if not weight.flags.writeable:  # unquantized tensors are views of the read-only map
+        weight = weight.copy()
+    return torch.from_numpy(weight)
+
+
+def _split_experts(path: str, tensor, hf_names: tuple[str, ...]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each expert of a stacked expert tensor, dequantized (the MoE kernels read no GGUF
+    blocks: experts are never kept quantized)."""
+    if tensor.data.shape[0] != len(hf_names):
+        raise ValueError(f"{path}: tensor {tensor.name} stacks {tensor.data.shape[0]} experts, "
+                         f"the model config has {len(hf_names)}")
+    for expert, hf_name in enumerate(hf_names):
+        yield hf_name, _as_torch(_dequantize(path, tensor, tensor.data[expert]))
+
+
+def read_metadata_ints(path: str, *key_suffixes: str) -> dict[str, int]:
+    """The integer metadata values whose keys end with the given suffixes (e.g.
+    ".attention.key_length" matches "qwen3.attention.key_length"), by suffix; the file's
+    metadata is parsed once for all of them."""
     reader = _open_reader(path)
+    found = {}
     for key, field in reader.fields.items():
-        if key.endswith(key_suffix) and field.data:
-            return int(field.parts[field.data[0]][0])
-    return None
+        for suffix in key_suffixes:
+            if key.endswith(suffix) and field.data:
+                found[suffix] = int(field.parts[field.data[0]][0])
+    return found
 
 
 def split_gguf_path(path: str) -> tuple[str, str]:

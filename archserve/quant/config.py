@@ -207,9 +207,12 @@ _REPRESENTATIVE = {
 
 def gguf_quant_config() -> QuantConfig:
     """A GGUF file kept quantized: each linear weight's blocks as integer groups (bits and
-    group size per tensor, see archserve.quant.gguf_blocks); one weight-only kernel."""
+    group size per tensor, see archserve.quant.gguf_blocks); one weight-only kernel. The
+    routed experts of an MoE are not: no MoE kernel reads GGUF blocks, so the loader
+    dequantizes them (archserve.quant.plan.gguf_experts_decision says so)."""
     layer = LayerQuant(GGUF, fmt.WNA16, 0, "group")
-    return QuantConfig("gguf", [_Group(["Linear"], layer)], raw={"quant_method": "gguf"})
+    return QuantConfig("gguf", [_Group(["Linear"], layer)], ignore=[r"re:.*\.experts\."],
+                       raw={"quant_method": "gguf"})
 
 
 def online_quant_config(method: str) -> QuantConfig:

@@ -128,16 +128,13 @@ def expert_quant(config: QuantConfig | None) -> LayerQuant | None:
     return next((q for q in map(config.layer, _EXPERT_MATRICES) if q is not None), None)
 
 
-def quantized_experts_refusal(config: QuantConfig | None, has_moe: bool,
-                              is_gguf: bool = False) -> str | None:
+def quantized_experts_refusal(config: QuantConfig | None, has_moe: bool) -> str | None:
     """Why a checkpoint whose routed experts are quantized cannot load here (None if it can).
 
     Loadable: FP8 (per-tensor, per-channel, 128x128 blocks; compressed-tensors or HF
     ``fp8``), integer groups without act order (GPTQ, AWQ, compressed-tensors W4A16 /
-    W8A16), and online fp8 (``--quantization fp8``) of a 16-bit MoE."""
-    if has_moe and is_gguf:
-        return ("GGUF MoE checkpoints are not loadable in this build: the GGUF loader has no "
-                "map for stacked expert tensors (ffn_*_exps); use the HF safetensors")
+    W8A16), online fp8 (``--quantization fp8``) of a 16-bit MoE, and GGUF (its experts
+    are dequantized at load: see gguf_experts_decision)."""
     quant = expert_quant(config) if has_moe else None
     if quant is None:
         return None
@@ -154,3 +151,15 @@ def quantized_experts_refusal(config: QuantConfig | None, has_moe: bool,
     if quant.block is not None and quant.block != (128, 128):
         return f"{what}; the MoE kernels take 128x128 fp8 blocks only"
     return None
+
+
+def gguf_experts_decision(is_gguf: bool, has_moe: bool, dtype: torch.dtype) -> Decision | None:
+    """What becomes of a GGUF MoE's routed experts: dequantized at load, whatever their
+    block type, because no MoE kernel here reads GGUF blocks (a GPU still keeps the
+    attention and shared-expert linears quantized)."""
+    if not (is_gguf and has_moe):
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return Decision("quantization", "gguf experts", f"dense {name}",
+                    f"no MoE kernel reads GGUF blocks: the routed experts are dequantized to "
+                    f"{name} at load and run on the 16-bit MoE route")

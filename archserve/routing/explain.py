@@ -32,7 +32,7 @@ from archserve.models.registry import architecture_unsupported, op_kinds_of_supp
 from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
 from archserve.quant.config import UnsupportedQuantization, explain_quant_config
-from archserve.quant.plan import QuantPlan, plan_quantization
+from archserve.quant.plan import QuantPlan, gguf_experts_decision, plan_quantization
 from archserve.routing.dtypes import dtype_name, resolve_dtype, resolve_kv_cache_dtype
 from archserve.routing.model_summary import ModelSummary
 
@@ -329,11 +329,12 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     plan = _quantization_plan(device, model.quantization_config, quantization, model.is_gguf,
                               torch_dtype, libraries)
     experts = None
+    has_moe = False
     if not_loadable is None:
         from archserve.models.registry import model_class_for
         from archserve.quant.plan import quantized_experts_refusal
         has_moe = "moe" in getattr(model_class_for(model.architecture), "op_kinds", ())
-        experts = quantized_experts_refusal(plan.config, has_moe, model.is_gguf)
+        experts = quantized_experts_refusal(plan.config, has_moe)
     not_loadable = "; ".join(filter(None, [not_loadable, plan.not_loadable, experts])) or None
     if not_loadable is None:
         decisions += plan.decisions
@@ -341,6 +342,9 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
         decisions.append(Decision("quantization", "gguf", f"dense {dtype_name(torch_dtype)}",
                                   "archserve's GGUF loader dequantizes every tensor at load, so "
                                   "its linear layers take the dense route"))
+    gguf_experts = gguf_experts_decision(model.is_gguf, has_moe, torch_dtype)
+    if gguf_experts is not None:
+        decisions.append(gguf_experts)
 
     if kv not in RUNNABLE_KV_CACHE_DTYPES:
         not_loadable = "; ".join(filter(None, [

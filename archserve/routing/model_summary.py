@@ -128,16 +128,19 @@ def summary_from_gguf(path: str) -> ModelSummary:
             return bytes(value).decode("utf-8")
         return value.tolist()[0] if hasattr(value, "tolist") else value
 
+    from archserve.loader.gguf_loader import gguf_model_type
+
     arch = field("general.architecture", "llama")
     heads = int(field(f"{arch}.attention.head_count", 32))
     hidden = int(field(f"{arch}.embedding_length", 4096))
+    num_experts = int(field(f"{arch}.expert_count", 0))
     return ModelSummary(
-        architecture=arch,
+        architecture=gguf_model_type(arch, num_experts),
         head_size=int(field(f"{arch}.attention.key_length", hidden // heads)),
         num_heads=heads,
         num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
         sliding_window=field(f"{arch}.attention.sliding_window"),
-        num_experts=int(field(f"{arch}.expert_count", 0)),
+        num_experts=num_experts,
         experts_per_token=int(field(f"{arch}.expert_used_count", 0)),
         hidden_size=hidden,
         intermediate_size=int(field(f"{arch}.feed_forward_length", 4 * hidden)),

@@ -103,12 +103,12 @@ def test_unloadable_checkpoint_is_refused_before_any_weight_is_read(tmp_path, co
 
 
 def test_moe_refusals_name_what_this_build_lacks() -> None:
-    """GGUF MoE, int8 W8A8 and act-order experts are refused up front; fp8, W4A16 and
-    online fp8 experts load."""
-    from archserve.quant.config import online_quant_config, parse_quant_config
-    from archserve.quant.plan import quantized_experts_refusal
-    assert "GGUF MoE" in quantized_experts_refusal(None, has_moe=True, is_gguf=True)
-    assert quantized_experts_refusal(None, has_moe=False, is_gguf=True) is None
+    """Int8 W8A8 and act-order experts are refused up front; fp8, W4A16, online fp8 and
+    GGUF experts (which the GGUF config leaves to be dequantized) load."""
+    from archserve.quant.config import gguf_quant_config, online_quant_config, parse_quant_config
+    from archserve.quant.plan import expert_quant, quantized_experts_refusal
+    assert expert_quant(gguf_quant_config()) is None
+    assert quantized_experts_refusal(gguf_quant_config(), has_moe=True) is None
     assert quantized_experts_refusal(online_quant_config("fp8"), has_moe=True) is None
     w4 = parse_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 128})
     assert quantized_experts_refusal(w4, has_moe=True) is None
