@@ -11,7 +11,9 @@ from archserve.cli.generate import (
     ChunkedPrefillOpt,
     ExecutorOpt,
     PrefixCachingOpt,
+    TargetItlOpt,
     TPOpt,
+    parse_target_itl,
 )
 
 
@@ -33,6 +35,7 @@ def serve(
     tensor_parallel_size: TPOpt = 1,
     distributed_executor_backend: ExecutorOpt = "mp",
     max_num_batched_tokens: BatchedTokensOpt = None,
+    target_itl_ms: TargetItlOpt = "auto",
     enable_prefix_caching: PrefixCachingOpt = True,
     enable_chunked_prefill: ChunkedPrefillOpt = True,
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="Fraction of GPU memory for weights, activations and KV cache.")] = 0.9,
@@ -75,6 +78,7 @@ def serve(
                           tensor_parallel_size=tensor_parallel_size,
                           distributed_executor_backend=distributed_executor_backend,
                           max_num_batched_tokens=max_num_batched_tokens,
+                          target_itl_ms=parse_target_itl(target_itl_ms),
                           enable_prefix_caching=enable_prefix_caching,
                           enable_chunked_prefill=enable_chunked_prefill)
     try:
