@@ -163,7 +163,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
                                     is_gguf=gguf_path is not None),
         timings={"load_s": load_s, "select_and_canary_s": select_s,
                  "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s,
-                 "cuda_graphs_s": graphs_s, "token_budget_s": budget_s})
+                 "cuda_graphs_s": graphs_s, "token_budget_s": budget_s},
+        token_budget=budget)
     if config.self_check or (config.self_check is None and torch_device.type == "cuda"):
         t_check = time.perf_counter()
         ceilings = load_or_measure(torch_device)

@@ -150,6 +150,15 @@ class TokenBudget:
     max_num_batched_tokens: int     # any step; the size activations were profiled for
     decoding: int                   # a step that carries running decodes
     decision: Decision
+    cost: StepCostModel | None = None     # what the budget was chosen from, if anything
+    target_itl_s: float | None = None
+
+    def to_json(self) -> dict:
+        return {"max_num_batched_tokens": self.max_num_batched_tokens,
+                "decoding_token_budget": self.decoding, "target_itl_s": self.target_itl_s,
+                "cost_source": self.cost.source if self.cost else None,
+                "cost_points": [list(p) for p in self.cost.points] if self.cost else None,
+                "reason": self.decision.reason}
 
 
 def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None, cap: int,
@@ -190,7 +199,7 @@ def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None
               f"(first tokens sooner)")
     return TokenBudget(cap, decoding, Decision("max_num_batched_tokens", requested,
                                                f"{decoding} with decodes, {cap} without",
-                                               reason))
+                                               reason), model, target_s)
 
 
 def runner_cost_model(runner, limit: int) -> StepCostModel:

@@ -114,3 +114,30 @@ def test_measured_model_times_real_steps_of_the_tiny_model(tiny_checkpoint):
     assert config.decoding_token_budget is not None
     assert 4 <= config.decoding_token_budget <= config.max_num_batched_tokens
     assert f"{config.decoding_token_budget} with decodes" in decision.chosen
+    budget = engine.report.token_budget.to_json()
+    assert budget["decoding_token_budget"] == config.decoding_token_budget
+    assert budget["cost_source"] == "roofline floors" and budget["target_itl_s"] == 10.0
+
+
+@pytest.mark.gpu
+def test_gpu_budget_is_measured_after_warm_up_and_long_prompts_finish(tiny_checkpoint):
+    from archserve import LLM, SamplingParams
+
+    llm = LLM(tiny_checkpoint("llama-h64"), dtype="bfloat16", target_itl_ms="auto",
+              max_num_seqs=8, kv_cache_memory_bytes=1 << 28)
+    engine = llm.llm_engine
+    budget = engine.report.token_budget
+    assert budget.cost.source == "measured", budget.to_json()
+    # The tiny model's context is 256 tokens: the probes stop there.
+    assert [n for n, _ in budget.cost.points] == [1, 128, 256], budget.to_json()
+    assert 0 < budget.cost.seconds(1) <= budget.cost.seconds(256), budget.to_json()
+    cap = engine.scheduler.config.max_num_batched_tokens
+    assert 8 <= budget.decoding <= cap, budget.to_json()
+    assert budget.decoding % 16 == 0 or budget.decoding < 16, budget.to_json()
+    assert engine.scheduler.config.budget_while_decoding == budget.decoding
+    assert budget.decoding == cap or budget.cost.seconds(budget.decoding) <= budget.target_itl_s
+    # Short prompts decode while a long one is prefilled beside them.
+    prompts = [[5 + i] * 8 for i in range(4)] + [[7] * 200]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 5
