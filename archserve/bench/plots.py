@@ -92,6 +92,30 @@ def step_times(step_seconds: list[float], floor_seconds: list[float], path: str)
     return _save(plt, fig, path)
 
 
+def budget_tradeoff(points: list[dict], path: str, title: str = "") -> str:
+    """Serving at one load over step token budgets: TTFT P50 against ITL P99, one labelled
+    point per budget (``label``, ``ttft_p50_ms``, ``itl_p99_ms``; numeric labels joined in
+    budget order, the others marked apart)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fixed = sorted((p for p in points if str(p["label"]).isdigit()), key=lambda p: int(p["label"]))
+    other = [p for p in points if not str(p["label"]).isdigit()]
+    ax.plot([p["itl_p99_ms"] for p in fixed], [p["ttft_p50_ms"] for p in fixed], "o-",
+            label="--max-num-batched-tokens")
+    for p in other:
+        ax.plot(p["itl_p99_ms"], p["ttft_p50_ms"], "*", markersize=12, label=str(p["label"]))
+    for p in points:
+        ax.annotate(str(p["label"]), (p["itl_p99_ms"], p["ttft_p50_ms"]),
+                    textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("ITL P99 (ms)")
+    ax.set_ylabel("TTFT P50 (ms)")
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
 def serving_plots(runs: list[dict], latencies: dict[str, list[list[float]]], directory: str
                   ) -> list[str]:
     os.makedirs(directory, exist_ok=True)

@@ -41,6 +41,7 @@ class BenchOptions:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     max_num_batched_tokens: int | None = None    # None: the engine's default
+    target_itl_ms: float | str | None = None     # offline: no ITL bound unless asked
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     distributed_executor_backend: str = "mp"
@@ -115,6 +116,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
         seed=options.seed, tensor_parallel_size=options.tensor_parallel_size,
         distributed_executor_backend=options.distributed_executor_backend,
         max_num_batched_tokens=options.max_num_batched_tokens,
+        target_itl_ms=options.target_itl_ms,
         enable_prefix_caching=options.enable_prefix_caching,
         enable_chunked_prefill=options.enable_chunked_prefill,
         skip_tokenizer_init=no_tokenizer))
@@ -145,6 +147,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
         "async_scheduling": engine.config.async_scheduling,
         # The step budget in force (the flag's value, or the engine's default).
         "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
+        "decoding_token_budget": engine.scheduler.config.budget_while_decoding,
         "enable_prefix_caching": engine.config.enable_prefix_caching,
         "enable_chunked_prefill": engine.config.enable_chunked_prefill,
         **_workload_json(options, requests),

@@ -12,7 +12,9 @@ from archserve.cli.generate import (
     ChunkedPrefillOpt,
     ExecutorOpt,
     PrefixCachingOpt,
+    TargetItlOpt,
     TPOpt,
+    parse_target_itl,
 )
 
 
@@ -45,6 +47,7 @@ def bench(
     tensor_parallel_size: TPOpt = 1,
     distributed_executor_backend: ExecutorOpt = "mp",
     max_num_batched_tokens: BatchedTokensOpt = None,
+    target_itl_ms: TargetItlOpt = "off",
     enable_prefix_caching: PrefixCachingOpt = True,
     enable_chunked_prefill: ChunkedPrefillOpt = True,
     peer: Annotated[str | None, typer.Option("--peer", help="Also run the requests through 'transformers' and report the ratio.")] = None,
@@ -75,6 +78,7 @@ def bench(
         async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
         distributed_executor_backend=distributed_executor_backend,
         max_num_batched_tokens=max_num_batched_tokens,
+        target_itl_ms=parse_target_itl(target_itl_ms),
         enable_prefix_caching=enable_prefix_caching,
         enable_chunked_prefill=enable_chunked_prefill, peer=peer, url=url,
         api_key=api_key, concurrency=_levels(concurrency), request_rate=request_rate,

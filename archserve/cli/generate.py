@@ -22,11 +22,27 @@ QuantOpt = Annotated[str | None, typer.Option("--quantization", "-q", help="Defa
 TPOpt = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="Ranks to split the model over: one worker process per GPU (gloo ranks share the cores on a CPU).")]
 ExecutorOpt = Annotated[str, typer.Option("--distributed-executor-backend", help="mp (worker processes on this machine) or ray (actors of a Ray cluster; see docs/tensor-parallel.md).")]
 BatchedTokensOpt = Annotated[int | None, typer.Option("--max-num-batched-tokens", min=1, help="Tokens one step computes at most (the chunked-prefill budget: smaller keeps decodes from waiting behind long prompts, larger fills the device). Default: the engine's.")]
+TargetItlOpt = Annotated[str, typer.Option("--target-itl-ms", help="Inter-token latency that a step carrying decodes should stay within; its token budget is the largest chunk whose measured step cost fits (stall-free chunked prefill). auto: 4x a one-token step; off: no bound (every step may take --max-num-batched-tokens); or milliseconds. A given --max-num-batched-tokens fixes every step's budget instead (auto is then ignored; a number is an error).")]
 PrefixCachingOpt = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV blocks of a prompt prefix seen before.")]
 ChunkedPrefillOpt = Annotated[bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over steps, beside the running decodes.")]
 KvCacheDtypeOpt = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2: half the KV bytes per token; scales from the checkpoint when it has them.")]
 CalculateKvScalesOpt = Annotated[bool, typer.Option("--calculate-kv-scales", help="With an fp8 KV cache: measure each layer's k/v scales on the first prompt (the checkpoint's own scales otherwise, else 1.0).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log the start-up route.")]
+
+
+def parse_target_itl(text: str) -> float | str | None:
+    """--target-itl-ms: 'auto', 'off' (None) or a positive number of milliseconds."""
+    text = text.strip().lower()
+    if text in ("auto", "off"):
+        return None if text == "off" else "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise typer.BadParameter(f"expected auto, off or a positive number of ms, got {text!r}",
+                                 param_hint="--target-itl-ms")
+    return value
 
 
 def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_model_len, verbose,

@@ -15,7 +15,9 @@ from archserve.cli.generate import (
     MaxLenOpt,
     ModelOpt,
     QuantOpt,
+    TargetItlOpt,
     TPOpt,
+    parse_target_itl,
 )
 
 
@@ -25,6 +27,7 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
             tensor_parallel_size: TPOpt = 1, distributed_executor_backend: ExecutorOpt = "mp",
             max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Largest decode batch (CUDA graph sizes follow it).")] = 256,
             gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
+            target_itl_ms: TargetItlOpt = "auto",   # as `serve`: its step budget is shown too
             json_output: Annotated[bool, typer.Option("--json", help="Print the timings as JSON.")] = False) -> None:
     """Warm a model up ahead of time: derive and cache its GGUF metadata, compile and autotune
     its kernels, capture its CUDA graphs, measure the device's ceilings and run the
@@ -46,6 +49,7 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
             max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
             quantization=quantization, tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
+            target_itl_ms=parse_target_itl(target_itl_ms),
             skip_tokenizer_init=dummy_without_tokenizer(model_path, load_format)))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -56,7 +60,8 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
               "cuda_graphs_demoted": {str(k): v for k, v in report.graph_demoted.items()},
               "attention": report.attention.name, "canary": report.canary,
               "decisions": [d.to_dict() for d in report.decisions],
-              "self_check": report.self_check.to_json() if report.self_check else None}
+              "self_check": report.self_check.to_json() if report.self_check else None,
+              "token_budget": report.token_budget.to_json() if report.token_budget else None}
     if json_output:
         typer.echo(json.dumps(result, indent=2))
         return

@@ -13,7 +13,9 @@ from archserve.cli.generate import (
     ExecutorOpt,
     KvCacheDtypeOpt,
     PrefixCachingOpt,
+    TargetItlOpt,
     TPOpt,
+    parse_target_itl,
 )
 
 
@@ -35,6 +37,7 @@ def serve(
     tensor_parallel_size: TPOpt = 1,
     distributed_executor_backend: ExecutorOpt = "mp",
     max_num_batched_tokens: BatchedTokensOpt = None,
+    target_itl_ms: TargetItlOpt = "auto",
     enable_prefix_caching: PrefixCachingOpt = True,
     enable_chunked_prefill: ChunkedPrefillOpt = True,
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
@@ -79,6 +82,7 @@ def serve(
                           tensor_parallel_size=tensor_parallel_size,
                           distributed_executor_backend=distributed_executor_backend,
                           max_num_batched_tokens=max_num_batched_tokens,
+                          target_itl_ms=parse_target_itl(target_itl_ms),
                           enable_prefix_caching=enable_prefix_caching,
                           enable_chunked_prefill=enable_chunked_prefill,
                           kv_cache_dtype=kv_cache_dtype,

@@ -24,7 +24,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None         # explicit pool size, for tests and experiments
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = None  # None: 8192, and target_itl_ms bounds decode steps
+    # The inter-token latency a step that carries decodes should stay within, which sets
+    # its token budget from the measured step cost (engine/step_budget.py): "auto" (a
+    # multiple of a one-token step; the server's default), milliseconds, or None (no bound:
+    # throughput first, the offline default). Ignored when max_num_batched_tokens is set.
+    target_itl_ms: float | str | None = None
     block_size: int | None = None            # None: the attention backend's preferred size
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -55,6 +60,14 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        itl = self.target_itl_ms
+        in_ms = isinstance(itl, int | float) and not isinstance(itl, bool)
+        if not (itl is None or itl == "auto" or (in_ms and itl > 0)):
+            raise ValueError(f"target_itl_ms must be 'auto', a positive number of milliseconds "
+                             f"or None; got {itl!r}")
+        if self.max_num_batched_tokens is not None and in_ms:
+            raise ValueError("give max_num_batched_tokens (a fixed budget for every step) or "
+                             "target_itl_ms (a budget derived from it), not both")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}")
         if self.tensor_parallel_size < 1:

@@ -53,7 +53,8 @@ class LLMEngine:
                                       config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, setup.max_num_batched_tokens,
-                            self.max_model_len, config.enable_chunked_prefill),
+                            self.max_model_len, config.enable_chunked_prefill,
+                            setup.decoding_token_budget),
             self.block_pool, self.eos_token_ids)
         self.report.timings["total_s"] = startup.elapsed(t0)
         self.requests: dict[str, RequestState] = {}

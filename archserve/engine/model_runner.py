@@ -131,18 +131,24 @@ class ModelRunner:
         lengths run (``prefill_warm_up_lengths``).
         """
         lengths = prefill_warm_up_lengths(min(self.max_model_len, max_num_batched_tokens))
-        dev = self.device
         for n in lengths:
-            width = -(-n // self.block_size)
-            meta = AttentionMetadata.from_lengths(
-                [n], [n], torch.zeros((1, width), dtype=torch.int32, device=dev),
-                torch.full((n,), -1, dtype=torch.long, device=dev), dev)
-            ids = torch.zeros(n, dtype=torch.long, device=dev)
-            positions = torch.arange(n, device=dev)
-            self.model.compute_logits(self._forward(ids, positions, meta)[-1:])
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+            self.run_prefill_probe(n)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return lengths
+
+    @torch.inference_mode()
+    def run_prefill_probe(self, num_tokens: int) -> None:
+        """One eager step of a ``num_tokens``-token prompt through the sampled row's logits,
+        writing nothing to the cache (slot -1): for warm-up and for timing a step."""
+        n, dev = num_tokens, self.device
+        width = -(-n // self.block_size)
+        meta = AttentionMetadata.from_lengths(
+            [n], [n], torch.zeros((1, width), dtype=torch.int32, device=dev),
+            torch.full((n,), -1, dtype=torch.long, device=dev), dev)
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        positions = torch.arange(n, device=dev)
+        self.model.compute_logits(self._forward(ids, positions, meta)[-1:])
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:

@@ -32,6 +32,7 @@ from archserve.engine.kernel_cache import configure_kernel_caches
 from archserve.engine.model_runner import ModelRunner
 from archserve.engine.sampler import Sampler
 from archserve.engine.self_check import run_self_check
+from archserve.engine.step_budget import resolve_token_budget, runner_cost_model
 from archserve.models.layers.kv_scales import is_quantized_cache
 
 DEFAULT_MAX_BATCHED_TOKENS = 8192
@@ -49,6 +50,7 @@ class RunnerSetup:
     async_scheduling: bool
     report: startup.StartupReport
     cpu_threads: object | None = None  # the CPU thread governor, where one runs
+    decoding_token_budget: int | None = None  # a step with running decodes (step_budget.py)
 
 
 def peek_model_config(model_path: str | None):
@@ -150,6 +152,13 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
         runner.capture_cuda_graphs(graph_sizes)
         agree.same("the captured CUDA graph sizes", runner.graphs.set.sizes)
     graphs_s = startup.elapsed(t_graphs)
+    t_budget = time.perf_counter()   # after the warm-up: a timed step compiles nothing
+    budget = resolve_token_budget(config.target_itl_ms, config.max_num_batched_tokens,
+                                  max_batched, config.max_num_seqs,
+                                  config.enable_chunked_prefill,
+                                  lambda: runner_cost_model(runner, max_batched))
+    decisions.append(budget.decision)
+    budget_s = startup.elapsed(t_budget)
     report = startup.StartupReport(
         device=device, torch_device=torch_device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
         decisions=decisions, attention=selection, block_size=block_size, canary=canary,
@@ -161,7 +170,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
                                     is_gguf=gguf_path is not None),
         timings={"load_s": load_s, "select_and_canary_s": select_s,
                  "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s,
-                 "cuda_graphs_s": graphs_s})
+                 "cuda_graphs_s": graphs_s, "token_budget_s": budget_s},
+        token_budget=budget)
     if config.self_check or (config.self_check is None and torch_device.type == "cuda"):
         t_check = time.perf_counter()
         ceilings = load_or_measure(torch_device)
@@ -170,4 +180,5 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     if calibrate:   # after every start-up forward: only a real prompt calibrates
         runner.calibrate_kv_scales_on_first_prefill(deferred_graphs)
     return RunnerSetup(runner, model, mc, max_model_len, max_batched, num_blocks, block_size,
-                       scheduling.chosen == "async", report, cpu_threads)
+                       scheduling.chosen == "async", report, cpu_threads=cpu_threads,
+                       decoding_token_budget=budget.decoding)

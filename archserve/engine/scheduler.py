@@ -4,7 +4,8 @@ Every sequence is "tokens not yet in the KV cache"; a step gives each chosen seq
 ``num_new_tokens`` of them, so prefill, chunked prefill and decode are one case. Order
 of a step:
 
-1. running sequences that decode (one token each), oldest arrival first;
+1. running sequences that decode (one token each), oldest arrival first: they always get
+   their token before any prompt does;
 2. running sequences part-way through a chunked prefill;
 3. waiting sequences (new, or preempted and re-prefilling), front of the queue first,
    while ``max_num_seqs`` and the budget allow; none are admitted in a step that had to
@@ -15,6 +16,12 @@ When the pool runs dry for a running sequence, the most recently arrived running
 sequence is preempted by recomputation: its blocks are freed, ``num_computed_tokens``
 goes back to 0 and it returns to the front of the queue, keeping its generated tokens,
 which it re-prefills on re-admission (the prefix cache often makes that cheap).
+
+A step's token budget depends on whether it carries decodes (stall-free batching, as in
+Sarathi-Serve): with decodes running it is ``decoding_token_budget``, so a prefill chunk
+rides along without stretching the step that every streaming request waits for; with none
+running (an idle engine, or only prompts in flight) nobody waits on the step's length, so
+prompts may fill ``max_num_batched_tokens`` and reach their first token sooner.
 
 The engine drives one step as ``schedule()`` -> run the model -> ``postprocess()``.
 """
@@ -37,10 +44,25 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # Tokens of a step that carries running decodes; None: max_num_batched_tokens (every
+    # step alike, vLLM's meaning of the flag). engine/step_budget.py chooses it.
+    decoding_token_budget: int | None = None
+
+    @property
+    def budget_while_decoding(self) -> int:
+        return self.decoding_token_budget or self.max_num_batched_tokens
 
     def validate(self, block_pool: KVBlockPool) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+        if not 1 <= self.budget_while_decoding <= self.max_num_batched_tokens:
+            raise ValueError(f"decoding_token_budget ({self.decoding_token_budget}) must be in "
+                             f"[1, max_num_batched_tokens={self.max_num_batched_tokens}]")
+        if not self.enable_chunked_prefill and self.decoding_token_budget not in (
+                None, self.max_num_batched_tokens):
+            # A prompt is prefilled whole: behind a smaller budget it would wait for a step
+            # without decodes, which a busy server may never have.
+            raise ValueError("decoding_token_budget needs chunked prefill")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
@@ -67,6 +89,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes, then prefills
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    token_budget: int = 0          # what this step could take (it carried decodes, or not)
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
@@ -149,7 +172,6 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         planned: dict[int, ScheduledSeq] = {}  # seq_id -> its entry, so preemption can undo it
 
         # A sequence whose pending token already reaches its length limit finishes when that
@@ -159,6 +181,8 @@ class Scheduler:
                   if not (s.num_pending and reached_length_limit(s, limit))]
         decodes = [s for s in active if s.num_uncomputed_tokens == 1]
         prefills = [s for s in active if s.num_uncomputed_tokens > 1]
+        budget = out.token_budget = (self.config.budget_while_decoding if decodes
+                                     else self.config.max_num_batched_tokens)
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -178,7 +202,7 @@ class Scheduler:
             budget = self._admit_waiting(budget, planned)
 
         out.scheduled = list(planned.values())
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.num_batched_tokens = out.token_budget - budget
         return out
 
     def postprocess(self, output: SchedulerOutput, sampled_token_ids: Iterable[int],

@@ -50,6 +50,7 @@ class StartupReport:
     graphs_off: str | None = None                         # why decode runs eager, if it does
     kernel_cache: str | None = None                       # Triton compile/autotune cache dir
     self_check: object | None = None                      # self_check.SelfCheck on GPUs
+    token_budget: object | None = None                    # step_budget.TokenBudget
 
 
 def resolve_torch_device(config: EngineConfig) -> torch.device:

@@ -222,3 +222,13 @@ def test_moe_steps_read_the_experts_their_tokens_touch():
     assert step_flops(moe, one) == 2 * (500 + 400 * 2 / 8) + 4     # + attention: 4 * 1 pair
     assert experts_touched(2, 8, 2) == pytest.approx(8 * (1 - 0.75 ** 2))
     assert experts_touched(5, 0, 0) == 0.0
+
+
+def test_budget_tradeoff_plot_draws_every_budget(tmp_path):
+    from archserve.bench.plots import budget_tradeoff
+    points = [{"label": "512", "ttft_p50_ms": 40.0, "itl_p99_ms": 20.0},
+              {"label": "2048", "ttft_p50_ms": 30.0, "itl_p99_ms": 60.0},
+              {"label": "auto", "ttft_p50_ms": 35.0, "itl_p99_ms": 25.0}]
+    path = budget_tradeoff(points, str(tmp_path / "tradeoff.png"), "16 req/s")
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -17,10 +17,11 @@ EOS = 0
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64,
-         chunked=True, caching=True) -> Scheduler:
+         chunked=True, caching=True, decoding_budget=None) -> Scheduler:
     pool = KVBlockPool(num_blocks, block_size, enable_prefix_caching=caching)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                          max_model_len=max_model_len, enable_chunked_prefill=chunked)
+                          max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                          decoding_token_budget=decoding_budget)
     return Scheduler(cfg, pool, eos_token_ids=EOS)
 
 
@@ -64,8 +65,12 @@ def run_to_completion(sched: Scheduler, seqs: list[Sequence], max_steps: int = 2
     for _ in range(max_steps):
         if not sched.has_unfinished():
             break
+        decoding = any(s.num_uncomputed_tokens == 1 for s in sched.running)
         out = sched.schedule()
-        assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+        cfg = sched.config
+        # A step that carries decodes keeps to the smaller budget; an idle one may fill the cap.
+        assert out.num_batched_tokens <= (cfg.budget_while_decoding if decoding
+                                          else cfg.max_num_batched_tokens)
         assert out.num_batched_tokens == sum(e.num_new_tokens for e in out.scheduled)
         assert len(out.scheduled) <= sched.config.max_num_seqs
         assert out.scheduled, "no progress"
@@ -270,6 +275,88 @@ def test_finish_can_override_a_same_step_length_finish():
     sched.finish(s, SequenceStatus.FINISHED_STOPPED, stop_reason="###")
     assert s.finish_reason == "stop" and s.stop_reason == "###"
     assert sched.block_pool.num_used_blocks == 0
+
+
+# -- stall-free budget: a smaller budget for steps that carry decodes ------------------
+
+def test_steps_with_decodes_keep_to_the_decoding_budget_and_idle_steps_fill_the_cap():
+    sched = make(budget=32, decoding_budget=8)
+    long = seq(60, max_tokens=3, arrival=0)
+    sched.add(long)
+    out = sched.schedule()                          # nothing decodes: the cap
+    assert out.token_budget == 32 and [e.num_new_tokens for e in out.scheduled] == [32]
+    sched.postprocess(out, [])
+    out = sched.schedule()                          # still only a prompt in flight
+    assert [e.num_new_tokens for e in out.scheduled] == [28]
+    sched.postprocess(out, [4])
+    late = seq(40, max_tokens=2, arrival=1, first=9)
+    sched.add(late)
+    out = sched.schedule()                          # long decodes: the prompt gets 8 - 1
+    assert out.token_budget == 8
+    assert [(e.seq, e.num_new_tokens) for e in out.scheduled] == [(long, 1), (late, 7)]
+
+
+def test_decodes_are_never_starved_and_a_long_prompt_finishes_in_chunks():
+    """Under a stream of long prompts, every running decode gets its token in every step,
+    and each prompt advances by what the decodes leave of the budget."""
+    sched = make(num_blocks=256, budget=64, decoding_budget=12, max_model_len=128)
+    model = FakeModel(sched)
+    decoders = [seq(3, max_tokens=40, arrival=i, first=i + 1) for i in range(4)]
+    prompts = [seq(90, max_tokens=3, arrival=10 + i, first=i + 2) for i in range(3)]
+    for s in decoders:
+        sched.add(s)
+    sched.postprocess(first := sched.schedule(), model.run(first))   # prefill the decoders
+    for s in prompts:
+        sched.add(s)
+    chunks: dict[int, list[int]] = {s.seq_id: [] for s in prompts}
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        decoding = [s for s in sched.running if s.num_uncomputed_tokens == 1]
+        out = sched.schedule()
+        got = {e.seq.seq_id: e.num_new_tokens for e in out.scheduled}
+        assert all(got.get(s.seq_id) == 1 for s in decoding), "a running decode was skipped"
+        if decoding:
+            assert out.num_batched_tokens <= 12
+        for e in out.scheduled:
+            if e.seq.seq_id in chunks and e.num_new_tokens > 1:
+                chunks[e.seq.seq_id].append(e.num_new_tokens)
+        sched.postprocess(out, model.run(out))
+    assert not sched.has_unfinished()
+    for s in prompts:
+        assert sum(chunks[s.seq_id]) == 90 and len(chunks[s.seq_id]) > 1   # chunked, complete
+        assert s.status is SequenceStatus.FINISHED_LENGTH and s.num_output_tokens == 3
+    assert all(s.num_output_tokens == 40 for s in decoders)
+    assert sched.block_pool.num_used_blocks == 0
+
+
+def test_decoding_budget_gives_the_same_tokens_as_one_budget_with_preemption():
+    # A pool too small for everything at once: preemption by recomputation still works
+    # when steps with decodes have the smaller budget.
+    specs = [(13, 6, 1), (3, 7, 2), (17, 4, 3), (5, 8, 4)]   # (prompt, max_tokens, first)
+
+    def build():
+        return [seq(n, max_tokens=m, arrival=i, first=f, rid=f"p{i}")
+                for i, (n, m, f) in enumerate(specs)]
+
+    reference = build()
+    run_to_completion(make(num_blocks=128, block_size=2, budget=64, max_model_len=24),
+                      reference)
+    tight = build()
+    sched = make(num_blocks=12, block_size=2, budget=16, decoding_budget=5, max_model_len=24,
+                 caching=False)
+    outs = run_to_completion(sched, tight)
+    assert any(o.preempted for o in outs)
+    assert [s.output_token_ids for s in tight] == [s.output_token_ids for s in reference]
+    assert sched.block_pool.num_used_blocks == 0
+
+
+def test_decoding_budget_validation():
+    with pytest.raises(ValueError, match="decoding_token_budget"):
+        make(budget=16, decoding_budget=17)
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        make(budget=64, max_model_len=64, chunked=False, decoding_budget=16)
+    assert make(budget=16).config.budget_while_decoding == 16
 
 
 # -- token-level stop rules ------------------------------------------------------------

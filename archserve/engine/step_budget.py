@@ -1,0 +1,214 @@
+"""The token budget of a step that carries running decodes, chosen from what a step costs.
+
+Every streaming request waits for each step: a step that also prefills a long prompt
+chunk stretches the gap between two of its tokens (inter-token latency, ITL). The budget
+bounds that step (stall-free batching, as in Sarathi-Serve): it is the largest number of
+tokens whose step still ends within a target ITL, by a cost model of this device and model:
+
+- measured on GPUs: one eager prefill step at each of ``PROBE_LENGTHS`` tokens, timed
+  after the warm-up has compiled and tuned every kernel (a few hundred ms at start-up);
+- on other devices, where timing long prompts would cost seconds, the roofline floor of
+  the same steps: max(matmul FLOPs / measured FLOP/s, weight bytes / measured bandwidth).
+
+Between the probes the cost is interpolated linearly, and past the last one it grows at
+the last segment's slope. The target is ``target_itl_ms``, or by default
+``DEFAULT_ITL_FACTOR`` times the cost of a one-token step: a step may carry as much
+prompt as costs that many decode steps. The budget is rounded down to a multiple of 16,
+and kept within [max_num_seqs, max_num_batched_tokens] so every running sequence can
+still decode in one step.
+
+A step without decodes (idle engine, or only prompts in flight) may take
+``max_num_batched_tokens`` (the size the activation memory was profiled for): no stream
+waits on it, and fewer, larger steps bring the first token sooner. An explicit
+``max_num_batched_tokens`` keeps vLLM's meaning: it is the budget of every step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from archserve.platform.decision import Decision
+
+PROBE_LENGTHS = (1, 128, 512, 1024, 2048)
+DEFAULT_ITL_FACTOR = 4.0
+BUDGET_MULTIPLE = 16      # Triton specialises integer arguments on divisibility by 16
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Seconds of one step against the tokens in it, from (tokens, seconds) points."""
+
+    points: tuple[tuple[int, float], ...]     # tokens ascending, seconds non-decreasing
+    source: str                               # "measured" or "roofline floors"
+
+    def seconds(self, tokens: float) -> float:
+        pts = self.points
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:], strict=False):
+            if tokens <= n1:
+                return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
+        return pts[-1][1] + self._last_slope() * (tokens - pts[-1][0])
+
+    def largest_within(self, seconds: float) -> float:
+        """The most tokens a step may hold and still take at most ``seconds``
+        (0 when not even the smallest step does; inf when the cost stops growing)."""
+        pts = self.points
+        if seconds < pts[0][1]:
+            return 0.0
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:], strict=False):
+            if seconds < t1:
+                return n0 + (n1 - n0) * (seconds - t0) / (t1 - t0)
+        slope = self._last_slope()
+        return math.inf if slope <= 0 else pts[-1][0] + (seconds - pts[-1][1]) / slope
+
+    def _last_slope(self) -> float:
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1] / pts[0][0]           # one point: cost proportional to tokens
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return (t1 - t0) / (n1 - n0)
+
+    def describe(self) -> str:
+        return ", ".join(f"{n} tok {_ms(t)} ms" for n, t in self.points)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g}"
+
+
+def cost_model(points: Sequence[tuple[int, float]], source: str) -> StepCostModel:
+    """A model through ``points``; a point cheaper than a smaller one (timing noise) is
+    raised to it, so more tokens never cost less."""
+    if not points:
+        raise ValueError("a step cost model needs at least one (tokens, seconds) point")
+    ordered: list[tuple[int, float]] = []
+    for n, t in sorted(points):
+        if ordered and n == ordered[-1][0]:
+            continue
+        ordered.append((int(n), max(float(t), ordered[-1][1] if ordered else 0.0)))
+    return StepCostModel(tuple(ordered), source)
+
+
+def probe_lengths(limit: int) -> list[int]:
+    """The probe lengths a step of at most ``limit`` tokens can have (``limit`` itself
+    stands in for the longer ones)."""
+    return sorted({min(n, limit) for n in PROBE_LENGTHS if limit >= 1})
+
+
+def measured_cost_model(run_step: Callable[[int], None], lengths: Sequence[int],
+                        device: torch.device, repeats: int = 3) -> StepCostModel:
+    """Time ``run_step(n)`` (one forward of an ``n``-token step) at each length: the
+    median of ``repeats`` runs after one untimed, on CUDA with events."""
+    points = []
+    for n in lengths:
+        if device.type == "cuda":
+            from archserve.kernels.cuda_timing import median_ms
+            seconds = median_ms(lambda n=n: run_step(n), repeats, warmup=1) / 1e3
+        else:
+            run_step(n)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                run_step(n)
+                times.append(time.perf_counter() - t0)
+            seconds = sorted(times)[len(times) // 2]
+        points.append((n, seconds))
+    return cost_model(points, "measured")
+
+
+def floor_cost_model(weights, ceilings, lengths: Sequence[int]) -> StepCostModel:
+    """The roofline floor of an ``n``-token prefill step at each length: the matmul FLOPs
+    (body for every token, LM head for the one sampled row) over the matmul rate, or the
+    weights read over the copy bandwidth, whichever is longer. Chunk attention is left out:
+    at budget-sized chunks the linear layers dominate."""
+    points = []
+    for n in lengths:
+        flops = 2.0 * (weights.active_params_per_token * n + weights.lm_head_params)
+        points.append((n, max(flops / ceilings.matmul_flops_per_s,
+                              weights.bytes_for_tokens(n) / ceilings.copy_bytes_per_s)))
+    return cost_model(points, "roofline floors")
+
+
+def choose_decoding_budget(model: StepCostModel, target_s: float, low: int, high: int) -> int:
+    """The largest multiple of BUDGET_MULTIPLE tokens whose step fits ``target_s``, kept
+    within [low, high]."""
+    fits = model.largest_within(target_s)
+    tokens = high if math.isinf(fits) else int(fits)
+    if tokens >= BUDGET_MULTIPLE:
+        tokens -= tokens % BUDGET_MULTIPLE
+    return max(min(low, high), min(tokens, high))
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    max_num_batched_tokens: int     # any step; the size activations were profiled for
+    decoding: int                   # a step that carries running decodes
+    decision: Decision
+    cost: StepCostModel | None = None     # what the budget was chosen from, if anything
+    target_itl_s: float | None = None
+
+    def to_json(self) -> dict:
+        return {"max_num_batched_tokens": self.max_num_batched_tokens,
+                "decoding_token_budget": self.decoding, "target_itl_s": self.target_itl_s,
+                "cost_source": self.cost.source if self.cost else None,
+                "cost_points": [list(p) for p in self.cost.points] if self.cost else None,
+                "reason": self.decision.reason}
+
+
+def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None, cap: int,
+                         max_num_seqs: int, chunked_prefill: bool,
+                         cost: Callable[[], StepCostModel]) -> TokenBudget:
+    """The budgets of a step with and without decodes, and the decision that explains them.
+
+    ``target_itl_ms`` is "auto" (DEFAULT_ITL_FACTOR one-token steps), a number of ms, or
+    None (no bound: the offline default); ``explicit`` is the user's
+    max_num_batched_tokens; ``cost`` builds the cost model, only when one is needed.
+    """
+    requested = "auto" if explicit is None else str(explicit)
+
+    def unbounded(reason: str) -> TokenBudget:
+        return TokenBudget(cap, cap, Decision("max_num_batched_tokens", requested,
+                                              f"{cap} every step", reason))
+
+    if explicit is not None:
+        return unbounded("set by max_num_batched_tokens: the budget of every step, decodes "
+                         "running or not (vLLM's meaning)")
+    if target_itl_ms is None:
+        return unbounded("no target ITL (the offline default: throughput, not inter-token "
+                         "latency)")
+    if not chunked_prefill:
+        return unbounded("chunked prefill is off: a prompt is prefilled whole, so a step "
+                         "with decodes cannot be bounded")
+    model = cost()
+    if target_itl_ms == "auto":
+        target_s = DEFAULT_ITL_FACTOR * model.seconds(1)
+        target = f"target ITL {_ms(target_s)} ms ({DEFAULT_ITL_FACTOR:g}x a one-token step)"
+    else:
+        target_s = float(target_itl_ms) / 1e3
+        target = f"target ITL {_ms(target_s)} ms (target_itl_ms)"
+    decoding = choose_decoding_budget(model, target_s, max_num_seqs, cap)
+    reason = (f"{target}; step cost ({model.source}): {model.describe()}; a step with "
+              f"decodes takes at most {decoding} tokens (~{_ms(model.seconds(decoding))} ms; "
+              f"kept within [max_num_seqs={max_num_seqs}, {cap}]); without decodes, {cap} "
+              f"(first tokens sooner)")
+    return TokenBudget(cap, decoding, Decision("max_num_batched_tokens", requested,
+                                               f"{decoding} with decodes, {cap} without",
+                                               reason), model, target_s)
+
+
+def runner_cost_model(runner, limit: int) -> StepCostModel:
+    """The step cost model of a warmed-up runner, for steps of at most ``limit`` tokens:
+    measured on CUDA, the roofline floors elsewhere."""
+    lengths = probe_lengths(min(limit, runner.max_model_len))
+    if runner.device.type == "cuda":
+        return measured_cost_model(runner.run_prefill_probe, lengths, runner.device)
+    from archserve.engine.ceilings import load_or_measure
+    from archserve.engine.step_weights import step_weights
+    return floor_cost_model(step_weights(runner.model, runner.model_config),
+                            load_or_measure(runner.device), lengths)

@@ -1,0 +1,183 @@
+"""TTFT against ITL over step token budgets: one real `archserve serve` per budget, the same
+Poisson load through `archserve bench --mode serve` against each.
+
+    python3 benchmarks/serve_budget_sweep.py --out OUT            # on the H200, ~6-8 minutes
+    python3 benchmarks/serve_budget_sweep.py --out OUT --budgets 256,512,1024,2048,auto,itl:30
+
+Default budgets: 256, 512, 1024, 2048, 8192 (the fixed default before the auto budget) and auto.
+A budget is a number (`--max-num-batched-tokens N`: every step, vLLM's meaning), `auto` (the
+server's default: steps with decodes get the budget from the measured step cost and the
+default target ITL; idle steps get 8192) or `itl:MS` (`--target-itl-ms MS`). Defaults:
+Llama-3-8B shape with dummy bf16 weights and a word tokenizer (as benchmarks/h200_serve.sh),
+16 requests/s for 20 s, 512±50% prompt and 128±50% output tokens.
+
+Writes OUT/budget_sweep.json (per budget: the budget the server chose, TTFT/TPOT/ITL/E2E
+percentiles, throughput), OUT/budget_tradeoff.png (TTFT P50 against ITL P99), and each
+run's bench JSON and server log under OUT/budget_<name>/; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ARCHSERVE = [sys.executable, "-m", "archserve.cli.main"]
+LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
+BUDGET_DECISION = re.compile(r"decision: max_num_batched_tokens: (.*?) -> (.*?) \(")
+
+
+def server_flags(budget: str) -> list[str]:
+    if budget == "auto":
+        return []
+    if budget.startswith("itl:"):
+        return ["--target-itl-ms", budget.removeprefix("itl:")]
+    return ["--max-num-batched-tokens", str(int(budget))]
+
+
+def start_server(args, budget: str, log_path: str) -> tuple[subprocess.Popen, str]:
+    cmd = [*ARCHSERVE, "serve", "--model", args.model, "--load-format", args.load_format,
+           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+           "--max-num-seqs", str(args.max_num_seqs), "--port", "0", *server_flags(budget)]
+    if args.tokenizer:
+        cmd += ["--tokenizer", args.tokenizer]
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.monotonic() + args.server_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited ({process.returncode}); see {log_path}")
+        with open(log_path, errors="replace") as f:
+            match = LISTENING.search(f.read())
+        if match:
+            try:
+                with urllib.request.urlopen(f"{match.group(1)}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return process, match.group(1)
+            except OSError:
+                pass
+        time.sleep(0.5)
+    stop_server(process)
+    raise RuntimeError(f"server not healthy after {args.server_timeout}s; see {log_path}")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def chosen_budget(log_path: str) -> str:
+    with open(log_path, errors="replace") as f:
+        match = BUDGET_DECISION.search(f.read())
+    return match.group(2) if match else "?"
+
+
+def run_bench(args, url: str, out_json: str, log_path: str) -> dict:
+    cmd = [*ARCHSERVE, "bench", "--mode", "serve", "--url", url,
+           "--model", args.tokenizer or args.model, "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--random-range", str(args.random_range),
+           "--request-rate", str(args.rate), "--num-prompts", str(round(args.rate * args.duration)),
+           "--seed", str(args.seed), "--output-json", out_json]
+    with open(log_path, "w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, check=True,
+                       timeout=args.duration * 6 + 120)
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def summary_row(budget: str, chosen: str, result: dict) -> dict:
+    pick = {f"{m}_{q}_ms": result[f"{m}_ms"][q] for m in ("ttft", "tpot", "itl", "e2e")
+            for q in ("p50", "p90", "p99")}
+    return {"budget": budget, "chosen": chosen, **pick,
+            "output_tokens_per_s": result["output_tokens_per_s"],
+            "completed": result["completed"], "failed": result["failed"]}
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'budget':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} "
+            f"{'ITL p99':>8} {'out tok/s':>9}  server's budget")
+    print(head)
+    for r in rows:
+        print(f"{r['budget']:>8} {r['ttft_p50_ms']:9.1f} {r['ttft_p99_ms']:9.1f} "
+              f"{r['tpot_p50_ms']:9.2f} {r['itl_p50_ms']:8.2f} {r['itl_p99_ms']:8.1f} "
+              f"{r['output_tokens_per_s']:9.0f}  {r['chosen']}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--budgets", default="256,512,1024,2048,8192,auto")
+    p.add_argument("--model", default="benchmarks/models/llama-3-8b")
+    p.add_argument("--tokenizer", default=None,
+                   help="default: a word tokenizer over the model's vocabulary")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--rate", type=float, default=16.0, help="Poisson requests per second")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per budget")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--random-range", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-timeout", type=float, default=300.0)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.tokenizer is None:
+        args.tokenizer = os.path.join(tempfile.mkdtemp(), "tokenizer")
+        subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "word_tokenizer.py"),
+                        args.model, args.tokenizer], check=True, cwd=ROOT)
+    rows, started = [], time.monotonic()
+    for budget in [b.strip() for b in args.budgets.split(",") if b.strip()]:
+        name = budget.replace(":", "")
+        run_dir = os.path.join(args.out, f"budget_{name}")
+        os.makedirs(run_dir, exist_ok=True)
+        server_log = os.path.join(run_dir, "server.log")
+        t0 = time.monotonic()
+        process, url = start_server(args, budget, server_log)
+        print(f"== budget {budget}: server up after {time.monotonic() - t0:.0f}s "
+              f"({chosen_budget(server_log)})", flush=True)
+        try:
+            result = run_bench(args, url, os.path.join(run_dir, "bench.json"),
+                               os.path.join(run_dir, "bench.log"))
+        finally:
+            stop_server(process)
+        rows.append(summary_row(budget, chosen_budget(server_log), result))
+        print_table(rows[-1:])
+    from archserve.bench.plots import budget_tradeoff
+    title = (f"{os.path.basename(os.path.normpath(args.model))}, {args.rate:g} req/s, "
+             f"{args.input_len}±{args.random_range:.0%} in / {args.output_len} out")
+    plot = budget_tradeoff([{"label": r["budget"], "ttft_p50_ms": r["ttft_p50_ms"],
+                             "itl_p99_ms": r["itl_p99_ms"]} for r in rows],
+                           os.path.join(args.out, "budget_tradeoff.png"), title)
+    summary = {"argv": sys.argv, "model": args.model, "rate": args.rate,
+               "duration_s": args.duration, "input_len": args.input_len,
+               "output_len": args.output_len, "random_range": args.random_range,
+               "elapsed_s": time.monotonic() - started, "plot": plot, "runs": rows}
+    with open(os.path.join(args.out, "budget_sweep.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"\nall budgets ({summary['elapsed_s']:.0f}s):")
+    print_table(rows)
+    print(f"plot: {plot}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
