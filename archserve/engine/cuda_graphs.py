@@ -24,6 +24,11 @@ from archserve.kernels.attention.interface import AttentionMetadata
 log = logging.getLogger(__name__)
 
 
+# KV blocks the replay canary fills with random values (and restores after): a few suffice
+# for rows to read different data.
+CANARY_BLOCKS = 16
+
+
 def default_graph_sizes(max_num_seqs: int) -> list[int]:
     ladder = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
     return [s for s in ladder if s <= max_num_seqs] or [1]
@@ -108,15 +113,16 @@ class DecodeGraphRunner:
 
         A kernel that bakes a host-side value into the capture replays a stale value; then
         every graph is dropped (decode runs eager) with the reason. The step reads KV
-        blocks filled with random values (zeroed again after), with host-side lengths
-        unlike the capture's: on an all-zero cache every wrong length gives the same zero
-        output, and the check could not fail.
+        blocks filled with random values, with host-side lengths unlike the capture's: on
+        an all-zero cache every wrong length gives the same zero output, and the check
+        could not fail. The blocks are restored after: graphs captured mid-run (after
+        ``calculate_kv_scales``' first prefill) must not overwrite live sequences' KV.
         """
         if not self.set.sizes:
             return None
-        num_blocks = self.block_tables.shape[1]
         # [2, blocks, block_size, Hkv, D] per layer: only the blocks the canary's tables use.
-        touched = [kv[:, :num_blocks] for kv in kv_caches]
+        touched = [kv[:, :self._canary_blocks()] for kv in kv_caches]
+        saved = [blocks.clone() for blocks in touched]
         generator = torch.Generator(device=self.device).manual_seed(0)
         for blocks in touched:
             blocks.copy_(torch.randn(blocks.shape, generator=generator, device=self.device))
@@ -132,8 +138,12 @@ class DecodeGraphRunner:
                     return reason
             return None
         finally:
-            for blocks in touched:
-                blocks.zero_()
+            for blocks, before in zip(touched, saved):
+                blocks.copy_(before)
+
+    def _canary_blocks(self) -> int:
+        """How many KV blocks the canary's rows use (row r reads block r mod this)."""
+        return min(CANARY_BLOCKS, self.block_tables.shape[1])
 
     def _canary_at(self, size: int, tolerance: float) -> str | None:
         rows = torch.arange(size, dtype=torch.long, device=self.device)
@@ -144,7 +154,7 @@ class DecodeGraphRunner:
         meta.seq_lens_cpu = lengths
         meta.max_seq_len = max(lengths)
         meta.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=self.device)
-        meta.block_tables = (rows % self.block_tables.shape[1]).to(torch.int32)[:, None]
+        meta.block_tables = (rows % self._canary_blocks()).to(torch.int32)[:, None]
         ids = 5 + rows % 11
         with torch.inference_mode():
             eager = self.forward(ids, positions, meta).float()

@@ -51,10 +51,12 @@ def _plugin(name: str, impl):
 @pytest.fixture
 def plugins():
     registry = default_registry()
-    for name, impl in (("STALE_ATTN", StaleLengthImpl), ("FAILS_AT_4", FailsCapturingFour)):
+    names = {"STALE_ATTN": StaleLengthImpl, "FAILS_AT_4": FailsCapturingFour,
+             "PLAIN_TRITON": TritonAttentionImpl}
+    for name, impl in names.items():
         registry.register(_plugin(name, impl))
     yield
-    for name in ("STALE_ATTN", "FAILS_AT_4"):
+    for name in names:
         registry.unregister("attention", name)
 
 
@@ -80,3 +82,18 @@ def test_one_failed_capture_demotes_that_size_alone(tiny_checkpoint, plugins):
     graphs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     eager = LLM(tiny_checkpoint("llama"), enforce_eager=True, **kwargs)
     assert graphs == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+
+
+def test_the_canary_leaves_a_live_cache_as_it_found_it(tiny_checkpoint, plugins):
+    """Graphs can be captured mid-run (calculate_kv_scales captures after the first
+    prefill): the canary's random KV blocks must not overwrite live sequences' KV."""
+    llm = LLM(tiny_checkpoint("llama"), dtype="bfloat16", attention_backend="PLAIN_TRITON",
+              kv_cache_memory_bytes=1 << 28, max_num_seqs=8, self_check=False)
+    runner = llm.llm_engine.runner
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for kv in runner.kv_caches:
+        kv.copy_(torch.randn(kv.shape, generator=generator, device="cuda"))
+    before = [kv.clone() for kv in runner.kv_caches]
+    assert runner.graphs.replay_canary(runner.kv_caches) is None
+    for kv, old in zip(runner.kv_caches, before):
+        assert torch.equal(kv, old)

@@ -133,8 +133,17 @@ def test_gpu_real_shapes_match_torch_moe(mode, shape, tokens):
     weights, ids = route(logits, top_k, True)
     got = fused_quantized_experts(x, weights, ids, q)
     expected = reference(x, logits, q, top_k)
-    # bf16 rows between the GEMMs (requantized to fp8 for W8A8): a few percent of an
-    # element's scale at most; the norm of the error far less.
+    # The kernel rounds the SiLU*mul rows to bf16 before requantizing them to e4m3 for
+    # the down GEMM; the float32 reference quantizes the unrounded rows. About 1 row value
+    # in 30 then lands one e4m3 step (6-12%) away: measured on an H200, 0.8-1.5% of the
+    # output's norm and up to 3.5% of its largest element (native and widened paths
+    # alike). The widened path below pins the float8 tl.dot itself much tighter.
     scale = expected.abs().max()
-    torch.testing.assert_close(got.float() / scale, expected / scale, atol=3e-2, rtol=0)
-    assert (got.float() - expected).norm() / expected.norm() < 1e-2
+    torch.testing.assert_close(got.float() / scale, expected / scale, atol=6e-2, rtol=0)
+    assert (got.float() - expected).norm() / expected.norm() < 2.5e-2
+    if mode.startswith("fp8"):
+        # The same kernels with the e4m3 bytes widened to fp16 (exact products): the
+        # float8 tensor-core path may differ only by its accumulation (Hopper's fp8 MMA
+        # accumulates with fewer bits: measured 0.45% of the norm at K = 2048 and 512 rows).
+        widened = fused_quantized_experts(x, weights, ids, q, native_fp8=False)
+        assert (got.float() - widened.float()).norm() / widened.float().norm() < 1e-2
