@@ -112,8 +112,8 @@ def test_explain_every_op_kind() -> None:
     assert cpu["backend"] == "TORCH_MOE"
     fp8 = json.loads(run("explain", "-d", "h100", "--op", "moe", "-q", "fp8",
                          "--json").output)["routes"][0]
-    # fp8 experts load; on GPUs they run dequantized through TORCH_MOE (kernels/moe/rules.py)
-    assert fp8["backend"] == "TORCH_MOE" and fp8["ideal"] == "CUTLASS_MOE_FP8"
+    # fp8 experts run in the Triton fused MoE on SM89+; vLLM's ideal, CUTLASS, is rules only.
+    assert fp8["backend"] == "TRITON_FUSED_MOE" and fp8["ideal"] == "CUTLASS_MOE_FP8"
     refused = run("explain", "--op", "linear", "-q", "bitsandbytes")
     assert refused.exit_code == 2 and "not loadable" in refused.output
 

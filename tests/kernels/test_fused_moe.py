@@ -127,13 +127,9 @@ def test_cuda_selects_the_fused_kernel_and_cpu_the_torch_loop():
 
 
 def test_quantized_experts_route_by_vllm_fp8_rule():
-    """Triton fp8 experts need SM89+ (vLLM 0.33); below, TORCH_MOE runs them dequantized.
-    On SM89+ the rule passes but this build does not route fp8 experts to Triton yet (its
-    kernels failed their GPU test), and the rejection says so."""
+    """Triton fp8 experts need SM89+ (vLLM 0.33); below, TORCH_MOE runs them dequantized."""
     h100 = select_moe_backend(get_profile("h100"), MoESpec(quant_scheme="fp8_block"))
-    assert h100.name == "TORCH_MOE"
-    triton_h100 = [r for r in h100.rejected if r.backend == "TRITON_FUSED_MOE"]
-    assert triton_h100 and "failed their real-shape GPU test" in triton_h100[0].reason
+    assert h100.name == "TRITON_FUSED_MOE"
     a100 = select_moe_backend(get_profile("a100"), MoESpec(quant_scheme="fp8"), "all")
     assert a100.name == "TORCH_MOE"
     assert any(r.reason == "fp8 experts need SM89+, device is SM80" for r in a100.rejected)

@@ -165,7 +165,7 @@ SM90_ROUTES = {"ct-fp8-tensor-static": "TORCH_SCALED_MM", "ct-fp8-channel-dynami
                "ct-int8-w8a8": "TRITON_INT8"}
 # The other layers' routes where a fixture has more than attention and dense linears.
 SM90_OTHER_ROUTES = {"hf-deepseek-v3-fp8-block": {"attention": "TRITON_MLA",
-                                                  "moe experts": "TORCH_MOE"}}  # fp8 experts: see moe/rules.py
+                                                  "moe experts": "TRITON_FUSED_MOE"}}
 
 
 @pytest.mark.gpu

@@ -125,8 +125,7 @@ def test_explain_fp8_moe_mla_model(tmp_path) -> None:
     # Block-FP8 DeepSeek-V3 loads (experts included): each layer shows what runs here.
     assert out["not_loadable"] is None
     assert routes["attention"]["backend"] == "TRITON_MLA"
-    # fp8 experts run dequantized on GPUs until the Triton fp8 MoE passes its GPU test.
-    assert routes["moe experts"]["backend"] == "TORCH_MOE"
+    assert routes["moe experts"]["backend"] == "TRITON_FUSED_MOE"
     assert routes["linear (qkv, o, mlp)"]["backend"] == "TRITON_BLOCK_FP8"
 
 

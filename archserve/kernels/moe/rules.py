@@ -81,12 +81,6 @@ class TritonFusedMoEBackend(MoEBackend):
         if spec.quant_scheme not in RUNNABLE_EXPERT_FORMATS:
             return (f"this build's Triton fused MoE runs 16-bit, fp8, fp8_block and wna16 "
                     f"experts; {spec.quant_scheme} experts are rules only")
-        if spec.quant_scheme in ("fp8", "fp8_block") and device.is_gpu:
-            # The fp8 expert kernels pass under the CPU interpreter but failed their
-            # real-shape GPU test on an H200 (2026-12-01): until that passes, fp8 experts
-            # run dequantized through TORCH_MOE on GPUs.
-            return ("fp8 experts: the Triton kernels failed their real-shape GPU test "
-                    "(tests/kernels/test_quantized_moe.py); not routed here yet")
         return (needs_dtype(spec.dtype, (torch.float16, torch.bfloat16, torch.float32))
                 or bf16_on_device(device, spec.dtype))
 
