@@ -6,14 +6,16 @@ Engine rows (``--part engine``), one engine per model, several workloads on it:
 - batch-1 decode: 1 request, 128 tokens in, 256 out. The decode step's mean time against
   its floor: the bytes a step reads (dense weights, LM head, the k experts per layer one
   token touches, the KV cache) over the measured copy bandwidth (engine/ceilings.py).
-- 256 x 256/128 (both shapes; --skip-mixtral-throughput leaves Mixtral's out): output
-  tok/s and MBU, with each decode step charged the experts its batch touches (expected
-  distinct experts under uniform routing, kernels/moe/routing.experts_touched).
+- 256 x 256/128 (both shapes; --skip-mixtral-throughput leaves Mixtral's out, and its
+  engine then holds one sequence: one decode graph to capture and tune): output tok/s and
+  MBU, with each decode step charged the experts its batch touches (expected distinct
+  experts under uniform routing, kernels/moe/routing.experts_touched).
 - transformers on a small workload (16 x 128/64, Qwen3 shape): ours, then transformers
   with the same dummy-initialised architecture, after our engine is freed. transformers
   loops over the experts in Python; --peer-layers N runs both on the first N layers only
   (a config copy), for when the whole model is too slow for the device call; the row
-  records the layers it ran.
+  records the layers it ran. ``--part peer`` runs this comparison alone (with
+  --peer-layers, the whole model is then never built).
 
 Kernel table (``--part kernels``), per expert shape and token count (1, 16, 64, 256, 1024):
 the fused Triton MoE with its tuned tile (the engine's tuner and cache, so a later engine
@@ -23,7 +25,7 @@ matrices). µs, TFLOP/s and GB/s of the expert weights the tokens touch, the fus
 floor (those bytes over the measured copy bandwidth), and the routing alone: the Triton
 routing kernel against routing.route's torch ops.
 
-    python3 benchmarks/moe_perf.py [--part engine|kernels|all] [--models qwen3-30b-a3b,..]
+    python3 benchmarks/moe_perf.py [--part engine|peer|kernels|all] [--models qwen3-30b-a3b,..]
         [--skip-peer] [--peer-layers N] [--skip-mixtral-throughput] [--out F.json]
     python3 benchmarks/moe_perf.py --tiny          # CPU smoke run: tiny shapes, no GPU
 """
@@ -84,56 +86,63 @@ def _workload(engine, ceilings, num: int, input_len: int, output_len: int) -> di
             "step_over_floor": step_ms / floor_ms if floor_ms else None, "mbu": roof.mbu}
 
 
-def engine_rows(name: str, path: str, args) -> dict:  # noqa: ANN001
+def engine_rows(name: str, path: str, args, throughput: bool, peer: bool) -> dict:  # noqa: ANN001
+    """``throughput``: the batch-1 and 256 x 256/128 rows on the whole model; ``peer``: the
+    transformers comparison (Qwen3 shape only), on the same engine when it runs every layer,
+    else on an engine of the first --peer-layers layers (the whole one is never built for a
+    cut comparison alone)."""
     dtype = "float32" if args.tiny else "bfloat16"
-    t0 = time.perf_counter()
-    engine = _engine(path, dtype, 256)
-    device = engine.runner.device
-    ceilings = load_or_measure(device)
-    facts = model_facts(engine)
-    result = {"model": name, "start_s": time.perf_counter() - t0,
-              "moe_backend": sorted({m.backend_name for m in engine.model.moe_layers()}),
-              "decisions": [d.to_dict() for d in engine.report.decisions
-                            if d.what in ("MoE tiles", "decode GEMMs")],
-              "ceilings": ceilings.describe(),
-              "active_bytes_b1": facts.weights().bytes_per_step,
-              "all_weight_bytes": facts.weight_bytes + facts.expert_bytes}
     scale = 8 if args.tiny else 1
-    result["b1"] = _workload(engine, ceilings, 1, 128 // scale, 256 // scale)
-    _print_row(name, "b1 128/256", result["b1"])
-    if name != "mixtral-8x7b" or not args.skip_mixtral_throughput:
-        result["256x256/128"] = _workload(engine, ceilings, 256 // scale, 256 // scale,
-                                          128 // scale)
-        _print_row(name, "256x256/128", result["256x256/128"])
-    if not args.skip_peer and name == "qwen3-30b-a3b":
-        small = (16, 128 // scale, 64 // scale)
-        engine_dtype = engine.report.dtype
-        layers = _num_layers(path)
-        if args.peer_layers and args.peer_layers < layers:
-            del engine
+    small = (16, 128 // scale, 64 // scale)
+    peer = peer and name == "qwen3-30b-a3b"
+    layers = peer_layers = _num_layers(path)
+    peer_path = path
+    if peer and args.peer_layers and args.peer_layers < layers:
+        peer_path, peer_layers = _first_layers(path, args.peer_layers), args.peer_layers
+    result: dict = {"model": name}
+    engine = None
+    if throughput:
+        wide = name != "mixtral-8x7b" or not args.skip_mixtral_throughput
+        t0 = time.perf_counter()
+        # Batch 1 alone needs one decode graph and one MoE tile bucket: a shorter start.
+        engine = _engine(path, dtype, 256 if wide else 1)
+        ceilings = load_or_measure(engine.runner.device)
+        facts = model_facts(engine)
+        result.update(
+            start_s=time.perf_counter() - t0, max_num_seqs=256 if wide else 1,
+            moe_backend=sorted({m.backend_name for m in engine.model.moe_layers()}),
+            decisions=[d.to_dict() for d in engine.report.decisions
+                       if d.what in ("MoE tiles", "decode GEMMs")],
+            ceilings=ceilings.describe(), active_bytes_b1=facts.weights().bytes_per_step,
+            all_weight_bytes=facts.weight_bytes + facts.expert_bytes)
+        result["b1"] = _workload(engine, ceilings, 1, 128 // scale, 256 // scale)
+        _print_row(name, "b1 128/256", result["b1"])
+        if wide:
+            result["256x256/128"] = _workload(engine, ceilings, 256 // scale, 256 // scale,
+                                              128 // scale)
+            _print_row(name, "256x256/128", result["256x256/128"])
+        if peer_path != path or not peer:
+            device, engine = engine.runner.device, None   # the only reference: freed here
             _release(device)
-            path, layers = _first_layers(path, args.peer_layers), args.peer_layers
-            engine = _engine(path, dtype, small[0])
-        ours = _workload(engine, ceilings, *small)
-        del engine
-        _release(device)
-        from archserve.bench.peer_transformers import run_peer
-        requests = random_requests(small[0], small[1], small[2], facts_vocab(path),
-                                   seed=small[0])
-        peer, method = run_peer(path, "dummy", engine_dtype, device, requests,
-                                max_num_seqs=small[0], show_progress=False)
-        result["vs_transformers"] = {
-            "workload": "x".join(map(str, small)), "layers": layers,
-            "ours_tok_s": ours["output_tok_s"],
-            "transformers_tok_s": peer.output_tokens_per_s, "method": method,
-            "speedup": ours["output_tok_s"] / peer.output_tokens_per_s}
-        print(f"{name:16s} vs transformers {result['vs_transformers']['workload']} "
-              f"({layers} layers): ours {ours['output_tok_s']:.1f} tok/s, transformers "
-              f"{peer.output_tokens_per_s:.1f} tok/s ({method}): "
-              f"{result['vs_transformers']['speedup']:.1f}x", flush=True)
-    else:
-        del engine
-        _release(device)
+    if not peer:
+        return result
+    if engine is None:
+        engine = _engine(peer_path, dtype, small[0])
+    device, engine_dtype = engine.runner.device, engine.report.dtype
+    ours = _workload(engine, load_or_measure(device), *small)
+    engine = None   # the only reference: freed before transformers takes the memory
+    _release(device)
+    from archserve.bench.peer_transformers import run_peer
+    requests = random_requests(small[0], small[1], small[2], facts_vocab(path), seed=small[0])
+    other, method = run_peer(peer_path, "dummy", engine_dtype, device, requests,
+                             max_num_seqs=small[0], show_progress=False)
+    row = {"workload": "x".join(map(str, small)), "layers": peer_layers,
+           "ours_tok_s": ours["output_tok_s"], "transformers_tok_s": other.output_tokens_per_s,
+           "method": method, "speedup": ours["output_tok_s"] / other.output_tokens_per_s}
+    result["vs_transformers"] = row
+    print(f"{name:16s} vs transformers {row['workload']} ({peer_layers} layers): ours "
+          f"{row['ours_tok_s']:.1f} tok/s, transformers {row['transformers_tok_s']:.1f} tok/s "
+          f"({method}): {row['speedup']:.1f}x", flush=True)
     return result
 
 
@@ -174,7 +183,12 @@ def _release(device: torch.device) -> None:
 
 # ---------------------------------------------------------------- kernel table
 
-def _time_us(fn, device: torch.device) -> tuple[float, str]:  # noqa: ANN001
+def _time_us(fn, device: torch.device, graph: bool = True) -> tuple[float, str]:  # noqa: ANN001
+    """``graph=False``: CUDA events around eager calls, for code that reads device values on
+    the host (TORCH_MOE's per-expert counts) and so cannot be captured."""
+    if device.type == "cuda" and not graph:
+        from archserve.kernels.cuda_timing import median_ms
+        return 1e3 * median_ms(fn, 10, warmup=2), "eager"
     if device.type == "cuda":
         from archserve.kernels.cuda_timing import graph_median_us
         return graph_median_us(fn, 10, warmup=2, reps=4)
@@ -226,7 +240,7 @@ def kernel_rows(name: str, shape: tuple[int, int, int, int], tokens_list, device
         runs["dense_same_flops"] = lambda a13=a13, a2=a2: (
             torch.nn.functional.linear(a13, w13[0]), torch.nn.functional.linear(a2, w2[0]))
         for kind, fn in runs.items():
-            us, how = _time_us(fn, device)
+            us, how = _time_us(fn, device, graph=kind != "torch_moe")
             row[kind] = {"us": us, "how": how, "tflops": flops / us / 1e6,
                          "gb_s": touched / us / 1e3 if kind != "dense_same_flops" else None}
         if fused is not None:
@@ -256,7 +270,9 @@ def _kernel_line(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", default="all", choices=("engine", "kernels", "all"))
+    parser.add_argument("--part", default="all", choices=("engine", "peer", "kernels", "all"),
+                        help="engine: the batch-1 and 256 x 256/128 rows, and the transformers "
+                             "comparison unless --skip-peer; peer: that comparison alone")
     parser.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-mixtral-throughput", action="store_true")
@@ -266,9 +282,18 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     names = [n for n in args.models.split(",") if n]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "engine": [], "kernels": []}
+
+    def save() -> None:   # after every row set: a run cut short keeps what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+
     tmp = tempfile.mkdtemp(prefix="moe_perf_")
     paths = dict(MODELS)
     shapes = dict(KERNEL_SHAPES)
@@ -291,13 +316,14 @@ def main() -> None:
         for name in names:
             result["kernels"] += kernel_rows(name, shapes[name], tokens, device, dtype, cache)
             _release(device)
-    if args.part in ("engine", "all"):
+            save()
+    if args.part in ("engine", "peer", "all"):
         for name in names:
-            result["engine"].append(engine_rows(name, paths[name], args))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-
+            result["engine"].append(engine_rows(
+                name, paths[name], args, throughput=args.part != "peer",
+                peer=args.part == "peer" or not args.skip_peer))
+            save()
+    save()
 
 if __name__ == "__main__":
     main()
