@@ -19,6 +19,7 @@ through the engine with dummy bf16 weights, and what the latent cache buys in se
   are scaled to V3's 61 layers).
 
     python3 benchmarks/mla_perf.py [--part kernel|engine|kv|all] [--sweep] [--out F.json]
+    TRITON_INTERPRET=1 python3 benchmarks/mla_perf.py --tiny   # CPU smoke run, tiny shapes
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -46,31 +49,73 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 V2_LITE = os.path.join(HERE, "models", "deepseek-v2-lite")
 V3_4L = os.path.join(HERE, "models", "deepseek-v3-4l")
 V3_LAYERS = 61
-BATCH, CONTEXT = 64, 4096
 SEQ_4K = 4096
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes one run measures: DeepSeek's on a GPU, or tiny ones for a CPU smoke run
+    (--tiny: a V2-Lite config shrunk, the kernel under Triton's interpreter) that goes
+    through every line the GPU run does, so an argument error costs no device time."""
+    v2_path: str
+    dtype: torch.dtype                   # the kernel's
+    engine_dtype: str = "bfloat16"
+    batch: int = 64                      # kernel: sequences x context tokens
+    context: int = 4096
+    heads: tuple[int, ...] = (16, 128)   # V2-Lite, V3
+    kv_lora_rank: int = 512
+    rope: int = 64
+    nope: int = 128
+    v_head: int = 128
+    max_model_len: int = 4096 + 128
+    workloads: tuple[tuple[int, int, int], ...] = ((1, 128, 256), (256, 1024, 128))
+
+
+def tiny_plan(folder: str) -> Plan:
+    with open(os.path.join(V2_LITE, "config.json")) as f:
+        config = json.load(f)
+    config.update(hidden_size=64, intermediate_size=96, num_attention_heads=16,
+                  num_key_value_heads=16, kv_lora_rank=32, qk_rope_head_dim=16,
+                  qk_nope_head_dim=16, v_head_dim=24, moe_intermediate_size=32,
+                  n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                  num_hidden_layers=2, vocab_size=256, bos_token_id=0, eos_token_id=1,
+                  max_position_embeddings=256,
+                  rope_scaling={**config["rope_scaling"], "original_max_position_embeddings": 64,
+                                "factor": 4})
+    path = os.path.join(folder, "tiny-deepseek-v2-lite")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return Plan(v2_path=path, dtype=torch.float16, engine_dtype="float32", batch=2, context=64, heads=(16,),
+                kv_lora_rank=32, rope=16, nope=16, v_head=24, max_model_len=256,
+                workloads=((1, 16, 32), (8, 64, 16)))
+
+
 
 
 # ---------------------------------------------------------------- kernel
 
-def kernel_rows(ceilings, sweep: bool) -> list[dict]:
+def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device) -> list[dict]:
     from archserve.kernels.attention.triton_decode import choose_num_splits
-    from archserve.kernels.cuda_timing import graph_median_us
     from archserve.kernels.mla.triton_mla_decode import mla_decode, mla_decode_tiles
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cuda = device.type == "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
+    batch, context, rank = plan.batch, plan.context, plan.kv_lora_rank
+    width = rank + plan.rope
     rows = []
-    for heads in (16, 128):
+    for heads in plan.heads:
         for kv in ("auto", "fp8_e4m3"):
-            case = make_mla_case([(1, CONTEXT)] * BATCH, num_heads=heads, kv_lora_rank=512,
-                                 rope=64, nope=128, v_head=128, block_size=16,
-                                 dtype=torch.bfloat16, kv_cache_dtype=kv, device="cuda",
-                                 seed=0, fp8_exact_kv=False)
+            case = make_mla_case([(1, context)] * batch, num_heads=heads, kv_lora_rank=rank,
+                                 rope=plan.rope, nope=plan.nope, v_head=plan.v_head,
+                                 block_size=16, dtype=plan.dtype, kv_cache_dtype=kv,
+                                 device=device.type, seed=0, fp8_exact_kv=False)
             meta, query = case.meta, case.absorbed_query.contiguous()
-            out = torch.empty(BATCH, heads, 512, dtype=torch.bfloat16, device="cuda")
-            latent_bytes = BATCH * CONTEXT * 576 * case.kv_cache.element_size()
-            flops = 2.0 * BATCH * CONTEXT * heads * (576 + 512)
+            out = torch.empty(batch, heads, rank, dtype=plan.dtype, device=device)
+            latent_bytes = batch * context * width * case.kv_cache.element_size()
+            flops = 2.0 * batch * context * heads * (width + rank)
             default_tiles = mla_decode_tiles(heads)
-            rule_splits = choose_num_splits(BATCH, -(-heads // default_tiles[0]), CONTEXT, sms)
+            rule_splits = choose_num_splits(batch, -(-heads // default_tiles[0]), context, sms)
             variants = [(None, None)]
             if sweep:
                 variants += [(s, None) for s in (1, 2, 4, 8, 16) if s != rule_splits]
@@ -79,10 +124,10 @@ def kernel_rows(ceilings, sweep: bool) -> list[dict]:
             for splits, tiles in variants:
                 run = functools.partial(
                     mla_decode, query, case.kv_cache, meta.block_tables, meta.seq_lens,
-                    meta.query_start_loc, out, num_seqs=BATCH, max_seq_len=CONTEXT,
+                    meta.query_start_loc, out, num_seqs=batch, max_seq_len=context,
                     scale=case.scale, k_scale=case.k_scale, num_sms=sms, num_splits=splits,
                     tiles=tiles)
-                us, how = graph_median_us(run, 20)
+                us, how = _time_us(run, cuda)
                 row = {"heads": heads, "kv": kv, "splits": splits or rule_splits,
                        "rule": splits is None and tiles is None,
                        "tiles": list(tiles or default_tiles), "us": us, "how": how,
@@ -94,18 +139,28 @@ def kernel_rows(ceilings, sweep: bool) -> list[dict]:
                       f"{row['tiles']}{' (rule)' if row['rule'] else ''}: {us:8.1f} us, "
                       f"{row['latent_gb_s']:7.0f} GB/s = {row['of_copy']:.0%} of copy, "
                       f"{row['tflops']:.0f} TFLOP/s", flush=True)
-            _release()
+            del case, meta, query, out
+            _release(device)
     return rows
+
+
+def _time_us(run, cuda: bool) -> tuple[float, str]:  # noqa: ANN001
+    if cuda:
+        from archserve.kernels.cuda_timing import graph_median_us
+        return graph_median_us(run, 20)
+    run()   # the smoke run's interpreter: one call, timed only to fill the row
+    t0 = time.perf_counter()
+    run()
+    return (time.perf_counter() - t0) * 1e6, "interpreted"
 
 
 # ---------------------------------------------------------------- engine
 
-def _engine(path: str, max_num_seqs: int, max_model_len: int):
+def _engine(plan: Plan, max_num_seqs: int):
     from archserve.engine.config import EngineConfig
     from archserve.engine.llm_engine import LLMEngine
-    return LLMEngine(EngineConfig(model=path, dtype="bfloat16", load_format="dummy",
-                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                  skip_tokenizer_init=True))
+    return LLMEngine(EngineConfig(model=plan.v2_path, dtype=plan.engine_dtype, load_format="dummy", max_model_len=plan.max_model_len,
+                                  max_num_seqs=max_num_seqs, skip_tokenizer_init=True))
 
 
 def _workload(engine, ceilings, num: int, input_len: int, output_len: int) -> dict:
@@ -124,9 +179,10 @@ def _workload(engine, ceilings, num: int, input_len: int, output_len: int) -> di
     return row
 
 
-def engine_rows(ceilings) -> tuple[dict, object]:
+def engine_rows(ceilings, plan: Plan, save) -> tuple[dict, object]:  # noqa: ANN001
+    """V2-Lite's rows; ``save(result)`` after each, so a run cut short keeps them."""
     t0 = time.perf_counter()
-    engine = _engine(V2_LITE, 256, 4096 + 128)
+    engine = _engine(plan, 256)
     facts = model_facts(engine)
     routes = {r.layer: r.backend for r in engine.report.routes}
     result = {"model": "deepseek-v2-lite", "start_s": time.perf_counter() - t0,
@@ -135,20 +191,22 @@ def engine_rows(ceilings) -> tuple[dict, object]:
               "active_bytes_b1": facts.weights().bytes_per_step,
               "all_weight_bytes": facts.weight_bytes + facts.expert_bytes}
     print(f"deepseek-v2-lite routes: {routes}", flush=True)
-    result["b1 128/256"] = _workload(engine, ceilings, 1, 128, 256)
-    result["256x1024/128"] = _workload(engine, ceilings, 256, 1024, 128)
+    for num, input_len, output_len in plan.workloads:
+        name = f"b1 {input_len}/{output_len}" if num == 1 else f"{num}x{input_len}/{output_len}"
+        result[name] = _workload(engine, ceilings, num, input_len, output_len)
+        save(result)
     return result, engine
 
 
 # ---------------------------------------------------------------- KV sizing
 
-def kv_rows(engine) -> list[dict]:
+def kv_rows(engine, plan: Plan) -> list[dict]:
     """Per-token KV bytes from the engine's own sizing rule (kv_cache.bytes_per_block), MLA
     against MHA, and the 4096-token sequences a pool of the same bytes holds."""
     from archserve.loader.config import load_hf_model_config
 
     rows = []
-    for name, path, layers in (("deepseek-v2-lite", V2_LITE, None),
+    for name, path, layers in (("deepseek-v2-lite", plan.v2_path, None),
                                ("deepseek-v3", V3_4L, V3_LAYERS)):
         mc = load_hf_model_config(path)
         m, n_layers = mc.mla, layers or mc.num_layers
@@ -180,37 +238,54 @@ def kv_rows(engine) -> list[dict]:
     return rows
 
 
-def _release() -> None:
+def _release(device: torch.device) -> None:
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", default="all", choices=("kernel", "engine", "kv", "all"))
     parser.add_argument("--sweep", action="store_true", help="kernel: splits and tiles sweep")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU smoke run on tiny shapes (the kernel part needs "
+                             "TRITON_INTERPRET=1, else it is left out)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("mla_perf.py needs a CUDA GPU")
-    device = torch.device("cuda")
+    if args.tiny:
+        device, plan = torch.device("cpu"), tiny_plan(tempfile.mkdtemp(prefix="mla_perf_"))
+    elif torch.cuda.is_available():
+        device, plan = torch.device("cuda"), Plan(v2_path=V2_LITE, dtype=torch.bfloat16)
+    else:
+        sys.exit("mla_perf.py needs a CUDA GPU (or --tiny for a CPU smoke run)")
     ceilings = load_or_measure(device)
-    result: dict = {"device": torch.cuda.get_device_name(), "ceilings": ceilings.describe(),
-                    "kernel": [], "engine": None, "kv": []}
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "ceilings": ceilings.describe(), "kernel": [], "engine": None, "kv": []}
+
+    def save(engine_result: dict | None = None) -> None:
+        if engine_result is not None:
+            result["engine"] = engine_result
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+
     print(ceilings.describe(), flush=True)
     if args.part in ("kernel", "all"):
-        result["kernel"] = kernel_rows(ceilings, args.sweep)
+        if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+            result["kernel"] = kernel_rows(ceilings, args.sweep, plan, device)
+            save()
+        else:
+            print("kernel part left out: on a CPU it runs under TRITON_INTERPRET=1", flush=True)
     engine = None
     if args.part in ("engine", "all"):
-        result["engine"], engine = engine_rows(ceilings)
+        result["engine"], engine = engine_rows(ceilings, plan, save)
     elif args.part == "kv":
-        engine = _engine(V2_LITE, 256, 4096 + 128)
+        engine = _engine(plan, 256)
     if args.part in ("kv", "engine", "all"):
-        result["kv"] = kv_rows(engine)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        result["kv"] = kv_rows(engine, plan)
+    save()
 
 
 if __name__ == "__main__":
