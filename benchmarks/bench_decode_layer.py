@@ -17,6 +17,14 @@ read from the tuning cache at batch 1). Each config then gets:
 A config is a '+'-joined list of the fusions it turns on (``unfused``: none; ``all``: every
 fusion in archserve.kernels.elementwise.FUSIONS); the others are listed in
 ARCHSERVE_DISABLE_FUSIONS while it runs, exactly as a user would switch them off.
+
+``--device cpu`` is a smoke run of this script, not a measurement: the fusions run on CUDA
+only, the attention kernel needs TRITON_INTERPRET=1, one eager pass is timed and no kernel
+is counted. It goes through the same build and forward, so an argument or API error shows
+here and not on the GPU:
+
+    TRITON_INTERPRET=1 python benchmarks/bench_decode_layer.py --device cpu --models \
+        qwen3-0.6b --configs unfused,all --layers 1 --context 16
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -63,8 +72,8 @@ class LayerStack(torch.nn.Module):
         return hidden, residual
 
 
-def build(model_dir: Path, layers: int, context: int, block_size: int):
-    """(stack, forward inputs, forward context) on the GPU, bf16, dummy weights."""
+def build(model_dir: Path, layers: int, context: int, block_size: int, device: str = "cuda"):
+    """(stack, forward inputs, forward context) on ``device``, bf16, dummy weights."""
     from archserve.engine.decode_gemms import install_linear_route
     from archserve.engine.kv_cache import model_kv_caches
     from archserve.kernels.attention.interface import AttentionMetadata
@@ -80,23 +89,23 @@ def build(model_dir: Path, layers: int, context: int, block_size: int):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             stack = LayerStack(config, layers)
     finally:
         torch.set_default_dtype(previous)
     initialize_dummy_weights(stack)
-    device = detect()
-    route = install_linear_route(device, stack, torch.bfloat16, [1])
+    info = detect()
+    route = install_linear_route(info, stack, torch.bfloat16, [1])
     blocks = -(-(context + 1) // block_size)
-    caches = model_kv_caches(config, blocks, block_size, torch.bfloat16, torch.device("cuda"))
+    caches = model_kv_caches(config, blocks, block_size, torch.bfloat16, torch.device(device))
     for cache in caches:   # a context of random keys and values, as a real one would hold
         cache.normal_()
-    table = torch.arange(blocks, dtype=torch.int32, device="cuda")[None]
+    table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
     meta = AttentionMetadata.from_lengths([1], [context + 1], table,
-                                          torch.tensor([context], device="cuda"), "cuda")
-    ctx = ForwardContext(meta, caches, TritonAttentionImpl(device))
-    positions = torch.tensor([context], device="cuda")
-    hidden = torch.randn(1, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+                                          torch.tensor([context], device=device), device)
+    ctx = ForwardContext(meta, caches, TritonAttentionImpl(info))
+    positions = torch.tensor([context], device=device)
+    hidden = torch.randn(1, config.hidden_size, device=device, dtype=torch.bfloat16)
     residual = torch.randn_like(hidden)
     return stack, (positions, hidden, residual), ctx, route
 
@@ -117,8 +126,8 @@ def launches(run, layers: int) -> tuple[float, list[str]]:
     return per_layer, names[step:2 * step]
 
 
-def time_config(stack, inputs, ctx, fusions: set[str], layers: int, iters: int) -> dict:
-    from archserve.kernels.cuda_timing import graph_median_us
+def time_config(stack, inputs, ctx, fusions: set[str], layers: int, iters: int,
+                cuda: bool = True) -> dict:
     from archserve.kernels.linear.skinny_choice import decode_graph_scope
     from archserve.models.layers.forward_context import set_forward_context
 
@@ -130,8 +139,14 @@ def time_config(stack, inputs, ctx, fusions: set[str], layers: int, iters: int) 
 
     with torch.inference_mode(), decode_graph_scope():
         run()   # compiles every kernel before the profile and the capture
-        per_layer, names = launches(run, layers)
-        us, how = graph_median_us(run, iters, warmup=2, reps=1)
+        if cuda:
+            from archserve.kernels.cuda_timing import graph_median_us
+            per_layer, names = launches(run, layers)
+            us, how = graph_median_us(run, iters, warmup=2, reps=1)
+        else:   # the smoke run: no kernels to count, one eager pass timed
+            t0 = time.perf_counter()
+            run()
+            per_layer, names, us, how = 0.0, [], (time.perf_counter() - t0) * 1e6, "eager cpu"
     return {"fusions": sorted(fusions), "us_per_layer": us / layers, "timed_as": how,
             "launches_per_layer": per_layer, "kernels_of_one_layer": names}
 
@@ -146,24 +161,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512, help="tokens already in the cache")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a smoke run of the script (see the module doc), not a timing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --device cpu for a smoke run)")
     configs = args.configs.split(",")
+    for config in configs:   # before any model is built: a typo costs no device time
+        fusions_of(config)
     results = []
     for name in args.models.split(","):
         model_dir = Path(name) if Path(name).is_dir() else ROOT / "benchmarks" / "models" / name
-        stack, inputs, ctx, route = build(model_dir, args.layers, args.context, args.block_size)
+        stack, inputs, ctx, route = build(model_dir, args.layers, args.context, args.block_size,
+                                          args.device)
         print(f"{name}: {args.layers} layers, context {args.context}; "
               f"{route.reason if route else 'linear route not tuned'}")
         for config in configs:
             row = {"model": name, "config": config,
                    **time_config(stack, inputs, ctx, fusions_of(config), args.layers,
-                                 args.iters)}
+                                 args.iters, args.device == "cuda")}
             results.append(row)
         del stack, inputs, ctx
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     os.environ.pop(DISABLE_FUSIONS_ENV, None)
 
     print(f"\n{'model':<14} {'config':<40} {'us/layer':>9} {'launches/layer':>15}")
