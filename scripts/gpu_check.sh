@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
 #   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
-#                                     quant_gemm|quant_perf|moe|all]
+#                                     quant_gemm|quant_perf|moe|mla|speed|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -31,8 +31,13 @@
 #           the MLA decode kernel's GB/s (env MLA_ARGS, e.g. --sweep), DeepSeek-V2-Lite
 #           batch-1 step vs floor and 256 x 1024/128, KV bytes per token and 4k-token
 #           sequences vs an MHA-sized cache; `all` leaves it out, ask for it by name.
+#   speed:  benchmarks/h200_speed.sh: the pending speed rows of issues 21, 13 and 14 in
+#           priority order within one device call (env SPEED_DEADLINE, default 540 s from
+#           this script's start; SPEED_STEPS: some steps only; SPEED_DRY_RUN=1: the plan);
+#           steps that do not fit are skipped and named; `all` leaves it out.
 # Carried wheels in .whl/ (scripts/device_wheels.sh) are installed first when present.
 set -uo pipefail
+STARTED=$EPOCHSECONDS   # the speed part's deadline counts the wheel install too
 OUT=${1:-${OUT:-out}}
 PART=${2:-all}
 mkdir -p "$OUT"
@@ -127,4 +132,7 @@ if [ "$PART" = mla ]; then
     2>&1 | tee "$OUT/pytest_mla.log" | tail -n 30
   timeout ${MLA_TIMEOUT:-480} python3 benchmarks/mla_perf.py ${MLA_ARGS:-} \
     --out "$OUT/mla_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/mla_perf.txt"
+fi
+if [ "$PART" = speed ]; then
+  SPEED_START=$STARTED bash benchmarks/h200_speed.sh "$OUT"
 fi
