@@ -130,6 +130,8 @@ def engine_rows(name: str, path: str, args, throughput: bool, peer: bool) -> dic
         engine = _engine(peer_path, dtype, small[0])
     device, engine_dtype = engine.runner.device, engine.report.dtype
     ours = _workload(engine, load_or_measure(device), *small)
+    print(f"{name:16s} ours {'x'.join(map(str, small))} ({peer_layers} layers): "
+          f"{ours['output_tok_s']:.1f} tok/s; transformers next", flush=True)
     engine = None   # the only reference: freed before transformers takes the memory
     _release(device)
     from archserve.bench.peer_transformers import run_peer
