@@ -141,7 +141,7 @@ def test_gpu_real_shapes_match_torch_moe(mode, shape, tokens):
     scale = expected.abs().max()
     torch.testing.assert_close(got.float() / scale, expected / scale, atol=6e-2, rtol=0)
     assert (got.float() - expected).norm() / expected.norm() < 2.5e-2
-    if mode.startswith("fp8"):
+    if mode.startswith("fp8") and tokens == 512:   # (one token count: compiles are slow)
         # The same kernels with the e4m3 bytes widened to fp16 (exact products): the
         # float8 tensor-core path may differ only by its accumulation (Hopper's fp8 MMA
         # accumulates with fewer bits: measured 0.45% of the norm at K = 2048 and 512 rows).
