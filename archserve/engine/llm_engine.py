@@ -39,6 +39,7 @@ class LLMEngine:
             setup = build_runner(config)
         self.runner, self.model, self.model_config = setup.runner, setup.model, setup.model_config
         self.report, self.cpu_threads = setup.report, setup.cpu_threads
+        self.step_weights = setup.step_weights      # of one rank's shard under TP
         self.config = config = dataclasses.replace(config,
                                                    async_scheduling=setup.async_scheduling)
         self.tokenizer = (None if config.skip_tokenizer_init

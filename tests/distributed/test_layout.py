@@ -96,3 +96,23 @@ def test_a_moe_model_is_refused_with_a_reason_until_its_experts_split():
         problems = layout_problems(config, 2)
         assert any("mixture-of-experts" in p for p in problems), problems
         assert layout_problems(config, 1) == []
+
+
+def test_a_ranks_step_weights_are_its_shard(tiny_checkpoint):
+    import torch
+
+    from archserve.distributed.layout import rank_model_config
+    from archserve.distributed.parallel_state import TensorParallelGroup, tensor_parallel
+    from archserve.engine.step_weights import step_weights
+    from archserve.loader.loader import load_model
+
+    path = tiny_checkpoint("llama-8q4kv")      # 8 query / 4 KV heads: nothing replicated
+    whole_model, mc = load_model(path, dtype=torch.float32, load_format="dummy")
+    whole = step_weights(whole_model, mc)
+    with tensor_parallel(TensorParallelGroup(rank=3, size=4)):
+        shard_model, _ = load_model(path, dtype=torch.float32, load_format="dummy")
+    shard = step_weights(shard_model, rank_model_config(mc, 4, 3))
+    norms = mc.hidden_size * (2 * mc.num_layers + 1)      # every rank holds them whole
+    assert shard.body_params == (whole.body_params - norms) // 4 + norms
+    assert shard.body_bytes == 4 * shard.body_params     # float32; no embedding rows
+    assert mc.vocab_size % 4 == 0 and shard.lm_head_params == whole.lm_head_params // 4
