@@ -30,6 +30,7 @@ from archserve.engine.decode_gemms import (
 )
 from archserve.engine.kernel_cache import configure_kernel_caches
 from archserve.engine.model_runner import ModelRunner
+from archserve.engine.rank_memory import measure_rank_memory
 from archserve.engine.sampler import Sampler
 from archserve.engine.self_check import run_self_check
 from archserve.engine.step_budget import resolve_token_budget, runner_cost_model
@@ -183,6 +184,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
         report.timings["self_check_s"] = startup.elapsed(t_check)
     if calibrate:   # after every start-up forward: only a real prompt calibrates
         runner.calibrate_kv_scales_on_first_prefill(deferred_graphs)
+    kv_pool_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    report.rank_memory = agree.every(measure_rank_memory(torch_device, kv_pool_bytes, model))
     return RunnerSetup(runner, model, mc, max_model_len, max_batched, num_blocks, block_size,
                        scheduling.chosen == "async", report, cpu_threads=cpu_threads,
                        decoding_token_budget=budget.decoding,
