@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
 #   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
-#                                     quant_gemm|quant_perf|moe|mla|speed|all]
+#                                     quant_gemm|quant_perf|serve|structured|moe|tp|tp4|tp8|mla|speed|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -24,6 +24,11 @@
 #           GPU tests;
 #   tp:     (2+ GPUs) the tensor-parallel tests, benchmarks/tp_perf.py allreduce and engine
 #           (8B shape TP=2 against TP=1); `all` leaves it out, ask for it by name;
+#   tp4, tp8: (4 / 8 GPUs, issue 16) the Llama-3-70B shape at TP=4 or TP=8: `doctor` on its
+#           layout, benchmarks/tp_perf.py engine (start-up, CUDA graphs, KV pool against the
+#           memory left per rank, greedy identical across two runs, batch-1 decode and
+#           256 x 256/128 each against its floor), then the all-reduce table on as many
+#           GPUs; `all` leaves them out.
 #   moe:    benchmarks/moe_perf.py, the MoE kernel table then the Qwen3-30B-A3B and
 #           Mixtral-8x7B engine rows (env MOE_ARGS: extra arguments, e.g. --skip-peer).
 #   mla:    (issue 14) the MLA GPU tests (TRITON_MLA kernel and implementation at DeepSeek's
@@ -56,6 +61,16 @@ if [ "$PART" = tp ]; then
     | tee "$OUT/tp_allreduce.txt"
   python3 benchmarks/tp_perf.py engine --out "$OUT/tp_perf" 2>&1 | tee "$OUT/tp_engine.txt"
   tar -C "$OUT" -czf "$OUT/tp_perf.tgz" tp_perf
+  exit 0
+fi
+if [ "$PART" = tp4 ] || [ "$PART" = tp8 ]; then
+  N=${PART#tp}
+  L70=benchmarks/models/llama-3-70b
+  python3 -m archserve.cli.main doctor -m $L70 -tp "$N" 2>&1 | tee "$OUT/doctor_tp$N.txt"
+  python3 benchmarks/tp_perf.py engine --model $L70 --tp "$N" --out "$OUT/tp_perf_70b" 2>&1 \
+    | grep -v "^USDT" | tee "$OUT/tp_engine_70b_tp$N.txt"
+  python3 benchmarks/tp_perf.py allreduce --ranks "$N" --out "$OUT/tp_allreduce_$N.json" 2>&1 \
+    | tee "$OUT/tp_allreduce_$N.txt"
   exit 0
 fi
 

@@ -21,6 +21,12 @@ _H64 = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_h
 for _name in ("llama", "qwen2", "qwen3"):
     _type, _overrides = TINY_VARIANTS[_name]
     TINY_VARIANTS[f"{_name}-h64"] = (_type, {**_overrides, **_H64})
+# 8 query heads: four tensor-parallel ranks of two query heads each, with one KV head
+# per rank (kv4) or each KV head replicated on two ranks (kv2).
+for _kv in (4, 2):
+    TINY_VARIANTS[f"llama-8q{_kv}kv"] = ("llama", dict(num_attention_heads=8,
+                                                      num_key_value_heads=_kv,
+                                                      tie_word_embeddings=False))
 
 
 @pytest.fixture(scope="session")

@@ -53,14 +53,17 @@ class ModelFacts:
 
 
 def model_facts(engine) -> ModelFacts:
-    """The facts of a loaded engine, from its model config and its actual parameters."""
-    from archserve.engine.step_weights import step_weights
+    """The facts of a loaded engine, from its model config and its actual parameters.
+    With tensor parallelism, those of one rank (its heads, its shard of the weights): the
+    ranks run their shards at the same time, so a step's floor is one rank's."""
+    from archserve.distributed.layout import rank_model_config
+    from archserve.engine.kv_cache import kv_dtype_of
 
-    mc = engine.model_config
-    weights = step_weights(engine.model, mc)
-    kv = engine.runner.kv_caches[0]
+    mc = rank_model_config(engine.model_config, engine.config.tensor_parallel_size, 0)
+    weights = engine.step_weights
+    kv_dtype = kv_dtype_of(engine.report.kv_cache_dtype, engine.report.dtype)
     # What a token keeps per layer in the cache's own layout (an MLA latent: one plane).
-    kv_bytes = mc.kv_cache_planes * mc.kv_cache_heads * mc.kv_cache_head_size * kv.element_size()
+    kv_bytes = mc.kv_cache_planes * mc.kv_cache_heads * mc.kv_cache_head_size * kv_dtype.itemsize
     return ModelFacts(body_params=weights.body_params, lm_head_params=weights.lm_head_params,
                       weight_bytes=weights.body_bytes + weights.lm_head_bytes,
                       num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,

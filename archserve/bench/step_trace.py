@@ -56,7 +56,10 @@ def trace_steps(engine) -> Iterator[StepTrace]:
     trace = StepTrace()
     scheduler = engine.scheduler
     inner_schedule, inner_step = scheduler.schedule, engine.step
-    sync = engine.runner.device.type == "cuda" and not engine.config.async_scheduling
+    # A tensor-parallel step returns once its ranks have finished it (they reply with its
+    # tokens): the engine process has no CUDA work of its own to wait for.
+    sync = (engine.runner.device.type == "cuda" and not engine.config.async_scheduling
+            and engine.config.tensor_parallel_size == 1)
     pending: list[list[ScheduledWork]] = []
 
     def schedule():

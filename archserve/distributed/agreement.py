@@ -34,6 +34,10 @@ class RankAgreement:
     def min(self, value: int) -> int:
         return min(self._gather(value))
 
+    def every(self, value: T) -> list[T]:
+        """Every rank's ``value``, in rank order (what each rank reports of itself)."""
+        return self._gather(value)
+
     def rank0_first(self, work: Callable[[], T]) -> T:
         """Run ``work`` on rank 0, then on the other ranks: what rank 0 tunes and caches on
         disk, the others read instead of racing it for the same file."""

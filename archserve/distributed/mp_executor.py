@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import pickle
 import sys
+import time
 import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -68,6 +69,9 @@ class MultiprocessExecutor(Executor):
         while pending:
             waiting = [self._conns[r] for r in pending] + [p.sentinel for p in self._procs]
             ready = wait(waiting)
+            # One rank's failure makes its peers' collectives fail too, and their errors
+            # may be read first: read every rank that is ready, then blame the cause.
+            errors: list[tuple[float, int, str]] = []
             for rank in sorted(pending):
                 conn = self._conns[rank]
                 if conn not in ready and not conn.poll():
@@ -75,12 +79,18 @@ class MultiprocessExecutor(Executor):
                 try:
                     kind, value = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
+                    # Killed without a word: it died before any peer noticed.
                     self._fail(f"rank {rank} closed its pipe during {what} "
                                f"(exit code {self._procs[rank].exitcode})")
                 if kind == "error":
-                    self._fail(f"rank {rank} failed during {what}:\n{value}")
+                    failed_at, trace = value
+                    errors.append((failed_at, rank, trace))
+                    continue
                 replies[rank] = value
                 pending.discard(rank)
+            if errors:
+                _, rank, trace = min(errors)         # the first to fail
+                self._fail(f"rank {rank} failed during {what}:\n{trace}")
             for rank, proc in enumerate(self._procs):
                 if proc.sentinel in ready and not self._conns[rank].poll():
                     proc.join(0)
@@ -168,7 +178,9 @@ def _worker_main(place: RankPlace, factory: WorkerFactory, args: tuple,
             _reply(conn, "ok", worker.handle(message))
     except BaseException:
         try:
-            _reply(conn, "error", traceback.format_exc())
+            # When it failed (one clock for every process of the machine): the engine
+            # blames the first rank to fail, not a peer whose collective it broke.
+            _reply(conn, "error", (time.monotonic(), traceback.format_exc()))
         except OSError:
             pass
         # A peer may be stuck in a collective: leave without a graceful group teardown.

@@ -138,7 +138,7 @@ class DecodeGraphRunner:
                     return reason
             return None
         finally:
-            for blocks, before in zip(touched, saved):
+            for blocks, before in zip(touched, saved, strict=True):
                 blocks.copy_(before)
 
     def _canary_blocks(self) -> int:

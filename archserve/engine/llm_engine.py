@@ -16,6 +16,7 @@ from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.output_processor import OutputProcessor, RequestState
 from archserve.engine.outputs import RequestMetrics, RequestOutput
 from archserve.engine.phases import phase
+from archserve.engine.rank_memory import describe_rank_memory
 from archserve.engine.runner_setup import build_runner
 from archserve.engine.sampling_params import SamplingParams
 from archserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -39,6 +40,7 @@ class LLMEngine:
             setup = build_runner(config)
         self.runner, self.model, self.model_config = setup.runner, setup.model, setup.model_config
         self.report, self.cpu_threads = setup.report, setup.cpu_threads
+        self.step_weights = setup.step_weights      # of one rank's shard under TP
         self.config = config = dataclasses.replace(config,
                                                    async_scheduling=setup.async_scheduling)
         self.tokenizer = (None if config.skip_tokenizer_init
@@ -91,6 +93,9 @@ class LLMEngine:
             f"kv cache: {r.num_blocks} blocks x {r.block_size} tokens = "
             f"{r.num_blocks * r.block_size} tokens ({r.kv_sizing}); max_model_len {r.max_model_len}",
         ]
+        if r.rank_memory:
+            lines.append("memory after start-up: " + describe_rank_memory(
+                r.rank_memory, self.config.gpu_memory_utilization))
         if r.canary:
             lines.append("numerics canary: " + "; ".join(r.canary))
         for d in r.decisions:

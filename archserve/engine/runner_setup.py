@@ -30,9 +30,11 @@ from archserve.engine.decode_gemms import (
 )
 from archserve.engine.kernel_cache import configure_kernel_caches
 from archserve.engine.model_runner import ModelRunner
+from archserve.engine.rank_memory import measure_rank_memory
 from archserve.engine.sampler import Sampler
 from archserve.engine.self_check import run_self_check
 from archserve.engine.step_budget import resolve_token_budget, runner_cost_model
+from archserve.engine.step_weights import StepWeights, step_weights
 from archserve.models.layers.kv_scales import is_quantized_cache
 
 DEFAULT_MAX_BATCHED_TOKENS = 8192
@@ -51,6 +53,9 @@ class RunnerSetup:
     report: startup.StartupReport
     cpu_threads: object | None = None  # the CPU thread governor, where one runs
     decoding_token_budget: int | None = None  # a step with running decodes (step_budget.py)
+    # What a decode step reads of this rank's weights (the bench's roofline; with tensor
+    # parallelism the engine process holds no model to count them from).
+    step_weights: StepWeights | None = None
 
 
 def peek_model_config(model_path: str | None):
@@ -179,6 +184,9 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
         report.timings["self_check_s"] = startup.elapsed(t_check)
     if calibrate:   # after every start-up forward: only a real prompt calibrates
         runner.calibrate_kv_scales_on_first_prefill(deferred_graphs)
+    kv_pool_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    report.rank_memory = agree.every(measure_rank_memory(torch_device, kv_pool_bytes, model))
     return RunnerSetup(runner, model, mc, max_model_len, max_batched, num_blocks, block_size,
                        scheduling.chosen == "async", report, cpu_threads=cpu_threads,
-                       decoding_token_budget=budget.decoding)
+                       decoding_token_budget=budget.decoding,
+                       step_weights=step_weights(model, rank_mc))

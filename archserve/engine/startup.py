@@ -51,6 +51,7 @@ class StartupReport:
     kernel_cache: str | None = None                       # Triton compile/autotune cache dir
     self_check: object | None = None                      # self_check.SelfCheck on GPUs
     token_budget: object | None = None                    # step_budget.TokenBudget
+    rank_memory: list = field(default_factory=list)       # rank_memory.RankMemory per rank
 
 
 def resolve_torch_device(config: EngineConfig) -> torch.device:

@@ -58,10 +58,22 @@ def _is_lm_head(name: str) -> bool:
     return name.startswith("lm_head") or ".lm_head." in name
 
 
+def _vocab_rows(model: torch.nn.Module, vocab_size: int) -> int:
+    """The vocabulary rows the model's LM head holds: all of them, or on a tensor-parallel
+    rank its part (padded to the same count on every rank)."""
+    from archserve.models.layers.parallel_embedding import ParallelLMHead
+
+    head = next((m for m in model.modules() if isinstance(m, ParallelLMHead)), None)
+    return head.weight.shape[0] if head is not None and head.tp.size > 1 else vocab_size
+
+
 def step_weights(model: torch.nn.Module, model_config) -> StepWeights:
+    """What one decode step of ``model`` reads; a tensor-parallel rank's model counts its
+    own shard (every rank reads its shard at the same time)."""
     from archserve.models.layers.moe import FusedMoE
     from archserve.quant.linear_state import quantized_layers
 
+    vocab_rows = _vocab_rows(model, model_config.vocab_size)
     quantized = {name: state for name, state in quantized_layers(model)}
     moes = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
     expert_params = expert_bytes = 0
@@ -71,7 +83,7 @@ def step_weights(model: torch.nn.Module, model_config) -> StepWeights:
     body_params = body_bytes = 0
     head_bytes_per_param = 2
     for name, param in model.named_parameters():
-        if _is_embedding_table(name, param, model_config.vocab_size):
+        if _is_embedding_table(name, param, vocab_rows):
             head_bytes_per_param = param.element_size()
             continue
         if _is_lm_head(name):
@@ -83,7 +95,7 @@ def step_weights(model: torch.nn.Module, model_config) -> StepWeights:
             body_params += param.numel()
         body_bytes += param.numel() * param.element_size()
     body_params += sum(s.in_features * sum(s.rows) for s in quantized.values())
-    lm_head_params = model_config.vocab_size * model_config.hidden_size
+    lm_head_params = vocab_rows * model_config.hidden_size
     first = next(iter(moes.values()), None)
     return StepWeights(body_params, body_bytes, lm_head_params,
                        lm_head_params * head_bytes_per_param, expert_params, expert_bytes,

@@ -168,6 +168,10 @@ def test_shipped_benchmark_shapes_load_as_configs():
     llama = load_hf_model_config(str(root / "llama-3-8b"))
     qwen3 = load_hf_model_config(str(root / "qwen3-0.6b"))
     assert (llama.num_layers, llama.num_kv_heads, llama.vocab_size) == (32, 8, 128256)
+    l70 = load_hf_model_config(str(root / "llama-3-70b"))
+    assert (l70.num_layers, l70.hidden_size, l70.num_heads, l70.num_kv_heads,
+            l70.intermediate_size, l70.vocab_size, l70.rope_theta,
+            l70.max_position_embeddings) == (80, 8192, 64, 8, 28672, 128256, 500000.0, 8192)
     assert qwen3.qk_norm and qwen3.tie_word_embeddings and qwen3.head_dim == 128
 
 

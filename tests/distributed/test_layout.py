@@ -96,3 +96,63 @@ def test_a_moe_model_is_refused_with_a_reason_until_its_experts_split():
         problems = layout_problems(config, 2)
         assert any("mixture-of-experts" in p for p in problems), problems
         assert layout_problems(config, 1) == []
+
+
+def test_the_70b_shape_takes_one_kv_head_per_rank_at_8_and_refuses_what_cannot_split():
+    import json
+    from pathlib import Path
+
+    from archserve.platform import get_profile
+    from archserve.routing.doctor import run_doctor
+    from archserve.routing.explain import SelectionInputs, explain_model
+    from archserve.routing.model_summary import ModelSummary, summary_from_hf_config
+
+    shape = Path(__file__).resolve().parents[2] / "benchmarks" / "models" / "llama-3-70b"
+    model = summary_from_hf_config(json.loads((shape / "config.json").read_text()))
+    assert (model.num_heads, model.num_kv_heads) == (64, 8)
+    parts = [split_heads(64, 8, 8, r) for r in range(8)]
+    assert [(p.num_heads, p.num_kv_heads, p.kv_replicas) for p in parts] == [(8, 1, 1)] * 8
+    assert [p.first_kv_head for p in parts] == list(range(8))
+    assert layout_problems(model, 8, "cuda", 8) == []
+
+    h200 = get_profile("h200")
+    eight = explain_model(h200, model, inputs=SelectionInputs(tensor_parallel_size=8))
+    layout = next(d for d in eight.decisions if d.what == "tensor parallel")
+    assert layout.chosen == "8 ranks, nccl, mp executor" and eight.not_loadable is None
+    assert "rank 7: query heads 56..63, KV heads 7..7, MLP columns 25088..28671" in \
+        layout.reason
+    assert not any("tensor parallel" in b for b in run_doctor(
+        h200, tensor_parallel_size=8, model=model, num_devices=8).blockers)
+    short = run_doctor(h200, tensor_parallel_size=8, model=model, num_devices=4)
+    assert any("needs 8 GPUs, this machine has 4" in b for b in short.blockers)
+    assert not short.can_run
+
+    # 28 query / 4 KV heads (Qwen2.5-7B's) split over 4 ranks, not over 8.
+    odd = ModelSummary("Qwen2ForCausalLM", head_size=128, num_heads=28, num_kv_heads=4,
+                       intermediate_size=18944)
+    assert explain_model(h200, odd, inputs=SelectionInputs(tensor_parallel_size=4)
+                         ).not_loadable is None
+    refused = explain_model(h200, odd, inputs=SelectionInputs(tensor_parallel_size=8))
+    assert "28 attention heads do not split over 8" in refused.not_loadable
+    assert any("28 attention heads" in b for b in run_doctor(
+        h200, tensor_parallel_size=8, model=odd, num_devices=8).blockers)
+
+
+def test_a_ranks_step_weights_are_its_shard(tiny_checkpoint):
+    import torch
+
+    from archserve.distributed.layout import rank_model_config
+    from archserve.distributed.parallel_state import TensorParallelGroup, tensor_parallel
+    from archserve.engine.step_weights import step_weights
+    from archserve.loader.loader import load_model
+
+    path = tiny_checkpoint("llama-8q4kv")      # 8 query / 4 KV heads: nothing replicated
+    whole_model, mc = load_model(path, dtype=torch.float32, load_format="dummy")
+    whole = step_weights(whole_model, mc)
+    with tensor_parallel(TensorParallelGroup(rank=3, size=4)):
+        shard_model, _ = load_model(path, dtype=torch.float32, load_format="dummy")
+    shard = step_weights(shard_model, rank_model_config(mc, 4, 3))
+    norms = mc.hidden_size * (2 * mc.num_layers + 1)      # every rank holds them whole
+    assert shard.body_params == (whole.body_params - norms) // 4 + norms
+    assert shard.body_bytes == 4 * shard.body_params     # float32; no embedding rows
+    assert mc.vocab_size % 4 == 0 and shard.lm_head_params == whole.lm_head_params // 4

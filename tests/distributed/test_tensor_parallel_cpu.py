@@ -10,6 +10,7 @@ import time
 import pytest
 
 from archserve import LLM
+from archserve.bench.roofline import model_facts
 from archserve.engine.sampling_params import SamplingParams
 
 PROMPTS = ["Hello world! How are you", "The capital of France is", "1 2 3 4 5"]
@@ -55,6 +56,41 @@ def test_two_ranks_generate_the_tokens_one_rank_does(tiny_checkpoint, variant):
         decisions = {d.what: d for d in tp.llm_engine.report.decisions}
         assert decisions["tensor parallel"].chosen.startswith("2 ranks, gloo, mp")
         assert "rank 1:" in decisions["tensor parallel"].reason
+    finally:
+        tp.llm_engine.shutdown()
+
+
+# Four ranks of two query heads each: kv4 gives each rank one KV head of its own; kv2
+# replicates each KV head on two ranks. Four gloo workers share CI's two cores, so the
+# generation is short; the token logprobs check more than the ids of a tiny random model.
+@pytest.mark.parametrize("variant", ["llama-8q4kv", "llama-8q2kv"])
+def test_four_ranks_generate_the_tokens_one_rank_does(tiny_checkpoint, variant):
+    path = tiny_checkpoint(variant)
+    common = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    one = LLM(path, **common).generate(PROMPTS, params)
+    tp = LLM(path, tensor_parallel_size=4, **common)
+    try:
+        four = tp.generate(PROMPTS, params)
+        for a, b in zip(one, four, strict=True):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+            assert len(b.outputs[0].token_ids) == 8
+            for pos_one, pos_four, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
+                                                a.outputs[0].token_ids, strict=True):
+                assert pos_four[token].logprob == pytest.approx(pos_one[token].logprob,
+                                                                abs=1e-4)
+        layout = {d.what: d for d in tp.llm_engine.report.decisions}["tensor parallel"]
+        assert layout.chosen.startswith("4 ranks, gloo, mp")
+        assert "rank 3: query heads 6..7" in layout.reason
+        replicated = variant.endswith("2kv")
+        assert ("KV head 1 (replicated on 2 ranks)" in layout.reason) == replicated
+        # What the bench's roofline counts: one rank's heads and vocabulary rows.
+        engine = tp.llm_engine
+        assert len(engine.report.rank_memory) == 4
+        facts = model_facts(engine)
+        mc = engine.model_config
+        assert facts.num_heads == 2
+        assert facts.lm_head_params == mc.vocab_size // 4 * mc.hidden_size
     finally:
         tp.llm_engine.shutdown()
 
