@@ -44,6 +44,15 @@ def soft_cap_scores(scores, soft_cap):
 
 
 @triton.jit
+def online_softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The (acc, l_i, m_i) of ``online_softmax_step`` before any key: nothing seen yet."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def online_softmax_step(acc, l_i, m_i, scores, v, DOT_DTYPE: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     """Fold one tile of keys into a running softmax (flash attention): ``scores`` [M, N] in
@@ -134,9 +143,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     if DOT_PRECISION == "ieee":  # K, V and P follow q's dtype (see dot_precision)
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    acc, l_i, m_i = online_softmax_start(BLOCK_G, BLOCK_D)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     k_base = cache_ptr + kv_head * stride_cache_head
     v_base = k_base + stride_cache_kv

@@ -20,6 +20,7 @@ from archserve.kernels.attention.triton_cache_write import (
 )
 from archserve.kernels.attention.triton_decode import (
     dot_precision,
+    online_softmax_start,
     online_softmax_step,
     soft_cap_scores,
 )
@@ -99,9 +100,7 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
         # Keys <= first_q_pos are visible to every row of the tile.
         unmasked_end = ((first_q_pos + 1) // BLOCK_N) * BLOCK_N
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = online_softmax_start(BLOCK_M, BLOCK_D)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     k_base = cache_ptr + kv_head * stride_cache_head
     v_base = k_base + stride_cache_kv

@@ -33,6 +33,7 @@ from archserve.kernels.attention.triton_decode import (
     decode_split_range,
     dot_precision,
     merge_splits,
+    online_softmax_start,
     online_softmax_step,
     split_partials,
     store_decode_output,
@@ -70,9 +71,7 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
         q_nope = q_nope.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    acc, l_i, m_i = online_softmax_start(BLOCK_H, BLOCK_L)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
 
     for start in range(lo, hi, BLOCK_N):
