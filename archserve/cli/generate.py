@@ -16,6 +16,8 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help="Per-request seed fo
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto, bfloat16, float16, float32.")]
 BackendOpt = Annotated[str | None, typer.Option("--attention-backend", help="Force an attention backend (validated; see `archserve explain`).")]
 EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")]
+AsyncSchedulingOpt = Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later). Default: on for CUDA, off on CPU.")]
+MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Sequences in one batch at most.")]
 LoadFormatOpt = Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")]
 MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Context length cap.")]
 QuantOpt = Annotated[str | None, typer.Option("--quantization", "-q", help="Default: the checkpoint's own scheme; fp8 quantizes a 16-bit checkpoint at load (checked against the checkpoint).")]

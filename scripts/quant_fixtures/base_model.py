@@ -32,38 +32,49 @@ def _tiny_checkpoints():
     return module
 
 
-def build(path: str, seed: int = 0) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tiny = _tiny_checkpoints()
-    tokenizer = tiny.train_tokenizer()
+def save_random_model(path: str, config_class, model_class, sizes: dict, init_weights,
+                      seed: int = 0) -> str:
+    """A ``model_class`` of ``config_class(**sizes)`` with the BPE tokenizer of
+    tests/tiny_checkpoints.py, its weights set in place by ``init_weights(model, generator)``
+    (under no_grad, the generator seeded with ``seed``), saved in bf16 with the tokenizer."""
+    tokenizer = _tiny_checkpoints().train_tokenizer()
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **SIZES)
-    model = LlamaForCausalLM(config).eval()
+    config = config_class(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                          eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, **sizes)
+    model = model_class(config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                w = 1.0 + 0.05 * torch.randn(param.shape, generator=gen)
-                outliers = torch.randperm(param.shape[0], generator=gen)[:3]
-                w[outliers] *= 6.0  # a few hot hidden channels, as trained LLMs have
-            elif param.dim() == 2:
-                fan_in = param.shape[1]
-                w = torch.randn(param.shape, generator=gen) / math.sqrt(fan_in)
-                if name.endswith("embed_tokens.weight"):
-                    w = torch.randn(param.shape, generator=gen) * 0.5
-                elif not name.endswith("lm_head.weight"):
-                    cols = torch.randperm(fan_in, generator=gen)[:4]
-                    w[:, cols] *= 4.0  # outlier input columns
-            else:
-                w = param + torch.randn(param.shape, generator=gen) * 0.05
-            param.copy_(w)
+        init_weights(model, gen)
     os.makedirs(path, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def build(path: str, seed: int = 0) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return save_random_model(path, LlamaConfig, LlamaForCausalLM, SIZES, _init_llama, seed)
+
+
+def _init_llama(model, gen: torch.Generator) -> None:
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.05 * torch.randn(param.shape, generator=gen)
+            outliers = torch.randperm(param.shape[0], generator=gen)[:3]
+            w[outliers] *= 6.0  # a few hot hidden channels, as trained LLMs have
+        elif param.dim() == 2:
+            fan_in = param.shape[1]
+            w = torch.randn(param.shape, generator=gen) / math.sqrt(fan_in)
+            if name.endswith("embed_tokens.weight"):
+                w = torch.randn(param.shape, generator=gen) * 0.5
+            elif not name.endswith("lm_head.weight"):
+                cols = torch.randperm(fan_in, generator=gen)[:4]
+                w[:, cols] *= 4.0  # outlier input columns
+        else:
+            w = param + torch.randn(param.shape, generator=gen) * 0.05
+        param.copy_(w)
 
 
 def calibration_ids(tokenizer, n_random: int = 24, length: int = 64, seed: int = 0):

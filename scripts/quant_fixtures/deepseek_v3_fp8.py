@@ -37,6 +37,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base_model  # noqa: E402
 import fp8_block_hf  # noqa: E402
+import moe_fixtures  # noqa: E402
 import reference_logits  # noqa: E402
 
 SIZES = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
@@ -53,35 +54,17 @@ LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
 def build_base(path: str, seed: int = 0) -> str:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    tokenizer = base_model._tiny_checkpoints().train_tokenizer()
-    torch.manual_seed(seed)
-    config = DeepseekV3Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                              eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id, **SIZES)
-    model = DeepseekV3ForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                w = 1.0 + 0.05 * torch.randn(param.shape, generator=gen)
-            elif name.endswith("embed_tokens.weight"):
-                # Tied to the lm_head: N(0, 1/hidden) keeps the logits' spread near the
-                # Llama fixtures' (std ~1.2), so fp8 activations move log-probs alike.
-                w = torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5
-            elif param.dim() >= 2:       # [out, in] or stacked experts [E, out, in]
-                w = torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5
-                if name.endswith("mlp.gate.weight"):
-                    w = w * 4.0          # a router that prefers some experts
-            else:
-                w = param + torch.randn(param.shape, generator=gen) * 0.05
-            param.copy_(w)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
-    os.makedirs(path, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return base_model.save_random_model(path, DeepseekV3Config, DeepseekV3ForCausalLM, SIZES,
+                                        _init_weights, seed)
+
+
+def _init_weights(model, gen: torch.Generator) -> None:
+    # Embeddings tied to the lm_head: N(0, 1/hidden) keeps the logits' spread near the
+    # Llama fixtures' (std ~1.2), so fp8 activations move log-probs alike.
+    moe_fixtures.init_moe_weights(model, gen, embed_divisor=SIZES["hidden_size"] ** 0.5)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
 
 
 def dequantized_copy(fixture: str, out: str) -> str:

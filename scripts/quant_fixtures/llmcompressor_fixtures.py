@@ -39,20 +39,28 @@ FIXTURES = {
 }
 
 
-def _recipe(modifier: str, scheme):
+def _recipe(modifier: str, scheme, ignore: list[str]):
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     cls = {"GPTQModifier": GPTQModifier, "QuantizationModifier": QuantizationModifier}[modifier]
     if callable(scheme):
-        return cls(config_groups=scheme(), ignore=["lm_head"])
-    return cls(targets="Linear", scheme=scheme, ignore=["lm_head"])
+        return cls(config_groups=scheme(), ignore=ignore)
+    return cls(targets="Linear", scheme=scheme, ignore=ignore)
 
 
 def make(base: str, out: str, name: str) -> str:
+    modifier, scheme, calibrate = FIXTURES[name]
+    return quantize(base, out, modifier, scheme, calibrate, ignore=["lm_head"])
+
+
+def quantize(base: str, out: str, modifier: str, scheme, calibrate: bool,
+             ignore: list[str]) -> str:
+    """``base`` quantized by one oneshot() recipe (``modifier`` with ``scheme``: a preset
+    name, or a function giving config_groups), on base_model's calibration ids where
+    ``calibrate``; saved compressed to ``out`` with the tokenizer."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    modifier, scheme, calibrate = FIXTURES[name]
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
@@ -63,7 +71,7 @@ def make(base: str, out: str, name: str) -> str:
             {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]}),
             num_calibration_samples=len(ids), max_seq_length=128,
             shuffle_calibration_samples=False)
-    oneshot(model=model, recipe=_recipe(modifier, scheme), **kwargs)
+    oneshot(model=model, recipe=_recipe(modifier, scheme, ignore), **kwargs)
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)

@@ -12,15 +12,14 @@ compressed-tensors for a short greedy generate. Then reference_logits.py can be 
 
 from __future__ import annotations
 
-import gc
 import os
-import shutil
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import base_model  # noqa: E402
+import llmcompressor_fixtures  # noqa: E402
 
 MOE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
            num_hidden_layers=2, num_attention_heads=4, head_dim=32, num_key_value_heads=4,
@@ -38,64 +37,32 @@ FIXTURES = {
 def build_base(path: str, seed: int = 0) -> str:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    tokenizer = base_model._tiny_checkpoints().train_tokenizer()
-    torch.manual_seed(seed)
-    config = Qwen3MoeConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                            eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id, **MOE)
-    model = Qwen3MoeForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                w = 1.0 + 0.05 * torch.randn(param.shape, generator=gen)
-            elif name.endswith("embed_tokens.weight"):
-                w = torch.randn(param.shape, generator=gen) * 0.5
-            elif param.dim() >= 2:       # [out, in] or stacked experts [E, out, in]
-                w = torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5
-                if name.endswith("mlp.gate.weight"):
-                    w = w * 4.0          # a router that prefers some experts
-            else:
-                w = param + torch.randn(param.shape, generator=gen) * 0.05
-            param.copy_(w)
-    os.makedirs(path, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return base_model.save_random_model(
+        path, Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE,
+        lambda model, gen: init_moe_weights(model, gen, embed_divisor=2.0), seed)
+
+
+def init_moe_weights(model, gen: torch.Generator, embed_divisor: float) -> None:
+    """Norms near 1, linear and stacked expert weights ~ N(0, 1/in_features), the router
+    sharper, embeddings N(0, 1/embed_divisor**2)."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.05 * torch.randn(param.shape, generator=gen)
+        elif name.endswith("embed_tokens.weight"):
+            w = torch.randn(param.shape, generator=gen) / embed_divisor
+        elif param.dim() >= 2:       # [out, in] or stacked experts [E, out, in]
+            w = torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5
+            if name.endswith("mlp.gate.weight"):
+                w = w * 4.0          # a router that prefers some experts
+        else:
+            w = param + torch.randn(param.shape, generator=gen) * 0.05
+        param.copy_(w)
 
 
 def make(base: str, out: str, name: str) -> str:
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     modifier, scheme, calibrate = FIXTURES[name]
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
-    cls = {"GPTQModifier": GPTQModifier, "QuantizationModifier": QuantizationModifier}[modifier]
-    kwargs = {}
-    if calibrate:
-        ids = base_model.calibration_ids(tokenizer)
-        kwargs = dict(dataset=Dataset.from_dict(
-            {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]}),
-            num_calibration_samples=len(ids), max_seq_length=128,
-            shuffle_calibration_samples=False)
-    oneshot(model=model, recipe=cls(targets="Linear", scheme=scheme, ignore=IGNORE), **kwargs)
-    shutil.rmtree(out, ignore_errors=True)
-    model.save_pretrained(out, save_compressed=True)
-    tokenizer.save_pretrained(out)
-    del model
-    gc.collect()
-    return out
-
-
-def check(path: str) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return base_model.smoke_generate(model, tokenizer)
+    return llmcompressor_fixtures.quantize(base, out, modifier, scheme, calibrate,
+                                           ignore=IGNORE)
 
 
 def main(argv):
@@ -109,7 +76,7 @@ def main(argv):
     with tempfile.TemporaryDirectory() as work:
         base = build_base(os.path.join(work, "base"))
         return base_model.make_each(names, root, lambda out, name: make(base, out, name),
-                                    check)
+                                    llmcompressor_fixtures.check)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Test helpers: tiny HF checkpoints, a hand-built paged KV cache, and model stepping."""
+"""Test helpers: tiny HF checkpoints, a hand-built paged KV cache, model stepping, and
+comparisons of whole-engine outputs."""
 
 from __future__ import annotations
 
@@ -182,3 +183,20 @@ def assert_llm_greedy_and_prompt_logprobs_equal_hf(path: str, prompts: list[str]
             assert abs(got - ref[pos - 1, ids[pos]].item()) < tol
     assert len(seen) > 6      # real sequences, not one token repeated everywhere
     return outputs
+
+
+def assert_greedy_outputs_track(got: list, want: list, min_agreeing: int = 4,
+                                logprob_tol: float = 0.05) -> None:
+    """Greedy ``got`` (e.g. a float16 GPU run) follows ``want`` (the float32 CPU run of the
+    same prompts): each pair of completions agrees on at least its first ``min_agreeing``
+    tokens (after that a near-tie may flip), and up to where they part the chosen tokens'
+    log-probs are within ``logprob_tol``. Both runs asked for ``logprobs=1``."""
+    for g, w in zip(got, want, strict=True):
+        ours, theirs = g.outputs[0], w.outputs[0]
+        n = next((i for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids,
+                                                  strict=True)) if a != b), len(ours.token_ids))
+        assert n >= min_agreeing, (ours.token_ids, theirs.token_ids)
+        for i in range(n):
+            a = ours.logprobs[i][ours.token_ids[i]].logprob
+            b = theirs.logprobs[i][theirs.token_ids[i]].logprob
+            assert abs(a - b) < logprob_tol

@@ -117,7 +117,15 @@ def reference_run(case: AttentionCase) -> tuple[torch.Tensor, torch.Tensor]:
 
 def compare_with_reference(case: AttentionCase, impl) -> str | None:
     """None if ``impl`` matches the reference on ``case`` (finite, within tolerance), else why."""
-    expected, _ = reference_run(case)
+    return compare_runs(case, impl, ReferenceAttentionImpl(),
+                        tolerance(case.query.dtype, case.layer.kv_cache_dtype))
+
+
+def compare_runs(case, impl, reference, tol: float) -> str | None:  # noqa: ANN001
+    """None if ``impl``'s output on ``case`` (any case with ``run(impl)``) is finite and
+    within ``tol`` of ``reference``'s, relative to the reference's largest magnitude when
+    that exceeds 1; else why not, in the words of a failed canary."""
+    expected, _ = case.run(reference)
     try:
         actual, _ = case.run(impl)
     except Exception as exc:  # a kernel that cannot even run fails its canary
@@ -125,8 +133,7 @@ def compare_with_reference(case: AttentionCase, impl) -> str | None:
     if not torch.isfinite(actual.float()).all():
         return "produced NaN or Inf"
     err = (actual.float() - expected.float()).abs().max().item()
-    tol = tolerance(case.query.dtype, case.layer.kv_cache_dtype)
-    scale = max(1.0, expected.float().abs().max().item())
-    if err > tol * scale:
-        return f"max error {err:.3g} against TORCH_REFERENCE exceeds {tol * scale:.3g}"
+    bound = tol * max(1.0, expected.float().abs().max().item())
+    if err > bound:
+        return f"max error {err:.3g} against TORCH_REFERENCE exceeds {bound:.3g}"
     return None

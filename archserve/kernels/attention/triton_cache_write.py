@@ -1,8 +1,8 @@
 """Triton reshape-and-cache: scatter this step's keys and values into the paged KV cache.
 
-Also holds the one jit helper that turns token positions of a sequence into addresses in
-the paged cache, so the write kernel and the attention kernels share a single notion of
-the layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+Also holds the jit helpers that turn token positions of a sequence into addresses in the
+paged cache and read a K/V tile from there, so the write kernel and the attention kernels
+share a single notion of the layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.linear.triton_fp8_bits import fp32_to_e4m3_bits
+from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16, fp32_to_e4m3_bits
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # An e4m3 cache read as bytes holds value / 256 once widened (e4m3_bits_to_fp16): the
@@ -71,6 +71,24 @@ def paged_token_offsets(block_table_row_ptr, positions, mask, stride_cache_block
     block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=mask, other=0)
     return (block_ids.to(tl.int64) * stride_cache_block
             + (positions % BLOCK_SIZE).to(tl.int64) * stride_cache_token)
+
+
+@triton.jit
+def load_kv_tile(k_base, v_base, block_table_row_ptr, positions, mask, offs_d, mask_d,
+                 stride_cache_block, stride_cache_token, BLOCK_SIZE: tl.constexpr,
+                 E4M3_BITS: tl.constexpr):
+    """The keys and values [positions, head dim] of one KV head of one sequence (masked
+    rows and columns read 0). E4M3_BITS: the cache holds e4m3 bytes, widened here to fp16
+    value / 256 (the wrappers fold the 256 into their scales)."""
+    rows = paged_token_offsets(block_table_row_ptr, positions, mask, stride_cache_block,
+                               stride_cache_token, BLOCK_SIZE)
+    kv_mask = mask[:, None] & mask_d[None, :]
+    k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if E4M3_BITS:
+        k = e4m3_bits_to_fp16(k)
+        v = e4m3_bits_to_fp16(v)
+    return k, v
 
 
 @triton.jit

@@ -21,9 +21,8 @@ import triton.language as tl
 from archserve.kernels.attention.triton_cache_write import (
     E4M3_BITS_SCALE,
     cache_operand,
-    paged_token_offsets,
+    load_kv_tile,
 )
-from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
 from archserve.kernels.rules import triton_interpreted
 
 LOG2E = 1.4426950408889634
@@ -45,6 +44,79 @@ def soft_cap_scores(scores, soft_cap):
 
 
 @triton.jit
+def online_softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The (acc, l_i, m_i) of ``online_softmax_step`` before any key: nothing seen yet."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def online_softmax_step(acc, l_i, m_i, scores, v, DOT_DTYPE: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """Fold one tile of keys into a running softmax (flash attention): ``scores`` [M, N] in
+    log2 units, -inf where masked; ``v`` [N, D], multiplied by P in DOT_DTYPE (the query's).
+    Returns the new (acc, l_i, m_i)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A row may see no allowed key in a tile (prefill's window edge): keep its exponents finite.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                        input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
+                       SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """(the sequence's query row, its query length, and the keys [lo, hi) of split
+    ``split``): the context (its last SLIDING_WINDOW tokens, with a window) cut into
+    NUM_SPLITS spans of whole BLOCK_N tiles."""
+    token = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - token
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # A sequence with no query token this step (graph padding) attends to nothing.
+    seq_len = tl.where(query_len > 0, seq_len, 0)
+    context_start = 0
+    if SLIDING_WINDOW > 0:
+        context_start = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+    span = seq_len - context_start
+    tokens_per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = context_start + split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, seq_len)
+    return token, query_len, lo, hi
+
+
+@triton.jit
+def store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
+                        query_len, seq, split, num_heads, heads, mask_h, offs_d, mask_d,
+                        stride_out_token, stride_out_head, v_scale,
+                        HEAD_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Normalise one program's rows (query heads ``heads`` of sequence ``seq``) and store
+    them: times v_scale into ``out`` when the context is not split; else unscaled as fp32
+    partials [num_seqs, num_heads, NUM_SPLITS, (HEAD_SIZE)] with their log-sum-exp in log2
+    units, for ``merge_splits`` (which applies v_scale)."""
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_mask = mask_h[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        dst = (out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
+               + offs_d[None, :])
+        # (broadcast before comparing: the interpreter mistypes scalar-bool & tensor)
+        live = (tl.zeros(acc.shape, tl.int32) + query_len) > 0
+        tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=out_mask & live)
+    else:
+        row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(partial_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], out, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + row, lse, mask=mask_h)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                    out_ptr, partial_out_ptr, partial_lse_ptr,
                    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
@@ -58,21 +130,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
-
-    token = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - token
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # A sequence with no query token this step attends to nothing.
-    seq_len = tl.where(query_len > 0, seq_len, 0)
-
-    context_start = 0
-    if SLIDING_WINDOW > 0:
-        context_start = tl.maximum(seq_len - SLIDING_WINDOW, 0)
-    span = seq_len - context_start
-    tokens_per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = context_start + split * tokens_per_split
-    hi = tl.minimum(lo + tokens_per_split, seq_len)
+    token, query_len, lo, hi = decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
+                                                  SLIDING_WINDOW, NUM_SPLITS, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -84,9 +143,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     if DOT_PRECISION == "ieee":  # K, V and P follow q's dtype (see dot_precision)
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    acc, l_i, m_i = online_softmax_start(BLOCK_G, BLOCK_D)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     k_base = cache_ptr + kv_head * stride_cache_head
     v_base = k_base + stride_cache_kv
@@ -94,14 +151,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
-                                   stride_cache_token, BLOCK_SIZE)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
-            k = e4m3_bits_to_fp16(k)
-            v = e4m3_bits_to_fp16(v)
+        k, v = load_kv_tile(k_base, v_base, block_table_row, offs_n, mask_n, offs_d, mask_d,
+                            stride_cache_block, stride_cache_token, BLOCK_SIZE, E4M3_BITS)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -109,29 +160,12 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
         if USE_SOFT_CAP:
             scores = soft_cap_scores(scores, soft_cap)
         scores = tl.where(mask_n[None, :], scores * 1.4426950408889634, float("-inf"))
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, q.dtype, DOT_PRECISION)
 
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    out_mask = mask_g[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
-        dst = (out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
-               + offs_d[None, :])
-        # (broadcast before comparing: the interpreter mistypes scalar-bool & tensor)
-        live = (tl.zeros([BLOCK_G, BLOCK_D], tl.int32) + query_len) > 0
-        tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=out_mask & live)
-    else:
-        # Partials are [num_seqs, num_heads, NUM_SPLITS, (HEAD_SIZE)] fp32, lse in log2 units.
-        row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-        tl.store(partial_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], out, mask=out_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(partial_lse_ptr + row, lse, mask=mask_g)
+    store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
+                        query_len, seq, split, tl.num_programs(1) * GROUP, heads, mask_g,
+                        offs_d, mask_d, stride_out_token, stride_out_head, v_scale, HEAD_SIZE,
+                        NUM_SPLITS)
 
 
 @triton.jit
@@ -188,6 +222,32 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return 1 << (splits.bit_length() - 1)
 
 
+def split_partials(out: torch.Tensor, num_seqs: int, num_heads: int, num_splits: int,
+                   head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial outputs, their log-sum-exps): the fp32 buffers that split programs write
+    and ``merge_splits`` reads. With one split the kernels write ``out`` directly, and
+    ``out`` stands in for both."""
+    if num_splits == 1:
+        return out, out
+    partial_out = torch.empty((num_seqs, num_heads, num_splits, head_size),
+                              dtype=torch.float32, device=out.device)
+    partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                              device=out.device)
+    return partial_out, partial_lse
+
+
+def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
+                 query_start_loc: torch.Tensor, out: torch.Tensor, v_scale: float) -> None:
+    """Merge ``split_partials``' buffers into each sequence's query row of ``out``, times
+    ``v_scale``."""
+    num_seqs, num_heads, num_splits, head_size = partial_out.shape
+    _merge_splits_kernel[(num_seqs, num_heads)](
+        partial_out, partial_lse, query_start_loc, out, out.stride(0), out.stride(1),
+        v_scale, HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
+        NUM_SPLITS=num_splits,
+    )
+
+
 def decode_tiles(head_size: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages): decode is bandwidth-bound, so keep many loads in flight."""
     if head_size > 128:
@@ -225,12 +285,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     block_n, num_warps, num_stages = tiles or decode_tiles(head_size, group)
     block_g = max(triton.next_power_of_2(group), 16)  # tl.dot needs M >= 16
     block_d = triton.next_power_of_2(head_size)
-    partial_out = partial_lse = out  # unused placeholders when there is a single split
-    if num_splits > 1:
-        partial_out = torch.empty((num_seqs, num_heads, num_splits, head_size),
-                                  dtype=torch.float32, device=query.device)
-        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
-                                  device=query.device)
+    partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, head_size)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -243,8 +298,5 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         num_stages=num_stages,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            partial_out, partial_lse, query_start_loc, out, out.stride(0), out.stride(1),
-            v_scale, HEAD_SIZE=head_size, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        )
+        merge_splits(partial_out, partial_lse, query_start_loc, out, v_scale)
     return out

@@ -16,10 +16,14 @@ import triton.language as tl
 from archserve.kernels.attention.triton_cache_write import (
     E4M3_BITS_SCALE,
     cache_operand,
-    paged_token_offsets,
+    load_kv_tile,
 )
-from archserve.kernels.attention.triton_decode import dot_precision, soft_cap_scores
-from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
+from archserve.kernels.attention.triton_decode import (
+    dot_precision,
+    online_softmax_start,
+    online_softmax_step,
+    soft_cap_scores,
+)
 from archserve.kernels.rules import triton_interpreted
 
 
@@ -37,14 +41,8 @@ def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
             mask_n = offs_n < seq_len
         else:
             mask_n = offs_n < hi  # always true here; kept so the loads share one shape of code
-        rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
-                                   stride_cache_token, BLOCK_SIZE)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
-            k = e4m3_bits_to_fp16(k)
-            v = e4m3_bits_to_fp16(v)
+        k, v = load_kv_tile(k_base, v_base, block_table_row, offs_n, mask_n, offs_d, mask_d,
+                            stride_cache_block, stride_cache_token, BLOCK_SIZE, E4M3_BITS)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFT_CAP:
             scores = soft_cap_scores(scores, soft_cap)
@@ -54,15 +52,7 @@ def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
             if SLIDING_WINDOW > 0:
                 allowed = allowed & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
             scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A row may see no allowed key in a tile (window edge): keep its exponents finite.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, q.dtype, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -110,9 +100,7 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
         # Keys <= first_q_pos are visible to every row of the tile.
         unmasked_end = ((first_q_pos + 1) // BLOCK_N) * BLOCK_N
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = online_softmax_start(BLOCK_M, BLOCK_D)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     k_base = cache_ptr + kv_head * stride_cache_head
     v_base = k_base + stride_cache_kv

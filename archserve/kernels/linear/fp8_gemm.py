@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.linear.gemm_tiles import (
     ConfiguredRoutine,
     TileConfig,
@@ -44,6 +43,8 @@ from archserve.kernels.linear.quantized_weights import (
     Fp8Weight,
 )
 from archserve.kernels.linear.triton_fp8_bits import fp32_to_e4m3_bits
+from archserve.kernels.linear.triton_gemm_tile import output_tile, store_output_tile
+from archserve.kernels.linear.triton_row_scale import row_absmax_scale
 
 GROUP = 128      # activation channels per dynamic group scale (= the weight block's K)
 _MAX: tl.constexpr = tl.constexpr(FP8_MAX)
@@ -78,12 +79,7 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, stride_xm, stride
         if MODE == _STATIC:
             scale = tl.load(in_scale_ptr).to(tl.float32)
         else:
-            amax = tl.zeros([BLOCK], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK):
-                k = k0 + offs
-                v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(v))
-            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), _MAX), _MIN_SCALE)
+            scale = row_absmax_scale(x_row, K, _MAX, BLOCK)
         tl.store(s_ptr + row * stride_sm, scale)
         for k0 in range(0, K, BLOCK):
             k = k0 + offs
@@ -201,10 +197,7 @@ def _block_fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y = sum over K tiles of (a_tile . w_tile) * a_scale[row, group] * w_scale[col block,
     group], with BLOCK_K dividing GROUP_K (the activation group = the weight block's K)."""
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = output_tile(M, N, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
@@ -220,11 +213,7 @@ def _block_fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr,
         sa = tl.load(a_scales + k0 // GROUP_K, mask=row_ok, other=0.0)
         sw = tl.load(w_scales + k0 // GROUP_K, mask=col_ok, other=0.0)
         acc += t * sa[:, None] * sw[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    dtype: tl.constexpr = y_ptr.dtype.element_ty
-    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(out, round_to_dtype(acc, dtype).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    store_output_tile(y_ptr, acc, b_ptr, rows, cols, row_ok, col_ok, stride_ym, HAS_BIAS)
 
 
 def block_fp8_unsupported(x: torch.Tensor, weight: Fp8Weight) -> str | None:

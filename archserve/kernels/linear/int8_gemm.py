@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.linear.gemm_tiles import (
     ConfiguredRoutine,
     TileConfig,
@@ -31,13 +30,13 @@ from archserve.kernels.linear.quantized_weights import (
     ACT_DYNAMIC_TOKEN,
     ACT_STATIC_TENSOR,
     INT8_MAX,
-    MIN_ACTIVATION_SCALE,
     Int8Weight,
 )
+from archserve.kernels.linear.triton_gemm_tile import output_tile, store_output_tile
+from archserve.kernels.linear.triton_row_scale import row_absmax_scale
 
 BLOCK_K = 128
 _MAX: tl.constexpr = tl.constexpr(INT8_MAX)
-_MIN_SCALE: tl.constexpr = tl.constexpr(MIN_ACTIVATION_SCALE)
 _ROUNDER: tl.constexpr = tl.constexpr(12582912.0)      # 1.5 * 2**23
 _ROUNDER_BITS: tl.constexpr = tl.constexpr(0x4B400000)  # its fp32 bits
 
@@ -58,12 +57,7 @@ def _quantize_int8_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, K, stride_xm, strid
     if STATIC:
         scale = tl.load(in_scale_ptr).to(tl.float32)
     else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            k = k0 + offs
-            amax = tl.maximum(amax, tl.abs(tl.load(x_row + k, mask=k < K, other=0.0)
-                                           .to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), _MAX), _MIN_SCALE)
+        scale = row_absmax_scale(x_row, K, _MAX, BLOCK)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         k = k0 + offs
@@ -98,10 +92,7 @@ def quantize_int8_activation(x: torch.Tensor, activation: str,
 def _int8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N, K,
                       stride_am, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = output_tile(M, N, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
@@ -115,11 +106,7 @@ def _int8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, b_ptr, y_ptr, M, N
     sa = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
     sw = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
     y = acc.to(tl.float32) * sa[:, None] * sw[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    dtype: tl.constexpr = y_ptr.dtype.element_ty
-    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(out, round_to_dtype(y, dtype).to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    store_output_tile(y_ptr, y, b_ptr, rows, cols, row_ok, col_ok, stride_ym, HAS_BIAS)
 
 
 def int8_unsupported(x: torch.Tensor, weight: Int8Weight) -> str | None:

@@ -84,7 +84,6 @@ class TorchScaledMmBackend(QuantGemmBackend):
     description = ("torch._scaled_mm W8A8 FP8 with row-wise scales, activations quantized by "
                    "Triton (SM89+)")
     impl_path = "archserve.kernels.linear.fp8_gemm:ScaledMmFp8Linear"
-    activations = frozenset({"dynamic_token", "static_tensor"})
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         return needs_capability(device, SM89)
@@ -112,7 +111,6 @@ class TritonBlockFp8Backend(QuantGemmBackend):
     description = ("Triton block-FP8 W8A8 GEMM: 128x128 weight blocks, per-token-per-128 "
                    "activation scales, FP8 tensor cores (SM89+)")
     impl_path = "archserve.kernels.linear.fp8_gemm:BlockFp8Linear"
-    activations = frozenset({"dynamic_group"})
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         return needs_capability(device, SM89)
@@ -135,7 +133,6 @@ class TritonInt8Backend(QuantGemmBackend):
     description = ("Triton INT8 W8A8 GEMM: int8 tl.dot, per-token or per-tensor activation "
                    "scales (SM80+, ROCm)")
     impl_path = "archserve.kernels.linear.int8_gemm:Int8Linear"
-    activations = frozenset({"dynamic_token", "static_tensor"})
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         # Triton emits int8 mma for SM80+ only: on SM70/SM75 an int8 tl.dot does not

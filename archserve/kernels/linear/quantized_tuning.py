@@ -138,13 +138,8 @@ def _time_kind(routine, weights: list, rows: int, dtype: torch.dtype) -> KindTim
 
 
 def _read_cache(path: str | None) -> dict[str, KindTiming]:
-    try:
-        return {key: KindTiming(**value)
-                for key, value in read_cache(path, _CACHE_VERSION, "kinds").items()}
-    except TypeError as exc:      # an entry of another shape: tune again
-        log.warning("ignoring tuning cache %s (%s)", path, exc)
-        return {}
+    return read_cache(path, _CACHE_VERSION, "kinds", KindTiming)
 
 
 def _write_cache(path: str, timings: dict[str, KindTiming]) -> None:
-    write_cache(path, _CACHE_VERSION, "kinds", {key: vars(t) for key, t in timings.items()})
+    write_cache(path, _CACHE_VERSION, "kinds", timings)

@@ -270,13 +270,8 @@ def time_shape(kind: str, rows: int, weights: list[torch.Tensor], iters: int = 1
 
 
 def _read_cache(path: str | None) -> dict[str, ShapeTiming]:
-    try:
-        return {key: ShapeTiming(**value)
-                for key, value in read_cache(path, _CACHE_VERSION, "shapes").items()}
-    except TypeError as exc:      # an entry of another shape: tune again
-        log.warning("ignoring tuning cache %s (%s)", path, exc)
-        return {}
+    return read_cache(path, _CACHE_VERSION, "shapes", ShapeTiming)
 
 
 def _write_cache(path: str, timings: dict[str, ShapeTiming]) -> None:
-    write_cache(path, _CACHE_VERSION, "shapes", {key: vars(t) for key, t in timings.items()})
+    write_cache(path, _CACHE_VERSION, "shapes", timings)

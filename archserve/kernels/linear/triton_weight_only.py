@@ -43,6 +43,7 @@ from archserve.kernels.linear.gemm_tiles import ConfiguredRoutine, occupancy_blo
 from archserve.kernels.linear.quantized_weights import Fp8Weight, IntGroupWeight
 from archserve.kernels.linear.triton_dequantize import dequantized_linear
 from archserve.kernels.linear.triton_fp8_bits import E4M3_AS_FP16_SCALE, e4m3_bits_to_fp16
+from archserve.kernels.linear.triton_gemm_tile import output_tile, store_output_tile
 
 INT_WEIGHT: tl.constexpr = tl.constexpr(0)
 FP8_WEIGHT: tl.constexpr = tl.constexpr(1)
@@ -252,10 +253,7 @@ def _weight_only_mma_kernel(
     SCALE_AT_END (one scale per column over all of K: per-channel FP8, or one INT group):
     tl.dot accumulates into one fp32 tile, which Hopper's wgmma pipelines; otherwise each
     tile's product is scaled before it is added."""
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = output_tile(M, N, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     HALF: tl.constexpr = 1 << (BITS - 1)
@@ -317,12 +315,7 @@ def _weight_only_mma_kernel(
         acc = acc * s[None, :]
         if HAS_OFFSETS:
             acc += x_sum[:, None] * (o + HALF * s)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out_dtype: tl.constexpr = y_ptr.dtype.element_ty
-    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(out, round_to_dtype(acc, out_dtype).to(out_dtype),
-             mask=row_ok[:, None] & col_ok[None, :])
+    store_output_tile(y_ptr, acc, b_ptr, rows, cols, row_ok, col_ok, stride_ym, HAS_BIAS)
 
 
 # ---- what a weight allows ----------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from archserve.kernels.attention.cases import make_case, tolerance
+from archserve.kernels.attention.cases import compare_runs, make_case, tolerance
 from archserve.kernels.attention.interface import AttentionMetadata
 from archserve.kernels.mla.interface import absorb_query
 from archserve.kernels.mla.torch_mla import TorchMlaImpl
@@ -74,16 +74,5 @@ def make_mla_case(seqs: list[tuple[int, int]], *, num_heads: int = 4, kv_lora_ra
 
 def compare_mla_with_reference(case: MlaCase, impl) -> str | None:
     """None if ``impl`` matches TORCH_REFERENCE on ``case`` (finite, within tolerance)."""
-    expected, _ = case.run(TorchMlaImpl())
-    try:
-        actual, _ = case.run(impl)
-    except Exception as exc:  # a kernel that cannot even run fails its canary
-        return f"failed to run: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    if not torch.isfinite(actual.float()).all():
-        return "produced NaN or Inf"
-    err = (actual.float() - expected.float()).abs().max().item()
     kv = "auto" if case.kv_cache.dtype == case.q_nope.dtype else "fp8"
-    tol = tolerance(case.q_nope.dtype, kv) * max(1.0, expected.float().abs().max().item())
-    if err > tol:
-        return f"max error {err:.3g} against TORCH_REFERENCE exceeds {tol:.3g}"
-    return None
+    return compare_runs(case, impl, TorchMlaImpl(), tolerance(case.q_nope.dtype, kv))

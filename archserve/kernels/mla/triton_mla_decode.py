@@ -8,11 +8,10 @@ The head blocks of one sequence are neighbours in the grid (axis 0), so where a 
 more heads than one block (DeepSeek-V3's 128), the blocks read the same tiles while they
 are still in L2.
 
-When sequences x head blocks cannot fill the GPU the context is split (flash-decoding, the
-same rule as the standard decode kernel); each split writes a partial output and its
-log-sum-exp, merged by the standard decode's merge kernel. Grid and split count follow
-from host ints (the batch size, the longest possible context, the SM count), never from
-device values, so the launch is captured in CUDA graphs.
+When sequences x head blocks cannot fill the GPU the context is split (flash-decoding: the
+standard decode kernel's rule, split spans, partial outputs and merge, from triton_decode).
+Grid and split count follow from host ints (the batch size, the longest possible context,
+the SM count), never from device values, so the launch is captured in CUDA graphs.
 
 An fp8 (e4m3) latent cache holds ``latent / k_scale``; both products are scaled back by
 ``k_scale``. GPUs without an e4m3 type read it as bytes (see triton_cache_write).
@@ -30,9 +29,14 @@ from archserve.kernels.attention.triton_cache_write import (
     paged_token_offsets,
 )
 from archserve.kernels.attention.triton_decode import (
-    _merge_splits_kernel,
     choose_num_splits,
+    decode_split_range,
     dot_precision,
+    merge_splits,
+    online_softmax_start,
+    online_softmax_step,
+    split_partials,
+    store_decode_output,
 )
 from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
 
@@ -50,15 +54,8 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     head_block = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
-
-    token = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - token
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # A sequence with no query token this step (graph padding) attends to nothing.
-    seq_len = tl.where(query_len > 0, seq_len, 0)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * tokens_per_split
-    hi = tl.minimum(lo + tokens_per_split, seq_len)
+    token, query_len, lo, hi = decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
+                                                  0, NUM_SPLITS, BLOCK_N)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < NUM_HEADS
@@ -74,9 +71,7 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
         q_nope = q_nope.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    acc, l_i, m_i = online_softmax_start(BLOCK_H, BLOCK_L)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
 
     for start in range(lo, hi, BLOCK_N):
@@ -97,30 +92,12 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
         scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         scores = tl.where(mask_n[None, :], scores * (qk_scale * 1.4426950408889634),
                           float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv,
-                                            input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, c_kv, q_nope.dtype,
+                                            DOT_PRECISION)
 
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    out_mask = mask_h[:, None] & mask_l[None, :]
-    if NUM_SPLITS == 1:
-        dst = (out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
-               + offs_l[None, :])
-        # (broadcast before comparing: the interpreter mistypes scalar-bool & tensor)
-        live = (tl.zeros([BLOCK_H, BLOCK_L], tl.int32) + query_len) > 0
-        tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=out_mask & live)
-    else:
-        # The merge kernel's layout: [num_seqs, num_heads, NUM_SPLITS, (KV_RANK)] fp32,
-        # lse in log2 units, unscaled (the merge applies v_scale).
-        row = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
-        tl.store(partial_out_ptr + row[:, None] * KV_RANK + offs_l[None, :], out, mask=out_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(partial_lse_ptr + row, lse, mask=mask_h)
+    store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
+                        query_len, seq, split, NUM_HEADS, heads, mask_h, offs_l, mask_l,
+                        stride_out_token, stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
 
 
 def mla_decode_tiles(num_heads: int) -> tuple[int, int, int, int]:
@@ -161,12 +138,7 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         num_splits = choose_num_splits(num_seqs, head_blocks, max_seq_len, num_sms)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     block_l = triton.next_power_of_2(kv_rank)
-    partial_out = partial_lse = out  # unused placeholders when there is a single split
-    if num_splits > 1:
-        partial_out = torch.empty((num_seqs, num_heads, num_splits, kv_rank),
-                                  dtype=torch.float32, device=query.device)
-        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
-                                  device=query.device)
+    partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, kv_rank)
     _mla_decode_kernel[(head_blocks, num_seqs, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -179,8 +151,5 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            partial_out, partial_lse, query_start_loc, out, out.stride(0), out.stride(1),
-            v_scale, HEAD_SIZE=kv_rank, BLOCK_D=block_l, NUM_SPLITS=num_splits,
-        )
+        merge_splits(partial_out, partial_lse, query_start_loc, out, v_scale)
     return out

@@ -176,12 +176,13 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Te
 if triton is not None:
 
     @triton.jit
-    def _program_tile(block_expert_ptr, sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PAIR_ROWS: tl.constexpr):
+    def _program_tile(block_expert_ptr, sorted_pairs_ptr, num_pairs, num_cols,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR_ROWS: tl.constexpr):
         """This program's expert (-1: past the last tile), its (token, slot) pairs, which
-        of them are real, and its output columns. PAIR_ROWS: program m is pair m, whose
-        expert is block_expert[m] (the flat expert ids); row 0 of the tile is the pair, the
-        other rows repeat it masked off, so they load nothing and store nothing."""
+        of them are real, and its output columns (of ``num_cols``) and which of them are.
+        PAIR_ROWS: program m is pair m, whose expert is block_expert[m] (the flat expert
+        ids); row 0 of the tile is the pair, the other rows repeat it masked off, so they
+        load nothing and store nothing."""
         pid_m = tl.program_id(0)
         expert = tl.load(block_expert_ptr + pid_m)
         lanes = tl.arange(0, BLOCK_M)
@@ -192,7 +193,22 @@ if triton is not None:
             rows = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + lanes)
             row_ok = rows < num_pairs
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return expert, rows, row_ok, cols
+        return expert, rows, row_ok, cols, cols < num_cols
+
+    @triton.jit
+    def _silu_and_mul(gate, up):
+        return gate / (1.0 + tl.exp(-gate)) * up
+
+    @triton.jit
+    def _times_routing_weights(acc, weights_ptr, rows, row_ok):
+        """Each (token, slot) row of ``acc`` times that slot's routing weight."""
+        return acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
+
+    @triton.jit
+    def _store_rows(out_ptr, tile, rows, row_ok, cols, col_ok, stride_ot):
+        """``tile`` [M, N] into rows ``rows`` and columns ``cols`` of ``out``."""
+        tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :],
+                 tile.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _operand_tiles(a_ptr, a_rows, stride_a, row_ok, w_base, w_cols, stride_wn, col_ok,
@@ -216,12 +232,11 @@ if triton is not None:
                         stride_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr):
-        expert, rows, row_ok, cols = _program_tile(block_expert_ptr, sorted_pairs_ptr,
-                                                   num_pairs, BLOCK_M, BLOCK_N, PAIR_ROWS)
+        expert, rows, row_ok, cols, col_ok = _program_tile(
+            block_expert_ptr, sorted_pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, PAIR_ROWS)
         if expert < 0:
             return
         tokens = rows // TOP_K
-        col_ok = cols < inter
         w_base = w13_ptr + expert.to(tl.int64) * stride_we
         gate_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -234,20 +249,18 @@ if triton is not None:
                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             gate_acc = _dot(gate_acc, a, gate_w, IEEE_FP32)
             up_acc = _dot(up_acc, a, up_w, IEEE_FP32)
-        act = gate_acc / (1.0 + tl.exp(-gate_acc)) * up_acc
-        tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :],
-                 act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        _store_rows(out_ptr, _silu_and_mul(gate_acc, up_acc), rows, row_ok, cols, col_ok,
+                    stride_ot)
 
     @triton.jit
     def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
                      block_expert_ptr, num_pairs, hidden, inter, stride_at, stride_we,
                      stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr):
-        expert, rows, row_ok, cols = _program_tile(block_expert_ptr, sorted_pairs_ptr,
-                                                   num_pairs, BLOCK_M, BLOCK_N, PAIR_ROWS)
+        expert, rows, row_ok, cols, col_ok = _program_tile(
+            block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, PAIR_ROWS)
         if expert < 0:
             return
-        col_ok = cols < hidden
         w_base = w2_ptr + expert.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
@@ -256,10 +269,8 @@ if triton is not None:
             a, w = _operand_tiles(act_ptr, rows, stride_at, row_ok, w_base, cols, stride_wn,
                                   col_ok, ks, k_ok)
             acc = _dot(acc, a, w, IEEE_FP32)
-        scale = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
-        acc = acc * scale[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        acc = _times_routing_weights(acc, weights_ptr, rows, row_ok)
+        _store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
 
     @triton.jit
     def _sum_slots_kernel(src_ptr, dst_ptr, hidden, stride_src, stride_dst,

@@ -47,7 +47,12 @@ if triton is not None:
     from archserve.kernels.linear.fp8_gemm import quantize_fp8_activation
     from archserve.kernels.linear.triton_fp8_bits import E4M3_AS_FP16_SCALE, e4m3_bits_to_fp16
     from archserve.kernels.linear.triton_weight_only import _centered_as, _int_group_params
-    from archserve.kernels.moe.triton_fused_moe import _program_tile
+    from archserve.kernels.moe.triton_fused_moe import (
+        _program_tile,
+        _silu_and_mul,
+        _store_rows,
+        _times_routing_weights,
+    )
 
     INT_W: tl.constexpr = tl.constexpr(0)
     FP8_W: tl.constexpr = tl.constexpr(1)
@@ -147,6 +152,12 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _expert_operands(w_ptr, s_ptr, o_ptr, expert, stride_we, stride_se):
+        """Where ``expert``'s weights, scales and offsets start."""
+        e = expert.to(tl.int64)
+        return w_ptr + e * stride_we, s_ptr + e * stride_se, o_ptr + e * stride_se
+
+    @triton.jit
     def _gate_up_quant_kernel(
             x_ptr, x_scale_ptr, w_ptr, s_ptr, o_ptr, out_ptr, sorted_pairs_ptr,
             block_expert_ptr, num_pairs, inter, hidden, stride_xt, stride_xs, stride_we,
@@ -157,16 +168,13 @@ if triton is not None:
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             IEEE: tl.constexpr):
         # Sorted tiles only (align_to_blocks): never the pair-rows layout.
-        expert, rows, row_ok, cols = _program_tile(block_expert_ptr, sorted_pairs_ptr,
-                                                   num_pairs, BLOCK_M, BLOCK_N, False)
+        expert, rows, row_ok, cols, col_ok = _program_tile(
+            block_expert_ptr, sorted_pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, False)
         if expert < 0:
             return
         tokens = rows // TOP_K
-        col_ok = cols < inter
-        e = expert.to(tl.int64)
-        w_base = w_ptr + e * stride_we
-        s_base = s_ptr + e * stride_se
-        o_base = o_ptr + e * stride_se
+        w_base, s_base, o_base = _expert_operands(w_ptr, s_ptr, o_ptr, expert, stride_we,
+                                                  stride_se)
         gate_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -186,9 +194,7 @@ if triton is not None:
         up = _expert_epilogue(up_acc, x_scale_ptr, tokens, stride_xs, row_ok, s_base,
                               cols + inter, col_ok, stride_sn, W_KIND, A_FP8, A_GROUPED,
                               NATIVE_FP8, BLOCK_SCALE_N)
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :],
-                 act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        _store_rows(out_ptr, _silu_and_mul(gate, up), rows, row_ok, cols, col_ok, stride_ot)
 
     @triton.jit
     def _down_quant_kernel(
@@ -199,15 +205,12 @@ if triton is not None:
             NATIVE_FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
             HAS_OFFSETS: tl.constexpr, BLOCK_SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        expert, rows, row_ok, cols = _program_tile(block_expert_ptr, sorted_pairs_ptr,
-                                                   num_pairs, BLOCK_M, BLOCK_N, False)
+        expert, rows, row_ok, cols, col_ok = _program_tile(
+            block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, False)
         if expert < 0:
             return
-        col_ok = cols < hidden
-        e = expert.to(tl.int64)
-        w_base = w_ptr + e * stride_we
-        s_base = s_ptr + e * stride_se
-        o_base = o_ptr + e * stride_se
+        w_base, s_base, o_base = _expert_operands(w_ptr, s_ptr, o_ptr, expert, stride_we,
+                                                  stride_se)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             a, sa = _activation_tile(a_ptr, a_scale_ptr, rows, stride_at, stride_as, row_ok,
@@ -218,9 +221,8 @@ if triton is not None:
                                  BLOCK_SCALE_N, BLOCK_N, BLOCK_K, IEEE)
         acc = _expert_epilogue(acc, a_scale_ptr, rows, stride_as, row_ok, s_base, cols, col_ok,
                                stride_sn, W_KIND, A_FP8, A_GROUPED, NATIVE_FP8, BLOCK_SCALE_N)
-        acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        acc = _times_routing_weights(acc, weights_ptr, rows, row_ok)
+        _store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
 
 
 # ---- what the kernels take ------------------------------------------------------------------

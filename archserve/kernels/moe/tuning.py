@@ -95,8 +95,7 @@ def tune_moe(shapes: Sequence[MoEShape], token_counts: Sequence[int], cache_path
                 impl.tiles[bucket] = tile
     if cache_path is not None and not report.from_cache:
         write_cache(cache_path, _CACHE_VERSION, "shapes",
-                    {k: vars(t) for k, t in {**cached, **report.timings}.items()
-                     if k not in failed})
+                    {k: t for k, t in {**cached, **report.timings}.items() if k not in failed})
     report.seconds = time.perf_counter() - start
     return report
 
@@ -143,8 +142,4 @@ def _graph_us(shape: MoEShape, tokens: int, tile: MoETile) -> float:
 
 
 def _read(path: str | None) -> dict[str, KindTiming]:
-    try:
-        return {k: KindTiming(**v) for k, v in read_cache(path, _CACHE_VERSION, "shapes").items()}
-    except TypeError as exc:       # an entry of another shape: tune again
-        log.warning("ignoring MoE tuning cache %s (%s)", path, exc)
-        return {}
+    return read_cache(path, _CACHE_VERSION, "shapes", KindTiming)
