@@ -71,7 +71,8 @@ def test_kernel_launches_compile_for_gpu_targets(mode, target, dtype):
     with compiled_launches(target) as launches:
         fused_quantized_experts(x, weights, ids, q, DEFAULT_TILES[0][1], native_fp8=native)
     kernels = [launch.kernel for launch in launches]
-    assert kernels[-1] == "_down_quant_kernel" and "_gate_up_quant_kernel" in kernels
+    assert kernels[-2:] == ["_down_quant_kernel", "_sum_slots_kernel"]
+    assert "_gate_up_quant_kernel" in kernels
     for launch in launches:
         if launch.kernel.endswith("quant_kernel"):
             assert launch.constexprs["NATIVE_FP8"] == (native and mode.startswith("fp8"))
@@ -114,6 +115,19 @@ else:
         tol = 2e-6 if dtype == torch.float32 else 2e-3
         scale = expected.abs().max()
         torch.testing.assert_close(got.float() / scale, expected / scale, atol=tol, rtol=0)
+
+
+    def test_the_backend_runs_quantized_experts():
+        """TRITON_FUSED_MOE's forward, as a model layer calls it, on quantized experts."""
+        from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+        q = quantized_experts("fp8_token", 4, 64, 32)
+        x, logits = inputs(5, 4, 64, torch.float32)
+        impl = TritonFusedMoEImpl()
+        w13, w2 = impl.prepare(q, torch.float32)
+        got = impl.forward(x, logits, w13, w2, 2, True)
+        expected = reference(x, logits, q, 2)
+        scale = expected.abs().max()
+        torch.testing.assert_close(got / scale, expected / scale, atol=2e-6, rtol=0)
 
 
 # ---------------------------------------------------------------- GPU, real shapes

@@ -385,8 +385,10 @@ class TritonFusedMoEImpl:
                 routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if not isinstance(w13, torch.Tensor):        # quantized experts
             from archserve.kernels.moe.triton_quantized_moe import quantized_moe
+            # Their kernels take the sorted layout's tiles (never pair rows), and the
+            # tuner times 16-bit experts only: the default sorted tile of this batch.
             return quantized_moe(hidden, router_logits, w13, w2, top_k, renormalize,
-                                 self.tile_for(hidden.shape[0]), routed)
+                                 default_tile(hidden.shape[0]), routed)
         reason = fused_moe_unsupported(hidden, w13, w2)
         if reason is not None:
             raise ValueError(f"TRITON_FUSED_MOE cannot run this layer: {reason}")

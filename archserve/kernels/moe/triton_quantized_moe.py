@@ -37,7 +37,7 @@ from archserve.kernels.linear.quantized_weights import (
 )
 from archserve.kernels.moe.quantized_experts import ExpertWeight, QuantizedExperts, expert_shape
 from archserve.kernels.moe.routing import align_to_blocks, route
-from archserve.kernels.moe.triton_fused_moe import MoETile, default_tile, triton
+from archserve.kernels.moe.triton_fused_moe import MoETile, default_tile, sum_slots, triton
 
 ACT_GROUP = 128      # activation channels per dynamic group scale (fp8_gemm.GROUP)
 
@@ -326,8 +326,7 @@ def fused_quantized_experts(hidden: torch.Tensor, weights: torch.Tensor, experts
         BLOCK_K=_block_k(tile, w2), **consts, **launch)
     if top_k == 1:
         return out
-    return out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(
-        hidden.dtype)
+    return sum_slots(out, num_tokens, top_k)
 
 
 
