@@ -162,10 +162,13 @@ def test_activation_quantized_fixture_in_bf16_on_cpu(name: str) -> None:
 SM90_ROUTES = {"ct-fp8-tensor-static": "TORCH_SCALED_MM", "ct-fp8-channel-dynamic":
                "TORCH_SCALED_MM", "ct-fp8-block": "TRITON_BLOCK_FP8", "hf-fp8-block":
                "TRITON_BLOCK_FP8", "hf-deepseek-v3-fp8-block": "TRITON_BLOCK_FP8",
-               "ct-int8-w8a8": "TRITON_INT8"}
+               "ct-int8-w8a8": "TRITON_INT8", "ct-moe-fp8-block": "TRITON_BLOCK_FP8",
+               "ct-moe-fp8-dynamic": "TORCH_SCALED_MM"}
 # The other layers' routes where a fixture has more than attention and dense linears.
 SM90_OTHER_ROUTES = {"hf-deepseek-v3-fp8-block": {"attention": "TRITON_MLA",
-                                                  "moe experts": "TRITON_FUSED_MOE"}}
+                                                  "moe experts": "TRITON_FUSED_MOE"},
+                     **{name: {"moe experts": "TRITON_FUSED_MOE"} for name in
+                        ("ct-moe-fp8-block", "ct-moe-fp8-dynamic", "ct-moe-w4a16")}}
 
 
 @pytest.mark.gpu
@@ -202,3 +205,19 @@ def test_dummy_weights_of_a_quantized_config(name: str) -> None:
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
                        SamplingParams(temperature=0.0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_explain_on_an_h100_predicts_the_routes_the_gpu_test_expects(name: str) -> None:
+    """explain --model on an SM90 profile shows what the GPU test above asserts the engine
+    runs: a prediction and a run that disagree fail here, on the CPU, first."""
+    from archserve.platform import get_profile
+    from archserve.routing.explain import explain_model
+    from archserve.routing.model_summary import read_model_summary
+
+    out = explain_model(get_profile("h100"), read_model_summary(os.path.join(ROOT, name)),
+                        dtype="bfloat16", libraries="installed")
+    routes = {r.layer: r.backend for r in out.routes}
+    assert routes["linear (qkv, o, mlp)"] == SM90_ROUTES.get(name, "TRITON_WEIGHT_ONLY")
+    for layer, backend in SM90_OTHER_ROUTES.get(name, {}).items():
+        assert routes[layer] == backend, (layer, routes)
