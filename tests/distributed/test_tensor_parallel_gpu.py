@@ -17,8 +17,11 @@ PROMPTS = ["Hello world! How are you", "The capital of France is", "1 2 3 4 5",
 
 def test_two_gpus_generate_close_to_one_with_cuda_graphs(tiny_checkpoint):
     path = tiny_checkpoint("llama-h64")         # head size 64: every GPU backend runs it
+    # A fixed KV budget, not a share of the card: the one-GPU engine's memory stays in this
+    # process's caching allocator, and rank 0 shares GPU 0 with it (a share counts every
+    # process's memory, so rank 0 would find room for no tokens).
     common = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=16,
-                  gpu_memory_utilization=0.3)
+                  kv_cache_memory_bytes=1 << 28)
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0,
                             prompt_logprobs=0)
     one = LLM(path, **common).generate(PROMPTS, greedy)
