@@ -35,16 +35,20 @@ if TYPE_CHECKING:
 
 
 class DeepseekRouter(Router):
-    """fp32 router logits; V3's gate also holds the score correction bias."""
+    """fp32 router logits from fp32 weights; V3's gate also holds the score correction bias.
+
+    The weight and the bias stay float32 in a 16-bit model, as transformers keeps them
+    (``_keep_in_fp32_modules_strict``; vLLM keeps the bias): rounded to bf16 they move the
+    sigmoid scores by a few thousandths, as far apart as near-tied experts are."""
 
     def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool) -> None:
-        super().__init__(num_experts, hidden_size)
+        super().__init__(num_experts, hidden_size, dtype=torch.float32)
         self.e_score_correction_bias = (
-            nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+            nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
             if correction_bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight)
 
 
 class DeepseekMoE(nn.Module):

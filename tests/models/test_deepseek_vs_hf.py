@@ -117,6 +117,24 @@ def test_cpu_selects_the_torch_mla_route(pair):
     assert selection.name == "TORCH_REFERENCE" and selection.backend.op == "mla_attention"
 
 
+def test_router_keeps_float32_weights_in_a_16_bit_model(tmp_path):
+    """transformers keeps DeepSeek's gate weight and V3's score correction bias in float32
+    (_keep_in_fp32_modules_strict), as vLLM keeps the bias: rounded to bf16 they move the
+    sigmoid scores by a few thousandths, as far apart as near-tied experts are."""
+    from safetensors.torch import load_file
+
+    model_type, overrides = VARIANTS["v3"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**MLA, **overrides})
+    checkpoint = load_file(f"{path}/model.safetensors")
+    model, _ = load_model(path, dtype=torch.bfloat16, device="cpu")
+    router = {name: p for name, p in model.named_parameters() if ".mlp.gate." in name}
+    assert len(router) == 4        # weight and bias of two sparse layers
+    for name, param in router.items():
+        assert param.dtype == torch.float32, name
+        assert torch.equal(param, checkpoint[name]), name
+
+
 def test_dummy_weights_run(tmp_path):
     model_type, overrides = VARIANTS["v3"]
     tiny_hf_model(model_type, **{**MLA, **overrides, "vocab_size": 256}).save_pretrained(tmp_path)

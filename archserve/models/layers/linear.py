@@ -101,9 +101,9 @@ class WeightOnly(nn.Module):
     """One [rows, cols] weight, no bias, uninitialised on purpose (a loader fills it): the
     storage of modules that are not ``Linear`` (embeddings, MoE routers)."""
 
-    def __init__(self, rows: int, cols: int) -> None:
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
 
 
 class DenseMatrix(WeightOnly):
