@@ -15,6 +15,7 @@ import torch
 from tiny_checkpoints import build_tiny_checkpoint
 
 from archserve.engine.config import EngineConfig
+from archserve.engine.sampling_params import SamplingParams
 from archserve.engine.scheduler import Scheduler
 from archserve.engine.startup import attention_spec_of
 from archserve.kernels.catalog import select_attention_backend
@@ -229,8 +230,8 @@ def _logprob_gaps(hf_model, outputs) -> list[float]:
     for out in outputs:
         ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
         with torch.no_grad():
-            ref = torch.log_softmax(hf_model(torch.tensor([ids], device="cuda")).logits[0]
-                                    .float(), -1)
+            ref = torch.log_softmax(hf_model(torch.tensor([ids], device=hf_model.device))
+                                    .logits[0].float(), -1)
         n = len(out.prompt_token_ids)
         gaps += [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
                  for p in range(1, n)]
@@ -239,16 +240,49 @@ def _logprob_gaps(hf_model, outputs) -> list[float]:
     return gaps
 
 
+BF16_PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1,
+                             prompt_logprobs=1)
+
+
+def assert_within_bf16_noise(gaps: list[float]) -> None:
+    """The bulk of the log-prob gaps within bf16 noise, and only a few tokens beyond.
+
+    bf16 rounding of the hidden state swaps near-tied experts now and then (V3's sigmoid
+    scores of two experts 0.003 apart), which moves that token's log-prob by up to ~0.6;
+    transformers' own bf16 run strays as far from its fp32 one (0.17-0.40 at 1-11 of 123
+    tokens for four V3 seeds)."""
+    mean, strays = sum(gaps) / len(gaps), sum(g > 0.1 for g in gaps)
+    assert mean < 0.02 and strays <= 0.05 * len(gaps), (max(gaps), mean, strays, len(gaps))
+
+
+def test_bf16_engine_on_the_cpu_is_within_the_gpu_tests_bound(tmp_path):
+    """The GPU test's bound below holds for the CPU's bf16 run already: its strays are
+    rounding's, not a GPU kernel's (V3 at this seed: 2 of 123 tokens, one by 0.61)."""
+    from transformers import AutoModelForCausalLM
+
+    from archserve import LLM
+
+    model_type, overrides = VARIANTS["v3"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**GPU_MLA, **overrides})
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    llm = LLM(path, dtype="bfloat16", device="cpu", max_num_seqs=8)
+    gaps = _logprob_gaps(hf_model, llm.generate(TEXT_PROMPTS, BF16_PARAMS))
+    assert max(gaps) > 0.1             # a swapped expert: the reason for the bound's form
+    assert_within_bf16_noise(gaps)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("variant", ["v2", "v3"])
 def test_gpu_bf16_engine_is_close_to_transformers(tmp_path, variant, enforce_eager):
     """The engine on the GPU in bf16 (TRITON_MLA: prompts expanded through the Triton
     prefill, decode absorbed, in CUDA graphs unless eager) against transformers bf16 on the
-    GPU: prompt and generated tokens' log-probabilities agree to bf16 rounding."""
+    GPU: prompt and generated tokens' log-probabilities agree to bf16 rounding (the few
+    tokens where it swaps near-tied experts apart: ``assert_within_bf16_noise``)."""
     from transformers import AutoModelForCausalLM
 
-    from archserve import LLM, SamplingParams
+    from archserve import LLM
 
     model_type, overrides = VARIANTS[variant]
     path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
@@ -262,10 +296,7 @@ def test_gpu_bf16_engine_is_close_to_transformers(tmp_path, variant, enforce_eag
     assert bool(engine.report.graph_sizes) != enforce_eager, engine.report.graphs_off
     assert not engine.report.canary or all("passed" in c for c in engine.report.canary), \
         engine.report.canary
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1,
-                            prompt_logprobs=1)
-    gaps = _logprob_gaps(hf_model, llm.generate(TEXT_PROMPTS, params))
-    assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.02, (max(gaps), sum(gaps) / len(gaps))
+    assert_within_bf16_noise(_logprob_gaps(hf_model, llm.generate(TEXT_PROMPTS, BF16_PARAMS)))
 
 
 @pytest.mark.gpu
