@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models.helpers import assert_greedy_outputs_track
 
 from archserve import LLM
 from archserve.engine.sampling_params import SamplingParams
@@ -22,7 +23,7 @@ def test_two_gpus_generate_close_to_one_with_cuda_graphs(tiny_checkpoint):
     # process's memory, so rank 0 would find room for no tokens).
     common = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=16,
                   kv_cache_memory_bytes=1 << 28)
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0,
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5,
                             prompt_logprobs=0)
     one = LLM(path, **common).generate(PROMPTS, greedy)
     tp = LLM(path, tensor_parallel_size=2, **common)
@@ -34,14 +35,14 @@ def test_two_gpus_generate_close_to_one_with_cuda_graphs(tiny_checkpoint):
         assert decisions["tensor parallel"].chosen.startswith("2 ranks, nccl")
         assert "all-reduce" in decisions, "the all-reduce choice is made and reported"
         print("all-reduce:", decisions["all-reduce"].chosen, decisions["all-reduce"].reason)
-        same_prefix = 0
+        # bf16 sums in another order: the prompts' logprobs stay close, and each greedy
+        # continuation parts from one GPU's only at a near-tie (this model's bf16 greedy
+        # steps hold exact ties: top-2 log-probs 0.0 apart at steps 4, 7 and 10 of three
+        # prompts, measured on the CPU).
         for a, b in zip(one, two, strict=True):
-            # bf16 sums in another order: the first tokens agree, logprobs stay close.
-            ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-            same_prefix += next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
             for ra, rb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
                 tok = next(iter(ra))
                 assert rb[tok].logprob == pytest.approx(ra[tok].logprob, abs=0.1)
-        assert same_prefix >= 0.75 * 16 * len(PROMPTS)
+        assert_greedy_outputs_track(two, one, min_agreeing=0, logprob_tol=0.1, near_tie=0.1)
     finally:
         tp.llm_engine.shutdown()

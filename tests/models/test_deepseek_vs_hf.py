@@ -26,6 +26,7 @@ from models.helpers import (
     PROMPTS,
     TEXT_PROMPTS,
     PagedSequences,
+    assert_greedy_outputs_track,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
@@ -303,18 +304,18 @@ def test_gpu_bf16_engine_is_close_to_transformers(tmp_path, variant, enforce_eag
 def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
     """Prompts sharing a cached prefix, chunked 16 tokens a step beside decodes (mixed
     steps: expanded prefill next to the absorbed kernel): the same greedy tokens as the
-    engine without prefix caching or chunking."""
-    from archserve import LLM, SamplingParams
+    engine without prefix caching or chunking, up to a near-tie."""
+    from archserve import LLM
 
     model_type, overrides = VARIANTS["v3"]
     path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
                                  **{**GPU_MLA, **overrides})
     shared = "A paged KV cache stores keys and values in fixed-size blocks. " * 3
     prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     plain = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=False,
                 enable_chunked_prefill=False, **GPU_ENGINE)
-    expected = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)]
+    expected = plain.generate(prompts, params)
     del plain
     torch.cuda.empty_cache()
     llm = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=True,
@@ -322,5 +323,10 @@ def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
     llm.generate(prompts[:1], params)            # the shared prefix is cached
     outputs = llm.generate(prompts, params)
     assert max(o.num_cached_tokens for o in outputs) >= 16
-    same = sum(list(o.outputs[0].token_ids) == e for o, e in zip(outputs, expected, strict=True))
-    assert same >= 2, "chunked prefill over the cached prefix changed most continuations"
+    # Chunks sum in another order: a continuation may part from the plain engine's where
+    # bf16 holds a near-tie (these prompts' greedy steps hold an exact one, and 1-ulp ones,
+    # measured on the CPU). 0.2, not the dense tests' 0.1: a routing near-tie swapped in a
+    # prompt moves the later log-probs (assert_within_bf16_noise); the stray logprobs are
+    # why they are not compared either.
+    assert_greedy_outputs_track(outputs, expected, min_agreeing=0, logprob_tol=None,
+                                near_tie=0.2)
