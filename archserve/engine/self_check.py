@@ -57,6 +57,11 @@ class SelfCheck:
 def classify_kernel(name: str) -> str:
     """The op kind a CUDA kernel (or, on a CPU, an aten op) belongs to, from its name."""
     n = name.lower()
+    # The fused MoE kernels (triton_fused_moe, triton_quantized_moe, triton_routing): their
+    # names say neither gemm nor attention, and in a MoE step they take the most time.
+    if any(k in n for k in ("moe", "_gate_up_kernel", "_down_kernel", "_gate_up_quant",
+                            "_down_quant", "_route_kernel", "_sum_slots")):
+        return "moe"
     if any(k in n for k in ("attn", "attention", "_decode", "_prefill", "flash", "cache",
                             "_write_kv", "merge_splits")):
         return "attention"

@@ -20,6 +20,7 @@ from archserve.kernels.elementwise.reference import rms_norm_reference, silu_and
 from archserve.kernels.linear.skinny_choice import (
     CUBLAS,
     LINEAR,
+    MIN_GAIN,
     SILU_MUL,
     UNFUSED,
     ShapeTiming,
@@ -142,16 +143,18 @@ def test_tune_reads_a_complete_cache_without_timing(tmp_path):
     path = tmp_path / "decode_gemms.json"
     shapes = {shape_key(kind, r, n, k, torch.float32): ShapeTiming(
         cublas_us=5.0, triton_us={"n4_k512_w4": 3.0}, rows=r, calls=len(groups[kind, n, k, dt]),
-        chosen="n4_k512_w4" if n == 8 else CUBLAS)
+        chosen="n4_k512_w4" if n == 8 else CUBLAS, fuse_norm=n == 8 and r == 1)
         for r in (1, 2) for (kind, n, k, dt) in groups}
-    path.write_text(json.dumps({"version": 3, "shapes": {k: vars(v) for k, v in shapes.items()}}))
+    path.write_text(json.dumps({"version": 4, "shapes": {k: vars(v) for k, v in shapes.items()}}))
     routine = SkinnyGemmRoutine()
     report = routine.tune(groups, [1, 2, 16], str(path))   # 16 rows: beyond the kernel
     assert report.from_cache and len(report.timings) == 4
     assert routine.choices[shape_key(LINEAR, 1, 8, 16, torch.float32)] == "n4_k512_w4"
     assert routine.choices[shape_key(SILU_MUL, 2, 16, 8, torch.float32)] == CUBLAS
+    assert routine.fuse_norm == {shape_key(LINEAR, 1, 8, 16, torch.float32)}
     summary = report.summary()
     assert "Triton GEMV for 2 of 4" in summary and "cached" in summary
+    assert "prologue for 1 of 2" in summary
     assert "0.006 ms at 1" in summary   # 3 layers x 2 µs
 
 
@@ -301,6 +304,11 @@ def test_gpu_tune_chooses_per_shape_caches_and_replays_in_a_graph(tmp_path):
         assert timing.cublas_us > 0 and timing.triton_us, (key, timing)
         if timing.chosen != CUBLAS:
             assert timing.triton_us[timing.chosen] < timing.cublas_us
+            # the norm's two forms were timed, and the prologue runs only where it won
+            assert timing.norm_fused_us > 0 and timing.norm_separate_us > 0, (key, timing)
+            assert timing.fuse_norm == \
+                (timing.norm_fused_us < timing.norm_separate_us * (1 - MIN_GAIN))
+            assert (key in routine.fuse_norm) == timing.fuse_norm
     again = SkinnyGemmRoutine().tune(groups, [1, 2], path)
     assert again.from_cache
     assert {k: t.chosen for k, t in again.timings.items()} == \
@@ -368,6 +376,9 @@ def test_gpu_routine_fuses_the_norm_only_where_it_chose_the_kernel():
     assert routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_triton) is None
     with decode_graph_scope():
         assert routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_cublas) is None
+        # a Triton shape whose prologue timed slower than the norm kernel declines too
+        assert routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_triton) is None
+        routine.fuse_norm.add(shape_key(LINEAR, 1, 4096, 1024, dtype))
         y, new_residual = routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_triton)
     normed, expected_residual = rms_norm_reference(x, norm_weight, 1e-6, residual)
     assert torch.equal(new_residual, expected_residual)

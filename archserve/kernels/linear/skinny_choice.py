@@ -12,6 +12,12 @@ in L2 is not read from there). A Triton config wins only when it is faster by a 
 and its output agrees with cuBLAS's; otherwise that shape stays on cuBLAS. The result
 is saved per device and library versions, so a second start reads it instead.
 
+Where a shape runs on Triton, the RMSNorm before it (fusion ``rms_norm_gemm``) can run in
+the kernel's prologue or as the norm kernel first; that too is timed per shape, and the
+prologue is used only where it wins. The prologue makes every program read the whole row
+twice (the sum of squares, then the products): on Llama-3-8B's 4096-wide rows that cost
+more than the launch it saves (H200: 216 against 129 µs per decoder layer).
+
 The Triton kernel runs only inside ``decode_graph_scope()``, which the engine holds while
 it warms up and captures its decode graphs. Launched eagerly, the kernel's Python launch
 costs more host time than the kernel takes on the device; the eager paths (prefill, and
@@ -41,7 +47,7 @@ LINEAR, SILU_MUL = "linear", "silu_mul"   # the kinds of GEMM
 UNFUSED = "unfused:"
 # A Triton config must beat cuBLAS by this fraction: below it, timing noise decides.
 MIN_GAIN = 0.03
-_CACHE_VERSION = 3
+_CACHE_VERSION = 4
 
 # (kind, out_features, in_features, dtype) -> every weight of that kind and shape
 WeightGroups = dict[tuple[str, int, int, torch.dtype], list[torch.Tensor]]
@@ -74,6 +80,11 @@ class ShapeTiming:
     note: str = ""
     rows: int = 1
     calls: int = 1          # weights of this shape: calls per decode step
+    # The chosen Triton config with the RMSNorm in its prologue, and after the norm
+    # kernel (µs per call); the prologue runs only where fuse_norm says so.
+    norm_fused_us: float = 0.0
+    norm_separate_us: float = 0.0
+    fuse_norm: bool = False
 
     def gain_us(self) -> float:
         """Device time the choice saves per decode step (all calls of this shape)."""
@@ -98,8 +109,10 @@ class TuneReport:
         per_step = ", ".join(f"{gain / 1e3:.3f} ms at {rows}"
                              for rows, gain in sorted(gains.items()))
         source = "cached" if self.from_cache else f"tuned in {self.seconds:.1f}s"
+        fused = sum(t.fuse_norm for t in won)
         return (f"Triton GEMV for {len(won)} of {len(self.timings)} decode GEMM shapes, cuBLAS "
-                f"for the rest; saves per decode step (rows): {per_step}; {source}")
+                f"for the rest; saves per decode step (rows): {per_step}; RMSNorm in the "
+                f"GEMV's prologue for {fused} of {len(won)} (where it timed faster); {source}")
 
 
 class SkinnyGemmRoutine:
@@ -107,6 +120,7 @@ class SkinnyGemmRoutine:
 
     def __init__(self, device=None, spec=None) -> None:
         self.choices: dict[str, str] = {}   # shape_key -> config key or CUBLAS
+        self.fuse_norm: set[str] = set()    # shape keys whose norm runs in the prologue
         self.report: TuneReport | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
@@ -126,24 +140,16 @@ class SkinnyGemmRoutine:
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(this GEMM of rms_norm(x, norm_weight, eps, residual), the new residual) with the
         norm in the Triton kernel's prologue: one launch instead of two. None where the
-        shape runs on cuBLAS (then the norm kernel runs first, as always)."""
+        shape runs on cuBLAS or the prologue timed slower than the norm kernel (then the
+        norm kernel runs first, as always)."""
         kind = SILU_MUL if silu_mul else LINEAR
         chosen = self._choice(kind, x, weight, bias)
-        from archserve.kernels.linear.triton_skinny_gemm import (
-            SkinnyConfig,
-            norm_unsupported,
-            rms_norm_skinny_gemm,
-        )
-        if chosen is None or norm_unsupported(x, residual, norm_weight) is not None:
+        if chosen is None or _key(kind, x, weight) not in self.fuse_norm:
             return None
-        config = SkinnyConfig.from_key(chosen.removeprefix(UNFUSED))
-        fused_silu = silu_mul and not chosen.startswith(UNFUSED)
-        y, new_residual = rms_norm_skinny_gemm(x, residual, norm_weight, eps, weight, bias,
-                                               config, silu_mul=fused_silu)
-        if silu_mul and not fused_silu:
-            from archserve.kernels.elementwise import silu_and_mul
-            y = silu_and_mul(y)
-        return y, new_residual
+        from archserve.kernels.linear.triton_skinny_gemm import norm_unsupported
+        if norm_unsupported(x, residual, norm_weight) is not None:
+            return None
+        return norm_prologue(kind, chosen)(x, residual, norm_weight, eps, weight, bias)
 
     def _triton(self, kind: str, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None):
@@ -157,8 +163,7 @@ class SkinnyGemmRoutine:
         """The tuned Triton choice for this call, or None (see ``_triton``)."""
         if not (_graph_scope_depth and x.is_cuda and x.dim() == 2):
             return None
-        chosen = self.choices.get(shape_key(kind, x.shape[0], weight.shape[0], weight.shape[1],
-                                            x.dtype), CUBLAS)
+        chosen = self.choices.get(_key(kind, x, weight), CUBLAS)
         if chosen == CUBLAS:
             return None
         from archserve.kernels.linear.triton_skinny_gemm import skinny_gemm_unsupported
@@ -198,6 +203,7 @@ class SkinnyGemmRoutine:
                                                        if k not in failed}})
         report.seconds = time.perf_counter() - start
         self.choices.update({key: t.chosen for key, t in report.timings.items()})
+        self.fuse_norm.update(key for key, t in report.timings.items() if t.fuse_norm)
         self.report = report
         return report
 
@@ -214,6 +220,27 @@ def implementation(kind: str, choice: str):
     if choice.startswith(UNFUSED):
         return lambda x, w, b: silu_and_mul(skinny_gemm(x, w, b, config))
     return lambda x, w, b: skinny_gemm(x, w, b, config, silu_mul=kind == SILU_MUL)
+
+
+def norm_prologue(kind: str, choice: str):
+    """The function (x, residual, norm_weight, eps, weight, bias) -> (output, new residual)
+    that runs the Triton ``choice`` for ``kind`` with rms_norm in its prologue."""
+    from archserve.kernels.elementwise import silu_and_mul
+    from archserve.kernels.linear.triton_skinny_gemm import SkinnyConfig, rms_norm_skinny_gemm
+    config = SkinnyConfig.from_key(choice.removeprefix(UNFUSED))
+    fused_silu = kind == SILU_MUL and not choice.startswith(UNFUSED)
+
+    def run(x, residual, norm_weight, eps, weight, bias):
+        y, new_residual = rms_norm_skinny_gemm(x, residual, norm_weight, eps, weight, bias,
+                                               config, silu_mul=fused_silu)
+        if kind == SILU_MUL and not fused_silu:
+            y = silu_and_mul(y)
+        return y, new_residual
+    return run
+
+
+def _key(kind: str, x: torch.Tensor, weight: torch.Tensor) -> str:
+    return shape_key(kind, x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
 
 
 def triton_choices(kind: str, config_keys: Sequence[str]) -> list[str]:
@@ -266,7 +293,31 @@ def time_shape(kind: str, rows: int, weights: list[torch.Tensor], iters: int = 1
         timing.triton_us[choice] = us
         if us < best_us:
             best_us, timing.chosen = us, choice
+    if timing.chosen != CUBLAS:
+        _time_norm_prologue(timing, kind, x, per_call_us)
     return timing
+
+
+def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, per_call_us) -> None:
+    """The chosen config with the residual add and RMSNorm in its prologue, against the
+    norm kernel then the same config (as the decoder layer runs them); the prologue is
+    chosen where it is faster by MIN_GAIN. A prologue that fails is not chosen, and said."""
+    from archserve.kernels.elementwise import rms_norm
+    residual = torch.randn_like(x)
+    norm_weight = torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
+    run, fused = implementation(kind, timing.chosen), norm_prologue(kind, timing.chosen)
+
+    def separate(w):
+        normed, new_residual = rms_norm(x, norm_weight, 1e-6, residual)
+        return run(normed, w, None), new_residual
+    timing.norm_separate_us = per_call_us(separate)
+    try:
+        timing.norm_fused_us = per_call_us(
+            lambda w: fused(x, residual, norm_weight, 1e-6, w, None))
+    except Exception as exc:  # noqa: BLE001 - the norm kernel serves, and the note says why
+        timing.note += f"norm prologue: {type(exc).__name__}: {exc}; "
+        return
+    timing.fuse_norm = timing.norm_fused_us < timing.norm_separate_us * (1 - MIN_GAIN)
 
 
 def _read_cache(path: str | None) -> dict[str, ShapeTiming]:
