@@ -45,7 +45,8 @@ _forced_route: Route | None = None
 DISABLE_FUSIONS_ENV = "ARCHSERVE_DISABLE_FUSIONS"
 FUSIONS = {
     "qk_norm_rope_cache": "q/k RMSNorm, rotary and the KV-cache write after the QKV GEMM",
-    # Only where the decode GEMM after the norm runs TRITON_SKINNY_GEMM's kernel.
+    # Only where the decode GEMM after the norm runs TRITON_SKINNY_GEMM's kernel and the
+    # start-up tuner timed the prologue faster than the norm kernel (skinny_choice.py).
     "rms_norm_gemm": "residual add + RMSNorm in the prologue of the QKV and gate/up GEMMs",
 }
 
