@@ -7,7 +7,8 @@ family parts swapped in:
   paged cache; q through a LoRA (``q_lora_rank``, V2 and V3) or one projection (V2-Lite);
 - the sparse MLP of layers from ``first_k_dense_replace`` on (every ``moe_layer_freq``-th):
   the routed experts plus ``n_shared_experts`` always-on experts as one gated MLP
-  (``shared_experts``), routed by ``grouped_route``: V2 softmax top-k (optionally within
+  (``shared_experts``), routed as ``routing.grouped_route`` says (by the MoE backend: one
+  Triton launch on GPUs, torch elsewhere): V2 softmax top-k (optionally within
   groups, ``group_limited_greedy``), V3 sigmoid scores with ``e_score_correction_bias``
   choosing within the ``topk_group`` best of ``n_group`` groups; weights times
   ``routed_scaling_factor``. The router runs in fp32, as DeepSeek's does.
@@ -25,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archserve.kernels.moe.routing import grouped_route
 from archserve.models.layers.mla import MLAAttention
 from archserve.models.layers.moe import HF_EXPERT_NAMES, FusedMoE, GatedMLP, Router
 from archserve.models.mixtral import MoEFamily, MoEForCausalLM, MoEModel
@@ -64,17 +64,16 @@ class DeepseekMoE(nn.Module):
         shared = family.shared_intermediate_size(hf)
         self.shared_experts = GatedMLP(config.hidden_size, shared) if shared else None
         grouped = family.grouped(hf)
-        self.route_args = dict(
-            scoring=family.scoring(hf), renormalize=family.renormalize(hf),
+        self.grouping = dict(
+            scoring=family.scoring(hf),
             num_groups=int(hf.n_group or 1) if grouped else 1,
             topk_groups=int(hf.topk_group or 1) if grouped else 1,
             scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        routed = grouped_route(logits, self.top_k, correction_bias=self.gate.e_score_correction_bias,
-                               **self.route_args)
-        out = self.experts(x, logits, routed=routed)
+        out = self.experts(x, logits, grouping={
+            **self.grouping, "correction_bias": self.gate.e_score_correction_bias})
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -55,6 +55,43 @@ def distinct_logits(tokens: int, experts: int, seed: int = 0) -> torch.Tensor:
     return steps.float() * (6.0 / experts) - 3.0
 
 
+# DeepSeek's routings: (experts, top_k, grouped_route keywords). V2-Lite (64 experts, top-6,
+# softmax, no groups), V2 (160 experts in 8 groups of 20: not a power of two; top-6 within
+# the best 3 groups, scaled), V3 (256 in 8 groups, sigmoid + bias, best two per group).
+GROUPINGS = {
+    "v2-lite": (64, 6, dict(scoring="softmax", scaling=1.0), False),
+    "v2": (160, 6, dict(scoring="softmax", num_groups=8, topk_groups=3, scaling=16.0), False),
+    "v3": (256, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4, scaling=2.5), True),
+}
+
+
+def grouped_case(name: str, tokens: int, seed: int = 0):
+    """(logits, top_k, keywords with the bias, renormalize) whose choices no fp32 rounding can
+    reorder. Softmax rows are ``distinct_logits``. With a selection bias (sigmoid scores),
+    each row's biased scores are put on a grid of 0.5 / E (a permutation of its steps, drawn
+    again until the groups' best-two sums differ too), and the logits are solved from them."""
+    from archserve.kernels.moe.routing import grouped_route
+    experts, top_k, keywords, renormalize = GROUPINGS[name]
+    keywords = dict(keywords)
+    groups = keywords.get("num_groups", 1)
+    if keywords["scoring"] == "softmax":
+        logits = distinct_logits(tokens, experts, seed=seed)
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        bias = -0.4 * torch.randperm(experts, generator=gen).double() / experts
+        rows = []
+        while len(rows) < tokens:
+            choice = 0.5 * (torch.randperm(experts, generator=gen).double() + 1) / experts
+            sums = choice.view(groups, -1).topk(2, dim=-1).values.sum(-1)
+            if sums.unique().numel() == groups:
+                rows.append(choice)
+        scores = torch.stack(rows) - bias        # in (0, 0.9]: a sigmoid's values
+        logits = (scores / (1 - scores)).log().float()
+        keywords["correction_bias"] = bias.float()
+    grouped_route(logits, top_k, renormalize=renormalize, **keywords)   # the keywords fit it
+    return logits, top_k, keywords, renormalize
+
+
 def reference(x, logits, w13, w2, top_k, renormalize):
     """TORCH_MOE in float64: the kernel's rounding is then the only difference."""
     out = TorchMoEImpl().forward(x.double(), logits, w13.double(), w2.double(), top_k,
@@ -259,8 +296,11 @@ def test_kernel_launches_compile_for_gpu_targets(target, dtype):
         return
     with compiled_launches(target) as launches:   # fp32 logits whatever the model dtype
         triton_route(torch.randn(3, 512), 8, True)
-    assert [launch.kernel for launch in launches] == ["_route_kernel"]
-    assert launches[0].code() and launches[0].constexprs["BLOCK_E"] == 512
+        logits, top_k, keywords, renormalize = grouped_case("v3", 3)
+        triton_route(logits, top_k, renormalize, **keywords)
+    assert [launch.kernel for launch in launches] == ["_route_kernel"] * 2
+    assert launches[0].code() and launches[0].constexprs["BLOCK_P"] == 512
+    assert launches[1].code() and launches[1].constexprs["GROUPS"] == 8
 
 
 # ---------------------------------------------------------------- CPU: the interpreter
@@ -313,6 +353,21 @@ else:
         ref_weights, ref_ids = route(logits, 4, True)
         assert ids.tolist() == ref_ids.tolist()
         torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+    @pytest.mark.parametrize("name", sorted(GROUPINGS))
+    def test_routing_kernel_matches_grouped_route(name):
+        from archserve.kernels.moe.routing import grouped_route
+        logits, top_k, keywords, renormalize = grouped_case(name, 5, seed=3)
+        weights, ids = triton_route(logits, top_k, renormalize, **keywords)
+        ref_weights, ref_ids = grouped_route(logits, top_k, renormalize=renormalize, **keywords)
+        assert ids.tolist() == ref_ids.tolist()            # same experts, same slot order
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+    def test_routing_kernel_refuses_groups_it_cannot_fill():
+        with pytest.raises(ValueError, match="within 1 of 8 groups"):
+            triton_route(torch.randn(2, 64), 9, False, num_groups=8, topk_groups=1)
+        with pytest.raises(ValueError, match="softmax or sigmoid"):
+            triton_route(torch.randn(2, 64), 2, False, scoring="relu")
 
     PAIR_CASES = [  # tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n
         (1, 8, 1, 32, 48, False, F32, 16),   # decode, top-1, 3 column tiles of 16
@@ -437,6 +492,22 @@ def test_gpu_routing_kernel_matches_route(experts, top_k, tokens):
         ref_weights, ref_ids = route(logits, top_k, renormalize)
         assert torch.equal(ids.long(), ref_ids), "the routing kernel chose other experts"
         torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("name", sorted(GROUPINGS))
+@pytest.mark.parametrize("tokens", [1, 37, 4096])
+def test_gpu_grouped_routing_kernel_matches_grouped_route(name, tokens):
+    from archserve.kernels.moe.routing import grouped_route
+    from archserve.kernels.moe.triton_routing import triton_route
+    logits, top_k, keywords, renormalize = grouped_case(name, tokens, seed=tokens)
+    logits = logits.to("cuda")
+    keywords = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v
+                for k, v in keywords.items()}
+    weights, ids = triton_route(logits, top_k, renormalize, **keywords)
+    ref_weights, ref_ids = grouped_route(logits, top_k, renormalize=renormalize, **keywords)
+    assert torch.equal(ids.long(), ref_ids), "the routing kernel chose other experts"
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
 
 
 @gpu

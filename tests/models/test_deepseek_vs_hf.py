@@ -100,14 +100,14 @@ def test_the_comparison_can_fail(pair):
     """Routing matters: without the group limit and the scaling the logits move."""
     _, hf_model, model, config = pair
     blocks = [m for m in model.modules() if isinstance(m, DeepseekMoE)]
-    saved = [dict(b.route_args) for b in blocks]
+    saved = [dict(b.grouping) for b in blocks]
     for b in blocks:
-        b.route_args.update(scaling=b.route_args["scaling"] * 2, num_groups=1)
+        b.grouping.update(scaling=b.grouping["scaling"] * 2, num_groups=1)
     try:
         changed = PagedSequences.for_config(config).run(model, {0: PROMPTS[0]})[0]
     finally:
         for b, args in zip(blocks, saved, strict=True):
-            b.route_args = args
+            b.grouping = args
     assert (changed - hf_last_logits(hf_model, PROMPTS[0])).abs().max() > 1e-3
 
 

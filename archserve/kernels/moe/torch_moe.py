@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from archserve.kernels.elementwise import silu_and_mul
 from archserve.kernels.linear.torch_dequant import DequantizedWeight, TorchDequantLinear
 from archserve.kernels.moe.quantized_experts import QuantizedExperts, expert_weight
-from archserve.kernels.moe.routing import route
+from archserve.kernels.moe.routing import grouped_route, route
 
 __all__ = ["TorchMoEImpl", "route"]
 _DEQUANT = TorchDequantLinear()
@@ -48,6 +48,11 @@ class TorchMoEImpl:
             return dataclasses.replace(per_expert[0], weight=torch.stack(
                 [p.weight for p in per_expert]))
         return dense(quantized.w13), dense(quantized.w2)
+
+    def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool, **grouping
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) of ``routing.grouped_route`` (its keywords in ``grouping``)."""
+        return grouped_route(router_logits, top_k, renormalize=renormalize, **grouping)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, top_k: int, renormalize: bool = True,

@@ -380,9 +380,16 @@ class TritonFusedMoEImpl:
         """Quantized experts (QuantizedExperts) as ``forward`` takes them: as they are."""
         return quantized.w13, quantized.w2
 
+    def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool, **grouping
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) of ``routing.grouped_route`` (its keywords in ``grouping``)
+        in one launch."""
+        return triton_route(router_logits, top_k, renormalize, **grouping)
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: Any, w2: Any,
                 top_k: int, renormalize: bool = True,
                 routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        routed = routed or triton_route(router_logits, top_k, renormalize)
         if not isinstance(w13, torch.Tensor):        # quantized experts
             from archserve.kernels.moe.triton_quantized_moe import quantized_moe
             # Their kernels take the sorted layout's tiles (never pair rows), and the

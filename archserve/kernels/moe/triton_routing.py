@@ -1,12 +1,17 @@
-"""MoE routing in one Triton launch: softmax, top-k and renormalisation per token.
+"""MoE routing in one Triton launch: scores, group limits, top-k and weights per token.
 
-``routing.route`` is the reference and the CPU path, but on a GPU it is four launches
-(softmax, topk, sum, div) per layer, and at batch 1 a decode step is made of such launches:
-each costs a few µs of a CUDA graph's replay, times 48 layers for Qwen3-30B-A3B. Here one
-program per token loads its E logits, takes the softmax in fp32, picks the top k by k passes
-of argmax (the lower index on a tie, which is what torch.topk returns for equal values in
-practice), renormalises when asked and writes weights fp32 [T, k] and expert ids int32 [T, k]
-in route's order (largest weight first).
+``routing.route`` and ``routing.grouped_route`` are the references and the CPU path, but on
+a GPU they are four (softmax top-k) to a dozen (DeepSeek's grouped top-k) launches per layer,
+and at batch 1 a decode step is made of such launches: each costs a few µs of a CUDA graph's
+replay, times 48 layers for Qwen3-30B-A3B (H200 profile of DeepSeek-V2-Lite: torch's top-k
+alone took 0.26 ms of a 3.3 ms step). Here one program per token loads its E logits as
+[groups, experts per group], scores them in fp32 (softmax over all experts, or sigmoid),
+adds the selection bias, keeps the ``topk_groups`` best groups (a group scores its best
+expert, or its best two summed when there is a bias: DeepSeek-V2's group_limited_greedy and
+V3's noaux_tc), picks the top k by k passes of argmax (the lower index on a tie, which is
+what torch.topk returns for equal values in practice), and writes the unbiased scores of
+the chosen experts, renormalised when asked and times ``scaling``, as weights fp32 [T, k]
+with expert ids int32 [T, k], in the references' order (best choice first).
 """
 
 from __future__ import annotations
@@ -25,40 +30,83 @@ MAX_EXPERTS = 4096      # one program holds a token's logits in registers
 if triton is not None:
 
     @triton.jit
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
-                      TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                      RENORMALIZE: tl.constexpr):
+    def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling,
+                      TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                      PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, SIGMOID: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
-        experts = tl.arange(0, BLOCK_E)
-        real = experts < num_experts
-        logits = tl.load(logits_ptr + token * stride_t + experts, mask=real,
+        group = tl.arange(0, BLOCK_G)
+        member = tl.arange(0, BLOCK_P)
+        expert = group[:, None] * PER_GROUP + member[None, :]      # [BLOCK_G, BLOCK_P]
+        real = (group < GROUPS)[:, None] & (member < PER_GROUP)[None, :]
+        logits = tl.load(logits_ptr + token * stride_t + expert, mask=real,
                          other=-float("inf")).to(tl.float32)
-        exps = tl.exp(logits - tl.max(logits, axis=0))
-        # Padding lanes below any probability, so they are never picked.
-        probs = tl.where(real, exps / tl.sum(exps, axis=0), -1.0)
+        if SIGMOID:
+            scores = tl.sigmoid(logits)
+        else:
+            exps = tl.exp(logits - tl.max(tl.max(logits, axis=1), axis=0))
+            scores = exps / tl.sum(tl.sum(exps, axis=1), axis=0)
+        choice = scores
+        if HAS_BIAS:
+            choice = choice + tl.load(bias_ptr + expert, mask=real, other=0.0).to(tl.float32)
+        # Padding lanes (and, below, the experts of dropped groups) are never picked.
+        choice = tl.where(real, choice, -float("inf"))
+        if TOPK_GROUPS < GROUPS:
+            best = tl.max(choice, axis=1)
+            group_score = best
+            if HAS_BIAS:   # V3: a group scores its best two experts
+                first = tl.argmax(choice, axis=1, tie_break_left=True)
+                second = tl.max(tl.where(member[None, :] == first[:, None], -float("inf"),
+                                         choice), axis=1)
+                group_score = best + second
+            group_score = tl.where(group < GROUPS, group_score, -float("inf"))
+            keep = group < 0
+            for _ in tl.static_range(TOPK_GROUPS):
+                pick = tl.argmax(group_score, axis=0, tie_break_left=True)
+                keep = keep | (group == pick)
+                group_score = tl.where(group == pick, -float("inf"), group_score)
+            choice = tl.where(keep[:, None], choice, -float("inf"))
+        # Top k over the flattened lanes; lane order is expert order.
+        lane = tl.arange(0, BLOCK_G * BLOCK_P)
+        choice = tl.reshape(choice, (BLOCK_G * BLOCK_P,))
+        scores = tl.reshape(scores, (BLOCK_G * BLOCK_P,))
+        expert = tl.reshape(expert, (BLOCK_G * BLOCK_P,))
         slots = tl.arange(0, BLOCK_K)
         weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
         ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
         for j in tl.static_range(TOP_K):
-            best, best_id = tl.max(probs, axis=0, return_indices=True,
-                                   return_indices_tie_break_left=True)
-            weights = tl.where(slots == j, best, weights)
-            ids = tl.where(slots == j, best_id.to(tl.int32), ids)
-            probs = tl.where(experts == best_id, -1.0, probs)
+            hit = lane == tl.argmax(choice, axis=0, tie_break_left=True)
+            weights = tl.where(slots == j, tl.sum(tl.where(hit, scores, 0.0), axis=0), weights)
+            ids = tl.where(slots == j, tl.sum(tl.where(hit, expert, 0), axis=0), ids)
+            choice = tl.where(hit, -float("inf"), choice)
         if RENORMALIZE:
-            weights = weights / tl.sum(weights, axis=0)   # slots past TOP_K hold 0
+            weights = weights / (tl.sum(weights, axis=0) + 1e-20)   # slots past TOP_K hold 0
+        weights = weights * scaling
         out = token * TOP_K + slots
         tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
         tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
 
 
-def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
+                 scoring: str = "softmax", num_groups: int = 1, topk_groups: int = 1,
+                 correction_bias: torch.Tensor | None = None, scaling: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """routing.route in one launch: (weights [T, k] float32, expert ids [T, k] int32)."""
+    """``routing.grouped_route`` (``routing.route`` with the defaults) in one launch:
+    (weights [T, k] float32, expert ids [T, k] int32)."""
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"routes top-{top_k} of at most {MAX_EXPERTS} experts, "
                          f"not of {num_experts}")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scores experts by softmax or sigmoid, not {scoring!r}")
+    grouped = num_groups > 1 and topk_groups < num_groups
+    if grouped and (num_experts % num_groups or topk_groups < 1
+                    or topk_groups * (num_experts // num_groups) < top_k):
+        raise ValueError(f"top-{top_k} of {num_experts} experts within {topk_groups} of "
+                         f"{num_groups} groups")
+    groups = num_groups if grouped else 1
+    per_group = num_experts // groups
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
     device = router_logits.device
@@ -66,10 +114,14 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
     if num_tokens == 0:
         return weights, ids
-    block_e = triton.next_power_of_2(num_experts)
-    # One warp reduces with shuffles alone; past 1024 logits it would hold too many each.
+    block_g, block_p = triton.next_power_of_2(groups), triton.next_power_of_2(per_group)
+    bias = correction_bias.contiguous() if correction_bias is not None else weights
+    # One warp reduces with shuffles alone; past 1024 lanes it would hold too many each.
     _route_kernel[(num_tokens,)](
-        router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
-        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        num_warps=1 if block_e <= 1024 else 4)
+        router_logits, bias, weights, ids, router_logits.stride(0), float(scaling),
+        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), GROUPS=groups,
+        PER_GROUP=per_group, TOPK_GROUPS=topk_groups if grouped else groups,
+        BLOCK_G=block_g, BLOCK_P=block_p, SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
+        num_warps=1 if block_g * block_p <= 1024 else 4)
     return weights, ids

@@ -132,14 +132,16 @@ class FusedMoE(nn.Module):
         return self._impl
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
-                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``routed``: (weights, experts) a family chose itself (DeepSeek), else the
-        backend's softmax top-k of ``router_logits``."""
+                grouping: dict[str, Any] | None = None) -> torch.Tensor:
+        """``grouping``: a family's own top-k (DeepSeek's scoring, expert groups, selection
+        bias and scaling: ``routing.grouped_route``'s keywords), which the backend routes in
+        its own way (one Triton launch, or torch); else the backend's softmax top-k."""
         impl = self.impl()
         operands = (self.w13, self.w2) if self.quantized is None else self._operands
-        if routed is None:
+        if grouping is None:
             return impl.forward(hidden, router_logits, *operands, self.top_k,
                                 self.renormalize)
+        routed = impl.route(router_logits, self.top_k, self.renormalize, **grouping)
         return impl.forward(hidden, router_logits, *operands, self.top_k,
                             self.renormalize, routed=routed)
 
