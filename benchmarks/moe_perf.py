@@ -75,15 +75,22 @@ def _engine(model: str, dtype: str, max_num_seqs: int):
 
 
 def _workload(engine, ceilings, num: int, input_len: int, output_len: int) -> dict:
+    from archserve.kernels.jit_watch import compiled_after_startup
     requests = random_requests(num, input_len, output_len, engine.model_config.vocab_size,
                                seed=num)
+    before = compiled_after_startup()
     throughput, trace = run_offline(engine, requests, True, show_progress=False)
+    # Variants the start-up did not compile: their compile time is in this row's time.
+    compiled = {name: count - before.get(name, 0)
+                for name, count in compiled_after_startup().items()
+                if count > before.get(name, 0)}
     roof = analyze(trace, model_facts(engine), ceilings)
     step_ms, floor_ms = roof.decode_step_s_mean * 1e3, roof.decode_floor_s_mean * 1e3
     return {"requests": num, "input_len": input_len, "output_len": output_len,
             "output_tok_s": throughput.output_tokens_per_s, "elapsed_s": throughput.elapsed_s,
             "decode_step_ms": step_ms, "decode_floor_ms": floor_ms,
-            "step_over_floor": step_ms / floor_ms if floor_ms else None, "mbu": roof.mbu}
+            "step_over_floor": step_ms / floor_ms if floor_ms else None, "mbu": roof.mbu,
+            "compiled_while_running": compiled}
 
 
 def engine_rows(name: str, path: str, args, throughput: bool, peer: bool) -> dict:  # noqa: ANN001
@@ -131,7 +138,8 @@ def engine_rows(name: str, path: str, args, throughput: bool, peer: bool) -> dic
     device, engine_dtype = engine.runner.device, engine.report.dtype
     ours = _workload(engine, load_or_measure(device), *small)
     print(f"{name:16s} ours {'x'.join(map(str, small))} ({peer_layers} layers): "
-          f"{ours['output_tok_s']:.1f} tok/s; transformers next", flush=True)
+          f"{ours['output_tok_s']:.1f} tok/s{_compiled_note(ours)}; transformers next",
+          flush=True)
     engine = None   # the only reference: freed before transformers takes the memory
     _release(device)
     from archserve.bench.peer_transformers import run_peer
@@ -173,7 +181,12 @@ def _print_row(name: str, what: str, row: dict) -> None:
     ratio = row["step_over_floor"]
     print(f"{name:16s} {what:12s} step {row['decode_step_ms']:.3f} ms / floor "
           f"{row['decode_floor_ms']:.3f} ms = {ratio:.2f}x; {row['output_tok_s']:.1f} out tok/s;"
-          f" MBU {row['mbu']:.1%}", flush=True)
+          f" MBU {row['mbu']:.1%}{_compiled_note(row)}", flush=True)
+
+
+def _compiled_note(row: dict) -> str:
+    compiled = row.get("compiled_while_running") or {}
+    return f"; compiled while running: {compiled}" if compiled else ""
 
 
 def _release(device: torch.device) -> None:

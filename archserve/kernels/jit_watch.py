@@ -1,0 +1,61 @@
+"""Triton kernels that reach the compiler after start-up: what the warm-up missed.
+
+Start-up runs every kernel variant it can reach (the prefill warm-up, decode graph capture,
+the tuners), so that no request waits for a compiler. Triton builds one variant per set of
+constexprs and per specialisation of its integer arguments (equal to 1, divisible by 16),
+so a batch of a shape the warm-up did not reach (the first step of 16 prompts, say) compiles
+on the serving path, or loads from the disk cache, and its requests wait 0.1-1 s. After
+``watch_after_startup()`` every such variant is counted and logged, so a slow first request
+says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+log = logging.getLogger(__name__)
+
+LOGGED_PER_KERNEL = 3       # warnings per kernel name; the count goes on
+_compiled: Counter[str] = Counter()
+
+
+def compiled_after_startup() -> dict[str, int]:
+    """Kernel name -> variants compiled (or loaded) since ``watch_after_startup``."""
+    return dict(_compiled)
+
+
+def watch_after_startup() -> bool:
+    """Count, from now on, Triton variants that are not already loaded in this process.
+    False where Triton, or its runtime hook (``triton.knobs.runtime.jit_cache_hook``), is
+    absent; installed once per process, in front of any hook already there."""
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+        previous = runtime.jit_cache_hook
+    except (ImportError, AttributeError):
+        return False
+    if getattr(previous, "archserve_watch", False):
+        return True
+
+    def hook(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - Triton's hook signature
+        note_compile(kwargs)
+        return previous(*args, **kwargs) if previous is not None else None
+
+    hook.archserve_watch = True   # type: ignore[attr-defined]
+    runtime.jit_cache_hook = hook
+    return True
+
+
+def note_compile(hook_kwargs: dict) -> None:
+    """Count and log one variant from the hook's keywords (``fn``, ``repr``,
+    ``is_manual_warmup``); an explicit ``kernel.warmup()`` is not the serving path."""
+    if hook_kwargs.get("is_manual_warmup"):
+        return
+    fn = hook_kwargs.get("fn")
+    name = str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or "triton kernel")
+    _compiled[name] += 1
+    if _compiled[name] <= LOGGED_PER_KERNEL:
+        log.warning("Triton compiled a variant of %s after start-up (the warm-up did not "
+                    "reach this shape; its request waited for the compiler): %s", name,
+                    hook_kwargs.get("repr", ""))

@@ -1,0 +1,46 @@
+"""The warm-up-miss watch: Triton variants compiled after start-up are counted and logged."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from archserve.kernels import jit_watch
+
+
+class _Fn:
+    name = "_gate_up_kernel"
+
+
+def test_a_variant_after_startup_is_counted_and_logged_a_few_times(caplog, monkeypatch):
+    monkeypatch.setattr(jit_watch, "_compiled", jit_watch.Counter())
+    with caplog.at_level(logging.WARNING, logger=jit_watch.__name__):
+        for _ in range(jit_watch.LOGGED_PER_KERNEL + 2):
+            jit_watch.note_compile({"fn": _Fn(), "repr": "_gate_up_kernel[num_warps=4](...)",
+                                    "is_manual_warmup": False})
+        jit_watch.note_compile({"fn": _Fn(), "is_manual_warmup": True})   # not serving
+    assert jit_watch.compiled_after_startup() == {"_gate_up_kernel": 5}
+    warnings = [r for r in caplog.records if "_gate_up_kernel" in r.getMessage()]
+    assert len(warnings) == jit_watch.LOGGED_PER_KERNEL
+    assert "after start-up" in warnings[0].getMessage()
+
+
+def test_the_hook_goes_in_front_of_the_one_already_there(monkeypatch):
+    knobs = pytest.importorskip("triton").knobs
+    if not hasattr(knobs.runtime, "jit_cache_hook"):
+        pytest.skip("this Triton has no jit_cache_hook")
+    seen = []
+
+    def earlier(*args, **kwargs):
+        seen.append(kwargs["repr"])
+        return False
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", earlier)
+    monkeypatch.setattr(jit_watch, "_compiled", jit_watch.Counter())
+    assert jit_watch.watch_after_startup()
+    assert jit_watch.watch_after_startup()            # once: no second wrapper
+    hook = knobs.runtime.jit_cache_hook
+    assert hook is not earlier and hook.archserve_watch
+    assert hook(key=None, repr="k[...]", fn=_Fn(), is_manual_warmup=False) is False
+    assert seen == ["k[...]"] and jit_watch.compiled_after_startup() == {"_gate_up_kernel": 1}
