@@ -65,8 +65,9 @@ def main() -> None:
                 continue
             timed.append((us, config.key()))
         timed.sort()
-        default_us = time_cycled(lambda a, w: weight_only_gemm(a, w, None, default), weights,
-                                 x, args.iters)
+        default_us = time_cycled(
+            lambda a, w, default=default: weight_only_gemm(a, w, None, default), weights,
+            x, args.iters)
         gbs = weight_bytes(one) / 1e3
         print(f"{shape} {n}x{k} rows {args.rows}: cuBLAS bf16 {cublas:.1f} us; default "
               f"{default.key()} {default_us:.1f} us ({gbs / default_us:.0f} GB/s)")

@@ -6,6 +6,7 @@ graphs and the sampler. It knows nothing of requests beyond the sequences it is 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -78,6 +79,13 @@ class ModelRunner:
         cfg = self.model_config
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_caches = model_kv_caches(cfg, num_blocks, self.block_size, kv_dtype, self.device)
+
+    @functools.cached_property
+    def step_weights(self):  # noqa: ANN201 - a StepWeights (engine/step_weights.py)
+        """What one decode step reads (weights by kind), computed once: the self-check,
+        the step budget and the bench's roofline all use it."""
+        from archserve.engine.step_weights import step_weights
+        return step_weights(self.model, self.model_config)
 
     @torch.inference_mode()
     def profile_peak_activation_bytes(self, num_tokens: int, max_num_seqs: int = 256) -> int:

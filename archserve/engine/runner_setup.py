@@ -34,7 +34,7 @@ from archserve.engine.rank_memory import measure_rank_memory
 from archserve.engine.sampler import Sampler
 from archserve.engine.self_check import run_self_check
 from archserve.engine.step_budget import resolve_token_budget, runner_cost_model
-from archserve.engine.step_weights import StepWeights, step_weights
+from archserve.engine.step_weights import StepWeights
 from archserve.models.layers.kv_scales import is_quantized_cache
 
 DEFAULT_MAX_BATCHED_TOKENS = 8192
@@ -192,4 +192,4 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     return RunnerSetup(runner, model, mc, max_model_len, max_batched, num_blocks, block_size,
                        scheduling.chosen == "async", report, cpu_threads=cpu_threads,
                        decoding_token_budget=budget.decoding,
-                       step_weights=step_weights(model, rank_mc))
+                       step_weights=runner.step_weights)

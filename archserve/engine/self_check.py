@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from archserve.engine.step_weights import step_weights
-
 log = logging.getLogger("archserve")
 
 WARN_BELOW = 0.5
@@ -139,8 +137,7 @@ def run_self_check(runner, copy_bytes_per_s: float, repeats: int = 20) -> SelfCh
                 runner._forward_logits(ids, pos, meta)
 
     step_ms = _mean_ms(step, repeats, dev)
-    floor_ms = (step_weights(runner.model, runner.model_config).bytes_per_step
-                / copy_bytes_per_s * 1e3)
+    floor_ms = runner.step_weights.bytes_per_step / copy_bytes_per_s * 1e3
 
     def eager_step() -> None:
         with torch.inference_mode():

@@ -209,6 +209,4 @@ def runner_cost_model(runner, limit: int) -> StepCostModel:
     if runner.device.type == "cuda":
         return measured_cost_model(runner.run_prefill_probe, lengths, runner.device)
     from archserve.engine.ceilings import load_or_measure
-    from archserve.engine.step_weights import step_weights
-    return floor_cost_model(step_weights(runner.model, runner.model_config),
-                            load_or_measure(runner.device), lengths)
+    return floor_cost_model(runner.step_weights, load_or_measure(runner.device), lengths)
