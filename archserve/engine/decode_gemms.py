@@ -31,11 +31,13 @@ from archserve.quant.plan import QuantPlan
 def linear_weights_by_shape(model: torch.nn.Module) -> WeightGroups:
     """Every weight that goes through the linear routine, grouped by (kind, out_features,
     in_features, dtype): a GateUpLinear's GEMM is followed by silu * mul, the others are
-    plain. A weight shared by two modules (a tied LM head) counts once."""
+    plain (MoE routers included). A weight shared by two modules (a tied LM head) counts
+    once."""
+    from archserve.models.layers.moe import Router
     groups: WeightGroups = {}
     seen: set[int] = set()
     for module in model.modules():
-        if (not isinstance(module, (Linear, LMHead)) or getattr(module, "quant", None)
+        if (not isinstance(module, (Linear, LMHead, Router)) or getattr(module, "quant", None)
                 is not None or id(module.weight) in seen):
             continue
         seen.add(id(module.weight))

@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from archserve.models.layers.linear import apply_linear
 from archserve.models.layers.mla import MLAAttention
 from archserve.models.layers.moe import HF_EXPERT_NAMES, FusedMoE, GatedMLP, Router
 from archserve.models.mixtral import MoEFamily, MoEForCausalLM, MoEModel
@@ -48,7 +48,7 @@ class DeepseekRouter(Router):
             if correction_bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
+        return apply_linear(x.float(), self.weight)
 
 
 class DeepseekMoE(nn.Module):

@@ -79,6 +79,17 @@ def test_sparse_and_dense_layers_follow_the_config(pair):
         assert moe.impl() is not None and moe.backend_name == "TORCH_MOE"  # CPU route
 
 
+def test_routers_are_decode_gemm_shapes(pair):
+    """The decode tuner times the routers' GEMMs (and Qwen2-MoE's shared-expert gate) as
+    any other linear: each router weight is in the groups it tunes."""
+    from archserve.engine.decode_gemms import linear_weights_by_shape
+    from archserve.models.layers.moe import Router
+    _, _, model, _ = pair
+    grouped = {id(w) for weights in linear_weights_by_shape(model).values() for w in weights}
+    routers = [m.weight for m in model.modules() if isinstance(m, Router)]
+    assert routers and all(id(w) in grouped for w in routers)
+
+
 def test_all_positions_of_a_prompt_match_hf(pair):
     _, hf_model, model, config = pair
     assert_prompt_positions_match_hf(model, hf_model, config, PROMPTS[0], ATOL)
