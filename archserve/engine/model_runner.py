@@ -52,6 +52,28 @@ def prefill_warm_up_lengths(limit: int) -> list[int]:
     return lengths
 
 
+def prefill_warm_up_batches(max_model_len: int, max_num_batched_tokens: int,
+                            max_num_seqs: int) -> list[list[int]]:
+    """The prompt batches (lengths of the prompts of one step) the warm-up runs, so that a
+    first request compiles nothing:
+    - one prompt of each length ``prefill_warm_up_lengths`` gives;
+    - 3 and 16 two-token prompts in one step: Triton compiles a variant per specialisation
+      of an integer argument (equal to 1, divisible by 16), so the per-batch counts of a
+      batched prefill (sequences, query offsets) reach variants one prompt never does;
+    - the largest step the scheduler can build, where it holds more tokens than one prompt
+      can: kernels chosen by token count (the MoE tiles) reach their largest class.
+    Each within max_model_len, max_num_batched_tokens and max_num_seqs."""
+    longest = min(max_model_len, max_num_batched_tokens)
+    batches = [[n] for n in prefill_warm_up_lengths(longest)]
+    for seqs in (3, 16):
+        if seqs <= max_num_seqs and 2 * seqs <= max_num_batched_tokens and max_model_len >= 2:
+            batches.append([2] * seqs)
+    largest = profile_sequence_lengths(max_num_batched_tokens, max_num_seqs, max_model_len)
+    if sum(largest) > longest:
+        batches.append(largest)
+    return batches
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config, device: torch.device,
                  dtype: torch.dtype, attn_impl, block_size: int, max_model_len: int,
@@ -130,33 +152,38 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def warm_up_prefill(self, max_num_batched_tokens: int) -> list[int]:
+    def warm_up_prefill(self, max_num_batched_tokens: int, max_num_seqs: int = 256
+                        ) -> list[list[int]]:
         """Run one eager step per prefill shape class before serving, so no kernel is
         compiled or autotuned on the serving path (a first 128-token prompt on an H200
         otherwise paid 0.74 s to tune the prefill attention bucket it falls in).
 
         Nothing is written to the cache (slot -1); the outputs are discarded. Returns the
-        lengths run (``prefill_warm_up_lengths``).
+        batches run (``prefill_warm_up_batches``).
         """
-        lengths = prefill_warm_up_lengths(min(self.max_model_len, max_num_batched_tokens))
-        for n in lengths:
-            self.run_prefill_probe(n)
+        batches = prefill_warm_up_batches(self.max_model_len, max_num_batched_tokens,
+                                          max_num_seqs)
+        for lengths in batches:
+            self.run_prefill_probe(lengths)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return lengths
+        return batches
 
     @torch.inference_mode()
-    def run_prefill_probe(self, num_tokens: int) -> None:
-        """One eager step of a ``num_tokens``-token prompt through the sampled row's logits,
-        writing nothing to the cache (slot -1): for warm-up and for timing a step."""
-        n, dev = num_tokens, self.device
-        width = -(-n // self.block_size)
+    def run_prefill_probe(self, num_tokens: int | list[int]) -> None:
+        """One eager step of a ``num_tokens``-token prompt (or of prompts of these lengths)
+        through each one's sampled row's logits, writing nothing to the cache (slot -1):
+        for warm-up and for timing a step."""
+        lens = [num_tokens] if isinstance(num_tokens, int) else list(num_tokens)
+        dev = self.device
+        width = -(-max(lens) // self.block_size)
         meta = AttentionMetadata.from_lengths(
-            [n], [n], torch.zeros((1, width), dtype=torch.int32, device=dev),
-            torch.full((n,), -1, dtype=torch.long, device=dev), dev)
-        ids = torch.zeros(n, dtype=torch.long, device=dev)
-        positions = torch.arange(n, device=dev)
-        self.model.compute_logits(self._forward(ids, positions, meta)[-1:])
+            lens, lens, torch.zeros((len(lens), width), dtype=torch.int32, device=dev),
+            torch.full((sum(lens),), -1, dtype=torch.long, device=dev), dev)
+        ids = torch.zeros(sum(lens), dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        last_rows = torch.tensor(lens, device=dev).cumsum(0) - 1
+        self.model.compute_logits(self._forward(ids, positions, meta)[last_rows])
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:

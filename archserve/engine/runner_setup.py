@@ -143,7 +143,7 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     runner.allocate_kv_cache(num_blocks, kv_torch_dtype, kv_cache_dtype)
     t_warm = time.perf_counter()
     if torch_device.type == "cuda":  # JIT compilers run on GPUs only
-        runner.warm_up_prefill(max_batched)
+        runner.warm_up_prefill(max_batched, config.max_num_seqs)
     warm_up_s = startup.elapsed(t_warm)
     calibrate = config.calculate_kv_scales and is_quantized_cache(kv_cache_dtype)
     deferred_graphs = graph_sizes if calibrate else []

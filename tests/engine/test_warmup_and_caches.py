@@ -104,9 +104,29 @@ def test_prefill_warm_up_covers_each_tune_bucket_and_writes_nothing(tiny_checkpo
     runner = llm.llm_engine.runner
     llm.generate(["a cached prompt"], SamplingParams(max_tokens=3))
     before = [c.clone() for c in runner.kv_caches]
-    lengths = runner.warm_up_prefill(max_num_batched_tokens=4096)
-    assert max(lengths) <= 256  # never past max_model_len
+    batches = runner.warm_up_prefill(max_num_batched_tokens=4096, max_num_seqs=16)
+    assert max(n for batch in batches for n in batch) <= 256  # never past max_model_len
+    lengths = [batch[0] for batch in batches if len(batch) == 1]
     # Every bucket the engine can reach, in a length that is a multiple of 16 and one not.
     assert {tune_bucket(n) for n in lengths} == {tune_bucket(n) for n in range(1, 257)}
     assert {n % 16 == 0 for n in lengths if n > 1} == {True, False}
+    # Batched prefills: 3 and 16 prompts (Triton's "divisible by 16" variant of a count),
+    # and the largest step the scheduler can build (16 prompts of 256 tokens).
+    assert [2] * 3 in batches and [2] * 16 in batches and [256] * 16 in batches
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+    # The engine serves as before the warm-up.
+    assert llm.generate(["a cached prompt"], SamplingParams(max_tokens=3))[0].outputs[0].text
+
+
+@pytest.mark.parametrize("max_len, budget, seqs, expected_multi", [
+    (2048, 8192, 256, [[2] * 3, [2] * 16, [2048] * 4]),
+    (4096, 2048, 256, [[2] * 3, [2] * 16]),       # one prompt can fill the budget
+    (2048, 8192, 8, [[2] * 3, [2048] * 4]),       # no 16 prompts in a step
+    (2048, 16, 256, [[2] * 3]),                    # 16 x 2 tokens exceed the budget
+])
+def test_prefill_warm_up_batches_stay_within_the_limits(max_len, budget, seqs, expected_multi):
+    from archserve.engine.model_runner import prefill_warm_up_batches
+    batches = prefill_warm_up_batches(max_len, budget, seqs)
+    assert [b for b in batches if len(b) > 1] == expected_multi
+    for batch in batches:
+        assert len(batch) <= seqs and sum(batch) <= budget and max(batch) <= max_len
