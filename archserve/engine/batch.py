@@ -1,7 +1,7 @@
 """Turn the scheduler's decision into the flattened tensors one forward pass needs.
 
 Work is per sequence (numpy slices), never per token in Python. Host arrays are
-assembled first and copied to the device in one pinned, non-blocking transfer each.
+assembled first and copied to the device in one pinned, non-blocking transfer per dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +33,47 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
+_ALIGN_BYTES = 16
+
+
+def host_to_device_many(arrays: list[np.ndarray], device: torch.device
+                        ) -> list[torch.Tensor]:
+    """Host arrays to the device in one ``host_to_device`` per dtype: packed back to back,
+    copied once, returned as views in their shapes and order. A step's batch is seven
+    small arrays; each pinned copy costs the host tens of µs (an H200 profile of a batch-1
+    step: 0.585 ms of host time building the batch), so they travel as two."""
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(a.dtype, []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(arrays)
+    for dtype, indices in by_dtype.items():
+        # Each view starts on a 16-byte boundary, as a tensor of its own would: Triton
+        # specialises pointers by that alignment, and a misaligned view would compile
+        # another variant of a kernel on the serving path.
+        step = max(1, _ALIGN_BYTES // dtype.itemsize)
+        starts, offset = [], 0
+        for i in indices:
+            starts.append(offset)
+            offset += -(-arrays[i].size // step) * step
+        packed = np.zeros(offset, dtype=dtype)
+        for i, start in zip(indices, starts, strict=True):
+            packed[start:start + arrays[i].size] = arrays[i].ravel()
+        moved = host_to_device(packed, device)
+        for i, start in zip(indices, starts, strict=True):
+            out[i] = moved[start:start + arrays[i].size].view(arrays[i].shape)
+    return out  # type: ignore[return-value]
+
+
+def _uploader(device: torch.device, also: list[np.ndarray], moved: list[torch.Tensor]):
+    """An ``upload`` for AttentionMetadata.from_lengths that carries ``also`` (the batch's
+    own arrays) in the same transfers; their device tensors are appended to ``moved``."""
+    def upload(arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        tensors = host_to_device_many([*arrays, *also], device)
+        moved.extend(tensors[len(arrays):])
+        return tensors[:len(arrays)]
+    return upload
+
+
 def _block_table_matrix(tables: list[list[int]]) -> np.ndarray:
     width = max(1, max(map(len, tables)))
     return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
@@ -51,21 +92,19 @@ def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, device: torc
     n = len(seqs)
     slot_mapping = [t[p // block_size] * block_size + p % block_size
                     for t, p in zip(tables, positions, strict=True)]
+    own = [np.asarray([s.token_ids[p] for s, p in zip(seqs, positions, strict=True)],
+                      dtype=np.int64),
+           np.asarray(positions, dtype=np.int64), np.arange(n, dtype=np.int64)]
+    moved: list[torch.Tensor] = []
     meta = AttentionMetadata.from_lengths(np.ones(n, dtype=np.int32),
                                           np.asarray(positions, dtype=np.int32) + 1,
                                           _block_table_matrix(tables),
                                           np.asarray(slot_mapping, dtype=np.int64), device,
-                                          upload=lambda a: host_to_device(a, device))
-    return ModelBatch(
-        input_ids=host_to_device(np.asarray([s.token_ids[p] for s, p in zip(seqs, positions,
-                                                                      strict=True)],
-                                        dtype=np.int64), device),
-        positions=host_to_device(np.asarray(positions, dtype=np.int64), device),
-        meta=meta,
-        logits_indices=host_to_device(np.arange(n, dtype=np.int64), device),
-        sampled_seqs=seqs,
-        prompt_logprob_rows=[],
-    )
+                                          upload=_uploader(device, own, moved))
+    input_ids, positions_t, logits_indices = moved
+    return ModelBatch(input_ids=input_ids, positions=positions_t, meta=meta,
+                      logits_indices=logits_indices, sampled_seqs=seqs,
+                      prompt_logprob_rows=[])
 
 
 def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.device
@@ -108,13 +147,11 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.devic
             sampled_seqs.append(seq)
         row += chunk.num_new_tokens
 
+    moved: list[torch.Tensor] = []
+    own = [input_ids, positions, np.asarray(logits_rows, dtype=np.int64)]
     meta = AttentionMetadata.from_lengths(query_lens, seq_lens, block_tables, slot_mapping,
-                                          device, upload=lambda a: host_to_device(a, device))
-    return ModelBatch(
-        input_ids=host_to_device(input_ids, device),
-        positions=host_to_device(positions, device),
-        meta=meta,
-        logits_indices=host_to_device(np.asarray(logits_rows, dtype=np.int64), device),
-        sampled_seqs=sampled_seqs,
-        prompt_logprob_rows=prompt_rows,
-    )
+                                          device, upload=_uploader(device, own, moved))
+    input_ids_t, positions_t, logits_indices = moved
+    return ModelBatch(input_ids=input_ids_t, positions=positions_t, meta=meta,
+                      logits_indices=logits_indices, sampled_seqs=sampled_seqs,
+                      prompt_logprob_rows=prompt_rows)

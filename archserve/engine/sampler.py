@@ -65,9 +65,9 @@ class SamplingBatch:
     Optional tensors are None when no row uses the feature, so the sampler skips it.
     """
 
-    temperature: torch.Tensor                 # float32 [B]; 1.0 on greedy rows
-    greedy: torch.Tensor                      # bool [B]
-    all_greedy: bool
+    temperature: torch.Tensor | None          # float32 [B]; 1.0 on greedy rows
+    greedy: torch.Tensor | None               # bool [B]
+    all_greedy: bool                          # (then the two above are None: unused)
     top_k: torch.Tensor | None = None         # int64 [B]; vocab size on rows without top-k
     max_top_k: int | None = None              # host max of top_k
     top_p: torch.Tensor | None = None         # float32 [B]; 1.0 on rows without top-p
@@ -142,8 +142,14 @@ class SamplingBatch:
 
         greedy_rows = scalars[6] > 0.5
         all_greedy = bool(greedy_rows.all())
-        dev = host_to_device(scalars, device)
-        batch = cls(temperature=dev[0], greedy=dev[6] > 0.5, all_greedy=all_greedy,
+        uses_rep = scalars[3] != 1.0
+        uses_output = (scalars[4] != 0.0) | (scalars[5] != 0.0) | uses_rep
+        # Every row greedy and unpenalised (the common batch-1 case): the argmax needs no
+        # per-row scalar on the device, so no copy is made (on an H200 each pinned copy
+        # is tens of µs of the host's step).
+        dev = None if all_greedy and not uses_output.any() else host_to_device(scalars, device)
+        batch = cls(temperature=None if all_greedy else dev[0],
+                    greedy=None if all_greedy else dev[6] > 0.5, all_greedy=all_greedy,
                     seeded_rows=tuple(seeded_rows), seeded_keys=tuple(seeded_keys),
                     max_num_logprobs=max_logprobs)
         random_rows = ~greedy_rows  # top-k/p and min-p cannot change a greedy row's argmax
@@ -177,8 +183,6 @@ class SamplingBatch:
             batch.bias_values = host_to_device(np.asarray([b for *_, b in biases],
                                                       dtype=np.float32), device)
 
-        uses_rep = scalars[3] != 1.0
-        uses_output = (scalars[4] != 0.0) | (scalars[5] != 0.0) | uses_rep
         if uses_output.any():
             outputs = [s.output_token_ids if uses_output[i] else [] for i, s in enumerate(seqs)]
             batch.output_counts = _token_counts(outputs, vocab_size, device)

@@ -50,26 +50,30 @@ class AttentionMetadata:
                      seq_lens: Sequence[int] | np.ndarray,
                      block_tables: torch.Tensor | np.ndarray,
                      slot_mapping: torch.Tensor | np.ndarray, device: torch.device | str,
-                     upload: Callable[[np.ndarray], torch.Tensor] | None = None
+                     upload: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None
                      ) -> AttentionMetadata:
         """The one builder of a batch's metadata from its per-sequence lengths: the query
         offsets, the host maxima and the host copies all follow from them, so no caller
-        can let them disagree. Host arrays go to ``device`` through ``upload`` (the
-        engine's pinned, non-blocking copy) or a plain copy; tensors are moved as given.
-        (The CUDA-graph runner's metadata is the exception: views of its static buffers.)
+        can let them disagree. Host arrays go to ``device`` together through ``upload``
+        (the engine's pinned, non-blocking copy: arrays in, their device tensors out, in
+        order) or by plain copies; tensors are moved as given. (The CUDA-graph runner's
+        metadata is the exception: views of its static buffers.)
         """
         q = np.asarray(query_lens, dtype=np.int32)
         s = np.asarray(seq_lens, dtype=np.int32)
         starts = np.zeros(len(q) + 1, dtype=np.int32)
         np.cumsum(q, out=starts[1:])
-
-        def put(x: torch.Tensor | np.ndarray) -> torch.Tensor:
-            if isinstance(x, torch.Tensor):
-                return x.to(device)
-            return upload(x) if upload is not None else torch.from_numpy(x).to(device)
-
-        return cls(query_start_loc=put(starts), seq_lens=put(s),
-                   block_tables=put(block_tables), slot_mapping=put(slot_mapping),
+        fields = [starts, s, block_tables, slot_mapping]
+        host = [i for i, x in enumerate(fields) if not isinstance(x, torch.Tensor)]
+        if upload is not None:
+            moved = upload([fields[i] for i in host])
+        else:
+            moved = [torch.from_numpy(fields[i]).to(device) for i in host]
+        for i, tensor in zip(host, moved, strict=True):
+            fields[i] = tensor
+        starts_t, s_t, tables_t, slots_t = (x.to(device) for x in fields)
+        return cls(query_start_loc=starts_t, seq_lens=s_t,
+                   block_tables=tables_t, slot_mapping=slots_t,
                    max_query_len=int(q.max()) if len(q) else 0,
                    max_seq_len=int(s.max()) if len(s) else 0, num_seqs=len(s),
                    query_lens_cpu=q.tolist(), seq_lens_cpu=s.tolist())
