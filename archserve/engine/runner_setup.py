@@ -65,8 +65,9 @@ def peek_model_config(model_path: str | None):
 
 
 def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> RunnerSetup:
+    from archserve.kernels import jit_watch
     from archserve.loader.loader import load_model
-
+    jit_watch.starting()   # a second engine's start-up compiles are not serving-path misses
     t0 = time.perf_counter()
     tp = get_tp()
     torch_device = startup.resolve_torch_device(config)
@@ -185,8 +186,7 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     if calibrate:   # after every start-up forward: only a real prompt calibrates
         runner.calibrate_kv_scales_on_first_prefill(deferred_graphs)
     if torch_device.type == "cuda" and not calibrate:   # from here a compile is a warm-up miss
-        from archserve.kernels.jit_watch import watch_after_startup
-        watch_after_startup()
+        jit_watch.watch_after_startup()
     kv_pool_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
     report.rank_memory = agree.every(measure_rank_memory(torch_device, kv_pool_bytes, model))
     return RunnerSetup(runner, model, mc, max_model_len, max_batched, num_blocks, block_size,

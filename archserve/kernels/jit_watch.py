@@ -18,6 +18,13 @@ log = logging.getLogger(__name__)
 
 LOGGED_PER_KERNEL = 3       # warnings per kernel name; the count goes on
 _compiled: Counter[str] = Counter()
+_serving = False            # between an engine's start-up and the next one's
+
+
+def starting() -> None:
+    """An engine of this process starts: its compiles are the warm-up, not misses."""
+    global _serving
+    _serving = False
 
 
 def compiled_after_startup() -> dict[str, int]:
@@ -29,12 +36,14 @@ def watch_after_startup() -> bool:
     """Count, from now on, Triton variants that are not already loaded in this process.
     False where Triton, or its runtime hook (``triton.knobs.runtime.jit_cache_hook``), is
     absent; installed once per process, in front of any hook already there."""
+    global _serving
     try:
         from triton import knobs
         runtime = knobs.runtime
         previous = runtime.jit_cache_hook
     except (ImportError, AttributeError):
         return False
+    _serving = True
     if getattr(previous, "archserve_watch", False):
         return True
 
@@ -50,7 +59,7 @@ def watch_after_startup() -> bool:
 def note_compile(hook_kwargs: dict) -> None:
     """Count and log one variant from the hook's keywords (``fn``, ``repr``,
     ``is_manual_warmup``); an explicit ``kernel.warmup()`` is not the serving path."""
-    if hook_kwargs.get("is_manual_warmup"):
+    if not _serving or hook_kwargs.get("is_manual_warmup"):
         return
     fn = hook_kwargs.get("fn")
     name = str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or "triton kernel")

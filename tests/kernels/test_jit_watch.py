@@ -15,6 +15,7 @@ class _Fn:
 
 def test_a_variant_after_startup_is_counted_and_logged_a_few_times(caplog, monkeypatch):
     monkeypatch.setattr(jit_watch, "_compiled", jit_watch.Counter())
+    monkeypatch.setattr(jit_watch, "_serving", True)
     with caplog.at_level(logging.WARNING, logger=jit_watch.__name__):
         for _ in range(jit_watch.LOGGED_PER_KERNEL + 2):
             jit_watch.note_compile({"fn": _Fn(), "repr": "_gate_up_kernel[num_warps=4](...)",
@@ -24,6 +25,9 @@ def test_a_variant_after_startup_is_counted_and_logged_a_few_times(caplog, monke
     warnings = [r for r in caplog.records if "_gate_up_kernel" in r.getMessage()]
     assert len(warnings) == jit_watch.LOGGED_PER_KERNEL
     assert "after start-up" in warnings[0].getMessage()
+    jit_watch.starting()   # another engine starts: its compiles are its warm-up
+    jit_watch.note_compile({"fn": _Fn(), "is_manual_warmup": False})
+    assert jit_watch.compiled_after_startup() == {"_gate_up_kernel": 5}
 
 
 def test_the_hook_goes_in_front_of_the_one_already_there(monkeypatch):
@@ -38,6 +42,7 @@ def test_the_hook_goes_in_front_of_the_one_already_there(monkeypatch):
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", earlier)
     monkeypatch.setattr(jit_watch, "_compiled", jit_watch.Counter())
+    monkeypatch.setattr(jit_watch, "_serving", False)
     assert jit_watch.watch_after_startup()
     assert jit_watch.watch_after_startup()            # once: no second wrapper
     hook = knobs.runtime.jit_cache_hook
