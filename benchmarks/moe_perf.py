@@ -75,15 +75,13 @@ def _engine(model: str, dtype: str, max_num_seqs: int):
 
 
 def _workload(engine, ceilings, num: int, input_len: int, output_len: int) -> dict:
-    from archserve.kernels.jit_watch import compiled_after_startup
+    from archserve.kernels.jit_watch import compiled_after_startup, compiled_since
     requests = random_requests(num, input_len, output_len, engine.model_config.vocab_size,
                                seed=num)
     before = compiled_after_startup()
     throughput, trace = run_offline(engine, requests, True, show_progress=False)
     # Variants the start-up did not compile: their compile time is in this row's time.
-    compiled = {name: count - before.get(name, 0)
-                for name, count in compiled_after_startup().items()
-                if count > before.get(name, 0)}
+    compiled = compiled_since(before)
     roof = analyze(trace, model_facts(engine), ceilings)
     step_ms, floor_ms = roof.decode_step_s_mean * 1e3, roof.decode_floor_s_mean * 1e3
     return {"requests": num, "input_len": input_len, "output_len": output_len,

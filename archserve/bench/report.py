@@ -63,6 +63,9 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
                   f"{roof['compute_bound_steps']})")]
         if result.get("ceilings_text"):
             rows.append(("ceilings used", result["ceilings_text"]))
+        if result.get("compiled_while_running"):   # warm-up misses (kernels/jit_watch.py)
+            rows.append(("Triton kernels compiled while running", ", ".join(
+                f"{name} x{count}" for name, count in result["compiled_while_running"].items())))
         if result.get("peer"):
             peer = result["peer"]
             rows += [(f"transformers ({peer['method']}) output tokens/s",

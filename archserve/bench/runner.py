@@ -104,6 +104,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
     from archserve.engine.ceilings import load_or_measure, store
     from archserve.engine.config import EngineConfig
     from archserve.engine.llm_engine import LLMEngine
+    from archserve.kernels.jit_watch import compiled_after_startup, compiled_since
     from archserve.loader.loader import resolve_model_path
     from archserve.loader.tokenizer import dummy_without_tokenizer
     model_path = resolve_model_path(options.model)
@@ -127,8 +128,11 @@ def run_offline_bench(options: BenchOptions) -> dict:
     check_fits(requests, engine.max_model_len)
     device, dtype = engine.runner.device, engine.report.dtype
     ceilings = load_or_measure(device)
+    compiled_before = compiled_after_startup()
     throughput, trace = run_offline(engine, requests, options.ignore_eos,
                                     options.show_progress)
+    # Kernel variants the start-up did not compile: the run waited for them.
+    compiled = compiled_since(compiled_before)
     if engine.cpu_threads is not None:
         # Re-measured ceilings and the peer run with torch's own thread count.
         engine.cpu_threads.restore()
@@ -156,6 +160,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
         "roofline": roofline.to_json(), "ceilings": ceilings.to_json(),
         "ceilings_text": ceilings.describe(),
         "model_facts": vars(facts).copy(), "plots": [],
+        "compiled_while_running": compiled,
     }
     if options.plots_dir:
         result["plots"].append(_step_plot(trace, facts, ceilings, options.plots_dir))

@@ -32,6 +32,13 @@ def compiled_after_startup() -> dict[str, int]:
     return dict(_compiled)
 
 
+def compiled_since(before: dict[str, int]) -> dict[str, int]:
+    """Variants compiled since ``before`` (an earlier ``compiled_after_startup()``): what
+    a run waited for the compiler for, by kernel name."""
+    return {name: count - before.get(name, 0) for name, count in _compiled.items()
+            if count > before.get(name, 0)}
+
+
 def watch_after_startup() -> bool:
     """Count, from now on, Triton variants that are not already loaded in this process.
     False where Triton, or its runtime hook (``triton.knobs.runtime.jit_cache_hook``), is

@@ -79,8 +79,23 @@ def test_offline_bench_json_and_plot(tiny_checkpoint, tmp_path):
     assert data["roofline"]["floor_s"] < data["roofline"]["measured_s"]
     assert data["model_facts"]["num_layers"] == 2
     assert "peer" not in data
+    assert data["compiled_while_running"] == {}   # no Triton on a CPU: nothing compiled
     assert len(data["plots"]) == 1
     _assert_png(data["plots"][0])
+
+
+def test_the_table_names_kernels_compiled_while_running():
+    from archserve.bench.report import summary_rows
+    result = {"mode": "offline", "model": "m", "num_requests": 1, "output_tokens_per_s": 1.0,
+              "total_tokens_per_s": 1.0, "requests_per_s": 1.0, "roofline_efficiency": 0.5,
+              "mbu": 0.5, "roofline": {"floor_s": 1.0, "measured_s": 2.0,
+                                       "decode_step_s_mean": 0.002,
+                                       "decode_floor_s_mean": 0.001, "num_steps": 3,
+                                       "num_decode_steps": 2, "compute_bound_steps": 0}}
+    assert not any("compiled" in name for name, _ in summary_rows(result))
+    result["compiled_while_running"] = {"_gate_up_kernel": 2}
+    assert ("Triton kernels compiled while running", "_gate_up_kernel x2") in \
+        summary_rows(result)
 
 
 def test_offline_bench_with_transformers_peer(tiny_checkpoint, caplog):

@@ -25,6 +25,8 @@ def test_a_variant_after_startup_is_counted_and_logged_a_few_times(caplog, monke
     warnings = [r for r in caplog.records if "_gate_up_kernel" in r.getMessage()]
     assert len(warnings) == jit_watch.LOGGED_PER_KERNEL
     assert "after start-up" in warnings[0].getMessage()
+    assert jit_watch.compiled_since({"_gate_up_kernel": 2}) == {"_gate_up_kernel": 3}
+    assert jit_watch.compiled_since(jit_watch.compiled_after_startup()) == {}
     jit_watch.starting()   # another engine starts: its compiles are its warm-up
     jit_watch.note_compile({"fn": _Fn(), "is_manual_warmup": False})
     assert jit_watch.compiled_after_startup() == {"_gate_up_kernel": 5}
