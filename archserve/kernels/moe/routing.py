@@ -23,12 +23,10 @@ import torch
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k]) from router logits [T, E]."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = probs.topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
+    """(weights [T, k] float32, expert ids [T, k]) from router logits [T, E]: the softmax
+    top-k, ``grouped_route`` with no groups, bias or scaling (the renormalisation's 1e-20
+    is below float32's resolution of a top-k sum, which is at least 1/E)."""
+    return grouped_route(router_logits, top_k, renormalize=renormalize)
 
 
 def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",

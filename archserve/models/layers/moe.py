@@ -140,10 +140,7 @@ class FusedMoE(nn.Module):
         its own way (one Triton launch, or torch); else the backend's softmax top-k."""
         impl = self.impl()
         operands = (self.w13, self.w2) if self.quantized is None else self._operands
-        if grouping is None:
-            return impl.forward(hidden, router_logits, *operands, self.top_k,
-                                self.renormalize)
-        routed = impl.route(router_logits, self.top_k, self.renormalize, **grouping)
+        routed = impl.route(router_logits, self.top_k, self.renormalize, **(grouping or {}))
         return impl.forward(hidden, router_logits, *operands, self.top_k,
                             self.renormalize, routed=routed)
 
