@@ -59,7 +59,7 @@ def prefill_warm_up_batches(max_model_len: int, max_num_batched_tokens: int,
     - one prompt of each length ``prefill_warm_up_lengths`` gives;
     - 3 and 16 two-token prompts in one step: Triton compiles a variant per specialisation
       of an integer argument (equal to 1, divisible by 16), so the per-batch counts of a
-      batched prefill (sequences, query offsets) reach variants one prompt never does;
+      batched prefill (sequences, query offsets) can reach variants one prompt never does;
     - the largest step the scheduler can build, where it holds more tokens than one prompt
       can: kernels chosen by token count (the MoE tiles) reach their largest class.
     Each within max_model_len, max_num_batched_tokens and max_num_seqs."""

@@ -145,8 +145,7 @@ class SamplingBatch:
         uses_rep = scalars[3] != 1.0
         uses_output = (scalars[4] != 0.0) | (scalars[5] != 0.0) | uses_rep
         # Every row greedy and unpenalised (the common batch-1 case): the argmax needs no
-        # per-row scalar on the device, so no copy is made (on an H200 each pinned copy
-        # is tens of µs of the host's step).
+        # per-row scalar on the device, so no host-to-device copy is made for them.
         dev = None if all_greedy and not uses_output.any() else host_to_device(scalars, device)
         batch = cls(temperature=None if all_greedy else dev[0],
                     greedy=None if all_greedy else dev[6] > 0.5, all_greedy=all_greedy,
