@@ -50,7 +50,8 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
             quantization=quantization, tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             target_itl_ms=parse_target_itl(target_itl_ms),
-            skip_tokenizer_init=dummy_without_tokenizer(model_path, load_format)))
+            skip_tokenizer_init=dummy_without_tokenizer(model_path, load_format),
+            self_check_profile=True))   # this process exits next: CUPTI's cost does not matter
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

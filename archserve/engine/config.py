@@ -41,6 +41,10 @@ class EngineConfig:
     seed: int = 0
     skip_canary: bool = False                # numerics canary of the attention kernel at start
     self_check: bool | None = None           # roofline self-check of a decode step (None: on GPUs)
+    # Also attribute a GPU step's kernel time to op kinds with torch.profiler. Off by
+    # default: the CUDA profiler leaves CUPTI attached for the life of the process, which
+    # slows every later kernel launch (engine/self_check.py); `archserve prepare` sets it.
+    self_check_profile: bool = False
     # One worker process per rank, each on its own GPU (or sharing the CPU's cores).
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp" # mp (this machine) | ray (a Ray cluster)

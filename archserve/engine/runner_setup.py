@@ -181,7 +181,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     if config.self_check or (config.self_check is None and torch_device.type == "cuda"):
         t_check = time.perf_counter()
         ceilings = load_or_measure(torch_device)
-        report.self_check = run_self_check(runner, ceilings.copy_bytes_per_s)
+        report.self_check = run_self_check(runner, ceilings.copy_bytes_per_s,
+                                           profile=config.self_check_profile)
         report.timings["self_check_s"] = startup.elapsed(t_check)
     if calibrate:   # after every start-up forward: only a real prompt calibrates
         runner.calibrate_kv_scales_on_first_prefill(deferred_graphs)

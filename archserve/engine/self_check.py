@@ -7,6 +7,13 @@ speed) usually means an op fell back to a slow path; the profile of one eager st
 names the op kind that takes the most time. It runs at start-up on GPUs, and on a CPU
 when asked (``self_check=True``): a CPU decode step is rarely near its floor, so there
 the check is a diagnosis, not an alarm.
+
+On a GPU the profile is taken only when asked (``self_check_profile``; `archserve
+prepare` asks). torch.profiler with CUDA activity attaches CUPTI, and kineto does not
+detach it when the profile ends: every kernel launched afterwards by the process pays
+CUPTI's callbacks (pytorch/pytorch#144455). On an H200 a Qwen3-0.6B eager step then took
+15-19 ms of host time at any prompt length, which is the cost of every prefill and mixed
+step of a server. The CPU profiler has no such cost, so a CPU check always profiles.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import torch
 log = logging.getLogger("archserve")
 
 WARN_BELOW = 0.5
+NOT_PROFILED = ("not profiled by op kind (the CUDA profiler would slow this process's later "
+                "launches; `archserve prepare` profiles it)")
 
 
 @dataclass
@@ -49,7 +58,7 @@ class SelfCheck:
                                                             key=lambda kv: -kv[1]))
         return (f"decode step (batch 1, {'graph' if self.graphs else 'eager'}) "
                 f"{self.step_ms:.3f} ms, floor {self.floor_ms:.3f} ms "
-                f"({self.ratio:.0%} of roofline); kernel time: {kinds or 'n/a'}")
+                f"({self.ratio:.0%} of roofline); kernel time: {kinds or NOT_PROFILED}")
 
 
 def classify_kernel(name: str) -> str:
@@ -118,8 +127,10 @@ def _cpu_times(prof) -> dict[str, float]:
             "elementwise": max(0.0, total - attention - linear)}
 
 
-def run_self_check(runner, copy_bytes_per_s: float, repeats: int = 20) -> SelfCheck:
-    """Time a batch-1 decode step (graph replay when captured) against its floor."""
+def run_self_check(runner, copy_bytes_per_s: float, repeats: int = 20,
+                   profile: bool = False) -> SelfCheck:
+    """Time a batch-1 decode step (graph replay when captured) against its floor; split
+    one eager step's time by op kind on a CPU, and on a GPU when ``profile``."""
     from archserve.kernels.attention.interface import AttentionMetadata
     dev = runner.device
     meta = AttentionMetadata.from_lengths(
@@ -143,12 +154,12 @@ def run_self_check(runner, copy_bytes_per_s: float, repeats: int = 20) -> SelfCh
         with torch.inference_mode():
             runner._forward_logits(ids, pos, meta)
 
-    kinds = profile_kinds(eager_step, dev)
+    kinds = profile_kinds(eager_step, dev) if profile or dev.type != "cuda" else {}
     check = SelfCheck(step_ms, floor_ms, floor_ms / step_ms if step_ms else 0.0, kinds, graphs)
     if check.flagged and dev.type == "cuda":
-        log.warning("roofline self-check: %s — below %d%%: likely on a fallback path; "
-                    "the slowest op kind is %s", check.summary(), WARN_BELOW * 100,
-                    check.slowest_kind)
+        log.warning("roofline self-check: %s — below %d%%: likely on a fallback path%s",
+                    check.summary(), WARN_BELOW * 100,
+                    f"; the slowest op kind is {check.slowest_kind}" if kinds else "")
     else:
         log.info("roofline self-check: %s", check.summary())
     return check

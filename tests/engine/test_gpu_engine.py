@@ -91,7 +91,8 @@ def test_default_backend_on_this_gpu_is_the_ideal_one(tiny_checkpoint):
     assert any(d.what == "decode GEMMs" for d in llm.llm_engine.report.decisions)
     check = llm.llm_engine.report.self_check
     assert check is not None and check.graphs and 0 < check.ratio
-    assert set(check.time_by_kind) >= {"attention", "linear"}
+    # No CUDA profile at start-up unless asked (it would leave CUPTI on every launch).
+    assert check.time_by_kind == {} and "not profiled" in check.summary()
 
 
 def test_async_scheduling_on_the_gpu_equals_sync(tiny_checkpoint):

@@ -77,3 +77,14 @@ def test_self_check_reaches_the_metrics(tiny_checkpoint):
     assert float(line.split()[1]) == pytest.approx(ratio)
     assert "archserve:roofline_self_check_flagged " in text
 
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_profile_by_op_kind_is_taken_when_asked(tiny_checkpoint):
+    """self_check_profile splits the eager step's CUDA kernel time by op kind (as `prepare`
+    shows it); the default start-up leaves the CUDA profiler, and CUPTI, out."""
+    llm = LLM(tiny_checkpoint("llama-h64"), dtype="bfloat16", self_check_profile=True,
+              gpu_memory_utilization=0.2)
+    check = llm.llm_engine.report.self_check
+    assert set(check.time_by_kind) >= {"attention", "linear"}, check.to_json()
+    assert abs(sum(check.time_by_kind.values()) - 1.0) < 1e-6
