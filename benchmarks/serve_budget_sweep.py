@@ -94,6 +94,16 @@ def chosen_budget(log_path: str) -> str:
     return match.group(2) if match else "?"
 
 
+def budget_decision_line(log_path: str) -> str | None:
+    """The server's whole start-up line for its budget: the target and the step cost
+    points it was chosen from, kept in the JSON (the logs may not travel back)."""
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            if BUDGET_DECISION.search(line):
+                return line.strip()
+    return None
+
+
 def run_bench(args, url: str, rate: float, out_json: str, log_path: str) -> dict:
     cmd = [*ARCHSERVE, "bench", "--mode", "serve", "--url", url,
            "--model", args.tokenizer or args.model, "--input-len", str(args.input_len),
@@ -173,6 +183,9 @@ def main() -> int:
         process, url = start_server(args, budget, server_log)
         print(f"== budget {budget}: server up after {time.monotonic() - t0:.0f}s "
               f"({chosen_budget(server_log)})", flush=True)
+        decision = budget_decision_line(server_log)
+        summary.setdefault("server_budget_decisions", {})[budget] = decision
+        print(f"   {decision}", flush=True)
         try:
             for rate in rates:
                 rate_dir = os.path.join(run_dir, f"rate{rate:g}")

@@ -11,9 +11,10 @@ the check is a diagnosis, not an alarm.
 On a GPU the profile is taken only when asked (``self_check_profile``; `archserve
 prepare` asks). torch.profiler with CUDA activity attaches CUPTI, and kineto does not
 detach it when the profile ends: every kernel launched afterwards by the process pays
-CUPTI's callbacks (pytorch/pytorch#144455). On an H200 a Qwen3-0.6B eager step then took
-15-19 ms of host time at any prompt length, which is the cost of every prefill and mixed
-step of a server. The CPU profiler has no such cost, so a CPU check always profiles.
+CUPTI's callbacks (pytorch/pytorch#144455 reports training 10-20% slower after a profile).
+A server launches every prefill and mixed step eagerly, so it would pay that on each.
+What it cost here is not yet measured. The CPU profiler has no such cost, so a CPU check
+always profiles.
 """
 
 from __future__ import annotations
