@@ -108,9 +108,15 @@ step moe_kernels 75 180 python3 benchmarks/moe_perf.py --part kernels --out "$D/
 # (a, continued) µs and launches per decoder layer, every fusion off and on.
 step decode_layer 35 120 python3 benchmarks/bench_decode_layer.py --models qwen3-0.6b \
   --configs unfused,all --iters 100 --out "$D/decode_layer.json"
+# (a, continued) host time of an eager (prefill or mixed) step on the 0.6B shape, as a server
+# starts now and with CUPTI attached first (as the start-up self-check's CUDA profile did).
+step eager_host 45 120 python3 benchmarks/eager_step_host.py $EQ --out "$D/eager_host.json"
+step eager_host_cupti 45 120 python3 benchmarks/eager_step_host.py $EQ --cuda-profile-first \
+  --cprofile 25 --out "$D/eager_host_cupti.json"
 # (d) issue 21's serving tail, shortened: the auto budget (then the old fixed 8192) at 8, 16
-# and 24 requests/s for 10 s each; one budget takes ~80 s, and what ran is kept if cut.
-step serve_budget 90 240 python3 benchmarks/serve_budget_sweep.py --out "$D/budget" \
+# and 24 requests/s for 10 s each; the two took 190 s in session 12, and what ran is kept
+# if cut.
+step serve_budget 190 240 python3 benchmarks/serve_budget_sweep.py --out "$D/budget" \
   --budgets auto,8192 --rates 8,16,24 --duration 10
 
 if [ "$DRY" = 1 ]; then
