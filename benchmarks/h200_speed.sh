@@ -116,6 +116,10 @@ step eager_host_cupti 45 120 python3 benchmarks/eager_step_host.py $EQ --cuda-pr
 # (d) issue 21's serving tail, shortened: the auto budget (then the old fixed 8192) at 8, 16
 # and 24 requests/s for 10 s each; the two took 190 s in session 12, and what ran is kept
 # if cut.
+# The same loads with steps that carry prompt tokens in CUDA graphs (cudagraph_mode FULL).
+step serve_budget_full 110 200 python3 benchmarks/serve_budget_sweep.py --out "$D/budget_full" \
+  --budgets auto --rates 8,16,24 --duration 10 \
+  --server-args "--compilation-config '{\"cudagraph_mode\":\"FULL\"}'"
 step serve_budget 190 240 python3 benchmarks/serve_budget_sweep.py --out "$D/budget" \
   --budgets auto,8192 --rates 8,16,24 --duration 10
 

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -53,7 +54,8 @@ def server_flags(budget: str) -> list[str]:
 def start_server(args, budget: str, log_path: str) -> tuple[subprocess.Popen, str]:
     cmd = [*ARCHSERVE, "serve", "--model", args.model, "--load-format", args.load_format,
            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(args.max_num_seqs), "--port", "0", *server_flags(budget)]
+           "--max-num-seqs", str(args.max_num_seqs), "--port", "0", *server_flags(budget),
+           *shlex.split(args.server_args)]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
     with open(log_path, "w") as log:
@@ -154,6 +156,10 @@ def main() -> int:
     p.add_argument("--random-range", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-timeout", type=float, default=300.0)
+    p.add_argument("--server-args", default="",
+                   help="more `archserve serve` flags for every server, split as a shell "
+                        "would: --server-args \"--compilation-config "
+                        "'{\\\"cudagraph_mode\\\":\\\"FULL\\\"}'\"")
     args = p.parse_args()
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]

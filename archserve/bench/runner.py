@@ -39,6 +39,7 @@ class BenchOptions:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     enforce_eager: bool = False
+    compilation_config: str | None = None        # vLLM's JSON (engine/compilation_config.py)
     tensor_parallel_size: int = 1
     max_num_batched_tokens: int | None = None    # None: the engine's default
     target_itl_ms: float | str | None = None     # offline: no ITL bound unless asked
@@ -114,6 +115,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
         quantization=options.quantization,
         max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
         enforce_eager=options.enforce_eager, async_scheduling=options.async_scheduling,
+        compilation_config=options.compilation_config,
         seed=options.seed, tensor_parallel_size=options.tensor_parallel_size,
         distributed_executor_backend=options.distributed_executor_backend,
         max_num_batched_tokens=options.max_num_batched_tokens,

@@ -8,6 +8,7 @@ import typer
 
 from archserve.cli.generate import (
     BackendOpt,
+    CompilationOpt,
     DtypeOpt,
     EagerOpt,
     ExecutorOpt,
@@ -22,7 +23,8 @@ from archserve.cli.generate import (
 
 
 def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
-            enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
+            enforce_eager: EagerOpt = False, compilation_config: CompilationOpt = None,
+            load_format: LoadFormatOpt = "auto",
             max_model_len: MaxLenOpt = None, quantization: QuantOpt = None,
             tensor_parallel_size: TPOpt = 1, distributed_executor_backend: ExecutorOpt = "mp",
             max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Largest decode batch (CUDA graph sizes follow it).")] = 256,
@@ -46,6 +48,7 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
         engine = LLMEngine(EngineConfig(
             model=model_path, dtype=dtype, attention_backend=attention_backend,
             enforce_eager=enforce_eager, load_format=load_format, max_model_len=max_model_len,
+            compilation_config=compilation_config,
             max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
             quantization=quantization, tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=distributed_executor_backend,

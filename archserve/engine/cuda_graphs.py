@@ -51,13 +51,70 @@ def describe_demoted(sizes: list[int], demoted: dict[int, str]) -> str:
     return "; ".join(parts)
 
 
-class DecodeGraphRunner:
-    """Owns the static input buffers and the captured graphs of one model runner."""
+class StaticGraphRunner:
+    """Graphs captured over static input buffers, one per size of a ladder, all writing one
+    shared output buffer. A subclass owns the buffers and says what one size runs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.set = GraphSet()
+        self.pool = None
+        self.output: torch.Tensor | None = None  # rows of the largest size, written by every graph
+
+    def _forward_at(self, size: int) -> torch.Tensor:
+        """The step of ``size`` over the static buffers (eager; captured by ``capture``)."""
+        raise NotImplementedError
+
+    def capture(self, sizes: list[int]) -> GraphSet:
+        for size in sorted(sizes, reverse=True):  # largest first: later graphs reuse its pool
+            try:
+                # Warm this exact shape eagerly first, so lazy initialisation (cuBLAS
+                # workspaces, Triton compilation) happens outside the capture.
+                warm = self._forward_at(size)
+                if self.output is None:  # the largest size comes first
+                    self.output = torch.empty_like(warm)
+                del warm
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self._forward_at(size)
+                    self.output[:out.shape[0]].copy_(out)
+                    del out
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.set.graphs[size] = graph
+            except Exception as exc:  # demote this size only
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                self.set.demoted[size] = reason
+                log.warning("%s capture for size %d failed (%s); its steps replay the next "
+                            "larger graph, or run eager above the largest",
+                            type(self).__name__, size, reason)
+                torch.cuda.synchronize(self.device)
+        self.set.sizes = sorted(self.set.graphs)
+        return self.set
+
+    def size_for(self, n: int) -> int | None:
+        for size in self.set.sizes:
+            if size >= n:
+                return size
+        return None
+
+    def drop_all(self, reason: str) -> None:
+        """Every graph goes (its steps run eager), with the reason recorded per size."""
+        for s in list(self.set.sizes):
+            self.set.demoted[s] = reason
+        self.set.graphs.clear()
+        self.set.sizes = []
+        log.warning("%s: CUDA graphs disabled: %s", type(self).__name__, reason)
+
+
+class DecodeGraphRunner(StaticGraphRunner):
+    """Owns the static input buffers and the captured decode graphs of one model runner."""
 
     def __init__(self, forward, device: torch.device, max_size: int, max_blocks_per_seq: int,
                  max_model_len: int) -> None:
+        super().__init__(device)
         self.forward = forward  # callable(input_ids, positions, meta) -> [T, ...] output
-        self.device = device
         self.max_model_len = max_model_len
         n = max_size
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -66,9 +123,6 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.set = GraphSet()
-        self.pool = None
-        self.output: torch.Tensor | None = None  # [max_size, ...], written by every graph
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -77,35 +131,8 @@ class DecodeGraphRunner:
             max_query_len=1, max_seq_len=self.max_model_len, num_seqs=size,
             query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size)
 
-    def capture(self, sizes: list[int]) -> GraphSet:
-        for size in sorted(sizes, reverse=True):  # largest first: later graphs reuse its pool
-            try:
-                meta = self._meta(size)
-                # Warm this exact shape eagerly first, so lazy initialisation (cuBLAS
-                # workspaces, Triton compilation) happens outside the capture.
-                warm = self.forward(self.input_ids[:size], self.positions[:size], meta)
-                if self.output is None:  # the largest size comes first
-                    self.output = torch.empty((size, *warm.shape[1:]), dtype=warm.dtype,
-                                              device=self.device)
-                del warm
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.forward(self.input_ids[:size], self.positions[:size], meta)
-                    self.output[:size].copy_(out)
-                    del out
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.set.graphs[size] = graph
-            except Exception as exc:  # demote this size only
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                self.set.demoted[size] = reason
-                log.warning("CUDA graph capture for batch size %d failed (%s); its batches "
-                            "replay the next larger graph, or run eager above the largest",
-                            size, reason)
-                torch.cuda.synchronize(self.device)
-        self.set.sizes = sorted(self.set.graphs)
-        return self.set
+    def _forward_at(self, size: int) -> torch.Tensor:
+        return self.forward(self.input_ids[:size], self.positions[:size], self._meta(size))
 
     def replay_canary(self, kv_caches: list[torch.Tensor] | tuple = (),
                       tolerance: float = 2e-2) -> str | None:
@@ -130,11 +157,7 @@ class DecodeGraphRunner:
             for size in sorted({self.set.sizes[0], self.set.sizes[-1]}):
                 reason = self._canary_at(size, tolerance)
                 if reason is not None:
-                    for s in list(self.set.sizes):
-                        self.set.demoted[s] = reason
-                    self.set.graphs.clear()
-                    self.set.sizes = []
-                    log.warning("CUDA graphs disabled: %s", reason)
+                    self.drop_all(reason)
                     return reason
             return None
         finally:
@@ -163,12 +186,6 @@ class DecodeGraphRunner:
         scale = max(1.0, eager.abs().max().item())
         if not torch.isfinite(replayed).all() or err > tolerance * scale:
             return f"graph replay canary (batch {size}): max error {err:.3g} against eager"
-        return None
-
-    def size_for(self, num_seqs: int) -> int | None:
-        for size in self.set.sizes:
-            if size >= num_seqs:
-                return size
         return None
 
     def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,

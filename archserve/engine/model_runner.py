@@ -17,6 +17,7 @@ from archserve.engine.batch import ModelBatch, build_batch, host_to_device
 from archserve.engine.cuda_graphs import DecodeGraphRunner, describe_demoted
 from archserve.engine.kv_cache import model_kv_caches
 from archserve.engine.launched_step import LaunchedStep
+from archserve.engine.mixed_graphs import MixedGraphRunner, mixed_graph_buckets
 from archserve.engine.phases import phase
 from archserve.engine.scheduler import ScheduledSeq
 from archserve.kernels.attention.interface import AttentionMetadata
@@ -90,6 +91,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache_dtype = "auto"
         self.graphs: DecodeGraphRunner | None = None
+        self.mixed_graphs: MixedGraphRunner | None = None   # cudagraph_mode FULL only
         # calculate_kv_scales: the next prefill measures each layer's fp8 KV scales, then
         # the decode graphs (which bake the scales in) are captured at these sizes.
         self.kv_calibration_pending = False
@@ -183,7 +185,17 @@ class ModelRunner:
         ids = torch.zeros(sum(lens), dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         last_rows = torch.tensor(lens, device=dev).cumsum(0) - 1
-        self.model.compute_logits(self._forward(ids, positions, meta)[last_rows])
+        # Timed for the step budget: a step that a mixed graph would run, runs it here too.
+        bucket = self.mixed_graphs.bucket_for(sum(lens), len(lens)) if self.mixed_graphs else None
+        if bucket is not None:
+            self.mixed_graphs.replay(bucket, ids, positions, meta, last_rows)
+            return
+        self._forward_rows(ids, positions, meta, last_rows)
+
+    def _forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """A step through the LM head of ``rows`` only: float32 logits (what mixed graphs run)."""
+        return self.model.compute_logits(self._forward(input_ids, positions, meta)[rows])
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
@@ -200,6 +212,22 @@ class ModelRunner:
         self.graphs.replay_canary(self.kv_caches)
         log.info("captured CUDA graphs for %d decode batch sizes in %.1fs%s", len(result.sizes),
                  time.perf_counter() - start,
+                 f"; not captured: {describe_demoted(result.sizes, result.demoted)}"
+                 if result.demoted else "")
+
+    def capture_mixed_graphs(self, max_tokens: int, max_num_seqs: int) -> None:
+        """Graphs for steps that carry prompt tokens, at the token buckets up to
+        ``max_tokens`` (engine/mixed_graphs.py), checked by their replay canary."""
+        buckets = mixed_graph_buckets(max_tokens)
+        self.mixed_graphs = MixedGraphRunner(self._forward_rows, self.device, max(buckets),
+                                             max_num_seqs, self.max_blocks_per_seq,
+                                             self.max_model_len, self.block_size)
+        start = time.perf_counter()
+        with torch.inference_mode(), decode_graph_scope():
+            result = self.mixed_graphs.capture(buckets)
+        self.mixed_graphs.replay_canary(self.kv_caches)
+        log.info("captured CUDA graphs for mixed steps at %d token buckets in %.1fs%s",
+                 len(result.sizes), time.perf_counter() - start,
                  f"; not captured: {describe_demoted(result.sizes, result.demoted)}"
                  if result.demoted else "")
 
@@ -235,6 +263,17 @@ class ModelRunner:
             return None
         return self.graphs.replay(size, batch.input_ids, batch.positions, meta)
 
+    def replay_mixed_graph(self, batch: ModelBatch) -> torch.Tensor | None:
+        """Logits of the sampled rows from a captured mixed-step graph, or None (eager)."""
+        if (self.mixed_graphs is None or batch.prompt_logprob_rows
+                or self.kv_calibration_pending):
+            return None
+        bucket = self.mixed_graphs.bucket_for(batch.input_ids.shape[0], batch.meta.num_seqs)
+        if bucket is None:
+            return None
+        return self.mixed_graphs.replay(bucket, batch.input_ids, batch.positions, batch.meta,
+                                        batch.logits_indices)
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledSeq], previous: LaunchedStep | None = None
                 ) -> LaunchedStep:
@@ -250,16 +289,19 @@ class ModelRunner:
                 previous.feed_pending_inputs(batch, chunks, self.device)
         with phase("forward"):
             row_logits = self.replay_decode_graph(batch)
-            if row_logits is None:
+            sampled_logits = None if row_logits is not None else self.replay_mixed_graph(batch)
+            if row_logits is None and sampled_logits is None:
                 hidden = self._forward_step(batch)
-        if row_logits is not None:
+        if row_logits is not None or sampled_logits is not None:
             prompt_logprobs = []
         else:
             prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not batch.sampled_seqs:
             return LaunchedStep([], None, prompt_logprobs)
         with phase("logits"):
-            if row_logits is None:
+            if sampled_logits is not None:
+                logits = sampled_logits   # the graph's LM head ran on the sampled rows only
+            elif row_logits is None:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
             elif len(batch.sampled_seqs) == batch.meta.num_seqs:
                 logits = row_logits  # every row sampled, in row order (a decode batch)

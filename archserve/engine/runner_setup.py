@@ -19,9 +19,10 @@ from archserve.distributed.layout import rank_model_config
 from archserve.distributed.parallel_state import get_tp
 from archserve.engine import startup
 from archserve.engine.ceilings import load_or_measure
+from archserve.engine.compilation_config import parse_compilation_config
 from archserve.engine.config import EngineConfig
 from archserve.engine.cpu_threads import cpu_thread_governor
-from archserve.engine.cuda_graphs import default_graph_sizes
+from archserve.engine.cuda_graphs import default_graph_sizes, describe_demoted
 from archserve.engine.decode_gemms import (
     install_linear_route,
     install_quantized_kernels,
@@ -29,6 +30,7 @@ from archserve.engine.decode_gemms import (
     tune_quantized_decode,
 )
 from archserve.engine.kernel_cache import configure_kernel_caches
+from archserve.engine.mixed_graphs import TOKEN_BUCKETS
 from archserve.engine.model_runner import ModelRunner
 from archserve.engine.rank_memory import measure_rank_memory
 from archserve.engine.sampler import Sampler
@@ -36,6 +38,7 @@ from archserve.engine.self_check import run_self_check
 from archserve.engine.step_budget import resolve_token_budget, runner_cost_model
 from archserve.engine.step_weights import StepWeights
 from archserve.models.layers.kv_scales import is_quantized_cache
+from archserve.platform.decision import Decision
 
 DEFAULT_MAX_BATCHED_TOKENS = 8192
 
@@ -64,10 +67,36 @@ def peek_model_config(model_path: str | None):
     return load_model_config(resolve_model_path(model_path))
 
 
+def capture_mixed_step_graphs(runner: ModelRunner, compilation, selection, max_batched: int,
+                              max_num_seqs: int) -> Decision:
+    """cudagraph_mode: whether steps with prompt tokens replay graphs too (FULL), and why."""
+    requested = compilation.cudagraph_mode
+    if requested != "FULL":
+        return Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY",
+                        "decode steps replay CUDA graphs; steps with prompt tokens run "
+                        "eagerly (compilation_config cudagraph_mode FULL captures those too)")
+    if not selection.backend.mixed_graph_capturable:
+        return Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY",
+                        f"{selection.name} reads per-sequence lengths on the host in steps "
+                        f"with prompt tokens, so only decode steps are captured")
+    runner.capture_mixed_graphs(min(max_batched, TOKEN_BUCKETS[-1]), max_num_seqs)
+    captured = runner.mixed_graphs.set
+    if not captured.sizes:
+        return Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY",
+                        "no mixed-step graph survived capture and its replay canary: "
+                        + describe_demoted([], captured.demoted))
+    return Decision("cudagraph_mode", requested, "FULL",
+                    f"steps with prompt tokens replay graphs at token buckets "
+                    f"{captured.sizes} (a larger step runs eagerly)"
+                    + (f"; not captured: {describe_demoted(captured.sizes, captured.demoted)}"
+                       if captured.demoted else ""))
+
+
 def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> RunnerSetup:
     from archserve.kernels import jit_watch
     from archserve.loader.loader import load_model
     jit_watch.starting()   # a second engine's start-up compiles are not serving-path misses
+    compilation = parse_compilation_config(config.compilation_config)   # refused before loading
     t0 = time.perf_counter()
     tp = get_tp()
     torch_device = startup.resolve_torch_device(config)
@@ -110,8 +139,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
     select_s = startup.elapsed(t_select)
     graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection)
-    graph_sizes = (config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
-                   if graphs_off is None else [])
+    graph_sizes = (config.cuda_graph_sizes or list(compilation.capture_sizes)
+                   or default_graph_sizes(config.max_num_seqs) if graphs_off is None else [])
     t_gemms = time.perf_counter()
 
     def tune_gemms() -> list:
@@ -157,6 +186,10 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     if graphs:
         runner.capture_cuda_graphs(graph_sizes)
         agree.same("the captured CUDA graph sizes", runner.graphs.set.sizes)
+        decisions.append(capture_mixed_step_graphs(runner, compilation, selection, max_batched,
+                                                   config.max_num_seqs))
+        if runner.mixed_graphs is not None:   # a rank replaying eagerly would desynchronise
+            agree.same("the captured mixed-step graph buckets", runner.mixed_graphs.set.sizes)
     graphs_s = startup.elapsed(t_graphs)
     t_budget = time.perf_counter()   # after the warm-up: a timed step compiles nothing
     budget = resolve_token_budget(config.target_itl_ms, config.max_num_batched_tokens,

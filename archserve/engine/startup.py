@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from archserve.engine.compilation_config import parse_compilation_config
 from archserve.engine.config import EngineConfig
 from archserve.engine.kv_cache import (
     DEFAULT_CPU_KV_BYTES,
@@ -20,6 +21,7 @@ from archserve.engine.kv_cache import (
     cuda_available_kv_bytes,
     kv_dtype_of,
 )
+from archserve.engine.mixed_graphs import mixed_graph_buckets
 from archserve.kernels.catalog import select_attention_backend
 from archserve.kernels.registry import BackendError, Selection
 from archserve.kernels.specs import AttentionSpec
@@ -113,6 +115,8 @@ def cuda_graphs_off_reason(torch_device: torch.device, config: EngineConfig,
         return f"no CUDA graphs on {torch_device.type}"
     if config.enforce_eager:
         return "enforce_eager=True"
+    if parse_compilation_config(config.compilation_config).cudagraph_mode == "NONE":
+        return "cudagraph_mode NONE (compilation_config)"
     if not attention.backend.graph_capturable:
         return (f"{attention.name} reads sequence lengths on the host, so a captured graph "
                 f"would replay stale lengths")
@@ -164,6 +168,10 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
         # plus their LM-head output (float32 logits, and the model-dtype product before it).
         logits_bytes = max_num_seqs * model_config.vocab_size * (4 + 2)
         reserve = 0 if config.enforce_eager else (256 << 20) + logits_bytes
+        if parse_compilation_config(config.compilation_config).cudagraph_mode == "FULL":
+            # The mixed-step graphs' pool holds the activations of their largest bucket.
+            largest = max(mixed_graph_buckets(max_num_batched_tokens))
+            reserve += int(peak * min(1.0, largest / max_num_batched_tokens)) + logits_bytes
         avail = cuda_available_kv_bytes(torch_device, config.gpu_memory_utilization, peak, reserve)
         return blocks_for_budget(avail, per_block), (
             f"gpu_memory_utilization={config.gpu_memory_utilization}, activation peak "

@@ -56,6 +56,10 @@ class Backend:
     # True when the op reads every per-step size from device tensors, so a CUDA graph
     # captured once stays right as batch contents change (attention: sequence lengths).
     graph_capturable: bool = False
+    # True when a step that mixes prompt chunks with decodes may be captured too: the op
+    # takes its grid from host maxima only (a captured bucket's), never per-sequence host
+    # lengths (engine/mixed_graphs.py; vLLM's cudagraph_mode FULL).
+    mixed_graph_capturable: bool = False
 
     def hardware_rule(self, device: DeviceInfo, spec: Any) -> str | None:
         """None if the hardware (and the request) allow this backend, else the reason."""

@@ -50,10 +50,11 @@ def test_a_batch_travels_in_one_transfer_per_dtype_as_aligned_views():
         assert torch.equal(getattr(plain, name), getattr(packed, name)), name
 
 
-def test_only_the_graph_runner_builds_metadata_by_hand():
-    """Its metadata are views of the capture's static buffers; every other batch comes
-    from ``from_lengths``."""
+def test_only_the_graph_runners_build_metadata_by_hand():
+    """Their metadata are views of the capture's static buffers (decode graphs, and the
+    mixed-step graphs of cudagraph_mode FULL); every other batch comes from
+    ``from_lengths``."""
     root = Path(archserve.__file__).parent
     by_hand = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
                      if "AttentionMetadata(" in p.read_text())
-    assert by_hand == ["engine/cuda_graphs.py"]
+    assert by_hand == ["engine/cuda_graphs.py", "engine/mixed_graphs.py"]

@@ -285,6 +285,7 @@ class TritonAttentionBackend(RuleBackend):
     library = "triton"
     description = "archserve's Triton paged attention (any CUDA or ROCm GPU, head size >= 32)"
     graph_capturable = True
+    mixed_graph_capturable = True   # the varlen kernel's grid: max query length x sequences
     impl_path = f"{_IMPL}.triton_backend:TritonAttentionImpl"
 
     def device_rule(self, device: DeviceInfo) -> str | None:

@@ -56,8 +56,8 @@ class AttentionMetadata:
         offsets, the host maxima and the host copies all follow from them, so no caller
         can let them disagree. Host arrays go to ``device`` together through ``upload``
         (the engine's pinned, non-blocking copy: arrays in, their device tensors out, in
-        order) or by plain copies; tensors are moved as given. (The CUDA-graph runner's
-        metadata is the exception: views of its static buffers.)
+        order) or by plain copies; tensors are moved as given. (The CUDA-graph runners'
+        metadata are the exception: views of their static buffers.)
         """
         q = np.asarray(query_lens, dtype=np.int32)
         s = np.asarray(seq_lens, dtype=np.int32)

@@ -1,0 +1,58 @@
+"""vLLM's ``compilation_config``, as far as archserve has what it names.
+
+archserve compiles nothing with torch.compile; it captures CUDA graphs by hand. Of vLLM's
+keys it takes:
+
+- ``cudagraph_mode``: ``FULL_DECODE_ONLY`` (the default: decode steps replay graphs, steps
+  with prompt tokens run eagerly), ``FULL`` (steps with prompt tokens replay graphs too, at
+  token buckets: engine/mixed_graphs.py) or ``NONE`` (no graphs, as ``enforce_eager``).
+  ``PIECEWISE`` and ``FULL_AND_PIECEWISE`` need graphs split around attention, which
+  archserve does not build;
+- ``cudagraph_capture_sizes``: the decode batch sizes to capture (``cuda_graph_sizes``).
+
+Any other key is refused by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
+_NOT_BUILT = ("PIECEWISE", "FULL_AND_PIECEWISE")
+_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes")
+
+
+@dataclass(frozen=True)
+class CompilationChoice:
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    capture_sizes: tuple[int, ...] = ()       # empty: the default ladder
+
+
+def parse_compilation_config(value: dict | str | None) -> CompilationChoice:
+    """The choice a ``compilation_config`` (a dict, or its JSON text) asks for."""
+    if value is None:
+        return CompilationChoice()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"compilation_config is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("compilation_config must be a JSON object such as "
+                         '{"cudagraph_mode": "FULL"} (archserve has no optimisation levels)')
+    unknown = sorted(set(value) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"compilation_config key(s) {', '.join(unknown)} not supported by "
+                         f"archserve; supported: {', '.join(_KEYS)}")
+    mode = str(value.get("cudagraph_mode", "FULL_DECODE_ONLY")).upper()
+    mode = mode.removeprefix("CUDAGRAPHMODE.")   # vLLM's enum printed as text
+    if mode in _NOT_BUILT:
+        raise ValueError(f"cudagraph_mode {mode} needs graphs split around attention, which "
+                         f"archserve does not build; use FULL or FULL_DECODE_ONLY")
+    if mode not in CUDAGRAPH_MODES:
+        raise ValueError(f"unknown cudagraph_mode {mode!r}; one of {', '.join(CUDAGRAPH_MODES)}")
+    sizes = value.get("cudagraph_capture_sizes") or ()
+    if not all(isinstance(s, int) and s > 0 for s in sizes):
+        raise ValueError("cudagraph_capture_sizes must be positive integers")
+    return CompilationChoice(mode, tuple(sorted(set(sizes))))

@@ -1,0 +1,179 @@
+"""CUDA graphs for steps that carry prompt tokens (vLLM's ``cudagraph_mode`` FULL).
+
+A step with a prompt chunk runs eagerly unless it is captured: on an H200 a Qwen3-0.6B
+eager step cost 15-19 ms of host time at every length from 1 to 2,048 tokens (launching
+~250 kernels; docs/benchmarks.md), while the device needed a few ms. A server's mixed
+steps (running decodes plus a prompt chunk) pay that on every inter-token gap they hold.
+
+One graph per token bucket ``T`` (a ladder up to 2,048). A step of ``t <= T`` tokens and
+``s`` sequences replays the smallest bucket that fits, over static buffers padded so the
+captured kernels see the same shapes every time:
+
+- the step's rows fill the first ``t`` token slots and ``s`` sequence slots;
+- the ``T - t`` padding tokens form one more sequence (slot ``s``) of that many tokens,
+  whose context is only itself and whose table points at block 0: every row is attended
+  and finite (a row left unwritten could hold NaNs, and a per-tensor activation scale
+  reads every row); its slot mapping is -1, so it writes no KV;
+- the remaining sequence slots have no tokens: the attention kernel's programs for them
+  exit at once.
+
+Each bucket holds ``min(T, max_num_seqs) + 1`` sequence slots. The graph ends with the LM
+head on the rows the step samples (``logits_rows``, padded with row 0), so the output is
+those rows' logits in order. Only attention backends that take their grid from host
+maxima alone may be captured this way (``mixed_graph_capturable``); a replay canary
+compares one mixed step against the same step run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from archserve.engine.cuda_graphs import StaticGraphRunner
+from archserve.kernels.attention.interface import AttentionMetadata
+
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def mixed_graph_buckets(max_tokens: int) -> list[int]:
+    """The token buckets a step of at most ``max_tokens`` tokens can use."""
+    buckets = [t for t in TOKEN_BUCKETS if t <= max_tokens]
+    if max_tokens < TOKEN_BUCKETS[-1] and (not buckets or buckets[-1] < max_tokens):
+        buckets.append(max_tokens)   # the largest step the engine builds still fits one
+    return buckets
+
+
+class MixedGraphRunner(StaticGraphRunner):
+    """Static buffers and captured graphs of steps that carry prompt tokens."""
+
+    def __init__(self, forward_rows, device: torch.device, max_tokens: int,
+                 max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
+                 block_size: int) -> None:
+        super().__init__(device)
+        # callable(input_ids, positions, meta, rows) -> float32 logits of ``rows`` [R, V]
+        self.forward_rows = forward_rows
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        seqs = self.seq_slots(max_tokens)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((seqs, max_blocks_per_seq), dtype=torch.int32,
+                                        device=device)
+        self.logits_rows = torch.zeros(seqs, dtype=torch.long, device=device)
+        self.padding_positions = torch.arange(max_tokens, dtype=torch.long, device=device)
+
+    def seq_slots(self, tokens: int) -> int:
+        """Sequence slots of the bucket of ``tokens`` tokens: its sequences and the padding one."""
+        return min(tokens, self.max_num_seqs) + 1
+
+    def _meta(self, tokens: int) -> AttentionMetadata:
+        seqs = self.seq_slots(tokens)
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[:seqs + 1], seq_lens=self.seq_lens[:seqs],
+            block_tables=self.block_tables[:seqs], slot_mapping=self.slot_mapping[:tokens],
+            max_query_len=tokens, max_seq_len=self.max_model_len, num_seqs=seqs)
+
+    def _forward_at(self, tokens: int) -> torch.Tensor:
+        return self.forward_rows(self.input_ids[:tokens], self.positions[:tokens],
+                                 self._meta(tokens), self.logits_rows[:self.seq_slots(tokens)])
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The captured bucket a step of these sizes replays, or None (it runs eager)."""
+        bucket = self.size_for(num_tokens)
+        if bucket is None or num_seqs + 1 > self.seq_slots(bucket):
+            return None
+        return bucket
+
+    def load(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor,
+             meta: AttentionMetadata, logits_indices: torch.Tensor) -> None:
+        """Copy a step into the static buffers of ``bucket``, padded as the module says."""
+        t, s = input_ids.shape[0], meta.num_seqs
+        pad, seqs = bucket - t, self.seq_slots(bucket)
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.input_ids[t:bucket].zero_()
+        self.positions[:t].copy_(positions, non_blocking=True)
+        self.positions[t:bucket].copy_(self.padding_positions[:pad])
+        self.slot_mapping[:t].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[t:bucket].fill_(-1)
+        self.query_start_loc[:s + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.query_start_loc[s + 1:seqs + 1].fill_(bucket)
+        self.seq_lens[:s].copy_(meta.seq_lens, non_blocking=True)
+        self.seq_lens[s:s + 1].fill_(pad)
+        self.seq_lens[s + 1:seqs].zero_()
+        width = meta.block_tables.shape[1]
+        self.block_tables[:s, :width].copy_(meta.block_tables, non_blocking=True)
+        self.block_tables[s:seqs].zero_()
+        n = logits_indices.shape[0]
+        self.logits_rows[:n].copy_(logits_indices, non_blocking=True)
+        self.logits_rows[n:seqs].zero_()
+
+    def replay(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits of the step's sampled rows ([len(logits_indices), vocab], in order)."""
+        self.load(bucket, input_ids, positions, meta, logits_indices)
+        self.set.graphs[bucket].replay()
+        return self.output[:logits_indices.shape[0]]
+
+    def replay_canary(self, kv_caches: list[torch.Tensor] | tuple = (),
+                      tolerance: float = 2e-2) -> str | None:
+        """Replay one mixed step (decodes beside a prompt chunk over a cached prefix) at the
+        smallest and the largest bucket against the same step run eagerly; on a mismatch
+        every mixed graph is dropped, with the reason. The KV blocks it reads are filled
+        with random values and restored after, as the decode canary does."""
+        if not self.set.sizes:
+            return None
+        blocks = min(16, self.block_tables.shape[1])
+        touched = [kv[:, :blocks] for kv in kv_caches]
+        saved = [b.clone() for b in touched]
+        generator = torch.Generator(device=self.device).manual_seed(1)
+        for b in touched:
+            b.copy_(torch.randn(b.shape, generator=generator, device=self.device))
+        try:
+            for bucket in sorted({self.set.sizes[0], self.set.sizes[-1]}):
+                reason = self._canary_at(bucket, blocks, tolerance)
+                if reason is not None:
+                    self.drop_all(reason)
+                    return reason
+            return None
+        finally:
+            for b, before in zip(touched, saved, strict=True):
+                b.copy_(before)
+
+    def canary_step(self, bucket: int, blocks: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """A mixed step that fits ``bucket`` with padding: two decodes beside a prompt
+        chunk over a cached prefix, reading KV blocks below ``blocks``, writing none.
+        Returns (input_ids, positions, meta, sampled rows)."""
+        prefix = 5                                          # cached tokens before the chunk
+        chunk = max(2, min(bucket - 2, 3 * bucket // 4, self.max_model_len - prefix))
+        decodes = max(0, min(2, bucket - chunk, self.seq_slots(bucket) - 2))
+        query_lens = [1] * decodes + [chunk]
+        seq_lens = [4 + 3 * i for i in range(decodes)] + [prefix + chunk]
+        width = -(-max(seq_lens) // self.block_size)
+        tables = torch.tensor([[(r + j) % blocks for j in range(width)]
+                               for r in range(len(seq_lens))], dtype=torch.int32)
+        t = sum(query_lens)
+        meta = AttentionMetadata.from_lengths(
+            query_lens, seq_lens, tables.to(self.device),
+            torch.full((t,), -1, dtype=torch.long, device=self.device), self.device)
+        positions = torch.cat([torch.tensor([n - 1 for n in seq_lens[:decodes]],
+                                            dtype=torch.long),
+                               torch.arange(prefix, prefix + chunk)]).to(self.device)
+        ids = (7 + torch.arange(t, device=self.device) % 13).long()
+        rows = torch.tensor([*range(decodes), t - 1], dtype=torch.long, device=self.device)
+        return ids, positions, meta, rows
+
+    def _canary_at(self, bucket: int, blocks: int, tolerance: float) -> str | None:
+        ids, positions, meta, rows = self.canary_step(bucket, blocks)
+        with torch.inference_mode():
+            eager = self.forward_rows(ids, positions, meta, rows).float()
+            replayed = self.replay(bucket, ids, positions, meta, rows).float()
+        err = (eager - replayed).abs().max().item()
+        scale = max(1.0, eager.abs().max().item())
+        if not torch.isfinite(replayed).all() or err > tolerance * scale:
+            return (f"mixed-step graph replay canary (bucket {bucket}, {ids.shape[0]} "
+                    f"tokens): max error {err:.3g} against eager")
+        return None

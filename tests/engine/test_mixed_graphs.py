@@ -1,0 +1,145 @@
+"""Steps with prompt tokens in CUDA graphs (cudagraph_mode FULL): vLLM's compilation_config
+as archserve reads it, the token buckets, and the padding a captured bucket replays with.
+
+The padding is checked on the CPU through the real model and the Triton attention kernel
+under Triton's interpreter: a step copied into a bucket's static buffers and run there
+gives the same logits as the step run as it is. The capture itself is the GPU test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from archserve import LLM, SamplingParams
+from archserve.engine.compilation_config import CompilationChoice, parse_compilation_config
+from archserve.engine.mixed_graphs import TOKEN_BUCKETS, mixed_graph_buckets
+
+
+def test_compilation_config_takes_vllms_cudagraph_keys():
+    assert parse_compilation_config(None) == CompilationChoice("FULL_DECODE_ONLY", ())
+    assert parse_compilation_config({"cudagraph_mode": "full"}).cudagraph_mode == "FULL"
+    assert parse_compilation_config('{"cudagraph_mode": "NONE"}').cudagraph_mode == "NONE"
+    choice = parse_compilation_config({"cudagraph_capture_sizes": [8, 1, 8, 4]})
+    assert choice == CompilationChoice("FULL_DECODE_ONLY", (1, 4, 8))
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"cudagraph_mode": "PIECEWISE"}, "split around attention"),
+    ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, "split around attention"),
+    ({"cudagraph_mode": "SOMETIMES"}, "unknown cudagraph_mode"),
+    ({"level": 3}, "level not supported"),
+    ({"cudagraph_capture_sizes": [0]}, "positive integers"),
+    ("{not json", "not JSON"),
+    (3, "JSON object"),
+])
+def test_compilation_config_refuses_what_archserve_lacks(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_compilation_config(value)
+
+
+def test_an_engine_refuses_a_bad_compilation_config_and_runs_a_good_one(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    with pytest.raises(ValueError, match="split around attention"):
+        LLM(path, dtype="float32", compilation_config={"cudagraph_mode": "PIECEWISE"})
+    # On a CPU there are no graphs to capture: FULL is accepted and changes nothing.
+    llm = LLM(path, dtype="float32", compilation_config={"cudagraph_mode": "FULL"})
+    out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_token_buckets_cover_every_step_size_up_to_the_largest():
+    assert mixed_graph_buckets(8192) == list(TOKEN_BUCKETS)
+    assert mixed_graph_buckets(2048) == list(TOKEN_BUCKETS)
+    assert mixed_graph_buckets(100) == [16, 32, 64, 100]
+    assert mixed_graph_buckets(16) == [16]
+    assert mixed_graph_buckets(10) == [10]
+
+
+CHILD = r"""
+import json, sys, torch
+from archserve import LLM
+from archserve.engine.mixed_graphs import MixedGraphRunner
+from archserve.kernels.attention.interface import AttentionMetadata
+
+llm = LLM(sys.argv[1], attention_backend="TRITON_ATTN", dtype="float32", max_model_len=128,
+          max_num_seqs=4)
+runner = llm.llm_engine.runner
+generator = torch.Generator().manual_seed(0)
+for kv in runner.kv_caches:
+    kv.copy_(torch.randn(kv.shape, generator=generator))
+mixed = MixedGraphRunner(runner._forward_rows, runner.device, 64, 4, runner.max_blocks_per_seq,
+                         runner.max_model_len, runner.block_size)
+bs = runner.block_size
+
+def written_step():
+    # A decode at position 20, a 9-token chunk after a 7-token prefix, a fresh 5-token
+    # prompt: each sequence its own blocks, every token's KV written to its slot.
+    query_lens, seq_lens = [1, 9, 5], [21, 16, 5]
+    tables = [[10 + j for j in range(3)], [20 + j for j in range(3)], [30, 31, 32]]
+    slots, positions = [], []
+    for q, n, table in zip(query_lens, seq_lens, tables):
+        for p in range(n - q, n):
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+    meta = AttentionMetadata.from_lengths(query_lens, seq_lens,
+                                          torch.tensor(tables, dtype=torch.int32),
+                                          torch.tensor(slots), "cpu")
+    ids = torch.arange(len(slots)) % 50 + 3
+    rows = torch.tensor([0, 9, 14])
+    return ids, torch.tensor(positions), meta, rows
+
+cases = [(16, mixed.canary_step(16, 8)), (64, mixed.canary_step(64, 8)), (16, written_step()),
+         (32, written_step())]
+result = []
+with torch.inference_mode():
+    for bucket, (ids, positions, meta, rows) in cases:
+        eager = runner._forward_rows(ids, positions, meta, rows)
+        mixed.load(bucket, ids, positions, meta, rows)
+        padded = mixed._forward_at(bucket)
+        result.append({"bucket": bucket, "tokens": int(ids.shape[0]),
+                       "err": (eager - padded[:rows.shape[0]]).abs().max().item(),
+                       "finite": bool(torch.isfinite(padded).all()),
+                       "scale": eager.abs().max().item()})
+print(json.dumps(result))
+"""
+
+
+def test_a_step_padded_into_a_bucket_gives_the_same_logits(tiny_checkpoint):
+    path = tiny_checkpoint("llama-h64")   # the Triton backend takes heads of 32 and up
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [c["bucket"] for c in cases] == [16, 64, 16, 32]
+    assert all(c["tokens"] < c["bucket"] for c in cases)   # every case is padded
+    for case in cases:
+        assert case["finite"], case
+        assert case["err"] <= 1e-4 * max(1.0, case["scale"]), case
+
+
+@pytest.mark.gpu
+def test_gpu_full_cudagraph_mode_replays_mixed_steps_and_matches_eager(tiny_checkpoint):
+    """FULL captures the buckets, passes its replay canary, and a mixed workload (prompts
+    arriving beside running decodes, chunked) gives the tokens of FULL_DECODE_ONLY."""
+    path = tiny_checkpoint("llama-h64")
+    prompts = [" ".join(["word"] * n) for n in (3, 40, 90, 7, 150, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for mode in ("FULL", "FULL_DECODE_ONLY"):
+        llm = LLM(path, dtype="float32", gpu_memory_utilization=0.2, max_num_batched_tokens=64,
+                  compilation_config={"cudagraph_mode": mode})
+        decision = next(d for d in llm.llm_engine.report.decisions
+                        if d.what == "cudagraph_mode")
+        assert decision.chosen == mode, decision
+        if mode == "FULL":
+            runner = llm.llm_engine.runner
+            assert runner.mixed_graphs.set.sizes and not runner.mixed_graphs.set.demoted
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+    assert outs["FULL"] == outs["FULL_DECODE_ONLY"]
