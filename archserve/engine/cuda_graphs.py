@@ -34,6 +34,17 @@ def default_graph_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in ladder if s <= max_num_seqs] or [1]
 
 
+def replay_mismatch(eager: torch.Tensor, replayed: torch.Tensor, tolerance: float,
+                    what: str) -> str | None:
+    """Why a replayed output differs from the eager one beyond ``tolerance`` (relative to
+    the output's scale, at least 1), or None when it does not."""
+    err = (eager - replayed).abs().max().item()
+    scale = max(1.0, eager.abs().max().item())
+    if not torch.isfinite(replayed).all() or err > tolerance * scale:
+        return f"{what}: max error {err:.3g} against eager"
+    return None
+
+
 @dataclass
 class GraphSet:
     sizes: list[int] = field(default_factory=list)         # captured, ascending
@@ -99,6 +110,45 @@ class StaticGraphRunner:
                 return size
         return None
 
+    def replay_canary(self, kv_caches: list[torch.Tensor] | tuple = (),
+                      tolerance: float = 2e-2) -> str | None:
+        """Replay the smallest and the largest graph against the same step run eagerly
+        (``_canary_at``: a step unlike the capture's).
+
+        A kernel that bakes a host-side value into the capture replays a stale value; then
+        every graph is dropped (its steps run eager) with the reason. The step reads KV
+        blocks filled with random values, with host-side lengths unlike the capture's: on
+        an all-zero cache every wrong length gives the same zero output, and the check
+        could not fail. The blocks are restored after: graphs captured mid-run (after
+        ``calculate_kv_scales``' first prefill) must not overwrite live sequences' KV.
+        """
+        if not self.set.sizes:
+            return None
+        # [2, blocks, block_size, Hkv, D] per layer: only the blocks the canary's tables use.
+        touched = [kv[:, :self._canary_blocks()] for kv in kv_caches]
+        saved = [blocks.clone() for blocks in touched]
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        for blocks in touched:
+            blocks.copy_(torch.randn(blocks.shape, generator=generator, device=self.device))
+        try:
+            for size in sorted({self.set.sizes[0], self.set.sizes[-1]}):
+                reason = self._canary_at(size, tolerance)
+                if reason is not None:
+                    self.drop_all(reason)
+                    return reason
+            return None
+        finally:
+            for blocks, before in zip(touched, saved, strict=True):
+                blocks.copy_(before)
+
+    def _canary_blocks(self) -> int:
+        """How many KV blocks the canary's rows use (row r reads block r mod this)."""
+        return min(CANARY_BLOCKS, self.block_tables.shape[1])
+
+    def _canary_at(self, size: int, tolerance: float) -> str | None:
+        """None when the graph of ``size`` replays a step as it runs eagerly, else why not."""
+        raise NotImplementedError
+
     def drop_all(self, reason: str) -> None:
         """Every graph goes (its steps run eager), with the reason recorded per size."""
         for s in list(self.set.sizes):
@@ -134,40 +184,6 @@ class DecodeGraphRunner(StaticGraphRunner):
     def _forward_at(self, size: int) -> torch.Tensor:
         return self.forward(self.input_ids[:size], self.positions[:size], self._meta(size))
 
-    def replay_canary(self, kv_caches: list[torch.Tensor] | tuple = (),
-                      tolerance: float = 2e-2) -> str | None:
-        """Replay the smallest and the largest graph against the same step run eagerly.
-
-        A kernel that bakes a host-side value into the capture replays a stale value; then
-        every graph is dropped (decode runs eager) with the reason. The step reads KV
-        blocks filled with random values, with host-side lengths unlike the capture's: on
-        an all-zero cache every wrong length gives the same zero output, and the check
-        could not fail. The blocks are restored after: graphs captured mid-run (after
-        ``calculate_kv_scales``' first prefill) must not overwrite live sequences' KV.
-        """
-        if not self.set.sizes:
-            return None
-        # [2, blocks, block_size, Hkv, D] per layer: only the blocks the canary's tables use.
-        touched = [kv[:, :self._canary_blocks()] for kv in kv_caches]
-        saved = [blocks.clone() for blocks in touched]
-        generator = torch.Generator(device=self.device).manual_seed(0)
-        for blocks in touched:
-            blocks.copy_(torch.randn(blocks.shape, generator=generator, device=self.device))
-        try:
-            for size in sorted({self.set.sizes[0], self.set.sizes[-1]}):
-                reason = self._canary_at(size, tolerance)
-                if reason is not None:
-                    self.drop_all(reason)
-                    return reason
-            return None
-        finally:
-            for blocks, before in zip(touched, saved, strict=True):
-                blocks.copy_(before)
-
-    def _canary_blocks(self) -> int:
-        """How many KV blocks the canary's rows use (row r reads block r mod this)."""
-        return min(CANARY_BLOCKS, self.block_tables.shape[1])
-
     def _canary_at(self, size: int, tolerance: float) -> str | None:
         rows = torch.arange(size, dtype=torch.long, device=self.device)
         positions = 3 + rows % 7
@@ -182,11 +198,7 @@ class DecodeGraphRunner(StaticGraphRunner):
         with torch.inference_mode():
             eager = self.forward(ids, positions, meta).float()
             replayed = self.replay(size, ids, positions, meta).float()
-        err = (eager - replayed).abs().max().item()
-        scale = max(1.0, eager.abs().max().item())
-        if not torch.isfinite(replayed).all() or err > tolerance * scale:
-            return f"graph replay canary (batch {size}): max error {err:.3g} against eager"
-        return None
+        return replay_mismatch(eager, replayed, tolerance, f"graph replay canary (batch {size})")
 
     def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:

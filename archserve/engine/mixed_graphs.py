@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from archserve.engine.cuda_graphs import StaticGraphRunner
+from archserve.engine.cuda_graphs import StaticGraphRunner, replay_mismatch
 from archserve.kernels.attention.interface import AttentionMetadata
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -117,31 +117,6 @@ class MixedGraphRunner(StaticGraphRunner):
         self.set.graphs[bucket].replay()
         return self.output[:logits_indices.shape[0]]
 
-    def replay_canary(self, kv_caches: list[torch.Tensor] | tuple = (),
-                      tolerance: float = 2e-2) -> str | None:
-        """Replay one mixed step (decodes beside a prompt chunk over a cached prefix) at the
-        smallest and the largest bucket against the same step run eagerly; on a mismatch
-        every mixed graph is dropped, with the reason. The KV blocks it reads are filled
-        with random values and restored after, as the decode canary does."""
-        if not self.set.sizes:
-            return None
-        blocks = min(16, self.block_tables.shape[1])
-        touched = [kv[:, :blocks] for kv in kv_caches]
-        saved = [b.clone() for b in touched]
-        generator = torch.Generator(device=self.device).manual_seed(1)
-        for b in touched:
-            b.copy_(torch.randn(b.shape, generator=generator, device=self.device))
-        try:
-            for bucket in sorted({self.set.sizes[0], self.set.sizes[-1]}):
-                reason = self._canary_at(bucket, blocks, tolerance)
-                if reason is not None:
-                    self.drop_all(reason)
-                    return reason
-            return None
-        finally:
-            for b, before in zip(touched, saved, strict=True):
-                b.copy_(before)
-
     def canary_step(self, bucket: int, blocks: int
                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """A mixed step that fits ``bucket`` with padding: two decodes beside a prompt
@@ -166,14 +141,10 @@ class MixedGraphRunner(StaticGraphRunner):
         rows = torch.tensor([*range(decodes), t - 1], dtype=torch.long, device=self.device)
         return ids, positions, meta, rows
 
-    def _canary_at(self, bucket: int, blocks: int, tolerance: float) -> str | None:
-        ids, positions, meta, rows = self.canary_step(bucket, blocks)
+    def _canary_at(self, bucket: int, tolerance: float) -> str | None:
+        ids, positions, meta, rows = self.canary_step(bucket, self._canary_blocks())
         with torch.inference_mode():
             eager = self.forward_rows(ids, positions, meta, rows).float()
             replayed = self.replay(bucket, ids, positions, meta, rows).float()
-        err = (eager - replayed).abs().max().item()
-        scale = max(1.0, eager.abs().max().item())
-        if not torch.isfinite(replayed).all() or err > tolerance * scale:
-            return (f"mixed-step graph replay canary (bucket {bucket}, {ids.shape[0]} "
-                    f"tokens): max error {err:.3g} against eager")
-        return None
+        return replay_mismatch(eager, replayed, tolerance, f"mixed-step graph replay canary "
+                               f"(bucket {bucket}, {ids.shape[0]} tokens)")
