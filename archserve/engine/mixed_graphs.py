@@ -14,8 +14,10 @@ captured kernels see the same shapes every time:
   whose context is only itself and whose table points at block 0: every row is attended
   and finite (a row left unwritten could hold NaNs, and a per-tensor activation scale
   reads every row); its slot mapping is -1, so it writes no KV;
-- the remaining sequence slots have no tokens: the attention kernel's programs for them
-  exit at once.
+- the remaining sequence slots have no tokens. The metadata is marked ``padded_bucket``,
+  and the Triton varlen kernel then lays its programs over query tiles of all sequences
+  (tokens / BLOCK_M + sequences) rather than max_query_len / BLOCK_M per slot: a 2,048-token
+  bucket with 257 slots would otherwise launch ~16x more programs, nearly all empty.
 
 Each bucket holds ``min(T, max_num_seqs) + 1`` sequence slots. The graph ends with the LM
 head on the rows the step samples (``logits_rows``, padded with row 0), so the output is
@@ -74,7 +76,8 @@ class MixedGraphRunner(StaticGraphRunner):
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[:seqs + 1], seq_lens=self.seq_lens[:seqs],
             block_tables=self.block_tables[:seqs], slot_mapping=self.slot_mapping[:tokens],
-            max_query_len=tokens, max_seq_len=self.max_model_len, num_seqs=seqs)
+            max_query_len=tokens, max_seq_len=self.max_model_len, num_seqs=seqs,
+            padded_bucket=True)
 
     def _forward_at(self, tokens: int) -> torch.Tensor:
         return self.forward_rows(self.input_ids[:tokens], self.positions[:tokens],

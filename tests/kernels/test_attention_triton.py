@@ -106,3 +106,24 @@ else:
                           case.meta.query_start_loc, out, num_seqs=2, max_query_len=45,
                           scale=case.layer.scale, tiles=(16, 16, 4, 1))
         torch.testing.assert_close(out[:61], expected, atol=2e-3, rtol=2e-3)
+
+    @pytest.mark.parametrize("window", [None, 24])
+    def test_prefill_flat_grid_with_empty_sequence_slots(window):
+        # A mixed batch as a captured bucket lays it out: decodes, a chunk over a prefix,
+        # a fresh prompt, then empty sequence slots; query tiles of 16 start mid-sequence.
+        case = make_case([(1, 40), (37, 60), (1, 9), (20, 20)], num_heads=4, num_kv_heads=2,
+                         seed=11, sliding_window=window)
+        expected, cache = case.run(ReferenceAttentionImpl())
+        meta = case.meta
+        tokens = case.query.shape[0]
+        empty = 5
+        starts = torch.cat((meta.query_start_loc, meta.query_start_loc[-1:].repeat(empty)))
+        seq_lens = torch.cat((meta.seq_lens, meta.seq_lens.new_zeros(empty)))
+        tables = torch.cat((meta.block_tables, meta.block_tables.new_zeros(
+            (empty, meta.block_tables.shape[1]))))
+        out = torch.full_like(case.query, float("nan"))
+        prefill_attention(case.query, cache, tables, seq_lens, starts, out,
+                          num_seqs=meta.num_seqs + empty, max_query_len=tokens,
+                          scale=case.layer.scale, sliding_window=window,
+                          tiles=(16, 16, 4, 1), flat_grid=True)
+        torch.testing.assert_close(out[:tokens], expected, atol=2e-3, rtol=2e-3)

@@ -44,6 +44,9 @@ class AttentionMetadata:
     # Host copies (lists) of the same facts, for backends that loop or build masks on the host.
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    # The step is laid out in a captured bucket's slots (engine/mixed_graphs.py): a padding
+    # sequence and empty sequence slots, so kernels should not launch work per slot.
+    padded_bucket: bool = False
 
     @classmethod
     def from_lengths(cls, query_lens: Sequence[int] | np.ndarray,

@@ -70,4 +70,4 @@ class TritonAttentionImpl(PagedAttentionImpl):
         else:
             prefill_attention(query, kv_cache, meta.block_tables, meta.seq_lens,
                               meta.query_start_loc, out, max_query_len=meta.max_query_len,
-                              **common)
+                              flat_grid=meta.padded_bucket, **common)

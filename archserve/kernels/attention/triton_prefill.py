@@ -56,18 +56,43 @@ def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
     return acc, l_i, m_i
 
 
-@triton.jit
+# Binary-search steps of the flat grid: enough for 2**16 sequences in one step.
+FLAT_SEARCH_STEPS: tl.constexpr = tl.constexpr(16)
+
+
+# num_seqs is read by the flat grid only: not specialised, so its value (1, a multiple of
+# 16) compiles no variant of its own.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                     out_ptr, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                     stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
-                    stride_block_table, qk_scale, v_scale, soft_cap, tune_bucket,
+                    stride_block_table, qk_scale, v_scale, soft_cap, tune_bucket, num_seqs,
                     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr):
-    m_block = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+                    DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr,
+                    FLAT_GRID: tl.constexpr):
+    if FLAT_GRID:
+        # One axis of query tiles over every sequence: sequence s owns the programs from
+        # query_start_loc[s] // BLOCK_M + s on (at least its cdiv(query_len, BLOCK_M)
+        # tiles), found by a binary search. A grid of tokens / BLOCK_M + sequences then
+        # covers any batch of that many tokens and sequences, and empty sequence slots
+        # (a captured bucket's padding) cost no program each.
+        flat = tl.program_id(0)
+        lo = num_seqs * 0          # an integer of num_seqs' type: carried through the loop
+        hi = num_seqs - 1
+        for _ in range(FLAT_SEARCH_STEPS):
+            mid = (lo + hi + 1) // 2
+            owns = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= flat
+            lo = tl.where(owns, mid, lo)
+            hi = tl.where(owns, hi, mid - 1)
+        seq = lo
+        m_block = flat - (tl.load(query_start_loc_ptr + seq) // BLOCK_M + seq)
+        head = tl.program_id(1)
+    else:
+        m_block = tl.program_id(0)
+        seq = tl.program_id(1)
+        head = tl.program_id(2)
     kv_head = head // GROUP
 
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -194,11 +219,14 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
                       sliding_window: int | None = None, soft_cap: float | None = None,
                       k_scale: float = 1.0, v_scale: float = 1.0,
                       tiles: tuple[int, int, int, int] | None = None,
-                      e4m3_bits: bool | None = None) -> torch.Tensor:
+                      e4m3_bits: bool | None = None, flat_grid: bool = False) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged context; writes ``out``.
 
     On a GPU the tiles are autotuned once per head size, group, dtype and feature set
     (16-bit dtypes; fp32 takes ``_prefill_tiles``); ``tiles`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) pins them (tests, tuning).
+    ``flat_grid``: one axis of query tiles over all sequences (tokens / BLOCK_M + sequences
+    programs) instead of max_query_len / BLOCK_M per sequence, for batches padded to a
+    captured bucket, where most sequence slots are empty.
     """
     _, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -211,22 +239,26 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
-            tune_bucket(max_query_len))
+            tune_bucket(max_query_len), num_seqs)
     constants = dict(
         GROUP=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
         BLOCK_D=triton.next_power_of_2(head_size), SLIDING_WINDOW=sliding_window or 0,
         USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
-        DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits)
+        DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, FLAT_GRID=flat_grid)
+    num_tokens = query.shape[0]
+
+    def programs(block_m: int) -> tuple[int, ...]:
+        if flat_grid:
+            return triton.cdiv(num_tokens, block_m) + num_seqs, num_heads
+        return triton.cdiv(max_query_len, block_m), num_seqs, num_heads
+
     # fp32 is not autotuned: its products run on FMA units (ieee tl.dot), where the tile
     # barely matters, while every candidate compiles for many seconds (a Gemma-3 start in
     # fp32 spent minutes tuning its sliding and global layers on an H200).
     if tiles is None and not triton_interpreted() and query.dtype != torch.float32:
-        def grid(meta: dict) -> tuple[int, int, int]:
-            return triton.cdiv(max_query_len, meta["BLOCK_M"]), num_seqs, num_heads
-        _tuned_prefill_kernel[grid](*args, **constants)
+        _tuned_prefill_kernel[lambda meta: programs(meta["BLOCK_M"])](*args, **constants)
         return out
     block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(head_size, query.dtype)
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n,
-                          num_warps=num_warps, num_stages=num_stages)
+    _prefill_kernel[programs(block_m)](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n,
+                                       num_warps=num_warps, num_stages=num_stages)
     return out
