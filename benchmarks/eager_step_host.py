@@ -5,8 +5,9 @@
     python benchmarks/eager_step_host.py ... --cuda-profile-first    # CUPTI attached first
 
 Builds an engine, then runs ``ModelRunner.run_prefill_probe`` (one eager forward of a
-prompt, nothing written to the cache) at each --lengths, plus one mixed batch (--mixed:
-32 one-token rows and a 256-token chunk), and reports per step:
+prompt, nothing written to the cache; under ``--compilation-config '{"cudagraph_mode":
+"FULL"}'`` the replay of the bucket's graph where one fits) at each --lengths, plus one
+mixed batch (--mixed: 32 one-token rows and a 256-token chunk), and reports per step:
 
 - ``host_ms``: the time until the call returns to Python, i.e. until every kernel of the
   step is launched;
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="one batch of ROWSx1+CHUNK: decode-like rows and one prompt chunk")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cuda-profile-first", action="store_true")
+    ap.add_argument("--compilation-config", default=None,
+                    help='e.g. \'{"cudagraph_mode": "FULL"}\': steps that fit a captured '
+                         'bucket then replay its graph (the host time of a replay)')
     ap.add_argument("--cprofile", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -72,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(
         model=path, load_format=args.load_format, dtype=args.dtype,
         max_model_len=args.max_model_len, max_num_seqs=64,
+        compilation_config=args.compilation_config,
         skip_tokenizer_init=dummy_without_tokenizer(path, args.load_format)))
     runner = engine.runner
     cuda = runner.device.type == "cuda"
@@ -98,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:>10} tokens {sum(lengths):5d}: host {host_ms:8.2f} ms   "
               f"wall {wall_ms:8.2f} ms", flush=True)
     result = {"model": args.model, "device": str(runner.device),
-              "cuda_profile_first": args.cuda_profile_first, "steps": rows}
+              "cuda_profile_first": args.cuda_profile_first,
+              "compilation_config": args.compilation_config,
+              "mixed_graph_buckets": runner.mixed_graphs.set.sizes if runner.mixed_graphs else [],
+              "steps": rows}
     if args.cprofile:
         prof = cProfile.Profile()
         prof.enable()

@@ -113,6 +113,8 @@ step decode_layer 35 120 python3 benchmarks/bench_decode_layer.py --models qwen3
 step eager_host 45 120 python3 benchmarks/eager_step_host.py $EQ --out "$D/eager_host.json"
 step eager_host_cupti 45 120 python3 benchmarks/eager_step_host.py $EQ --cuda-profile-first \
   --cprofile 25 --out "$D/eager_host_cupti.json"
+step eager_host_full 50 120 python3 benchmarks/eager_step_host.py $EQ \
+  --compilation-config '{"cudagraph_mode":"FULL"}' --out "$D/eager_host_full.json"
 # (d) issue 21's serving tail, shortened: the auto budget (then the old fixed 8192) at 8, 16
 # and 24 requests/s for 10 s each; the two took 190 s in session 12, and what ran is kept
 # if cut.
