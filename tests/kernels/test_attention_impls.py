@@ -143,3 +143,29 @@ def test_gpu_split_kv_decode_matches_reference(num_splits):
                      scale=case.layer.scale, sliding_window=700, soft_cap=20.0,
                      num_splits=num_splits)
     torch.testing.assert_close(out[:3].float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("features", [{}, {"sliding_window": 100, "soft_cap": 30.0}])
+def test_gpu_flat_grid_prefill_with_empty_slots_matches_reference(features):
+    """The layout of a captured mixed-step bucket (engine/mixed_graphs.py): decodes, a chunk
+    over a prefix, a fresh prompt, then empty sequence slots; the autotuned bf16 kernel on
+    its flat grid of query tiles, with max_query_len the bucket's token count."""
+    from archserve.kernels.attention.reference import ReferenceAttentionImpl
+    from archserve.kernels.attention.triton_prefill import prefill_attention
+    case = make_case([(1, 1500), (300, 700), (1, 40), (77, 77)], num_heads=32, num_kv_heads=8,
+                     head_size=128, dtype=torch.bfloat16, device="cuda", **features)
+    expected, cache = case.run(ReferenceAttentionImpl())
+    meta, tokens, empty = case.meta, case.query.shape[0], 60
+    starts = torch.cat((meta.query_start_loc, meta.query_start_loc[-1:].repeat(empty)))
+    seq_lens = torch.cat((meta.seq_lens, meta.seq_lens.new_zeros(empty)))
+    tables = torch.cat((meta.block_tables, meta.block_tables.new_zeros(
+        (empty, meta.block_tables.shape[1]))))
+    out = torch.full_like(case.query, float("nan"))
+    prefill_attention(case.query, cache, tables, seq_lens, starts, out,
+                      num_seqs=meta.num_seqs + empty, max_query_len=512,
+                      scale=case.layer.scale, flat_grid=True,
+                      sliding_window=features.get("sliding_window"),
+                      soft_cap=features.get("soft_cap"))
+    torch.testing.assert_close(out[:tokens].float(), expected.float(), atol=3e-2, rtol=3e-2)
