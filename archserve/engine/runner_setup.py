@@ -8,6 +8,7 @@ and on the KV pool before they allocate it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,8 @@ from archserve.engine.step_budget import resolve_token_budget, runner_cost_model
 from archserve.engine.step_weights import StepWeights
 from archserve.models.layers.kv_scales import is_quantized_cache
 from archserve.platform.decision import Decision
+
+log = logging.getLogger("archserve")
 
 DEFAULT_MAX_BATCHED_TOKENS = 8192
 
@@ -79,9 +82,19 @@ def capture_mixed_step_graphs(runner: ModelRunner, compilation, selection, max_b
         return Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY",
                         f"{selection.name} reads per-sequence lengths on the host in steps "
                         f"with prompt tokens, so only decode steps are captured")
-    runner.capture_mixed_graphs(min(max_batched, TOKEN_BUCKETS[-1]), max_num_seqs)
+    try:
+        runner.capture_mixed_graphs(min(max_batched, TOKEN_BUCKETS[-1]), max_num_seqs)
+    except Exception as exc:   # a failed capture of one bucket is demoted inside; this is the rest
+        runner.mixed_graphs = None
+        log.warning("mixed-step CUDA graphs failed (%s: %s); steps with prompt tokens run "
+                    "eagerly", type(exc).__name__, exc)
+        return Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY",
+                        f"capturing the mixed-step graphs failed ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}); steps with prompt "
+                        f"tokens run eagerly")
     captured = runner.mixed_graphs.set
     if not captured.sizes:
+        runner.mixed_graphs = None
         return Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY",
                         "no mixed-step graph survived capture and its replay canary: "
                         + describe_demoted([], captured.demoted))
@@ -188,8 +201,9 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
         agree.same("the captured CUDA graph sizes", runner.graphs.set.sizes)
         decisions.append(capture_mixed_step_graphs(runner, compilation, selection, max_batched,
                                                    config.max_num_seqs))
-        if runner.mixed_graphs is not None:   # a rank replaying eagerly would desynchronise
-            agree.same("the captured mixed-step graph buckets", runner.mixed_graphs.set.sizes)
+        # Every rank alike (a rank replaying eagerly would desynchronise the collectives).
+        agree.same("the captured mixed-step graph buckets",
+                   runner.mixed_graphs.set.sizes if runner.mixed_graphs else [])
     graphs_s = startup.elapsed(t_graphs)
     t_budget = time.perf_counter()   # after the warm-up: a timed step compiles nothing
     budget = resolve_token_budget(config.target_itl_ms, config.max_num_batched_tokens,
