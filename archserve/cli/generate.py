@@ -16,7 +16,7 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help="Per-request seed fo
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto, bfloat16, float16, float32.")]
 BackendOpt = Annotated[str | None, typer.Option("--attention-backend", help="Force an attention backend (validated; see `archserve explain`).")]
 EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")]
-CompilationOpt = Annotated[str | None, typer.Option("--compilation-config", "-O", help='vLLM\'s compilation config as JSON; archserve takes cudagraph_mode (FULL_DECODE_ONLY, the default; FULL: steps with prompt tokens replay CUDA graphs too; NONE) and cudagraph_capture_sizes, e.g. \'{"cudagraph_mode": "FULL"}\'.')]
+CompilationOpt = Annotated[str | None, typer.Option("--compilation-config", "-O", help='vLLM\'s compilation config as JSON; archserve takes cudagraph_mode (FULL_DECODE_ONLY, the default; FULL: steps with prompt tokens replay CUDA graphs too; NONE) and cudagraph_capture_sizes, e.g. \'{"cudagraph_mode": "FULL"}\'; -O3 (a level) changes nothing.')]
 AsyncSchedulingOpt = Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later). Default: on for CUDA, off on CPU.")]
 MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Sequences in one batch at most.")]
 LoadFormatOpt = Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")]

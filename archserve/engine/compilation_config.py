@@ -8,7 +8,9 @@ keys it takes:
   token buckets: engine/mixed_graphs.py) or ``NONE`` (no graphs, as ``enforce_eager``).
   ``PIECEWISE`` and ``FULL_AND_PIECEWISE`` need graphs split around attention, which
   archserve does not build;
-- ``cudagraph_capture_sizes``: the decode batch sizes to capture (``cuda_graph_sizes``).
+- ``cudagraph_capture_sizes``: the decode batch sizes to capture (``cuda_graph_sizes``);
+- an optimisation level (``-O3``, or ``level``: 0-3) is accepted and changes nothing, since
+  archserve has no torch.compile levels; its graphs follow ``cudagraph_mode`` alone.
 
 Any other key is refused by name rather than ignored.
 """
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
 _NOT_BUILT = ("PIECEWISE", "FULL_AND_PIECEWISE")
-_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes")
+_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "level")
+_LEVELS = range(4)
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,17 @@ def parse_compilation_config(value: dict | str | None) -> CompilationChoice:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"compilation_config is not JSON: {exc}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = {"level": value}                 # -O3: vLLM's optimisation level
     if not isinstance(value, dict):
         raise ValueError("compilation_config must be a JSON object such as "
-                         '{"cudagraph_mode": "FULL"} (archserve has no optimisation levels)')
+                         '{"cudagraph_mode": "FULL"}, or an optimisation level 0-3')
     unknown = sorted(set(value) - set(_KEYS))
     if unknown:
         raise ValueError(f"compilation_config key(s) {', '.join(unknown)} not supported by "
                          f"archserve; supported: {', '.join(_KEYS)}")
+    if "level" in value and value["level"] not in _LEVELS:
+        raise ValueError(f"optimisation level {value['level']!r} is not one of 0-3")
     mode = str(value.get("cudagraph_mode", "FULL_DECODE_ONLY")).upper()
     mode = mode.removeprefix("CUDAGRAPHMODE.")   # vLLM's enum printed as text
     if mode in _NOT_BUILT:

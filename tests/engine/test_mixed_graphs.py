@@ -26,16 +26,20 @@ def test_compilation_config_takes_vllms_cudagraph_keys():
     assert parse_compilation_config('{"cudagraph_mode": "NONE"}').cudagraph_mode == "NONE"
     choice = parse_compilation_config({"cudagraph_capture_sizes": [8, 1, 8, 4]})
     assert choice == CompilationChoice("FULL_DECODE_ONLY", (1, 4, 8))
+    # vLLM's -O3 / {"level": 3}: accepted, no torch.compile levels to change.
+    assert parse_compilation_config("3") == parse_compilation_config({"level": 0}) \
+        == CompilationChoice()
 
 
 @pytest.mark.parametrize("value, message", [
     ({"cudagraph_mode": "PIECEWISE"}, "split around attention"),
     ({"cudagraph_mode": "FULL_AND_PIECEWISE"}, "split around attention"),
     ({"cudagraph_mode": "SOMETIMES"}, "unknown cudagraph_mode"),
-    ({"level": 3}, "level not supported"),
+    ({"debug_dump_path": "/tmp"}, "debug_dump_path not supported"),
+    ({"level": 7}, "not one of 0-3"),
     ({"cudagraph_capture_sizes": [0]}, "positive integers"),
     ("{not json", "not JSON"),
-    (3, "JSON object"),
+    ("[1, 2]", "JSON object"),
 ])
 def test_compilation_config_refuses_what_archserve_lacks(value, message):
     with pytest.raises(ValueError, match=message):
