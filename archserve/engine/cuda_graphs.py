@@ -142,8 +142,9 @@ class StaticGraphRunner:
                 blocks.copy_(before)
 
     def _canary_blocks(self) -> int:
-        """How many KV blocks the canary's rows use (row r reads block r mod this)."""
-        return min(CANARY_BLOCKS, self.block_tables.shape[1])
+        """How many KV blocks the canary's rows use (row r reads block r mod this): no more
+        than one sequence's, which the pool always holds."""
+        return min(CANARY_BLOCKS, self.max_blocks_per_seq)
 
     def _canary_at(self, size: int, tolerance: float) -> str | None:
         """None when the graph of ``size`` replays a step as it runs eagerly, else why not."""
@@ -166,6 +167,7 @@ class DecodeGraphRunner(StaticGraphRunner):
         super().__init__(device)
         self.forward = forward  # callable(input_ids, positions, meta) -> [T, ...] output
         self.max_model_len = max_model_len
+        self.max_blocks_per_seq = max_blocks_per_seq
         n = max_size
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)

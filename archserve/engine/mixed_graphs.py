@@ -13,7 +13,10 @@ captured kernels see the same shapes every time:
 - the ``T - t`` padding tokens form one more sequence (slot ``s``) of that many tokens,
   whose context is only itself and whose table points at block 0: every row is attended
   and finite (a row left unwritten could hold NaNs, and a per-tensor activation scale
-  reads every row); its slot mapping is -1, so it writes no KV;
+  reads every row); its slot mapping is -1, so it writes no KV. It can be longer than
+  ``max_model_len`` (a 2,048 bucket over 600 tokens of a 512-token model), so its tokens
+  sit at position 0 (rotary reads no row past the model's table) and the static block
+  table is wide enough for a bucket (its kernel reads no column past the row);
 - the remaining sequence slots have no tokens. The metadata is marked ``padded_bucket``,
   and the Triton varlen kernel then lays its programs over query tiles of all sequences
   (tokens / BLOCK_M + sequences) rather than max_query_len / BLOCK_M per slot: a 2,048-token
@@ -62,10 +65,11 @@ class MixedGraphRunner(StaticGraphRunner):
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((seqs, max_blocks_per_seq), dtype=torch.int32,
-                                        device=device)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        # The padding sequence's context is up to a whole bucket of tokens.
+        width = max(max_blocks_per_seq, -(-max_tokens // block_size))
+        self.block_tables = torch.zeros((seqs, width), dtype=torch.int32, device=device)
         self.logits_rows = torch.zeros(seqs, dtype=torch.long, device=device)
-        self.padding_positions = torch.arange(max_tokens, dtype=torch.long, device=device)
 
     def seq_slots(self, tokens: int) -> int:
         """Sequence slots of the bucket of ``tokens`` tokens: its sequences and the padding one."""
@@ -98,7 +102,7 @@ class MixedGraphRunner(StaticGraphRunner):
         self.input_ids[:t].copy_(input_ids, non_blocking=True)
         self.input_ids[t:bucket].zero_()
         self.positions[:t].copy_(positions, non_blocking=True)
-        self.positions[t:bucket].copy_(self.padding_positions[:pad])
+        self.positions[t:bucket].zero_()
         self.slot_mapping[:t].copy_(meta.slot_mapping, non_blocking=True)
         self.slot_mapping[t:bucket].fill_(-1)
         self.query_start_loc[:s + 1].copy_(meta.query_start_loc, non_blocking=True)

@@ -64,6 +64,38 @@ def test_token_buckets_cover_every_step_size_up_to_the_largest():
     assert mixed_graph_buckets(10) == [10]
 
 
+
+def test_a_buckets_padding_stays_inside_what_a_real_step_can_address():
+    # A 512-token bucket over four 70-token prompts of a 128-token model: the padding
+    # sequence (232 tokens, longer than any real one) sits in the last sequence slot of
+    # the static buffers, where a column past its block-table row is past the buffer.
+    import torch
+
+    from archserve.engine.mixed_graphs import MixedGraphRunner
+    from archserve.kernels.attention.interface import AttentionMetadata
+    block_size, max_model_len, seqs, q = 16, 128, 4, 70
+    max_blocks = max_model_len // block_size
+    mixed = MixedGraphRunner(None, torch.device("cpu"), 2048, seqs, max_blocks, max_model_len,
+                             block_size)
+    tables = torch.arange(seqs * 5, dtype=torch.int32).view(seqs, 5)
+    meta = AttentionMetadata.from_lengths([q] * seqs, [q] * seqs, tables,
+                                          torch.arange(seqs * q), "cpu")
+    positions = torch.arange(q).repeat(seqs)
+    bucket = 512
+    mixed.load(bucket, torch.zeros(seqs * q, dtype=torch.long), positions, meta,
+               torch.arange(1, seqs + 1) * q - 1)
+    slots = mixed.seq_slots(bucket)
+    assert mixed.seq_lens[seqs].item() == bucket - seqs * q   # the padding sequence
+    # Every position is one the model's rotary table has (a real step's are below
+    # max_model_len), and every slot's context fits its own block-table row.
+    assert int(mixed.positions[:bucket].max()) < max_model_len
+    widths = -(-mixed.seq_lens[:slots] // block_size)
+    assert int(widths.max()) <= mixed.block_tables.shape[1]
+    assert torch.equal(mixed.positions[:seqs * q], positions)
+    assert torch.equal(mixed.block_tables[:seqs, :5], tables)
+    assert not mixed.block_tables[seqs:slots].any()     # padding reads block 0 only
+
+
 CHILD = r"""
 import json, sys, torch
 from archserve import LLM
