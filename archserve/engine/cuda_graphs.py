@@ -76,9 +76,15 @@ class StaticGraphRunner:
         """The step of ``size`` over the static buffers (eager; captured by ``capture``)."""
         raise NotImplementedError
 
+    def _before_capture(self, size: int) -> None:
+        """Fill the static buffers with a step worth warming up and tuning on (default:
+        leave them as they are)."""
+
     def capture(self, sizes: list[int]) -> GraphSet:
         for size in sorted(sizes, reverse=True):  # largest first: later graphs reuse its pool
+            graph = None
             try:
+                self._before_capture(size)
                 # Warm this exact shape eagerly first, so lazy initialisation (cuBLAS
                 # workspaces, Triton compilation) happens outside the capture.
                 warm = self._forward_at(size)
@@ -100,7 +106,9 @@ class StaticGraphRunner:
                 log.warning("%s capture for size %d failed (%s); its steps replay the next "
                             "larger graph, or run eager above the largest",
                             type(self).__name__, size, reason)
+                del graph   # with its private pool: blocks cached there are freed only by
                 torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()   # this, and the next capture may need them
         self.set.sizes = sorted(self.set.graphs)
         return self.set
 

@@ -83,6 +83,16 @@ class MixedGraphRunner(StaticGraphRunner):
             max_query_len=tokens, max_seq_len=self.max_model_len, num_seqs=seqs,
             padded_bucket=True)
 
+    def _before_capture(self, tokens: int) -> None:
+        """A step of padding alone (one sequence of the bucket's tokens): the warm-up before
+        the capture then runs, and the autotuner times, real work rather than programs that
+        all exit at once (empty buffers)."""
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata.from_lengths(
+            [], [], torch.zeros((0, 1), dtype=torch.int32, device=self.device), empty,
+            self.device)
+        self.load(tokens, empty, empty, meta, empty)
+
     def _forward_at(self, tokens: int) -> torch.Tensor:
         return self.forward_rows(self.input_ids[:tokens], self.positions[:tokens],
                                  self._meta(tokens), self.logits_rows[:self.seq_slots(tokens)])

@@ -217,7 +217,8 @@ class ModelRunner:
 
     def capture_mixed_graphs(self, max_tokens: int, max_num_seqs: int) -> None:
         """Graphs for steps that carry prompt tokens, at the token buckets up to
-        ``max_tokens`` (engine/mixed_graphs.py), checked by their replay canary."""
+        ``max_tokens`` (engine/mixed_graphs.py); their replay canary is the caller's to run,
+        once every rank holds the same buckets."""
         buckets = mixed_graph_buckets(max_tokens)
         self.mixed_graphs = MixedGraphRunner(self._forward_rows, self.device, max(buckets),
                                              max_num_seqs, self.max_blocks_per_seq,
@@ -225,7 +226,6 @@ class ModelRunner:
         start = time.perf_counter()
         with torch.inference_mode(), decode_graph_scope():
             result = self.mixed_graphs.capture(buckets)
-        self.mixed_graphs.replay_canary(self.kv_caches)
         log.info("captured CUDA graphs for mixed steps at %d token buckets in %.1fs%s",
                  len(result.sizes), time.perf_counter() - start,
                  f"; not captured: {describe_demoted(result.sizes, result.demoted)}"

@@ -70,35 +70,60 @@ def peek_model_config(model_path: str | None):
     return load_model_config(resolve_model_path(model_path))
 
 
-def capture_mixed_step_graphs(runner: ModelRunner, compilation, selection, max_batched: int,
-                              max_num_seqs: int) -> Decision:
-    """cudagraph_mode: whether steps with prompt tokens replay graphs too (FULL), and why."""
+def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calibrate: bool,
+                           max_batched: int) -> tuple[int, Decision | None]:
+    """cudagraph_mode: (the largest step in tokens that mixed-step graphs will cover, 0 for
+    none; the decision when that is already settled here, else None)."""
     requested = compilation.cudagraph_mode
+
+    def decode_only(reason: str) -> tuple[int, Decision]:
+        return 0, Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY"
+                           if graphs_off is None or calibrate else "NONE", reason)
+
     if requested != "FULL":
-        return Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY",
-                        "decode steps replay CUDA graphs; steps with prompt tokens run "
-                        "eagerly (compilation_config cudagraph_mode FULL captures those too)")
+        if graphs_off is not None and not calibrate:
+            return 0, None                # graphs are off: cuda_graphs_off_reason says why
+        return decode_only("decode steps replay CUDA graphs; steps with prompt tokens run "
+                           "eagerly (compilation_config cudagraph_mode FULL captures those "
+                           "too)")
+    if calibrate:
+        return decode_only("calculate_kv_scales: the graphs are captured after the first "
+                           "prefill, decode steps only")
+    if graphs_off is not None:
+        return decode_only(f"no CUDA graphs: {graphs_off}")
     if not selection.backend.mixed_graph_capturable:
-        return Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY",
-                        f"{selection.name} reads per-sequence lengths on the host in steps "
-                        f"with prompt tokens, so only decode steps are captured")
-    try:
-        runner.capture_mixed_graphs(min(max_batched, TOKEN_BUCKETS[-1]), max_num_seqs)
-    except Exception as exc:   # a failed capture of one bucket is demoted inside; this is the rest
+        return decode_only(f"{selection.name} reads per-sequence lengths on the host in steps "
+                           f"with prompt tokens, so only decode steps are captured")
+    return min(max_batched, TOKEN_BUCKETS[-1]), None
+
+
+def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: int,
+                              agree: RankAgreement) -> Decision:
+    """Capture the mixed-step graphs up to ``tokens`` and check them (every rank alike,
+    before their canaries run collectives of a bucket's size); FULL, or why not."""
+    def decode_only(reason: str) -> Decision:
         runner.mixed_graphs = None
+        agree.same("the captured mixed-step graph buckets", [])
+        return Decision("cudagraph_mode", "FULL", "FULL_DECODE_ONLY", reason)
+
+    try:
+        runner.capture_mixed_graphs(tokens, max_num_seqs)
+        agree.same("the captured mixed-step graph buckets", runner.mixed_graphs.set.sizes)
+        runner.mixed_graphs.replay_canary(runner.kv_caches)
+    except Exception as exc:   # a failed capture of one bucket is demoted inside; this is the rest
+        if isinstance(exc, ValueError) and "ranks disagree" in str(exc):
+            raise
         log.warning("mixed-step CUDA graphs failed (%s: %s); steps with prompt tokens run "
                     "eagerly", type(exc).__name__, exc)
-        return Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY",
-                        f"capturing the mixed-step graphs failed ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0] if str(exc) else ''}); steps with prompt "
-                        f"tokens run eagerly")
+        return decode_only(f"capturing the mixed-step graphs failed ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}); steps with "
+                           f"prompt tokens run eagerly")
     captured = runner.mixed_graphs.set
     if not captured.sizes:
-        runner.mixed_graphs = None
-        return Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY",
-                        "no mixed-step graph survived capture and its replay canary: "
-                        + describe_demoted([], captured.demoted))
-    return Decision("cudagraph_mode", requested, "FULL",
+        return decode_only("no mixed-step graph survived capture and its replay canary: "
+                           + describe_demoted([], captured.demoted))
+    agree.same("the captured mixed-step graph buckets", captured.sizes)
+    return Decision("cudagraph_mode", "FULL", "FULL",
                     f"steps with prompt tokens replay graphs at token buckets "
                     f"{captured.sizes} (a larger step runs eagerly)"
                     + (f"; not captured: {describe_demoted(captured.sizes, captured.demoted)}"
@@ -171,9 +196,13 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     if not config.enable_chunked_prefill:
         max_batched = max(max_batched, max_model_len)  # a whole prompt fits one step
     kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
+    calibrate = config.calculate_kv_scales and is_quantized_cache(kv_cache_dtype)
+    mixed_tokens, mixed_decision = plan_mixed_step_graphs(compilation, graphs_off, selection,
+                                                          calibrate, max_batched)
     num_blocks, sizing = startup.size_kv_pool(config, runner, rank_mc, kv_torch_dtype,
                                               max_batched, max_model_len,
-                                              config.max_num_seqs, torch_device)
+                                              config.max_num_seqs, torch_device,
+                                              mixed_graph_tokens=mixed_tokens)
     if tp.size > 1:
         own, num_blocks = num_blocks, agree.min(num_blocks)
         sizing += (f"; the smallest of {tp.size} ranks' pools (this rank: {own})"
@@ -188,7 +217,6 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     if torch_device.type == "cuda":  # JIT compilers run on GPUs only
         runner.warm_up_prefill(max_batched, config.max_num_seqs)
     warm_up_s = startup.elapsed(t_warm)
-    calibrate = config.calculate_kv_scales and is_quantized_cache(kv_cache_dtype)
     deferred_graphs = graph_sizes if calibrate else []
     graphs = graphs_off is None and not calibrate
     if deferred_graphs:
@@ -199,11 +227,11 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     if graphs:
         runner.capture_cuda_graphs(graph_sizes)
         agree.same("the captured CUDA graph sizes", runner.graphs.set.sizes)
-        decisions.append(capture_mixed_step_graphs(runner, compilation, selection, max_batched,
-                                                   config.max_num_seqs))
-        # Every rank alike (a rank replaying eagerly would desynchronise the collectives).
-        agree.same("the captured mixed-step graph buckets",
-                   runner.mixed_graphs.set.sizes if runner.mixed_graphs else [])
+        if mixed_tokens:
+            mixed_decision = capture_mixed_step_graphs(runner, mixed_tokens,
+                                                       config.max_num_seqs, agree)
+    if mixed_decision is not None:
+        decisions.append(mixed_decision)
     graphs_s = startup.elapsed(t_graphs)
     t_budget = time.perf_counter()   # after the warm-up: a timed step compiles nothing
     budget = resolve_token_budget(config.target_itl_ms, config.max_num_batched_tokens,

@@ -21,7 +21,6 @@ from archserve.engine.kv_cache import (
     cuda_available_kv_bytes,
     kv_dtype_of,
 )
-from archserve.engine.mixed_graphs import mixed_graph_buckets
 from archserve.kernels.catalog import select_attention_backend
 from archserve.kernels.registry import BackendError, Selection
 from archserve.kernels.specs import AttentionSpec
@@ -152,8 +151,9 @@ def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype)
 
 def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: torch.dtype,
                  max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
-                 torch_device: torch.device) -> tuple[int, str]:
-    """Number of KV blocks, and how that number was reached."""
+                 torch_device: torch.device, mixed_graph_tokens: int = 0) -> tuple[int, str]:
+    """Number of KV blocks, and how that number was reached. ``mixed_graph_tokens``: the
+    largest bucket of the mixed-step graphs to be captured (0: none)."""
     per_block = bytes_per_block(model_config.num_layers, runner.block_size,
                                 model_config.kv_cache_heads, model_config.kv_cache_head_size,
                                 kv_torch_dtype, model_config.kv_cache_planes)
@@ -168,10 +168,11 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
         # plus their LM-head output (float32 logits, and the model-dtype product before it).
         logits_bytes = max_num_seqs * model_config.vocab_size * (4 + 2)
         reserve = 0 if config.enforce_eager else (256 << 20) + logits_bytes
-        if parse_compilation_config(config.compilation_config).cudagraph_mode == "FULL":
-            # The mixed-step graphs' pool holds the activations of their largest bucket.
-            largest = max(mixed_graph_buckets(max_num_batched_tokens))
-            reserve += int(peak * min(1.0, largest / max_num_batched_tokens)) + logits_bytes
+        if mixed_graph_tokens:
+            # The mixed-step graphs' pool holds the activations of their largest bucket,
+            # and their output buffer the float32 logits of every sequence slot.
+            reserve += (int(peak * min(1.0, mixed_graph_tokens / max_num_batched_tokens))
+                        + logits_bytes + (max_num_seqs + 1) * model_config.vocab_size * 4)
         avail = cuda_available_kv_bytes(torch_device, config.gpu_memory_utilization, peak, reserve)
         return blocks_for_budget(avail, per_block), (
             f"gpu_memory_utilization={config.gpu_memory_utilization}, activation peak "

@@ -50,8 +50,12 @@ def test_an_engine_refuses_a_bad_compilation_config_and_runs_a_good_one(tiny_che
     path = tiny_checkpoint("llama")
     with pytest.raises(ValueError, match="split around attention"):
         LLM(path, dtype="float32", compilation_config={"cudagraph_mode": "PIECEWISE"})
-    # On a CPU there are no graphs to capture: FULL is accepted and changes nothing.
+    # On a CPU there are no graphs to capture: FULL is accepted, and the start-up says why
+    # it changes nothing.
     llm = LLM(path, dtype="float32", compilation_config={"cudagraph_mode": "FULL"})
+    decision = next(d for d in llm.llm_engine.report.decisions if d.what == "cudagraph_mode")
+    assert (decision.requested, decision.chosen) == ("FULL", "NONE")
+    assert "no CUDA graphs" in decision.reason
     out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=3))
     assert len(out[0].outputs[0].token_ids) == 3
 
