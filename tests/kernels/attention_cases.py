@@ -11,6 +11,7 @@ from archserve.kernels.attention.cases import (  # noqa: F401  (re-exported for 
     make_case,
     reference_run,
     tolerance,
+    with_empty_slots,
 )
 
 

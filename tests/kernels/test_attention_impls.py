@@ -11,7 +11,12 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from attention_cases import CPU_CASES, assert_matches_reference, make_case  # noqa: E402
+from attention_cases import (  # noqa: E402
+    CPU_CASES,
+    assert_matches_reference,
+    make_case,
+    with_empty_slots,
+)
 
 from archserve.kernels.attention.flex_backend import FlexAttentionImpl  # noqa: E402
 from archserve.kernels.attention.sdpa_backend import SdpaAttentionImpl  # noqa: E402
@@ -158,10 +163,7 @@ def test_gpu_flat_grid_prefill_with_empty_slots_matches_reference(features):
                      head_size=128, dtype=torch.bfloat16, device="cuda", **features)
     expected, cache = case.run(ReferenceAttentionImpl())
     meta, tokens, empty = case.meta, case.query.shape[0], 60
-    starts = torch.cat((meta.query_start_loc, meta.query_start_loc[-1:].repeat(empty)))
-    seq_lens = torch.cat((meta.seq_lens, meta.seq_lens.new_zeros(empty)))
-    tables = torch.cat((meta.block_tables, meta.block_tables.new_zeros(
-        (empty, meta.block_tables.shape[1]))))
+    starts, seq_lens, tables = with_empty_slots(meta, empty)
     out = torch.full_like(case.query, float("nan"))
     prefill_attention(case.query, cache, tables, seq_lens, starts, out,
                       num_seqs=meta.num_seqs + empty, max_query_len=512,

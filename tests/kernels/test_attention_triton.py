@@ -29,7 +29,12 @@ if not INTERPRETED:
 
 else:
     sys.path.insert(0, os.path.dirname(__file__))
-    from attention_cases import CPU_CASES, assert_matches_reference, make_case
+    from attention_cases import (
+        CPU_CASES,
+        assert_matches_reference,
+        make_case,
+        with_empty_slots,
+    )
 
     from archserve.kernels.attention.reference import ReferenceAttentionImpl
     from archserve.kernels.attention.triton_backend import TritonAttentionImpl
@@ -117,10 +122,7 @@ else:
         meta = case.meta
         tokens = case.query.shape[0]
         empty = 5
-        starts = torch.cat((meta.query_start_loc, meta.query_start_loc[-1:].repeat(empty)))
-        seq_lens = torch.cat((meta.seq_lens, meta.seq_lens.new_zeros(empty)))
-        tables = torch.cat((meta.block_tables, meta.block_tables.new_zeros(
-            (empty, meta.block_tables.shape[1]))))
+        starts, seq_lens, tables = with_empty_slots(meta, empty)
         out = torch.full_like(case.query, float("nan"))
         prefill_attention(case.query, cache, tables, seq_lens, starts, out,
                           num_seqs=meta.num_seqs + empty, max_query_len=tokens,

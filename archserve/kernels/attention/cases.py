@@ -137,3 +137,14 @@ def compare_runs(case, impl, reference, tol: float) -> str | None:  # noqa: ANN0
     if err > bound:
         return f"max error {err:.3g} against TORCH_REFERENCE exceeds {bound:.3g}"
     return None
+
+
+def with_empty_slots(meta: AttentionMetadata, empty: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query_start_loc, seq_lens, block_tables) of ``meta`` followed by ``empty`` sequence
+    slots without tokens, as a captured mixed-step bucket lays a step out."""
+    starts = torch.cat((meta.query_start_loc, meta.query_start_loc[-1:].repeat(empty)))
+    seq_lens = torch.cat((meta.seq_lens, meta.seq_lens.new_zeros(empty)))
+    tables = torch.cat((meta.block_tables,
+                        meta.block_tables.new_zeros((empty, meta.block_tables.shape[1]))))
+    return starts, seq_lens, tables
