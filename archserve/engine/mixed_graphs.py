@@ -5,7 +5,9 @@ eager step cost 15-19 ms of host time at every length from 1 to 2,048 tokens (la
 ~250 kernels; docs/benchmarks.md), while the device needed a few ms. A server's mixed
 steps (running decodes plus a prompt chunk) pay that on every inter-token gap they hold.
 
-One graph per token bucket ``T`` (a ladder up to 2,048). A step of ``t <= T`` tokens and
+One graph per token bucket ``T`` (a ladder of 1.5x and 2x steps up to 2,048, and no
+further than a step whose matmuls would make it compute-bound: ``host_bound_tokens``;
+beyond that a graph saves no time and its padding adds FLOPs). A step of ``t <= T`` tokens and
 ``s`` sequences replays the smallest bucket that fits, over static buffers padded so the
 captured kernels see the same shapes every time:
 
@@ -36,7 +38,14 @@ import torch
 from archserve.engine.cuda_graphs import StaticGraphRunner, replay_mismatch
 from archserve.kernels.attention.interface import AttentionMetadata
 
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+# Steps of 1.5x or 2x: a step pads by at most a third of its bucket (multiples of 16, so
+# Triton compiles no variant for the odd ones).
+TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# A bucket is captured only while its step's matmuls take less than this at the device's
+# matmul rate. Beyond it an eager step keeps the device busy while the host launches (it is
+# compute-bound), and a graph would only add its padding's FLOPs. A prediction from the
+# 15-19 ms of host time an eager 0.6B step took on an H200, not yet measured per model.
+COMPUTE_BOUND_S = 0.015
 
 
 def mixed_graph_buckets(max_tokens: int) -> list[int]:
@@ -45,6 +54,15 @@ def mixed_graph_buckets(max_tokens: int) -> list[int]:
     if max_tokens < TOKEN_BUCKETS[-1] and (not buckets or buckets[-1] < max_tokens):
         buckets.append(max_tokens)   # the largest step the engine builds still fits one
     return buckets
+
+
+def host_bound_tokens(flops_per_token: float, matmul_flops_per_s: float,
+                      limit: int = TOKEN_BUCKETS[-1]) -> int:
+    """The largest bucket (at most ``limit``) whose step's matmuls take under
+    ``COMPUTE_BOUND_S``: the steps a graph can speed up."""
+    tokens = COMPUTE_BOUND_S * matmul_flops_per_s / max(flops_per_token, 1.0)
+    fitting = [t for t in TOKEN_BUCKETS if t <= tokens] or [TOKEN_BUCKETS[0]]
+    return min(limit, fitting[-1])
 
 
 class MixedGraphRunner(StaticGraphRunner):

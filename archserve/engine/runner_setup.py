@@ -31,7 +31,7 @@ from archserve.engine.decode_gemms import (
     tune_quantized_decode,
 )
 from archserve.engine.kernel_cache import configure_kernel_caches
-from archserve.engine.mixed_graphs import TOKEN_BUCKETS
+from archserve.engine.mixed_graphs import COMPUTE_BOUND_S, TOKEN_BUCKETS, host_bound_tokens
 from archserve.engine.model_runner import ModelRunner
 from archserve.engine.rank_memory import measure_rank_memory
 from archserve.engine.sampler import Sampler
@@ -71,7 +71,8 @@ def peek_model_config(model_path: str | None):
 
 
 def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calibrate: bool,
-                           max_batched: int) -> tuple[int, Decision | None]:
+                           max_batched: int, runner: ModelRunner, device: torch.device
+                           ) -> tuple[int, Decision | None]:
     """cudagraph_mode: (the largest step in tokens that mixed-step graphs will cover, 0 for
     none; the decision when that is already settled here, else None)."""
     requested = compilation.cudagraph_mode
@@ -94,7 +95,9 @@ def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calib
     if not selection.backend.mixed_graph_capturable:
         return decode_only(f"{selection.name} reads per-sequence lengths on the host in steps "
                            f"with prompt tokens, so only decode steps are captured")
-    return min(max_batched, TOKEN_BUCKETS[-1]), None
+    flops_per_token = 2.0 * runner.step_weights.active_params_per_token
+    return host_bound_tokens(flops_per_token, load_or_measure(device).matmul_flops_per_s,
+                             min(max_batched, TOKEN_BUCKETS[-1])), None
 
 
 def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: int,
@@ -125,7 +128,10 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
     agree.same("the captured mixed-step graph buckets", captured.sizes)
     return Decision("cudagraph_mode", "FULL", "FULL",
                     f"steps with prompt tokens replay graphs at token buckets "
-                    f"{captured.sizes} (a larger step runs eagerly)"
+                    f"{captured.sizes}; a larger step runs eagerly (buckets stop at "
+                    f"{TOKEN_BUCKETS[-1]} tokens, at the step budget, and where a step's "
+                    f"matmuls would take over {COMPUTE_BOUND_S * 1e3:g} ms: there the device, "
+                    f"not the launches, sets its time)"
                     + (f"; not captured: {describe_demoted(captured.sizes, captured.demoted)}"
                        if captured.demoted else ""))
 
@@ -198,7 +204,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
     calibrate = config.calculate_kv_scales and is_quantized_cache(kv_cache_dtype)
     mixed_tokens, mixed_decision = plan_mixed_step_graphs(compilation, graphs_off, selection,
-                                                          calibrate, max_batched)
+                                                          calibrate, max_batched, runner,
+                                                          torch_device)
     num_blocks, sizing = startup.size_kv_pool(config, runner, rank_mc, kv_torch_dtype,
                                               max_batched, max_model_len,
                                               config.max_num_seqs, torch_device,

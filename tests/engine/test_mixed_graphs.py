@@ -17,7 +17,11 @@ import pytest
 
 from archserve import LLM, SamplingParams
 from archserve.engine.compilation_config import CompilationChoice, parse_compilation_config
-from archserve.engine.mixed_graphs import TOKEN_BUCKETS, mixed_graph_buckets
+from archserve.engine.mixed_graphs import (
+    TOKEN_BUCKETS,
+    host_bound_tokens,
+    mixed_graph_buckets,
+)
 
 
 def test_compilation_config_takes_vllms_cudagraph_keys():
@@ -63,9 +67,20 @@ def test_an_engine_refuses_a_bad_compilation_config_and_runs_a_good_one(tiny_che
 def test_token_buckets_cover_every_step_size_up_to_the_largest():
     assert mixed_graph_buckets(8192) == list(TOKEN_BUCKETS)
     assert mixed_graph_buckets(2048) == list(TOKEN_BUCKETS)
-    assert mixed_graph_buckets(100) == [16, 32, 64, 100]
+    assert mixed_graph_buckets(100) == [16, 32, 48, 64, 96, 100]
     assert mixed_graph_buckets(16) == [16]
     assert mixed_graph_buckets(10) == [10]
+    # Each bucket is at most 2x the one below: a step pads by less than half its bucket.
+    assert all(b <= 2 * a for a, b in zip(TOKEN_BUCKETS, TOKEN_BUCKETS[1:], strict=False))
+
+
+def test_buckets_stop_where_a_steps_matmuls_would_bound_it():
+    # 15 ms at 787 TFLOP/s: a 0.6B model's steps stay launch-bound to the ladder's end; an
+    # 8B model's past ~780 tokens are compute-bound, so its last bucket is 768.
+    assert host_bound_tokens(2 * 0.44e9, 7.87e14) == 2048
+    assert host_bound_tokens(2 * 7.5e9, 7.87e14) == 768
+    assert host_bound_tokens(2 * 7.5e9, 7.87e14, limit=512) == 512
+    assert host_bound_tokens(2 * 400e9, 1e12) == 16          # never below one bucket
 
 
 
