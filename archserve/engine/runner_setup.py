@@ -71,8 +71,7 @@ def peek_model_config(model_path: str | None):
 
 
 def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calibrate: bool,
-                           max_batched: int, runner: ModelRunner, device: torch.device
-                           ) -> tuple[int, Decision | None]:
+                           max_batched: int) -> tuple[int, Decision | None]:
     """cudagraph_mode: (the largest step in tokens that mixed-step graphs will cover, 0 for
     none; the decision when that is already settled here, else None)."""
     requested = compilation.cudagraph_mode
@@ -95,9 +94,9 @@ def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calib
     if not selection.backend.mixed_graph_capturable:
         return decode_only(f"{selection.name} reads per-sequence lengths on the host in steps "
                            f"with prompt tokens, so only decode steps are captured")
-    flops_per_token = 2.0 * runner.step_weights.active_params_per_token
-    return host_bound_tokens(flops_per_token, load_or_measure(device).matmul_flops_per_s,
-                             min(max_batched, TOKEN_BUCKETS[-1])), None
+    # An upper bound (the KV reserve is sized from it); capture_mixed_step_graphs stops
+    # earlier where the steps turn compute-bound.
+    return min(max_batched, TOKEN_BUCKETS[-1]), None
 
 
 def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: int,
@@ -109,18 +108,25 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
         agree.same("the captured mixed-step graph buckets", [])
         return Decision("cudagraph_mode", "FULL", "FULL_DECODE_ONLY", reason)
 
-    try:
-        runner.capture_mixed_graphs(tokens, max_num_seqs)
-        agree.same("the captured mixed-step graph buckets", runner.mixed_graphs.set.sizes)
-        runner.mixed_graphs.replay_canary(runner.kv_caches)
-    except Exception as exc:   # a failed capture of one bucket is demoted inside; this is the rest
-        if isinstance(exc, ValueError) and "ranks disagree" in str(exc):
-            raise
+    def failed(exc: Exception) -> Decision:
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
         log.warning("mixed-step CUDA graphs failed (%s: %s); steps with prompt tokens run "
-                    "eagerly", type(exc).__name__, exc)
+                    "eagerly", type(exc).__name__, first_line)
         return decode_only(f"capturing the mixed-step graphs failed ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''}); steps with "
-                           f"prompt tokens run eagerly")
+                           f"{first_line}); steps with prompt tokens run eagerly")
+
+    flops_per_token = 2.0 * runner.step_weights.active_params_per_token
+    tokens = host_bound_tokens(flops_per_token,
+                               load_or_measure(runner.device).matmul_flops_per_s, tokens)
+    try:   # a failed capture of one bucket is demoted inside; this catches the rest
+        runner.capture_mixed_graphs(tokens, max_num_seqs)
+    except Exception as exc:
+        return failed(exc)
+    agree.same("the captured mixed-step graph buckets", runner.mixed_graphs.set.sizes)
+    try:
+        runner.mixed_graphs.replay_canary(runner.kv_caches)
+    except Exception as exc:
+        return failed(exc)
     captured = runner.mixed_graphs.set
     if not captured.sizes:
         return decode_only("no mixed-step graph survived capture and its replay canary: "
@@ -204,8 +210,7 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
     calibrate = config.calculate_kv_scales and is_quantized_cache(kv_cache_dtype)
     mixed_tokens, mixed_decision = plan_mixed_step_graphs(compilation, graphs_off, selection,
-                                                          calibrate, max_batched, runner,
-                                                          torch_device)
+                                                          calibrate, max_batched)
     num_blocks, sizing = startup.size_kv_pool(config, runner, rank_mc, kv_torch_dtype,
                                               max_batched, max_model_len,
                                               config.max_num_seqs, torch_device,
