@@ -184,7 +184,7 @@ def test_gpu_full_cudagraph_mode_replays_mixed_steps_and_matches_eager(tiny_chec
     arriving beside running decodes, chunked) gives the tokens of FULL_DECODE_ONLY."""
     path = tiny_checkpoint("llama-h64")
     prompts = [" ".join(["word"] * n) for n in (3, 40, 90, 7, 150, 12)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     outs = {}
     for mode in ("FULL", "FULL_DECODE_ONLY"):
         llm = LLM(path, dtype="float32", gpu_memory_utilization=0.2, max_num_batched_tokens=64,
@@ -195,6 +195,13 @@ def test_gpu_full_cudagraph_mode_replays_mixed_steps_and_matches_eager(tiny_chec
         if mode == "FULL":
             runner = llm.llm_engine.runner
             assert runner.mixed_graphs.set.sizes and not runner.mixed_graphs.set.demoted
-        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params)]
         del llm
-    assert outs["FULL"] == outs["FULL_DECODE_ONLY"]
+    # A padded bucket multiplies more rows than the eager step, so its GEMMs may round
+    # differently: the tokens agree, or first part at a near tie of the eager run's top two.
+    for full, eager in zip(outs["FULL"], outs["FULL_DECODE_ONLY"], strict=True):
+        for step, (a, b) in enumerate(zip(full.token_ids, eager.token_ids, strict=True)):
+            if a != b:
+                top = eager.logprobs[step]
+                assert a in top and abs(top[a].logprob - top[b].logprob) < 1e-3, (step, top)
+                break
