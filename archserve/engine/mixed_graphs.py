@@ -38,8 +38,9 @@ import torch
 from archserve.engine.cuda_graphs import StaticGraphRunner, replay_mismatch
 from archserve.kernels.attention.interface import AttentionMetadata
 
-# Steps of 1.5x or 2x: a step pads by at most a third of its bucket (multiples of 16, so
-# Triton compiles no variant for the odd ones).
+# Steps of 2x up to 32, then 1.5x and 1.33x: a step pads by less than half its bucket, and
+# by at most a third from 48 tokens up (multiples of 16, so Triton compiles no variant for
+# the odd ones).
 TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 # A bucket is captured only while its step's matmuls take less than this at the device's
 # matmul rate. Beyond it an eager step keeps the device busy while the host launches (it is
