@@ -90,7 +90,7 @@ def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calib
         return decode_only("calculate_kv_scales: the graphs are captured after the first "
                            "prefill, decode steps only")
     if graphs_off is not None:
-        return decode_only(f"no CUDA graphs: {graphs_off}")
+        return decode_only(f"CUDA graphs are off ({graphs_off})")
     if not selection.backend.mixed_graph_capturable:
         return decode_only(f"{selection.name} reads per-sequence lengths on the host in steps "
                            f"with prompt tokens, so only decode steps are captured")
