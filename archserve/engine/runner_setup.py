@@ -188,7 +188,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     agree.same("the attention backend", selection.name)
     block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
     select_s = startup.elapsed(t_select)
-    graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection)
+    graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection,
+                                                compilation.cudagraph_mode)
     graph_sizes = (config.cuda_graph_sizes or list(compilation.capture_sizes)
                    or default_graph_sizes(config.max_num_seqs) if graphs_off is None else [])
     t_gemms = time.perf_counter()

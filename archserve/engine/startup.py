@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from archserve.engine.compilation_config import parse_compilation_config
 from archserve.engine.config import EngineConfig
 from archserve.engine.kv_cache import (
     DEFAULT_CPU_KV_BYTES,
@@ -108,13 +107,14 @@ def select_attention_with_canary(device: DeviceInfo, config: EngineConfig, model
 
 
 def cuda_graphs_off_reason(torch_device: torch.device, config: EngineConfig,
-                           attention: Selection) -> str | None:
-    """None when decode steps are captured as CUDA graphs, else why not."""
+                           attention: Selection, cudagraph_mode: str) -> str | None:
+    """None when decode steps are captured as CUDA graphs, else why not (``cudagraph_mode``:
+    compilation_config's, as parse_compilation_config read it)."""
     if torch_device.type != "cuda":
         return f"no CUDA graphs on {torch_device.type}"
     if config.enforce_eager:
         return "enforce_eager=True"
-    if parse_compilation_config(config.compilation_config).cudagraph_mode == "NONE":
+    if cudagraph_mode == "NONE":
         return "cudagraph_mode NONE (compilation_config)"
     if not attention.backend.graph_capturable:
         return (f"{attention.name} reads sequence lengths on the host, so a captured graph "
