@@ -3,9 +3,13 @@
 archserve compiles nothing with torch.compile; it captures CUDA graphs by hand. Of vLLM's
 keys it takes:
 
-- ``cudagraph_mode``: ``FULL_DECODE_ONLY`` (the default: decode steps replay graphs, steps
-  with prompt tokens run eagerly), ``FULL`` (steps with prompt tokens replay graphs too, at
-  token buckets: engine/mixed_graphs.py) or ``NONE`` (no graphs, as ``enforce_eager``).
+- ``cudagraph_mode``: ``FULL`` (the default: steps with prompt tokens replay graphs too, at
+  token buckets: engine/mixed_graphs.py; where the attention backend cannot be captured
+  with prompt tokens, it falls back to decode steps alone and says so),
+  ``FULL_DECODE_ONLY`` (decode steps replay graphs, steps with prompt tokens run eagerly)
+  or ``NONE`` (no graphs, as ``enforce_eager``). FULL is the default because an eager step
+  costs 15-20 ms of host launches at any length on an H200 (docs/benchmarks.md), which
+  every running stream waits for; a replayed one 1.3-5.5 ms.
   ``PIECEWISE`` and ``FULL_AND_PIECEWISE`` need graphs split around attention, which
   archserve does not build;
 - ``cudagraph_capture_sizes``: the decode batch sizes to capture (``cuda_graph_sizes``);
@@ -28,7 +32,7 @@ _LEVELS = range(4)
 
 @dataclass(frozen=True)
 class CompilationChoice:
-    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    cudagraph_mode: str = "FULL"
     capture_sizes: tuple[int, ...] = ()       # empty: the default ladder
 
 
@@ -52,7 +56,7 @@ def parse_compilation_config(value: dict | str | None) -> CompilationChoice:
                          f"archserve; supported: {', '.join(_KEYS)}")
     if "level" in value and value["level"] not in _LEVELS:
         raise ValueError(f"optimisation level {value['level']!r} is not one of 0-3")
-    mode = str(value.get("cudagraph_mode", "FULL_DECODE_ONLY")).upper()
+    mode = str(value.get("cudagraph_mode", "FULL")).upper()
     mode = mode.removeprefix("CUDAGRAPHMODE.")   # vLLM's enum printed as text
     if mode in _NOT_BUILT:
         raise ValueError(f"cudagraph_mode {mode} needs graphs split around attention, which "

@@ -38,8 +38,8 @@ class EngineConfig:
     # None: on for CUDA, off on CPU (where every op is synchronous); the engine resolves it.
     async_scheduling: bool | None = None
     cuda_graph_sizes: list[int] = field(default_factory=list)  # empty: a default ladder
-    # vLLM's compilation_config (a dict or its JSON): cudagraph_mode FULL_DECODE_ONLY (the
-    # default), FULL (steps with prompt tokens replay graphs too) or NONE, and
+    # vLLM's compilation_config (a dict or its JSON): cudagraph_mode FULL (the default: steps
+    # with prompt tokens replay graphs too), FULL_DECODE_ONLY or NONE, and
     # cudagraph_capture_sizes. engine/compilation_config.py says what else is refused.
     compilation_config: dict | str | None = None
     seed: int = 0

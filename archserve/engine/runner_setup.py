@@ -36,7 +36,11 @@ from archserve.engine.model_runner import ModelRunner
 from archserve.engine.rank_memory import measure_rank_memory
 from archserve.engine.sampler import Sampler
 from archserve.engine.self_check import run_self_check
-from archserve.engine.step_budget import resolve_token_budget, runner_cost_model
+from archserve.engine.step_budget import (
+    mixed_graph_buckets_of,
+    resolve_token_budget,
+    runner_cost_model,
+)
 from archserve.engine.step_weights import StepWeights
 from archserve.models.layers.kv_scales import is_quantized_cache
 from archserve.platform.decision import Decision
@@ -250,7 +254,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     budget = resolve_token_budget(config.target_itl_ms, config.max_num_batched_tokens,
                                   max_batched, config.max_num_seqs,
                                   config.enable_chunked_prefill,
-                                  lambda: runner_cost_model(runner, max_batched))
+                                  lambda: runner_cost_model(runner, max_batched),
+                                  mixed_graph_buckets_of(runner))
     decisions.append(budget.decision)
     budget_s = startup.elapsed(t_budget)
     report = startup.StartupReport(

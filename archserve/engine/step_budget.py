@@ -35,7 +35,7 @@ import torch
 from archserve.platform.decision import Decision
 
 PROBE_LENGTHS = (1, 128, 512, 1024, 2048)
-DEFAULT_ITL_FACTOR = 4.0
+DEFAULT_ITL_FACTOR = 3.0   # issue 21's bound: ITL P99 <= 3x TPOT P50 (docs/benchmarks.md)
 BUDGET_MULTIPLE = 16      # Triton specialises integer arguments on divisibility by 16
 
 
@@ -135,13 +135,18 @@ def floor_cost_model(weights, ceilings, lengths: Sequence[int]) -> StepCostModel
     return cost_model(points, "roofline floors")
 
 
-def choose_decoding_budget(model: StepCostModel, target_s: float, low: int, high: int) -> int:
+def choose_decoding_budget(model: StepCostModel, target_s: float, low: int, high: int,
+                           graph_buckets: Sequence[int] = ()) -> int:
     """The largest multiple of BUDGET_MULTIPLE tokens whose step fits ``target_s``, kept
-    within [low, high]."""
+    within [low, high]. With mixed-step graphs (``graph_buckets``), a step pads up to the
+    bucket above it and costs what that bucket costs: between two buckets the budget drops
+    to the lower one (measured: 672 tokens replay the 768 bucket, 2 ms over the target)."""
     fits = model.largest_within(target_s)
     tokens = high if math.isinf(fits) else int(fits)
     if tokens >= BUDGET_MULTIPLE:
         tokens -= tokens % BUDGET_MULTIPLE
+    if graph_buckets and tokens < max(graph_buckets):
+        tokens = max((b for b in graph_buckets if b <= tokens), default=tokens)
     return max(min(low, high), min(tokens, high))
 
 
@@ -163,12 +168,14 @@ class TokenBudget:
 
 def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None, cap: int,
                          max_num_seqs: int, chunked_prefill: bool,
-                         cost: Callable[[], StepCostModel]) -> TokenBudget:
+                         cost: Callable[[], StepCostModel],
+                         graph_buckets: Sequence[int] = ()) -> TokenBudget:
     """The budgets of a step with and without decodes, and the decision that explains them.
 
     ``target_itl_ms`` is "auto" (DEFAULT_ITL_FACTOR one-token steps), a number of ms, or
     None (no bound: the offline default); ``explicit`` is the user's
-    max_num_batched_tokens; ``cost`` builds the cost model, only when one is needed.
+    max_num_batched_tokens; ``cost`` builds the cost model, only when one is needed;
+    ``graph_buckets``: the token buckets of the captured mixed-step graphs, if any.
     """
     requested = "auto" if explicit is None else str(explicit)
 
@@ -192,10 +199,11 @@ def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None
     else:
         target_s = float(target_itl_ms) / 1e3
         target = f"target ITL {_ms(target_s)} ms (target_itl_ms)"
-    decoding = choose_decoding_budget(model, target_s, max_num_seqs, cap)
+    decoding = choose_decoding_budget(model, target_s, max_num_seqs, cap, graph_buckets)
     reason = (f"{target}; step cost ({model.source}): {model.describe()}; a step with "
               f"decodes takes at most {decoding} tokens (~{_ms(model.seconds(decoding))} ms; "
-              f"kept within [max_num_seqs={max_num_seqs}, {cap}]); without decodes, {cap} "
+              + ("a CUDA graph bucket; " if decoding in graph_buckets else "")
+              + f"kept within [max_num_seqs={max_num_seqs}, {cap}]); without decodes, {cap} "
               f"(first tokens sooner)")
     return TokenBudget(cap, decoding, Decision("max_num_batched_tokens", requested,
                                                f"{decoding} with decodes, {cap} without",
@@ -204,9 +212,17 @@ def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None
 
 def runner_cost_model(runner, limit: int) -> StepCostModel:
     """The step cost model of a warmed-up runner, for steps of at most ``limit`` tokens:
-    measured on CUDA, the roofline floors elsewhere."""
-    lengths = probe_lengths(min(limit, runner.max_model_len))
+    measured on CUDA, the roofline floors elsewhere. With mixed-step graphs the largest
+    bucket is probed too: there the cost jumps from a replay to an eager step."""
+    limit = min(limit, runner.max_model_len)
+    lengths = sorted({*probe_lengths(limit),
+                      *(b for b in mixed_graph_buckets_of(runner)[-1:] if b <= limit)})
     if runner.device.type == "cuda":
         return measured_cost_model(runner.run_prefill_probe, lengths, runner.device)
     from archserve.engine.ceilings import load_or_measure
     return floor_cost_model(runner.step_weights, load_or_measure(runner.device), lengths)
+
+
+def mixed_graph_buckets_of(runner) -> list[int]:
+    """The token buckets of a runner's captured mixed-step graphs ([] without them)."""
+    return list(runner.mixed_graphs.set.sizes) if runner.mixed_graphs is not None else []

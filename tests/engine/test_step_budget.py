@@ -56,6 +56,20 @@ def test_budget_is_the_largest_multiple_of_16_within_the_target_and_clamped():
     assert choose_decoding_budget(model, 0.006, low=256, high=8192) == 256    # max_num_seqs
 
 
+def test_with_mixed_graphs_the_budget_drops_to_the_bucket_below():
+    """A step pads up to its graph bucket: 672 tokens would replay (and cost) the 768 one."""
+    model = cost_model([(1, 0.005), (512, 0.0125), (768, 0.0175), (1024, 0.022)], "measured")
+    buckets = [16, 32, 64, 128, 256, 512, 768]
+    assert choose_decoding_budget(model, 0.0158, low=16, high=8192) == 672
+    assert choose_decoding_budget(model, 0.0158, 16, 8192, buckets) == 512
+    assert choose_decoding_budget(model, 0.0175, 16, 8192, buckets) == 768   # a bucket fits
+    # Past the last bucket steps run eagerly at the measured cost: no snapping there.
+    assert choose_decoding_budget(model, 0.020, 16, 8192, buckets) == 896
+    assert choose_decoding_budget(model, 0.0158, 600, 8192, buckets) == 600   # max_num_seqs
+    budget = resolve_token_budget("auto", None, 8192, 16, True, lambda: model, buckets)
+    assert budget.decoding == 512 and "a CUDA graph bucket" in budget.decision.reason
+
+
 def test_a_slower_cost_model_gives_a_smaller_budget():
     fast, slow = linear(5.0, 0.025), linear(5.0, 0.05)   # same decode step, dearer tokens
     for target in ("auto", 30.0):
