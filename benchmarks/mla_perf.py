@@ -119,8 +119,12 @@ def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device) -> list
             variants = [(None, None)]
             if sweep:
                 variants += [(s, None) for s in (1, 2, 4, 8, 16) if s != rule_splits]
-                variants += [(None, t) for t in ((16, 16, 4, 2), (16, 64, 4, 2), (16, 32, 8, 2),
-                                                 (16, 32, 4, 3), (32, 32, 8, 2))]
+                variants += [(None, t) for t in ((16, 16, 4, 2, False), (16, 64, 4, 2, False),
+                                                 (16, 32, 8, 2, False), (16, 32, 4, 3, False),
+                                                 (32, 32, 8, 2, False))]
+            # Keys as rows (wgmma-sized operands), in the speed step too until one is chosen.
+            variants += [(None, t) for t in ((16, 64, 4, 2, True), (16, 64, 8, 2, True),
+                                             (16, 32, 4, 2, True), (16, 128, 8, 2, True))]
             for splits, tiles in variants:
                 run = functools.partial(
                     mla_decode, query, case.kv_cache, meta.block_tables, meta.seq_lens,

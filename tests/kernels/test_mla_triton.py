@@ -19,6 +19,9 @@ from archserve.kernels.rules import triton_interpreted
 INTERPRETED = triton_interpreted()
 # (The interpreter's time goes by programs x ops: one head block but where masking is tested.)
 TINY = dict(num_heads=16, kv_lora_rank=32, rope=16, nope=16, v_head=24)
+# (BLOCK_H, BLOCK_N, warps, stages, KEYS_AS_ROWS): the transposed products, 16-token tiles.
+KEYS_AS_ROWS_TINY = (16, 16, 4, 2, True)
+KEYS_AS_ROWS = (16, 64, 4, 2, True)     # the GPU candidate: 64-row operands for wgmma
 
 
 def decode_against_reference(case, *, num_splits=None, tiles=None, num_sms=0, e4m3_bits=None,
@@ -48,17 +51,19 @@ if not INTERPRETED:
         assert_passes_under_interpreter(__file__, timeout=300)
 
 else:
-    def test_split_decode_kernel_matches_reference():
+    @pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS_TINY], ids=["heads", "keys"])
+    def test_split_decode_kernel_matches_reference(tiles):
         # 4 splits of one 32-token tile: the 5-token sequence's later splits are empty;
         # 20 heads leave the second block of 16 partly masked; blocks of 8 tokens.
         case = make_mla_case([(1, 70), (1, 5)], block_size=8, seed=1,
                              **{**TINY, "num_heads": 20})
-        decode_against_reference(case, num_splits=4)
+        decode_against_reference(case, num_splits=4, tiles=tiles)
 
-    def test_decode_kernel_reads_e4m3_bytes():
+    @pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS_TINY], ids=["heads", "keys"])
+    def test_decode_kernel_reads_e4m3_bytes(tiles):
         case = make_mla_case([(1, 40)], kv_cache_dtype="fp8_e4m3", dtype=torch.float16,
                              seed=2, **TINY)
-        decode_against_reference(case, num_splits=2, e4m3_bits=True, atol=2e-2)
+        decode_against_reference(case, num_splits=2, e4m3_bits=True, atol=2e-2, tiles=tiles)
 
     @pytest.mark.parametrize("seqs", [[(1, 21), (1, 40)],              # decode, padded rows
                                       [(5, 21), (1, 40), (3, 3)]],     # prompts + a decode
@@ -97,6 +102,28 @@ def test_decode_compiles_for_hopper():
     assert "mma" in launches[0].code()
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+def test_keys_as_rows_gives_hopper_wgmma():
+    """Why KEYS_AS_ROWS exists: with 16 heads as M the dots compile to mma.sync on SM90;
+    with 64 tokens (scores) and 512 latent values (output) as M, to wgmma."""
+    from triton_compile import compiled_launches
+
+    from archserve.kernels.mla.triton_mla_decode import mla_decode
+
+    query = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 4, 64, 1, 576, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    codes = {}
+    for name, tiles in (("heads", None), ("keys", KEYS_AS_ROWS)):
+        with compiled_launches(("cuda", 90, 32)) as launches:
+            mla_decode(query, cache, tables, lens, torch.arange(3, dtype=torch.int32),
+                       torch.zeros(2, 16, 512, dtype=torch.bfloat16), num_seqs=2,
+                       max_seq_len=256, scale=0.1, num_splits=1, tiles=tiles)
+        codes[name] = launches[0].code()
+    assert "wgmma.mma_async" not in codes["heads"] and "mma.sync" in codes["heads"]
+    assert "wgmma.mma_async" in codes["keys"] and "mma.sync" not in codes["keys"]
+
+
 # ---------------------------------------------------------------- GPU, DeepSeek's sizes
 
 DEEPSEEK = dict(kv_lora_rank=512, rope=64, nope=128, v_head=128)
@@ -104,18 +131,20 @@ CONTEXTS = [1, 17, 64, 255, 1000, 4096]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS], ids=["heads", "keys"])
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_decode_kernel_at_deepseek_sizes(heads, block_size, kv):
+def test_gpu_decode_kernel_at_deepseek_sizes(heads, block_size, kv, tiles):
     """Contexts 1..4096 in one batch, unsplit, split by the rule (the H200's SMs) and split
-    8 ways; bf16 queries over a bf16 or e4m3 latent."""
+    8 ways; bf16 queries over a bf16 or e4m3 latent; heads or keys as the dots' rows."""
     case = make_mla_case([(1, n) for n in CONTEXTS], num_heads=heads, block_size=block_size,
                          dtype=torch.bfloat16, kv_cache_dtype=kv, device="cuda", seed=heads,
                          fp8_exact_kv=False, **DEEPSEEK)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for splits, num_sms in ((1, 0), (None, sms), (8, 0)):
-        decode_against_reference(case, num_splits=splits, num_sms=num_sms, atol=3e-2)
+        decode_against_reference(case, num_splits=splits, num_sms=num_sms, atol=3e-2,
+                                 tiles=tiles)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,12 @@ The head blocks of one sequence are neighbours in the grid (axis 0), so where a 
 more heads than one block (DeepSeek-V3's 128), the blocks read the same tiles while they
 are still in L2.
 
+KEYS_AS_ROWS computes the same products transposed: scores as c_kv . q_nopeᵀ ([tokens,
+heads]) and the output as c_kvᵀ . pᵀ ([latent, heads]). Then the heads are the dots' narrow
+N side, and the wide M side is the token tile or the 512 latent values. Hopper's wgmma needs
+M = 64 and takes N = 16, so it cannot run the [16 heads, ...] form (measured at 61% of copy,
+77 TFLOP/s, on the H200); the transposed form gives it 64-row operands.
+
 When sequences x head blocks cannot fill the GPU the context is split (flash-decoding: the
 standard decode kernel's rule, split spans, partial outputs and merge, from triton_decode).
 Grid and split count follow from host ints (the batch size, the longest possible context,
@@ -50,7 +56,8 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
                        NUM_HEADS: tl.constexpr, KV_RANK: tl.constexpr, ROPE: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr,
+                       KEYS_AS_ROWS: tl.constexpr):
     head_block = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,7 +78,14 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
         q_nope = q_nope.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
 
-    acc, l_i, m_i = online_softmax_start(BLOCK_H, BLOCK_L)
+    if KEYS_AS_ROWS:
+        q_nope = tl.trans(q_nope)                 # [BLOCK_L, BLOCK_H]
+        q_pe = tl.trans(q_pe)                     # [BLOCK_R, BLOCK_H]
+        acc = tl.zeros([BLOCK_L, BLOCK_H], tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    else:
+        acc, l_i, m_i = online_softmax_start(BLOCK_H, BLOCK_L)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
 
     for start in range(lo, hi, BLOCK_N):
@@ -88,23 +102,48 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
             k_pe = e4m3_bits_to_fp16(k_pe)
         c_kv = c_kv.to(q_nope.dtype)
         k_pe = k_pe.to(q_nope.dtype)
-        scores = tl.dot(q_nope, tl.trans(c_kv), input_precision=DOT_PRECISION)
-        scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
-        scores = tl.where(mask_n[None, :], scores * (qk_scale * 1.4426950408889634),
-                          float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, c_kv, q_nope.dtype,
-                                            DOT_PRECISION)
+        if KEYS_AS_ROWS:
+            scores = tl.dot(c_kv, q_nope, input_precision=DOT_PRECISION)
+            scores += tl.dot(k_pe, q_pe, input_precision=DOT_PRECISION)
+            scores = tl.where(mask_n[:, None], scores * (qk_scale * 1.4426950408889634),
+                              float("-inf"))
+            acc, l_i, m_i = _softmax_step_keys_as_rows(acc, l_i, m_i, scores, c_kv,
+                                                       DOT_PRECISION)
+        else:
+            scores = tl.dot(q_nope, tl.trans(c_kv), input_precision=DOT_PRECISION)
+            scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+            scores = tl.where(mask_n[None, :], scores * (qk_scale * 1.4426950408889634),
+                              float("-inf"))
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, c_kv, q_nope.dtype,
+                                                DOT_PRECISION)
 
+    if KEYS_AS_ROWS:
+        acc = tl.trans(acc)                       # [BLOCK_H, BLOCK_L], as stored
     store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
                         query_len, seq, split, NUM_HEADS, heads, mask_h, offs_l, mask_l,
                         stride_out_token, stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
 
 
-def mla_decode_tiles(num_heads: int) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages). 16 heads per program: tl.dot's smallest M,
-    and its [16, 512] fp32 accumulator fits 4 warps' registers; more heads per program would
-    spill. A 32-token latent tile is 36 KiB in bf16, two stages in flight."""
-    return 16, 32, 4, 2
+@triton.jit
+def _softmax_step_keys_as_rows(acc, l_i, m_i, scores, c_kv, DOT_PRECISION: tl.constexpr):
+    """online_softmax_step with keys as rows: ``scores`` [N, H] in log2 units (-inf where
+    masked), ``acc`` [L, H] += c_kvᵀ [L, N] . p [N, H]."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha[None, :] + tl.dot(tl.trans(c_kv), p.to(c_kv.dtype),
+                                        input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+def mla_decode_tiles(num_heads: int) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages, KEYS_AS_ROWS). 16 heads per program: tl.dot's
+    smallest M, and its [16, 512] fp32 accumulator fits 4 warps' registers; more heads per
+    program would spill. A 32-token latent tile is 36 KiB in bf16, two stages in flight.
+    KEYS_AS_ROWS stays off until it is timed on a GPU (benchmarks/mla_perf.py --sweep)."""
+    return 16, 32, 4, 2, False
 
 
 def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -132,7 +171,7 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     block_size = kv_cache.shape[2]
     kv_cache, bits = cache_operand(kv_cache, e4m3_bits)
     v_scale = k_scale * (E4M3_BITS_SCALE if bits else 1.0)
-    block_h, block_n, num_warps, num_stages = tiles or mla_decode_tiles(num_heads)
+    block_h, block_n, num_warps, num_stages, keys_as_rows = tiles or mla_decode_tiles(num_heads)
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, head_blocks, max_seq_len, num_sms)
@@ -147,7 +186,7 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         NUM_HEADS=num_heads, KV_RANK=kv_rank, ROPE=rope, BLOCK_SIZE=block_size,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=block_l,
         BLOCK_R=max(triton.next_power_of_2(rope), 16), NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits,
+        DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, KEYS_AS_ROWS=keys_as_rows,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
