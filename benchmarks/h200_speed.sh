@@ -87,6 +87,11 @@ step qwen06b_b1 60 150 $AS bench $EQ $B1 --output-json "$D/qwen06b_b1.json"
 step qwen06b_b1_unfused 35 120 env ARCHSERVE_DISABLE_FUSIONS=$ALL_FUSIONS \
   $AS bench $EQ $B1 --output-json "$D/qwen06b_b1_unfused.json"
 step llama8b_b1 70 180 $AS bench $E8 $B1 --output-json "$D/llama8b_b1.json"
+# The same two with programmatic dependent launch (kernels/pdl.py: opt-in until measured).
+step qwen06b_b1_pdl 60 150 env ARCHSERVE_PDL=1 $AS bench $EQ $B1 \
+  --output-json "$D/qwen06b_b1_pdl.json"
+step llama8b_b1_pdl 70 180 env ARCHSERVE_PDL=1 $AS bench $E8 $B1 \
+  --output-json "$D/llama8b_b1_pdl.json"
 # (b) issue 13: Qwen3-30B-A3B batch 1 (<= 1.5x its active-weight floor) and 256 x 256/128
 # (MBU >= 60%); Mixtral-8x7B batch 1 (<= 1.4x). One model per process: 60 GB and 93 GB of
 # dummy weights never share the device.
@@ -108,22 +113,23 @@ step moe_kernels 75 180 python3 benchmarks/moe_perf.py --part kernels --out "$D/
 # (a, continued) µs and launches per decoder layer, every fusion off and on.
 step decode_layer 35 120 python3 benchmarks/bench_decode_layer.py --models qwen3-0.6b \
   --configs unfused,all --iters 100 --out "$D/decode_layer.json"
-# (a, continued) host time of an eager (prefill or mixed) step on the 0.6B shape, as a server
-# starts now and with CUPTI attached first (as the start-up self-check's CUDA profile did).
-step eager_host 45 120 python3 benchmarks/eager_step_host.py $EQ --out "$D/eager_host.json"
-step eager_host_cupti 45 120 python3 benchmarks/eager_step_host.py $EQ --cuda-profile-first \
-  --cprofile 25 --out "$D/eager_host_cupti.json"
+# (a, continued) host time of a step with prompt tokens on the 0.6B shape: replayed from the
+# mixed-step graphs (cudagraph_mode FULL, the default), eagerly (FULL_DECODE_ONLY), and
+# eagerly with CUPTI attached first (as the start-up self-check's CUDA profile once did).
 step eager_host_full 50 120 python3 benchmarks/eager_step_host.py $EQ \
-  --compilation-config '{"cudagraph_mode":"FULL"}' --out "$D/eager_host_full.json"
+  --out "$D/eager_host_full.json"
+step eager_host 45 120 python3 benchmarks/eager_step_host.py $EQ \
+  --compilation-config '{"cudagraph_mode":"FULL_DECODE_ONLY"}' --out "$D/eager_host.json"
+step eager_host_cupti 45 120 python3 benchmarks/eager_step_host.py $EQ --cuda-profile-first \
+  --compilation-config '{"cudagraph_mode":"FULL_DECODE_ONLY"}' \
+  --cprofile 25 --out "$D/eager_host_cupti.json"
 # (d) issue 21's serving tail, shortened: the auto budget (then the old fixed 8192) at 8, 16
-# and 24 requests/s for 10 s each; the two took 190 s in session 12, and what ran is kept
-# if cut.
-# The same loads with steps that carry prompt tokens in CUDA graphs (cudagraph_mode FULL).
-step serve_budget_full 110 200 python3 benchmarks/serve_budget_sweep.py --out "$D/budget_full" \
-  --budgets auto --rates 8,16,24 --duration 10 \
-  --server-args "--compilation-config '{\"cudagraph_mode\":\"FULL\"}'"
-step serve_budget 190 240 python3 benchmarks/serve_budget_sweep.py --out "$D/budget" \
+# and 24 requests/s for 10 s each (about 135 s a budget in session 13); what ran is kept if
+# cut. Then the fixed budgets between at 16 requests/s, for the trade-off plot.
+step serve_budget 270 330 python3 benchmarks/serve_budget_sweep.py --out "$D/budget" \
   --budgets auto,8192 --rates 8,16,24 --duration 10
+step serve_budget_sweep 330 420 python3 benchmarks/serve_budget_sweep.py \
+  --out "$D/budget_sweep" --budgets 256,512,1024,2048 --rates 16 --duration 10
 
 if [ "$DRY" = 1 ]; then
   echo "estimates: ${PLANNED}s in all, against a deadline of ${DEADLINE}s"

@@ -22,7 +22,7 @@ _POINTER_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: 
                   torch.float64: "fp64", torch.int8: "i8", torch.uint8: "u8",
                   torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
                   torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
 
 
 @dataclass

@@ -42,6 +42,7 @@ from archserve.engine.step_budget import (
     runner_cost_model,
 )
 from archserve.engine.step_weights import StepWeights
+from archserve.kernels.pdl import pdl_enabled
 from archserve.models.layers.kv_scales import is_quantized_cache
 from archserve.platform.decision import Decision
 
@@ -169,6 +170,10 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     decisions += quant_plan.decisions
     scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
     decisions.append(scheduling)
+    if pdl_enabled(torch_device):    # opt-in and unmeasured: say so when it is on
+        decisions.append(Decision("programmatic dependent launch", "ARCHSERVE_PDL=1", "on",
+                                  "decode kernels that take it may start while the kernel "
+                                  "before them drains (kernels/pdl.py; not yet measured)"))
     cpu_threads = None
     if tp.size == 1:   # tensor-parallel CPU ranks split the cores between them instead
         cpu_threads, threads_decision = cpu_thread_governor(torch_device)

@@ -193,7 +193,7 @@ def _kernel_signatures(dtype: str) -> list[tuple[object, dict[str, str], dict[st
                ["rows_per_group", "x_group_stride", "x_row_stride", "r_group_stride",
                 "r_row_stride", "width"], "i32"),
            "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr",
-           "UNIT_OFFSET": "constexpr"}
+           "UNIT_OFFSET": "constexpr", "PDL": "constexpr"}
     rotary = {"positions_ptr": "*i64", **dict.fromkeys(
                   ["q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr"], act),
               "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(
@@ -202,9 +202,11 @@ def _kernel_signatures(dtype: str) -> list[tuple[object, dict[str, str], dict[st
                                "K_HEADS_BLOCK", "HALF_BLOCK"], "constexpr")}
     gated = {"x_ptr": act, "out_ptr": act, "x_stride": "i32", "width": "i32",
              "ACT": "constexpr", "BLOCK": "constexpr"}
-    return [(_rms_norm_kernel, rms, {"HAS_RESIDUAL": True, "BLOCK": 4096, "UNIT_OFFSET": False}),
+    return [(_rms_norm_kernel, rms, {"HAS_RESIDUAL": True, "BLOCK": 4096, "UNIT_OFFSET": False,
+                                     "PDL": False}),
             # Gemma's norm: (1 + weight)
-            (_rms_norm_kernel, rms, {"HAS_RESIDUAL": True, "BLOCK": 1024, "UNIT_OFFSET": True}),
+            (_rms_norm_kernel, rms, {"HAS_RESIDUAL": True, "BLOCK": 1024, "UNIT_OFFSET": True,
+                                     "PDL": False}),
             (_rotary_kernel, rotary, {"NUM_Q_HEADS": 32, "NUM_K_HEADS": 8, "HEAD_SIZE": 128,
                                       "Q_HEADS_BLOCK": 32, "K_HEADS_BLOCK": 8,
                                       "HALF_BLOCK": 64}),

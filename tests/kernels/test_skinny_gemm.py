@@ -194,14 +194,21 @@ def test_kernel_compiles_for_gpu_targets(target, block_m):
                  "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
                  "r_ptr": act, "norm_w_ptr": act, "new_r_ptr": act, "eps": "fp32",
                  **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
-                                  "NORM", "HAS_RESIDUAL"], "constexpr")}
+                                  "NORM", "HAS_RESIDUAL", "PDL"], "constexpr")}
     # block_m 4 also compiles the norm prologue (with a residual); block_m 1 without it.
+    # SM90 compiles the programmatic-dependent-launch form (kernels/pdl.py).
+    pdl = target[:2] == ("cuda", 90)
     constexprs = {"HAS_BIAS": True, "GATED": True, "BLOCK_M": block_m, "BLOCK_N": 4,
                   "BLOCK_K": 256, "EVEN_K": False, "NORM": block_m > 1,
-                  "HAS_RESIDUAL": block_m > 1}
+                  "HAS_RESIDUAL": block_m > 1, "PDL": pdl}
+    options = {"num_warps": 4, **({"launch_pdl": True} if pdl else {})}
     compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
-                              target=GPUTarget(*target), options={"num_warps": 4})
+                              target=GPUTarget(*target), options=options)
     assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco")
+    if pdl:    # it waits for the kernel before it, then lets the next one launch
+        ptx = compiled.asm["ptx"]
+        assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+        assert compiled.metadata.launch_pdl
 
 
 # ---------------------------------------------------------------- CPU: the interpreter
@@ -284,6 +291,49 @@ def test_gpu_bias_fp16_and_uneven_k():
                           with_bias=True)
     check_against_float64(1, 1000, 4100, torch.bfloat16, "cuda", SkinnyConfig(4, 512, 4),
                           with_bias=True)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_pdl_chain_in_a_graph_matches_without(monkeypatch):
+    """ARCHSERVE_PDL=1: a decode-like chain (norm prologue + gate/up, down, a torch add, the
+    next layer's norm prologue reading that add) captured in a CUDA graph and replayed gives
+    the results of the same chain launched without PDL; each kernel reads what the one
+    before it wrote, so a missing wait would show."""
+    from archserve.kernels.pdl import PDL_ENV, pdl_enabled
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs SM90+")
+    hidden, inter = 1024, 3072
+    w_gate_up = torch.randn(2 * inter, hidden, device=dev, dtype=torch.bfloat16) * 0.02
+    w_down = torch.randn(hidden, inter, device=dev, dtype=torch.bfloat16) * 0.02
+    norm_w = torch.rand(hidden, device=dev, dtype=torch.bfloat16) + 0.5
+    config_gu, config_down = candidate_configs(1)[0], candidate_configs(1)[1]
+    x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
+    residual = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
+
+    def chain() -> torch.Tensor:
+        h, r = x, residual
+        for _ in range(4):
+            act, r = rms_norm_skinny_gemm(h, r, norm_w, 1e-6, w_gate_up, None, config_gu,
+                                          silu_mul=True)
+            h = skinny_gemm(act, w_down, None, config_down) * 0.5 + 0.1
+        return torch.cat([h, r])
+
+    expected = chain()
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert pdl_enabled(dev)
+    eager = chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(eager, expected, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
 @gpu

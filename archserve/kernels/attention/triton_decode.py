@@ -23,6 +23,7 @@ from archserve.kernels.attention.triton_cache_write import (
     cache_operand,
     load_kv_tile,
 )
+from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from archserve.kernels.rules import triton_interpreted
 
 LOG2E = 1.4426950408889634
@@ -126,7 +127,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
                    USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   E4M3_BITS: tl.constexpr):
+                   E4M3_BITS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -172,7 +174,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
 def _merge_splits_kernel(partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, out_ptr,
                          stride_out_token, stride_out_head, v_scale,
                          HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq)
@@ -241,10 +244,11 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
     """Merge ``split_partials``' buffers into each sequence's query row of ``out``, times
     ``v_scale``."""
     num_seqs, num_heads, num_splits, head_size = partial_out.shape
+    pdl = pdl_enabled(out.device)
     _merge_splits_kernel[(num_seqs, num_heads)](
         partial_out, partial_lse, query_start_loc, out, out.stride(0), out.stride(1),
         v_scale, HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=num_splits, PDL=pdl, **pdl_launch_options(pdl),
     )
 
 
@@ -286,6 +290,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     block_g = max(triton.next_power_of_2(group), 16)  # tl.dot needs M >= 16
     block_d = triton.next_power_of_2(head_size)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, head_size)
+    pdl = pdl_enabled(out.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -295,7 +300,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, PDL=pdl, **pdl_launch_options(pdl),
     )
     if num_splits > 1:
         merge_splits(partial_out, partial_lse, query_start_loc, out, v_scale)

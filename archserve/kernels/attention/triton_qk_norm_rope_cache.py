@@ -20,6 +20,7 @@ import triton.language as tl
 
 from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rotary import rotary_cos_sin, rotate_halves
+from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 
 
 @triton.jit
@@ -44,7 +45,8 @@ def _qk_norm_rope_cache_kernel(
         stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head, eps,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr,
-        HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
+        HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = qkv_ptr.dtype.element_ty
     half: tl.constexpr = HEAD_SIZE // 2
@@ -129,6 +131,7 @@ def qk_norm_rope_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: to
     q_weight, k_weight = norm_weights if norm_weights is not None else (cos_cache, cos_cache)
     heads_block = triton.next_power_of_2(num_heads)
     half_block = triton.next_power_of_2(head_size // 2)
+    pdl = pdl_enabled(qkv.device)
     _qk_norm_rope_cache_kernel[(num_tokens,)](
         qkv, positions.contiguous(), cos_cache, sin_cache, q_weight, k_weight, q,
         kv_cache, slot_mapping, qkv.stride(0), q.stride(0), cos_cache.stride(0),
@@ -137,6 +140,6 @@ def qk_norm_rope_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: to
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
         BLOCK_SIZE=kv_cache.shape[2], Q_HEADS_BLOCK=heads_block,
         KV_HEADS_BLOCK=triton.next_power_of_2(num_kv_heads), HALF_BLOCK=half_block,
-        HAS_NORM=norm_weights is not None,
-        num_warps=min(max(heads_block * half_block // 256, 1), 8))
+        HAS_NORM=norm_weights is not None, PDL=pdl,
+        num_warps=min(max(heads_block * half_block // 256, 1), 8), **pdl_launch_options(pdl))
     return q

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
+from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 
 
 @triton.jit
@@ -40,7 +41,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
                      rows_per_group, x_group_stride, x_row_stride,
                      r_group_stride, r_row_stride, width, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     UNIT_OFFSET: tl.constexpr):
+                     UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = row // rows_per_group
     inner = row % rows_per_group
@@ -91,9 +93,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     # Same shape as x, so the same rows_per_group; without a residual x stands in unread.
     r_rows, _, r_group_stride, r_row_stride = _row_layout(x if residual is None else residual)
     block = triton.next_power_of_2(width)
+    pdl = pdl_enabled(x.device)
     _rms_norm_kernel[(out.numel() // width,)](
         x_rows, r_rows, weight.contiguous(), out, new_residual,
         rows_per_group, x_group_stride, x_row_stride, r_group_stride, r_row_stride,
         width, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, UNIT_OFFSET=unit_offset,
-        num_warps=min(max(block // 256, 1), 16))
+        PDL=pdl, num_warps=min(max(block // 256, 1), 16), **pdl_launch_options(pdl))
     return out, new_residual

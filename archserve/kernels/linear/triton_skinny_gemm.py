@@ -23,6 +23,7 @@ import triton.language as tl
 
 from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
+from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 
 # Rows this kernel is built for. Its fp32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
 # values; at eight rows cuBLAS was faster on every Llama-3-8B and Qwen3-0.6B shape.
@@ -111,11 +112,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
                         r_ptr, norm_w_ptr, new_r_ptr, eps,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
     # NORM: x is first RMS-normalised (after adding the residual, with HAS_RESIDUAL) with
     # the weight at norm_w_ptr, as rms_norm would do in a kernel of its own: a first pass
     # over K sums the squares, program 0 writes the new residual.
+    pdl_start(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
@@ -217,6 +219,7 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps):
     if residual is not None:
         new_residual = torch.empty((rows, depth), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(cols, config.block_n),)
+    pdl = pdl_enabled(x.device)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y, rows, cols, depth,
         x.stride(0), weight.stride(0), y.stride(0),
@@ -224,6 +227,6 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps):
         norm_weight if norm_weight is not None else x, new_residual, float(eps),
         HAS_BIAS=bias is not None, GATED=silu_mul, BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
-        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        num_warps=config.num_warps)
+        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
+        num_warps=config.num_warps, **pdl_launch_options(pdl))
     return y, new_residual

@@ -45,6 +45,7 @@ from archserve.kernels.attention.triton_decode import (
     store_decode_output,
 )
 from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
+from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 
 
 @triton.jit
@@ -57,7 +58,8 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr,
-                       KEYS_AS_ROWS: tl.constexpr):
+                       KEYS_AS_ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     head_block = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -178,6 +180,7 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     block_l = triton.next_power_of_2(kv_rank)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, kv_rank)
+    pdl = pdl_enabled(out.device)
     _mla_decode_kernel[(head_blocks, num_seqs, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -187,7 +190,7 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=block_l,
         BLOCK_R=max(triton.next_power_of_2(rope), 16), NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, KEYS_AS_ROWS=keys_as_rows,
-        num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **pdl_launch_options(pdl),
     )
     if num_splits > 1:
         merge_splits(partial_out, partial_lse, query_start_loc, out, v_scale)

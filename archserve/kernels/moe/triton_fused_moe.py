@@ -35,6 +35,8 @@ from archserve.kernels.moe.triton_routing import triton_route
 try:
     import triton
     import triton.language as tl
+
+    from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 except ImportError:  # the backend's availability rule reports it; nothing runs here
     triton = None
 
@@ -231,7 +233,9 @@ if triton is not None:
                         num_pairs, inter, hidden, stride_xt, stride_we, stride_wn,
                         stride_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr):
+                        IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        pdl_start(PDL)
         expert, rows, row_ok, cols, col_ok = _program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, PAIR_ROWS)
         if expert < 0:
@@ -256,7 +260,9 @@ if triton is not None:
     def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
                      block_expert_ptr, num_pairs, hidden, inter, stride_at, stride_we,
                      stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
+                     PDL: tl.constexpr = False):
+        pdl_start(PDL)
         expert, rows, row_ok, cols, col_ok = _program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, PAIR_ROWS)
         if expert < 0:
@@ -274,9 +280,11 @@ if triton is not None:
 
     @triton.jit
     def _sum_slots_kernel(src_ptr, dst_ptr, hidden, stride_src, stride_dst,
-                          TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                          TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                          PDL: tl.constexpr = False):
         """dst[t] = sum over j of src[t * TOP_K + j], in fp32 and slot order (the same
         rounding on every run)."""
+        pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = cols < hidden
@@ -333,7 +341,9 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     out = torch.empty(pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     ieee = hidden.dtype == torch.float32
-    launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+    pdl = pdl_enabled(hidden.device)
+    launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, PDL=pdl,
+                  **pdl_launch_options(pdl))
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tile.block_n))](
         hidden, w13, act, sorted_pairs, block_expert, pairs, inter, hidden_size,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
@@ -354,9 +364,10 @@ def sum_slots(out: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     hidden_size = out.shape[1]
     summed = torch.empty(num_tokens, hidden_size, dtype=out.dtype, device=out.device)
     block_h = min(1024, triton.next_power_of_2(hidden_size))
+    pdl = pdl_enabled(out.device)
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         out, summed, hidden_size, out.stride(0), summed.stride(0), TOP_K=top_k,
-        BLOCK_H=block_h, num_warps=4)
+        BLOCK_H=block_h, num_warps=4, PDL=pdl, **pdl_launch_options(pdl))
     return summed
 
 

@@ -21,6 +21,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 except ImportError:  # the fused backend's availability rule reports it
     triton = None
 
@@ -34,7 +36,9 @@ if triton is not None:
                       TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
                       PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, SIGMOID: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         group = tl.arange(0, BLOCK_G)
         member = tl.arange(0, BLOCK_P)
@@ -117,11 +121,12 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     block_g, block_p = triton.next_power_of_2(groups), triton.next_power_of_2(per_group)
     bias = correction_bias.contiguous() if correction_bias is not None else weights
     # One warp reduces with shuffles alone; past 1024 lanes it would hold too many each.
+    pdl = pdl_enabled(device)
     _route_kernel[(num_tokens,)](
         router_logits, bias, weights, ids, router_logits.stride(0), float(scaling),
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), GROUPS=groups,
         PER_GROUP=per_group, TOPK_GROUPS=topk_groups if grouped else groups,
         BLOCK_G=block_g, BLOCK_P=block_p, SIGMOID=scoring == "sigmoid",
-        HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
-        num_warps=1 if block_g * block_p <= 1024 else 4)
+        HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize, PDL=pdl,
+        num_warps=1 if block_g * block_p <= 1024 else 4, **pdl_launch_options(pdl))
     return weights, ids

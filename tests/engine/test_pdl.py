@@ -1,0 +1,115 @@
+"""Programmatic dependent launch (kernels/pdl.py): when it is on, and that it changes when
+kernels start, never what they compute."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from archserve.kernels import pdl
+
+
+def test_pdl_is_off_unless_asked_on_cuda_sm90(monkeypatch):
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    assert not pdl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    assert not pdl.pdl_enabled(torch.device("cpu"))       # a CUDA feature only
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))   # the interpreter has no PDL
+    assert pdl.pdl_launch_options(False) == {}
+    assert pdl.pdl_launch_options(True) == {"launch_pdl": True}
+
+
+@pytest.mark.skipif(pdl.triton_interpreted(), reason="the interpreter does not compile")
+def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
+    """The decode kernels that take PDL, as their wrappers launch them with it: attention
+    decode (split, so its merge too), the q/k norm-rope-cache kernel, RMSNorm, MLA decode,
+    MoE routing and the fused experts. Each waits for the kernel before it, then lets the
+    next one launch."""
+    from triton_compile import compiled_launches
+
+    from archserve.kernels.attention import triton_decode, triton_qk_norm_rope_cache
+    from archserve.kernels.elementwise import triton_rms_norm
+    from archserve.kernels.mla import triton_mla_decode
+    from archserve.kernels.moe import triton_fused_moe, triton_routing
+
+    for module in (triton_decode, triton_qk_norm_rope_cache, triton_rms_norm,
+                   triton_mla_decode, triton_fused_moe, triton_routing):
+        monkeypatch.setattr(module, "pdl_enabled", lambda device: True)
+    heads, kv_heads, head = 4, 2, 64
+    cache = torch.zeros(2, 4, 16, kv_heads, head, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    with compiled_launches(("cuda", 90, 32)) as launches:
+        triton_decode.decode_attention(
+            torch.zeros(2, heads, head, dtype=torch.bfloat16), cache, tables, lens,
+            torch.arange(3, dtype=torch.int32), torch.zeros(2, heads, head, dtype=torch.bfloat16),
+            num_seqs=2, max_seq_len=64, scale=0.1, num_splits=2)
+        triton_qk_norm_rope_cache.qk_norm_rope_cache(
+            torch.zeros(2, (heads + 2 * kv_heads) * head, dtype=torch.bfloat16),
+            torch.zeros(2, dtype=torch.long), torch.zeros(64, head // 2),
+            torch.zeros(64, head // 2), (torch.ones(head, dtype=torch.bfloat16),) * 2, 1e-6,
+            cache, torch.zeros(2, dtype=torch.long), heads, kv_heads)
+        triton_rms_norm.rms_norm_triton(torch.zeros(2, 256, dtype=torch.bfloat16),
+                                        torch.ones(256, dtype=torch.bfloat16), 1e-6,
+                                        torch.zeros(2, 256, dtype=torch.bfloat16))
+        triton_mla_decode.mla_decode(
+            torch.zeros(2, 16, 576, dtype=torch.bfloat16),
+            torch.zeros(1, 4, 16, 1, 576, dtype=torch.bfloat16), tables, lens,
+            torch.arange(3, dtype=torch.int32), torch.zeros(2, 16, 512, dtype=torch.bfloat16),
+            num_seqs=2, max_seq_len=64, scale=0.1, num_splits=1)
+        # Routing, then the experts of a fixed routing (the compiled routing writes nothing).
+        triton_routing.triton_route(torch.zeros(1, 8), 2, True)
+        triton_fused_moe.fused_experts(
+            torch.zeros(1, 64, dtype=torch.bfloat16), torch.full((1, 2), 0.5),
+            torch.tensor([[1, 3]], dtype=torch.int32),
+            torch.zeros(8, 64, 64, dtype=torch.bfloat16),
+            torch.zeros(8, 64, 32, dtype=torch.bfloat16))
+    names = [launch.kernel for launch in launches]
+    assert names[:5] == ["_decode_kernel", "_merge_splits_kernel", "_qk_norm_rope_cache_kernel",
+                         "_rms_norm_kernel", "_mla_decode_kernel"], names
+    assert {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"} <= set(names)
+    for launch in launches:
+        ptx = launch.code()
+        assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+
+
+# A tiny Qwen3-MoE whose attention every GPU backend takes (decode in CUDA graphs): top-8 of
+# 16 experts, routed by the routing kernel into the fused experts.
+TINY_MOE = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=96, num_experts=16, num_experts_per_tok=8,
+                moe_intermediate_size=24, norm_topk_prob=True, num_hidden_layers=2,
+                tie_word_embeddings=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_gpu_greedy_tokens_and_logprobs_are_the_same_with_pdl(tiny_checkpoint, tmp_path,
+                                                             monkeypatch, model):
+    """A tiny Qwen3 (q/k norms: the fused norm-rope-cache kernel) and a tiny Qwen3-MoE, in
+    bf16 with CUDA graphs, decode and mixed steps: PDL on gives exactly the tokens and
+    logprobs of PDL off."""
+    from tiny_checkpoints import build_tiny_checkpoint
+
+    from archserve import LLM, SamplingParams
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs SM90+")
+    path = (tiny_checkpoint("qwen3-h64") if model == "dense"
+            else build_tiny_checkpoint(str(tmp_path), "qwen3_moe", **TINY_MOE))
+    prompts = ["The quick brown fox", "1 2 3", "A paged KV cache stores keys"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    outs = []
+    for enabled in (False, True):
+        if enabled:
+            monkeypatch.setenv(pdl.PDL_ENV, "1")
+        llm = LLM(path, dtype="bfloat16", gpu_memory_utilization=0.2)
+        outs.append([o.outputs[0] for o in llm.generate(prompts, params)])
+        del llm     # the next engine sizes its pool from the memory this one frees
+        gc.collect()
+        torch.cuda.empty_cache()
+    for off, on in zip(*outs, strict=True):
+        assert on.token_ids == off.token_ids
+        assert [lp[t].logprob for lp, t in zip(on.logprobs, on.token_ids, strict=True)] == \
+            [lp[t].logprob for lp, t in zip(off.logprobs, off.token_ids, strict=True)]
