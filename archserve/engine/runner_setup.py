@@ -121,8 +121,11 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
                            f"{first_line}); steps with prompt tokens run eagerly")
 
     flops_per_token = 2.0 * runner.step_weights.active_params_per_token
-    tokens = host_bound_tokens(flops_per_token,
-                               load_or_measure(runner.device).matmul_flops_per_s, tokens)
+    # Each rank measured its own matmul rate (on its own node, or racing for a cold cache):
+    # near a bucket edge their limits differ, so they take the smallest.
+    tokens = agree.min(host_bound_tokens(flops_per_token,
+                                         load_or_measure(runner.device).matmul_flops_per_s,
+                                         tokens))
     try:   # a failed capture of one bucket is demoted inside; this catches the rest
         runner.capture_mixed_graphs(tokens, max_num_seqs)
     except Exception as exc:

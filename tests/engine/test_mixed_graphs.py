@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import types
 
 import pytest
 import torch
@@ -84,6 +86,60 @@ def test_buckets_stop_where_a_steps_matmuls_would_bound_it():
     assert host_bound_tokens(2 * 7.5e9, 7.87e14, limit=512) == 512
     assert host_bound_tokens(2 * 400e9, 1e12) == 16          # never below one bucket
 
+
+
+def test_tensor_parallel_ranks_capture_the_same_buckets_from_differing_rates(monkeypatch):
+    """Each rank measures its own matmul rate (another node, or a cold calibration cache):
+    near a bucket edge the ranks' compute-bound limits differ, and the start must not fail
+    on it. Two ranks in threads, agreeing through an in-process all-gather."""
+    from archserve.distributed.agreement import RankAgreement
+    from archserve.engine import runner_setup
+
+    # What the runner's start-up reads here: its step weights, its device's ceilings (from
+    # runner.device, so each rank has its own), and the buckets it captured.
+    monkeypatch.setattr(runner_setup, "load_or_measure", lambda device: device)
+
+    class Runner:
+        def __init__(self, matmul_flops_per_s: float) -> None:
+            self.device = types.SimpleNamespace(matmul_flops_per_s=matmul_flops_per_s)
+            self.step_weights = types.SimpleNamespace(active_params_per_token=1e6)
+            self.kv_caches, self.mixed_graphs = [], None
+
+        def capture_mixed_graphs(self, tokens: int, max_num_seqs: int) -> None:
+            self.mixed_graphs = types.SimpleNamespace(
+                set=types.SimpleNamespace(sizes=mixed_graph_buckets(tokens), demoted={}),
+                replay_canary=lambda kv_caches: None)
+
+    # 15 ms of 2 MFLOP tokens: 1050 tokens at one rate, 975 at the other.
+    runners = [Runner(1.4e11), Runner(1.3e11)]
+    slots, barrier = [None, None], threading.Barrier(2)
+
+    def gather(rank: int, value):
+        slots[rank] = value
+        barrier.wait()
+        values = list(slots)
+        barrier.wait()
+        return values
+
+    results = [None, None]
+
+    def start(rank: int) -> None:
+        agree = RankAgreement(lambda value: gather(rank, value), rank=rank)
+        try:
+            results[rank] = runner_setup.capture_mixed_step_graphs(runners[rank], 2048, 8,
+                                                                   agree)
+        except ValueError as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=start, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert all(isinstance(r, runner_setup.Decision) for r in results), results
+    assert [r.chosen for r in results] == ["FULL", "FULL"]
+    assert runners[0].mixed_graphs.set.sizes == runners[1].mixed_graphs.set.sizes
+    assert runners[0].mixed_graphs.set.sizes[-1] == 768   # the smaller rank's limit
 
 
 def test_a_buckets_padding_stays_inside_what_a_real_step_can_address():
