@@ -22,7 +22,7 @@ Any other key is refused by name rather than ignored.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
 _NOT_BUILT = ("PIECEWISE", "FULL_AND_PIECEWISE")
@@ -34,6 +34,8 @@ _LEVELS = range(4)
 class CompilationChoice:
     cudagraph_mode: str = "FULL"
     capture_sizes: tuple[int, ...] = ()       # empty: the default ladder
+    # Whether the user named the mode: the default FULL says nothing where graphs are off.
+    mode_given: bool = field(default=False, compare=False)
 
 
 def parse_compilation_config(value: dict | str | None) -> CompilationChoice:
@@ -66,4 +68,4 @@ def parse_compilation_config(value: dict | str | None) -> CompilationChoice:
     sizes = value.get("cudagraph_capture_sizes") or ()
     if not all(isinstance(s, int) and s > 0 for s in sizes):
         raise ValueError("cudagraph_capture_sizes must be positive integers")
-    return CompilationChoice(mode, tuple(sorted(set(sizes))))
+    return CompilationChoice(mode, tuple(sorted(set(sizes))), "cudagraph_mode" in value)

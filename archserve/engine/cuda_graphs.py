@@ -158,6 +158,14 @@ class StaticGraphRunner:
         """None when the graph of ``size`` replays a step as it runs eagerly, else why not."""
         raise NotImplementedError
 
+    def keep_only(self, sizes: list[int], reason: str) -> None:
+        """The graphs of other sizes go (their steps replay a larger one, or run eager),
+        with the reason recorded per size: e.g. sizes some other rank lacks."""
+        for size in [s for s in self.set.sizes if s not in sizes]:
+            self.set.demoted[size] = reason
+            del self.set.graphs[size]
+        self.set.sizes = sorted(self.set.graphs)
+
     def drop_all(self, reason: str) -> None:
         """Every graph goes (its steps run eager), with the reason recorded per size."""
         for s in list(self.set.sizes):

@@ -173,9 +173,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_prefill_probe(self, num_tokens: int | list[int]) -> None:
-        """One eager step of a ``num_tokens``-token prompt (or of prompts of these lengths)
+        """One step of a ``num_tokens``-token prompt (or of prompts of these lengths)
         through each one's sampled row's logits, writing nothing to the cache (slot -1):
-        for warm-up and for timing a step."""
+        for warm-up and for timing a step. It replays a mixed-step graph where one fits
+        (as the step would run when serving), else it runs eagerly."""
         lens = [num_tokens] if isinstance(num_tokens, int) else list(num_tokens)
         dev = self.device
         width = -(-max(lens) // self.block_size)

@@ -85,9 +85,10 @@ def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calib
         return 0, Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY"
                            if graphs_off is None or calibrate else "NONE", reason)
 
+    if graphs_off is not None and not calibrate and (requested != "FULL"
+                                                    or not compilation.mode_given):
+        return 0, None                    # graphs are off: cuda_graphs_off_reason says why
     if requested != "FULL":
-        if graphs_off is not None and not calibrate:
-            return 0, None                # graphs are off: cuda_graphs_off_reason says why
         return decode_only("decode steps replay CUDA graphs; steps with prompt tokens run "
                            "eagerly (compilation_config cudagraph_mode FULL captures those "
                            "too)")
@@ -106,19 +107,29 @@ def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calib
 
 def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: int,
                               agree: RankAgreement) -> Decision:
-    """Capture the mixed-step graphs up to ``tokens`` and check them (every rank alike,
-    before their canaries run collectives of a bucket's size); FULL, or why not."""
+    """Capture the mixed-step graphs up to ``tokens`` and check them; FULL, or why not.
+
+    Ranks keep only the buckets every rank has, after the capture (before the canaries run
+    collectives of a bucket's size) and after the canary: a capture or canary that fails
+    on one rank (its memory, its kernels) takes those buckets from all, instead of
+    stopping the start. Every rank passes the same three agreements on every path."""
     def decode_only(reason: str) -> Decision:
         runner.mixed_graphs = None
-        agree.same("the captured mixed-step graph buckets", [])
         return Decision("cudagraph_mode", "FULL", "FULL_DECODE_ONLY", reason)
 
-    def failed(exc: Exception) -> Decision:
+    def failure(exc: Exception) -> str:
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         log.warning("mixed-step CUDA graphs failed (%s: %s); steps with prompt tokens run "
                     "eagerly", type(exc).__name__, first_line)
-        return decode_only(f"capturing the mixed-step graphs failed ({type(exc).__name__}: "
-                           f"{first_line}); steps with prompt tokens run eagerly")
+        return f"{type(exc).__name__}: {first_line}"
+
+    def on_every_rank(sizes: list[int]) -> list[int]:
+        common = set(sizes)
+        for other in agree.every(sizes):
+            common &= set(other)
+        if runner.mixed_graphs is not None:
+            runner.mixed_graphs.keep_only(sorted(common), "not captured on every rank")
+        return sorted(common)
 
     flops_per_token = 2.0 * runner.step_weights.active_params_per_token
     # Each rank measured its own matmul rate (on its own node, or racing for a cold cache):
@@ -126,20 +137,26 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
     tokens = agree.min(host_bound_tokens(flops_per_token,
                                          load_or_measure(runner.device).matmul_flops_per_s,
                                          tokens))
+    error = None
     try:   # a failed capture of one bucket is demoted inside; this catches the rest
         runner.capture_mixed_graphs(tokens, max_num_seqs)
     except Exception as exc:
-        return failed(exc)
-    agree.same("the captured mixed-step graph buckets", runner.mixed_graphs.set.sizes)
+        error = failure(exc)
+    if not on_every_rank(runner.mixed_graphs.set.sizes if error is None else []):
+        return decode_only(f"capturing the mixed-step graphs failed ({error}); steps with "
+                           f"prompt tokens run eagerly" if error else
+                           "no mixed-step graph was captured on every rank: "
+                           + describe_demoted([], runner.mixed_graphs.set.demoted))
     try:
         runner.mixed_graphs.replay_canary(runner.kv_caches)
     except Exception as exc:
-        return failed(exc)
+        error = failure(exc)
+    if not on_every_rank(runner.mixed_graphs.set.sizes if error is None else []):
+        return decode_only(f"the mixed-step graphs' replay canary failed ({error}); steps "
+                           f"with prompt tokens run eagerly" if error else
+                           "no mixed-step graph survived capture and its replay canary: "
+                           + describe_demoted([], runner.mixed_graphs.set.demoted))
     captured = runner.mixed_graphs.set
-    if not captured.sizes:
-        return decode_only("no mixed-step graph survived capture and its replay canary: "
-                           + describe_demoted([], captured.demoted))
-    agree.same("the captured mixed-step graph buckets", captured.sizes)
     return Decision("cudagraph_mode", "FULL", "FULL",
                     f"steps with prompt tokens replay graphs at token buckets "
                     f"{captured.sizes}; a larger step runs eagerly (buckets stop at "

@@ -5,8 +5,10 @@ chunk stretches the gap between two of its tokens (inter-token latency, ITL). Th
 bounds that step (stall-free batching, as in Sarathi-Serve): it is the largest number of
 tokens whose step still ends within a target ITL, by a cost model of this device and model:
 
-- measured on GPUs: one eager prefill step at each of ``PROBE_LENGTHS`` tokens, timed
-  after the warm-up has compiled and tuned every kernel (a few hundred ms at start-up);
+- measured on GPUs: one prefill step at each of ``PROBE_LENGTHS`` tokens (and at the
+  largest mixed-step graph bucket, where those are captured), timed after the warm-up has
+  compiled and tuned every kernel (a few hundred ms at start-up). A step that a mixed-step
+  graph covers is timed as its replay, as it would run; a longer one eagerly;
 - on other devices, where timing long prompts would cost seconds, the roofline floor of
   the same steps: max(matmul FLOPs / measured FLOP/s, weight bytes / measured bandwidth).
 

@@ -21,6 +21,7 @@ import torch
 
 from archserve import LLM, SamplingParams
 from archserve.engine.compilation_config import CompilationChoice, parse_compilation_config
+from archserve.engine.cuda_graphs import StaticGraphRunner
 from archserve.engine.mixed_graphs import (
     TOKEN_BUCKETS,
     host_bound_tokens,
@@ -66,6 +67,10 @@ def test_an_engine_refuses_a_bad_compilation_config_and_runs_a_good_one(tiny_che
     assert "CUDA graphs are off" in decision.reason
     out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=3))
     assert len(out[0].outputs[0].token_ids) == 3
+    del llm
+    # The default (FULL, not asked for) says nothing where there are no graphs.
+    llm = LLM(path, dtype="float32")
+    assert not [d for d in llm.llm_engine.report.decisions if d.what == "cudagraph_mode"]
 
 
 def test_token_buckets_cover_every_step_size_up_to_the_largest():
@@ -88,31 +93,49 @@ def test_buckets_stop_where_a_steps_matmuls_would_bound_it():
 
 
 
-def test_tensor_parallel_ranks_capture_the_same_buckets_from_differing_rates(monkeypatch):
-    """Each rank measures its own matmul rate (another node, or a cold calibration cache):
-    near a bucket edge the ranks' compute-bound limits differ, and the start must not fail
-    on it. Two ranks in threads, agreeing through an in-process all-gather."""
+class _CapturedBuckets(StaticGraphRunner):
+    """The graph runner's bookkeeping (keep_only, the canary's loop) over buckets that a
+    CPU cannot capture: each graph stands in as None; its canary fails where asked."""
+
+    def __init__(self, sizes: list[int], canary_fails: bool = False) -> None:
+        super().__init__(torch.device("cpu"))
+        self.set.graphs = dict.fromkeys(sizes)
+        self.set.sizes = list(sizes)
+        self.canary_fails = canary_fails
+
+    def _canary_blocks(self) -> int:
+        return 0
+
+    def _canary_at(self, size: int, tolerance: float) -> str | None:
+        return "replayed output differs" if self.canary_fails else None
+
+
+class _Rank:
+    """What capture_mixed_step_graphs reads of a runner: its step weights, its device's
+    ceilings (from runner.device, so each rank has its own) and the buckets it captured."""
+
+    def __init__(self, matmul_flops_per_s: float, lacks: tuple[int, ...] = (),
+                 capture_raises: bool = False, canary_fails: bool = False) -> None:
+        self.device = types.SimpleNamespace(matmul_flops_per_s=matmul_flops_per_s)
+        self.step_weights = types.SimpleNamespace(active_params_per_token=1e6)
+        self.kv_caches, self.mixed_graphs = [], None
+        self.lacks, self.capture_raises, self.canary_fails = lacks, capture_raises, canary_fails
+
+    def capture_mixed_graphs(self, tokens: int, max_num_seqs: int) -> None:
+        if self.capture_raises:
+            raise torch.cuda.OutOfMemoryError("out of memory on this rank")
+        sizes = [s for s in mixed_graph_buckets(tokens) if s not in self.lacks]
+        self.mixed_graphs = _CapturedBuckets(sizes, self.canary_fails)
+
+
+def _start_two_ranks(monkeypatch, ranks: list[_Rank]) -> list:
+    """capture_mixed_step_graphs on two ranks in threads, agreeing through an in-process
+    all-gather; each rank's Decision, or the exception it raised."""
     from archserve.distributed.agreement import RankAgreement
     from archserve.engine import runner_setup
 
-    # What the runner's start-up reads here: its step weights, its device's ceilings (from
-    # runner.device, so each rank has its own), and the buckets it captured.
     monkeypatch.setattr(runner_setup, "load_or_measure", lambda device: device)
-
-    class Runner:
-        def __init__(self, matmul_flops_per_s: float) -> None:
-            self.device = types.SimpleNamespace(matmul_flops_per_s=matmul_flops_per_s)
-            self.step_weights = types.SimpleNamespace(active_params_per_token=1e6)
-            self.kv_caches, self.mixed_graphs = [], None
-
-        def capture_mixed_graphs(self, tokens: int, max_num_seqs: int) -> None:
-            self.mixed_graphs = types.SimpleNamespace(
-                set=types.SimpleNamespace(sizes=mixed_graph_buckets(tokens), demoted={}),
-                replay_canary=lambda kv_caches: None)
-
-    # 15 ms of 2 MFLOP tokens: 1050 tokens at one rate, 975 at the other.
-    runners = [Runner(1.4e11), Runner(1.3e11)]
-    slots, barrier = [None, None], threading.Barrier(2)
+    slots, barrier = [None, None], threading.Barrier(2, timeout=30)
 
     def gather(rank: int, value):
         slots[rank] = value
@@ -121,25 +144,55 @@ def test_tensor_parallel_ranks_capture_the_same_buckets_from_differing_rates(mon
         barrier.wait()
         return values
 
-    results = [None, None]
+    results: list = [None, None]
 
     def start(rank: int) -> None:
         agree = RankAgreement(lambda value: gather(rank, value), rank=rank)
         try:
-            results[rank] = runner_setup.capture_mixed_step_graphs(runners[rank], 2048, 8,
-                                                                   agree)
-        except ValueError as exc:
+            results[rank] = runner_setup.capture_mixed_step_graphs(ranks[rank], 2048, 8, agree)
+        except Exception as exc:  # noqa: BLE001 - the test reports what a rank raised
             results[rank] = exc
 
     threads = [threading.Thread(target=start, args=(rank,)) for rank in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=30)
-    assert all(isinstance(r, runner_setup.Decision) for r in results), results
-    assert [r.chosen for r in results] == ["FULL", "FULL"]
-    assert runners[0].mixed_graphs.set.sizes == runners[1].mixed_graphs.set.sizes
-    assert runners[0].mixed_graphs.set.sizes[-1] == 768   # the smaller rank's limit
+        thread.join(timeout=60)
+    return results
+
+
+def test_tensor_parallel_ranks_capture_the_same_buckets_from_differing_rates(monkeypatch):
+    """Each rank measures its own matmul rate (another node, or a cold calibration cache):
+    near a bucket edge the ranks' compute-bound limits differ (15 ms of 2 MFLOP tokens:
+    1050 tokens at one rate, 975 at the other), and the start must not fail on it."""
+    ranks = [_Rank(1.4e11), _Rank(1.3e11)]
+    results = _start_two_ranks(monkeypatch, ranks)
+    assert [getattr(r, "chosen", r) for r in results] == ["FULL", "FULL"]
+    assert ranks[0].mixed_graphs.set.sizes == ranks[1].mixed_graphs.set.sizes
+    assert ranks[0].mixed_graphs.set.sizes[-1] == 768   # the smaller rank's limit
+
+
+def test_a_bucket_one_rank_lacks_is_dropped_on_every_rank(monkeypatch):
+    """One rank's capture of a bucket failed (its memory): the others drop it too, and say
+    why, instead of the start failing on the disagreement."""
+    ranks = [_Rank(1.3e11), _Rank(1.3e11, lacks=(256,))]
+    results = _start_two_ranks(monkeypatch, ranks)
+    assert [getattr(r, "chosen", r) for r in results] == ["FULL", "FULL"]
+    assert 256 not in ranks[0].mixed_graphs.set.sizes
+    assert ranks[0].mixed_graphs.set.sizes == ranks[1].mixed_graphs.set.sizes
+    assert ranks[0].mixed_graphs.set.demoted == {256: "not captured on every rank"}
+    assert "not captured on every rank" in results[0].reason
+
+
+@pytest.mark.parametrize("failing", ["capture", "canary"])
+def test_a_failure_on_one_rank_leaves_every_rank_decode_only(monkeypatch, failing):
+    ranks = [_Rank(1.3e11), _Rank(1.3e11, capture_raises=failing == "capture",
+                                  canary_fails=failing == "canary")]
+    results = _start_two_ranks(monkeypatch, ranks)
+    assert [getattr(r, "chosen", r) for r in results] == ["FULL_DECODE_ONLY"] * 2
+    assert all(rank.mixed_graphs is None for rank in ranks)
+    assert ("OutOfMemoryError" if failing == "capture" else "replayed output differs") \
+        in results[1].reason
 
 
 def test_a_buckets_padding_stays_inside_what_a_real_step_can_address():

@@ -63,7 +63,8 @@ def test_with_mixed_graphs_the_budget_drops_to_the_bucket_below():
     assert choose_decoding_budget(model, 0.0158, low=16, high=8192) == 672
     assert choose_decoding_budget(model, 0.0158, 16, 8192, buckets) == 512
     assert choose_decoding_budget(model, 0.0175, 16, 8192, buckets) == 768   # a bucket fits
-    # Past the last bucket steps run eagerly at the measured cost: no snapping there.
+    # Past the last bucket steps run eagerly, costed between the last bucket's replay and
+    # the next (eager) probe: no snapping there.
     assert choose_decoding_budget(model, 0.020, 16, 8192, buckets) == 896
     assert choose_decoding_budget(model, 0.0158, 600, 8192, buckets) == 600   # max_num_seqs
     budget = resolve_token_budget("auto", None, 8192, 16, True, lambda: model, buckets)
