@@ -30,6 +30,7 @@ class CompiledLaunch:
     kernel: str
     constexprs: dict
     asm: dict = field(repr=False)
+    options: dict = field(default_factory=dict)    # the launch options it was given
 
     def code(self) -> str:
         return self.asm.get("ptx") or self.asm.get("amdgcn") or ""
@@ -76,7 +77,7 @@ def _compile(fn, target: tuple, args: tuple, kwargs: dict) -> CompiledLaunch:  #
         compiled = triton.compile(ASTSource(fn, signature, constexprs),
                                   target=GPUTarget(*target), options=options)
         _cache[key] = compiled.asm
-    return CompiledLaunch(fn.__name__, constexprs, _cache[key])
+    return CompiledLaunch(fn.__name__, constexprs, _cache[key], options)
 
 
 @contextlib.contextmanager

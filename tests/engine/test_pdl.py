@@ -71,6 +71,7 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
                          "_rms_norm_kernel", "_mla_decode_kernel"], names
     assert {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"} <= set(names)
     for launch in launches:
+        assert launch.options.get("launch_pdl") and launch.constexprs["PDL"], launch.kernel
         ptx = launch.code()
         assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
 
