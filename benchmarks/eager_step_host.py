@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from archserve.engine.config import EngineConfig
     from archserve.engine.llm_engine import LLMEngine
+    from archserve.kernels import jit_watch
     from archserve.loader.loader import resolve_model_path
     from archserve.loader.tokenizer import dummy_without_tokenizer
 
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
               "cuda_profile_first": args.cuda_profile_first,
               "compilation_config": args.compilation_config,
               "mixed_graph_buckets": runner.mixed_graphs.set.sizes if runner.mixed_graphs else [],
+              # Triton variants the steps above compiled (their first run waited for it).
+              "compiled_while_running": jit_watch.compiled_after_startup(),
               "steps": rows}
     if args.cprofile:
         prof = cProfile.Profile()

@@ -72,6 +72,8 @@ def note_compile(hook_kwargs: dict) -> None:
     name = str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or "triton kernel")
     _compiled[name] += 1
     if _compiled[name] <= LOGGED_PER_KERNEL:
+        # Triton's repr spans lines (one per argument): one line keeps it whole in the
+        # logs that a tail or a grep reads.
         log.warning("Triton compiled a variant of %s after start-up (the warm-up did not "
                     "reach this shape; its request waited for the compiler): %s", name,
-                    hook_kwargs.get("repr", ""))
+                    " ".join(str(hook_kwargs.get("repr", "")).split()))
