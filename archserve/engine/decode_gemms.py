@@ -127,6 +127,26 @@ def tune_moe_decode(device: DeviceInfo, model: torch.nn.Module, graph_sizes: lis
     return Decision("MoE tiles", "TRITON_FUSED_MOE", "TRITON_FUSED_MOE", report.summary())
 
 
+def tune_mla_decode(device: DeviceInfo, attn_impl: object, model_config, dtype: torch.dtype,
+                    kv_cache_dtype: str, block_size: int, graph_sizes: list[int],
+                    torch_device: torch.device) -> Decision | None:
+    """Choose the MLA decode kernel's tiles by timing, where TRITON_MLA decodes in CUDA
+    graphs (kernels/mla/tuning.py; cached per device)."""
+    from archserve.kernels.mla.triton_mla import TritonMlaImpl
+    from archserve.kernels.mla.tuning import MlaShape, describe, tune_mla_tiles
+
+    mla = model_config.mla
+    if (not isinstance(attn_impl, TritonMlaImpl) or mla is None or not graph_sizes
+            or kv_cache_dtype not in ("auto", "fp8_e4m3")):
+        return None
+    shape = MlaShape(model_config.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype,
+                     kv_cache_dtype, block_size)
+    path = os.path.join(device_kernel_dir(device), "mla_tiles.json")
+    attn_impl.tiles, timing, from_cache = tune_mla_tiles(shape, path, torch_device)
+    torch.cuda.empty_cache()
+    return Decision("MLA decode tiles", "TRITON_MLA", "TRITON_MLA", describe(timing, from_cache))
+
+
 def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torch.dtype,
                          graph_sizes: list[int]) -> Decision | None:
     """Select the dense linear backend, tune it for ``graph_sizes`` (empty: decode runs

@@ -27,6 +27,7 @@ from archserve.engine.cuda_graphs import default_graph_sizes, describe_demoted
 from archserve.engine.decode_gemms import (
     install_linear_route,
     install_quantized_kernels,
+    tune_mla_decode,
     tune_moe_decode,
     tune_quantized_decode,
 )
@@ -137,25 +138,31 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
     tokens = agree.min(host_bound_tokens(flops_per_token,
                                          load_or_measure(runner.device).matmul_flops_per_s,
                                          tokens))
+    def settled(error: str | None, failed: str, none_left: str) -> Decision | None:
+        """None while some bucket is left on every rank, else the decode-only decision."""
+        if on_every_rank(runner.mixed_graphs.set.sizes if error is None else []):
+            return None
+        if error is not None:
+            return decode_only(f"{failed} ({error}); steps with prompt tokens run eagerly")
+        return decode_only(f"{none_left}: "
+                           + describe_demoted([], runner.mixed_graphs.set.demoted))
+
     error = None
     try:   # a failed capture of one bucket is demoted inside; this catches the rest
         runner.capture_mixed_graphs(tokens, max_num_seqs)
     except Exception as exc:
         error = failure(exc)
-    if not on_every_rank(runner.mixed_graphs.set.sizes if error is None else []):
-        return decode_only(f"capturing the mixed-step graphs failed ({error}); steps with "
-                           f"prompt tokens run eagerly" if error else
-                           "no mixed-step graph was captured on every rank: "
-                           + describe_demoted([], runner.mixed_graphs.set.demoted))
+    if (decision := settled(error, "capturing the mixed-step graphs failed",
+                            "no mixed-step graph was captured on every rank")) is not None:
+        return decision
     try:
         runner.mixed_graphs.replay_canary(runner.kv_caches)
     except Exception as exc:
         error = failure(exc)
-    if not on_every_rank(runner.mixed_graphs.set.sizes if error is None else []):
-        return decode_only(f"the mixed-step graphs' replay canary failed ({error}); steps "
-                           f"with prompt tokens run eagerly" if error else
-                           "no mixed-step graph survived capture and its replay canary: "
-                           + describe_demoted([], runner.mixed_graphs.set.demoted))
+    if (decision := settled(error, "the mixed-step graphs' replay canary failed",
+                            "no mixed-step graph survived capture and its replay canary")
+            ) is not None:
+        return decision
     captured = runner.mixed_graphs.set
     return Decision("cudagraph_mode", "FULL", "FULL",
                     f"steps with prompt tokens replay graphs at token buckets "
@@ -226,7 +233,9 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     def tune_gemms() -> list:
         return [d for d in (install_linear_route(device, model, dtype, graph_sizes),
                             tune_quantized_decode(device, model, dtype, graph_sizes),
-                            tune_moe_decode(device, model, graph_sizes))
+                            tune_moe_decode(device, model, graph_sizes),
+                            tune_mla_decode(device, attn_impl, rank_mc, dtype, kv_cache_dtype,
+                                            block_size, graph_sizes, torch_device))
                 if d is not None]
 
     decisions += agree.rank0_first(tune_gemms)

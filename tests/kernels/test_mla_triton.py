@@ -78,6 +78,52 @@ else:
         torch.testing.assert_close(cache, expected_cache)    # the same latent rows written
 
 
+# ---------------------------------------------------------------- the start-up tile choice
+
+def _shape():
+    from archserve.kernels.mla.tuning import MlaShape
+    return MlaShape(16, 512, 64, torch.bfloat16, "auto", 16)
+
+
+def test_tile_choice_takes_the_fastest_agreeing_candidate_and_caches_it(tmp_path):
+    """The selection logic, over stated timings (the GPU times real launches): a faster
+    candidate whose output disagrees is refused, the fastest agreeing one is taken, and a
+    second start reads the cache without timing."""
+    from archserve.kernels.mla.tuning import CANDIDATE_TILES, describe, tune_mla_tiles
+
+    reference = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    wrong, right = CANDIDATE_TILES
+    timed = []
+
+    def timer(shape, tiles):
+        timed.append(tiles)
+        if tiles is None:
+            return 100.0, reference
+        return (50.0, reference + 5.0) if tiles == wrong else (80.0, reference + 1e-3)
+
+    path = str(tmp_path / "mla_tiles.json")
+    tiles, timing, cached = tune_mla_tiles(_shape(), path, torch.device("cpu"), timer)
+    assert (tiles, cached) == (right, False) and timed == [None, wrong, right]
+    assert "disagrees" in timing.note and "80.0 µs against the rule's 100.0" in \
+        describe(timing, cached)
+    again = tune_mla_tiles(_shape(), path, torch.device("cpu"), lambda *_: 1 / 0)
+    assert again[0] == right and again[2]
+
+
+def test_tile_choice_keeps_the_rule_when_no_candidate_pays_or_timing_fails(tmp_path):
+    from archserve.kernels.mla.tuning import describe, tune_mla_tiles
+
+    out = torch.ones(2, 2)
+    tiles, timing, _ = tune_mla_tiles(_shape(), str(tmp_path / "a.json"), torch.device("cpu"),
+                                      lambda shape, t: (100.0 if t is None else 99.0, out))
+    assert tiles is None and "no candidate faster" in describe(timing, False)
+    path = tmp_path / "b.json"
+    tiles, timing, _ = tune_mla_tiles(_shape(), str(path), torch.device("cpu"),
+                                      lambda *_: 1 / 0)
+    assert tiles is None and "timing failed" in describe(timing, False)
+    assert not path.exists()      # a failed timing is not cached: the next start tries again
+
+
 # ---------------------------------------------------------------- compiled for real GPUs
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -161,6 +207,19 @@ def test_gpu_impl_at_deepseek_sizes(heads, kv):
                              kv_cache_dtype=kv, device="cuda", seed=7, fp8_exact_kv=False,
                              **DEEPSEEK)
         assert compare_mla_with_reference(case, TritonMlaImpl()) is None, seqs
+
+
+@pytest.mark.gpu
+def test_gpu_tile_choice_times_both_forms_at_deepseek_sizes(tmp_path):
+    """The start-up choice on this GPU: the rule's tiles and every candidate are timed as
+    graph replays (none fails or disagrees), and what it chose is one of them."""
+    from archserve.kernels.mla.tuning import CANDIDATE_TILES, tune_mla_tiles
+
+    tiles, timing, cached = tune_mla_tiles(_shape(), str(tmp_path / "mla.json"),
+                                           torch.device("cuda"))
+    assert not cached and timing.default_us > 0 and "disagrees" not in timing.note
+    assert "Error" not in timing.note, timing.note
+    assert tiles is None or tiles in CANDIDATE_TILES
 
 
 @pytest.mark.gpu

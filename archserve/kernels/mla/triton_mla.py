@@ -30,6 +30,9 @@ class TritonMlaImpl:
         # decided per GPU by the kernels' wrappers.
         self.fp8_bytes = fp8_bytes
         self.num_sms = (getattr(device, "multiprocessor_count", None) or 0) if device else 0
+        # The decode kernel's tiles, when the start-up timing chose other than the rule's
+        # (kernels/mla/tuning.py); None: mla_decode_tiles.
+        self.tiles: tuple | None = None
 
     def _sm_count(self, tensor: torch.Tensor) -> int:
         if self.num_sms == 0 and tensor.is_cuda:
@@ -49,7 +52,7 @@ class TritonMlaImpl:
         out = torch.empty(*query.shape[:2], kv_lora_rank, dtype=query.dtype, device=query.device)
         return mla_decode(query, kv_cache, block_tables, seq_lens, query_start_loc, out,
                           num_seqs=num_seqs, max_seq_len=max_seq_len, scale=scale,
-                          k_scale=k_scale, num_sms=self._sm_count(query),
+                          k_scale=k_scale, num_sms=self._sm_count(query), tiles=self.tiles,
                           e4m3_bits=self._e4m3_bits(kv_cache))
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,

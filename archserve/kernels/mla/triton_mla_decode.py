@@ -144,7 +144,8 @@ def mla_decode_tiles(num_heads: int) -> tuple[int, int, int, int, bool]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages, KEYS_AS_ROWS). 16 heads per program: tl.dot's
     smallest M, and its [16, 512] fp32 accumulator fits 4 warps' registers; more heads per
     program would spill. A 32-token latent tile is 36 KiB in bf16, two stages in flight.
-    KEYS_AS_ROWS stays off until it is timed on a GPU (benchmarks/mla_perf.py --sweep)."""
+    The engine times KEYS_AS_ROWS tiles against these at start-up and launches the faster
+    (kernels/mla/tuning.py)."""
     return 16, 32, 4, 2, False
 
 

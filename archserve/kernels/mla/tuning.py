@@ -1,0 +1,143 @@
+"""Start-up choice of the MLA decode kernel's tiles at this model's sizes, cached per device.
+
+``mla_decode_tiles`` gives the heads of a sequence as the rows (M) of the kernel's dots;
+KEYS_AS_ROWS gives them the token tile and the latent values instead. On Hopper only the
+second compiles to wgmma (tests/kernels/test_mla_triton.py), but whether it is faster
+depends on the GPU, the head count and the latent dtype. So both are timed here, as CUDA
+graph replays over a latent cache far larger than L2 (``TUNE_BATCH`` sequences of up to
+``TUNE_CONTEXT`` tokens, as a long decode batch reads), and the fastest that agrees with
+the rule's output and beats it by MIN_GAIN is what the impl launches. A timing that fails
+keeps the rule's tiles, is logged and not cached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from archserve.kernels.linear.quantized_tuning import DEFAULT, MIN_GAIN, KindTiming
+from archserve.kernels.tuning_cache import read_cache, write_cache
+
+log = logging.getLogger(__name__)
+_CACHE_VERSION = 1
+TUNE_BATCH = 64
+TUNE_CONTEXT = 4096
+# (BLOCK_H, BLOCK_N, num_warps, num_stages, KEYS_AS_ROWS): 64-token tiles give wgmma its
+# 64 rows in the score product; the latent's 512 values are the rows of the output product.
+CANDIDATE_TILES = ((16, 64, 4, 2, True), (16, 64, 8, 2, True))
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """What the decode kernel's speed depends on: one key per model."""
+
+    num_heads: int          # this rank's query heads
+    kv_lora_rank: int
+    rope: int
+    dtype: torch.dtype
+    cache_dtype: str        # "auto" or "fp8_e4m3"
+    block_size: int
+
+    def key(self) -> str:
+        return (f"mla:H{self.num_heads}:L{self.kv_lora_rank}:R{self.rope}:"
+                f"{str(self.dtype).removeprefix('torch.')}:{self.cache_dtype}:"
+                f"b{self.block_size}")
+
+
+Timer = Callable[[MlaShape, "tuple | None"], tuple[float, torch.Tensor]]
+
+
+def tune_mla_tiles(shape: MlaShape, cache_path: str | None, device: torch.device,
+                   timer: Timer | None = None) -> tuple[tuple | None, KindTiming, bool]:
+    """(the tiles to launch, None for the rule's; the timing; whether it came from the
+    cache). ``timer(shape, tiles)`` -> (µs per launch, the output), tiles None: the rule's."""
+    cached = read_cache(cache_path, _CACHE_VERSION, "shapes", KindTiming)
+    timing = cached.get(shape.key())
+    from_cache = timing is not None
+    if timing is None:
+        start = time.perf_counter()
+        try:
+            timing = _time_shape(shape, timer or _graph_timer(device))
+        except Exception as exc:  # noqa: BLE001 - the rule's tiles serve; the start goes on
+            log.warning("MLA decode %s keeps the rule's tiles: timing failed (%s: %s)",
+                        shape.key(), type(exc).__name__, exc)
+            return None, KindTiming(0.0, 0.0, note=f"timing failed: {type(exc).__name__}"), False
+        timing.note += f"tuned in {time.perf_counter() - start:.1f}s"
+        if cache_path is not None:
+            write_cache(cache_path, _CACHE_VERSION, "shapes", {**cached, shape.key(): timing})
+    tiles = None if timing.chosen == DEFAULT else tuple(json.loads(timing.chosen))
+    return tiles, timing, from_cache
+
+
+def _time_shape(shape: MlaShape, timer: Timer) -> KindTiming:
+    default_us, expected = timer(shape, None)
+    expected = expected.float()
+    timing = KindTiming(default_us, default_us)
+    for tiles in CANDIDATE_TILES:
+        try:
+            us, got = timer(shape, tiles)
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is skipped, and said so
+            timing.note += f"{list(tiles)}: {type(exc).__name__}; "
+            continue
+        scale = expected.abs().max().clamp_min(1.0)
+        if not torch.allclose(got.float(), expected, rtol=2e-2, atol=2e-2 * float(scale)):
+            timing.note += f"{list(tiles)}: disagrees with the rule's tiles; "
+            continue
+        if us < timing.best_us and us < default_us * (1 - MIN_GAIN):
+            timing.best_us, timing.chosen = us, json.dumps(list(tiles))
+    return timing
+
+
+def _graph_timer(device: torch.device) -> Timer:
+    """Times ``mla_decode`` at TUNE_BATCH x TUNE_CONTEXT on ``device`` as graph replays."""
+    from archserve.kernels.cuda_timing import graph_median_us
+    from archserve.kernels.mla.cases import make_mla_case
+    from archserve.kernels.mla.triton_mla_decode import mla_decode
+
+    cases: dict[MlaShape, object] = {}
+
+    def timer(shape: MlaShape, tiles: tuple | None) -> tuple[float, torch.Tensor]:
+        if shape not in cases:
+            cases[shape] = make_mla_case(
+                [(1, TUNE_CONTEXT)] * TUNE_BATCH, num_heads=shape.num_heads,
+                kv_lora_rank=shape.kv_lora_rank, rope=shape.rope, nope=16, v_head=16,
+                block_size=shape.block_size, dtype=shape.dtype,
+                kv_cache_dtype=shape.cache_dtype, device=device.type, seed=0,
+                fp8_exact_kv=False)
+        case = cases[shape]
+        meta, query = case.meta, case.absorbed_query.contiguous()
+        out = torch.empty(*query.shape[:2], shape.kv_lora_rank, dtype=query.dtype,
+                          device=query.device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+        def run() -> None:
+            mla_decode(query, case.kv_cache, meta.block_tables, meta.seq_lens,
+                       meta.query_start_loc, out, num_seqs=TUNE_BATCH,
+                       max_seq_len=TUNE_CONTEXT, scale=case.scale, k_scale=case.k_scale,
+                       num_sms=sms, tiles=tiles)
+
+        us, how = graph_median_us(run, 10, warmup=2, reps=4)
+        if how != "graph":
+            raise RuntimeError("the MLA decode kernel could not be captured in a CUDA graph")
+        run()
+        return us, out.clone()
+
+    return timer
+
+
+def describe(timing: KindTiming, from_cache: bool) -> str:
+    """The start-up decision's reason."""
+    if timing.default_us == 0.0:
+        return f"the rule's tiles ({timing.note})"
+    source = "cached" if from_cache else timing.note.rsplit("; ", 1)[-1]
+    if timing.chosen == DEFAULT:
+        return (f"the rule's tiles: {timing.default_us:.1f} µs at {TUNE_BATCH} x "
+                f"{TUNE_CONTEXT}, no candidate faster by {MIN_GAIN:.0%} ({source})")
+    return (f"tiles {timing.chosen} (keys as the dots' rows): {timing.best_us:.1f} µs against "
+            f"the rule's {timing.default_us:.1f} µs at {TUNE_BATCH} x {TUNE_CONTEXT} "
+            f"({source})")
