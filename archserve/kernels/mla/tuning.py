@@ -94,32 +94,40 @@ def _time_shape(shape: MlaShape, timer: Timer) -> KindTiming:
 
 
 def _graph_timer(device: torch.device) -> Timer:
-    """Times ``mla_decode`` at TUNE_BATCH x TUNE_CONTEXT on ``device`` as graph replays."""
+    """Times ``mla_decode`` at TUNE_BATCH x TUNE_CONTEXT on ``device`` as graph replays,
+    over random operands made there (no reference: the rule's output is the reference)."""
     from archserve.kernels.cuda_timing import graph_median_us
-    from archserve.kernels.mla.cases import make_mla_case
     from archserve.kernels.mla.triton_mla_decode import mla_decode
 
-    cases: dict[MlaShape, object] = {}
+    operands: dict[MlaShape, tuple] = {}
+
+    def make(shape: MlaShape) -> tuple:
+        width = shape.kv_lora_rank + shape.rope
+        blocks_per_seq = -(-TUNE_CONTEXT // shape.block_size)
+        gen = torch.Generator(device=device).manual_seed(0)
+        cache = torch.randn(1, TUNE_BATCH * blocks_per_seq, shape.block_size, 1, width,
+                            generator=gen, device=device, dtype=shape.dtype)
+        if shape.cache_dtype == "fp8_e4m3":
+            cache = cache.to(torch.float8_e4m3fn)
+        query = torch.randn(TUNE_BATCH, shape.num_heads, width, generator=gen, device=device,
+                            dtype=shape.dtype)
+        tables = torch.arange(TUNE_BATCH * blocks_per_seq, dtype=torch.int32,
+                              device=device).reshape(TUNE_BATCH, blocks_per_seq)
+        lens = torch.full((TUNE_BATCH,), TUNE_CONTEXT, dtype=torch.int32, device=device)
+        starts = torch.arange(TUNE_BATCH + 1, dtype=torch.int32, device=device)
+        return query, cache, tables, lens, starts, width ** -0.5
 
     def timer(shape: MlaShape, tiles: tuple | None) -> tuple[float, torch.Tensor]:
-        if shape not in cases:
-            cases[shape] = make_mla_case(
-                [(1, TUNE_CONTEXT)] * TUNE_BATCH, num_heads=shape.num_heads,
-                kv_lora_rank=shape.kv_lora_rank, rope=shape.rope, nope=16, v_head=16,
-                block_size=shape.block_size, dtype=shape.dtype,
-                kv_cache_dtype=shape.cache_dtype, device=device.type, seed=0,
-                fp8_exact_kv=False)
-        case = cases[shape]
-        meta, query = case.meta, case.absorbed_query.contiguous()
-        out = torch.empty(*query.shape[:2], shape.kv_lora_rank, dtype=query.dtype,
-                          device=query.device)
+        if shape not in operands:
+            operands[shape] = make(shape)
+        query, cache, tables, lens, starts, scale = operands[shape]
+        out = torch.empty(TUNE_BATCH, shape.num_heads, shape.kv_lora_rank, dtype=query.dtype,
+                          device=device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
 
         def run() -> None:
-            mla_decode(query, case.kv_cache, meta.block_tables, meta.seq_lens,
-                       meta.query_start_loc, out, num_seqs=TUNE_BATCH,
-                       max_seq_len=TUNE_CONTEXT, scale=case.scale, k_scale=case.k_scale,
-                       num_sms=sms, tiles=tiles)
+            mla_decode(query, cache, tables, lens, starts, out, num_seqs=TUNE_BATCH,
+                       max_seq_len=TUNE_CONTEXT, scale=scale, num_sms=sms, tiles=tiles)
 
         us, how = graph_median_us(run, 10, warmup=2, reps=4)
         if how != "graph":
