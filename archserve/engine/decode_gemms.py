@@ -132,12 +132,13 @@ def tune_mla_decode(device: DeviceInfo, attn_impl: object, model_config, dtype: 
                     torch_device: torch.device) -> Decision | None:
     """Choose the MLA decode kernel's tiles by timing, where TRITON_MLA decodes in CUDA
     graphs (kernels/mla/tuning.py; cached per device)."""
+    mla = model_config.mla
+    if mla is None or not graph_sizes or kv_cache_dtype not in ("auto", "fp8_e4m3"):
+        return None       # (before the imports: Triton is not installed everywhere)
     from archserve.kernels.mla.triton_mla import TritonMlaImpl
     from archserve.kernels.mla.tuning import MlaShape, describe, tune_mla_tiles
 
-    mla = model_config.mla
-    if (not isinstance(attn_impl, TritonMlaImpl) or mla is None or not graph_sizes
-            or kv_cache_dtype not in ("auto", "fp8_e4m3")):
+    if not isinstance(attn_impl, TritonMlaImpl):
         return None
     shape = MlaShape(model_config.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype,
                      kv_cache_dtype, block_size)
