@@ -163,6 +163,8 @@ def run_offline_bench(options: BenchOptions) -> dict:
         "ceilings_text": ceilings.describe(),
         "model_facts": vars(facts).copy(), "plots": [],
         "compiled_while_running": compiled,
+        # What the start-up chose (routes, tiles, graphs, budgets): which code made the row.
+        "decisions": {d.what: d.chosen for d in engine.report.decisions},
     }
     if options.plots_dir:
         result["plots"].append(_step_plot(trace, facts, ceilings, options.plots_dir))

@@ -80,6 +80,9 @@ def test_offline_bench_json_and_plot(tiny_checkpoint, tmp_path):
     assert data["model_facts"]["num_layers"] == 2
     assert "peer" not in data
     assert data["compiled_while_running"] == {}   # no Triton on a CPU: nothing compiled
+    # The start-up's choices travel with the row (here: the CPU's dtype and budget).
+    assert data["decisions"]["dtype"] == data["dtype"]
+    assert data["decisions"]["max_num_batched_tokens"] == "8192 every step"
     assert len(data["plots"]) == 1
     _assert_png(data["plots"][0])
 
