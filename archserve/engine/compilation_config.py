@@ -8,8 +8,8 @@ keys it takes:
   with prompt tokens, it falls back to decode steps alone and says so),
   ``FULL_DECODE_ONLY`` (decode steps replay graphs, steps with prompt tokens run eagerly)
   or ``NONE`` (no graphs, as ``enforce_eager``). FULL is the default because an eager step
-  costs 15-20 ms of host launches at any length on an H200 (docs/benchmarks.md), which
-  every running stream waits for; a replayed one 1.3-5.5 ms.
+  costs 15-21 ms of host launches at any length on an H200 (docs/benchmarks.md), which
+  every running stream waits for; a replayed one 1.3-6.8 ms.
   ``PIECEWISE`` and ``FULL_AND_PIECEWISE`` need graphs split around attention, which
   archserve does not build;
 - ``cudagraph_capture_sizes``: the decode batch sizes to capture (``cuda_graph_sizes``);

@@ -143,9 +143,9 @@ def tune_mla_decode(device: DeviceInfo, attn_impl: object, model_config, dtype: 
     shape = MlaShape(model_config.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype,
                      kv_cache_dtype, block_size)
     path = os.path.join(device_kernel_dir(device), "mla_tiles.json")
-    attn_impl.tiles, timing, from_cache = tune_mla_tiles(shape, path, torch_device)
+    attn_impl.tiles, timing, source = tune_mla_tiles(shape, path, torch_device)
     torch.cuda.empty_cache()
-    return Decision("MLA decode tiles", "TRITON_MLA", "TRITON_MLA", describe(timing, from_cache))
+    return Decision("MLA decode tiles", "TRITON_MLA", "TRITON_MLA", describe(timing, source))
 
 
 def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torch.dtype,

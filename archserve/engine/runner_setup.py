@@ -132,12 +132,6 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
             runner.mixed_graphs.keep_only(sorted(common), "not captured on every rank")
         return sorted(common)
 
-    flops_per_token = 2.0 * runner.step_weights.active_params_per_token
-    # Each rank measured its own matmul rate (on its own node, or racing for a cold cache):
-    # near a bucket edge their limits differ, so they take the smallest.
-    tokens = agree.min(host_bound_tokens(flops_per_token,
-                                         load_or_measure(runner.device).matmul_flops_per_s,
-                                         tokens))
     def settled(error: str | None, failed: str, none_left: str) -> Decision | None:
         """None while some bucket is left on every rank, else the decode-only decision."""
         if on_every_rank(runner.mixed_graphs.set.sizes if error is None else []):
@@ -146,6 +140,13 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
             return decode_only(f"{failed} ({error}); steps with prompt tokens run eagerly")
         return decode_only(f"{none_left}: "
                            + describe_demoted([], runner.mixed_graphs.set.demoted))
+
+    flops_per_token = 2.0 * runner.step_weights.active_params_per_token
+    # Each rank measured its own matmul rate (on its own node, or racing for a cold cache):
+    # near a bucket edge their limits differ, so they take the smallest.
+    tokens = agree.min(host_bound_tokens(flops_per_token,
+                                         load_or_measure(runner.device).matmul_flops_per_s,
+                                         tokens))
 
     error = None
     try:   # a failed capture of one bucket is demoted inside; this catches the rest

@@ -102,25 +102,26 @@ def test_tile_choice_takes_the_fastest_agreeing_candidate_and_caches_it(tmp_path
         return (50.0, reference + 5.0) if tiles == wrong else (80.0, reference + 1e-3)
 
     path = str(tmp_path / "mla_tiles.json")
-    tiles, timing, cached = tune_mla_tiles(_shape(), path, torch.device("cpu"), timer)
-    assert (tiles, cached) == (right, False) and timed == [None, wrong, right]
+    tiles, timing, source = tune_mla_tiles(_shape(), path, torch.device("cpu"), timer)
+    assert tiles == right and source.startswith("tuned in") and timed == [None, wrong, right]
     assert "disagrees" in timing.note and "80.0 µs against the rule's 100.0" in \
-        describe(timing, cached)
+        describe(timing, source)
     again = tune_mla_tiles(_shape(), path, torch.device("cpu"), lambda *_: 1 / 0)
-    assert again[0] == right and again[2]
+    assert again[0] == right and again[2] == "cached"
 
 
 def test_tile_choice_keeps_the_rule_when_no_candidate_pays_or_timing_fails(tmp_path):
     from archserve.kernels.mla.tuning import describe, tune_mla_tiles
 
     out = torch.ones(2, 2)
-    tiles, timing, _ = tune_mla_tiles(_shape(), str(tmp_path / "a.json"), torch.device("cpu"),
-                                      lambda shape, t: (100.0 if t is None else 99.0, out))
-    assert tiles is None and "no candidate faster" in describe(timing, False)
+    tiles, timing, source = tune_mla_tiles(_shape(), str(tmp_path / "a.json"),
+                                           torch.device("cpu"),
+                                           lambda shape, t: (100.0 if t is None else 99.0, out))
+    assert tiles is None and "no candidate faster" in describe(timing, source)
     path = tmp_path / "b.json"
-    tiles, timing, _ = tune_mla_tiles(_shape(), str(path), torch.device("cpu"),
-                                      lambda *_: 1 / 0)
-    assert tiles is None and "timing failed" in describe(timing, False)
+    tiles, timing, source = tune_mla_tiles(_shape(), str(path), torch.device("cpu"),
+                                           lambda *_: 1 / 0)
+    assert tiles is None and "timing failed" in describe(timing, source)
     assert not path.exists()      # a failed timing is not cached: the next start tries again
 
 
@@ -215,9 +216,10 @@ def test_gpu_tile_choice_times_both_forms_at_deepseek_sizes(tmp_path):
     graph replays (none fails or disagrees), and what it chose is one of them."""
     from archserve.kernels.mla.tuning import CANDIDATE_TILES, tune_mla_tiles
 
-    tiles, timing, cached = tune_mla_tiles(_shape(), str(tmp_path / "mla.json"),
+    tiles, timing, source = tune_mla_tiles(_shape(), str(tmp_path / "mla.json"),
                                            torch.device("cuda"))
-    assert not cached and timing.default_us > 0 and "disagrees" not in timing.note
+    assert source.startswith("tuned in") and timing.default_us > 0
+    assert "disagrees" not in timing.note
     assert "Error" not in timing.note, timing.note
     assert tiles is None or tiles in CANDIDATE_TILES
 

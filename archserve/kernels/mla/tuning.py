@@ -53,12 +53,13 @@ Timer = Callable[[MlaShape, "tuple | None"], tuple[float, torch.Tensor]]
 
 
 def tune_mla_tiles(shape: MlaShape, cache_path: str | None, device: torch.device,
-                   timer: Timer | None = None) -> tuple[tuple | None, KindTiming, bool]:
-    """(the tiles to launch, None for the rule's; the timing; whether it came from the
-    cache). ``timer(shape, tiles)`` -> (µs per launch, the output), tiles None: the rule's."""
+                   timer: Timer | None = None) -> tuple[tuple | None, KindTiming, str]:
+    """(the tiles to launch, None for the rule's; the timing; where it came from: "cached"
+    or "tuned in N s"). ``timer(shape, tiles)`` -> (µs per launch, the output), tiles None:
+    the rule's."""
     cached = read_cache(cache_path, _CACHE_VERSION, "shapes", KindTiming)
     timing = cached.get(shape.key())
-    from_cache = timing is not None
+    source = "cached"
     if timing is None:
         start = time.perf_counter()
         try:
@@ -66,12 +67,12 @@ def tune_mla_tiles(shape: MlaShape, cache_path: str | None, device: torch.device
         except Exception as exc:  # noqa: BLE001 - the rule's tiles serve; the start goes on
             log.warning("MLA decode %s keeps the rule's tiles: timing failed (%s: %s)",
                         shape.key(), type(exc).__name__, exc)
-            return None, KindTiming(0.0, 0.0, note=f"timing failed: {type(exc).__name__}"), False
-        timing.note += f"tuned in {time.perf_counter() - start:.1f}s"
+            return None, KindTiming(0.0, 0.0), f"timing failed: {type(exc).__name__}"
+        source = f"tuned in {time.perf_counter() - start:.1f}s"
         if cache_path is not None:
             write_cache(cache_path, _CACHE_VERSION, "shapes", {**cached, shape.key(): timing})
     tiles = None if timing.chosen == DEFAULT else tuple(json.loads(timing.chosen))
-    return tiles, timing, from_cache
+    return tiles, timing, source
 
 
 def _time_shape(shape: MlaShape, timer: Timer) -> KindTiming:
@@ -138,11 +139,10 @@ def _graph_timer(device: torch.device) -> Timer:
     return timer
 
 
-def describe(timing: KindTiming, from_cache: bool) -> str:
-    """The start-up decision's reason."""
+def describe(timing: KindTiming, source: str) -> str:
+    """The start-up decision's reason (``source``: tune_mla_tiles' third value)."""
     if timing.default_us == 0.0:
-        return f"the rule's tiles ({timing.note})"
-    source = "cached" if from_cache else timing.note.rsplit("; ", 1)[-1]
+        return f"the rule's tiles ({source})"
     if timing.chosen == DEFAULT:
         return (f"the rule's tiles: {timing.default_us:.1f} µs at {TUNE_BATCH} x "
                 f"{TUNE_CONTEXT}, no candidate faster by {MIN_GAIN:.0%} ({source})")
