@@ -87,11 +87,11 @@ step qwen06b_b1 60 150 $AS bench $EQ $B1 --output-json "$D/qwen06b_b1.json"
 step qwen06b_b1_unfused 35 120 env ARCHSERVE_DISABLE_FUSIONS=$ALL_FUSIONS \
   $AS bench $EQ $B1 --output-json "$D/qwen06b_b1_unfused.json"
 step llama8b_b1 70 180 $AS bench $E8 $B1 --output-json "$D/llama8b_b1.json"
-# The same two with programmatic dependent launch (kernels/pdl.py: opt-in until measured).
-step qwen06b_b1_pdl 60 150 env ARCHSERVE_PDL=1 $AS bench $EQ $B1 \
-  --output-json "$D/qwen06b_b1_pdl.json"
-step llama8b_b1_pdl 70 180 env ARCHSERVE_PDL=1 $AS bench $E8 $B1 \
-  --output-json "$D/llama8b_b1_pdl.json"
+# The same two without programmatic dependent launch (kernels/pdl.py: on by default on SM90+).
+step qwen06b_b1_nopdl 60 150 env ARCHSERVE_PDL=0 $AS bench $EQ $B1 \
+  --output-json "$D/qwen06b_b1_nopdl.json"
+step llama8b_b1_nopdl 70 180 env ARCHSERVE_PDL=0 $AS bench $E8 $B1 \
+  --output-json "$D/llama8b_b1_nopdl.json"
 # (b) issue 13: Qwen3-30B-A3B batch 1 (<= 1.5x its active-weight floor) and 256 x 256/128
 # (MBU >= 60%); Mixtral-8x7B batch 1 (<= 1.4x). One model per process: 60 GB and 93 GB of
 # dummy weights never share the device.

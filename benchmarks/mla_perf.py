@@ -131,7 +131,14 @@ def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device) -> list
                     meta.query_start_loc, out, num_seqs=batch, max_seq_len=context,
                     scale=case.scale, k_scale=case.k_scale, num_sms=sms, num_splits=splits,
                     tiles=tiles)
-                us, how = _time_us(run, cuda)
+                try:
+                    us, how = _time_us(run, cuda)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a row too
+                    print(f"mla decode H={heads:3d} {kv:8s} tiles {list(tiles or default_tiles)}: "
+                          f"does not run here ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
+                    rows.append({"heads": heads, "kv": kv, "tiles": list(tiles or default_tiles),
+                                 "error": f"{type(exc).__name__}: {exc}"})
+                    continue
                 row = {"heads": heads, "kv": kv, "splits": splits or rule_splits,
                        "rule": splits is None and tiles is None,
                        "tiles": list(tiles or default_tiles), "us": us, "how": how,

@@ -198,10 +198,11 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     decisions += quant_plan.decisions
     scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
     decisions.append(scheduling)
-    if pdl_enabled(torch_device):    # opt-in and unmeasured: say so when it is on
-        decisions.append(Decision("programmatic dependent launch", "ARCHSERVE_PDL=1", "on",
+    if pdl_enabled(torch_device):    # said where it is on, so that a row names its launch mode
+        decisions.append(Decision("programmatic dependent launch", "default (SM90+)", "on",
                                   "decode kernels that take it may start while the kernel "
-                                  "before them drains (kernels/pdl.py; not yet measured)"))
+                                  "before them drains (kernels/pdl.py; ARCHSERVE_PDL=0 "
+                                  "turns it off)"))
     cpu_threads = None
     if tp.size == 1:   # tensor-parallel CPU ranks split the cores between them instead
         cpu_threads, threads_decision = cpu_thread_governor(torch_device)

@@ -9,8 +9,9 @@ calls ``gdc_wait`` before it touches memory (it then sees everything the kernel 
 wrote, and that kernel saw its own predecessor's, so the chain holds), then
 ``gdc_launch_dependents`` so that the next one may launch in turn.
 
-Opt-in (``ARCHSERVE_PDL=1``) until it is measured on a GPU; only on NVIDIA SM90+, never on
-ROCm or under Triton's interpreter. Kernels take it as a ``PDL`` constexpr, and their
+On by default on NVIDIA SM90+ (measured on the H200: Qwen3-0.6B batch-1 step 0.987 ->
+0.909 ms, Llama-3-8B 4.318 -> 4.222 ms, same tokens and logprobs bit for bit);
+``ARCHSERVE_PDL=0`` turns it off. Never on ROCm or under Triton's interpreter. Kernels take it as a ``PDL`` constexpr, and their
 launch gets ``launch_pdl`` through ``pdl_launch_options``.
 """
 
@@ -41,7 +42,7 @@ def _capable(index: int) -> bool:
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL (see the module doc)."""
-    if (os.environ.get(PDL_ENV) != "1" or device.type != "cuda" or triton is None
+    if (os.environ.get(PDL_ENV) == "0" or device.type != "cuda" or triton is None
             or triton_interpreted()):
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())

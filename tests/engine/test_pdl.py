@@ -11,13 +11,25 @@ import torch
 from archserve.kernels import pdl
 
 
-def test_pdl_is_off_unless_asked_on_cuda_sm90(monkeypatch):
+def test_pdl_is_a_cuda_feature_and_off_with_zero(monkeypatch):
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    assert not pdl.pdl_enabled(torch.device("cpu"))
-    monkeypatch.setenv(pdl.PDL_ENV, "1")
     assert not pdl.pdl_enabled(torch.device("cpu"))       # a CUDA feature only
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    assert not pdl.pdl_enabled(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.pdl_enabled(torch.device("cuda", 0))   # the interpreter has no PDL
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))   # off when asked, before any query
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pdl_is_on_by_default_on_nvidia_sm90(monkeypatch):
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    hopper = torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
+    assert pdl.pdl_enabled(torch.device("cuda", 0)) == (hopper and pdl.triton is not None)
     assert pdl.pdl_launch_options(False) == {}
     assert pdl.pdl_launch_options(True) == {"launch_pdl": True}
 
@@ -103,8 +115,7 @@ def test_gpu_greedy_tokens_and_logprobs_are_the_same_with_pdl(tiny_checkpoint, t
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     outs = []
     for enabled in (False, True):
-        if enabled:
-            monkeypatch.setenv(pdl.PDL_ENV, "1")
+        monkeypatch.setenv(pdl.PDL_ENV, "1" if enabled else "0")
         llm = LLM(path, dtype="bfloat16", gpu_memory_utilization=0.2)
         outs.append([o.outputs[0] for o in llm.generate(prompts, params)])
         del llm     # the next engine sizes its pool from the memory this one frees

@@ -296,7 +296,7 @@ def test_gpu_bias_fp16_and_uneven_k():
 @gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_pdl_chain_in_a_graph_matches_without(monkeypatch):
-    """ARCHSERVE_PDL=1: a decode-like chain (norm prologue + gate/up, down, a torch add, the
+    """PDL (the default on SM90+): a decode-like chain (norm prologue + gate/up, down, a torch add, the
     next layer's norm prologue reading that add) captured in a CUDA graph and replayed gives
     the results of the same chain launched without PDL; each kernel reads what the one
     before it wrote, so a missing wait would show."""
@@ -322,6 +322,7 @@ def test_gpu_pdl_chain_in_a_graph_matches_without(monkeypatch):
             h = skinny_gemm(act, w_down, None, config_down) * 0.5 + 0.1
         return torch.cat([h, r])
 
+    monkeypatch.setenv(PDL_ENV, "0")
     expected = chain()
     monkeypatch.setenv(PDL_ENV, "1")
     assert pdl_enabled(dev)
