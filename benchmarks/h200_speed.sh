@@ -111,6 +111,10 @@ step moe_peer 70 150 python3 benchmarks/moe_perf.py --part peer --models qwen3-3
   --peer-layers 12 --out "$D/moe_peer.json"
 step moe_kernels 75 180 python3 benchmarks/moe_perf.py --part kernels --out "$D/moe_kernels.json"
 # (a, continued) µs and launches per decoder layer, every fusion off and on.
+# The persistent MLP block (one launch, a grid barrier between gate/up and down) against
+# the separate kernels it would replace, per layer, small models' shapes (issue 21's try).
+step persistent_mlp 60 150 python3 benchmarks/bench_persistent_mlp.py --rows 1,4 \
+  --out "$D/persistent_mlp.json"
 step decode_layer 35 120 python3 benchmarks/bench_decode_layer.py --models qwen3-0.6b \
   --configs unfused,all --iters 100 --out "$D/decode_layer.json"
 # (a, continued) host time of a step with prompt tokens on the 0.6B shape: replayed from the
