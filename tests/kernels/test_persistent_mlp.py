@@ -185,9 +185,14 @@ def test_gpu_layers_in_a_replayed_graph_match_eager_and_the_separate_kernels():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = persistent_chain()
-    for _ in range(20):
+    for replay in range(20):
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+        assert torch.equal(out, eager), f"replay {replay} differs from the eager chain"
     assert not barrier_gave_up(dev)
-    torch.testing.assert_close(eager, separate_chain(), rtol=0.05, atol=0.05)
+    # 28 layers of bf16 roundings apart (the first GPU run saw 0.04-0.07 at |values| up to
+    # ~10, which a fixed 0.05 tolerance failed): bounded against the chain's scale. A block
+    # that read an unfinished activation would be off by the values themselves.
+    separate = separate_chain()
+    scale = separate.abs().max().item()
+    assert (eager.float() - separate.float()).abs().max().item() <= 0.02 * scale
