@@ -87,28 +87,45 @@ def layout_problems(model_config, size: int, device_type: str = "cpu",
     head = head_split_problem(model_config.num_heads, model_config.num_kv_heads, size)
     if head:
         problems.append(head)
-    if _is_moe(model_config):
-        problems.append(f"{model_config.architecture} is a mixture-of-experts model: its "
-                        f"experts do not split over tensor-parallel ranks in this build yet "
-                        f"(use tensor_parallel_size=1)")
     if getattr(model_config, "mla", None) or getattr(model_config, "use_mla", False):
         problems.append(f"{model_config.architecture} uses MLA attention: its latent "
                         f"projections do not split over tensor-parallel ranks in this build "
                         f"yet (use tensor_parallel_size=1)")
-    if model_config.intermediate_size % size:
-        problems.append(f"MLP intermediate size {model_config.intermediate_size} does not "
-                        f"split over {size} tensor-parallel ranks")
+    for what, width in _split_widths(model_config):
+        if width % size:
+            problems.append(f"{what} {width} does not split over {size} tensor-parallel "
+                            f"ranks")
     return problems
 
 
-def _is_moe(model_config) -> bool:
-    """A ModelSummary says so; a ModelConfig's HF config has an expert count."""
-    if getattr(model_config, "is_moe", False):
-        return True
+def _experts(model_config) -> tuple[int, int] | None:
+    """(routed experts, each one's intermediate channels) of an MoE model, else None."""
+    count = getattr(model_config, "num_experts", 0)         # a ModelSummary's
+    width = model_config.intermediate_size                  # ... is the experts' already
     hf = getattr(model_config, "hf_config", None)
     text = getattr(hf, "text_config", None) or hf
-    return any(getattr(text, key, None) for key in ("num_local_experts", "num_experts",
-                                                    "n_routed_experts"))
+    if text is not None:
+        count = next((int(getattr(text, key)) for key in ("num_local_experts", "num_experts",
+                                                           "n_routed_experts")
+                      if getattr(text, key, None)), 0)
+        width = int(getattr(text, "moe_intermediate_size", None) or width)
+    return (count, width) if count else None
+
+
+def _split_widths(model_config) -> list[tuple[str, int]]:
+    """The widths tensor parallelism splits evenly: the MLP's intermediate channels, and
+    an MoE model's expert and shared-expert channels (every expert's are split). A
+    ModelSummary's intermediate size is already the experts'; a ModelConfig's HF config
+    names them."""
+    widths = [("MLP intermediate size", model_config.intermediate_size)]
+    hf = getattr(model_config, "hf_config", None)
+    text = getattr(hf, "text_config", None) or hf
+    for key, what in (("moe_intermediate_size", "expert intermediate size"),
+                      ("shared_expert_intermediate_size", "shared expert intermediate size")):
+        width = getattr(text, key, None)
+        if width:
+            widths.append((what, int(width)))
+    return widths
 
 
 def device_count_problem(size: int, device_type: str, num_devices: int) -> str | None:
@@ -139,6 +156,11 @@ def describe_rank(model_config, size: int, rank: int) -> str:
     text = (f"rank {rank}: query heads {heads.first_head}.."
             f"{heads.first_head + heads.num_heads - 1}, {kv}, MLP columns {rank * mlp}.."
             f"{(rank + 1) * mlp - 1}")
+    experts = _experts(model_config)
+    if experts:
+        count, width = experts
+        first, per = split_evenly(width, size, rank)
+        text += f", channels {first}..{first + per - 1} of each of the {count} experts"
     vocab = getattr(model_config, "vocab_size", None)      # a ModelSummary has none
     if vocab:
         first, rows, _ = vocab_part(vocab, size, rank)

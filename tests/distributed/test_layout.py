@@ -5,6 +5,7 @@ import pytest
 from archserve.distributed.agreement import RankAgreement
 from archserve.distributed.layout import (
     head_split_problem,
+    layout_decision,
     layout_problems,
     split_heads,
     vocab_part,
@@ -83,8 +84,8 @@ def test_explain_and_doctor_report_the_layout_and_refuse_impossible_ones():
     assert any(d.what == "tensor parallel" for d in fits.decisions)
 
 
-def test_a_moe_model_is_refused_with_a_reason_until_its_experts_split():
-    from transformers import MixtralConfig
+def test_a_moe_model_splits_when_its_expert_channels_do():
+    from transformers import MixtralConfig, Qwen2MoeConfig
 
     from archserve.loader.config import ModelConfig
     from archserve.routing.model_summary import summary_from_hf_config
@@ -93,9 +94,21 @@ def test_a_moe_model_is_refused_with_a_reason_until_its_experts_split():
                        num_key_value_heads=2, num_local_experts=4, num_hidden_layers=1,
                        architectures=["MixtralForCausalLM"])
     for config in (ModelConfig.from_hf_config(hf), summary_from_hf_config(hf.to_dict())):
-        problems = layout_problems(config, 2)
-        assert any("mixture-of-experts" in p for p in problems), problems
-        assert layout_problems(config, 1) == []
+        assert layout_problems(config, 2) == []
+    # Qwen2-MoE: 24 expert channels split 2 ways, not 16; its 36-wide shared expert does
+    # not split 8 ways either.
+    hf = Qwen2MoeConfig(hidden_size=64, intermediate_size=96, num_attention_heads=16,
+                        num_key_value_heads=16, num_experts=4, moe_intermediate_size=24,
+                        shared_expert_intermediate_size=36, num_hidden_layers=1,
+                        architectures=["Qwen2MoeForCausalLM"])
+    for config in (ModelConfig.from_hf_config(hf), summary_from_hf_config(hf.to_dict())):
+        assert layout_problems(config, 2) == []
+        assert any("intermediate size 24" in p for p in layout_problems(config, 16))
+    problems = layout_problems(ModelConfig.from_hf_config(hf), 8)
+    assert any("shared expert intermediate size 36" in p for p in problems), problems
+    # What each rank holds says which channels of every expert.
+    reason = layout_decision(ModelConfig.from_hf_config(hf), 2, "cuda").reason
+    assert "channels 12..23 of each of the 4 experts" in reason, reason
 
 
 def test_the_70b_shape_takes_one_kv_head_per_rank_at_8_and_refuses_what_cannot_split():

@@ -60,6 +60,47 @@ def test_two_ranks_generate_the_tokens_one_rank_does(tiny_checkpoint, variant):
         tp.llm_engine.shutdown()
 
 
+# Every expert's intermediate channels split over the ranks (each rank holds all experts),
+# the shared expert as a dense MLP: Mixtral (w1/w2/w3 names, renormalised top-2), Qwen2-MoE
+# (a shared expert behind its sigmoid gate, a dense layer among sparse ones), Qwen3-MoE
+# (top-8 of 16 with q/k norms). Logprobs too: a tiny random MoE's greedy ids alone could
+# hide a half-summed expert.
+MOE_TP = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False,
+                      decoder_sparse_step=2, num_hidden_layers=2),
+    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=8, moe_intermediate_size=24,
+                      norm_topk_prob=True, num_hidden_layers=2),
+}
+
+
+@pytest.mark.parametrize("model_type", list(MOE_TP))
+def test_two_ranks_split_the_experts_and_generate_what_one_rank_does(tmp_path, model_type):
+    from tiny_checkpoints import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(str(tmp_path), model_type, hidden_size=64,
+                                 intermediate_size=96, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                                 **MOE_TP[model_type])
+    common = dict(device="cpu", dtype="float32", max_model_len=96, max_num_seqs=4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    one = LLM(path, **common).generate(PROMPTS, params)
+    tp = LLM(path, tensor_parallel_size=2, **common)
+    try:
+        two = tp.generate(PROMPTS, params)
+        decisions = {d.what: d for d in tp.llm_engine.report.decisions}
+        assert decisions["tensor parallel"].chosen.startswith("2 ranks")
+        for a, b in zip(one, two, strict=True):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+            for pos_one, pos_two, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
+                                               a.outputs[0].token_ids, strict=True):
+                assert pos_two[token].logprob == pytest.approx(pos_one[token].logprob,
+                                                               abs=1e-4)
+    finally:
+        tp.llm_engine.shutdown()
+
+
 # Four ranks of two query heads each: kv4 gives each rank one KV head of its own; kv2
 # replicates each KV head on two ranks. Four gloo workers share CI's two cores, so the
 # generation is short; the token logprobs check more than the ids of a tiny random model.

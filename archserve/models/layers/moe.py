@@ -25,8 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from archserve.distributed.layout import split_evenly
+from archserve.distributed.parallel_state import get_tp
 from archserve.models.layers import linear as _linear
-from archserve.models.layers.linear import GateUpLinear, Linear, WeightOnly
+from archserve.models.layers.linear import WeightOnly
+from archserve.models.layers.parallel_linear import GateUpParallelLinear, RowParallelLinear
 
 # (gate, up, down) names of one expert's matrices in the two checkpoint conventions.
 HF_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -46,23 +49,44 @@ class Router(WeightOnly):
 
 
 class _Matrix(nn.Module):
-    def __init__(self, view: torch.Tensor) -> None:
+    """One expert matrix: a view into the stacked weights. Under tensor parallelism it holds
+    ``length`` of the checkpoint's intermediate channels from ``first`` on: rows of gate and
+    up (``split_dim`` 0), columns of down (1). It answers the loader with the checkpoint's
+    whole shape and keeps its part, as the vocabulary-parallel layers do."""
+
+    def __init__(self, view: torch.Tensor, split_dim: int, first: int, whole: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(view, requires_grad=False)
+        self.split_dim, self.first, self.whole = split_dim, first, whole
+
+    def checkpoint_shape(self, param: str) -> tuple[int, ...]:
+        shape = list(self.weight.shape)
+        shape[self.split_dim] = self.whole
+        return tuple(shape)
+
+    @torch.no_grad()
+    def load_checkpoint(self, param: str, tensor: torch.Tensor) -> None:
+        length = self.weight.shape[self.split_dim]
+        self.weight.copy_(tensor.narrow(self.split_dim, self.first, length))
 
 
 class _Expert(nn.Module):
     """One expert's checkpoint matrices, each a view into the layer's stacked weights."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 names: tuple[str, str, str]) -> None:
+                 names: tuple[str, str, str], first: int, whole: int) -> None:
         super().__init__()
-        for name, view in zip(names, (gate, up, down), strict=True):
-            self.add_module(name, _Matrix(view))
+        for name, view, dim in zip(names, (gate, up, down), (0, 0, 1), strict=True):
+            self.add_module(name, _Matrix(view, dim, first, whole))
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer: hidden [T, H] and router logits [T, E] -> [T, H]."""
+    """The routed experts of one layer: hidden [T, H] and router logits [T, E] -> [T, H].
+
+    Tensor parallelism splits every expert's intermediate channels evenly over the ranks
+    (each rank holds all experts, gate/up rows and down columns of its channels): each rank
+    routes the same tokens to the same experts, computes a partial sum, and the ranks
+    all-reduce it. ``intermediate_size`` is this rank's part."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, expert_names: tuple[str, str, str] = HF_EXPERT_NAMES
@@ -71,6 +95,10 @@ class FusedMoE(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be between 1 and the {num_experts} experts")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.tp = get_tp()
+        self.checkpoint_intermediate_size = intermediate_size
+        self.first_channel, intermediate_size = split_evenly(intermediate_size, self.tp.size,
+                                                             self.tp.rank)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.expert_names = expert_names
         # A quantized model is built with its dense weights on "meta" (as Linear's).
@@ -92,7 +120,8 @@ class FusedMoE(nn.Module):
                                                dtype=dtype), persistent=False)
         for e in range(self.num_experts):
             self.add_module(str(e), _Expert(self.w13[e, :inter], self.w13[e, inter:],
-                                            self.w2[e], self.expert_names))
+                                            self.w2[e], self.expert_names, self.first_channel,
+                                            self.checkpoint_intermediate_size))
 
     def set_quantized(self, quantized: Any, dtype: torch.dtype) -> None:
         """From here on the experts are ``quantized`` (the dense buffers and the
@@ -141,8 +170,9 @@ class FusedMoE(nn.Module):
         impl = self.impl()
         operands = (self.w13, self.w2) if self.quantized is None else self._operands
         routed = impl.route(router_logits, self.top_k, self.renormalize, **(grouping or {}))
-        return impl.forward(hidden, router_logits, *operands, self.top_k,
-                            self.renormalize, routed=routed)
+        out = impl.forward(hidden, router_logits, *operands, self.top_k, self.renormalize,
+                           routed=routed)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
 
 def quantized_device(quantized: Any) -> torch.device:
@@ -159,12 +189,13 @@ def _device_info(device: torch.device) -> Any:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) of a given width: a shared expert."""
+    """down(silu(gate(x)) * up(x)) of a given width: a shared expert (split over
+    tensor-parallel ranks as a dense MLP is)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = GateUpParallelLinear(hidden_size, intermediate_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
