@@ -46,6 +46,7 @@ from archserve.engine.step_weights import StepWeights
 from archserve.kernels.pdl import pdl_enabled
 from archserve.models.layers.kv_scales import is_quantized_cache
 from archserve.platform.decision import Decision
+from archserve.quant.config import GGUF
 
 log = logging.getLogger("archserve")
 
@@ -191,9 +192,10 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     # Refused here, before any weight is read, when no kernel can run the checkpoint.
     quant_plan = startup.plan_checkpoint_quantization(device, config, probe_config,
                                                       gguf_path, dtype)
-    if tp.size > 1 and quant_plan.config is not None:
-        raise ValueError("tensor parallelism does not split quantized linear layers yet "
-                         "(their scales and groups would have to follow the split): run "
+    if tp.size > 1 and quant_plan.config is not None and any(
+            layer.layout == GGUF for layer in quant_plan.config.layers):
+        # GGUF's blocks are decoded per matrix as they arrive, not cut by tensor layouts.
+        raise ValueError("tensor parallelism does not split GGUF-quantized layers: run "
                          "this checkpoint with tensor_parallel_size=1")
     decisions += quant_plan.decisions
     scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)

@@ -56,6 +56,10 @@ def attach_expert_quantization(model: nn.Module, config: QuantConfig, device: to
             moe.allocate_dense(device, dtype)
             quantized += quant is not None
             continue
+        if moe.tp.size > 1:
+            raise ValueError(f"{name}: tensor parallelism does not split quantized experts "
+                             f"yet ({quant.describe()}); run this checkpoint with "
+                             f"tensor_parallel_size=1")
         hidden, inter = moe.hidden_size, moe.intermediate_size
         for in_features, shards in ((hidden, [inter, inter]), (inter, [hidden])):
             reason = check_shard_alignment(quant, in_features, shards)

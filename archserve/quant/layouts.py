@@ -10,6 +10,7 @@ after loading.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,11 @@ class TensorLayout:
     out_dim: int | None = 0                     # the dim along output rows; None: per shard
     rows_per_entry: int = 1                     # rows one entry covers (packing, blocks)
     optional: bool = False                      # absent from some checkpoints of the format
+    # The dim along input channels (None: the tensor covers every input channel at once,
+    # as a per-row scale does), and the channels one entry covers (packing, groups, blocks):
+    # what a row-parallel rank keeps of it.
+    in_dim: int | None = None
+    channels_per_entry: int = 1
 
     def stored_shape(self, shard_rows: list[int]) -> tuple[int, ...]:
         if self.out_dim is None:                # one value (or vector) per shard
@@ -70,40 +76,51 @@ def tensor_layouts(q: LayerQuant, in_features: int) -> list[TensorLayout]:
     """Every tensor one layer of this format holds (for ``rows`` output rows)."""
     k = in_features
     groups = k // q.group_size if q.group_size else 1
+    # Along the input channels: one entry per group (none when a single group spans K).
+    by_group = dict(in_dim=None) if not q.group_size else {}
+    group = q.group_size or 1
     if q.layout in (CT_FLOAT, HF_FP8):
         scale_name = "weight_scale_inv" if q.layout == HF_FP8 and q.block else "weight_scale"
-        layouts = [TensorLayout("weight", FP8_DTYPE, lambda r: (r, k))]
+        layouts = [TensorLayout("weight", FP8_DTYPE, lambda r: (r, k), in_dim=1)]
         layouts.append(_scale_layout(q, scale_name, k))
         if q.activation == ACT_STATIC_TENSOR:
             layouts.append(TensorLayout("input_scale", torch.float32, lambda r: (), None))
         return layouts
     if q.layout == CT_INT:
-        layouts = [TensorLayout("weight", torch.int8, lambda r: (r, k)),
-                   _scale_layout(q, "weight_scale", k),
-                   TensorLayout("weight_zero_point", torch.int8,
-                                _scale_layout(q, "", k).shape, _scale_layout(q, "", k).out_dim,
-                                optional=q.symmetric)]
+        scale = _scale_layout(q, "weight_scale", k)
+        layouts = [TensorLayout("weight", torch.int8, lambda r: (r, k), in_dim=1), scale,
+                   dataclasses.replace(scale, name="weight_zero_point", dtype=torch.int8,
+                                       optional=q.symmetric)]
         if q.activation == ACT_STATIC_TENSOR:
             layouts.append(TensorLayout("input_scale", torch.float32, lambda r: (), None))
         return layouts
     pack = 32 // q.bits
     if q.layout == CT_PACKED:
-        layouts = [TensorLayout("weight_packed", torch.int32, lambda r: (r, k // pack)),
-                   TensorLayout("weight_scale", torch.float32, lambda r: (r, groups)),
+        layouts = [TensorLayout("weight_packed", torch.int32, lambda r: (r, k // pack),
+                                in_dim=1, channels_per_entry=pack),
+                   TensorLayout("weight_scale", torch.float32, lambda r: (r, groups),
+                                **{"in_dim": 1, "channels_per_entry": group, **by_group}),
                    TensorLayout("weight_shape", torch.int64, lambda r: (2,), None)]
         if not q.symmetric:
             layouts.append(TensorLayout("weight_zero_point", torch.int32,
-                                        lambda r: (_div(r, pack), groups), 0, pack))
+                                        lambda r: (_div(r, pack), groups), 0, pack,
+                                        **{"in_dim": 1, "channels_per_entry": group,
+                                           **by_group}))
         return layouts
+    per_group = {"in_dim": 0, "channels_per_entry": group, **by_group}
     if q.layout == GPTQ:
-        return [TensorLayout("qweight", torch.int32, lambda r: (k // pack, r), 1),
-                TensorLayout("qzeros", torch.int32, lambda r: (groups, _div(r, pack)), 1, pack),
-                TensorLayout("scales", torch.float32, lambda r: (groups, r), 1),
-                TensorLayout("g_idx", torch.int32, lambda r: (k,), None, optional=True)]
+        return [TensorLayout("qweight", torch.int32, lambda r: (k // pack, r), 1,
+                             in_dim=0, channels_per_entry=pack),
+                TensorLayout("qzeros", torch.int32, lambda r: (groups, _div(r, pack)), 1, pack,
+                             **per_group),
+                TensorLayout("scales", torch.float32, lambda r: (groups, r), 1, **per_group),
+                TensorLayout("g_idx", torch.int32, lambda r: (k,), None, optional=True,
+                             in_dim=0)]
     if q.layout == AWQ:
-        return [TensorLayout("qweight", torch.int32, lambda r: (k, _div(r, 8)), 1, 8),
-                TensorLayout("qzeros", torch.int32, lambda r: (groups, _div(r, 8)), 1, 8),
-                TensorLayout("scales", torch.float32, lambda r: (groups, r), 1)]
+        return [TensorLayout("qweight", torch.int32, lambda r: (k, _div(r, 8)), 1, 8, in_dim=0),
+                TensorLayout("qzeros", torch.int32, lambda r: (groups, _div(r, 8)), 1, 8,
+                             **per_group),
+                TensorLayout("scales", torch.float32, lambda r: (groups, r), 1, **per_group)]
     raise ValueError(f"no tensor layout for {q.layout}")
 
 
@@ -113,9 +130,66 @@ def _scale_layout(q: LayerQuant, name: str, k: int) -> TensorLayout:
     if q.strategy == "channel":
         return TensorLayout(name, torch.float32, lambda r: (r, 1))
     if q.strategy == "group":
-        return TensorLayout(name, torch.float32, lambda r: (r, k // q.group_size))
+        return TensorLayout(name, torch.float32, lambda r: (r, k // q.group_size),
+                            in_dim=1, channels_per_entry=q.group_size)
     bn, bk = q.block
-    return TensorLayout(name, torch.float32, lambda r: (_div(r, bn), _div(k, bk)), 0, bn)
+    return TensorLayout(name, torch.float32, lambda r: (_div(r, bn), _div(k, bk)), 0, bn,
+                        in_dim=1, channels_per_entry=bk)
+
+
+# ---- tensor parallelism: what one rank keeps of a checkpoint tensor --------------------------
+
+def _part(first: int, length: int, whole: int, per: int) -> tuple[int, int] | None:
+    """(first entry, entries) covering [first, first + length) of ``whole`` when entries
+    of ``per`` each align with it, else None."""
+    if first % per or (length % per and first + length != whole):
+        return None
+    return first // per, _div(length, per)
+
+
+def rows_part(layout: TensorLayout, tensor: torch.Tensor, first: int, rows: int, whole: int
+              ) -> torch.Tensor:
+    """A column-parallel rank's part of one checkpoint tensor of ``whole`` output rows: rows
+    [first, first + rows) (a tensor per shard is kept whole). ``rows_split_problem`` first."""
+    if layout.out_dim is None:
+        return tensor
+    start, entries = _part(first, rows, whole, layout.rows_per_entry)
+    return tensor.narrow(layout.out_dim, start, entries)
+
+
+def channels_part(layout: TensorLayout, tensor: torch.Tensor, first: int, channels: int,
+                  whole: int) -> torch.Tensor:
+    """A row-parallel rank's part: input channels [first, first + channels) of ``whole``
+    (a tensor over all channels at once is kept whole). ``channels_split_problem`` first."""
+    if layout.in_dim is None:
+        return tensor
+    start, entries = _part(first, channels, whole, layout.channels_per_entry)
+    return tensor.narrow(layout.in_dim, start, entries)
+
+
+def rows_split_problem(q: LayerQuant, in_features: int, first: int, rows: int, whole: int
+                       ) -> str | None:
+    """Why output rows [first, first + rows) of a layer in this format cannot be one rank's
+    part (a packed int32 or a scale block would straddle two ranks), else None."""
+    for layout in tensor_layouts(q, in_features):
+        if layout.out_dim is not None and _part(first, rows, whole,
+                                                layout.rows_per_entry) is None:
+            return (f"its {layout.name} covers {layout.rows_per_entry} output rows an entry, "
+                    f"and a rank's part starts at row {first} ({rows} rows)")
+    return None
+
+
+def channels_split_problem(q: LayerQuant, whole: int, first: int, channels: int) -> str | None:
+    """Why input channels [first, first + channels) cannot be one rank's part, else None."""
+    if q.layout == GPTQ and q.act_order:
+        return ("GPTQ with act order (desc_act) orders its groups across all input channels; "
+                "a rank's part of them is not whole groups")
+    for layout in tensor_layouts(q, whole):
+        if layout.in_dim is not None and _part(first, channels, whole,
+                                               layout.channels_per_entry) is None:
+            return (f"its {layout.name} covers {layout.channels_per_entry} input channels an "
+                    f"entry, and a rank's part starts at channel {first} ({channels} channels)")
+    return None
 
 
 def check_shard_alignment(q: LayerQuant, in_features: int, shard_rows: list[int]) -> str | None:

@@ -171,6 +171,12 @@ def attach_quantization(model: nn.Module, config: QuantConfig, device: torch.dev
             raise ValueError(f"{', '.join(hf_names)} are fused into one layer but the "
                              "checkpoint quantizes them differently")
         quant = kinds.pop()
+        # A tensor-parallel rank's part must be whole packed words, groups and blocks.
+        split_problem = getattr(layer, "split_problem", None)
+        reason = split_problem(quant) if quant is not None and split_problem else None
+        if reason:
+            raise ValueError(f"{', '.join(hf_names)}: {layer.tp.size} tensor-parallel ranks "
+                             f"cannot split this layer ({quant.describe()}): {reason}")
         if quant is not None:
             reason = check_shard_alignment(quant, layer.in_features, layer.shard_rows())
             if reason:

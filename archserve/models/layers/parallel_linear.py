@@ -16,34 +16,72 @@ import torch
 from archserve.distributed.layout import split_evenly, split_heads
 from archserve.distributed.parallel_state import get_tp
 from archserve.models.layers.linear import GateUpLinear, Linear, QKVLinear, apply_linear
+from archserve.quant.config import GGUF, ONLINE_FP8, LayerQuant
+from archserve.quant.layouts import (
+    TensorLayout,
+    channels_part,
+    channels_split_problem,
+    rows_part,
+    rows_split_problem,
+    tensor_layouts,
+)
 
 
-def _refuse_quantized(layer: Linear) -> None:
-    if layer.quant is not None:
-        raise ValueError("tensor parallelism does not split quantized linear layers yet "
-                         "(their scales and groups would have to follow the split): run a "
-                         "quantized checkpoint with tensor_parallel_size=1")
+def _checkpoint_layout(layer: Linear, param: str, in_features: int) -> TensorLayout | None:
+    """The layout of one of a quantized layer's checkpoint tensors, for ``in_features``
+    input channels (None: a dense tensor, as online fp8 loads; and the bias)."""
+    quant = layer.quant
+    if quant is None or param == "bias" or not quant.layouts:
+        return None
+    return next(t for t in tensor_layouts(quant.quant, in_features) if t.name == param)
+
+
+def _refuse_gguf(layer: Linear) -> None:
+    # GGUF's blocks are decoded per matrix as they arrive (quant/gguf_blocks.py), not
+    # through the tensor layouts a rank's part is cut by.
+    if layer.quant is not None and layer.quant.quant.layout == GGUF:
+        raise ValueError("tensor parallelism does not split GGUF-quantized layers: run a "
+                         "GGUF checkpoint with tensor_parallel_size=1")
 
 
 class _ColumnParallel:
     """Mixin for a merged linear: each checkpoint matrix (shard) contributes the rows
-    ``[first_rows[i], first_rows[i] + shard_rows()[i])`` of its ``checkpoint_rows[i]``."""
+    ``[first_rows[i], first_rows[i] + shard_rows()[i])`` of its ``checkpoint_rows[i]``;
+    a quantized one, the entries of each of its tensors that cover those rows."""
 
     checkpoint_rows: list[int]
     first_rows: list[int]
+
+    def split_problem(self, quant: LayerQuant) -> str | None:
+        """Why this layer's rows, quantized as ``quant``, cannot split as the ranks need."""
+        if self.tp.size == 1 or quant.layout in (ONLINE_FP8, GGUF):
+            return None
+        for i, rows in enumerate(self.shard_rows()):
+            reason = rows_split_problem(quant, self.in_features, self.first_rows[i],
+                                        rows, self.checkpoint_rows[i])
+            if reason:
+                return reason
+        return None
 
     def shard_shape(self, shard: str | None, param: str) -> tuple[int, ...]:
         local = self.local_shard_shape(shard, param)
         if self.tp.size == 1:
             return local
-        _refuse_quantized(self)
-        return (self.checkpoint_rows[self.shard_names.index(shard)], *local[1:])
+        _refuse_gguf(self)
+        i = self.shard_names.index(shard)
+        layout = _checkpoint_layout(self, param, self.in_features)
+        if layout is not None:
+            return layout.shape(self.checkpoint_rows[i])
+        return (self.checkpoint_rows[i], *local[1:])
 
     def load_shard(self, shard: str | None, param: str, tensor: torch.Tensor) -> None:
         if self.tp.size > 1:
-            _refuse_quantized(self)
+            _refuse_gguf(self)
             i = self.shard_names.index(shard)
-            tensor = tensor.narrow(0, self.first_rows[i], self.shard_rows()[i])
+            first, rows, whole = self.first_rows[i], self.shard_rows()[i], self.checkpoint_rows[i]
+            layout = _checkpoint_layout(self, param, self.in_features)
+            tensor = (rows_part(layout, tensor, first, rows, whole) if layout is not None
+                      else tensor.narrow(0, first, rows))
         super().load_shard(shard, param, tensor)
 
 
@@ -79,17 +117,30 @@ class RowParallelLinear(Linear):
         self.checkpoint_in_features = in_features
         self.first_column = first
 
+    def split_problem(self, quant: LayerQuant) -> str | None:
+        """Why this layer's input channels, quantized as ``quant``, cannot split."""
+        if self.tp.size == 1 or quant.layout in (ONLINE_FP8, GGUF):
+            return None
+        return channels_split_problem(quant, self.checkpoint_in_features, self.first_column,
+                                      self.in_features)
+
     def shard_shape(self, shard: str | None, param: str) -> tuple[int, ...]:
         local = self.local_shard_shape(shard, param)
         if self.tp.size == 1 or param == "bias":
             return local
-        _refuse_quantized(self)
+        _refuse_gguf(self)
+        layout = _checkpoint_layout(self, param, self.checkpoint_in_features)
+        if layout is not None:
+            return layout.shape(self.out_features)
         return (local[0], self.checkpoint_in_features)
 
     def load_shard(self, shard: str | None, param: str, tensor: torch.Tensor) -> None:
         if self.tp.size > 1 and param != "bias":
-            _refuse_quantized(self)
-            tensor = tensor.narrow(1, self.first_column, self.in_features)
+            _refuse_gguf(self)
+            layout = _checkpoint_layout(self, param, self.checkpoint_in_features)
+            tensor = (channels_part(layout, tensor, self.first_column, self.in_features,
+                                    self.checkpoint_in_features) if layout is not None
+                      else tensor.narrow(1, self.first_column, self.in_features))
         super().load_shard(shard, param, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
