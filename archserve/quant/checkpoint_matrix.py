@@ -21,16 +21,30 @@ from torch import nn
 
 from archserve.kernels.linear.quantized_weights import dequantize
 from archserve.quant.config import GGUF, ONLINE_FP8, LayerQuant, QuantConfig
-from archserve.quant.layouts import TensorLayout, tensor_layouts, to_kernel_weight
+from archserve.quant.layouts import (
+    TensorLayout,
+    channels_part,
+    channels_split_problem,
+    rows_part,
+    rows_split_problem,
+    tensor_layouts,
+    to_kernel_weight,
+)
 
 
 class QuantizedMatrix(nn.Module):
-    """One [rows, in_features] matrix as the checkpoint stores it."""
+    """One [rows, in_features] matrix as the checkpoint stores it. A tensor-parallel rank
+    holds part of it: output rows [first, first + rows) of ``whole`` (``split_rows``: an
+    expert's gate and up) or input channels [first, first + in_features) of ``whole``
+    (``split_channels``: its down); it answers the loader with the checkpoint's whole
+    shapes and keeps its entries of each tensor (quant/layouts.py, ``rows_part``)."""
 
     def __init__(self, quant: LayerQuant, rows: int, in_features: int,
-                 device: torch.device) -> None:
+                 device: torch.device, split_rows: tuple[int, int] | None = None,
+                 split_channels: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.quant, self.rows, self.in_features = quant, rows, in_features
+        self.split_rows, self.split_channels = split_rows, split_channels
         self.layouts: dict[str, TensorLayout] = {
             t.name: t for t in tensor_layouts(quant, in_features)}
         self.loaded: set[str] = set()
@@ -38,8 +52,33 @@ class QuantizedMatrix(nn.Module):
             self.register_parameter(name, nn.Parameter(
                 torch.zeros(t.shape(rows), dtype=t.dtype, device=device), requires_grad=False))
 
+    def split_problem(self) -> str | None:
+        """Why this rank's part is not whole packed words, groups and blocks, else None."""
+        if self.split_rows is not None:
+            first, whole = self.split_rows
+            return rows_split_problem(self.quant, self.in_features, first, self.rows, whole)
+        if self.split_channels is not None:
+            first, whole = self.split_channels
+            return channels_split_problem(self.quant, whole, first, self.in_features)
+        return None
+
+    def checkpoint_shape(self, param: str) -> tuple[int, ...]:
+        if self.split_rows is not None:
+            return self.layouts[param].shape(self.split_rows[1])
+        if self.split_channels is not None:
+            whole = self.split_channels[1]
+            return next(t for t in tensor_layouts(self.quant, whole)
+                        if t.name == param).shape(self.rows)
+        return self.layouts[param].shape(self.rows)
+
     def load_checkpoint(self, param: str, tensor: torch.Tensor) -> None:
         target = getattr(self, param)
+        if self.split_rows is not None:
+            first, whole = self.split_rows
+            tensor = rows_part(self.layouts[param], tensor, first, self.rows, whole)
+        elif self.split_channels is not None:
+            first, whole = self.split_channels
+            tensor = channels_part(self.layouts[param], tensor, first, self.in_features, whole)
         with torch.no_grad():
             target.copy_(tensor.reshape(target.shape))
         self.loaded.add(param)

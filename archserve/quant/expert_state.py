@@ -56,11 +56,11 @@ def attach_expert_quantization(model: nn.Module, config: QuantConfig, device: to
             moe.allocate_dense(device, dtype)
             quantized += quant is not None
             continue
-        if moe.tp.size > 1:
-            raise ValueError(f"{name}: tensor parallelism does not split quantized experts "
-                             f"yet ({quant.describe()}); run this checkpoint with "
-                             f"tensor_parallel_size=1")
         hidden, inter = moe.hidden_size, moe.intermediate_size
+        # A tensor-parallel rank holds its channels of each expert: rows of gate and up,
+        # input channels of down (FusedMoE); None at one rank.
+        part = ((moe.first_channel, moe.checkpoint_intermediate_size)
+                if moe.tp.size > 1 else None)
         for in_features, shards in ((hidden, [inter, inter]), (inter, [hidden])):
             reason = check_shard_alignment(quant, in_features, shards)
             if reason:
@@ -68,10 +68,17 @@ def attach_expert_quantization(model: nn.Module, config: QuantConfig, device: to
         moe.allocate_dense(torch.device("meta"))
         for e in range(moe.num_experts):
             expert = getattr(moe, str(e))
-            for proj, (rows, k) in zip(moe.expert_names,
-                                       ((inter, hidden), (inter, hidden), (hidden, inter)),
-                                       strict=True):
-                setattr(expert, proj, QuantizedMatrix(quant, rows, k, device))
+            for proj, (rows, k, split) in zip(
+                    moe.expert_names, ((inter, hidden, "rows"), (inter, hidden, "rows"),
+                                       (hidden, inter, "channels")), strict=True):
+                matrix = QuantizedMatrix(
+                    quant, rows, k, device, split_rows=part if split == "rows" else None,
+                    split_channels=part if split == "channels" else None)
+                reason = matrix.split_problem()
+                if reason:
+                    raise ValueError(f"{name} experts: {moe.tp.size} tensor-parallel ranks "
+                                     f"cannot split them ({quant.describe()}): {reason}")
+                setattr(expert, proj, matrix)
         quantized += 1
     return quantized
 

@@ -109,7 +109,10 @@ TP_QUANTIZED = ["awq-w4-g64", "gptq-w4-g128-sym", "gptq-w8-g128", "ct-w4a16-g32-
                 "ct-w8a16-g128", "ct-fp8-tensor-static"]
 # Activations quantized per token as they arrive: a row-parallel rank scales its own part of
 # the row (as vLLM's ranks do), so two ranks round the activations differently from one.
-TP_DYNAMIC_ACTIVATIONS = ["ct-int8-w8a8", "ct-fp8-channel-dynamic"]
+TP_DYNAMIC_ACTIVATIONS = ["ct-int8-w8a8", "ct-fp8-channel-dynamic",
+                          # Qwen3-MoE: its fp8 experts split too (rows of gate/up, input
+                          # channels of down, per-row scales with them).
+                          "ct-moe-fp8-dynamic"]
 
 
 @pytest.mark.parametrize("name", TP_QUANTIZED)
@@ -154,13 +157,11 @@ def test_two_ranks_with_per_token_activation_scales_stay_close_to_one(name):
 
 # What cannot split says why, before any worker loads a weight: block-FP8 scales cover 128
 # output rows and each rank's k/v part is 64 rows; GPTQ's act order spreads every group over
-# all input channels; a 128-channel group of a 128-wide o_proj would straddle the ranks;
-# quantized experts do not split yet.
+# all input channels; a 128-channel group of a 128-wide o_proj would straddle the ranks.
 @pytest.mark.parametrize("name,reason", [
     ("hf-fp8-block", "covers 128 output rows"),
     ("gptq-w4-g32-asym-actorder", "act order"),
-    ("ct-moe-w4a16", "covers 128 input channels"),
-    ("ct-moe-fp8-dynamic", "quantized experts")])
+    ("ct-moe-w4a16", "covers 128 input channels")])
 def test_a_quantized_checkpoint_that_cannot_split_is_refused_with_its_reason(name, reason):
     with pytest.raises(Exception, match=reason):
         LLM(os.path.join(QUANT_FIXTURES, name), device="cpu", dtype="float32",
