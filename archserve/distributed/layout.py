@@ -87,10 +87,6 @@ def layout_problems(model_config, size: int, device_type: str = "cpu",
     head = head_split_problem(model_config.num_heads, model_config.num_kv_heads, size)
     if head:
         problems.append(head)
-    if getattr(model_config, "mla", None) or getattr(model_config, "use_mla", False):
-        problems.append(f"{model_config.architecture} uses MLA attention: its latent "
-                        f"projections do not split over tensor-parallel ranks in this build "
-                        f"yet (use tensor_parallel_size=1)")
     for what, width in _split_widths(model_config):
         if width % size:
             problems.append(f"{what} {width} does not split over {size} tensor-parallel "
@@ -153,6 +149,8 @@ def describe_rank(model_config, size: int, rank: int) -> str:
     kv = (f"KV head {heads.first_kv_head} (replicated on {heads.kv_replicas} ranks)"
           if heads.kv_replicas > 1 else
           f"KV heads {heads.first_kv_head}..{heads.first_kv_head + heads.num_kv_heads - 1}")
+    if getattr(model_config, "mla", None) or getattr(model_config, "use_mla", False):
+        kv = "the whole MLA latent cache (every head reads it)"
     text = (f"rank {rank}: query heads {heads.first_head}.."
             f"{heads.first_head + heads.num_heads - 1}, {kv}, MLP columns {rank * mlp}.."
             f"{(rank + 1) * mlp - 1}")

@@ -119,9 +119,13 @@ def attach_dense_matrices(model: nn.Module, config: QuantConfig, device: torch.d
         if quant is None or quant.layout in (ONLINE_FP8, GGUF):
             continue
         rows, cols = module.weight.shape
+        holder = QuantizedDenseMatrix(quant, rows, cols, device, split_rows=module.split_rows)
+        reason = holder.split_problem()
+        if reason:
+            raise ValueError(f"{name}: its tensor-parallel part cannot be cut from the "
+                             f"checkpoint ({quant.describe()}): {reason}")
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child,
-                QuantizedDenseMatrix(quant, rows, cols, device))
+        setattr(model.get_submodule(parent), child, holder)
         count += 1
     return count
 

@@ -101,6 +101,49 @@ def test_two_ranks_split_the_experts_and_generate_what_one_rank_does(tmp_path, m
         tp.llm_engine.shutdown()
 
 
+# DeepSeek: MLA's heads split (query rows, kv_b_proj's per-head rows, o_proj's input) while
+# every rank keeps the whole latent; the routed experts and the shared expert split as
+# above. V2 with q LoRA and grouped top-k, V2-Lite without q LoRA, V3's sigmoid routing.
+MLA_TP = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+              num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, head_dim=8,
+              qk_nope_head_dim=16, v_head_dim=24, moe_intermediate_size=32,
+              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+              first_k_dense_replace=1, num_hidden_layers=2, max_position_embeddings=256,
+              tie_word_embeddings=False)
+DEEPSEEK_TP = {
+    "v2": ("deepseek_v2", dict(q_lora_rank=48, topk_method="group_limited_greedy", n_group=4,
+                               topk_group=2, routed_scaling_factor=2.5)),
+    "v2_lite": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy")),
+    "v3": ("deepseek_v3", dict(q_lora_rank=48, n_group=4, topk_group=2,
+                               routed_scaling_factor=2.5, norm_topk_prob=True)),
+}
+
+
+@pytest.mark.parametrize("variant", list(DEEPSEEK_TP))
+def test_two_ranks_split_mla_heads_and_generate_what_one_rank_does(tmp_path, variant):
+    from tiny_checkpoints import build_tiny_checkpoint
+
+    model_type, overrides = DEEPSEEK_TP[variant]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, **MLA_TP, **overrides,
+                                 random_buffers=("e_score_correction_bias",))
+    common = dict(device="cpu", dtype="float32", max_model_len=96, max_num_seqs=4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    one = LLM(path, **common).generate(PROMPTS, params)
+    tp = LLM(path, tensor_parallel_size=2, **common)
+    try:
+        two = tp.generate(PROMPTS, params)
+        decisions = {d.what: d for d in tp.llm_engine.report.decisions}
+        assert "whole MLA latent cache" in decisions["tensor parallel"].reason
+        for a, b in zip(one, two, strict=True):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids
+            for pos_one, pos_two, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
+                                               a.outputs[0].token_ids, strict=True):
+                assert pos_two[token].logprob == pytest.approx(pos_one[token].logprob,
+                                                               abs=1e-4)
+    finally:
+        tp.llm_engine.shutdown()
+
+
 QUANT_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "quant")
 # Real checkpoints of the quantizers (tests/fixtures/quant): every scheme whose parts a rank
 # can keep whole. Each rank keeps its rows (column-parallel) or input channels (row-parallel)

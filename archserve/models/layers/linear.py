@@ -110,7 +110,25 @@ class DenseMatrix(WeightOnly):
     """A matrix its layer reads itself instead of multiplying through a linear kernel (MLA
     absorbs kv_b_proj into q and the output), so it is always in the model dtype: online
     quantization leaves it alone, and a checkpoint that quantizes it is dequantized at load
-    (archserve.quant.checkpoint_matrix)."""
+    (archserve.quant.checkpoint_matrix).
+
+    ``split_rows`` (first, whole): a tensor-parallel rank holds rows [first, first + rows)
+    of the checkpoint's ``whole`` (MLA's per-head rows); it answers the loader with the
+    whole shape and keeps its rows, as the vocabulary-parallel layers do."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype | None = None,
+                 split_rows: tuple[int, int] | None = None) -> None:
+        super().__init__(rows, cols, dtype)
+        self.split_rows = split_rows
+
+    def checkpoint_shape(self, param: str) -> tuple[int, ...]:
+        rows = self.split_rows[1] if self.split_rows else self.weight.shape[0]
+        return (rows, self.weight.shape[1])
+
+    @torch.no_grad()
+    def load_checkpoint(self, param: str, tensor: torch.Tensor) -> None:
+        first = self.split_rows[0] if self.split_rows else 0
+        self.weight.copy_(tensor.narrow(0, first, self.weight.shape[0]))
 
 
 class Linear(nn.Module):

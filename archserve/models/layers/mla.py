@@ -24,10 +24,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from archserve.distributed.layout import split_heads
+from archserve.distributed.parallel_state import get_tp
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.kv_scales import KVCacheScales
 from archserve.models.layers.linear import DenseMatrix, Linear
 from archserve.models.layers.norm import RMSNorm
+from archserve.models.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from archserve.models.layers.rotary import RotaryEmbedding, yarn_mscale
 
 if TYPE_CHECKING:
@@ -58,20 +61,30 @@ class MLAAttention(nn.Module, KVCacheScales):
         m = config.mla
         assert m is not None
         self.dims, self.layer_index = m, layer_index
-        self.num_heads = h = config.num_heads
+        # Tensor parallelism splits the heads: each rank projects its heads' queries, keeps
+        # its heads' rows of kv_b_proj, and o_proj reduces over the heads' outputs. The
+        # latent (kv_a_proj_with_mqa and the cache) is every head's, so every rank holds it
+        # whole, as vLLM's MLA ranks do.
+        tp = get_tp()
+        heads = split_heads(config.num_heads, config.num_heads, tp.size, tp.rank)
+        whole, self.num_heads = config.num_heads, heads.num_heads
+        h, first = heads.num_heads, heads.first_head
         hidden, bias = config.hidden_size, config.attention_bias
+        qk, kv_b = m.qk_head_dim, m.qk_nope_head_dim + m.v_head_dim
         if m.q_lora_rank:
             self.q_a_proj = Linear(hidden, m.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = Linear(m.q_lora_rank, h * m.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, whole * qk, first * qk, h * qk)
         else:
-            self.q_proj = Linear(hidden, h * m.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(hidden, whole * qk, first * qk, h * qk)
         self.kv_a_proj_with_mqa = Linear(hidden, m.latent_size, bias=bias)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LORA_NORM_EPS)
         # Not a Linear: the layer reads its matrix (absorbed into q and the output), so it
         # is in the model dtype, dequantized at load where the checkpoint quantizes it.
-        self.kv_b_proj = DenseMatrix(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
-        self.o_proj = Linear(h * m.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = DenseMatrix(h * kv_b, m.kv_lora_rank,
+                                     split_rows=(first * kv_b, whole * kv_b)
+                                     if tp.size > 1 else None)
+        self.o_proj = RowParallelLinear(whole * m.v_head_dim, hidden, bias=bias)
         self.rotary_emb = RotaryEmbedding(m.qk_rope_head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
         self.rope_interleaved = rope_interleaved

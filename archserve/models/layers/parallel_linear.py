@@ -85,6 +85,18 @@ class _ColumnParallel:
         super().load_shard(shard, param, tensor)
 
 
+class ColumnParallelLinear(_ColumnParallel, Linear):
+    """One linear whose output rows split over the ranks: this rank holds rows
+    ``[first_row, first_row + rows)`` of ``out_features`` (MLA splits its query by heads)."""
+
+    def __init__(self, in_features: int, out_features: int, first_row: int, rows: int,
+                 bias: bool = False) -> None:
+        self.tp = get_tp()
+        super().__init__(in_features, rows, bias)
+        self.checkpoint_rows = [out_features]
+        self.first_rows = [first_row]
+
+
 class QKVParallelLinear(_ColumnParallel, QKVLinear):
     def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False) -> None:
