@@ -9,10 +9,17 @@ H200 (14.4 ms of a 17.5 ms batch-256 step).
 
 When sequences x KV heads cannot fill the GPU, the context is split into ``num_splits``
 chunks (flash-decoding); each writes a partial output and its log-sum-exp, and a small second
-kernel merges them.
+kernel merges them. With ``ARCHSERVE_SPLIT_MERGE_IN_KERNEL=1`` (opt-in until it is measured
+on a GPU) there is no second kernel: each split counts itself in on an atomic counter of its
+(sequence, KV head), and the split that arrives last merges the group's partials, in split
+order (the same rounding whichever arrives last), then resets the counter. At batch 1 a
+decode step's attention is then one launch per layer instead of two (issue 21).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -34,6 +41,10 @@ LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
+MERGE_IN_KERNEL_ENV = "ARCHSERVE_SPLIT_MERGE_IN_KERNEL"
+# Counters of the in-kernel merge, one per (sequence, KV head) of a split launch: splits run
+# only while sequences x KV heads leave SMs idle, so a few thousand cover every GPU.
+MERGE_COUNTERS = 4096
 
 
 @triton.jit
@@ -118,8 +129,46 @@ def store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr
 
 
 @triton.jit
+def merge_if_last_split(counter_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, token,
+                        query_len, seq, num_heads, heads, mask_h, offs_d, mask_d,
+                        stride_out_token, stride_out_head, v_scale, HEAD_SIZE: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr):
+    """After this program stored its split's partials (``store_decode_output``): count it in
+    on ``counter_ptr`` (one counter per program group of the same rows); the last one to
+    arrive merges every split's partials of rows ``heads`` into ``out``, as
+    ``_merge_splits_kernel`` does, and resets the counter for the next launch."""
+    tl.debug_barrier()      # every thread's partials are stored before the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()      # ... and read, by every thread, only after the acquire
+    if arrived == NUM_SPLITS - 1:
+        rows0 = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS
+        lse_max = tl.full(heads.shape, float("-inf"), tl.float32)
+        for split in tl.static_range(NUM_SPLITS):
+            lse_max = tl.maximum(lse_max, tl.load(partial_lse_ptr + rows0 + split, mask=mask_h,
+                                                  other=float("-inf"), cache_modifier=".cg"))
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        total = tl.zeros(heads.shape, tl.float32)
+        merged = tl.zeros([heads.shape[0], offs_d.shape[0]], tl.float32)
+        for split in tl.static_range(NUM_SPLITS):
+            weight = tl.exp2(tl.load(partial_lse_ptr + rows0 + split, mask=mask_h,
+                                     other=float("-inf"), cache_modifier=".cg") - lse_max)
+            part = tl.load(partial_out_ptr + (rows0 + split)[:, None] * HEAD_SIZE
+                           + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :],
+                           other=0.0, cache_modifier=".cg")
+            total += weight
+            merged += weight[:, None] * part
+        out = merged / tl.where(total > 0.0, total, 1.0)[:, None]
+        dst = (out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
+               + offs_d[None, :])
+        live = (tl.zeros(out.shape, tl.int32) + query_len) > 0
+        tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty),
+                 mask=mask_h[:, None] & mask_d[None, :] & live)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                   out_ptr, partial_out_ptr, partial_lse_ptr,
+                   out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
                    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
                    stride_block_table, qk_scale, v_scale, soft_cap,
@@ -127,7 +176,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
                    USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   E4M3_BITS: tl.constexpr, PDL: tl.constexpr = False):
+                   E4M3_BITS: tl.constexpr, PDL: tl.constexpr = False,
+                   MERGE_IN_KERNEL: tl.constexpr = False):
     pdl_start(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,6 +218,11 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
                         query_len, seq, split, tl.num_programs(1) * GROUP, heads, mask_g,
                         offs_d, mask_d, stride_out_token, stride_out_head, v_scale, HEAD_SIZE,
                         NUM_SPLITS)
+    if MERGE_IN_KERNEL:
+        merge_if_last_split(counters_ptr + seq * tl.num_programs(1) + kv_head, partial_out_ptr,
+                            partial_lse_ptr, out_ptr, token, query_len, seq,
+                            tl.num_programs(1) * GROUP, heads, mask_g, offs_d, mask_d,
+                            stride_out_token, stride_out_head, v_scale, HEAD_SIZE, NUM_SPLITS)
 
 
 @triton.jit
@@ -252,6 +307,21 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
     )
 
 
+def merge_in_kernel(device: torch.device, counters: int) -> bool:
+    """Whether split programs merge their partials themselves (see the module doc): asked
+    with ``ARCHSERVE_SPLIT_MERGE_IN_KERNEL=1``, and ``counters`` (sequences x KV heads of
+    the launch) within the counter buffer."""
+    return os.environ.get(MERGE_IN_KERNEL_ENV) == "1" and counters <= MERGE_COUNTERS
+
+
+@functools.cache
+def merge_counters(device: torch.device) -> torch.Tensor:
+    """The in-kernel merge's counters on ``device``: zero between launches (the last split
+    resets its own). Made on first use, which the engine's eager warm-up makes before any
+    CUDA graph is captured."""
+    return torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+
+
 def decode_tiles(head_size: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages): decode is bandwidth-bound, so keep many loads in flight."""
     if head_size > 128:
@@ -291,8 +361,11 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     block_d = triton.next_power_of_2(head_size)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, head_size)
     pdl = pdl_enabled(out.device)
+    merged = num_splits > 1 and merge_in_kernel(out.device, num_seqs * num_kv_heads)
+    counters = merge_counters(out.device) if merged else seq_lens
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
+        counters,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
@@ -300,8 +373,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, num_warps=num_warps,
-        num_stages=num_stages, PDL=pdl, **pdl_launch_options(pdl),
+        num_stages=num_stages, PDL=pdl, MERGE_IN_KERNEL=merged, **pdl_launch_options(pdl),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merged:
         merge_splits(partial_out, partial_lse, query_start_loc, out, v_scale)
     return out
