@@ -19,12 +19,16 @@ decode step's attention is then one launch per layer instead of two (issue 21).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from archserve.kernels.attention.split_merge import (  # noqa: F401 - the env, re-exported
+    MERGE_COUNTERS,
+    MERGE_IN_KERNEL_ENV,
+    merge_in_kernel,
+)
 from archserve.kernels.attention.triton_cache_write import (
     E4M3_BITS_SCALE,
     cache_operand,
@@ -41,10 +45,6 @@ LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
-MERGE_IN_KERNEL_ENV = "ARCHSERVE_SPLIT_MERGE_IN_KERNEL"
-# Counters of the in-kernel merge, one per (sequence, KV head) of a split launch: splits run
-# only while sequences x KV heads leave SMs idle, so a few thousand cover every GPU.
-MERGE_COUNTERS = 4096
 
 
 @triton.jit
@@ -307,13 +307,6 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
     )
 
 
-def merge_in_kernel(device: torch.device, counters: int) -> bool:
-    """Whether split programs merge their partials themselves (see the module doc): asked
-    with ``ARCHSERVE_SPLIT_MERGE_IN_KERNEL=1``, and ``counters`` (sequences x KV heads of
-    the launch) within the counter buffer."""
-    return os.environ.get(MERGE_IN_KERNEL_ENV) == "1" and counters <= MERGE_COUNTERS
-
-
 @functools.cache
 def merge_counters(device: torch.device) -> torch.Tensor:
     """The in-kernel merge's counters on ``device``: zero between launches (the last split
@@ -361,7 +354,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     block_d = triton.next_power_of_2(head_size)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, head_size)
     pdl = pdl_enabled(out.device)
-    merged = num_splits > 1 and merge_in_kernel(out.device, num_seqs * num_kv_heads)
+    merged = num_splits > 1 and merge_in_kernel(num_seqs * num_kv_heads)
     counters = merge_counters(out.device) if merged else seq_lens
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
