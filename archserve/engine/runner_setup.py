@@ -43,8 +43,8 @@ from archserve.engine.step_budget import (
     runner_cost_model,
 )
 from archserve.engine.step_weights import StepWeights
-from archserve.kernels.attention.split_merge import MERGE_IN_KERNEL_ENV, merge_in_kernel
 from archserve.kernels.pdl import pdl_enabled
+from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, reduce_in_kernel
 from archserve.models.layers.kv_scales import is_quantized_cache
 from archserve.platform.decision import Decision
 from archserve.quant.config import GGUF
@@ -206,11 +206,11 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
                                   "decode kernels that take it may start while the kernel "
                                   "before them drains (kernels/pdl.py; ARCHSERVE_PDL=0 "
                                   "turns it off)"))
-    if merge_in_kernel():   # opt-in and unmeasured: say so when it is on
-        decisions.append(Decision("split-KV merge", f"{MERGE_IN_KERNEL_ENV}=1", "in the decode "
-                                  "kernel", "the last split of each sequence and KV head merges "
-                                  "the partials; no merge kernel (kernels/attention/"
-                                  "triton_decode.py; not yet measured)"))
+    if reduce_in_kernel():   # opt-in and unmeasured: say so when it is on
+        decisions.append(Decision("reductions across programs", f"{REDUCE_IN_KERNEL_ENV}=1",
+                                  "in the kernel", "the last program to arrive merges split-KV "
+                                  "decode and sums each token's experts; no second kernel "
+                                  "(kernels/reduce_in_kernel.py; not yet measured)"))
     cpu_threads = None
     if tp.size == 1:   # tensor-parallel CPU ranks split the cores between them instead
         cpu_threads, threads_decision = cpu_thread_governor(torch_device)

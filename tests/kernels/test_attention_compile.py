@@ -109,13 +109,14 @@ def test_gpu_odd_heads_and_fp8_bytes_match_reference(head_size, kv, fp8_bytes):
 @pytest.mark.parametrize("target", [SM70, SM80, SM90, ("hip", "gfx942", 64)],
                          ids=["sm70", "sm80", "sm90", "gfx942"])
 def test_split_decode_merging_in_the_kernel_is_one_launch(target, monkeypatch):
-    """ARCHSERVE_SPLIT_MERGE_IN_KERNEL=1: a split decode is the decode kernel alone; its
+    """ARCHSERVE_REDUCE_IN_KERNEL=1: a split decode is the decode kernel alone; its
     splits count themselves in with an acquire-release atomic at GPU scope."""
     from triton_compile import compiled_launches
 
-    from archserve.kernels.attention.triton_decode import MERGE_IN_KERNEL_ENV, decode_attention
+    from archserve.kernels.attention.triton_decode import decode_attention
+    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV
 
-    monkeypatch.setenv(MERGE_IN_KERNEL_ENV, "1")
+    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
     dtype = torch.float16 if target[1] == 70 else torch.bfloat16
     q = torch.zeros(2, 8, 128, dtype=dtype)
     cache = torch.zeros(2, 6, 16, 2, 128, dtype=dtype)

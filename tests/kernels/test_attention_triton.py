@@ -52,11 +52,11 @@ else:
         # Splits of 64-token tiles: the 5-token sequence leaves later splits empty.
         # "in kernel": the last split of each (sequence, KV head) merges, no second kernel;
         # it resets its counter, so a second launch merges again.
-        from archserve.kernels.attention.triton_decode import (
-            MERGE_IN_KERNEL_ENV,
-            merge_counters,
+        from archserve.kernels.reduce_in_kernel import (
+            REDUCE_IN_KERNEL_ENV,
+            arrival_counters,
         )
-        monkeypatch.setenv(MERGE_IN_KERNEL_ENV, "1" if merge == "in kernel" else "0")
+        monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1" if merge == "in kernel" else "0")
         case = make_case([(1, 150), (1, 5), (1, 97)], num_heads=8, num_kv_heads=2,
                          sliding_window=window, soft_cap=10.0 if window else None, seed=3)
         expected, cache = case.run(ReferenceAttentionImpl())
@@ -67,7 +67,7 @@ else:
                              scale=case.layer.scale, sliding_window=window,
                              soft_cap=case.layer.logit_soft_cap, num_splits=num_splits)
             torch.testing.assert_close(out[:3], expected, atol=2e-3, rtol=2e-3)
-            assert not merge_counters(out.device).any()
+            assert not arrival_counters(out.device).any()
 
     # vLLM 0.33 TRITON_ATTN takes any head size >= 32 (v1/attention/backends/triton_attn.py,
     # TritonAttentionBackend.supports_head_size): the kernels pad to the next power of two.

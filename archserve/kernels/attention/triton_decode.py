@@ -9,32 +9,30 @@ H200 (14.4 ms of a 17.5 ms batch-256 step).
 
 When sequences x KV heads cannot fill the GPU, the context is split into ``num_splits``
 chunks (flash-decoding); each writes a partial output and its log-sum-exp, and a small second
-kernel merges them. With ``ARCHSERVE_SPLIT_MERGE_IN_KERNEL=1`` (opt-in until it is measured
-on a GPU) there is no second kernel: each split counts itself in on an atomic counter of its
-(sequence, KV head), and the split that arrives last merges the group's partials, in split
-order (the same rounding whichever arrives last), then resets the counter. At batch 1 a
-decode step's attention is then one launch per layer instead of two (issue 21).
+kernel merges them. With ``ARCHSERVE_REDUCE_IN_KERNEL=1`` (kernels/reduce_in_kernel.py;
+opt-in until it is measured on a GPU) there is no second kernel: the split that arrives
+last on its (sequence, KV head) counter merges the group's partials, in split order. At
+batch 1 a decode step's attention is then one launch per layer instead of two (issue 21).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.attention.split_merge import (  # noqa: F401 - the env, re-exported
-    MERGE_COUNTERS,
-    MERGE_IN_KERNEL_ENV,
-    merge_in_kernel,
-)
 from archserve.kernels.attention.triton_cache_write import (
     E4M3_BITS_SCALE,
     cache_operand,
     load_kv_tile,
 )
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from archserve.kernels.reduce_in_kernel import (
+    arrival_counters,
+    count_arrival,
+    reduce_in_kernel,
+    reset_arrivals,
+)
 from archserve.kernels.rules import triton_interpreted
 
 LOG2E = 1.4426950408889634
@@ -137,10 +135,7 @@ def merge_if_last_split(counter_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, 
     on ``counter_ptr`` (one counter per program group of the same rows); the last one to
     arrive merges every split's partials of rows ``heads`` into ``out``, as
     ``_merge_splits_kernel`` does, and resets the counter for the next launch."""
-    tl.debug_barrier()      # every thread's partials are stored before the release below
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()      # ... and read, by every thread, only after the acquire
-    if arrived == NUM_SPLITS - 1:
+    if count_arrival(counter_ptr, NUM_SPLITS):
         rows0 = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS
         lse_max = tl.full(heads.shape, float("-inf"), tl.float32)
         for split in tl.static_range(NUM_SPLITS):
@@ -163,7 +158,7 @@ def merge_if_last_split(counter_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, 
         live = (tl.zeros(out.shape, tl.int32) + query_len) > 0
         tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty),
                  mask=mask_h[:, None] & mask_d[None, :] & live)
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        reset_arrivals(counter_ptr)
 
 
 @triton.jit
@@ -307,14 +302,6 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
     )
 
 
-@functools.cache
-def merge_counters(device: torch.device) -> torch.Tensor:
-    """The in-kernel merge's counters on ``device``: zero between launches (the last split
-    resets its own). Made on first use, which the engine's eager warm-up makes before any
-    CUDA graph is captured."""
-    return torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-
-
 def decode_tiles(head_size: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages): decode is bandwidth-bound, so keep many loads in flight."""
     if head_size > 128:
@@ -354,8 +341,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     block_d = triton.next_power_of_2(head_size)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, head_size)
     pdl = pdl_enabled(out.device)
-    merged = num_splits > 1 and merge_in_kernel(num_seqs * num_kv_heads)
-    counters = merge_counters(out.device) if merged else seq_lens
+    merged = num_splits > 1 and reduce_in_kernel(num_seqs * num_kv_heads)
+    counters = arrival_counters(out.device) if merged else seq_lens
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
         counters,

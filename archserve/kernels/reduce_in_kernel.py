@@ -1,0 +1,66 @@
+"""Reductions across a kernel's programs done by the program that finishes last, instead of
+by a second kernel (``ARCHSERVE_REDUCE_IN_KERNEL=1``; opt-in until measured on a GPU).
+
+At batch 1 a decode step's kernels are short, and each launch costs a few µs whatever it
+does (issue 21). Two reductions run as kernels of their own after the work they reduce:
+the merge of split-KV decode's partial outputs (kernels/attention/triton_decode.py) and the
+sum of each token's top-k expert outputs (kernels/moe/triton_fused_moe.py). Here each
+program that contributes to one reduction counts itself in on that reduction's counter
+(an acquire-release atomic at GPU scope, after its own stores); the one that sees every
+other arrived does the reduction, in a fixed order (so the result is the same whichever
+program arrives last), and resets the counter for the next launch.
+
+This module is free of Triton where the engine's start-up reads it; the kernels' shared
+step, ``count_arrival``, is defined where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:   # the engine core imports this module; Triton is not installed everywhere
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+REDUCE_IN_KERNEL_ENV = "ARCHSERVE_REDUCE_IN_KERNEL"
+# Counters, one per reduction of a launch: split decode runs only while sequences x KV heads
+# leave SMs idle, and the slot sum in the kernel only for a few tokens (the pair layout), so
+# a few thousand cover every launch that takes this path; a larger one reduces in a kernel.
+ARRIVAL_COUNTERS = 4096
+
+
+def reduce_in_kernel(counters: int = 0) -> bool:
+    """Whether a launch needing ``counters`` reductions does them in the kernel: asked for
+    with ``ARCHSERVE_REDUCE_IN_KERNEL=1``, and within the counter buffer."""
+    return os.environ.get(REDUCE_IN_KERNEL_ENV) == "1" and counters <= ARRIVAL_COUNTERS
+
+
+@functools.cache
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """The counters on ``device``: zero between launches (the last program resets its own).
+    Made on first use, which the engine's eager warm-up makes before any CUDA graph is
+    captured."""
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+
+
+if triton is not None:
+
+    @triton.jit
+    def count_arrival(counter_ptr, contributors):
+        """Count this program in on ``counter_ptr`` after its stores; True in the program
+        that arrives last of ``contributors`` (it may then read every other program's
+        stores, from L2: load them with ``cache_modifier=".cg"``)."""
+        tl.debug_barrier()      # every thread's stores happen before the release below
+        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()      # ... and every thread reads only after the acquire
+        return arrived == contributors - 1
+
+    @triton.jit
+    def reset_arrivals(counter_ptr):
+        """The last program, once it has reduced: the counter is zero for the next launch."""
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
