@@ -273,6 +273,7 @@ def test_kernel_launches_compile_for_gpu_targets(target, dtype):
 
     from archserve.kernels.moe.triton_fused_moe import DEFAULT_TILES, fused_moe, pair_tile
     from archserve.kernels.moe.triton_routing import triton_route
+    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV
     x, logits, w13, w2 = operands(4, 8, 64, 48, dtype)
     tiles = [DEFAULT_TILES[0][1], DEFAULT_TILES[-1][1], pair_tile(8, 48, 132)] \
         if dtype != torch.float32 else [DEFAULT_TILES[0][1]]
@@ -294,6 +295,16 @@ def test_kernel_launches_compile_for_gpu_targets(target, dtype):
         assert launches[2].code()
     if dtype != torch.float16:
         return
+    # ARCHSERVE_REDUCE_IN_KERNEL=1: in the pair layout the down kernel sums the slots.
+    os.environ[REDUCE_IN_KERNEL_ENV] = "1"
+    try:
+        with compiled_launches(target) as launches:
+            fused_moe(x, logits, w13, w2, 2, True, pair_tile(8, 48, 132), routed)
+    finally:
+        del os.environ[REDUCE_IN_KERNEL_ENV]
+    assert [launch.kernel for launch in launches] == ["_gate_up_kernel", "_down_kernel"]
+    assert launches[1].constexprs["SUM_IN_KERNEL"]
+    assert "atom.global.gpu.acq_rel.add" in launches[1].code()
     with compiled_launches(target) as launches:   # fp32 logits whatever the model dtype
         triton_route(torch.randn(3, 512), 8, True)
         logits, top_k, keywords, renormalize = grouped_case("v3", 3)
@@ -387,6 +398,25 @@ else:
         expected = reference(x, logits, w13, w2, top_k, renormalize)
         tol = 1e-5 if dtype == torch.float32 else 4e-3
         torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+
+    @pytest.mark.parametrize(
+        "tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n", PAIR_CASES)
+    def test_pair_rows_sum_in_the_kernel_gives_the_same_bits(tokens, experts, top_k, hidden,
+                                                             inter, renormalize, dtype, block_n,
+                                                             monkeypatch):
+        """ARCHSERVE_REDUCE_IN_KERNEL=1: the last down program of a token's column tile sums
+        its slots, in the sum kernel's order from the same rows; twice, so the counters
+        must have been reset."""
+        from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, arrival_counters
+        x, logits, w13, w2 = operands(tokens, experts, hidden, inter, dtype, seed=5)
+        tile = pair_tile(tokens * top_k, min(hidden, inter), 1, block_n)
+        monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "0")
+        separate = fused_moe(x, logits, w13, w2, top_k, renormalize, tile)
+        monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
+        for _ in range(2):
+            assert torch.equal(fused_moe(x, logits, w13, w2, top_k, renormalize, tile),
+                               separate)
+            assert not arrival_counters(x.device).any()
 
     @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, renormalize, dtype", CASES)
     def test_matches_torch_moe(tokens, experts, top_k, hidden, inter, renormalize, dtype):

@@ -14,7 +14,10 @@ Then:
 
 The k slots of a token are then summed in fp32, in slot order, by ``_sum_slots_kernel``
 (one launch: a token's slots sit in different experts' tiles, so summing inside the down
-kernel would need atomics, whose order, and so rounding, changes from run to run).
+kernel would need atomics, whose order, and so rounding, changes from run to run). In the
+pair layout, with ``ARCHSERVE_REDUCE_IN_KERNEL=1`` (kernels/reduce_in_kernel.py), the down
+program that finishes a token's column tile last sums its slots instead, in the same order
+from the same rows: the same bits, one launch fewer per MoE layer.
 
 Accumulation is fp32; fp32 operands multiply in full precision (no TF32), so the CPU
 interpreter and an fp32 GPU run agree with the reference to rounding. Launch sizes come
@@ -37,6 +40,12 @@ try:
     import triton.language as tl
 
     from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+    from archserve.kernels.reduce_in_kernel import (
+        arrival_counters,
+        count_arrival,
+        reduce_in_kernel,
+        reset_arrivals,
+    )
 except ImportError:  # the backend's availability rule reports it; nothing runs here
     triton = None
 
@@ -257,11 +266,31 @@ if triton is not None:
                     stride_ot)
 
     @triton.jit
+    def _sum_token_slots(src_ptr, dst_ptr, token, cols, col_ok, stride_src, stride_dst,
+                         TOP_K: tl.constexpr, FROM_L2: tl.constexpr):
+        """dst[token] = sum over j of src[token * TOP_K + j] at ``cols``, in fp32 and slot
+        order (FROM_L2: rows other programs of this launch stored)."""
+        acc = tl.zeros(cols.shape, dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = src_ptr + (token * TOP_K + j) * stride_src + cols
+            if FROM_L2:
+                part = tl.load(row, mask=col_ok, other=0.0, cache_modifier=".cg")
+            else:
+                part = tl.load(row, mask=col_ok, other=0.0)
+            acc += part.to(tl.float32)
+        tl.store(dst_ptr + token * stride_dst + cols, acc.to(dst_ptr.dtype.element_ty),
+                 mask=col_ok)
+
+    @triton.jit
     def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
                      block_expert_ptr, num_pairs, hidden, inter, stride_at, stride_we,
-                     stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     stride_wn, stride_ot, summed_ptr, counters_ptr, stride_st,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, TOP_K: tl.constexpr = 1,
+                     SUM_IN_KERNEL: tl.constexpr = False):
+        # SUM_IN_KERNEL (pair layout only: program m is pair m, of token m // TOP_K): the
+        # last of a token's TOP_K programs on a column tile sums them into ``summed``.
         pdl_start(PDL)
         expert, rows, row_ok, cols, col_ok = _program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, PAIR_ROWS)
@@ -277,6 +306,13 @@ if triton is not None:
             acc = _dot(acc, a, w, IEEE_FP32)
         acc = _times_routing_weights(acc, weights_ptr, rows, row_ok)
         _store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
+        if SUM_IN_KERNEL:
+            token = tl.program_id(0) // TOP_K
+            counter = counters_ptr + token * tl.num_programs(1) + tl.program_id(1)
+            if count_arrival(counter, TOP_K):
+                _sum_token_slots(out_ptr, summed_ptr, token.to(tl.int64), cols, col_ok,
+                                 stride_ot, stride_st, TOP_K, True)
+                reset_arrivals(counter)
 
     @triton.jit
     def _sum_slots_kernel(src_ptr, dst_ptr, hidden, stride_src, stride_dst,
@@ -285,15 +321,9 @@ if triton is not None:
         """dst[t] = sum over j of src[t * TOP_K + j], in fp32 and slot order (the same
         rounding on every run)."""
         pdl_start(PDL)
-        token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        ok = cols < hidden
-        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            acc += tl.load(src_ptr + (token * TOP_K + j) * stride_src + cols, mask=ok,
-                           other=0.0).to(tl.float32)
-        tl.store(dst_ptr + token * stride_dst + cols, acc.to(dst_ptr.dtype.element_ty),
-                 mask=ok)
+        _sum_token_slots(src_ptr, dst_ptr, tl.program_id(0).to(tl.int64), cols, cols < hidden,
+                         stride_src, stride_dst, TOP_K, False)
 
 
 def fused_moe_unsupported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
@@ -349,13 +379,20 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
         PAIR_ROWS=tile.pair_rows, **launch)
-    _down_kernel[(num_blocks, triton.cdiv(hidden_size, tile.block_n))](
+    col_tiles = triton.cdiv(hidden_size, tile.block_n)
+    sum_in_kernel = (tile.pair_rows and top_k > 1
+                     and reduce_in_kernel(num_tokens * col_tiles))
+    summed = (torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+              if sum_in_kernel else out)
+    counters = arrival_counters(hidden.device) if sum_in_kernel else sorted_pairs
+    _down_kernel[(num_blocks, col_tiles)](
         act, w2, out, flat_weights, sorted_pairs, block_expert, pairs,
         hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        summed, counters, summed.stride(0),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
-        PAIR_ROWS=tile.pair_rows, **launch)
-    if top_k == 1:
-        return out
+        PAIR_ROWS=tile.pair_rows, TOP_K=top_k, SUM_IN_KERNEL=sum_in_kernel, **launch)
+    if top_k == 1 or sum_in_kernel:
+        return summed
     return sum_slots(out, num_tokens, top_k)
 
 
