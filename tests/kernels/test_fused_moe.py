@@ -511,6 +511,34 @@ def test_gpu_both_layouts_match_torch_moe_at_small_batches(shape, tokens):
 
 
 @gpu
+@pytest.mark.parametrize("shape", sorted(REAL))
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gpu_slot_sum_in_the_kernel_gives_the_same_bits_in_a_graph(shape, tokens,
+                                                                   monkeypatch):
+    """ARCHSERVE_REDUCE_IN_KERNEL=1 at real sizes: the pair layout's down kernel sums the
+    slots; bit for bit the sum kernel's result, eagerly and in every replay of a graph."""
+    from archserve.kernels.moe.triton_fused_moe import fused_moe, pair_tile
+    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, arrival_counters
+    experts, top_k, hidden, inter = REAL[shape]
+    x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda", 7)
+    routed = route(logits, top_k, True)
+    tile = pair_tile(tokens * top_k, min(hidden, inter), 132)
+    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "0")
+    separate = fused_moe(x, logits, w13, w2, top_k, True, tile, routed)
+    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
+    assert torch.equal(fused_moe(x, logits, w13, w2, top_k, True, tile, routed), separate)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, logits, w13, w2, top_k, True, tile, routed)
+    for _ in range(5):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, separate)
+    assert not arrival_counters(x.device).any()
+
+
+@gpu
 @pytest.mark.parametrize("experts, top_k", [(8, 2), (128, 8), (256, 8), (512, 8)])
 @pytest.mark.parametrize("tokens", [1, 37, 4096])
 def test_gpu_routing_kernel_matches_route(experts, top_k, tokens):
