@@ -92,12 +92,13 @@ step qwen06b_b1_nopdl 60 150 env ARCHSERVE_PDL=0 $AS bench $EQ $B1 \
   --output-json "$D/qwen06b_b1_nopdl.json"
 step llama8b_b1_nopdl 70 180 env ARCHSERVE_PDL=0 $AS bench $E8 $B1 \
   --output-json "$D/llama8b_b1_nopdl.json"
-# Split-KV decode merging in its own kernel (kernels/attention/triton_decode.py: opt-in
-# until these rows are measured): one launch per layer's attention instead of two.
-step qwen06b_b1_merge 60 150 env ARCHSERVE_REDUCE_IN_KERNEL=1 $AS bench $EQ $B1 \
-  --output-json "$D/qwen06b_b1_merge.json"
-step moe_qwen3_merge 75 180 env ARCHSERVE_REDUCE_IN_KERNEL=1 python3 benchmarks/moe_perf.py \
-  --part engine --models qwen3-30b-a3b --skip-peer --out "$D/moe_qwen3_merge.json"
+# Reductions by the last program to arrive (kernels/reduce_in_kernel.py: opt-in until these
+# rows are measured): split-KV decode without its merge kernel, the MoE slot sum inside the
+# down kernel; one launch fewer per layer for each.
+step qwen06b_b1_reduce 60 150 env ARCHSERVE_REDUCE_IN_KERNEL=1 $AS bench $EQ $B1 \
+  --output-json "$D/qwen06b_b1_reduce.json"
+step moe_qwen3_reduce 75 180 env ARCHSERVE_REDUCE_IN_KERNEL=1 python3 benchmarks/moe_perf.py \
+  --part engine --models qwen3-30b-a3b --skip-peer --out "$D/moe_qwen3_reduce.json"
 # (b) issue 13: Qwen3-30B-A3B batch 1 (<= 1.5x its active-weight floor) and 256 x 256/128
 # (MBU >= 60%); Mixtral-8x7B batch 1 (<= 1.4x). One model per process: 60 GB and 93 GB of
 # dummy weights never share the device.
