@@ -29,6 +29,30 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _two_ranks_match_one(path: str, max_tokens: int, logprob_tol: float,
+                         max_model_len: int = 96) -> dict:
+    """Greedy tokens of TP=2 equal TP=1's on PROMPTS, each token's logprob within
+    ``logprob_tol``; returns the TP engine's start-up decisions by name."""
+    common = dict(device="cpu", dtype="float32", max_model_len=max_model_len, max_num_seqs=4)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=1)
+    one = LLM(path, **common).generate(PROMPTS, params)
+    tp = LLM(path, tensor_parallel_size=2, **common)
+    try:
+        two = tp.generate(PROMPTS, params)
+        decisions = {d.what: d for d in tp.llm_engine.report.decisions}
+    finally:
+        tp.llm_engine.shutdown()
+    assert decisions["tensor parallel"].chosen.startswith("2 ranks")
+    for a, b in zip(one, two, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for pos_one, pos_two, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
+                                           a.outputs[0].token_ids, strict=True):
+            assert pos_two[token].logprob == pytest.approx(pos_one[token].logprob,
+                                                           abs=logprob_tol)
+    return decisions
+
+
 # llama: 4 query / 2 KV heads, each rank holds one KV head.
 # qwen3-h64: 4 query / 1 KV head, q/k norms: the KV head is replicated on both ranks.
 @pytest.mark.parametrize("variant", ["llama", "qwen3-h64"])
@@ -83,22 +107,8 @@ def test_two_ranks_split_the_experts_and_generate_what_one_rank_does(tmp_path, m
                                  intermediate_size=96, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
                                  **MOE_TP[model_type])
-    common = dict(device="cpu", dtype="float32", max_model_len=96, max_num_seqs=4)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
-    one = LLM(path, **common).generate(PROMPTS, params)
-    tp = LLM(path, tensor_parallel_size=2, **common)
-    try:
-        two = tp.generate(PROMPTS, params)
-        decisions = {d.what: d for d in tp.llm_engine.report.decisions}
-        assert decisions["tensor parallel"].chosen.startswith("2 ranks")
-        for a, b in zip(one, two, strict=True):
-            assert b.outputs[0].token_ids == a.outputs[0].token_ids
-            for pos_one, pos_two, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
-                                               a.outputs[0].token_ids, strict=True):
-                assert pos_two[token].logprob == pytest.approx(pos_one[token].logprob,
-                                                               abs=1e-4)
-    finally:
-        tp.llm_engine.shutdown()
+    decisions = _two_ranks_match_one(path, max_tokens=16, logprob_tol=1e-4)
+    assert "of each of the" in decisions["tensor parallel"].reason    # the experts' channels
 
 
 # DeepSeek: MLA's heads split (query rows, kv_b_proj's per-head rows, o_proj's input) while
@@ -126,22 +136,8 @@ def test_two_ranks_split_mla_heads_and_generate_what_one_rank_does(tmp_path, var
     model_type, overrides = DEEPSEEK_TP[variant]
     path = build_tiny_checkpoint(str(tmp_path), model_type, **MLA_TP, **overrides,
                                  random_buffers=("e_score_correction_bias",))
-    common = dict(device="cpu", dtype="float32", max_model_len=96, max_num_seqs=4)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
-    one = LLM(path, **common).generate(PROMPTS, params)
-    tp = LLM(path, tensor_parallel_size=2, **common)
-    try:
-        two = tp.generate(PROMPTS, params)
-        decisions = {d.what: d for d in tp.llm_engine.report.decisions}
-        assert "whole MLA latent cache" in decisions["tensor parallel"].reason
-        for a, b in zip(one, two, strict=True):
-            assert b.outputs[0].token_ids == a.outputs[0].token_ids
-            for pos_one, pos_two, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
-                                               a.outputs[0].token_ids, strict=True):
-                assert pos_two[token].logprob == pytest.approx(pos_one[token].logprob,
-                                                               abs=1e-4)
-    finally:
-        tp.llm_engine.shutdown()
+    decisions = _two_ranks_match_one(path, max_tokens=16, logprob_tol=1e-4)
+    assert "whole MLA latent cache" in decisions["tensor parallel"].reason
 
 
 QUANT_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "quant")
@@ -160,21 +156,8 @@ TP_DYNAMIC_ACTIVATIONS = ["ct-int8-w8a8", "ct-fp8-channel-dynamic",
 
 @pytest.mark.parametrize("name", TP_QUANTIZED)
 def test_two_ranks_split_a_quantized_checkpoint_and_generate_what_one_rank_does(name):
-    path = os.path.join(QUANT_FIXTURES, name)
-    common = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
-    one = LLM(path, **common).generate(PROMPTS, params)
-    tp = LLM(path, tensor_parallel_size=2, **common)
-    try:
-        two = tp.generate(PROMPTS, params)
-        for a, b in zip(one, two, strict=True):
-            assert b.outputs[0].token_ids == a.outputs[0].token_ids
-            for pos_one, pos_two, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
-                                               a.outputs[0].token_ids, strict=True):
-                assert pos_two[token].logprob == pytest.approx(pos_one[token].logprob,
-                                                               abs=1e-3)
-    finally:
-        tp.llm_engine.shutdown()
+    _two_ranks_match_one(os.path.join(QUANT_FIXTURES, name), max_tokens=8, logprob_tol=1e-3,
+                         max_model_len=64)
 
 
 @pytest.mark.parametrize("name", TP_DYNAMIC_ACTIVATIONS)
