@@ -51,13 +51,19 @@ if not INTERPRETED:
         assert_passes_under_interpreter(__file__, timeout=300)
 
 else:
+    @pytest.mark.parametrize("merge", ["merge kernel", "in kernel"])
     @pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS_TINY], ids=["heads", "keys"])
-    def test_split_decode_kernel_matches_reference(tiles):
+    def test_split_decode_kernel_matches_reference(tiles, merge, monkeypatch):
         # 4 splits of one 32-token tile: the 5-token sequence's later splits are empty;
-        # 20 heads leave the second block of 16 partly masked; blocks of 8 tokens.
+        # 20 heads leave the second block of 16 partly masked; blocks of 8 tokens. "in
+        # kernel": the last split merges (ARCHSERVE_REDUCE_IN_KERNEL=1), twice over.
+        from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, arrival_counters
+        monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1" if merge == "in kernel" else "0")
         case = make_mla_case([(1, 70), (1, 5)], block_size=8, seed=1,
                              **{**TINY, "num_heads": 20})
-        decode_against_reference(case, num_splits=4, tiles=tiles)
+        for _ in range(2 if merge == "in kernel" else 1):
+            decode_against_reference(case, num_splits=4, tiles=tiles)
+            assert not arrival_counters(torch.device("cpu")).any()
 
     @pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS_TINY], ids=["heads", "keys"])
     def test_decode_kernel_reads_e4m3_bytes(tiles):
@@ -128,7 +134,7 @@ def test_tile_choice_keeps_the_rule_when_no_candidate_pays_or_timing_fails(tmp_p
 # ---------------------------------------------------------------- compiled for real GPUs
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-def test_decode_compiles_for_hopper():
+def test_decode_compiles_for_hopper(monkeypatch):
     """DeepSeek's latent (512 + 64, 16 heads) in bf16 over an e4m3 cache read as bytes,
     split (decode and merge kernels), as the compiler takes it: tensor-core MMAs. (One
     target: a cold compile costs CI seconds; the GPU tests run the rest.)"""
@@ -147,6 +153,15 @@ def test_decode_compiles_for_hopper():
                    e4m3_bits=True)
     assert [launch.kernel for launch in launches] == ["_mla_decode_kernel", "_merge_splits_kernel"]
     assert "mma" in launches[0].code()
+    # ARCHSERVE_REDUCE_IN_KERNEL=1: the last split merges; one launch.
+    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV
+    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
+    with compiled_launches(target) as launches:
+        mla_decode(query, cache, tables, lens, starts, torch.zeros(2, 16, 512, dtype=torch.bfloat16),
+                   num_seqs=2, max_seq_len=256, scale=0.1, k_scale=0.5, num_splits=2,
+                   e4m3_bits=True)
+    assert [launch.kernel for launch in launches] == ["_mla_decode_kernel"]
+    assert "atom.global.gpu.acq_rel.add" in launches[0].code()
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -192,6 +207,21 @@ def test_gpu_decode_kernel_at_deepseek_sizes(heads, block_size, kv, tiles):
     for splits, num_sms in ((1, 0), (None, sms), (8, 0)):
         decode_against_reference(case, num_splits=splits, num_sms=num_sms, atol=3e-2,
                                  tiles=tiles)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_split_merge_in_the_kernel_at_deepseek_sizes(heads, monkeypatch):
+    """ARCHSERVE_REDUCE_IN_KERNEL=1: 8 splits merged by the last one, against the
+    reference, twice (the counters reset themselves)."""
+    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, arrival_counters
+    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
+    case = make_mla_case([(1, n) for n in CONTEXTS], num_heads=heads, dtype=torch.bfloat16,
+                         device="cuda", seed=heads, **DEEPSEEK)
+    for _ in range(2):
+        decode_against_reference(case, num_splits=8, atol=3e-2)
+    assert not arrival_counters(torch.device("cuda", 0)).any()
 
 
 @pytest.mark.gpu

@@ -38,6 +38,7 @@ from archserve.kernels.attention.triton_decode import (
     choose_num_splits,
     decode_split_range,
     dot_precision,
+    merge_if_last_split,
     merge_splits,
     online_softmax_start,
     online_softmax_step,
@@ -46,11 +47,12 @@ from archserve.kernels.attention.triton_decode import (
 )
 from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from archserve.kernels.reduce_in_kernel import arrival_counters, reduce_in_kernel
 
 
 @triton.jit
 def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                       out_ptr, partial_out_ptr, partial_lse_ptr,
+                       out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
                        stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                        stride_cache_block, stride_cache_token, stride_block_table,
                        qk_scale, v_scale,
@@ -58,7 +60,10 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr,
-                       KEYS_AS_ROWS: tl.constexpr, PDL: tl.constexpr = False):
+                       KEYS_AS_ROWS: tl.constexpr, PDL: tl.constexpr = False,
+                       MERGE_IN_KERNEL: tl.constexpr = False):
+    # MERGE_IN_KERNEL: the last split of each (head block, sequence) merges the partials
+    # (kernels/reduce_in_kernel.py), instead of _merge_splits_kernel.
     pdl_start(PDL)
     head_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -124,6 +129,11 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
                         query_len, seq, split, NUM_HEADS, heads, mask_h, offs_l, mask_l,
                         stride_out_token, stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
+    if MERGE_IN_KERNEL:
+        merge_if_last_split(counters_ptr + seq * tl.num_programs(0) + head_block,
+                            partial_out_ptr, partial_lse_ptr, out_ptr, token, query_len, seq,
+                            NUM_HEADS, heads, mask_h, offs_l, mask_l, stride_out_token,
+                            stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
 
 
 @triton.jit
@@ -182,8 +192,11 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     block_l = triton.next_power_of_2(kv_rank)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, kv_rank)
     pdl = pdl_enabled(out.device)
+    merged = num_splits > 1 and reduce_in_kernel(num_seqs * head_blocks)
+    counters = arrival_counters(out.device) if merged else seq_lens
     _mla_decode_kernel[(head_blocks, num_seqs, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
+        counters,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
         scale * v_scale, v_scale,
@@ -191,8 +204,9 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=block_l,
         BLOCK_R=max(triton.next_power_of_2(rope), 16), NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, KEYS_AS_ROWS=keys_as_rows,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **pdl_launch_options(pdl),
+        PDL=pdl, MERGE_IN_KERNEL=merged, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch_options(pdl),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merged:
         merge_splits(partial_out, partial_lse, query_start_loc, out, v_scale)
     return out
