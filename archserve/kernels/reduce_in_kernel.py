@@ -3,8 +3,9 @@ by a second kernel (``ARCHSERVE_REDUCE_IN_KERNEL=1``; opt-in until measured on a
 
 At batch 1 a decode step's kernels are short, and each launch costs a few µs whatever it
 does (issue 21). Two reductions run as kernels of their own after the work they reduce:
-the merge of split-KV decode's partial outputs (kernels/attention/triton_decode.py) and the
-sum of each token's top-k expert outputs (kernels/moe/triton_fused_moe.py). Here each
+the merge of split-KV decode's partial outputs (kernels/attention/triton_decode.py, and
+MLA's in kernels/mla/triton_mla_decode.py) and the sum of each token's top-k expert outputs
+(kernels/moe/triton_fused_moe.py, the pair layout). Here each
 program that contributes to one reduction counts itself in on that reduction's counter
 (an acquire-release atomic at GPU scope, after its own stores); the one that sees every
 other arrived does the reduction, in a fixed order (so the result is the same whichever
