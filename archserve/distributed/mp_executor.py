@@ -90,7 +90,10 @@ class MultiprocessExecutor(Executor):
                 pending.discard(rank)
             if errors:
                 _, rank, trace = min(errors)         # the first to fail
-                self._fail(f"rank {rank} failed during {what}:\n{trace}")
+                # The exception's own line first (what a user reads: "cannot split this
+                # layer ..."), then where it came from.
+                cause = trace.strip().splitlines()[-1]
+                self._fail(f"rank {rank} failed during {what}: {cause}\n{trace}")
             for rank, proc in enumerate(self._procs):
                 if proc.sentinel in ready and not self._conns[rank].poll():
                     proc.join(0)

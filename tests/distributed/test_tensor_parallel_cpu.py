@@ -189,9 +189,10 @@ def test_two_ranks_with_per_token_activation_scales_stay_close_to_one(name):
     ("gptq-w4-g32-asym-actorder", "act order"),
     ("ct-moe-w4a16", "covers 128 input channels")])
 def test_a_quantized_checkpoint_that_cannot_split_is_refused_with_its_reason(name, reason):
-    with pytest.raises(Exception, match=reason):
+    with pytest.raises(Exception, match=reason) as refused:
         LLM(os.path.join(QUANT_FIXTURES, name), device="cpu", dtype="float32",
             max_model_len=64, tensor_parallel_size=2)
+    assert reason in str(refused.value).splitlines()[0]     # the reason first, then a trace
 
 
 # Four ranks of two query heads each: kv4 gives each rank one KV head of its own; kv2
