@@ -27,6 +27,7 @@
 #           GPU tests;
 #   tp:     (2+ GPUs) the tensor-parallel tests, benchmarks/tp_perf.py allreduce and engine
 #           (8B shape TP=2 against TP=1); `all` leaves it out, ask for it by name;
+#   tp_moe: (2 GPUs) benchmarks/tp_perf.py engine on the Qwen3-30B-A3B shape, TP=1 and 2;
 #   tp4, tp8: (4 / 8 GPUs, issue 16) the Llama-3-70B shape at TP=4 or TP=8: `doctor` on its
 #           layout, benchmarks/tp_perf.py engine (start-up, CUDA graphs, KV pool against the
 #           memory left per rank, greedy identical across two runs, batch-1 decode and
@@ -75,6 +76,11 @@ if [ "$PART" = tp ]; then
     | tee "$OUT/tp_allreduce.txt"
   python3 benchmarks/tp_perf.py engine --out "$OUT/tp_perf" 2>&1 | tee "$OUT/tp_engine.txt"
   tar -C "$OUT" -czf "$OUT/tp_perf.tgz" tp_perf
+  exit 0
+fi
+if [ "$PART" = tp_moe ]; then    # the MoE shape at TP=2 against TP=1 (experts' channels split)
+  python3 benchmarks/tp_perf.py engine --model benchmarks/models/qwen3-30b-a3b --tp 1 2 \
+    --out "$OUT/tp_perf_moe" 2>&1 | tee "$OUT/tp_engine_moe.txt"
   exit 0
 fi
 if [ "$PART" = tp4 ] || [ "$PART" = tp8 ]; then
