@@ -379,10 +379,10 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
 def _tensor_parallel_layout(device: DeviceInfo, model: ModelSummary, size: int,
                             decisions: list[Decision], not_loadable: str | None) -> str | None:
     """Add the layout over ``size`` ranks to ``decisions``, or its refusal to
-    ``not_loadable`` (returned). The dense decoders only: MLA and MoE models do not split
-    here yet, and their MoE route shows its own layout."""
+    ``not_loadable`` (returned). MoE and MLA models split too (their experts' channels,
+    their heads), as the engine and ``doctor`` split them."""
     from archserve.distributed.layout import layout_decision, layout_problems
-    if size == 1 or model.use_mla or model.is_moe:
+    if size == 1:
         return not_loadable
     problems = layout_problems(model, size)
     if problems:

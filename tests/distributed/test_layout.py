@@ -111,6 +111,35 @@ def test_a_moe_model_splits_when_its_expert_channels_do():
     assert "channels 12..23 of each of the 4 experts" in reason, reason
 
 
+def test_explain_shows_a_moe_and_an_mla_layout_and_refuses_what_doctor_blocks():
+    """explain splits MoE and MLA models as the engine and doctor do: their layout at two
+    ranks, and a refusal where the experts' channels do not split."""
+    from transformers import DeepseekV2Config, Qwen2MoeConfig
+
+    from archserve.platform import get_profile
+    from archserve.routing.explain import SelectionInputs, explain_model
+    from archserve.routing.model_summary import summary_from_hf_config
+
+    h200 = get_profile("h200")
+    moe = summary_from_hf_config(Qwen2MoeConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=16,
+        num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+        num_hidden_layers=1, architectures=["Qwen2MoeForCausalLM"]).to_dict())
+    two = explain_model(h200, moe, inputs=SelectionInputs(tensor_parallel_size=2))
+    layout = next(d for d in two.decisions if d.what == "tensor parallel")
+    assert "channels 12..23 of each of the 4 experts" in layout.reason
+    sixteen = explain_model(h200, moe, inputs=SelectionInputs(tensor_parallel_size=16))
+    assert "24 does not split over 16" in (sixteen.not_loadable or "")
+    mla = summary_from_hf_config(DeepseekV2Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=32,
+        q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        num_hidden_layers=1, architectures=["DeepseekV2ForCausalLM"]).to_dict())
+    two = explain_model(h200, mla, inputs=SelectionInputs(tensor_parallel_size=2))
+    layout = next(d for d in two.decisions if d.what == "tensor parallel")
+    assert "whole MLA latent cache" in layout.reason
+
+
 def test_the_70b_shape_takes_one_kv_head_per_rank_at_8_and_refuses_what_cannot_split():
     import json
     from pathlib import Path
