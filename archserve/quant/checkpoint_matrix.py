@@ -137,7 +137,7 @@ def finalize_dense_matrices(model: nn.Module, dtype: torch.dtype) -> None:
     for name, holder in list(model.named_modules()):
         if not isinstance(holder, QuantizedDenseMatrix):
             continue
-        dense = DenseMatrix(holder.rows, holder.in_features)
+        dense = DenseMatrix(holder.rows, holder.in_features, split_rows=holder.split_rows)
         with torch.no_grad():
             dense.weight = nn.Parameter(holder.dequantized().to(dtype), requires_grad=False)
         parent, _, child = name.rpartition(".")

@@ -267,7 +267,7 @@ def test_cached_moe_tiles_are_installed_without_timing(tmp_path):
 @pytest.mark.parametrize("target, dtype", [  # cold compiles are slow on CI: three pairs
     (("cuda", 80, 32), torch.bfloat16), (("cuda", 90, 32), torch.float16),
     (("cuda", 90, 32), torch.float32)], ids=["sm80-bf16", "sm90-fp16", "sm90-fp32"])
-def test_kernel_launches_compile_for_gpu_targets(target, dtype):
+def test_kernel_launches_compile_for_gpu_targets(target, dtype, monkeypatch):
     pytest.importorskip("triton")
     from triton_compile import compiled_launches
 
@@ -296,12 +296,9 @@ def test_kernel_launches_compile_for_gpu_targets(target, dtype):
     if dtype != torch.float16:
         return
     # ARCHSERVE_REDUCE_IN_KERNEL=1: in the pair layout the down kernel sums the slots.
-    os.environ[REDUCE_IN_KERNEL_ENV] = "1"
-    try:
-        with compiled_launches(target) as launches:
-            fused_moe(x, logits, w13, w2, 2, True, pair_tile(8, 48, 132), routed)
-    finally:
-        del os.environ[REDUCE_IN_KERNEL_ENV]
+    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
+    with compiled_launches(target) as launches:
+        fused_moe(x, logits, w13, w2, 2, True, pair_tile(8, 48, 132), routed)
     assert [launch.kernel for launch in launches] == ["_gate_up_kernel", "_down_kernel"]
     assert launches[1].constexprs["SUM_IN_KERNEL"]
     assert "atom.global.gpu.acq_rel.add" in launches[1].code()

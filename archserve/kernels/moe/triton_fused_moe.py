@@ -290,7 +290,10 @@ if triton is not None:
                      PDL: tl.constexpr = False, TOP_K: tl.constexpr = 1,
                      SUM_IN_KERNEL: tl.constexpr = False):
         # SUM_IN_KERNEL (pair layout only: program m is pair m, of token m // TOP_K): the
-        # last of a token's TOP_K programs on a column tile sums them into ``summed``.
+        # last of a token's TOP_K programs on a column tile sums them into ``summed``. Every
+        # one of them must count in: the pair layout's experts come from top-k routing and
+        # are never negative, so none returns early below (a masked expert id would leave
+        # its counter short, and the next reduction on it would run too early).
         pdl_start(PDL)
         expert, rows, row_ok, cols, col_ok = _program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, PAIR_ROWS)
