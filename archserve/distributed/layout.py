@@ -87,7 +87,7 @@ def layout_problems(model_config, size: int, device_type: str = "cpu",
     head = head_split_problem(model_config.num_heads, model_config.num_kv_heads, size)
     if head:
         problems.append(head)
-    for what, width in _split_widths(model_config):
+    for what, width in split_widths(model_config):
         if width % size:
             problems.append(f"{what} {width} does not split over {size} tensor-parallel "
                             f"ranks")
@@ -108,20 +108,25 @@ def _experts(model_config) -> tuple[int, int] | None:
     return (count, width) if count else None
 
 
-def _split_widths(model_config) -> list[tuple[str, int]]:
-    """The widths tensor parallelism splits evenly: the MLP's intermediate channels, and
-    an MoE model's expert and shared-expert channels (every expert's are split). A
-    ModelSummary's intermediate size is already the experts'; a ModelConfig's HF config
-    names them."""
-    widths = [("MLP intermediate size", model_config.intermediate_size)]
+def split_widths(model_config) -> tuple[tuple[str, int], ...]:
+    """The widths tensor parallelism splits evenly: the dense MLP's intermediate channels,
+    and an MoE model's expert and shared-expert channels (every expert's are split). A
+    ModelConfig's HF config names them; a ModelSummary carries them from its ModelConfig
+    (``split_widths``), or has only its intermediate size (a GGUF's)."""
     hf = getattr(model_config, "hf_config", None)
+    if hf is None:
+        return (getattr(model_config, "split_widths", ())
+                or (("MLP intermediate size", model_config.intermediate_size),))
     text = getattr(hf, "text_config", None) or hf
-    for key, what in (("moe_intermediate_size", "expert intermediate size"),
-                      ("shared_expert_intermediate_size", "shared expert intermediate size")):
-        width = getattr(text, key, None)
-        if width:
-            widths.append((what, int(width)))
-    return widths
+    widths = [("MLP intermediate size", model_config.intermediate_size)]
+    moe = getattr(text, "moe_intermediate_size", None)
+    if moe:
+        widths.append(("expert intermediate size", int(moe)))
+    shared = (getattr(text, "shared_expert_intermediate_size", None)
+              or int(moe or 0) * int(getattr(text, "n_shared_experts", 0) or 0))   # DeepSeek's
+    if shared:
+        widths.append(("shared expert intermediate size", int(shared)))
+    return tuple(widths)
 
 
 def device_count_problem(size: int, device_type: str, num_devices: int) -> str | None:

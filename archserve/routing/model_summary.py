@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from archserve.distributed.layout import split_widths
 from archserve.quant.schemes import scheme_from_config
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ class ModelSummary:
     dtype: str | None = None             # the checkpoint's dtype name
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
     is_gguf: bool = False
+    # (what, width) of every width tensor parallelism splits (distributed.layout.split_widths)
+    split_widths: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -110,6 +113,7 @@ def summary_from_model_config(model_config: ModelConfig, is_gguf: bool = False
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
         quantization_config=model_config.quantization_config,
         is_gguf=is_gguf,
+        split_widths=split_widths(model_config),
     )
 
 
