@@ -37,8 +37,12 @@ ARRIVAL_COUNTERS = 4096
 
 def reduce_in_kernel(counters: int = 0) -> bool:
     """Whether a launch needing ``counters`` reductions does them in the kernel: asked for
-    with ``ARCHSERVE_REDUCE_IN_KERNEL=1``, and within the counter buffer."""
-    return os.environ.get(REDUCE_IN_KERNEL_ENV) == "1" and counters <= ARRIVAL_COUNTERS
+    with ``ARCHSERVE_REDUCE_IN_KERNEL=1``, within the counter buffer, and not on ROCm. On
+    MI300-class GPUs each XCD has its own L2; the kernels compile for them, but whether the
+    last program sees every other's stores there is not verified, so ROCm keeps the
+    second kernel."""
+    return (os.environ.get(REDUCE_IN_KERNEL_ENV) == "1" and counters <= ARRIVAL_COUNTERS
+            and torch.version.hip is None)
 
 
 @functools.cache

@@ -21,7 +21,10 @@ def test_the_switch_is_off_unless_asked_and_bounded_by_the_counters(monkeypatch)
     monkeypatch.delenv(REDUCE_IN_KERNEL_ENV, raising=False)
     assert not reduce_in_kernel(1)
     monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
+    monkeypatch.setattr(torch.version, "hip", None)
     assert reduce_in_kernel(1) and reduce_in_kernel(4096) and not reduce_in_kernel(4097)
+    monkeypatch.setattr(torch.version, "hip", "6.4")      # not verified on ROCm: off there
+    assert not reduce_in_kernel(1)
 
 
 @pytest.mark.gpu
