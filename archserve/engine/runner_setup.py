@@ -47,7 +47,6 @@ from archserve.kernels.pdl import pdl_enabled
 from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, reduce_in_kernel
 from archserve.models.layers.kv_scales import is_quantized_cache
 from archserve.platform.decision import Decision
-from archserve.quant.config import GGUF
 
 log = logging.getLogger("archserve")
 
@@ -193,11 +192,6 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     # Refused here, before any weight is read, when no kernel can run the checkpoint.
     quant_plan = startup.plan_checkpoint_quantization(device, config, probe_config,
                                                       gguf_path, dtype)
-    if tp.size > 1 and quant_plan.config is not None and any(
-            layer.layout == GGUF for layer in quant_plan.config.layers):
-        # GGUF's blocks are decoded per matrix as they arrive, not cut by tensor layouts.
-        raise ValueError("tensor parallelism does not split GGUF-quantized layers: run "
-                         "this checkpoint with tensor_parallel_size=1")
     decisions += quant_plan.decisions
     scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
     decisions.append(scheduling)

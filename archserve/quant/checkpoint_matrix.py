@@ -27,6 +27,7 @@ from archserve.quant.layouts import (
     channels_split_problem,
     rows_part,
     rows_split_problem,
+    tensor_layout,
     tensor_layouts,
     to_kernel_weight,
 )
@@ -66,9 +67,7 @@ class QuantizedMatrix(nn.Module):
         if self.split_rows is not None:
             return self.layouts[param].shape(self.split_rows[1])
         if self.split_channels is not None:
-            whole = self.split_channels[1]
-            return next(t for t in tensor_layouts(self.quant, whole)
-                        if t.name == param).shape(self.rows)
+            return tensor_layout(self.quant, self.split_channels[1], param).shape(self.rows)
         return self.layouts[param].shape(self.rows)
 
     def load_checkpoint(self, param: str, tensor: torch.Tensor) -> None:

@@ -124,6 +124,11 @@ def tensor_layouts(q: LayerQuant, in_features: int) -> list[TensorLayout]:
     raise ValueError(f"no tensor layout for {q.layout}")
 
 
+def tensor_layout(q: LayerQuant, in_features: int, name: str) -> TensorLayout:
+    """The layout of the tensor ``name`` of a layer of ``in_features`` input channels."""
+    return next(t for t in tensor_layouts(q, in_features) if t.name == name)
+
+
 def _scale_layout(q: LayerQuant, name: str, k: int) -> TensorLayout:
     if q.strategy == "tensor":
         return TensorLayout(name, torch.float32, lambda r: (), None)

@@ -69,3 +69,23 @@ def test_an_expert_matrix_keeps_its_part_and_answers_with_the_whole_shape():
     # Gate of an expert whose 64-row part cannot hold whole 128-row scale blocks.
     gate = QuantizedMatrix(BLOCK_FP8, 64, 128, torch.device("cpu"), split_rows=(64, 128))
     assert "128 output rows" in gate.split_problem()
+
+
+def test_a_parallel_linear_says_why_its_format_cannot_split():
+    """The loader asks each parallel linear (``split_problem``) before any weight is read:
+    GGUF never splits, AWQ splits where its groups do, and one rank never asks."""
+    from archserve.distributed.parallel_state import TensorParallelGroup, tensor_parallel
+    from archserve.models.layers.parallel_linear import GateUpParallelLinear, RowParallelLinear
+    from archserve.quant.config import GGUF
+
+    gguf = LayerQuant(GGUF, WNA16, 0, "group")
+    with tensor_parallel(TensorParallelGroup(rank=1, size=2)):
+        down = RowParallelLinear(256, 64)
+        gate_up = GateUpParallelLinear(64, 256)
+    for layer in (down, gate_up):
+        assert "GGUF" in layer.split_problem(gguf)
+    assert down.split_problem(AWQ_G64) is None                  # 128 channels: two groups
+    with tensor_parallel(TensorParallelGroup(rank=1, size=2)):
+        narrow = RowParallelLinear(96, 64)                       # 48 channels a rank
+    assert "64 input channels" in narrow.split_problem(AWQ_G64)
+    assert RowParallelLinear(96, 64).split_problem(gguf) is None   # one rank: no split

@@ -23,7 +23,7 @@ from archserve.quant.layouts import (
     channels_split_problem,
     rows_part,
     rows_split_problem,
-    tensor_layouts,
+    tensor_layout,
 )
 
 
@@ -33,15 +33,16 @@ def _checkpoint_layout(layer: Linear, param: str, in_features: int) -> TensorLay
     quant = layer.quant
     if quant is None or param == "bias" or not quant.layouts:
         return None
-    return next(t for t in tensor_layouts(quant.quant, in_features) if t.name == param)
+    return tensor_layout(quant.quant, in_features, param)
 
 
-def _refuse_gguf(layer: Linear) -> None:
-    # GGUF's blocks are decoded per matrix as they arrive (quant/gguf_blocks.py), not
-    # through the tensor layouts a rank's part is cut by.
-    if layer.quant is not None and layer.quant.quant.layout == GGUF:
-        raise ValueError("tensor parallelism does not split GGUF-quantized layers: run a "
-                         "GGUF checkpoint with tensor_parallel_size=1")
+def _unsplittable(quant: LayerQuant) -> str | None:
+    """Why no layer in this format splits over ranks, whatever its shape (None: it may)."""
+    if quant.layout == GGUF:
+        # Its blocks are decoded per matrix as they arrive (quant/gguf_blocks.py), not
+        # through the tensor layouts a rank's part is cut by.
+        return "GGUF-quantized layers do not split: run this checkpoint with tensor_parallel_size=1"
+    return None
 
 
 class _ColumnParallel:
@@ -54,11 +55,14 @@ class _ColumnParallel:
 
     def split_problem(self, quant: LayerQuant) -> str | None:
         """Why this layer's rows, quantized as ``quant``, cannot split as the ranks need."""
-        if self.tp.size == 1 or quant.layout in (ONLINE_FP8, GGUF):
+        if self.tp.size == 1 or quant.layout == ONLINE_FP8:
             return None
+        reason = _unsplittable(quant)
+        if reason:
+            return reason
         for i, rows in enumerate(self.shard_rows()):
-            reason = rows_split_problem(quant, self.in_features, self.first_rows[i],
-                                        rows, self.checkpoint_rows[i])
+            reason = rows_split_problem(quant, self.in_features, self.first_rows[i], rows,
+                                        self.checkpoint_rows[i])
             if reason:
                 return reason
         return None
@@ -67,7 +71,6 @@ class _ColumnParallel:
         local = self.local_shard_shape(shard, param)
         if self.tp.size == 1:
             return local
-        _refuse_gguf(self)
         i = self.shard_names.index(shard)
         layout = _checkpoint_layout(self, param, self.in_features)
         if layout is not None:
@@ -76,7 +79,6 @@ class _ColumnParallel:
 
     def load_shard(self, shard: str | None, param: str, tensor: torch.Tensor) -> None:
         if self.tp.size > 1:
-            _refuse_gguf(self)
             i = self.shard_names.index(shard)
             first, rows, whole = self.first_rows[i], self.shard_rows()[i], self.checkpoint_rows[i]
             layout = _checkpoint_layout(self, param, self.in_features)
@@ -131,16 +133,15 @@ class RowParallelLinear(Linear):
 
     def split_problem(self, quant: LayerQuant) -> str | None:
         """Why this layer's input channels, quantized as ``quant``, cannot split."""
-        if self.tp.size == 1 or quant.layout in (ONLINE_FP8, GGUF):
+        if self.tp.size == 1 or quant.layout == ONLINE_FP8:
             return None
-        return channels_split_problem(quant, self.checkpoint_in_features, self.first_column,
-                                      self.in_features)
+        return _unsplittable(quant) or channels_split_problem(
+            quant, self.checkpoint_in_features, self.first_column, self.in_features)
 
     def shard_shape(self, shard: str | None, param: str) -> tuple[int, ...]:
         local = self.local_shard_shape(shard, param)
         if self.tp.size == 1 or param == "bias":
             return local
-        _refuse_gguf(self)
         layout = _checkpoint_layout(self, param, self.checkpoint_in_features)
         if layout is not None:
             return layout.shape(self.out_features)
@@ -148,7 +149,6 @@ class RowParallelLinear(Linear):
 
     def load_shard(self, shard: str | None, param: str, tensor: torch.Tensor) -> None:
         if self.tp.size > 1 and param != "bias":
-            _refuse_gguf(self)
             layout = _checkpoint_layout(self, param, self.checkpoint_in_features)
             tensor = (channels_part(layout, tensor, self.first_column, self.in_features,
                                     self.checkpoint_in_features) if layout is not None
