@@ -209,6 +209,10 @@ def test_kernel_compiles_for_gpu_targets(target, block_m):
         ptx = compiled.asm["ptx"]
         assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
         assert compiled.metadata.launch_pdl
+        # The first weight tile is requested before the wait (it streams while the kernel
+        # before drains); nothing is stored before it.
+        before_wait = ptx[:ptx.index("griddepcontrol.wait")]
+        assert "ld.global" in before_wait and "st.global" not in before_wait
 
 
 # ---------------------------------------------------------------- CPU: the interpreter

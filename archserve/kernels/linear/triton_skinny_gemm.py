@@ -60,19 +60,31 @@ def candidate_configs(rows: int) -> list[SkinnyConfig]:
 
 
 @triton.jit
-def _weight_times_rows(acc, w_rows, x_tile, k, col_ok, K, BLOCK_M: tl.constexpr,
-                       EVEN_K: tl.constexpr):
-    """acc + one [BLOCK_N, BLOCK_K] weight tile times the rows' fp32 [BLOCK_M, BLOCK_K]."""
+def _load_weight(w_rows, k, col_ok, K, EVEN_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] weight tile, in the weight's dtype."""
     if EVEN_K:
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None], other=0.0)
     else:
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _times_rows(acc, w, x_tile, BLOCK_M: tl.constexpr):
+    """acc + a loaded weight tile times the rows' fp32 [BLOCK_M, BLOCK_K]."""
     w = w.to(tl.float32)
     if BLOCK_M == 1:
         acc += w * x_tile
     else:
         acc += x_tile[:, None, :] * w[None, :, :]
     return acc
+
+
+@triton.jit
+def _weight_times_rows(acc, w_rows, x_tile, k, col_ok, K, BLOCK_M: tl.constexpr,
+                       EVEN_K: tl.constexpr):
+    """acc + the [BLOCK_N, BLOCK_K] weight tile at k times the rows' fp32 [BLOCK_M, BLOCK_K]."""
+    return _times_rows(acc, _load_weight(w_rows, k, col_ok, K, EVEN_K), x_tile, BLOCK_M)
 
 
 @triton.jit
@@ -108,6 +120,19 @@ def _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_res
 
 
 @triton.jit
+def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, inv_rms, rows, row_ok, k, K, stride_xm,
+               dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+               NORM: tl.constexpr):
+    """The GEMM's fp32 [BLOCK_M, BLOCK_K] input at k: x (+ residual), normalised with NORM."""
+    x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, row_ok,
+                   HAS_RESIDUAL, EVEN_K, False)
+    if NORM:
+        norm_w = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        x = scale_normalized(x, inv_rms, norm_w, dtype, dtype, False)
+    return x
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         r_ptr, norm_w_ptr, new_r_ptr, eps,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -117,13 +142,25 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     # NORM: x is first RMS-normalised (after adding the residual, with HAS_RESIDUAL) with
     # the weight at norm_w_ptr, as rms_norm would do in a kernel of its own: a first pass
     # over K sums the squares, program 0 writes the new residual.
-    pdl_start(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
     dtype: tl.constexpr = y_ptr.dtype.element_ty
+    # int64: an LM head's weight (vocab x hidden) passes 2^31 elements.
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # read only when GATED
+    # The weights are not written by the kernel before this one, so the first tile is
+    # requested before PDL's wait: its bytes stream while that kernel drains, where they
+    # would otherwise start after it (the wait holds only reads of what it wrote: x, the
+    # residual). At batch 1 one tile is most of a program's bytes (one K step on a
+    # 0.6B's QKV and gate/up).
+    w_first = _load_weight(w_rows, ks, col_ok, K, EVEN_K)
+    up_first = w_first
+    if GATED:
+        up_first = _load_weight(up_rows, ks, col_ok, K, EVEN_K)
+    pdl_start(PDL)
     if NORM:
         # Broadcast before the compare: the interpreter mistypes scalar-bool & tensor.
         first = (tl.zeros([BLOCK_M, BLOCK_K], tl.int32) + tl.program_id(0)) == 0
@@ -133,21 +170,22 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
                            first, HAS_RESIDUAL, EVEN_K, True)
             squares += x * x
         inv_rms = tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
-    # int64: an LM head's weight (vocab x hidden) passes 2^31 elements.
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # read only when GATED
+    else:
+        inv_rms = 0.0
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
-    for k0 in range(0, K, BLOCK_K):
+    x = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, inv_rms, rows, row_ok, ks, K,
+                   stride_xm, dtype, HAS_RESIDUAL, EVEN_K, NORM)
+    acc = _times_rows(acc, w_first, x, BLOCK_M)
+    if GATED:
+        acc_up = _times_rows(acc_up, up_first, x, BLOCK_M)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + ks
-        x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, row_ok,
-                       HAS_RESIDUAL, EVEN_K, False)
-        if NORM:
-            norm_w = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-            x = scale_normalized(x, inv_rms, norm_w, dtype, dtype, False)
+        x = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, inv_rms, rows, row_ok, k, K,
+                       stride_xm, dtype, HAS_RESIDUAL, EVEN_K, NORM)
         acc = _weight_times_rows(acc, w_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
         if GATED:
             acc_up = _weight_times_rows(acc_up, up_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
