@@ -51,6 +51,46 @@ from archserve.kernels.reduce_in_kernel import arrival_counters, reduce_in_kerne
 
 
 @triton.jit
+def _latent_tile(cache_ptr, block_table_row, offs_n, mask_n, offs_l, mask_l, offs_r, mask_r,
+                 stride_cache_block, stride_cache_token, KV_RANK: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
+    """The latents [offs_n, KV_RANK] and rope keys [offs_n, ROPE] of one sequence's cached
+    tokens, as stored (masked rows read 0)."""
+    rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
+                               stride_cache_token, BLOCK_SIZE)
+    c_kv = tl.load(cache_ptr + rows[:, None] + offs_l[None, :],
+                   mask=mask_n[:, None] & mask_l[None, :], other=0.0)
+    k_pe = tl.load(cache_ptr + rows[:, None] + KV_RANK + offs_r[None, :],
+                   mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+    return c_kv, k_pe
+
+
+@triton.jit
+def _mla_tile(acc, l_i, m_i, q_nope, q_pe, c_kv, k_pe, mask_n, qk_scale, E4M3_BITS: tl.constexpr,
+              KEYS_AS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of cached latents into the running softmax of the query heads."""
+    if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
+        c_kv = e4m3_bits_to_fp16(c_kv)
+        k_pe = e4m3_bits_to_fp16(k_pe)
+    c_kv = c_kv.to(q_nope.dtype)
+    k_pe = k_pe.to(q_nope.dtype)
+    if KEYS_AS_ROWS:
+        scores = tl.dot(c_kv, q_nope, input_precision=DOT_PRECISION)
+        scores += tl.dot(k_pe, q_pe, input_precision=DOT_PRECISION)
+        scores = tl.where(mask_n[:, None], scores * (qk_scale * 1.4426950408889634),
+                          float("-inf"))
+        acc, l_i, m_i = _softmax_step_keys_as_rows(acc, l_i, m_i, scores, c_kv, DOT_PRECISION)
+    else:
+        scores = tl.dot(q_nope, tl.trans(c_kv), input_precision=DOT_PRECISION)
+        scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        scores = tl.where(mask_n[None, :], scores * (qk_scale * 1.4426950408889634),
+                          float("-inf"))
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, c_kv, q_nope.dtype,
+                                            DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                        out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
                        stride_q_token, stride_q_head, stride_out_token, stride_out_head,
@@ -64,10 +104,10 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
                        MERGE_IN_KERNEL: tl.constexpr = False):
     # MERGE_IN_KERNEL: the last split of each (head block, sequence) merges the partials
     # (kernels/reduce_in_kernel.py), instead of _merge_splits_kernel.
-    pdl_start(PDL)
     head_block = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
+    # The step's metadata was written before its first kernel.
     token, query_len, lo, hi = decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
                                                   0, NUM_SPLITS, BLOCK_N)
 
@@ -77,6 +117,22 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     offs_r = tl.arange(0, BLOCK_R)
     mask_l = offs_l < KV_RANK
     mask_r = offs_r < ROPE
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    # The first tile's latents cached by earlier steps are read before PDL's wait (they
+    # stream while the kernel before drains); this step's latents and the query are read
+    # after it (as in triton_decode's kernel).
+    first_new = tl.load(seq_lens_ptr + seq) - query_len
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hi
+    c_first, pe_first = _latent_tile(cache_ptr, block_table_row, offs_n,
+                                     mask_n & (offs_n < first_new), offs_l, mask_l, offs_r,
+                                     mask_r, stride_cache_block, stride_cache_token, KV_RANK,
+                                     BLOCK_SIZE)
+    pdl_start(PDL)
+    new = mask_n & (offs_n >= first_new)
+    c_new, pe_new = _latent_tile(cache_ptr, block_table_row, offs_n, new, offs_l, mask_l,
+                                 offs_r, mask_r, stride_cache_block, stride_cache_token, KV_RANK,
+                                 BLOCK_SIZE)
     q_rows = q_ptr + token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
     q_nope = tl.load(q_rows + offs_l[None, :], mask=mask_h[:, None] & mask_l[None, :], other=0.0)
     q_pe = tl.load(q_rows + KV_RANK + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :],
@@ -93,36 +149,18 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     else:
         acc, l_i, m_i = online_softmax_start(BLOCK_H, BLOCK_L)
-    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-
-    for start in range(lo, hi, BLOCK_N):
+    acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_nope, q_pe,
+                              tl.where(new[:, None], c_new, c_first),
+                              tl.where(new[:, None], pe_new, pe_first), mask_n, qk_scale,
+                              E4M3_BITS, KEYS_AS_ROWS, DOT_PRECISION)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
-                                   stride_cache_token, BLOCK_SIZE)
-        c_kv = tl.load(cache_ptr + rows[:, None] + offs_l[None, :],
-                       mask=mask_n[:, None] & mask_l[None, :], other=0.0)
-        k_pe = tl.load(cache_ptr + rows[:, None] + KV_RANK + offs_r[None, :],
-                       mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
-            c_kv = e4m3_bits_to_fp16(c_kv)
-            k_pe = e4m3_bits_to_fp16(k_pe)
-        c_kv = c_kv.to(q_nope.dtype)
-        k_pe = k_pe.to(q_nope.dtype)
-        if KEYS_AS_ROWS:
-            scores = tl.dot(c_kv, q_nope, input_precision=DOT_PRECISION)
-            scores += tl.dot(k_pe, q_pe, input_precision=DOT_PRECISION)
-            scores = tl.where(mask_n[:, None], scores * (qk_scale * 1.4426950408889634),
-                              float("-inf"))
-            acc, l_i, m_i = _softmax_step_keys_as_rows(acc, l_i, m_i, scores, c_kv,
-                                                       DOT_PRECISION)
-        else:
-            scores = tl.dot(q_nope, tl.trans(c_kv), input_precision=DOT_PRECISION)
-            scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
-            scores = tl.where(mask_n[None, :], scores * (qk_scale * 1.4426950408889634),
-                              float("-inf"))
-            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, c_kv, q_nope.dtype,
-                                                DOT_PRECISION)
+        c_kv, k_pe = _latent_tile(cache_ptr, block_table_row, offs_n, mask_n, offs_l, mask_l,
+                                  offs_r, mask_r, stride_cache_block, stride_cache_token,
+                                  KV_RANK, BLOCK_SIZE)
+        acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_nope, q_pe, c_kv, k_pe, mask_n, qk_scale,
+                                  E4M3_BITS, KEYS_AS_ROWS, DOT_PRECISION)
 
     if KEYS_AS_ROWS:
         acc = tl.trans(acc)                       # [BLOCK_H, BLOCK_L], as stored
