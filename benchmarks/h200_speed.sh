@@ -111,6 +111,14 @@ step moe_mixtral 80 200 python3 benchmarks/moe_perf.py --part engine --models mi
 # sequences against an MHA-sized cache.
 step mla_kernel 45 120 python3 benchmarks/mla_perf.py --part kernel --out "$D/mla_kernel.json"
 step mla_engine 80 200 python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine.json"
+# The same without PDL: session 15 measured 256 x 1024/128 slower with it (19.6 against 16.0 ms
+# in session 14, PDL off), one run each.
+step mla_engine_nopdl 80 200 env ARCHSERVE_PDL=0 python3 benchmarks/mla_perf.py --part engine \
+  --out "$D/mla_engine_nopdl.json"
+# Where the 0.6B's batch-1 step goes, kernel by kernel (device time per step, top kernels).
+step profile_06b_b1 60 150 python3 benchmarks/profile_engine_step.py --model $Q06 \
+  --load-format dummy --dtype bfloat16 --batch-sizes 1 --input-len 128 --steps 20 \
+  --out "$D/profile_06b_b1.json"
 # (b, continued) ours against transformers (>= 10x) on the first 12 of Qwen3's 48 layers
 # (transformers loops over the experts in Python), then the fused MoE kernel table at 1, 16,
 # 64, 256 and 1024 tokens (after the engines: their tuned tiles are in the cache).
