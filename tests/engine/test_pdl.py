@@ -79,7 +79,6 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
             torch.zeros(8, 64, 64, dtype=torch.bfloat16),
             torch.zeros(8, 64, 32, dtype=torch.bfloat16))
     names = [launch.kernel for launch in launches]
-    PREFETCHING = {"_decode_kernel", "_mla_decode_kernel"}  # noqa: N806
     assert names[:5] == ["_decode_kernel", "_merge_splits_kernel", "_qk_norm_rope_cache_kernel",
                          "_rms_norm_kernel", "_mla_decode_kernel"], names
     assert {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"} <= set(names)
@@ -88,11 +87,13 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         ptx = launch.code()
         assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
         # Nothing is written before the wait: the kernel before may still read it. Decode
-        # attention and MLA decode read their first tile of cached keys before it (they
-        # stream while the kernel before drains).
+        # attention and MLA decode read their metadata and prefetch their first tile of
+        # cached keys into L2 before it (they stream while the kernel before drains).
         before_wait = ptx[:ptx.index("griddepcontrol.wait")]
         assert "st.global" not in before_wait and "atom." not in before_wait, launch.kernel
-        assert ("ld.global" in before_wait) == (launch.kernel in PREFETCHING), launch.kernel
+        prefetches = launch.kernel in ("_decode_kernel", "_mla_decode_kernel")
+        assert ("prefetch.global.L2" in before_wait) == prefetches, launch.kernel
+        assert prefetches or "ld.global" not in before_wait, launch.kernel
 
 
 # A tiny Qwen3-MoE whose attention every GPU backend takes (decode in CUDA graphs): top-8 of

@@ -25,8 +25,9 @@ from archserve.kernels.attention.triton_cache_write import (
     E4M3_BITS_SCALE,
     cache_operand,
     load_kv_tile,
+    paged_token_offsets,
 )
-from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start, prefetch_to_l2
 from archserve.kernels.reduce_in_kernel import (
     arrival_counters,
     count_arrival,
@@ -162,18 +163,30 @@ def merge_if_last_split(counter_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, 
 
 
 @triton.jit
-def _decode_tile(acc, l_i, m_i, q, k, v, mask_n, qk_scale, soft_cap, USE_SOFT_CAP: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """Fold one tile of keys ``k`` and values ``v`` (rows where ``mask_n``) into the running
-    softmax of the query rows ``q``."""
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    scores = scores * qk_scale
-    if USE_SOFT_CAP:
-        scores = soft_cap_scores(scores, soft_cap)
-    scores = tl.where(mask_n[None, :], scores * 1.4426950408889634, float("-inf"))
-    return online_softmax_step(acc, l_i, m_i, scores, v, q.dtype, DOT_PRECISION)
+def prefetch_first_tile(k_base, v_base, block_table_row_ptr, lo, hi, first_new,
+                        stride_cache_block, stride_cache_token, BLOCK_SIZE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, ROW_ELEMENTS: tl.constexpr,
+                        ROW_POW2: tl.constexpr, HAS_V: tl.constexpr, PDL: tl.constexpr):
+    """Before PDL's wait: the L2 prefetch of the first tile's cached rows (positions from
+    ``lo``, below ``hi`` and ``first_new``) of ROW_ELEMENTS each (ROW_POW2: the power of two
+    at or above it), keys and (HAS_V) values.
+    The kernel before writes only this step's rows (from ``first_new``) and the step's
+    metadata was written before its first kernel, so the older rows stream while that
+    kernel drains and the tile's loads after the wait find them in L2."""
+    if PDL:
+        positions = lo + tl.arange(0, BLOCK_N)
+        cached = (positions < hi) & (positions < first_new)
+        rows = paged_token_offsets(block_table_row_ptr, positions, cached, stride_cache_block,
+                                   stride_cache_token, BLOCK_SIZE)
+        # One pointer per 128-byte line of each row.
+        LINE: tl.constexpr = 128 * 8 // k_base.dtype.element_ty.primitive_bitwidth
+        LINES: tl.constexpr = ROW_POW2 // LINE if ROW_POW2 > LINE else 1
+        lines = tl.arange(0, LINES) * LINE
+        mask = cached[:, None] & (lines < ROW_ELEMENTS)[None, :]
+        offsets = rows[:, None] + lines[None, :]
+        prefetch_to_l2(k_base + offsets, mask, PDL)
+        if HAS_V:
+            prefetch_to_l2(v_base + offsets, mask, PDL)
 
 
 @triton.jit
@@ -191,49 +204,42 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # The step's metadata was written before its first kernel.
+    # The step's metadata was written before its first kernel: read before PDL's wait.
     token, query_len, lo, hi = decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
                                                   SLIDING_WINDOW, NUM_SPLITS, BLOCK_N)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    k_base = cache_ptr + kv_head * stride_cache_head
+    prefetch_first_tile(k_base, k_base + stride_cache_kv, block_table_row, lo, hi,
+                        tl.load(seq_lens_ptr + seq) - query_len, stride_cache_block,
+                        stride_cache_token, BLOCK_SIZE, BLOCK_N, HEAD_SIZE, BLOCK_D, True, PDL)
+    pdl_start(PDL)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_SIZE
     heads = kv_head * GROUP + offs_g
-    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-    k_base = cache_ptr + kv_head * stride_cache_head
-    v_base = k_base + stride_cache_kv
-
-    # The first tile's keys cached by earlier steps are read before PDL's wait, so they
-    # stream while the kernel before drains; that kernel writes only this step's keys (from
-    # first_new on) and the query, read after the wait.
-    first_new = tl.load(seq_lens_ptr + seq) - query_len
-    offs_n = lo + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hi
-    k_first, v_first = load_kv_tile(k_base, v_base, block_table_row, offs_n,
-                                    mask_n & (offs_n < first_new), offs_d, mask_d,
-                                    stride_cache_block, stride_cache_token, BLOCK_SIZE,
-                                    E4M3_BITS)
-    pdl_start(PDL)
-    new = mask_n & (offs_n >= first_new)
-    k_new, v_new = load_kv_tile(k_base, v_base, block_table_row, offs_n, new, offs_d, mask_d,
-                                stride_cache_block, stride_cache_token, BLOCK_SIZE, E4M3_BITS)
     q = tl.load(q_ptr + token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
                 + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if DOT_PRECISION == "ieee":  # K, V and P follow q's dtype (see dot_precision)
         q = q.to(tl.float32)
 
     acc, l_i, m_i = online_softmax_start(BLOCK_G, BLOCK_D)
-    acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, tl.where(new[:, None], k_new, k_first),
-                                 tl.where(new[:, None], v_new, v_first), mask_n, qk_scale,
-                                 soft_cap, USE_SOFT_CAP, DOT_PRECISION)
-    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+    v_base = k_base + stride_cache_kv
+
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         k, v = load_kv_tile(k_base, v_base, block_table_row, offs_n, mask_n, offs_d, mask_d,
                             stride_cache_block, stride_cache_token, BLOCK_SIZE, E4M3_BITS)
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k, v, mask_n, qk_scale, soft_cap,
-                                     USE_SOFT_CAP, DOT_PRECISION)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        scores = scores * qk_scale
+        if USE_SOFT_CAP:
+            scores = soft_cap_scores(scores, soft_cap)
+        scores = tl.where(mask_n[None, :], scores * 1.4426950408889634, float("-inf"))
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, q.dtype, DOT_PRECISION)
 
     store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
                         query_len, seq, split, tl.num_programs(1) * GROUP, heads, mask_g,

@@ -42,52 +42,13 @@ from archserve.kernels.attention.triton_decode import (
     merge_splits,
     online_softmax_start,
     online_softmax_step,
+    prefetch_first_tile,
     split_partials,
     store_decode_output,
 )
 from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from archserve.kernels.reduce_in_kernel import arrival_counters, reduce_in_kernel
-
-
-@triton.jit
-def _latent_tile(cache_ptr, block_table_row, offs_n, mask_n, offs_l, mask_l, offs_r, mask_r,
-                 stride_cache_block, stride_cache_token, KV_RANK: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr):
-    """The latents [offs_n, KV_RANK] and rope keys [offs_n, ROPE] of one sequence's cached
-    tokens, as stored (masked rows read 0)."""
-    rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
-                               stride_cache_token, BLOCK_SIZE)
-    c_kv = tl.load(cache_ptr + rows[:, None] + offs_l[None, :],
-                   mask=mask_n[:, None] & mask_l[None, :], other=0.0)
-    k_pe = tl.load(cache_ptr + rows[:, None] + KV_RANK + offs_r[None, :],
-                   mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-    return c_kv, k_pe
-
-
-@triton.jit
-def _mla_tile(acc, l_i, m_i, q_nope, q_pe, c_kv, k_pe, mask_n, qk_scale, E4M3_BITS: tl.constexpr,
-              KEYS_AS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of cached latents into the running softmax of the query heads."""
-    if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
-        c_kv = e4m3_bits_to_fp16(c_kv)
-        k_pe = e4m3_bits_to_fp16(k_pe)
-    c_kv = c_kv.to(q_nope.dtype)
-    k_pe = k_pe.to(q_nope.dtype)
-    if KEYS_AS_ROWS:
-        scores = tl.dot(c_kv, q_nope, input_precision=DOT_PRECISION)
-        scores += tl.dot(k_pe, q_pe, input_precision=DOT_PRECISION)
-        scores = tl.where(mask_n[:, None], scores * (qk_scale * 1.4426950408889634),
-                          float("-inf"))
-        acc, l_i, m_i = _softmax_step_keys_as_rows(acc, l_i, m_i, scores, c_kv, DOT_PRECISION)
-    else:
-        scores = tl.dot(q_nope, tl.trans(c_kv), input_precision=DOT_PRECISION)
-        scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
-        scores = tl.where(mask_n[None, :], scores * (qk_scale * 1.4426950408889634),
-                          float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, c_kv, q_nope.dtype,
-                                            DOT_PRECISION)
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -107,9 +68,16 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     head_block = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
-    # The step's metadata was written before its first kernel.
+    # Metadata and older latents before PDL's wait, as in triton_decode's kernel (a row is
+    # KV_RANK + ROPE <= 2 * BLOCK_L values).
     token, query_len, lo, hi = decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
                                                   0, NUM_SPLITS, BLOCK_N)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    prefetch_first_tile(cache_ptr, cache_ptr, block_table_row, lo, hi,
+                        tl.load(seq_lens_ptr + seq) - query_len, stride_cache_block,
+                        stride_cache_token, BLOCK_SIZE, BLOCK_N, KV_RANK + ROPE, 2 * BLOCK_L,
+                        False, PDL)
+    pdl_start(PDL)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < NUM_HEADS
@@ -117,22 +85,6 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     offs_r = tl.arange(0, BLOCK_R)
     mask_l = offs_l < KV_RANK
     mask_r = offs_r < ROPE
-    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-    # The first tile's latents cached by earlier steps are read before PDL's wait (they
-    # stream while the kernel before drains); this step's latents and the query are read
-    # after it (as in triton_decode's kernel).
-    first_new = tl.load(seq_lens_ptr + seq) - query_len
-    offs_n = lo + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hi
-    c_first, pe_first = _latent_tile(cache_ptr, block_table_row, offs_n,
-                                     mask_n & (offs_n < first_new), offs_l, mask_l, offs_r,
-                                     mask_r, stride_cache_block, stride_cache_token, KV_RANK,
-                                     BLOCK_SIZE)
-    pdl_start(PDL)
-    new = mask_n & (offs_n >= first_new)
-    c_new, pe_new = _latent_tile(cache_ptr, block_table_row, offs_n, new, offs_l, mask_l,
-                                 offs_r, mask_r, stride_cache_block, stride_cache_token, KV_RANK,
-                                 BLOCK_SIZE)
     q_rows = q_ptr + token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
     q_nope = tl.load(q_rows + offs_l[None, :], mask=mask_h[:, None] & mask_l[None, :], other=0.0)
     q_pe = tl.load(q_rows + KV_RANK + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :],
@@ -149,18 +101,35 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     else:
         acc, l_i, m_i = online_softmax_start(BLOCK_H, BLOCK_L)
-    acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_nope, q_pe,
-                              tl.where(new[:, None], c_new, c_first),
-                              tl.where(new[:, None], pe_new, pe_first), mask_n, qk_scale,
-                              E4M3_BITS, KEYS_AS_ROWS, DOT_PRECISION)
-    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        c_kv, k_pe = _latent_tile(cache_ptr, block_table_row, offs_n, mask_n, offs_l, mask_l,
-                                  offs_r, mask_r, stride_cache_block, stride_cache_token,
-                                  KV_RANK, BLOCK_SIZE)
-        acc, l_i, m_i = _mla_tile(acc, l_i, m_i, q_nope, q_pe, c_kv, k_pe, mask_n, qk_scale,
-                                  E4M3_BITS, KEYS_AS_ROWS, DOT_PRECISION)
+        rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
+                                   stride_cache_token, BLOCK_SIZE)
+        c_kv = tl.load(cache_ptr + rows[:, None] + offs_l[None, :],
+                       mask=mask_n[:, None] & mask_l[None, :], other=0.0)
+        k_pe = tl.load(cache_ptr + rows[:, None] + KV_RANK + offs_r[None, :],
+                       mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
+            c_kv = e4m3_bits_to_fp16(c_kv)
+            k_pe = e4m3_bits_to_fp16(k_pe)
+        c_kv = c_kv.to(q_nope.dtype)
+        k_pe = k_pe.to(q_nope.dtype)
+        if KEYS_AS_ROWS:
+            scores = tl.dot(c_kv, q_nope, input_precision=DOT_PRECISION)
+            scores += tl.dot(k_pe, q_pe, input_precision=DOT_PRECISION)
+            scores = tl.where(mask_n[:, None], scores * (qk_scale * 1.4426950408889634),
+                              float("-inf"))
+            acc, l_i, m_i = _softmax_step_keys_as_rows(acc, l_i, m_i, scores, c_kv,
+                                                       DOT_PRECISION)
+        else:
+            scores = tl.dot(q_nope, tl.trans(c_kv), input_precision=DOT_PRECISION)
+            scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+            scores = tl.where(mask_n[None, :], scores * (qk_scale * 1.4426950408889634),
+                              float("-inf"))
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, c_kv, q_nope.dtype,
+                                                DOT_PRECISION)
 
     if KEYS_AS_ROWS:
         acc = tl.trans(acc)                       # [BLOCK_H, BLOCK_L], as stored
