@@ -92,9 +92,9 @@ step qwen06b_b1_nopdl 60 150 env ARCHSERVE_PDL=0 $AS bench $EQ $B1 \
   --output-json "$D/qwen06b_b1_nopdl.json"
 step llama8b_b1_nopdl 70 180 env ARCHSERVE_PDL=0 $AS bench $E8 $B1 \
   --output-json "$D/llama8b_b1_nopdl.json"
-# Reductions by the last program to arrive (kernels/reduce_in_kernel.py: opt-in until these
-# rows are measured): split-KV decode without its merge kernel, the MoE slot sum inside the
-# down kernel; one launch fewer per layer for each.
+# Reductions by the last program to arrive (kernels/reduce_in_kernel.py; opt-in: these rows
+# were slower in session 15): split-KV decode without its merge kernel, the MoE slot sum
+# inside the down kernel; one launch fewer per layer for each.
 step qwen06b_b1_reduce 60 150 env ARCHSERVE_REDUCE_IN_KERNEL=1 $AS bench $EQ $B1 \
   --output-json "$D/qwen06b_b1_reduce.json"
 step moe_qwen3_reduce 75 180 env ARCHSERVE_REDUCE_IN_KERNEL=1 python3 benchmarks/moe_perf.py \

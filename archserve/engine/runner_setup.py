@@ -200,11 +200,12 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
                                   "decode kernels that take it may start while the kernel "
                                   "before them drains (kernels/pdl.py; ARCHSERVE_PDL=0 "
                                   "turns it off)"))
-    if reduce_in_kernel():   # opt-in and unmeasured: say so when it is on
+    if reduce_in_kernel():   # opt-in, and slower where measured: say so when it is on
         decisions.append(Decision("reductions across programs", f"{REDUCE_IN_KERNEL_ENV}=1",
                                   "in the kernel", "the last program to arrive merges split-KV "
                                   "decode and sums each token's experts; no second kernel "
-                                  "(kernels/reduce_in_kernel.py; not yet measured)"))
+                                  "(kernels/reduce_in_kernel.py; slower than the "
+                                  "second kernel on an H200 with PDL)"))
     cpu_threads = None
     if tp.size == 1:   # tensor-parallel CPU ranks split the cores between them instead
         cpu_threads, threads_decision = cpu_thread_governor(torch_device)

@@ -9,6 +9,12 @@ calls ``gdc_wait`` before it touches memory (it then sees everything the kernel 
 wrote, and that kernel saw its own predecessor's, so the chain holds), then
 ``gdc_launch_dependents`` so that the next one may launch in turn.
 
+What the kernel before cannot have written may be requested before the wait, and then
+streams while that kernel drains: model weights (the skinny GEMV's first tile) and KV
+rows cached by earlier steps (decode attention's and MLA decode's first tile, through
+``prefetch_to_l2``). The step's metadata is written before its first kernel, so it may be
+read there too. Nothing is stored before the wait (tests/engine/test_pdl.py reads the PTX).
+
 On by default on NVIDIA SM90+ (measured on the H200: Qwen3-0.6B batch-1 step 0.987 ->
 0.909 ms, Llama-3-8B 4.318 -> 4.222 ms, same tokens and logprobs bit for bit);
 ``ARCHSERVE_PDL=0`` turns it off. Never on ROCm or under Triton's interpreter. Kernels take it as a ``PDL`` constexpr, and their

@@ -1,5 +1,5 @@
 """Reductions across a kernel's programs done by the program that finishes last, instead of
-by a second kernel (``ARCHSERVE_REDUCE_IN_KERNEL=1``; opt-in until measured on a GPU).
+by a second kernel (``ARCHSERVE_REDUCE_IN_KERNEL=1``; opt-in: on an H200 it was slower).
 
 At batch 1 a decode step's kernels are short, and each launch costs a few µs whatever it
 does (issue 21). Two reductions run as kernels of their own after the work they reduce:
@@ -10,6 +10,12 @@ program that contributes to one reduction counts itself in on that reduction's c
 (an acquire-release atomic at GPU scope, after its own stores); the one that sees every
 other arrived does the reduction, in a fixed order (so the result is the same whichever
 program arrives last), and resets the counter for the next launch.
+
+Measured on an H200 with PDL on (docs/benchmarks.md, session 15), it did not pay:
+Qwen3-0.6B's batch-1 graph replay took 0.877 ms against 0.854 ms with the merge kernels,
+and Qwen3-30B-A3B's batch-1 step 2.813 against 2.784 ms. With PDL a second kernel is
+scheduled while the first drains, so its launch costs little; the last arriver instead
+adds a GPU-scope atomic round trip and reduces alone at the end. It stays opt-in.
 
 This module is free of Triton where the engine's start-up reads it; the kernels' shared
 step, ``count_arrival``, is defined where Triton is installed.

@@ -10,7 +10,7 @@ H200 (14.4 ms of a 17.5 ms batch-256 step).
 When sequences x KV heads cannot fill the GPU, the context is split into ``num_splits``
 chunks (flash-decoding); each writes a partial output and its log-sum-exp, and a small second
 kernel merges them. With ``ARCHSERVE_REDUCE_IN_KERNEL=1`` (kernels/reduce_in_kernel.py;
-opt-in until it is measured on a GPU) there is no second kernel: the split that arrives
+opt-in: slower on an H200 with PDL) there is no second kernel: the split that arrives
 last on its (sequence, KV head) counter merges the group's partials, in split order. At
 batch 1 a decode step's attention is then one launch per layer instead of two (issue 21).
 """

@@ -222,6 +222,8 @@ def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 config: SkinnyConfig, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype.
+    ``weight`` is a model weight: under PDL its first tile is read before the wait for the
+    kernel launched before, which must not write it.
     With ``silu_mul`` the weight holds gate rows then up rows (as GateUpLinear stores
     them) and the result is silu(gate) * up, [M, N/2], as ``silu_and_mul`` of the plain
     product would give. The caller checks ``skinny_gemm_unsupported`` first."""
