@@ -83,6 +83,51 @@ else:
         torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(cache, expected_cache)    # the same latent rows written
 
+    def test_mixed_step_decode_metadata_is_not_written_by_the_kernel_before(monkeypatch):
+        # The decode kernel reads its metadata (query starts, lengths, block tables) before
+        # PDL's wait (kernels/pdl.py), while the kernel launched right before it may still
+        # be running: in a mixed step, where the decoding sequences' metadata is gathered on
+        # the device, the last op before the decode must be another's (the absorbed query).
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from archserve.kernels.mla import triton_mla
+
+        class Writes(TorchDispatchMode):
+            """The storages each op that launches work wrote, in launch order."""
+            def __init__(self):
+                super().__init__()
+                self.ops = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not func.is_view and func.overloadpacket not in (
+                        torch.ops.aten.empty, torch.ops.aten.empty_strided,
+                        torch.ops.aten.empty_like):
+                    outs = out if isinstance(out, (tuple, list)) else (out,)
+                    self.ops.append((func, {t.untyped_storage().data_ptr() for t in outs
+                                            if isinstance(t, torch.Tensor)}))
+                return out
+
+        writes, checked = Writes(), []
+
+        def decode_after(query, kv_cache, block_tables, seq_lens, query_start_loc, *args,
+                         **kwargs):
+            last_op, last_written = writes.ops[-1]
+            for name, tensor in (("block tables", block_tables), ("seq lens", seq_lens),
+                                 ("query starts", query_start_loc)):
+                assert tensor.untyped_storage().data_ptr() not in last_written, \
+                    f"the {name} come from {last_op}, launched right before the decode"
+            checked.append(True)
+            return decode(query, kv_cache, block_tables, seq_lens, query_start_loc, *args,
+                          **kwargs)
+
+        decode = triton_mla.mla_decode
+        monkeypatch.setattr(triton_mla, "mla_decode", decode_after)
+        case = make_mla_case([(5, 21), (1, 40), (3, 3)], seed=3, **TINY)
+        with writes:
+            case.run(triton_mla.TritonMlaImpl())
+        assert checked
+
 
 # ---------------------------------------------------------------- the start-up tile choice
 

@@ -85,11 +85,14 @@ class TritonMlaImpl:
             rows = torch.from_numpy(starts[decoding]).to(device)
             seqs = torch.from_numpy(decoding).to(device)
             n = len(decoding)
+            # The decode kernel reads its metadata before PDL's wait (kernels/pdl.py), while
+            # the kernel launched right before it may still run: the metadata is gathered
+            # first, so that kernel is the absorbed query's.
+            tables, lens = meta.block_tables[seqs], meta.seq_lens[seqs]
+            query_starts = torch.arange(n + 1, dtype=torch.int32, device=device)
             latent_out = self.decode(
-                absorb_query(q_nope[rows], q_pe[rows], w_uk), kv_cache,
-                meta.block_tables[seqs], meta.seq_lens[seqs],
-                torch.arange(n + 1, dtype=torch.int32, device=device), n,
-                int(seq_lens[decoding].max()), scale, w_uk.shape[-1], k_scale)
+                absorb_query(q_nope[rows], q_pe[rows], w_uk), kv_cache, tables, lens,
+                query_starts, n, int(seq_lens[decoding].max()), scale, w_uk.shape[-1], k_scale)
             out[rows] = latent_output_to_heads(latent_out, w_uv)
         prefilling = np.flatnonzero(query_lens > 1)
         if len(prefilling):
