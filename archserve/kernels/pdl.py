@@ -13,7 +13,9 @@ What the kernel before cannot have written may be requested before the wait, and
 streams while that kernel drains: model weights (the skinny GEMV's first tile) and KV
 rows cached by earlier steps (decode attention's and MLA decode's first tile, through
 ``prefetch_to_l2``). The step's metadata is written before its first kernel, so it may be
-read there too. Nothing is stored before the wait (tests/engine/test_pdl.py reads the PTX).
+read there too; where metadata is built on the device (MLA's mixed step gathers its
+decoding rows'), another kernel runs between that and the kernel that reads it. Nothing is
+stored before the wait (tests/engine/test_pdl.py reads the PTX).
 
 On by default on NVIDIA SM90+ (measured on the H200: Qwen3-0.6B batch-1 step 0.987 ->
 0.909 ms, Llama-3-8B 4.318 -> 4.222 ms, same tokens and logprobs bit for bit);

@@ -170,9 +170,9 @@ def prefetch_first_tile(k_base, v_base, block_table_row_ptr, lo, hi, first_new,
     """Before PDL's wait: the L2 prefetch of the first tile's cached rows (positions from
     ``lo``, below ``hi`` and ``first_new``) of ROW_ELEMENTS each (ROW_POW2: the power of two
     at or above it), keys and (HAS_V) values.
-    The kernel before writes only this step's rows (from ``first_new``) and the step's
-    metadata was written before its first kernel, so the older rows stream while that
-    kernel drains and the tile's loads after the wait find them in L2."""
+    The kernel before writes only this step's rows (from ``first_new``) and never the
+    metadata (kernels/pdl.py), so the older rows stream while that kernel drains and the
+    tile's loads after the wait find them in L2."""
     if PDL:
         positions = lo + tl.arange(0, BLOCK_N)
         cached = (positions < hi) & (positions < first_new)
@@ -204,7 +204,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # The step's metadata was written before its first kernel: read before PDL's wait.
+    # The metadata is never written by the kernel before (kernels/pdl.py): read before
+    # PDL's wait.
     token, query_len, lo, hi = decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
                                                   SLIDING_WINDOW, NUM_SPLITS, BLOCK_N)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
