@@ -170,8 +170,9 @@ def prefetch_first_tile(k_base, v_base, block_table_row_ptr, lo, hi, first_new,
     """Before PDL's wait: the L2 prefetch of the first tile's cached rows (positions from
     ``lo``, below ``hi`` and ``first_new``) of ROW_ELEMENTS each (ROW_POW2: the power of two
     at or above it), keys and (HAS_V) values.
-    The kernel before writes only this step's rows (from ``first_new``) and never the
-    metadata (kernels/pdl.py), so the older rows stream while that kernel drains and the
+    The metadata is never written by the kernel before (kernels/pdl.py). A prefetch only
+    warms L2, where every SM's writes land, so it cannot return stale values; the rows
+    worth fetching early are the older ones, which stream while that kernel drains, and the
     tile's loads after the wait find them in L2."""
     if PDL:
         positions = lo + tl.arange(0, BLOCK_N)

@@ -105,6 +105,12 @@ def _graph_timer(device: torch.device) -> Timer:
     def make(shape: MlaShape) -> tuple:
         width = shape.kv_lora_rank + shape.rope
         blocks_per_seq = -(-TUNE_CONTEXT // shape.block_size)
+        # The metadata first: the decode kernel reads it before PDL's wait, so the kernel
+        # launched right before its first call must not be the one that writes it.
+        tables = torch.arange(TUNE_BATCH * blocks_per_seq, dtype=torch.int32,
+                              device=device).reshape(TUNE_BATCH, blocks_per_seq)
+        lens = torch.full((TUNE_BATCH,), TUNE_CONTEXT, dtype=torch.int32, device=device)
+        starts = torch.arange(TUNE_BATCH + 1, dtype=torch.int32, device=device)
         gen = torch.Generator(device=device).manual_seed(0)
         cache = torch.randn(1, TUNE_BATCH * blocks_per_seq, shape.block_size, 1, width,
                             generator=gen, device=device, dtype=shape.dtype)
@@ -112,10 +118,6 @@ def _graph_timer(device: torch.device) -> Timer:
             cache = cache.to(torch.float8_e4m3fn)
         query = torch.randn(TUNE_BATCH, shape.num_heads, width, generator=gen, device=device,
                             dtype=shape.dtype)
-        tables = torch.arange(TUNE_BATCH * blocks_per_seq, dtype=torch.int32,
-                              device=device).reshape(TUNE_BATCH, blocks_per_seq)
-        lens = torch.full((TUNE_BATCH,), TUNE_CONTEXT, dtype=torch.int32, device=device)
-        starts = torch.arange(TUNE_BATCH + 1, dtype=torch.int32, device=device)
         return query, cache, tables, lens, starts, width ** -0.5
 
     def timer(shape: MlaShape, tiles: tuple | None) -> tuple[float, torch.Tensor]:
