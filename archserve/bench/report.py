@@ -61,6 +61,13 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
                  ("steps (decode, compute-bound)",
                   f"{roof['num_steps']} ({roof['num_decode_steps']}, "
                   f"{roof['compute_bound_steps']})")]
+        host = result.get("host_ms_per_decode_step")
+        if host:
+            phases = ", ".join(f"{name} {ms:.3f}" for name, ms in host.items()
+                               if name not in ("busy", "step", "wait_for_device"))
+            rows.append(("host per decode step (ms)",
+                         f"busy {host['busy']:.3f} ({phases}); waiting for the device "
+                         f"{host.get('wait_for_device', 0.0):.3f}"))
         if result.get("ceilings_text"):
             rows.append(("ceilings used", result["ceilings_text"]))
         if result.get("compiled_while_running"):   # warm-up misses (kernels/jit_watch.py)

@@ -163,6 +163,8 @@ def run_offline_bench(options: BenchOptions) -> dict:
         "ceilings_text": ceilings.describe(),
         "model_facts": vars(facts).copy(), "plots": [],
         "compiled_while_running": compiled,
+        # Host time per decode step by phase, by the clock (bench/step_trace.py).
+        "host_ms_per_decode_step": trace.host_ms_per_decode_step(),
         # What the start-up chose (routes, tiles, graphs, budgets): which code made the row.
         "decisions": {d.what: d.chosen for d in engine.report.decisions},
     }

@@ -9,6 +9,11 @@ with ``async_scheduling``: a synchronize would undo the overlap being measured. 
 call's time covers the previous step's kernels and this one's host work; the sum over the
 run is still the run's time, and a call that schedules nothing (it only resolves the step
 in flight) adds its time to the step before.
+
+Each record also keeps the host seconds of the engine's phases in its call
+(engine/phases.py, by the clock): with async scheduling a call launches its step and
+resolves the one before, so ``wait_for_device`` is the time the host waited for the device
+and the rest of the call is host work.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from archserve.engine.phases import collect_phase_times
+
+WAIT_PHASE = "wait_for_device"
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,7 @@ class ScheduledWork:
 class StepRecord:
     work: list[ScheduledWork]
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)   # host seconds per phase
 
     @property
     def is_decode(self) -> bool:
@@ -49,6 +59,18 @@ class StepTrace:
     @property
     def seconds(self) -> float:
         return sum(s.seconds for s in self.steps)
+
+    def host_ms_per_decode_step(self) -> dict[str, float]:
+        """Mean host milliseconds per decode step: each phase, ``busy`` (the call's time but
+        the wait for the device) and ``step`` (the call's time); empty without decode steps."""
+        decode = [s for s in self.steps if s.is_decode]
+        if not decode:
+            return {}
+        names = sorted({name for s in decode for name in s.phases})
+        means = {name: 1e3 * sum(s.phases.get(name, 0.0) for s in decode) / len(decode)
+                 for name in names}
+        step_ms = 1e3 * sum(s.seconds for s in decode) / len(decode)
+        return {**means, "busy": step_ms - means.get(WAIT_PHASE, 0.0), "step": step_ms}
 
 
 @contextlib.contextmanager
@@ -71,14 +93,18 @@ def trace_steps(engine) -> Iterator[StepTrace]:
     def step():
         pending.clear()
         t0 = time.perf_counter()
-        outputs = inner_step()
+        with collect_phase_times() as phases:
+            outputs = inner_step()
         if sync:
             torch.cuda.synchronize(engine.runner.device)
         seconds = time.perf_counter() - t0
         if pending and pending[-1]:
-            trace.steps.append(StepRecord(pending[-1], seconds))
+            trace.steps.append(StepRecord(pending[-1], seconds, phases))
         elif trace.steps:
-            trace.steps[-1].seconds += seconds
+            last = trace.steps[-1]
+            last.seconds += seconds
+            for name, value in phases.items():
+                last.phases[name] = last.phases.get(name, 0.0) + value
         return outputs
 
     scheduler.schedule, engine.step = schedule, step

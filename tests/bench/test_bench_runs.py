@@ -49,6 +49,13 @@ def test_offline_step_trace_accounts_for_every_token(tiny_checkpoint, async_sche
     assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
     # Every call's time is in the trace, also the async engine's resolve-only calls.
     assert 0.5 * result.elapsed_s <= trace.seconds <= result.elapsed_s
+    # The engine's phases timed by the clock fit inside their calls.
+    assert all(sum(step.phases.values()) <= step.seconds for step in trace.steps)
+    host = trace.host_ms_per_decode_step()
+    assert {"schedule", "build_batch", "forward", "sample", "wait_for_device",
+            "outputs"} <= set(host)
+    assert host["busy"] == pytest.approx(host["step"] - host["wait_for_device"])
+    assert all(ms >= 0 for ms in host.values())
 
 
 def test_offline_bench_takes_vllm_scheduling_flags(tiny_checkpoint):
