@@ -86,14 +86,18 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         assert launch.options.get("launch_pdl") and launch.constexprs["PDL"], launch.kernel
         ptx = launch.code()
         assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
-        # Nothing is written before the wait: the kernel before may still read it. Decode
-        # attention and MLA decode read their metadata and prefetch their first tile of
-        # cached keys into L2 before it (they stream while the kernel before drains).
+        # Nothing is written before the wait: the kernel before may still read it. What
+        # that kernel cannot write is read before it, and streams while it drains: decode
+        # attention's and MLA decode's metadata and first tile of cached keys (an L2
+        # prefetch), RMSNorm's weight, and the q/k kernel's positions, rotary rows, norm
+        # weights and slots. The rest reads only after it.
         before_wait = ptx[:ptx.index("griddepcontrol.wait")]
         assert "st.global" not in before_wait and "atom." not in before_wait, launch.kernel
         prefetches = launch.kernel in ("_decode_kernel", "_mla_decode_kernel")
         assert ("prefetch.global.L2" in before_wait) == prefetches, launch.kernel
-        assert prefetches or "ld.global" not in before_wait, launch.kernel
+        reads_early = prefetches or launch.kernel in ("_rms_norm_kernel",
+                                                      "_qk_norm_rope_cache_kernel")
+        assert ("ld.global" in before_wait) == reads_early, launch.kernel
 
 
 # A tiny Qwen3-MoE whose attention every GPU backend takes (decode in CUDA graphs): top-8 of

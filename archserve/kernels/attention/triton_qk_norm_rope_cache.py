@@ -24,15 +24,26 @@ from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 
 
 @triton.jit
-def _norm_and_rotate(x1, x2, weight_ptr, cols, col_mask, cos, sin, eps,
-                     HEAD_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
-    """[heads, D/2] halves of each head -> rotated (normalised first, with HAS_NORM)."""
+def _norm_weight_halves(weight_ptr, cols, col_mask, HEAD_SIZE: tl.constexpr,
+                        HAS_NORM: tl.constexpr):
+    """The fp32 halves of a q/k norm weight (zeros without HAS_NORM: unused)."""
     if HAS_NORM:
-        half: tl.constexpr = HEAD_SIZE // 2
+        w1 = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + HEAD_SIZE // 2 + cols, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        w1 = tl.zeros(cols.shape, tl.float32)
+        w2 = w1
+    return w1, w2
+
+
+@triton.jit
+def _norm_and_rotate(x1, x2, w1, w2, cos, sin, eps, HEAD_SIZE: tl.constexpr,
+                     HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
+    """[heads, D/2] halves of each head -> rotated (normalised first by the weight's halves
+    ``w1``, ``w2``, with HAS_NORM)."""
+    if HAS_NORM:
         mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1))[:, None] / HEAD_SIZE
         inv_rms = tl.math.rsqrt(mean_square + eps)
-        w1 = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + half + cols, mask=col_mask, other=0.0).to(tl.float32)
         x1 = scale_normalized(x1, inv_rms, w1, DTYPE, DTYPE, False)
         x2 = scale_normalized(x2, inv_rms, w2, DTYPE, DTYPE, False)
     return rotate_halves(x1, x2, cos, sin, DTYPE)
@@ -46,14 +57,21 @@ def _qk_norm_rope_cache_kernel(
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr,
         HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = qkv_ptr.dtype.element_ty
     half: tl.constexpr = HEAD_SIZE // 2
     cols = tl.arange(0, HALF_BLOCK)[None, :]
     col_mask = cols < half
+    # Before PDL's wait (kernels/pdl.py): what the kernel before (the QKV GEMM) does not
+    # write. The positions and slots are the step's inputs, the rotary tables and the norm
+    # weights constants; the position -> cos/sin chain is two dependent reads, now off the
+    # path that starts when that kernel ends.
     cos, sin = rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, cos_stride, cols,
                               col_mask, dtype)
+    qw1, qw2 = _norm_weight_halves(q_weight_ptr, cols, col_mask, HEAD_SIZE, HAS_NORM)
+    kw1, kw2 = _norm_weight_halves(k_weight_ptr, cols, col_mask, HEAD_SIZE, HAS_NORM)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    pdl_start(PDL)
     row = qkv_ptr + token * qkv_stride
 
     q_heads = tl.arange(0, Q_HEADS_BLOCK)[:, None]
@@ -61,8 +79,7 @@ def _qk_norm_rope_cache_kernel(
     q_first = q_heads * HEAD_SIZE + cols
     q1 = tl.load(row + q_first, mask=q_mask, other=0.0).to(tl.float32)
     q2 = tl.load(row + q_first + half, mask=q_mask, other=0.0).to(tl.float32)
-    q1, q2 = _norm_and_rotate(q1, q2, q_weight_ptr, cols, col_mask, cos, sin, eps,
-                              HEAD_SIZE, HAS_NORM, dtype)
+    q1, q2 = _norm_and_rotate(q1, q2, qw1, qw2, cos, sin, eps, HEAD_SIZE, HAS_NORM, dtype)
     q_dst = q_out_ptr + token * q_out_stride + q_first
     tl.store(q_dst, q1.to(dtype), mask=q_mask)
     tl.store(q_dst + half, q2.to(dtype), mask=q_mask)
@@ -74,15 +91,13 @@ def _qk_norm_rope_cache_kernel(
     kv_mask = (kv_heads < NUM_KV_HEADS) & col_mask
     k1 = tl.load(k_row + kv_first, mask=kv_mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_row + kv_first + half, mask=kv_mask, other=0.0).to(tl.float32)
-    k1, k2 = _norm_and_rotate(k1, k2, k_weight_ptr, cols, col_mask, cos, sin, eps,
-                              HEAD_SIZE, HAS_NORM, dtype)
+    k1, k2 = _norm_and_rotate(k1, k2, kw1, kw2, cos, sin, eps, HEAD_SIZE, HAS_NORM, dtype)
     v1 = tl.load(v_row + kv_first, mask=kv_mask, other=0.0)
     v2 = tl.load(v_row + kv_first + half, mask=kv_mask, other=0.0)
 
     # Slot -1 marks padding (a graph batch larger than the real one): masked, not skipped,
     # as the cache writer does; the slot is broadcast first (the interpreter mistypes
     # scalar-bool & tensor).
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     write = kv_mask & ((tl.zeros([KV_HEADS_BLOCK, HALF_BLOCK], tl.int64) + slot) >= 0)
     element = cache_ptr.dtype.element_ty
     k_dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block

@@ -42,13 +42,16 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
                      r_group_stride, r_row_stride, width, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
                      UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = row // rows_per_group
     inner = row % rows_per_group
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     in_dtype: tl.constexpr = x_ptr.dtype.element_ty
+    # The norm's weight is a model weight, never written by the kernel before: requested
+    # before PDL's wait, it streams while that kernel drains (kernels/pdl.py).
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_start(PDL)
 
     x = tl.load(x_ptr + group * x_group_stride + inner * x_row_stride + cols,
                 mask=mask, other=0.0).to(tl.float32)
@@ -59,7 +62,6 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
         tl.store(new_residual_ptr + row * width + cols, x.to(in_dtype), mask=mask)
 
     mean_square = tl.sum(x * x, axis=0) / width
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     out = scale_normalized(x, tl.math.rsqrt(mean_square + eps), w, in_dtype, out_dtype,
                            UNIT_OFFSET)

@@ -303,8 +303,10 @@ def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, per_cal
     norm kernel then the same config (as the decoder layer runs them); the prologue is
     chosen where it is faster by MIN_GAIN. A prologue that fails is not chosen, and said."""
     from archserve.kernels.elementwise import rms_norm
-    residual = torch.randn_like(x)
+    # The weight first: the norm kernels read it before PDL's wait (kernels/pdl.py), so the
+    # kernel launched right before their first call must not be the one that wrote it.
     norm_weight = torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
+    residual = torch.randn_like(x)
     run, fused = implementation(kind, timing.chosen), norm_prologue(kind, timing.chosen)
 
     def separate(w):
