@@ -5,17 +5,22 @@ In a small model's decode step every kernel is short (a few µs), so the gap bet
 of one kernel and the start of the next is a large share of the step (issue 21: Qwen3-0.6B,
 about 170 kernels in a 1.0 ms step against a 0.3 ms floor). With PDL the next kernel's
 launch overlaps the previous one's tail. Safety is in the kernel: one launched with PDL
-calls ``gdc_wait`` before it touches memory (it then sees everything the kernel before it
-wrote, and that kernel saw its own predecessor's, so the chain holds), then
-``gdc_launch_dependents`` so that the next one may launch in turn.
+calls ``gdc_wait`` before it reads anything the kernel before it may have written and
+before it writes anything (it then sees everything that kernel wrote, and that kernel saw
+its own predecessor's, so the chain holds), then ``gdc_launch_dependents`` so that the next
+one may launch in turn.
 
-What the kernel before cannot have written may be requested before the wait, and then
-streams while that kernel drains: model weights (the skinny GEMV's first tile) and KV
-rows cached by earlier steps (decode attention's and MLA decode's first tile, through
-``prefetch_to_l2``). The step's metadata is written before its first kernel, so it may be
-read there too; where metadata is built on the device (MLA's mixed step gathers its
-decoding rows'), another kernel runs between that and the kernel that reads it. Nothing is
-stored before the wait (tests/engine/test_pdl.py reads the PTX).
+The rule for what may be read before the wait: only what the kernel launched right before
+cannot write. Reading it early lets its bytes stream while that kernel drains:
+- model weights: the skinny GEMV's first tile, RMSNorm's and the q/k norms' weights;
+- the step's inputs and constants: positions, slots and rotary rows (q/k-norm-rope-cache
+  kernel), query starts, lengths and block tables (decode attention, MLA decode);
+- KV rows cached by earlier steps, as an L2 prefetch (``prefetch_to_l2``: decode's and
+  MLA decode's first tile; held in registers the tile made them spill).
+The step's inputs are written before its first kernel; where they are built on the device
+(MLA's mixed step gathers its decoding rows'), another kernel runs between that and the
+kernel that reads them, as in the start-up tuners, which make such operands first. Nothing
+is stored before the wait (tests/engine/test_pdl.py reads the PTX of each kernel).
 
 On by default on NVIDIA SM90+ (measured on the H200: Qwen3-0.6B batch-1 step 0.987 ->
 0.909 ms, Llama-3-8B 4.318 -> 4.222 ms, same tokens and logprobs bit for bit);
