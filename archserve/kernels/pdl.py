@@ -88,3 +88,16 @@ if triton is not None:
             tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
                 "=r,l,r", [pointers, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def prefetch_rows_to_l2(row_starts, row_mask, row_elements, ROW_POW2: tl.constexpr,
+                            PDL: tl.constexpr):
+        """``prefetch_to_l2`` of rows: ``row_starts`` [R] point at rows of ``row_elements``
+        contiguous values each (ROW_POW2: a power of two at or above it), one pointer per
+        128-byte line; rows where ``row_mask``."""
+        if PDL:
+            LINE: tl.constexpr = 128 * 8 // row_starts.dtype.element_ty.primitive_bitwidth
+            LINES: tl.constexpr = ROW_POW2 // LINE if ROW_POW2 > LINE else 1
+            lines = tl.arange(0, LINES) * LINE
+            prefetch_to_l2(row_starts[:, None] + lines[None, :],
+                           row_mask[:, None] & (lines < row_elements)[None, :], PDL)

@@ -210,6 +210,8 @@ def test_tiles_are_keyed_by_power_of_two_token_buckets():
     assert {t.pair_rows for t in candidate_tiles(1, 8, w13, w2)} == {True, False}
     assert {t.pair_rows for t in candidate_tiles(16, 8, w13, w2)} == {True, False}
     assert not any(t.pair_rows for t in candidate_tiles(64, 8, w13, w2))
+    # The widest pair tile also at 8 warps (at 4 its gate/up kernel spills on Hopper).
+    assert MoETile(16, 64, 128, 8, 4, pair_rows=True) in candidate_tiles(1, 8, w13, w2)
 
 
 # (experts, top_k, hidden, inter): Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes.

@@ -27,7 +27,12 @@ from archserve.kernels.attention.triton_cache_write import (
     load_kv_tile,
     paged_token_offsets,
 )
-from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start, prefetch_to_l2
+from archserve.kernels.pdl import (
+    pdl_enabled,
+    pdl_launch_options,
+    pdl_start,
+    prefetch_rows_to_l2,
+)
 from archserve.kernels.reduce_in_kernel import (
     arrival_counters,
     count_arrival,
@@ -179,15 +184,9 @@ def prefetch_first_tile(k_base, v_base, block_table_row_ptr, lo, hi, first_new,
         cached = (positions < hi) & (positions < first_new)
         rows = paged_token_offsets(block_table_row_ptr, positions, cached, stride_cache_block,
                                    stride_cache_token, BLOCK_SIZE)
-        # One pointer per 128-byte line of each row.
-        LINE: tl.constexpr = 128 * 8 // k_base.dtype.element_ty.primitive_bitwidth
-        LINES: tl.constexpr = ROW_POW2 // LINE if ROW_POW2 > LINE else 1
-        lines = tl.arange(0, LINES) * LINE
-        mask = cached[:, None] & (lines < ROW_ELEMENTS)[None, :]
-        offsets = rows[:, None] + lines[None, :]
-        prefetch_to_l2(k_base + offsets, mask, PDL)
+        prefetch_rows_to_l2(k_base + rows, cached, ROW_ELEMENTS, ROW_POW2, PDL)
         if HAS_V:
-            prefetch_to_l2(v_base + offsets, mask, PDL)
+            prefetch_rows_to_l2(v_base + rows, cached, ROW_ELEMENTS, ROW_POW2, PDL)
 
 
 @triton.jit

@@ -39,7 +39,12 @@ try:
     import triton
     import triton.language as tl
 
-    from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+    from archserve.kernels.pdl import (
+        pdl_enabled,
+        pdl_launch_options,
+        pdl_start,
+        prefetch_rows_to_l2,
+    )
     from archserve.kernels.reduce_in_kernel import (
         arrival_counters,
         count_arrival,
@@ -115,7 +120,7 @@ def pair_rows_pay(num_tokens: int, top_k: int, num_experts: int, expert_bytes: i
 
 
 def pair_tile(num_pairs: int, narrowest: int, sm_count: int, block_n: int | None = None,
-              block_k: int = 128, num_stages: int = 4) -> MoETile:
+              block_k: int = 128, num_stages: int = 4, num_warps: int = 4) -> MoETile:
     """The pair layout's tile. Its grid is num_pairs x (columns / block_n), a few hundred
     programs at most in decode: the default block_n is the widest that still gives both
     GEMMs (``narrowest``: the smaller of intermediate and hidden) two programs per SM, so
@@ -125,7 +130,7 @@ def pair_tile(num_pairs: int, narrowest: int, sm_count: int, block_n: int | None
         block_n = next((n for n in PAIR_TILE_BLOCK_NS
                         if num_pairs * -(-narrowest // n) >= 2 * sm_count),
                        PAIR_TILE_BLOCK_NS[-1])
-    return MoETile(16, block_n, block_k, 4, num_stages, pair_rows=True)
+    return MoETile(16, block_n, block_k, num_warps, num_stages, pair_rows=True)
 
 
 @functools.cache
@@ -175,6 +180,10 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Te
     sms = _sm_count(w13.device)
     pair_tiles = [pair_tile(pairs, narrowest, sms, n) for n in PAIR_TILE_BLOCK_NS]
     pair_tiles.append(pair_tile(pairs, narrowest, sms, default.block_n, 256, 3))
+    # The widest pair tile at 8 warps: at 4 its gate/up kernel needs 255 registers and
+    # spills (ptxas for sm_90a, Qwen3-30B-A3B's experts: 428 bytes), and on the H200 the
+    # tuner chose that tile at batch 1 all the same; at 8 nothing spills.
+    pair_tiles.append(pair_tile(pairs, narrowest, sms, PAIR_TILE_BLOCK_NS[0], num_warps=8))
     if default.pair_rows:
         tiles = pair_tiles + [default_tile(num_tokens)]
     elif pairs <= 2 * PAIR_ROWS_MAX_PAIRS:
@@ -294,12 +303,20 @@ if triton is not None:
         # one of them must count in: the pair layout's experts come from top-k routing and
         # are never negative, so none returns early below (a masked expert id would leave
         # its counter short, and the next reduction on it would run too early).
-        pdl_start(PDL)
+        # Before PDL's wait (kernels/pdl.py): which expert and rows this program takes were
+        # written by the routing (and the sort), two kernels back; the gate/up kernel right
+        # before writes only the activations. So the first K tile of the expert's weight is
+        # prefetched into L2 while gate/up drains.
         expert, rows, row_ok, cols, col_ok = _program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, PAIR_ROWS)
+        w_base = w2_ptr + expert.to(tl.int64) * stride_we
+        if PDL:
+            prefetch_rows_to_l2(w_base + cols.to(tl.int64) * stride_wn,
+                                col_ok & ((cols * 0 + expert) >= 0), tl.minimum(inter, BLOCK_K),
+                                BLOCK_K, PDL)
+        pdl_start(PDL)
         if expert < 0:
             return
-        w_base = w2_ptr + expert.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
