@@ -244,13 +244,13 @@ def test_cached_moe_tiles_are_installed_without_timing(tmp_path):
     import json
 
     from archserve.kernels.moe.triton_fused_moe import MoETile, TritonFusedMoEImpl
-    from archserve.kernels.moe.tuning import MoEShape, tune_moe
+    from archserve.kernels.moe.tuning import _CACHE_VERSION, MoEShape, tune_moe
     _, _, w13, w2 = operands(1, 8, 32, 16, torch.float16)
     impls = [TritonFusedMoEImpl(), TritonFusedMoEImpl()]
     shape = MoEShape(impls, w13, w2, 2, True)
     tile = MoETile(16, 32, 128, 4, 4)
     path = tmp_path / "moe_tiles.json"
-    path.write_text(json.dumps({"version": 2, "shapes": {
+    path.write_text(json.dumps({"version": _CACHE_VERSION, "shapes": {
         shape.key(1): {"default_us": 9.0, "best_us": 6.0, "chosen": json.dumps(vars(tile)),
                        "calls": 2, "note": ""},
         shape.key(2): {"default_us": 9.0, "best_us": 9.0, "chosen": "default", "calls": 2,
