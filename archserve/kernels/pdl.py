@@ -19,7 +19,9 @@ cannot write. Reading it early lets its bytes stream while that kernel drains:
   MLA decode's first tile; held in registers the tile made them spill).
 The step's inputs are written before its first kernel; where they are built on the device
 (MLA's mixed step gathers its decoding rows'), another kernel runs between that and the
-kernel that reads them, as in the start-up tuners, which make such operands first. Nothing
+kernel that reads them, as in the start-up tuners, which make such operands first. Nor
+does a wrapper copy what its kernel reads early (a strided weight or positions): the copy
+would be the kernel launched right before; the kernel reads it through its stride. Nothing
 is stored before the wait (tests/engine/test_pdl.py reads the PTX of each kernel).
 
 On by default on NVIDIA SM90+ (measured on the H200: Qwen3-0.6B batch-1 step 0.987 ->

@@ -101,6 +101,46 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         assert ("ld.global" in before_wait) == reads_early, launch.kernel
 
 
+
+@pytest.mark.skipif(pdl.triton_interpreted(), reason="the interpreter does not compile")
+def test_wrappers_copy_nothing_their_kernel_reads_before_the_wait(monkeypatch):
+    """RMSNorm reads its weight and the q/k kernel its positions before PDL's wait: a copy
+    of a strided one made by the wrapper would be the kernel launched right before, writing
+    what is read early. The kernels read strided ones where they lie."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton_compile import compiled_launches
+
+    from archserve.kernels.attention import triton_qk_norm_rope_cache
+    from archserve.kernels.elementwise import triton_rms_norm
+
+    class TorchOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for module in (triton_qk_norm_rope_cache, triton_rms_norm):
+        monkeypatch.setattr(module, "pdl_enabled", lambda device: True)
+    heads, kv_heads, head = 4, 2, 64
+    x = torch.zeros(2, 3, head, dtype=torch.bfloat16)
+    qkv = torch.zeros(2, (heads + 2 * kv_heads) * head, dtype=torch.bfloat16)
+    cos_sin, slots = torch.zeros(64, head // 2), torch.zeros(2, dtype=torch.long)
+    cache = torch.zeros(2, 4, 16, kv_heads, head, dtype=torch.bfloat16)
+    norm_weights = (torch.ones(head, dtype=torch.bfloat16),) * 2
+    strided_weight = torch.ones(2 * head, dtype=torch.bfloat16)[::2]
+    strided_positions = torch.zeros(4, dtype=torch.long)[::2]
+    with compiled_launches(("cuda", 90, 32)) as launches, TorchOps() as ops:
+        triton_rms_norm.rms_norm_triton(x, strided_weight, 1e-6)
+        triton_qk_norm_rope_cache.qk_norm_rope_cache(
+            qkv, strided_positions, cos_sin, cos_sin, norm_weights, 1e-6, cache, slots,
+            heads, kv_heads)
+    assert [launch.kernel for launch in launches] == ["_rms_norm_kernel",
+                                                      "_qk_norm_rope_cache_kernel"]
+    assert not {"clone", "copy_", "contiguous"} & set(ops.names), ops.names
+
 # A tiny Qwen3-MoE whose attention every GPU backend takes (decode in CUDA graphs): top-8 of
 # 16 experts, routed by the routing kernel into the fused experts.
 TINY_MOE = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,

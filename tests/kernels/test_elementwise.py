@@ -100,6 +100,13 @@ def check_qk_norm(tokens: int, num_heads: int, num_kv_heads: int, head_size: int
         assert_matches(out, rms_norm_reference(heads, weight, 1e-6)[0])
 
 
+def every_other_element(t: torch.Tensor) -> torch.Tensor:
+    """A view of 1-D ``t``'s values with stride 2: the kernels read norm weights and
+    positions where they lie, never a copy (kernels/pdl.py: they read them before PDL's
+    wait, and a copy would be the kernel launched right before)."""
+    return torch.stack([t, t], dim=-1)[:, 0]
+
+
 def rotary_inputs(tokens: int, num_heads: int, num_kv_heads: int, head_size: int,
                   dtype: torch.dtype, device: str, positions_dtype: torch.dtype):
     """(positions, q and k as slices of a fused qkv output, the layer's cos/sin caches)."""
@@ -191,13 +198,14 @@ def _kernel_signatures(dtype: str) -> list[tuple[object, dict[str, str], dict[st
     rms = {"x_ptr": act, "residual_ptr": act, "weight_ptr": act, "out_ptr": act,
            "new_residual_ptr": act, **dict.fromkeys(
                ["rows_per_group", "x_group_stride", "x_row_stride", "r_group_stride",
-                "r_row_stride", "width"], "i32"),
+                "r_row_stride", "weight_stride", "width"], "i32"),
            "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr",
            "UNIT_OFFSET": "constexpr", "PDL": "constexpr"}
     rotary = {"positions_ptr": "*i64", **dict.fromkeys(
                   ["q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr"], act),
               "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(
-                  ["q_stride", "k_stride", "q_out_stride", "k_out_stride", "cache_stride"], "i32"),
+                  ["positions_stride", "q_stride", "k_stride", "q_out_stride", "k_out_stride",
+                   "cache_stride"], "i32"),
               **dict.fromkeys(["NUM_Q_HEADS", "NUM_K_HEADS", "HEAD_SIZE", "Q_HEADS_BLOCK",
                                "K_HEADS_BLOCK", "HALF_BLOCK"], "constexpr")}
     gated = {"x_ptr": act, "out_ptr": act, "x_stride": "i32", "width": "i32",
@@ -293,6 +301,17 @@ else:
 
     def test_rotary_head_size_not_a_power_of_two():
         check_rotary(5, 4, 2, 80, torch.bfloat16, "cpu", inplace=False)
+
+    def test_strided_norm_weight_and_positions():
+        x, weight = torch.randn(3, 96, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+        positions, q, k, cos, sin = rotary_inputs(5, 4, 2, 64, torch.bfloat16, "cpu", torch.long)
+        with forced_fused_route("triton"):
+            out, _ = rms_norm(x, every_other_element(weight), 1e-5)
+            rotated = apply_rotary(every_other_element(positions), q, k, cos, sin)
+        assert_matches(out, rms_norm_reference(x, weight, 1e-5)[0])
+        for got, expected in zip(rotated, rotary_reference(positions, q, k, cos, sin),
+                                 strict=True):
+            assert_matches(got, expected)
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("intermediate", [100, 3072])

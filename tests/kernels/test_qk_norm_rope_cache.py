@@ -82,13 +82,17 @@ def assert_rotated_match(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def check_fused_preamble(tokens: int, num_heads: int, num_kv_heads: int, head_size: int,
-                         dtype: torch.dtype, device: str, qk_norm: bool) -> None:
+                         dtype: torch.dtype, device: str, qk_norm: bool,
+                         strided_positions: bool = False) -> None:
+    from test_elementwise import every_other_element
+
     qkv, positions, rope, weights, cache, slots = preamble_case(
         tokens, num_heads, num_kv_heads, head_size, dtype, device, qk_norm)
     expected_q, expected_cache = unfused_reference(qkv, positions, rope, weights, cache, slots,
                                                    num_heads, num_kv_heads)
+    given = every_other_element(positions) if strided_positions else positions
     with forced_fused_route("triton"):
-        q, k, v = attention_preamble(qkv, positions, rope.cos_cache, rope.sin_cache, weights,
+        q, k, v = attention_preamble(qkv, given, rope.cos_cache, rope.sin_cache, weights,
                                      1e-6, num_heads, num_kv_heads, cache, slots, True)
     assert k is None and v is None, "the fused path writes k and v itself"
     assert_rotated_match(q, expected_q)
@@ -157,9 +161,9 @@ def test_kernel_compiles_for_gpu_targets(target):
     signature = {"qkv_ptr": act, "positions_ptr": "*i64", "cos_ptr": "*fp32",
                  "sin_ptr": "*fp32", "q_weight_ptr": act, "k_weight_ptr": act,
                  "q_out_ptr": act, "cache_ptr": act, "slot_mapping_ptr": "*i64",
-                 **dict.fromkeys(["qkv_stride", "q_out_stride", "cos_stride", "stride_cache_kv",
-                                  "stride_cache_block", "stride_cache_token",
-                                  "stride_cache_head"], "i32"),
+                 **dict.fromkeys(["positions_stride", "qkv_stride", "q_out_stride",
+                                  "cos_stride", "stride_cache_kv", "stride_cache_block",
+                                  "stride_cache_token", "stride_cache_head"], "i32"),
                  "eps": "fp32", **dict.fromkeys(
                      ["NUM_Q_HEADS", "NUM_KV_HEADS", "HEAD_SIZE", "BLOCK_SIZE",
                       "Q_HEADS_BLOCK", "KV_HEADS_BLOCK", "HALF_BLOCK", "HAS_NORM", "PDL"],
@@ -198,6 +202,9 @@ else:
     def test_fused_preamble_odd_heads_and_head_size():
         # 3 query heads, 1 KV head, head size 80: every tile is masked.
         check_fused_preamble(2, 3, 1, 80, torch.bfloat16, "cpu", qk_norm=True)
+
+    def test_fused_preamble_reads_strided_positions():
+        check_fused_preamble(3, 4, 2, 32, torch.bfloat16, "cpu", True, strided_positions=True)
 
 
 # ---------------------------------------------------------------- GPU, real sizes

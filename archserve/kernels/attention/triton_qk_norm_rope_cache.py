@@ -52,7 +52,7 @@ def _norm_and_rotate(x1, x2, w1, w2, cos, sin, eps, HEAD_SIZE: tl.constexpr,
 @triton.jit
 def _qk_norm_rope_cache_kernel(
         qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr,
-        cache_ptr, slot_mapping_ptr, qkv_stride, q_out_stride, cos_stride,
+        cache_ptr, slot_mapping_ptr, positions_stride, qkv_stride, q_out_stride, cos_stride,
         stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head, eps,
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr,
@@ -66,8 +66,8 @@ def _qk_norm_rope_cache_kernel(
     # write. The positions and slots are the step's inputs, the rotary tables and the norm
     # weights constants; the position -> cos/sin chain is two dependent reads, now off the
     # path that starts when that kernel ends.
-    cos, sin = rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, cos_stride, cols,
-                              col_mask, dtype)
+    cos, sin = rotary_cos_sin(positions_ptr, positions_stride, token, cos_ptr, sin_ptr,
+                              cos_stride, cols, col_mask, dtype)
     qw1, qw2 = _norm_weight_halves(q_weight_ptr, cols, col_mask, HEAD_SIZE, HAS_NORM)
     kw1, kw2 = _norm_weight_halves(k_weight_ptr, cols, col_mask, HEAD_SIZE, HAS_NORM)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -148,8 +148,8 @@ def qk_norm_rope_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: to
     half_block = triton.next_power_of_2(head_size // 2)
     pdl = pdl_enabled(qkv.device)
     _qk_norm_rope_cache_kernel[(num_tokens,)](
-        qkv, positions.contiguous(), cos_cache, sin_cache, q_weight, k_weight, q,
-        kv_cache, slot_mapping, qkv.stride(0), q.stride(0), cos_cache.stride(0),
+        qkv, positions, cos_cache, sin_cache, q_weight, k_weight, q, kv_cache, slot_mapping,
+        positions.stride(0), qkv.stride(0), q.stride(0), cos_cache.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         float(eps),
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,

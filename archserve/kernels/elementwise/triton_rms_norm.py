@@ -39,7 +39,7 @@ def scale_normalized(x, inv_rms, w, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.conste
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
                      rows_per_group, x_group_stride, x_row_stride,
-                     r_group_stride, r_row_stride, width, eps,
+                     r_group_stride, r_row_stride, weight_stride, width, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
                      UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
@@ -49,8 +49,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     mask = cols < width
     in_dtype: tl.constexpr = x_ptr.dtype.element_ty
     # The norm's weight is a model weight, never written by the kernel before: requested
-    # before PDL's wait, it streams while that kernel drains (kernels/pdl.py).
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # before PDL's wait, it streams while that kernel drains (kernels/pdl.py). Read where
+    # it lies, strided or not: a copy made by the wrapper would be that kernel.
+    w = tl.load(weight_ptr + cols * weight_stride, mask=mask, other=0.0).to(tl.float32)
     pdl_start(PDL)
 
     x = tl.load(x_ptr + group * x_group_stride + inner * x_row_stride + cols,
@@ -97,8 +98,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(width)
     pdl = pdl_enabled(x.device)
     _rms_norm_kernel[(out.numel() // width,)](
-        x_rows, r_rows, weight.contiguous(), out, new_residual,
+        x_rows, r_rows, weight, out, new_residual,
         rows_per_group, x_group_stride, x_row_stride, r_group_stride, r_row_stride,
-        width, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, UNIT_OFFSET=unit_offset,
+        weight.stride(0), width, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        UNIT_OFFSET=unit_offset,
         PDL=pdl, num_warps=min(max(block // 256, 1), 16), **pdl_launch_options(pdl))
     return out, new_residual

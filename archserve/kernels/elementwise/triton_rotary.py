@@ -28,11 +28,13 @@ def rotate_halves(x1, x2, cos, sin, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, cache_stride, cols, col_mask,
-                   DTYPE: tl.constexpr):
+def rotary_cos_sin(positions_ptr, positions_stride, token, cos_ptr, sin_ptr, cache_stride,
+                   cols, col_mask, DTYPE: tl.constexpr):
     """One token's cos and sin rows [1, HALF_BLOCK], rounded to DTYPE (as the reference
-    casts the cache to the activations' dtype)."""
-    position = tl.load(positions_ptr + token).to(tl.int64)
+    casts the cache to the activations' dtype). The positions are read where they lie,
+    strided or not: the q/k-norm-rope-cache kernel reads them before PDL's wait, where a
+    copy made by its wrapper would be the kernel launched right before."""
+    position = tl.load(positions_ptr + token * positions_stride).to(tl.int64)
     cos = tl.load(cos_ptr + position * cache_stride + cols, mask=col_mask, other=0.0)
     sin = tl.load(sin_ptr + position * cache_stride + cols, mask=col_mask, other=0.0)
     return (round_to_dtype(cos.to(tl.float32), DTYPE),
@@ -58,7 +60,8 @@ def _rotate_heads(src_ptr, dst_ptr, cos, sin, NUM_HEADS: tl.constexpr,
 
 @triton.jit
 def _rotary_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-                   q_stride, k_stride, q_out_stride, k_out_stride, cache_stride,
+                   positions_stride, q_stride, k_stride, q_out_stride, k_out_stride,
+                   cache_stride,
                    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
                    HEAD_SIZE: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr,
                    K_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr):
@@ -66,8 +69,8 @@ def _rotary_kernel(positions_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, s
     cols = tl.arange(0, HALF_BLOCK)[None, :]
     col_mask = cols < HEAD_SIZE // 2
     dtype: tl.constexpr = q_ptr.dtype.element_ty
-    cos, sin = rotary_cos_sin(positions_ptr, token, cos_ptr, sin_ptr, cache_stride, cols,
-                              col_mask, dtype)
+    cos, sin = rotary_cos_sin(positions_ptr, positions_stride, token, cos_ptr, sin_ptr,
+                              cache_stride, cols, col_mask, dtype)
     _rotate_heads(q_ptr + token * q_stride, q_out_ptr + token * q_out_stride, cos, sin,
                   NUM_Q_HEADS, HEAD_SIZE, Q_HEADS_BLOCK, HALF_BLOCK)
     _rotate_heads(k_ptr + token * k_stride, k_out_ptr + token * k_out_stride, cos, sin,
@@ -104,7 +107,7 @@ def rotary_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     half_block = triton.next_power_of_2(head_size // 2)
     tile = max(q_heads_block, k_heads_block) * half_block
     _rotary_kernel[(num_tokens,)](
-        positions.contiguous(), q_in, k_in, q_out, k_out, cos_cache, sin_cache,
+        positions, q_in, k_in, q_out, k_out, cos_cache, sin_cache, positions.stride(0),
         q_in.stride(0), k_in.stride(0), q_out.stride(0), k_out.stride(0), cos_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_SIZE=head_size,
         Q_HEADS_BLOCK=q_heads_block, K_HEADS_BLOCK=k_heads_block, HALF_BLOCK=half_block,
