@@ -15,14 +15,18 @@ cannot write. Reading it early lets its bytes stream while that kernel drains:
 - model weights: the skinny GEMV's first tile, RMSNorm's and the q/k norms' weights;
 - the step's inputs and constants: positions, slots and rotary rows (q/k-norm-rope-cache
   kernel), query starts, lengths and block tables (decode attention, MLA decode);
-- KV rows cached by earlier steps, as an L2 prefetch (``prefetch_to_l2``: decode's and
-  MLA decode's first tile; held in registers the tile made them spill).
+- what an earlier kernel than the one right before wrote: the MoE down kernel's experts
+  and rows (the routing's and the sort's, before the gate/up kernel);
+- L2 prefetches (``prefetch_rows_to_l2``) of rows the kernel will read: decode's and MLA
+  decode's first tile of KV cached by earlier steps (held in registers, that tile made them
+  spill), and the first K tile of the MoE down kernel's expert weights.
 The step's inputs are written before its first kernel; where they are built on the device
 (MLA's mixed step gathers its decoding rows'), another kernel runs between that and the
 kernel that reads them, as in the start-up tuners, which make such operands first. Nor
 does a wrapper copy what its kernel reads early (a strided weight or positions): the copy
 would be the kernel launched right before; the kernel reads it through its stride. Nothing
-is stored before the wait (tests/engine/test_pdl.py reads the PTX of each kernel).
+is stored before the wait: tests/engine/test_pdl.py reads the SM90 PTX of the decode-side
+kernels (attention, norms, MLA, MoE), tests/kernels/test_skinny_gemm.py the GEMV's.
 
 On by default on NVIDIA SM90+ (measured on the H200: Qwen3-0.6B batch-1 step 0.987 ->
 0.909 ms, Llama-3-8B 4.318 -> 4.222 ms, same tokens and logprobs bit for bit);
