@@ -75,5 +75,30 @@ def note_compile(hook_kwargs: dict) -> None:
         # Triton's repr spans lines (one per argument): one line keeps it whole in the
         # logs that a tail or a grep reads.
         log.warning("Triton compiled a variant of %s after start-up (the warm-up did not "
-                    "reach this shape; its request waited for the compiler): %s", name,
-                    " ".join(str(hook_kwargs.get("repr", "")).split()))
+                    "reach this shape; its request waited for the compiler): %s%s", name,
+                    " ".join(str(hook_kwargs.get("repr", "")).split()),
+                    specialization(hook_kwargs))
+
+
+def specialization(hook_kwargs: dict) -> str:
+    """What made this variant, by argument name: the arguments Triton fixed to a value
+    (constexprs, integers equal to 1) and those it took as divisible by 16, from the hook's
+    ``compile`` payload; "" where the payload has another form (Triton 3.6's repr names
+    only the first argument, so the repr alone does not say which shape was missed)."""
+    payload = hook_kwargs.get("compile") or {}
+    params = getattr(getattr(hook_kwargs.get("fn"), "jit_function", None), "params", None) or []
+    names = [getattr(p, "name", str(p)) for p in params]
+
+    def arg(path) -> str:  # noqa: ANN001 - Triton keys arguments by (index,) tuples
+        index = path[0] if isinstance(path, tuple) and len(path) == 1 else path
+        return names[index] if isinstance(index, int) and 0 <= index < len(names) else str(path)
+    try:
+        fixed = [f"{arg(path)}={value}" for path, value in (payload.get("constants") or {}).items()]
+        divisible = sorted({arg(path) for config in payload.get("configs") or ()
+                            for path, attrs in dict(config).items()
+                            if any("divisibility" in str(a) for a in attrs)})
+    except (TypeError, ValueError, AttributeError):
+        return ""
+    parts = ([f"fixed {', '.join(fixed)}"] if fixed else []) + (
+        [f"divisible by 16: {', '.join(divisible)}"] if divisible else [])
+    return f" ({'; '.join(parts)})" if parts else ""
