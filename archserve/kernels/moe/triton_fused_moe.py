@@ -304,9 +304,9 @@ if triton is not None:
         # are never negative, so none returns early below (a masked expert id would leave
         # its counter short, and the next reduction on it would run too early).
         # Before PDL's wait (kernels/pdl.py): which expert and rows this program takes were
-        # written by the routing (and the sort) before the gate/up kernel, which is the
-        # kernel right before and writes only the activations. So the first K tile of the expert's weight is
-        # prefetched into L2 while gate/up drains.
+        # written by the routing (and the sort) before the gate/up kernel, the kernel right
+        # before, which writes only the activations. So the first K tile of the expert's
+        # weight is prefetched into L2 while gate/up drains.
         expert, rows, row_ok, cols, col_ok = _program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, PAIR_ROWS)
         w_base = w2_ptr + expert.to(tl.int64) * stride_we
