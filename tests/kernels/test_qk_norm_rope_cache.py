@@ -139,6 +139,24 @@ def test_fusion_switch(monkeypatch):
         fusion_enabled("no_such_fusion", "cpu")
 
 
+def test_strided_norm_weights_are_refused_by_the_fused_kernel():
+    """The kernel reads the q/k norm weights with stride 1: other layouts take the unfused
+    path, with the reason."""
+    from archserve.kernels.attention.triton_qk_norm_rope_cache import (
+        qk_norm_rope_cache_unsupported,
+    )
+    heads, kv_heads, head = 4, 2, 64
+    qkv = torch.zeros(2, (heads + 2 * kv_heads) * head, dtype=torch.bfloat16)
+    cos = torch.zeros(32, head // 2)
+    cache = torch.zeros(2, 4, 16, kv_heads, head, dtype=torch.bfloat16)
+    dense = torch.ones(head, dtype=torch.bfloat16)
+    strided = torch.ones(2 * head, dtype=torch.bfloat16)[::2]
+    assert qk_norm_rope_cache_unsupported(qkv, heads, kv_heads, head, cos, (dense, dense),
+                                          cache) is None
+    assert "stride" in qk_norm_rope_cache_unsupported(qkv, heads, kv_heads, head, cos,
+                                                      (dense, strided), cache)
+
+
 def test_cpu_tensors_take_the_unfused_path():
     check_unfused_path("cpu", None)
 

@@ -124,8 +124,8 @@ def qk_norm_rope_cache_unsupported(qkv: torch.Tensor, num_heads: int, num_kv_hea
             or kv_cache.stride(-1) != 1:
         return f"KV cache of shape {tuple(kv_cache.shape)}"
     if norm_weights is not None and any(w.dtype != qkv.dtype or w.shape != (head_size,)
-                                        for w in norm_weights):
-        return "q/k norm weights of another dtype or size than the heads"
+                                        or w.stride(0) != 1 for w in norm_weights):
+        return "q/k norm weights of another dtype, size or stride than the heads"
     return None
 
 
