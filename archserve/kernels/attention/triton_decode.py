@@ -89,9 +89,10 @@ def online_softmax_step(acc, l_i, m_i, scores, v, DOT_DTYPE: tl.constexpr,
 def decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
                        SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
                        BLOCK_N: tl.constexpr):
-    """(the sequence's query row, its query length, and the keys [lo, hi) of split
-    ``split``): the context (its last SLIDING_WINDOW tokens, with a window) cut into
-    NUM_SPLITS spans of whole BLOCK_N tiles."""
+    """(the sequence's query row, its query length, the keys [lo, hi) of split ``split``,
+    and the first position this step writes): the context (its last SLIDING_WINDOW tokens,
+    with a window) cut into NUM_SPLITS spans of whole BLOCK_N tiles; the keys before the
+    first written position were cached by earlier steps."""
     token = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - token
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -104,7 +105,7 @@ def decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
     tokens_per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = context_start + split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, seq_len)
-    return token, query_len, lo, hi
+    return token, query_len, lo, hi, seq_len - query_len
 
 
 @triton.jit
@@ -206,13 +207,13 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     split = tl.program_id(2)
     # The metadata is never written by the kernel before (kernels/pdl.py): read before
     # PDL's wait.
-    token, query_len, lo, hi = decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
-                                                  SLIDING_WINDOW, NUM_SPLITS, BLOCK_N)
+    token, query_len, lo, hi, first_new = decode_split_range(
+        query_start_loc_ptr, seq_lens_ptr, seq, split, SLIDING_WINDOW, NUM_SPLITS, BLOCK_N)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     k_base = cache_ptr + kv_head * stride_cache_head
     prefetch_first_tile(k_base, k_base + stride_cache_kv, block_table_row, lo, hi,
-                        tl.load(seq_lens_ptr + seq) - query_len, stride_cache_block,
-                        stride_cache_token, BLOCK_SIZE, BLOCK_N, HEAD_SIZE, BLOCK_D, True, PDL)
+                        first_new, stride_cache_block, stride_cache_token, BLOCK_SIZE,
+                        BLOCK_N, HEAD_SIZE, BLOCK_D, True, PDL)
     pdl_start(PDL)
 
     offs_g = tl.arange(0, BLOCK_G)

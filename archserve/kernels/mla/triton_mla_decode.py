@@ -70,13 +70,12 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     split = tl.program_id(2)
     # Metadata and older latents before PDL's wait, as in triton_decode's kernel (a row is
     # KV_RANK + ROPE <= 2 * BLOCK_L values).
-    token, query_len, lo, hi = decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
-                                                  0, NUM_SPLITS, BLOCK_N)
+    token, query_len, lo, hi, first_new = decode_split_range(
+        query_start_loc_ptr, seq_lens_ptr, seq, split, 0, NUM_SPLITS, BLOCK_N)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     prefetch_first_tile(cache_ptr, cache_ptr, block_table_row, lo, hi,
-                        tl.load(seq_lens_ptr + seq) - query_len, stride_cache_block,
-                        stride_cache_token, BLOCK_SIZE, BLOCK_N, KV_RANK + ROPE, 2 * BLOCK_L,
-                        False, PDL)
+                        first_new, stride_cache_block, stride_cache_token, BLOCK_SIZE, BLOCK_N,
+                        KV_RANK + ROPE, 2 * BLOCK_L, False, PDL)
     pdl_start(PDL)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
