@@ -6,6 +6,8 @@ import json
 import math
 from typing import Any
 
+from archserve.engine.phases import WAIT_FOR_DEVICE
+
 
 def json_safe(value: Any) -> Any:
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
@@ -64,10 +66,10 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
         host = result.get("host_ms_per_decode_step")
         if host:
             phases = ", ".join(f"{name} {ms:.3f}" for name, ms in host.items()
-                               if name not in ("busy", "step", "wait_for_device"))
+                               if name not in ("busy", "step", WAIT_FOR_DEVICE))
             rows.append(("host per decode step (ms)",
                          f"busy {host['busy']:.3f} ({phases}); waiting for the device "
-                         f"{host.get('wait_for_device', 0.0):.3f}"))
+                         f"{host.get(WAIT_FOR_DEVICE, 0.0):.3f}"))
         if result.get("ceilings_text"):
             rows.append(("ceilings used", result["ceilings_text"]))
         if result.get("compiled_while_running"):   # warm-up misses (kernels/jit_watch.py)

@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from archserve.engine.phases import collect_phase_times
-
-WAIT_PHASE = "wait_for_device"
+from archserve.engine.phases import WAIT_FOR_DEVICE, collect_phase_times
 
 
 @dataclass(frozen=True)
@@ -70,7 +68,7 @@ class StepTrace:
         means = {name: 1e3 * sum(s.phases.get(name, 0.0) for s in decode) / len(decode)
                  for name in names}
         step_ms = 1e3 * sum(s.seconds for s in decode) / len(decode)
-        return {**means, "busy": step_ms - means.get(WAIT_PHASE, 0.0), "step": step_ms}
+        return {**means, "busy": step_ms - means.get(WAIT_FOR_DEVICE, 0.0), "step": step_ms}
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from archserve.engine.cuda_graphs import describe_demoted
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.output_processor import OutputProcessor, RequestState
 from archserve.engine.outputs import RequestMetrics, RequestOutput
-from archserve.engine.phases import phase
+from archserve.engine.phases import WAIT_FOR_DEVICE, phase
 from archserve.engine.rank_memory import describe_rank_memory
 from archserve.engine.runner_setup import build_runner
 from archserve.engine.sampling_params import SamplingParams
@@ -305,7 +305,7 @@ class LLMEngine:
 
     def _finish(self, out: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for ``launched``'s tokens, give them to their sequences, build the outputs."""
-        with phase("wait_for_device"):
+        with phase(WAIT_FOR_DEVICE):
             try:
                 host = launched.wait()
             except BaseException:

@@ -22,7 +22,7 @@ from archserve.distributed.process_group import RankPlace
 from archserve.engine import startup
 from archserve.engine.config import EngineConfig
 from archserve.engine.launched_step import LaunchedStep
-from archserve.engine.phases import phase
+from archserve.engine.phases import WAIT_FOR_DEVICE, phase
 from archserve.engine.runner_setup import RunnerSetup, build_runner, peek_model_config
 from archserve.engine.scheduler import ScheduledSeq
 from archserve.platform.decision import Decision
@@ -79,7 +79,7 @@ class ParallelRunner:
                 ) -> LaunchedStep:
         wire = [ScheduledSeq(_wire_copy(c.seq), c.num_new_tokens, c.samples) for c in chunks]
         # The ranks run the step (their host and device work) while this process waits.
-        with phase("wait_for_device"):
+        with phase(WAIT_FOR_DEVICE):
             sampled_ids, host, prompt_lps = self.executor.call(("step", wire))[0]
         by_id = {c.seq.seq_id: c.seq for c in chunks}
         prompt_logprobs = [(by_id[seq_id], first, logprobs, targets)

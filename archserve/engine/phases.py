@@ -17,6 +17,9 @@ from collections.abc import Iterator
 from archserve.models.layers.forward_context import profiled_region
 
 PREFIX = "archserve::"
+# The host waiting for the device (a step's tokens, or a tensor-parallel step's ranks): the
+# part of a step that is not host work.
+WAIT_FOR_DEVICE = "wait_for_device"
 _totals: dict[str, float] | None = None   # seconds per phase, inside collect_phase_times
 
 
