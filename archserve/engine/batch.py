@@ -59,9 +59,9 @@ def host_to_device_many(arrays: list[np.ndarray], device: torch.device
             offset += padded
         packed = np.zeros(offset, dtype=dtype)
         start = 0
-        for i, size in zip(indices, pieces[::2], strict=True):
+        for i, size, padding in zip(indices, pieces[::2], pieces[1::2], strict=True):
             packed[start:start + size] = arrays[i].ravel()
-            start += -(-size // step) * step
+            start += size + padding
         # One split into every view (and the paddings between them): a slice per array
         # cost ~3 µs of host time each, a batch-1 decode step's largest host cost.
         views = host_to_device(packed, device).split_with_sizes(pieces)
