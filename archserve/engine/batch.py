@@ -1,17 +1,19 @@
 """Turn the scheduler's decision into the flattened tensors one forward pass needs.
 
 Work is per sequence (numpy slices), never per token in Python. Host arrays are
-assembled first and copied to the device in one pinned, non-blocking transfer per dtype.
+assembled first and copied to the device in one pinned, non-blocking transfer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from archserve.engine.scheduler import ScheduledSeq
+from archserve.engine.staging import StagingRing
 from archserve.kernels.attention.interface import AttentionMetadata
 
 
@@ -33,59 +35,32 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-_ALIGN_BYTES = 16
+Upload = Callable[[list[np.ndarray]], list[torch.Tensor]]   # host arrays in, device views out
 
 
-def host_to_device_many(arrays: list[np.ndarray], device: torch.device
-                        ) -> list[torch.Tensor]:
-    """Host arrays to the device in one ``host_to_device`` per dtype: packed back to back,
-    copied once, returned as views in their shapes and order. A step's batch is seven
-    small arrays, each its own pinned copy before (an H200 profile of a batch-1 step gave
-    building the batch 0.585 ms of host time); they travel as two."""
-    by_dtype: dict[np.dtype, list[int]] = {}
-    for i, a in enumerate(arrays):
-        by_dtype.setdefault(a.dtype, []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(arrays)
-    for dtype, indices in by_dtype.items():
-        # Each view starts on a 16-byte boundary, as a tensor of its own would: Triton
-        # specialises pointers by that alignment, and a misaligned view would compile
-        # another variant of a kernel on the serving path.
-        step = max(1, _ALIGN_BYTES // dtype.itemsize)
-        pieces, offset = [], 0     # (size, padding) of each array, back to back
-        for i in indices:
-            size = arrays[i].size
-            padded = -(-size // step) * step
-            pieces += [size, padded - size]
-            offset += padded
-        packed = np.zeros(offset, dtype=dtype)
-        start = 0
-        for i, size, padding in zip(indices, pieces[::2], pieces[1::2], strict=True):
-            packed[start:start + size] = arrays[i].ravel()
-            start += size + padding
-        # One split into every view (and the paddings between them): a slice per array
-        # cost ~3 µs of host time each, a batch-1 decode step's largest host cost.
-        views = host_to_device(packed, device).split_with_sizes(pieces)
-        for i, view in zip(indices, views[::2], strict=True):
-            out[i] = view if arrays[i].ndim == 1 else view.view(arrays[i].shape)
-    return out  # type: ignore[return-value]
-
-
-def _uploader(device: torch.device, also: list[np.ndarray], moved: list[torch.Tensor]):
+def _uploader(upload: Upload, also: list[np.ndarray], moved: list[torch.Tensor]) -> Upload:
     """An ``upload`` for AttentionMetadata.from_lengths that carries ``also`` (the batch's
-    own arrays) in the same transfers; their device tensors are appended to ``moved``."""
-    def upload(arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        tensors = host_to_device_many([*arrays, *also], device)
+    own arrays) in the same transfer; their device tensors are appended to ``moved``."""
+    def upload_with(arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        tensors = upload([*arrays, *also])
         moved.extend(tensors[len(arrays):])
         return tensors[:len(arrays)]
-    return upload
+    return upload_with
+
+
+# A block table's width is rounded up to this many blocks: the staging ring makes a batch's
+# views once per run of steps of the same shapes, and a width that grew with every block
+# (each 16 tokens of a sequence) would make them every few steps. The padding is block 0,
+# never read: a kernel reads a sequence's blocks below its length only.
+TABLE_WIDTH_STEP = 16
 
 
 def _block_table_matrix(tables: list[list[int]]) -> np.ndarray:
-    width = max(1, max(map(len, tables)))
+    width = -(-max(1, max(map(len, tables))) // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP
     return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
 
 
-def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.device
+def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRing
                        ) -> ModelBatch:
     """The common step of a busy server: one new token per sequence, every one sampled.
 
@@ -105,18 +80,21 @@ def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, device: torc
     meta = AttentionMetadata.from_lengths(np.ones(n, dtype=np.int32),
                                           np.asarray(positions, dtype=np.int32) + 1,
                                           _block_table_matrix(tables),
-                                          np.asarray(slot_mapping, dtype=np.int64), device,
-                                          upload=_uploader(device, own, moved))
+                                          np.asarray(slot_mapping, dtype=np.int64),
+                                          staging.device,
+                                          upload=_uploader(staging.upload, own, moved))
     input_ids, positions_t, logits_indices = moved
     return ModelBatch(input_ids=input_ids, positions=positions_t, meta=meta,
                       logits_indices=logits_indices, sampled_seqs=seqs,
                       prompt_logprob_rows=[])
 
 
-def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.device
+def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRing
                 ) -> ModelBatch:
+    """The step's tensors, moved to the device in one transfer through ``staging`` (the
+    runner's: engine/staging.py)."""
     if all(c.num_new_tokens == 1 and c.samples for c in chunks):
-        return build_decode_batch(chunks, block_size, device)
+        return build_decode_batch(chunks, block_size, staging)
     num_tokens = sum(c.num_new_tokens for c in chunks)
     num_seqs = len(chunks)
     input_ids = np.empty(num_tokens, dtype=np.int64)
@@ -156,7 +134,8 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, device: torch.devic
     moved: list[torch.Tensor] = []
     own = [input_ids, positions, np.asarray(logits_rows, dtype=np.int64)]
     meta = AttentionMetadata.from_lengths(query_lens, seq_lens, block_tables, slot_mapping,
-                                          device, upload=_uploader(device, own, moved))
+                                          staging.device,
+                                          upload=_uploader(staging.upload, own, moved))
     input_ids_t, positions_t, logits_indices = moved
     return ModelBatch(input_ids=input_ids_t, positions=positions_t, meta=meta,
                       logits_indices=logits_indices, sampled_seqs=sampled_seqs,

@@ -52,6 +52,14 @@ class GraphSet:
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
 
 
+def load_block_tables(static: torch.Tensor, tables: torch.Tensor) -> None:
+    """Copy a batch's block tables into the first rows of a graph's ``static`` ones. A batch
+    table wider than the static one (engine/batch.py rounds widths up) is cut: its columns
+    past a sequence's longest possible table are padding."""
+    width = min(tables.shape[1], static.shape[1])
+    static[:tables.shape[0], :width].copy_(tables[:, :width], non_blocking=True)
+
+
 def describe_demoted(sizes: list[int], demoted: dict[int, str]) -> str:
     """What a demoted size's batches run: the next larger captured graph, else eager."""
     parts = []
@@ -224,11 +232,11 @@ class DecodeGraphRunner(StaticGraphRunner):
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
         self.slot_mapping[:b].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[b:size].fill_(-1)
         self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
-        self.seq_lens[b:size].fill_(1)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
-        self.block_tables[b:size].zero_()
+        load_block_tables(self.block_tables, meta.block_tables)
+        if b < size:   # rows the graph runs past the batch: no cache write, one key each
+            self.slot_mapping[b:size].fill_(-1)
+            self.seq_lens[b:size].fill_(1)
+            self.block_tables[b:size].zero_()
         self.set.graphs[size].replay()
         return self.output[:b]

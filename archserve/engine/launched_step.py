@@ -18,10 +18,11 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from archserve.engine.batch import ModelBatch, host_to_device
+from archserve.engine.batch import ModelBatch
 from archserve.engine.sampler import SamplerOutput
 from archserve.engine.scheduler import ScheduledSeq
 from archserve.engine.sequence import Sequence
+from archserve.engine.staging import StagingRing
 
 
 @dataclass
@@ -73,7 +74,7 @@ class LaunchedStep:
         return int(host.sampled_token_ids[self.row_of[seq.seq_id]])
 
     def feed_pending_inputs(self, batch: ModelBatch, chunks: list[ScheduledSeq],
-                            device: torch.device) -> None:
+                            staging: StagingRing) -> None:
         """Overwrite ``batch``'s placeholder input ids with this step's sampled tokens."""
         rows: list[int] = []
         sources: list[int] = []
@@ -93,5 +94,11 @@ class LaunchedStep:
             row += chunk.num_new_tokens
         if not rows:
             return
-        pairs = host_to_device(np.asarray([rows, sources], dtype=np.int64), device)
-        batch.input_ids[pairs[0]] = self.result.sampled_token_ids[pairs[1]]
+        sampled = self.result.sampled_token_ids
+        if rows == sources == list(range(len(rows))):
+            # Row i takes this step's row i (a decode batch whose order held): one copy,
+            # without the index upload and the gather and scatter kernels.
+            batch.input_ids[:len(rows)].copy_(sampled[:len(rows)])
+            return
+        (pairs,) = staging.upload([np.asarray([rows, sources], dtype=np.int64)])
+        batch.input_ids[pairs[0]] = sampled[pairs[1]]

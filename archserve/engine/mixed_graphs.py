@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from archserve.engine.cuda_graphs import StaticGraphRunner, replay_mismatch
+from archserve.engine.cuda_graphs import StaticGraphRunner, load_block_tables, replay_mismatch
 from archserve.kernels.attention.interface import AttentionMetadata
 
 # Steps of 2x up to 32, then 1.5x and 1.33x: a step pads by less than half its bucket, and
@@ -139,8 +139,7 @@ class MixedGraphRunner(StaticGraphRunner):
         self.seq_lens[:s].copy_(meta.seq_lens, non_blocking=True)
         self.seq_lens[s:s + 1].fill_(pad)
         self.seq_lens[s + 1:seqs].zero_()
-        width = meta.block_tables.shape[1]
-        self.block_tables[:s, :width].copy_(meta.block_tables, non_blocking=True)
+        load_block_tables(self.block_tables, meta.block_tables)
         self.block_tables[s:seqs].zero_()
         n = logits_indices.shape[0]
         self.logits_rows[:n].copy_(logits_indices, non_blocking=True)

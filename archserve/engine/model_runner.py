@@ -20,6 +20,7 @@ from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.mixed_graphs import MixedGraphRunner, mixed_graph_buckets
 from archserve.engine.phases import phase
 from archserve.engine.scheduler import ScheduledSeq
+from archserve.engine.staging import StagingRing
 from archserve.kernels.attention.interface import AttentionMetadata
 from archserve.kernels.linear.skinny_choice import decode_graph_scope
 from archserve.models.layers.forward_context import ForwardContext, set_forward_context
@@ -88,6 +89,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = (max_model_len + block_size - 1) // block_size
         self.sampler = sampler
+        self.staging = StagingRing(device)   # each step's batch reaches the device through it
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache_dtype = "auto"
         self.graphs: DecodeGraphRunner | None = None
@@ -285,9 +287,9 @@ class ModelRunner:
         """
         self._capture_after_calibration()
         with phase("build_batch"):
-            batch = build_batch(chunks, self.block_size, self.device)
+            batch = build_batch(chunks, self.block_size, self.staging)
             if previous is not None:
-                previous.feed_pending_inputs(batch, chunks, self.device)
+                previous.feed_pending_inputs(batch, chunks, self.staging)
         with phase("forward"):
             row_logits = self.replay_decode_graph(batch)
             sampled_logits = None if row_logits is not None else self.replay_mixed_graph(batch)

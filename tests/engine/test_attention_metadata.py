@@ -25,27 +25,13 @@ def test_metadata_follows_from_the_lengths():
     assert (empty.num_seqs, empty.max_query_len, empty.query_start_loc.tolist()) == (0, 0, [0])
 
 
-def test_a_batch_travels_in_one_transfer_per_dtype_as_aligned_views():
-    """build_batch's arrays reach the device packed (one copy per dtype), each a view that
-    starts on a 16-byte boundary (Triton specialises pointers by it), with its values and
-    shape; the metadata built through that upload equals the one built without it."""
-    from archserve.engine.batch import host_to_device_many
-    arrays = [np.arange(3, dtype=np.int32), np.arange(5, dtype=np.int64),
-              np.arange(6, dtype=np.int32).reshape(2, 3), np.zeros(0, dtype=np.int64),
-              np.arange(7, dtype=np.int64)]
-    tensors = host_to_device_many(arrays, torch.device("cpu"))
-    for array, tensor in zip(arrays, tensors, strict=True):
-        assert tensor.shape == array.shape and tensor.numpy().tolist() == array.tolist()
-        assert tensor.data_ptr() % 16 == 0
-    bases = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
-    assert len(bases) == 2   # int32 and int64: two transfers
-
+def test_metadata_built_through_an_upload_equals_the_plain_one():
+    from archserve.engine.staging import StagingRing
     tables = np.array([[3, 4], [7, 0], [9, 1]], dtype=np.int32)
     slots = np.arange(6, dtype=np.int64)
     plain = AttentionMetadata.from_lengths([3, 1, 2], [10, 5, 2], tables, slots, "cpu")
-    packed = AttentionMetadata.from_lengths(
-        [3, 1, 2], [10, 5, 2], tables, slots, "cpu",
-        upload=lambda a: host_to_device_many(a, torch.device("cpu")))
+    packed = AttentionMetadata.from_lengths([3, 1, 2], [10, 5, 2], tables, slots, "cpu",
+                                            upload=StagingRing(torch.device("cpu")).upload)
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         assert torch.equal(getattr(plain, name), getattr(packed, name)), name
 
