@@ -98,6 +98,10 @@ class SamplingBatch:
         """``pending_token(seq)``: the value of ``seq``'s pending token, from the step still
         in flight (asynchronous scheduling); only a grammar row asks for it, after this
         step's forward pass is queued, so waiting for it overlaps that pass."""
+        if all(s.sampling_params.plain_greedy
+               and s.num_output_tokens >= s.sampling_params.min_tokens for s in seqs):
+            # The common batch-1 case, and a greedy server's: an argmax, nothing on the device.
+            return cls(temperature=None, greedy=None, all_greedy=True)
         device = torch.device(device)
         n = len(seqs)
         # One host array, one transfer: temperature, top_p, min_p, rep, freq, presence, greedy.

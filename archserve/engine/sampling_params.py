@@ -133,6 +133,15 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy, and nothing else shapes the row's argmax or asks for more than the token
+        (no penalty, bias, allowed list, grammar or logprobs). Stop tokens held back by
+        ``min_tokens`` depend on the sequence: SamplingBatch.from_sequences checks them."""
+        return (self.greedy and self.logprobs is None and self.structured_outputs is None
+                and not self.logit_bias and self.allowed_token_ids is None
+                and not self.needs_output_token_values)
+
+    @property
     def needs_output_token_values(self) -> bool:
         """Sampling reads the generated tokens themselves (penalties), not just their count.
 

@@ -264,3 +264,24 @@ def test_allowed_token_ids_restrict_only_their_row():
     logits[:, 8] = 1.0
     out = Sampler().sample(logits, [only, free])
     assert out.sampled_token_ids.tolist() == [8, 3]
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(seed=7, top_k=5, top_p=0.5, min_p=0.1)])
+def test_a_plain_greedy_batch_is_an_argmax_with_nothing_on_the_device(extra):
+    """Greedy rows whose argmax nothing else shapes take the short way (no per-row arrays);
+    each feature that does shape it, or asks for more, takes the full one."""
+    plain = SamplingParams(temperature=0, **extra)
+    batch = SamplingBatch.from_sequences(seqs_for(plain, plain), 8, "cpu")
+    assert batch.all_greedy and batch.max_num_logprobs == -1
+    assert all(getattr(batch, name) is None for name in (
+        "temperature", "greedy", "top_k", "top_p", "min_p", "blocked_rows", "bias_rows",
+        "allowed_mask", "grammar_rows", "output_counts", "repetition_mask"))
+    logits = torch.randn(2, 8)
+    assert sample(logits, seqs_for(plain, plain)).sampled_token_ids.tolist() == \
+        logits.argmax(-1).tolist()
+    shaped = {"logprobs": 0, "logit_bias": {1: 5.0}, "allowed_token_ids": [1, 2],
+              "repetition_penalty": 1.2, "presence_penalty": 0.5,
+              "min_tokens": 2, "temperature": 0.7}
+    for name, value in shaped.items():
+        params = SamplingParams(**{"temperature": 0, **extra, name: value})
+        assert not (params.plain_greedy and params.min_tokens == 0), name
