@@ -55,8 +55,15 @@ def _uploader(upload: Upload, also: list[np.ndarray], moved: list[torch.Tensor])
 TABLE_WIDTH_STEP = 16
 
 
+def block_table_width(num_blocks: int) -> int:
+    """The width of a block table whose longest row has ``num_blocks`` blocks: every table
+    the engine builds (batches, warm-up probes, graphs' static ones) has such a width, so
+    a kernel specialised on the row stride at warm-up meets the same one when serving."""
+    return -(-max(1, num_blocks) // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP
+
+
 def _block_table_matrix(tables: list[list[int]]) -> np.ndarray:
-    width = -(-max(1, max(map(len, tables))) // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP
+    width = block_table_width(max(map(len, tables)))
     return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
 
 

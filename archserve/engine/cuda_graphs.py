@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from archserve.engine.batch import block_table_width
 from archserve.kernels.attention.interface import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,9 @@ class GraphSet:
 
 
 def load_block_tables(static: torch.Tensor, tables: torch.Tensor) -> None:
-    """Copy a batch's block tables into the first rows of a graph's ``static`` ones. A batch
-    table wider than the static one (engine/batch.py rounds widths up) is cut: its columns
-    past a sequence's longest possible table are padding."""
-    width = min(tables.shape[1], static.shape[1])
-    static[:tables.shape[0], :width].copy_(tables[:, :width], non_blocking=True)
+    """Copy a batch's block tables into the first rows and columns of a graph's ``static``
+    ones (as wide as the longest table a sequence can have, rounded as a batch's is)."""
+    static[:tables.shape[0], :tables.shape[1]].copy_(tables, non_blocking=True)
 
 
 def describe_demoted(sizes: list[int], demoted: dict[int, str]) -> str:
@@ -198,7 +197,8 @@ class DecodeGraphRunner(StaticGraphRunner):
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((n, block_table_width(max_blocks_per_seq)),
+                                        dtype=torch.int32, device=device)
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(

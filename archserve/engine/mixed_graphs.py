@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from archserve.engine.batch import block_table_width
 from archserve.engine.cuda_graphs import StaticGraphRunner, load_block_tables, replay_mismatch
 from archserve.kernels.attention.interface import AttentionMetadata
 
@@ -86,7 +87,7 @@ class MixedGraphRunner(StaticGraphRunner):
         self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
         self.max_blocks_per_seq = max_blocks_per_seq
         # The padding sequence's context is up to a whole bucket of tokens.
-        width = max(max_blocks_per_seq, -(-max_tokens // block_size))
+        width = block_table_width(max(max_blocks_per_seq, -(-max_tokens // block_size)))
         self.block_tables = torch.zeros((seqs, width), dtype=torch.int32, device=device)
         self.logits_rows = torch.zeros(seqs, dtype=torch.long, device=device)
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from archserve.engine.batch import ModelBatch, build_batch, host_to_device
+from archserve.engine.batch import ModelBatch, block_table_width, build_batch, host_to_device
 from archserve.engine.cuda_graphs import DecodeGraphRunner, describe_demoted
 from archserve.engine.kv_cache import model_kv_caches
 from archserve.engine.launched_step import LaunchedStep
@@ -181,7 +181,7 @@ class ModelRunner:
         (as the step would run when serving), else it runs eagerly."""
         lens = [num_tokens] if isinstance(num_tokens, int) else list(num_tokens)
         dev = self.device
-        width = -(-max(lens) // self.block_size)
+        width = block_table_width(-(-max(lens) // self.block_size))
         meta = AttentionMetadata.from_lengths(
             lens, lens, torch.zeros((len(lens), width), dtype=torch.int32, device=dev),
             torch.full((sum(lens),), -1, dtype=torch.long, device=dev), dev)
