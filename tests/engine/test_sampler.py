@@ -279,9 +279,14 @@ def test_a_plain_greedy_batch_is_an_argmax_with_nothing_on_the_device(extra):
     logits = torch.randn(2, 8)
     assert sample(logits, seqs_for(plain, plain)).sampled_token_ids.tolist() == \
         logits.argmax(-1).tolist()
+    from archserve.structured.params import StructuredOutputsParams
     shaped = {"logprobs": 0, "logit_bias": {1: 5.0}, "allowed_token_ids": [1, 2],
-              "repetition_penalty": 1.2, "presence_penalty": 0.5,
-              "min_tokens": 2, "temperature": 0.7}
+              "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.3,
+              "temperature": 0.7, "structured_outputs": StructuredOutputsParams(regex="a+")}
     for name, value in shaped.items():
-        params = SamplingParams(**{"temperature": 0, **extra, name: value})
-        assert not (params.plain_greedy and params.min_tokens == 0), name
+        assert not SamplingParams(**{"temperature": 0, **extra, name: value}).plain_greedy, name
+    # min_tokens depends on the sequence: below it, its stop tokens are blocked.
+    early = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[4], **extra)
+    assert SamplingBatch.from_sequences(seqs_for(early), 8, "cpu").blocked_rows is not None
+    done = SamplingBatch.from_sequences(seqs_for(early, outputs=(1, 1)), 8, "cpu")
+    assert done.all_greedy and done.blocked_rows is None
