@@ -100,8 +100,8 @@ class StagingRing:
         self._regions: list[_Region | None] = [None] * slots
         self._next = 0
 
-    def _layout(self, arrays: list[np.ndarray]) -> _Layout:
-        """The next region in turn, ready to be written: its layout for ``arrays``."""
+    def _next_region(self, arrays: list[np.ndarray]) -> tuple[_Region, _Layout]:
+        """The next region in turn, ready to be written, and its layout for ``arrays``."""
         i = self._next
         self._next = (i + 1) % self.slots
         region = self._regions[i]
@@ -109,27 +109,26 @@ class StagingRing:
         if region is not None and region.copied is not None:
             region.copied.synchronize()   # its previous copy out: done long ago in practice
         if region is not None and region.layout is not None and region.layout.key == key:
-            return region.layout
+            return region, region.layout
         nbytes = max(layout_bytes(arrays), ALIGN_BYTES)
         if region is None or region.nbytes < nbytes:
             # Grown by doubling, so a long prompt does not reallocate step after step. The
-            # old region's memory stays safe: torch frees pinned and device memory only
-            # once the copies and kernels queued on it are done.
+            # old region's memory stays safe: torch's allocators reuse freed device memory
+            # in stream order only, and freed pinned memory once the copies out of it ran.
             size = max(nbytes, self._initial_bytes, 2 * (region.nbytes if region else 0))
             region = self._regions[i] = _Region(size, self.device)
         region.layout = _Layout(region, key, arrays)
-        return region.layout
+        return region, region.layout
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """``arrays`` on the device, in their shapes and order: views of one region, copied
         in one transfer (see the module's note for how long they stay valid)."""
-        layout = self._layout(arrays)
+        region, layout = self._next_region(arrays)
         for host, array in zip(layout.host_views, arrays, strict=True):
             host[...] = array
         on_cuda = self.device.type == "cuda"
         layout.device_bytes.copy_(layout.host_bytes, non_blocking=on_cuda)
         if on_cuda:
-            region = self._regions[(self._next - 1) % self.slots]
             region.copied = region.copied or torch.cuda.Event()
             region.copied.record(torch.cuda.current_stream(self.device))
         return list(layout.device_views)
