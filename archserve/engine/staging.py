@@ -62,11 +62,10 @@ class _Layout:
         device_views: list[torch.Tensor | None] = [None] * len(arrays)
         end = 0
         for dtype, indices in by_dtype.items():
-            step = max(1, ALIGN_BYTES // dtype.itemsize)
             pieces = []       # each array and the gap after it, in elements
             for i in indices:
-                size = arrays[i].size
-                pieces += [size, -(-size // step) * step - size]
+                a = arrays[i]
+                pieces += [a.size, (_padded_bytes(a) - a.nbytes) // dtype.itemsize]
             count = sum(pieces)
             host = host_bytes[end:end + count * dtype.itemsize].view(dtype)
             device = region.device[end:end + count * dtype.itemsize].view(_torch_dtype(dtype))
@@ -83,10 +82,9 @@ class _Layout:
         self.device_bytes = region.device[:end]
 
 
-def layout_bytes(arrays: list[np.ndarray]) -> int:
-    """The bytes an upload of ``arrays`` takes: each dtype's arrays back to back, each
-    padded to ALIGN_BYTES."""
-    return sum(-(-a.nbytes // ALIGN_BYTES) * ALIGN_BYTES for a in arrays)
+def _padded_bytes(array: np.ndarray) -> int:
+    """The bytes ``array`` takes in a region: its own, padded so the next starts aligned."""
+    return -(-array.nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 class StagingRing:
@@ -110,7 +108,7 @@ class StagingRing:
             region.copied.synchronize()   # its previous copy out: done long ago in practice
         if region is not None and region.layout is not None and region.layout.key == key:
             return region, region.layout
-        nbytes = max(layout_bytes(arrays), ALIGN_BYTES)
+        nbytes = max(sum(map(_padded_bytes, arrays)), ALIGN_BYTES)
         if region is None or region.nbytes < nbytes:
             # Grown by doubling, so a long prompt does not reallocate step after step. The
             # old region's memory stays safe: torch's allocators reuse freed device memory
