@@ -119,6 +119,13 @@ step mla_engine_nopdl 80 200 env ARCHSERVE_PDL=0 python3 benchmarks/mla_perf.py 
 step profile_06b_b1 60 150 python3 benchmarks/profile_engine_step.py --model $Q06 \
   --load-format dummy --dtype bfloat16 --batch-sizes 1 --input-len 128 --steps 20 \
   --out "$D/profile_06b_b1.json"
+# Where the MoE and MLA models' batch-1 steps go, kernel by kernel (issues 13 and 14).
+step profile_moe_b1 90 200 python3 benchmarks/profile_engine_step.py \
+  --model benchmarks/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 \
+  --batch-sizes 1 --input-len 128 --steps 20 --out "$D/profile_moe_b1.json"
+step profile_mla_b1 90 200 python3 benchmarks/profile_engine_step.py \
+  --model benchmarks/models/deepseek-v2-lite --load-format dummy --dtype bfloat16 \
+  --batch-sizes 1 --input-len 128 --steps 20 --out "$D/profile_mla_b1.json"
 # (b, continued) ours against transformers (>= 10x) on the first 12 of Qwen3's 48 layers
 # (transformers loops over the experts in Python), then the fused MoE kernel table at 1, 16,
 # 64, 256 and 1024 tokens (after the engines: their tuned tiles are in the cache).
