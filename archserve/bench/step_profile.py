@@ -6,7 +6,11 @@ steps of a real engine under torch.profiler and reduces the trace to:
 - wall time per step, and the part of it during which the device ran any kernel (the union
   of kernel intervals, so overlapping kernels are not counted twice). The rest is time the
   device sat idle waiting for the host;
-- the kernels that took the most device time;
+- the kernels that took the most device time, and the kernels that lengthened the step
+  the most: each kernel is charged the time by which its end moved the device's latest end
+  (its critical-path share). With programmatic dependent launch a kernel is scheduled while
+  the one before it drains and waits inside, so device times overlap and add up to more
+  than the step; the critical-path shares add up to the busy time;
 - the host-side ops that took the most CPU time, which is what a host-bound step pays for;
 - the engine's own phases (``archserve::schedule``, ``build_batch``, ``forward``, ``logits``,
   ``sample``, ``wait_for_device``, ``outputs``: see engine/phases.py), host time each. On a
@@ -25,15 +29,22 @@ from dataclasses import asdict, dataclass, field
 from archserve.engine.phases import PREFIX as PHASE_PREFIX
 
 
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by ``intervals`` (start, end), overlaps counted once."""
-    total, end_so_far = 0.0, float("-inf")
-    for start, end in sorted(intervals):
+def critical_path_shares(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Per name, the time by which its spans (start, end, name) pushed the latest end seen
+    so far, in start order: the shares sum to the covered length."""
+    shares: dict[str, float] = {}
+    end_so_far = float("-inf")
+    for start, end, name in sorted(spans):
         if end <= end_so_far:
             continue
-        total += end - max(start, end_so_far)
+        shares[name] = shares.get(name, 0.0) + end - max(start, end_so_far)
         end_so_far = end
-    return total
+    return shares
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals`` (start, end), overlaps counted once."""
+    return sum(critical_path_shares([(start, end, "") for start, end in intervals]).values())
 
 
 @dataclass
@@ -45,6 +56,7 @@ class StepProfile:
     device_idle_ms: float          # per step: nothing ran on the device
     top_kernels: list[dict] = field(default_factory=list)   # name, calls, total_ms, share
     top_host_ops: list[dict] = field(default_factory=list)  # name, calls, self_cpu_ms
+    critical_kernels: list[dict] = field(default_factory=list)  # name, calls, critical_ms
     phases_ms: dict[str, float] = field(default_factory=dict)  # host time per step, inclusive
 
     def to_json(self) -> dict:
@@ -58,6 +70,11 @@ class StepProfile:
             lines += [f"    {k['total_ms'] / self.steps:8.3f} ms {k['share']:6.1%} "
                       f"x{k['calls'] // max(1, self.steps)} {k['name'][:90]}"
                       for k in self.top_kernels]
+        if self.critical_kernels:
+            lines.append("  kernels by critical-path share (the step's busy time, per step):")
+            lines += [f"    {k['critical_ms'] / self.steps:8.3f} ms "
+                      f"x{k['calls'] // max(1, self.steps)} {k['name'][:90]}"
+                      for k in self.critical_kernels]
         if self.phases_ms:
             lines.append("  engine phases (host time per step): " + ", ".join(
                 f"{name} {ms:.3f} ms" for name, ms in self.phases_ms.items()))
@@ -72,6 +89,7 @@ def summarize(events, batch_size: int, steps: int, wall_s: float, top: int = 15
     """Reduce torch.profiler ``events()`` of ``steps`` steps to a StepProfile."""
     kernels: dict[str, list[float]] = {}
     intervals: list[tuple[float, float]] = []
+    spans: list[tuple[float, float, str]] = []   # kernels only, not the engine's annotations
     host: dict[str, list[float]] = {}
     phases: dict[str, float] = {}
     for e in events:
@@ -81,6 +99,8 @@ def summarize(events, batch_size: int, steps: int, wall_s: float, top: int = 15
         elif _on_device(e):
             start, end = e.time_range.start, e.time_range.end
             intervals.append((start, end))
+            if not e.name.startswith(PHASE_PREFIX):
+                spans.append((start, end, e.name))
             entry = kernels.setdefault(e.name, [0, 0.0])
             entry[0] += 1
             entry[1] += (end - start) / 1e3
@@ -88,6 +108,7 @@ def summarize(events, batch_size: int, steps: int, wall_s: float, top: int = 15
             entry = host.setdefault(e.name, [0, 0.0])
             entry[0] += 1
             entry[1] += e.self_cpu_time_total / 1e3
+    shares = critical_path_shares(spans)
     busy_ms = union_length(intervals) / 1e3 / steps
     device_total = sum(t for _, t in kernels.values()) or 1.0
     step_ms = wall_s * 1e3 / steps
@@ -98,7 +119,10 @@ def summarize(events, batch_size: int, steps: int, wall_s: float, top: int = 15
                      for n, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]],
         top_host_ops=[{"name": n, "calls": c, "self_cpu_ms": t}
                       for n, (c, t) in sorted(host.items(), key=lambda kv: -kv[1][1])[:top]],
-        phases_ms=phases)
+        phases_ms=phases,
+        critical_kernels=[{"name": n, "calls": kernels[n][0], "critical_ms": t / 1e3}
+                          for n, t in sorted(shares.items(),
+                                             key=lambda kv: -kv[1])[:top]])
 
 
 def _on_device(event) -> bool:

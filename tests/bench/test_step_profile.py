@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from archserve.bench.step_profile import profile_decode_steps, union_length
+from archserve.bench.step_profile import critical_path_shares, profile_decode_steps, union_length
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,6 +18,13 @@ def test_union_length_counts_overlaps_once():
     assert union_length([(5, 6), (0, 1)]) == 2          # unsorted, disjoint
     assert union_length([(0, 10), (2, 3), (4, 12)]) == 12  # nested, then extending
     assert union_length([(0, 1), (1, 2)]) == 2          # touching
+
+
+def test_critical_path_charges_each_kernel_what_it_added_to_the_end():
+    # b starts inside a (scheduled early, as under PDL) and ends 3 later; c runs inside b.
+    shares = critical_path_shares([(0, 4, "a"), (1, 7, "b"), (2, 5, "c"), (9, 10, "a")])
+    assert shares == {"a": 5, "b": 3}
+    assert sum(shares.values()) == union_length([(0, 4), (1, 7), (2, 5), (9, 10)])
 
 
 def test_profile_of_decode_steps_names_the_engine_phases(tiny_checkpoint):
