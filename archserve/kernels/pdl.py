@@ -19,9 +19,7 @@ cannot write. Reading it early lets its bytes stream while that kernel drains:
   and rows (the routing's and the sort's, before the gate/up kernel);
 - L2 prefetches (``prefetch_rows_to_l2``) of rows the kernel will read: decode's and MLA
   decode's first tile of KV cached by earlier steps (held in registers, that tile made them
-  spill), the first K tile of the MoE down kernel's expert weights, and the skinny GEMV's
-  whole weight where it fits in ``l2_prefetch_budget`` (in a batch-1 step most GEMVs follow
-  a latency-bound kernel, a norm or attention's merge, that leaves DRAM idle).
+  spill), and the first K tile of the MoE down kernel's expert weights.
 The step's inputs are written before its first kernel; where they are built on the device
 (MLA's mixed step gathers its decoding rows'), another kernel runs between that and the
 kernel that reads them, as in the start-up tuners, which make such operands first. Nor
@@ -67,20 +65,6 @@ def pdl_enabled(device: torch.device) -> bool:
             or triton_interpreted()):
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
-
-
-# Of the device's L2, the share one kernel may fill with prefetches made before its wait: the
-# kernel before it still runs and keeps its own lines there.
-L2_PREFETCH_SHARE = 0.5
-
-
-@functools.cache
-def l2_prefetch_budget(device: torch.device) -> int:
-    """Bytes of weight a kernel may ask L2 for before its wait on ``device`` (0 off CUDA)."""
-    if device.type != "cuda":
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(torch.cuda.get_device_properties(index).L2_cache_size * L2_PREFETCH_SHARE)
 
 
 def pdl_launch_options(pdl: bool) -> dict:

@@ -194,15 +194,13 @@ def test_kernel_compiles_for_gpu_targets(target, block_m):
                  "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
                  "r_ptr": act, "norm_w_ptr": act, "new_r_ptr": act, "eps": "fp32",
                  **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
-                                  "NORM", "HAS_RESIDUAL", "PDL", "PREFETCH_REST"],
-                                 "constexpr")}
+                                  "NORM", "HAS_RESIDUAL", "PDL"], "constexpr")}
     # block_m 4 also compiles the norm prologue (with a residual); block_m 1 without it.
     # SM90 compiles the programmatic-dependent-launch form (kernels/pdl.py).
     pdl = target[:2] == ("cuda", 90)
     constexprs = {"HAS_BIAS": True, "GATED": True, "BLOCK_M": block_m, "BLOCK_N": 4,
                   "BLOCK_K": 256, "EVEN_K": False, "NORM": block_m > 1,
-                  "HAS_RESIDUAL": block_m > 1, "PDL": pdl,
-                  "PREFETCH_REST": 1024 if block_m == 1 else 0}
+                  "HAS_RESIDUAL": block_m > 1, "PDL": pdl}
     options = {"num_warps": 4, **({"launch_pdl": True} if pdl else {})}
     compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                               target=GPUTarget(*target), options=options)
@@ -215,8 +213,6 @@ def test_kernel_compiles_for_gpu_targets(target, block_m):
         # before drains); nothing is stored before it.
         before_wait = ptx[:ptx.index("griddepcontrol.wait")]
         assert "ld.global" in before_wait and "st.global" not in before_wait
-        # With PREFETCH_REST the rest of its weight rows are asked of L2 there too.
-        assert ("prefetch.global.L2" in before_wait) == (block_m == 1)
 
 
 # ---------------------------------------------------------------- CPU: the interpreter

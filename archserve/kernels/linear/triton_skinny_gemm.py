@@ -23,13 +23,7 @@ import triton.language as tl
 
 from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
-from archserve.kernels.pdl import (
-    l2_prefetch_budget,
-    pdl_enabled,
-    pdl_launch_options,
-    pdl_start,
-    prefetch_rows_to_l2,
-)
+from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 
 # Rows this kernel is built for. Its fp32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
 # values; at eight rows cuBLAS was faster on every Llama-3-8B and Qwen3-0.6B shape.
@@ -143,8 +137,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
                         r_ptr, norm_w_ptr, new_r_ptr, eps,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                        PREFETCH_REST: tl.constexpr = 0):
+                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
     # NORM: x is first RMS-normalised (after adding the residual, with HAS_RESIDUAL) with
     # the weight at norm_w_ptr, as rms_norm would do in a kernel of its own: a first pass
@@ -156,10 +149,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     ks = tl.arange(0, BLOCK_K)
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     # int64: an LM head's weight (vocab x hidden) passes 2^31 elements.
-    w_row_starts = w_ptr + cols.to(tl.int64) * stride_wn
-    up_row_starts = w_ptr + (cols + N).to(tl.int64) * stride_wn   # read only when GATED
-    w_rows = w_row_starts[:, None]
-    up_rows = up_row_starts[:, None]
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # read only when GATED
     # The weights are not written by the kernel before this one, so the first tile is
     # requested before PDL's wait: its bytes stream while that kernel drains, where they
     # would otherwise start after it (the wait holds only reads of what it wrote: x, the
@@ -169,15 +160,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     up_first = w_first
     if GATED:
         up_first = _load_weight(up_rows, ks, col_ok, K, EVEN_K)
-    # PREFETCH_REST (a power of two >= K - BLOCK_K, or 0): the rest of the program's weight
-    # rows are asked of L2 too, so the whole slice streams while the kernel before drains
-    # and the loop after the wait finds it there. Only where the whole weight fits in L2
-    # beside what else runs (the launcher decides): a larger one would evict itself.
-    if PREFETCH_REST > 0:
-        prefetch_rows_to_l2(w_row_starts + BLOCK_K, col_ok, K - BLOCK_K, PREFETCH_REST, PDL)
-        if GATED:
-            prefetch_rows_to_l2(up_row_starts + BLOCK_K, col_ok, K - BLOCK_K, PREFETCH_REST,
-                                PDL)
     pdl_start(PDL)
     if NORM:
         # Broadcast before the compare: the interpreter mistypes scalar-bool & tensor.
@@ -278,10 +260,6 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps):
         new_residual = torch.empty((rows, depth), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(cols, config.block_n),)
     pdl = pdl_enabled(x.device)
-    rest = depth - config.block_k
-    prefetch_rest = 0
-    if pdl and rest > 0 and weight.numel() * weight.element_size() <= l2_prefetch_budget(x.device):
-        prefetch_rest = triton.next_power_of_2(rest)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y, rows, cols, depth,
         x.stride(0), weight.stride(0), y.stride(0),
@@ -290,5 +268,5 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps):
         HAS_BIAS=bias is not None, GATED=silu_mul, BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
-        PREFETCH_REST=prefetch_rest, num_warps=config.num_warps, **pdl_launch_options(pdl))
+        num_warps=config.num_warps, **pdl_launch_options(pdl))
     return y, new_residual
