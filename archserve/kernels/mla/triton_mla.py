@@ -18,6 +18,10 @@ from archserve.kernels.attention.triton_cache_write import write_kv_cache
 from archserve.kernels.mla.expanded_prefill import expanded_prefill
 from archserve.kernels.mla.interface import absorb_query, latent_output_to_heads
 from archserve.kernels.mla.triton_mla_decode import mla_decode
+from archserve.kernels.mla.triton_mla_decode_inputs import (
+    mla_decode_inputs,
+    mla_decode_inputs_unsupported,
+)
 
 
 class TritonMlaImpl:
@@ -54,6 +58,27 @@ class TritonMlaImpl:
                           num_seqs=num_seqs, max_seq_len=max_seq_len, scale=scale,
                           k_scale=k_scale, num_sms=self._sm_count(query), tiles=self.tiles,
                           e4m3_bits=self._e4m3_bits(kv_cache))
+
+    def decode_from_projections(self, q: torch.Tensor, kv_a: torch.Tensor,
+                                positions: torch.Tensor, cos_cache: torch.Tensor,
+                                sin_cache: torch.Tensor, kv_norm_weight: torch.Tensor,
+                                kv_norm_eps: float, interleaved: bool, kv_cache: torch.Tensor,
+                                meta: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                                scale: float) -> torch.Tensor | None:
+        """A pure-decode step straight from the layer's projections (q [T, H (nope + rope)],
+        kv_a [T, L + rope]): the absorbed query and the latent write in one kernel
+        (triton_mla_decode_inputs.py), then the decode kernel and W_UV -> [T, H, v]. None
+        where that kernel cannot take the operands (an fp8 latent, a step with prompt
+        tokens): the layer then takes the MlaImpl contract's ``forward``."""
+        if meta.max_query_len > 1 or mla_decode_inputs_unsupported(
+                q, kv_a, w_uk, cos_cache, kv_cache) is not None:
+            return None
+        query = mla_decode_inputs(q, kv_a, positions, cos_cache, sin_cache, kv_norm_weight,
+                                  kv_norm_eps, w_uk, kv_cache, meta.slot_mapping, interleaved)
+        out = self.decode(query, kv_cache, meta.block_tables, meta.seq_lens,
+                          meta.query_start_loc, meta.num_seqs, meta.max_seq_len, scale,
+                          w_uk.shape[-1], 1.0)
+        return latent_output_to_heads(out, w_uv)
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, w_uk: torch.Tensor,

@@ -104,16 +104,28 @@ class MLAAttention(nn.Module, KVCacheScales):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         m, h, t = self.dims, self.num_heads, hidden.shape[0]
-        q = self._query(hidden).view(t, h, m.qk_head_dim)
-        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([m.kv_lora_rank, m.qk_rope_head_dim],
-                                                           dim=-1)
+        q, kv_a = self._query(hidden), self.kv_a_proj_with_mqa(hidden)
+        w_uk, w_uv = self._absorbed_weights()
+        ctx = get_forward_context()
+        # An implementation that takes a decode step from the projections themselves does
+        # the norm, rotary, latent write and W_UK in one kernel (TRITON_MLA); None: it
+        # cannot here, and the steps below run.
+        from_projections = getattr(ctx.attn_impl, "decode_from_projections", None)
+        if from_projections is not None:
+            with op_region("attention"):
+                out = from_projections(
+                    q, kv_a, positions, self.rotary_emb.cos_cache, self.rotary_emb.sin_cache,
+                    self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.rope_interleaved,
+                    ctx.kv_caches[self.layer_index], ctx.attn_metadata, w_uk, w_uv, self.scale)
+            if out is not None:
+                return self.o_proj(out.reshape(t, h * m.v_head_dim))
+        q_nope, q_pe = q.view(t, h, m.qk_head_dim).split(
+            [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())[0]
         if self.rope_interleaved:
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, -1), k_pe.contiguous())
-        w_uk, w_uv = self._absorbed_weights()
-        ctx = get_forward_context()
         latent = torch.cat((c_kv, k_pe), dim=-1)
         # One scale for the latent: MLA's cache has one plane, written and read as "k".
         k_scale, _ = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, latent, latent)
