@@ -10,7 +10,8 @@ steps of a real engine under torch.profiler and reduces the trace to:
   the most: each kernel is charged the time by which its end moved the device's latest end
   (its critical-path share). With programmatic dependent launch a kernel is scheduled while
   the one before it drains and waits inside, so device times overlap and add up to more
-  than the step; the critical-path shares add up to the busy time;
+  than the step; the critical-path shares add up to the time some kernel ran (the busy
+  time less the engine's own annotations on the device's track);
 - the host-side ops that took the most CPU time, which is what a host-bound step pays for;
 - the engine's own phases (``archserve::schedule``, ``build_batch``, ``forward``, ``logits``,
   ``sample``, ``wait_for_device``, ``outputs``: see engine/phases.py), host time each. On a
@@ -71,7 +72,7 @@ class StepProfile:
                       f"x{k['calls'] // max(1, self.steps)} {k['name'][:90]}"
                       for k in self.top_kernels]
         if self.critical_kernels:
-            lines.append("  kernels by critical-path share (the step's busy time, per step):")
+            lines.append("  kernels by critical-path share (what each added to the step, per step):")
             lines += [f"    {k['critical_ms'] / self.steps:8.3f} ms "
                       f"x{k['calls'] // max(1, self.steps)} {k['name'][:90]}"
                       for k in self.critical_kernels]

@@ -15,13 +15,10 @@ import torch
 from archserve.kernels.elementwise.reference import rms_norm_reference, rotary_reference
 from archserve.kernels.mla.interface import absorb_query
 from archserve.kernels.rules import triton_interpreted
+from archserve.models.layers.mla import _deinterleave
 
 INTERPRETED = triton_interpreted()
 HAS_CUDA = torch.cuda.is_available()
-
-
-def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def make_inputs(t, heads, nope, kv_rank, rope, dtype, device, seed=0):
