@@ -13,10 +13,10 @@ one may launch in turn.
 The rule for what may be read before the wait: only what the kernel launched right before
 cannot write. Reading it early lets its bytes stream while that kernel drains:
 - model weights: the skinny GEMV's first tile, RMSNorm's and the q/k norms' weights, the
-  MLA decode inputs kernel's tile of W_UK and its norm weight;
+  MLA decode inputs kernel's tile of W_UK and its norm weight, the MLA merge's W_UV rows;
 - the step's inputs and constants: positions, slots and rotary rows (q/k-norm-rope-cache
   kernel, MLA decode inputs kernel), query starts, lengths and block tables (decode
-  attention, MLA decode);
+  attention, MLA decode, MLA's merge with W_UV);
 - what an earlier kernel than the one right before wrote: the MoE down kernel's experts
   and rows (the routing's and the sort's, before the gate/up kernel);
 - L2 prefetches (``prefetch_rows_to_l2``) of rows the kernel will read: decode's and MLA

@@ -38,17 +38,17 @@ def test_pdl_is_on_by_default_on_nvidia_sm90(monkeypatch):
 def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
     """The decode kernels that take PDL, as their wrappers launch them with it: attention
     decode (split, so its merge too), the q/k norm-rope-cache kernel, RMSNorm, MLA decode,
-    MoE routing and the fused experts. Each waits for the kernel before it, then lets the
+    MoE routing, the fused experts and MLA's merge with W_UV. Each waits for the kernel before it, then lets the
     next one launch."""
     from triton_compile import compiled_launches
 
     from archserve.kernels.attention import triton_decode, triton_qk_norm_rope_cache
     from archserve.kernels.elementwise import triton_rms_norm
-    from archserve.kernels.mla import triton_mla_decode
+    from archserve.kernels.mla import triton_mla_decode, triton_mla_output
     from archserve.kernels.moe import triton_fused_moe, triton_routing
 
     for module in (triton_decode, triton_qk_norm_rope_cache, triton_rms_norm,
-                   triton_mla_decode, triton_fused_moe, triton_routing):
+                   triton_mla_decode, triton_mla_output, triton_fused_moe, triton_routing):
         monkeypatch.setattr(module, "pdl_enabled", lambda device: True)
     heads, kv_heads, head = 4, 2, 64
     cache = torch.zeros(2, 4, 16, kv_heads, head, dtype=torch.bfloat16)
@@ -78,10 +78,18 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
             torch.tensor([[1, 3]], dtype=torch.int32),
             torch.zeros(8, 64, 64, dtype=torch.bfloat16),
             torch.zeros(8, 64, 32, dtype=torch.bfloat16))
+        # MLA decode split 2 ways with W_UV: its merge and W_UV in one kernel.
+        triton_mla_decode.mla_decode(
+            torch.zeros(2, 16, 576, dtype=torch.bfloat16),
+            torch.zeros(1, 4, 16, 1, 576, dtype=torch.bfloat16), tables, lens,
+            torch.arange(3, dtype=torch.int32), torch.zeros(2, 16, 512, dtype=torch.bfloat16),
+            num_seqs=2, max_seq_len=64, scale=0.1, num_splits=2,
+            w_uv=torch.zeros(16, 128, 512, dtype=torch.bfloat16))
     names = [launch.kernel for launch in launches]
     assert names[:5] == ["_decode_kernel", "_merge_splits_kernel", "_qk_norm_rope_cache_kernel",
                          "_rms_norm_kernel", "_mla_decode_kernel"], names
-    assert {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"} <= set(names)
+    assert {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel",
+            "_latent_output_to_heads_kernel"} <= set(names)
     for launch in launches:
         assert launch.options.get("launch_pdl") and launch.constexprs["PDL"], launch.kernel
         ptx = launch.code()
@@ -90,14 +98,15 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         # that kernel cannot write is read before it, and streams while it drains: decode
         # attention's and MLA decode's metadata and first tile of cached keys, the MoE down
         # kernel's expert and its weight's first tile (L2 prefetches), RMSNorm's weight, and
-        # the q/k kernel's positions, rotary rows, norm weights and slots. The rest reads
-        # only after it.
+        # the q/k kernel's positions, rotary rows, norm weights and slots, W_UV's rows and
+        # the query starts of MLA's merge. The rest reads only after it.
         before_wait = ptx[:ptx.index("griddepcontrol.wait")]
         assert "st.global" not in before_wait and "atom." not in before_wait, launch.kernel
         prefetches = launch.kernel in ("_decode_kernel", "_mla_decode_kernel", "_down_kernel")
         assert ("prefetch.global.L2" in before_wait) == prefetches, launch.kernel
         reads_early = prefetches or launch.kernel in ("_rms_norm_kernel",
-                                                      "_qk_norm_rope_cache_kernel")
+                                                      "_qk_norm_rope_cache_kernel",
+                                                      "_latent_output_to_heads_kernel")
         assert ("ld.global" in before_wait) == reads_early, launch.kernel
 
 

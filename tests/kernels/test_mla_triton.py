@@ -43,6 +43,27 @@ def decode_against_reference(case, *, num_splits=None, tiles=None, num_sms=0, e4
     assert err <= atol * max(1.0, expected[:n].float().abs().max().item()), f"max error {err:.3g}"
 
 
+def heads_against_reference(case, *, num_splits=None, num_sms=0, atol=2e-3) -> None:
+    """mla_decode with W_UV (the merge and W_UV in one kernel) against the reference's
+    latent output times W_UV, on the rows of live sequences."""
+    from archserve.kernels.mla.interface import latent_output_to_heads
+    from archserve.kernels.mla.triton_mla_decode import mla_decode
+
+    meta, query = case.meta, case.absorbed_query
+    cache = case.kv_cache.clone()
+    latent = TorchMlaImpl().attend_latent(query, cache, meta, case.scale,
+                                          case.w_uk.shape[-1], case.k_scale)
+    expected = latent_output_to_heads(latent, case.w_uv)
+    got = mla_decode(query, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                     torch.zeros_like(latent), num_seqs=meta.num_seqs,
+                     max_seq_len=meta.max_seq_len, scale=case.scale, k_scale=case.k_scale,
+                     num_splits=num_splits, num_sms=num_sms, w_uv=case.w_uv)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    n = case.num_valid_tokens
+    err = (got[:n].float() - expected[:n].float()).abs().max().item()
+    assert err <= atol * max(1.0, expected[:n].float().abs().max().item()), f"max error {err:.3g}"
+
+
 if not INTERPRETED:
 
     @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu-marked tests run")
@@ -64,6 +85,16 @@ else:
         for _ in range(2 if merge == "in kernel" else 1):
             decode_against_reference(case, num_splits=4, tiles=tiles)
             assert not arrival_counters(torch.device("cpu")).any()
+
+    @pytest.mark.parametrize("splits", [1, 4, "in kernel"])
+    def test_decode_with_w_uv_gives_the_heads_values(splits, monkeypatch):
+        # The merge and W_UV in one kernel (4 splits), W_UV alone (one split, or merged by
+        # the last split): 20 heads; 17 sequences make two blocks of 16, the second masked.
+        from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV
+        monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1" if splits == "in kernel" else "0")
+        case = make_mla_case([(1, 5 + 4 * i) for i in range(17)], block_size=8, seed=4,
+                             **{**TINY, "num_heads": 20})
+        heads_against_reference(case, num_splits=1 if splits == 1 else 4)
 
     @pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS_TINY], ids=["heads", "keys"])
     def test_decode_kernel_reads_e4m3_bytes(tiles):
@@ -252,6 +283,20 @@ def test_gpu_decode_kernel_at_deepseek_sizes(heads, block_size, kv, tiles):
     for splits, num_sms in ((1, 0), (None, sms), (8, 0)):
         decode_against_reference(case, num_splits=splits, num_sms=num_sms, atol=3e-2,
                                  tiles=tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_decode_with_w_uv_at_deepseek_sizes(heads, kv):
+    """The merge and W_UV in one kernel: contexts 1..4096, unsplit, split by the rule and
+    8 ways, against the reference's latent output times W_UV."""
+    case = make_mla_case([(1, n) for n in CONTEXTS], num_heads=heads, block_size=16,
+                         dtype=torch.bfloat16, kv_cache_dtype=kv, device="cuda", seed=heads,
+                         fp8_exact_kv=False, **DEEPSEEK)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for splits, num_sms in ((1, 0), (None, sms), (8, 0)):
+        heads_against_reference(case, num_splits=splits, num_sms=num_sms, atol=3e-2)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")

@@ -16,7 +16,7 @@ import torch
 from archserve.kernels.attention.interface import AttentionMetadata
 from archserve.kernels.attention.triton_cache_write import write_kv_cache
 from archserve.kernels.mla.expanded_prefill import expanded_prefill
-from archserve.kernels.mla.interface import absorb_query, latent_output_to_heads
+from archserve.kernels.mla.interface import absorb_query
 from archserve.kernels.mla.triton_mla_decode import mla_decode
 from archserve.kernels.mla.triton_mla_decode_inputs import (
     mla_decode_inputs,
@@ -50,14 +50,16 @@ class TritonMlaImpl:
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int,
-               max_seq_len: int, scale: float, kv_lora_rank: int, k_scale: float
+               max_seq_len: int, scale: float, w_uv: torch.Tensor, k_scale: float
                ) -> torch.Tensor:
-        """Absorbed query [T, H, L+R], one row per sequence -> [T, H, L]."""
+        """Absorbed query [T, H, L+R], one row per sequence -> the heads' values [T, H, v]
+        (W_UV [H, v, L] applied in the split merge's kernel)."""
+        kv_lora_rank = w_uv.shape[-1]
         out = torch.empty(*query.shape[:2], kv_lora_rank, dtype=query.dtype, device=query.device)
         return mla_decode(query, kv_cache, block_tables, seq_lens, query_start_loc, out,
                           num_seqs=num_seqs, max_seq_len=max_seq_len, scale=scale,
                           k_scale=k_scale, num_sms=self._sm_count(query), tiles=self.tiles,
-                          e4m3_bits=self._e4m3_bits(kv_cache))
+                          e4m3_bits=self._e4m3_bits(kv_cache), w_uv=w_uv)
 
     def decode_from_projections(self, q: torch.Tensor, kv_a: torch.Tensor,
                                 positions: torch.Tensor, cos_cache: torch.Tensor,
@@ -75,10 +77,9 @@ class TritonMlaImpl:
             return None
         query = mla_decode_inputs(q, kv_a, positions, cos_cache, sin_cache, kv_norm_weight,
                                   kv_norm_eps, w_uk, kv_cache, meta.slot_mapping, interleaved)
-        out = self.decode(query, kv_cache, meta.block_tables, meta.seq_lens,
-                          meta.query_start_loc, meta.num_seqs, meta.max_seq_len, scale,
-                          w_uk.shape[-1], 1.0)
-        return latent_output_to_heads(out, w_uv)
+        return self.decode(query, kv_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.num_seqs, meta.max_seq_len, scale, w_uv,
+                           1.0)
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, w_uk: torch.Tensor,
@@ -87,13 +88,11 @@ class TritonMlaImpl:
         e4m3 = self._e4m3_bits(kv_cache)
         write_kv_cache(latent[:, None], None, kv_cache, meta.slot_mapping, k_scale,
                        e4m3_bits=e4m3, e5m2_bits=None if self.fp8_bytes is None else False)
-        kv_rank = w_uk.shape[-1]
         # max_query_len is a host int: choosing the path costs no device sync.
         if meta.max_query_len <= 1:
-            out = self.decode(absorb_query(q_nope, q_pe, w_uk), kv_cache, meta.block_tables,
-                              meta.seq_lens, meta.query_start_loc, meta.num_seqs,
-                              meta.max_seq_len, scale, kv_rank, k_scale)
-            return latent_output_to_heads(out, w_uv)
+            return self.decode(absorb_query(q_nope, q_pe, w_uk), kv_cache, meta.block_tables,
+                               meta.seq_lens, meta.query_start_loc, meta.num_seqs,
+                               meta.max_seq_len, scale, w_uv, k_scale)
         return self._mixed_step(q_nope, q_pe, kv_cache, meta, w_uk, w_uv, scale, k_scale)
 
     def _mixed_step(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -115,10 +114,9 @@ class TritonMlaImpl:
             # first, so that kernel is the absorbed query's.
             tables, lens = meta.block_tables[seqs], meta.seq_lens[seqs]
             query_starts = torch.arange(n + 1, dtype=torch.int32, device=device)
-            latent_out = self.decode(
+            out[rows] = self.decode(
                 absorb_query(q_nope[rows], q_pe[rows], w_uk), kv_cache, tables, lens,
-                query_starts, n, int(seq_lens[decoding].max()), scale, w_uk.shape[-1], k_scale)
-            out[rows] = latent_output_to_heads(latent_out, w_uv)
+                query_starts, n, int(seq_lens[decoding].max()), scale, w_uv, k_scale)
         prefilling = np.flatnonzero(query_lens > 1)
         if len(prefilling):
             rows = torch.from_numpy(np.concatenate(

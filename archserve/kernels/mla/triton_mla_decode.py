@@ -47,6 +47,7 @@ from archserve.kernels.attention.triton_decode import (
     store_decode_output,
 )
 from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
+from archserve.kernels.mla.triton_mla_output import latent_output_to_heads_triton
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from archserve.kernels.reduce_in_kernel import arrival_counters, reduce_in_kernel
 
@@ -170,8 +171,11 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
                num_seqs: int, max_seq_len: int, scale: float, k_scale: float = 1.0,
                num_sms: int = 0, num_splits: int | None = None,
                tiles: tuple[int, int, int, int] | None = None,
-               e4m3_bits: bool | None = None) -> torch.Tensor:
-    """Attend one absorbed query token per sequence over its paged latent; writes ``out``.
+               e4m3_bits: bool | None = None, w_uv: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Attend one absorbed query token per sequence over its paged latent; writes ``out``,
+    or with ``w_uv`` [H, v, L] returns the heads' values [T, H, v] (the merge and W_UV in
+    one kernel: triton_mla_output.py; ``out`` is then scratch).
 
     query [T, H, L + R] (row ``query_start_loc[i]`` belongs to sequence i), kv_cache
     [1, num_blocks, block_size, 1, L + R], out [T, H, L] with L = ``out.shape[-1]``.
@@ -214,5 +218,11 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         **pdl_launch_options(pdl),
     )
     if num_splits > 1 and not merged:
+        if w_uv is not None:
+            return latent_output_to_heads_triton(partial_out, partial_lse, query_start_loc,
+                                                 num_seqs, out.shape[0], w_uv, v_scale)
         merge_splits(partial_out, partial_lse, query_start_loc, out, v_scale)
+    if w_uv is not None:   # the kernel (or its last split) wrote the scaled output
+        return latent_output_to_heads_triton(out, out, query_start_loc, num_seqs,
+                                             out.shape[0], w_uv)
     return out
