@@ -71,7 +71,7 @@ def classify_kernel(name: str) -> str:
                             "_down_quant", "_route_kernel", "_sum_slots")):
         return "moe"
     if any(k in n for k in ("attn", "attention", "_decode", "_prefill", "flash", "cache",
-                            "_write_kv", "merge_splits")):
+                            "_write_kv", "merge_splits", "latent_output")):
         return "attention"
     if any(k in n for k in ("gemm", "gemv", "matmul", "cutlass", "xmma", "nvjet", "cublas",
                             "splitk", "aten::mm", "aten::addmm", "aten::bmm")):

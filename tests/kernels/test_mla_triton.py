@@ -86,15 +86,16 @@ else:
             decode_against_reference(case, num_splits=4, tiles=tiles)
             assert not arrival_counters(torch.device("cpu")).any()
 
-    @pytest.mark.parametrize("splits", [1, 4, "in kernel"])
+    @pytest.mark.parametrize("splits", [1, 4, 16, "in kernel"])
     def test_decode_with_w_uv_gives_the_heads_values(splits, monkeypatch):
-        # The merge and W_UV in one kernel (4 splits), W_UV alone (one split, or merged by
-        # the last split): 20 heads; 17 sequences make two blocks of 16, the second masked.
+        # The merge and W_UV in one kernel (4 splits: 16 sequences a program, 16 splits: 4,
+        # most splits of the short ones empty), W_UV alone (one split, or merged by the last
+        # split): 20 heads; 17 sequences leave the last program's rows partly masked.
         from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV
         monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1" if splits == "in kernel" else "0")
         case = make_mla_case([(1, 5 + 4 * i) for i in range(17)], block_size=8, seed=4,
                              **{**TINY, "num_heads": 20})
-        heads_against_reference(case, num_splits=1 if splits == 1 else 4)
+        heads_against_reference(case, num_splits=4 if splits == "in kernel" else splits)
 
     @pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS_TINY], ids=["heads", "keys"])
     def test_decode_kernel_reads_e4m3_bytes(tiles):

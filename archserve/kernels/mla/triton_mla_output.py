@@ -22,71 +22,96 @@ import triton
 import triton.language as tl
 
 from archserve.kernels.attention.triton_decode import dot_precision
-from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from archserve.kernels.pdl import (
+    pdl_enabled,
+    pdl_launch_options,
+    pdl_start,
+    prefetch_rows_to_l2,
+)
 
-BLOCK_S = 16     # sequences per program: tl.dot's smallest M
+BLOCK_S = 16     # rows of a program's tile: tl.dot's smallest M
+# Split partials a program holds in flight while merging: SEQS x NUM_SPLITS rows of the
+# latent in fp32 (at 64, with 8 warps and DeepSeek's 512, ~128 registers a thread).
+MERGE_ROWS_IN_FLIGHT = 64
 BLOCK_V = 32     # value channels per program
 
 
 @triton.jit
-def _merged_latent_output(src_ptr, lse_ptr, seqs, tokens, live, head, num_heads,
+def _merged_latent_output(src_ptr, lse_ptr, first_seq, num_seqs, tokens, live, head, num_heads,
                           stride_src_token, stride_src_head, offs_l, v_scale,
                           KV_RANK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          DTYPE: tl.constexpr):
-    """[BLOCK_S, BLOCK_L] fp32 holding DTYPE values: the latent output of ``head`` for
-    sequences ``seqs`` (their query rows ``tokens``), merged over the splits."""
-    mask = live[:, None] & (offs_l < KV_RANK)[None, :]
+                          BLOCK_S: tl.constexpr, SEQS: tl.constexpr, DTYPE: tl.constexpr):
+    """[BLOCK_S, BLOCK_L] fp32 holding DTYPE values: the latent output of ``head`` for the
+    SEQS sequences from ``first_seq`` on (their query rows ``tokens``), merged over the
+    splits; rows past SEQS hold zeros."""
+    l_ok = offs_l < KV_RANK
     if NUM_SPLITS == 1:
         src = (src_ptr + tokens.to(tl.int64)[:, None] * stride_src_token
                + head * stride_src_head + offs_l[None, :])
-        return tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    rows0 = (seqs.to(tl.int64) * num_heads + head) * NUM_SPLITS
-    lse = tl.load(lse_ptr + rows0[:, None] + tl.arange(0, NUM_SPLITS)[None, :],
-                  mask=live[:, None], other=float("-inf"))
-    lse_max = tl.max(lse, axis=1)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros(seqs.shape, tl.float32)
-    merged = tl.zeros(mask.shape, tl.float32)
-    # A loop, not unrolled: one split's [BLOCK_S, BLOCK_L] partial in registers at a time.
-    for split in range(NUM_SPLITS):
-        weight = tl.exp2(tl.load(lse_ptr + rows0 + split, mask=live, other=float("-inf"))
-                         - lse_max)
-        part = tl.load(src_ptr + (rows0 + split)[:, None] * KV_RANK + offs_l[None, :],
-                       mask=mask, other=0.0)
-        total += weight
-        merged += weight[:, None] * part
-    merged = merged / tl.where(total > 0.0, total, 1.0)[:, None] * v_scale
+        return tl.load(src, mask=live[:, None] & l_ok[None, :], other=0.0).to(tl.float32)
+    # Sequence by sequence, each one's splits as one [NUM_SPLITS, BLOCK_L] load: unrolled, so
+    # the rows' loads are independent and overlap. (A loop over the splits instead waited
+    # for one load per split in turn: ~10 µs a launch at batch 1 with 16 splits on an H200.)
+    # SEQS rows only: each holds NUM_SPLITS x BLOCK_L fp32 values in flight.
+    splits = tl.arange(0, NUM_SPLITS)
+    rows = tl.arange(0, BLOCK_S)
+    merged = tl.zeros((BLOCK_S, offs_l.shape[0]), tl.float32)
+    for r in tl.static_range(SEQS):
+        seq = first_seq + r
+        # As a vector (a mask must be one); a sequence with no query is masked at the store.
+        in_batch = (splits * 0 + seq) < num_seqs
+        row0 = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
+        lse = tl.load(lse_ptr + row0 + splits, mask=in_batch, other=float("-inf"))
+        parts = tl.load(src_ptr + (row0 + splits)[:, None] * KV_RANK + offs_l[None, :],
+                        mask=in_batch[:, None] & l_ok[None, :], other=0.0)
+        # _merge_splits_kernel's arithmetic, step for step (the same rounding).
+        lse_max = tl.max(lse, axis=0)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        weights = tl.exp2(lse - lse_max)
+        total = tl.sum(weights, axis=0)
+        row = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
+        merged = tl.where(rows[:, None] == r, (row * v_scale)[None, :], merged)
     return merged.to(DTYPE).to(tl.float32)
 
 
-@triton.jit
+# num_seqs unspecialised: a mixed step's decode rows are any count, and the CUDA graphs'
+# batch sizes (where the warm-up compiles) would not reach Triton's other specialisations.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _latent_output_to_heads_kernel(
         src_ptr, lse_ptr, query_start_loc_ptr, w_uv_ptr, out_ptr, num_seqs, num_heads,
         stride_src_token, stride_src_head, stride_w_head, stride_w_v, stride_out_token,
         stride_out_head, v_scale,
         KV_RANK: tl.constexpr, V_HEAD: tl.constexpr, BLOCK_L: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+        SEQS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     head = tl.program_id(0)
     v_block = tl.program_id(1)
     seq_block = tl.program_id(2)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     offs_l = tl.arange(0, BLOCK_L)
     offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
-    # W_UV's rows are a weight: read before PDL's wait (kernels/pdl.py), as [L, BLOCK_V].
-    w = tl.load(w_uv_ptr + head * stride_w_head + offs_v[None, :] * stride_w_v
-                + offs_l[:, None], mask=(offs_l < KV_RANK)[:, None] & (offs_v < V_HEAD)[None, :],
-                other=0.0)
-    seqs = seq_block * BLOCK_S + tl.arange(0, BLOCK_S)
-    in_batch = seqs < num_seqs
+    w_cols = w_uv_ptr + head * stride_w_head + offs_v * stride_w_v     # W_UV's rows, [BLOCK_V]
+    w_ok = (offs_l < KV_RANK)[:, None] & (offs_v < V_HEAD)[None, :]
+    if NUM_SPLITS == 1:
+        # A weight: read before PDL's wait (kernels/pdl.py), as [L, BLOCK_V].
+        w = tl.load(w_cols[None, :] + offs_l[:, None], mask=w_ok, other=0.0)
+    else:
+        # The merge needs the registers; the rows go to L2 before the wait instead.
+        prefetch_rows_to_l2(w_cols, offs_v < V_HEAD, KV_RANK, BLOCK_L, PDL)
+    # SEQS sequences a program; tl.dot's 16 rows are the tile, the rows past SEQS masked.
+    lanes = tl.arange(0, BLOCK_S)
+    seqs = seq_block * SEQS + lanes
+    in_batch = (lanes < SEQS) & (seqs < num_seqs)
     # The query starts are the step's inputs: read before the wait too.
     tokens = tl.load(query_start_loc_ptr + seqs, mask=in_batch, other=0)
     live = in_batch & (tl.load(query_start_loc_ptr + seqs + 1, mask=in_batch, other=0)
                        > tokens)
     pdl_start(PDL)
-    latent = _merged_latent_output(src_ptr, lse_ptr, seqs, tokens, live, head, num_heads,
-                                   stride_src_token, stride_src_head, offs_l, v_scale,
-                                   KV_RANK, NUM_SPLITS, dtype)
+    latent = _merged_latent_output(src_ptr, lse_ptr, seq_block * SEQS, num_seqs, tokens,
+                                   live, head, num_heads, stride_src_token, stride_src_head,
+                                   offs_l, v_scale, KV_RANK, NUM_SPLITS, BLOCK_S, SEQS, dtype)
+    if NUM_SPLITS > 1:
+        w = tl.load(w_cols[None, :] + offs_l[:, None], mask=w_ok, other=0.0)
     values = tl.dot(latent.to(w.dtype), w, input_precision=DOT_PRECISION)
     dst = (out_ptr + tokens.to(tl.int64)[:, None] * stride_out_token + head * stride_out_head
            + offs_v[None, :])
@@ -109,7 +134,10 @@ def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.T
     if num_seqs == 0:
         return out
     pdl = pdl_enabled(out.device)
-    grid = (num_heads, triton.cdiv(v_head, BLOCK_V), triton.cdiv(num_seqs, BLOCK_S))
+    num_splits = latent_out.shape[2] if split else 1
+    # Unsplit: a tile of 16 sequences. Split: as many as the partials' registers allow.
+    seqs = min(BLOCK_S, max(1, MERGE_ROWS_IN_FLIGHT // num_splits))
+    grid = (num_heads, triton.cdiv(v_head, BLOCK_V), triton.cdiv(num_seqs, seqs))
     # 8 warps: at DeepSeek's latent (512) the merged [16, 512] fp32 tile and W_UV's [512, 32]
     # rows spill at 4 (ptxas for sm_90a: 52-472 bytes), not at 8.
     _latent_output_to_heads_kernel[grid](
@@ -117,7 +145,7 @@ def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.T
         0 if split else latent_out.stride(0), 0 if split else latent_out.stride(1),
         w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1), float(v_scale),
         KV_RANK=kv_rank, V_HEAD=v_head, BLOCK_L=triton.next_power_of_2(kv_rank),
-        BLOCK_S=BLOCK_S, BLOCK_V=BLOCK_V, NUM_SPLITS=latent_out.shape[2] if split else 1,
+        BLOCK_S=BLOCK_S, BLOCK_V=BLOCK_V, NUM_SPLITS=num_splits, SEQS=seqs,
         DOT_PRECISION=dot_precision(w_uv.dtype), PDL=pdl, num_warps=8,
         **pdl_launch_options(pdl))
     return out
