@@ -98,11 +98,13 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         # that kernel cannot write is read before it, and streams while it drains: decode
         # attention's and MLA decode's metadata and first tile of cached keys, the MoE down
         # kernel's expert and its weight's first tile (L2 prefetches), RMSNorm's weight, and
-        # the q/k kernel's positions, rotary rows, norm weights and slots, W_UV's rows and
-        # the query starts of MLA's merge. The rest reads only after it.
+        # the q/k kernel's positions, rotary rows, norm weights and slots, the query starts
+        # of MLA's merge with W_UV and W_UV's rows (an L2 prefetch when it merges splits).
+        # The rest reads only after it.
         before_wait = ptx[:ptx.index("griddepcontrol.wait")]
         assert "st.global" not in before_wait and "atom." not in before_wait, launch.kernel
-        prefetches = launch.kernel in ("_decode_kernel", "_mla_decode_kernel", "_down_kernel")
+        prefetches = launch.kernel in ("_decode_kernel", "_mla_decode_kernel", "_down_kernel",
+                                       "_latent_output_to_heads_kernel")
         assert ("prefetch.global.L2" in before_wait) == prefetches, launch.kernel
         reads_early = prefetches or launch.kernel in ("_rms_norm_kernel",
                                                       "_qk_norm_rope_cache_kernel",
