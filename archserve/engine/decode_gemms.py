@@ -116,8 +116,9 @@ def tune_moe_decode(device: DeviceInfo, model: torch.nn.Module, graph_sizes: lis
         impl = moe.impl()
         if not isinstance(impl, TritonFusedMoEImpl):
             continue
-        key = (tuple(moe.w13.shape), moe.w13.dtype, moe.top_k, moe.renormalize)
-        shapes.setdefault(key, MoEShape([], moe.w13, moe.w2, moe.top_k, moe.renormalize)
+        # Timed as it runs: a token's slots are its top k and the shared experts.
+        key = (tuple(moe.w13.shape), moe.w13.dtype, moe.slots, moe.renormalize)
+        shapes.setdefault(key, MoEShape([], moe.w13, moe.w2, moe.slots, moe.renormalize)
                           ).impls.append(impl)
     if not shapes or not graph_sizes:
         return None

@@ -6,7 +6,8 @@ one row per token, and is not counted. A quantized layer's bytes are what it hol
 (packed integers and scales); its parameters (for FLOPs) are the weights it stands for.
 
 The routed experts of an MoE layer are the exception: a step reads only the experts its
-tokens are routed to. They are counted apart (``expert_*``), and ``bytes_for_tokens``
+tokens are routed to. (Shared experts stacked with them, ``FusedMoE.num_shared_experts``,
+are read every step: they count as body.) They are counted apart (``expert_*``), and ``bytes_for_tokens``
 charges each step the experts that ``tokens`` tokens touch: k per layer for one token,
 and for more the expected number of distinct experts under uniform routing,
 E * (1 - (1 - k/E)^tokens), since which experts a batch picks is only known on the device.
@@ -77,10 +78,14 @@ def step_weights(model: torch.nn.Module, model_config) -> StepWeights:
     quantized = {name: state for name, state in quantized_layers(model)}
     moes = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
     expert_params = expert_bytes = 0
-    for moe in moes.values():
-        expert_params += moe.expert_params()
-        expert_bytes += sum(p.numel() * p.element_size() for p in moe.parameters())
     body_params = body_bytes = 0
+    for moe in moes.values():
+        held = sum(p.numel() * p.element_size() for p in moe.parameters())
+        shared = held * moe.num_shared_experts // moe.num_stacked_experts
+        expert_params += moe.expert_params()
+        expert_bytes += held - shared
+        body_params += moe.expert_params(shared=True)
+        body_bytes += shared
     head_bytes_per_param = 2
     for name, param in model.named_parameters():
         if _is_embedding_table(name, param, vocab_rows):

@@ -6,8 +6,9 @@ family parts swapped in:
 - attention: ``MLAAttention`` (models/layers/mla.py) on every layer, over the latent
   paged cache; q through a LoRA (``q_lora_rank``, V2 and V3) or one projection (V2-Lite);
 - the sparse MLP of layers from ``first_k_dense_replace`` on (every ``moe_layer_freq``-th):
-  the routed experts plus ``n_shared_experts`` always-on experts as one gated MLP
-  (``shared_experts``), routed as ``routing.grouped_route`` says (by the MoE backend: one
+  the routed experts plus ``n_shared_experts`` always-on experts (stacked after the routed
+  ones in the same fused experts; a quantized checkpoint's stay one gated MLP,
+  ``shared_experts``), routed as ``routing.grouped_route`` says (by the MoE backend: one
   Triton launch on GPUs, torch elsewhere): V2 softmax top-k (optionally within
   groups, ``group_limited_greedy``), V3 sigmoid scores with ``e_score_correction_bias``
   choosing within the ``topk_group`` best of ``n_group`` groups; weights times
@@ -19,13 +20,14 @@ The earlier layers are dense (``intermediate_size``). YaRN RoPE comes from the c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from archserve.models.layers.linear import apply_linear
+from archserve.models.layers.linear import apply_linear, linear_weights_deferred
 from archserve.models.layers.mla import MLAAttention
 from archserve.models.layers.moe import HF_EXPERT_NAMES, FusedMoE, GatedMLP, Router
 from archserve.models.mixtral import MoEFamily, MoEForCausalLM, MoEModel
@@ -52,17 +54,26 @@ class DeepseekRouter(Router):
 
 
 class DeepseekMoE(nn.Module):
+    """Router, routed experts and the shared experts. With 16-bit experts the shared ones
+    are stacked after the routed ones in the same ``FusedMoE`` (its ``num_shared_experts``;
+    the checkpoint's ``shared_experts`` matrices are split into them on load,
+    ``shared_experts_as_experts``); experts a checkpoint quantizes keep the shared experts
+    as their own gated MLP of quantized linears."""
+
     def __init__(self, config: ModelConfig, hf: Any, family: DeepseekFamily) -> None:
         super().__init__()
         num_experts = family.num_experts(hf)
         self.top_k = int(hf.num_experts_per_tok)
         self.sigmoid = family.scoring(hf) == "sigmoid"
         self.gate = DeepseekRouter(num_experts, config.hidden_size, self.sigmoid)
+        num_shared = family.num_shared_experts(hf)
+        fold_shared = num_shared > 0 and not linear_weights_deferred()
         self.experts = FusedMoE(num_experts, self.top_k, config.hidden_size,
                                 family.expert_intermediate_size(hf), family.renormalize(hf),
-                                HF_EXPERT_NAMES)
+                                HF_EXPERT_NAMES, num_shared if fold_shared else 0)
         shared = family.shared_intermediate_size(hf)
-        self.shared_experts = GatedMLP(config.hidden_size, shared) if shared else None
+        self.shared_experts = (GatedMLP(config.hidden_size, shared)
+                               if shared and not fold_shared else None)
         grouped = family.grouped(hf)
         self.grouping = dict(
             scoring=family.scoring(hf),
@@ -79,6 +90,29 @@ class DeepseekMoE(nn.Module):
         return out
 
 
+_SHARED_EXPERT = re.compile(r"^(?P<mlp>.*\.mlp)\.shared_experts\."
+                            r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def shared_experts_as_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+                              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's shared-expert matrices of layers that stack their shared experts
+    after the routed ones, as those experts' matrices: gate and up [S * I, H] split into S
+    blocks of I rows, down [H, S * I] into S blocks of I columns (expert E + j takes
+    channels j * I to (j + 1) * I). Everything else passes through unchanged."""
+    modules = dict(model.named_modules())
+    for name, tensor in weights:
+        m = _SHARED_EXPERT.match(name)
+        block = modules.get(m["mlp"]) if m else None
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, FusedMoE) or not experts.num_shared_experts:
+            yield name, tensor
+            continue
+        dim = 1 if m["proj"] == "down_proj" else 0
+        for j, part in enumerate(tensor.chunk(experts.num_shared_experts, dim=dim)):
+            yield f"{m['mlp']}.experts.{experts.num_experts + j}.{m['proj']}.weight", part
+
+
 class DeepseekFamily(MoEFamily):
     block_name = "mlp"
     expert_names = HF_EXPERT_NAMES
@@ -93,8 +127,11 @@ class DeepseekFamily(MoEFamily):
     def renormalize(self, hf: Any) -> bool:
         return bool(getattr(hf, "norm_topk_prob", False))
 
+    def num_shared_experts(self, hf: Any) -> int:
+        return int(getattr(hf, "n_shared_experts", 0) or 0)
+
     def shared_intermediate_size(self, hf: Any) -> int:
-        return int(hf.moe_intermediate_size) * int(getattr(hf, "n_shared_experts", 0) or 0)
+        return int(hf.moe_intermediate_size) * self.num_shared_experts(hf)
 
     def scoring(self, hf: Any) -> str:
         return "softmax"
@@ -150,8 +187,8 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # V3 checkpoints carry a multi-token-prediction layer after the last decoder layer.
         last = self.config.num_layers
-        return super().load_weights((n, t) for n, t in weights
-                                    if not _layer_at_or_after(n, last))
+        return super().load_weights(shared_experts_as_experts(
+            self, ((n, t) for n, t in weights if not _layer_at_or_after(n, last))))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -66,7 +66,7 @@ def attach_expert_quantization(model: nn.Module, config: QuantConfig, device: to
             if reason:
                 raise ValueError(f"{name} experts: {reason}")
         moe.allocate_dense(torch.device("meta"))
-        for e in range(moe.num_experts):
+        for e in range(moe.num_stacked_experts):
             expert = getattr(moe, str(e))
             for proj, (rows, k, split) in zip(
                     moe.expert_names, ((inter, hidden, "rows"), (inter, hidden, "rows"),
@@ -104,7 +104,7 @@ def finalize_quantized_experts(model: nn.Module, dtype: torch.dtype) -> None:
         hidden, inter = moe.hidden_size, moe.intermediate_size
         w13, w2 = [], []
         with torch.no_grad():
-            for e in range(moe.num_experts):
+            for e in range(moe.num_stacked_experts):
                 if quant.layout == ONLINE_FP8:
                     w13.append(quantize_fp8_per_channel(moe.w13[e]))
                     w2.append(quantize_fp8_per_channel(moe.w2[e]))

@@ -163,6 +163,17 @@ def test_cuda_selects_the_fused_kernel_and_cpu_the_torch_loop():
     assert none.name == "TORCH_MOE" and "triton" in none.rejected[0].reason
 
 
+def test_shared_experts_take_the_slots_after_the_top_k():
+    from archserve.kernels.moe.routing import grouped_route
+    logits = distinct_logits(3, 16, seed=2)
+    weights, ids = grouped_route(logits, 4, renormalize=True, scaling=2.5)
+    with_shared, shared_ids = grouped_route(logits, 4, renormalize=True, scaling=2.5,
+                                            shared_experts=2)
+    assert shared_ids.tolist() == [row + [16, 17] for row in ids.tolist()]
+    assert torch.equal(with_shared[:, :4], weights)       # neither renormalised nor scaled:
+    assert torch.equal(with_shared[:, 4:], torch.ones(3, 2))   # DeepSeek adds them as they are
+
+
 def test_quantized_experts_route_by_vllm_fp8_rule():
     """Triton fp8 experts need SM89+ (vLLM 0.33); below, TORCH_MOE runs them dequantized."""
     h100 = select_moe_backend(get_profile("h100"), MoESpec(quant_scheme="fp8_block"))
@@ -364,10 +375,13 @@ else:
         assert ids.tolist() == ref_ids.tolist()
         torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
 
+    @pytest.mark.parametrize("shared", [0, 2])
     @pytest.mark.parametrize("name", sorted(GROUPINGS))
-    def test_routing_kernel_matches_grouped_route(name):
+    def test_routing_kernel_matches_grouped_route(name, shared):
+        # shared: two shared experts stacked after the routed ones, two more slots.
         from archserve.kernels.moe.routing import grouped_route
         logits, top_k, keywords, renormalize = grouped_case(name, 5, seed=3)
+        keywords["shared_experts"] = shared
         weights, ids = triton_route(logits, top_k, renormalize, **keywords)
         ref_weights, ref_ids = grouped_route(logits, top_k, renormalize=renormalize, **keywords)
         assert ids.tolist() == ref_ids.tolist()            # same experts, same slot order

@@ -54,9 +54,11 @@ VARIANTS = {
     "v2": ("deepseek_v2", dict(q_lora_rank=48, topk_method="group_limited_greedy", n_group=4,
                                topk_group=2, routed_scaling_factor=2.5,
                                rope_scaling=_yarn(0.707))),
-    # V2-Lite: no q LoRA, plain softmax top-2 (greedy), one dense layer of two.
+    # V2-Lite: no q LoRA, plain softmax top-2 (greedy), one dense layer of two, two shared
+    # experts (as V2-Lite has).
     "v2_lite": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy",
-                                    routed_scaling_factor=1.0, num_hidden_layers=2)),
+                                    routed_scaling_factor=1.0, num_hidden_layers=2,
+                                    n_shared_experts=2)),
     # V3: sigmoid scores + correction bias, grouped top-2 (2 of 4 groups), renormalised.
     "v3": ("deepseek_v3", dict(q_lora_rank=48, n_group=4, topk_group=2,
                                routed_scaling_factor=2.5, norm_topk_prob=True,
@@ -86,6 +88,17 @@ def test_layers_and_cache_follow_the_config(pair):
     if name == "v3":
         bias = model.model.layers[1].mlp.gate.e_score_correction_bias
         assert bias.abs().max() > 0
+    # The shared experts are stacked after the routed ones, loaded from the checkpoint's
+    # shared_experts matrices block by block.
+    moe, hf_moe = model.model.layers[1].mlp, hf_model.model.layers[1].mlp
+    shared = hf_moe.shared_experts
+    assert moe.shared_experts is None and moe.experts.num_shared_experts == (
+        2 if name == "v2_lite" else 1)
+    inter = moe.experts.intermediate_size
+    last = moe.experts.num_stacked_experts - 1
+    torch.testing.assert_close(moe.experts.w13[last, :inter], shared.gate_proj.weight[-inter:])
+    torch.testing.assert_close(moe.experts.w13[last, inter:], shared.up_proj.weight[-inter:])
+    torch.testing.assert_close(moe.experts.w2[last], shared.down_proj.weight[:, -inter:])
 
 
 def test_prompt_positions_and_prefill_then_decode_match_hf(pair):

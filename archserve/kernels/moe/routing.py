@@ -31,8 +31,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
                   renormalize: bool = False, num_groups: int = 1, topk_groups: int = 1,
-                  correction_bias: torch.Tensor | None = None, scaling: float = 1.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
+                  shared_experts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's routing: (weights [T, k] float32, expert ids [T, k]).
 
     Scores are softmax (V2) or sigmoid (V3) of the logits. Experts are chosen on the scores
@@ -41,6 +41,11 @@ def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "so
     group_limited_greedy) or, with a correction bias, its best two summed (V3's noaux_tc).
     The weights are the unbiased scores of the chosen experts, renormalised when asked, times
     ``scaling`` (routed_scaling_factor).
+
+    ``shared_experts`` S: the layer's always-on experts, stacked after its E routed ones
+    (``FusedMoE``'s ``num_shared_experts``), as S more slots after the top k: experts E to
+    E + S - 1, weight 1 (neither renormalised nor scaled: DeepSeek adds its shared
+    experts' output as it is). The results are then [T, k + S].
     """
     logits = router_logits.float()
     scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
@@ -57,7 +62,14 @@ def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "so
     weights = scores.gather(1, experts)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, experts
+    weights = weights * scaling
+    if shared_experts:
+        num_tokens, num_experts = router_logits.shape
+        shared = torch.arange(num_experts, num_experts + shared_experts,
+                              device=experts.device).expand(num_tokens, -1)
+        experts = torch.cat((experts, shared), dim=1)
+        weights = torch.cat((weights, weights.new_ones(num_tokens, shared_experts)), dim=1)
+    return weights, experts
 
 
 def experts_touched(tokens: int, num_experts: int, top_k: int) -> float:

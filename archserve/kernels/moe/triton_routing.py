@@ -11,7 +11,8 @@ expert, or its best two summed when there is a bias: DeepSeek-V2's group_limited
 V3's noaux_tc), picks the top k by k passes of argmax (the lower index on a tie, which is
 what torch.topk returns for equal values in practice), and writes the unbiased scores of
 the chosen experts, renormalised when asked and times ``scaling``, as weights fp32 [T, k]
-with expert ids int32 [T, k], in the references' order (best choice first).
+with expert ids int32 [T, k], in the references' order (best choice first); then, for a
+layer with shared experts stacked after its routed ones, their slots (ids E.., weight 1).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ if triton is not None:
                       PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, SIGMOID: tl.constexpr,
                       HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      SHARED: tl.constexpr = 0, PDL: tl.constexpr = False):
         pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         group = tl.arange(0, BLOCK_G)
@@ -87,17 +88,21 @@ if triton is not None:
         if RENORMALIZE:
             weights = weights / (tl.sum(weights, axis=0) + 1e-20)   # slots past TOP_K hold 0
         weights = weights * scaling
-        out = token * TOP_K + slots
-        tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
-        tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
+        # The shared experts' slots: experts GROUPS * PER_GROUP + j, weight 1.
+        shared = (slots >= TOP_K) & (slots < TOP_K + SHARED)
+        weights = tl.where(shared, 1.0, weights)
+        ids = tl.where(shared, GROUPS * PER_GROUP + slots - TOP_K, ids)
+        out = token * (TOP_K + SHARED) + slots
+        tl.store(weights_ptr + out, weights, mask=slots < TOP_K + SHARED)
+        tl.store(ids_ptr + out, ids, mask=slots < TOP_K + SHARED)
 
 
 def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
                  scoring: str = "softmax", num_groups: int = 1, topk_groups: int = 1,
-                 correction_bias: torch.Tensor | None = None, scaling: float = 1.0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
+                 shared_experts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.grouped_route`` (``routing.route`` with the defaults) in one launch:
-    (weights [T, k] float32, expert ids [T, k] int32)."""
+    (weights [T, k + shared_experts] float32, expert ids [T, k + shared_experts] int32)."""
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"routes top-{top_k} of at most {MAX_EXPERTS} experts, "
@@ -114,8 +119,9 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
     device = router_logits.device
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    slots = top_k + shared_experts
+    weights = torch.empty(num_tokens, slots, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, slots, dtype=torch.int32, device=device)
     if num_tokens == 0:
         return weights, ids
     block_g, block_p = triton.next_power_of_2(groups), triton.next_power_of_2(per_group)
@@ -124,9 +130,10 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     pdl = pdl_enabled(device)
     _route_kernel[(num_tokens,)](
         router_logits, bias, weights, ids, router_logits.stride(0), float(scaling),
-        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), GROUPS=groups,
+        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(slots), GROUPS=groups,
         PER_GROUP=per_group, TOPK_GROUPS=topk_groups if grouped else groups,
         BLOCK_G=block_g, BLOCK_P=block_p, SIGMOID=scoring == "sigmoid",
-        HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize, PDL=pdl,
+        HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
+        SHARED=shared_experts, PDL=pdl,
         num_warps=1 if block_g * block_p <= 1024 else 4, **pdl_launch_options(pdl))
     return weights, ids

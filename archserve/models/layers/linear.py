@@ -34,6 +34,11 @@ _routine: LinearRoutine = F.linear
 _defer_weights = False
 
 
+def linear_weights_deferred() -> bool:
+    """Whether the model being built is quantized (its weights come from the quantizer)."""
+    return _defer_weights
+
+
 @contextlib.contextmanager
 def deferred_linear_weights() -> Iterator[None]:
     global _defer_weights

@@ -86,15 +86,24 @@ class FusedMoE(nn.Module):
     Tensor parallelism splits every expert's intermediate channels evenly over the ranks
     (each rank holds all experts, gate/up rows and down columns of its channels): each rank
     routes the same tokens to the same experts, computes a partial sum, and the ranks
-    all-reduce it. ``intermediate_size`` is this rank's part."""
+    all-reduce it. ``intermediate_size`` is this rank's part.
+
+    ``num_shared_experts`` S: always-on experts of the same width, stacked after the E
+    routed ones (modules E to E + S - 1), which every token takes at weight 1 in S more
+    slots after its top k (DeepSeek's shared experts, ``n_shared_experts`` of
+    ``moe_intermediate_size`` channels: one gated MLP of S times the width is the sum of
+    S such experts over its channel blocks). At batch 1 they then stream in the same two
+    launches as the routed experts, instead of two GEMVs and an add of their own."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, expert_names: tuple[str, str, str] = HF_EXPERT_NAMES
-                 ) -> None:
+                 renormalize: bool, expert_names: tuple[str, str, str] = HF_EXPERT_NAMES,
+                 num_shared_experts: int = 0) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be between 1 and the {num_experts} experts")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.num_shared_experts = num_shared_experts
+        self.num_stacked_experts = num_experts + num_shared_experts
         self.tp = get_tp()
         self.checkpoint_intermediate_size = intermediate_size
         self.first_channel, intermediate_size = split_evenly(intermediate_size, self.tp.size,
@@ -102,7 +111,7 @@ class FusedMoE(nn.Module):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.expert_names = expert_names
         # A quantized model is built with its dense weights on "meta" (as Linear's).
-        self.allocate_dense(torch.device("meta") if _linear._defer_weights else None)
+        self.allocate_dense(torch.device("meta") if _linear.linear_weights_deferred() else None)
         self.quantized: Any = None      # a QuantizedExperts once a quantized checkpoint loads
         self.quant_dtype: torch.dtype | None = None     # the activations' dtype then
         self._impl: Any = None
@@ -114,28 +123,36 @@ class FusedMoE(nn.Module):
                        ) -> None:
         """The stacked 16-bit weights and each expert's checkpoint matrices as views."""
         inter, hidden = self.intermediate_size, self.hidden_size
-        self.register_buffer("w13", torch.empty(self.num_experts, 2 * inter, hidden,
-                                                device=device, dtype=dtype), persistent=False)
-        self.register_buffer("w2", torch.empty(self.num_experts, hidden, inter, device=device,
+        stacked = self.num_stacked_experts
+        self.register_buffer("w13", torch.empty(stacked, 2 * inter, hidden, device=device,
+                                                dtype=dtype), persistent=False)
+        self.register_buffer("w2", torch.empty(stacked, hidden, inter, device=device,
                                                dtype=dtype), persistent=False)
-        for e in range(self.num_experts):
+        for e in range(stacked):
             self.add_module(str(e), _Expert(self.w13[e, :inter], self.w13[e, inter:],
                                             self.w2[e], self.expert_names, self.first_channel,
                                             self.checkpoint_intermediate_size))
 
+    @property
+    def slots(self) -> int:
+        """Experts each token runs: its top k and the shared ones."""
+        return self.top_k + self.num_shared_experts
+
     def set_quantized(self, quantized: Any, dtype: torch.dtype) -> None:
         """From here on the experts are ``quantized`` (the dense buffers and the
         per-expert checkpoint tensors are dropped)."""
-        for e in range(self.num_experts):
+        for e in range(self.num_stacked_experts):
             delattr(self, str(e))
         empty = torch.empty(0, device=quantized_device(quantized))
         self.w13, self.w2 = empty, empty
         self.quantized, self.quant_dtype = quantized, dtype
         self._impl_key = None
 
-    def expert_params(self) -> int:
-        """The weights the experts stand for (gate, up and down of each)."""
-        return 3 * self.num_experts * self.hidden_size * self.intermediate_size
+    def expert_params(self, shared: bool = False) -> int:
+        """The weights the routed experts stand for (gate, up and down of each); with
+        ``shared``, those of the shared experts."""
+        experts = self.num_shared_experts if shared else self.num_experts
+        return 3 * experts * self.hidden_size * self.intermediate_size
 
     def spec(self, dtype: torch.dtype) -> Any:
         from archserve.kernels.specs import MoESpec
@@ -169,8 +186,10 @@ class FusedMoE(nn.Module):
         its own way (one Triton launch, or torch); else the backend's softmax top-k."""
         impl = self.impl()
         operands = (self.w13, self.w2) if self.quantized is None else self._operands
-        routed = impl.route(router_logits, self.top_k, self.renormalize, **(grouping or {}))
-        out = impl.forward(hidden, router_logits, *operands, self.top_k, self.renormalize,
+        grouping = {**(grouping or {}), **({"shared_experts": self.num_shared_experts}
+                                           if self.num_shared_experts else {})}
+        routed = impl.route(router_logits, self.top_k, self.renormalize, **grouping)
+        out = impl.forward(hidden, router_logits, *operands, self.slots, self.renormalize,
                            routed=routed)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
