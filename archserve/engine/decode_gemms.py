@@ -162,7 +162,7 @@ def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torc
     if tune is not None:
         if graph_sizes:
             path = os.path.join(device_kernel_dir(device), "decode_gemms.json")
-            report = tune(linear_weights_by_shape(model), graph_sizes, path)
+            report = tune(linear_weights_by_shape(model), graph_sizes, path, dtype)
             torch.cuda.empty_cache()  # the timing graphs' outputs
             reason = report.summary()
         else:

@@ -41,7 +41,9 @@ class DeepseekRouter(Router):
 
     The weight and the bias stay float32 in a 16-bit model, as transformers keeps them
     (``_keep_in_fp32_modules_strict``; vLLM keeps the bias): rounded to bf16 they move the
-    sigmoid scores by a few thousandths, as far apart as near-tied experts are."""
+    sigmoid scores by a few thousandths, as far apart as near-tied experts are. x stays in
+    the model dtype: the linear routine widens it (the decode GEMV in its kernel, saving
+    a conversion launch per layer) and returns the logits of x.float() and the weight."""
 
     def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool) -> None:
         super().__init__(num_experts, hidden_size, dtype=torch.float32)
@@ -50,7 +52,7 @@ class DeepseekRouter(Router):
             if correction_bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x.float(), self.weight)
+        return apply_linear(x, self.weight)
 
 
 class DeepseekMoE(nn.Module):

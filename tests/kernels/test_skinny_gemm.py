@@ -25,6 +25,7 @@ from archserve.kernels.linear.skinny_choice import (
     UNFUSED,
     ShapeTiming,
     SkinnyGemmRoutine,
+    _key,
     decode_graph_scope,
     implementation,
     shape_key,
@@ -33,6 +34,7 @@ from archserve.kernels.linear.triton_skinny_gemm import (
     MAX_ROWS,
     SkinnyConfig,
     candidate_configs,
+    norm_unsupported,
     rms_norm_skinny_gemm,
     skinny_gemm,
     skinny_gemm_unsupported,
@@ -48,11 +50,14 @@ gpu = pytest.mark.gpu
 ULP = {torch.float32: 2.0 ** -20, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
 
-def operands(rows: int, n: int, k: int, dtype: torch.dtype, device: str, with_bias: bool):
+def operands(rows: int, n: int, k: int, dtype: torch.dtype, device: str, with_bias: bool,
+             weight_dtype: torch.dtype | None = None):
+    """x in ``dtype``; the weight and bias in ``weight_dtype`` (default: ``dtype``)."""
     torch.manual_seed(rows * 1000 + n + k)
+    weight_dtype = weight_dtype or dtype
     x = torch.randn(rows, k, device=device).to(dtype)
-    w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
-    b = torch.randn(n, device=device).to(dtype) if with_bias else None
+    w = (torch.randn(n, k, device=device) / k ** 0.5).to(weight_dtype)
+    b = torch.randn(n, device=device).to(weight_dtype) if with_bias else None
     return x, w, b
 
 
@@ -65,6 +70,21 @@ def check_against_float64(rows: int, n: int, k: int, dtype: torch.dtype, device:
     # Exact fp32 sums in another order, then one rounding to the output dtype.
     scale = expected.abs().max().item()
     assert (got.double() - expected).abs().max().item() <= ULP[dtype] * scale + 1e-5 * scale
+
+
+def check_16_bit_x_with_float32_weight(rows: int, n: int, k: int, dtype: torch.dtype,
+                                       device: str, config: SkinnyConfig,
+                                       silu_mul: bool = False) -> None:
+    """A 16-bit x with a float32 weight (DeepSeek's router) against torch's F.linear of
+    x.float(): float32 out, the same fp32 products summed in another order."""
+    x, w, _ = operands(rows, 2 * n if silu_mul else n, k, dtype, device, False, torch.float32)
+    expected = F.linear(x.float(), w)
+    if silu_mul:
+        expected = silu_and_mul_reference(expected)
+    got = skinny_gemm(x, w, None, config, silu_mul=silu_mul)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale)
 
 
 def check_silu_mul_against_unfused(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
@@ -117,9 +137,32 @@ def test_unsupported_operands_are_named():
     assert skinny_gemm_unsupported(torch.zeros(1, 32), w, None) is None
     assert "9 rows" in skinny_gemm_unsupported(torch.zeros(9, 32), w, None)
     assert "operands" in skinny_gemm_unsupported(torch.zeros(1, 16), w, None)
-    assert "bfloat16" in skinny_gemm_unsupported(torch.zeros(1, 32, dtype=torch.bfloat16), w, None)
     assert "bias" in skinny_gemm_unsupported(torch.zeros(1, 32), w, torch.zeros(3))
     assert "contiguous" in skinny_gemm_unsupported(torch.zeros(32, 2).T, w, None)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype,supported", [
+    (torch.bfloat16, torch.float32, True), (torch.float16, torch.float32, True),
+    (torch.bfloat16, torch.bfloat16, True),
+    (torch.float32, torch.bfloat16, False), (torch.float16, torch.bfloat16, False),
+    (torch.bfloat16, torch.float16, False), (torch.float64, torch.float64, False),
+    (torch.int8, torch.float32, False)], ids=str)
+def test_mixed_dtypes_only_16_bit_x_with_a_float32_weight(x_dtype, w_dtype, supported):
+    """The kernel widens a 16-bit x to a float32 weight (DeepSeek's router); any other pair
+    of dtypes is refused, and named."""
+    x, w = torch.zeros(1, 32, dtype=x_dtype), torch.zeros(64, 32, dtype=w_dtype)
+    why = skinny_gemm_unsupported(x, w, None)
+    assert (why is None) == supported, why
+    if not supported:
+        assert str(x_dtype) in why and str(w_dtype) in why
+
+
+def test_norm_prologue_declines_a_weight_of_another_dtype():
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    norm_weight = torch.ones(32, dtype=torch.bfloat16)
+    assert norm_unsupported(x, x, norm_weight, torch.zeros(64, 32, dtype=torch.bfloat16)) is None
+    why = norm_unsupported(x, x, norm_weight, torch.zeros(64, 32))
+    assert why is not None and "float32" in why
 
 
 def test_routine_is_torch_linear_outside_graph_scope_and_on_cpu():
@@ -133,6 +176,43 @@ def test_routine_is_torch_linear_outside_graph_scope_and_on_cpu():
     with decode_graph_scope():  # CPU tensors: still torch
         torch.testing.assert_close(routine(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
         torch.testing.assert_close(routine.linear_silu_mul(x, w, b), gated, rtol=0, atol=0)
+
+
+def test_routine_on_cpu_widens_a_16_bit_x_to_a_float32_weight():
+    """cuBLAS's side of the routine (and torch's routine) with DeepSeek's router operands:
+    the float32 logits of x.float(), bit for bit, in both kinds."""
+    routine = SkinnyGemmRoutine()
+    x = torch.randn(2, 16).to(torch.bfloat16)
+    w = torch.randn(8, 16)
+    expected = F.linear(x.float(), w)
+    with decode_graph_scope():
+        got = routine(x, w)
+        gated = routine.linear_silu_mul(x, w)
+    assert got.dtype == gated.dtype == torch.float32
+    assert torch.equal(got, expected)
+    assert torch.equal(gated, silu_and_mul_reference(expected))
+    with pytest.raises(RuntimeError):   # a narrowing pair is still torch's error
+        routine(x.float(), w.to(torch.bfloat16))
+
+
+def test_tune_and_call_key_a_float32_weight_with_the_model_dtype(tmp_path):
+    """A float32 router weight in a bf16 model: tuning keys it by (x bf16, weight fp32), as
+    the call with bf16 x looks it up, apart from an fp32 x's key."""
+    w = torch.randn(64, 32)
+    groups = {(LINEAR, 64, 32, torch.float32): [w]}
+    mixed = shape_key(LINEAR, 1, 64, 32, torch.bfloat16, torch.float32)
+    assert mixed != shape_key(LINEAR, 1, 64, 32, torch.float32, torch.float32)
+    assert shape_key(LINEAR, 1, 64, 32, torch.float32, torch.float32) == \
+        shape_key(LINEAR, 1, 64, 32, torch.float32)   # a same-dtype key as before
+    path = tmp_path / "decode_gemms.json"
+    path.write_text(json.dumps({"version": 4, "shapes": {mixed: vars(ShapeTiming(
+        cublas_us=5.0, triton_us={"n4_k512_w4": 3.0}, chosen="n4_k512_w4"))}}))
+    routine = SkinnyGemmRoutine()
+    report = routine.tune(groups, [1], str(path), activation_dtype=torch.bfloat16)
+    assert report.from_cache and list(report.timings) == [mixed]
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    assert routine.choices[_key(LINEAR, x, w)] == "n4_k512_w4"
+    assert _key(LINEAR, x.float(), w) not in routine.choices
 
 
 def test_tune_reads_a_complete_cache_without_timing(tmp_path):
@@ -180,17 +260,21 @@ def test_an_unreadable_cache_is_ignored(tmp_path):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-@pytest.mark.parametrize("target", [("cuda", 80, 32), ("cuda", 90, 32), ("cuda", 70, 32),
-                                    ("hip", "gfx942", 64)], ids=["sm80", "sm90", "sm70", "gfx942"])
+@pytest.mark.parametrize("target,fp32_weight", [
+    (("cuda", 80, 32), False), (("cuda", 90, 32), False), (("cuda", 70, 32), False),
+    (("hip", "gfx942", 64), False), (("cuda", 90, 32), True)],
+    ids=["sm80", "sm90", "sm70", "gfx942", "sm90-fp32-weight"])
 @pytest.mark.parametrize("block_m", [1, 4])
-def test_kernel_compiles_for_gpu_targets(target, block_m):
+def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from archserve.kernels.linear.triton_skinny_gemm import _skinny_gemm_kernel
     act = "*fp16" if target[1] == 70 else "*bf16"
-    signature = {"x_ptr": act, "w_ptr": act, "b_ptr": act, "y_ptr": act, "M": "i32", "N": "i32",
+    # fp32_weight: DeepSeek's router, a float32 weight (and output) with 16-bit x.
+    wide = "*fp32" if fp32_weight else act
+    signature = {"x_ptr": act, "w_ptr": wide, "b_ptr": wide, "y_ptr": wide, "M": "i32", "N": "i32",
                  "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
                  "r_ptr": act, "norm_w_ptr": act, "new_r_ptr": act, "eps": "fp32",
                  **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
@@ -198,9 +282,11 @@ def test_kernel_compiles_for_gpu_targets(target, block_m):
     # block_m 4 also compiles the norm prologue (with a residual); block_m 1 without it.
     # SM90 compiles the programmatic-dependent-launch form (kernels/pdl.py).
     pdl = target[:2] == ("cuda", 90)
+    # (the norm prologue does not take a weight of another dtype: norm_unsupported)
+    norm = block_m > 1 and not fp32_weight
     constexprs = {"HAS_BIAS": True, "GATED": True, "BLOCK_M": block_m, "BLOCK_N": 4,
-                  "BLOCK_K": 256, "EVEN_K": False, "NORM": block_m > 1,
-                  "HAS_RESIDUAL": block_m > 1, "PDL": pdl}
+                  "BLOCK_K": 256, "EVEN_K": False, "NORM": norm, "HAS_RESIDUAL": norm,
+                  "PDL": pdl}
     options = {"num_warps": 4, **({"launch_pdl": True} if pdl else {})}
     compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                               target=GPUTarget(*target), options=options)
@@ -254,6 +340,16 @@ else:
             check_silu_mul_against_unfused(rows, 40, 520, dtype, "cpu", config, with_bias)
 
 
+    @pytest.mark.parametrize("rows", [1, 2, 4])
+    def test_16_bit_x_with_float32_weight_matches_torch(rows):
+        # K 520: the last tile is partial.
+        check_16_bit_x_with_float32_weight(rows, 33, 520, torch.bfloat16, "cpu",
+                                           candidate_configs(rows)[0])
+
+    def test_16_bit_x_with_float32_weight_silu_mul_and_fp16():
+        check_16_bit_x_with_float32_weight(2, 16, 256, torch.float16, "cpu",
+                                           candidate_configs(2)[1], silu_mul=True)
+
     @pytest.mark.parametrize("rows,dtype,with_residual,silu_mul", [
         (1, torch.bfloat16, True, False), (3, torch.float16, True, True),
         (2, torch.float32, False, False)],
@@ -277,6 +373,51 @@ REAL_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256
 def test_gpu_real_shapes_every_candidate(n, k, rows):
     for config in candidate_configs(rows):
         check_against_float64(rows, n, k, torch.bfloat16, "cuda", config)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_gpu_deepseek_router_shape_bf16_x_float32_weight(rows):
+    """DeepSeek-V2-Lite's router (64 experts x 2048), bf16 x with its float32 weight."""
+    for config in candidate_configs(rows):
+        check_16_bit_x_with_float32_weight(rows, 64, 2048, torch.bfloat16, "cuda", config)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_tune_times_the_router_as_it_runs_and_the_call_finds_it(tmp_path):
+    """27 float32 router weights in a bf16 model: tuned with bf16 x (the kernel agrees with
+    cuBLAS on x.float()), keyed as the bf16 call looks it up, the norm prologue declined;
+    a decode graph with the kernel forced gives the fp32 logits of x.float()."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    weights = [torch.randn(64, 2048, device=dev) * 0.02 for _ in range(27)]
+    routine = SkinnyGemmRoutine()
+    report = routine.tune({(LINEAR, 64, 2048, torch.float32): weights}, [1, 2],
+                          str(tmp_path / "decode_gemms.json"), torch.bfloat16)
+    x = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16)
+    timing = report.timings[_key(LINEAR, x, weights[0])]
+    assert timing.cublas_us > 0 and timing.triton_us, timing
+    assert "disagrees" not in timing.note and not timing.fuse_norm
+    if timing.chosen != CUBLAS:
+        assert "norm prologue: weight torch.float32" in timing.note
+
+    routine.choices[_key(LINEAR, x, weights[0])] = candidate_configs(1)[0].key()
+    out = torch.empty(1, 64, device=dev)
+    with decode_graph_scope():
+        routine(x, weights[0])     # compiles the kernel before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(routine(x, weights[0]))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = F.linear(x.float(), weights[0])
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5 * scale)
 
 
 @gpu

@@ -148,6 +148,12 @@ def test_router_keeps_float32_weights_in_a_16_bit_model(tmp_path):
     for name, param in router.items():
         assert param.dtype == torch.float32, name
         assert torch.equal(param, checkpoint[name]), name
+    # The bf16 activations go in as they are; the logits are those of x.float() in fp32.
+    gate = next(m for m in model.modules() if isinstance(m, DeepseekMoE)).gate
+    x = torch.randn(3, MLA["hidden_size"]).to(torch.bfloat16)
+    logits = gate(x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, x.float() @ gate.weight.T)
 
 
 def test_dummy_weights_run(tmp_path):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from archserve.kernels.linear.torch_linear import torch_linear
 from archserve.kernels.rules import (
     RuleBackend,
     backend_class,
@@ -50,7 +51,7 @@ def _format_text(fmt: str | None) -> str:
 
 
 def _torch_linear(device: DeviceInfo, spec: LinearSpec) -> Any:
-    return torch.nn.functional.linear
+    return torch_linear
 
 
 class QuantGemmBackend(RuleBackend):

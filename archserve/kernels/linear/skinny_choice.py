@@ -12,6 +12,10 @@ in L2 is not read from there). A Triton config wins only when it is faster by a 
 and its output agrees with cuBLAS's; otherwise that shape stays on cuBLAS. The result
 is saved per device and library versions, so a second start reads it instead.
 
+x is always in the model dtype. A float32 weight in a 16-bit model (DeepSeek's router) is
+keyed by both dtypes and timed with 16-bit x, as it runs: the GEMV converts x in its
+kernel, cuBLAS's side needs a conversion kernel first (``torch_linear``).
+
 Where a shape runs on Triton, the RMSNorm before it (fusion ``rms_norm_gemm``) can run in
 the kernel's prologue or as the norm kernel first; that too is timed per shape, and the
 prologue is used only where it wins. The prologue makes every program read the whole row
@@ -33,8 +37,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from archserve.kernels.linear.torch_linear import torch_linear
 from archserve.kernels.tuning_cache import read_cache, write_cache
 
 log = logging.getLogger(__name__)
@@ -66,9 +70,18 @@ def decode_graph_scope() -> Iterator[None]:
         _graph_scope_depth -= 1
 
 
-def shape_key(kind: str, rows: int, out_features: int, in_features: int, dtype: torch.dtype
-              ) -> str:
-    return f"{kind}:{rows}x{out_features}x{in_features}:{str(dtype).removeprefix('torch.')}"
+def shape_key(kind: str, rows: int, out_features: int, in_features: int, dtype: torch.dtype,
+              weight_dtype: torch.dtype | None = None) -> str:
+    """The key of one decode GEMM: ``dtype`` is x's; a weight of another dtype (a float32
+    router in a 16-bit model) is named after it, "linear:1x64x2048:bfloat16:float32"."""
+    key = f"{kind}:{rows}x{out_features}x{in_features}:{_dtype_name(dtype)}"
+    if weight_dtype is not None and weight_dtype != dtype:
+        key += f":{_dtype_name(weight_dtype)}"
+    return key
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -125,7 +138,7 @@ class SkinnyGemmRoutine:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        chosen = self._triton(LINEAR, x, weight, bias) or F.linear
+        chosen = self._triton(LINEAR, x, weight, bias) or torch_linear
         return chosen(x, weight, bias)
 
     def linear_silu_mul(self, x: torch.Tensor, weight: torch.Tensor,
@@ -147,7 +160,7 @@ class SkinnyGemmRoutine:
         if chosen is None or _key(kind, x, weight) not in self.fuse_norm:
             return None
         from archserve.kernels.linear.triton_skinny_gemm import norm_unsupported
-        if norm_unsupported(x, residual, norm_weight) is not None:
+        if norm_unsupported(x, residual, norm_weight, weight) is not None:
             return None
         return norm_prologue(kind, chosen)(x, residual, norm_weight, eps, weight, bias)
 
@@ -171,14 +184,19 @@ class SkinnyGemmRoutine:
             return None
         return chosen
 
-    def tune(self, groups: WeightGroups, rows: Sequence[int], cache_path: str | None
-             ) -> TuneReport:
+    def tune(self, groups: WeightGroups, rows: Sequence[int], cache_path: str | None,
+             activation_dtype: torch.dtype | None = None) -> TuneReport:
         """Choose per shape for every row count in ``rows`` (those above the kernel's
         limit stay on cuBLAS). ``groups``: the model's linear weights by (kind,
-        out_features, in_features, dtype). Reads and writes ``cache_path`` when given."""
+        out_features, in_features, dtype). ``activation_dtype``: the model dtype, x's in
+        every call, also with a float32 weight (timed so, as it runs); None: each
+        group's own. Reads and writes ``cache_path`` when given."""
         from archserve.kernels.linear.triton_skinny_gemm import MAX_ROWS
         start = time.perf_counter()
-        wanted = [shape_key(kind, r, n, k, dtype) for r in rows if 1 <= r <= MAX_ROWS
+
+        def key_of(kind: str, r: int, n: int, k: int, dtype: torch.dtype) -> str:
+            return shape_key(kind, r, n, k, activation_dtype or dtype, dtype)
+        wanted = [key_of(kind, r, n, k, dtype) for r in rows if 1 <= r <= MAX_ROWS
                   for (kind, n, k, dtype) in groups]
         cached = _read_cache(cache_path)
         if wanted and all(key in cached for key in wanted):
@@ -188,16 +206,17 @@ class SkinnyGemmRoutine:
             failed: set[str] = set()
             for r in sorted({r for r in rows if 1 <= r <= MAX_ROWS}):
                 for (kind, n, k, dtype), weights in groups.items():
-                    key = shape_key(kind, r, n, k, dtype)
+                    shape = key_of(kind, r, n, k, dtype)
                     try:
-                        report.timings[key] = time_shape(kind, r, weights)
+                        report.timings[shape] = time_shape(kind, r, weights,
+                                                           activation_dtype=activation_dtype)
                     except Exception as exc:  # noqa: BLE001 - cuBLAS serves; start goes on
                         log.warning("decode GEMM %s stays on cuBLAS: timing it failed (%s: %s)",
-                                    key, type(exc).__name__, exc)
-                        report.timings[key] = ShapeTiming(
+                                    shape, type(exc).__name__, exc)
+                        report.timings[shape] = ShapeTiming(
                             cublas_us=0.0, rows=r, calls=len(weights),
                             note=f"timing failed: {type(exc).__name__}: {exc}")
-                        failed.add(key)
+                        failed.add(shape)
             if cache_path is not None:  # a failure is not cached: the next start retries
                 _write_cache(cache_path, {**cached, **{k: t for k, t in report.timings.items()
                                                        if k not in failed}})
@@ -213,8 +232,8 @@ def implementation(kind: str, choice: str):
     from archserve.kernels.elementwise import silu_and_mul
     if choice == CUBLAS:
         if kind == SILU_MUL:
-            return lambda x, w, b: silu_and_mul(F.linear(x, w, b))
-        return F.linear
+            return lambda x, w, b: silu_and_mul(torch_linear(x, w, b))
+        return torch_linear
     from archserve.kernels.linear.triton_skinny_gemm import SkinnyConfig, skinny_gemm
     config = SkinnyConfig.from_key(choice.removeprefix(UNFUSED))
     if choice.startswith(UNFUSED):
@@ -240,7 +259,7 @@ def norm_prologue(kind: str, choice: str):
 
 
 def _key(kind: str, x: torch.Tensor, weight: torch.Tensor) -> str:
-    return shape_key(kind, x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
+    return shape_key(kind, x.shape[0], weight.shape[0], weight.shape[1], x.dtype, weight.dtype)
 
 
 def triton_choices(kind: str, config_keys: Sequence[str]) -> list[str]:
@@ -250,17 +269,21 @@ def triton_choices(kind: str, config_keys: Sequence[str]) -> list[str]:
 
 
 def time_shape(kind: str, rows: int, weights: list[torch.Tensor], iters: int = 10,
-               choices: Sequence[str] | None = None) -> ShapeTiming:
+               choices: Sequence[str] | None = None,
+               activation_dtype: torch.dtype | None = None) -> ShapeTiming:
     """cuBLAS (then the SiLU kernel, for silu_mul) and each Triton choice on one shape; the
     fastest that agrees with cuBLAS wins. ``choices`` default to ``triton_choices`` of the
-    candidate configs at this row count."""
+    candidate configs at this row count. x is in ``activation_dtype`` (default: the
+    weights' dtype); for a float32 weight with 16-bit x, cuBLAS's side includes the
+    conversion of x it needs."""
     from archserve.kernels.cuda_timing import graph_median_us
     from archserve.kernels.linear.triton_skinny_gemm import (
         candidate_configs,
         skinny_gemm_unsupported,
     )
     weight = weights[0]
-    x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    x = torch.randn(rows, weight.shape[1], device=weight.device,
+                    dtype=activation_dtype or weight.dtype)
 
     def per_call_us(gemm) -> float:
         us, how = graph_median_us(lambda: [gemm(w) for w in weights], iters, warmup=2, reps=1)
@@ -294,19 +317,26 @@ def time_shape(kind: str, rows: int, weights: list[torch.Tensor], iters: int = 1
         if us < best_us:
             best_us, timing.chosen = us, choice
     if timing.chosen != CUBLAS:
-        _time_norm_prologue(timing, kind, x, per_call_us)
+        _time_norm_prologue(timing, kind, x, weight, per_call_us)
     return timing
 
 
-def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, per_call_us) -> None:
+def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, weight: torch.Tensor,
+                        per_call_us) -> None:
     """The chosen config with the residual add and RMSNorm in its prologue, against the
     norm kernel then the same config (as the decoder layer runs them); the prologue is
-    chosen where it is faster by MIN_GAIN. A prologue that fails is not chosen, and said."""
+    chosen where it is faster by MIN_GAIN. A prologue that fails, or cannot take these
+    operands, is not chosen, and said."""
     from archserve.kernels.elementwise import rms_norm
+    from archserve.kernels.linear.triton_skinny_gemm import norm_unsupported
     # The weight first: the norm kernels read it before PDL's wait (kernels/pdl.py), so the
     # kernel launched right before their first call must not be the one that wrote it.
     norm_weight = torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
     residual = torch.randn_like(x)
+    unsupported = norm_unsupported(x, residual, norm_weight, weight)
+    if unsupported is not None:
+        timing.note += f"norm prologue: {unsupported}; "
+        return
     run, fused = implementation(kind, timing.chosen), norm_prologue(kind, timing.chosen)
 
     def separate(w):

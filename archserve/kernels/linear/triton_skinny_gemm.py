@@ -210,7 +210,8 @@ def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
         return f"operands x {tuple(x.shape)}, weight {tuple(weight.shape)}"
     if not 1 <= x.shape[0] <= MAX_ROWS:
         return f"{x.shape[0]} rows; the kernel takes 1-{MAX_ROWS}"
-    if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or (
+            weight.dtype != x.dtype and weight.dtype != torch.float32):
         return f"x {x.dtype}, weight {weight.dtype}"
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         return f"bias {tuple(bias.shape)}"
@@ -221,7 +222,9 @@ def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 config: SkinnyConfig, silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype.
+    """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype;
+    in float32 for a 16-bit x with a float32 weight (converted in the kernel, as
+    ``torch_linear`` converts it before its GEMM).
     ``weight`` is a model weight: under PDL its first tile is read before the wait for the
     kernel launched before, which must not write it.
     With ``silu_mul`` the weight holds gate rows then up rows (as GateUpLinear stores
@@ -241,8 +244,12 @@ def rms_norm_skinny_gemm(x: torch.Tensor, residual: torch.Tensor | None,
 
 
 def norm_unsupported(x: torch.Tensor, residual: torch.Tensor | None,
-                     norm_weight: torch.Tensor) -> str | None:
+                     norm_weight: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why the norm prologue cannot take these operands, or None."""
+    if weight.dtype != x.dtype:
+        # The prologue rounds the normalised row to the output's dtype, where the norm
+        # kernel rounds it to x's; no layer after a norm has a weight of another dtype.
+        return f"weight {weight.dtype} for x {x.dtype}"
     if norm_weight.shape != x.shape[-1:] or norm_weight.dtype != x.dtype:
         return f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} for x {x.dtype}"
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
@@ -254,7 +261,8 @@ def norm_unsupported(x: torch.Tensor, residual: torch.Tensor | None,
 def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps):
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    y = torch.empty((rows, cols), dtype=torch.promote_types(x.dtype, weight.dtype),
+                    device=x.device)
     new_residual = x
     if residual is not None:
         new_residual = torch.empty((rows, depth), dtype=x.dtype, device=x.device)

@@ -19,15 +19,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from archserve.kernels.elementwise import fusion_enabled, rms_norm, silu_and_mul
+from archserve.kernels.linear.torch_linear import torch_linear
 from archserve.models.layers.norm import RMSNorm
 
 LinearRoutine = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
-_routine: LinearRoutine = F.linear
+_routine: LinearRoutine = torch_linear
 # While set (a quantized model is being built), dense weights are allocated on "meta":
 # the quantizer gives each layer its checkpoint tensors instead, so a model that fits the
 # device only quantized is never materialised dense first.
@@ -60,13 +60,15 @@ class LinearQuantState(Protocol):
 
 
 def set_linear_routine(routine: LinearRoutine | None) -> None:
-    """Install the GEMM every ``Linear`` uses; None restores ``torch.nn.functional.linear``."""
+    """Install the GEMM every ``Linear`` uses; None restores ``torch_linear``."""
     global _routine
-    _routine = routine if routine is not None else F.linear
+    _routine = routine if routine is not None else torch_linear
 
 
 def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
+    """x W^T (+ b), x in the model dtype; a float32 weight (DeepSeek's router) gives float32
+    (archserve.kernels.linear.torch_linear)."""
     return _routine(x, weight, bias)
 
 
