@@ -115,6 +115,10 @@ step mla_engine 80 200 python3 benchmarks/mla_perf.py --part engine --out "$D/ml
 # in session 14, PDL off), one run each.
 step mla_engine_nopdl 80 200 env ARCHSERVE_PDL=0 python3 benchmarks/mla_perf.py --part engine \
   --out "$D/mla_engine_nopdl.json"
+# DeepSeek's shared experts as their own MLP (two GEMVs and an add a layer at batch 1)
+# against stacked with the routed experts (the default since session 18).
+step mla_engine_shared_mlp 80 200 env ARCHSERVE_DISABLE_FUSIONS=shared_experts \
+  python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_shared_mlp.json"
 # Where the 0.6B's batch-1 step goes, kernel by kernel (device time per step, top kernels).
 step profile_06b_b1 60 150 python3 benchmarks/profile_engine_step.py --model $Q06 \
   --load-format dummy --dtype bfloat16 --batch-sizes 1 --input-len 128 --steps 20 \

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from archserve.kernels.elementwise.dispatch import fusion_not_disabled
 from archserve.models.layers.linear import apply_linear, linear_weights_deferred
 from archserve.models.layers.mla import MLAAttention
 from archserve.models.layers.moe import HF_EXPERT_NAMES, FusedMoE, GatedMLP, Router
@@ -69,7 +70,8 @@ class DeepseekMoE(nn.Module):
         self.sigmoid = family.scoring(hf) == "sigmoid"
         self.gate = DeepseekRouter(num_experts, config.hidden_size, self.sigmoid)
         num_shared = family.num_shared_experts(hf)
-        fold_shared = num_shared > 0 and not linear_weights_deferred()
+        fold_shared = (num_shared > 0 and not linear_weights_deferred()
+                       and fusion_not_disabled("shared_experts"))
         self.experts = FusedMoE(num_experts, self.top_k, config.hidden_size,
                                 family.expert_intermediate_size(hf), family.renormalize(hf),
                                 HF_EXPERT_NAMES, num_shared if fold_shared else 0)

@@ -166,6 +166,23 @@ def test_dummy_weights_run(tmp_path):
 
 
 
+def test_shared_experts_stay_a_gated_mlp_when_that_fusion_is_off(tmp_path, monkeypatch):
+    # ARCHSERVE_DISABLE_FUSIONS=shared_experts: the shared experts' own MLP, the same logits
+    # to fp32 rounding (the folded form sums the experts' outputs in another order).
+    from archserve.kernels.elementwise import DISABLE_FUSIONS_ENV
+    model_type, overrides = VARIANTS["v2_lite"]
+    tiny_hf_model(model_type, **{**MLA, **overrides, "vocab_size": 256}).save_pretrained(tmp_path)
+    logits = {}
+    for disabled in ("", "shared_experts"):
+        monkeypatch.setenv(DISABLE_FUSIONS_ENV, disabled)
+        model, config = load_model(str(tmp_path), torch.float32)
+        moe = next(m for m in model.modules() if isinstance(m, DeepseekMoE))
+        assert (moe.shared_experts is not None) == bool(disabled)
+        assert moe.experts.num_shared_experts == (0 if disabled else 2)
+        logits[disabled] = PagedSequences.for_config(config).run(model, {0: PROMPTS[0]})
+    torch.testing.assert_close(logits[""], logits["shared_experts"], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path, variant):
     model_type, overrides = VARIANTS[variant]

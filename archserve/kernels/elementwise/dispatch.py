@@ -48,6 +48,8 @@ FUSIONS = {
     # Only where the decode GEMM after the norm runs TRITON_SKINNY_GEMM's kernel and the
     # start-up tuner timed the prologue faster than the norm kernel (skinny_choice.py).
     "rms_norm_gemm": "residual add + RMSNorm in the prologue of the QKV and gate/up GEMMs",
+    # Decided when the model is built, on any device (TORCH_MOE runs them too).
+    "shared_experts": "DeepSeek's shared experts stacked with the routed ones in the fused MoE",
 }
 
 
@@ -78,10 +80,16 @@ def fused_kernel_route(device: torch.device | str) -> tuple[Route, str]:
 def fusion_enabled(name: str, device: torch.device | str) -> bool:
     """Whether the fusion ``name`` (one of ``FUSIONS``) runs for tensors on ``device``: the
     fused kernels' route is Triton and ``ARCHSERVE_DISABLE_FUSIONS`` does not list it."""
+    return fusion_not_disabled(name) and fused_kernel_route(device)[0] == "triton"
+
+
+def fusion_not_disabled(name: str) -> bool:
+    """Whether ``ARCHSERVE_DISABLE_FUSIONS`` leaves the fusion ``name`` (one of
+    ``FUSIONS``) on, whatever the device."""
     if name not in FUSIONS:
         raise ValueError(f"unknown fusion {name!r}; known: {', '.join(FUSIONS)}")
     disabled = {part.strip() for part in os.environ.get(DISABLE_FUSIONS_ENV, "").split(",")}
-    return name not in disabled and fused_kernel_route(device)[0] == "triton"
+    return name not in disabled
 
 
 @contextmanager
