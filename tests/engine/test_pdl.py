@@ -43,6 +43,7 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
     from triton_compile import compiled_launches
 
     from archserve.kernels.attention import triton_decode, triton_qk_norm_rope_cache
+    from archserve.kernels.attention.interface import DecodePreamble
     from archserve.kernels.elementwise import triton_rms_norm
     from archserve.kernels.mla import triton_mla_decode, triton_mla_output
     from archserve.kernels.moe import triton_fused_moe, triton_routing
@@ -85,6 +86,16 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
             torch.arange(3, dtype=torch.int32), torch.zeros(2, 16, 512, dtype=torch.bfloat16),
             num_seqs=2, max_seq_len=64, scale=0.1, num_splits=2,
             w_uv=torch.zeros(16, 128, 512, dtype=torch.bfloat16))
+        # Decode doing the q/k preamble itself: its positions, rotary rows, norm weights
+        # and slots read before the wait too, k and v written after it.
+        triton_decode.decode_attention(
+            torch.zeros(2, heads + 2 * kv_heads, head, dtype=torch.bfloat16), cache, tables,
+            lens, torch.arange(3, dtype=torch.int32),
+            torch.zeros(2, heads, head, dtype=torch.bfloat16), num_seqs=2, max_seq_len=64,
+            scale=0.1, num_splits=2, preamble=DecodePreamble(
+                torch.zeros(2, dtype=torch.long), torch.zeros(64, head // 2),
+                torch.zeros(64, head // 2), (torch.ones(head, dtype=torch.bfloat16),) * 2,
+                1e-6, torch.zeros(2, dtype=torch.long)))
     names = [launch.kernel for launch in launches]
     assert names[:5] == ["_decode_kernel", "_merge_splits_kernel", "_qk_norm_rope_cache_kernel",
                          "_rms_norm_kernel", "_mla_decode_kernel"], names
