@@ -38,8 +38,9 @@ def test_pdl_is_on_by_default_on_nvidia_sm90(monkeypatch):
 def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
     """The decode kernels that take PDL, as their wrappers launch them with it: attention
     decode (split, so its merge too), the q/k norm-rope-cache kernel, RMSNorm, MLA decode,
-    MoE routing, the fused experts and MLA's merge with W_UV. Each waits for the kernel before it, then lets the
-    next one launch."""
+    MoE routing, the fused experts (routed before, or routing their pairs themselves) and
+    MLA's merge with W_UV. Each waits for the kernel before it, then lets the next one
+    launch."""
     from triton_compile import compiled_launches
 
     from archserve.kernels.attention import triton_decode, triton_qk_norm_rope_cache
@@ -74,11 +75,15 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
             num_seqs=2, max_seq_len=64, scale=0.1, num_splits=1)
         # Routing, then the experts of a fixed routing (the compiled routing writes nothing).
         triton_routing.triton_route(torch.zeros(1, 8), 2, True)
+        experts = (torch.zeros(8, 64, 64, dtype=torch.bfloat16),
+                   torch.zeros(8, 64, 32, dtype=torch.bfloat16))
         triton_fused_moe.fused_experts(
             torch.zeros(1, 64, dtype=torch.bfloat16), torch.full((1, 2), 0.5),
-            torch.tensor([[1, 3]], dtype=torch.int32),
-            torch.zeros(8, 64, 64, dtype=torch.bfloat16),
-            torch.zeros(8, 64, 32, dtype=torch.bfloat16))
+            torch.tensor([[1, 3]], dtype=torch.int32), *experts)
+        # The pair layout routing its pairs in its kernels, from the router's logits.
+        triton_fused_moe.fused_moe(torch.zeros(1, 64, dtype=torch.bfloat16),
+                                   torch.zeros(1, 8, dtype=torch.bfloat16), *experts, 2, True,
+                                   triton_fused_moe.pair_tile(2, 32, 132))
         # MLA decode split 2 ways with W_UV: its merge and W_UV in one kernel.
         triton_mla_decode.mla_decode(
             torch.zeros(2, 16, 576, dtype=torch.bfloat16),
@@ -101,6 +106,8 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
                          "_rms_norm_kernel", "_mla_decode_kernel"], names
     assert {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel",
             "_latent_output_to_heads_kernel"} <= set(names)
+    assert [launch.kernel for launch in launches if launch.constexprs.get("ROUTE")] == [
+        "_gate_up_kernel", "_down_kernel"]
     for launch in launches:
         assert launch.options.get("launch_pdl") and launch.constexprs["PDL"], launch.kernel
         ptx = launch.code()
@@ -121,6 +128,12 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
                                                       "_qk_norm_rope_cache_kernel",
                                                       "_latent_output_to_heads_kernel")
         assert ("ld.global" in before_wait) == reads_early, launch.kernel
+        # Routing its pair: gate/up reads the logits after the wait (the router's GEMM, the
+        # kernel right before, writes them); down routes before it (two kernels back).
+        if launch.constexprs.get("ROUTE"):
+            routes_early = launch.kernel == "_down_kernel"
+            assert ("ex2.approx" in before_wait) == routes_early, launch.kernel
+            assert "ex2.approx" in ptx, launch.kernel
 
 
 
