@@ -104,10 +104,6 @@ step moe_qwen3_reduce 75 180 env ARCHSERVE_REDUCE_IN_KERNEL=1 python3 benchmarks
 # dummy weights never share the device.
 step moe_qwen3 75 180 python3 benchmarks/moe_perf.py --part engine --models qwen3-30b-a3b \
   --skip-peer --out "$D/moe_qwen3.json"
-# The q/k preamble as its own kernel again (before session 18 it was never inside decode).
-step moe_qwen3_preamble_kernel 75 180 env ARCHSERVE_DISABLE_FUSIONS=qk_norm_rope_in_decode \
-  python3 benchmarks/moe_perf.py --part engine --models qwen3-30b-a3b --skip-peer \
-  --out "$D/moe_qwen3_preamble_kernel.json"
 step moe_mixtral 80 200 python3 benchmarks/moe_perf.py --part engine --models mixtral-8x7b \
   --skip-peer --skip-mixtral-throughput --out "$D/moe_mixtral.json"
 # (c) issue 14: the MLA decode kernel at 64 x 4096 (>= 70% of copy bandwidth at 16 heads),

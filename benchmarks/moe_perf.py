@@ -23,8 +23,7 @@ start reads the result; "_pairs" in the tile: the unsorted pair layout), the TOR
 and dense cuBLAS GEMMs of the same FLOPs (T*k rows through one expert's gate/up and down
 matrices). µs, TFLOP/s and GB/s of the expert weights the tokens touch, the fused MoE's
 floor (those bytes over the measured copy bandwidth), and the routing alone: the Triton
-routing kernel against routing.route's torch ops. "routed first": the fused MoE after the
-routing kernel's launch, where the pair layout would route in its own kernels.
+routing kernel against routing.route's torch ops.
 
     python3 benchmarks/moe_perf.py [--part engine|peer|kernels|all] [--models qwen3-30b-a3b,..]
         [--skip-peer] [--peer-layers N] [--skip-mixtral-throughput] [--out F.json]
@@ -244,8 +243,6 @@ def kernel_rows(name: str, shape: tuple[int, int, int, int], tokens_list, device
         runs = {"torch_moe": lambda x=x, lg=logits: loop.forward(x, lg, w13, w2, top_k, True)}
         if fused is not None:
             runs["fused"] = lambda x=x, lg=logits: fused.forward(x, lg, w13, w2, top_k, True)
-            runs["fused_routed_first"] = lambda x=x, lg=logits: fused.forward(
-                x, lg, w13, w2, top_k, True, routed=triton_route(lg, top_k, True))
             row["tile"] = fused.tile_for(tokens, top_k, w13, w2).key()
             row["floor_us"] = touched / copy_bytes_per_s * 1e6
             for kind, fn in (("route_triton", triton_route), ("route_torch", route)):
@@ -278,8 +275,7 @@ def _kernel_line(row: dict) -> str:
     floor = (f" floor {row['floor_us']:.1f} us; route {row['route_triton_us']:.1f} us "
              f"(torch {row['route_torch_us']:.1f})" if "floor_us" in row else "")
     return (f"{row['shape']:16s} T={row['tokens']:5d} fused {cell('fused')} "
-            f"[{row.get('tile', '-')}]{floor} | routed first {cell('fused_routed_first')} "
-            f"| torch_moe {cell('torch_moe')} | dense same "
+            f"[{row.get('tile', '-')}]{floor} | torch_moe {cell('torch_moe')} | dense same "
             f"FLOPs {cell('dense_same_flops')}")
 
 

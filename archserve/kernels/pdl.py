@@ -18,9 +18,7 @@ cannot write. Reading it early lets its bytes stream while that kernel drains:
   kernel, MLA decode inputs kernel), query starts, lengths and block tables (decode
   attention, MLA decode, MLA's merge with W_UV);
 - what an earlier kernel than the one right before wrote: the MoE down kernel's experts
-  and rows (the routing's and the sort's, before the gate/up kernel), or, where it routes
-  its pair itself, the router logits (the router's GEMM, before the gate/up kernel, which
-  must read them after its wait);
+  and rows (the routing's and the sort's, before the gate/up kernel);
 - L2 prefetches (``prefetch_rows_to_l2``) of rows the kernel will read: decode's and MLA
   decode's first tile of KV cached by earlier steps (held in registers, that tile made them
   spill), and the first K tile of the MoE down kernel's expert weights.

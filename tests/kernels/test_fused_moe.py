@@ -1,6 +1,5 @@
 """TRITON_FUSED_MOE against TORCH_MOE (the reference), its routing kernel against
-routing.route, and the token sort it runs on (or, for a few pairs, the pair layout, whose
-kernels route their pairs themselves: against the routing kernel, bit for bit).
+routing.route, and the token sort it runs on (or, for a few pairs, the pair layout).
 
 On CPU the kernels run under Triton's interpreter in a child process (as the other Triton
 test files do) at small sizes, in float32 and float16 (the interpreter cannot multiply
@@ -98,72 +97,6 @@ def reference(x, logits, w13, w2, top_k, renormalize):
     out = TorchMoEImpl().forward(x.double(), logits, w13.double(), w2.double(), top_k,
                                  renormalize)
     return out
-
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-if triton is not None:
-    from archserve.kernels.moe.triton_fused_moe import _program_expert
-
-    @triton.jit
-    def _pair_routes_kernel(experts_ptr, weights_ptr, logits_ptr, bias_ptr, stride_lt,
-                            scaling, ROUTED_K: tl.constexpr, SHARED: tl.constexpr,
-                            BLOCK_S: tl.constexpr, GROUPS: tl.constexpr,
-                            PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                            BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-                            SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            RENORMALIZE: tl.constexpr):
-        """What program m of the pair layout's kernels routes, stored at m."""
-        expert, weight = _program_expert(experts_ptr, logits_ptr, bias_ptr, stride_lt, scaling,
-                                         True, ROUTED_K, SHARED, BLOCK_S, GROUPS, PER_GROUP,
-                                         TOPK_GROUPS, BLOCK_G, BLOCK_P, SIGMOID, HAS_BIAS,
-                                         RENORMALIZE)
-        tl.store(experts_ptr + tl.program_id(0), expert)
-        tl.store(weights_ptr + tl.program_id(0), weight)
-
-
-def pair_routes(routing, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(experts, weights) [T * slots] as a program of the pair layout routes its pair, from
-    a kernel of ``num_warps`` (the experts' kernels run 4 or 8, the routing kernel 1)."""
-    pairs = routing.logits.shape[0] * routing.slots
-    device = routing.logits.device
-    experts = torch.empty(pairs, dtype=torch.int32, device=device)
-    weights = torch.empty(pairs, dtype=torch.float32, device=device)
-    _pair_routes_kernel[(pairs,)](experts, weights, **routing.kernel_arguments(),
-                                  num_warps=num_warps)
-    return experts, weights
-
-
-def assert_routing_in_the_kernels_changes_no_bit(x, logits, w13, w2, top_k, renormalize,
-                                                 keywords, tiles):
-    """The pair layout routing its pairs in its kernels (as the model runs it: the impl's
-    ``route``, then its ``forward``) against the routing kernel's launch before them: the
-    same experts and float32 weights, and the same output, bit for bit, on every tile.
-    (Warps change only a compiled kernel's layouts: the interpreter runs one count.)"""
-    from archserve.kernels.moe.triton_fused_moe import (
-        TritonFusedMoEImpl,
-        fused_moe,
-        token_bucket,
-    )
-    from archserve.kernels.moe.triton_routing import Routing, triton_route
-    routed = triton_route(logits, top_k, renormalize, **keywords)
-    impl = TritonFusedMoEImpl()
-    routing = impl.route(logits, top_k, renormalize, **keywords)
-    assert isinstance(routing, Routing)         # described, not run
-    for num_warps in (4,) if INTERPRETED else (4, 8):
-        experts, weights = pair_routes(routing, num_warps)
-        assert torch.equal(experts, routed[1].reshape(-1)), num_warps
-        assert torch.equal(weights, routed[0].reshape(-1)), num_warps
-    for tile in tiles:
-        assert tile.pair_rows
-        impl.tiles[token_bucket(x.shape[0])] = tile
-        got = impl.forward(x, logits, w13, w2, routing.slots, renormalize, routed=routing)
-        expected = fused_moe(x, logits, w13, w2, top_k, renormalize, tile, routed)
-        assert torch.equal(got, expected), tile.key()
 
 
 # ---------------------------------------------------------------- routing and the sort
@@ -373,21 +306,6 @@ def test_kernel_launches_compile_for_gpu_targets(target, dtype, monkeypatch):
             if dtype != torch.float32:
                 assert "mma" in code
         assert launches[2].code()
-    if dtype == torch.float32:
-        return
-    # Not routed before: the pair layout's kernels route their pairs, with no routing launch
-    # (softmax top-k here; DeepSeek-V3's grouped sigmoid with a bias and shared experts).
-    v3_logits, v3_top_k, v3_keywords, _ = grouped_case("v3", 1)
-    _, _, v3_w13, v3_w2 = operands(1, 256 + 2, 64, 48, dtype)
-    with compiled_launches(target) as launches:
-        fused_moe(x, logits, w13, w2, 2, True, pair_tile(8, 48, 132))
-        fused_moe(x[:1], v3_logits, v3_w13, v3_w2, v3_top_k, True, pair_tile(10, 48, 132),
-                  shared_experts=2, **v3_keywords)
-    assert [launch.kernel for launch in launches] == ["_gate_up_kernel", "_down_kernel",
-                                                      "_sum_slots_kernel"] * 2
-    for launch in launches[:2] + launches[3:5]:
-        assert launch.constexprs["ROUTE"] and "mma" in launch.code()
-    assert launches[3].constexprs["GROUPS"] == 8 and launches[4].constexprs["SHARED"] == 2
     if dtype != torch.float16:
         return
     # ARCHSERVE_REDUCE_IN_KERNEL=1: in the pair layout the down kernel sums the slots.
@@ -513,26 +431,6 @@ else:
                                separate)
             assert not arrival_counters(x.device).any()
 
-    @pytest.mark.parametrize("tokens, experts, top_k, renormalize", [
-        (3, 16, 4, True), (2, 8, 2, False), (3, 8, 1, True), (1, 128, 8, True)])
-    def test_pair_kernels_route_softmax_top_k_to_the_routing_kernels_bits(
-            tokens, experts, top_k, renormalize):
-        x, logits, w13, w2 = operands(tokens, experts, 16, 16, torch.float32, seed=11)
-        tiles = [pair_tile(tokens * top_k, 16, 1, 16)]
-        assert_routing_in_the_kernels_changes_no_bit(x, logits, w13, w2, top_k, renormalize,
-                                                     {}, tiles)
-
-    @pytest.mark.parametrize("shared", [0, 2])
-    @pytest.mark.parametrize("name", sorted(GROUPINGS))
-    def test_pair_kernels_route_deepseek_groupings_to_the_routing_kernels_bits(name, shared):
-        # One token (the interpreter routes once per program; the softmax cases take more).
-        logits, top_k, keywords, renormalize = grouped_case(name, 1, seed=5)
-        x, _, w13, w2 = operands(1, logits.shape[1] + shared, 16, 16, torch.float32, seed=5)
-        tiles = [pair_tile(top_k + shared, 16, 1, 16)]
-        assert_routing_in_the_kernels_changes_no_bit(
-            x, logits, w13, w2, top_k, renormalize, {**keywords, "shared_experts": shared},
-            tiles)
-
     @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, renormalize, dtype", CASES)
     def test_matches_torch_moe(tokens, experts, top_k, hidden, inter, renormalize, dtype):
         x, logits, w13, w2 = operands(tokens, experts, hidden, inter, dtype)
@@ -623,26 +521,6 @@ def test_gpu_both_layouts_match_torch_moe_at_small_batches(shape, tokens):
         got = fused_moe(x, logits, w13, w2, top_k, True, tile)
         torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2,
                                    msg=lambda m, tile=tile: f"{tile.key()}: {m}")
-
-
-@gpu
-@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v2-lite"])
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_gpu_pair_kernels_route_to_the_routing_kernels_bits(model, tokens):
-    """At real routing sizes in bf16, on every pair tile the tuner times (4 and 8 warps):
-    Qwen3-30B-A3B's softmax top-8 of 128 (logits in the model dtype, renormalised) and
-    DeepSeek-V2-Lite's top-6 of 64 with its 2 shared experts (float32 logits)."""
-    from archserve.kernels.moe.triton_fused_moe import candidate_tiles
-    experts, top_k, shared, hidden, inter, logits_dtype, renormalize = {
-        "qwen3-30b-a3b": (128, 8, 0, 2048, 768, torch.bfloat16, True),
-        "deepseek-v2-lite": (64, 6, 2, 2048, 1408, torch.float32, False)}[model]
-    x, logits, w13, w2 = operands(tokens, experts + shared, hidden, inter, torch.bfloat16,
-                                  "cuda", seed=13)
-    logits = logits[:, :experts].to(logits_dtype)
-    tiles = [t for t in candidate_tiles(tokens, top_k + shared, w13, w2) if t.pair_rows]
-    assert tiles
-    assert_routing_in_the_kernels_changes_no_bit(x, logits, w13, w2, top_k, renormalize,
-                                                 {"shared_experts": shared}, tiles)
 
 
 @gpu

@@ -103,20 +103,6 @@ class AttentionLayerParams:
     kv_cache_dtype: str = "auto"       # "auto" | "fp8_e4m3" | "fp8_e5m2"
 
 
-@dataclass(frozen=True)
-class DecodePreamble:
-    """The attention preamble (q/k norm, rotary, the cache write) for a backend that does it
-    inside its decode kernel (the fusion ``qk_norm_rope_in_decode``; TRITON_ATTN's
-    ``decode_from_qkv``): ``attention_preamble``'s arguments besides qkv and the cache."""
-
-    positions: torch.Tensor
-    cos_cache: torch.Tensor
-    sin_cache: torch.Tensor
-    norm_weights: tuple[torch.Tensor, torch.Tensor] | None
-    eps: float
-    slot_mapping: torch.Tensor
-
-
 class AttentionImpl(Protocol):
     """What a selected attention backend returns from ``make_impl``."""
 

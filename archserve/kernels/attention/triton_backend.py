@@ -10,14 +10,10 @@ import torch
 from archserve.kernels.attention.interface import (
     AttentionLayerParams,
     AttentionMetadata,
-    DecodePreamble,
     PagedAttentionImpl,
 )
 from archserve.kernels.attention.triton_cache_write import write_kv_cache
-from archserve.kernels.attention.triton_decode import (
-    decode_attention,
-    decode_preamble_unsupported,
-)
+from archserve.kernels.attention.triton_decode import decode_attention
 from archserve.kernels.attention.triton_prefill import prefill_attention
 from archserve.kernels.specs import AttentionSpec
 from archserve.platform.device import DeviceInfo
@@ -57,28 +53,6 @@ class TritonAttentionImpl(PagedAttentionImpl):
         e4m3, e5m2 = self._fp8_bits(kv_cache)
         write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale,
                        e4m3_bits=e4m3, e5m2_bits=e5m2)
-
-    def decode_from_qkv(self, qkv: torch.Tensor, preamble: DecodePreamble,
-                        kv_cache: torch.Tensor, meta: AttentionMetadata,
-                        layer: AttentionLayerParams) -> torch.Tensor | None:
-        """A pure decode step from the QKV GEMM's output [T, (H + 2 Hkv) D]: the attention
-        preamble (q/k norm, rotary, the cache write) inside the decode kernel -> [T, H, D].
-        None where it cannot (a step with prompt tokens, an fp8 cache, operands the kernel
-        does not take): the caller then runs the preamble and ``forward``."""
-        heads, kv_heads, head_size = layer.num_heads, layer.num_kv_heads, layer.head_size
-        if meta.max_query_len != 1 or decode_preamble_unsupported(
-                qkv, heads, kv_heads, head_size, preamble.cos_cache, preamble.norm_weights,
-                kv_cache) is not None:
-            return None
-        num_tokens = qkv.shape[0]
-        out = torch.empty(num_tokens, heads, head_size, dtype=qkv.dtype, device=qkv.device)
-        decode_attention(qkv.view(num_tokens, heads + 2 * kv_heads, head_size), kv_cache,
-                         meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-                         num_seqs=meta.num_seqs, max_seq_len=meta.max_seq_len,
-                         scale=layer.scale, sliding_window=layer.sliding_window,
-                         soft_cap=layer.logit_soft_cap, num_sms=self._sm_count(qkv),
-                         preamble=preamble)
-        return out
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                layer: AttentionLayerParams, out: torch.Tensor, k_scale: float,

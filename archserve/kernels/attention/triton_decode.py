@@ -21,18 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.attention.interface import DecodePreamble
 from archserve.kernels.attention.triton_cache_write import (
     E4M3_BITS_SCALE,
     cache_operand,
     load_kv_tile,
     paged_token_offsets,
-)
-from archserve.kernels.attention.triton_qk_norm_rope_cache import (
-    preamble_constants,
-    qk_norm_rope_cache_unsupported,
-    rotated_query_heads,
-    write_token_kv,
 )
 from archserve.kernels.pdl import (
     pdl_enabled,
@@ -203,18 +196,12 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
                    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
                    stride_block_table, qk_scale, v_scale, soft_cap,
-                   positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, slot_mapping_ptr,
-                   positions_stride, cos_stride, eps,
                    GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
                    USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    E4M3_BITS: tl.constexpr, PDL: tl.constexpr = False,
-                   MERGE_IN_KERNEL: tl.constexpr = False, PREAMBLE: tl.constexpr = False,
-                   HAS_NORM: tl.constexpr = False):
-    # PREAMBLE: q_ptr is the QKV GEMM's output (``DecodePreamble``); this kernel does the
-    # q/k norm and rotary of ``_qk_norm_rope_cache_kernel`` itself, and the program whose
-    # split holds the new position writes that token's k and v into the cache first.
+                   MERGE_IN_KERNEL: tl.constexpr = False):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -227,40 +214,15 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     prefetch_first_tile(k_base, k_base + stride_cache_kv, block_table_row, lo, hi,
                         first_new, stride_cache_block, stride_cache_token, BLOCK_SIZE,
                         BLOCK_N, HEAD_SIZE, BLOCK_D, True, PDL)
-    offs_g = tl.arange(0, BLOCK_G)
-    mask_g = offs_g < GROUP
-    heads = kv_head * GROUP + offs_g
-    if PREAMBLE:
-        dtype: tl.constexpr = q_ptr.dtype.element_ty
-        cols = tl.arange(0, BLOCK_D // 2)[None, :]
-        col_mask = cols < HEAD_SIZE // 2
-        cos, sin, qw1, qw2, kw1, kw2, slot = preamble_constants(
-            positions_ptr, positions_stride, token.to(tl.int64), cos_ptr, sin_ptr,
-            cos_stride, q_norm_ptr, k_norm_ptr, slot_mapping_ptr, cols, col_mask, HEAD_SIZE,
-            HAS_NORM, dtype)
     pdl_start(PDL)
 
+    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_SIZE
-    if PREAMBLE:
-        row = q_ptr + token.to(tl.int64) * stride_q_token
-        q1, q2 = rotated_query_heads(row, heads[:, None], mask_g[:, None] & col_mask, cols,
-                                     qw1, qw2, cos, sin, eps, HEAD_SIZE, HAS_NORM, dtype)
-        # The halves side by side: [BLOCK_G, 2, D/2] read row-major is [BLOCK_G, D].
-        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_G, BLOCK_D)).to(dtype)
-        num_q_heads = tl.num_programs(1) * GROUP
-        k_row = row + num_q_heads * HEAD_SIZE
-        write_token_kv(k_row, k_row + tl.num_programs(1) * HEAD_SIZE,
-                       kv_head + tl.zeros([1, 1], tl.int32), col_mask, cols, col_mask, kw1,
-                       kw2, cos, sin, eps, slot, (lo <= first_new) & (first_new < hi),
-                       cache_ptr, stride_cache_kv, stride_cache_block, stride_cache_token,
-                       stride_cache_head, HEAD_SIZE, BLOCK_SIZE, HAS_NORM, dtype)
-        # This CTA's threads read the new row from the cache below: its stores first.
-        tl.debug_barrier()
-    else:
-        q = tl.load(q_ptr + token.to(tl.int64) * stride_q_token
-                    + heads[:, None] * stride_q_head + offs_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
+                + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if DOT_PRECISION == "ieee":  # K, V and P follow q's dtype (see dot_precision)
         q = q.to(tl.float32)
 
@@ -388,8 +350,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
                      k_scale: float = 1.0, v_scale: float = 1.0, num_sms: int = 0,
                      num_splits: int | None = None,
                      tiles: tuple[int, int, int] | None = None,
-                     e4m3_bits: bool | None = None,
-                     preamble: DecodePreamble | None = None) -> torch.Tensor:
+                     e4m3_bits: bool | None = None) -> torch.Tensor:
     """Attend one query token per sequence over its paged context; writes into ``out``.
 
     query/out [T, H, D] (row ``query_start_loc[i]`` belongs to sequence i), kv_cache in the
@@ -397,11 +358,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     the (BLOCK_N, num_warps, num_stages) of ``decode_tiles`` (both for benchmark sweeps).
     Head sizes need not be powers of two: the kernel pads to the next one and masks.
     ``e4m3_bits`` reads an e4m3 cache as bytes (None: where the GPU lacks e4m3).
-    ``preamble``: query is the QKV output [T, H + 2 Hkv, D] (``DecodePreamble``; the caller
-    checks ``decode_preamble_unsupported`` first).
     """
+    _, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    num_heads, head_size = out.shape[1], out.shape[2]
     group = num_heads // num_kv_heads
     if num_seqs == 0:
         return out
@@ -418,39 +377,18 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     pdl = pdl_enabled(out.device)
     merged = num_splits > 1 and reduce_in_kernel(num_seqs * num_kv_heads)
     counters = arrival_counters(out.device) if merged else seq_lens
-    p = preamble
-    # Without a preamble its pointers are never read: any tensor stands in.
-    norm_weights = (p.norm_weights if p is not None and p.norm_weights is not None
-                    else (seq_lens, seq_lens))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
         counters,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
-        *((p.positions, p.cos_cache, p.sin_cache) if p else (seq_lens,) * 3), *norm_weights,
-        p.slot_mapping if p else seq_lens, p.positions.stride(0) if p else 0,
-        p.cos_cache.stride(0) if p else 0, float(p.eps) if p else 0.0,
         GROUP=group, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, BLOCK_G=block_g,
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, num_warps=num_warps,
-        num_stages=num_stages, PDL=pdl, MERGE_IN_KERNEL=merged, PREAMBLE=p is not None,
-        HAS_NORM=p is not None and p.norm_weights is not None, **pdl_launch_options(pdl),
+        num_stages=num_stages, PDL=pdl, MERGE_IN_KERNEL=merged, **pdl_launch_options(pdl),
     )
     if num_splits > 1 and not merged:
         merge_splits(partial_out, partial_lse, query_start_loc, out, v_scale)
     return out
-
-
-def decode_preamble_unsupported(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
-                                head_size: int, cos_cache: torch.Tensor,
-                                norm_weights: tuple[torch.Tensor, torch.Tensor] | None,
-                                kv_cache: torch.Tensor) -> str | None:
-    """Why the decode kernel cannot do the attention preamble itself for these operands
-    (``qk_norm_rope_cache``'s own conditions, and a power-of-two head size: the kernel
-    joins the rotated halves into its query tile), or None."""
-    if head_size & (head_size - 1):
-        return f"head size {head_size} is not a power of two"
-    return qk_norm_rope_cache_unsupported(qkv, num_heads, num_kv_heads, head_size, cos_cache,
-                                          norm_weights, kv_cache)

@@ -50,63 +50,6 @@ def _norm_and_rotate(x1, x2, w1, w2, cos, sin, eps, HEAD_SIZE: tl.constexpr,
 
 
 @triton.jit
-def preamble_constants(positions_ptr, positions_stride, token, cos_ptr, sin_ptr, cos_stride,
-                       q_weight_ptr, k_weight_ptr, slot_mapping_ptr, cols, col_mask,
-                       HEAD_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
-    """What the preamble of ``token`` reads that the QKV GEMM before it does not write (so
-    before PDL's wait, kernels/pdl.py): its rotary rows, the q/k norm weights' halves and
-    its cache slot. The positions and slots are the step's inputs, the rest constants; the
-    position -> cos/sin chain is two dependent reads, now off the path that starts when
-    that kernel ends."""
-    cos, sin = rotary_cos_sin(positions_ptr, positions_stride, token, cos_ptr, sin_ptr,
-                              cos_stride, cols, col_mask, DTYPE)
-    qw1, qw2 = _norm_weight_halves(q_weight_ptr, cols, col_mask, HEAD_SIZE, HAS_NORM)
-    kw1, kw2 = _norm_weight_halves(k_weight_ptr, cols, col_mask, HEAD_SIZE, HAS_NORM)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    return cos, sin, qw1, qw2, kw1, kw2, slot
-
-
-@triton.jit
-def write_token_kv(k_row, v_row, kv_heads, kv_mask, cols, col_mask, kw1, kw2, cos, sin, eps,
-                   slot, write, cache_ptr, stride_cache_kv, stride_cache_block,
-                   stride_cache_token, stride_cache_head, HEAD_SIZE: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
-    """k (normed, rotated) and v of one token's KV heads ``kv_heads`` [heads, 1] (rows
-    ``k_row``/``v_row`` of the QKV output, head-major) stored at its cache ``slot``, where
-    ``write`` (a scalar bool) and the slot is not -1 (padding: masked, not skipped, as the
-    cache writer does; both broadcast first, as the interpreter mistypes scalar-bool &
-    tensor)."""
-    half: tl.constexpr = HEAD_SIZE // 2
-    kv_first = kv_heads * HEAD_SIZE + cols
-    k1 = tl.load(k_row + kv_first, mask=kv_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_row + kv_first + half, mask=kv_mask, other=0.0).to(tl.float32)
-    k1, k2 = _norm_and_rotate(k1, k2, kw1, kw2, cos, sin, eps, HEAD_SIZE, HAS_NORM, DTYPE)
-    v1 = tl.load(v_row + kv_first, mask=kv_mask, other=0.0)
-    v2 = tl.load(v_row + kv_first + half, mask=kv_mask, other=0.0)
-    mask = (kv_mask & ((tl.zeros(k1.shape, tl.int64) + slot) >= 0)
-            & ((tl.zeros(k1.shape, tl.int32) + write.to(tl.int32)) > 0))
-    element = cache_ptr.dtype.element_ty
-    k_dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block
-             + (slot % BLOCK_SIZE) * stride_cache_token + kv_heads * stride_cache_head + cols)
-    tl.store(k_dst, k1.to(element), mask=mask)
-    tl.store(k_dst + half, k2.to(element), mask=mask)
-    tl.store(k_dst + stride_cache_kv, v1.to(element), mask=mask)
-    tl.store(k_dst + stride_cache_kv + half, v2.to(element), mask=mask)
-
-
-@triton.jit
-def rotated_query_heads(row, q_heads, q_mask, cols, qw1, qw2, cos, sin, eps,
-                        HEAD_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
-    """The query heads ``q_heads`` [heads, 1] of one token's QKV row, normed and rotated:
-    their halves, fp32 holding DTYPE values."""
-    half: tl.constexpr = HEAD_SIZE // 2
-    q_first = q_heads * HEAD_SIZE + cols
-    q1 = tl.load(row + q_first, mask=q_mask, other=0.0).to(tl.float32)
-    q2 = tl.load(row + q_first + half, mask=q_mask, other=0.0).to(tl.float32)
-    return _norm_and_rotate(q1, q2, qw1, qw2, cos, sin, eps, HEAD_SIZE, HAS_NORM, DTYPE)
-
-
-@triton.jit
 def _qk_norm_rope_cache_kernel(
         qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr,
         cache_ptr, slot_mapping_ptr, positions_stride, qkv_stride, q_out_stride, cos_stride,
@@ -119,26 +62,50 @@ def _qk_norm_rope_cache_kernel(
     half: tl.constexpr = HEAD_SIZE // 2
     cols = tl.arange(0, HALF_BLOCK)[None, :]
     col_mask = cols < half
-    cos, sin, qw1, qw2, kw1, kw2, slot = preamble_constants(
-        positions_ptr, positions_stride, token, cos_ptr, sin_ptr, cos_stride, q_weight_ptr,
-        k_weight_ptr, slot_mapping_ptr, cols, col_mask, HEAD_SIZE, HAS_NORM, dtype)
+    # Before PDL's wait (kernels/pdl.py): what the kernel before (the QKV GEMM) does not
+    # write. The positions and slots are the step's inputs, the rotary tables and the norm
+    # weights constants; the position -> cos/sin chain is two dependent reads, now off the
+    # path that starts when that kernel ends.
+    cos, sin = rotary_cos_sin(positions_ptr, positions_stride, token, cos_ptr, sin_ptr,
+                              cos_stride, cols, col_mask, dtype)
+    qw1, qw2 = _norm_weight_halves(q_weight_ptr, cols, col_mask, HEAD_SIZE, HAS_NORM)
+    kw1, kw2 = _norm_weight_halves(k_weight_ptr, cols, col_mask, HEAD_SIZE, HAS_NORM)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     pdl_start(PDL)
     row = qkv_ptr + token * qkv_stride
 
     q_heads = tl.arange(0, Q_HEADS_BLOCK)[:, None]
     q_mask = (q_heads < NUM_Q_HEADS) & col_mask
-    q1, q2 = rotated_query_heads(row, q_heads, q_mask, cols, qw1, qw2, cos, sin, eps,
-                                 HEAD_SIZE, HAS_NORM, dtype)
-    q_dst = q_out_ptr + token * q_out_stride + q_heads * HEAD_SIZE + cols
+    q_first = q_heads * HEAD_SIZE + cols
+    q1 = tl.load(row + q_first, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(row + q_first + half, mask=q_mask, other=0.0).to(tl.float32)
+    q1, q2 = _norm_and_rotate(q1, q2, qw1, qw2, cos, sin, eps, HEAD_SIZE, HAS_NORM, dtype)
+    q_dst = q_out_ptr + token * q_out_stride + q_first
     tl.store(q_dst, q1.to(dtype), mask=q_mask)
     tl.store(q_dst + half, q2.to(dtype), mask=q_mask)
 
     kv_heads = tl.arange(0, KV_HEADS_BLOCK)[:, None]
+    kv_first = kv_heads * HEAD_SIZE + cols
     k_row = row + NUM_Q_HEADS * HEAD_SIZE
-    write_token_kv(k_row, k_row + NUM_KV_HEADS * HEAD_SIZE, kv_heads,
-                   (kv_heads < NUM_KV_HEADS) & col_mask, cols, col_mask, kw1, kw2, cos, sin,
-                   eps, slot, slot >= 0, cache_ptr, stride_cache_kv, stride_cache_block,
-                   stride_cache_token, stride_cache_head, HEAD_SIZE, BLOCK_SIZE, HAS_NORM, dtype)
+    v_row = k_row + NUM_KV_HEADS * HEAD_SIZE
+    kv_mask = (kv_heads < NUM_KV_HEADS) & col_mask
+    k1 = tl.load(k_row + kv_first, mask=kv_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_row + kv_first + half, mask=kv_mask, other=0.0).to(tl.float32)
+    k1, k2 = _norm_and_rotate(k1, k2, kw1, kw2, cos, sin, eps, HEAD_SIZE, HAS_NORM, dtype)
+    v1 = tl.load(v_row + kv_first, mask=kv_mask, other=0.0)
+    v2 = tl.load(v_row + kv_first + half, mask=kv_mask, other=0.0)
+
+    # Slot -1 marks padding (a graph batch larger than the real one): masked, not skipped,
+    # as the cache writer does; the slot is broadcast first (the interpreter mistypes
+    # scalar-bool & tensor).
+    write = kv_mask & ((tl.zeros([KV_HEADS_BLOCK, HALF_BLOCK], tl.int64) + slot) >= 0)
+    element = cache_ptr.dtype.element_ty
+    k_dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block
+             + (slot % BLOCK_SIZE) * stride_cache_token + kv_heads * stride_cache_head + cols)
+    tl.store(k_dst, k1.to(element), mask=write)
+    tl.store(k_dst + half, k2.to(element), mask=write)
+    tl.store(k_dst + stride_cache_kv, v1.to(element), mask=write)
+    tl.store(k_dst + stride_cache_kv + half, v2.to(element), mask=write)
 
 
 def qk_norm_rope_cache_unsupported(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,

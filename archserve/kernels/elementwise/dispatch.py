@@ -47,9 +47,6 @@ FUSIONS = {
     "qk_norm_rope_cache": "q/k RMSNorm, rotary and the KV-cache write after the QKV GEMM",
     # Only where the decode GEMM after the norm runs TRITON_SKINNY_GEMM's kernel and the
     # start-up tuner timed the prologue faster than the norm kernel (skinny_choice.py).
-    # A pure decode step's q/k norm, rotary and cache write inside the decode attention
-    # kernel (TRITON_ATTN), so not even the kernel above runs then.
-    "qk_norm_rope_in_decode": "the same preamble inside the decode attention kernel",
     "rms_norm_gemm": "residual add + RMSNorm in the prologue of the QKV and gate/up GEMMs",
     # Decided when the model is built, on any device (TORCH_MOE runs them too).
     "shared_experts": "DeepSeek's shared experts stacked with the routed ones in the fused MoE",

@@ -2,10 +2,8 @@
 
 Routing is one launch (triton_routing.triton_route). Then the (token, slot) pairs are
 sorted by expert and padded per expert to the row tile (routing.align_to_blocks), or, for a
-batch of a few pairs, not sorted at all (``MoETile.pair_rows``: see ``pair_rows_pay``). In
-that pair layout there is no routing launch either, unless the caller routed already: each
-program of the two kernels below routes its own pair from the router logits
-(triton_routing.route_token, the routing kernel's own code, to the same bits). Then:
+batch of a few pairs, not sorted at all (``MoETile.pair_rows``: see ``pair_rows_pay``).
+Then:
 
 1. ``_gate_up_kernel``: each program takes one tile of one expert's rows and a tile of
    the intermediate columns, multiplies the gathered token rows by that expert's gate
@@ -35,13 +33,12 @@ from typing import Any
 import torch
 
 from archserve.kernels.moe.routing import align_to_blocks, experts_touched
-from archserve.kernels.moe.triton_routing import Routing, describe_routing, routed_pairs
+from archserve.kernels.moe.triton_routing import triton_route
 
 try:
     import triton
     import triton.language as tl
 
-    from archserve.kernels.moe.triton_routing import route_token
     from archserve.kernels.pdl import (
         pdl_enabled,
         pdl_launch_options,
@@ -199,13 +196,15 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Te
 if triton is not None:
 
     @triton.jit
-    def _program_rows(sorted_pairs_ptr, num_pairs, num_cols, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PAIR_ROWS: tl.constexpr):
-        """This program's (token, slot) pairs, which of them are real, and its output
-        columns (of ``num_cols``) and which of them are. PAIR_ROWS: program m is pair m;
-        row 0 of the tile is the pair, the other rows repeat it masked off, so they load
-        nothing and store nothing."""
+    def _program_tile(block_expert_ptr, sorted_pairs_ptr, num_pairs, num_cols,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR_ROWS: tl.constexpr):
+        """This program's expert (-1: past the last tile), its (token, slot) pairs, which
+        of them are real, and its output columns (of ``num_cols``) and which of them are.
+        PAIR_ROWS: program m is pair m, whose expert is block_expert[m] (the flat expert
+        ids); row 0 of the tile is the pair, the other rows repeat it masked off, so they
+        load nothing and store nothing."""
         pid_m = tl.program_id(0)
+        expert = tl.load(block_expert_ptr + pid_m)
         lanes = tl.arange(0, BLOCK_M)
         if PAIR_ROWS:
             rows = pid_m + lanes * 0
@@ -214,40 +213,7 @@ if triton is not None:
             rows = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + lanes)
             row_ok = rows < num_pairs
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return rows, row_ok, cols, cols < num_cols
-
-    @triton.jit
-    def _program_tile(block_expert_ptr, sorted_pairs_ptr, num_pairs, num_cols,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR_ROWS: tl.constexpr):
-        """This program's expert, block_expert[m] (-1: past the last tile; PAIR_ROWS: the
-        flat expert ids), and ``_program_rows``."""
-        rows, row_ok, cols, col_ok = _program_rows(sorted_pairs_ptr, num_pairs, num_cols,
-                                                   BLOCK_M, BLOCK_N, PAIR_ROWS)
-        return tl.load(block_expert_ptr + tl.program_id(0)), rows, row_ok, cols, col_ok
-
-    @triton.jit
-    def _program_expert(block_expert_ptr, logits_ptr, bias_ptr, stride_lt, scaling,
-                        ROUTE: tl.constexpr, ROUTED_K: tl.constexpr, SHARED: tl.constexpr,
-                        BLOCK_S: tl.constexpr, GROUPS: tl.constexpr, PER_GROUP: tl.constexpr,
-                        TOPK_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
-                        BLOCK_P: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        RENORMALIZE: tl.constexpr):
-        """(This program's expert, its pair's routing weight). ROUTE (pair layout): program
-        m routes pair m = token * (ROUTED_K + SHARED) + slot here, from the router logits:
-        its token's slots, of which it takes its own exactly (one lane summed with zeros).
-        Else the expert is block_expert[m] and the weight unused (the down kernel reads
-        the weights of its rows)."""
-        pair = tl.program_id(0)
-        if ROUTE:
-            weights, ids = route_token(
-                logits_ptr, bias_ptr, (pair // (ROUTED_K + SHARED)).to(tl.int64), stride_lt,
-                scaling, ROUTED_K, SHARED, BLOCK_S, GROUPS, PER_GROUP, TOPK_GROUPS, BLOCK_G,
-                BLOCK_P, SIGMOID, HAS_BIAS, RENORMALIZE)
-            mine = tl.arange(0, BLOCK_S) == pair % (ROUTED_K + SHARED)
-            return (tl.sum(tl.where(mine, ids, 0), axis=0),
-                    tl.sum(tl.where(mine, weights, 0.0), axis=0))
-        else:
-            return tl.load(block_expert_ptr + pair), 0.0
+        return expert, rows, row_ok, cols, cols < num_cols
 
     @triton.jit
     def _silu_and_mul(gate, up):
@@ -281,26 +247,15 @@ if triton is not None:
         return acc + tl.dot(a, w)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, num_pairs, inter, hidden, stride_xt,
-                        stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
+                        num_pairs, inter, hidden, stride_xt, stride_we, stride_wn,
+                        stride_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
-                        PDL: tl.constexpr = False, sorted_pairs_ptr=None,
-                        block_expert_ptr=None, logits_ptr=None, bias_ptr=None, stride_lt=0,
-                        scaling=1.0, ROUTE: tl.constexpr = False, ROUTED_K: tl.constexpr = 1,
-                        SHARED: tl.constexpr = 0, BLOCK_S: tl.constexpr = 1,
-                        GROUPS: tl.constexpr = 1, PER_GROUP: tl.constexpr = 1,
-                        TOPK_GROUPS: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
-                        BLOCK_P: tl.constexpr = 1, SIGMOID: tl.constexpr = False,
-                        HAS_BIAS: tl.constexpr = False, RENORMALIZE: tl.constexpr = False):
-        # The router logits (ROUTE) come from the kernel right before: read after the wait.
+                        PDL: tl.constexpr = False):
         pdl_start(PDL)
-        expert, _ = _program_expert(block_expert_ptr, logits_ptr, bias_ptr, stride_lt, scaling,
-                                    ROUTE, ROUTED_K, SHARED, BLOCK_S, GROUPS, PER_GROUP,
-                                    TOPK_GROUPS, BLOCK_G, BLOCK_P, SIGMOID, HAS_BIAS,
-                                    RENORMALIZE)
-        rows, row_ok, cols, col_ok = _program_rows(sorted_pairs_ptr, num_pairs, inter,
-                                                   BLOCK_M, BLOCK_N, PAIR_ROWS)
+        expert, rows, row_ok, cols, col_ok = _program_tile(
+            block_expert_ptr, sorted_pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, PAIR_ROWS)
         if expert < 0:
             return
         tokens = rows // TOP_K
@@ -336,35 +291,24 @@ if triton is not None:
                  mask=col_ok)
 
     @triton.jit
-    def _down_kernel(act_ptr, w2_ptr, out_ptr, num_pairs, hidden, inter, stride_at,
-                     stride_we, stride_wn, stride_ot, summed_ptr, counters_ptr, stride_st,
-                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
+                     block_expert_ptr, num_pairs, hidden, inter, stride_at, stride_we,
+                     stride_wn, stride_ot, summed_ptr, counters_ptr, stride_st,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
-                     PDL: tl.constexpr = False, SUM_IN_KERNEL: tl.constexpr = False,
-                     weights_ptr=None, sorted_pairs_ptr=None, block_expert_ptr=None,
-                     logits_ptr=None, bias_ptr=None, stride_lt=0, scaling=1.0,
-                     ROUTE: tl.constexpr = False, ROUTED_K: tl.constexpr = 1,
-                     SHARED: tl.constexpr = 0, BLOCK_S: tl.constexpr = 1,
-                     GROUPS: tl.constexpr = 1, PER_GROUP: tl.constexpr = 1,
-                     TOPK_GROUPS: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
-                     BLOCK_P: tl.constexpr = 1, SIGMOID: tl.constexpr = False,
-                     HAS_BIAS: tl.constexpr = False, RENORMALIZE: tl.constexpr = False):
+                     PDL: tl.constexpr = False, TOP_K: tl.constexpr = 1,
+                     SUM_IN_KERNEL: tl.constexpr = False):
         # SUM_IN_KERNEL (pair layout only: program m is pair m, of token m // TOP_K): the
         # last of a token's TOP_K programs on a column tile sums them into ``summed``. Every
         # one of them must count in: the pair layout's experts come from top-k routing and
         # are never negative, so none returns early below (a masked expert id would leave
         # its counter short, and the next reduction on it would run too early).
         # Before PDL's wait (kernels/pdl.py): which expert and rows this program takes were
-        # written before the gate/up kernel, the kernel right before, which writes only the
-        # activations: by the routing and the sort, or (ROUTE) it routes its pair itself
-        # from the router logits, which the router's GEMM wrote before gate/up. So the first
-        # K tile of the expert's weight is prefetched into L2 while gate/up drains.
-        expert, weight = _program_expert(block_expert_ptr, logits_ptr, bias_ptr, stride_lt,
-                                         scaling, ROUTE, ROUTED_K, SHARED, BLOCK_S, GROUPS,
-                                         PER_GROUP, TOPK_GROUPS, BLOCK_G, BLOCK_P, SIGMOID,
-                                         HAS_BIAS, RENORMALIZE)
-        rows, row_ok, cols, col_ok = _program_rows(sorted_pairs_ptr, num_pairs, hidden,
-                                                   BLOCK_M, BLOCK_N, PAIR_ROWS)
+        # written by the routing (and the sort) before the gate/up kernel, the kernel right
+        # before, which writes only the activations. So the first K tile of the expert's
+        # weight is prefetched into L2 while gate/up drains.
+        expert, rows, row_ok, cols, col_ok = _program_tile(
+            block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, PAIR_ROWS)
         w_base = w2_ptr + expert.to(tl.int64) * stride_we
         if PDL:
             prefetch_rows_to_l2(w_base + cols.to(tl.int64) * stride_wn,
@@ -380,10 +324,7 @@ if triton is not None:
             a, w = _operand_tiles(act_ptr, rows, stride_at, row_ok, w_base, cols, stride_wn,
                                   col_ok, ks, k_ok)
             acc = _dot(acc, a, w, IEEE_FP32)
-        if ROUTE:   # row 0 is the pair; the others are stored nowhere
-            acc = acc * weight
-        else:
-            acc = _times_routing_weights(acc, weights_ptr, rows, row_ok)
+        acc = _times_routing_weights(acc, weights_ptr, rows, row_ok)
         _store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
         if SUM_IN_KERNEL:
             token = tl.program_id(0) // TOP_K
@@ -422,20 +363,9 @@ def fused_moe_unsupported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
 def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, top_k: int, renormalize: bool,
               tile: MoETile | None = None,
-              routed: Routing | tuple[torch.Tensor, torch.Tensor] | None = None,
-              **grouping) -> torch.Tensor:
-    """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x).
-    ``routed``: the (weights, experts) [T, k] chosen already, or a routing described
-    (triton_routing.describe_routing); by default the logits' softmax top-k (``grouping``:
-    grouped_route's keywords). A described routing runs in the pair layout's kernels
-    themselves; otherwise in its own launch first."""
-    routed = routed or describe_routing(router_logits, top_k, renormalize, **grouping)
-    if isinstance(routed, Routing):
-        tile = tile or choose_tile(hidden.shape[0], routed.slots, w13, w2)
-        if tile.pair_rows:
-            return _experts(hidden, w13, w2, tile, routed.slots, hidden.shape[0] * routed.slots,
-                            dict(**routed.kernel_arguments(), ROUTE=True))
-    weights, experts = routed_pairs(routed)
+              routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x)."""
+    weights, experts = routed or triton_route(router_logits, top_k, renormalize)
     return fused_experts(hidden, weights, experts, w13, w2, tile)
 
 
@@ -443,50 +373,44 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
                   w13: torch.Tensor, w2: torch.Tensor, tile: MoETile | None = None
                   ) -> torch.Tensor:
     """The expert computation after routing: weights / experts [T, k] from ``route``."""
-    top_k = experts.shape[1]
-    tile = tile or choose_tile(hidden.shape[0], top_k, w13, w2)
-    if tile.pair_rows:   # no sort: program m is pair m, of expert flat_experts[m]
-        flat_experts = experts.reshape(-1)
-        sorted_pairs, block_expert, num_blocks = flat_experts, flat_experts, flat_experts.numel()
-    else:
-        align = align_to_blocks(experts, w13.shape[0], tile.block_m)
-        sorted_pairs, block_expert = align.sorted_pairs, align.block_expert
-        num_blocks = align.num_blocks
-    return _experts(hidden, w13, w2, tile, top_k, num_blocks,
-                    dict(sorted_pairs_ptr=sorted_pairs, block_expert_ptr=block_expert),
-                    weights.reshape(-1).to(torch.float32).contiguous())
-
-
-def _experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tile: MoETile,
-             top_k: int, num_blocks: int, programs: dict,
-             weights: torch.Tensor | None = None) -> torch.Tensor:
-    """The gate/up and down launches (and the slot sum) over ``num_blocks`` row tiles.
-    ``programs``: the kernels' keywords for each program's expert and rows: the sort's, or
-    (ROUTE, with no ``weights``) the routing each program runs for its pair."""
     num_tokens, hidden_size = hidden.shape
-    inter = w13.shape[1] // 2
+    top_k = experts.shape[1]
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    tile = tile or choose_tile(num_tokens, top_k, w13, w2)
     hidden = hidden.contiguous()
     pairs = num_tokens * top_k
+    if tile.pair_rows:   # no sort: program m is pair m, of expert flat_experts[m]
+        flat_experts = experts.reshape(-1)
+        sorted_pairs, block_expert, num_blocks = flat_experts, flat_experts, pairs
+    else:
+        align = align_to_blocks(experts, num_experts, tile.block_m)
+        sorted_pairs, block_expert = align.sorted_pairs, align.block_expert
+        num_blocks = align.num_blocks
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     out = torch.empty(pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
+    ieee = hidden.dtype == torch.float32
     pdl = pdl_enabled(hidden.device)
     launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, PDL=pdl,
-                  TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                  BLOCK_K=tile.block_k, IEEE_FP32=hidden.dtype == torch.float32,
-                  PAIR_ROWS=tile.pair_rows, **pdl_launch_options(pdl))
+                  **pdl_launch_options(pdl))
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tile.block_n))](
-        hidden, w13, act, pairs, inter, hidden_size, hidden.stride(0), w13.stride(0),
-        w13.stride(1), act.stride(0), **programs, **launch)
+        hidden, w13, act, sorted_pairs, block_expert, pairs, inter, hidden_size,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
+        PAIR_ROWS=tile.pair_rows, **launch)
     col_tiles = triton.cdiv(hidden_size, tile.block_n)
     sum_in_kernel = (tile.pair_rows and top_k > 1
                      and reduce_in_kernel(num_tokens * col_tiles))
     summed = (torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
               if sum_in_kernel else out)
+    counters = arrival_counters(hidden.device) if sum_in_kernel else sorted_pairs
     _down_kernel[(num_blocks, col_tiles)](
-        act, w2, out, pairs, hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), summed, arrival_counters(hidden.device) if sum_in_kernel else None,
-        summed.stride(0), weights_ptr=weights, SUM_IN_KERNEL=sum_in_kernel, **programs,
-        **launch)
+        act, w2, out, flat_weights, sorted_pairs, block_expert, pairs,
+        hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        summed, counters, summed.stride(0),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
+        PAIR_ROWS=tile.pair_rows, TOP_K=top_k, SUM_IN_KERNEL=sum_in_kernel, **launch)
     if top_k == 1 or sum_in_kernel:
         return summed
     return sum_slots(out, num_tokens, top_k)
@@ -525,23 +449,21 @@ class TritonFusedMoEImpl:
         return quantized.w13, quantized.w2
 
     def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool, **grouping
-              ) -> Routing:
-        """``routing.grouped_route``'s routing (its keywords in ``grouping``), described:
-        ``forward`` runs it in the pair layout's kernels, or else in one launch."""
-        return describe_routing(router_logits, top_k, renormalize, **grouping)
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts) of ``routing.grouped_route`` (its keywords in ``grouping``)
+        in one launch."""
+        return triton_route(router_logits, top_k, renormalize, **grouping)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: Any, w2: Any,
                 top_k: int, renormalize: bool = True,
-                routed: Routing | tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
-        """TORCH_MOE's ``forward``; ``routed`` may also be ``route``'s description."""
-        routed = routed or describe_routing(router_logits, top_k, renormalize)
+                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        routed = routed or triton_route(router_logits, top_k, renormalize)
         if not isinstance(w13, torch.Tensor):        # quantized experts
             from archserve.kernels.moe.triton_quantized_moe import quantized_moe
             # Their kernels take the sorted layout's tiles (never pair rows), and the
             # tuner times 16-bit experts only: the default sorted tile of this batch.
             return quantized_moe(hidden, router_logits, w13, w2, top_k, renormalize,
-                                 default_tile(hidden.shape[0]), routed_pairs(routed))
+                                 default_tile(hidden.shape[0]), routed)
         reason = fused_moe_unsupported(hidden, w13, w2)
         if reason is not None:
             raise ValueError(f"TRITON_FUSED_MOE cannot run this layer: {reason}")

@@ -2,11 +2,9 @@
 
 For each expert shape in the model and each token bucket the decode graphs use, the
 tiles of ``candidate_tiles`` are timed against the default inside a CUDA graph on one
-layer's real weights (a layer's experts are far larger than L2, as in a decode step), each
-from router logits as a layer runs: at small batches both layouts, the pair layout routing
-in its kernels and the sorted one routing in a launch of its own, then sorting; the
-fastest that agrees with the default and beats it by MIN_GAIN goes into every layer impl's
-``tiles``. Results are cached with the other tuning results of this device
+layer's real weights (at small batches both layouts: a pair per program, and sorted) (a layer's experts are far larger than L2, as in a decode step);
+the fastest that agrees with the default and beats it by MIN_GAIN goes into every layer
+impl's ``tiles``. Results are cached with the other tuning results of this device
 (kernels/tuning_cache.py), so a second start, or ``archserve prepare`` before it, pays
 nothing. A timing that fails keeps the default, is logged and not cached.
 """
@@ -38,9 +36,7 @@ from archserve.kernels.moe.triton_fused_moe import (
 from archserve.kernels.tuning_cache import read_cache, write_cache
 
 log = logging.getLogger(__name__)
-# 2: the pair layout (MoETile.pair_rows); 3: its widest tile at 8 warps; 4: the pair layout
-# routes in its kernels (no routing launch), so its timings changed
-_CACHE_VERSION = 4
+_CACHE_VERSION = 3     # 2: the pair layout (MoETile.pair_rows); 3: its widest tile at 8 warps
 
 
 @dataclass

@@ -7,9 +7,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from archserve.kernels.attention.interface import AttentionLayerParams, DecodePreamble
+from archserve.kernels.attention.interface import AttentionLayerParams
 from archserve.kernels.attention.preamble import attention_preamble
-from archserve.kernels.elementwise import fusion_enabled
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.kv_scales import KVCacheScales
 from archserve.models.layers.norm import RMSNorm
@@ -48,21 +47,9 @@ class Attention(nn.Module, KVCacheScales):
         fused route allows, see ``attention_preamble``)."""
         ctx = get_forward_context()
         norm_weights = None if q_norm is None else (q_norm.weight, k_norm.weight)
-        eps = q_norm.eps if q_norm is not None else 0.0
-        # A backend that can take a pure decode step from qkv itself does the preamble
-        # inside its decode kernel (TRITON_ATTN); None: it cannot here.
-        from_qkv = getattr(ctx.attn_impl, "decode_from_qkv", None)
-        if from_qkv is not None and fusion_enabled("qk_norm_rope_in_decode", qkv.device):
-            preamble = DecodePreamble(positions, rotary.cos_cache, rotary.sin_cache,
-                                      norm_weights, eps, ctx.attn_metadata.slot_mapping)
-            with op_region("attention"):
-                out = from_qkv(qkv, preamble, ctx.kv_caches[self.layer_index],
-                               ctx.attn_metadata, self._params_for(ctx.kv_cache_dtype))
-            if out is not None:
-                return out.view(qkv.shape[0], self.num_heads * self.head_size)
         q, k, v = attention_preamble(
-            qkv, positions, rotary.cos_cache, rotary.sin_cache, norm_weights, eps,
-            self.num_heads, self.num_kv_heads,
+            qkv, positions, rotary.cos_cache, rotary.sin_cache, norm_weights,
+            q_norm.eps if q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
             ctx.kv_caches[self.layer_index], ctx.attn_metadata.slot_mapping,
             getattr(ctx.attn_impl, "takes_written_kv", False))
         return self(q, k, v)

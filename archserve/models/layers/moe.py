@@ -183,8 +183,7 @@ class FusedMoE(nn.Module):
                 grouping: dict[str, Any] | None = None) -> torch.Tensor:
         """``grouping``: a family's own top-k (DeepSeek's scoring, expert groups, selection
         bias and scaling: ``routing.grouped_route``'s keywords), which the backend routes in
-        its own way (torch; one Triton launch; or, described by ``route``, inside the fused
-        experts' kernels); else the backend's softmax top-k."""
+        its own way (one Triton launch, or torch); else the backend's softmax top-k."""
         impl = self.impl()
         operands = (self.w13, self.w2) if self.quantized is None else self._operands
         grouping = {**(grouping or {}), **({"shared_experts": self.num_shared_experts}
