@@ -6,11 +6,12 @@ one row per token, and is not counted. A quantized layer's bytes are what it hol
 (packed integers and scales); its parameters (for FLOPs) are the weights it stands for.
 
 The routed experts of an MoE layer are the exception: a step reads only the experts its
-tokens are routed to. (Shared experts stacked with them, ``FusedMoE.num_shared_experts``,
-are read every step: they count as body.) They are counted apart (``expert_*``), and ``bytes_for_tokens``
+tokens are routed to. They are counted apart (``expert_*``), and ``bytes_for_tokens``
 charges each step the experts that ``tokens`` tokens touch: k per layer for one token,
 and for more the expected number of distinct experts under uniform routing,
 E * (1 - (1 - k/E)^tokens), since which experts a batch picks is only known on the device.
+Shared experts stacked with the routed ones (``FusedMoE.num_shared_experts``) are read
+every step: they count as body.
 """
 
 from __future__ import annotations
