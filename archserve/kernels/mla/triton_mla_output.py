@@ -3,12 +3,11 @@
 MLA decode attends over the latent and leaves, per query head, an output over the latent
 [T, H, L] (or, split, a partial output and log-sum-exp per split). The layer needs per-head
 values [T, H, v] = out . W_UV[head]ᵀ for o_proj. Unfused that is the split merge kernel,
-then a cuBLAS batched GEMM whose output is strided per head (o_proj then copies it): three
-launches a layer at batch 1. Here one kernel merges the splits of a block of 16 sequences
-of one head in registers, rounds the merged output to the activations' dtype (as the merge
-kernel's store would), and multiplies it by a block of W_UV's rows with a ``tl.dot``: W_UV
-is read once per block of sequences, and the values land in [T, H, v] rows o_proj reads
-as they are.
+then a cuBLAS batched GEMM: two launches a layer. Here one kernel merges the splits of a
+few sequences of one head in registers (as many as their partials fit: up to 16, the rows
+of one ``tl.dot`` tile), rounds the merged output to the activations' dtype (as the merge
+kernel's store would), and multiplies it by a block of W_UV's rows with a ``tl.dot``: the
+values land in [T, H, v] rows o_proj reads as they are.
 
 The merge is ``_merge_splits_kernel``'s arithmetic (the largest log-sum-exp subtracted, empty
 splits weigh 0, the sum scaled by ``v_scale`` before the store's rounding). With one split

@@ -186,9 +186,8 @@ class FusedMoE(nn.Module):
         its own way (one Triton launch, or torch); else the backend's softmax top-k."""
         impl = self.impl()
         operands = (self.w13, self.w2) if self.quantized is None else self._operands
-        grouping = {**(grouping or {}), **({"shared_experts": self.num_shared_experts}
-                                           if self.num_shared_experts else {})}
-        routed = impl.route(router_logits, self.top_k, self.renormalize, **grouping)
+        routed = impl.route(router_logits, self.top_k, self.renormalize, **(grouping or {}),
+                            shared_experts=self.num_shared_experts)
         out = impl.forward(hidden, router_logits, *operands, self.slots, self.renormalize,
                            routed=routed)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
