@@ -31,6 +31,7 @@ from archserve.kernels.elementwise.dispatch import fusion_not_disabled
 from archserve.models.layers.linear import apply_linear, linear_weights_deferred
 from archserve.models.layers.mla import MLAAttention
 from archserve.models.layers.moe import HF_EXPERT_NAMES, FusedMoE, GatedMLP, Router
+from archserve.models.layers.norm import RMSNorm
 from archserve.models.mixtral import MoEFamily, MoEForCausalLM, MoEModel
 
 if TYPE_CHECKING:
@@ -86,7 +87,16 @@ class DeepseekMoE(nn.Module):
             scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
+        return self._experts(x, self.gate(x))
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x, residual)) and the new residual, the norm fused into the
+        router's GEMV where the linear routine can."""
+        logits, residual, x = self.gate.forward_after_norm(x, residual, norm)
+        return self._experts(x, logits), residual
+
+    def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, logits, grouping={
             **self.grouping, "correction_bias": self.gate.e_score_correction_bias})
         if self.shared_experts is not None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from archserve.kernels.elementwise.reference import rms_norm_reference, silu_and_mul_reference
 from archserve.kernels.linear.skinny_choice import (
+    _CACHE_VERSION,
     CUBLAS,
     LINEAR,
     MIN_GAIN,
@@ -101,23 +102,36 @@ def check_silu_mul_against_unfused(rows: int, n: int, k: int, dtype: torch.dtype
 
 
 def check_norm_prologue(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
-                        config: SkinnyConfig, with_residual: bool, silu_mul: bool) -> None:
+                        config: SkinnyConfig, with_residual: bool, silu_mul: bool,
+                        weight_dtype: torch.dtype | None = None) -> None:
     """The norm in the GEMM's prologue against rms_norm's kernel-free reference, then the
-    same GEMM: the normalised row rounds as the reference rounds it, so the products
-    differ only where the two fp32 sums of squares round 1/rms apart (a unit or two)."""
-    x, w, b = operands(rows, 2 * n if silu_mul else n, k, dtype, device, with_bias=True)
+    same GEMM. The prologue scales the sums by 1/rms at the end instead of rounding the
+    normalised row to x's dtype before the products, so they differ by about that
+    rounding (a unit or two of the output); the new residual is exact, and the normalised
+    rows it keeps are the reference's to a unit where the two fp32 sums of squares round
+    1/rms apart."""
+    x, w, b = operands(rows, 2 * n if silu_mul else n, k, dtype, device, with_bias=True,
+                       weight_dtype=weight_dtype)
     gen = torch.Generator().manual_seed(rows + k)
     residual = torch.randn(rows, k, generator=gen).to(device, dtype) if with_residual else None
     norm_weight = (1 + 0.2 * torch.randn(k, generator=gen)).to(device, dtype)
     normed, expected_residual = rms_norm_reference(x, norm_weight, 1e-6, residual)
     expected = skinny_gemm(normed, w, b, config, silu_mul=silu_mul)
-    got, new_residual = rms_norm_skinny_gemm(x, residual, norm_weight, 1e-6, w, b, config,
-                                             silu_mul=silu_mul)
-    assert got.dtype == dtype and got.shape == expected.shape
+    assert norm_unsupported(x, residual, norm_weight, w) is None
+    got, new_residual, got_normed = rms_norm_skinny_gemm(
+        x, residual, norm_weight, 1e-6, w, b, config, silu_mul=silu_mul, keep_normed=True)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
     assert torch.equal(new_residual, expected_residual), "one rounded add: exact"
+    assert got_normed.dtype == normed.dtype
+    assert (got_normed.double() - normed.double()).abs().max().item() <= \
+        ULP[dtype] * normed.double().abs().max().item()
     scale = expected.double().abs().max().item()
     assert (got.double() - expected.double()).abs().max().item() <= \
         4 * ULP[dtype] * scale + 1e-5 * scale
+    # Without keep_normed: the same two outputs, and no third.
+    again = rms_norm_skinny_gemm(x, residual, norm_weight, 1e-6, w, b, config,
+                                 silu_mul=silu_mul)
+    assert len(again) == 2 and torch.equal(again[0], got)
 
 
 # ------------------------------------------------------------------- anywhere (no kernel)
@@ -157,12 +171,17 @@ def test_mixed_dtypes_only_16_bit_x_with_a_float32_weight(x_dtype, w_dtype, supp
         assert str(x_dtype) in why and str(w_dtype) in why
 
 
-def test_norm_prologue_declines_a_weight_of_another_dtype():
+def test_norm_prologue_declines_a_norm_weight_or_residual_it_cannot_read():
     x = torch.zeros(1, 32, dtype=torch.bfloat16)
     norm_weight = torch.ones(32, dtype=torch.bfloat16)
-    assert norm_unsupported(x, x, norm_weight, torch.zeros(64, 32, dtype=torch.bfloat16)) is None
-    why = norm_unsupported(x, x, norm_weight, torch.zeros(64, 32))
-    assert why is not None and "float32" in why
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    assert norm_unsupported(x, x, norm_weight, w) is None
+    # DeepSeek's float32 router after the norm: taken (no rounding to the weight's dtype)
+    assert norm_unsupported(x, x, norm_weight, w.float()) is None
+    why = norm_unsupported(x, x, norm_weight.float(), w)
+    assert why is not None and "norm weight" in why
+    why = norm_unsupported(x, torch.zeros(1, 32, dtype=torch.float16), norm_weight, w)
+    assert why is not None and "residual" in why
 
 
 def test_routine_is_torch_linear_outside_graph_scope_and_on_cpu():
@@ -205,7 +224,7 @@ def test_tune_and_call_key_a_float32_weight_with_the_model_dtype(tmp_path):
     assert shape_key(LINEAR, 1, 64, 32, torch.float32, torch.float32) == \
         shape_key(LINEAR, 1, 64, 32, torch.float32)   # a same-dtype key as before
     path = tmp_path / "decode_gemms.json"
-    path.write_text(json.dumps({"version": 4, "shapes": {mixed: vars(ShapeTiming(
+    path.write_text(json.dumps({"version": _CACHE_VERSION, "shapes": {mixed: vars(ShapeTiming(
         cublas_us=5.0, triton_us={"n4_k512_w4": 3.0}, chosen="n4_k512_w4"))}}))
     routine = SkinnyGemmRoutine()
     report = routine.tune(groups, [1], str(path), activation_dtype=torch.bfloat16)
@@ -225,7 +244,7 @@ def test_tune_reads_a_complete_cache_without_timing(tmp_path):
         cublas_us=5.0, triton_us={"n4_k512_w4": 3.0}, rows=r, calls=len(groups[kind, n, k, dt]),
         chosen="n4_k512_w4" if n == 8 else CUBLAS, fuse_norm=n == 8 and r == 1)
         for r in (1, 2) for (kind, n, k, dt) in groups}
-    path.write_text(json.dumps({"version": 4, "shapes": {k: vars(v) for k, v in shapes.items()}}))
+    path.write_text(json.dumps({"version": _CACHE_VERSION, "shapes": {k: vars(v) for k, v in shapes.items()}}))
     routine = SkinnyGemmRoutine()
     report = routine.tune(groups, [1, 2, 16], str(path))   # 16 rows: beyond the kernel
     assert report.from_cache and len(report.timings) == 4
@@ -276,17 +295,18 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
     wide = "*fp32" if fp32_weight else act
     signature = {"x_ptr": act, "w_ptr": wide, "b_ptr": wide, "y_ptr": wide, "M": "i32", "N": "i32",
                  "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
-                 "r_ptr": act, "norm_w_ptr": act, "new_r_ptr": act, "eps": "fp32",
+                 "r_ptr": act, "norm_w_ptr": act, "new_r_ptr": act, "normed_ptr": act,
+                 "eps": "fp32",
                  **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
-                                  "NORM", "HAS_RESIDUAL", "PDL"], "constexpr")}
-    # block_m 4 also compiles the norm prologue (with a residual); block_m 1 without it.
-    # SM90 compiles the programmatic-dependent-launch form (kernels/pdl.py).
+                                  "NORM", "HAS_RESIDUAL", "NORMED_OUT", "PDL"], "constexpr")}
+    # block_m 4 also compiles the norm prologue (with a residual, keeping the normalised
+    # rows: a MoE router's form); block_m 1 without it. SM90 compiles the
+    # programmatic-dependent-launch form (kernels/pdl.py).
     pdl = target[:2] == ("cuda", 90)
-    # (the norm prologue does not take a weight of another dtype: norm_unsupported)
-    norm = block_m > 1 and not fp32_weight
+    norm = block_m > 1
     constexprs = {"HAS_BIAS": True, "GATED": True, "BLOCK_M": block_m, "BLOCK_N": 4,
                   "BLOCK_K": 256, "EVEN_K": False, "NORM": norm, "HAS_RESIDUAL": norm,
-                  "PDL": pdl}
+                  "NORMED_OUT": norm, "PDL": pdl}
     options = {"num_warps": 4, **({"launch_pdl": True} if pdl else {})}
     compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                               target=GPUTarget(*target), options=options)
@@ -355,9 +375,14 @@ else:
         (2, torch.float32, False, False)],
         ids=["1-bf16-residual", "3-fp16-residual-silu", "2-fp32-first-layer"])
     def test_norm_prologue_matches_norm_then_gemm(rows, dtype, with_residual, silu_mul):
-        # K 520: the last tile is partial, in both passes over K.
+        # K 520: the last tile is partial, in the pass over K and the normed rows' store.
         check_norm_prologue(rows, 16, 520, dtype, "cpu", SkinnyConfig(8, 256, 4),
                             with_residual, silu_mul)
+
+    def test_norm_prologue_with_a_float32_weight():
+        # DeepSeek's router after the post-attention norm: bf16 x, fp32 weight, fp32 out.
+        check_norm_prologue(1, 24, 520, torch.bfloat16, "cpu", SkinnyConfig(4, 256, 4),
+                            True, False, weight_dtype=torch.float32)
 
 
 # ------------------------------------------------------------------ GPU: real shapes
@@ -388,8 +413,9 @@ def test_gpu_deepseek_router_shape_bf16_x_float32_weight(rows):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_tune_times_the_router_as_it_runs_and_the_call_finds_it(tmp_path):
     """27 float32 router weights in a bf16 model: tuned with bf16 x (the kernel agrees with
-    cuBLAS on x.float()), keyed as the bf16 call looks it up, the norm prologue declined;
-    a decode graph with the kernel forced gives the fp32 logits of x.float()."""
+    cuBLAS on x.float()), keyed as the bf16 call looks it up, the norm prologue timed too
+    where the GEMV won; a decode graph with the kernel forced gives the fp32 logits of
+    x.float()."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
     weights = [torch.randn(64, 2048, device=dev) * 0.02 for _ in range(27)]
@@ -399,9 +425,9 @@ def test_gpu_tune_times_the_router_as_it_runs_and_the_call_finds_it(tmp_path):
     x = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16)
     timing = report.timings[_key(LINEAR, x, weights[0])]
     assert timing.cublas_us > 0 and timing.triton_us, timing
-    assert "disagrees" not in timing.note and not timing.fuse_norm
+    assert "disagrees" not in timing.note and "norm prologue" not in timing.note
     if timing.chosen != CUBLAS:
-        assert "norm prologue: weight torch.float32" in timing.note
+        assert timing.norm_fused_us > 0 and timing.norm_separate_us > 0, timing
 
     routine.choices[_key(LINEAR, x, weights[0])] = candidate_configs(1)[0].key()
     out = torch.empty(1, 64, device=dev)
@@ -552,6 +578,20 @@ def test_gpu_norm_prologue_real_shapes(n, k, silu_mul, rows):
         check_norm_prologue(rows, n, k, torch.bfloat16, "cuda", config, True, silu_mul)
     check_norm_prologue(rows, n, k, torch.bfloat16, "cuda", candidate_configs(rows)[0],
                         False, silu_mul)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k,weight_dtype", [(128, 2048, torch.bfloat16),
+                                              (64, 2048, torch.float32),
+                                              (3072, 2048, torch.bfloat16)],
+                         ids=["qwen3-30b-router", "v2-lite-router-fp32", "v2-lite-q-proj"])
+def test_gpu_norm_prologue_router_and_mla_shapes(n, k, weight_dtype):
+    """The MoE routers' and MLA's first projection's norm prologue, which also keeps the
+    normalised rows (the experts' and kv_a's input)."""
+    for config in candidate_configs(1):
+        check_norm_prologue(1, n, k, torch.bfloat16, "cuda", config, True, False,
+                            weight_dtype=weight_dtype)
 
 
 @gpu

@@ -47,7 +47,8 @@ FUSIONS = {
     "qk_norm_rope_cache": "q/k RMSNorm, rotary and the KV-cache write after the QKV GEMM",
     # Only where the decode GEMM after the norm runs TRITON_SKINNY_GEMM's kernel and the
     # start-up tuner timed the prologue faster than the norm kernel (skinny_choice.py).
-    "rms_norm_gemm": "residual add + RMSNorm in the prologue of the QKV and gate/up GEMMs",
+    "rms_norm_gemm": ("residual add + RMSNorm in the prologue of the GEMM after it (QKV, "
+                      "gate/up, a MoE router, MLA's kv_a)"),
     # Decided when the model is built, on any device (TORCH_MOE runs them too).
     "shared_experts": "DeepSeek's shared experts stacked with the routed ones in the fused MoE",
 }

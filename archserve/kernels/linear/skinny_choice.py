@@ -18,9 +18,11 @@ kernel, cuBLAS's side needs a conversion kernel first (``torch_linear``).
 
 Where a shape runs on Triton, the RMSNorm before it (fusion ``rms_norm_gemm``) can run in
 the kernel's prologue or as the norm kernel first; that too is timed per shape, and the
-prologue is used only where it wins. The prologue makes every program read the whole row
-twice (the sum of squares, then the products): on Llama-3-8B's 4096-wide rows that cost
-more than the launch it saves (H200: 216 against 129 µs per decoder layer).
+prologue is used only where it wins. The prologue adds the squares in the same pass over
+the row as the products and scales the sums by 1/rms at the end (triton_skinny_gemm.py);
+as first built it read the row twice, sum of squares first, and on Llama-3-8B's
+4096-wide rows that cost more than the launch it saved (H200: 216 against 129 µs per
+decoder layer).
 
 The Triton kernel runs only inside ``decode_graph_scope()``, which the engine holds while
 it warms up and captures its decode graphs. Launched eagerly, the kernel's Python launch
@@ -51,7 +53,7 @@ LINEAR, SILU_MUL = "linear", "silu_mul"   # the kinds of GEMM
 UNFUSED = "unfused:"
 # A Triton config must beat cuBLAS by this fraction: below it, timing noise decides.
 MIN_GAIN = 0.03
-_CACHE_VERSION = 4
+_CACHE_VERSION = 5
 
 # (kind, out_features, in_features, dtype) -> every weight of that kind and shape
 WeightGroups = dict[tuple[str, int, int, torch.dtype], list[torch.Tensor]]
@@ -149,12 +151,13 @@ class SkinnyGemmRoutine:
 
     def rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None, silu_mul: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(this GEMM of rms_norm(x, norm_weight, eps, residual), the new residual) with the
-        norm in the Triton kernel's prologue: one launch instead of two. None where the
-        shape runs on cuBLAS or the prologue timed slower than the norm kernel (then the
-        norm kernel runs first, as always)."""
+                        bias: torch.Tensor | None = None, silu_mul: bool = False,
+                        keep_normed: bool = False) -> tuple[torch.Tensor, ...] | None:
+        """(this GEMM of rms_norm(x, norm_weight, eps, residual), the new residual, and
+        with ``keep_normed`` the normalised rows) with the norm in the Triton kernel's
+        prologue: one launch instead of two. None where the shape runs on cuBLAS or the
+        prologue timed slower than the norm kernel (then the norm kernel runs first, as
+        always)."""
         kind = SILU_MUL if silu_mul else LINEAR
         chosen = self._choice(kind, x, weight, bias)
         if chosen is None or _key(kind, x, weight) not in self.fuse_norm:
@@ -162,7 +165,8 @@ class SkinnyGemmRoutine:
         from archserve.kernels.linear.triton_skinny_gemm import norm_unsupported
         if norm_unsupported(x, residual, norm_weight, weight) is not None:
             return None
-        return norm_prologue(kind, chosen)(x, residual, norm_weight, eps, weight, bias)
+        return norm_prologue(kind, chosen)(x, residual, norm_weight, eps, weight, bias,
+                                           keep_normed)
 
     def _triton(self, kind: str, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None):
@@ -242,19 +246,20 @@ def implementation(kind: str, choice: str):
 
 
 def norm_prologue(kind: str, choice: str):
-    """The function (x, residual, norm_weight, eps, weight, bias) -> (output, new residual)
-    that runs the Triton ``choice`` for ``kind`` with rms_norm in its prologue."""
+    """The function (x, residual, norm_weight, eps, weight, bias, keep_normed=False) ->
+    (output, new residual[, normed rows]) that runs the Triton ``choice`` for ``kind`` with
+    rms_norm in its prologue."""
     from archserve.kernels.elementwise import silu_and_mul
     from archserve.kernels.linear.triton_skinny_gemm import SkinnyConfig, rms_norm_skinny_gemm
     config = SkinnyConfig.from_key(choice.removeprefix(UNFUSED))
     fused_silu = kind == SILU_MUL and not choice.startswith(UNFUSED)
 
-    def run(x, residual, norm_weight, eps, weight, bias):
-        y, new_residual = rms_norm_skinny_gemm(x, residual, norm_weight, eps, weight, bias,
-                                               config, silu_mul=fused_silu)
+    def run(x, residual, norm_weight, eps, weight, bias, keep_normed=False):
+        y, *rest = rms_norm_skinny_gemm(x, residual, norm_weight, eps, weight, bias, config,
+                                        silu_mul=fused_silu, keep_normed=keep_normed)
         if kind == SILU_MUL and not fused_silu:
             y = silu_and_mul(y)
-        return y, new_residual
+        return (y, *rest)
     return run
 
 

@@ -120,28 +120,55 @@ def _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_res
 
 
 @triton.jit
-def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, inv_rms, rows, row_ok, k, K, stride_xm,
-               dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K, stride_xm,
+               write_residual, squares, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
                NORM: tl.constexpr):
-    """The GEMM's fp32 [BLOCK_M, BLOCK_K] input at k: x (+ residual), normalised with NORM."""
-    x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, row_ok,
-                   HAS_RESIDUAL, EVEN_K, False)
+    """The GEMM's fp32 [BLOCK_M, BLOCK_K] input at k: x (+ residual; program 0 stores the
+    sum), and with NORM times the norm's weight, with its squares added to ``squares``:
+    the row's 1/rms is known only after the last K step, and scales the sums then."""
+    x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_residual,
+                   HAS_RESIDUAL, EVEN_K, True)
     if NORM:
+        squares += x * x
+        x = x * tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+    return x, squares
+
+
+@triton.jit
+def _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, ks, K, stride_xm,
+                       inv_rms, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """rms_norm's output rows (x + residual, normalised, times the weight, rounded as the
+    norm kernel rounds them) into ``normed`` [rows, K], for the layer's other readers of
+    the normalised row (a MoE block's experts after its router)."""
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        x = _load_rows(x_ptr, r_ptr, x_ptr, rows, row_ok, k, K, stride_xm, row_ok,
+                       HAS_RESIDUAL, EVEN_K, False)
         norm_w = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-        x = scale_normalized(x, inv_rms, norm_w, dtype, dtype, False)
-    return x
+        normed = scale_normalized(x, inv_rms, norm_w, dtype, dtype, False)
+        tl.store(normed_ptr + rows[:, None] * K + k[None, :], normed.to(dtype),
+                 mask=row_ok[:, None] & (k < K)[None, :])
 
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        r_ptr, norm_w_ptr, new_r_ptr, eps,
+                        r_ptr, norm_w_ptr, new_r_ptr, normed_ptr, eps,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                        NORMED_OUT: tl.constexpr, PDL: tl.constexpr):
     # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
-    # NORM: x is first RMS-normalised (after adding the residual, with HAS_RESIDUAL) with
-    # the weight at norm_w_ptr, as rms_norm would do in a kernel of its own: a first pass
-    # over K sums the squares, program 0 writes the new residual.
+    # NORM: x is RMS-normalised first (after adding the residual, with HAS_RESIDUAL) with the
+    # weight at norm_w_ptr, in the same pass over K as the product: W (x * w) / rms is
+    # W ((x / rms) * w), and 1/rms is one number a row, so the sums over K are scaled by it
+    # at the end. No program reads the row twice before its weights (a first pass for the
+    # squares put one round trip to memory before every program's product, and lost to
+    # the norm kernel on most shapes). The normalised row is not rounded to x's dtype
+    # before the product, as the norm kernel's output is: the sums differ from the
+    # unfused ones by about that rounding. Program 0 writes the new residual and, with
+    # NORMED_OUT, the normalised rows, rounded as the norm kernel rounds them.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
@@ -161,39 +188,37 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     if GATED:
         up_first = _load_weight(up_rows, ks, col_ok, K, EVEN_K)
     pdl_start(PDL)
-    if NORM:
-        # Broadcast before the compare: the interpreter mistypes scalar-bool & tensor.
-        first = (tl.zeros([BLOCK_M, BLOCK_K], tl.int32) + tl.program_id(0)) == 0
-        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k0 + ks, K, stride_xm,
-                           first, HAS_RESIDUAL, EVEN_K, True)
-            squares += x * x
-        inv_rms = tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
-    else:
-        inv_rms = 0.0
+    # Broadcast before the compare: the interpreter mistypes scalar-bool & tensor.
+    first = (tl.zeros([BLOCK_M, BLOCK_K], tl.int32) + tl.program_id(0)) == 0
+    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
-    x = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, inv_rms, rows, row_ok, ks, K,
-                   stride_xm, dtype, HAS_RESIDUAL, EVEN_K, NORM)
+    x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, ks, K,
+                            stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM)
     acc = _times_rows(acc, w_first, x, BLOCK_M)
     if GATED:
         acc_up = _times_rows(acc_up, up_first, x, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + ks
-        x = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, inv_rms, rows, row_ok, k, K,
-                       stride_xm, dtype, HAS_RESIDUAL, EVEN_K, NORM)
+        x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K,
+                                stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM)
         acc = _weight_times_rows(acc, w_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
         if GATED:
             acc_up = _weight_times_rows(acc_up, up_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
     y = _sum_over_k(acc, BLOCK_M)
+    inv_rms = 1.0
+    if NORM:
+        inv_rms = tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
+        y = y * inv_rms
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
         up = _sum_over_k(acc_up, BLOCK_M)
+        if NORM:
+            up = up * inv_rms
         if HAS_BIAS:
             up += tl.load(b_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         # Rounded where the unfused path rounds: the GEMM's outputs, silu(gate), the product.
@@ -201,6 +226,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
         y = round_to_dtype(gate * tl.sigmoid(gate), dtype) * round_to_dtype(up, dtype)
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     tl.store(out, y.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    if NORMED_OUT:
+        if tl.program_id(0) == 0:
+            _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, ks, K,
+                               stride_xm, inv_rms, HAS_RESIDUAL, EVEN_K, BLOCK_K)
 
 
 def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
@@ -236,20 +265,20 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def rms_norm_skinny_gemm(x: torch.Tensor, residual: torch.Tensor | None,
                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None, config: SkinnyConfig,
-                         silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         silu_mul: bool = False, keep_normed: bool = False
+                         ) -> tuple[torch.Tensor, ...]:
     """``skinny_gemm`` of rms_norm(x, norm_weight, eps, residual)'s output, and its new
-    residual (x + residual; x itself without one), in one kernel. The caller checks
+    residual (x + residual; x itself without one), in one kernel; with ``keep_normed``
+    also that normalised output, as rms_norm returns it. The caller checks
     ``skinny_gemm_unsupported`` and ``norm_unsupported`` first."""
-    return _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps)
+    y, new_residual, normed = _launch(x, weight, bias, config, silu_mul, residual,
+                                      norm_weight, eps, keep_normed)
+    return (y, new_residual, normed) if keep_normed else (y, new_residual)
 
 
 def norm_unsupported(x: torch.Tensor, residual: torch.Tensor | None,
                      norm_weight: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why the norm prologue cannot take these operands, or None."""
-    if weight.dtype != x.dtype:
-        # The prologue rounds the normalised row to the output's dtype, where the norm
-        # kernel rounds it to x's; no layer after a norm has a weight of another dtype.
-        return f"weight {weight.dtype} for x {x.dtype}"
     if norm_weight.shape != x.shape[-1:] or norm_weight.dtype != x.dtype:
         return f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} for x {x.dtype}"
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
@@ -258,7 +287,7 @@ def norm_unsupported(x: torch.Tensor, residual: torch.Tensor | None,
     return None
 
 
-def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps):
+def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_normed=False):
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     y = torch.empty((rows, cols), dtype=torch.promote_types(x.dtype, weight.dtype),
@@ -266,15 +295,18 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps):
     new_residual = x
     if residual is not None:
         new_residual = torch.empty((rows, depth), dtype=x.dtype, device=x.device)
+    normed = torch.empty((rows, depth), dtype=x.dtype, device=x.device) if keep_normed else None
     grid = (triton.cdiv(cols, config.block_n),)
     pdl = pdl_enabled(x.device)
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y, rows, cols, depth,
         x.stride(0), weight.stride(0), y.stride(0),
         residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x, new_residual, float(eps),
+        norm_weight if norm_weight is not None else x, new_residual,
+        normed if normed is not None else x, float(eps),
         HAS_BIAS=bias is not None, GATED=silu_mul, BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
-        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
+        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        NORMED_OUT=normed is not None, PDL=pdl,
         num_warps=config.num_warps, **pdl_launch_options(pdl))
-    return y, new_residual
+    return y, new_residual, normed

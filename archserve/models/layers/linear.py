@@ -87,21 +87,24 @@ def apply_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
 
 def apply_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
                           norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                          bias: torch.Tensor | None = None, silu_mul: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          bias: torch.Tensor | None = None, silu_mul: bool = False,
+                          keep_normed: bool = False) -> tuple[torch.Tensor, ...]:
     """(the GEMM, or with ``silu_mul`` the gated activation, of rms_norm(x, norm_weight,
-    eps, residual)'s output; the new residual). A routine that can fuse the norm into its
-    GEMM provides ``rms_norm_linear`` (fusion ``rms_norm_gemm``); otherwise, or where it
-    declines the shape, this is the norm kernel, then the GEMM."""
+    eps, residual)'s output; the new residual; with ``keep_normed`` that normalised
+    output too, for the layer's other readers of it). A routine that can fuse the norm
+    into its GEMM provides ``rms_norm_linear`` (fusion ``rms_norm_gemm``); otherwise, or
+    where it declines the shape, this is the norm kernel, then the GEMM."""
     fused = getattr(_routine, "rms_norm_linear", None)
     if fused is not None and fusion_enabled("rms_norm_gemm", x.device):
-        out = fused(x, residual, norm_weight, eps, weight, bias, silu_mul)
+        out = fused(x, residual, norm_weight, eps, weight, bias, silu_mul, keep_normed)
         if out is not None:
             return out
     normed, new_residual = rms_norm(x, norm_weight, eps, residual)
     if silu_mul:
-        return apply_linear_silu_mul(normed, weight, bias), new_residual
-    return apply_linear(normed, weight, bias), new_residual
+        y = apply_linear_silu_mul(normed, weight, bias)
+    else:
+        y = apply_linear(normed, weight, bias)
+    return (y, new_residual, normed) if keep_normed else (y, new_residual)
 
 
 class WeightOnly(nn.Module):
@@ -159,14 +162,16 @@ class Linear(nn.Module):
         return apply_linear(x, self.weight, self.bias)
 
     def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer of norm(x, residual)'s output, the new residual), the norm fused
-        into the GEMM where the routine can (``apply_rms_norm_linear``)."""
+                           norm: RMSNorm, keep_normed: bool = False
+                           ) -> tuple[torch.Tensor, ...]:
+        """(this layer of norm(x, residual)'s output, the new residual, and with
+        ``keep_normed`` that output), the norm fused into the GEMM where the routine can
+        (``apply_rms_norm_linear``)."""
         if self.quant is not None or norm.identity_weight != RMSNorm.identity_weight:
             hidden, residual = norm(x, residual)
-            return self(hidden), residual
+            return (self(hidden), residual) + ((hidden,) if keep_normed else ())
         return apply_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
-                                     self.bias)
+                                     self.bias, keep_normed=keep_normed)
 
     # ---- the loader protocol ------------------------------------------------------------
     @property

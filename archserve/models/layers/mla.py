@@ -92,8 +92,21 @@ class MLAAttention(nn.Module, KVCacheScales):
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.dims.q_lora_rank:
-            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))[0])
+            return self.q_b_proj.forward_after_norm(self.q_a_proj(hidden), None,
+                                                    self.q_a_layernorm)[0]
         return self.q_proj(hidden)
+
+    def forward_after_norm(self, positions: torch.Tensor, hidden: torch.Tensor,
+                           residual: torch.Tensor | None, norm: RMSNorm
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(hidden, residual)) and the new residual, the norm fused into
+        kv_a_proj_with_mqa's GEMV where the linear routine can; that kernel also writes
+        the normalised rows, which the query projection reads. kv_a is the narrower of the
+        two (576 rows against q's 3,072 or q_a's 1,536): every program of a GEMV with the
+        norm in its prologue reads the whole row, so the fewer programs the better."""
+        kv_a, residual, hidden = self.kv_a_proj_with_mqa.forward_after_norm(
+            hidden, residual, norm, keep_normed=True)
+        return self._attend(positions, hidden, kv_a), residual
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, L], W_UV [H, v, L]) from kv_b_proj."""
@@ -103,8 +116,16 @@ class MLAAttention(nn.Module, KVCacheScales):
         return w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self._attend(positions, hidden)
+
+    def _attend(self, positions: torch.Tensor, hidden: torch.Tensor,
+                kv_a: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer on (normalised) ``hidden``; ``kv_a``: its kv_a_proj_with_mqa output,
+        where ``forward_after_norm`` ran that GEMV."""
         m, h, t = self.dims, self.num_heads, hidden.shape[0]
-        q, kv_a = self._query(hidden), self.kv_a_proj_with_mqa(hidden)
+        q = self._query(hidden)
+        if kv_a is None:
+            kv_a = self.kv_a_proj_with_mqa(hidden)
         w_uk, w_uv = self._absorbed_weights()
         ctx = get_forward_context()
         # An implementation that takes a decode step from the projections themselves does

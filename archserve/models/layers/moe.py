@@ -29,6 +29,7 @@ from archserve.distributed.layout import split_evenly
 from archserve.distributed.parallel_state import get_tp
 from archserve.models.layers import linear as _linear
 from archserve.models.layers.linear import WeightOnly
+from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.parallel_linear import GateUpParallelLinear, RowParallelLinear
 
 # (gate, up, down) names of one expert's matrices in the two checkpoint conventions.
@@ -46,6 +47,17 @@ class Router(WeightOnly):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear.apply_linear(x, self.weight)
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the logits of norm(x, residual)'s output, the new residual, that output: the
+        experts' input), the norm fused into the router's GEMM where the routine can."""
+        if norm.identity_weight != RMSNorm.identity_weight:
+            hidden, residual = norm(x, residual)
+            return self(hidden), residual, hidden
+        logits, residual, hidden = _linear.apply_rms_norm_linear(
+            x, residual, norm.weight, norm.eps, self.weight, keep_normed=True)
+        return logits, residual, hidden
 
 
 class _Matrix(nn.Module):
@@ -234,7 +246,17 @@ class SparseMoEBlock(nn.Module):
         self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        return self._experts(x, self.gate(x))
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x, residual)) and the new residual, the norm fused into the
+        router's GEMM where the linear routine can."""
+        logits, residual, x = self.gate.forward_after_norm(x, residual, norm)
+        return self._experts(x, logits), residual
+
+    def _experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, router_logits)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
