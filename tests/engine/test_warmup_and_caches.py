@@ -42,7 +42,8 @@ def test_kernel_caches_live_under_the_archserve_cache(monkeypatch, tmp_path):
     ("sm90_xmma_gemm_bf16bf16_bf16f32", "linear"), ("nvjet_hsh_128x64", "linear"),
     ("triton_poi_fused_add_mul", "elementwise"), ("_rms_norm_kernel", "elementwise"),
     ("_gate_up_kernel", "moe"), ("_down_quant_kernel", "moe"), ("_route_kernel", "moe"),
-    ("_sum_slots_kernel", "moe"), ("_skinny_gemm_kernel", "linear"),
+    ("_sum_slots_kernel", "moe"), ("_down_sum_slots_kernel", "moe"),
+    ("_skinny_gemm_kernel", "linear"),
 ])
 def test_kernel_names_map_to_op_kinds(name, kind):
     assert classify_kernel(name) == kind

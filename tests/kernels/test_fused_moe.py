@@ -11,6 +11,7 @@ shapes in bf16, and replay a captured decode step in a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -223,6 +224,10 @@ def test_tiles_are_keyed_by_power_of_two_token_buckets():
     assert not any(t.pair_rows for t in candidate_tiles(64, 8, w13, w2))
     # The widest pair tile also at 8 warps (at 4 its gate/up kernel spills on Hopper).
     assert MoETile(16, 64, 128, 8, 4, pair_rows=True) in candidate_tiles(1, 8, w13, w2)
+    # The slot-summing down kernel beside the pair layout's, where there are slots to sum.
+    assert any(t.down_block_n for t in candidate_tiles(1, 8, w13, w2))
+    assert not any(t.down_block_n for t in candidate_tiles(1, 1, w13, w2))
+    assert not any(t.down_block_n for t in candidate_tiles(64, 8, w13, w2))
 
 
 # (experts, top_k, hidden, inter): Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes.
@@ -412,6 +417,28 @@ else:
         tol = 1e-5 if dtype == torch.float32 else 4e-3
         torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
 
+    @pytest.mark.parametrize("down", [(4, 16), (2, 32), (8, 64)])
+    @pytest.mark.parametrize(
+        "tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n", PAIR_CASES)
+    def test_slot_summing_down_matches_the_down_then_the_sum(tokens, experts, top_k, hidden,
+                                                              inter, renormalize, dtype,
+                                                              block_n, down):
+        """The down projection as a GEMV per slot, summed in registers (MoETile.down_block_n):
+        the same experts and rows as the pair layout's down kernel then the slot sum; a K
+        step of 16 or 32 leaves partial steps at these sizes, 64 one step."""
+        x, logits, w13, w2 = operands(tokens, experts, hidden, inter, dtype, seed=3)
+        tile = pair_tile(tokens * top_k, min(hidden, inter), 1, block_n)
+        summing = dataclasses.replace(tile, down_block_n=down[0], down_block_k=down[1])
+        assert summing.key() != tile.key()
+        got = fused_moe(x, logits, w13, w2, top_k, renormalize, summing)
+        separate = fused_moe(x, logits, w13, w2, top_k, renormalize, tile)
+        assert got.dtype == dtype and got.shape == x.shape
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(got, separate, atol=tol, rtol=tol)
+        expected = reference(x, logits, w13, w2, top_k, renormalize)
+        tol = 1e-5 if dtype == torch.float32 else 4e-3
+        torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+
     @pytest.mark.parametrize(
         "tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n", PAIR_CASES)
     def test_pair_rows_sum_in_the_kernel_gives_the_same_bits(tokens, experts, top_k, hidden,
@@ -521,6 +548,33 @@ def test_gpu_both_layouts_match_torch_moe_at_small_batches(shape, tokens):
         got = fused_moe(x, logits, w13, w2, top_k, True, tile)
         torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2,
                                    msg=lambda m, tile=tile: f"{tile.key()}: {m}")
+
+
+@gpu
+@pytest.mark.parametrize("shape", sorted(REAL))
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gpu_slot_summing_down_matches_in_a_graph(shape, tokens):
+    """The slot-summing down kernel at every tile the tuner times, at real sizes: the pair
+    layout's down and sum to a bf16 unit or two, eagerly and in every replay of a graph."""
+    from archserve.kernels.moe.triton_fused_moe import SUM_DOWN_TILES, fused_moe, pair_tile
+    experts, top_k, hidden, inter = REAL[shape]
+    x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda", 7)
+    routed = route(logits, top_k, True)
+    tile = pair_tile(tokens * top_k, min(hidden, inter), 132)
+    separate = fused_moe(x, logits, w13, w2, top_k, True, tile, routed).float()
+    scale = separate.abs().max().item()
+    for n, k in SUM_DOWN_TILES:
+        summing = dataclasses.replace(tile, down_block_n=n, down_block_k=k)
+        got = fused_moe(x, logits, w13, w2, top_k, True, summing, routed)
+        torch.testing.assert_close(got.float(), separate, atol=2 ** -6 * scale, rtol=2 ** -7)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe(x, logits, w13, w2, top_k, True, summing, routed)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, got)
 
 
 @gpu

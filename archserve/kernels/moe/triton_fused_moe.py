@@ -17,7 +17,11 @@ The k slots of a token are then summed in fp32, in slot order, by ``_sum_slots_k
 kernel would need atomics, whose order, and so rounding, changes from run to run). In the
 pair layout, with ``ARCHSERVE_REDUCE_IN_KERNEL=1`` (kernels/reduce_in_kernel.py), the down
 program that finishes a token's column tile last sums its slots instead, in the same order
-from the same rows: the same bits, one launch fewer per MoE layer.
+from the same rows: the same bits, one launch fewer per MoE layer. Also in the pair layout,
+a tile with ``down_block_n`` runs the down projection as ``_down_sum_slots_kernel``: a
+program per (token, column tile) with all the token's slots, each a GEMV on the CUDA
+cores, summed in registers, so no slot holds a row in memory and there is no sum launch
+(the tuner times it beside the pair layout's down kernel).
 
 Accumulation is fp32; fp32 operands multiply in full precision (no TF32), so the CPU
 interpreter and an fp32 GPU run agree with the reference to rounding. Launch sizes come
@@ -26,6 +30,7 @@ from (T, k, E, tile) only: no host synchronisation, so decode can be graph-captu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +44,7 @@ try:
     import triton
     import triton.language as tl
 
+    from archserve.kernels.elementwise.triton_rounding import round_to_dtype
     from archserve.kernels.pdl import (
         pdl_enabled,
         pdl_launch_options,
@@ -67,10 +73,17 @@ class MoETile:
     # One (token, slot) pair per program, no sort: block_m rows of which row 0 is real
     # (tl.dot needs 16), the expert of the program is the pair's own (``pair_rows_pay``).
     pair_rows: bool = False
+    # Pair layout only: the down projection as ``_down_sum_slots_kernel`` (a program per
+    # token and down_block_n columns, every slot's expert in it, the slots summed in
+    # registers: no slot-sum launch) with these columns and K step; 0: ``_down_kernel``.
+    down_block_n: int = 0
+    down_block_k: int = 0
 
     def key(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
-                f"_s{self.num_stages}" + ("_pairs" if self.pair_rows else ""))
+                f"_s{self.num_stages}" + ("_pairs" if self.pair_rows else "")
+                + (f"_sumdown{self.down_block_n}x{self.down_block_k}"
+                   if self.down_block_n else ""))
 
 
 # Default tiles by tokens in the batch (the decode buckets first). Decode rows per expert
@@ -108,6 +121,13 @@ _CANDIDATES: tuple[tuple[int, tuple[MoETile, ...]], ...] = (
 PAIR_ROWS_BYTES = 190 << 20
 PAIR_ROWS_MAX_PAIRS = 64
 PAIR_TILE_BLOCK_NS = (64, 32, 16)     # widest first: fewer programs, longer loads
+# (down_block_n, down_block_k) of the slot-summing down kernel the tuner times beside the
+# pair layout's: a program holds slots x columns x K-step products in fp32, twice over with
+# the next step's weights in flight, so a step stays at 4096 values at top-8 (ptxas for
+# sm_90a at 4 warps: 128 registers, four programs an SM; 8 x 4 x 256 took 254, one). A
+# batch-1 step needs a few hundred programs (hidden 2048 / 4 columns = 512) to keep every
+# SM loading weights.
+SUM_DOWN_TILES = ((4, 128), (2, 256), (4, 64))
 
 
 def pair_rows_pay(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> bool:
@@ -186,6 +206,9 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Te
     pair_tiles.append(pair_tile(pairs, narrowest, sms, PAIR_TILE_BLOCK_NS[0], num_warps=8))
     if default.pair_rows:
         tiles = pair_tiles + [default_tile(num_tokens)]
+        if top_k > 1:
+            tiles += [dataclasses.replace(default, down_block_n=n, down_block_k=k)
+                      for n, k in SUM_DOWN_TILES]
     elif pairs <= 2 * PAIR_ROWS_MAX_PAIRS:
         tiles = list(_by_tokens(_CANDIDATES, num_tokens)) + pair_tiles[:2]
     else:
@@ -335,6 +358,51 @@ if triton is not None:
                 reset_arrivals(counter)
 
     @triton.jit
+    def _down_sum_slots_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, hidden,
+                               inter, stride_at, stride_we, stride_wn, stride_ot,
+                               TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               PDL: tl.constexpr = False):
+        """out[t, cols] = sum over slots j of weight[t, j] * (act[t * TOP_K + j] .
+        w2[expert[t, j]][cols]ᵀ): a GEMV per slot on the CUDA cores (one row each: tensor
+        cores would be 1/16 used), rounded to the output dtype as ``_down_kernel`` stores
+        each slot's row, then summed in fp32 in registers (``_sum_slots_kernel``'s sum,
+        without its launch). SLOTS: TOP_K rounded up to a power of two, masked."""
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < hidden
+        slots = tl.arange(0, SLOTS)
+        slot_ok = slots < TOP_K
+        pairs = token * TOP_K + slots
+        ks = tl.arange(0, BLOCK_K)
+        # Before PDL's wait (kernels/pdl.py): the experts were written by the routing,
+        # before the gate/up kernel (the one right before, which writes only the
+        # activations), and the weights by nobody: the first K step's weights load while
+        # gate/up drains.
+        experts = tl.load(experts_ptr + pairs, mask=slot_ok, other=0)
+        w_rows = (w2_ptr + experts.to(tl.int64)[:, None, None] * stride_we
+                  + cols.to(tl.int64)[None, :, None] * stride_wn)          # [S, N, 1]
+        w_ok = slot_ok[:, None, None] & col_ok[None, :, None]
+        w = tl.load(w_rows + ks[None, None, :], mask=w_ok & (ks < inter)[None, None, :],
+                    other=0.0)
+        pdl_start(PDL)
+        a_rows = act_ptr + pairs[:, None] * stride_at                      # [S, 1]
+        a = tl.load(a_rows + ks[None, :], mask=slot_ok[:, None] & (ks < inter)[None, :],
+                    other=0.0)
+        acc = w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+        for k0 in range(BLOCK_K, inter, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < inter
+            w = tl.load(w_rows + k[None, None, :], mask=w_ok & k_ok[None, None, :], other=0.0)
+            a = tl.load(a_rows + k[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+        dtype: tl.constexpr = out_ptr.dtype.element_ty
+        parts = tl.sum(acc, axis=2) * tl.load(weights_ptr + pairs, mask=slot_ok,
+                                              other=0.0)[:, None]
+        total = tl.sum(round_to_dtype(parts, dtype), axis=0)
+        tl.store(out_ptr + token * stride_ot + cols, total.to(dtype), mask=col_ok)
+
+    @triton.jit
     def _sum_slots_kernel(src_ptr, dst_ptr, hidden, stride_src, stride_dst,
                           TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
                           PDL: tl.constexpr = False):
@@ -388,7 +456,6 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
         sorted_pairs, block_expert = align.sorted_pairs, align.block_expert
         num_blocks = align.num_blocks
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    out = torch.empty(pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     ieee = hidden.dtype == torch.float32
     pdl = pdl_enabled(hidden.device)
@@ -399,6 +466,15 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
         PAIR_ROWS=tile.pair_rows, **launch)
+    if tile.pair_rows and tile.down_block_n and top_k > 1:
+        summed = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+        _down_sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, tile.down_block_n))](
+            act, w2, summed, flat_weights, flat_experts, hidden_size, inter, act.stride(0),
+            w2.stride(0), w2.stride(1), summed.stride(0), TOP_K=top_k,
+            SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tile.down_block_n,
+            BLOCK_K=tile.down_block_k, num_warps=4, PDL=pdl, **pdl_launch_options(pdl))
+        return summed
+    out = torch.empty(pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     col_tiles = triton.cdiv(hidden_size, tile.block_n)
     sum_in_kernel = (tile.pair_rows and top_k > 1
                      and reduce_in_kernel(num_tokens * col_tiles))

@@ -36,7 +36,9 @@ from archserve.kernels.moe.triton_fused_moe import (
 from archserve.kernels.tuning_cache import read_cache, write_cache
 
 log = logging.getLogger(__name__)
-_CACHE_VERSION = 3     # 2: the pair layout (MoETile.pair_rows); 3: its widest tile at 8 warps
+# 2: the pair layout (MoETile.pair_rows); 3: its widest tile at 8 warps; 4: the
+# slot-summing down kernel (MoETile.down_block_n)
+_CACHE_VERSION = 4
 
 
 @dataclass
