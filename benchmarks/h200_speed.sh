@@ -119,6 +119,14 @@ step mla_engine_nopdl 80 200 env ARCHSERVE_PDL=0 python3 benchmarks/mla_perf.py 
 # against stacked with the routed experts (the default since session 18).
 step mla_engine_shared_mlp 80 200 env ARCHSERVE_DISABLE_FUSIONS=shared_experts \
   python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_shared_mlp.json"
+# The MoE and MLA rows with every RMSNorm in a kernel of its own (fusion rms_norm_gemm off):
+# since session 19 the norm before a MoE router, and before MLA's first projection, can run
+# in that GEMV's prologue, as the QKV and gate/up GEMVs' could.
+step moe_qwen3_norm_kernel 75 180 env ARCHSERVE_DISABLE_FUSIONS=rms_norm_gemm \
+  python3 benchmarks/moe_perf.py --part engine --models qwen3-30b-a3b --skip-peer \
+  --out "$D/moe_qwen3_norm_kernel.json"
+step mla_engine_norm_kernel 80 200 env ARCHSERVE_DISABLE_FUSIONS=rms_norm_gemm \
+  python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_norm_kernel.json"
 # Where the 0.6B's batch-1 step goes, kernel by kernel (device time per step, top kernels).
 step profile_06b_b1 60 150 python3 benchmarks/profile_engine_step.py --model $Q06 \
   --load-format dummy --dtype bfloat16 --batch-sizes 1 --input-len 128 --steps 20 \
