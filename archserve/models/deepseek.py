@@ -30,8 +30,13 @@ from torch import nn
 from archserve.kernels.elementwise.dispatch import fusion_not_disabled
 from archserve.models.layers.linear import apply_linear, linear_weights_deferred
 from archserve.models.layers.mla import MLAAttention
-from archserve.models.layers.moe import HF_EXPERT_NAMES, FusedMoE, GatedMLP, Router
-from archserve.models.layers.norm import RMSNorm
+from archserve.models.layers.moe import (
+    HF_EXPERT_NAMES,
+    FusedMoE,
+    GatedMLP,
+    Router,
+    RouterFirstBlock,
+)
 from archserve.models.mixtral import MoEFamily, MoEForCausalLM, MoEModel
 
 if TYPE_CHECKING:
@@ -57,7 +62,7 @@ class DeepseekRouter(Router):
         return apply_linear(x, self.weight)
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(RouterFirstBlock):
     """Router, routed experts and the shared experts. With 16-bit experts the shared ones
     are stacked after the routed ones in the same ``FusedMoE`` (its ``num_shared_experts``;
     the checkpoint's ``shared_experts`` matrices are split into them on load,
@@ -85,16 +90,6 @@ class DeepseekMoE(nn.Module):
             num_groups=int(hf.n_group or 1) if grouped else 1,
             topk_groups=int(hf.topk_group or 1) if grouped else 1,
             scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._experts(x, self.gate(x))
-
-    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm(x, residual)) and the new residual, the norm fused into the
-        router's GEMV where the linear routine can."""
-        logits, residual, x = self.gate.forward_after_norm(x, residual, norm)
-        return self._experts(x, logits), residual
 
     def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, logits, grouping={

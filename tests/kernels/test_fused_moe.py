@@ -567,14 +567,9 @@ def test_gpu_slot_summing_down_matches_in_a_graph(shape, tokens):
         summing = dataclasses.replace(tile, down_block_n=n, down_block_k=k)
         got = fused_moe(x, logits, w13, w2, top_k, True, summing, routed)
         torch.testing.assert_close(got.float(), separate, atol=2 ** -6 * scale, rtol=2 ** -7)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused_moe(x, logits, w13, w2, top_k, True, summing, routed)
-        for _ in range(3):
-            out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, got)
+        assert_graph_replays_give(
+            lambda summing=summing: fused_moe(x, logits, w13, w2, top_k, True, summing, routed),
+            got, 3)
 
 
 @gpu
@@ -594,15 +589,22 @@ def test_gpu_slot_sum_in_the_kernel_gives_the_same_bits_in_a_graph(shape, tokens
     separate = fused_moe(x, logits, w13, w2, top_k, True, tile, routed)
     monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
     assert torch.equal(fused_moe(x, logits, w13, w2, top_k, True, tile, routed), separate)
+    assert_graph_replays_give(lambda: fused_moe(x, logits, w13, w2, top_k, True, tile, routed),
+                              separate, 5)
+    assert not arrival_counters(x.device).any()
+
+
+def assert_graph_replays_give(run, expected: torch.Tensor, replays: int) -> None:
+    """``run()`` captured in a CUDA graph gives ``expected`` bit for bit in every replay
+    (its output zeroed before each, so a replay that writes nothing shows)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, logits, w13, w2, top_k, True, tile, routed)
-    for _ in range(5):
+        out = run()
+    for _ in range(replays):
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, separate)
-    assert not arrival_counters(x.device).any()
+        assert torch.equal(out, expected)
 
 
 @gpu

@@ -231,7 +231,26 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
 
 
-class SparseMoEBlock(nn.Module):
+class RouterFirstBlock(nn.Module):
+    """A MoE block whose first GEMM is its router's (``self.gate``), so the norm before the
+    block can run in that GEMM (``forward_after_norm``); ``_experts(x, logits)`` is the
+    rest of the block."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._experts(x, self.gate(x))
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(norm(x, residual)) and the new residual, the norm fused into the
+        router's GEMM where the linear routine can."""
+        logits, residual, x = self.gate.forward_after_norm(x, residual, norm)
+        return self._experts(x, logits), residual
+
+    def _experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SparseMoEBlock(RouterFirstBlock):
     """Router + routed experts (+ a shared expert scaled by its sigmoid gate, Qwen2-MoE)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
@@ -244,16 +263,6 @@ class SparseMoEBlock(nn.Module):
         self.shared_expert = (GatedMLP(hidden_size, shared_intermediate_size)
                               if shared_intermediate_size else None)
         self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._experts(x, self.gate(x))
-
-    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(norm(x, residual)) and the new residual, the norm fused into the
-        router's GEMM where the linear routine can."""
-        logits, residual, x = self.gate.forward_after_norm(x, residual, norm)
-        return self._experts(x, logits), residual
 
     def _experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, router_logits)
