@@ -17,8 +17,9 @@ cannot write. Reading it early lets its bytes stream while that kernel drains:
 - the step's inputs and constants: positions, slots and rotary rows (q/k-norm-rope-cache
   kernel, MLA decode inputs kernel), query starts, lengths and block tables (decode
   attention, MLA decode, MLA's merge with W_UV);
-- what an earlier kernel than the one right before wrote: the MoE down kernel's experts
-  and rows (the routing's and the sort's, before the gate/up kernel);
+- what an earlier kernel than the one right before wrote: the MoE down kernels' experts
+  and rows (the routing's and the sort's, before the gate/up kernel), and with them the
+  slot-summing down kernel's first K step of its experts' weights;
 - L2 prefetches (``prefetch_rows_to_l2``) of rows the kernel will read: decode's and MLA
   decode's first tile of KV cached by earlier steps (held in registers, that tile made them
   spill), and the first K tile of the MoE down kernel's expert weights.

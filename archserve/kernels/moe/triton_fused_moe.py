@@ -122,11 +122,10 @@ PAIR_ROWS_BYTES = 190 << 20
 PAIR_ROWS_MAX_PAIRS = 64
 PAIR_TILE_BLOCK_NS = (64, 32, 16)     # widest first: fewer programs, longer loads
 # (down_block_n, down_block_k) of the slot-summing down kernel the tuner times beside the
-# pair layout's: a program holds slots x columns x K-step products in fp32, twice over with
-# the next step's weights in flight, so a step stays at 4096 values at top-8 (ptxas for
-# sm_90a at 4 warps: 128 registers, four programs an SM; 8 x 4 x 256 took 254, one). A
-# batch-1 step needs a few hundred programs (hidden 2048 / 4 columns = 512) to keep every
-# SM loading weights.
+# pair layout's: a program holds its fp32 products (slots x columns x K step) and the step's
+# weights, so a step stays at 4096 values at top-8 (ptxas for sm_90a at 4 warps: 128
+# registers, four programs an SM; 8 x 4 x 256 took 254, one). A batch-1 step needs a few
+# hundred programs (hidden 2048 / 4 columns = 512) to keep every SM loading weights.
 SUM_DOWN_TILES = ((4, 128), (2, 256), (4, 64))
 
 
