@@ -3,6 +3,7 @@ kernels start, never what they compute."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -78,6 +79,14 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
             torch.tensor([[1, 3]], dtype=torch.int32),
             torch.zeros(8, 64, 64, dtype=torch.bfloat16),
             torch.zeros(8, 64, 32, dtype=torch.bfloat16))
+        # The same with the slot-summing down kernel (the pair layout's alternative).
+        pairs = triton_fused_moe.pair_tile(2, 32, 132)
+        triton_fused_moe.fused_experts(
+            torch.zeros(1, 64, dtype=torch.bfloat16), torch.full((1, 2), 0.5),
+            torch.tensor([[1, 3]], dtype=torch.int32),
+            torch.zeros(8, 64, 64, dtype=torch.bfloat16),
+            torch.zeros(8, 64, 32, dtype=torch.bfloat16),
+            dataclasses.replace(pairs, down_block_n=4, down_block_k=32))
         # MLA decode split 2 ways with W_UV: its merge and W_UV in one kernel.
         triton_mla_decode.mla_decode(
             torch.zeros(2, 16, 576, dtype=torch.bfloat16),
@@ -89,7 +98,7 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
     assert names[:5] == ["_decode_kernel", "_merge_splits_kernel", "_qk_norm_rope_cache_kernel",
                          "_rms_norm_kernel", "_mla_decode_kernel"], names
     assert {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel",
-            "_latent_output_to_heads_kernel"} <= set(names)
+            "_down_sum_slots_kernel", "_latent_output_to_heads_kernel"} <= set(names)
     for launch in launches:
         assert launch.options.get("launch_pdl") and launch.constexprs["PDL"], launch.kernel
         ptx = launch.code()
@@ -97,7 +106,8 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         # Nothing is written before the wait: the kernel before may still read it. What
         # that kernel cannot write is read before it, and streams while it drains: decode
         # attention's and MLA decode's metadata and first tile of cached keys, the MoE down
-        # kernel's expert and its weight's first tile (L2 prefetches), RMSNorm's weight, and
+        # kernel's expert and its weight's first tile (L2 prefetches; the slot-summing down
+        # kernel loads its experts' first K step), RMSNorm's weight, and
         # the q/k kernel's positions, rotary rows, norm weights and slots, the query starts
         # of MLA's merge with W_UV and W_UV's rows (an L2 prefetch when it merges splits).
         # The rest reads only after it.
@@ -108,7 +118,8 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         assert ("prefetch.global.L2" in before_wait) == prefetches, launch.kernel
         reads_early = prefetches or launch.kernel in ("_rms_norm_kernel",
                                                       "_qk_norm_rope_cache_kernel",
-                                                      "_latent_output_to_heads_kernel")
+                                                      "_latent_output_to_heads_kernel",
+                                                      "_down_sum_slots_kernel")
         assert ("ld.global" in before_wait) == reads_early, launch.kernel
 
 
