@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from archserve.kernels.elementwise import fusion_enabled, rms_norm, silu_and_mul
+from archserve.kernels.elementwise import fusion_enabled, silu_and_mul
 from archserve.kernels.linear.torch_linear import torch_linear
 from archserve.models.layers.norm import RMSNorm
 
@@ -85,21 +85,23 @@ def apply_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     return silu_and_mul(_routine(x, weight, bias))
 
 
-def apply_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
-                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                          bias: torch.Tensor | None = None, silu_mul: bool = False,
-                          keep_normed: bool = False) -> tuple[torch.Tensor, ...]:
-    """(the GEMM, or with ``silu_mul`` the gated activation, of rms_norm(x, norm_weight,
-    eps, residual)'s output; the new residual; with ``keep_normed`` that normalised
-    output too, for the layer's other readers of it). A routine that can fuse the norm
-    into its GEMM provides ``rms_norm_linear`` (fusion ``rms_norm_gemm``); otherwise, or
-    where it declines the shape, this is the norm kernel, then the GEMM."""
+def apply_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                          weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          silu_mul: bool = False, keep_normed: bool = False
+                          ) -> tuple[torch.Tensor, ...]:
+    """(the GEMM, or with ``silu_mul`` the gated activation, of norm(x, residual)'s output;
+    the new residual; with ``keep_normed`` that normalised output too, for the layer's
+    other readers of it). A routine that can fuse the norm into its GEMM provides
+    ``rms_norm_linear`` (fusion ``rms_norm_gemm``); otherwise, where it declines the shape,
+    or for a norm its prologue does not compute (Gemma's weight offset from one), this is
+    the norm's kernel, then the GEMM."""
     fused = getattr(_routine, "rms_norm_linear", None)
-    if fused is not None and fusion_enabled("rms_norm_gemm", x.device):
-        out = fused(x, residual, norm_weight, eps, weight, bias, silu_mul, keep_normed)
+    if (fused is not None and norm.identity_weight == RMSNorm.identity_weight
+            and fusion_enabled("rms_norm_gemm", x.device)):
+        out = fused(x, residual, norm.weight, norm.eps, weight, bias, silu_mul, keep_normed)
         if out is not None:
             return out
-    normed, new_residual = rms_norm(x, norm_weight, eps, residual)
+    normed, new_residual = norm(x, residual)
     if silu_mul:
         y = apply_linear_silu_mul(normed, weight, bias)
     else:
@@ -167,11 +169,11 @@ class Linear(nn.Module):
         """(this layer of norm(x, residual)'s output, the new residual, and with
         ``keep_normed`` that output), the norm fused into the GEMM where the routine can
         (``apply_rms_norm_linear``)."""
-        if self.quant is not None or norm.identity_weight != RMSNorm.identity_weight:
+        if self.quant is not None:
             hidden, residual = norm(x, residual)
             return (self(hidden), residual) + ((hidden,) if keep_normed else ())
-        return apply_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
-                                     self.bias, keep_normed=keep_normed)
+        return apply_rms_norm_linear(x, residual, norm, self.weight, self.bias,
+                                     keep_normed=keep_normed)
 
     # ---- the loader protocol ------------------------------------------------------------
     @property
@@ -268,8 +270,7 @@ class GateUpLinear(MergedLinear):
     def forward_silu_mul_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward_silu_mul`` of norm(x, residual)'s output, and the new residual."""
-        if self.quant is not None or norm.identity_weight != RMSNorm.identity_weight:
+        if self.quant is not None:
             hidden, residual = norm(x, residual)
             return self.forward_silu_mul(hidden), residual
-        return apply_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
-                                     self.bias, silu_mul=True)
+        return apply_rms_norm_linear(x, residual, norm, self.weight, self.bias, silu_mul=True)

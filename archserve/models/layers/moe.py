@@ -52,12 +52,8 @@ class Router(WeightOnly):
                            norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the logits of norm(x, residual)'s output, the new residual, that output: the
         experts' input), the norm fused into the router's GEMM where the routine can."""
-        if norm.identity_weight != RMSNorm.identity_weight:
-            hidden, residual = norm(x, residual)
-            return self(hidden), residual, hidden
-        logits, residual, hidden = _linear.apply_rms_norm_linear(
-            x, residual, norm.weight, norm.eps, self.weight, keep_normed=True)
-        return logits, residual, hidden
+        return _linear.apply_rms_norm_linear(x, residual, norm, self.weight,
+                                             keep_normed=True)
 
 
 class _Matrix(nn.Module):
