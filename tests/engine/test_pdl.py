@@ -39,8 +39,8 @@ def test_pdl_is_on_by_default_on_nvidia_sm90(monkeypatch):
 def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
     """The decode kernels that take PDL, as their wrappers launch them with it: attention
     decode (split, so its merge too), the q/k norm-rope-cache kernel, RMSNorm, MLA decode,
-    MoE routing, the fused experts and MLA's merge with W_UV. Each waits for the kernel before it, then lets the
-    next one launch."""
+    MoE routing, the fused experts (both down kernels) and MLA's merge with W_UV. Each
+    waits for the kernel before it, then lets the next one launch."""
     from triton_compile import compiled_launches
 
     from archserve.kernels.attention import triton_decode, triton_qk_norm_rope_cache
