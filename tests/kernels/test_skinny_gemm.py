@@ -298,16 +298,15 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
                  "r_ptr": act, "norm_w_ptr": act, "new_r_ptr": act, "normed_ptr": act,
                  "eps": "fp32",
                  **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
-                                  "NORM", "HAS_RESIDUAL", "NORMED_OUT", "PDL", "PREFETCH"],
-                                 "constexpr")}
+                                  "NORM", "HAS_RESIDUAL", "NORMED_OUT", "PDL"], "constexpr")}
     # block_m 4 also compiles the norm prologue (with a residual, keeping the normalised
-    # rows: a MoE router's form) and the weights requested a K step ahead; block_m 1
-    # neither. SM90 compiles the programmatic-dependent-launch form (kernels/pdl.py).
+    # rows: a MoE router's form); block_m 1 without it. SM90 compiles the
+    # programmatic-dependent-launch form (kernels/pdl.py).
     pdl = target[:2] == ("cuda", 90)
     norm = block_m > 1
     constexprs = {"HAS_BIAS": True, "GATED": True, "BLOCK_M": block_m, "BLOCK_N": 4,
                   "BLOCK_K": 256, "EVEN_K": False, "NORM": norm, "HAS_RESIDUAL": norm,
-                  "NORMED_OUT": norm, "PDL": pdl, "PREFETCH": norm}
+                  "NORMED_OUT": norm, "PDL": pdl}
     options = {"num_warps": 4, **({"launch_pdl": True} if pdl else {})}
     compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                               target=GPUTarget(*target), options=options)
@@ -343,24 +342,6 @@ else:
     def test_bias_is_added():
         check_against_float64(3, 24, 96, torch.float16, "cpu", SkinnyConfig(8, 128, 4),
                               with_bias=True)
-
-    @pytest.mark.parametrize("rows,k", [(1, 520), (3, 512)])   # a partial last step, or not
-    def test_prefetch_gives_the_same_bits(rows, k):
-        """A config with the next K step's weights requested a step ahead: the same products
-        in the same order as without, for the plain GEMM, the gated epilogue and the norm
-        prologue that keeps its rows."""
-        x, w, b = operands(rows, 48, k, torch.bfloat16, "cpu", with_bias=True)
-        plain, ahead = SkinnyConfig(4, 128, 4), SkinnyConfig(4, 128, 4, prefetch=True)
-        assert ahead.key() != plain.key() and SkinnyConfig.from_key(ahead.key()) == ahead
-        for silu_mul in (False, True):
-            assert torch.equal(skinny_gemm(x, w, b, ahead, silu_mul=silu_mul),
-                               skinny_gemm(x, w, b, plain, silu_mul=silu_mul))
-        residual, norm_w = torch.randn_like(x), torch.rand(k, dtype=x.dtype) + 0.5
-        for got, expected in zip(
-                rms_norm_skinny_gemm(x, residual, norm_w, 1e-6, w, b, ahead, keep_normed=True),
-                rms_norm_skinny_gemm(x, residual, norm_w, 1e-6, w, b, plain, keep_normed=True),
-                strict=True):
-            assert torch.equal(got, expected)
 
     def test_every_silu_mul_choice_computes_the_same():
         """cuBLAS then SiLU, the fused epilogue, and the GEMV then SiLU: one function each."""

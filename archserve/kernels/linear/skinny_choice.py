@@ -53,7 +53,7 @@ LINEAR, SILU_MUL = "linear", "silu_mul"   # the kinds of GEMM
 UNFUSED = "unfused:"
 # A Triton config must beat cuBLAS by this fraction: below it, timing noise decides.
 MIN_GAIN = 0.03
-_CACHE_VERSION = 6
+_CACHE_VERSION = 7   # 7: the look-ahead configs (keys ending "_p") are gone
 
 # (kind, out_features, in_features, dtype) -> every weight of that kind and shape
 WeightGroups = dict[tuple[str, int, int, torch.dtype], list[torch.Tensor]]

@@ -35,31 +35,23 @@ class SkinnyConfig:
     block_n: int
     block_k: int
     num_warps: int
-    prefetch: bool = False    # request the next K step's weights before this step's products
 
     def key(self) -> str:
-        return f"n{self.block_n}_k{self.block_k}_w{self.num_warps}" + ("_p" if self.prefetch
-                                                                          else "")
+        return f"n{self.block_n}_k{self.block_k}_w{self.num_warps}"
 
     @classmethod
     def from_key(cls, key: str) -> SkinnyConfig:
-        parts = key.split("_")
-        prefetch = parts[-1] == "p"
-        n, k, w = (int(part[1:]) for part in parts[:3])
-        return cls(n, k, w, prefetch)
+        n, k, w = (int(part[1:]) for part in key.split("_"))
+        return cls(n, k, w)
 
 
 # Tiles (BLOCK_N, BLOCK_K, warps) worth timing per BLOCK_M: the leaders of sweeps of 1-32 x
 # 128-4096 tiles at 2, 4 and 8 warps over the 8B and 0.6B shapes on an H200
 # (benchmarks/bench_skinny_gemm.py; docs/benchmarks.md). Few: each is compiled and timed
-# at the first start. The last of each (prefetch): two of them again with the next K
-# step's weights requested a step ahead (session 19: compiled for sm_90a, not yet timed).
-_CANDIDATE_TILES = {1: [(2, 1024, 4), (1, 2048, 4), (2, 2048, 8), (4, 512, 4),
-                        (2, 1024, 4, True), (4, 512, 4, True)],
-                    2: [(2, 1024, 4), (4, 512, 4), (8, 512, 4), (16, 128, 4),
-                        (4, 512, 4, True), (8, 256, 4, True)],
-                    4: [(2, 1024, 4), (4, 256, 4), (8, 256, 4),
-                        (2, 512, 4, True), (4, 256, 4, True)]}
+# at the first start.
+_CANDIDATE_TILES = {1: [(2, 1024, 4), (1, 2048, 4), (2, 2048, 8), (4, 512, 4)],
+                    2: [(2, 1024, 4), (4, 512, 4), (8, 512, 4), (16, 128, 4)],
+                    4: [(2, 1024, 4), (4, 256, 4), (8, 256, 4)]}
 
 
 def candidate_configs(rows: int) -> list[SkinnyConfig]:
@@ -166,8 +158,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                        NORMED_OUT: tl.constexpr, PDL: tl.constexpr,
-                        PREFETCH: tl.constexpr = False):
+                        NORMED_OUT: tl.constexpr, PDL: tl.constexpr):
     # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
     # NORM: x is RMS-normalised first (after adding the residual, with HAS_RESIDUAL) with the
     # weight at norm_w_ptr, in the same pass over K as the product: W (x * w) / rms is
@@ -205,44 +196,18 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
-    if PREFETCH:
-        # Each K step first requests the next step's weight tile and rows (masked past K:
-        # no traffic), then multiplies the ones requested a step earlier: a program keeps
-        # two steps in flight instead of waiting out each step's round trip to memory
-        # (Triton does not pipeline this loop: its loads feed no tl.dot). The same
-        # products in the same order as below.
-        w_cur = w_first
-        up_cur = up_first
-        x_cur, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, ks, K,
-                                    stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM)
-        for k0 in range(0, K, BLOCK_K):
-            k_next = k0 + BLOCK_K + ks
-            w_next = _load_weight(w_rows, k_next, col_ok, K, False)
-            up_next = w_next
-            if GATED:
-                up_next = _load_weight(up_rows, k_next, col_ok, K, False)
-            x_next, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok,
-                                         k_next, K, stride_xm, first, squares, HAS_RESIDUAL,
-                                         False, NORM)
-            acc = _times_rows(acc, w_cur, x_cur, BLOCK_M)
-            if GATED:
-                acc_up = _times_rows(acc_up, up_cur, x_cur, BLOCK_M)
-            w_cur = w_next
-            up_cur = up_next
-            x_cur = x_next
-    else:
-        x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, ks, K,
+    x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, ks, K,
+                            stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM)
+    acc = _times_rows(acc, w_first, x, BLOCK_M)
+    if GATED:
+        acc_up = _times_rows(acc_up, up_first, x, BLOCK_M)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + ks
+        x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K,
                                 stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM)
-        acc = _times_rows(acc, w_first, x, BLOCK_M)
+        acc = _weight_times_rows(acc, w_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
         if GATED:
-            acc_up = _times_rows(acc_up, up_first, x, BLOCK_M)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k = k0 + ks
-            x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K,
-                                    stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM)
-            acc = _weight_times_rows(acc, w_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
-            if GATED:
-                acc_up = _weight_times_rows(acc_up, up_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
+            acc_up = _weight_times_rows(acc_up, up_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
     y = _sum_over_k(acc, BLOCK_M)
     inv_rms = 1.0
     if NORM:
@@ -342,6 +307,6 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_
         HAS_BIAS=bias is not None, GATED=silu_mul, BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        NORMED_OUT=normed is not None, PDL=pdl, PREFETCH=config.prefetch,
+        NORMED_OUT=normed is not None, PDL=pdl,
         num_warps=config.num_warps, **pdl_launch_options(pdl))
     return y, new_residual, normed
