@@ -40,6 +40,10 @@
 #           the MLA decode kernel's GB/s (env MLA_ARGS, e.g. --sweep), DeepSeek-V2-Lite
 #           batch-1 step vs floor and 256 x 1024/128, KV bytes per token and 4k-token
 #           sequences vs an MHA-sized cache; `all` leaves it out, ask for it by name.
+#   ncu:    Nsight Compute's counters of single kernels (benchmarks/ncu_kernels.py), one
+#           report per case: env NCU_CASES, space-separated "CASE@KERNEL_REGEX@COUNT"
+#           (default: the MLA decode kernel); writes ncu/CASE.txt (the details page) and
+#           ncu/CASE.sass.csv.gz (stall samples per SASS instruction); `all` leaves it out.
 #   speed:  benchmarks/h200_speed.sh: the pending speed rows of issues 21, 13 and 14 in
 #           priority order within one device call (env SPEED_DEADLINE, default 540 s from
 #           this script's start; SPEED_STEPS: some steps only; SPEED_DRY_RUN=1: the plan);
@@ -171,6 +175,25 @@ if [ "$PART" = mla ]; then
     2>&1 | tee "$OUT/pytest_mla.log" | tail -n 30
   timeout ${MLA_TIMEOUT:-480} python3 benchmarks/mla_perf.py ${MLA_ARGS:-} \
     --out "$OUT/mla_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/mla_perf.txt"
+fi
+if [ "$PART" = ncu ]; then
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  mkdir -p "$OUT/ncu"
+  for spec in ${NCU_CASES:-"mla@_mla_decode_kernel@1"}; do
+    IFS=@ read -r case kernels count <<< "$spec"
+    tag=${case//:/_}
+    # 4 launches of the case, COUNT matching kernels each: profile the third launch's, after
+    # the first two compiled and warmed everything; --clock-control none leaves the clocks.
+    timeout ${NCU_TIMEOUT:-240} "$NCU" --clock-control none --set full -k "regex:$kernels" \
+      --launch-skip $((2 * count)) --launch-count "$count" -f -o "$OUT/ncu/$tag" \
+      python3 benchmarks/ncu_kernels.py "$case" --launches 4 > "$OUT/ncu/$tag.log" 2>&1
+    "$NCU" --import "$OUT/ncu/$tag.ncu-rep" --page details > "$OUT/ncu/$tag.txt" 2>&1
+    "$NCU" --import "$OUT/ncu/$tag.ncu-rep" --page source --csv --print-source sass 2>&1 \
+      | gzip > "$OUT/ncu/$tag.sass.csv.gz"
+    rm -f "$OUT/ncu/$tag.ncu-rep"
+    grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per" \
+      "$OUT/ncu/$tag.txt" | sed "s|^|$tag: |"
+  done
 fi
 if [ "$PART" = speed ]; then
   SPEED_START=$STARTED bash benchmarks/h200_speed.sh "$OUT"

@@ -85,6 +85,15 @@ class MoETile:
                 + (f"_sumdown{self.down_block_n}x{self.down_block_k}"
                    if self.down_block_n else ""))
 
+    @classmethod
+    def from_key(cls, key: str) -> MoETile:
+        """The tile whose ``key()`` this is (benchmark command lines name tiles by key)."""
+        head, _, sum_down = key.partition("_sumdown")
+        down_n, down_k = (int(v) for v in sum_down.split("x")) if sum_down else (0, 0)
+        m, n, k, w, s = (int(part[1:]) for part in head.removesuffix("_pairs").split("_"))
+        return cls(m, n, k, w, s, pair_rows=head.endswith("_pairs"), down_block_n=down_n,
+                   down_block_k=down_k)
+
 
 # Default tiles by tokens in the batch (the decode buckets first). Decode rows per expert
 # are few, so a short row tile wastes least; prefill gives each expert many rows and
