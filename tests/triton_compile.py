@@ -3,7 +3,8 @@
 Inside ``compiled_launches(target)`` every ``kernel[grid](...)`` is compiled by Triton's own
 compiler for ``target`` (its bundled ptxas included) from the arguments the wrapper really
 passes, instead of being launched: the signature comes from the tensors' dtypes and the
-scalars, the constexprs and launch options as given. So a CPU test reaches the compiler
+scalars (16-byte aligned tensors and multiples of 16 marked divisible, as the launcher
+specializes them), the constexprs and launch options as given. So a CPU test reaches the compiler
 with exactly the specializations the engine would launch; the interpreter, which runs the
 kernels' Python, accepts code the compiler refuses (a constexpr named twice, a non-constexpr
 global). The outputs are left unwritten: a wrapper's arithmetic after the launch runs on
@@ -48,6 +49,15 @@ def _arg_type(value) -> str:  # noqa: ANN001
     raise TypeError(f"no Triton type for {type(value).__name__} {value!r}")
 
 
+def _divisible_by_16(value) -> bool:  # noqa: ANN001
+    """What Triton's launcher marks ``tt.divisibility = 16``: a tensor whose address is a
+    multiple of 16 bytes, an integer that is a multiple of 16 (not a bool). With the mark the
+    compiler may vectorise loads and use cp.async, as the launched kernel does."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 _cache: dict[tuple, dict] = {}
 
 
@@ -59,8 +69,8 @@ def _compile(fn, target: tuple, args: tuple, kwargs: dict) -> CompiledLaunch:  #
     options = {name: kwargs.pop(name) for name in _LAUNCH_OPTIONS if name in kwargs}
     values = dict(zip((p.name for p in fn.params), args, strict=False))
     values.update(kwargs)
-    signature, constexprs = {}, {}
-    for param in fn.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(fn.params):
         if param.name not in values:
             if not param.has_default:
                 raise TypeError(f"{fn.__name__}: no value for {param.name}")
@@ -71,10 +81,12 @@ def _compile(fn, target: tuple, args: tuple, kwargs: dict) -> CompiledLaunch:  #
             constexprs[param.name] = value
         else:
             signature[param.name] = _arg_type(value)
-    key = (fn.__name__, target, tuple(signature.items()), tuple(sorted(
+            if _divisible_by_16(value):   # as Triton's launcher specializes it
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    key = (fn.__name__, target, tuple(signature.items()), tuple(sorted(attrs)), tuple(sorted(
         (k, repr(v)) for k, v in constexprs.items())), tuple(sorted(options.items())))
     if key not in _cache:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs),
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                                   target=GPUTarget(*target), options=options)
         _cache[key] = compiled.asm
     return CompiledLaunch(fn.__name__, constexprs, _cache[key], options)
