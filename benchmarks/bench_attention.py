@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             guarded(rows, "decode", "TRITON_ATTN", f"{batch}x{ctx}/{splits}",
                     lambda b=batch, c=ctx, n=splits: bench_decode(args, b, c, 16, copy_bw, n))
     if args.tile_sweep:
-        for tiles in itertools.product((32, 64, 128), (4, 8), (2, 3)):
+        for tiles in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
             for batch, ctx, heads in ((256, 512, 32), (256, 512, 16), (64, 4096, 32)):
                 guarded(rows, "decode", "TRITON_ATTN", f"{batch}x{ctx}/{heads} {tiles}",
                         lambda b=batch, c=ctx, h=heads, t=tiles:

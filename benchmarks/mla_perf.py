@@ -95,17 +95,24 @@ def tiny_plan(folder: str) -> Plan:
 
 # ---------------------------------------------------------------- kernel
 
-def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device) -> list[dict]:
-    from archserve.kernels.attention.triton_decode import choose_num_splits
-    from archserve.kernels.mla.triton_mla_decode import mla_decode, mla_decode_tiles
+def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device,
+                tiles_only: list[tuple] | None = None,
+                splits_only: list[int] | None = None) -> list[dict]:
+    """The kernel table; ``tiles_only``: the rule, these tiles and the rule's tiles at
+    ``splits_only`` alone, bf16 latent, the model's first head count (a quick comparison)."""
+    from archserve.kernels.mla.triton_mla_decode import (
+        mla_decode,
+        mla_decode_tiles,
+        mla_num_splits,
+    )
 
     cuda = device.type == "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 4
     batch, context, rank = plan.batch, plan.context, plan.kv_lora_rank
     width = rank + plan.rope
     rows = []
-    for heads in plan.heads:
-        for kv in ("auto", "fp8_e4m3"):
+    for heads in plan.heads[:1] if tiles_only else plan.heads:
+        for kv in ("auto",) if tiles_only else ("auto", "fp8_e4m3"):
             case = make_mla_case([(1, context)] * batch, num_heads=heads, kv_lora_rank=rank,
                                  rope=plan.rope, nope=plan.nope, v_head=plan.v_head,
                                  block_size=16, dtype=plan.dtype, kv_cache_dtype=kv,
@@ -115,16 +122,19 @@ def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device) -> list
             latent_bytes = batch * context * width * case.kv_cache.element_size()
             flops = 2.0 * batch * context * heads * (width + rank)
             default_tiles = mla_decode_tiles(heads)
-            rule_splits = choose_num_splits(batch, -(-heads // default_tiles[0]), context, sms)
+            rule_splits = mla_num_splits(batch, heads, context, sms, default_tiles[0])
             variants = [(None, None)]
             if sweep:
                 variants += [(s, None) for s in (1, 2, 4, 8, 16) if s != rule_splits]
                 variants += [(None, t) for t in ((16, 16, 4, 2, False), (16, 64, 4, 2, False),
                                                  (16, 32, 8, 2, False), (16, 32, 4, 3, False),
                                                  (32, 32, 8, 2, False))]
-            # Keys as rows (wgmma-sized operands), in the speed step too until one is chosen.
-            variants += [(None, t) for t in ((16, 64, 4, 2, True), (16, 64, 8, 2, True),
-                                             (16, 32, 4, 2, True), (16, 128, 8, 2, True))]
+            if tiles_only:
+                variants += [(s, None) for s in splits_only or ()]
+                variants += [(None, t) for t in tiles_only]
+            else:   # keys as rows (wgmma-sized operands), until one is chosen
+                variants += [(None, t) for t in ((16, 64, 4, 2, True), (16, 64, 8, 2, True),
+                                                 (16, 32, 4, 2, True), (16, 128, 8, 2, True))]
             for splits, tiles in variants:
                 run = functools.partial(
                     mla_decode, query, case.kv_cache, meta.block_tables, meta.seq_lens,
@@ -260,6 +270,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", default="all", choices=("kernel", "engine", "kv", "all"))
     parser.add_argument("--sweep", action="store_true", help="kernel: splits and tiles sweep")
+    parser.add_argument("--tiles", nargs="+", default=None,
+                        help="kernel: time the rule and these tiles only, each "
+                             "BLOCK_H,BLOCK_N,warps,stages,keys_as_rows")
+    parser.add_argument("--splits", default="",
+                        help="kernel, with --tiles: also the rule's tiles at these splits")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke run on tiny shapes (the kernel part needs "
                              "TRITON_INTERPRET=1, else it is left out)")
@@ -285,7 +300,10 @@ def main() -> None:
     print(ceilings.describe(), flush=True)
     if args.part in ("kernel", "all"):
         if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-            result["kernel"] = kernel_rows(ceilings, args.sweep, plan, device)
+            tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles or ()]
+            tiles = [t[:4] + (bool(t[4]),) + t[5:] for t in tiles]
+            result["kernel"] = kernel_rows(ceilings, args.sweep, plan, device, tiles or None,
+                                           [int(n) for n in args.splits.split(",") if n])
             save()
         else:
             print("kernel part left out: on a CPU it runs under TRITON_INTERPRET=1", flush=True)

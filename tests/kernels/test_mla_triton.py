@@ -22,6 +22,8 @@ TINY = dict(num_heads=16, kv_lora_rank=32, rope=16, nope=16, v_head=24)
 # (BLOCK_H, BLOCK_N, warps, stages, KEYS_AS_ROWS): the transposed products, 16-token tiles.
 KEYS_AS_ROWS_TINY = (16, 16, 4, 2, True)
 KEYS_AS_ROWS = (16, 64, 4, 2, True)     # the GPU candidate: 64-row operands for wgmma
+# Three stages: splits of LONG_SPLIT_TILES tiles or more pipelined, shorter ones not.
+THREE_STAGES = (16, 32, 4, 3, False)
 
 
 def decode_against_reference(case, *, num_splits=None, tiles=None, num_sms=0, e4m3_bits=None,
@@ -85,6 +87,16 @@ else:
         for _ in range(2 if merge == "in kernel" else 1):
             decode_against_reference(case, num_splits=4, tiles=tiles)
             assert not arrival_counters(torch.device("cpu")).any()
+
+    @pytest.mark.parametrize("splits", [1, 4], ids=["pipelined loop", "short splits"])
+    def test_three_stages_take_both_loops(splits):
+        # 200 tokens in 32-token tiles: unsplit, 7 tiles (LONG_SPLIT_TILES or more: the
+        # pipelined loop); 4 splits of 2 tiles (the unpipelined one). A second sequence of
+        # 131 tokens ends inside a tile.
+        from archserve.kernels.mla.triton_mla_decode import LONG_SPLIT_TILES
+        assert 2 < LONG_SPLIT_TILES <= 7
+        case = make_mla_case([(1, 200), (1, 131)], block_size=8, seed=5, **TINY)
+        decode_against_reference(case, num_splits=splits, tiles=THREE_STAGES)
 
     @pytest.mark.parametrize("splits", [1, 4, 16, "in kernel"])
     def test_decode_with_w_uv_gives_the_heads_values(splits, monkeypatch):
@@ -270,7 +282,8 @@ CONTEXTS = [1, 17, 64, 255, 1000, 4096]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS], ids=["heads", "keys"])
+@pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS, THREE_STAGES],
+                         ids=["heads", "keys", "three stages"])
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("heads", [16, 128])

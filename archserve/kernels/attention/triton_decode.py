@@ -24,7 +24,7 @@ import triton.language as tl
 from archserve.kernels.attention.triton_cache_write import (
     E4M3_BITS_SCALE,
     cache_operand,
-    load_kv_tile,
+    load_kv_rows,
     paged_token_offsets,
 )
 from archserve.kernels.pdl import (
@@ -229,11 +229,15 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     acc, l_i, m_i = online_softmax_start(BLOCK_G, BLOCK_D)
     v_base = k_base + stride_cache_kv
 
+    # The cache offsets in the same iteration (unlike MLA decode, paged_token_offsets): an
+    # SM holds many of these light programs, which overlap one another's loads; on the
+    # H200 the carried form measured the same at 256 x 512 and was not compared at 64 x 4096.
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        k, v = load_kv_tile(k_base, v_base, block_table_row, offs_n, mask_n, offs_d, mask_d,
-                            stride_cache_block, stride_cache_token, BLOCK_SIZE, E4M3_BITS)
+        rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
+                                   stride_cache_token, BLOCK_SIZE)
+        k, v = load_kv_rows(k_base, v_base, rows, mask_n, offs_d, mask_d, E4M3_BITS)
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -294,16 +298,18 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Split the context only when sequences x KV heads leave SMs idle.
 
-    Aims at about PROGRAMS_PER_SM programs per SM, never below MIN_TOKENS_PER_SPLIT tokens
-    per split; a power of two so the number of compiled variants stays small.
+    Aims at about ``programs_per_sm`` programs per SM (what one SM holds at once: more
+    make a second, partial wave), never below MIN_TOKENS_PER_SPLIT tokens per split; a
+    power of two so the number of compiled variants stays small.
     """
     programs = num_seqs * num_kv_heads
     if num_sms <= 0 or programs >= num_sms:
         return 1
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
+    wanted = triton.cdiv(programs_per_sm * num_sms, programs)
     useful = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     splits = min(wanted, useful, MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)
@@ -337,7 +343,9 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
 
 
 def decode_tiles(head_size: int, group: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages): decode is bandwidth-bound, so keep many loads in flight."""
+    """(BLOCK_N, num_warps, num_stages). Decode is bandwidth-bound: the loads in flight come
+    from the many light programs an SM holds (two stages give a program one tile buffer; on
+    the H200 three and four measured within 1% of two, docs/benchmarks.md)."""
     if head_size > 128:
         return 32, 4, 2
     return 64, 4, 2

@@ -16,7 +16,8 @@ import triton.language as tl
 from archserve.kernels.attention.triton_cache_write import (
     E4M3_BITS_SCALE,
     cache_operand,
-    load_kv_tile,
+    load_kv_rows,
+    paged_token_offsets,
 )
 from archserve.kernels.attention.triton_decode import (
     dot_precision,
@@ -35,14 +36,20 @@ def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
                       SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
                       MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       E4M3_BITS: tl.constexpr):
+    # The tile's rows ``limit`` and beyond read nothing: the sequence's end where MASKED,
+    # else hi (always past the tile here; kept so the loads share one shape of code).
+    limit = seq_len if MASKED else hi
+    # Each tile's cache offsets are read one iteration ahead (paged_token_offsets says why).
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    rows = paged_token_offsets(block_table_row, offs_n, offs_n < limit, stride_cache_block,
+                               stride_cache_token, BLOCK_SIZE)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        if MASKED:
-            mask_n = offs_n < seq_len
-        else:
-            mask_n = offs_n < hi  # always true here; kept so the loads share one shape of code
-        k, v = load_kv_tile(k_base, v_base, block_table_row, offs_n, mask_n, offs_d, mask_d,
-                            stride_cache_block, stride_cache_token, BLOCK_SIZE, E4M3_BITS)
+        mask_n = offs_n < limit
+        k, v = load_kv_rows(k_base, v_base, rows, mask_n, offs_d, mask_d, E4M3_BITS)
+        rows = paged_token_offsets(block_table_row, offs_n + BLOCK_N,
+                                   (offs_n + BLOCK_N < limit) & (offs_n + BLOCK_N < hi),
+                                   stride_cache_block, stride_cache_token, BLOCK_SIZE)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFT_CAP:
             scores = soft_cap_scores(scores, soft_cap)

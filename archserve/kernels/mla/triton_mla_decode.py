@@ -51,6 +51,10 @@ from archserve.kernels.mla.triton_mla_output import latent_output_to_heads_trito
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from archserve.kernels.reduce_in_kernel import arrival_counters, reduce_in_kernel
 
+# Splits of this many tiles or more run the pipelined loop (the launch's num_stages); shorter
+# ones an unpipelined one (a batch-1 step's splits hold one or two tiles).
+LONG_SPLIT_TILES: tl.constexpr = tl.constexpr(4)
+
 
 @triton.jit
 def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -62,8 +66,8 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr,
-                       KEYS_AS_ROWS: tl.constexpr, PDL: tl.constexpr = False,
-                       MERGE_IN_KERNEL: tl.constexpr = False):
+                       KEYS_AS_ROWS: tl.constexpr, SHORT_SPLITS_UNPIPELINED: tl.constexpr,
+                       PDL: tl.constexpr = False, MERGE_IN_KERNEL: tl.constexpr = False):
     # MERGE_IN_KERNEL: the last split of each (head block, sequence) merges the partials
     # (kernels/reduce_in_kernel.py), instead of _merge_splits_kernel.
     head_block = tl.program_id(0)
@@ -102,11 +106,61 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     else:
         acc, l_i, m_i = online_softmax_start(BLOCK_H, BLOCK_L)
 
-    for start in range(lo, hi, BLOCK_N):
+    # With SHORT_SPLITS_UNPIPELINED (a launch of more than two stages), a split of fewer
+    # than LONG_SPLIT_TILES tiles runs an unpipelined loop: there is nothing for it to
+    # overlap, and on the H200 three stages everywhere cost V2-Lite's batch-1 step 0.12 ms
+    # (2.056 against 1.937 ms with two). Longer ones stream the next tile during this one's
+    # products, at the launch's num_stages.
+    if SHORT_SPLITS_UNPIPELINED:
+        if hi - lo >= LONG_SPLIT_TILES * BLOCK_N:
+            acc, l_i, m_i = _latent_tiles(acc, l_i, m_i, q_nope, q_pe, cache_ptr,
+                                          block_table_row, lo, hi, stride_cache_block,
+                                          stride_cache_token, qk_scale, KV_RANK, BLOCK_SIZE,
+                                          BLOCK_N, BLOCK_L, BLOCK_R, ROPE, DOT_PRECISION,
+                                          E4M3_BITS, KEYS_AS_ROWS, None)
+        else:
+            acc, l_i, m_i = _latent_tiles(acc, l_i, m_i, q_nope, q_pe, cache_ptr,
+                                          block_table_row, lo, hi, stride_cache_block,
+                                          stride_cache_token, qk_scale, KV_RANK, BLOCK_SIZE,
+                                          BLOCK_N, BLOCK_L, BLOCK_R, ROPE, DOT_PRECISION,
+                                          E4M3_BITS, KEYS_AS_ROWS, 1)
+    else:
+        acc, l_i, m_i = _latent_tiles(acc, l_i, m_i, q_nope, q_pe, cache_ptr, block_table_row,
+                                      lo, hi, stride_cache_block, stride_cache_token, qk_scale,
+                                      KV_RANK, BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, ROPE,
+                                      DOT_PRECISION, E4M3_BITS, KEYS_AS_ROWS, None)
+
+    if KEYS_AS_ROWS:
+        acc = tl.trans(acc)                       # [BLOCK_H, BLOCK_L], as stored
+    store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
+                        query_len, seq, split, NUM_HEADS, heads, mask_h, offs_l, mask_l,
+                        stride_out_token, stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
+    if MERGE_IN_KERNEL:
+        merge_if_last_split(counters_ptr + seq * tl.num_programs(0) + head_block,
+                            partial_out_ptr, partial_lse_ptr, out_ptr, token, query_len, seq,
+                            NUM_HEADS, heads, mask_h, offs_l, mask_l, stride_out_token,
+                            stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
+
+
+@triton.jit
+def _latent_tiles(acc, l_i, m_i, q_nope, q_pe, cache_ptr, block_table_row, lo, hi,
+                  stride_cache_block, stride_cache_token, qk_scale, KV_RANK: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+                  BLOCK_R: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  E4M3_BITS: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, STAGES: tl.constexpr):
+    """The decode kernel's loop over the latent tiles of keys [lo, hi), pipelined STAGES
+    deep (None: the launch's num_stages): folds them into (acc, l_i, m_i), returned."""
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_l = offs_l < KV_RANK
+    mask_r = offs_r < ROPE
+    # Each tile's cache offsets are read one iteration ahead (paged_token_offsets says why).
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    rows = paged_token_offsets(block_table_row, offs_n, offs_n < hi, stride_cache_block,
+                               stride_cache_token, BLOCK_SIZE)
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        rows = paged_token_offsets(block_table_row, offs_n, mask_n, stride_cache_block,
-                                   stride_cache_token, BLOCK_SIZE)
         c_kv = tl.load(cache_ptr + rows[:, None] + offs_l[None, :],
                        mask=mask_n[:, None] & mask_l[None, :], other=0.0)
         k_pe = tl.load(cache_ptr + rows[:, None] + KV_RANK + offs_r[None, :],
@@ -116,6 +170,8 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
             k_pe = e4m3_bits_to_fp16(k_pe)
         c_kv = c_kv.to(q_nope.dtype)
         k_pe = k_pe.to(q_nope.dtype)
+        rows = paged_token_offsets(block_table_row, offs_n + BLOCK_N, offs_n + BLOCK_N < hi,
+                                   stride_cache_block, stride_cache_token, BLOCK_SIZE)
         if KEYS_AS_ROWS:
             scores = tl.dot(c_kv, q_nope, input_precision=DOT_PRECISION)
             scores += tl.dot(k_pe, q_pe, input_precision=DOT_PRECISION)
@@ -131,16 +187,7 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
             acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, c_kv, q_nope.dtype,
                                                 DOT_PRECISION)
 
-    if KEYS_AS_ROWS:
-        acc = tl.trans(acc)                       # [BLOCK_H, BLOCK_L], as stored
-    store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
-                        query_len, seq, split, NUM_HEADS, heads, mask_h, offs_l, mask_l,
-                        stride_out_token, stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
-    if MERGE_IN_KERNEL:
-        merge_if_last_split(counters_ptr + seq * tl.num_programs(0) + head_block,
-                            partial_out_ptr, partial_lse_ptr, out_ptr, token, query_len, seq,
-                            NUM_HEADS, heads, mask_h, offs_l, mask_l, stride_out_token,
-                            stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -160,10 +207,33 @@ def _softmax_step_keys_as_rows(acc, l_i, m_i, scores, c_kv, DOT_PRECISION: tl.co
 def mla_decode_tiles(num_heads: int) -> tuple[int, int, int, int, bool]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages, KEYS_AS_ROWS). 16 heads per program: tl.dot's
     smallest M, and its [16, 512] fp32 accumulator fits 4 warps' registers; more heads per
-    program would spill. A 32-token latent tile is 36 KiB in bf16, two stages in flight.
+    program would spill. A 32-token latent tile is 36 KiB in bf16.
+
+    Two stages keep one tile in shared memory: each tile is loaded after the previous one's
+    products. Three keep two, so the next tile streams during this one's products (H200, 64
+    x 4096, 16 heads, 4 splits: 98.5 µs, 74% of copy; two stages took 115.3 µs there in
+    session 11's sweep, 125 at 8 splits now), but as the
+    only loop they cost V2-Lite's batch-1 step 0.12 ms, whose splits hold a tile or two
+    (2.056 against 1.937 ms). A launch of more than two stages therefore runs such short
+    splits unpipelined (SHORT_SPLITS_UNPIPELINED); that form is built and checked on CPU,
+    not yet on a GPU, so the rule stays at two.
     The engine times KEYS_AS_ROWS tiles against these at start-up and launches the faster
     (kernels/mla/tuning.py)."""
     return 16, 32, 4, 2, False
+
+
+# Programs of the rule's tiles one SM holds at once: 4 warps at 206 registers a thread (ncu,
+# H200) fit twice in 64K registers. The split rule aims at that many: at 64 x 4096 (16
+# heads), 4 splits ran at 98.1 µs (75% of copy) against 105.0 for the 8 that aim at four.
+MLA_PROGRAMS_PER_SM = 2
+
+
+def mla_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int,
+                   block_h: int) -> int:
+    """The split rule's count for the decode kernel (``choose_num_splits`` over the
+    sequences' head blocks)."""
+    return choose_num_splits(num_seqs, triton.cdiv(num_heads, block_h), max_seq_len, num_sms,
+                             MLA_PROGRAMS_PER_SM)
 
 
 def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -197,7 +267,7 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     block_h, block_n, num_warps, num_stages, keys_as_rows = tiles or mla_decode_tiles(num_heads)
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, head_blocks, max_seq_len, num_sms)
+        num_splits = mla_num_splits(num_seqs, num_heads, max_seq_len, num_sms, block_h)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     block_l = triton.next_power_of_2(kv_rank)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, kv_rank)
@@ -214,7 +284,8 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=block_l,
         BLOCK_R=max(triton.next_power_of_2(rope), 16), NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, KEYS_AS_ROWS=keys_as_rows,
-        PDL=pdl, MERGE_IN_KERNEL=merged, num_warps=num_warps, num_stages=num_stages,
+        SHORT_SPLITS_UNPIPELINED=num_stages > 2, PDL=pdl, MERGE_IN_KERNEL=merged,
+        num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_options(pdl),
     )
     if num_splits > 1 and not merged:
