@@ -204,10 +204,9 @@ def mla_decode_tiles(num_heads: int) -> tuple[int, int, int, int, bool]:
 
     Two stages keep one tile in shared memory: each tile is loaded after the previous one's
     products. Three keep two, so the next tile streams during this one's products (H200, 64
-    x 4096, 16 heads, 4 splits: 98.5 µs, 74% of copy; two stages took 115.3 µs there in
-    session 11's sweep, 125 at 8 splits now), but as the
-    only loop they cost V2-Lite's batch-1 step 0.12 ms, whose splits hold a tile or two
-    (2.056 against 1.937 ms). A launch of more than two stages therefore runs such short
+    x 4096, 16 heads, 4 splits: 98.5 µs, 74% of copy; two stages: 115.3 µs there in session
+    11's sweep, 125 at 8 splits now). But as the only loop, three stages cost V2-Lite's
+    batch-1 step 0.12 ms, whose splits hold a tile or two (2.056 against 1.937 ms). A launch of more than two stages therefore runs such short
     splits unpipelined (SHORT_SPLITS_UNPIPELINED); that form is built and checked on CPU,
     not yet on a GPU, so the rule stays at two.
     The engine times KEYS_AS_ROWS tiles against these at start-up and launches the faster
