@@ -206,17 +206,18 @@ def mla_decode_tiles(num_heads: int) -> tuple[int, int, int, int, bool]:
     products. Three keep two, so the next tile streams during this one's products (H200, 64
     x 4096, 16 heads, 4 splits: 98.5 µs, 74% of copy; two stages: 115.3 µs there in session
     11's sweep, 125 at 8 splits now). But as the only loop, three stages cost V2-Lite's
-    batch-1 step 0.12 ms, whose splits hold a tile or two (2.056 against 1.937 ms). A launch of more than two stages therefore runs such short
-    splits unpipelined (SHORT_SPLITS_UNPIPELINED); that form is built and checked on CPU,
-    not yet on a GPU, so the rule stays at two.
-    The engine times KEYS_AS_ROWS tiles against these at start-up and launches the faster
+    batch-1 step 0.12 ms, whose splits hold a tile or two (2.056 against 1.937 ms). A
+    launch of more than two stages therefore runs such short splits unpipelined
+    (SHORT_SPLITS_UNPIPELINED); that form is built and checked on CPU, not yet on a GPU, so
+    the rule stays at two. The engine times KEYS_AS_ROWS tiles against these at start-up and launches the faster
     (kernels/mla/tuning.py)."""
     return 16, 32, 4, 2, False
 
 
 # Programs of the rule's tiles one SM holds at once: 4 warps at 206 registers a thread (ncu,
 # H200) fit twice in 64K registers. The split rule aims at that many: at 64 x 4096 (16
-# heads), 4 splits ran at 98.1 µs (75% of copy) against 105.0 for the 8 that aim at four.
+# heads, three stages), 4 splits ran at 98.1 µs (75% of copy) against 105.0 for the 8 that
+# aimed at four.
 MLA_PROGRAMS_PER_SM = 2
 
 
