@@ -39,8 +39,8 @@ def test_pdl_is_on_by_default_on_nvidia_sm90(monkeypatch):
 def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
     """The decode kernels that take PDL, as their wrappers launch them with it: attention
     decode (split, so its merge too), the q/k norm-rope-cache kernel, RMSNorm, MLA decode,
-    MoE routing, the fused experts (both down kernels) and MLA's merge with W_UV. Each
-    waits for the kernel before it, then lets the next one launch."""
+    MoE routing, the fused experts (both gate/up and both down kernels) and MLA's merge
+    with W_UV. Each waits for the kernel before it, then lets the next one launch."""
     from triton_compile import compiled_launches
 
     from archserve.kernels.attention import triton_decode, triton_qk_norm_rope_cache
@@ -87,6 +87,14 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
             torch.zeros(8, 64, 64, dtype=torch.bfloat16),
             torch.zeros(8, 64, 32, dtype=torch.bfloat16),
             dataclasses.replace(pairs, down_block_n=4, down_block_k=32))
+        # And with gate/up as GEMVs on the CUDA cores (its experts come from the routing,
+        # the kernel right before: it reads nothing before the wait).
+        triton_fused_moe.fused_experts(
+            torch.zeros(1, 64, dtype=torch.bfloat16), torch.full((1, 2), 0.5),
+            torch.tensor([[1, 3]], dtype=torch.int32),
+            torch.zeros(8, 64, 64, dtype=torch.bfloat16),
+            torch.zeros(8, 64, 32, dtype=torch.bfloat16),
+            dataclasses.replace(pairs, gate_up_block_n=4, gate_up_block_k=32))
         # MLA decode split 2 ways with W_UV: its merge and W_UV in one kernel.
         triton_mla_decode.mla_decode(
             torch.zeros(2, 16, 576, dtype=torch.bfloat16),
@@ -98,7 +106,8 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
     assert names[:5] == ["_decode_kernel", "_merge_splits_kernel", "_qk_norm_rope_cache_kernel",
                          "_rms_norm_kernel", "_mla_decode_kernel"], names
     assert {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel",
-            "_down_sum_slots_kernel", "_latent_output_to_heads_kernel"} <= set(names)
+            "_down_sum_slots_kernel", "_gate_up_gemv_kernel",
+            "_latent_output_to_heads_kernel"} <= set(names)
     for launch in launches:
         assert launch.options.get("launch_pdl") and launch.constexprs["PDL"], launch.kernel
         ptx = launch.code()

@@ -12,6 +12,7 @@ shapes in bf16, and replay a captured decode step in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -228,6 +229,16 @@ def test_tiles_are_keyed_by_power_of_two_token_buckets():
     assert any(t.down_block_n for t in candidate_tiles(1, 8, w13, w2))
     assert not any(t.down_block_n for t in candidate_tiles(1, 1, w13, w2))
     assert not any(t.down_block_n for t in candidate_tiles(64, 8, w13, w2))
+    # The CUDA-core gate/up in the pair layout only, alone and with the slot-summing down.
+    ones = candidate_tiles(1, 8, w13, w2)
+    assert any(t.gate_up_block_n and not t.down_block_n for t in ones)
+    assert any(t.gate_up_block_n and t.down_block_n for t in ones)
+    assert all(t.pair_rows for t in ones if t.gate_up_block_n)
+    assert not any(t.gate_up_block_n for t in candidate_tiles(64, 8, w13, w2))
+    # Benchmarks name tiles by key: every candidate reads back as itself.
+    for n in (1, 16, 64):
+        for tile in candidate_tiles(n, 8, w13, w2):
+            assert MoETile.from_key(tile.key()) == tile
 
 
 # (experts, top_k, hidden, inter): Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes.
@@ -439,6 +450,26 @@ else:
         tol = 1e-5 if dtype == torch.float32 else 4e-3
         torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
 
+    @pytest.mark.parametrize("gate_up", [(4, 16), (2, 64)])
+    @pytest.mark.parametrize(
+        "tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n", PAIR_CASES)
+    def test_gemv_gate_up_matches_the_dot_kernel(tokens, experts, top_k, hidden, inter,
+                                                 renormalize, dtype, block_n, gate_up):
+        """gate/up as GEMVs on the CUDA cores (MoETile.gate_up_block_n), alone and with the
+        slot-summing down: the pair layout's result to rounding. A K step of 16 divides
+        these hiddens or leaves a partial step; 64 is one (masked) step."""
+        x, logits, w13, w2 = operands(tokens, experts, hidden, inter, dtype, seed=5)
+        tile = pair_tile(tokens * top_k, min(hidden, inter), 1, block_n)
+        expected = fused_moe(x, logits, w13, w2, top_k, renormalize, tile)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        for down in ((0, 0), (4, 16)):
+            gemv = dataclasses.replace(tile, gate_up_block_n=gate_up[0],
+                                       gate_up_block_k=gate_up[1], down_block_n=down[0],
+                                       down_block_k=down[1])
+            got = fused_moe(x, logits, w13, w2, top_k, renormalize, gemv)
+            assert got.dtype == dtype and got.shape == x.shape
+            torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
     @pytest.mark.parametrize(
         "tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n", PAIR_CASES)
     def test_pair_rows_sum_in_the_kernel_gives_the_same_bits(tokens, experts, top_k, hidden,
@@ -570,6 +601,34 @@ def test_gpu_slot_summing_down_matches_in_a_graph(shape, tokens):
         assert_graph_replays_give(
             lambda summing=summing: fused_moe(x, logits, w13, w2, top_k, True, summing, routed),
             got, 3)
+
+
+@gpu
+@pytest.mark.parametrize("shape", sorted(REAL))
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gpu_gemv_gate_up_matches_in_a_graph(shape, tokens):
+    """The CUDA-core gate/up at every tile the tuner times, at real sizes, alone and with
+    the slot-summing down: the pair layout's result to a bf16 unit or two, eagerly and in
+    every replay of a graph."""
+    from archserve.kernels.moe.triton_fused_moe import (
+        GATE_UP_GEMV_TILES,
+        SUM_DOWN_TILES,
+        fused_moe,
+        pair_tile,
+    )
+    experts, top_k, hidden, inter = REAL[shape]
+    x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda", 9)
+    routed = route(logits, top_k, True)
+    tile = pair_tile(tokens * top_k, min(hidden, inter), 132)
+    expected = fused_moe(x, logits, w13, w2, top_k, True, tile, routed).float()
+    scale = expected.abs().max().item()
+    for (n, k), down in itertools.product(GATE_UP_GEMV_TILES, ((0, 0), SUM_DOWN_TILES[1])):
+        gemv = dataclasses.replace(tile, gate_up_block_n=n, gate_up_block_k=k,
+                                   down_block_n=down[0], down_block_k=down[1])
+        got = fused_moe(x, logits, w13, w2, top_k, True, gemv, routed)
+        torch.testing.assert_close(got.float(), expected, atol=2 ** -6 * scale, rtol=2 ** -7)
+        assert_graph_replays_give(
+            lambda gemv=gemv: fused_moe(x, logits, w13, w2, top_k, True, gemv, routed), got, 3)
 
 
 @gpu

@@ -21,7 +21,9 @@ from the same rows: the same bits, one launch fewer per MoE layer. Also in the p
 a tile with ``down_block_n`` runs the down projection as ``_down_sum_slots_kernel``: a
 program per (token, column tile) with all the token's slots, each a GEMV on the CUDA
 cores, summed in registers, so no slot holds a row in memory and there is no sum launch
-(the tuner times it beside the pair layout's down kernel).
+(the tuner times it beside the pair layout's down kernel). A tile with ``gate_up_block_n``
+likewise runs the pair layout's gate/up as ``_gate_up_gemv_kernel``: GEMVs on the CUDA
+cores, a program per (pair, column tile), the weights straight into registers.
 
 Accumulation is fp32; fp32 operands multiply in full precision (no TF32), so the CPU
 interpreter and an fp32 GPU run agree with the reference to rounding. Launch sizes come
@@ -45,6 +47,7 @@ try:
     import triton.language as tl
 
     from archserve.kernels.elementwise.triton_rounding import round_to_dtype
+    from archserve.kernels.linear.triton_skinny_gemm import _weight_times_rows
     from archserve.kernels.pdl import (
         pdl_enabled,
         pdl_launch_options,
@@ -78,21 +81,29 @@ class MoETile:
     # registers: no slot-sum launch) with these columns and K step; 0: ``_down_kernel``.
     down_block_n: int = 0
     down_block_k: int = 0
+    # Pair layout only: gate/up as ``_gate_up_gemv_kernel`` (GEMVs on the CUDA cores, a
+    # program per pair and gate_up_block_n columns) with this K step; 0: ``_gate_up_kernel``.
+    gate_up_block_n: int = 0
+    gate_up_block_k: int = 0
 
     def key(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
                 f"_s{self.num_stages}" + ("_pairs" if self.pair_rows else "")
                 + (f"_sumdown{self.down_block_n}x{self.down_block_k}"
-                   if self.down_block_n else ""))
+                   if self.down_block_n else "")
+                + (f"_gemvgateup{self.gate_up_block_n}x{self.gate_up_block_k}"
+                   if self.gate_up_block_n else ""))
 
     @classmethod
     def from_key(cls, key: str) -> MoETile:
         """The tile whose ``key()`` this is (benchmark command lines name tiles by key)."""
+        key, _, gemv = key.partition("_gemvgateup")
         head, _, sum_down = key.partition("_sumdown")
         down_n, down_k = (int(v) for v in sum_down.split("x")) if sum_down else (0, 0)
+        gate_up_n, gate_up_k = (int(v) for v in gemv.split("x")) if gemv else (0, 0)
         m, n, k, w, s = (int(part[1:]) for part in head.removesuffix("_pairs").split("_"))
         return cls(m, n, k, w, s, pair_rows=head.endswith("_pairs"), down_block_n=down_n,
-                   down_block_k=down_k)
+                   down_block_k=down_k, gate_up_block_n=gate_up_n, gate_up_block_k=gate_up_k)
 
 
 # Default tiles by tokens in the batch (the decode buckets first). Decode rows per expert
@@ -136,6 +147,12 @@ PAIR_TILE_BLOCK_NS = (64, 32, 16)     # widest first: fewer programs, longer loa
 # registers, four programs an SM; 8 x 4 x 256 took 254, one). A batch-1 step needs a few
 # hundred programs (hidden 2048 / 4 columns = 512) to keep every SM loading weights.
 SUM_DOWN_TILES = ((4, 128), (2, 256), (4, 64))
+# (gate_up_block_n, gate_up_block_k) of the CUDA-core gate/up the tuner times in the pair
+# layout: the skinny GEMV's leading one-row tiles (kernels/linear/triton_skinny_gemm.py),
+# here with two weight tiles (gate and up) a step. ncu of the tl.dot form at Qwen3-30B-A3B's
+# batch 1 (H200): 57% of DRAM peak, 48% of its warps' stalls on the shared-memory reads that
+# feed tensor cores one real row in 16. Not yet timed on a GPU.
+GATE_UP_GEMV_TILES = ((4, 256), (2, 512))
 
 
 def pair_rows_pay(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> bool:
@@ -217,6 +234,13 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Te
         if top_k > 1:
             tiles += [dataclasses.replace(default, down_block_n=n, down_block_k=k)
                       for n, k in SUM_DOWN_TILES]
+        tiles += [dataclasses.replace(default, gate_up_block_n=n, gate_up_block_k=k)
+                  for n, k in GATE_UP_GEMV_TILES]
+        if top_k > 1:   # both on the CUDA cores
+            tiles += [dataclasses.replace(default, gate_up_block_n=n, gate_up_block_k=k,
+                                          down_block_n=SUM_DOWN_TILES[1][0],
+                                          down_block_k=SUM_DOWN_TILES[1][1])
+                      for n, k in GATE_UP_GEMV_TILES]
     elif pairs <= 2 * PAIR_ROWS_MAX_PAIRS:
         tiles = list(_by_tokens(_CANDIDATES, num_tokens)) + pair_tiles[:2]
     else:
@@ -304,6 +328,39 @@ if triton is not None:
             up_acc = _dot(up_acc, a, up_w, IEEE_FP32)
         _store_rows(out_ptr, _silu_and_mul(gate_acc, up_acc), rows, row_ok, cols, col_ok,
                     stride_ot)
+
+    @triton.jit
+    def _gate_up_gemv_kernel(x_ptr, w13_ptr, out_ptr, experts_ptr, inter, hidden, stride_xt,
+                             stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
+        """act[pair, cols] = silu(x[token] . gate[cols]ᵀ) * (x[token] . up[cols]ᵀ) for one
+        (token, slot) pair of the pair layout, with the pair's expert: two GEMVs on the
+        CUDA cores, whose weight tiles go from memory straight to registers (the tl.dot
+        form stages them through shared memory for tensor cores that use one row in 16).
+        The products are summed over K in fp32 and rounded once, as ``_gate_up_kernel``
+        stores its tile. The experts come from the routing, the kernel right before: all
+        is read after PDL's wait."""
+        pdl_start(PDL)
+        pair = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < inter
+        expert = tl.load(experts_ptr + pair).to(tl.int64)
+        gate_rows = (w13_ptr + expert * stride_we
+                     + cols.to(tl.int64)[:, None] * stride_wn)             # [N, 1]
+        up_rows = gate_rows + inter * stride_wn
+        x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt
+        ks = tl.arange(0, BLOCK_K)
+        gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + ks
+            x = tl.load(x_row + k, mask=k < hidden, other=0.0).to(tl.float32)[None, :]
+            gate = _weight_times_rows(gate, gate_rows, x, k, col_ok, hidden, 1, EVEN_K)
+            up = _weight_times_rows(up, up_rows, x, k, col_ok, hidden, 1, EVEN_K)
+        act = _silu_and_mul(tl.sum(gate, axis=1), tl.sum(up, axis=1))
+        tl.store(out_ptr + pair * stride_ot + cols, act.to(out_ptr.dtype.element_ty),
+                 mask=col_ok)
 
     @triton.jit
     def _sum_token_slots(src_ptr, dst_ptr, token, cols, col_ok, stride_src, stride_dst,
@@ -469,11 +526,19 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     pdl = pdl_enabled(hidden.device)
     launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, PDL=pdl,
                   **pdl_launch_options(pdl))
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tile.block_n))](
-        hidden, w13, act, sorted_pairs, block_expert, pairs, inter, hidden_size,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
-        PAIR_ROWS=tile.pair_rows, **launch)
+    if tile.pair_rows and tile.gate_up_block_n:
+        _gate_up_gemv_kernel[(pairs, triton.cdiv(inter, tile.gate_up_block_n))](
+            hidden, w13, act, flat_experts, inter, hidden_size, hidden.stride(0),
+            w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
+            BLOCK_N=tile.gate_up_block_n, BLOCK_K=tile.gate_up_block_k,
+            EVEN_K=hidden_size % tile.gate_up_block_k == 0, num_warps=4, PDL=pdl,
+            **pdl_launch_options(pdl))
+    else:
+        _gate_up_kernel[(num_blocks, triton.cdiv(inter, tile.block_n))](
+            hidden, w13, act, sorted_pairs, block_expert, pairs, inter, hidden_size,
+            hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
+            PAIR_ROWS=tile.pair_rows, **launch)
     if tile.pair_rows and tile.down_block_n and top_k > 1:
         summed = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
         _down_sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, tile.down_block_n))](

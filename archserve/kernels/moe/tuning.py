@@ -3,8 +3,8 @@
 For each expert shape in the model and each token bucket the decode graphs use, the
 tiles of ``candidate_tiles`` are timed against the default inside a CUDA graph on one
 layer's real weights (a layer's experts are far larger than L2, as in a decode step); at
-small batches both layouts (a pair per program, and sorted) and the pair layout's two down
-kernels. The fastest that agrees with the default and beats it by MIN_GAIN goes into every
+small batches both layouts (a pair per program, and sorted) and the pair layout's two
+gate/up and two down kernels. The fastest that agrees with the default and beats it by MIN_GAIN goes into every
 layer impl's ``tiles``. Results are cached with the other tuning results of this device
 (kernels/tuning_cache.py), so a second start, or ``archserve prepare`` before it, pays
 nothing. A timing that fails keeps the default, is logged and not cached.
@@ -38,8 +38,9 @@ from archserve.kernels.tuning_cache import read_cache, write_cache
 
 log = logging.getLogger(__name__)
 # 2: the pair layout (MoETile.pair_rows); 3: its widest tile at 8 warps; 4: the
-# slot-summing down kernel (MoETile.down_block_n)
-_CACHE_VERSION = 4
+# slot-summing down kernel (MoETile.down_block_n); 5: the CUDA-core gate/up
+# (MoETile.gate_up_block_n)
+_CACHE_VERSION = 5
 
 
 @dataclass
