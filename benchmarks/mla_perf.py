@@ -121,8 +121,8 @@ def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device,
             out = torch.empty(batch, heads, rank, dtype=plan.dtype, device=device)
             latent_bytes = batch * context * width * case.kv_cache.element_size()
             flops = 2.0 * batch * context * heads * (width + rank)
-            default_tiles = mla_decode_tiles(heads)
-            rule_splits = mla_num_splits(batch, heads, context, sms, default_tiles[0])
+            rule_splits = mla_num_splits(batch, heads, context, sms,
+                                         mla_decode_tiles(heads)[0])
             variants = [(None, None)]
             if sweep:
                 variants += [(s, None) for s in (1, 2, 4, 8, 16) if s != rule_splits]
@@ -136,6 +136,7 @@ def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device,
                 variants += [(None, t) for t in ((16, 64, 4, 2, True), (16, 64, 8, 2, True),
                                                  (16, 32, 4, 2, True), (16, 128, 8, 2, True))]
             for splits, tiles in variants:
+                shown = list(tiles or mla_decode_tiles(heads, splits or rule_splits))
                 run = functools.partial(
                     mla_decode, query, case.kv_cache, meta.block_tables, meta.seq_lens,
                     meta.query_start_loc, out, num_seqs=batch, max_seq_len=context,
@@ -144,14 +145,14 @@ def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device,
                 try:
                     us, how = _time_us(run, cuda)
                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a row too
-                    print(f"mla decode H={heads:3d} {kv:8s} tiles {list(tiles or default_tiles)}: "
+                    print(f"mla decode H={heads:3d} {kv:8s} tiles {shown}: "
                           f"does not run here ({type(exc).__name__}: {str(exc)[:80]})", flush=True)
-                    rows.append({"heads": heads, "kv": kv, "tiles": list(tiles or default_tiles),
+                    rows.append({"heads": heads, "kv": kv, "tiles": shown,
                                  "error": f"{type(exc).__name__}: {exc}"})
                     continue
                 row = {"heads": heads, "kv": kv, "splits": splits or rule_splits,
                        "rule": splits is None and tiles is None,
-                       "tiles": list(tiles or default_tiles), "us": us, "how": how,
+                       "tiles": shown, "us": us, "how": how,
                        "latent_gb_s": latent_bytes / us / 1e3,
                        "of_copy": latent_bytes / us / 1e-6 / ceilings.copy_bytes_per_s,
                        "tflops": flops / us / 1e6}

@@ -22,8 +22,8 @@ TINY = dict(num_heads=16, kv_lora_rank=32, rope=16, nope=16, v_head=24)
 # (BLOCK_H, BLOCK_N, warps, stages, KEYS_AS_ROWS): the transposed products, 16-token tiles.
 KEYS_AS_ROWS_TINY = (16, 16, 4, 2, True)
 KEYS_AS_ROWS = (16, 64, 4, 2, True)     # the GPU candidate: 64-row operands for wgmma
-# Three stages: splits of LONG_SPLIT_TILES tiles or more pipelined, shorter ones not.
-THREE_STAGES = (16, 32, 4, 3, False)
+# The rule's tiles at each stage count (three where a launch has few splits).
+THREE_STAGES, TWO_STAGES = (16, 32, 4, 3, False), (16, 32, 4, 2, False)
 
 
 def decode_against_reference(case, *, num_splits=None, tiles=None, num_sms=0, e4m3_bits=None,
@@ -88,15 +88,13 @@ else:
             decode_against_reference(case, num_splits=4, tiles=tiles)
             assert not arrival_counters(torch.device("cpu")).any()
 
-    @pytest.mark.parametrize("splits", [1, 4], ids=["pipelined loop", "short splits"])
-    def test_three_stages_take_both_loops(splits):
-        # 200 tokens in 32-token tiles: unsplit, 7 tiles (LONG_SPLIT_TILES or more: the
-        # pipelined loop); 4 splits of 2 tiles (the unpipelined one). A second sequence of
-        # 131 tokens ends inside a tile.
-        from archserve.kernels.mla.triton_mla_decode import LONG_SPLIT_TILES
-        assert 2 < LONG_SPLIT_TILES <= 7
+    @pytest.mark.parametrize("tiles", [THREE_STAGES, TWO_STAGES], ids=["three", "two"])
+    @pytest.mark.parametrize("splits", [1, 4])
+    def test_both_stage_counts_match_reference(splits, tiles):
+        # 200 tokens in 32-token tiles: unsplit, 7 tiles a program; 4 splits of 2 tiles. A
+        # second sequence of 131 tokens ends inside a tile.
         case = make_mla_case([(1, 200), (1, 131)], block_size=8, seed=5, **TINY)
-        decode_against_reference(case, num_splits=splits, tiles=THREE_STAGES)
+        decode_against_reference(case, num_splits=splits, tiles=tiles)
 
     @pytest.mark.parametrize("splits", [1, 4, 16, "in kernel"])
     def test_decode_with_w_uv_gives_the_heads_values(splits, monkeypatch):
@@ -218,6 +216,24 @@ def test_tile_choice_keeps_the_rule_when_no_candidate_pays_or_timing_fails(tmp_p
                                            lambda *_: 1 / 0)
     assert tiles is None and "timing failed" in describe(timing, source)
     assert not path.exists()      # a failed timing is not cached: the next start tries again
+
+
+def test_three_stages_only_where_splits_are_few():
+    """The rule pipelines the latent tiles three stages deep only up to
+    PIPELINED_MAX_SPLITS splits (many sequences, long splits); a few sequences split many
+    ways get two (a batch-1 step lost 0.12 ms with three on the H200)."""
+    from archserve.kernels.mla.triton_mla_decode import (
+        PIPELINED_MAX_SPLITS,
+        mla_decode_tiles,
+        mla_num_splits,
+    )
+    assert mla_decode_tiles(16, 1) == THREE_STAGES
+    assert mla_decode_tiles(16, PIPELINED_MAX_SPLITS) == THREE_STAGES
+    assert mla_decode_tiles(16, 2 * PIPELINED_MAX_SPLITS) == TWO_STAGES
+    # On 132 SMs: 64 x 4096 gets 4 splits (three stages), batch 1 32 (two), 256 one.
+    assert mla_num_splits(64, 16, 4096, 132, 16) == 4
+    assert mla_num_splits(1, 16, 4224, 132, 16) == 32
+    assert mla_num_splits(256, 16, 4224, 132, 16) == 1
 
 
 # ---------------------------------------------------------------- compiled for real GPUs

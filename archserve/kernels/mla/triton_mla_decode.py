@@ -51,10 +51,6 @@ from archserve.kernels.mla.triton_mla_output import latent_output_to_heads_trito
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from archserve.kernels.reduce_in_kernel import arrival_counters, reduce_in_kernel
 
-# Splits of this many tiles or more run the pipelined loop (the launch's num_stages); shorter
-# ones an unpipelined one (a batch-1 step's splits hold one or two tiles).
-LONG_SPLIT_TILES: tl.constexpr = tl.constexpr(4)
-
 
 @triton.jit
 def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -66,8 +62,8 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
                        BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr,
-                       KEYS_AS_ROWS: tl.constexpr, SHORT_SPLITS_UNPIPELINED: tl.constexpr,
-                       PDL: tl.constexpr = False, MERGE_IN_KERNEL: tl.constexpr = False):
+                       KEYS_AS_ROWS: tl.constexpr, PDL: tl.constexpr = False,
+                       MERGE_IN_KERNEL: tl.constexpr = False):
     # MERGE_IN_KERNEL: the last split of each (head block, sequence) merges the partials
     # (kernels/reduce_in_kernel.py), instead of _merge_splits_kernel.
     head_block = tl.program_id(0)
@@ -106,52 +102,11 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     else:
         acc, l_i, m_i = online_softmax_start(BLOCK_H, BLOCK_L)
 
-    # With SHORT_SPLITS_UNPIPELINED (a launch of more than two stages), a split of fewer
-    # than LONG_SPLIT_TILES tiles runs an unpipelined loop: there is nothing for it to
-    # overlap, and on the H200 three stages everywhere cost V2-Lite's batch-1 step 0.12 ms
-    # (2.056 against 1.937 ms with two). Longer ones stream the next tile during this one's
-    # products, at the launch's num_stages. (Without the flag the branch folds away: the
-    # same PTX as one loop.)
-    if SHORT_SPLITS_UNPIPELINED and hi - lo < LONG_SPLIT_TILES * BLOCK_N:
-        acc, l_i, m_i = _latent_tiles(acc, l_i, m_i, q_nope, q_pe, cache_ptr, block_table_row,
-                                      lo, hi, stride_cache_block, stride_cache_token, qk_scale,
-                                      KV_RANK, BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, ROPE,
-                                      DOT_PRECISION, E4M3_BITS, KEYS_AS_ROWS, 1)
-    else:
-        acc, l_i, m_i = _latent_tiles(acc, l_i, m_i, q_nope, q_pe, cache_ptr, block_table_row,
-                                      lo, hi, stride_cache_block, stride_cache_token, qk_scale,
-                                      KV_RANK, BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R, ROPE,
-                                      DOT_PRECISION, E4M3_BITS, KEYS_AS_ROWS, None)
-
-    if KEYS_AS_ROWS:
-        acc = tl.trans(acc)                       # [BLOCK_H, BLOCK_L], as stored
-    store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
-                        query_len, seq, split, NUM_HEADS, heads, mask_h, offs_l, mask_l,
-                        stride_out_token, stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
-    if MERGE_IN_KERNEL:
-        merge_if_last_split(counters_ptr + seq * tl.num_programs(0) + head_block,
-                            partial_out_ptr, partial_lse_ptr, out_ptr, token, query_len, seq,
-                            NUM_HEADS, heads, mask_h, offs_l, mask_l, stride_out_token,
-                            stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
-
-
-@triton.jit
-def _latent_tiles(acc, l_i, m_i, q_nope, q_pe, cache_ptr, block_table_row, lo, hi,
-                  stride_cache_block, stride_cache_token, qk_scale, KV_RANK: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-                  BLOCK_R: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  E4M3_BITS: tl.constexpr, KEYS_AS_ROWS: tl.constexpr, STAGES: tl.constexpr):
-    """The decode kernel's loop over the latent tiles of keys [lo, hi), pipelined STAGES
-    deep (None: the launch's num_stages): folds them into (acc, l_i, m_i), returned."""
-    offs_l = tl.arange(0, BLOCK_L)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_l = offs_l < KV_RANK
-    mask_r = offs_r < ROPE
     # Each tile's cache offsets are read one iteration ahead (paged_token_offsets says why).
     offs_n = lo + tl.arange(0, BLOCK_N)
     rows = paged_token_offsets(block_table_row, offs_n, offs_n < hi, stride_cache_block,
                                stride_cache_token, BLOCK_SIZE)
-    for start in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         c_kv = tl.load(cache_ptr + rows[:, None] + offs_l[None, :],
@@ -180,7 +135,16 @@ def _latent_tiles(acc, l_i, m_i, q_nope, q_pe, cache_ptr, block_table_row, lo, h
             acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, c_kv, q_nope.dtype,
                                                 DOT_PRECISION)
 
-    return acc, l_i, m_i
+    if KEYS_AS_ROWS:
+        acc = tl.trans(acc)                       # [BLOCK_H, BLOCK_L], as stored
+    store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
+                        query_len, seq, split, NUM_HEADS, heads, mask_h, offs_l, mask_l,
+                        stride_out_token, stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
+    if MERGE_IN_KERNEL:
+        merge_if_last_split(counters_ptr + seq * tl.num_programs(0) + head_block,
+                            partial_out_ptr, partial_lse_ptr, out_ptr, token, query_len, seq,
+                            NUM_HEADS, heads, mask_h, offs_l, mask_l, stride_out_token,
+                            stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
 
 
 @triton.jit
@@ -197,21 +161,28 @@ def _softmax_step_keys_as_rows(acc, l_i, m_i, scores, c_kv, DOT_PRECISION: tl.co
     return acc, l_i, m_new
 
 
-def mla_decode_tiles(num_heads: int) -> tuple[int, int, int, int, bool]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages, KEYS_AS_ROWS). 16 heads per program: tl.dot's
-    smallest M, and its [16, 512] fp32 accumulator fits 4 warps' registers; more heads per
-    program would spill. A 32-token latent tile is 36 KiB in bf16.
+# Three stages where a launch has at most this many splits (a batch of 64 sequences or
+# more, whose splits are long), two where it has more (a few sequences).
+PIPELINED_MAX_SPLITS = 4
+
+
+def mla_decode_tiles(num_heads: int, num_splits: int = 1
+                     ) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages, KEYS_AS_ROWS) for a launch of
+    ``num_splits`` splits. 16 heads per program: tl.dot's smallest M, and its [16, 512] fp32
+    accumulator fits 4 warps' registers; more heads per program would spill. A 32-token
+    latent tile is 36 KiB in bf16.
 
     Two stages keep one tile in shared memory: each tile is loaded after the previous one's
-    products. Three keep two, so the next tile streams during this one's products (H200, 64
-    x 4096, 16 heads, 4 splits: 98.5 µs, 74% of copy; two stages: 115.3 µs there in session
-    11's sweep, 125 at 8 splits now). But as the only loop, three stages cost V2-Lite's
-    batch-1 step 0.12 ms, whose splits hold a tile or two (2.056 against 1.937 ms). A
-    launch of more than two stages therefore runs such short splits unpipelined
-    (SHORT_SPLITS_UNPIPELINED); that form is built and checked on CPU, not yet on a GPU, so
-    the rule stays at two. The engine times KEYS_AS_ROWS tiles against these at start-up and launches the faster
+    products. Three keep two, so the next tile streams during this one's products: on the
+    H200, 64 x 4096 with 16 heads and 4 splits ran 98.5 µs (74% of copy; two stages: 115.3
+    µs in session 11's sweep, 125 at 8 splits now), and V2-Lite's 256 x 1024/128 step 14.64
+    ms against 15.21. But a batch-1 step split 32 ways, a tile or two a split, lost 0.12 ms
+    with three (2.056 against 1.937 ms): there is nothing to overlap, and the pipelined loop
+    costs more than it hides. So three stages only up to PIPELINED_MAX_SPLITS splits.
+    The engine times KEYS_AS_ROWS tiles against these at start-up and launches the faster
     (kernels/mla/tuning.py)."""
-    return 16, 32, 4, 2, False
+    return 16, 32, 4, 3 if num_splits <= PIPELINED_MAX_SPLITS else 2, False
 
 
 # Programs of the rule's tiles one SM holds at once: 4 warps at 206 registers a thread (ncu,
@@ -257,11 +228,13 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     block_size = kv_cache.shape[2]
     kv_cache, bits = cache_operand(kv_cache, e4m3_bits)
     v_scale = k_scale * (E4M3_BITS_SCALE if bits else 1.0)
-    block_h, block_n, num_warps, num_stages, keys_as_rows = tiles or mla_decode_tiles(num_heads)
+    block_h = (tiles or mla_decode_tiles(num_heads))[0]
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         num_splits = mla_num_splits(num_seqs, num_heads, max_seq_len, num_sms, block_h)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    block_h, block_n, num_warps, num_stages, keys_as_rows = (
+        tiles or mla_decode_tiles(num_heads, num_splits))
     block_l = triton.next_power_of_2(kv_rank)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, kv_rank)
     pdl = pdl_enabled(out.device)
@@ -277,8 +250,7 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=block_l,
         BLOCK_R=max(triton.next_power_of_2(rope), 16), NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, KEYS_AS_ROWS=keys_as_rows,
-        SHORT_SPLITS_UNPIPELINED=num_stages > 2, PDL=pdl, MERGE_IN_KERNEL=merged,
-        num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl, MERGE_IN_KERNEL=merged, num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_options(pdl),
     )
     if num_splits > 1 and not merged:
