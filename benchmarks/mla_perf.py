@@ -96,10 +96,10 @@ def tiny_plan(folder: str) -> Plan:
 # ---------------------------------------------------------------- kernel
 
 def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device,
-                tiles_only: list[tuple] | None = None,
-                splits_only: list[int] | None = None) -> list[dict]:
-    """The kernel table; ``tiles_only``: the rule, these tiles and the rule's tiles at
-    ``splits_only`` alone, bf16 latent, the model's first head count (a quick comparison)."""
+                tiles_only: list[tuple] = (), splits_only: list[int] = (),
+                quick: bool = False) -> list[dict]:
+    """The kernel table; ``quick``: the rule, the rule's tiles at ``splits_only`` and the
+    ``tiles_only`` alone, bf16 latent, the model's first head count (a quick comparison)."""
     from archserve.kernels.mla.triton_mla_decode import (
         mla_decode,
         mla_decode_tiles,
@@ -111,8 +111,8 @@ def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device,
     batch, context, rank = plan.batch, plan.context, plan.kv_lora_rank
     width = rank + plan.rope
     rows = []
-    for heads in plan.heads[:1] if tiles_only else plan.heads:
-        for kv in ("auto",) if tiles_only else ("auto", "fp8_e4m3"):
+    for heads in plan.heads[:1] if quick else plan.heads:
+        for kv in ("auto",) if quick else ("auto", "fp8_e4m3"):
             case = make_mla_case([(1, context)] * batch, num_heads=heads, kv_lora_rank=rank,
                                  rope=plan.rope, nope=plan.nope, v_head=plan.v_head,
                                  block_size=16, dtype=plan.dtype, kv_cache_dtype=kv,
@@ -129,14 +129,14 @@ def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device,
                 variants += [(None, t) for t in ((16, 16, 4, 2, False), (16, 64, 4, 2, False),
                                                  (16, 32, 8, 2, False), (16, 32, 4, 3, False),
                                                  (32, 32, 8, 2, False))]
-            if tiles_only:
-                variants += [(s, None) for s in splits_only or ()]
+            if quick:
+                variants += [(s, None) for s in splits_only]
                 variants += [(None, t) for t in tiles_only]
             else:   # keys as rows (wgmma-sized operands), until one is chosen
                 variants += [(None, t) for t in ((16, 64, 4, 2, True), (16, 64, 8, 2, True),
                                                  (16, 32, 4, 2, True), (16, 128, 8, 2, True))]
             for splits, tiles in variants:
-                shown = list(tiles or mla_decode_tiles(heads, splits or rule_splits))
+                shown = list(tiles or mla_decode_tiles(heads, splits or rule_splits, context))
                 run = functools.partial(
                     mla_decode, query, case.kv_cache, meta.block_tables, meta.seq_lens,
                     meta.query_start_loc, out, num_seqs=batch, max_seq_len=context,
@@ -273,9 +273,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="kernel: splits and tiles sweep")
     parser.add_argument("--tiles", nargs="+", default=None,
                         help="kernel: time the rule and these tiles only, each "
-                             "BLOCK_H,BLOCK_N,warps,stages,keys_as_rows")
+                             "BLOCK_H,BLOCK_N,warps,stages[,keys_as_rows]")
     parser.add_argument("--splits", default="",
-                        help="kernel, with --tiles: also the rule's tiles at these splits")
+                        help="kernel: time the rule and the rule's tiles at these splits "
+                             "only (with --tiles: those too)")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke run on tiny shapes (the kernel part needs "
                              "TRITON_INTERPRET=1, else it is left out)")
@@ -302,9 +303,12 @@ def main() -> None:
     if args.part in ("kernel", "all"):
         if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
             tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles or ()]
-            tiles = [t[:4] + (bool(t[4]),) + t[5:] for t in tiles]
-            result["kernel"] = kernel_rows(ceilings, args.sweep, plan, device, tiles or None,
-                                           [int(n) for n in args.splits.split(",") if n])
+            if any(len(t) not in (4, 5) for t in tiles):
+                parser.error("--tiles: BLOCK_H,BLOCK_N,warps,stages[,keys_as_rows] each")
+            tiles = [t[:4] + (bool(t[4]) if len(t) == 5 else False,) for t in tiles]
+            splits = [int(n) for n in args.splits.split(",") if n]
+            result["kernel"] = kernel_rows(ceilings, args.sweep, plan, device, tiles,
+                                           splits, quick=bool(tiles or splits))
             save()
         else:
             print("kernel part left out: on a CPU it runs under TRITON_INTERPRET=1", flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
 #   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
-#                                     quant_gemm|quant_perf|serve|structured|moe|tp|tp4|tp8|mla|speed|all]
+#                                     quant_gemm|quant_perf|serve|structured|moe|tp|tp4|tp8|mla|ncu|speed|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -179,8 +179,10 @@ fi
 if [ "$PART" = ncu ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
   mkdir -p "$OUT/ncu"
-  for spec in ${NCU_CASES:-"mla@_mla_decode_kernel@1"}; do
+  read -ra specs <<< "${NCU_CASES:-mla@_mla_decode_kernel@1}"   # no glob expansion
+  for spec in "${specs[@]}"; do
     IFS=@ read -r case kernels count <<< "$spec"
+    count=${count:-1}
     tag=${case//:/_}
     # 4 launches of the case, COUNT matching kernels each: profile the third launch's, after
     # the first two compiled and warmed everything; --clock-control none leaves the clocks.

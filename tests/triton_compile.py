@@ -58,6 +58,13 @@ def _divisible_by_16(value) -> bool:  # noqa: ANN001
     return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
+def _unspecialized(param) -> bool:  # noqa: ANN001 - a triton KernelParam
+    """A parameter the kernel lists in ``do_not_specialize`` (or for alignment): the
+    launcher marks nothing about it."""
+    return bool(getattr(param, "do_not_specialize", False)
+                or getattr(param, "do_not_specialize_on_alignment", False))
+
+
 _cache: dict[tuple, dict] = {}
 
 
@@ -81,7 +88,7 @@ def _compile(fn, target: tuple, args: tuple, kwargs: dict) -> CompiledLaunch:  #
             constexprs[param.name] = value
         else:
             signature[param.name] = _arg_type(value)
-            if _divisible_by_16(value):   # as Triton's launcher specializes it
+            if _divisible_by_16(value) and not _unspecialized(param):  # as the launcher does
                 attrs[(index,)] = [["tt.divisibility", 16]]
     key = (fn.__name__, target, tuple(signature.items()), tuple(sorted(attrs)), tuple(sorted(
         (k, repr(v)) for k, v in constexprs.items())), tuple(sorted(options.items())))

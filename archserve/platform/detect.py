@@ -93,7 +93,7 @@ def _cuda_or_rocm_device(torch: Any, toolchain: Toolchain, gpu_present: bool) ->
         toolchain=toolchain,
         memory_bandwidth_bytes_per_s=memory_bandwidth_from_props(props),
         multiprocessor_count=int(props.multi_processor_count),
-        shared_memory_per_block_bytes=_shared_memory_per_block(props),
+        shared_memory_per_block_bytes=shared_memory_per_block(props),
         gcn_arch=gcn_arch,
         nvidia_gpu_present=gpu_present or not is_rocm,
     )
@@ -109,8 +109,9 @@ def memory_bandwidth_from_props(props: Any) -> float | None:
     return 2.0 * clock_khz * 1e3 * bus_bits / 8
 
 
-def _shared_memory_per_block(props: Any) -> int | None:
-    # The opt-in maximum is what a kernel can use; older torch only has the default 48 KiB.
+def shared_memory_per_block(props: Any) -> int | None:
+    """The shared memory one block may use on a device of these torch properties: the
+    opt-in maximum (older torch only has the default 48 KiB); None if torch says neither."""
     for name in ("shared_memory_per_block_optin", "shared_memory_per_block"):
         value = getattr(props, name, None)
         if value:

@@ -122,6 +122,37 @@ else:
                           scale=case.layer.scale, tiles=(16, 16, 4, 1))
         torch.testing.assert_close(out[:61], expected, atol=2e-3, rtol=2e-3)
 
+    def test_kernels_read_no_cache_row_outside_the_sequences():
+        # Unused cache blocks full of NaN: a row read from one (a wrong offset, a masked
+        # block-table load taken as block 0) would turn a softmax weight of 0 into NaN.
+        # Prefill over a prefix (query tiles whose last key tile ends past the diagonal),
+        # then decode, split and not.
+        case = make_case([(70, 80), (1, 45), (33, 50)], num_heads=4, num_kv_heads=2, seed=3)
+        expected, cache = case.run(ReferenceAttentionImpl())
+        tables = case.meta.block_tables
+        unused = sorted(set(range(cache.shape[1])) - set(tables[tables >= 0].tolist()))
+        # Block 0 among them: a masked block-table load reads as block 0.
+        assert 0 in unused, "the case's shuffle uses block 0"
+        cache[:, unused] = float("nan")
+        meta = case.meta
+        out = torch.empty_like(case.query)
+        prefill_attention(case.query, cache, tables, meta.seq_lens, meta.query_start_loc,
+                          out, num_seqs=meta.num_seqs, max_query_len=70,
+                          scale=case.layer.scale, tiles=(32, 16, 4, 1))
+        torch.testing.assert_close(out[:104], expected, atol=2e-3, rtol=2e-3)
+        decode = make_case([(1, 80), (1, 45)], num_heads=4, num_kv_heads=2, seed=4)
+        expected, cache = decode.run(ReferenceAttentionImpl())
+        tables = decode.meta.block_tables
+        unused = sorted(set(range(cache.shape[1])) - set(tables[tables >= 0].tolist()))
+        assert unused, "the case leaves no cache block unused"
+        cache[:, unused] = float("nan")
+        for splits in (1, 4):
+            out = torch.empty_like(decode.query)
+            decode_attention(decode.query, cache, tables, decode.meta.seq_lens,
+                             decode.meta.query_start_loc, out, num_seqs=2, max_seq_len=80,
+                             scale=decode.layer.scale, num_splits=splits)
+            torch.testing.assert_close(out[:2], expected, atol=2e-3, rtol=2e-3)
+
     @pytest.mark.parametrize("window", [None, 24])
     def test_prefill_flat_grid_with_empty_sequence_slots(window):
         # A mixed batch as a captured bucket lays it out: decodes, a chunk over a prefix,

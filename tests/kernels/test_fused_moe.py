@@ -470,6 +470,16 @@ else:
             assert got.dtype == dtype and got.shape == x.shape
             torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
+    @pytest.mark.parametrize("gate_up", [(4, 16), (8, 64)])
+    def test_gemv_gate_up_partial_column_tiles(gate_up):
+        """Intermediate 30 and hidden 70: the last column tile and the last K step partial."""
+        x, logits, w13, w2 = operands(2, 8, 70, 30, F32, seed=6)
+        tile = pair_tile(4, 30, 1, 16)
+        expected = fused_moe(x, logits, w13, w2, 2, True, tile)
+        gemv = dataclasses.replace(tile, gate_up_block_n=gate_up[0], gate_up_block_k=gate_up[1])
+        torch.testing.assert_close(fused_moe(x, logits, w13, w2, 2, True, gemv), expected,
+                                   atol=1e-5, rtol=1e-5)
+
     @pytest.mark.parametrize(
         "tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n", PAIR_CASES)
     def test_pair_rows_sum_in_the_kernel_gives_the_same_bits(tokens, experts, top_k, hidden,

@@ -302,9 +302,10 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Split the context only when sequences x KV heads leave SMs idle.
 
-    Aims at about ``programs_per_sm`` programs per SM (what one SM holds at once: more
-    make a second, partial wave), never below MIN_TOKENS_PER_SPLIT tokens per split; a
-    power of two so the number of compiled variants stays small.
+    Aims at about ``programs_per_sm`` programs per SM (PROGRAMS_PER_SM, from GQA decode's
+    split sweep; MLA decode passes the two of its programs an SM holds at once), never
+    below MIN_TOKENS_PER_SPLIT tokens per split; a power of two so the number of compiled
+    variants stays small.
     """
     programs = num_seqs * num_kv_heads
     if num_sms <= 0 or programs >= num_sms:
@@ -344,8 +345,9 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
 
 def decode_tiles(head_size: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). Decode is bandwidth-bound: the loads in flight come
-    from the many light programs an SM holds (two stages give a program one tile buffer; on
-    the H200 three and four measured within 1% of two, docs/benchmarks.md)."""
+    from the many light programs an SM holds (two stages give a program one tile buffer). On
+    the H200 three stages measured within 1% of two (2026-11-29), and so did three and four
+    with each tile's offsets carried from the iteration before (session 20, not landed)."""
     if head_size > 128:
         return 32, 4, 2
     return 64, 4, 2

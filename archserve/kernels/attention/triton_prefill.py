@@ -36,8 +36,9 @@ def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
                       SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
                       MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       E4M3_BITS: tl.constexpr):
-    # The tile's rows ``limit`` and beyond read nothing: the sequence's end where MASKED,
-    # else hi (always past the tile here; kept so the loads share one shape of code).
+    # A tile's rows ``limit`` and beyond read nothing: the sequence's end where MASKED (the
+    # last tile may reach past hi), else hi (always past the tile here; kept so the loads
+    # share one shape of code). The next tile's offsets take the same mask as its loads.
     limit = seq_len if MASKED else hi
     # Each tile's cache offsets are read one iteration ahead (paged_token_offsets says why).
     offs_n = lo + tl.arange(0, BLOCK_N)
@@ -47,8 +48,7 @@ def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < limit
         k, v = load_kv_rows(k_base, v_base, rows, mask_n, offs_d, mask_d, E4M3_BITS)
-        rows = paged_token_offsets(block_table_row, offs_n + BLOCK_N,
-                                   (offs_n + BLOCK_N < limit) & (offs_n + BLOCK_N < hi),
+        rows = paged_token_offsets(block_table_row, offs_n + BLOCK_N, offs_n + BLOCK_N < limit,
                                    stride_cache_block, stride_cache_token, BLOCK_SIZE)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFT_CAP:

@@ -25,6 +25,8 @@ An fp8 (e4m3) latent cache holds ``latent / k_scale``; both products are scaled 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -50,6 +52,7 @@ from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
 from archserve.kernels.mla.triton_mla_output import latent_output_to_heads_triton
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from archserve.kernels.reduce_in_kernel import arrival_counters, reduce_in_kernel
+from archserve.platform.detect import shared_memory_per_block
 
 
 @triton.jit
@@ -162,14 +165,20 @@ def _softmax_step_keys_as_rows(acc, l_i, m_i, scores, c_kv, DOT_PRECISION: tl.co
 
 
 # Three stages where a launch has at most this many splits (a batch of 64 sequences or
-# more, whose splits are long), two where it has more (a few sequences).
+# more) of at least PIPELINED_MIN_TILES tiles each (by the longest context it may see).
 PIPELINED_MAX_SPLITS = 4
+PIPELINED_MIN_TILES = 8
+# Shared memory a program of the rule's tiles takes at three stages: two 32 x 576 bf16 latent
+# tiles and the kernel's scratch, 93,184 bytes for sm_90 (ncu). A GPU whose blocks may use
+# less (an MI300's 64 KiB) runs two.
+THREE_STAGE_SHARED_BYTES = 96 << 10
 
 
-def mla_decode_tiles(num_heads: int, num_splits: int = 1
-                     ) -> tuple[int, int, int, int, bool]:
+def mla_decode_tiles(num_heads: int, num_splits: int = 1, max_seq_len: int = 1 << 30,
+                     max_stages: int = 3) -> tuple[int, int, int, int, bool]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages, KEYS_AS_ROWS) for a launch of
-    ``num_splits`` splits. 16 heads per program: tl.dot's smallest M, and its [16, 512] fp32
+    ``num_splits`` splits over contexts up to ``max_seq_len``, on a GPU that fits
+    ``max_stages``. 16 heads per program: tl.dot's smallest M, and its [16, 512] fp32
     accumulator fits 4 warps' registers; more heads per program would spill. A 32-token
     latent tile is 36 KiB in bf16.
 
@@ -179,10 +188,24 @@ def mla_decode_tiles(num_heads: int, num_splits: int = 1
     µs in session 11's sweep, 125 at 8 splits now), and V2-Lite's 256 x 1024/128 step 14.64
     ms against 15.21. But a batch-1 step split 32 ways, a tile or two a split, lost 0.12 ms
     with three (2.056 against 1.937 ms): there is nothing to overlap, and the pipelined loop
-    costs more than it hides. So three stages only up to PIPELINED_MAX_SPLITS splits.
-    The engine times KEYS_AS_ROWS tiles against these at start-up and launches the faster
+    costs more than it hides. So three stages only for a few long splits (a split of
+    PIPELINED_MIN_TILES tiles or more, no more than PIPELINED_MAX_SPLITS of them). The
+    engine times KEYS_AS_ROWS tiles against these at start-up and launches the faster
     (kernels/mla/tuning.py)."""
-    return 16, 32, 4, 3 if num_splits <= PIPELINED_MAX_SPLITS else 2, False
+    block_n = 32
+    long_splits = (num_splits <= PIPELINED_MAX_SPLITS
+                   and max_seq_len >= num_splits * PIPELINED_MIN_TILES * block_n)
+    return 16, block_n, 4, min(max_stages, 3 if long_splits else 2), False
+
+
+@functools.cache
+def _max_stages(device: torch.device) -> int:
+    """3 where a block may take THREE_STAGE_SHARED_BYTES of shared memory (and on the CPU,
+    whose interpreter has no limit), else 2."""
+    if device.type != "cuda":
+        return 3
+    props = torch.cuda.get_device_properties(device)
+    return 3 if (shared_memory_per_block(props) or 0) >= THREE_STAGE_SHARED_BYTES else 2
 
 
 # Programs of the rule's tiles one SM holds at once: 4 warps at 206 registers a thread (ncu,
@@ -234,7 +257,7 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         num_splits = mla_num_splits(num_seqs, num_heads, max_seq_len, num_sms, block_h)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     block_h, block_n, num_warps, num_stages, keys_as_rows = (
-        tiles or mla_decode_tiles(num_heads, num_splits))
+        tiles or mla_decode_tiles(num_heads, num_splits, max_seq_len, _max_stages(out.device)))
     block_l = triton.next_power_of_2(kv_rank)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, kv_rank)
     pdl = pdl_enabled(out.device)
