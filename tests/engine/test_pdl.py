@@ -74,27 +74,17 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
             num_seqs=2, max_seq_len=64, scale=0.1, num_splits=1)
         # Routing, then the experts of a fixed routing (the compiled routing writes nothing).
         triton_routing.triton_route(torch.zeros(1, 8), 2, True)
-        triton_fused_moe.fused_experts(
-            torch.zeros(1, 64, dtype=torch.bfloat16), torch.full((1, 2), 0.5),
-            torch.tensor([[1, 3]], dtype=torch.int32),
-            torch.zeros(8, 64, 64, dtype=torch.bfloat16),
-            torch.zeros(8, 64, 32, dtype=torch.bfloat16))
-        # The same with the slot-summing down kernel (the pair layout's alternative).
+        # Then the same with the pair layout's alternatives: the slot-summing down kernel,
+        # and gate/up as GEMVs on the CUDA cores (its experts come from the routing, the
+        # kernel right before: it reads nothing before the wait).
         pairs = triton_fused_moe.pair_tile(2, 32, 132)
-        triton_fused_moe.fused_experts(
-            torch.zeros(1, 64, dtype=torch.bfloat16), torch.full((1, 2), 0.5),
-            torch.tensor([[1, 3]], dtype=torch.int32),
-            torch.zeros(8, 64, 64, dtype=torch.bfloat16),
-            torch.zeros(8, 64, 32, dtype=torch.bfloat16),
-            dataclasses.replace(pairs, down_block_n=4, down_block_k=32))
-        # And with gate/up as GEMVs on the CUDA cores (its experts come from the routing,
-        # the kernel right before: it reads nothing before the wait).
-        triton_fused_moe.fused_experts(
-            torch.zeros(1, 64, dtype=torch.bfloat16), torch.full((1, 2), 0.5),
-            torch.tensor([[1, 3]], dtype=torch.int32),
-            torch.zeros(8, 64, 64, dtype=torch.bfloat16),
-            torch.zeros(8, 64, 32, dtype=torch.bfloat16),
-            dataclasses.replace(pairs, gate_up_block_n=4, gate_up_block_k=32))
+        for tile in (None, dataclasses.replace(pairs, down_block_n=4, down_block_k=32),
+                     dataclasses.replace(pairs, gate_up_block_n=4, gate_up_block_k=32)):
+            triton_fused_moe.fused_experts(
+                torch.zeros(1, 64, dtype=torch.bfloat16), torch.full((1, 2), 0.5),
+                torch.tensor([[1, 3]], dtype=torch.int32),
+                torch.zeros(8, 64, 64, dtype=torch.bfloat16),
+                torch.zeros(8, 64, 32, dtype=torch.bfloat16), tile)
         # MLA decode split 2 ways with W_UV: its merge and W_UV in one kernel.
         triton_mla_decode.mla_decode(
             torch.zeros(2, 16, 576, dtype=torch.bfloat16),

@@ -594,32 +594,10 @@ def test_gpu_both_layouts_match_torch_moe_at_small_batches(shape, tokens):
 @gpu
 @pytest.mark.parametrize("shape", sorted(REAL))
 @pytest.mark.parametrize("tokens", [1, 8])
-def test_gpu_slot_summing_down_matches_in_a_graph(shape, tokens):
-    """The slot-summing down kernel at every tile the tuner times, at real sizes: the pair
+def test_gpu_pair_layout_alternatives_match_in_a_graph(shape, tokens):
+    """The pair layout's alternative kernels at every tile the tuner times, at real sizes:
+    the slot-summing down, and the CUDA-core gate/up alone and with it. Each gives the pair
     layout's down and sum to a bf16 unit or two, eagerly and in every replay of a graph."""
-    from archserve.kernels.moe.triton_fused_moe import SUM_DOWN_TILES, fused_moe, pair_tile
-    experts, top_k, hidden, inter = REAL[shape]
-    x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda", 7)
-    routed = route(logits, top_k, True)
-    tile = pair_tile(tokens * top_k, min(hidden, inter), 132)
-    separate = fused_moe(x, logits, w13, w2, top_k, True, tile, routed).float()
-    scale = separate.abs().max().item()
-    for n, k in SUM_DOWN_TILES:
-        summing = dataclasses.replace(tile, down_block_n=n, down_block_k=k)
-        got = fused_moe(x, logits, w13, w2, top_k, True, summing, routed)
-        torch.testing.assert_close(got.float(), separate, atol=2 ** -6 * scale, rtol=2 ** -7)
-        assert_graph_replays_give(
-            lambda summing=summing: fused_moe(x, logits, w13, w2, top_k, True, summing, routed),
-            got, 3)
-
-
-@gpu
-@pytest.mark.parametrize("shape", sorted(REAL))
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_gpu_gemv_gate_up_matches_in_a_graph(shape, tokens):
-    """The CUDA-core gate/up at every tile the tuner times, at real sizes, alone and with
-    the slot-summing down: the pair layout's result to a bf16 unit or two, eagerly and in
-    every replay of a graph."""
     from archserve.kernels.moe.triton_fused_moe import (
         GATE_UP_GEMV_TILES,
         SUM_DOWN_TILES,
@@ -627,18 +605,24 @@ def test_gpu_gemv_gate_up_matches_in_a_graph(shape, tokens):
         pair_tile,
     )
     experts, top_k, hidden, inter = REAL[shape]
-    x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda", 9)
+    x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda", 7)
     routed = route(logits, top_k, True)
     tile = pair_tile(tokens * top_k, min(hidden, inter), 132)
     expected = fused_moe(x, logits, w13, w2, top_k, True, tile, routed).float()
     scale = expected.abs().max().item()
-    for (n, k), down in itertools.product(GATE_UP_GEMV_TILES, ((0, 0), SUM_DOWN_TILES[1])):
-        gemv = dataclasses.replace(tile, gate_up_block_n=n, gate_up_block_k=k,
-                                   down_block_n=down[0], down_block_k=down[1])
-        got = fused_moe(x, logits, w13, w2, top_k, True, gemv, routed)
-        torch.testing.assert_close(got.float(), expected, atol=2 ** -6 * scale, rtol=2 ** -7)
+    variants = [dataclasses.replace(tile, down_block_n=n, down_block_k=k)
+                for n, k in SUM_DOWN_TILES]
+    variants += [dataclasses.replace(tile, gate_up_block_n=n, gate_up_block_k=k,
+                                     down_block_n=down[0], down_block_k=down[1])
+                 for (n, k), down in itertools.product(GATE_UP_GEMV_TILES,
+                                                       ((0, 0), SUM_DOWN_TILES[1]))]
+    for variant in variants:
+        got = fused_moe(x, logits, w13, w2, top_k, True, variant, routed)
+        torch.testing.assert_close(got.float(), expected, atol=2 ** -6 * scale, rtol=2 ** -7,
+                                   msg=lambda m, variant=variant: f"{variant.key()}: {m}")
         assert_graph_replays_give(
-            lambda gemv=gemv: fused_moe(x, logits, w13, w2, top_k, True, gemv, routed), got, 3)
+            lambda variant=variant: fused_moe(x, logits, w13, w2, top_k, True, variant, routed),
+            got, 3)
 
 
 @gpu
