@@ -96,10 +96,10 @@ def tiny_plan(folder: str) -> Plan:
 # ---------------------------------------------------------------- kernel
 
 def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device,
-                tiles_only: list[tuple] = (), splits_only: list[int] = (),
-                quick: bool = False) -> list[dict]:
-    """The kernel table; ``quick``: the rule, the rule's tiles at ``splits_only`` and the
-    ``tiles_only`` alone, bf16 latent, the model's first head count (a quick comparison)."""
+                tiles_only: list[tuple] = (), splits_only: list[int] = ()) -> list[dict]:
+    """The kernel table; with ``tiles_only`` or ``splits_only``, a quick comparison: the
+    rule, the rule's tiles at those splits and those tiles alone, bf16 latent, the model's
+    first head count."""
     from archserve.kernels.mla.triton_mla_decode import (
         mla_decode,
         mla_decode_tiles,
@@ -111,6 +111,7 @@ def kernel_rows(ceilings, sweep: bool, plan: Plan, device: torch.device,
     batch, context, rank = plan.batch, plan.context, plan.kv_lora_rank
     width = rank + plan.rope
     rows = []
+    quick = bool(tiles_only or splits_only)
     for heads in plan.heads[:1] if quick else plan.heads:
         for kv in ("auto",) if quick else ("auto", "fp8_e4m3"):
             case = make_mla_case([(1, context)] * batch, num_heads=heads, kv_lora_rank=rank,
@@ -307,8 +308,7 @@ def main() -> None:
                 parser.error("--tiles: BLOCK_H,BLOCK_N,warps,stages[,keys_as_rows] each")
             tiles = [t[:4] + (bool(t[4]) if len(t) == 5 else False,) for t in tiles]
             splits = [int(n) for n in args.splits.split(",") if n]
-            result["kernel"] = kernel_rows(ceilings, args.sweep, plan, device, tiles,
-                                           splits, quick=bool(tiles or splits))
+            result["kernel"] = kernel_rows(ceilings, args.sweep, plan, device, tiles, splits)
             save()
         else:
             print("kernel part left out: on a CPU it runs under TRITON_INTERPRET=1", flush=True)

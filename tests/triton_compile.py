@@ -4,8 +4,8 @@ Inside ``compiled_launches(target)`` every ``kernel[grid](...)`` is compiled by 
 compiler for ``target`` (its bundled ptxas included) from the arguments the wrapper really
 passes, instead of being launched: the signature comes from the tensors' dtypes and the
 scalars (16-byte aligned tensors and multiples of 16 marked divisible, as the launcher
-specializes them), the constexprs and launch options as given. So a CPU test reaches the compiler
-with exactly the specializations the engine would launch; the interpreter, which runs the
+specializes them), the constexprs and launch options as given. So a CPU test reaches the
+compiler with exactly the specializations the engine would launch; the interpreter, which runs the
 kernels' Python, accepts code the compiler refuses (a constexpr named twice, a non-constexpr
 global). The outputs are left unwritten: a wrapper's arithmetic after the launch runs on
 garbage, so callers check compilation, not values.

@@ -231,16 +231,15 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Te
     pair_tiles.append(pair_tile(pairs, narrowest, sms, PAIR_TILE_BLOCK_NS[0], num_warps=8))
     if default.pair_rows:
         tiles = pair_tiles + [default_tile(num_tokens)]
-        if top_k > 1:
+        gemv_gate_up = [dataclasses.replace(default, gate_up_block_n=n, gate_up_block_k=k)
+                        for n, k in GATE_UP_GEMV_TILES]
+        tiles += gemv_gate_up
+        if top_k > 1:   # the slot-summing down, alone and with the CUDA-core gate/up
             tiles += [dataclasses.replace(default, down_block_n=n, down_block_k=k)
                       for n, k in SUM_DOWN_TILES]
-        tiles += [dataclasses.replace(default, gate_up_block_n=n, gate_up_block_k=k)
-                  for n, k in GATE_UP_GEMV_TILES]
-        if top_k > 1:   # both on the CUDA cores
-            tiles += [dataclasses.replace(default, gate_up_block_n=n, gate_up_block_k=k,
-                                          down_block_n=SUM_DOWN_TILES[1][0],
-                                          down_block_k=SUM_DOWN_TILES[1][1])
-                      for n, k in GATE_UP_GEMV_TILES]
+            n, k = SUM_DOWN_TILES[1]
+            tiles += [dataclasses.replace(t, down_block_n=n, down_block_k=k)
+                      for t in gemv_gate_up]
     elif pairs <= 2 * PAIR_ROWS_MAX_PAIRS:
         tiles = list(_by_tokens(_CANDIDATES, num_tokens)) + pair_tiles[:2]
     else:

@@ -4,8 +4,8 @@ For each expert shape in the model and each token bucket the decode graphs use, 
 tiles of ``candidate_tiles`` are timed against the default inside a CUDA graph on one
 layer's real weights (a layer's experts are far larger than L2, as in a decode step); at
 small batches both layouts (a pair per program, and sorted) and the pair layout's two
-gate/up and two down kernels. The fastest that agrees with the default and beats it by MIN_GAIN goes into every
-layer impl's ``tiles``. Results are cached with the other tuning results of this device
+gate/up and two down kernels. The fastest that agrees with the default and beats it by
+MIN_GAIN goes into every layer impl's ``tiles``. Results are cached with the other tuning results of this device
 (kernels/tuning_cache.py), so a second start, or ``archserve prepare`` before it, pays
 nothing. A timing that fails keeps the default, is logged and not cached.
 """
