@@ -610,12 +610,10 @@ def test_gpu_pair_layout_alternatives_match_in_a_graph(shape, tokens):
     tile = pair_tile(tokens * top_k, min(hidden, inter), 132)
     expected = fused_moe(x, logits, w13, w2, top_k, True, tile, routed).float()
     scale = expected.abs().max().item()
-    variants = [dataclasses.replace(tile, down_block_n=n, down_block_k=k)
-                for n, k in SUM_DOWN_TILES]
-    variants += [dataclasses.replace(tile, gate_up_block_n=n, gate_up_block_k=k,
-                                     down_block_n=down[0], down_block_k=down[1])
-                 for (n, k), down in itertools.product(GATE_UP_GEMV_TILES,
-                                                       ((0, 0), SUM_DOWN_TILES[1]))]
+    variants = [dataclasses.replace(tile, gate_up_block_n=gate_up[0], gate_up_block_k=gate_up[1],
+                                    down_block_n=down[0], down_block_k=down[1])
+                for gate_up, down in itertools.product(((0, 0),) + GATE_UP_GEMV_TILES,
+                                                       ((0, 0),) + SUM_DOWN_TILES)][1:]
     for variant in variants:
         got = fused_moe(x, logits, w13, w2, top_k, True, variant, routed)
         torch.testing.assert_close(got.float(), expected, atol=2 ** -6 * scale, rtol=2 ** -7,

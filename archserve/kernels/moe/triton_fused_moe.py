@@ -146,13 +146,18 @@ PAIR_TILE_BLOCK_NS = (64, 32, 16)     # widest first: fewer programs, longer loa
 # weights, so a step stays at 4096 values at top-8 (ptxas for sm_90a at 4 warps: 128
 # registers, four programs an SM; 8 x 4 x 256 took 254, one). A batch-1 step needs a few
 # hundred programs (hidden 2048 / 4 columns = 512) to keep every SM loading weights.
-SUM_DOWN_TILES = ((4, 128), (2, 256), (4, 64))
+# The leaders of benchmarks/bench_moe_tiles.py's sweep (H200; docs/benchmarks.md): 4 x 256
+# at Qwen3-30B-A3B's and DeepSeek-V2-Lite's batch 1-2, 1 x 1024 at Mixtral-8x7B's (its
+# experts' K is 14336), 4 x 128 and 8 x 128 at batch 4.
+SUM_DOWN_TILES = ((4, 256), (4, 128), (2, 256), (1, 1024), (8, 128))
 # (gate_up_block_n, gate_up_block_k) of the CUDA-core gate/up the tuner times in the pair
 # layout: the skinny GEMV's leading one-row tiles (kernels/linear/triton_skinny_gemm.py),
 # here with two weight tiles (gate and up) a step. ncu of the tl.dot form at Qwen3-30B-A3B's
 # batch 1 (H200): 57% of DRAM peak, 48% of its warps' stalls on the shared-memory reads that
-# feed tensor cores one real row in 16. Not yet timed on a GPU.
-GATE_UP_GEMV_TILES = ((4, 256), (2, 512))
+# feed tensor cores one real row in 16. In bench_moe_tiles.py's sweep a column a program
+# with K steps of 1024 led at every model and batch (1-4 tokens), 4 x 256 second or third;
+# with the best down, 1-2.5 µs a layer under the tl.dot gate/up.
+GATE_UP_GEMV_TILES = ((1, 1024), (4, 256))
 
 
 def pair_rows_pay(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> bool:
@@ -231,15 +236,14 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Te
     pair_tiles.append(pair_tile(pairs, narrowest, sms, PAIR_TILE_BLOCK_NS[0], num_warps=8))
     if default.pair_rows:
         tiles = pair_tiles + [default_tile(num_tokens)]
-        gemv_gate_up = [dataclasses.replace(default, gate_up_block_n=n, gate_up_block_k=k)
-                        for n, k in GATE_UP_GEMV_TILES]
-        tiles += gemv_gate_up
-        if top_k > 1:   # the slot-summing down, alone and with the CUDA-core gate/up
-            tiles += [dataclasses.replace(default, down_block_n=n, down_block_k=k)
-                      for n, k in SUM_DOWN_TILES]
-            n, k = SUM_DOWN_TILES[1]
-            tiles += [dataclasses.replace(t, down_block_n=n, down_block_k=k)
-                      for t in gemv_gate_up]
+        # Each gate/up (the default's tl.dot, the CUDA-core ones) with each down (the
+        # default's and the slot-summing ones): the two kernels' best partners differ.
+        gate_ups = [default] + [dataclasses.replace(default, gate_up_block_n=n,
+                                                    gate_up_block_k=k)
+                                for n, k in GATE_UP_GEMV_TILES]
+        downs = [(0, 0)] + (list(SUM_DOWN_TILES) if top_k > 1 else [])
+        tiles += [dataclasses.replace(gate_up, down_block_n=n, down_block_k=k)
+                  for gate_up in gate_ups for n, k in downs]
     elif pairs <= 2 * PAIR_ROWS_MAX_PAIRS:
         tiles = list(_by_tokens(_CANDIDATES, num_tokens)) + pair_tiles[:2]
     else:
