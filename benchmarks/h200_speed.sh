@@ -127,6 +127,14 @@ step moe_qwen3_norm_kernel 75 180 env ARCHSERVE_DISABLE_FUSIONS=rms_norm_gemm \
   --out "$D/moe_qwen3_norm_kernel.json"
 step mla_engine_norm_kernel 80 200 env ARCHSERVE_DISABLE_FUSIONS=rms_norm_gemm \
   python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_norm_kernel.json"
+# The same rows with the norms' weights left in the norms and the residual added by the
+# norms (fusion fold_norm_weights off; session 21 folded them into the GEMMs after, and
+# moved the add into each block's last GEMM or MoE kernel: models/layers/norm_folding.py).
+step moe_qwen3_unfolded 75 180 env ARCHSERVE_DISABLE_FUSIONS=fold_norm_weights \
+  python3 benchmarks/moe_perf.py --part engine --models qwen3-30b-a3b --skip-peer \
+  --out "$D/moe_qwen3_unfolded.json"
+step mla_engine_unfolded 80 200 env ARCHSERVE_DISABLE_FUSIONS=fold_norm_weights \
+  python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_unfolded.json"
 # Where the 0.6B's batch-1 step goes, kernel by kernel (device time per step, top kernels).
 step profile_06b_b1 60 150 python3 benchmarks/profile_engine_step.py --model $Q06 \
   --load-format dummy --dtype bfloat16 --batch-sizes 1 --input-len 128 --steps 20 \

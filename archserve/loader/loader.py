@@ -16,6 +16,7 @@ from archserve.loader.gguf_cache import cached_gguf_weights, caching_gguf_weight
 from archserve.loader.gguf_loader import find_gguf_file, iterate_gguf
 from archserve.loader.safetensors_loader import iterate_safetensors
 from archserve.models.layers.linear import deferred_linear_weights
+from archserve.models.layers.norm_folding import fold_norm_weights
 from archserve.models.registry import model_class_for
 from archserve.quant.checkpoint_matrix import attach_dense_matrices, finalize_dense_matrices
 from archserve.quant.config import QuantConfig, resolve_quant_config
@@ -116,4 +117,5 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
         finalize_quantized_layers(model)
         finalize_quantized_experts(model, dtype)
         finalize_dense_matrices(model, dtype)
+    fold_norm_weights(model)
     return model.eval(), config

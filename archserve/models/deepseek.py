@@ -37,6 +37,7 @@ from archserve.models.layers.moe import (
     Router,
     RouterFirstBlock,
 )
+from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.mixtral import MoEFamily, MoEForCausalLM, MoEModel
 
 if TYPE_CHECKING:
@@ -91,12 +92,18 @@ class DeepseekMoE(RouterFirstBlock):
             topk_groups=int(hf.topk_group or 1) if grouped else 1,
             scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
 
-    def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, logits, grouping={
-            **self.grouping, "correction_bias": self.gate.e_score_correction_bias})
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+    def _experts(self, x: torch.Tensor, logits: torch.Tensor, residual: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        grouping = {**self.grouping, "correction_bias": self.gate.e_score_correction_bias}
+        if self.shared_experts is None:
+            return self.experts.forward_add(x, logits, residual, grouping)
+        return self.experts(x, logits, grouping) + self.shared_experts(x), residual
+
+    def input_matrices(self) -> list[torch.Tensor] | None:
+        matrices = float_matrices(self.gate, self.shared_experts.gate_up_proj
+                                  if self.shared_experts is not None else None)
+        experts = self.experts.input_matrix()
+        return None if matrices is None or experts is None else matrices + [experts]
 
 
 _SHARED_EXPERT = re.compile(r"^(?P<mlp>.*\.mlp)\.shared_experts\."

@@ -16,8 +16,9 @@ from torch import nn
 
 from archserve.models.layers.attention import Attention
 from archserve.models.layers.kv_scales import KVCacheScales, checkpoint_kv_scale
-from archserve.models.layers.linear import Linear
+from archserve.models.layers.linear import Linear, add_in_last_gemm
 from archserve.models.layers.norm import RMSNorm
+from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.layers.parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from archserve.models.layers.parallel_linear import (
     GateUpParallelLinear,
@@ -60,7 +61,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = d
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self._attend(positions, self.qkv_proj(hidden))
+        return self.o_proj(self._heads(positions, self.qkv_proj(hidden)))
 
     def forward_after_norm(self, positions: torch.Tensor, hidden: torch.Tensor,
                            residual: torch.Tensor | None, norm: RMSNorm
@@ -68,11 +69,14 @@ class LlamaAttention(nn.Module):
         """forward(norm(hidden, residual)) and the new residual, the norm fused into the
         QKV GEMM where the linear routine can."""
         qkv, residual = self.qkv_proj.forward_after_norm(hidden, residual, norm)
-        return self._attend(positions, qkv), residual
+        return add_in_last_gemm(self.o_proj, self._heads(positions, qkv), residual)
 
-    def _attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attn.forward_qkv(positions, qkv, self.rotary_emb,
-                                                 self.q_norm, self.k_norm))
+    def input_matrices(self) -> list[torch.Tensor] | None:
+        return float_matrices(self.qkv_proj)
+
+    def _heads(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The attention's output heads, o_proj's input."""
+        return self.attn.forward_qkv(positions, qkv, self.rotary_emb, self.q_norm, self.k_norm)
 
 
 class LlamaMLP(nn.Module):
@@ -91,7 +95,10 @@ class LlamaMLP(nn.Module):
         """forward(norm(x, residual)) and the new residual, the norm fused into the
         gate/up GEMM where the linear routine can."""
         act, residual = self.gate_up_proj.forward_silu_mul_after_norm(x, residual, norm)
-        return self.down_proj(act), residual
+        return add_in_last_gemm(self.down_proj, act, residual)
+
+    def input_matrices(self) -> list[torch.Tensor] | None:
+        return float_matrices(self.gate_up_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -115,6 +122,11 @@ class LlamaDecoderLayer(nn.Module):
                                        positions)
         return _after_norm(getattr(self, self.mlp_name), self.post_attention_layernorm,
                            hidden, residual)
+
+    def norms_and_readers(self) -> list[tuple[nn.Module, nn.Module]]:
+        """Each norm with the block that reads its output (norm_folding.py)."""
+        return [(self.input_layernorm, self.self_attn),
+                (self.post_attention_layernorm, getattr(self, self.mlp_name))]
 
 
 def _after_norm(block: nn.Module, norm: RMSNorm, hidden: torch.Tensor,

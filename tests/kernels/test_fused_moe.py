@@ -470,6 +470,25 @@ else:
             assert got.dtype == dtype and got.shape == x.shape
             torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
+    @pytest.mark.parametrize("top_k, tile", [
+        (2, MoETile(16, 16, 16, 4, 2, pair_rows=True, down_block_n=4, down_block_k=16)),
+        (2, MoETile(16, 16, 16, 4, 2, pair_rows=True)),
+        (2, MoETile(16, 16, 16, 4, 2)),
+        (1, MoETile(16, 16, 16, 4, 2, pair_rows=True))],
+        ids=["slot-summing-down", "pair-sum", "sorted-sum", "top-1"])
+    def test_the_residual_add_is_the_sum_plus_it(top_k, tile):
+        """``add`` (a decoder block's residual, FusedMoE.forward_add): the result rounded,
+        plus it, rounded again, in whichever kernel sums the slots (a torch add at top 1):
+        the result without it, plus it, to a unit (the interpreter's own 16-bit casts may
+        round otherwise than round_to_dtype)."""
+        x, logits, w13, w2 = operands(3, 8, 40, 24, torch.float16, seed=9)
+        residual = torch.randn(3, 40).to(torch.float16)
+        plain = fused_moe(x, logits, w13, w2, top_k, True, tile)
+        got = fused_moe(x, logits, w13, w2, top_k, True, tile, add=residual)
+        expected = plain + residual
+        torch.testing.assert_close(got, expected, rtol=0,
+                                   atol=2 ** -10 * expected.abs().max().item())
+
     @pytest.mark.parametrize("gate_up", [(4, 16), (8, 64)])
     def test_gemv_gate_up_partial_column_tiles(gate_up):
         """Intermediate 30 and hidden 70: the last column tile and the last K step partial."""

@@ -34,6 +34,7 @@ from archserve.kernels.linear.skinny_choice import (
 from archserve.kernels.linear.triton_skinny_gemm import (
     MAX_ROWS,
     SkinnyConfig,
+    add_unsupported,
     candidate_configs,
     norm_unsupported,
     rms_norm_skinny_gemm,
@@ -132,6 +133,40 @@ def check_norm_prologue(rows: int, n: int, k: int, dtype: torch.dtype, device: s
     again = rms_norm_skinny_gemm(x, residual, norm_weight, 1e-6, w, b, config,
                                  silu_mul=silu_mul)
     assert len(again) == 2 and torch.equal(again[0], got)
+
+
+def check_folded_norm_prologue(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
+                               config: SkinnyConfig) -> None:
+    """A folded norm (norm_weight None: its weight already in W, RMSNorm.fold_into) gives
+    what the prologue gives with a weight of ones, bit for bit, and keeps the rows
+    rms_norm gives with ones."""
+    x, w, b = operands(rows, n, k, dtype, device, with_bias=True)
+    ones = torch.ones(k, device=device, dtype=dtype)
+    expected, _, expected_normed = rms_norm_skinny_gemm(x, None, ones, 1e-6, w, b, config,
+                                                        keep_normed=True)
+    assert norm_unsupported(x, None, None, w) is None
+    got, new_residual, normed = rms_norm_skinny_gemm(x, None, None, 1e-6, w, b, config,
+                                                     keep_normed=True)
+    assert torch.equal(got, expected) and torch.equal(normed, expected_normed)
+    assert new_residual is x
+
+
+def check_add_epilogue(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
+                       config: SkinnyConfig) -> None:
+    """``add``: the GEMM's output rounded, plus ``add``, rounded again: the kernel's own
+    output added to ``add`` by torch (to a unit of the output: the interpreter's own casts
+    to 16 bits may round otherwise than the kernel's round_to_dtype; compiled, exact)."""
+    x, w, b = operands(rows, n, k, dtype, device, with_bias=True)
+    add = torch.randn(rows, n, device=device).to(dtype)
+    expected = skinny_gemm(x, w, b, config) + add
+    assert add_unsupported((rows, n), dtype, add) is None
+    assert add_unsupported((rows, n + 1), dtype, add) is not None
+    got = skinny_gemm(x, w, b, config, add=add)
+    if device == "cuda":
+        assert torch.equal(got, expected)
+    else:
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(got, expected, rtol=0, atol=ULP[dtype] * scale)
 
 
 # ------------------------------------------------------------------- anywhere (no kernel)
@@ -296,17 +331,20 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
     signature = {"x_ptr": act, "w_ptr": wide, "b_ptr": wide, "y_ptr": wide, "M": "i32", "N": "i32",
                  "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
                  "r_ptr": act, "norm_w_ptr": act, "new_r_ptr": act, "normed_ptr": act,
-                 "eps": "fp32",
+                 "eps": "fp32", "add_ptr": wide,
                  **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
-                                  "NORM", "HAS_RESIDUAL", "NORMED_OUT", "PDL"], "constexpr")}
+                                  "NORM", "HAS_RESIDUAL", "NORMED_OUT", "PDL", "NORM_WEIGHT",
+                                  "ADD"], "constexpr")}
     # block_m 4 also compiles the norm prologue (with a residual, keeping the normalised
-    # rows: a MoE router's form); block_m 1 without it. SM90 compiles the
-    # programmatic-dependent-launch form (kernels/pdl.py).
+    # rows: a MoE router's form; a folded norm's, without a weight, on the fp32 weight);
+    # block_m 1 without it, with the residual add in the epilogue (o_proj's form). SM90
+    # compiles the programmatic-dependent-launch form (kernels/pdl.py).
     pdl = target[:2] == ("cuda", 90)
     norm = block_m > 1
-    constexprs = {"HAS_BIAS": True, "GATED": True, "BLOCK_M": block_m, "BLOCK_N": 4,
+    constexprs = {"HAS_BIAS": True, "GATED": norm, "BLOCK_M": block_m, "BLOCK_N": 4,
                   "BLOCK_K": 256, "EVEN_K": False, "NORM": norm, "HAS_RESIDUAL": norm,
-                  "NORMED_OUT": norm, "PDL": pdl}
+                  "NORMED_OUT": norm, "PDL": pdl, "NORM_WEIGHT": not fp32_weight,
+                  "ADD": not norm}
     options = {"num_warps": 4, **({"launch_pdl": True} if pdl else {})}
     compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                               target=GPUTarget(*target), options=options)
@@ -378,6 +416,11 @@ else:
         # K 520: the last tile is partial, in the pass over K and the normed rows' store.
         check_norm_prologue(rows, 16, 520, dtype, "cpu", SkinnyConfig(8, 256, 4),
                             with_residual, silu_mul)
+
+    @pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (3, torch.float32)], ids=str)
+    def test_folded_norm_prologue_and_add_epilogue(rows, dtype):
+        check_folded_norm_prologue(rows, 16, 520, dtype, "cpu", SkinnyConfig(8, 256, 4))
+        check_add_epilogue(rows, 24, 520, dtype, "cpu", SkinnyConfig(8, 256, 4))
 
     def test_norm_prologue_with_a_float32_weight():
         # DeepSeek's router after the post-attention norm: bf16 x, fp32 weight, fp32 out.
@@ -592,6 +635,19 @@ def test_gpu_norm_prologue_router_and_mla_shapes(n, k, weight_dtype):
     for config in candidate_configs(1):
         check_norm_prologue(1, n, k, torch.bfloat16, "cuda", config, True, False,
                             weight_dtype=weight_dtype)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (128, 2048)],
+                         ids=["qwen3-30b-qkv", "qwen3-30b-o", "qwen3-30b-router"])
+def test_gpu_folded_norm_prologue_and_add_epilogue(n, k, rows):
+    """The folded norm's prologue (the QKV and router after a folded norm) and the residual
+    add in the epilogue (o_proj), at every candidate config."""
+    for config in candidate_configs(rows):
+        check_folded_norm_prologue(rows, n, k, torch.bfloat16, "cuda", config)
+        check_add_epilogue(rows, n, k, torch.bfloat16, "cuda", config)
 
 
 @gpu

@@ -80,10 +80,12 @@ def test_unquantized_experts_equal_transformers(checkpoint, expert_type):
     assert_prompt_positions_match_hf(model, hf_model, config, PROMPT, tol=1e-4)
 
 
-def test_q8_0_experts_are_dequantized_at_load(checkpoint):
+def test_q8_0_experts_are_dequantized_at_load(checkpoint, monkeypatch):
     model_type, hf_dir, hf_model, root = checkpoint
     path = write_tiny_gguf(hf_dir, str(root / "q8_0.gguf"), expert_type="Q8_0")
     assert _expert_types(path) == {"Q8_0"}
+    # The experts as loaded, without the norm before them folded in (norm_folding.py).
+    monkeypatch.setenv("ARCHSERVE_DISABLE_FUSIONS", "fold_norm_weights")
     model, config = load_model(path, dtype=torch.float32)
     # Each expert holds exactly the Q8_0 round trip of transformers' weight ...
     ours = model.moe_layers()[0]

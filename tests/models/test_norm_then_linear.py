@@ -91,3 +91,68 @@ def test_a_router_after_a_gemma_norm_gives_its_logits_residual_and_rows(operands
     assert routine.calls == []
     assert torch.equal(normed, expected_normed) and torch.equal(new_residual, expected_residual)
     assert torch.equal(logits, F.linear(expected_normed, weight))
+
+
+# ---- norm weights folded into their readers; the residual added in a block's last GEMM
+
+class AddingRoutine(RecordingRoutine):
+    """RecordingRoutine whose ``linear_add`` adds in "the kernel" (torch here)."""
+
+    def linear_add(self, x, weight, bias, add):
+        return torch_linear(x, weight, bias) + add
+
+
+def test_a_folded_norm_reaches_the_routine_without_its_weight(operands):
+    x, residual, weight = operands
+    norm = RMSNorm(16, 1e-5)
+    norm.fold_into([weight.clone()])
+    routine = RecordingRoutine((torch.zeros(1),) * 2)
+    linear_layers.set_linear_routine(routine)
+    linear_layers.apply_rms_norm_linear(x, residual, norm, weight)
+    assert routine.calls == [(None, 1e-5, False, False)]
+
+
+def test_the_last_gemm_adds_the_residual_where_the_routine_can(operands):
+    x, residual, weight = operands
+    linear = linear_layers.Linear(16, 8)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    linear_layers.set_linear_routine(AddingRoutine(None))
+    out, left = linear_layers.add_in_last_gemm(linear, x, residual[:, :8])
+    assert left is None and torch.equal(out, F.linear(x, weight) + residual[:, :8])
+    linear_layers.set_linear_routine(RecordingRoutine(None))     # no linear_add: as before
+    out, left = linear_layers.add_in_last_gemm(linear, x, residual[:, :8])
+    assert left is residual[:, :8] or torch.equal(left, residual[:, :8])
+    assert torch.equal(out, F.linear(x, weight))
+
+
+def test_folding_keeps_the_model_and_skips_what_cannot_absorb_a_scale(tmp_path, monkeypatch):
+    """fold_norm_weights on a tiny Qwen3-MoE (attention, router and experts after the
+    norms): the same logits as the unfolded model, norms of ones, the readers scaled; with
+    the fusion disabled nothing changes; a quantized reader keeps its norm."""
+    from archserve.loader.loader import load_model
+    from archserve.models.layers.norm_folding import float_matrices, fold_norm_weights
+    from models.helpers import PagedSequences, tiny_hf_model
+    tiny_hf_model("qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16).save_pretrained(tmp_path)
+    monkeypatch.setenv("ARCHSERVE_DISABLE_FUSIONS", "fold_norm_weights")
+    plain, _ = load_model(str(tmp_path), torch.float32, "cpu")
+    assert fold_norm_weights(plain) == 0
+    monkeypatch.delenv("ARCHSERVE_DISABLE_FUSIONS")
+    folded, config = load_model(str(tmp_path), torch.float32, "cpu")
+    layer, plain_layer = folded.model.layers[0], plain.model.layers[0]
+    assert layer.input_layernorm.folded and layer.post_attention_layernorm.folded
+    assert torch.equal(layer.input_layernorm.weight,
+                       torch.ones_like(plain_layer.input_layernorm.weight))
+    g = plain_layer.post_attention_layernorm.weight
+    torch.testing.assert_close(layer.mlp.experts.w13, plain_layer.mlp.experts.w13 * g)
+    torch.testing.assert_close(layer.mlp.gate.weight, plain_layer.mlp.gate.weight * g)
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight,
+                               plain_layer.self_attn.qkv_proj.weight
+                               * plain_layer.input_layernorm.weight)
+    logits = [PagedSequences.for_config(config).run(model, {0: [1, 5, 9, 2]})
+              for model in (folded, plain)]
+    torch.testing.assert_close(*logits, rtol=1e-5, atol=1e-5)
+    plain_layer.self_attn.qkv_proj.quant = object()      # as a quantized layer holds
+    assert float_matrices(plain_layer.self_attn.qkv_proj) is None
+    assert fold_norm_weights(plain) == 2 * len(plain.model.layers) - 1

@@ -53,7 +53,9 @@ LINEAR, SILU_MUL = "linear", "silu_mul"   # the kinds of GEMM
 UNFUSED = "unfused:"
 # A Triton config must beat cuBLAS by this fraction: below it, timing noise decides.
 MIN_GAIN = 0.03
-_CACHE_VERSION = 7   # 7: the look-ahead configs (keys ending "_p") are gone
+# 7: the look-ahead configs (keys ending "_p") are gone; 8: the norm prologue timed as a
+# folded norm's, on the residual stream's one row (fold_norm_weights)
+_CACHE_VERSION = 8
 
 # (kind, out_features, in_features, dtype) -> every weight of that kind and shape
 WeightGroups = dict[tuple[str, int, int, torch.dtype], list[torch.Tensor]]
@@ -149,13 +151,33 @@ class SkinnyGemmRoutine:
         chosen = self._triton(SILU_MUL, x, weight, bias) or implementation(SILU_MUL, CUBLAS)
         return chosen(x, weight, bias)
 
+    def linear_add(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   add: torch.Tensor) -> torch.Tensor | None:
+        """x W^T (+ b) + ``add`` with the add in the Triton kernel's epilogue (a layer's
+        residual add in its last GEMM); None where the shape runs on cuBLAS or the operands
+        do not suit (the caller then adds as before). Not timed: the epilogue reads the
+        output's few values again, and the reader of the sum reads one row instead of two."""
+        chosen = self._choice(LINEAR, x, weight, bias)
+        if chosen is None:
+            return None
+        from archserve.kernels.linear.triton_skinny_gemm import (
+            SkinnyConfig,
+            add_unsupported,
+            skinny_gemm,
+        )
+        dtype = torch.promote_types(x.dtype, weight.dtype)
+        if add_unsupported((x.shape[0], weight.shape[0]), dtype, add) is not None:
+            return None
+        return skinny_gemm(x, weight, bias, SkinnyConfig.from_key(chosen), add=add)
+
     def rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
-                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                        norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor,
                         bias: torch.Tensor | None = None, silu_mul: bool = False,
                         keep_normed: bool = False) -> tuple[torch.Tensor, ...] | None:
         """(this GEMM of rms_norm(x, norm_weight, eps, residual), the new residual, and
         with ``keep_normed`` the normalised rows) with the norm in the Triton kernel's
-        prologue: one launch instead of two. None where the shape runs on cuBLAS or the
+        prologue: one launch instead of two (``norm_weight`` None: a norm folded into
+        ``weight``, RMSNorm.fold_into). None where the shape runs on cuBLAS or the
         prologue timed slower than the norm kernel (then the norm kernel runs first, as
         always)."""
         kind = SILU_MUL if silu_mul else LINEAR
@@ -328,16 +350,21 @@ def time_shape(kind: str, rows: int, weights: list[torch.Tensor], iters: int = 1
 
 def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, weight: torch.Tensor,
                         per_call_us) -> None:
-    """The chosen config with the residual add and RMSNorm in its prologue, against the
-    norm kernel then the same config (as the decoder layer runs them); the prologue is
-    chosen where it is faster by MIN_GAIN. A prologue that fails, or cannot take these
-    operands, is not chosen, and said."""
+    """The chosen config with RMSNorm in its prologue, against the norm kernel then the
+    same config (as the decoder layer runs them); the prologue is chosen where it is faster
+    by MIN_GAIN. A prologue that fails, or cannot take these operands, is not chosen, and
+    said. Timed in the form a decode step runs it: where the norm weights are folded into
+    the GEMMs (``fold_norm_weights``), the layer's last GEMM before has added the residual,
+    so the prologue reads one row and no weight; otherwise it adds the residual and reads
+    the norm's weight."""
     from archserve.kernels.elementwise import rms_norm
+    from archserve.kernels.elementwise.dispatch import fusion_not_disabled
     from archserve.kernels.linear.triton_skinny_gemm import norm_unsupported
     # The weight first: the norm kernels read it before PDL's wait (kernels/pdl.py), so the
     # kernel launched right before their first call must not be the one that wrote it.
     norm_weight = torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
-    residual = torch.randn_like(x)
+    folded = fusion_not_disabled("fold_norm_weights")
+    residual = None if folded else torch.randn_like(x)
     unsupported = norm_unsupported(x, residual, norm_weight, weight)
     if unsupported is not None:
         timing.note += f"norm prologue: {unsupported}; "
@@ -349,8 +376,9 @@ def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, weight:
         return run(normed, w, None), new_residual
     timing.norm_separate_us = per_call_us(separate)
     try:
+        prologue_weight = None if folded else norm_weight
         timing.norm_fused_us = per_call_us(
-            lambda w: fused(x, residual, norm_weight, 1e-6, w, None))
+            lambda w: fused(x, residual, prologue_weight, 1e-6, w, None))
     except Exception as exc:  # noqa: BLE001 - the norm kernel serves, and the note says why
         timing.note += f"norm prologue: {type(exc).__name__}: {exc}; "
         return

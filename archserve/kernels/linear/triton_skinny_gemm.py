@@ -122,22 +122,24 @@ def _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_res
 @triton.jit
 def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K, stride_xm,
                write_residual, squares, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
-               NORM: tl.constexpr):
+               NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr):
     """The GEMM's fp32 [BLOCK_M, BLOCK_K] input at k: x (+ residual; program 0 stores the
-    sum), and with NORM times the norm's weight, with its squares added to ``squares``:
-    the row's 1/rms is known only after the last K step, and scales the sums then."""
+    sum), and with NORM its squares added to ``squares`` (the row's 1/rms is known only
+    after the last K step, and scales the sums then) and, with NORM_WEIGHT, x times the
+    norm's weight (without: the weight was folded into the GEMM's, RMSNorm.fold_into)."""
     x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_residual,
                    HAS_RESIDUAL, EVEN_K, True)
     if NORM:
         squares += x * x
-        x = x * tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        if NORM_WEIGHT:
+            x = x * tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     return x, squares
 
 
 @triton.jit
 def _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, ks, K, stride_xm,
                        inv_rms, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, NORM_WEIGHT: tl.constexpr):
     """rms_norm's output rows (x + residual, normalised, times the weight, rounded as the
     norm kernel rounds them) into ``normed`` [rows, K], for the layer's other readers of
     the normalised row (a MoE block's experts after its router)."""
@@ -146,7 +148,10 @@ def _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, ks, K
         k = k0 + ks
         x = _load_rows(x_ptr, r_ptr, x_ptr, rows, row_ok, k, K, stride_xm, row_ok,
                        HAS_RESIDUAL, EVEN_K, False)
-        norm_w = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        if NORM_WEIGHT:
+            norm_w = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        else:   # folded into the GEMMs that read the row: rms_norm with a weight of ones
+            norm_w = tl.full([1, BLOCK_K], 1.0, tl.float32)
         normed = scale_normalized(x, inv_rms, norm_w, dtype, dtype, False)
         tl.store(normed_ptr + rows[:, None] * K + k[None, :], normed.to(dtype),
                  mask=row_ok[:, None] & (k < K)[None, :])
@@ -154,11 +159,12 @@ def _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, ks, K
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        r_ptr, norm_w_ptr, new_r_ptr, normed_ptr, eps,
+                        r_ptr, norm_w_ptr, new_r_ptr, normed_ptr, eps, add_ptr,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                        NORMED_OUT: tl.constexpr, PDL: tl.constexpr):
+                        NORMED_OUT: tl.constexpr, PDL: tl.constexpr,
+                        NORM_WEIGHT: tl.constexpr = True, ADD: tl.constexpr = False):
     # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
     # NORM: x is RMS-normalised first (after adding the residual, with HAS_RESIDUAL) with the
     # weight at norm_w_ptr, in the same pass over K as the product: W (x * w) / rms is
@@ -168,7 +174,11 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     # the norm kernel on most shapes). The normalised row is not rounded to x's dtype
     # before the product, as the norm kernel's output is: the sums differ from the
     # unfused ones by about that rounding. Program 0 writes the new residual and, with
-    # NORMED_OUT, the normalised rows, rounded as the norm kernel rounds them.
+    # NORMED_OUT, the normalised rows, rounded as the norm kernel rounds them. NORM_WEIGHT
+    # False: the norm's weight is folded into W (RMSNorm.fold_into), so none is read.
+    # ADD: the rounded output plus add[rows, cols] (the residual stream: a layer's last
+    # GEMM adds its block's input back, and the norm after it reads one row, not two),
+    # rounded again, as the unfused add rounds the GEMM's output and then the sum.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
@@ -197,14 +207,16 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
     x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, ks, K,
-                            stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM)
+                            stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM,
+                            NORM_WEIGHT)
     acc = _times_rows(acc, w_first, x, BLOCK_M)
     if GATED:
         acc_up = _times_rows(acc_up, up_first, x, BLOCK_M)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + ks
         x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K,
-                                stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM)
+                                stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM,
+                                NORM_WEIGHT)
         acc = _weight_times_rows(acc, w_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
         if GATED:
             acc_up = _weight_times_rows(acc_up, up_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
@@ -224,12 +236,17 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
         # Rounded where the unfused path rounds: the GEMM's outputs, silu(gate), the product.
         gate = round_to_dtype(y, dtype)
         y = round_to_dtype(gate * tl.sigmoid(gate), dtype) * round_to_dtype(up, dtype)
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    if ADD:
+        y = round_to_dtype(round_to_dtype(y, dtype) + tl.load(
+            add_ptr + rows[:, None] * N + cols[None, :], mask=out_mask, other=0.0).to(
+                tl.float32), dtype)
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    tl.store(out, y.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, y.to(dtype), mask=out_mask)
     if NORMED_OUT:
         if tl.program_id(0) == 0:
             _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, ks, K,
-                               stride_xm, inv_rms, HAS_RESIDUAL, EVEN_K, BLOCK_K)
+                               stride_xm, inv_rms, HAS_RESIDUAL, EVEN_K, BLOCK_K, NORM_WEIGHT)
 
 
 def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
@@ -250,7 +267,8 @@ def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                config: SkinnyConfig, silu_mul: bool = False) -> torch.Tensor:
+                config: SkinnyConfig, silu_mul: bool = False,
+                add: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype;
     in float32 for a 16-bit x with a float32 weight (converted in the kernel, as
     ``torch_linear`` converts it before its GEMM).
@@ -258,28 +276,42 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     kernel launched before, which must not write it.
     With ``silu_mul`` the weight holds gate rows then up rows (as GateUpLinear stores
     them) and the result is silu(gate) * up, [M, N/2], as ``silu_and_mul`` of the plain
-    product would give. The caller checks ``skinny_gemm_unsupported`` first."""
-    return _launch(x, weight, bias, config, silu_mul, None, None, 0.0)[0]
+    product would give. With ``add`` [M, N] (not with ``silu_mul``) the result is the
+    product plus ``add``, each rounded as ``product + add`` rounds them (a layer's residual
+    add in its last GEMM). The caller checks ``skinny_gemm_unsupported`` first (and
+    ``add_unsupported``)."""
+    return _launch(x, weight, bias, config, silu_mul, None, None, 0.0, add=add)[0]
+
+
+def add_unsupported(y_shape: tuple[int, int], dtype: torch.dtype, add: torch.Tensor
+                    ) -> str | None:
+    """Why ``skinny_gemm`` cannot add ``add`` to an output of ``y_shape`` in ``dtype``."""
+    if tuple(add.shape) != tuple(y_shape) or add.dtype != dtype or not add.is_contiguous():
+        return f"add {tuple(add.shape)} {add.dtype} to an output {tuple(y_shape)} {dtype}"
+    return None
 
 
 def rms_norm_skinny_gemm(x: torch.Tensor, residual: torch.Tensor | None,
-                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                         norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None, config: SkinnyConfig,
                          silu_mul: bool = False, keep_normed: bool = False
                          ) -> tuple[torch.Tensor, ...]:
     """``skinny_gemm`` of rms_norm(x, norm_weight, eps, residual)'s output, and its new
     residual (x + residual; x itself without one), in one kernel; with ``keep_normed``
-    also that normalised output, as rms_norm returns it. The caller checks
-    ``skinny_gemm_unsupported`` and ``norm_unsupported`` first."""
+    also that normalised output, as rms_norm returns it. ``norm_weight`` None: a norm
+    whose weight is folded into ``weight`` (RMSNorm.fold_into), so its weight is ones.
+    The caller checks ``skinny_gemm_unsupported`` and ``norm_unsupported`` first."""
     y, new_residual, normed = _launch(x, weight, bias, config, silu_mul, residual,
-                                      norm_weight, eps, keep_normed)
+                                      norm_weight, eps, keep_normed, norm=True)
     return (y, new_residual, normed) if keep_normed else (y, new_residual)
 
 
 def norm_unsupported(x: torch.Tensor, residual: torch.Tensor | None,
-                     norm_weight: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why the norm prologue cannot take these operands, or None."""
-    if norm_weight.shape != x.shape[-1:] or norm_weight.dtype != x.dtype:
+                     norm_weight: torch.Tensor | None, weight: torch.Tensor) -> str | None:
+    """Why the norm prologue cannot take these operands, or None (``norm_weight`` None: a
+    folded norm's)."""
+    if norm_weight is not None and (norm_weight.shape != x.shape[-1:]
+                                    or norm_weight.dtype != x.dtype):
         return f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} for x {x.dtype}"
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.stride() != x.stride()):
@@ -287,7 +319,8 @@ def norm_unsupported(x: torch.Tensor, residual: torch.Tensor | None,
     return None
 
 
-def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_normed=False):
+def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_normed=False,
+            norm=False, add=None):
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     y = torch.empty((rows, cols), dtype=torch.promote_types(x.dtype, weight.dtype),
@@ -303,10 +336,11 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_
         x.stride(0), weight.stride(0), y.stride(0),
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, new_residual,
-        normed if normed is not None else x, float(eps),
+        normed if normed is not None else x, float(eps), add if add is not None else y,
         HAS_BIAS=bias is not None, GATED=silu_mul, BLOCK_M=triton.next_power_of_2(rows),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
-        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        NORMED_OUT=normed is not None, PDL=pdl,
+        NORM=norm, HAS_RESIDUAL=residual is not None,
+        NORMED_OUT=normed is not None, PDL=pdl, NORM_WEIGHT=norm_weight is not None,
+        ADD=add is not None,
         num_warps=config.num_warps, **pdl_launch_options(pdl))
     return y, new_residual, normed

@@ -367,9 +367,11 @@ if triton is not None:
 
     @triton.jit
     def _sum_token_slots(src_ptr, dst_ptr, token, cols, col_ok, stride_src, stride_dst,
-                         TOP_K: tl.constexpr, FROM_L2: tl.constexpr):
+                         TOP_K: tl.constexpr, FROM_L2: tl.constexpr, add_ptr=None,
+                         stride_add=0, ADD: tl.constexpr = False):
         """dst[token] = sum over j of src[token * TOP_K + j] at ``cols``, in fp32 and slot
-        order (FROM_L2: rows other programs of this launch stored)."""
+        order (FROM_L2: rows other programs of this launch stored); with ADD, plus
+        add[token], as ``_store_sum`` adds it."""
         acc = tl.zeros(cols.shape, dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             row = src_ptr + (token * TOP_K + j) * stride_src + cols
@@ -378,8 +380,19 @@ if triton is not None:
             else:
                 part = tl.load(row, mask=col_ok, other=0.0)
             acc += part.to(tl.float32)
-        tl.store(dst_ptr + token * stride_dst + cols, acc.to(dst_ptr.dtype.element_ty),
-                 mask=col_ok)
+        _store_sum(dst_ptr + token * stride_dst + cols, acc, col_ok, add_ptr,
+                   token * stride_add + cols, ADD)
+
+    @triton.jit
+    def _store_sum(dst, total, mask, add_ptr, add_offsets, ADD: tl.constexpr):
+        """Store a token's fp32 expert sum at ``dst``; with ADD, rounded first, plus
+        add_ptr[add_offsets] (the residual: a decoder block's output and its input summed
+        as ``moe_out + residual`` rounds them), rounded again."""
+        dtype: tl.constexpr = dst.dtype.element_ty
+        if ADD:
+            total = round_to_dtype(round_to_dtype(total, dtype) + tl.load(
+                add_ptr + add_offsets, mask=mask, other=0.0).to(tl.float32), dtype)
+        tl.store(dst, total.to(dtype), mask=mask)
 
     @triton.jit
     def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
@@ -427,15 +440,16 @@ if triton is not None:
 
     @triton.jit
     def _down_sum_slots_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, hidden,
-                               inter, stride_at, stride_we, stride_wn, stride_ot,
-                               TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                               inter, stride_at, stride_we, stride_wn, stride_ot, add_ptr,
+                               stride_add, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               PDL: tl.constexpr = False):
+                               PDL: tl.constexpr = False, ADD: tl.constexpr = False):
         """out[t, cols] = sum over slots j of weight[t, j] * (act[t * TOP_K + j] .
         w2[expert[t, j]][cols]ᵀ): a GEMV per slot on the CUDA cores (one row each: tensor
         cores would be 1/16 used), rounded to the output dtype as ``_down_kernel`` stores
         each slot's row, then summed in fp32 in registers (``_sum_slots_kernel``'s sum,
-        without its launch). SLOTS: TOP_K rounded up to a power of two, masked."""
+        without its launch). SLOTS: TOP_K rounded up to a power of two, masked. ADD: plus
+        add[t] (``_store_sum``)."""
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
@@ -468,18 +482,19 @@ if triton is not None:
         parts = tl.sum(acc, axis=2) * tl.load(weights_ptr + pairs, mask=slot_ok,
                                               other=0.0)[:, None]
         total = tl.sum(round_to_dtype(parts, dtype), axis=0)
-        tl.store(out_ptr + token * stride_ot + cols, total.to(dtype), mask=col_ok)
+        _store_sum(out_ptr + token * stride_ot + cols, total, col_ok, add_ptr,
+                   token * stride_add + cols, ADD)
 
     @triton.jit
-    def _sum_slots_kernel(src_ptr, dst_ptr, hidden, stride_src, stride_dst,
-                          TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                          PDL: tl.constexpr = False):
+    def _sum_slots_kernel(src_ptr, dst_ptr, hidden, stride_src, stride_dst, add_ptr,
+                          stride_add, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                          PDL: tl.constexpr = False, ADD: tl.constexpr = False):
         """dst[t] = sum over j of src[t * TOP_K + j], in fp32 and slot order (the same
-        rounding on every run)."""
+        rounding on every run); with ADD, plus add[t] (``_store_sum``)."""
         pdl_start(PDL)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         _sum_token_slots(src_ptr, dst_ptr, tl.program_id(0).to(tl.int64), cols, cols < hidden,
-                         stride_src, stride_dst, TOP_K, False)
+                         stride_src, stride_dst, TOP_K, False, add_ptr, stride_add, ADD)
 
 
 def fused_moe_unsupported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
@@ -499,16 +514,21 @@ def fused_moe_unsupported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
 def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, top_k: int, renormalize: bool,
               tile: MoETile | None = None,
-              routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x)."""
+              routed: tuple[torch.Tensor, torch.Tensor] | None = None,
+              add: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x)
+    (+ ``add``, see ``fused_experts``)."""
     weights, experts = routed or triton_route(router_logits, top_k, renormalize)
-    return fused_experts(hidden, weights, experts, w13, w2, tile)
+    return fused_experts(hidden, weights, experts, w13, w2, tile, add)
 
 
 def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                  w13: torch.Tensor, w2: torch.Tensor, tile: MoETile | None = None
-                  ) -> torch.Tensor:
-    """The expert computation after routing: weights / experts [T, k] from ``route``."""
+                  w13: torch.Tensor, w2: torch.Tensor, tile: MoETile | None = None,
+                  add: torch.Tensor | None = None) -> torch.Tensor:
+    """The expert computation after routing: weights / experts [T, k] from ``route``.
+    ``add`` [T, H] (a decoder block's residual): added to the rounded sum and rounded
+    again, in the kernel that sums the slots (a torch add after the single-slot and the
+    in-kernel-sum paths, which have none)."""
     num_tokens, hidden_size = hidden.shape
     top_k = experts.shape[1]
     num_experts, two_inter, _ = w13.shape
@@ -542,13 +562,17 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
             hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
             PAIR_ROWS=tile.pair_rows, **launch)
+    if add is not None:
+        add = add.contiguous()
     if tile.pair_rows and tile.down_block_n and top_k > 1:
         summed = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
         _down_sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, tile.down_block_n))](
             act, w2, summed, flat_weights, flat_experts, hidden_size, inter, act.stride(0),
-            w2.stride(0), w2.stride(1), summed.stride(0), TOP_K=top_k,
+            w2.stride(0), w2.stride(1), summed.stride(0), add if add is not None else summed,
+            add.stride(0) if add is not None else 0, TOP_K=top_k,
             SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tile.down_block_n,
-            BLOCK_K=tile.down_block_k, num_warps=4, PDL=pdl, **pdl_launch_options(pdl))
+            BLOCK_K=tile.down_block_k, num_warps=4, PDL=pdl, ADD=add is not None,
+            **pdl_launch_options(pdl))
         return summed
     out = torch.empty(pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     col_tiles = triton.cdiv(hidden_size, tile.block_n)
@@ -564,19 +588,23 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
         PAIR_ROWS=tile.pair_rows, TOP_K=top_k, SUM_IN_KERNEL=sum_in_kernel, **launch)
     if top_k == 1 or sum_in_kernel:
-        return summed
-    return sum_slots(out, num_tokens, top_k)
+        return summed if add is None else summed + add
+    return sum_slots(out, num_tokens, top_k, add)
 
 
-def sum_slots(out: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """[T * k, H] -> [T, H]: each token's k rows summed in fp32 (one launch)."""
+def sum_slots(out: torch.Tensor, num_tokens: int, top_k: int,
+              add: torch.Tensor | None = None) -> torch.Tensor:
+    """[T * k, H] -> [T, H]: each token's k rows summed in fp32 (one launch); with ``add``
+    (contiguous [T, H]), plus it, rounded as ``sum + add`` rounds."""
     hidden_size = out.shape[1]
     summed = torch.empty(num_tokens, hidden_size, dtype=out.dtype, device=out.device)
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     pdl = pdl_enabled(out.device)
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        out, summed, hidden_size, out.stride(0), summed.stride(0), TOP_K=top_k,
-        BLOCK_H=block_h, num_warps=4, PDL=pdl, **pdl_launch_options(pdl))
+        out, summed, hidden_size, out.stride(0), summed.stride(0),
+        add if add is not None else summed, add.stride(0) if add is not None else 0,
+        TOP_K=top_k, BLOCK_H=block_h, num_warps=4, PDL=pdl, ADD=add is not None,
+        **pdl_launch_options(pdl))
     return summed
 
 
@@ -585,6 +613,7 @@ class TritonFusedMoEImpl:
     ``tiles`` maps a token bucket (``token_bucket``) to the tile the tuner chose."""
 
     graph_capturable = True
+    adds_residual = True    # forward takes ``add`` for 16-bit experts (FusedMoE.forward_add)
 
     def __init__(self, device: Any = None, spec: Any = None) -> None:
         self.device = device
@@ -608,9 +637,14 @@ class TritonFusedMoEImpl:
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: Any, w2: Any,
                 top_k: int, renormalize: bool = True,
-                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                routed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """TORCH_MOE's forward; with ``add`` (16-bit experts only), plus it, in the kernel
+        that sums each token's slots (``fused_experts``)."""
         routed = routed or triton_route(router_logits, top_k, renormalize)
         if not isinstance(w13, torch.Tensor):        # quantized experts
+            if add is not None:
+                raise ValueError("TRITON_FUSED_MOE adds a residual for 16-bit experts only")
             from archserve.kernels.moe.triton_quantized_moe import quantized_moe
             # Their kernels take the sorted layout's tiles (never pair rows), and the
             # tuner times 16-bit experts only: the default sorted tile of this batch.
@@ -620,4 +654,4 @@ class TritonFusedMoEImpl:
         if reason is not None:
             raise ValueError(f"TRITON_FUSED_MOE cannot run this layer: {reason}")
         return fused_moe(hidden, router_logits, w13, w2, top_k, renormalize,
-                         self.tile_for(hidden.shape[0], top_k, w13, w2), routed)
+                         self.tile_for(hidden.shape[0], top_k, w13, w2), routed, add)

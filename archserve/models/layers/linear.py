@@ -85,6 +85,28 @@ def apply_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     return silu_and_mul(_routine(x, weight, bias))
 
 
+def apply_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     add: torch.Tensor) -> torch.Tensor | None:
+    """x W^T (+ b) + ``add`` with the add in the GEMM's epilogue, where the routine can
+    (``linear_add``) and the fusion ``fold_norm_weights`` is on; None otherwise."""
+    fused = getattr(_routine, "linear_add", None)
+    if fused is None or not fusion_enabled("fold_norm_weights", x.device):
+        return None
+    return fused(x, weight, bias, add)
+
+
+def add_in_last_gemm(linear: Linear, x: torch.Tensor, residual: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (output, residual) pair a decoder block returns from its last GEMM: (linear(x)
+    + residual, None) with the add in the GEMM where it can (``Linear.forward_add``), else
+    (linear(x), residual); the norm after the block adds what is left (norm_folding.py)."""
+    if residual is not None:
+        out = linear.forward_add(x, residual)
+        if out is not None:
+            return out, None
+    return linear(x), residual
+
+
 def apply_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                           weight: torch.Tensor, bias: torch.Tensor | None = None,
                           silu_mul: bool = False, keep_normed: bool = False
@@ -98,7 +120,8 @@ def apply_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: 
     fused = getattr(_routine, "rms_norm_linear", None)
     if (fused is not None and norm.identity_weight == RMSNorm.identity_weight
             and fusion_enabled("rms_norm_gemm", x.device)):
-        out = fused(x, residual, norm.weight, norm.eps, weight, bias, silu_mul, keep_normed)
+        out = fused(x, residual, None if norm.folded else norm.weight, norm.eps, weight, bias,
+                    silu_mul, keep_normed)
         if out is not None:
             return out
     normed, new_residual = norm(x, residual)
@@ -162,6 +185,13 @@ class Linear(nn.Module):
         if self.quant is not None:
             return self.quant(x, self.bias)
         return apply_linear(x, self.weight, self.bias)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """self(x) + residual with the add in the GEMM's epilogue (``apply_linear_add``),
+        or None where it cannot: quantized, or the routine declines."""
+        if self.quant is not None:
+            return None
+        return apply_linear_add(x, self.weight, self.bias, residual)
 
     def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                            norm: RMSNorm, keep_normed: bool = False

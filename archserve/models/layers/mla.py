@@ -28,8 +28,9 @@ from archserve.distributed.layout import split_heads
 from archserve.distributed.parallel_state import get_tp
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.kv_scales import KVCacheScales
-from archserve.models.layers.linear import DenseMatrix, Linear
+from archserve.models.layers.linear import DenseMatrix, Linear, add_in_last_gemm
 from archserve.models.layers.norm import RMSNorm
+from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from archserve.models.layers.rotary import RotaryEmbedding, yarn_mscale
 
@@ -106,7 +107,12 @@ class MLAAttention(nn.Module, KVCacheScales):
         norm in its prologue reads the whole row, so the fewer programs the better."""
         kv_a, residual, hidden = self.kv_a_proj_with_mqa.forward_after_norm(
             hidden, residual, norm, keep_normed=True)
-        return self._attend(positions, hidden, kv_a), residual
+        return add_in_last_gemm(self.o_proj, self._heads(positions, hidden, kv_a), residual)
+
+    def input_matrices(self) -> list[torch.Tensor] | None:
+        """The matrices that read the layer's input (norm_folding.py)."""
+        query = self.q_a_proj if self.dims.q_lora_rank else self.q_proj
+        return float_matrices(query, self.kv_a_proj_with_mqa)
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, L], W_UV [H, v, L]) from kv_b_proj."""
@@ -116,12 +122,12 @@ class MLAAttention(nn.Module, KVCacheScales):
         return w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self._attend(positions, hidden)
+        return self.o_proj(self._heads(positions, hidden))
 
-    def _attend(self, positions: torch.Tensor, hidden: torch.Tensor,
-                kv_a: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer on (normalised) ``hidden``; ``kv_a``: its kv_a_proj_with_mqa output,
-        where ``forward_after_norm`` ran that GEMV."""
+    def _heads(self, positions: torch.Tensor, hidden: torch.Tensor,
+               kv_a: torch.Tensor | None = None) -> torch.Tensor:
+        """The heads' values [T, H * v] o_proj reads, of (normalised) ``hidden``; ``kv_a``:
+        its kv_a_proj_with_mqa output, where ``forward_after_norm`` ran that GEMV."""
         m, h, t = self.dims, self.num_heads, hidden.shape[0]
         q = self._query(hidden)
         if kv_a is None:
@@ -139,7 +145,7 @@ class MLAAttention(nn.Module, KVCacheScales):
                     self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.rope_interleaved,
                     ctx.kv_caches[self.layer_index], ctx.attn_metadata, w_uk, w_uv, self.scale)
             if out is not None:
-                return self.o_proj(out.reshape(t, h * m.v_head_dim))
+                return out.reshape(t, h * m.v_head_dim)
         q_nope, q_pe = q.view(t, h, m.qk_head_dim).split(
             [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
@@ -154,4 +160,4 @@ class MLAAttention(nn.Module, KVCacheScales):
             out = ctx.attn_impl.forward(q_nope, q_pe.view(t, h, m.qk_rope_head_dim), latent,
                                         ctx.kv_caches[self.layer_index], ctx.attn_metadata,
                                         w_uk, w_uv, self.scale, k_scale)
-        return self.o_proj(out.reshape(t, h * m.v_head_dim))
+        return out.reshape(t, h * m.v_head_dim)

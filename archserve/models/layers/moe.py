@@ -30,6 +30,7 @@ from archserve.distributed.parallel_state import get_tp
 from archserve.models.layers import linear as _linear
 from archserve.models.layers.linear import WeightOnly
 from archserve.models.layers.norm import RMSNorm
+from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.layers.parallel_linear import GateUpParallelLinear, RowParallelLinear
 
 # (gate, up, down) names of one expert's matrices in the two checkpoint conventions.
@@ -192,13 +193,39 @@ class FusedMoE(nn.Module):
         """``grouping``: a family's own top-k (DeepSeek's scoring, expert groups, selection
         bias and scaling: ``routing.grouped_route``'s keywords), which the backend routes in
         its own way (one Triton launch, or torch); else the backend's softmax top-k."""
+        return self.forward_add(hidden, router_logits, None, grouping)[0]
+
+    def forward_add(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                    residual: torch.Tensor | None, grouping: dict[str, Any] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(``forward`` + ``residual``, None) with the add in the backend's last kernel
+        where it takes one (``forward``'s ``add``: the fused MoE's slot sum, on one rank);
+        else (``forward``, ``residual``): the (output, residual) pair a decoder block
+        returns (norm_folding.py)."""
         impl = self.impl()
         operands = (self.w13, self.w2) if self.quantized is None else self._operands
         routed = impl.route(router_logits, self.top_k, self.renormalize, **(grouping or {}),
                             shared_experts=self.num_shared_experts)
+        add = residual if residual is not None and self.takes_residual(impl, hidden) else None
+        kwargs = {"add": add} if add is not None else {}
         out = impl.forward(hidden, router_logits, *operands, self.slots, self.renormalize,
-                           routed=routed)
-        return out if self.tp.size == 1 else self.tp.all_reduce(out)
+                           routed=routed, **kwargs)
+        if self.tp.size > 1:
+            out = self.tp.all_reduce(out)
+        return (out, None) if add is not None else (out, residual)
+
+    def takes_residual(self, impl: Any, hidden: torch.Tensor) -> bool:
+        """Whether ``impl`` adds the residual in its last kernel here: it says so
+        (``adds_residual``), the experts are 16-bit, one rank holds the whole sum, and
+        the fusion is on."""
+        from archserve.kernels.elementwise.dispatch import fusion_enabled
+        return (getattr(impl, "adds_residual", False) and self.quantized is None
+                and self.tp.size == 1 and fusion_enabled("fold_norm_weights", hidden.device))
+
+    def input_matrix(self) -> torch.Tensor | None:
+        """The stacked gate/up weights [E, 2I, H] that read the experts' input (for
+        ``RMSNorm.fold_into``), or None for quantized experts."""
+        return self.w13 if self.quantized is None and not self.w13.is_meta else None
 
 
 def quantized_device(quantized: Any) -> torch.device:
@@ -223,26 +250,31 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = GateUpParallelLinear(hidden_size, intermediate_size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
+    def input_matrices(self) -> list[torch.Tensor] | None:
+        return float_matrices(self.gate_up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
 
 
 class RouterFirstBlock(nn.Module):
     """A MoE block whose first GEMM is its router's (``self.gate``), so the norm before the
-    block can run in that GEMM (``forward_after_norm``); ``_experts(x, logits)`` is the
-    rest of the block."""
+    block can run in that GEMM (``forward_after_norm``); ``_experts(x, logits, residual)``
+    is the rest of the block, as an (output, residual) pair (``FusedMoE.forward_add``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._experts(x, self.gate(x))
+        return self._experts(x, self.gate(x), None)[0]
 
     def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward(norm(x, residual)) and the new residual, the norm fused into the
-        router's GEMM where the linear routine can."""
+        router's GEMM where the linear routine can, the residual added in the experts'
+        last kernel where they can (then the residual returned is None)."""
         logits, residual, x = self.gate.forward_after_norm(x, residual, norm)
-        return self._experts(x, logits), residual
+        return self._experts(x, logits, residual)
 
-    def _experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, router_logits: torch.Tensor,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
 
@@ -260,11 +292,19 @@ class SparseMoEBlock(RouterFirstBlock):
                               if shared_intermediate_size else None)
         self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size else None
 
-    def _experts(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, router_logits: torch.Tensor,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.shared_expert is None:
+            return self.experts.forward_add(x, router_logits, residual)
         out = self.experts(x, router_logits)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x), residual
+
+    def input_matrices(self) -> list[torch.Tensor] | None:
+        matrices = float_matrices(self.gate, self.shared_expert_gate,
+                                  self.shared_expert.gate_up_proj if self.shared_expert
+                                  else None)
+        experts = self.experts.input_matrix()
+        return None if matrices is None or experts is None else matrices + [experts]
 
 
 # ---- checkpoint names -------------------------------------------------------------------

@@ -14,11 +14,28 @@ from archserve.kernels.elementwise import rms_norm
 
 class RMSNorm(nn.Module):
     identity_weight = 1.0   # the weight value that leaves a normalised row unchanged
+    foldable = True         # fold_into can move the weight into the GEMMs that read the output
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.folded = False     # the weight is ones, multiplied into its readers' matrices
+
+    @torch.no_grad()
+    def fold_into(self, matrices: list[torch.Tensor]) -> None:
+        """Multiply this norm's weight g into ``matrices`` (each [..., width]: every matrix
+        that reads the normalised row, along its last dimension), then make g ones:
+        W (g * n) = (W diag g) n, so each reader gets the same product from the plain
+        normalised row n, and a GEMM with the norm in its prologue reads no weight
+        (``folded``). Products in fp32, one expert of a stacked [E, N, K] tensor at a time;
+        the result is rounded to the matrix's dtype, as the norm's output would be."""
+        g = self.weight.float()
+        for matrix in matrices:
+            for part in (matrix if matrix.dim() > 2 else (matrix,)):
+                part.copy_(part.float() * g)
+        self.weight.fill_(1.0)
+        self.folded = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +53,7 @@ class GemmaRMSNorm(RMSNorm):
     the identity (checkpoints store the offset from one)."""
 
     identity_weight = 0.0
+    foldable = False        # (1 + weight): not folded, its rows stay as Gemma computes them
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)

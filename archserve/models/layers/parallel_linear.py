@@ -155,6 +155,11 @@ class RowParallelLinear(Linear):
                       else tensor.narrow(1, self.first_column, self.in_features))
         super().load_shard(shard, param, tensor)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """As ``Linear.forward_add`` on one rank; None on several (the add follows the
+        all-reduce)."""
+        return super().forward_add(x, residual) if self.tp.size == 1 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
