@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from archserve.bench.report import write_json  # noqa: E402
 from archserve.kernels.moe.triton_fused_moe import (  # noqa: E402
     PAIR_TILE_BLOCK_NS,
     candidate_tiles,
@@ -103,6 +103,8 @@ def sweep(name: str, tokens_list: list[int], device: torch.device) -> list[dict]
             if "error" in r:
                 print(f"  failed: {r['tile']}: {r['error']}")
         rows += results
+    del w13, w2, shape
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -113,13 +115,10 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    rows = []
-    for name in args.models.split(","):
-        rows += sweep(name, [int(t) for t in args.tokens.split(",")], device)
-        torch.cuda.empty_cache()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = [row for name in args.models.split(",") for row in sweep(name, tokens, device)]
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json({"device": torch.cuda.get_device_name(device), "rows": rows}, args.out)
 
 
 if __name__ == "__main__":
