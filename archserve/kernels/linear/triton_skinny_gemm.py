@@ -124,13 +124,18 @@ def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K, stride_x
                write_residual, squares, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
                NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr):
     """The GEMM's fp32 [BLOCK_M, BLOCK_K] input at k: x (+ residual; program 0 stores the
-    sum), and with NORM its squares added to ``squares`` (the row's 1/rms is known only
-    after the last K step, and scales the sums then) and, with NORM_WEIGHT, x times the
-    norm's weight (without: the weight was folded into the GEMM's, RMSNorm.fold_into)."""
+    sum), and with NORM the sum of its squares added to ``squares`` [BLOCK_M] (the row's
+    1/rms is known only after the last K step, and scales the sums then) and, with
+    NORM_WEIGHT, x times the norm's weight (without: the weight was folded into the
+    GEMM's, RMSNorm.fold_into). The squares are summed every K step, not held per element
+    to the end: held, they took BLOCK_K / threads more registers a thread (40 -> 48 at
+    n2_k1024_w4, 48 -> 54 at n4_k512_w4; ptxas for sm_90a), one program fewer an SM, and
+    a second wave on a 5120-row QKV's 1,280 programs; summed, the prologue's registers are
+    the plain GEMV's."""
     x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_residual,
                    HAS_RESIDUAL, EVEN_K, True)
     if NORM:
-        squares += x * x
+        squares += tl.sum(x * x, axis=1)
         if NORM_WEIGHT:
             x = x * tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     return x, squares
@@ -200,7 +205,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     pdl_start(PDL)
     # Broadcast before the compare: the interpreter mistypes scalar-bool & tensor.
     first = (tl.zeros([BLOCK_M, BLOCK_K], tl.int32) + tl.program_id(0)) == 0
-    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -223,7 +228,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     y = _sum_over_k(acc, BLOCK_M)
     inv_rms = 1.0
     if NORM:
-        inv_rms = tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
+        inv_rms = tl.math.rsqrt(squares / K + eps)[:, None]
         y = y * inv_rms
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
