@@ -76,15 +76,21 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         triton_routing.triton_route(torch.zeros(1, 8), 2, True)
         # Then the same with the pair layout's alternatives: the slot-summing down kernel,
         # and gate/up as GEMVs on the CUDA cores (its experts come from the routing, the
-        # kernel right before: it reads nothing before the wait).
+        # kernel right before: it reads nothing before the wait). The last two add the
+        # block's residual where they sum the slots (FusedMoE.forward_add): read after it.
         pairs = triton_fused_moe.pair_tile(2, 32, 132)
-        for tile in (None, dataclasses.replace(pairs, down_block_n=4, down_block_k=32),
-                     dataclasses.replace(pairs, gate_up_block_n=4, gate_up_block_k=32)):
+        for tile, add in ((None, None),
+                          (dataclasses.replace(pairs, down_block_n=4, down_block_k=32), None),
+                          (dataclasses.replace(pairs, gate_up_block_n=4, gate_up_block_k=32),
+                           None),
+                          (None, torch.zeros(1, 64, dtype=torch.bfloat16)),
+                          (dataclasses.replace(pairs, down_block_n=4, down_block_k=32),
+                           torch.zeros(1, 64, dtype=torch.bfloat16))):
             triton_fused_moe.fused_experts(
                 torch.zeros(1, 64, dtype=torch.bfloat16), torch.full((1, 2), 0.5),
                 torch.tensor([[1, 3]], dtype=torch.int32),
                 torch.zeros(8, 64, 64, dtype=torch.bfloat16),
-                torch.zeros(8, 64, 32, dtype=torch.bfloat16), tile)
+                torch.zeros(8, 64, 32, dtype=torch.bfloat16), tile, add)
         # MLA decode split 2 ways with W_UV: its merge and W_UV in one kernel.
         triton_mla_decode.mla_decode(
             torch.zeros(2, 16, 576, dtype=torch.bfloat16),

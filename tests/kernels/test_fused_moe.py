@@ -322,6 +322,16 @@ def test_kernel_launches_compile_for_gpu_targets(target, dtype, monkeypatch):
             if dtype != torch.float32:
                 assert "mma" in code
         assert launches[2].code()
+    # The residual added where the slots are summed (FusedMoE.forward_add): the sum kernel
+    # and the slot-summing down kernel, with their ADD epilogue.
+    residual = torch.randn_like(x)
+    summing = dataclasses.replace(pair_tile(8, 48, 132), down_block_n=4, down_block_k=64)
+    for tile, last in ((DEFAULT_TILES[0][1], "_sum_slots_kernel"),
+                       (summing, "_down_sum_slots_kernel")):
+        with compiled_launches(target) as launches:
+            fused_moe(x, logits, w13, w2, 2, True, tile, routed, add=residual)
+        assert launches[-1].kernel == last and launches[-1].constexprs["ADD"]
+        assert launches[-1].code()
     if dtype != torch.float16:
         return
     # ARCHSERVE_REDUCE_IN_KERNEL=1: in the pair layout the down kernel sums the slots.
