@@ -15,8 +15,10 @@ read from the tuning cache at batch 1). Each config then gets:
   the kernel names of one layer.
 
 A config is a '+'-joined list of the fusions it turns on (``unfused``: none; ``all``: every
-fusion in archserve.kernels.elementwise.FUSIONS); the others are listed in
-ARCHSERVE_DISABLE_FUSIONS while it runs, exactly as a user would switch them off.
+fusion in archserve.kernels.elementwise.FUSIONS that a forward decides, ``TOGGLED``); the
+others are listed in ARCHSERVE_DISABLE_FUSIONS while it runs, exactly as a user would
+switch them off. ``fold_norm_weights`` is decided when the weights load, and this script
+builds its layers once, unfolded: it is always off here (bench with the engine for it).
 
 ``--device cpu`` is a smoke run of this script, not a measurement: the fusions run on CUDA
 only, the attention kernel needs TRITON_INTERPRET=1, one eager pass is timed and no kernel
@@ -44,16 +46,18 @@ import torch  # noqa: E402
 
 from archserve.kernels.elementwise import DISABLE_FUSIONS_ENV, FUSIONS  # noqa: E402
 
+TOGGLED = [name for name in FUSIONS if name != "fold_norm_weights"]
+
 
 def fusions_of(config: str) -> set[str]:
     if config == "unfused":
         return set()
     if config == "all":
-        return set(FUSIONS)
+        return set(TOGGLED)
     names = set(config.split("+"))
-    unknown = names - set(FUSIONS)
+    unknown = names - set(TOGGLED)
     if unknown:
-        raise SystemExit(f"unknown fusion(s) {sorted(unknown)}; known: {', '.join(FUSIONS)}")
+        raise SystemExit(f"unknown fusion(s) {sorted(unknown)}; known: {', '.join(TOGGLED)}")
     return names
 
 
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen3-0.6b,llama-3-8b",
                     help="directories under benchmarks/models (or paths) holding config.json")
-    ap.add_argument("--configs", default="unfused," + ",".join(FUSIONS) + ",all",
+    ap.add_argument("--configs", default="unfused," + ",".join(TOGGLED) + ",all",
                     help="comma-separated; each 'unfused', 'all' or fusions joined by '+'")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--context", type=int, default=512, help="tokens already in the cache")
@@ -165,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="cpu: a smoke run of the script (see the module doc), not a timing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    # Unfolded layers: the decode tuner then times the norm prologue in that form too.
+    os.environ[DISABLE_FUSIONS_ENV] = "fold_norm_weights"
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --device cpu for a smoke run)")
     configs = args.configs.split(",")

@@ -65,9 +65,10 @@ class LlamaAttention(nn.Module):
 
     def forward_after_norm(self, positions: torch.Tensor, hidden: torch.Tensor,
                            residual: torch.Tensor | None, norm: RMSNorm
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward(norm(hidden, residual)) and the new residual, the norm fused into the
-        QKV GEMM where the linear routine can."""
+        QKV GEMM where the linear routine can; the residual None where o_proj added it
+        (``add_in_last_gemm``)."""
         qkv, residual = self.qkv_proj.forward_after_norm(hidden, residual, norm)
         return add_in_last_gemm(self.o_proj, self._heads(positions, qkv), residual)
 
@@ -91,9 +92,10 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
 
     def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward(norm(x, residual)) and the new residual, the norm fused into the
-        gate/up GEMM where the linear routine can."""
+        gate/up GEMM where the linear routine can; the residual None where down_proj added
+        it (``add_in_last_gemm``)."""
         act, residual = self.gate_up_proj.forward_silu_mul_after_norm(x, residual, norm)
         return add_in_last_gemm(self.down_proj, act, residual)
 
@@ -117,7 +119,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, residual): their sum is the residual stream after the layer; residual
+        None where the layer's last GEMM added it (norm_folding.py)."""
         hidden, residual = _after_norm(self.self_attn, self.input_layernorm, hidden, residual,
                                        positions)
         return _after_norm(getattr(self, self.mlp_name), self.post_attention_layernorm,
@@ -131,9 +135,10 @@ class LlamaDecoderLayer(nn.Module):
 
 def _after_norm(block: nn.Module, norm: RMSNorm, hidden: torch.Tensor,
                 residual: torch.Tensor | None, *args: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """block(*args, norm(hidden, residual)) and the new residual; a block that can take the
-    norm into its first GEMM (``forward_after_norm``) is handed it."""
+    norm into its first GEMM (``forward_after_norm``) is handed it, and may return the
+    residual None, having added it itself."""
     after_norm = getattr(block, "forward_after_norm", None)
     if after_norm is not None:
         return after_norm(*args, hidden, residual, norm)

@@ -126,6 +126,13 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
                                                       "_latent_output_to_heads_kernel",
                                                       "_down_sum_slots_kernel")
         assert ("ld.global" in before_wait) == reads_early, launch.kernel
+    # The MoE sums' residual (ADD) is read after the wait: the loads before it are those of
+    # the same kernel without it.
+    for name in ("_sum_slots_kernel", "_down_sum_slots_kernel"):
+        early = {launch.constexprs["ADD"]: launch.code().split("griddepcontrol.wait")[0]
+                 for launch in launches if launch.kernel == name}
+        assert set(early) == {False, True}, name
+        assert early[True].count("ld.global") == early[False].count("ld.global"), name
 
 
 

@@ -20,8 +20,10 @@ from archserve.kernels.elementwise.reference import rms_norm_reference, silu_and
 from archserve.kernels.linear.skinny_choice import (
     _CACHE_VERSION,
     CUBLAS,
+    FOLDED,
     LINEAR,
     MIN_GAIN,
+    RESIDUAL,
     SILU_MUL,
     UNFUSED,
     ShapeTiming,
@@ -292,6 +294,20 @@ def test_tune_reads_a_complete_cache_without_timing(tmp_path):
     assert "0.006 ms at 1" in summary   # 3 layers x 2 µs
 
 
+def test_a_prologue_timed_in_the_other_norm_form_is_not_read(tmp_path, monkeypatch):
+    """fold_norm_weights decides which prologue form the tuner times (x alone, or with the
+    residual and the norm's weight): a shape timed in the other form is timed again."""
+    from archserve.kernels.linear.skinny_choice import _read_cache
+    key = shape_key(LINEAR, 1, 8, 16, torch.float32)
+    timing = ShapeTiming(cublas_us=5.0, triton_us={"n4_k512_w4": 3.0}, chosen="n4_k512_w4",
+                         fuse_norm=True, norm_form=FOLDED)
+    path = tmp_path / "decode_gemms.json"
+    path.write_text(json.dumps({"version": _CACHE_VERSION, "shapes": {key: vars(timing)}}))
+    assert key in _read_cache(str(path))
+    monkeypatch.setenv("ARCHSERVE_DISABLE_FUSIONS", "fold_norm_weights")
+    assert _read_cache(str(path)) == {}
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="the failure here is timing without CUDA")
 def test_a_shape_that_cannot_be_timed_stays_on_cublas_and_is_not_cached(tmp_path):
     groups = {(LINEAR, 8, 16, torch.float32): [torch.randn(8, 16)]}
@@ -337,19 +353,24 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
                                   "ADD"], "constexpr")}
     # block_m 4 also compiles the norm prologue (with a residual, keeping the normalised
     # rows: a MoE router's form; a folded norm's, without a weight, on the fp32 weight);
-    # block_m 1 without it, with the residual add in the epilogue (o_proj's form). SM90
-    # compiles the programmatic-dependent-launch form (kernels/pdl.py).
+    # block_m 1 without it, gated, and again with the residual add in the epilogue
+    # (o_proj's form). SM90 compiles the programmatic-dependent-launch form (kernels/pdl.py).
     pdl = target[:2] == ("cuda", 90)
     norm = block_m > 1
-    constexprs = {"HAS_BIAS": True, "GATED": norm, "BLOCK_M": block_m, "BLOCK_N": 4,
-                  "BLOCK_K": 256, "EVEN_K": False, "NORM": norm, "HAS_RESIDUAL": norm,
-                  "NORMED_OUT": norm, "PDL": pdl, "NORM_WEIGHT": not fp32_weight,
-                  "ADD": not norm}
     options = {"num_warps": 4, **({"launch_pdl": True} if pdl else {})}
-    compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
-                              target=GPUTarget(*target), options=options)
-    assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco")
-    if pdl:    # it waits for the kernel before it, then lets the next one launch
+    early_loads = {}
+    forms = [(False, False), (True, False), (True, True)] if not norm else [(False, False)]
+    for plain, add in forms:     # (not gated, the residual add in the epilogue)
+        constexprs = {"HAS_BIAS": True, "GATED": not plain, "BLOCK_M": block_m, "BLOCK_N": 4,
+                      "BLOCK_K": 256, "EVEN_K": False, "NORM": norm, "HAS_RESIDUAL": norm,
+                      "NORMED_OUT": norm, "PDL": pdl, "NORM_WEIGHT": not fp32_weight,
+                      "ADD": add}
+        compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
+                                  target=GPUTarget(*target), options=options)
+        assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco")
+        if not pdl:
+            continue
+        # It waits for the kernel before it, then lets the next one launch.
         ptx = compiled.asm["ptx"]
         assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
         assert compiled.metadata.launch_pdl
@@ -357,6 +378,9 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
         # before drains); nothing is stored before it.
         before_wait = ptx[:ptx.index("griddepcontrol.wait")]
         assert "ld.global" in before_wait and "st.global" not in before_wait
+        early_loads[plain, add] = before_wait.count("ld.global")
+    if pdl and not norm:   # the add's rows (the residual) are read after the wait
+        assert early_loads[True, True] == early_loads[True, False]
 
 
 # ---------------------------------------------------------------- CPU: the interpreter
@@ -662,6 +686,7 @@ def test_gpu_routine_fuses_the_norm_only_where_it_chose_the_kernel():
     w_triton = torch.randn(4096, 1024, device=dev, dtype=dtype) * 0.03
     w_cublas = torch.randn(2048, 1024, device=dev, dtype=dtype) * 0.03
     routine = SkinnyGemmRoutine()
+    routine.norm_form = RESIDUAL     # timed with a residual and the norm's weight
     config = candidate_configs(1)[0]
     routine.choices[shape_key(LINEAR, 1, 4096, 1024, dtype)] = config.key()
     routine.choices[shape_key(LINEAR, 1, 2048, 1024, dtype)] = CUBLAS
@@ -671,6 +696,11 @@ def test_gpu_routine_fuses_the_norm_only_where_it_chose_the_kernel():
         # a Triton shape whose prologue timed slower than the norm kernel declines too
         assert routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_triton) is None
         routine.fuse_norm.add(shape_key(LINEAR, 1, 4096, 1024, dtype))
+        # timed in the folded form (x alone), it declines a call that brings more rows
+        routine.norm_form = FOLDED
+        assert routine.rms_norm_linear(x, residual, None, 1e-6, w_triton) is None
+        assert routine.rms_norm_linear(x, None, None, 1e-6, w_triton) is not None
+        routine.norm_form = RESIDUAL
         y, new_residual = routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_triton)
     normed, expected_residual = rms_norm_reference(x, norm_weight, 1e-6, residual)
     assert torch.equal(new_residual, expected_residual)

@@ -122,7 +122,7 @@ def test_the_last_gemm_adds_the_residual_where_the_routine_can(operands):
     assert left is None and torch.equal(out, F.linear(x, weight) + residual[:, :8])
     linear_layers.set_linear_routine(RecordingRoutine(None))     # no linear_add: as before
     out, left = linear_layers.add_in_last_gemm(linear, x, residual[:, :8])
-    assert left is residual[:, :8] or torch.equal(left, residual[:, :8])
+    assert torch.equal(left, residual[:, :8])
     assert torch.equal(out, F.linear(x, weight))
 
 
@@ -156,3 +156,51 @@ def test_folding_keeps_the_model_and_skips_what_cannot_absorb_a_scale(tmp_path, 
     plain_layer.self_attn.qkv_proj.quant = object()      # as a quantized layer holds
     assert float_matrices(plain_layer.self_attn.qkv_proj) is None
     assert fold_norm_weights(plain) == 2 * len(plain.model.layers) - 1
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("llama", {}),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16))],
+    ids=["llama", "qwen3_moe", "qwen2_moe-shared-expert"])
+def test_blocks_that_add_the_residual_keep_the_model(tmp_path, monkeypatch, model_type,
+                                                     overrides):
+    """The decoder layers as a GPU decode runs them: o_proj and down_proj add the residual
+    in their GEMM (a routine's ``linear_add``, torch here) and the MoE adds it where it sums
+    the slots (a backend's ``add``; not past Qwen2-MoE's shared expert), returning the
+    residual None. The logits are those of the model without the fusion."""
+    from archserve.kernels.elementwise import dispatch
+    from archserve.loader.loader import load_model
+    from archserve.models.layers.moe import FusedMoE
+    from models.helpers import PagedSequences, tiny_hf_model
+    tiny_hf_model(model_type, **overrides).save_pretrained(tmp_path)
+    monkeypatch.setenv("ARCHSERVE_DISABLE_FUSIONS", "fold_norm_weights")
+    plain, config = load_model(str(tmp_path), torch.float32, "cpu")
+    expected = PagedSequences.for_config(config).run(plain, {0: [1, 5, 9, 2]})
+    monkeypatch.delenv("ARCHSERVE_DISABLE_FUSIONS")
+    model, _ = load_model(str(tmp_path), torch.float32, "cpu")
+    monkeypatch.setattr(dispatch, "fusion_enabled", lambda name, device: True)
+    adds = []
+
+    class Adding(AddingRoutine):
+        def linear_add(self, x, weight, bias, add):
+            adds.append("gemm")
+            return super().linear_add(x, weight, bias, add)
+    linear_layers.set_linear_routine(Adding(None))
+    for experts in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        impl = experts.impl()
+
+        def forward(*args, add=None, _forward=impl.forward, **kwargs):
+            out = _forward(*args, **kwargs)
+            if add is None:
+                return out
+            adds.append("moe")
+            return out + add
+        monkeypatch.setattr(impl, "forward", forward, raising=False)
+        monkeypatch.setattr(impl, "adds_residual", True, raising=False)
+    got = PagedSequences.for_config(config).run(model, {0: [1, 5, 9, 2]})
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    layers = len(model.model.layers)
+    assert adds.count("gemm") == (2 * layers if model_type == "llama" else layers)
+    assert adds.count("moe") == (layers if model_type == "qwen3_moe" else 0)

@@ -51,7 +51,8 @@ FUSIONS = {
                       "gate/up, a MoE router, MLA's kv_a)"),
     # Decided when the model is built, on any device (TORCH_MOE runs them too).
     "shared_experts": "DeepSeek's shared experts stacked with the routed ones in the fused MoE",
-    # Decided when the weights are loaded, on any device (models/layers/norm_folding.py).
+    # The folding is decided when the weights load, on any device; the residual add per
+    # call, where the fused kernels' route is Triton (models/layers/norm_folding.py).
     "fold_norm_weights": ("an RMSNorm's weight multiplied into the 16/32-bit GEMMs that read "
                           "its output (its own weight then ones), and a decoder block's "
                           "residual add in its last GEMM or MoE kernel where they can"),

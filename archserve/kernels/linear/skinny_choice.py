@@ -98,10 +98,12 @@ class ShapeTiming:
     rows: int = 1
     calls: int = 1          # weights of this shape: calls per decode step
     # The chosen Triton config with the RMSNorm in its prologue, and after the norm
-    # kernel (µs per call); the prologue runs only where fuse_norm says so.
+    # kernel (µs per call); the prologue runs only where fuse_norm says so, and only for
+    # calls of the form it was timed in (norm_form: FOLDED or RESIDUAL, _prologue_form).
     norm_fused_us: float = 0.0
     norm_separate_us: float = 0.0
     fuse_norm: bool = False
+    norm_form: str = ""
 
     def gain_us(self) -> float:
         """Device time the choice saves per decode step (all calls of this shape)."""
@@ -138,6 +140,7 @@ class SkinnyGemmRoutine:
     def __init__(self, device=None, spec=None) -> None:
         self.choices: dict[str, str] = {}   # shape_key -> config key or CUBLAS
         self.fuse_norm: set[str] = set()    # shape keys whose norm runs in the prologue
+        self.norm_form = _prologue_form()   # the calls it was timed for (_time_norm_prologue)
         self.report: TuneReport | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
@@ -183,6 +186,11 @@ class SkinnyGemmRoutine:
         kind = SILU_MUL if silu_mul else LINEAR
         chosen = self._choice(kind, x, weight, bias)
         if chosen is None or _key(kind, x, weight) not in self.fuse_norm:
+            return None
+        if self.norm_form == FOLDED and (residual is not None or norm_weight is not None):
+            # Timed reading x alone: with a residual (the block before could not add it)
+            # or a weight (a norm that could not fold) the prologue reads more rows, which
+            # on a wide GEMV cost more than the norm kernel; that form was not timed.
             return None
         from archserve.kernels.linear.triton_skinny_gemm import norm_unsupported
         if norm_unsupported(x, residual, norm_weight, weight) is not None:
@@ -358,12 +366,12 @@ def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, weight:
     so the prologue reads one row and no weight; otherwise it adds the residual and reads
     the norm's weight."""
     from archserve.kernels.elementwise import rms_norm
-    from archserve.kernels.elementwise.dispatch import fusion_not_disabled
     from archserve.kernels.linear.triton_skinny_gemm import norm_unsupported
     # The weight first: the norm kernels read it before PDL's wait (kernels/pdl.py), so the
     # kernel launched right before their first call must not be the one that wrote it.
     norm_weight = torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
-    folded = fusion_not_disabled("fold_norm_weights")
+    timing.norm_form = _prologue_form()
+    folded = timing.norm_form == FOLDED
     residual = None if folded else torch.randn_like(x)
     unsupported = norm_unsupported(x, residual, norm_weight, weight)
     if unsupported is not None:
@@ -386,7 +394,23 @@ def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, weight:
 
 
 def _read_cache(path: str | None) -> dict[str, ShapeTiming]:
-    return read_cache(path, _CACHE_VERSION, "shapes", ShapeTiming)
+    """The cached timings whose norm prologue was timed in this start's form (a start with
+    ``fold_norm_weights`` toggled times its shapes again)."""
+    form = _prologue_form()
+    return {key: timing for key, timing in
+            read_cache(path, _CACHE_VERSION, "shapes", ShapeTiming).items()
+            if timing.norm_form in (form, "")}
+
+
+# The norm prologue's two forms. FOLDED: the fusion fold_norm_weights is on, so the norm's
+# weight is in the GEMM's and the block before added the residual: the prologue reads x
+# alone. RESIDUAL: it adds the residual and reads the norm's weight.
+FOLDED, RESIDUAL = "folded", "residual"
+
+
+def _prologue_form() -> str:
+    from archserve.kernels.elementwise.dispatch import fusion_not_disabled
+    return FOLDED if fusion_not_disabled("fold_norm_weights") else RESIDUAL
 
 
 def _write_cache(path: str, timings: dict[str, ShapeTiming]) -> None:

@@ -222,7 +222,9 @@ def choose_tile(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor
 def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor
                     ) -> list[MoETile]:
     """``choose_tile`` first, then the others the tuner times for this batch: where the
-    pair layout is the default, its other widths and the sorted default; near the boundary
+    pair layout is the default, its other widths, the sorted default, and each gate/up
+    kernel (tl.dot, GATE_UP_GEMV_TILES) with each down (tl.dot then the sum,
+    SUM_DOWN_TILES); near the boundary
     (up to twice PAIR_ROWS_MAX_PAIRS pairs), the sorted tiles and two pair tiles."""
     default = choose_tile(num_tokens, top_k, w13, w2)
     pairs = num_tokens * top_k

@@ -225,7 +225,10 @@ class FusedMoE(nn.Module):
     def input_matrix(self) -> torch.Tensor | None:
         """The stacked gate/up weights [E, 2I, H] that read the experts' input (for
         ``RMSNorm.fold_into``), or None for quantized experts."""
-        return self.w13 if self.quantized is None and not self.w13.is_meta else None
+        from archserve.models.layers.norm_folding import FOLDABLE_DTYPES
+        if self.quantized is not None or self.w13.is_meta or self.w13.dtype not in FOLDABLE_DTYPES:
+            return None
+        return self.w13
 
 
 def quantized_device(quantized: Any) -> torch.device:

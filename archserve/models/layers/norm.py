@@ -28,12 +28,15 @@ class RMSNorm(nn.Module):
         that reads the normalised row, along its last dimension), then make g ones:
         W (g * n) = (W diag g) n, so each reader gets the same product from the plain
         normalised row n, and a GEMM with the norm in its prologue reads no weight
-        (``folded``). Products in fp32, one expert of a stacked [E, N, K] tensor at a time;
-        the result is rounded to the matrix's dtype, as the norm's output would be."""
+        (``folded``). Products in fp32, rounded to the matrix's dtype: so a 16-bit model
+        rounds W g where the unfolded one rounds n g, and its outputs differ from the
+        unfolded ones by about that rounding. A few thousand rows at a time (a stacked
+        [E, N, K] tensor one expert at a time), so the fp32 copies stay small."""
         g = self.weight.float()
         for matrix in matrices:
             for part in (matrix if matrix.dim() > 2 else (matrix,)):
-                part.copy_(part.float() * g)
+                for rows in part.split(4096):
+                    rows.copy_(rows.float() * g)
         self.weight.fill_(1.0)
         self.folded = True
 

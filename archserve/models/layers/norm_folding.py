@@ -27,11 +27,14 @@ from torch import nn
 from archserve.kernels.elementwise.dispatch import fusion_not_disabled
 
 FUSION = "fold_norm_weights"
+# What a reader's matrix may be to absorb a norm's weight: 16- and 32-bit floats (an fp8
+# weight would need its scales recomputed).
+FOLDABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def float_matrices(*modules: nn.Module | None) -> list[torch.Tensor] | None:
     """The weights of ``modules`` (those that are not None) as ``RMSNorm.fold_into`` takes
-    them, or None where one cannot absorb a scale: quantized, not floating point, or not
+    them, or None where one cannot absorb a scale: quantized, not a 16/32-bit float, or not
     materialised."""
     matrices = []
     for module in modules:
@@ -39,7 +42,7 @@ def float_matrices(*modules: nn.Module | None) -> list[torch.Tensor] | None:
             continue
         weight = getattr(module, "weight", None)
         if (getattr(module, "quant", None) is not None or weight is None
-                or not weight.is_floating_point() or weight.is_meta):
+                or weight.dtype not in FOLDABLE_DTYPES or weight.is_meta):
             return None
         matrices.append(weight)
     return matrices
