@@ -37,7 +37,6 @@ from archserve.models.layers.moe import (
     Router,
     RouterFirstBlock,
 )
-from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.mixtral import MoEFamily, MoEForCausalLM, MoEModel
 
 if TYPE_CHECKING:
@@ -99,11 +98,9 @@ class DeepseekMoE(RouterFirstBlock):
             return self.experts.forward_add(x, logits, residual, grouping)
         return self.experts(x, logits, grouping) + self.shared_experts(x), residual
 
-    def input_matrices(self) -> list[torch.Tensor] | None:
-        matrices = float_matrices(self.gate, self.shared_experts.gate_up_proj
-                                  if self.shared_experts is not None else None)
-        experts = self.experts.input_matrix()
-        return None if matrices is None or experts is None else matrices + [experts]
+    def _other_readers(self) -> tuple[nn.Module | None, ...]:
+        shared = self.shared_experts
+        return (shared.gate_up_proj if shared is not None else None,)
 
 
 _SHARED_EXPERT = re.compile(r"^(?P<mlp>.*\.mlp)\.shared_experts\."

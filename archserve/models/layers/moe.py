@@ -253,9 +253,6 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = GateUpParallelLinear(hidden_size, intermediate_size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
-    def input_matrices(self) -> list[torch.Tensor] | None:
-        return float_matrices(self.gate_up_proj)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
 
@@ -280,6 +277,18 @@ class RouterFirstBlock(nn.Module):
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
+    def input_matrices(self) -> list[torch.Tensor] | None:
+        """The matrices that read the block's input (norm_folding.py): the router's, the
+        routed experts' gate/up, and those of ``_other_readers``."""
+        matrices = float_matrices(self.gate, *self._other_readers())
+        experts = self.experts.input_matrix()
+        return None if matrices is None or experts is None else matrices + [experts]
+
+    def _other_readers(self) -> tuple[nn.Module | None, ...]:
+        """The block's modules besides the router and the routed experts that read its
+        input (None entries are skipped)."""
+        return ()
+
 
 class SparseMoEBlock(RouterFirstBlock):
     """Router + routed experts (+ a shared expert scaled by its sigmoid gate, Qwen2-MoE)."""
@@ -302,12 +311,9 @@ class SparseMoEBlock(RouterFirstBlock):
         out = self.experts(x, router_logits)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x), residual
 
-    def input_matrices(self) -> list[torch.Tensor] | None:
-        matrices = float_matrices(self.gate, self.shared_expert_gate,
-                                  self.shared_expert.gate_up_proj if self.shared_expert
-                                  else None)
-        experts = self.experts.input_matrix()
-        return None if matrices is None or experts is None else matrices + [experts]
+    def _other_readers(self) -> tuple[nn.Module | None, ...]:
+        shared = self.shared_expert
+        return (self.shared_expert_gate, shared.gate_up_proj if shared is not None else None)
 
 
 # ---- checkpoint names -------------------------------------------------------------------
