@@ -130,8 +130,9 @@ def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K, stride_x
     GEMM's, RMSNorm.fold_into). The squares are summed every K step, not held per element
     to the end: held, they took BLOCK_K / threads more registers a thread (40 -> 48 at
     n2_k1024_w4, 48 -> 54 at n4_k512_w4; ptxas for sm_90a), one program fewer an SM, and
-    a second wave on a 5120-row QKV's 1,280 programs; summed, the prologue's registers are
-    the plain GEMV's."""
+    a second wave on a 5120-row QKV's 1,280 programs; summed, the prologue takes the
+    plain GEMV's registers at n2_k1024_w4, n4_k512_w4 and n2_k2048_w8 (n1_k2048_w4, one K
+    step, still 56 to 40)."""
     x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_residual,
                    HAS_RESIDUAL, EVEN_K, True)
     if NORM:
