@@ -135,15 +135,6 @@ step moe_qwen3_unfolded 75 180 env ARCHSERVE_DISABLE_FUSIONS=fold_norm_weights \
   --out "$D/moe_qwen3_unfolded.json"
 step mla_engine_unfolded 80 200 env ARCHSERVE_DISABLE_FUSIONS=fold_norm_weights \
   python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_unfolded.json"
-# Without the L2 prefetch of the output projection's weight during attention (session 22:
-# kernels/l2_prefetch.py), the MoE and MLA rows and the 8B's batch-1 step.
-step moe_qwen3_no_prefetch 75 180 env ARCHSERVE_DISABLE_FUSIONS=l2_prefetch_o_proj \
-  python3 benchmarks/moe_perf.py --part engine --models qwen3-30b-a3b --skip-peer \
-  --out "$D/moe_qwen3_no_prefetch.json"
-step mla_engine_no_prefetch 80 200 env ARCHSERVE_DISABLE_FUSIONS=l2_prefetch_o_proj \
-  python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_no_prefetch.json"
-step llama8b_b1_no_prefetch 70 180 env ARCHSERVE_DISABLE_FUSIONS=l2_prefetch_o_proj \
-  $AS bench $E8 $B1 --output-json "$D/llama8b_b1_no_prefetch.json"
 # Where the 0.6B's batch-1 step goes, kernel by kernel (device time per step, top kernels).
 step profile_06b_b1 60 150 python3 benchmarks/profile_engine_step.py --model $Q06 \
   --load-format dummy --dtype bfloat16 --batch-sizes 1 --input-len 128 --steps 20 \

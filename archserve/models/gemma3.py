@@ -21,7 +21,6 @@ from torch import nn
 
 from archserve.kernels.elementwise import gelu_tanh_and_mul
 from archserve.models.layers.attention import Attention
-from archserve.models.layers.linear import prefetch_weight_during_attention
 from archserve.models.layers.norm import GemmaRMSNorm
 from archserve.models.layers.parallel_embedding import VocabParallelEmbedding
 from archserve.models.layers.parallel_linear import (
@@ -65,7 +64,6 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        prefetch_weight_during_attention(self.o_proj, hidden.shape[0])
         q = self._per_head_norm(self.q_norm, q)
         k = self._per_head_norm(self.k_norm, k)
         q, k = self.rotary_emb(positions, q, k)

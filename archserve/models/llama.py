@@ -16,11 +16,7 @@ from torch import nn
 
 from archserve.models.layers.attention import Attention
 from archserve.models.layers.kv_scales import KVCacheScales, checkpoint_kv_scale
-from archserve.models.layers.linear import (
-    Linear,
-    add_in_last_gemm,
-    prefetch_weight_during_attention,
-)
+from archserve.models.layers.linear import Linear, add_in_last_gemm
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.layers.parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -81,7 +77,6 @@ class LlamaAttention(nn.Module):
 
     def _heads(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """The attention's output heads, o_proj's input."""
-        prefetch_weight_during_attention(self.o_proj, qkv.shape[0])
         return self.attn.forward_qkv(positions, qkv, self.rotary_emb, self.q_norm, self.k_norm)
 
 

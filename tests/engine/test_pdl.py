@@ -43,18 +43,14 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
     with W_UV. Each waits for the kernel before it, then lets the next one launch."""
     from triton_compile import compiled_launches
 
-    from archserve.kernels import l2_prefetch
     from archserve.kernels.attention import triton_decode, triton_qk_norm_rope_cache
     from archserve.kernels.elementwise import triton_rms_norm
     from archserve.kernels.mla import triton_mla_decode, triton_mla_output
     from archserve.kernels.moe import triton_fused_moe, triton_routing
 
     for module in (triton_decode, triton_qk_norm_rope_cache, triton_rms_norm,
-                   triton_mla_decode, triton_mla_output, triton_fused_moe, triton_routing,
-                   l2_prefetch):
+                   triton_mla_decode, triton_mla_output, triton_fused_moe, triton_routing):
         monkeypatch.setattr(module, "pdl_enabled", lambda device: True)
-    monkeypatch.setattr(l2_prefetch, "l2_prefetch_supported", lambda device: True)
-    monkeypatch.setattr(l2_prefetch, "l2_bytes", lambda device: 50 << 20)
     heads, kv_heads, head = 4, 2, 64
     cache = torch.zeros(2, 4, 16, kv_heads, head, dtype=torch.bfloat16)
     tables, lens = torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
@@ -102,14 +98,12 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
             torch.arange(3, dtype=torch.int32), torch.zeros(2, 16, 512, dtype=torch.bfloat16),
             num_seqs=2, max_seq_len=64, scale=0.1, num_splits=2,
             w_uv=torch.zeros(16, 128, 512, dtype=torch.bfloat16))
-        # The output projection's weight asked of L2 during attention (after the wait).
-        l2_prefetch.prefetch_into_l2(torch.zeros(64, 64, dtype=torch.bfloat16))
     names = [launch.kernel for launch in launches]
     assert names[:5] == ["_decode_kernel", "_merge_splits_kernel", "_qk_norm_rope_cache_kernel",
                          "_rms_norm_kernel", "_mla_decode_kernel"], names
     assert {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel",
             "_down_sum_slots_kernel", "_gate_up_gemv_kernel",
-            "_latent_output_to_heads_kernel", "_l2_prefetch_kernel"} <= set(names)
+            "_latent_output_to_heads_kernel"} <= set(names)
     for launch in launches:
         assert launch.options.get("launch_pdl") and launch.constexprs["PDL"], launch.kernel
         ptx = launch.code()

@@ -56,9 +56,6 @@ FUSIONS = {
     "fold_norm_weights": ("an RMSNorm's weight multiplied into the 16/32-bit GEMMs that read "
                           "its output (its own weight then ones), and a decoder block's "
                           "residual add in its last GEMM or MoE kernel where they can"),
-    # NVIDIA SM90+, decode batches (models/layers/linear.py: prefetch_weight_during_attention).
-    "l2_prefetch_o_proj": ("the attention output projection's weight asked of L2 right after "
-                           "the QKV GEMM, so it streams while attention reads almost nothing"),
 }
 
 

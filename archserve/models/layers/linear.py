@@ -107,26 +107,6 @@ def add_in_last_gemm(linear: Linear, x: torch.Tensor, residual: torch.Tensor | N
     return linear(x), residual
 
 
-# The most rows of a step for which ``prefetch_weight_during_attention`` asks L2 for the
-# output projection's weight: at decode batches that weight's bytes are the GEMM's time and
-# the attention kernels before it leave DRAM idle; with more rows attention reads the KV of
-# every sequence, and the GEMM is no longer a stream of its weight.
-PREFETCH_MAX_ROWS = 8
-
-
-def prefetch_weight_during_attention(linear: nn.Module, rows: int) -> None:
-    """Right after the QKV (or MLA query) GEMM of a decode step: ask L2 for ``linear``'s
-    weight (the output projection), which streams while attention runs, so its GEMM reads
-    it from L2 (fusion ``l2_prefetch_o_proj``, kernels/l2_prefetch.py). Dense weights on
-    NVIDIA SM90+ only; elsewhere nothing runs."""
-    weight = getattr(linear, "weight", None)
-    if (rows > PREFETCH_MAX_ROWS or not isinstance(weight, torch.Tensor)
-            or not fusion_enabled("l2_prefetch_o_proj", weight.device)):
-        return
-    from archserve.kernels import l2_prefetch
-    l2_prefetch.prefetch_into_l2(weight)
-
-
 def apply_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                           weight: torch.Tensor, bias: torch.Tensor | None = None,
                           silu_mul: bool = False, keep_normed: bool = False

@@ -28,12 +28,7 @@ from archserve.distributed.layout import split_heads
 from archserve.distributed.parallel_state import get_tp
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.kv_scales import KVCacheScales
-from archserve.models.layers.linear import (
-    DenseMatrix,
-    Linear,
-    add_in_last_gemm,
-    prefetch_weight_during_attention,
-)
+from archserve.models.layers.linear import DenseMatrix, Linear, add_in_last_gemm
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -137,7 +132,6 @@ class MLAAttention(nn.Module, KVCacheScales):
         q = self._query(hidden)
         if kv_a is None:
             kv_a = self.kv_a_proj_with_mqa(hidden)
-        prefetch_weight_during_attention(self.o_proj, t)
         w_uk, w_uv = self._absorbed_weights()
         ctx = get_forward_context()
         # An implementation that takes a decode step from the projections themselves does
