@@ -287,7 +287,7 @@ def test_tune_reads_a_complete_cache_without_timing(tmp_path):
     assert report.from_cache and len(report.timings) == 4
     assert routine.choices[shape_key(LINEAR, 1, 8, 16, torch.float32)] == "n4_k512_w4"
     assert routine.choices[shape_key(SILU_MUL, 2, 16, 8, torch.float32)] == CUBLAS
-    assert routine.fuse_norm == {shape_key(LINEAR, 1, 8, 16, torch.float32)}
+    assert routine.norm_choices == {shape_key(LINEAR, 1, 8, 16, torch.float32): "n4_k512_w4"}
     summary = report.summary()
     assert "Triton GEMV for 2 of 4" in summary and "cached" in summary
     assert "prologue for 1 of 2" in summary
@@ -597,7 +597,9 @@ def test_gpu_tune_chooses_per_shape_caches_and_replays_in_a_graph(tmp_path):
             assert timing.norm_fused_us > 0 and timing.norm_separate_us > 0, (key, timing)
             assert timing.fuse_norm == \
                 (timing.norm_fused_us < timing.norm_separate_us * (1 - MIN_GAIN))
-            assert (key in routine.fuse_norm) == timing.fuse_norm
+            assert (key in routine.norm_choices) == timing.fuse_norm
+            if timing.fuse_norm:   # the prologue's own fastest tile, among the timed ones
+                assert routine.norm_choices[key] == timing.norm_choice in timing.triton_us
     again = SkinnyGemmRoutine().tune(groups, [1, 2], path)
     assert again.from_cache
     assert {k: t.chosen for k, t in again.timings.items()} == \
@@ -695,7 +697,7 @@ def test_gpu_routine_fuses_the_norm_only_where_it_chose_the_kernel():
         assert routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_cublas) is None
         # a Triton shape whose prologue timed slower than the norm kernel declines too
         assert routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_triton) is None
-        routine.fuse_norm.add(shape_key(LINEAR, 1, 4096, 1024, dtype))
+        routine.norm_choices[shape_key(LINEAR, 1, 4096, 1024, dtype)] = config.key()
         # timed in the folded form (x alone), it declines a call that brings more rows
         routine.norm_form = FOLDED
         assert routine.rms_norm_linear(x, residual, None, 1e-6, w_triton) is None

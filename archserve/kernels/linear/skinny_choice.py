@@ -54,8 +54,9 @@ UNFUSED = "unfused:"
 # A Triton config must beat cuBLAS by this fraction: below it, timing noise decides.
 MIN_GAIN = 0.03
 # 7: the look-ahead configs (keys ending "_p") are gone; 8: the norm prologue timed as a
-# folded norm's, on the residual stream's one row (fold_norm_weights)
-_CACHE_VERSION = 8
+# folded norm's, on the residual stream's one row (fold_norm_weights); 9: the prologue
+# timed at every choice (norm_choice)
+_CACHE_VERSION = 9
 
 # (kind, out_features, in_features, dtype) -> every weight of that kind and shape
 WeightGroups = dict[tuple[str, int, int, torch.dtype], list[torch.Tensor]]
@@ -97,13 +98,17 @@ class ShapeTiming:
     note: str = ""
     rows: int = 1
     calls: int = 1          # weights of this shape: calls per decode step
-    # The chosen Triton config with the RMSNorm in its prologue, and after the norm
-    # kernel (µs per call); the prologue runs only where fuse_norm says so, and only for
-    # calls of the form it was timed in (norm_form: FOLDED or RESIDUAL, _prologue_form).
+    # The RMSNorm in a Triton choice's prologue (norm_choice: the fastest of every timed
+    # choice with it, norm_fused_us) against the norm kernel then the chosen choice
+    # (norm_separate_us), µs per call; the prologue runs only where fuse_norm says so, and
+    # only for calls of the form it was timed in (norm_form: FOLDED or RESIDUAL,
+    # _prologue_form). Its best tile need not be the GEMV's: the prologue's cost grows
+    # with the GEMV's programs and its K steps (docs/benchmarks.md, session 22).
     norm_fused_us: float = 0.0
     norm_separate_us: float = 0.0
     fuse_norm: bool = False
     norm_form: str = ""
+    norm_choice: str = ""
 
     def gain_us(self) -> float:
         """Device time the choice saves per decode step (all calls of this shape)."""
@@ -139,7 +144,8 @@ class SkinnyGemmRoutine:
 
     def __init__(self, device=None, spec=None) -> None:
         self.choices: dict[str, str] = {}   # shape_key -> config key or CUBLAS
-        self.fuse_norm: set[str] = set()    # shape keys whose norm runs in the prologue
+        # shape key -> the Triton choice that runs it with the norm in its prologue
+        self.norm_choices: dict[str, str] = {}
         self.norm_form = _prologue_form()   # the calls it was timed for (_time_norm_prologue)
         self.report: TuneReport | None = None
 
@@ -184,8 +190,10 @@ class SkinnyGemmRoutine:
         prologue timed slower than the norm kernel (then the norm kernel runs first, as
         always)."""
         kind = SILU_MUL if silu_mul else LINEAR
-        chosen = self._choice(kind, x, weight, bias)
-        if chosen is None or _key(kind, x, weight) not in self.fuse_norm:
+        if self._choice(kind, x, weight, bias) is None:
+            return None
+        norm_choice = self.norm_choices.get(_key(kind, x, weight))
+        if norm_choice is None:
             return None
         if self.norm_form == FOLDED and (residual is not None or norm_weight is not None):
             # Timed reading x alone: with a residual (the block before could not add it)
@@ -195,8 +203,8 @@ class SkinnyGemmRoutine:
         from archserve.kernels.linear.triton_skinny_gemm import norm_unsupported
         if norm_unsupported(x, residual, norm_weight, weight) is not None:
             return None
-        return norm_prologue(kind, chosen)(x, residual, norm_weight, eps, weight, bias,
-                                           keep_normed)
+        return norm_prologue(kind, norm_choice)(x, residual, norm_weight, eps, weight, bias,
+                                                keep_normed)
 
     def _triton(self, kind: str, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None):
@@ -256,7 +264,8 @@ class SkinnyGemmRoutine:
                                                        if k not in failed}})
         report.seconds = time.perf_counter() - start
         self.choices.update({key: t.chosen for key, t in report.timings.items()})
-        self.fuse_norm.update(key for key, t in report.timings.items() if t.fuse_norm)
+        self.norm_choices.update({key: t.norm_choice or t.chosen
+                                  for key, t in report.timings.items() if t.fuse_norm})
         self.report = report
         return report
 
@@ -358,10 +367,10 @@ def time_shape(kind: str, rows: int, weights: list[torch.Tensor], iters: int = 1
 
 def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, weight: torch.Tensor,
                         per_call_us) -> None:
-    """The chosen config with RMSNorm in its prologue, against the norm kernel then the
-    same config (as the decoder layer runs them); the prologue is chosen where it is faster
-    by MIN_GAIN. A prologue that fails, or cannot take these operands, is not chosen, and
-    said. Timed in the form a decode step runs it: where the norm weights are folded into
+    """Each timed Triton choice with RMSNorm in its prologue, the fastest against the norm
+    kernel then the chosen choice (as the decoder layer runs them); the prologue is chosen
+    where it is faster by MIN_GAIN. A prologue that fails, disagrees with the norm kernel
+    then the GEMM, or cannot take these operands, is not chosen, and said. Timed in the form a decode step runs it: where the norm weights are folded into
     the GEMMs (``fold_norm_weights``), the layer's last GEMM before has added the residual,
     so the prologue reads one row and no weight; otherwise it adds the residual and reads
     the norm's weight."""
@@ -377,20 +386,30 @@ def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, weight:
     if unsupported is not None:
         timing.note += f"norm prologue: {unsupported}; "
         return
-    run, fused = implementation(kind, timing.chosen), norm_prologue(kind, timing.chosen)
+    run = implementation(kind, timing.chosen)
 
     def separate(w):
         normed, new_residual = rms_norm(x, norm_weight, 1e-6, residual)
         return run(normed, w, None), new_residual
     timing.norm_separate_us = per_call_us(separate)
-    try:
-        prologue_weight = None if folded else norm_weight
-        timing.norm_fused_us = per_call_us(
-            lambda w: fused(x, residual, prologue_weight, 1e-6, w, None))
-    except Exception as exc:  # noqa: BLE001 - the norm kernel serves, and the note says why
-        timing.note += f"norm prologue: {type(exc).__name__}: {exc}; "
-        return
-    timing.fuse_norm = timing.norm_fused_us < timing.norm_separate_us * (1 - MIN_GAIN)
+    expected = separate(weight)[0].float()
+    prologue_weight = None if folded else norm_weight
+    for choice in timing.triton_us:     # the choices that ran and agreed with cuBLAS
+        fused = norm_prologue(kind, choice)
+        try:
+            got = fused(x, residual, prologue_weight, 1e-6, weight, None)[0].float()
+            if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max()):
+                timing.note += f"norm prologue {choice}: disagrees with the norm kernel; "
+                continue
+            us = per_call_us(lambda w, fused=fused: fused(x, residual, prologue_weight, 1e-6,
+                                                          w, None))
+        except Exception as exc:  # noqa: BLE001 - the norm kernel serves, and the note says why
+            timing.note += f"norm prologue {choice}: {type(exc).__name__}: {exc}; "
+            continue
+        if not timing.norm_choice or us < timing.norm_fused_us:
+            timing.norm_choice, timing.norm_fused_us = choice, us
+    timing.fuse_norm = bool(timing.norm_choice) and (
+        timing.norm_fused_us < timing.norm_separate_us * (1 - MIN_GAIN))
 
 
 def _read_cache(path: str | None) -> dict[str, ShapeTiming]:
