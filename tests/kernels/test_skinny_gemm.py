@@ -294,6 +294,28 @@ def test_tune_reads_a_complete_cache_without_timing(tmp_path):
     assert "0.006 ms at 1" in summary   # 3 layers x 2 µs
 
 
+def test_a_cached_prologue_runs_at_its_own_choice(tmp_path):
+    """The prologue's fastest tile need not be the GEMV's: the routine keeps the one the
+    cache names for it (norm_choice), and none for a shape whose prologue lost."""
+    key = shape_key(LINEAR, 1, 8, 16, torch.float32)
+    lost = shape_key(LINEAR, 1, 32, 16, torch.float32)
+    shapes = {key: ShapeTiming(cublas_us=5.0, triton_us={"n4_k512_w4": 3.0, "n1_k2048_w4": 3.2},
+                               chosen="n4_k512_w4", fuse_norm=True, norm_form=FOLDED,
+                               norm_choice="n1_k2048_w4"),
+              lost: ShapeTiming(cublas_us=5.0, triton_us={"n4_k512_w4": 3.0},
+                                chosen="n4_k512_w4", norm_form=FOLDED,
+                                norm_choice="n4_k512_w4")}
+    path = tmp_path / "decode_gemms.json"
+    path.write_text(json.dumps({"version": _CACHE_VERSION,
+                                "shapes": {k: vars(v) for k, v in shapes.items()}}))
+    routine = SkinnyGemmRoutine()
+    groups = {(LINEAR, 8, 16, torch.float32): [torch.randn(8, 16)],
+              (LINEAR, 32, 16, torch.float32): [torch.randn(32, 16)]}
+    assert routine.tune(groups, [1], str(path)).from_cache
+    assert routine.norm_choices == {key: "n1_k2048_w4"}
+    assert routine.choices[key] == "n4_k512_w4"
+
+
 def test_a_prologue_timed_in_the_other_norm_form_is_not_read(tmp_path, monkeypatch):
     """fold_norm_weights decides which prologue form the tuner times (x alone, or with the
     residual and the norm's weight): a shape timed in the other form is timed again."""
@@ -678,9 +700,18 @@ def test_gpu_folded_norm_prologue_and_add_epilogue(n, k, rows):
 
 @gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_routine_fuses_the_norm_only_where_it_chose_the_kernel():
+def test_gpu_routine_fuses_the_norm_only_where_it_chose_the_kernel(monkeypatch):
     """rms_norm_linear: the fused kernel for a shape tuned to Triton (inside the graph
-    scope), None for a cuBLAS shape or outside the scope (the caller then runs the norm)."""
+    scope), None for a cuBLAS shape or outside the scope (the caller then runs the norm);
+    the prologue runs at its own timed choice, not the GEMV's."""
+    from archserve.kernels.linear import skinny_choice
+    ran = []
+
+    def spy(kind, choice):
+        ran.append(choice)
+        return norm_prologue(kind, choice)
+    norm_prologue = skinny_choice.norm_prologue
+    monkeypatch.setattr(skinny_choice, "norm_prologue", spy)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     x = torch.randn(1, 1024, device=dev, dtype=dtype)
     residual = torch.randn_like(x)
@@ -697,13 +728,16 @@ def test_gpu_routine_fuses_the_norm_only_where_it_chose_the_kernel():
         assert routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_cublas) is None
         # a Triton shape whose prologue timed slower than the norm kernel declines too
         assert routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_triton) is None
-        routine.norm_choices[shape_key(LINEAR, 1, 4096, 1024, dtype)] = config.key()
+        prologue_config = candidate_configs(1)[-1]
+        assert prologue_config != config
+        routine.norm_choices[shape_key(LINEAR, 1, 4096, 1024, dtype)] = prologue_config.key()
         # timed in the folded form (x alone), it declines a call that brings more rows
         routine.norm_form = FOLDED
         assert routine.rms_norm_linear(x, residual, None, 1e-6, w_triton) is None
         assert routine.rms_norm_linear(x, None, None, 1e-6, w_triton) is not None
         routine.norm_form = RESIDUAL
         y, new_residual = routine.rms_norm_linear(x, residual, norm_weight, 1e-6, w_triton)
+    assert ran == [prologue_config.key()] * 2
     normed, expected_residual = rms_norm_reference(x, norm_weight, 1e-6, residual)
     assert torch.equal(new_residual, expected_residual)
     torch.testing.assert_close(y, skinny_gemm(normed, w_triton, None, config), rtol=3e-2,
