@@ -42,17 +42,19 @@ def load_tokenizer(model_path: str | None = None) -> Any:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
-                        add_generation_prompt: bool = True, tokenize: bool = True
-                        ) -> list[int] | str:
+                        add_generation_prompt: bool = True, tokenize: bool = True,
+                        continue_final_message: bool = False) -> list[int] | str:
     """Render ``messages`` with the tokenizer's chat template; token ids or the text.
 
     The template already writes any BOS it wants, so the text is encoded without adding
-    special tokens again.
+    special tokens again. ``continue_final_message``: the last message is left open (its
+    end-of-turn cut), so generation continues its text.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
+    extra = {"continue_final_message": True} if continue_final_message else {}
     text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **extra)
     if not tokenize:
         return text
     return tokenizer.encode(text, add_special_tokens=False)

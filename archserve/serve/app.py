@@ -178,7 +178,8 @@ def build_app(ctx: ServingContext) -> RequestGuard:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("send exactly one of 'prompt' or 'messages'")
         if body.messages is not None:
-            ids = render_chat_prompt(ctx, body.messages, body.add_generation_prompt)
+            ids = render_chat_prompt(ctx, body.messages, body.add_generation_prompt,
+                                     continue_final_message=body.continue_final_message)
         else:
             ids = ctx.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         result = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from archserve.engine.outputs import CompletionOutput, RequestOutput
 from archserve.serve.context import ServingContext
 from archserve.serve.errors import OpenAIError
-from archserve.serve.logprobs import chat_logprobs
+from archserve.serve.logprobs import chat_logprobs, prompt_logprobs
 from archserve.serve.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -67,15 +67,23 @@ def _message_dict(message: ChatMessage) -> dict:
 
 def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage],
                        add_generation_prompt: bool = True,
-                       plan: ToolPlan | None = None) -> list[int]:
+                       plan: ToolPlan | None = None,
+                       continue_final_message: bool = False) -> list[int]:
+    """The conversation's prompt ids. ``continue_final_message`` (vLLM's): the last
+    message is left open, so the reply continues its text (an assistant prefill)."""
     from archserve.loader.tokenizer import apply_chat_template
+    if continue_final_message and add_generation_prompt:
+        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be "
+                          "true", param="continue_final_message")
     dicts = [_message_dict(m) for m in messages]
     try:
         if plan is None:
             ids = apply_chat_template(ctx.tokenizer, dicts,
-                                      add_generation_prompt=add_generation_prompt)
+                                      add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message)
         else:
-            ids = _render_with_tools(ctx.tokenizer, dicts, plan, add_generation_prompt)
+            ids = _render_with_tools(ctx.tokenizer, dicts, plan, add_generation_prompt,
+                                     continue_final_message)
     except ValueError as exc:
         raise OpenAIError(str(exc), param="messages") from None
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
@@ -87,11 +95,13 @@ def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage],
 
 
 def _render_with_tools(tokenizer, dicts: list[dict], plan: ToolPlan,
-                       add_generation_prompt: bool) -> list[int]:
+                       add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
     dicts, extra = messages_for_template(dicts, plan, template)
+    if continue_final_message:
+        extra["continue_final_message"] = True
     text = tokenizer.apply_chat_template(dicts, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **extra)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -113,17 +123,18 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                               f"cannot be combined with {structured_param}",
                               param=structured_param)
         structured, structured_param = tool_spec, "tools"
-    ids = truncated(render_chat_prompt(ctx, req.messages, req.add_generation_prompt, plan), req)
+    ids = truncated(render_chat_prompt(ctx, req.messages, req.add_generation_prompt, plan,
+                                       req.continue_final_message), req)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(len(ids), requested, ctx.max_model_len, "messages",
                                     ctx.default_max_tokens)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params_for(req, max_tokens, num_logprobs, None, ctx.vocab_size,
-                                 ctx.sampling_defaults, structured)
+    params = sampling_params_for(req, max_tokens, num_logprobs, req.prompt_logprobs,
+                                 ctx.vocab_size, ctx.sampling_defaults, structured)
     await ctx.compile_grammar(structured, structured_param)
     ctx.admit()
     request_id = random_id("chatcmpl")
-    view = _ChatView(ctx, req, request_id, len(ids),
+    view = _ChatView(ctx, req, request_id, ids,
                      plan if plan is not None and plan.parses_calls else None)
     stream = ctx.generate(request_id, ids, params)
     if req.stream:
@@ -142,10 +153,16 @@ async def _last_output(stream) -> RequestOutput:
 
 class _ChatView:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                 prompt_len: int, tools: ToolPlan | None = None) -> None:
-        self.ctx, self.req, self.id, self.prompt_len = ctx, req, request_id, prompt_len
+                 prompt_ids: list[int], tools: ToolPlan | None = None) -> None:
+        self.ctx, self.req, self.id = ctx, req, request_id
+        self.prompt_ids, self.prompt_len = prompt_ids, len(prompt_ids)
         self.tools = tools     # set when tool calls are read out of the text
         self.created = now()
+        # echo (vLLM's): the reply repeats the last message's content first, where that
+        # message is the assistant's (the prefill a continued message extends).
+        last = req.messages[-1]
+        self.echo = (_message_dict(last)["content"]
+                     if req.echo and last.role == "assistant" else "")
 
     def _parser(self) -> ToolCallParser | None:
         return ToolCallParser(self.tools.format) if self.tools is not None else None
@@ -159,13 +176,18 @@ class _ChatView:
     def _message(self, c: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
         parser = self._parser()
         if parser is None:
-            return ChatResponseMessage(content=c.text), c.finish_reason
+            return ChatResponseMessage(content=self.echo + c.text), c.finish_reason
         events = parser.feed(c.text, final=True)
-        # A call cut off by max_tokens has no whole arguments object: it is left out.
+        # A call cut off by max_tokens has no whole arguments object: it is left out; where
+        # no call came whole, the raw text is the content (nothing the model wrote is lost).
         calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name,
                                                             arguments=call.arguments))
                  for call in parser.complete_calls]
-        return (ChatResponseMessage(content=events.content or None, tool_calls=calls or None),
+        content = events.content
+        if not calls and c.text.strip() != content.strip():   # a call begun, none whole
+            content = c.text
+        return (ChatResponseMessage(content=(self.echo + (content or "")) or None,
+                                    tool_calls=calls or None),
                 self._finish_reason(c, parser))
 
     def _logprobs(self, token_ids: list[int], entries: list):
@@ -185,10 +207,15 @@ class _ChatView:
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=self._logprobs(c.token_ids, c.logprobs or []),
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
+        prompt_lps = None
+        if self.req.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs(self.ctx.tokenizer, self.prompt_ids,
+                                         output.prompt_logprobs or [], self.req.prompt_logprobs)
         return ChatCompletionResponse(id=self.id, created=self.created,
                                       model=self.ctx.model_name, choices=choices,
                                       usage=self._usage(sum(c.num_generated_tokens
-                                                            for c in output.outputs)))
+                                                            for c in output.outputs)),
+                                      prompt_logprobs=prompt_lps)
 
     def _chunk(self, choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created,
@@ -207,6 +234,10 @@ class _ChatView:
             for index in range(self.req.n):
                 yield self._chunk(ChatStreamChoice(
                     index=index, delta=DeltaMessage(role="assistant", content="")))
+            if self.echo:
+                for index in range(self.req.n):
+                    yield self._chunk(ChatStreamChoice(index=index,
+                                                       delta=DeltaMessage(content=self.echo)))
             async for output in stream:
                 for c in output.outputs:
                     pending = self._pending[c.index]

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from archserve.engine.outputs import RequestOutput
 from archserve.serve.context import ServingContext
 from archserve.serve.errors import OpenAIError
-from archserve.serve.logprobs import completion_logprobs
+from archserve.serve.logprobs import completion_logprobs, prompt_logprobs
 from archserve.serve.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -73,12 +73,15 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise OpenAIError("tools are for /v1/chat/completions", param="tools")
     structured, structured_param = structured_spec(req)
     prompts = [(text, truncated(ids, req)) for text, ids in _prompts(ctx, req.prompt)]
-    echo_logprobs = req.logprobs if req.echo else None
+    # The engine's prompt log-probs serve both echo's logprobs and vLLM's prompt_logprobs.
+    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs)
+              if k is not None]
+    engine_prompt_logprobs = max(wanted) if wanted else None
     # Legacy completions default to 16 tokens (OpenAI, vLLM) unless the server sets one.
     default = ctx.default_max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     params = [sampling_params_for(req, resolve_max_tokens(len(ids), req.max_tokens,
                                                           ctx.max_model_len, "prompt", default),
-                                  req.logprobs, echo_logprobs, ctx.vocab_size,
+                                  req.logprobs, engine_prompt_logprobs, ctx.vocab_size,
                                   ctx.sampling_defaults, structured)
               for _, ids in prompts]
     await ctx.compile_grammar(structured, structured_param)
@@ -144,6 +147,12 @@ class _CompletionView:
         choices = [self._choice(i, finals[i], c.index, c.text, c.token_ids, c.logprobs or [],
                                 0, True, c.finish_reason, c.stop_reason)
                    for i in sorted(finals) for c in finals[i].outputs]
+        if self.req.prompt_logprobs is not None:
+            for choice in choices:
+                i = choice.index // self.req.n
+                choice.prompt_logprobs = prompt_logprobs(
+                    self.ctx.tokenizer, self.prompts[i][1], finals[i].prompt_logprobs or [],
+                    self.req.prompt_logprobs)
         choices.sort(key=lambda ch: ch.index)
         used = sum(c.num_generated_tokens for o in finals.values() for c in o.outputs)
         return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,

@@ -8,6 +8,8 @@ from archserve.serve.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
 )
 
 
@@ -56,3 +58,20 @@ def chat_logprobs(tokenizer, token_ids: list[int], entries: list[LogprobsDict | 
             top_logprobs=[ChatTopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
                           for t, lp in _top(tokenizer, entry, num)]))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(tokenizer, token_ids: list[int], entries: list[LogprobsDict | None],
+                    num: int) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt position (None for the first) the prompt token's
+    entry and those of the ``num`` most likely tokens there, keyed by token id."""
+    out: PromptLogprobs = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        if entry is None or token_id not in entry:
+            out.append(None)
+            continue
+        kept = {tid: lp for tid, lp in entry.items()
+                if tid == token_id or (lp.rank is not None and lp.rank <= num)}
+        out.append({str(tid): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                            decoded_token=_token_text(tokenizer, tid, entry))
+                    for tid, lp in kept.items()})
+    return out

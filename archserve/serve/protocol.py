@@ -77,6 +77,9 @@ class SamplingFields(_Request):
     user: str | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=65536)] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    # vLLM's: the top-k log-probs of each prompt token (and the token's own), in the
+    # response's prompt_logprobs; not with stream=true (as in vLLM).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=1024)] | None = None
     # Structured output (read in sampling.structured_spec): OpenAI's response_format,
@@ -150,6 +153,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: render the last (assistant) message open, so the reply continues its text.
+    continue_final_message: bool = False
+    # vLLM's: the reply starts with the last message's content when that message is the
+    # assistant's (a prefill echoed back).
     echo: bool = False
 
 
@@ -161,6 +168,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 
@@ -193,12 +201,24 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's prompt_logprobs: a token id's log-prob, rank and text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first has none): token id (a JSON key, so a string) -> entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -256,6 +276,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunctionCall(BaseModel):

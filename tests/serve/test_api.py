@@ -204,3 +204,71 @@ def test_vllm_extensions_allowed_tokens_and_prompt_truncation(client, server):
                                               "truncate_prompt_tokens": 50})
     assert r.usage.prompt_tokens == 50
     assert r.choices[0].logprobs.tokens and set(r.choices[0].logprobs.tokens) <= names
+
+
+def test_continue_final_message_and_chat_echo(client, server):
+    """vLLM's assistant prefill: with continue_final_message the last (assistant) message is
+    rendered open, so the prompt ends with its text, not an end-of-turn, and the reply
+    continues it; with echo the reply repeats that text first, streamed or not."""
+    messages = [{"role": "user", "content": "Name a color."},
+                {"role": "assistant", "content": "My favorite color is"}]
+    closed = httpx.post(f"{server.url}/tokenize", headers=AUTH,
+                        json={"messages": messages, "add_generation_prompt": False}).json()
+    opened = httpx.post(f"{server.url}/tokenize", headers=AUTH,
+                        json={"messages": messages, "add_generation_prompt": False,
+                              "continue_final_message": True}).json()
+    assert opened["tokens"] == closed["tokens"][:opened["count"]]
+    assert opened["count"] < closed["count"]           # the end-of-turn tokens are cut
+    prefix = httpx.post(f"{server.url}/detokenize", headers=AUTH,
+                        json={"tokens": opened["tokens"]}).json()["prompt"]
+    assert prefix.endswith("My favorite color is")
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                           max_tokens=4, temperature=0, extra_body=extra)
+    continuation = client.completions.create(model="SmolLM2-135M-Instruct",
+                                             prompt=opened["tokens"], max_tokens=4,
+                                             temperature=0)
+    assert plain.choices[0].message.content == continuation.choices[0].text != ""
+    echoed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                            max_tokens=4, temperature=0,
+                                            extra_body={**extra, "echo": True})
+    assert echoed.choices[0].message.content == \
+        "My favorite color is" + plain.choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=4, temperature=0,
+        stream=True, extra_body={**extra, "echo": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        echoed.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as info:     # both: vLLM refuses it too
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                       max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    assert info.value.body["param"] == "continue_final_message"
+
+
+def test_prompt_logprobs(client, server):
+    """vLLM's prompt_logprobs: per prompt token (None for the first) its own entry and the
+    k most likely there, on completions (per choice) and chat (per response); refused
+    with stream=true."""
+    ids = httpx.post(f"{server.url}/tokenize", headers=AUTH,
+                     json={"prompt": PROMPT}).json()["tokens"]
+    r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={
+        "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}).json()
+    lps = r["choices"][0]["prompt_logprobs"]
+    assert len(lps) == len(ids) and lps[0] is None
+    echoed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT,
+                                       max_tokens=1, temperature=0, echo=True, logprobs=1)
+    for position, (token, entry) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
+        assert str(token) in entry and 2 <= len(entry) <= 3
+        assert all(e["rank"] <= 2 for t, e in entry.items() if t != str(token))
+        # the prompt token's log-prob is echo's for the same position
+        assert entry[str(token)]["logprob"] == \
+            pytest.approx(echoed.choices[0].logprobs.token_logprobs[position], abs=1e-5)
+    chat = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 5
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
+    bad = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={
+        "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1, "stream": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"

@@ -121,6 +121,18 @@ def test_required_makes_one_call_among_the_tools(client):
         calls[0].function.name])
 
 
+def test_a_call_cut_off_by_max_tokens_keeps_its_text(client):
+    """A call max_tokens cuts off has no whole arguments: no tool_calls, and the text the
+    model wrote is the content (as vLLM returns text it cannot parse), not nothing."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16,
+                                       temperature=0, tools=[WEATHER],
+                                       tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content and "get_weather" in choice.message.content
+    assert r.usage.completion_tokens == 16
+
+
 def test_auto_and_none_put_tools_in_the_prompt_or_leave_them_out(client):
     base = dict(model=MODEL, messages=ASK, max_tokens=4, temperature=0)
     plain = client.chat.completions.create(**base)
