@@ -45,6 +45,7 @@ class ServingContext:
         self.max_model_len: int = llm_engine.max_model_len
         self.vocab_size: int = llm_engine.model_config.vocab_size
         self.model_names = settings.served_model_names or ["archserve-default"]
+        metrics.model_name = self.model_name    # the label of its vllm: aliases
         # Defaults for what a request leaves unset; --max-tokens-default beats the checkpoint's.
         self.sampling_defaults = load_generation_defaults(settings.generation_config,
                                                           llm_engine.config.model)

@@ -1,5 +1,9 @@
 """Prometheus metrics of one server, in its own registry, named like vLLM's (``archserve:``).
 
+Those vLLM also has are exported a second time under its own names (``vllm:``, with its
+``model_name`` label: ``VLLM_ALIASES``), so a dashboard or autoscaler built for vLLM reads
+archserve unchanged.
+
 Counters and histograms are fed from the engine thread (``observe_step`` after every
 step, ``observe_abort`` for requests ended early); gauges and the prefix-cache counters
 are read from the engine when Prometheus scrapes, so they are never stale.
@@ -10,7 +14,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from archserve.engine.outputs import RequestOutput
 
@@ -97,8 +101,37 @@ def _device_memory_gauges(device):
         yield family
 
 
+# archserve's metrics that vLLM exports with the same meaning, under "vllm:" + the name.
+VLLM_ALIASES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+    "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
+    "request_success", "time_to_first_token_seconds", "time_per_output_token_seconds",
+    "e2e_request_latency_seconds"})
+
+
+class _VllmAliases:
+    """The ``VLLM_ALIASES`` families of ``source``, renamed ``vllm:...`` and labelled with
+    the served model's name, as vLLM labels its own."""
+
+    def __init__(self, source: CollectorRegistry, metrics: ServerMetrics) -> None:
+        self.source, self.metrics = source, metrics
+
+    def collect(self):
+        for family in self.source.collect():
+            base = family.name.removeprefix("archserve:")
+            if base not in VLLM_ALIASES:
+                continue
+            alias = Metric(f"vllm:{base}", family.documentation, family.type)
+            for sample in family.samples:
+                alias.add_sample(sample.name.replace("archserve:", "vllm:", 1),
+                                 {**sample.labels, "model_name": self.metrics.model_name},
+                                 sample.value, sample.timestamp)
+            yield alias
+
+
 class ServerMetrics:
     def __init__(self, engine) -> None:
+        self.model_name = ""     # set by the serving context (the first served name)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.prompt_tokens = Counter("archserve:prompt_tokens", "Prefill tokens processed.",
@@ -119,6 +152,8 @@ class ServerMetrics:
         self.e2e = Histogram("archserve:e2e_request_latency_seconds",
                              "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineGauges(engine))
+        self.aliases = CollectorRegistry()
+        self.aliases.register(_VllmAliases(r, self))
         self._seen_tokens: dict[str, int] = {}     # request id -> generated tokens counted
         self._lock = threading.Lock()
 
@@ -158,4 +193,4 @@ class ServerMetrics:
         self.http_requests.labels(status=str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.aliases)

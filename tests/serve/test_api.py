@@ -162,6 +162,17 @@ def test_metrics_exposition(server, client):
     assert after['archserve:http_requests_total{status="200"}'] > 0
     assert after["archserve:prefix_cache_queries_total"] >= after["archserve:prefix_cache_hits_total"] > 0
     assert after["archserve:kv_cache_usage_perc"] == 0
+    # vLLM's names for the same metrics, with its model_name label (dashboards built for
+    # vLLM read them unchanged)
+    label = 'model_name="SmolLM2-135M-Instruct"'
+    assert after[f"vllm:generation_tokens_total{{{label}}}"] == \
+        after["archserve:generation_tokens_total"]
+    assert after[f'vllm:request_success_total{{finished_reason="length",{label}}}'] == \
+        after[key]
+    assert after[f"vllm:num_requests_running{{{label}}}"] == 0
+    assert after[f"vllm:time_to_first_token_seconds_count{{{label}}}"] == \
+        after["archserve:time_to_first_token_seconds_count"]
+    assert not any(name.startswith("vllm:http_requests") for name in after)
 
 
 
