@@ -24,7 +24,7 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
         raise OpenAIError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {prompt_len} input tokens. Please reduce the length of the input "
-            f"{what}.", param="max_tokens" if requested else "messages")
+            f"{what}.", param=what)
     if requested is None:
         return min(default or max_model_len, max_model_len - prompt_len)
     if prompt_len + requested > max_model_len:

@@ -49,7 +49,7 @@ def test_context_length_message_names_the_lengths(server, client):
     long_prompt = "word " * (MAX_MODEL_LEN + 10)
     error = _assert_error(_post(server, "/v1/completions",
                                 {"prompt": long_prompt, "max_tokens": 1}), 400)
-    assert "input tokens" in error["message"]
+    assert "input tokens" in error["message"] and error["param"] == "prompt"
 
 
 @pytest.mark.parametrize("body", [
