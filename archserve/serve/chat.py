@@ -159,17 +159,18 @@ class _ChatView:
         self.tools = tools     # set when tool calls are read out of the text
         self.created = now()
         # echo (vLLM's): the reply repeats the last message's content first, where that
-        # message is the assistant's (the prefill a continued message extends).
+        # message has the reply's role: the assistant's, or any without a generation prompt
+        # (the prefill a continued message extends).
         last = req.messages[-1]
-        self.echo = (_message_dict(last)["content"]
-                     if req.echo and last.role == "assistant" else "")
+        echoes = last.role == "assistant" or not req.add_generation_prompt
+        self.echo = _message_dict(last)["content"] if req.echo and echoes else ""
 
     def _parser(self) -> ToolCallParser | None:
         return ToolCallParser(self.tools.format) if self.tools is not None else None
 
     @staticmethod
     def _finish_reason(c: CompletionOutput, parser: ToolCallParser | None) -> str | None:
-        if parser is not None and parser.found_calls and c.finish_reason == "stop":
+        if parser is not None and parser.complete_calls and c.finish_reason == "stop":
             return "tool_calls"
         return c.finish_reason
 

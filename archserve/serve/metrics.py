@@ -101,12 +101,15 @@ def _device_memory_gauges(device):
         yield family
 
 
-# archserve's metrics that vLLM exports with the same meaning, under "vllm:" + the name.
-VLLM_ALIASES = frozenset({
+# archserve's metrics that vLLM exports with the same meaning -> vLLM's name for them. Our
+# time_per_output_token_seconds observes one mean a request: vLLM's histogram of that is
+# request_time_per_output_token_seconds (its time_per_output_token_seconds, one
+# observation a token, has no counterpart here).
+VLLM_ALIASES = {name: name for name in (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
-    "request_success", "time_to_first_token_seconds", "time_per_output_token_seconds",
-    "e2e_request_latency_seconds"})
+    "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds")}
+VLLM_ALIASES["time_per_output_token_seconds"] = "request_time_per_output_token_seconds"
 
 
 class _VllmAliases:
@@ -121,9 +124,10 @@ class _VllmAliases:
             base = family.name.removeprefix("archserve:")
             if base not in VLLM_ALIASES:
                 continue
-            alias = Metric(f"vllm:{base}", family.documentation, family.type)
+            name = f"vllm:{VLLM_ALIASES[base]}"
+            alias = Metric(name, family.documentation, family.type)
             for sample in family.samples:
-                alias.add_sample(sample.name.replace("archserve:", "vllm:", 1),
+                alias.add_sample(name + sample.name.removeprefix(family.name),
                                  {**sample.labels, "model_name": self.metrics.model_name},
                                  sample.value, sample.timestamp)
             yield alias

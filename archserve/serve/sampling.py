@@ -128,8 +128,8 @@ def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | No
         value = getattr(req, name)
         return value if value is not None else (defaults or {}).get(name, fallback)
 
-    if req.prompt_logprobs is not None and getattr(req, "stream", False):
-        raise OpenAIError("prompt_logprobs are not available when stream=true",
+    if req.prompt_logprobs and getattr(req, "stream", False):   # 0 asks for none (vLLM)
+        raise OpenAIError("`prompt_logprobs` are not available when `stream=True`.",
                           param="prompt_logprobs")
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")

@@ -251,10 +251,6 @@ class ToolCallParser:
         self._decoder = json.JSONDecoder()
 
     @property
-    def found_calls(self) -> bool:
-        return any(c.name is not None for c in self.calls)
-
-    @property
     def complete_calls(self) -> list[ParsedCall]:
         """The calls with a name and a whole JSON object of arguments."""
         out = []

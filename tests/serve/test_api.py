@@ -172,6 +172,11 @@ def test_metrics_exposition(server, client):
     assert after[f"vllm:num_requests_running{{{label}}}"] == 0
     assert after[f"vllm:time_to_first_token_seconds_count{{{label}}}"] == \
         after["archserve:time_to_first_token_seconds_count"]
+    # a request's mean time per token: vLLM's request_time_per_output_token_seconds (its
+    # time_per_output_token_seconds observes every token)
+    assert after[f"vllm:request_time_per_output_token_seconds_count{{{label}}}"] == \
+        after["archserve:time_per_output_token_seconds_count"] > 0
+    assert not any(name.startswith("vllm:time_per_output_token") for name in after)
     assert not any(name.startswith("vllm:http_requests") for name in after)
 
 
@@ -250,6 +255,18 @@ def test_continue_final_message_and_chat_echo(client, server):
         stream=True, extra_body={**extra, "echo": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
         echoed.choices[0].message.content
+    # echo of a last message that is not the assistant's: only where no generation prompt
+    # follows it (the reply then has its role), as in vLLM
+    question = messages[:1]
+    asked = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
+                                           max_tokens=2, temperature=0,
+                                           extra_body={"echo": True})
+    assert not asked.choices[0].message.content.startswith("Name a color.")
+    raw = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question,
+                                         max_tokens=2, temperature=0,
+                                         extra_body={"echo": True,
+                                                     "add_generation_prompt": False})
+    assert raw.choices[0].message.content.startswith("Name a color.")
     with pytest.raises(openai.BadRequestError) as info:     # both: vLLM refuses it too
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
                                        max_tokens=2,
@@ -280,6 +297,25 @@ def test_prompt_logprobs(client, server):
         "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 5
     assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])
-    bad = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={
-        "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1, "stream": True})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+    # several prompts, n=2, and echo's logprobs (3) above prompt_logprobs (1) in one request:
+    # each choice its own prompt's entries, cut to its own k
+    both = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={
+        "prompt": [PROMPT, "Hello"], "n": 2, "max_tokens": 1, "temperature": 0,
+        "echo": True, "logprobs": 3, "prompt_logprobs": 1}).json()["choices"]
+    hello = httpx.post(f"{server.url}/tokenize", headers=AUTH,
+                       json={"prompt": "Hello"}).json()["tokens"]
+    assert [len(c["prompt_logprobs"]) for c in both] == [len(ids)] * 2 + [len(hello)] * 2
+    top1 = [None] + [{t: e for t, e in entry.items() if t == str(token) or e["rank"] <= 1}
+                     for token, entry in zip(ids[1:], lps[1:], strict=True)]
+    assert both[0]["prompt_logprobs"] == both[1]["prompt_logprobs"] == top1
+    for choice in both:     # echo's prompt entries keep their own 3 (and the token's)
+        assert all(3 <= len(top) <= 4 for top in choice["logprobs"]["top_logprobs"][1:])
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                              "content": "hi"}]})):
+        bad = httpx.post(f"{server.url}{path}", headers=AUTH, json={
+            **body, "max_tokens": 1, "prompt_logprobs": 1, "stream": True})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+        zero = httpx.post(f"{server.url}{path}", headers=AUTH, json={   # 0 asks for none
+            **body, "max_tokens": 1, "prompt_logprobs": 0, "stream": True})
+        assert zero.status_code == 200

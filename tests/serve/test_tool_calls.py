@@ -58,7 +58,28 @@ def test_hermes_text_without_a_call_and_a_cut_off_call():
     assert content == "Just text <tool" and calls == []
     cut = ToolCallParser("hermes")
     cut.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', final=True)
-    assert cut.found_calls and cut.complete_calls == []
+    assert [c.name for c in cut.calls] == ["get_weather"] and cut.complete_calls == []
+
+
+def test_a_call_that_does_not_parse_is_text_and_not_a_tool_calls_finish():
+    """A closed call whose arguments are no JSON object, then a normal stop: no
+    tool_calls, the raw text as content, and finish_reason "stop", not "tool_calls"
+    (vLLM says tool_calls only for calls that parsed)."""
+    from types import SimpleNamespace
+
+    from archserve.engine.outputs import CompletionOutput
+    from archserve.serve.chat import _ChatView
+    from archserve.serve.tool_calls import ToolPlan
+
+    text = '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>'
+    req = SimpleNamespace(messages=[SimpleNamespace(role="user")], echo=False,
+                          add_generation_prompt=True)
+    view = _ChatView(SimpleNamespace(), req, "id", [1, 2],
+                     ToolPlan([WEATHER["function"]], "auto", "hermes"))
+    message, finish = view._message(CompletionOutput(index=0, text=text, token_ids=[1],
+                                                     cumulative_logprob=None, logprobs=None,
+                                                     finish_reason="stop"))
+    assert message.tool_calls is None and message.content == text and finish == "stop"
 
 
 def test_llama3_json_calls():
