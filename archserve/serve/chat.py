@@ -29,6 +29,7 @@ from archserve.serve.protocol import (
 )
 from archserve.serve.sampling import (
     resolve_max_tokens,
+    returned_prompt_logprobs,
     sampling_params_for,
     structured_spec,
     truncated,
@@ -129,7 +130,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = resolve_max_tokens(len(ids), requested, ctx.max_model_len, "messages",
                                     ctx.default_max_tokens)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params_for(req, max_tokens, num_logprobs, req.prompt_logprobs,
+    params = sampling_params_for(req, max_tokens, num_logprobs, returned_prompt_logprobs(req),
                                  ctx.vocab_size, ctx.sampling_defaults, structured)
     await ctx.compile_grammar(structured, structured_param)
     ctx.admit()
@@ -154,8 +155,7 @@ async def _last_output(stream) -> RequestOutput:
 class _ChatView:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
                  prompt_ids: list[int], tools: ToolPlan | None = None) -> None:
-        self.ctx, self.req, self.id = ctx, req, request_id
-        self.prompt_ids, self.prompt_len = prompt_ids, len(prompt_ids)
+        self.ctx, self.req, self.id, self.prompt_ids = ctx, req, request_id, prompt_ids
         self.tools = tools     # set when tool calls are read out of the text
         self.created = now()
         # echo (vLLM's): the reply repeats the last message's content first, where that
@@ -187,7 +187,7 @@ class _ChatView:
         content = events.content
         if not calls and c.text.strip() != content.strip():   # a call begun, none whole
             content = c.text
-        return (ChatResponseMessage(content=(self.echo + (content or "")) or None,
+        return (ChatResponseMessage(content=(self.echo + content) or None,
                                     tool_calls=calls or None),
                 self._finish_reason(c, parser))
 
@@ -198,8 +198,9 @@ class _ChatView:
                              self.req.top_logprobs or 0)
 
     def _usage(self, completion_tokens: int) -> UsageInfo:
-        return UsageInfo(prompt_tokens=self.prompt_len, completion_tokens=completion_tokens,
-                         total_tokens=self.prompt_len + completion_tokens)
+        prompt = len(self.prompt_ids)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion_tokens,
+                         total_tokens=prompt + completion_tokens)
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
         choices = []

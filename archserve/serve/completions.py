@@ -22,6 +22,7 @@ from archserve.serve.protocol import (
 from archserve.serve.sampling import (
     check_token_ids,
     resolve_max_tokens,
+    returned_prompt_logprobs,
     sampling_params_for,
     structured_spec,
     truncated,
@@ -74,7 +75,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     structured, structured_param = structured_spec(req)
     prompts = [(text, truncated(ids, req)) for text, ids in _prompts(ctx, req.prompt)]
     # The engine's prompt log-probs serve both echo's logprobs and vLLM's prompt_logprobs.
-    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs)
+    wanted = [k for k in (req.logprobs if req.echo else None, returned_prompt_logprobs(req))
               if k is not None]
     engine_prompt_logprobs = max(wanted) if wanted else None
     # Legacy completions default to 16 tokens (OpenAI, vLLM) unless the server sets one.

@@ -155,8 +155,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     # vLLM's: render the last (assistant) message open, so the reply continues its text.
     continue_final_message: bool = False
-    # vLLM's: the reply starts with the last message's content when that message is the
-    # assistant's (a prefill echoed back).
+    # vLLM's: the reply starts with the last message's content when that message has the
+    # reply's role (the assistant's; any, without a generation prompt): a prefill echoed.
     echo: bool = False
 
 

@@ -118,6 +118,13 @@ def truncated(ids: list[int], req: SamplingFields) -> list[int]:
     return ids[-k:] if k else ids
 
 
+def returned_prompt_logprobs(req: SamplingFields) -> int | None:
+    """The prompt_logprobs a response carries: none in a stream (vLLM refuses k > 0 there,
+    and k = 0 asks for nothing), so the engine computes none for it either (they would also
+    keep the prompt out of the prefix cache)."""
+    return None if getattr(req, "stream", False) else req.prompt_logprobs
+
+
 def sampling_params_for(req: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None, vocab_size: int,
                         defaults: dict[str, Any] | None = None,

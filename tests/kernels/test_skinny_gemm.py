@@ -279,7 +279,8 @@ def test_tune_reads_a_complete_cache_without_timing(tmp_path):
     path = tmp_path / "decode_gemms.json"
     shapes = {shape_key(kind, r, n, k, torch.float32): ShapeTiming(
         cublas_us=5.0, triton_us={"n4_k512_w4": 3.0}, rows=r, calls=len(groups[kind, n, k, dt]),
-        chosen="n4_k512_w4" if n == 8 else CUBLAS, fuse_norm=n == 8 and r == 1)
+        chosen="n4_k512_w4" if n == 8 else CUBLAS, fuse_norm=n == 8 and r == 1,
+        norm_choice="n4_k512_w4" if n == 8 and r == 1 else "")
         for r in (1, 2) for (kind, n, k, dt) in groups}
     path.write_text(json.dumps({"version": _CACHE_VERSION, "shapes": {k: vars(v) for k, v in shapes.items()}}))
     routine = SkinnyGemmRoutine()

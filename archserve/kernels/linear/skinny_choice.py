@@ -264,7 +264,7 @@ class SkinnyGemmRoutine:
                                                        if k not in failed}})
         report.seconds = time.perf_counter() - start
         self.choices.update({key: t.chosen for key, t in report.timings.items()})
-        self.norm_choices.update({key: t.norm_choice or t.chosen
+        self.norm_choices.update({key: t.norm_choice
                                   for key, t in report.timings.items() if t.fuse_norm})
         self.report = report
         return report
@@ -396,26 +396,25 @@ def _time_norm_prologue(timing: ShapeTiming, kind: str, x: torch.Tensor, weight:
     expected = separate(weight)[0].float()
     prologue_weight = None if folded else norm_weight
 
-    def prologue_us(choice: str) -> float:
-        fused = norm_prologue(kind, choice)
+    def prologue_us(fused) -> float:  # noqa: ANN001 - a norm_prologue function
         return per_call_us(lambda w: fused(x, residual, prologue_weight, 1e-6, w, None))
-    fastest = float("inf")
+    fastest, fastest_fused = float("inf"), None
     for choice in timing.triton_us:     # the choices that ran and agreed with cuBLAS
+        fused = norm_prologue(kind, choice)
         try:
-            got = norm_prologue(kind, choice)(x, residual, prologue_weight, 1e-6, weight,
-                                              None)[0].float()
+            got = fused(x, residual, prologue_weight, 1e-6, weight, None)[0].float()
             if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max()):
                 timing.note += f"norm prologue {choice}: disagrees with the norm kernel; "
                 continue
-            us = prologue_us(choice)
+            us = prologue_us(fused)
         except Exception as exc:  # noqa: BLE001 - the norm kernel serves, and the note says why
             timing.note += f"norm prologue {choice}: {type(exc).__name__}: {exc}; "
             continue
         if us < fastest:
-            timing.norm_choice, fastest = choice, us
-    if not timing.norm_choice:
+            timing.norm_choice, fastest, fastest_fused = choice, us, fused
+    if fastest_fused is None:
         return
-    timing.norm_fused_us = prologue_us(timing.norm_choice)
+    timing.norm_fused_us = prologue_us(fastest_fused)
     timing.fuse_norm = timing.norm_fused_us < timing.norm_separate_us * (1 - MIN_GAIN)
 
 
