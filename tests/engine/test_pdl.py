@@ -110,7 +110,8 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
         # Nothing is written before the wait: the kernel before may still read it. What
         # that kernel cannot write is read before it, and streams while it drains: decode
-        # attention's and MLA decode's metadata and first tile of cached keys, the MoE down
+        # attention's and MLA decode's metadata and first tile of cached keys, the split
+        # merge's metadata (which splits hold keys), the MoE down
         # kernel's expert and its weight's first tile (L2 prefetches; the slot-summing down
         # kernel loads its experts' first K step), RMSNorm's weight, and
         # the q/k kernel's positions, rotary rows, norm weights and slots, the query starts
@@ -121,7 +122,7 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         prefetches = launch.kernel in ("_decode_kernel", "_mla_decode_kernel", "_down_kernel",
                                        "_latent_output_to_heads_kernel")
         assert ("prefetch.global.L2" in before_wait) == prefetches, launch.kernel
-        reads_early = prefetches or launch.kernel in ("_rms_norm_kernel",
+        reads_early = prefetches or launch.kernel in ("_rms_norm_kernel", "_merge_splits_kernel",
                                                       "_qk_norm_rope_cache_kernel",
                                                       "_latent_output_to_heads_kernel",
                                                       "_down_sum_slots_kernel")

@@ -53,3 +53,18 @@ CPU_CASES = [
     ("fp8-e4m3-decode-gqa4", dict(seqs=[(1, 40), (1, 70)], num_heads=8, num_kv_heads=2,
                                   kv_cache_dtype="fp8_e4m3", dtype=torch.float16)),
 ]
+
+
+def poison_split_partials(monkeypatch, module) -> None:
+    """Make ``module``'s split buffers start as NaN (``torch.empty`` may hand back zeros):
+    a merge that read a row no split wrote would then give NaN."""
+    made = module.split_partials
+
+    def poisoned(*args, **kwargs):
+        partial_out, partial_lse = made(*args, **kwargs)
+        if partial_lse.dtype == torch.float32 and partial_lse.dim() == 3:
+            partial_out.fill_(float("nan"))
+            partial_lse.fill_(float("nan"))
+        return partial_out, partial_lse
+
+    monkeypatch.setattr(module, "split_partials", poisoned)

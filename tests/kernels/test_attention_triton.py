@@ -38,7 +38,9 @@ else:
 
     from archserve.kernels.attention.reference import ReferenceAttentionImpl
     from archserve.kernels.attention.triton_backend import TritonAttentionImpl
+    from archserve.kernels.attention import triton_decode
     from archserve.kernels.attention.triton_decode import decode_attention
+    from attention_cases import poison_split_partials
     from archserve.kernels.attention.triton_prefill import prefill_attention
 
     @pytest.mark.parametrize("name,case_args", CPU_CASES, ids=[n for n, _ in CPU_CASES])
@@ -49,7 +51,9 @@ else:
     @pytest.mark.parametrize("num_splits", [2, 4])
     @pytest.mark.parametrize("window", [None, 40])
     def test_split_kv_decode_matches_reference(num_splits, window, merge, monkeypatch):
-        # Splits of 64-token tiles: the 5-token sequence leaves later splits empty.
+        # Splits of 64-token tiles: the 5-token sequence leaves later splits empty; they
+        # store nothing and the merges read only the splits with keys (the split buffers
+        # start as NaN, so a read of an empty split's row would show).
         # "in kernel": the last split of each (sequence, KV head) merges, no second kernel;
         # it resets its counter, so a second launch merges again.
         from archserve.kernels.reduce_in_kernel import (
@@ -57,6 +61,7 @@ else:
             arrival_counters,
         )
         monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1" if merge == "in kernel" else "0")
+        poison_split_partials(monkeypatch, triton_decode)
         case = make_case([(1, 150), (1, 5), (1, 97)], num_heads=8, num_kv_heads=2,
                          sliding_window=window, soft_cap=10.0 if window else None, seed=3)
         expected, cache = case.run(ReferenceAttentionImpl())

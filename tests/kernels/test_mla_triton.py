@@ -74,6 +74,10 @@ if not INTERPRETED:
         assert_passes_under_interpreter(__file__, timeout=300)
 
 else:
+    from attention_cases import poison_split_partials
+
+    from archserve.kernels.mla import triton_mla_decode
+
     @pytest.mark.parametrize("merge", ["merge kernel", "in kernel"])
     @pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS_TINY], ids=["heads", "keys"])
     def test_split_decode_kernel_matches_reference(tiles, merge, monkeypatch):
@@ -82,6 +86,7 @@ else:
         # kernel": the last split merges (ARCHSERVE_REDUCE_IN_KERNEL=1), twice over.
         from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, arrival_counters
         monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1" if merge == "in kernel" else "0")
+        poison_split_partials(monkeypatch, triton_mla_decode)   # empty splits are not read
         case = make_mla_case([(1, 70), (1, 5)], block_size=8, seed=1,
                              **{**TINY, "num_heads": 20})
         for _ in range(2 if merge == "in kernel" else 1):
@@ -104,6 +109,7 @@ else:
         # split): 20 heads; 17 sequences leave the last program's rows partly masked.
         from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV
         monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1" if splits == "in kernel" else "0")
+        poison_split_partials(monkeypatch, triton_mla_decode)   # empty splits are not read
         case = make_mla_case([(1, 5 + 4 * i) for i in range(17)], block_size=8, seed=4,
                              **{**TINY, "num_heads": 20})
         heads_against_reference(case, num_splits=4 if splits == "in kernel" else splits)

@@ -86,37 +86,59 @@ def online_softmax_step(acc, l_i, m_i, scores, v, DOT_DTYPE: tl.constexpr,
 
 
 @triton.jit
-def decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
-                       SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """(the sequence's query row, its query length, the keys [lo, hi) of split ``split``,
-    and the first position this step writes): the context (its last SLIDING_WINDOW tokens,
-    with a window) cut into NUM_SPLITS spans of whole BLOCK_N tiles; the keys before the
-    first written position were cached by earlier steps."""
+def _split_tokens(query_start_loc_ptr, seq_lens_ptr, seq, SLIDING_WINDOW: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(query row, query length, context start, context end, keys a split): the context
+    (its last SLIDING_WINDOW tokens, with a window) cut into NUM_SPLITS spans of whole
+    BLOCK_N tiles. Elementwise: ``seq`` may be a vector of sequences."""
     token = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - token
     seq_len = tl.load(seq_lens_ptr + seq)
     # A sequence with no query token this step (graph padding) attends to nothing.
     seq_len = tl.where(query_len > 0, seq_len, 0)
-    context_start = 0
+    context_start = seq_len * 0
     if SLIDING_WINDOW > 0:
         context_start = tl.maximum(seq_len - SLIDING_WINDOW, 0)
-    span = seq_len - context_start
-    tokens_per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len - context_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return token, query_len, context_start, seq_len, tokens_per_split
+
+
+@triton.jit
+def decode_split_range(query_start_loc_ptr, seq_lens_ptr, seq, split,
+                       SLIDING_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """(the sequence's query row, its query length, the keys [lo, hi) of split ``split``,
+    and the first position this step writes): the keys before the first written position
+    were cached by earlier steps. A split with lo >= hi holds no keys and stores nothing
+    (a short context fills the first ``active_splits`` only)."""
+    token, query_len, context_start, seq_len, tokens_per_split = _split_tokens(
+        query_start_loc_ptr, seq_lens_ptr, seq, SLIDING_WINDOW, NUM_SPLITS, BLOCK_N)
     lo = context_start + split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, seq_len)
     return token, query_len, lo, hi, seq_len - query_len
 
 
 @triton.jit
+def active_splits(query_start_loc_ptr, seq_lens_ptr, seq, SLIDING_WINDOW: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How many of ``decode_split_range``'s splits hold keys: the first ones, the rest store
+    no partials, so a merge reads only these. Zero for a sequence with no query token. From
+    the step's inputs alone: a merge computes it before PDL's wait. Elementwise in ``seq``."""
+    _, _, context_start, seq_len, tokens_per_split = _split_tokens(
+        query_start_loc_ptr, seq_lens_ptr, seq, SLIDING_WINDOW, NUM_SPLITS, BLOCK_N)
+    return tl.cdiv(seq_len - context_start, tl.maximum(tokens_per_split, 1))
+
+
+@triton.jit
 def store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
-                        query_len, seq, split, num_heads, heads, mask_h, offs_d, mask_d,
+                        query_len, seq, split, active, num_heads, heads, mask_h, offs_d, mask_d,
                         stride_out_token, stride_out_head, v_scale,
                         HEAD_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """Normalise one program's rows (query heads ``heads`` of sequence ``seq``) and store
     them: times v_scale into ``out`` when the context is not split; else unscaled as fp32
     partials [num_seqs, num_heads, NUM_SPLITS, (HEAD_SIZE)] with their log-sum-exp in log2
-    units, for ``merge_splits`` (which applies v_scale)."""
+    units, for ``merge_splits`` (which applies v_scale), where the split is ``active`` (holds
+    keys: a merge reads the ``active_splits`` only)."""
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_mask = mask_h[:, None] & mask_d[None, :]
@@ -128,34 +150,43 @@ def store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr
         tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=out_mask & live)
     else:
         row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-        tl.store(partial_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], out, mask=out_mask)
+        # (broadcast: the interpreter mistypes scalar-bool & tensor)
+        keep = (tl.zeros(acc.shape, tl.int32) + active.to(tl.int32)) > 0
+        tl.store(partial_out_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], out,
+                 mask=out_mask & keep)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(partial_lse_ptr + row, lse, mask=mask_h)
+        keep_lse = (tl.zeros(l_i.shape, tl.int32) + active.to(tl.int32)) > 0
+        tl.store(partial_lse_ptr + row, lse, mask=mask_h & keep_lse)
 
 
 @triton.jit
 def merge_if_last_split(counter_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, token,
-                        query_len, seq, num_heads, heads, mask_h, offs_d, mask_d,
+                        query_len, seq, num_active, num_heads, heads, mask_h, offs_d, mask_d,
                         stride_out_token, stride_out_head, v_scale, HEAD_SIZE: tl.constexpr,
                         NUM_SPLITS: tl.constexpr):
-    """After this program stored its split's partials (``store_decode_output``): count it in
-    on ``counter_ptr`` (one counter per program group of the same rows); the last one to
-    arrive merges every split's partials of rows ``heads`` into ``out``, as
-    ``_merge_splits_kernel`` does, and resets the counter for the next launch."""
-    if count_arrival(counter_ptr, NUM_SPLITS):
+    """After this program, one of the ``num_active`` splits that hold keys, stored its
+    partials (``store_decode_output``): count it in on ``counter_ptr`` (one counter per
+    program group of the same rows); the last of them to arrive merges their partials of
+    rows ``heads`` into ``out``, as ``_merge_splits_kernel`` does, and resets the counter for
+    the next launch. The splits without keys neither store nor arrive, and their loads here
+    are masked off: a short context in a launch split for a long one merges a few rows."""
+    if count_arrival(counter_ptr, num_active):
         rows0 = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS
         lse_max = tl.full(heads.shape, float("-inf"), tl.float32)
+        # (split as a vector: the interpreter mistypes scalar-bool & tensor)
         for split in tl.static_range(NUM_SPLITS):
-            lse_max = tl.maximum(lse_max, tl.load(partial_lse_ptr + rows0 + split, mask=mask_h,
+            lse_max = tl.maximum(lse_max, tl.load(partial_lse_ptr + rows0 + split,
+                                                  mask=mask_h & (heads * 0 + split < num_active),
                                                   other=float("-inf"), cache_modifier=".cg"))
         lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
         total = tl.zeros(heads.shape, tl.float32)
         merged = tl.zeros([heads.shape[0], offs_d.shape[0]], tl.float32)
         for split in tl.static_range(NUM_SPLITS):
-            weight = tl.exp2(tl.load(partial_lse_ptr + rows0 + split, mask=mask_h,
+            ok = mask_h & (heads * 0 + split < num_active)
+            weight = tl.exp2(tl.load(partial_lse_ptr + rows0 + split, mask=ok,
                                      other=float("-inf"), cache_modifier=".cg") - lse_max)
             part = tl.load(partial_out_ptr + (rows0 + split)[:, None] * HEAD_SIZE
-                           + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :],
+                           + offs_d[None, :], mask=ok[:, None] & mask_d[None, :],
                            other=0.0, cache_modifier=".cg")
             total += weight
             merged += weight[:, None] * part
@@ -214,6 +245,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     prefetch_first_tile(k_base, k_base + stride_cache_kv, block_table_row, lo, hi,
                         first_new, stride_cache_block, stride_cache_token, BLOCK_SIZE,
                         BLOCK_N, HEAD_SIZE, BLOCK_D, True, PDL)
+    if MERGE_IN_KERNEL:
+        num_active = active_splits(query_start_loc_ptr, seq_lens_ptr, seq, SLIDING_WINDOW,
+                                   NUM_SPLITS, BLOCK_N)
     pdl_start(PDL)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -248,37 +282,46 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, q.dtype, DOT_PRECISION)
 
     store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
-                        query_len, seq, split, tl.num_programs(1) * GROUP, heads, mask_g,
-                        offs_d, mask_d, stride_out_token, stride_out_head, v_scale, HEAD_SIZE,
-                        NUM_SPLITS)
+                        query_len, seq, split, lo < hi, tl.num_programs(1) * GROUP, heads,
+                        mask_g, offs_d, mask_d, stride_out_token, stride_out_head, v_scale,
+                        HEAD_SIZE, NUM_SPLITS)
     if MERGE_IN_KERNEL:
-        merge_if_last_split(counters_ptr + seq * tl.num_programs(1) + kv_head, partial_out_ptr,
-                            partial_lse_ptr, out_ptr, token, query_len, seq,
-                            tl.num_programs(1) * GROUP, heads, mask_g, offs_d, mask_d,
-                            stride_out_token, stride_out_head, v_scale, HEAD_SIZE, NUM_SPLITS)
+        if lo < hi:
+            merge_if_last_split(counters_ptr + seq * tl.num_programs(1) + kv_head,
+                                partial_out_ptr, partial_lse_ptr, out_ptr, token, query_len, seq,
+                                num_active, tl.num_programs(1) * GROUP, heads, mask_g, offs_d,
+                                mask_d, stride_out_token, stride_out_head, v_scale, HEAD_SIZE,
+                                NUM_SPLITS)
 
 
 @triton.jit
-def _merge_splits_kernel(partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, out_ptr,
-                         stride_out_token, stride_out_head, v_scale,
+def _merge_splits_kernel(partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, seq_lens_ptr,
+                         out_ptr, stride_out_token, stride_out_head, v_scale,
                          HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_start(PDL)
+                         NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+                         SPLIT_BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    # The step's inputs, before PDL's wait: which splits hold keys (SPLIT_BLOCK_N: the split
+    # kernel's BLOCK_N); the others stored nothing, and their rows are not read.
     token = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - token
+    num_active = active_splits(query_start_loc_ptr, seq_lens_ptr, seq, SLIDING_WINDOW,
+                               NUM_SPLITS, SPLIT_BLOCK_N)
+    pdl_start(PDL)
     row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_SIZE
-    lse = tl.load(partial_lse_ptr + row0 + offs_s)
+    mask_s = offs_s < num_active
+    lse = tl.load(partial_lse_ptr + row0 + offs_s, mask=mask_s, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
-    # Empty splits carry lse = -inf and get weight 0; split 0 is never empty for a live sequence.
+    # Splits without keys weigh 0; a sequence with no query token has none (its row is not
+    # written).
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.exp2(lse - lse_max)
     parts = tl.load(partial_out_ptr + (row0 + offs_s)[:, None] * HEAD_SIZE + offs_d[None, :],
-                    mask=mask_d[None, :], other=0.0)
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     total = tl.sum(weights, axis=0)
     out = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
     dst = out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + offs_d
@@ -331,15 +374,19 @@ def split_partials(out: torch.Tensor, num_seqs: int, num_heads: int, num_splits:
 
 
 def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
-                 query_start_loc: torch.Tensor, out: torch.Tensor, v_scale: float) -> None:
+                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+                 v_scale: float, *, split_block_n: int, sliding_window: int | None = None
+                 ) -> None:
     """Merge ``split_partials``' buffers into each sequence's query row of ``out``, times
-    ``v_scale``."""
+    ``v_scale``: the partials of the splits that hold keys, as ``decode_split_range`` cut
+    the contexts (``seq_lens``, the window, ``split_block_n``: the split kernel's BLOCK_N)."""
     num_seqs, num_heads, num_splits, head_size = partial_out.shape
     pdl = pdl_enabled(out.device)
     _merge_splits_kernel[(num_seqs, num_heads)](
-        partial_out, partial_lse, query_start_loc, out, out.stride(0), out.stride(1),
+        partial_out, partial_lse, query_start_loc, seq_lens, out, out.stride(0), out.stride(1),
         v_scale, HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
-        NUM_SPLITS=num_splits, PDL=pdl, **pdl_launch_options(pdl),
+        NUM_SPLITS=num_splits, SLIDING_WINDOW=sliding_window or 0, SPLIT_BLOCK_N=split_block_n,
+        PDL=pdl, **pdl_launch_options(pdl),
     )
 
 
@@ -400,5 +447,6 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         num_stages=num_stages, PDL=pdl, MERGE_IN_KERNEL=merged, **pdl_launch_options(pdl),
     )
     if num_splits > 1 and not merged:
-        merge_splits(partial_out, partial_lse, query_start_loc, out, v_scale)
+        merge_splits(partial_out, partial_lse, query_start_loc, seq_lens, out, v_scale,
+                     split_block_n=block_n, sliding_window=sliding_window)
     return out

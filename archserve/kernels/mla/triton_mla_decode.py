@@ -37,6 +37,7 @@ from archserve.kernels.attention.triton_cache_write import (
     paged_token_offsets,
 )
 from archserve.kernels.attention.triton_decode import (
+    active_splits,
     choose_num_splits,
     decode_split_range,
     dot_precision,
@@ -80,6 +81,9 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     prefetch_first_tile(cache_ptr, cache_ptr, block_table_row, lo, hi,
                         first_new, stride_cache_block, stride_cache_token, BLOCK_SIZE, BLOCK_N,
                         KV_RANK + ROPE, 2 * BLOCK_L, False, PDL)
+    if MERGE_IN_KERNEL:
+        num_active = active_splits(query_start_loc_ptr, seq_lens_ptr, seq, 0, NUM_SPLITS,
+                                   BLOCK_N)
     pdl_start(PDL)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -141,13 +145,15 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     if KEYS_AS_ROWS:
         acc = tl.trans(acc)                       # [BLOCK_H, BLOCK_L], as stored
     store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
-                        query_len, seq, split, NUM_HEADS, heads, mask_h, offs_l, mask_l,
-                        stride_out_token, stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
+                        query_len, seq, split, lo < hi, NUM_HEADS, heads, mask_h, offs_l,
+                        mask_l, stride_out_token, stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
     if MERGE_IN_KERNEL:
-        merge_if_last_split(counters_ptr + seq * tl.num_programs(0) + head_block,
-                            partial_out_ptr, partial_lse_ptr, out_ptr, token, query_len, seq,
-                            NUM_HEADS, heads, mask_h, offs_l, mask_l, stride_out_token,
-                            stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
+        if lo < hi:
+            merge_if_last_split(counters_ptr + seq * tl.num_programs(0) + head_block,
+                                partial_out_ptr, partial_lse_ptr, out_ptr, token, query_len,
+                                seq, num_active, NUM_HEADS, heads, mask_h, offs_l, mask_l,
+                                stride_out_token, stride_out_head, v_scale, KV_RANK,
+                                NUM_SPLITS)
 
 
 @triton.jit
@@ -279,8 +285,10 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     if num_splits > 1 and not merged:
         if w_uv is not None:
             return latent_output_to_heads_triton(partial_out, partial_lse, query_start_loc,
-                                                 num_seqs, out.shape[0], w_uv, v_scale)
-        merge_splits(partial_out, partial_lse, query_start_loc, out, v_scale)
+                                                 num_seqs, out.shape[0], w_uv, v_scale,
+                                                 seq_lens=seq_lens, split_block_n=block_n)
+        merge_splits(partial_out, partial_lse, query_start_loc, seq_lens, out, v_scale,
+                     split_block_n=block_n)
     if w_uv is not None:   # the kernel (or its last split) wrote the scaled output
         return latent_output_to_heads_triton(out, out, query_start_loc, num_seqs,
                                              out.shape[0], w_uv)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.attention.triton_decode import dot_precision
+from archserve.kernels.attention.triton_decode import active_splits, dot_precision
 from archserve.kernels.pdl import (
     pdl_enabled,
     pdl_launch_options,
@@ -36,13 +36,14 @@ BLOCK_V = 32     # value channels per program
 
 
 @triton.jit
-def _merged_latent_output(src_ptr, lse_ptr, first_seq, num_seqs, tokens, live, head, num_heads,
-                          stride_src_token, stride_src_head, offs_l, v_scale,
+def _merged_latent_output(src_ptr, lse_ptr, first_seq, num_seqs, tokens, live, num_active,
+                          head, num_heads, stride_src_token, stride_src_head, offs_l, v_scale,
                           KV_RANK: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           BLOCK_S: tl.constexpr, SEQS: tl.constexpr, DTYPE: tl.constexpr):
     """[BLOCK_S, BLOCK_L] fp32 holding DTYPE values: the latent output of ``head`` for the
     SEQS sequences from ``first_seq`` on (their query rows ``tokens``), merged over the
-    splits; rows past SEQS hold zeros."""
+    splits that hold keys (``num_active`` [BLOCK_S], from ``active_splits``: the others
+    stored nothing); rows past SEQS hold zeros."""
     l_ok = offs_l < KV_RANK
     if NUM_SPLITS == 1:
         src = (src_ptr + tokens.to(tl.int64)[:, None] * stride_src_token
@@ -58,7 +59,9 @@ def _merged_latent_output(src_ptr, lse_ptr, first_seq, num_seqs, tokens, live, h
     for r in tl.static_range(SEQS):
         seq = first_seq + r
         # As a vector (a mask must be one); a sequence with no query is masked at the store.
-        in_batch = (splits * 0 + seq) < num_seqs
+        # Row r's count of splits with keys, out of the vector computed before PDL's wait.
+        active = tl.sum(tl.where(rows == r, num_active, 0), axis=0)
+        in_batch = ((splits * 0 + seq) < num_seqs) & (splits < active)
         row0 = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
         lse = tl.load(lse_ptr + row0 + splits, mask=in_batch, other=float("-inf"))
         parts = tl.load(src_ptr + (row0 + splits)[:, None] * KV_RANK + offs_l[None, :],
@@ -77,12 +80,13 @@ def _merged_latent_output(src_ptr, lse_ptr, first_seq, num_seqs, tokens, live, h
 # batch sizes (where the warm-up compiles) would not reach Triton's other specialisations.
 @triton.jit(do_not_specialize=["num_seqs"])
 def _latent_output_to_heads_kernel(
-        src_ptr, lse_ptr, query_start_loc_ptr, w_uv_ptr, out_ptr, num_seqs, num_heads,
-        stride_src_token, stride_src_head, stride_w_head, stride_w_v, stride_out_token,
-        stride_out_head, v_scale,
+        src_ptr, lse_ptr, query_start_loc_ptr, seq_lens_ptr, w_uv_ptr, out_ptr, num_seqs,
+        num_heads, stride_src_token, stride_src_head, stride_w_head, stride_w_v,
+        stride_out_token, stride_out_head, v_scale,
         KV_RANK: tl.constexpr, V_HEAD: tl.constexpr, BLOCK_L: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        SEQS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+        SPLIT_BLOCK_N: tl.constexpr, SEQS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr = False):
     head = tl.program_id(0)
     v_block = tl.program_id(1)
     seq_block = tl.program_id(2)
@@ -105,10 +109,16 @@ def _latent_output_to_heads_kernel(
     tokens = tl.load(query_start_loc_ptr + seqs, mask=in_batch, other=0)
     live = in_batch & (tl.load(query_start_loc_ptr + seqs + 1, mask=in_batch, other=0)
                        > tokens)
+    num_active = lanes * 0
+    if NUM_SPLITS > 1:   # which splits hold keys (SPLIT_BLOCK_N: the decode kernel's tile)
+        num_active = tl.where(live, active_splits(query_start_loc_ptr, seq_lens_ptr,
+                                                  tl.where(in_batch, seqs, 0), 0, NUM_SPLITS,
+                                                  SPLIT_BLOCK_N), 0)
     pdl_start(PDL)
     latent = _merged_latent_output(src_ptr, lse_ptr, seq_block * SEQS, num_seqs, tokens,
-                                   live, head, num_heads, stride_src_token, stride_src_head,
-                                   offs_l, v_scale, KV_RANK, NUM_SPLITS, BLOCK_S, SEQS, dtype)
+                                   live, num_active, head, num_heads, stride_src_token,
+                                   stride_src_head, offs_l, v_scale, KV_RANK, NUM_SPLITS,
+                                   BLOCK_S, SEQS, dtype)
     if NUM_SPLITS > 1:
         w = tl.load(w_cols[None, :] + offs_l[:, None], mask=w_ok, other=0.0)
     values = tl.dot(latent.to(w.dtype), w, input_precision=DOT_PRECISION)
@@ -120,11 +130,13 @@ def _latent_output_to_heads_kernel(
 def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.Tensor,
                                   query_start_loc: torch.Tensor, num_seqs: int,
                                   num_tokens: int, w_uv: torch.Tensor,
-                                  v_scale: float = 1.0) -> torch.Tensor:
+                                  v_scale: float = 1.0, *, seq_lens: torch.Tensor | None = None,
+                                  split_block_n: int = 1) -> torch.Tensor:
     """Per-head values [num_tokens, H, v] of MLA decode's output over the latent:
     ``latent_out`` is either the final output [num_tokens, H, L] (one split;
     ``partial_lse`` unused) or the split partials [num_seqs, H, S, L] with their
-    log-sum-exps [num_seqs, H, S], merged here (``v_scale`` as ``merge_splits``). Row
+    log-sum-exps [num_seqs, H, S], merged here (``v_scale``, ``seq_lens`` and
+    ``split_block_n`` as ``merge_splits``: the splits that hold keys only). Row
     ``query_start_loc[i]`` is sequence i's; rows of no live sequence are left unwritten,
     as the merge leaves them. ``w_uv`` [H, v, L], contiguous along L."""
     num_heads, v_head, kv_rank = w_uv.shape
@@ -132,6 +144,8 @@ def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.T
     out = torch.empty((num_tokens, num_heads, v_head), dtype=w_uv.dtype, device=w_uv.device)
     if num_seqs == 0:
         return out
+    if split and seq_lens is None:
+        raise ValueError("merging split partials needs the sequences' lengths")
     pdl = pdl_enabled(out.device)
     num_splits = latent_out.shape[2] if split else 1
     # Unsplit: a tile of 16 sequences. Split: as many as the partials' registers allow.
@@ -140,11 +154,13 @@ def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.T
     # 8 warps: at DeepSeek's latent (512) the merged [16, 512] fp32 tile and W_UV's [512, 32]
     # rows spill at 4 (ptxas for sm_90a: 52-472 bytes), not at 8.
     _latent_output_to_heads_kernel[grid](
-        latent_out, partial_lse, query_start_loc, w_uv, out, num_seqs, num_heads,
+        latent_out, partial_lse, query_start_loc,
+        seq_lens if seq_lens is not None else query_start_loc, w_uv, out, num_seqs, num_heads,
         0 if split else latent_out.stride(0), 0 if split else latent_out.stride(1),
         w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1), float(v_scale),
         KV_RANK=kv_rank, V_HEAD=v_head, BLOCK_L=triton.next_power_of_2(kv_rank),
-        BLOCK_S=BLOCK_S, BLOCK_V=BLOCK_V, NUM_SPLITS=num_splits, SEQS=seqs,
+        BLOCK_S=BLOCK_S, BLOCK_V=BLOCK_V, NUM_SPLITS=num_splits,
+        SPLIT_BLOCK_N=split_block_n, SEQS=seqs,
         DOT_PRECISION=dot_precision(w_uv.dtype), PDL=pdl, num_warps=8,
         **pdl_launch_options(pdl))
     return out
