@@ -33,14 +33,14 @@ else:
         CPU_CASES,
         assert_matches_reference,
         make_case,
+        poison_split_partials,
         with_empty_slots,
     )
 
+    from archserve.kernels.attention import triton_decode
     from archserve.kernels.attention.reference import ReferenceAttentionImpl
     from archserve.kernels.attention.triton_backend import TritonAttentionImpl
-    from archserve.kernels.attention import triton_decode
     from archserve.kernels.attention.triton_decode import decode_attention
-    from attention_cases import poison_split_partials
     from archserve.kernels.attention.triton_prefill import prefill_attention
 
     @pytest.mark.parametrize("name,case_args", CPU_CASES, ids=[n for n, _ in CPU_CASES])
