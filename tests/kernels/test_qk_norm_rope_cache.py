@@ -157,6 +157,18 @@ def test_strided_norm_weights_are_refused_by_the_fused_kernel():
                                                       (dense, strided), cache)
 
 
+def test_attention_layer_refuses_unit_offset_qk_norms():
+    # The preamble's paths all scale by the norm's weight; Gemma's (1 + w) form would be
+    # silently wrong, so the layer refuses it before doing anything.
+    from archserve.models.layers.attention import Attention
+    from archserve.models.layers.norm import GemmaRMSNorm
+
+    layer = Attention(4, 2, 32, 32 ** -0.5, layer_index=0)
+    with pytest.raises(ValueError, match="GemmaRMSNorm"):
+        layer.forward_qkv(torch.zeros(1, dtype=torch.long), torch.zeros(1, 256),
+                          RotaryEmbedding(32, 8, 10000.0), GemmaRMSNorm(32), GemmaRMSNorm(32))
+
+
 def test_cpu_tensors_take_the_unfused_path():
     check_unfused_path("cpu", None)
 

@@ -45,6 +45,9 @@ class Attention(nn.Module, KVCacheScales):
         """qkv [T, (H + 2 Hkv) D] straight from the QKV GEMM -> [T, H*D]: per-head q/k
         norm, rotary, the cache write and attention (the first three one kernel where the
         fused route allows, see ``attention_preamble``)."""
+        if q_norm is not None and q_norm.identity_weight != 1.0:
+            # Every path here scales by the weight itself; Gemma's (1 + w) norm is not one.
+            raise ValueError(f"{type(q_norm).__name__} q/k norms are not supported here")
         ctx = get_forward_context()
         norm_weights = None if q_norm is None else (q_norm.weight, k_norm.weight)
         q, k, v = attention_preamble(
