@@ -16,7 +16,8 @@ cannot write. Reading it early lets its bytes stream while that kernel drains:
   MLA decode inputs kernel's tile of W_UK and its norm weight, the MLA merge's W_UV rows;
 - the step's inputs and constants: positions, slots and rotary rows (q/k-norm-rope-cache
   kernel, MLA decode inputs kernel), query starts, lengths and block tables (decode
-  attention, MLA decode, MLA's merge with W_UV);
+  attention, MLA decode; the split merges' query starts and lengths, for which splits hold
+  keys);
 - what an earlier kernel than the one right before wrote: the MoE down kernels' experts
   and rows (the routing's and the sort's, before the gate/up kernel), and with them the
   slot-summing down kernel's first K step of its experts' weights;
