@@ -255,7 +255,10 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_SIZE
     heads = kv_head * GROUP + offs_g
-    q = tl.load(q_ptr + token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
+    # A sequence slot with no query token (a padded bucket) starts at row T, one past the
+    # last: it reads row 0 instead, and stores nothing.
+    q_token = tl.where(query_len > 0, token, 0).to(tl.int64)
+    q = tl.load(q_ptr + q_token * stride_q_token + heads[:, None] * stride_q_head
                 + offs_d[None, :], mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if DOT_PRECISION == "ieee":  # K, V and P follow q's dtype (see dot_precision)
         q = q.to(tl.float32)

@@ -92,7 +92,9 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     offs_r = tl.arange(0, BLOCK_R)
     mask_l = offs_l < KV_RANK
     mask_r = offs_r < ROPE
-    q_rows = q_ptr + token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
+    # (A sequence slot with no query token starts one row past the last: row 0 instead.)
+    q_token = tl.where(query_len > 0, token, 0).to(tl.int64)
+    q_rows = q_ptr + q_token * stride_q_token + heads[:, None] * stride_q_head
     q_nope = tl.load(q_rows + offs_l[None, :], mask=mask_h[:, None] & mask_l[None, :], other=0.0)
     q_pe = tl.load(q_rows + KV_RANK + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :],
                    other=0.0)
