@@ -62,7 +62,7 @@ def poison_split_partials(monkeypatch, module) -> None:
 
     def poisoned(*args, **kwargs):
         partial_out, partial_lse = made(*args, **kwargs)
-        if partial_lse.dtype == torch.float32 and partial_lse.dim() == 3:
+        if partial_out is not partial_lse:   # (one split: both are the output itself)
             partial_out.fill_(float("nan"))
             partial_lse.fill_(float("nan"))
         return partial_out, partial_lse

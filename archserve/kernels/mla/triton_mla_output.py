@@ -131,7 +131,7 @@ def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.T
                                   query_start_loc: torch.Tensor, num_seqs: int,
                                   num_tokens: int, w_uv: torch.Tensor,
                                   v_scale: float = 1.0, *, seq_lens: torch.Tensor | None = None,
-                                  split_block_n: int = 1) -> torch.Tensor:
+                                  split_block_n: int | None = None) -> torch.Tensor:
     """Per-head values [num_tokens, H, v] of MLA decode's output over the latent:
     ``latent_out`` is either the final output [num_tokens, H, L] (one split;
     ``partial_lse`` unused) or the split partials [num_seqs, H, S, L] with their
@@ -144,8 +144,9 @@ def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.T
     out = torch.empty((num_tokens, num_heads, v_head), dtype=w_uv.dtype, device=w_uv.device)
     if num_seqs == 0:
         return out
-    if split and seq_lens is None:
-        raise ValueError("merging split partials needs the sequences' lengths")
+    if split and (seq_lens is None or split_block_n is None):
+        raise ValueError("merging split partials needs the sequences' lengths and the "
+                         "decode kernel's BLOCK_N (which splits hold keys)")
     pdl = pdl_enabled(out.device)
     num_splits = latent_out.shape[2] if split else 1
     # Unsplit: a tile of 16 sequences. Split: as many as the partials' registers allow.
@@ -160,7 +161,7 @@ def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.T
         w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1), float(v_scale),
         KV_RANK=kv_rank, V_HEAD=v_head, BLOCK_L=triton.next_power_of_2(kv_rank),
         BLOCK_S=BLOCK_S, BLOCK_V=BLOCK_V, NUM_SPLITS=num_splits,
-        SPLIT_BLOCK_N=split_block_n, SEQS=seqs,
+        SPLIT_BLOCK_N=split_block_n or 1, SEQS=seqs,
         DOT_PRECISION=dot_precision(w_uv.dtype), PDL=pdl, num_warps=8,
         **pdl_launch_options(pdl))
     return out
