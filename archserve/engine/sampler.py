@@ -89,6 +89,13 @@ class SamplingBatch:
     seeded_keys: tuple[int, ...] = ()         # their draw seeds (see ``draw_seed``)
     max_num_logprobs: int = -1                # -1: no row asked; N: top-N for the widest ask
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row greedy, nothing shapes the logits first, and no logprobs asked."""
+        return (self.all_greedy and self.max_num_logprobs < 0 and self.output_counts is None
+                and self.blocked_rows is None and self.bias_rows is None
+                and self.allowed_mask is None and self.grammar_rows is None)
+
     @classmethod
     def from_sequences(cls, seqs: SequenceOf[Sequence], vocab_size: int,
                        device: torch.device | str,
@@ -208,6 +215,20 @@ class SamplerOutput:
     topn_logprobs: torch.Tensor | None = None    # float32 [B, N]   its own first n_i columns)
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: ``logits.float().argmax(-1)``, in one Triton launch on GPUs where the
+    fused kernels' route is Triton (kernels/elementwise/triton_argmax.py)."""
+    from archserve.kernels.elementwise import fused_kernel_route
+    if logits.is_cuda and fused_kernel_route(logits.device)[0] == "triton":
+        from archserve.kernels.elementwise.triton_argmax import (
+            argmax_unsupported,
+            triton_argmax,
+        )
+        if argmax_unsupported(logits) is None:
+            return triton_argmax(logits)
+    return logits.float().argmax(dim=-1)
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """HF repetition penalty over prompt+output; OpenAI frequency/presence over output."""
     counts = batch.output_counts
@@ -267,6 +288,8 @@ class Sampler:
         if not isinstance(batch, SamplingBatch):
             batch = SamplingBatch.from_sequences(batch, logits.shape[-1], logits.device,
                                                  self.eos_token_ids, pending_token)
+        if batch.argmax_only:   # a greedy batch-1 step's: between two graphs, so it counts
+            return SamplerOutput(sampled_token_ids=greedy_argmax(logits))
         raw = logits.float()
         x = raw
         if batch.bias_rows is not None:   # OpenAI's logit_bias: added before anything else
