@@ -229,14 +229,36 @@ class DecodeGraphRunner(StaticGraphRunner):
     def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         b = meta.num_seqs
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[:b].copy_(positions, non_blocking=True)
-        self.slot_mapping[:b].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
-        load_block_tables(self.block_tables, meta.block_tables)
-        if b < size:   # rows the graph runs past the batch: no cache write, one key each
-            self.slot_mapping[b:size].fill_(-1)
-            self.seq_lens[b:size].fill_(1)
-            self.block_tables[b:size].zero_()
+        static = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                  self.block_tables)
+        step = (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        if not _load_in_one_kernel(size, static, step):
+            self.input_ids[:b].copy_(input_ids, non_blocking=True)
+            self.positions[:b].copy_(positions, non_blocking=True)
+            self.slot_mapping[:b].copy_(meta.slot_mapping, non_blocking=True)
+            self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
+            load_block_tables(self.block_tables, meta.block_tables)
+            if b < size:   # rows the graph runs past the batch: no cache write, one key each
+                self.slot_mapping[b:size].fill_(-1)
+                self.seq_lens[b:size].fill_(1)
+                self.block_tables[b:size].zero_()
         self.set.graphs[size].replay()
         return self.output[:b]
+
+
+def _load_in_one_kernel(size: int, static: tuple[torch.Tensor, ...],
+                        step: tuple[torch.Tensor, ...]) -> bool:
+    """The step's inputs into the static buffers by one Triton launch
+    (kernels/elementwise/triton_graph_inputs.py) where the fused kernels' route is Triton
+    and the inputs suit it: False, nothing done, elsewhere."""
+    from archserve.kernels.elementwise import fused_kernel_route
+    if fused_kernel_route(static[0].device)[0] != "triton":
+        return False
+    from archserve.kernels.elementwise.triton_graph_inputs import (
+        graph_inputs_unsupported,
+        load_graph_inputs_triton,
+    )
+    if graph_inputs_unsupported(size, static, step) is not None:
+        return False
+    load_graph_inputs_triton(size, static, step)
+    return True
