@@ -249,10 +249,10 @@ class DecodeGraphRunner(StaticGraphRunner):
 def _load_in_one_kernel(size: int, static: tuple[torch.Tensor, ...],
                         step: tuple[torch.Tensor, ...]) -> bool:
     """The step's inputs into the static buffers by one Triton launch
-    (kernels/elementwise/triton_graph_inputs.py) where the fused kernels' route is Triton
-    and the inputs suit it: False, nothing done, elsewhere."""
-    from archserve.kernels.elementwise import fused_kernel_route
-    if fused_kernel_route(static[0].device)[0] != "triton":
+    (kernels/elementwise/triton_graph_inputs.py) where the fusion "graph_inputs" is on and
+    the inputs suit it: False, nothing done, elsewhere."""
+    from archserve.kernels.elementwise import fusion_enabled
+    if not fusion_enabled("graph_inputs", static[0].device):
         return False
     from archserve.kernels.elementwise.triton_graph_inputs import (
         graph_inputs_unsupported,

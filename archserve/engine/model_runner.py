@@ -167,18 +167,22 @@ class ModelRunner:
         """
         batches = prefill_warm_up_batches(self.max_model_len, max_num_batched_tokens,
                                           max_num_seqs)
+        logits = None
         for lengths in batches:
-            self.run_prefill_probe(lengths)
+            logits = self.run_prefill_probe(lengths)
         if self.device.type == "cuda":
+            if logits is not None:   # the greedy argmax kernel, on logits as steps give them
+                from archserve.engine.sampler import greedy_argmax
+                greedy_argmax(logits)
             torch.cuda.synchronize(self.device)
         return batches
 
     @torch.inference_mode()
-    def run_prefill_probe(self, num_tokens: int | list[int]) -> None:
+    def run_prefill_probe(self, num_tokens: int | list[int]) -> torch.Tensor:
         """One step of a ``num_tokens``-token prompt (or of prompts of these lengths)
-        through each one's sampled row's logits, writing nothing to the cache (slot -1):
-        for warm-up and for timing a step. It replays a mixed-step graph where one fits
-        (as the step would run when serving), else it runs eagerly."""
+        through each one's sampled row's logits (returned), writing nothing to the cache
+        (slot -1): for warm-up and for timing a step. It replays a mixed-step graph where
+        one fits (as the step would run when serving), else it runs eagerly."""
         lens = [num_tokens] if isinstance(num_tokens, int) else list(num_tokens)
         dev = self.device
         width = block_table_width(-(-max(lens) // self.block_size))
@@ -191,9 +195,8 @@ class ModelRunner:
         # Timed for the step budget: a step that a mixed graph would run, runs it here too.
         bucket = self.mixed_graphs.bucket_for(sum(lens), len(lens)) if self.mixed_graphs else None
         if bucket is not None:
-            self.mixed_graphs.replay(bucket, ids, positions, meta, last_rows)
-            return
-        self._forward_rows(ids, positions, meta, last_rows)
+            return self.mixed_graphs.replay(bucket, ids, positions, meta, last_rows)
+        return self._forward_rows(ids, positions, meta, last_rows)
 
     def _forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:

@@ -217,9 +217,9 @@ class SamplerOutput:
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """int64 [B]: ``logits.float().argmax(-1)``, in one Triton launch on GPUs where the
-    fused kernels' route is Triton (kernels/elementwise/triton_argmax.py)."""
-    from archserve.kernels.elementwise import fused_kernel_route
-    if logits.is_cuda and fused_kernel_route(logits.device)[0] == "triton":
+    fusion "greedy_argmax" is on (kernels/elementwise/triton_argmax.py)."""
+    from archserve.kernels.elementwise import fusion_enabled
+    if logits.is_cuda and fusion_enabled("greedy_argmax", logits.device):
         from archserve.kernels.elementwise.triton_argmax import (
             argmax_unsupported,
             triton_argmax,

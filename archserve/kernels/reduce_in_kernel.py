@@ -17,9 +17,9 @@ and Qwen3-30B-A3B's batch-1 step 2.813 against 2.784 ms. With PDL a second kerne
 scheduled while the first drains, so its launch costs little; the last arriver instead
 adds a GPU-scope atomic round trip and reduces alone at the end. It stays opt-in.
 
-The same counters serve greedy decoding's argmax (kernels/elementwise/triton_argmax.py,
-always on: it replaces torch's reduction, not a second kernel of ours), one per row, in its
-own launch between two decode graphs.
+Greedy decoding's argmax (kernels/elementwise/triton_argmax.py) reduces its blocks the same
+way, always on (it replaces torch's one-kernel reduction, not a second kernel of ours), on
+counters of its own.
 
 This module is free of Triton where the engine's start-up reads it; the kernels' shared
 step, ``count_arrival``, is defined where Triton is installed.

@@ -290,3 +290,17 @@ def test_a_plain_greedy_batch_is_an_argmax_with_nothing_on_the_device(extra):
     assert SamplingBatch.from_sequences(seqs_for(early), 8, "cpu").blocked_rows is not None
     done = SamplingBatch.from_sequences(seqs_for(early, outputs=(1, 1)), 8, "cpu")
     assert done.all_greedy and done.blocked_rows is None
+
+
+def test_only_a_batch_nothing_shapes_takes_the_argmax_kernel():
+    """``argmax_only`` (the sampler's one-launch argmax on GPUs): every row greedy, no
+    logprobs, and none of the features that change the logits before the argmax."""
+    def batch(**fields) -> SamplingBatch:
+        return SamplingBatch(temperature=None, greedy=None, all_greedy=True, **fields)
+    assert batch().argmax_only
+    assert not SamplingBatch(temperature=torch.ones(1), greedy=torch.zeros(1, dtype=torch.bool),
+                             all_greedy=False).argmax_only
+    some = torch.zeros(1)
+    for name in ("output_counts", "blocked_rows", "bias_rows", "allowed_mask", "grammar_rows"):
+        assert not batch(**{name: some}).argmax_only, name
+    assert not batch(max_num_logprobs=0).argmax_only

@@ -39,6 +39,12 @@ def cases(device: str, vocab: int = 10_001) -> list[tuple[str, torch.Tensor]]:
     special[2, [50, 8000]] = 0.0              # -0.0 and +0.0 tie: index 0
     special[3, 6000] = float("inf")
     out.append(("special", special))
+    nans = torch.randn(3, vocab, generator=gen)
+    as_int = nans.view(torch.int32)
+    as_int[0, 9000] = -0x003FFFFF - 1            # a negative NaN (0xFFC00000): still above all
+    as_int[1, [5000, 9500]] = torch.tensor([0x7FC00000, 0x7FFFFFFF], dtype=torch.int32)
+    as_int[2, [200, 8000]] = torch.tensor([0x7FFFFFFF, 0x7FC00000], dtype=torch.int32)
+    out.append(("NaN signs and payloads: the first NaN", nans))
     out.append(("short row", torch.randn(2, 33, generator=gen)))   # one partial block
     return [(name, rows.to(device)) for name, rows in out]
 
@@ -46,11 +52,14 @@ def cases(device: str, vocab: int = 10_001) -> list[tuple[str, torch.Tensor]]:
 def check(device: str, dtype: torch.dtype, vocab: int = 10_001) -> None:
     from archserve.kernels.elementwise.triton_argmax import argmax_unsupported, triton_argmax
     for name, rows in cases(device, vocab):
-        logits = rows.to(dtype)
-        assert argmax_unsupported(logits) is None
-        got = triton_argmax(logits)
-        assert got.dtype == torch.int64
-        assert got.tolist() == logits.float().argmax(dim=-1).tolist(), (name, dtype)
+        # Also as a slice of wider rows (an LM head's padded vocabulary): the row stride.
+        padded = torch.full((rows.shape[0], rows.shape[1] + 64), 1e4).to(device)
+        padded[:, :rows.shape[1]] = rows
+        for logits in (rows.to(dtype), padded.to(dtype)[:, :rows.shape[1]]):
+            assert argmax_unsupported(logits) is None
+            got = triton_argmax(logits)
+            assert got.dtype == torch.int64
+            assert got.tolist() == logits.float().argmax(dim=-1).tolist(), (name, dtype)
 
 
 def test_argmax_refuses_what_it_cannot_take():

@@ -51,6 +51,9 @@ FUSIONS = {
                       "gate/up, a MoE router, MLA's kv_a)"),
     # Decided when the model is built, on any device (TORCH_MOE runs them too).
     "shared_experts": "DeepSeek's shared experts stacked with the routed ones in the fused MoE",
+    # Between two decode graphs, where the fused kernels' route is Triton.
+    "graph_inputs": "a decode step's inputs into its CUDA graph's static buffers in one launch",
+    "greedy_argmax": "a greedy batch's argmax in one launch over many programs",
     # The folding is decided when the weights load, on any device; the residual add per
     # call, where the fused kernels' route is Triton (models/layers/norm_folding.py).
     "fold_norm_weights": ("an RMSNorm's weight multiplied into the 16/32-bit GEMMs that read "

@@ -1,30 +1,28 @@
-"""Greedy decoding's argmax over the vocabulary in one launch, read in the logits' dtype.
+"""Greedy decoding's argmax over the vocabulary in one launch over many programs.
 
 After each decode step's graph the sampler of a greedy batch takes the argmax of the
-logits. torch does it in two kernels, the float copy and a reduction that one or few
-programs run over the row (an H200 profile of a batch-1 step: 8 µs for Qwen3's 151,936
-logits, 23 µs for DeepSeek-V2's 102,400, on the path between two graphs, where nothing
-overlaps it). Here a row is split into blocks over many programs; each stores its block's
-maximum and first index, and the last program to arrive (``reduce_in_kernel``'s counters)
-picks among them.
+float32 logits the graph's LM head wrote. torch reduces a row in one kernel whose few
+programs read all of it (an H200 profile of a batch-1 step: 8 µs on Qwen3's 151,936
+logits, 23 µs on DeepSeek-V2's 102,400), on the path between two graphs, where nothing
+overlaps it. Here a row is split into blocks over many programs; each stores its block's
+maximum and first index, and the last program to arrive (``reduce_in_kernel``'s
+``count_arrival``, on counters of this kernel's own) picks among them.
 
 Same answer as ``torch.argmax`` of the float32 logits: the first index of the maximum, NaN
 above everything (the first NaN), and -0.0 equal to +0.0. Values are compared as ordered
-integers of their float32 bits, so every comparison is exact.
+integers of their float32 bits, so every comparison is exact. 16-bit logits are read as
+they are (widened in the kernel).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.reduce_in_kernel import (
-    ARRIVAL_COUNTERS,
-    arrival_counters,
-    count_arrival,
-    reset_arrivals,
-)
+from archserve.kernels.reduce_in_kernel import ARRIVAL_COUNTERS, count_arrival, reset_arrivals
 
 BLOCK = 4096          # logits a program reads: 38 programs a row for a 152k vocabulary
 MAX_PARTS = 1024      # blocks a row may have (a 4M-token vocabulary)
@@ -63,8 +61,21 @@ def _argmax_kernel(logits_ptr, out_ptr, part_keys_ptr, part_index_ptr, counters_
         reset_arrivals(counters_ptr + row)
 
 
+@functools.cache
+def _row_counters(device: torch.device) -> torch.Tensor:
+    """This kernel's arrival counters on ``device``, one per row, zero between launches (the
+    last program of a row resets its own): not shared with the opt-in in-kernel reductions,
+    so nothing they leave can reach greedy decoding. Made at the engine's warm-up
+    (ModelRunner.warm_up_prefill), before any step."""
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+
+
 def argmax_unsupported(logits: torch.Tensor) -> str | None:
     """Why ``triton_argmax`` cannot take ``logits``, or None."""
+    if torch.version.hip is not None:
+        # As reduce_in_kernel: whether the last program sees every other's stores across
+        # an MI300's per-XCD L2s is not verified.
+        return "ROCm (the last-arriving program's reads across XCDs are not verified)"
     if logits.dim() != 2 or logits.stride(-1) != 1:
         return f"logits {tuple(logits.shape)} not rows contiguous along the vocabulary"
     if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -85,6 +96,6 @@ def triton_argmax(logits: torch.Tensor) -> torch.Tensor:
     part_keys = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     part_index = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     _argmax_kernel[(rows, parts)](
-        logits, out, part_keys, part_index, arrival_counters(logits.device), vocab,
+        logits, out, part_keys, part_index, _row_counters(logits.device), vocab,
         logits.stride(0), BLOCK=BLOCK, PARTS=triton.next_power_of_2(parts), num_warps=4)
     return out

@@ -17,7 +17,10 @@ import triton.language as tl
 BLOCK_COLS = 1024    # block-table columns a program copies per step
 
 
-@triton.jit
+# One compiled variant whatever the batch and table widths (the staged inputs are 16-byte
+# aligned, engine/staging.py): the replay canary compiles it at start-up, not a step.
+@triton.jit(do_not_specialize=["batch", "table_width", "src_row_stride", "dst_row_stride",
+                               "static_width"])
 def _graph_inputs_kernel(ids_src, ids_dst, pos_src, pos_dst, slot_src, slot_dst, len_src,
                          len_dst, table_src, table_dst, batch, table_width, src_row_stride,
                          dst_row_stride, static_width, BLOCK_COLS: tl.constexpr):
@@ -53,6 +56,8 @@ def graph_inputs_unsupported(size: int, static: tuple[torch.Tensor, ...],
     if s_tables.stride(1) != 1 or tables.stride(1) != 1 or any(
             t.dim() != 1 or t.stride(0) != 1 or t.shape[0] < batch for t in step[:4]):
         return "inputs not contiguous rows"
+    if any(t.device != static[0].device for t in step):
+        return "inputs on another device than the static buffers"
     return None
 
 
