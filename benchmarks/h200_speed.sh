@@ -135,6 +135,12 @@ step moe_qwen3_unfolded 75 180 env ARCHSERVE_DISABLE_FUSIONS=fold_norm_weights \
   --out "$D/moe_qwen3_unfolded.json"
 step mla_engine_unfolded 80 200 env ARCHSERVE_DISABLE_FUSIONS=fold_norm_weights \
   python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_unfolded.json"
+# What runs between two batch-1 decode graphs: the engine's step against its graph replayed
+# alone (session 25), on the MoE and MLA shapes.
+step step_vs_graph_qwen3 60 150 python3 benchmarks/step_vs_graph.py benchmarks/models/qwen3-30b-a3b \
+  --max-model-len 1024
+step step_vs_graph_v2 60 150 python3 benchmarks/step_vs_graph.py benchmarks/models/deepseek-v2-lite \
+  --max-model-len 4224
 # Where the 0.6B's batch-1 step goes, kernel by kernel (device time per step, top kernels).
 step profile_06b_b1 60 150 python3 benchmarks/profile_engine_step.py --model $Q06 \
   --load-format dummy --dtype bfloat16 --batch-sizes 1 --input-len 128 --steps 20 \
