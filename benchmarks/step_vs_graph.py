@@ -14,8 +14,6 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from archserve.bench.offline import run_offline  # noqa: E402
 from archserve.bench.roofline import analyze, model_facts  # noqa: E402
@@ -23,6 +21,7 @@ from archserve.bench.workload import random_requests  # noqa: E402
 from archserve.engine.ceilings import load_or_measure  # noqa: E402
 from archserve.engine.config import EngineConfig  # noqa: E402
 from archserve.engine.llm_engine import LLMEngine  # noqa: E402
+from archserve.kernels.cuda_timing import mean_ms  # noqa: E402
 
 
 def main() -> None:
@@ -45,15 +44,7 @@ def main() -> None:
         print(f"engine step {steps[-1]:.3f} ms (floor {roof.decode_floor_s_mean * 1e3:.3f})",
               flush=True)
     # The size-1 graph over the last step's buffers (its context, its lengths).
-    graph = engine.runner.graphs.set.graphs[1]
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    alone = start.elapsed_time(end) / args.replays
+    alone = mean_ms(engine.runner.graphs.set.graphs[1].replay, args.replays)
     mean = sum(steps) / len(steps)
     print(f"graph replay alone {alone:.3f} ms; engine step {mean:.3f} ms (mean of "
           f"{len(steps)}): {mean - alone:.3f} ms between graphs", flush=True)

@@ -45,14 +45,19 @@ REDUCE_IN_KERNEL_ENV = "ARCHSERVE_REDUCE_IN_KERNEL"
 ARRIVAL_COUNTERS = 4096
 
 
+def last_arrival_verified() -> bool:
+    """Whether the last program to arrive is known to see every other's stores here: not
+    on ROCm. On MI300-class GPUs each XCD has its own L2; the kernels compile for them, but
+    that is not verified there."""
+    return torch.version.hip is None
+
+
 def reduce_in_kernel(counters: int = 0) -> bool:
     """Whether a launch needing ``counters`` reductions does them in the kernel: asked for
-    with ``ARCHSERVE_REDUCE_IN_KERNEL=1``, within the counter buffer, and not on ROCm. On
-    MI300-class GPUs each XCD has its own L2; the kernels compile for them, but whether the
-    last program sees every other's stores there is not verified, so ROCm keeps the
-    second kernel."""
+    with ``ARCHSERVE_REDUCE_IN_KERNEL=1``, within the counter buffer, and where
+    ``last_arrival_verified`` (ROCm keeps the second kernel)."""
     return (os.environ.get(REDUCE_IN_KERNEL_ENV) == "1" and counters <= ARRIVAL_COUNTERS
-            and torch.version.hip is None)
+            and last_arrival_verified())
 
 
 @functools.cache

@@ -22,7 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.reduce_in_kernel import ARRIVAL_COUNTERS, count_arrival, reset_arrivals
+from archserve.kernels.reduce_in_kernel import (
+    ARRIVAL_COUNTERS,
+    count_arrival,
+    last_arrival_verified,
+    reset_arrivals,
+)
 
 BLOCK = 4096          # logits a program reads: 38 programs a row for a 152k vocabulary
 MAX_PARTS = 1024      # blocks a row may have (a 4M-token vocabulary)
@@ -72,9 +77,7 @@ def _row_counters(device: torch.device) -> torch.Tensor:
 
 def argmax_unsupported(logits: torch.Tensor) -> str | None:
     """Why ``triton_argmax`` cannot take ``logits``, or None."""
-    if torch.version.hip is not None:
-        # As reduce_in_kernel: whether the last program sees every other's stores across
-        # an MI300's per-XCD L2s is not verified.
+    if not last_arrival_verified():
         return "ROCm (the last-arriving program's reads across XCDs are not verified)"
     if logits.dim() != 2 or logits.stride(-1) != 1:
         return f"logits {tuple(logits.shape)} not rows contiguous along the vocabulary"
