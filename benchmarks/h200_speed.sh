@@ -141,6 +141,9 @@ step step_vs_graph_qwen3 60 150 python3 benchmarks/step_vs_graph.py benchmarks/m
   --max-model-len 1024
 step step_vs_graph_v2 60 150 python3 benchmarks/step_vs_graph.py benchmarks/models/deepseek-v2-lite \
   --max-model-len 4224
+# What each byte-less kernel of a batch-1 MoE / MLA layer costs in a chain of launches
+# (session 26: benchmarks/bench_chain_latency.py).
+step chain_latency 30 90 python3 benchmarks/bench_chain_latency.py --out "$D/chain_latency.json"
 # Where the 0.6B's batch-1 step goes, kernel by kernel (device time per step, top kernels).
 step profile_06b_b1 60 150 python3 benchmarks/profile_engine_step.py --model $Q06 \
   --load-format dummy --dtype bfloat16 --batch-sizes 1 --input-len 128 --steps 20 \
