@@ -232,6 +232,8 @@ else:
     def test_fused_preamble_odd_heads_and_head_size():
         # 3 query heads, 1 KV head, head size 80: every tile is masked.
         check_fused_preamble(2, 3, 1, 80, torch.bfloat16, "cpu", qk_norm=True)
+        # 6 query heads: a full block of Q_HEADS_PER_PROGRAM and a masked one.
+        check_fused_preamble(3, 6, 2, 64, torch.float32, "cpu", qk_norm=True)
 
     def test_fused_preamble_reads_strided_positions():
         check_fused_preamble(3, 4, 2, 32, torch.bfloat16, "cpu", True, strided_positions=True)
