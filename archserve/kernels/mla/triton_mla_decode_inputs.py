@@ -96,22 +96,30 @@ def _mla_decode_inputs_kernel(
         kv_norm = tl.load(kv_norm_ptr + kv_cols, mask=kv_cols < KV_RANK,
                           other=0.0).to(tl.float32)[None, :]
         pdl_start(PDL)
+        # Every load first (a load after a store waits for it: the compiler cannot tell
+        # the pointers apart), so head 0's program makes one round trip to memory, not
+        # two; the latent's loads are masked off in the other heads' programs.
         mask = row_ok[:, None] & col_ok
         x1 = tl.load(q_row + NOPE + first, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(q_row + NOPE + second, mask=mask, other=0.0).to(tl.float32)
+        # (a row vector: the interpreter mistypes scalar-bool & tensor)
+        latent_rows = ((rows * 0 + head) == 0)[:, None]
+        kv_row = kv_a_ptr + rows64[:, None] * kv_a_stride
+        kv_ok = row_ok[:, None] & (kv_cols < KV_RANK)[None, :]
+        c_kv = tl.load(kv_row + kv_cols[None, :], mask=kv_ok & latent_rows,
+                       other=0.0).to(tl.float32)
+        k1 = tl.load(kv_row + KV_RANK + first, mask=mask & latent_rows,
+                     other=0.0).to(tl.float32)
+        k2 = tl.load(kv_row + KV_RANK + second, mask=mask & latent_rows,
+                     other=0.0).to(tl.float32)
         x1, x2 = rotate_halves(x1, x2, cos, sin, dtype)
         tl.store(out_row + KV_RANK + cols, x1.to(dtype), mask=mask)
         tl.store(out_row + KV_RANK + half + cols, x2.to(dtype), mask=mask)
         if head == 0:
             # The latent of each row: normalised c_kv, then the rotated k_pe, at its slot
             # (slot -1 marks a padding row: masked, as the cache writer does).
-            kv_row = kv_a_ptr + rows64[:, None] * kv_a_stride
-            kv_ok = row_ok[:, None] & (kv_cols < KV_RANK)[None, :]
-            c_kv = tl.load(kv_row + kv_cols[None, :], mask=kv_ok, other=0.0).to(tl.float32)
             inv_rms = tl.math.rsqrt(tl.sum(c_kv * c_kv, axis=1) / KV_RANK + eps)[:, None]
             c_kv = scale_normalized(c_kv, inv_rms, kv_norm, dtype, dtype, False)
-            k1 = tl.load(kv_row + KV_RANK + first, mask=mask, other=0.0).to(tl.float32)
-            k2 = tl.load(kv_row + KV_RANK + second, mask=mask, other=0.0).to(tl.float32)
             k1, k2 = rotate_halves(k1, k2, cos, sin, dtype)
             dst = (cache_ptr + (slots // BLOCK_SIZE)[:, None] * stride_cache_block
                    + (slots % BLOCK_SIZE)[:, None] * stride_cache_token)
