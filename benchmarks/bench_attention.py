@@ -95,7 +95,8 @@ def bench_decode(args, batch: int, ctx: int, block_size: int, copy_bw: float,
     kv_bytes = 2 * batch * ctx * kv_heads * d * cache.element_size()
     bw = kv_bytes / (us * 1e-6)
     return {"kind": "decode", "backend": "TRITON_ATTN", "batch": batch, "ctx": ctx,
-            "heads": heads, "kv_heads": kv_heads, "tiles": tiles or decode_tiles(d, heads // kv_heads),
+            "heads": heads, "kv_heads": kv_heads, "tiles": tiles or decode_tiles(
+                d, heads // kv_heads, -(-ctx // splits) if splits > 1 else None),
             "block_size": block_size, "num_splits": splits, "forced_splits": num_splits is not None,
             "timing": timing, "ms": us / 1e3, "kv_GBps": bw / 1e9,
             "fraction_of_copy_bw": bw / copy_bw,

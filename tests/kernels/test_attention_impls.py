@@ -51,6 +51,14 @@ def test_choose_num_splits_fills_idle_sms_only():
     assert choose_num_splits(2, 8, 4096, num_sms=0) == 1         # unknown SM count: never
 
 
+def test_decode_tiles_shorten_for_short_splits():
+    from archserve.kernels.attention.triton_decode import SHORT_SPLIT_TOKENS, decode_tiles
+    assert decode_tiles(128, 8)[0] == 64                              # unsplit
+    assert decode_tiles(128, 8, 4096 // 16)[0] == 64                  # long splits
+    assert decode_tiles(128, 8, SHORT_SPLIT_TOKENS)[0] == 32          # a tile a split at most
+    assert decode_tiles(256, 8)[0] == 32                              # wide heads, always
+
+
 def test_prefill_autotune_drops_tiles_that_cannot_fit_shared_memory():
     import triton
 

@@ -49,6 +49,11 @@ LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
+# The split merge's warps: one holds a head's [splits, head size] partials and reduces over
+# the splits in its own registers, with no block barrier (a merge is a few KB of latency
+# on the decode graph's critical path).
+MERGE_NUM_WARPS = 1
+SHORT_SPLIT_TOKENS = 64     # splits this short take 32-token tiles (decode_tiles)
 
 
 @triton.jit
@@ -389,16 +394,24 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
         partial_out, partial_lse, query_start_loc, seq_lens, out, out.stride(0), out.stride(1),
         v_scale, HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
         NUM_SPLITS=num_splits, SLIDING_WINDOW=sliding_window or 0, SPLIT_BLOCK_N=split_block_n,
-        PDL=pdl, **pdl_launch_options(pdl),
+        PDL=pdl, num_warps=MERGE_NUM_WARPS, **pdl_launch_options(pdl),
     )
 
 
-def decode_tiles(head_size: int, group: int) -> tuple[int, int, int]:
+def decode_tiles(head_size: int, group: int, split_tokens: int | None = None
+                 ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). Decode is bandwidth-bound: the loads in flight come
     from the many light programs an SM holds (two stages give a program one tile buffer). On
     the H200 three stages measured within 1% of two (2026-11-29), and so did three and four
-    with each tile's offsets carried from the iteration before (session 20, not landed)."""
-    if head_size > 128:
+    with each tile's offsets carried from the iteration before (session 20, not landed).
+
+    ``split_tokens``: the most keys a split holds at the launch's longest context. Splits of
+    one 64-token tile at most (a small batch's graph, split for a short max_model_len) take
+    32-token tiles: a short context then fills twice the splits, each half the work, and
+    the step waits on the slowest (H200, Qwen3-30B-A3B's batch 1 at 384 tokens: decode and
+    merge 3.56 µs a launch in a chain against 4.19; benchmarks/bench_chain_latency.py)."""
+    if head_size > 128 or (split_tokens is not None
+                            and split_tokens <= SHORT_SPLIT_TOKENS):
         return 32, 4, 2
     return 64, 4, 2
 
@@ -430,7 +443,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-    block_n, num_warps, num_stages = tiles or decode_tiles(head_size, group)
+    block_n, num_warps, num_stages = tiles or decode_tiles(
+        head_size, group, triton.cdiv(max_seq_len, num_splits) if num_splits > 1 else None)
     block_g = max(triton.next_power_of_2(group), 16)  # tl.dot needs M >= 16
     block_d = triton.next_power_of_2(head_size)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, head_size)
