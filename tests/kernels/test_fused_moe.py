@@ -391,6 +391,23 @@ else:
         assert ids.tolist() == ref_ids.tolist()            # same experts, same slot order
         torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
 
+    @pytest.mark.parametrize("experts", [64, 128, 512])   # ranked lanes; argmax passes
+    def test_routing_kernel_breaks_ties_by_index_and_survives_nan(experts):
+        # Ties: equal logits in runs of four, so the top 8 holds whole runs and parts of
+        # them; the lower expert wins a tie (a stable descending sort), in both top-k forms.
+        logits = (torch.arange(experts) // 4).flip(0).float()[None].repeat(2, 1)
+        logits[1] = logits[1].roll(37)
+        weights, ids = triton_route(logits, 8, True)
+        expected = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :8]
+        assert ids.tolist() == expected.tolist()
+        torch.testing.assert_close(weights, route(logits, 8, True)[0], atol=1e-6, rtol=1e-5)
+        # A NaN logit makes the row's scores NaN: the ids must still be k distinct real
+        # experts (they index the expert weights), whichever they are.
+        logits[0, 5] = float("nan")
+        _, ids = triton_route(logits, 8, False)
+        assert all(len(set(row)) == 8 and all(0 <= e < experts for e in row)
+                   for row in ids.tolist())
+
     def test_routing_kernel_reads_strided_low_precision_logits():
         # The router's output in the model dtype; a column slice is strided in rows.
         wide = torch.zeros(3, 40, dtype=torch.float16)
@@ -688,9 +705,10 @@ def assert_graph_replays_give(run, expected: torch.Tensor, replays: int) -> None
 
 
 @gpu
-@pytest.mark.parametrize("experts, top_k", [(8, 2), (128, 8), (256, 8), (512, 8)])
+@pytest.mark.parametrize("experts, top_k", [(8, 2), (64, 6), (128, 8), (256, 8), (512, 8)])
 @pytest.mark.parametrize("tokens", [1, 37, 4096])
 def test_gpu_routing_kernel_matches_route(experts, top_k, tokens):
+    """Ranked lanes (up to MAX_RANKED_LANES experts) and argmax passes (past them)."""
     from archserve.kernels.moe.triton_routing import triton_route
     # fp32: 512 steps in [-3, 3) are closer than bf16 resolves.
     logits = distinct_logits(tokens, experts, seed=tokens).to("cuda")
@@ -699,6 +717,13 @@ def test_gpu_routing_kernel_matches_route(experts, top_k, tokens):
         ref_weights, ref_ids = route(logits, top_k, renormalize)
         assert torch.equal(ids.long(), ref_ids), "the routing kernel chose other experts"
         torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+    # Ties (runs of four equal logits, rolled per row): the lower expert first, as a
+    # stable descending sort.
+    tied = (torch.arange(experts, device="cuda") // 4).flip(0).float()[None].repeat(tokens, 1)
+    tied = torch.stack([row.roll(37 * r) for r, row in enumerate(tied)])
+    _, ids = triton_route(tied, top_k, True)
+    expected = torch.sort(tied, dim=1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(ids.long(), expected)
 
 
 @gpu

@@ -34,7 +34,7 @@ MAX_PARTS = 1024      # blocks a row may have (a 4M-token vocabulary)
 
 
 @triton.jit
-def _ordered_keys(x):
+def ordered_keys(x):
     """int32 keys in the order of the float32 values ``x`` (NaN above +inf, -0.0 as +0.0)."""
     x = x + 0.0                       # -0.0 + 0.0 is +0.0 (round to nearest)
     bits = x.to(tl.int32, bitcast=True)
@@ -51,7 +51,7 @@ def _argmax_kernel(logits_ptr, out_ptr, part_keys_ptr, part_index_ptr, counters_
     cols = part * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
                 other=float("-inf")).to(tl.float32)
-    keys = tl.where(cols < vocab, _ordered_keys(x), -0x7FFFFFFF - 1)
+    keys = tl.where(cols < vocab, ordered_keys(x), -0x7FFFFFFF - 1)
     best = tl.argmax(keys, axis=0, tie_break_left=True)
     slot = row * parts + part
     tl.store(part_keys_ptr + slot, tl.max(keys, axis=0))

@@ -8,8 +8,9 @@ alone took 0.26 ms of a 3.3 ms step). Here one program per token loads its E log
 [groups, experts per group], scores them in fp32 (softmax over all experts, or sigmoid),
 adds the selection bias, keeps the ``topk_groups`` best groups (a group scores its best
 expert, or its best two summed when there is a bias: DeepSeek-V2's group_limited_greedy and
-V3's noaux_tc), picks the top k by k passes of argmax (the lower index on a tie, which is
-what torch.topk returns for equal values in practice), and writes the unbiased scores of
+V3's noaux_tc), picks the top k (the lower index on a tie, which is what torch.topk returns
+for equal values in practice: up to MAX_RANKED_LANES lanes by every lane's rank at once,
+past them by k passes of argmax), and writes the unbiased scores of
 the chosen experts, renormalised when asked and times ``scaling``, as weights fp32 [T, k]
 with expert ids int32 [T, k], in the references' order (best choice first); then, for a
 layer with shared experts stacked after its routed ones, their slots (ids E.., weight 1).
@@ -23,11 +24,22 @@ try:
     import triton
     import triton.language as tl
 
+    from archserve.kernels.elementwise.triton_argmax import ordered_keys
     from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 except ImportError:  # the fused backend's availability rule reports it
     triton = None
 
 MAX_EXPERTS = 4096      # one program holds a token's logits in registers
+# Up to this many lanes (experts, padded to powers of two) the top k comes from every
+# lane's rank, a [lanes, lanes] comparison on one SM; past it, k argmax passes. Measured in
+# a chain of launches on an H200 (benchmarks/bench_chain_latency.py, session 26): 64 lanes
+# top-6 (DeepSeek-V2-Lite) 1.32 µs a launch ranked against 1.59 by argmax; 128 lanes top-8
+# (Qwen3-30B-A3B) 2.31-4.41 ranked (by warps) against 2.13: the comparisons grow with the
+# square of the lanes, the passes with k.
+MAX_RANKED_LANES = 64
+# Comparisons a thread makes for the ranks (the warps follow, 1 to 16): at 64 lanes, 2
+# warps (1.32 µs) beat 1 (1.55) and 4 (1.79).
+RANK_COMPARISONS_PER_THREAD = 64
 
 
 if triton is not None:
@@ -38,7 +50,8 @@ if triton is not None:
                       PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, SIGMOID: tl.constexpr,
                       HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                      SHARED: tl.constexpr = 0, PDL: tl.constexpr = False):
+                      SHARED: tl.constexpr = 0, RANKED: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
         pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         group = tl.arange(0, BLOCK_G)
@@ -78,23 +91,47 @@ if triton is not None:
         scores = tl.reshape(scores, (BLOCK_G * BLOCK_P,))
         expert = tl.reshape(expert, (BLOCK_G * BLOCK_P,))
         slots = tl.arange(0, BLOCK_K)
-        weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            hit = lane == tl.argmax(choice, axis=0, tie_break_left=True)
-            weights = tl.where(slots == j, tl.sum(tl.where(hit, scores, 0.0), axis=0), weights)
-            ids = tl.where(slots == j, tl.sum(tl.where(hit, expert, 0), axis=0), ids)
-            choice = tl.where(hit, -float("inf"), choice)
-        if RENORMALIZE:
-            weights = weights / (tl.sum(weights, axis=0) + 1e-20)   # slots past TOP_K hold 0
-        weights = weights * scaling
+        out = token * (TOP_K + SHARED) + slots
         # The shared experts' slots: experts GROUPS * PER_GROUP + j, weight 1.
         shared = (slots >= TOP_K) & (slots < TOP_K + SHARED)
-        weights = tl.where(shared, 1.0, weights)
-        ids = tl.where(shared, GROUPS * PER_GROUP + slots - TOP_K, ids)
-        out = token * (TOP_K + SHARED) + slots
-        tl.store(weights_ptr + out, weights, mask=slots < TOP_K + SHARED)
-        tl.store(ids_ptr + out, ids, mask=slots < TOP_K + SHARED)
+        tl.store(weights_ptr + out, tl.where(shared, 1.0, 0.0), mask=shared)
+        tl.store(ids_ptr + out, GROUPS * PER_GROUP + slots - TOP_K, mask=shared)
+        # NaN (a NaN logit makes every score NaN) counts as the lowest finite value, below
+        # every real score and above the -inf of padding and dropped lanes: each of the k
+        # slots then names a distinct real expert, whatever the row holds.
+        choice = tl.where(choice == choice, choice, -3.4028234663852886e38)
+        if RANKED:
+            # Every lane's rank at once: how many lanes beat it (a higher choice, or an
+            # equal one at a lower index); the lanes of rank below k store themselves into
+            # slot rank. One reduction, where k argmax passes chain k of them one after the
+            # other. One int64 key a lane orders (choice, then the lower lane), so a rank
+            # is the count of larger keys, one comparison each; [other lane, lane]: the
+            # reduction runs down each lane's column, in a thread's registers.
+            LANES: tl.constexpr = BLOCK_G * BLOCK_P
+            keys = ordered_keys(choice).to(tl.int64) * LANES + (LANES - 1 - lane)
+            rank = tl.sum((keys[:, None] > keys[None, :]).to(tl.int32), axis=0)
+            chosen = rank < TOP_K
+            weights = tl.where(chosen, scores, 0.0)
+            if RENORMALIZE:
+                weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+            weights = weights * scaling
+            at = token * (TOP_K + SHARED) + rank
+            tl.store(weights_ptr + at, weights, mask=chosen)
+            tl.store(ids_ptr + at, expert, mask=chosen)
+        else:
+            weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+            for j in tl.static_range(TOP_K):
+                hit = lane == tl.argmax(choice, axis=0, tie_break_left=True)
+                weights = tl.where(slots == j, tl.sum(tl.where(hit, scores, 0.0), axis=0),
+                                   weights)
+                ids = tl.where(slots == j, tl.sum(tl.where(hit, expert, 0), axis=0), ids)
+                choice = tl.where(hit, -float("inf"), choice)
+            if RENORMALIZE:
+                weights = weights / (tl.sum(weights, axis=0) + 1e-20)   # past TOP_K: 0
+            weights = weights * scaling
+            tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
+            tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
 
 
 def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
@@ -126,7 +163,12 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
         return weights, ids
     block_g, block_p = triton.next_power_of_2(groups), triton.next_power_of_2(per_group)
     bias = correction_bias.contiguous() if correction_bias is not None else weights
-    # One warp reduces with shuffles alone; past 1024 lanes it would hold too many each.
+    lanes = block_g * block_p
+    ranked = lanes <= MAX_RANKED_LANES
+    # The argmax passes: one warp reduces with shuffles alone (past 1024 lanes it would hold
+    # too many each).
+    warps = (min(max(lanes * lanes // (32 * RANK_COMPARISONS_PER_THREAD), 1), 16) if ranked
+             else 1 if lanes <= 1024 else 4)
     pdl = pdl_enabled(device)
     _route_kernel[(num_tokens,)](
         router_logits, bias, weights, ids, router_logits.stride(0), float(scaling),
@@ -134,6 +176,6 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
         PER_GROUP=per_group, TOPK_GROUPS=topk_groups if grouped else groups,
         BLOCK_G=block_g, BLOCK_P=block_p, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
-        SHARED=shared_experts, PDL=pdl,
-        num_warps=1 if block_g * block_p <= 1024 else 4, **pdl_launch_options(pdl))
+        SHARED=shared_experts, RANKED=ranked, PDL=pdl, num_warps=warps,
+        **pdl_launch_options(pdl))
     return weights, ids
