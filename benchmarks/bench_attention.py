@@ -89,7 +89,7 @@ def bench_decode(args, batch: int, ctx: int, block_size: int, copy_bw: float,
     def run():
         decode_attention(query, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                          out, num_seqs=batch, max_seq_len=ctx, scale=layer.scale,
-                         num_splits=splits)
+                         num_splits=splits, tiles=tiles)
 
     us, timing = graph_median_us(run, args.iters, args.warmup)
     kv_bytes = 2 * batch * ctx * kv_heads * d * cache.element_size()

@@ -14,7 +14,7 @@ one value and stores it.
 To compare two versions of a kernel, run this script under each tree (PYTHONPATH) on the
 same machine, alternating; the cases take their wrappers from ``archserve`` as imported. A
 module's launch constant can be swept with ``--set``, e.g.
-``--set archserve.kernels.attention.triton_decode:MERGE_NUM_WARPS=4``.
+``--set archserve.kernels.attention.triton_decode:MERGE_ONE_WARP_VALUES=0``.
 """
 
 from __future__ import annotations

@@ -52,10 +52,10 @@ def test_choose_num_splits_fills_idle_sms_only():
 
 
 def test_decode_tiles_shorten_for_short_splits():
-    from archserve.kernels.attention.triton_decode import SHORT_SPLIT_TOKENS, decode_tiles
+    from archserve.kernels.attention.triton_decode import MIN_TOKENS_PER_SPLIT, decode_tiles
     assert decode_tiles(128, 8)[0] == 64                              # unsplit
     assert decode_tiles(128, 8, 4096 // 16)[0] == 64                  # long splits
-    assert decode_tiles(128, 8, SHORT_SPLIT_TOKENS)[0] == 32          # a tile a split at most
+    assert decode_tiles(128, 8, MIN_TOKENS_PER_SPLIT)[0] == 32          # a tile a split at most
     assert decode_tiles(256, 8)[0] == 32                              # wide heads, always
 
 

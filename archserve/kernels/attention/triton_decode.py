@@ -49,11 +49,11 @@ LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
-# The split merge's warps: one holds a head's [splits, head size] partials and reduces over
-# the splits in its own registers, with no block barrier (a merge is a few KB of latency
-# on the decode graph's critical path).
-MERGE_NUM_WARPS = 1
-SHORT_SPLIT_TOKENS = 64     # splits this short take 32-token tiles (decode_tiles)
+# The split merge's warps: up to MERGE_ONE_WARP_VALUES partial values (splits x head size)
+# one warp holds a head's partials and reduces over the splits in its own registers, with
+# no block barrier (H200 chain, 16 splits x 128: 1.16 µs a launch against 1.21 with 4
+# warps). Past it one warp's registers spill (ptxas, sm_90a: 32 x 256 spills), so 4 warps.
+MERGE_ONE_WARP_VALUES = 2048
 
 
 @triton.jit
@@ -394,24 +394,27 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor,
         partial_out, partial_lse, query_start_loc, seq_lens, out, out.stride(0), out.stride(1),
         v_scale, HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
         NUM_SPLITS=num_splits, SLIDING_WINDOW=sliding_window or 0, SPLIT_BLOCK_N=split_block_n,
-        PDL=pdl, num_warps=MERGE_NUM_WARPS, **pdl_launch_options(pdl),
+        PDL=pdl, num_warps=1 if num_splits * triton.next_power_of_2(head_size)
+        <= MERGE_ONE_WARP_VALUES else 4, **pdl_launch_options(pdl),
     )
 
 
 def decode_tiles(head_size: int, group: int, split_tokens: int | None = None
                  ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). Decode is bandwidth-bound: the loads in flight come
-    from the many light programs an SM holds (two stages give a program one tile buffer). On
-    the H200 three stages measured within 1% of two (2026-11-29), and so did three and four
-    with each tile's offsets carried from the iteration before (session 20, not landed).
+    from the many light programs an SM holds (two stages give a program one tile buffer).
+    (The tile sweeps of 2026-11-29 and session 20 found every tile within 1% of the others,
+    but bench_attention.py did not pass the swept tiles to the kernel then: not measured.)
 
-    ``split_tokens``: the most keys a split holds at the launch's longest context. Splits of
-    one 64-token tile at most (a small batch's graph, split for a short max_model_len) take
-    32-token tiles: a short context then fills twice the splits, each half the work, and
-    the step waits on the slowest (H200, Qwen3-30B-A3B's batch 1 at 384 tokens: decode and
-    merge 3.56 µs a launch in a chain against 4.19; benchmarks/bench_chain_latency.py)."""
+    ``split_tokens``: the most keys a split holds at the launch's longest context. Splits
+    as short as ``choose_num_splits`` makes them (MIN_TOKENS_PER_SPLIT: a small batch's
+    graph where max_model_len is that times the splits, e.g. 1024 at 16) take 32-token
+    tiles: a short context then fills twice the splits, each half the work, and the step
+    waits on the slowest (H200, Qwen3-30B-A3B's batch 1 at 384 tokens, max_model_len 1024:
+    decode and merge 3.57 µs a launch in a chain against 4.21; bench_chain_latency.py).
+    Longer splits keep 64-token tiles: not measured with 32."""
     if head_size > 128 or (split_tokens is not None
-                            and split_tokens <= SHORT_SPLIT_TOKENS):
+                            and split_tokens <= MIN_TOKENS_PER_SPLIT):
         return 32, 4, 2
     return 64, 4, 2
 
