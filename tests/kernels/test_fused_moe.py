@@ -408,6 +408,21 @@ else:
         assert all(len(set(row)) == 8 and all(0 <= e < experts for e in row)
                    for row in ids.tolist())
 
+    @pytest.mark.parametrize("name", sorted(GROUPINGS))
+    def test_grouped_routing_kernel_survives_nan(name):
+        # A NaN logit in a grouped routing: still k distinct real experts, from no more
+        # groups than it keeps (V3 sums a group's best two: the NaN stand-in stays finite).
+        logits, top_k, keywords, renormalize = grouped_case(name, 2, seed=3)
+        logits[0, 3] = float("nan")
+        logits[1] = float("nan")
+        _, ids = triton_route(logits, top_k, renormalize, **keywords)
+        experts = logits.shape[1]
+        per_group = experts // keywords.get("num_groups", 1)
+        for row in ids.tolist():
+            assert len(set(row)) == top_k and all(0 <= e < experts for e in row)
+            assert len({e // per_group for e in row}) <= keywords.get("topk_groups", 1) or \
+                keywords.get("num_groups", 1) == 1
+
     def test_routing_kernel_reads_strided_low_precision_logits():
         # The router's output in the model dtype; a column slice is strided in rows.
         wide = torch.zeros(3, 40, dtype=torch.float16)

@@ -12,7 +12,8 @@ V3's noaux_tc), picks the top k (the lower index on a tie, which is what torch.t
 for equal values in practice: up to MAX_RANKED_LANES lanes by every lane's rank at once,
 past them by k passes of argmax), and writes the unbiased scores of
 the chosen experts, renormalised when asked and times ``scaling``, as weights fp32 [T, k]
-with expert ids int32 [T, k], in the references' order (best choice first); then, for a
+with expert ids int32 [T, k], in the references' order (best choice first; a NaN score
+ranks below every other, where torch.topk puts it first); then, for a
 layer with shared experts stacked after its routed ones, their slots (ids E.., weight 1).
 """
 
@@ -34,7 +35,7 @@ MAX_EXPERTS = 4096      # one program holds a token's logits in registers
 # lane's rank, a [lanes, lanes] comparison on one SM; past it, k argmax passes. Measured in
 # a chain of launches on an H200 (benchmarks/bench_chain_latency.py, session 26): 64 lanes
 # top-6 (DeepSeek-V2-Lite) 1.32 µs a launch ranked against 1.59 by argmax; 128 lanes top-8
-# (Qwen3-30B-A3B) 2.31-4.41 ranked (by warps) against 2.13: the comparisons grow with the
+# (Qwen3-30B-A3B) 2.31-4.41 ranked (by warps) against 2.14: the comparisons grow with the
 # square of the lanes, the passes with k.
 MAX_RANKED_LANES = 64
 # Comparisons a thread makes for the ranks (the warps follow, 1 to 16): at 64 lanes, 2
@@ -70,6 +71,11 @@ if triton is not None:
             choice = choice + tl.load(bias_ptr + expert, mask=real, other=0.0).to(tl.float32)
         # Padding lanes (and, below, the experts of dropped groups) are never picked.
         choice = tl.where(real, choice, -float("inf"))
+        # NaN (a NaN logit makes every score NaN) counts as a quarter of the lowest finite
+        # value: below every real score, above the -inf of padding and dropped lanes, and
+        # finite when a group sums its best two. Each of the k slots then names a distinct
+        # real expert of distinct kept groups, whatever the row holds.
+        choice = tl.where(choice == choice, choice, -8.507059173023462e37)
         if TOPK_GROUPS < GROUPS:
             best = tl.max(choice, axis=1)
             group_score = best
@@ -96,10 +102,6 @@ if triton is not None:
         shared = (slots >= TOP_K) & (slots < TOP_K + SHARED)
         tl.store(weights_ptr + out, tl.where(shared, 1.0, 0.0), mask=shared)
         tl.store(ids_ptr + out, GROUPS * PER_GROUP + slots - TOP_K, mask=shared)
-        # NaN (a NaN logit makes every score NaN) counts as the lowest finite value, below
-        # every real score and above the -inf of padding and dropped lanes: each of the k
-        # slots then names a distinct real expert, whatever the row holds.
-        choice = tl.where(choice == choice, choice, -3.4028234663852886e38)
         if RANKED:
             # Every lane's rank at once: how many lanes beat it (a higher choice, or an
             # equal one at a lower index); the lanes of rank below k store themselves into
