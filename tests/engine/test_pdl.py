@@ -45,11 +45,16 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
 
     from archserve.kernels.attention import triton_decode, triton_qk_norm_rope_cache
     from archserve.kernels.elementwise import triton_rms_norm
-    from archserve.kernels.mla import triton_mla_decode, triton_mla_output
+    from archserve.kernels.mla import (
+        triton_mla_decode,
+        triton_mla_decode_inputs,
+        triton_mla_output,
+    )
     from archserve.kernels.moe import triton_fused_moe, triton_routing
 
     for module in (triton_decode, triton_qk_norm_rope_cache, triton_rms_norm,
-                   triton_mla_decode, triton_mla_output, triton_fused_moe, triton_routing):
+                   triton_mla_decode, triton_mla_decode_inputs, triton_mla_output,
+                   triton_fused_moe, triton_routing):
         monkeypatch.setattr(module, "pdl_enabled", lambda device: True)
     heads, kv_heads, head = 4, 2, 64
     cache = torch.zeros(2, 4, 16, kv_heads, head, dtype=torch.bfloat16)
@@ -73,7 +78,8 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
             torch.arange(3, dtype=torch.int32), torch.zeros(2, 16, 512, dtype=torch.bfloat16),
             num_seqs=2, max_seq_len=64, scale=0.1, num_splits=1)
         # Routing, then the experts of a fixed routing (the compiled routing writes nothing).
-        triton_routing.triton_route(torch.zeros(1, 8), 2, True)
+        triton_routing.triton_route(torch.zeros(1, 8), 2, True)      # ranked lanes
+        triton_routing.triton_route(torch.zeros(1, 128), 8, True)    # argmax passes
         # Then the same with the pair layout's alternatives: the slot-summing down kernel,
         # and gate/up as GEMVs on the CUDA cores (its experts come from the routing, the
         # kernel right before: it reads nothing before the wait). The last two add the
@@ -91,7 +97,16 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
                 torch.tensor([[1, 3]], dtype=torch.int32),
                 torch.zeros(8, 64, 64, dtype=torch.bfloat16),
                 torch.zeros(8, 64, 32, dtype=torch.bfloat16), tile, add)
-        # MLA decode split 2 ways with W_UV: its merge and W_UV in one kernel.
+        # MLA decode's inputs (absorbed query, latent write), then MLA decode split 2 ways
+        # with W_UV: its merge and W_UV in one kernel.
+        triton_mla_decode_inputs.mla_decode_inputs(
+            torch.zeros(1, 16 * 192, dtype=torch.bfloat16),
+            torch.zeros(1, 576, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long),
+            torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(64, 32, dtype=torch.bfloat16),
+            torch.ones(512, dtype=torch.bfloat16), 1e-6,
+            torch.zeros(16, 128, 512, dtype=torch.bfloat16),
+            torch.zeros(1, 4, 16, 1, 576, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long),
+            True)
         triton_mla_decode.mla_decode(
             torch.zeros(2, 16, 576, dtype=torch.bfloat16),
             torch.zeros(1, 4, 16, 1, 576, dtype=torch.bfloat16), tables, lens,
@@ -102,19 +117,22 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
     assert names[:5] == ["_decode_kernel", "_merge_splits_kernel", "_qk_norm_rope_cache_kernel",
                          "_rms_norm_kernel", "_mla_decode_kernel"], names
     assert {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_sum_slots_kernel",
-            "_down_sum_slots_kernel", "_gate_up_gemv_kernel",
+            "_down_sum_slots_kernel", "_gate_up_gemv_kernel", "_mla_decode_inputs_kernel",
             "_latent_output_to_heads_kernel"} <= set(names)
     for launch in launches:
         assert launch.options.get("launch_pdl") and launch.constexprs["PDL"], launch.kernel
         ptx = launch.code()
         assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
-        # Nothing is written before the wait: the kernel before may still read it. What
+        # Nothing is written before the (first) wait: the kernel before may still read it.
+        # (The q/k and MLA-inputs kernels wait in each of two branches: only the first
+        # branch's part before its wait is checked here.) What
         # that kernel cannot write is read before it, and streams while it drains: decode
         # attention's and MLA decode's metadata and first tile of cached keys, the split
         # merge's metadata (which splits hold keys), the MoE down
         # kernel's expert and its weight's first tile (L2 prefetches; the slot-summing down
         # kernel loads its experts' first K step), RMSNorm's weight, and
-        # the q/k kernel's positions, rotary rows, norm weights and slots, the query starts
+        # the q/k kernel's positions, rotary rows, norm weights and slots, MLA decode
+        # inputs' W_UK tile (or its positions, rotary rows, slots and norm weight), the query starts
         # of MLA's merge with W_UV and W_UV's rows (an L2 prefetch when it merges splits).
         # The rest reads only after it.
         before_wait = ptx[:ptx.index("griddepcontrol.wait")]
@@ -124,6 +142,7 @@ def test_decode_kernels_compile_to_wait_then_launch_on_hopper(monkeypatch):
         assert ("prefetch.global.L2" in before_wait) == prefetches, launch.kernel
         reads_early = prefetches or launch.kernel in ("_rms_norm_kernel", "_merge_splits_kernel",
                                                       "_qk_norm_rope_cache_kernel",
+                                                      "_mla_decode_inputs_kernel",
                                                       "_latent_output_to_heads_kernel",
                                                       "_down_sum_slots_kernel")
         assert ("ld.global" in before_wait) == reads_early, launch.kernel

@@ -199,7 +199,7 @@ def test_kernel_compiles_for_gpu_targets(target):
                       "Q_HEADS_BLOCK", "KV_HEADS_BLOCK", "HALF_BLOCK", "HAS_NORM", "PDL"],
                      "constexpr")}
     constexprs = {"NUM_Q_HEADS": 16, "NUM_KV_HEADS": 8, "HEAD_SIZE": 128, "BLOCK_SIZE": 16,
-                  "Q_HEADS_BLOCK": 16, "KV_HEADS_BLOCK": 8, "HALF_BLOCK": 64, "HAS_NORM": True,
+                  "Q_HEADS_BLOCK": 4, "KV_HEADS_BLOCK": 8, "HALF_BLOCK": 64, "HAS_NORM": True,
                   "PDL": False}
     compiled = triton.compile(ASTSource(_qk_norm_rope_cache_kernel, signature, constexprs),
                               target=GPUTarget(backend, arch, warp_size),
