@@ -61,10 +61,11 @@ def reduce_in_kernel(counters: int = 0) -> bool:
 
 
 @functools.cache
-def arrival_counters(device: torch.device) -> torch.Tensor:
+def arrival_counters(device: torch.device, owner: str = "reductions") -> torch.Tensor:
     """The counters on ``device``: zero between launches (the last program resets its own).
-    Made on first use, which the engine's eager warm-up makes before any CUDA graph is
-    captured."""
+    Each ``owner`` has its own (the opt-in reductions share "reductions"; greedy decoding's
+    argmax has its own, so nothing the opt-in kernels leave can reach it). Made on first
+    use, which the engine's eager warm-up makes before any CUDA graph is captured."""
     return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 

@@ -16,14 +16,13 @@ they are (widened in the kernel).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from archserve.kernels.reduce_in_kernel import (
     ARRIVAL_COUNTERS,
+    arrival_counters,
     count_arrival,
     last_arrival_verified,
     reset_arrivals,
@@ -66,15 +65,6 @@ def _argmax_kernel(logits_ptr, out_ptr, part_keys_ptr, part_index_ptr, counters_
         reset_arrivals(counters_ptr + row)
 
 
-@functools.cache
-def _row_counters(device: torch.device) -> torch.Tensor:
-    """This kernel's arrival counters on ``device``, one per row, zero between launches (the
-    last program of a row resets its own): not shared with the opt-in in-kernel reductions,
-    so nothing they leave can reach greedy decoding. Made at the engine's warm-up
-    (ModelRunner.warm_up_prefill), before any step."""
-    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-
-
 def argmax_unsupported(logits: torch.Tensor) -> str | None:
     """Why ``triton_argmax`` cannot take ``logits``, or None."""
     if not last_arrival_verified():
@@ -99,6 +89,6 @@ def triton_argmax(logits: torch.Tensor) -> torch.Tensor:
     part_keys = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     part_index = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     _argmax_kernel[(rows, parts)](
-        logits, out, part_keys, part_index, _row_counters(logits.device), vocab,
+        logits, out, part_keys, part_index, arrival_counters(logits.device, "greedy_argmax"), vocab,
         logits.stride(0), BLOCK=BLOCK, PARTS=triton.next_power_of_2(parts), num_warps=4)
     return out
