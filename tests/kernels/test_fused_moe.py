@@ -408,6 +408,27 @@ else:
         assert all(len(set(row)) == 8 and all(0 <= e < experts for e in row)
                    for row in ids.tolist())
 
+    @pytest.mark.parametrize("experts, dtype", [(128, torch.bfloat16), (512, torch.bfloat16),
+                                                (256, torch.float16)])
+    def test_routing_kernel_keys_16_bit_logits(experts, dtype):
+        # Past the ranked lanes, softmax logits of 16 bits are keyed as they are, the lane in
+        # an int32's free low bits: rounding to 16 bits ties some (rows 0-1), row 2 ties in
+        # runs of four; the lower expert wins a tie, as a stable descending sort.
+        logits = distinct_logits(3, experts, seed=experts).to(dtype)
+        logits[2] = (torch.arange(experts) // 4).flip(0).roll(37).to(dtype)
+        expected = torch.sort(logits.float(), dim=1, descending=True, stable=True).indices
+        for renormalize in (True, False):
+            weights, ids = triton_route(logits, 8, renormalize)
+            assert ids.tolist() == expected[:, :8].tolist()
+            torch.testing.assert_close(weights, route(logits, 8, renormalize)[0], atol=1e-6,
+                                       rtol=1e-5)
+        logits[0, 5] = float("nan")                  # k distinct real experts still
+        logits[1, :] = float("nan")
+        _, ids = triton_route(logits, 8, False)
+        assert all(len(set(row)) == 8 and all(0 <= e < experts for e in row)
+                   for row in ids.tolist())
+        assert 5 not in ids[0].tolist()              # a NaN logit ranks below the others
+
     @pytest.mark.parametrize("name", sorted(GROUPINGS))
     def test_grouped_routing_kernel_survives_nan(name):
         # A NaN logit in a grouped routing: still k distinct real experts, from no more
@@ -739,6 +760,22 @@ def test_gpu_routing_kernel_matches_route(experts, top_k, tokens):
     _, ids = triton_route(tied, top_k, True)
     expected = torch.sort(tied, dim=1, descending=True, stable=True).indices[:, :top_k]
     assert torch.equal(ids.long(), expected)
+
+
+@gpu
+@pytest.mark.parametrize("experts", [128, 256, 512])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_gpu_routing_kernel_keys_bf16_logits(experts, tokens):
+    """The passes keyed on bf16 logits (the router's output in a bf16 model): rounding ties
+    some logits; the lower expert first, as a stable descending sort."""
+    from archserve.kernels.moe.triton_routing import triton_route
+    logits = distinct_logits(tokens, experts, seed=tokens).to("cuda", torch.bfloat16)
+    expected = torch.sort(logits.float(), dim=1, descending=True, stable=True).indices[:, :8]
+    for renormalize in (True, False):
+        weights, ids = triton_route(logits, 8, renormalize)
+        assert torch.equal(ids.long(), expected), "the routing kernel chose other experts"
+        torch.testing.assert_close(weights, route(logits, 8, renormalize)[0], atol=1e-6,
+                                   rtol=1e-5)
 
 
 @gpu

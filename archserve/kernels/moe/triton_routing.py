@@ -10,7 +10,8 @@ adds the selection bias, keeps the ``topk_groups`` best groups (a group scores i
 expert, or its best two summed when there is a bias: DeepSeek-V2's group_limited_greedy and
 V3's noaux_tc), picks the top k (the lower index on a tie, which is what torch.topk returns
 for equal values in practice: up to MAX_RANKED_LANES lanes by every lane's rank at once,
-past them by k passes of argmax), and writes the unbiased scores of
+past them by k passes of a max over keys that name their lane), and writes the unbiased
+scores of
 the chosen experts, renormalised when asked and times ``scaling``, as weights fp32 [T, k]
 with expert ids int32 [T, k], in the references' order (best choice first; a NaN score
 ranks below every other, where torch.topk puts it first); then, for a
@@ -32,15 +33,19 @@ except ImportError:  # the fused backend's availability rule reports it
 
 MAX_EXPERTS = 4096      # one program holds a token's logits in registers
 # Up to this many lanes (experts, padded to powers of two) the top k comes from every
-# lane's rank, a [lanes, lanes] comparison on one SM; past it, k argmax passes. Measured in
-# a chain of launches on an H200 (benchmarks/bench_chain_latency.py, session 26): 64 lanes
-# top-6 (DeepSeek-V2-Lite) 1.32 µs a launch ranked against 1.59 by argmax; 128 lanes top-8
-# (Qwen3-30B-A3B) 2.31-4.41 ranked (by warps) against 2.14: the comparisons grow with the
-# square of the lanes, the passes with k.
+# lane's rank, a [lanes, lanes] comparison on one SM; past it, k passes. Measured in a
+# chain of launches on an H200 (benchmarks/bench_chain_latency.py, session 26): 64 lanes
+# top-6 (DeepSeek-V2-Lite) 1.32 µs a launch ranked against 1.59 by argmax passes; 128 lanes
+# top-8 (Qwen3-30B-A3B) 2.31-4.41 ranked (by warps) against 2.14: the comparisons grow with
+# the square of the lanes, the passes with k. Session 27: the passes keyed on bf16 logits,
+# one int32 max a pass (a warp's redux.sync), 1.52 µs.
 MAX_RANKED_LANES = 64
 # Comparisons a thread makes for the ranks (the warps follow, 1 to 16): at 64 lanes, 2
 # warps (1.32 µs) beat 1 (1.55) and 4 (1.79).
 RANK_COMPARISONS_PER_THREAD = 64
+# Low bits of a float32 that are zero in every value of a 16-bit float: bf16 keeps 7 of the
+# 23 mantissa bits, fp16 10.
+_FREE_LOW_BITS = {torch.bfloat16: 16, torch.float16: 13}
 
 
 if triton is not None:
@@ -52,7 +57,7 @@ if triton is not None:
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, SIGMOID: tl.constexpr,
                       HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
                       SHARED: tl.constexpr = 0, RANKED: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      LOGIT_KEY_BITS: tl.constexpr = 0, PDL: tl.constexpr = False):
         pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         group = tl.arange(0, BLOCK_G)
@@ -96,6 +101,7 @@ if triton is not None:
         choice = tl.reshape(choice, (BLOCK_G * BLOCK_P,))
         scores = tl.reshape(scores, (BLOCK_G * BLOCK_P,))
         expert = tl.reshape(expert, (BLOCK_G * BLOCK_P,))
+        LANES: tl.constexpr = BLOCK_G * BLOCK_P
         slots = tl.arange(0, BLOCK_K)
         out = token * (TOP_K + SHARED) + slots
         # The shared experts' slots: experts GROUPS * PER_GROUP + j, weight 1.
@@ -105,35 +111,47 @@ if triton is not None:
         if RANKED:
             # Every lane's rank at once: how many lanes beat it (a higher choice, or an
             # equal one at a lower index); the lanes of rank below k store themselves into
-            # slot rank. One reduction, where k argmax passes chain k of them one after the
+            # slot rank. One reduction, where k passes chain k of them one after the
             # other. One int64 key a lane orders (choice, then the lower lane), so a rank
             # is the count of larger keys, one comparison each; [other lane, lane]: the
             # reduction runs down each lane's column, in a thread's registers.
-            LANES: tl.constexpr = BLOCK_G * BLOCK_P
             keys = ordered_keys(choice).to(tl.int64) * LANES + (LANES - 1 - lane)
-            rank = tl.sum((keys[:, None] > keys[None, :]).to(tl.int32), axis=0)
-            chosen = rank < TOP_K
-            weights = tl.where(chosen, scores, 0.0)
-            if RENORMALIZE:
-                weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-            weights = weights * scaling
-            at = token * (TOP_K + SHARED) + rank
-            tl.store(weights_ptr + at, weights, mask=chosen)
-            tl.store(ids_ptr + at, expert, mask=chosen)
+            slot = tl.sum((keys[:, None] > keys[None, :]).to(tl.int32), axis=0)
         else:
-            weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
-            for j in tl.static_range(TOP_K):
-                hit = lane == tl.argmax(choice, axis=0, tie_break_left=True)
-                weights = tl.where(slots == j, tl.sum(tl.where(hit, scores, 0.0), axis=0),
-                                   weights)
-                ids = tl.where(slots == j, tl.sum(tl.where(hit, expert, 0), axis=0), ids)
-                choice = tl.where(hit, -float("inf"), choice)
-            if RENORMALIZE:
-                weights = weights / (tl.sum(weights, axis=0) + 1e-20)   # past TOP_K: 0
-            weights = weights * scaling
-            tl.store(weights_ptr + out, weights, mask=slots < TOP_K)
-            tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
+            # k passes; a lane remembers the pass that took it, its slot (no argmax index to
+            # carry, no gather of the chosen score).
+            slot = lane * 0 + TOP_K
+            if LOGIT_KEY_BITS > 0:
+                # The choice is the softmax of the logits, whose order it keeps: the key is
+                # the logit's, exact in the top bits of an int32 (a 16-bit float's value in
+                # fp32 leaves LOGIT_KEY_BITS low bits zero), the lane in those low bits: one
+                # 32-bit max a pass (one redux.sync in a warp). (Two logits whose scores
+                # round to one value are ordered by the logits here, by the lower index in
+                # torch's top-k.)
+                raw = tl.reshape(logits, (LANES,))
+                raw = tl.where(raw == raw, raw, -8.507059173023462e37)   # NaN as above
+                keys = ((ordered_keys(raw) >> LOGIT_KEY_BITS) << LOGIT_KEY_BITS) | (
+                    LANES - 1 - lane)
+                keys = tl.where(tl.reshape(real, (LANES,)), keys, -0x7FFFFFFF - 1)
+                for j in tl.static_range(TOP_K):
+                    hit = keys == tl.max(keys, axis=0)
+                    slot = tl.where(hit, j, slot)
+                    keys = tl.where(hit, -0x7FFFFFFF - 1, keys)
+            else:
+                # The best choice, then the lowest lane holding it (an int32 min).
+                for j in tl.static_range(TOP_K):
+                    best = tl.max(choice, axis=0)
+                    hit = lane == tl.min(tl.where(choice == best, lane, LANES), axis=0)
+                    slot = tl.where(hit, j, slot)
+                    choice = tl.where(hit, -float("inf"), choice)
+        chosen = slot < TOP_K
+        weights = tl.where(chosen, scores, 0.0)
+        if RENORMALIZE:
+            weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+        weights = weights * scaling
+        at = token * (TOP_K + SHARED) + slot
+        tl.store(weights_ptr + at, weights, mask=chosen)
+        tl.store(ids_ptr + at, expert, mask=chosen)
 
 
 def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
@@ -167,8 +185,14 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     bias = correction_bias.contiguous() if correction_bias is not None else weights
     lanes = block_g * block_p
     ranked = lanes <= MAX_RANKED_LANES
-    # The argmax passes: one warp reduces with shuffles alone (past 1024 lanes it would hold
-    # too many each).
+    # The passes key on the logits where the choice is their softmax and a 16-bit float
+    # leaves the lanes room in an int32 (LOGIT_KEY_BITS); else they take the best choice.
+    free_bits = _FREE_LOW_BITS.get(router_logits.dtype, 0)
+    logit_key_bits = free_bits if (not ranked and not grouped and scoring == "softmax"
+                                   and correction_bias is None
+                                   and lanes <= 1 << free_bits) else 0
+    # The passes: one warp reduces with shuffles alone (past 1024 lanes it would hold too
+    # many each).
     warps = (min(max(lanes * lanes // (32 * RANK_COMPARISONS_PER_THREAD), 1), 16) if ranked
              else 1 if lanes <= 1024 else 4)
     pdl = pdl_enabled(device)
@@ -178,6 +202,7 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
         PER_GROUP=per_group, TOPK_GROUPS=topk_groups if grouped else groups,
         BLOCK_G=block_g, BLOCK_P=block_p, SIGMOID=scoring == "sigmoid",
         HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
-        SHARED=shared_experts, RANKED=ranked, PDL=pdl, num_warps=warps,
+        SHARED=shared_experts, RANKED=ranked, LOGIT_KEY_BITS=logit_key_bits, PDL=pdl,
+        num_warps=warps,
         **pdl_launch_options(pdl))
     return weights, ids
