@@ -114,6 +114,14 @@ else:
                              **{**TINY, "num_heads": 20})
         heads_against_reference(case, num_splits=4 if splits == "in kernel" else splits)
 
+    @pytest.mark.parametrize("splits", [8, 32])
+    def test_decode_with_w_uv_of_one_sequence(splits, monkeypatch):
+        # Batch 1, split: a program merges one sequence's row and multiplies it by W_UV's
+        # block on the CUDA cores (ROW_PRODUCT), not as a 16-row tl.dot.
+        poison_split_partials(monkeypatch, triton_mla_decode)
+        case = make_mla_case([(1, 300)], block_size=8, seed=6, **TINY)
+        heads_against_reference(case, num_splits=splits)
+
     @pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS_TINY], ids=["heads", "keys"])
     def test_decode_kernel_reads_e4m3_bytes(tiles):
         case = make_mla_case([(1, 40)], kv_cache_dtype="fp8_e4m3", dtype=torch.float16,

@@ -36,6 +36,28 @@ BLOCK_V = 32     # value channels per program
 
 
 @triton.jit
+def _merged_row(src_ptr, lse_ptr, seq, num_seqs, active, head, num_heads, offs_l, v_scale,
+                KV_RANK: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """fp32 [BLOCK_L]: ``head``'s latent output of sequence ``seq`` merged over its first
+    ``active`` splits, times ``v_scale`` (zeros for a sequence past ``num_seqs``). Its
+    splits are one [NUM_SPLITS, BLOCK_L] load."""
+    splits = tl.arange(0, NUM_SPLITS)
+    # As a vector (a mask must be one); a sequence with no query is masked at the store.
+    in_batch = ((splits * 0 + seq) < num_seqs) & (splits < active)
+    row0 = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
+    lse = tl.load(lse_ptr + row0 + splits, mask=in_batch, other=float("-inf"))
+    parts = tl.load(src_ptr + (row0 + splits)[:, None] * KV_RANK + offs_l[None, :],
+                    mask=in_batch[:, None] & (offs_l < KV_RANK)[None, :], other=0.0)
+    # _merge_splits_kernel's arithmetic, step for step (the same rounding).
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)
+    total = tl.sum(weights, axis=0)
+    row = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
+    return row * v_scale
+
+
+@triton.jit
 def _merged_latent_output(src_ptr, lse_ptr, first_seq, num_seqs, tokens, live, num_active,
                           head, num_heads, stride_src_token, stride_src_head, offs_l, v_scale,
                           KV_RANK: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -49,30 +71,18 @@ def _merged_latent_output(src_ptr, lse_ptr, first_seq, num_seqs, tokens, live, n
         src = (src_ptr + tokens.to(tl.int64)[:, None] * stride_src_token
                + head * stride_src_head + offs_l[None, :])
         return tl.load(src, mask=live[:, None] & l_ok[None, :], other=0.0).to(tl.float32)
-    # Sequence by sequence, each one's splits as one [NUM_SPLITS, BLOCK_L] load: unrolled, so
-    # the rows' loads are independent and overlap. (A loop over the splits instead waited
-    # for one load per split in turn: ~10 µs a launch at batch 1 with 16 splits on an H200.)
-    # SEQS rows only: each holds NUM_SPLITS x BLOCK_L fp32 values in flight.
-    splits = tl.arange(0, NUM_SPLITS)
+    # Sequence by sequence (_merged_row): unrolled, so the rows' loads are independent and
+    # overlap. (A loop over the splits instead waited for one load per split in turn: ~10
+    # µs a launch at batch 1 with 16 splits on an H200.) SEQS rows only: each holds
+    # NUM_SPLITS x BLOCK_L fp32 values in flight.
     rows = tl.arange(0, BLOCK_S)
     merged = tl.zeros((BLOCK_S, offs_l.shape[0]), tl.float32)
     for r in tl.static_range(SEQS):
-        seq = first_seq + r
-        # As a vector (a mask must be one); a sequence with no query is masked at the store.
         # Row r's count of splits with keys, out of the vector computed before PDL's wait.
         active = tl.sum(tl.where(rows == r, num_active, 0), axis=0)
-        in_batch = ((splits * 0 + seq) < num_seqs) & (splits < active)
-        row0 = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
-        lse = tl.load(lse_ptr + row0 + splits, mask=in_batch, other=float("-inf"))
-        parts = tl.load(src_ptr + (row0 + splits)[:, None] * KV_RANK + offs_l[None, :],
-                        mask=in_batch[:, None] & l_ok[None, :], other=0.0)
-        # _merge_splits_kernel's arithmetic, step for step (the same rounding).
-        lse_max = tl.max(lse, axis=0)
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        weights = tl.exp2(lse - lse_max)
-        total = tl.sum(weights, axis=0)
-        row = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
-        merged = tl.where(rows[:, None] == r, (row * v_scale)[None, :], merged)
+        row = _merged_row(src_ptr, lse_ptr, first_seq + r, num_seqs, active, head,
+                          num_heads, offs_l, v_scale, KV_RANK, NUM_SPLITS)
+        merged = tl.where(rows[:, None] == r, row[None, :], merged)
     return merged.to(DTYPE).to(tl.float32)
 
 
@@ -86,7 +96,7 @@ def _latent_output_to_heads_kernel(
         KV_RANK: tl.constexpr, V_HEAD: tl.constexpr, BLOCK_L: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, NUM_SPLITS: tl.constexpr,
         SPLIT_BLOCK_N: tl.constexpr, SEQS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PDL: tl.constexpr = False):
+        ROW_PRODUCT: tl.constexpr = False, PDL: tl.constexpr = False):
     head = tl.program_id(0)
     v_block = tl.program_id(1)
     seq_block = tl.program_id(2)
@@ -115,13 +125,24 @@ def _latent_output_to_heads_kernel(
                                                   tl.where(in_batch, seqs, 0), 0, NUM_SPLITS,
                                                   SPLIT_BLOCK_N), 0)
     pdl_start(PDL)
-    latent = _merged_latent_output(src_ptr, lse_ptr, seq_block * SEQS, num_seqs, tokens,
-                                   live, num_active, head, num_heads, stride_src_token,
-                                   stride_src_head, offs_l, v_scale, KV_RANK, NUM_SPLITS,
-                                   BLOCK_S, SEQS, dtype)
-    if NUM_SPLITS > 1:
+    if ROW_PRODUCT:
+        # One sequence (SEQS 1, split): its merged row times W_UV's block on the CUDA
+        # cores, [L, BLOCK_V] summed over L, without tl.dot's 16-row tile (H200, V2-Lite's
+        # batch 1 in a chain of launches: 2.63 µs a launch against 3.32).
+        active = tl.sum(tl.where(lanes == 0, num_active, 0), axis=0)
+        row = _merged_row(src_ptr, lse_ptr, seq_block, num_seqs, active, head, num_heads,
+                          offs_l, v_scale, KV_RANK, NUM_SPLITS)
         w = tl.load(w_cols[None, :] + offs_l[:, None], mask=w_ok, other=0.0)
-    values = tl.dot(latent.to(w.dtype), w, input_precision=DOT_PRECISION)
+        row = row.to(dtype).to(tl.float32)
+        values = tl.sum(row[:, None] * w.to(tl.float32), axis=0)[None, :]
+    else:
+        latent = _merged_latent_output(src_ptr, lse_ptr, seq_block * SEQS, num_seqs, tokens,
+                                       live, num_active, head, num_heads, stride_src_token,
+                                       stride_src_head, offs_l, v_scale, KV_RANK, NUM_SPLITS,
+                                       BLOCK_S, SEQS, dtype)
+        if NUM_SPLITS > 1:
+            w = tl.load(w_cols[None, :] + offs_l[:, None], mask=w_ok, other=0.0)
+        values = tl.dot(latent.to(w.dtype), w, input_precision=DOT_PRECISION)
     dst = (out_ptr + tokens.to(tl.int64)[:, None] * stride_out_token + head * stride_out_head
            + offs_v[None, :])
     tl.store(dst, values.to(dtype), mask=live[:, None] & (offs_v < V_HEAD)[None, :])
@@ -149,8 +170,10 @@ def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.T
                          "decode kernel's BLOCK_N (which splits hold keys)")
     pdl = pdl_enabled(out.device)
     num_splits = latent_out.shape[2] if split else 1
-    # Unsplit: a tile of 16 sequences. Split: as many as the partials' registers allow.
-    seqs = min(BLOCK_S, max(1, MERGE_ROWS_IN_FLIGHT // num_splits))
+    # Unsplit: a tile of 16 sequences. Split: as many as the partials' registers allow,
+    # and no more than the batch has (batch 1 merges one row, not a masked second one:
+    # H200 chain, V2-Lite's batch 1, 3.32 µs a launch against 4.19).
+    seqs = min(BLOCK_S, max(1, MERGE_ROWS_IN_FLIGHT // num_splits), num_seqs)
     grid = (num_heads, triton.cdiv(v_head, BLOCK_V), triton.cdiv(num_seqs, seqs))
     # 8 warps: at DeepSeek's latent (512) the merged [16, 512] fp32 tile and W_UV's [512, 32]
     # rows spill at 4 (ptxas for sm_90a: 52-472 bytes), not at 8.
@@ -162,6 +185,7 @@ def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.T
         KV_RANK=kv_rank, V_HEAD=v_head, BLOCK_L=triton.next_power_of_2(kv_rank),
         BLOCK_S=BLOCK_S, BLOCK_V=BLOCK_V, NUM_SPLITS=num_splits,
         SPLIT_BLOCK_N=split_block_n or 1, SEQS=seqs,
-        DOT_PRECISION=dot_precision(w_uv.dtype), PDL=pdl, num_warps=8,
+        DOT_PRECISION=dot_precision(w_uv.dtype), ROW_PRODUCT=split and seqs == 1, PDL=pdl,
+        num_warps=8,
         **pdl_launch_options(pdl))
     return out
