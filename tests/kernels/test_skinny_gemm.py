@@ -373,7 +373,7 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
                  "eps": "fp32", "add_ptr": wide,
                  **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
                                   "NORM", "HAS_RESIDUAL", "NORMED_OUT", "PDL", "NORM_WEIGHT",
-                                  "ADD"], "constexpr")}
+                                  "ADD", "NORMED_SLICE"], "constexpr")}
     # block_m 4 also compiles the norm prologue (with a residual, keeping the normalised
     # rows: a MoE router's form; a folded norm's, without a weight, on the fp32 weight);
     # block_m 1 without it, gated, and again with the residual add in the epilogue
@@ -387,7 +387,7 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
         constexprs = {"HAS_BIAS": True, "GATED": not plain, "BLOCK_M": block_m, "BLOCK_N": 4,
                       "BLOCK_K": 256, "EVEN_K": False, "NORM": norm, "HAS_RESIDUAL": norm,
                       "NORMED_OUT": norm, "PDL": pdl, "NORM_WEIGHT": not fp32_weight,
-                      "ADD": add}
+                      "ADD": add, "NORMED_SLICE": 64 if norm else 0}
         compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                                   target=GPUTarget(*target), options=options)
         assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco")

@@ -124,43 +124,41 @@ def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K, stride_x
                write_residual, squares, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
                NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr):
     """The GEMM's fp32 [BLOCK_M, BLOCK_K] input at k: x (+ residual; program 0 stores the
-    sum), and with NORM the sum of its squares added to ``squares`` [BLOCK_M] (the row's
+    sum), and with NORM its squares added to ``squares`` [BLOCK_M, BLOCK_K] (the row's
     1/rms is known only after the last K step, and scales the sums then) and, with
     NORM_WEIGHT, x times the norm's weight (without: the weight was folded into the
-    GEMM's, RMSNorm.fold_into). The squares are summed every K step, not held per element
-    to the end: held, they took BLOCK_K / threads more registers a thread (40 -> 48 at
-    n2_k1024_w4, 48 -> 54 at n4_k512_w4; ptxas for sm_90a), one program fewer an SM, and
-    a second wave on a 5120-row QKV's 1,280 programs; summed, the prologue takes the
-    plain GEMV's registers at n2_k1024_w4, n4_k512_w4 and n2_k2048_w8 (n1_k2048_w4, one K
-    step, still 56 to 40)."""
+    GEMM's, RMSNorm.fold_into). The squares are held per element and summed over K once,
+    after the loop: summed every K step, each step's block-wide reduction stood between
+    one tile's loads and the next (H200 tuner, standalone, µs: Qwen3-30B-A3B's QKV 7.41
+    -> 7.14, V2-Lite's q 5.73 -> 5.02, its dense down 18.16 -> 12.16; session 27)."""
     x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_residual,
                    HAS_RESIDUAL, EVEN_K, True)
     if NORM:
-        squares += tl.sum(x * x, axis=1)
+        squares += x * x
         if NORM_WEIGHT:
             x = x * tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     return x, squares
 
 
 @triton.jit
-def _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, ks, K, stride_xm,
-                       inv_rms, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NORM_WEIGHT: tl.constexpr):
+def _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, first, end, K,
+                       stride_xm, inv_rms, HAS_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """rms_norm's output rows (x + residual, normalised, times the weight, rounded as the
-    norm kernel rounds them) into ``normed`` [rows, K], for the layer's other readers of
-    the normalised row (a MoE block's experts after its router)."""
+    norm kernel rounds them), columns [first, end) (end - first <= BLOCK), into ``normed``
+    [rows, K], for the layer's other readers of the normalised row (a MoE block's experts
+    after its router)."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        x = _load_rows(x_ptr, r_ptr, x_ptr, rows, row_ok, k, K, stride_xm, row_ok,
-                       HAS_RESIDUAL, EVEN_K, False)
-        if NORM_WEIGHT:
-            norm_w = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-        else:   # folded into the GEMMs that read the row: rms_norm with a weight of ones
-            norm_w = tl.full([1, BLOCK_K], 1.0, tl.float32)
-        normed = scale_normalized(x, inv_rms, norm_w, dtype, dtype, False)
-        tl.store(normed_ptr + rows[:, None] * K + k[None, :], normed.to(dtype),
-                 mask=row_ok[:, None] & (k < K)[None, :])
+    k = first + tl.arange(0, BLOCK)
+    x = _load_rows(x_ptr, r_ptr, x_ptr, rows, row_ok, k, end, stride_xm, row_ok,
+                   HAS_RESIDUAL, False, False)
+    if NORM_WEIGHT:
+        norm_w = tl.load(norm_w_ptr + k, mask=k < end, other=0.0).to(tl.float32)[None, :]
+    else:   # folded into the GEMMs that read the row: rms_norm with a weight of ones
+        norm_w = tl.full([1, BLOCK], 1.0, tl.float32)
+    normed = scale_normalized(x, inv_rms, norm_w, dtype, dtype, False)
+    tl.store(normed_ptr + rows[:, None] * K + k[None, :], normed.to(dtype),
+             mask=row_ok[:, None] & (k < end)[None, :])
 
 
 @triton.jit
@@ -170,7 +168,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                         NORMED_OUT: tl.constexpr, PDL: tl.constexpr,
-                        NORM_WEIGHT: tl.constexpr = True, ADD: tl.constexpr = False):
+                        NORM_WEIGHT: tl.constexpr = True, ADD: tl.constexpr = False,
+                        NORMED_SLICE: tl.constexpr = 0):
     # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
     # NORM: x is RMS-normalised first (after adding the residual, with HAS_RESIDUAL) with the
     # weight at norm_w_ptr, in the same pass over K as the product: W (x * w) / rms is
@@ -206,7 +205,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     pdl_start(PDL)
     # Broadcast before the compare: the interpreter mistypes scalar-bool & tensor.
     first = (tl.zeros([BLOCK_M, BLOCK_K], tl.int32) + tl.program_id(0)) == 0
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -229,7 +228,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     y = _sum_over_k(acc, BLOCK_M)
     inv_rms = 1.0
     if NORM:
-        inv_rms = tl.math.rsqrt(squares / K + eps)[:, None]
+        inv_rms = tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
         y = y * inv_rms
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -250,9 +249,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     tl.store(out, y.to(dtype), mask=out_mask)
     if NORMED_OUT:
-        if tl.program_id(0) == 0:
-            _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, ks, K,
-                               stride_xm, inv_rms, HAS_RESIDUAL, EVEN_K, BLOCK_K, NORM_WEIGHT)
+        # Each program stores NORMED_SLICE columns of the rows; program 0 storing them all
+        # ended last, and the kernel with it.
+        first_col = tl.program_id(0) * NORMED_SLICE
+        _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, first_col,
+                           tl.minimum(K, first_col + NORMED_SLICE), K, stride_xm, inv_rms,
+                           HAS_RESIDUAL, NORM_WEIGHT, NORMED_SLICE)
 
 
 def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
@@ -348,5 +350,7 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_
         NORM=norm, HAS_RESIDUAL=residual is not None,
         NORMED_OUT=normed is not None, PDL=pdl, NORM_WEIGHT=norm_weight is not None,
         ADD=add is not None,
+        NORMED_SLICE=triton.next_power_of_2(triton.cdiv(depth, grid[0])) if normed is not None
+        else 0,
         num_warps=config.num_warps, **pdl_launch_options(pdl))
     return y, new_residual, normed
