@@ -25,6 +25,16 @@ class ModelBatch:
     logits_indices: torch.Tensor      # long [N]: rows whose next token is sampled
     sampled_seqs: list                # the N sequences, same order
     prompt_logprob_rows: list[tuple[object, int, int, int]]  # (seq, row_start, row_end, first_pos)
+    # The first input ids, still on their way from the step in flight (its sampled tokens,
+    # in row order): a decode graph's replay reads them in its input kernel, any other
+    # forward first copies them in (``apply_fed_ids``).
+    fed_ids: torch.Tensor | None = None
+
+    def apply_fed_ids(self) -> None:
+        """Write ``fed_ids`` into the first rows of ``input_ids``."""
+        if self.fed_ids is not None:
+            self.input_ids[:self.fed_ids.shape[0]].copy_(self.fed_ids)
+            self.fed_ids = None
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -227,13 +227,16 @@ class DecodeGraphRunner(StaticGraphRunner):
         return replay_mismatch(eager, replayed, tolerance, f"graph replay canary (batch {size})")
 
     def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+               meta: AttentionMetadata, fed_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``fed_ids``: the first input ids, in place of ``input_ids``' (ModelBatch.fed_ids)."""
         b = meta.num_seqs
         static = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
                   self.block_tables)
         step = (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
-        if not _load_in_one_kernel(size, static, step):
+        if not _load_in_one_kernel(size, static, step, fed_ids):
             self.input_ids[:b].copy_(input_ids, non_blocking=True)
+            if fed_ids is not None:
+                self.input_ids[:fed_ids.shape[0]].copy_(fed_ids)
             self.positions[:b].copy_(positions, non_blocking=True)
             self.slot_mapping[:b].copy_(meta.slot_mapping, non_blocking=True)
             self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
@@ -247,7 +250,7 @@ class DecodeGraphRunner(StaticGraphRunner):
 
 
 def _load_in_one_kernel(size: int, static: tuple[torch.Tensor, ...],
-                        step: tuple[torch.Tensor, ...]) -> bool:
+                        step: tuple[torch.Tensor, ...], fed_ids: torch.Tensor | None) -> bool:
     """The step's inputs into the static buffers by one Triton launch
     (kernels/elementwise/triton_graph_inputs.py) where the fusion "graph_inputs" is on and
     the inputs suit it: False, nothing done, elsewhere."""
@@ -258,7 +261,7 @@ def _load_in_one_kernel(size: int, static: tuple[torch.Tensor, ...],
         graph_inputs_unsupported,
         load_graph_inputs_triton,
     )
-    if graph_inputs_unsupported(size, static, step) is not None:
+    if graph_inputs_unsupported(size, static, step, fed_ids) is not None:
         return False
-    load_graph_inputs_triton(size, static, step)
+    load_graph_inputs_triton(size, static, step, fed_ids)
     return True

@@ -13,6 +13,7 @@ from this step's device output: the host never needs its value for that.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -23,6 +24,12 @@ from archserve.engine.sampler import SamplerOutput
 from archserve.engine.scheduler import ScheduledSeq
 from archserve.engine.sequence import Sequence
 from archserve.engine.staging import StagingRing
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream that copies sampled outputs home, one per device."""
+    return torch.cuda.Stream(device)
 
 
 @dataclass
@@ -41,22 +48,31 @@ class LaunchedStep:
         top-N when asked) to the host, behind the sampler."""
         step = cls(seqs, result, prompt_logprobs,
                    row_of={seq.seq_id: row for row, seq in enumerate(seqs)})
-        on_cuda = result.sampled_token_ids.device.type == "cuda"
+        device = result.sampled_token_ids.device
+        on_cuda = device.type == "cuda"
         copies = {}
+        # The copies run on a stream of their own, behind the sampler: on the step's stream
+        # they would sit between this step's last kernel and the next step's first, which
+        # they do not feed (the next step takes its tokens from ``result`` on the device).
+        stream = _copy_stream(device) if on_cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))
         for f in fields(result):
             tensor = getattr(result, f.name)
             if tensor is None:
                 copies[f.name] = None
             elif on_cuda:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                copies[f.name] = host.copy_(tensor, non_blocking=True)
+                with torch.cuda.stream(stream):
+                    copies[f.name] = host.copy_(tensor, non_blocking=True)
+                # Not freed to the step's stream for reuse before the copy has read it.
+                tensor.record_stream(stream)
             else:
                 copies[f.name] = tensor
         step.host = SamplerOutput(**copies)
         if on_cuda:
             step.ready = torch.cuda.Event()
-            device = result.sampled_token_ids.device
-            step.ready.record(torch.cuda.current_stream(device))   # cuda:N too
+            step.ready.record(stream)
         return step
 
     def wait(self) -> SamplerOutput | None:
@@ -96,9 +112,9 @@ class LaunchedStep:
             return
         sampled = self.result.sampled_token_ids
         if rows == sources == list(range(len(rows))):
-            # Row i takes this step's row i (a decode batch whose order held): one copy,
-            # without the index upload and the gather and scatter kernels.
-            batch.input_ids[:len(rows)].copy_(sampled[:len(rows)])
+            # Row i takes this step's row i (a decode batch whose order held): no index
+            # upload, gather or scatter; the forward reads them (ModelBatch.fed_ids).
+            batch.fed_ids = sampled[:len(rows)]
             return
         (pairs,) = staging.upload([np.asarray([rows, sources], dtype=np.int64)])
         batch.input_ids[pairs[0]] = sampled[pairs[1]]

@@ -267,7 +267,8 @@ class ModelRunner:
         size = self.graphs.size_for(meta.num_seqs)
         if size is None:
             return None
-        return self.graphs.replay(size, batch.input_ids, batch.positions, meta)
+        return self.graphs.replay(size, batch.input_ids, batch.positions, meta,
+                                  fed_ids=batch.fed_ids)
 
     def replay_mixed_graph(self, batch: ModelBatch) -> torch.Tensor | None:
         """Logits of the sampled rows from a captured mixed-step graph, or None (eager)."""
@@ -295,6 +296,8 @@ class ModelRunner:
                 previous.feed_pending_inputs(batch, chunks, self.staging)
         with phase("forward"):
             row_logits = self.replay_decode_graph(batch)
+            if row_logits is None:
+                batch.apply_fed_ids()
             sampled_logits = None if row_logits is not None else self.replay_mixed_graph(batch)
             if row_logits is None and sampled_logits is None:
                 hidden = self._forward_step(batch)

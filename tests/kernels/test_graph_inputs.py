@@ -28,7 +28,9 @@ def static_buffers(rows: int, width: int, device: str) -> tuple[torch.Tensor, ..
             torch.full((rows, width), 7, dtype=torch.int32, device=device))
 
 
-def check(device: str, batch: int, size: int, table_width: int, static_width: int) -> None:
+def check(device: str, batch: int, size: int, table_width: int, static_width: int,
+          fed: int = 0) -> None:
+    """``fed``: the first rows' ids come from a sampler's output (ModelBatch.fed_ids)."""
     from archserve.kernels.elementwise.triton_graph_inputs import (
         graph_inputs_unsupported,
         load_graph_inputs_triton,
@@ -41,10 +43,13 @@ def check(device: str, batch: int, size: int, table_width: int, static_width: in
         torch.randint(0, 9000, (batch,), generator=gen),
         torch.randint(1, 4000, (batch,), generator=gen, dtype=torch.int32),
         torch.randint(0, 500, (batch, table_width), generator=gen, dtype=torch.int32)))
-    assert graph_inputs_unsupported(size, static, step) is None
-    load_graph_inputs_triton(size, static, step)
+    fed_ids = (torch.randint(1000, 2000, (fed,), generator=gen).to(device) if fed else None)
+    assert graph_inputs_unsupported(size, static, step, fed_ids) is None
+    load_graph_inputs_triton(size, static, step, fed_ids)
     ids, positions, slots, lengths, tables = (t.cpu() for t in static)
     s_ids, s_positions, s_slots, s_lengths, s_tables = (t.cpu() for t in step)
+    if fed:
+        s_ids = torch.cat([fed_ids.cpu(), s_ids[fed:]])
     assert torch.equal(ids[:batch], s_ids) and (ids[batch:] == 7).all()
     assert torch.equal(positions[:batch], s_positions) and (positions[batch:] == 7).all()
     assert torch.equal(slots[:batch], s_slots) and (slots[batch:size] == -1).all()
@@ -67,6 +72,7 @@ def test_inputs_it_cannot_take_are_refused():
         4, static, step[:4] + (torch.zeros(2, 9, dtype=torch.int32),))       # too wide
     assert "contiguous" in graph_inputs_unsupported(
         4, static, (torch.zeros(4, dtype=torch.long)[::2],) + step[1:])
+    assert "fed ids" in graph_inputs_unsupported(4, static, step, torch.zeros(3, dtype=torch.long))
 
 
 if not INTERPRETED:
@@ -79,15 +85,18 @@ if not INTERPRETED:
 
 else:
 
-    @pytest.mark.parametrize("batch, size, table_width, static_width", [
-        (1, 1, 3, 8), (3, 4, 5, 8), (2, 8, 8, 8), (5, 5, 1, 2100)])
-    def test_inputs_land_as_the_copies_leave_them(batch, size, table_width, static_width):
+    @pytest.mark.parametrize("batch, size, table_width, static_width, fed", [
+        (1, 1, 3, 8, 0), (3, 4, 5, 8, 0), (2, 8, 8, 8, 0), (5, 5, 1, 2100, 0), (1, 1, 3, 8, 1),
+        (3, 4, 5, 8, 2)])
+    def test_inputs_land_as_the_copies_leave_them(batch, size, table_width, static_width, fed):
         # 2100 columns: the padded rows' zeroing and the copy loop over column blocks.
-        check("cpu", batch, size, min(table_width, static_width), static_width)
+        check("cpu", batch, size, min(table_width, static_width), static_width, fed)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_graph_inputs():
-    for batch, size, width, static_width in ((1, 1, 3, 8), (3, 4, 5, 8), (5, 5, 1500, 2100)):
-        check("cuda", batch, size, width, static_width)
+    for batch, size, width, static_width, fed in ((1, 1, 3, 8, 0), (3, 4, 5, 8, 0),
+                                                  (5, 5, 1500, 2100, 0), (1, 1, 3, 8, 1),
+                                                  (3, 4, 5, 8, 3)):
+        check("cuda", batch, size, width, static_width, fed)
