@@ -20,7 +20,6 @@ module's launch constant can be swept with ``--set``, e.g.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Callable
@@ -58,6 +57,46 @@ def _paged(planes: int, heads: int, head_size: int, max_len: int):
     seq_lens = torch.tensor([CONTEXT], dtype=torch.int32, device="cuda")
     starts = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     return cache, table, seq_lens, starts
+
+
+def gemv_cases(model: str, hidden: int, shapes: list[tuple[str, int, str]]
+               ) -> dict[str, Callable[[], Callable[[], object]]]:
+    """Per (name, rows, tile): the GEMV alone, the norm kernel then the GEMV, and the GEMV
+    with the (folded) norm in its prologue, keeping the normalised row; each launch reads
+    the next of enough weights to pass twice the L2, as a step's layers do."""
+    from archserve.kernels.elementwise.triton_rms_norm import rms_norm_triton
+    from archserve.kernels.linear.triton_skinny_gemm import (
+        SkinnyConfig,
+        rms_norm_skinny_gemm,
+        skinny_gemm,
+    )
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+
+    def build(rows: int, tile: str, form: str) -> Callable[[], object]:
+        config = SkinnyConfig.from_key(tile)
+        copies = max(2, -(-2 * l2 // (rows * hidden * 2)))
+        weights = [torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(copies)]
+        x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+        norm_w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+        turn = iter(range(1 << 30))
+
+        def launch():
+            w = weights[next(turn) % copies]
+            if form == "gemv":
+                return skinny_gemm(x, w, None, config)
+            if form == "norm+gemv":
+                return skinny_gemm(rms_norm_triton(x, norm_w, 1e-6)[0], w, None, config)
+            return rms_norm_skinny_gemm(x, None, None, 1e-6, w, None, config,
+                                        keep_normed=True)
+        return launch
+
+    cases = {}
+    for name, rows, tile in shapes:
+        for form in ("gemv", "norm+gemv", "gemv_norm"):
+            cases[f"{model}.{name}.{form}"] = (
+                lambda rows=rows, tile=tile, form=form: build(rows, tile, form))
+    return cases
 
 
 def qwen3_cases() -> dict[str, Callable[[], Callable[[], object]]]:
@@ -108,16 +147,20 @@ def qwen3_cases() -> dict[str, Callable[[], Callable[[], object]]]:
         return lambda: merge_splits(part, lse, starts, seq_lens, out, 1.0,
                                     split_block_n=block_n)
 
-    def route():
+    def route(dtype=torch.bfloat16):
         from archserve.kernels.moe.triton_routing import triton_route
-        logits = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(1, 128, device="cuda", dtype=dtype)
         return lambda: triton_route(logits, 8, True)
 
     return {"qwen3.rms_norm": rms_norm, "qwen3.preamble": preamble,
+            **gemv_cases("qwen3", hidden, [("qkv", (heads + 2 * kv_heads) * d, "n4_k512_w4"),
+                                           ("router", 128, "n2_k1024_w4")]),
             "qwen3.decode+merge": decode_and_merge,
             "qwen3.decode+merge@n32": lambda: decode_and_merge((32, 4, 2)),
+            "qwen3.decode+merge@n16": lambda: decode_and_merge((16, 4, 2)),
             "qwen3.merge": merge,
-            "qwen3.route": route}
+            "qwen3.route": route,
+            "qwen3.route@fp32": lambda: route(torch.float32)}
 
 
 def v2_lite_cases() -> dict[str, Callable[[], Callable[[], object]]]:
@@ -151,13 +194,46 @@ def v2_lite_cases() -> dict[str, Callable[[], Callable[[], object]]]:
                                   max_seq_len=max_len, scale=0.1, num_sms=num_sms, w_uv=w_uv,
                                   tiles=tiles)
 
+    def decode_alone(tiles=None):
+        # The decode kernel's launch only: the wrapper's merge of the splits left out.
+        from archserve.kernels.mla import triton_mla_decode
+        run = decode_to_heads(tiles)
+
+        def launch():
+            merge = triton_mla_decode.latent_output_to_heads_triton
+            triton_mla_decode.latent_output_to_heads_triton = lambda *a, **k: None
+            try:
+                run()
+            finally:
+                triton_mla_decode.latent_output_to_heads_triton = merge
+        return launch
+
+    def to_heads():
+        # The merge of the splits with W_UV alone, over the splits the context fills.
+        from archserve.kernels.mla.triton_mla_decode import mla_decode_tiles, mla_num_splits
+        from archserve.kernels.mla.triton_mla_output import latent_output_to_heads_triton
+        splits = mla_num_splits(1, heads, max_len, num_sms, 16)
+        block_n = mla_decode_tiles(heads, splits, max_len)[1]
+        part = torch.randn(1, heads, splits, rank, device="cuda")
+        lse = torch.randn(1, heads, splits, device="cuda")
+        w_uv = torch.randn(heads, v, rank, **bf16)
+        _, _, seq_lens, starts = _paged(1, 1, 1, 16)
+        return lambda: latent_output_to_heads_triton(part, lse, starts, 1, 1, w_uv,
+                                                     seq_lens=seq_lens, split_block_n=block_n)
+
     def route():
         from archserve.kernels.moe.triton_routing import triton_route
         logits = torch.randn(1, 64, device="cuda")
         return lambda: triton_route(logits, 6, False, shared_experts=2)
 
-    return {"v2lite.mla_inputs": inputs, "v2lite.mla_decode+to_heads": decode_to_heads,
+    return {"v2lite.mla_inputs": inputs,
+            **gemv_cases("v2lite", 2048, [("kv_a", rank + rope, "n2_k1024_w4"),
+                                          ("q", heads * (nope + rope), "n2_k1024_w4")]), "v2lite.mla_decode+to_heads": decode_to_heads,
             "v2lite.mla_decode+to_heads@n64": lambda: decode_to_heads((16, 64, 4, 2, False)),
+            "v2lite.mla_decode": decode_alone,
+            "v2lite.mla_decode@n16": lambda: decode_alone((16, 16, 4, 2, False)),
+            "v2lite.mla_decode@rows": lambda: decode_alone((16, 32, 4, 2, True)),
+            "v2lite.to_heads": to_heads,
             "v2lite.route": route}
 
 
@@ -166,6 +242,8 @@ def all_cases() -> dict[str, Callable[[], Callable[[], object]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CONTEXT
+    from archserve.bench.module_settings import set_module_constants
     from archserve.kernels.cuda_timing import graph_median_us
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -174,15 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=50, help="timed replays (median)")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=INT",
                     help="set an integer constant of a module before the cases are built")
+    ap.add_argument("--context", type=int, default=CONTEXT, help="tokens in the cache")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    for setting in args.set:
-        target, value = setting.split("=")
-        module, name = target.split(":")
-        mod = importlib.import_module(module)
-        if not hasattr(mod, name):
-            raise SystemExit(f"{module} has no {name}")
-        setattr(mod, name, int(value))
+    CONTEXT = args.context
+    set_module_constants(args.set)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     cases = all_cases()
@@ -193,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         us, how = graph_median_us(cases[name](), args.iters, warmup=3, reps=args.reps)
-        rows.append({"case": name, "us_per_launch": us, "timed_as": how, "set": args.set})
+        rows.append({"case": name, "us_per_launch": us, "timed_as": how, "set": args.set,
+                     "context": CONTEXT})
         print(f"{name:28s} {us:7.2f} µs a launch ({how})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -15,6 +15,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from archserve.bench.module_settings import set_module_constants  # noqa: E402
 from archserve.bench.offline import run_offline  # noqa: E402
 from archserve.bench.roofline import analyze, model_facts  # noqa: E402
 from archserve.bench.workload import random_requests  # noqa: E402
@@ -30,7 +31,10 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3, help="engine runs, each 1 x 128/256")
     parser.add_argument("--replays", type=int, default=200, help="graph replays timed")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=INT",
+                        help="set an integer constant of a module before the engine starts")
     args = parser.parse_args()
+    set_module_constants(args.set)
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", load_format="dummy",
                                     max_model_len=args.max_model_len, max_num_seqs=1,
                                     skip_tokenizer_init=True))
