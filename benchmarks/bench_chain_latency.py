@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 CONTEXT = 384            # tokens in the cache: the end of a 128 in / 256 out request
 BLOCK_SIZE = 16
+MAX_LEN = {"qwen3.": 1024, "v2lite.": 4224}    # each model's cases' max_model_len
 
 
 def _trivial() -> Callable[[], object]:
@@ -101,7 +102,7 @@ def gemv_cases(model: str, hidden: int, shapes: list[tuple[str, int, str]]
 
 def qwen3_cases() -> dict[str, Callable[[], Callable[[], object]]]:
     """Qwen3-30B-A3B: hidden 2048, 32 q / 4 kv heads of 128, 128 experts top 8."""
-    heads, kv_heads, d, hidden, max_len = 32, 4, 128, 2048, 1024
+    heads, kv_heads, d, hidden, max_len = 32, 4, 128, 2048, MAX_LEN["qwen3."]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def rms_norm():
@@ -166,7 +167,7 @@ def qwen3_cases() -> dict[str, Callable[[], Callable[[], object]]]:
 def v2_lite_cases() -> dict[str, Callable[[], Callable[[], object]]]:
     """DeepSeek-V2-Lite: 16 heads, nope 128, rope 64, latent 512, v 128; 64 experts top 6
     (softmax, not renormalised) and 2 shared experts."""
-    heads, nope, rope, rank, v, max_len = 16, 128, 64, 512, 128, 4224
+    heads, nope, rope, rank, v, max_len = 16, 128, 64, 512, 128, MAX_LEN["v2lite."]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
 
@@ -261,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("needs a CUDA GPU")
     cases = all_cases()
     names = args.cases.split(",") if args.cases else list(cases)
+    for prefix, max_len in MAX_LEN.items():   # the caches hold at most max_len tokens
+        if CONTEXT > max_len and any(name.startswith(prefix) for name in names):
+            raise SystemExit(f"--context {CONTEXT} is past the {prefix} cases' {max_len}")
     unknown = set(names) - set(cases)
     if unknown:
         raise SystemExit(f"unknown case(s) {sorted(unknown)}; known: {', '.join(cases)}")

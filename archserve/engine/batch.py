@@ -26,8 +26,9 @@ class ModelBatch:
     sampled_seqs: list                # the N sequences, same order
     prompt_logprob_rows: list[tuple[object, int, int, int]]  # (seq, row_start, row_end, first_pos)
     # The first input ids, still on their way from the step in flight (its sampled tokens,
-    # in row order): a decode graph's replay reads them in its input kernel, any other
-    # forward first copies them in (``apply_fed_ids``).
+    # in row order): a decode graph's replay reads them in its input kernel (``input_ids``
+    # keeps its placeholders there), any other forward first copies them in
+    # (``apply_fed_ids``).
     fed_ids: torch.Tensor | None = None
 
     def apply_fed_ids(self) -> None:

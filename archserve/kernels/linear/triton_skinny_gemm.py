@@ -145,20 +145,21 @@ def _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, first
                        stride_xm, inv_rms, HAS_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr,
                        BLOCK: tl.constexpr):
     """rms_norm's output rows (x + residual, normalised, times the weight, rounded as the
-    norm kernel rounds them), columns [first, end) (end - first <= BLOCK), into ``normed``
+    norm kernel rounds them), columns [first, end) in steps of BLOCK, into ``normed``
     [rows, K], for the layer's other readers of the normalised row (a MoE block's experts
     after its router)."""
     dtype: tl.constexpr = x_ptr.dtype.element_ty
-    k = first + tl.arange(0, BLOCK)
-    x = _load_rows(x_ptr, r_ptr, x_ptr, rows, row_ok, k, end, stride_xm, row_ok,
-                   HAS_RESIDUAL, False, False)
-    if NORM_WEIGHT:
-        norm_w = tl.load(norm_w_ptr + k, mask=k < end, other=0.0).to(tl.float32)[None, :]
-    else:   # folded into the GEMMs that read the row: rms_norm with a weight of ones
-        norm_w = tl.full([1, BLOCK], 1.0, tl.float32)
-    normed = scale_normalized(x, inv_rms, norm_w, dtype, dtype, False)
-    tl.store(normed_ptr + rows[:, None] * K + k[None, :], normed.to(dtype),
-             mask=row_ok[:, None] & (k < end)[None, :])
+    for k0 in range(first, end, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = _load_rows(x_ptr, r_ptr, x_ptr, rows, row_ok, k, end, stride_xm, row_ok,
+                       HAS_RESIDUAL, False, False)
+        if NORM_WEIGHT:
+            norm_w = tl.load(norm_w_ptr + k, mask=k < end, other=0.0).to(tl.float32)[None, :]
+        else:   # folded into the GEMMs that read the row: rms_norm with a weight of ones
+            norm_w = tl.full([1, BLOCK], 1.0, tl.float32)
+        normed = scale_normalized(x, inv_rms, norm_w, dtype, dtype, False)
+        tl.store(normed_ptr + rows[:, None] * K + k[None, :], normed.to(dtype),
+                 mask=row_ok[:, None] & (k < end)[None, :])
 
 
 @triton.jit
@@ -178,8 +179,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     # squares put one round trip to memory before every program's product, and lost to
     # the norm kernel on most shapes). The normalised row is not rounded to x's dtype
     # before the product, as the norm kernel's output is: the sums differ from the
-    # unfused ones by about that rounding. Program 0 writes the new residual and, with
-    # NORMED_OUT, the normalised rows, rounded as the norm kernel rounds them. NORM_WEIGHT
+    # unfused ones by about that rounding. Program 0 writes the new residual; with NORMED_OUT
+    # every program writes a slice of the normalised rows, rounded as the norm kernel
+    # rounds them. NORM_WEIGHT
     # False: the norm's weight is folded into W (RMSNorm.fold_into), so none is read.
     # ADD: the rounded output plus add[rows, cols] (the residual stream: a layer's last
     # GEMM adds its block's input back, and the norm after it reads one row, not two),
@@ -251,10 +253,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     if NORMED_OUT:
         # Each program stores NORMED_SLICE columns of the rows; program 0 storing them all
         # ended last, and the kernel with it.
+        # (In steps of at most BLOCK_K: a grid of one program stores the whole row.)
+        STORE_BLOCK: tl.constexpr = NORMED_SLICE if NORMED_SLICE < BLOCK_K else BLOCK_K
         first_col = tl.program_id(0) * NORMED_SLICE
         _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, first_col,
                            tl.minimum(K, first_col + NORMED_SLICE), K, stride_xm, inv_rms,
-                           HAS_RESIDUAL, NORM_WEIGHT, NORMED_SLICE)
+                           HAS_RESIDUAL, NORM_WEIGHT, STORE_BLOCK)
 
 
 def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,

@@ -170,10 +170,12 @@ def latent_output_to_heads_triton(latent_out: torch.Tensor, partial_lse: torch.T
                          "decode kernel's BLOCK_N (which splits hold keys)")
     pdl = pdl_enabled(out.device)
     num_splits = latent_out.shape[2] if split else 1
-    # Unsplit: a tile of 16 sequences. Split: as many as the partials' registers allow,
-    # and no more than the batch has (batch 1 merges one row, not a masked second one:
-    # H200 chain, V2-Lite's batch 1, 3.32 µs a launch against 4.19).
-    seqs = min(BLOCK_S, max(1, MERGE_ROWS_IN_FLIGHT // num_splits), num_seqs)
+    # Unsplit: a tile of 16 sequences. Split: as many as the partials' registers allow, and
+    # one for a batch of one (not a masked second row: H200 chain, V2-Lite's batch 1, 3.32
+    # µs a launch against 4.19); only that count, so a mixed step's decode rows of any count
+    # compile no other variant.
+    seqs = (1 if split and num_seqs == 1
+            else min(BLOCK_S, max(1, MERGE_ROWS_IN_FLIGHT // num_splits)))
     grid = (num_heads, triton.cdiv(v_head, BLOCK_V), triton.cdiv(num_seqs, seqs))
     # 8 warps: at DeepSeek's latent (512) the merged [16, 512] fp32 tile and W_UV's [512, 32]
     # rows spill at 4 (ptxas for sm_90a: 52-472 bytes), not at 8.

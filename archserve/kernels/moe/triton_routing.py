@@ -10,8 +10,9 @@ adds the selection bias, keeps the ``topk_groups`` best groups (a group scores i
 expert, or its best two summed when there is a bias: DeepSeek-V2's group_limited_greedy and
 V3's noaux_tc), picks the top k (the lower index on a tie, which is what torch.topk returns
 for equal values in practice: up to MAX_RANKED_LANES lanes by every lane's rank at once,
-past them by k passes of a max over keys that name their lane), and writes the unbiased
-scores of
+past them by k passes of a max over keys that name their lane; past them with 16-bit
+softmax logits the keys are the logits', so two logits whose scores round to one fp32
+value are ordered by logit, not by index), and writes the unbiased scores of
 the chosen experts, renormalised when asked and times ``scaling``, as weights fp32 [T, k]
 with expert ids int32 [T, k], in the references' order (best choice first; a NaN score
 ranks below every other, where torch.topk puts it first); then, for a
@@ -129,9 +130,10 @@ if triton is not None:
                 # round to one value are ordered by the logits here, by the lower index in
                 # torch's top-k.)
                 raw = tl.reshape(logits, (LANES,))
-                raw = tl.where(raw == raw, raw, -8.507059173023462e37)   # NaN as above
-                keys = ((ordered_keys(raw) >> LOGIT_KEY_BITS) << LOGIT_KEY_BITS) | (
-                    LANES - 1 - lane)
+                keys = (ordered_keys(raw) >> LOGIT_KEY_BITS) << LOGIT_KEY_BITS
+                # NaN: the lowest key above padding's, below every real logit (-inf too).
+                keys = tl.where(raw == raw, keys, (-0x7FFFFFFF - 1) + (1 << LOGIT_KEY_BITS))
+                keys = keys | (LANES - 1 - lane)
                 keys = tl.where(tl.reshape(real, (LANES,)), keys, -0x7FFFFFFF - 1)
                 for j in tl.static_range(TOP_K):
                     hit = keys == tl.max(keys, axis=0)
