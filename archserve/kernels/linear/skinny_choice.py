@@ -53,7 +53,8 @@ LINEAR, SILU_MUL = "linear", "silu_mul"   # the kinds of GEMM
 UNFUSED = "unfused:"
 # A Triton config must beat cuBLAS by this fraction: below it, timing noise decides.
 MIN_GAIN = 0.03
-# The norm prologue must beat the norm kernel then the GEMV by this (experiment, session 27).
+# The norm prologue must beat the norm kernel then the GEMV by this percentage (MIN_GAIN's
+# 3%; step_vs_graph.py --set moves it: session 27 ran Qwen3-30B-A3B's QKV fused at -5).
 NORM_PROLOGUE_MIN_GAIN_PERCENT = 3
 # 7: the look-ahead configs (keys ending "_p") are gone; 8: the norm prologue timed as a
 # folded norm's, on the residual stream's one row (fold_norm_weights); 9: the prologue

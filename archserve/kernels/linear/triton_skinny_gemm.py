@@ -179,10 +179,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     # squares put one round trip to memory before every program's product, and lost to
     # the norm kernel on most shapes). The normalised row is not rounded to x's dtype
     # before the product, as the norm kernel's output is: the sums differ from the
-    # unfused ones by about that rounding. Program 0 writes the new residual; with NORMED_OUT
-    # every program writes a slice of the normalised rows, rounded as the norm kernel
-    # rounds them. NORM_WEIGHT
-    # False: the norm's weight is folded into W (RMSNorm.fold_into), so none is read.
+    # unfused ones by about that rounding. Program 0 writes the new residual; with
+    # NORMED_OUT every program writes a slice of the normalised rows, rounded as the norm
+    # kernel rounds them. NORM_WEIGHT False: the norm's weight is folded into W
+    # (RMSNorm.fold_into), so none is read.
     # ADD: the rounded output plus add[rows, cols] (the residual stream: a layer's last
     # GEMM adds its block's input back, and the norm after it reads one row, not two),
     # rounded again, as the unfused add rounds the GEMM's output and then the sum.
