@@ -229,7 +229,8 @@ def v2_lite_cases() -> dict[str, Callable[[], Callable[[], object]]]:
 
     return {"v2lite.mla_inputs": inputs,
             **gemv_cases("v2lite", 2048, [("kv_a", rank + rope, "n2_k1024_w4"),
-                                          ("q", heads * (nope + rope), "n2_k1024_w4")]), "v2lite.mla_decode+to_heads": decode_to_heads,
+                                          ("q", heads * (nope + rope), "n2_k1024_w4")]),
+            "v2lite.mla_decode+to_heads": decode_to_heads,
             "v2lite.mla_decode+to_heads@n64": lambda: decode_to_heads((16, 64, 4, 2, False)),
             "v2lite.mla_decode": decode_alone,
             "v2lite.mla_decode@n16": lambda: decode_alone((16, 16, 4, 2, False)),

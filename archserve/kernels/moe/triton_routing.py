@@ -129,16 +129,17 @@ if triton is not None:
                 # 32-bit max a pass (one redux.sync in a warp). (Two logits whose scores
                 # round to one value are ordered by the logits here, by the lower index in
                 # torch's top-k.)
+                LOWEST: tl.constexpr = -0x7FFFFFFF - 1   # padding's key, and a taken lane's
                 raw = tl.reshape(logits, (LANES,))
                 keys = (ordered_keys(raw) >> LOGIT_KEY_BITS) << LOGIT_KEY_BITS
                 # NaN: the lowest key above padding's, below every real logit (-inf too).
-                keys = tl.where(raw == raw, keys, (-0x7FFFFFFF - 1) + (1 << LOGIT_KEY_BITS))
+                keys = tl.where(raw == raw, keys, LOWEST + (1 << LOGIT_KEY_BITS))
                 keys = keys | (LANES - 1 - lane)
-                keys = tl.where(tl.reshape(real, (LANES,)), keys, -0x7FFFFFFF - 1)
+                keys = tl.where(tl.reshape(real, (LANES,)), keys, LOWEST)
                 for j in tl.static_range(TOP_K):
                     hit = keys == tl.max(keys, axis=0)
                     slot = tl.where(hit, j, slot)
-                    keys = tl.where(hit, -0x7FFFFFFF - 1, keys)
+                    keys = tl.where(hit, LOWEST, keys)
             else:
                 # The best choice, then the lowest lane holding it (an int32 min).
                 for j in tl.static_range(TOP_K):
