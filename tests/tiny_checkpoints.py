@@ -29,6 +29,20 @@ CHAT_TEMPLATE = (
 TINY_SIZES = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, intermediate_size=96,
                   max_position_embeddings=256)
+# A tiny Qwen3-MoE whose attention every GPU backend takes (head size 64: decode in CUDA
+# graphs): top-8 of 16 experts. With build_tiny_checkpoint(path, "qwen3_moe", **TINY_QWEN3_MOE).
+TINY_QWEN3_MOE = dict(hidden_size=256, head_dim=64, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=96, num_experts=16,
+                      num_experts_per_tok=8, moe_intermediate_size=24, norm_topk_prob=True,
+                      num_hidden_layers=2, tie_word_embeddings=False)
+# A tiny DeepSeek-V2-Lite (MLA without q_lora_rank, a dense first layer, a shared expert),
+# for build_tiny_checkpoint(path, "deepseek_v2", **TINY_V2_LITE).
+TINY_V2_LITE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                    num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, head_dim=8,
+                    qk_nope_head_dim=16, v_head_dim=24, moe_intermediate_size=32,
+                    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                    first_k_dense_replace=1, num_hidden_layers=2, max_position_embeddings=256,
+                    tie_word_embeddings=False, q_lora_rank=None, topk_method="greedy")
 
 
 def train_tokenizer(vocab_size: int = 384):

@@ -32,6 +32,7 @@ class CompiledLaunch:
     constexprs: dict
     asm: dict = field(repr=False)
     options: dict = field(default_factory=dict)    # the launch options it was given
+    grid: tuple = ()                                # the grid it was launched with
 
     def code(self) -> str:
         return self.asm.get("ptx") or self.asm.get("amdgcn") or ""
@@ -108,7 +109,9 @@ def compiled_launches(target: tuple = ("cuda", 90, 32)) -> Iterator[list[Compile
     launches: list[CompiledLaunch] = []
 
     def run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202, ARG001
-        launches.append(_compile(self, target, args, dict(kwargs)))
+        launch = _compile(self, target, args, dict(kwargs))
+        launch.grid = tuple(grid) if isinstance(grid, tuple | list) else grid
+        launches.append(launch)
 
     original = JITFunction.run
     JITFunction.run = run

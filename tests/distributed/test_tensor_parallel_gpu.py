@@ -18,21 +18,9 @@ PROMPTS = ["Hello world! How are you", "The capital of France is", "1 2 3 4 5",
 
 # Dense (head size 64: every GPU backend runs it), MoE (the experts' channels split) and
 # DeepSeek-V2-Lite's MLA (heads split, the latent whole on each rank).
-TINY_QWEN3_MOE = dict(hidden_size=256, head_dim=64, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=96, num_experts=16,
-                      num_experts_per_tok=8, moe_intermediate_size=24, norm_topk_prob=True,
-                      num_hidden_layers=2, tie_word_embeddings=False)
-TINY_V2_LITE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                    num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, head_dim=8,
-                    qk_nope_head_dim=16, v_head_dim=24, moe_intermediate_size=32,
-                    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                    first_k_dense_replace=1, num_hidden_layers=2, max_position_embeddings=256,
-                    tie_word_embeddings=False, q_lora_rank=None, topk_method="greedy")
-
-
 @pytest.mark.parametrize("model", ["dense", "qwen3_moe", "deepseek_v2_lite"])
 def test_two_gpus_generate_close_to_one_with_cuda_graphs(tiny_checkpoint, tmp_path, model):
-    from tiny_checkpoints import build_tiny_checkpoint
+    from tiny_checkpoints import TINY_QWEN3_MOE, TINY_V2_LITE, build_tiny_checkpoint
 
     if model == "dense":
         path = tiny_checkpoint("llama-h64")

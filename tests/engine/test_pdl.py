@@ -197,10 +197,6 @@ def test_wrappers_copy_nothing_their_kernel_reads_before_the_wait(monkeypatch):
 
 # A tiny Qwen3-MoE whose attention every GPU backend takes (decode in CUDA graphs): top-8 of
 # 16 experts, routed by the routing kernel into the fused experts.
-TINY_MOE = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=96, num_experts=16, num_experts_per_tok=8,
-                moe_intermediate_size=24, norm_topk_prob=True, num_hidden_layers=2,
-                tie_word_embeddings=False)
 
 
 @pytest.mark.gpu
@@ -210,14 +206,14 @@ def test_gpu_greedy_tokens_and_logprobs_are_the_same_with_pdl(tiny_checkpoint, t
     """A tiny Qwen3 (q/k norms: the fused norm-rope-cache kernel) and a tiny Qwen3-MoE, in
     bf16 with CUDA graphs, decode and mixed steps: PDL on gives exactly the tokens and
     logprobs of PDL off."""
-    from tiny_checkpoints import build_tiny_checkpoint
+    from tiny_checkpoints import TINY_QWEN3_MOE, build_tiny_checkpoint
 
     from archserve import LLM, SamplingParams
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs SM90+")
     path = (tiny_checkpoint("qwen3-h64") if model == "dense"
-            else build_tiny_checkpoint(str(tmp_path), "qwen3_moe", **TINY_MOE))
+            else build_tiny_checkpoint(str(tmp_path), "qwen3_moe", **TINY_QWEN3_MOE))
     prompts = ["The quick brown fox", "1 2 3", "A paged KV cache stores keys"]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     outs = []

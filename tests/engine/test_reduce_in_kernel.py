@@ -11,11 +11,6 @@ import torch
 
 from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, reduce_in_kernel
 
-TINY_MOE = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=96, num_experts=16, num_experts_per_tok=8,
-                moe_intermediate_size=24, norm_topk_prob=True, num_hidden_layers=2,
-                tie_word_embeddings=False)
-
 
 def test_the_switch_is_off_unless_asked_and_bounded_by_the_counters(monkeypatch):
     monkeypatch.delenv(REDUCE_IN_KERNEL_ENV, raising=False)
@@ -35,12 +30,12 @@ def test_gpu_greedy_tokens_are_the_same_with_reductions_in_the_kernel(tiny_check
                                                                       model):
     """bf16, CUDA graphs, one sequence (so decode splits its context): the merge sums in
     another order (logprobs a rounding apart); the MoE slot sum is bit-identical."""
-    from tiny_checkpoints import build_tiny_checkpoint
+    from tiny_checkpoints import TINY_QWEN3_MOE, build_tiny_checkpoint
 
     from archserve import LLM, SamplingParams
 
     path = (tiny_checkpoint("qwen3-h64") if model == "dense"
-            else build_tiny_checkpoint(str(tmp_path), "qwen3_moe", **TINY_MOE))
+            else build_tiny_checkpoint(str(tmp_path), "qwen3_moe", **TINY_QWEN3_MOE))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
     outs = []
     for enabled in (False, True):
