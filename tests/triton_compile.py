@@ -32,7 +32,6 @@ class CompiledLaunch:
     constexprs: dict
     asm: dict = field(repr=False)
     options: dict = field(default_factory=dict)    # the launch options it was given
-    grid: tuple = ()                                # the grid it was launched with
 
     def code(self) -> str:
         return self.asm.get("ptx") or self.asm.get("amdgcn") or ""
@@ -109,9 +108,7 @@ def compiled_launches(target: tuple = ("cuda", 90, 32)) -> Iterator[list[Compile
     launches: list[CompiledLaunch] = []
 
     def run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202, ARG001
-        launch = _compile(self, target, args, dict(kwargs))
-        launch.grid = tuple(grid) if isinstance(grid, tuple | list) else grid
-        launches.append(launch)
+        launches.append(_compile(self, target, args, dict(kwargs)))
 
     original = JITFunction.run
     JITFunction.run = run

@@ -195,9 +195,6 @@ def test_wrappers_copy_nothing_their_kernel_reads_before_the_wait(monkeypatch):
                                                       "_qk_norm_rope_cache_kernel"]
     assert not {"clone", "copy_", "contiguous"} & set(ops.names), ops.names
 
-# A tiny Qwen3-MoE whose attention every GPU backend takes (decode in CUDA graphs): top-8 of
-# 16 experts, routed by the routing kernel into the fused experts.
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["dense", "moe"])
