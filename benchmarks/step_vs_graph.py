@@ -45,8 +45,17 @@ def main() -> None:
         _, trace = run_offline(engine, requests, True, show_progress=False)
         roof = analyze(trace, model_facts(engine), ceilings)
         steps.append(roof.decode_step_s_mean * 1e3)
-        print(f"engine step {steps[-1]:.3f} ms (floor {roof.decode_floor_s_mean * 1e3:.3f})",
-              flush=True)
+        decode = sorted(s.seconds * 1e3 for s in trace.steps if s.is_decode)
+        prefill = sum(s.seconds for s in trace.steps if not s.is_decode) * 1e3
+        median = decode[len(decode) // 2]
+        print(f"engine step {steps[-1]:.3f} ms (floor {roof.decode_floor_s_mean * 1e3:.3f}; "
+              f"median {median:.3f}, slowest {decode[-1]:.3f}; "
+              f"prefill {prefill:.3f} ms)", flush=True)
+        # Steps well over the median: which, and where their host time went.
+        for i, s in enumerate(trace.steps):
+            if s.is_decode and s.seconds * 1e3 > 1.2 * median:
+                phases = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(s.phases.items()))
+                print(f"  slow step {i}: {s.seconds * 1e3:.3f} ms ({phases})", flush=True)
     # The size-1 graph over the last step's buffers (its context, its lengths).
     alone = mean_ms(engine.runner.graphs.set.graphs[1].replay, args.replays)
     mean = sum(steps) / len(steps)

@@ -6,9 +6,12 @@ runs: per sequence, new tokens and the context already in the KV cache) and
 wrappers on exit. The engine's code is untouched and pays nothing when not traced.
 On CUDA each step ends with a synchronize so its wall time covers its kernels, except
 with ``async_scheduling``: a synchronize would undo the overlap being measured. Then a
-call's time covers the previous step's kernels and this one's host work; the sum over the
-run is still the run's time, and a call that schedules nothing (it only resolves the step
-in flight) adds its time to the step before.
+call launches one step and waits for the one before it, so its time (mostly that wait) is
+given to the step it resolved: the step in flight when the call began. A call with no
+step in flight gives its time to the step it launched (only host work: the first call, or
+the first after the engine went idle). The sum over the run is still the run's time. Given
+to the step launched instead, the first decode step would carry the whole prefill's device
+time, which the prefill's own record would miss.
 
 Each record also keeps the host seconds of the engine's phases in its call
 (engine/phases.py, by the clock): with async scheduling a call launches its step and
@@ -81,6 +84,7 @@ def trace_steps(engine) -> Iterator[StepTrace]:
     sync = (engine.runner.device.type == "cuda" and not engine.config.async_scheduling
             and engine.config.tensor_parallel_size == 1)
     pending: list[list[ScheduledWork]] = []
+    in_flight: list[StepRecord] = []     # async: the step launched and not yet resolved
 
     def schedule():
         out = inner_schedule()
@@ -96,13 +100,17 @@ def trace_steps(engine) -> Iterator[StepTrace]:
         if sync:
             torch.cuda.synchronize(engine.runner.device)
         seconds = time.perf_counter() - t0
-        if pending and pending[-1]:
-            trace.steps.append(StepRecord(pending[-1], seconds, phases))
-        elif trace.steps:
-            last = trace.steps[-1]
-            last.seconds += seconds
+        launched = StepRecord(pending[-1], 0.0) if pending and pending[-1] else None
+        if launched is not None:
+            trace.steps.append(launched)
+        resolved = in_flight.pop() if in_flight else None
+        if launched is not None and engine.config.async_scheduling:
+            in_flight.append(launched)
+        charged = resolved or launched or (trace.steps[-1] if trace.steps else None)
+        if charged is not None:
+            charged.seconds += seconds
             for name, value in phases.items():
-                last.phases[name] = last.phases.get(name, 0.0) + value
+                charged.phases[name] = charged.phases.get(name, 0.0) + value
         return outputs
 
     scheduler.schedule, engine.step = schedule, step
