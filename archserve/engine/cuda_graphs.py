@@ -79,8 +79,10 @@ class StaticGraphRunner:
         self.pool = None
         self.output: torch.Tensor | None = None  # rows of the largest size, written by every graph
 
-    def _forward_at(self, size: int) -> torch.Tensor:
-        """The step of ``size`` over the static buffers (eager; captured by ``capture``)."""
+    def _forward_at(self, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step of ``size`` over the static buffers (eager; captured by ``capture``);
+        ``out``: the shared output buffer, whose first rows it may write its output into
+        (the result says whether it did)."""
         raise NotImplementedError
 
     def _before_capture(self, size: int) -> None:
@@ -101,8 +103,9 @@ class StaticGraphRunner:
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    out = self._forward_at(size)
-                    self.output[:out.shape[0]].copy_(out)
+                    out = self._forward_at(size, self.output)
+                    if out.data_ptr() != self.output.data_ptr():   # not written in place
+                        self.output[:out.shape[0]].copy_(out)
                     del out
                 if self.pool is None:
                     self.pool = graph.pool()
@@ -207,8 +210,9 @@ class DecodeGraphRunner(StaticGraphRunner):
             max_query_len=1, max_seq_len=self.max_model_len, num_seqs=size,
             query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size)
 
-    def _forward_at(self, size: int) -> torch.Tensor:
-        return self.forward(self.input_ids[:size], self.positions[:size], self._meta(size))
+    def _forward_at(self, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward(self.input_ids[:size], self.positions[:size], self._meta(size),
+                            None if out is None else out[:size])
 
     def _canary_at(self, size: int, tolerance: float) -> str | None:
         rows = torch.arange(size, dtype=torch.long, device=self.device)

@@ -113,9 +113,11 @@ class MixedGraphRunner(StaticGraphRunner):
             self.device)
         self.load(tokens, empty, empty, meta, empty)
 
-    def _forward_at(self, tokens: int) -> torch.Tensor:
+    def _forward_at(self, tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        slots = self.seq_slots(tokens)
         return self.forward_rows(self.input_ids[:tokens], self.positions[:tokens],
-                                 self._meta(tokens), self.logits_rows[:self.seq_slots(tokens)])
+                                 self._meta(tokens), self.logits_rows[:slots],
+                                 None if out is None else out[:slots])
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
         """The captured bucket a step of these sizes replays, or None (it runs eager)."""

@@ -199,14 +199,18 @@ class ModelRunner:
         return self._forward_rows(ids, positions, meta, last_rows)
 
     def _forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
-        """A step through the LM head of ``rows`` only: float32 logits (what mixed graphs run)."""
-        return self.model.compute_logits(self._forward(input_ids, positions, meta)[rows])
+                      meta: AttentionMetadata, rows: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """A step through the LM head of ``rows`` only: float32 logits (what mixed graphs
+        run), in ``out`` where the LM head can write them there."""
+        return self.model.compute_logits(self._forward(input_ids, positions, meta)[rows], out)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                        meta: AttentionMetadata) -> torch.Tensor:
-        """A decode step through the LM head: float32 logits of every row (what graphs run)."""
-        return self.model.compute_logits(self._forward(input_ids, positions, meta))
+                        meta: AttentionMetadata, out: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """A decode step through the LM head: float32 logits of every row (what graphs run),
+        in ``out`` where the LM head can write them there."""
+        return self.model.compute_logits(self._forward(input_ids, positions, meta), out)
 
     def capture_cuda_graphs(self, sizes: list[int]) -> None:
         self.graphs = DecodeGraphRunner(self._forward_logits, self.device, max(sizes),

@@ -138,8 +138,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     model_class = Gemma3Model
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        logits = self.lm_head(hidden)   # the soft cap makes a new tensor: ``out`` unused
         cap = self.config.final_logit_soft_cap
         if cap:
             logits = cap * torch.tanh(logits / cap)

@@ -185,9 +185,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (rows to sample from) -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """hidden [N, hidden_size] (rows to sample from) -> float32 logits [N, vocab];
+        in ``out`` where the LM head can write them there (LMHead.forward)."""
+        return self.lm_head(hidden, out)
 
     # ---- weights -------------------------------------------------------------------------
 

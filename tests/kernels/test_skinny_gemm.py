@@ -42,6 +42,7 @@ from archserve.kernels.linear.triton_skinny_gemm import (
     rms_norm_skinny_gemm,
     skinny_gemm,
     skinny_gemm_unsupported,
+    widen_unsupported,
 )
 from archserve.kernels.rules import triton_interpreted
 
@@ -171,7 +172,37 @@ def check_add_epilogue(rows: int, n: int, k: int, dtype: torch.dtype, device: st
         torch.testing.assert_close(got, expected, rtol=0, atol=ULP[dtype] * scale)
 
 
+def check_widen_epilogue(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
+                         config: SkinnyConfig) -> None:
+    """``widen``: the 16-bit product as float32, what ``.float()`` of it gives (to a unit
+    of the output under the interpreter, whose casts may round otherwise; compiled,
+    exact); into ``out`` when it suits, else a new tensor."""
+    x, w, _ = operands(rows, n, k, dtype, device, False)
+    expected = skinny_gemm(x, w, None, config).float()
+    got = skinny_gemm(x, w, None, config, widen=True)
+    out = torch.full((rows + 1, n), float("nan"), device=device)
+    assert widen_unsupported(x, w, out[:rows]) is None
+    into = skinny_gemm(x, w, None, config, widen=True, out=out[:rows])
+    assert got.dtype == torch.float32 and into.data_ptr() == out.data_ptr()
+    assert torch.equal(into, got) and out[rows].isnan().all()
+    if device == "cuda":
+        assert torch.equal(got, expected)
+    else:
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(got, expected, rtol=0, atol=ULP[dtype] * scale)
+
+
 # ------------------------------------------------------------------- anywhere (no kernel)
+
+def test_widening_takes_16_bit_products_into_float32_rows_of_their_shape():
+    x, w = torch.randn(2, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    assert widen_unsupported(x, w, None) is None
+    assert widen_unsupported(x, w, torch.empty(2, 8)) is None
+    assert "nothing to widen" in widen_unsupported(x.float(), w.float(), None)
+    assert "nothing to widen" in widen_unsupported(x, w.float(), None)
+    for out in (torch.empty(2, 9), torch.empty(2, 8).bfloat16(), torch.empty(8, 2).t()):
+        assert "out" in widen_unsupported(x, w, out)
+
 
 def test_configs_fit_the_accumulator_and_round_trip_their_keys():
     for rows in range(1, MAX_ROWS + 1):
@@ -353,6 +384,20 @@ def test_an_unreadable_cache_is_ignored(tmp_path):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+def test_widen_epilogue_compiles_for_sm90():
+    pytest.importorskip("triton")
+    from triton_compile import compiled_launches
+    x, w, _ = operands(1, 64, 512, torch.bfloat16, "cpu", False)
+    with compiled_launches() as launches:
+        skinny_gemm(x, w, None, SkinnyConfig(4, 256, 4), widen=True)
+    (launch,) = launches
+    assert launch.constexprs["WIDEN"]
+    # Rounded to bf16 by hand (round_to_dtype keeps the top 16 bits), stored as float32.
+    code = launch.code()
+    assert "-65536;" in code and "st.global.b32" in code
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
 @pytest.mark.parametrize("target,fp32_weight", [
     (("cuda", 80, 32), False), (("cuda", 90, 32), False), (("cuda", 70, 32), False),
     (("hip", "gfx942", 64), False), (("cuda", 90, 32), True)],
@@ -373,7 +418,7 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
                  "eps": "fp32", "add_ptr": wide,
                  **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
                                   "NORM", "HAS_RESIDUAL", "NORMED_OUT", "PDL", "NORM_WEIGHT",
-                                  "ADD", "NORMED_SLICE"], "constexpr")}
+                                  "ADD", "NORMED_SLICE", "WIDEN"], "constexpr")}
     # block_m 4 also compiles the norm prologue (with a residual, keeping the normalised
     # rows: a MoE router's form; a folded norm's, without a weight, on the fp32 weight);
     # block_m 1 without it, gated, and again with the residual add in the epilogue
@@ -387,7 +432,7 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
         constexprs = {"HAS_BIAS": True, "GATED": not plain, "BLOCK_M": block_m, "BLOCK_N": 4,
                       "BLOCK_K": 256, "EVEN_K": False, "NORM": norm, "HAS_RESIDUAL": norm,
                       "NORMED_OUT": norm, "PDL": pdl, "NORM_WEIGHT": not fp32_weight,
-                      "ADD": add, "NORMED_SLICE": 64 if norm else 0}
+                      "ADD": add, "NORMED_SLICE": 64 if norm else 0, "WIDEN": False}
         compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                                   target=GPUTarget(*target), options=options)
         assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco")
@@ -469,6 +514,10 @@ else:
         check_folded_norm_prologue(rows, 16, 520, dtype, "cpu", SkinnyConfig(8, 256, 4))
         check_add_epilogue(rows, 24, 520, dtype, "cpu", SkinnyConfig(8, 256, 4))
 
+    @pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (3, torch.float16)], ids=str)
+    def test_widen_epilogue(rows, dtype):
+        check_widen_epilogue(rows, 24, 520, dtype, "cpu", SkinnyConfig(8, 256, 4))
+
     def test_norm_prologue_with_a_float32_weight():
         # DeepSeek's router after the post-attention norm: bf16 x, fp32 weight, fp32 out.
         check_norm_prologue(1, 24, 520, torch.bfloat16, "cpu", SkinnyConfig(4, 256, 4),
@@ -543,6 +592,15 @@ def test_gpu_tune_times_the_router_as_it_runs_and_the_call_finds_it(tmp_path):
 def test_gpu_silu_mul_epilogue_real_shapes(n, k, rows):
     for config in candidate_configs(rows):
         check_silu_mul_against_unfused(rows, n, k, torch.bfloat16, "cuda", config)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_widen_epilogue_lm_head_shape(rows):
+    # Qwen3-30B-A3B's LM head: 151936 x 2048.
+    for config in candidate_configs(rows)[:2]:
+        check_widen_epilogue(rows, 151936, 2048, torch.bfloat16, "cuda", config)
 
 
 @gpu

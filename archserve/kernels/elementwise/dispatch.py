@@ -54,6 +54,9 @@ FUSIONS = {
     # Between two decode graphs, where the fused kernels' route is Triton.
     "graph_inputs": "a decode step's inputs into its CUDA graph's static buffers in one launch",
     "greedy_argmax": "a greedy batch's argmax in one launch over many programs",
+    # Where the LM head's shape runs TRITON_SKINNY_GEMM's kernel (inside decode graphs).
+    "lm_head_float": ("the LM head's float32 logits widened in its GEMM's epilogue, straight "
+                      "into the decode graph's output buffer (no conversion, no copy)"),
     # The folding is decided when the weights load, on any device; the residual add per
     # call, where the fused kernels' route is Triton (models/layers/norm_folding.py).
     "fold_norm_weights": ("an RMSNorm's weight multiplied into the 16/32-bit GEMMs that read "

@@ -182,6 +182,27 @@ class SkinnyGemmRoutine:
             return None
         return skinny_gemm(x, weight, bias, SkinnyConfig.from_key(chosen), add=add)
 
+    def linear_float(self, x: torch.Tensor, weight: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``torch_linear(x, weight).float()`` (an LM head's logits) with the widening in
+        the Triton kernel's epilogue, into ``out`` where it suits; None where the shape
+        runs on cuBLAS or the operands do not suit. Not timed: the epilogue stores the
+        output's few values at twice the width, and the conversion's launch is gone."""
+        chosen = self._choice(LINEAR, x, weight, None)
+        if chosen is None:
+            return None
+        from archserve.kernels.linear.triton_skinny_gemm import (
+            SkinnyConfig,
+            skinny_gemm,
+            widen_unsupported,
+        )
+        if widen_unsupported(x, weight, None) is not None:
+            return None
+        if out is not None and widen_unsupported(x, weight, out) is not None:
+            out = None
+        return skinny_gemm(x, weight, None, SkinnyConfig.from_key(chosen), widen=True,
+                           out=out)
+
     def rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                         norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor,
                         bias: torch.Tensor | None = None, silu_mul: bool = False,

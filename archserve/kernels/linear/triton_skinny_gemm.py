@@ -170,7 +170,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
                         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                         NORMED_OUT: tl.constexpr, PDL: tl.constexpr,
                         NORM_WEIGHT: tl.constexpr = True, ADD: tl.constexpr = False,
-                        NORMED_SLICE: tl.constexpr = 0):
+                        NORMED_SLICE: tl.constexpr = 0, WIDEN: tl.constexpr = False):
     # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
     # NORM: x is RMS-normalised first (after adding the residual, with HAS_RESIDUAL) with the
     # weight at norm_w_ptr, in the same pass over K as the product: W (x * w) / rms is
@@ -248,6 +248,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
         y = round_to_dtype(round_to_dtype(y, dtype) + tl.load(
             add_ptr + rows[:, None] * N + cols[None, :], mask=out_mask, other=0.0).to(
                 tl.float32), dtype)
+    if WIDEN:   # y is float32: the product as x's dtype rounds it, then widened
+        y = round_to_dtype(y, x_ptr.dtype.element_ty)
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     tl.store(out, y.to(dtype), mask=out_mask)
     if NORMED_OUT:
@@ -280,7 +282,8 @@ def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 config: SkinnyConfig, silu_mul: bool = False,
-                add: torch.Tensor | None = None) -> torch.Tensor:
+                add: torch.Tensor | None = None, widen: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype;
     in float32 for a 16-bit x with a float32 weight (converted in the kernel, as
     ``torch_linear`` converts it before its GEMM).
@@ -290,9 +293,24 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     them) and the result is silu(gate) * up, [M, N/2], as ``silu_and_mul`` of the plain
     product would give. With ``add`` [M, N] (not with ``silu_mul``) the result is the
     product plus ``add``, each rounded as ``product + add`` rounds them (a layer's residual
-    add in its last GEMM). The caller checks ``skinny_gemm_unsupported`` first (and
-    ``add_unsupported``)."""
-    return _launch(x, weight, bias, config, silu_mul, None, None, 0.0, add=add)[0]
+    add in its last GEMM). With ``widen`` (neither of those) the result is rounded to
+    x's dtype and stored as float32, what ``.float()`` of the plain product gives, without
+    that conversion's launch: an LM head's logits; into ``out`` when given (float32
+    [M, N], rows contiguous). The caller checks ``skinny_gemm_unsupported`` first (and
+    ``add_unsupported``, ``widen_unsupported``)."""
+    return _launch(x, weight, bias, config, silu_mul, None, None, 0.0, add=add, widen=widen,
+                   out=out)[0]
+
+
+def widen_unsupported(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
+                      ) -> str | None:
+    """Why ``skinny_gemm`` cannot widen this product (into ``out``), or None."""
+    if weight.dtype != x.dtype or x.dtype == torch.float32:
+        return f"x {x.dtype}, weight {weight.dtype}: nothing to widen"
+    if out is not None and (tuple(out.shape) != (x.shape[0], weight.shape[0])
+                            or out.dtype != torch.float32 or out.stride(1) != 1):
+        return f"out {tuple(out.shape)} {out.dtype} for a product {x.shape[0]} x {weight.shape[0]}"
+    return None
 
 
 def add_unsupported(y_shape: tuple[int, int], dtype: torch.dtype, add: torch.Tensor
@@ -332,11 +350,12 @@ def norm_unsupported(x: torch.Tensor, residual: torch.Tensor | None,
 
 
 def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_normed=False,
-            norm=False, add=None):
+            norm=False, add=None, widen=False, out=None):
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    y = torch.empty((rows, cols), dtype=torch.promote_types(x.dtype, weight.dtype),
-                    device=x.device)
+    y = out if out is not None else torch.empty(
+        (rows, cols), dtype=torch.float32 if widen else torch.promote_types(x.dtype, weight.dtype),
+        device=x.device)
     new_residual = x
     if residual is not None:
         new_residual = torch.empty((rows, depth), dtype=x.dtype, device=x.device)
@@ -353,7 +372,7 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
         NORM=norm, HAS_RESIDUAL=residual is not None,
         NORMED_OUT=normed is not None, PDL=pdl, NORM_WEIGHT=norm_weight is not None,
-        ADD=add is not None,
+        ADD=add is not None, WIDEN=widen,
         NORMED_SLICE=triton.next_power_of_2(triton.cdiv(depth, grid[0])) if normed is not None
         else 0,
         num_warps=config.num_warps, **pdl_launch_options(pdl))

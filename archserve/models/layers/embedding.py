@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archserve.models.layers.linear import WeightOnly, apply_linear
+from archserve.models.layers.linear import WeightOnly, apply_linear_float
 
 
 class VocabEmbedding(WeightOnly):
@@ -27,5 +27,6 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size),
                                        requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return apply_linear(hidden, self.weight).float()
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: where the logits may go (``apply_linear_float``); check the result."""
+        return apply_linear_float(hidden, self.weight, out)

@@ -72,6 +72,21 @@ def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return _routine(x, weight, bias)
 
 
+def apply_linear_float(x: torch.Tensor, weight: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """``apply_linear(x, weight).float()``: the product rounded to x's dtype, as float32
+    (an LM head's logits). A routine that can widen in its GEMM's epilogue provides
+    ``linear_float``, which writes into ``out`` (float32 [rows, N]) where it can: a CUDA
+    graph's output buffer, sparing the conversion and the copy. The result is ``out``
+    only then; callers check."""
+    fused = getattr(_routine, "linear_float", None)
+    if fused is not None and fusion_enabled("lm_head_float", x.device):
+        y = fused(x, weight, out)
+        if y is not None:
+            return y
+    return _routine(x, weight, None).float()
+
+
 def apply_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up of x times a gate-then-up weight [2I, K] -> [.., I].

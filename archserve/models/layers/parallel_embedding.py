@@ -59,8 +59,8 @@ class ParallelLMHead(_VocabRows, LMHead):
         allocated = self._split_vocab(vocab_size)
         super().__init__(allocated, hidden_size, tied_to)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(hidden)
+            return super().forward(hidden, out)
         local = apply_linear(hidden, self.weight)
         return self.tp.all_gather_last(local)[..., :self.vocab_size].float()
