@@ -8,7 +8,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 
-from archserve.engine import startup
+from archserve.engine import heap, startup
 from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.config import EngineConfig
 from archserve.engine.cuda_graphs import describe_demoted
@@ -31,6 +31,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         t0 = time.perf_counter()
+        heap.release_frozen()
         from archserve.loader.tokenizer import load_tokenizer
 
         if config.tensor_parallel_size > 1:
@@ -67,12 +68,15 @@ class LLMEngine:
         # Queued requests whose grammar is still compiling (the scheduler passes them over).
         self._compiling: dict[str, RequestState] = {}
         log.info("%s", self.describe_route())
+        heap.freeze_startup_heap(self.runner.device.type)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (a single-rank engine holds none)."""
+        """Stop the tensor-parallel workers, if any (a single-rank engine holds none), and
+        give what start-up froze back to the garbage collector (engine/heap.py)."""
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+        heap.release_frozen()
 
     # -- introspection ---------------------------------------------------------------
     def describe_route(self) -> str:
