@@ -169,18 +169,14 @@ class SkinnyGemmRoutine:
         residual add in its last GEMM); None where the shape runs on cuBLAS or the operands
         do not suit (the caller then adds as before). Not timed: the epilogue reads the
         output's few values again, and the reader of the sum reads one row instead of two."""
-        chosen = self._choice(LINEAR, x, weight, bias)
-        if chosen is None:
+        config = self._tuned_config(x, weight, bias)
+        if config is None:
             return None
-        from archserve.kernels.linear.triton_skinny_gemm import (
-            SkinnyConfig,
-            add_unsupported,
-            skinny_gemm,
-        )
+        from archserve.kernels.linear.triton_skinny_gemm import add_unsupported, skinny_gemm
         dtype = torch.promote_types(x.dtype, weight.dtype)
         if add_unsupported((x.shape[0], weight.shape[0]), dtype, add) is not None:
             return None
-        return skinny_gemm(x, weight, bias, SkinnyConfig.from_key(chosen), add=add)
+        return skinny_gemm(x, weight, bias, config, add=add)
 
     def linear_float(self, x: torch.Tensor, weight: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -188,20 +184,15 @@ class SkinnyGemmRoutine:
         the Triton kernel's epilogue, into ``out`` where it suits; None where the shape
         runs on cuBLAS or the operands do not suit. Not timed: the epilogue stores the
         output's few values at twice the width, and the conversion's launch is gone."""
-        chosen = self._choice(LINEAR, x, weight, None)
-        if chosen is None:
+        config = self._tuned_config(x, weight, None)
+        if config is None:
             return None
-        from archserve.kernels.linear.triton_skinny_gemm import (
-            SkinnyConfig,
-            skinny_gemm,
-            widen_unsupported,
-        )
+        from archserve.kernels.linear.triton_skinny_gemm import skinny_gemm, widen_unsupported
         if widen_unsupported(x, weight, None) is not None:
             return None
         if out is not None and widen_unsupported(x, weight, out) is not None:
             out = None
-        return skinny_gemm(x, weight, None, SkinnyConfig.from_key(chosen), widen=True,
-                           out=out)
+        return skinny_gemm(x, weight, None, config, widen=True, out=out)
 
     def rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                         norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor,
@@ -236,6 +227,16 @@ class SkinnyGemmRoutine:
         (outside the graph scope, not chosen, or operands it cannot take)."""
         chosen = self._choice(kind, x, weight, bias)
         return None if chosen is None else implementation(kind, chosen)
+
+    def _tuned_config(self, x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None):  # noqa: ANN202 - a SkinnyConfig or None
+        """The plain linear's tuned Triton config for this call, for an epilogue form of
+        it (add, widen), or None (see ``_triton``)."""
+        chosen = self._choice(LINEAR, x, weight, bias)
+        if chosen is None:
+            return None
+        from archserve.kernels.linear.triton_skinny_gemm import SkinnyConfig
+        return SkinnyConfig.from_key(chosen)
 
     def _choice(self, kind: str, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> str | None:
