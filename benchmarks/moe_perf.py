@@ -48,6 +48,7 @@ from archserve.bench.offline import run_offline  # noqa: E402
 from archserve.bench.roofline import analyze, model_facts  # noqa: E402
 from archserve.bench.workload import random_requests  # noqa: E402
 from archserve.engine.ceilings import load_or_measure  # noqa: E402
+from archserve.engine.heap import release_frozen  # noqa: E402
 from archserve.engine.step_weights import experts_touched  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -188,6 +189,7 @@ def _compiled_note(row: dict) -> str:
 
 
 def _release(device: torch.device) -> None:
+    release_frozen()     # a GPU engine froze its heap (engine/heap.py)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()

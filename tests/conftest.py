@@ -75,5 +75,8 @@ def free_gpu_memory_after_each_test():
     yield
     if torch.cuda.is_available():
         import gc
+
+        from archserve.engine.heap import release_frozen
+        release_frozen()     # a GPU engine froze its heap (engine/heap.py)
         gc.collect()
         torch.cuda.empty_cache()

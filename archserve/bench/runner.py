@@ -183,6 +183,8 @@ def run_offline_bench(options: BenchOptions) -> dict:
 
 
 def _release_device_memory(device) -> None:
+    from archserve.engine.heap import release_frozen
+    release_frozen()     # a GPU engine froze its heap (engine/heap.py)
     gc.collect()
     if device.type == "cuda":
         import torch

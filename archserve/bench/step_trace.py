@@ -7,11 +7,12 @@ wrappers on exit. The engine's code is untouched and pays nothing when not trace
 On CUDA each step ends with a synchronize so its wall time covers its kernels, except
 with ``async_scheduling``: a synchronize would undo the overlap being measured. Then a
 call launches one step and waits for the one before it, so its time (mostly that wait) is
-given to the step it resolved: the step in flight when the call began. A call with no
-step in flight gives its time to the step it launched (only host work: the first call, or
-the first after the engine went idle). The sum over the run is still the run's time. Given
-to the step launched instead, the first decode step would carry the whole prefill's device
-time, which the prefill's own record would miss.
+given to the step it resolved: the step the engine held in flight when the call began
+(``LLMEngine._in_flight``). A call that resolved none gives its time to the step it
+launched (only host work: the first call, or the first after the engine went idle). The
+sum over the run is still the run's time. Given to the step launched instead, the first
+decode step would carry the whole prefill's device time, which the prefill's own record
+would miss.
 
 Each record also keeps the host seconds of the engine's phases in its call
 (engine/phases.py, by the clock): with async scheduling a call launches its step and
@@ -84,7 +85,8 @@ def trace_steps(engine) -> Iterator[StepTrace]:
     sync = (engine.runner.device.type == "cuda" and not engine.config.async_scheduling
             and engine.config.tensor_parallel_size == 1)
     pending: list[list[ScheduledWork]] = []
-    in_flight: list[StepRecord] = []     # async: the step launched and not yet resolved
+    # async: the engine's step in flight (its own object) and that step's record
+    in_flight: dict[str, object] = {"step": None, "record": None}
 
     def schedule():
         out = inner_schedule()
@@ -95,23 +97,34 @@ def trace_steps(engine) -> Iterator[StepTrace]:
     def step():
         pending.clear()
         t0 = time.perf_counter()
-        with collect_phase_times() as phases:
-            outputs = inner_step()
-        if sync:
-            torch.cuda.synchronize(engine.runner.device)
-        seconds = time.perf_counter() - t0
+        phases: dict[str, float] = {}
+        try:
+            with collect_phase_times() as phases:
+                outputs = inner_step()
+            if sync:
+                torch.cuda.synchronize(engine.runner.device)
+        finally:     # a call that raised still took its time
+            record(time.perf_counter() - t0, phases)
+        return outputs
+
+    def record(seconds: float, phases: dict[str, float]) -> None:
         launched = StepRecord(pending[-1], 0.0) if pending and pending[-1] else None
         if launched is not None:
             trace.steps.append(launched)
-        resolved = in_flight.pop() if in_flight else None
-        if launched is not None and engine.config.async_scheduling:
-            in_flight.append(launched)
-        charged = resolved or launched or (trace.steps[-1] if trace.steps else None)
+        # The engine's step in flight (async scheduling) tells what the call did: the one
+        # there before it resolved (or dropped, on a failure) if it is gone; a new one there
+        # is the step this call launched.
+        now = getattr(engine, "_in_flight", None)
+        resolved = in_flight["record"] if in_flight["step"] is not None \
+            and now is not in_flight["step"] else None
+        if now is not in_flight["step"]:
+            in_flight.update(step=now, record=launched if now is not None else None)
+        charged = next((r for r in (resolved, launched) if r is not None),
+                       trace.steps[-1] if trace.steps else None)
         if charged is not None:
             charged.seconds += seconds
             for name, value in phases.items():
                 charged.phases[name] = charged.phases.get(name, 0.0) + value
-        return outputs
 
     scheduler.schedule, engine.step = schedule, step
     try:

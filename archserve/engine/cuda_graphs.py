@@ -14,7 +14,10 @@ do not each keep a [size, vocab] tensor alive.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +31,16 @@ log = logging.getLogger(__name__)
 # KV blocks the replay canary fills with random values (and restores after): a few suffice
 # for rows to read different data.
 CANARY_BLOCKS = 16
+
+
+def weak_callback(fn: Callable) -> Callable:
+    """``fn``, not keeping the object of a bound method alive. A model runner owns its graph
+    runners and they call back into it: held strongly, that cycle leaves a dropped engine to
+    the cyclic collector, which never sees an engine's frozen start-up heap (engine/heap.py)."""
+    if not inspect.ismethod(fn):
+        return fn
+    method = weakref.WeakMethod(fn)
+    return lambda *args, **kwargs: method()(*args, **kwargs)
 
 
 def default_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -104,8 +117,9 @@ class StaticGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     out = self._forward_at(size, self.output)
-                    if out.data_ptr() != self.output.data_ptr():   # not written in place
-                        self.output[:out.shape[0]].copy_(out)
+                    target = self.output[:out.shape[0]]
+                    if (out.data_ptr(), out.stride()) != (target.data_ptr(), target.stride()):
+                        target.copy_(out)       # not written in place
                     del out
                 if self.pool is None:
                     self.pool = graph.pool()
@@ -191,7 +205,8 @@ class DecodeGraphRunner(StaticGraphRunner):
     def __init__(self, forward, device: torch.device, max_size: int, max_blocks_per_seq: int,
                  max_model_len: int) -> None:
         super().__init__(device)
-        self.forward = forward  # callable(input_ids, positions, meta) -> [T, ...] output
+        # callable(input_ids, positions, meta, out) -> [T, ...] output (``_forward_at``)
+        self.forward = weak_callback(forward)
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = max_blocks_per_seq
         n = max_size

@@ -8,11 +8,14 @@ such pause (6.8 ms) made a 2.2 ms step 8.2 ms (docs/benchmarks.md, session 29). 
 start-up built lives as long as the engine, so once built it is moved out of the
 collector's reach (``gc.freeze``), as vLLM does.
 
-Frozen objects are never collected, and an engine's runner and its graphs refer to each
-other, so only the collector frees a dropped engine. So before an engine is built, what an
-earlier one froze goes back to the collector and a collection runs: an engine dropped in
-this process (a notebook, a test session) returns its device memory before the next one
-asks for it. ``LLMEngine.shutdown`` gives its objects back too.
+Frozen objects are never collected as cycles, only by reference counting. So the graph
+runners hold their model runner weakly (``cuda_graphs.weak_callback``), and a dropped
+engine is freed as soon as its last reference goes (tests/engine/test_heap.py). Should
+something else tie an engine into a cycle, what is frozen goes back to the collector, and
+a collection runs, before the next engine is built and in ``LLMEngine.shutdown``; the
+benchmarks' and tests' memory releases do the same. That thaws everything frozen in the
+process, also what the application or another live engine froze: those become the
+collector's again until the next start-up freezes them (a cost, not a fault).
 """
 
 from __future__ import annotations

@@ -36,7 +36,12 @@ from __future__ import annotations
 import torch
 
 from archserve.engine.batch import block_table_width
-from archserve.engine.cuda_graphs import StaticGraphRunner, load_block_tables, replay_mismatch
+from archserve.engine.cuda_graphs import (
+    StaticGraphRunner,
+    load_block_tables,
+    replay_mismatch,
+    weak_callback,
+)
 from archserve.kernels.attention.interface import AttentionMetadata
 
 # Steps of 2x up to 32, then 1.5x and 1.33x: a step pads by less than half its bucket, and
@@ -74,8 +79,9 @@ class MixedGraphRunner(StaticGraphRunner):
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
                  block_size: int) -> None:
         super().__init__(device)
-        # callable(input_ids, positions, meta, rows) -> float32 logits of ``rows`` [R, V]
-        self.forward_rows = forward_rows
+        # callable(input_ids, positions, meta, rows, out) -> float32 logits of ``rows``
+        # [R, V], in ``out`` where the LM head writes them there
+        self.forward_rows = weak_callback(forward_rows)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = block_size

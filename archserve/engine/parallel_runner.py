@@ -21,6 +21,7 @@ from archserve.distributed.layout import layout_decision, layout_problems
 from archserve.distributed.process_group import RankPlace
 from archserve.engine import startup
 from archserve.engine.config import EngineConfig
+from archserve.engine.heap import freeze_startup_heap
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.phases import WAIT_FOR_DEVICE, phase
 from archserve.engine.runner_setup import RunnerSetup, build_runner, peek_model_config
@@ -112,6 +113,8 @@ class _RankRunner:
         self.setup = build_runner(config, group_agreement(get_tp()))
         if self.rank != 0:
             self.setup.runner.sampler = None      # rank 0 samples from the gathered logits
+        # This process launches the rank's steps for the rest of its life (engine/heap.py).
+        freeze_startup_heap(self.setup.runner.device.type)
 
     def startup_reply(self) -> RunnerSetup | None:
         if self.rank != 0:

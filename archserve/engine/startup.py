@@ -165,7 +165,8 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
     if torch_device.type == "cuda":
         peak = runner.profile_peak_activation_bytes(max_num_batched_tokens, max_num_seqs)
         # CUDA graphs keep their own memory pool: set aside an estimate so graphs fit,
-        # plus their LM-head output (float32 logits, and the model-dtype product before it).
+        # plus their LM-head output (float32 logits, and, where the LM head runs on cuBLAS,
+        # the model-dtype product before them: an upper bound).
         logits_bytes = max_num_seqs * model_config.vocab_size * (4 + 2)
         reserve = 0 if config.enforce_eager else (256 << 20) + logits_bytes
         if mixed_graph_tokens:

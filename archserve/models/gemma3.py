@@ -140,8 +140,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor:
-        logits = self.lm_head(hidden)   # the soft cap makes a new tensor: ``out`` unused
         cap = self.config.final_logit_soft_cap
+        logits = self.lm_head(hidden, None if cap else out)   # capped: a new tensor
         if cap:
             logits = cap * torch.tanh(logits / cap)
         return logits

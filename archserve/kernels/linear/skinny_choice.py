@@ -188,10 +188,10 @@ class SkinnyGemmRoutine:
         if config is None:
             return None
         from archserve.kernels.linear.triton_skinny_gemm import skinny_gemm, widen_unsupported
-        if widen_unsupported(x, weight, None) is not None:
-            return None
         if out is not None and widen_unsupported(x, weight, out) is not None:
-            out = None
+            out = None      # a new tensor, if the product itself can be widened
+        if out is None and widen_unsupported(x, weight, None) is not None:
+            return None
         return skinny_gemm(x, weight, None, config, widen=True, out=out)
 
     def rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,

@@ -308,7 +308,8 @@ def widen_unsupported(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor |
     if weight.dtype != x.dtype or x.dtype == torch.float32:
         return f"x {x.dtype}, weight {weight.dtype}: nothing to widen"
     if out is not None and (tuple(out.shape) != (x.shape[0], weight.shape[0])
-                            or out.dtype != torch.float32 or out.stride(1) != 1):
+                            or out.dtype != torch.float32 or out.stride(1) != 1
+                            or out.device != x.device):
         return f"out {tuple(out.shape)} {out.dtype} for a product {x.shape[0]} x {weight.shape[0]}"
     return None
 
@@ -353,6 +354,7 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_
             norm=False, add=None, widen=False, out=None):
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    assert out is None or widen, "``out`` is the widened product's (widen_unsupported)"
     y = out if out is not None else torch.empty(
         (rows, cols), dtype=torch.float32 if widen else torch.promote_types(x.dtype, weight.dtype),
         device=x.device)
