@@ -33,7 +33,6 @@ routing kernel against routing.route's torch ops.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -48,7 +47,7 @@ from archserve.bench.offline import run_offline  # noqa: E402
 from archserve.bench.roofline import analyze, model_facts  # noqa: E402
 from archserve.bench.workload import random_requests  # noqa: E402
 from archserve.engine.ceilings import load_or_measure  # noqa: E402
-from archserve.engine.heap import release_frozen  # noqa: E402
+from archserve.engine.heap import free_dropped_engines  # noqa: E402
 from archserve.engine.step_weights import experts_touched  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -129,7 +128,7 @@ def engine_rows(name: str, path: str, args, throughput: bool, peer: bool) -> dic
             _print_row(name, "256x256/128", result["256x256/128"])
         if peer_path != path or not peer:
             device, engine = engine.runner.device, None   # the only reference: freed here
-            _release(device)
+            free_dropped_engines(device.type)
     if not peer:
         return result
     if engine is None:
@@ -140,7 +139,7 @@ def engine_rows(name: str, path: str, args, throughput: bool, peer: bool) -> dic
           f"{ours['output_tok_s']:.1f} tok/s{_compiled_note(ours)}; transformers next",
           flush=True)
     engine = None   # the only reference: freed before transformers takes the memory
-    _release(device)
+    free_dropped_engines(device.type)
     from archserve.bench.peer_transformers import run_peer
     requests = random_requests(small[0], small[1], small[2], facts_vocab(path), seed=small[0])
     other, method = run_peer(peer_path, "dummy", engine_dtype, device, requests,
@@ -186,14 +185,6 @@ def _print_row(name: str, what: str, row: dict) -> None:
 def _compiled_note(row: dict) -> str:
     compiled = row.get("compiled_while_running") or {}
     return f"; compiled while running: {compiled}" if compiled else ""
-
-
-def _release(device: torch.device) -> None:
-    release_frozen()     # a GPU engine froze its heap (engine/heap.py)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- kernel table
@@ -330,7 +321,7 @@ def main() -> None:
         dtype = torch.float32 if args.tiny else torch.bfloat16
         for name in names:
             result["kernels"] += kernel_rows(name, shapes[name], tokens, device, dtype, cache)
-            _release(device)
+            free_dropped_engines(device.type)
             save()
     if args.part in ("engine", "peer", "all"):
         for name in names:

@@ -74,9 +74,5 @@ def free_gpu_memory_after_each_test():
     the next one none. Only where there is a GPU: gc.collect per test costs the CPU run."""
     yield
     if torch.cuda.is_available():
-        import gc
-
-        from archserve.engine.heap import release_frozen
-        release_frozen()     # a GPU engine froze its heap (engine/heap.py)
-        gc.collect()
-        torch.cuda.empty_cache()
+        from archserve.engine.heap import free_dropped_engines
+        free_dropped_engines("cuda")

@@ -6,7 +6,6 @@ flags, prints and writes files.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import os
@@ -172,7 +171,8 @@ def run_offline_bench(options: BenchOptions) -> dict:
         result["plots"].append(_step_plot(trace, facts, ceilings, options.plots_dir))
     if options.peer == "transformers":
         del engine                     # the peer needs the memory the KV pool holds
-        _release_device_memory(device)
+        from archserve.engine.heap import free_dropped_engines
+        free_dropped_engines(device.type)
         from archserve.bench.peer_transformers import run_peer
         peer, method = run_peer(model_path, options.load_format, dtype, device, requests,
                                 options.ignore_eos, options.max_num_seqs, options.show_progress)
@@ -180,15 +180,6 @@ def run_offline_bench(options: BenchOptions) -> dict:
         result["speedup_vs_peer"] = (throughput.output_tokens_per_s
                                      / peer.output_tokens_per_s)
     return result
-
-
-def _release_device_memory(device) -> None:
-    from archserve.engine.heap import release_frozen
-    release_frozen()     # a GPU engine froze its heap (engine/heap.py)
-    gc.collect()
-    if device.type == "cuda":
-        import torch
-        torch.cuda.empty_cache()
 
 
 def _step_plot(trace, facts, ceilings, directory: str) -> str:

@@ -13,7 +13,7 @@ runners hold their model runner weakly (``cuda_graphs.weak_callback``), and a dr
 engine is freed as soon as its last reference goes (tests/engine/test_heap.py). Should
 something else tie an engine into a cycle, what is frozen goes back to the collector, and
 a collection runs, before the next engine is built and in ``LLMEngine.shutdown``; the
-benchmarks' and tests' memory releases do the same. That thaws everything frozen in the
+benchmarks and tests free a dropped engine's memory through ``free_dropped_engines``. That thaws everything frozen in the
 process, also what the application or another live engine froze: those become the
 collector's again until the next start-up freezes them (a cost, not a fault).
 """
@@ -21,6 +21,8 @@ collector's again until the next start-up freezes them (a cost, not a fault).
 from __future__ import annotations
 
 import gc
+
+import torch
 
 
 def release_frozen() -> None:
@@ -37,3 +39,14 @@ def freeze_startup_heap(device_type: str) -> None:
     if device_type == "cuda":
         gc.collect()
         gc.freeze()
+
+
+def free_dropped_engines(device_type: str) -> None:
+    """Free what engines dropped in this process hold, before something else takes the
+    device's memory (the transformers peer, the next test): the frozen heap given back,
+    a collection (the runner's cycles), and on CUDA the caching allocator's free blocks."""
+    gc.unfreeze()
+    gc.collect()
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -36,6 +36,16 @@ def test_a_frozen_cycle_is_collected_once_released():
     assert gc.get_freeze_count() == 0 and dropped() is None
 
 
+def test_freeing_dropped_engines_reaches_a_frozen_cycle():
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a
+    dropped = weakref.ref(a)
+    heap.freeze_startup_heap("cuda")
+    del a, b
+    heap.free_dropped_engines("cpu")   # as the bench peer and the GPU tests' fixture do
+    assert gc.get_freeze_count() == 0 and dropped() is None
+
+
 def test_a_cpu_engine_freezes_nothing():
     before = gc.get_freeze_count()
     heap.freeze_startup_heap("cpu")
