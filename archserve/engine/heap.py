@@ -10,7 +10,8 @@ collector's reach (``gc.freeze``), as vLLM does.
 
 Frozen objects are never collected as cycles, only by reference counting. So the graph
 runners hold their model runner weakly (``cuda_graphs.weak_callback``), and a dropped
-engine is freed as soon as its last reference goes (tests/engine/test_heap.py). Should
+engine is freed as soon as its last reference goes (tests/engine/test_heap.py: checked on
+CPU; its GPU case, with graphs captured, had not run on a GPU when written). Should
 something else tie an engine into a cycle, what is frozen goes back to the collector, and
 a collection runs, before the next engine is built and in ``LLMEngine.shutdown``; the
 benchmarks and tests free a dropped engine's memory through ``free_dropped_engines``. That thaws everything frozen in the
