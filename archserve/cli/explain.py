@@ -78,7 +78,7 @@ def explain(
         raise typer.BadParameter("give --model PATH or --op OP, not both")
     try:
         inputs = SelectionInputs(
-            has_sink=sinks, attn_type=attn_type.strip().lower(), non_causal=non_causal,
+            has_sinks=sinks, attn_type=attn_type.strip().lower(), non_causal=non_causal,
             batch_invariant=batch_invariant, per_head_kv_scales=per_head_kv_scales,
             fa_version=fa_version, tensor_parallel_size=tensor_parallel_size,
             expert_parallel=expert_parallel)

@@ -28,7 +28,7 @@ class AttentionSpec:
     qk_nope_head_dim: int = 128
     v_head_dim: int = 128
     # What else vLLM selects on (vllm/v1/attention/selector.py, AttentionSelectorConfig).
-    has_sink: bool = False                # learned per-head attention sinks (gpt-oss)
+    has_sinks: bool = False                # learned per-head attention sinks (gpt-oss)
     attn_type: str = "decoder"            # one of ATTENTION_TYPES
     non_causal: bool = False              # bidirectional attention over the paged cache
     batch_invariant: bool = False         # results must not depend on the batch's make-up

@@ -48,7 +48,7 @@ class SelectionInputs:
     v1/attention/selector.py, AttentionSelectorConfig; parallel sizes for MoE). Defaults
     are a plain causal decoder on one GPU."""
 
-    has_sink: bool = False
+    has_sinks: bool = False
     attn_type: str = "decoder"
     non_causal: bool = False
     batch_invariant: bool = False
@@ -67,7 +67,7 @@ class SelectionInputs:
             raise ValueError("tensor parallel size must be >= 1")
 
     def attention_fields(self) -> dict[str, Any]:
-        return dict(has_sink=self.has_sink, attn_type=self.attn_type,
+        return dict(has_sinks=self.has_sinks, attn_type=self.attn_type,
                     non_causal=self.non_causal, batch_invariant=self.batch_invariant,
                     per_head_kv_scales=self.per_head_kv_scales, fa_version=self.fa_version)
 

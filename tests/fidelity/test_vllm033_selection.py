@@ -63,17 +63,17 @@ CASES = [
      {"inputs": SelectionInputs(non_causal=True), "block_size": 16},
      "FLASHINFER", None, "flash_attn.py, FlashAttentionBackend._get_fa4_hd256_block_size"),
     ("fa4-hd256-sinks-b200", "b200", "attention", 256,
-     {"inputs": SelectionInputs(non_causal=True, has_sink=True)},
+     {"inputs": SelectionInputs(non_causal=True, has_sinks=True)},
      "FLASH_ATTN", "FA2", "fa_utils.py, flash_attn_supports_sinks / "
                           "_fa4_hd256_fallback_reason"),
-    ("sinks-a100-triton", "a100", "attention", 64, {"inputs": SelectionInputs(has_sink=True)},
+    ("sinks-a100-triton", "a100", "attention", 64, {"inputs": SelectionInputs(has_sinks=True)},
      "TRITON_ATTN", None, FA_COMBO),
-    ("sinks-h100-fa3", "h100", "attention", 64, {"inputs": SelectionInputs(has_sink=True)},
+    ("sinks-h100-fa3", "h100", "attention", 64, {"inputs": SelectionInputs(has_sinks=True)},
      "FLASH_ATTN", "FA3", FA_COMBO),
     ("sinks-rtx5090-flashinfer", "rtx5090", "attention", 64,
-     {"inputs": SelectionInputs(has_sink=True)}, "FLASHINFER", None, FI_SINK),
+     {"inputs": SelectionInputs(has_sinks=True)}, "FLASHINFER", None, FI_SINK),
     ("sinks-b200-flashinfer", "b200", "attention", 64,
-     {"inputs": SelectionInputs(has_sink=True)}, "FLASHINFER", None, FI_SINK),
+     {"inputs": SelectionInputs(has_sinks=True)}, "FLASHINFER", None, FI_SINK),
     ("non-causal-b200-fa-first", "b200", "attention", 128,
      {"inputs": SelectionInputs(non_causal=True)}, "FLASH_ATTN", "FA4", CUDA_PRIORITY),
     ("encoder-only-b200", "b200", "attention", 128,
@@ -142,12 +142,12 @@ def test_ideal_equals_vllm_033(case_id, device, op, head, kwargs, expected, deta
 
 
 def test_explain_json_carries_the_new_inputs():
-    inputs = SelectionInputs(has_sink=True, attn_type="encoder", non_causal=True,
+    inputs = SelectionInputs(has_sinks=True, attn_type="encoder", non_causal=True,
                              batch_invariant=True, per_head_kv_scales=True, fa_version=3,
                              tensor_parallel_size=4, expert_parallel=True)
     out = explain_op_request(get_profile("h100"), "attention", 128, libraries="all",
                              inputs=inputs).to_dict()
-    assert out["inputs"] == {"has_sink": True, "attn_type": "encoder", "non_causal": True,
+    assert out["inputs"] == {"has_sinks": True, "attn_type": "encoder", "non_causal": True,
                              "batch_invariant": True, "per_head_kv_scales": True,
                              "fa_version": 3, "tensor_parallel_size": 4,
                              "expert_parallel": True}
@@ -159,7 +159,7 @@ def test_rules_only_inputs_have_an_ideal_but_no_route_here():
     """Sinks are a hardware-rule pass for TRITON_ATTN (vLLM runs them) but archserve's
     kernels lack them: the ideal is named, the route is empty, and every reason is shown."""
     out = explain_op_request(get_profile("a100"), "attention", 64, libraries="all",
-                             inputs=SelectionInputs(has_sink=True)).to_dict()
+                             inputs=SelectionInputs(has_sinks=True)).to_dict()
     (route,) = out["routes"]
     assert route["ideal"] == "TRITON_ATTN" and route["backend"] == ""
     reasons = {r["backend"]: r["reason"] for r in route["rejected"]}

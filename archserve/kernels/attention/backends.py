@@ -62,7 +62,7 @@ def uses_fa4_hd256(device: DeviceInfo, head_size: int | None, value_head: int | 
 def fa4_hd256_refusal(spec: AttentionSpec, *, with_block: bool = True) -> str | None:
     """What FA4's head-256 kernel cannot do, so FA2 runs instead: sinks, soft-capping, a
     quantized KV cache, a block size that is not a multiple of its 128-token page."""
-    if spec.has_sink:
+    if spec.has_sinks:
         return "attention sinks"
     if spec.logit_soft_cap:
         return "logit soft-capping"
@@ -168,7 +168,7 @@ class FlashAttentionBackend(RuleBackend):
                 or _fa_kv_rule(device, spec, version)
                 or (f"attention sinks need FA3/FA4 on SM90+; {device_text(device)} runs "
                     f"FA{device_wide}"
-                    if spec.has_sink and (device_wide not in (3, 4)
+                    if spec.has_sinks and (device_wide not in (3, 4)
                                           or not device.has_capability(SM90)) else None)
                 or (f"per-head KV scales need FA3+, {device_text(device)} runs FA{device_wide}"
                     if spec.per_head_kv_scales and (device_wide or 0) < 3 else None)
@@ -206,7 +206,7 @@ def _flashinfer_kv_rule(device: DeviceInfo, spec: AttentionSpec) -> str | None:
             return f"{kv} KV cache needs the SM100 family; {device_text(device)} reads nvfp4"
         if spec.head_size == 64:
             return "the FA2 prefill path misreads an NVFP4 KV cache at head size 64"
-        if spec.has_sink:
+        if spec.has_sinks:
             return "the sink prefill path cannot read an NVFP4 KV cache"
         return None
     if device.family == 100 and _flashinfer_trtllm(device, spec, True):
@@ -247,7 +247,7 @@ class FlashInferBackend(RuleBackend):
                 or ("per-head KV scales unsupported" if spec.per_head_kv_scales else None)
                 or (f"attention sinks need its TRT-LLM kernels (SM90, SM100 or SM12x "
                     f"families), device is {device_text(device)}"
-                    if spec.has_sink and not sinks else None)
+                    if spec.has_sinks and not sinks else None)
                 or block_size_rule(spec.block_size, multiple_of=16))
 
 
@@ -267,7 +267,7 @@ def archserve_kernel_rule(spec: AttentionSpec, *, what: str) -> str | None:
     implement, though vLLM's backends of the same name may: the build rule they share."""
     if spec.kv_cache_dtype not in RUNNABLE_KV_CACHE_DTYPES:
         return f"{spec.kv_cache_dtype} KV cache is not implemented in {what}"
-    if spec.has_sink:
+    if spec.has_sinks:
         return f"attention sinks are not implemented in {what}"
     if spec.attn_type != "decoder" or spec.non_causal:
         kind = "non-causal" if spec.attn_type == "decoder" else spec.attn_type
@@ -354,7 +354,7 @@ class FlexAttentionBackend(RuleBackend):
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         return (_torch_attention_request_rule(device, spec)
-                or ("attention sinks unsupported" if spec.has_sink else None)
+                or ("attention sinks unsupported" if spec.has_sinks else None)
                 or (f"{spec.attn_type} attention unsupported"
                     if spec.attn_type not in ("decoder", "encoder_only") else None))
 
