@@ -40,16 +40,19 @@ def explain(
         "--backend", help="Force a backend for --op and validate it (as "
                           "ARCHSERVE_ATTENTION_BACKEND would).")] = None,
     sinks: Annotated[bool, typer.Option(
-        "--sinks", help="The attention layers have learned sinks (gpt-oss).")] = False,
+        "--sinks", help="The attention layers have learned sinks (as gpt-oss; a --model "
+                        "config that declares sinks sets it).")] = False,
     attn_type: Annotated[str, typer.Option(
-        "--attn-type", help="decoder | encoder | encoder_only | encoder_decoder.")] = "decoder",
+        "--attn-type", help="decoder | encoder | encoder_only | encoder_decoder (a --model "
+                            "config with is_causal false is encoder_only).")] = "decoder",
     non_causal: Annotated[bool, typer.Option(
         "--non-causal", help="Bidirectional attention over the paged cache.")] = False,
     batch_invariant: Annotated[bool, typer.Option(
         "--batch-invariant", help="Results must not depend on the batch (vLLM's "
-                                  "VLLM_BATCH_INVARIANT).")] = False,
+                                  "VLLM_BATCH_INVARIANT=1, which also sets it).")] = False,
     per_head_kv_scales: Annotated[bool, typer.Option(
-        "--per-head-kv-scales", help="Per-head KV quantization scales.")] = False,
+        "--per-head-kv-scales", help="Per-head KV quantization scales (a --model "
+                                     "kv_cache_scheme with strategy attn_head sets it).")] = False,
     fa_version: Annotated[int | None, typer.Option(
         "--fa-version", help="Force the FlashAttention generation (2, 3 or 4).")] = None,
     sparse_mla: Annotated[bool, typer.Option(
@@ -64,6 +67,7 @@ def explain(
 ) -> None:
     """Show which backend each layer kind runs on DEVICE, the ideal one, and why others lost."""
     from archserve.kernels.registry import BackendError
+    from archserve.kernels.specs import batch_invariant_requested
     from archserve.loader.loader import resolve_model_path
     from archserve.platform.profiles import resolve_device
     from archserve.routing.explain import (
@@ -79,7 +83,8 @@ def explain(
     try:
         inputs = SelectionInputs(
             has_sinks=sinks, attn_type=attn_type.strip().lower(), non_causal=non_causal,
-            batch_invariant=batch_invariant, per_head_kv_scales=per_head_kv_scales,
+            batch_invariant=batch_invariant or batch_invariant_requested(),
+            per_head_kv_scales=per_head_kv_scales,
             fa_version=fa_version, tensor_parallel_size=tensor_parallel_size,
             expert_parallel=expert_parallel)
         info = resolve_device(device)

@@ -22,10 +22,10 @@ from archserve.engine.kv_cache import (
 )
 from archserve.kernels.catalog import select_attention_backend
 from archserve.kernels.registry import BackendError, Selection
-from archserve.kernels.specs import AttentionSpec
+from archserve.kernels.specs import AttentionSpec, batch_invariant_requested
 from archserve.platform import DeviceInfo, detect
 from archserve.platform.decision import Decision
-from archserve.routing.dtypes import resolve_dtype, resolve_kv_cache_dtype
+from archserve.routing.dtypes import kv_cache_refusal, resolve_dtype, resolve_kv_cache_dtype
 
 log = logging.getLogger("archserve")
 
@@ -134,7 +134,7 @@ def model_routes(device: DeviceInfo, config: EngineConfig, model_config, dtype: 
                                 config.quantization)
     spec = attention_spec_of(config, model_config, dtype, kv_cache_dtype)
     return [route_from_selection(attention, r.layer, device, spec)
-            if r.op in ("attention", "mla_attention") else r for r in explanation.routes]
+            if r.layer == "attention" else r for r in explanation.routes]
 
 
 def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype) -> AttentionSpec:
@@ -146,7 +146,8 @@ def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype)
         head_size=model_config.kv_cache_head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
         block_size=config.block_size, num_heads=model_config.num_heads,
         num_kv_heads=model_config.kv_cache_heads, sliding_window=model_config.sliding_window,
-        **mla_fields)
+        batch_invariant=batch_invariant_requested(),
+        **model_config.attention_facts.spec_fields(), **mla_fields)
 
 
 def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: torch.dtype,
@@ -224,7 +225,11 @@ def plan_checkpoint_quantization(device: DeviceInfo, config: EngineConfig, model
 
 def resolve_precision(device: DeviceInfo, config: EngineConfig, model_config):
     dtype, decisions = resolve_dtype(device, config.dtype, model_config.torch_dtype)
-    kv, kv_decisions = resolve_kv_cache_dtype(device, config.kv_cache_dtype)
+    kv, kv_decisions = resolve_kv_cache_dtype(
+        device, config.kv_cache_dtype, model_config.attention_facts.checkpoint_kv_cache_dtype)
+    refusal = kv_cache_refusal(kv)
+    if refusal:
+        raise ValueError(f"not loadable in this build: {refusal}")
     return dtype, kv, list(decisions) + list(kv_decisions)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from archserve.kernels.registry import Backend, LibraryAssumption
-from archserve.platform.capability import SM80, Capability
+from archserve.platform.capability import SM70, SM80, Capability
 from archserve.platform.device import DeviceInfo
 
 _FAMILY_NAMES = {
@@ -31,6 +31,14 @@ _FAMILY_NAMES = {
 def triton_interpreted() -> bool:
     """Whether Triton kernels run on the CPU through its interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_target_rule(device: DeviceInfo) -> str | None:
+    """Triton generates code for SM70+ only (torch refuses older GPUs for it too): on a
+    Pascal GPU this build's Triton kernels cannot run, whatever vLLM's rules allow."""
+    if device.is_cuda and not device.has_capability(SM70):
+        return f"Triton compiles for {SM70}+ only, device is {device_text(device)}"
+    return None
 
 
 def device_text(device: DeviceInfo) -> str:
@@ -128,7 +136,8 @@ class RuleBackend(Backend):
 
     def availability(self, device: DeviceInfo, libraries: LibraryAssumption = "installed"
                      ) -> str | None:
-        return super().availability(device, libraries) or self.runtime_rule(device)
+        return (super().availability(device, libraries) or self.runtime_rule(device)
+                or (triton_target_rule(device) if self.library == "triton" else None))
 
     def detail(self, device: DeviceInfo, spec: Any) -> str:
         """What this backend would run here when that varies by device (e.g. "FA3"); else ""."""

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+
+def batch_invariant_requested() -> bool:
+    """vLLM's ``VLLM_BATCH_INVARIANT=1``: results must not depend on the batch's make-up
+    (its selection drops the backends that cannot promise it)."""
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() not in ("", "0")
 
 
 @dataclass(frozen=True)

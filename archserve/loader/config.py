@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from archserve.loader.attention_facts import AttentionFacts, attention_facts
 from archserve.models.registry import default_architecture
 
 # Families whose attention has q/k/v biases regardless of the ``attention_bias`` field.
@@ -76,6 +77,8 @@ class ModelConfig:
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
     mla: MlaDims | None = None                 # DeepSeek-style latent attention
+    # Sinks, causality, the checkpoint's KV cache, a vision encoder (what selection asks).
+    attention_facts: AttentionFacts = field(default_factory=AttentionFacts)
     hf_config: Any = field(default=None, repr=False)
 
     @property
@@ -166,6 +169,7 @@ class ModelConfig:
             sliding_rope_theta=sliding_rope_theta,
             sliding_rope_scaling=sliding_rope_scaling,
             mla=_mla_dims(text),
+            attention_facts=attention_facts(hf_config, _quantization_config(hf_config)),
             hf_config=hf_config,
         )
 

@@ -57,6 +57,7 @@ class Capability:
         return f"SM{self.to_int()}"
 
 
+SM61 = Capability(6, 1)
 SM70 = Capability(7, 0)
 SM75 = Capability(7, 5)
 SM80 = Capability(8, 0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from archserve.platform.capability import (
+    SM61,
     SM70,
     SM75,
     SM80,
@@ -38,6 +39,7 @@ GB_PER_S = 1e9
 
 # Shared memory values are the opt-in maximum per block, i.e. what a kernel
 # (Triton, FlashAttention) can actually ask for; it is what tile-size rules read.
+_SMEM_SM61 = 48 * 1024
 _SMEM_SM70 = 96 * 1024
 _SMEM_SM75 = 64 * 1024
 _SMEM_SM80 = 163 * 1024
@@ -101,6 +103,8 @@ class _CudaSpec:
 
 
 _CUDA_SPECS: dict[str, _CudaSpec] = {
+    # Pascal: no tensor cores, fp16 at 1/64 rate; the cu126 wheels still ship sm_60 code.
+    "p40": _CudaSpec("Tesla P40", SM61, 22919 * MiB, 346, 30, _SMEM_SM61),
     "v100": _CudaSpec("Tesla V100-SXM2-32GB", SM70, 32 * GiB, 900, 80, _SMEM_SM70),
     "t4": _CudaSpec("Tesla T4", SM75, 15360 * MiB, 320, 40, _SMEM_SM75),
     "a100": _CudaSpec("NVIDIA A100-SXM4-80GB", SM80, 81920 * MiB, 2039, 108, _SMEM_SM80),
@@ -195,13 +199,13 @@ def _build_profiles() -> dict[str, DeviceInfo]:
 _PROFILES: dict[str, DeviceInfo] = _build_profiles()
 
 PROFILE_IDS: tuple[str, ...] = (
-    "v100", "t4", "a100", "a10", "l40s", "rtx4090", "h100", "h200", "b200", "b300", "thor",
+    "p40", "v100", "t4", "a100", "a10", "l40s", "rtx4090", "h100", "h200", "b200", "b300", "thor",
     "rtx5090", "rtx5070-laptop", "gb10", "mi300x", "cpu",
 )
 
 # One representative profile per SM, so "--device sm90" works without naming a GPU.
 ALIASES: dict[str, str] = {
-    "sm70": "v100", "sm75": "t4", "sm80": "a100", "sm86": "a10", "sm89": "l40s",
+    "sm61": "p40", "sm70": "v100", "sm75": "t4", "sm80": "a100", "sm86": "a10", "sm89": "l40s",
     "sm90": "h100", "sm100": "b200", "sm103": "b300", "sm110": "thor", "sm120": "rtx5090", "sm121": "gb10",
 }
 

@@ -66,21 +66,57 @@ def resolve_dtype(device: DeviceInfo, requested: str | torch.dtype | None = "aut
     return wanted, [Decision("dtype", asked, asked, "as requested")]
 
 
-def resolve_kv_cache_dtype(device: DeviceInfo, requested: str = "auto"
-                           ) -> tuple[str, list[Decision]]:
+# Why no kernel of this build reads each rules-only KV-cache dtype, and what reads it in
+# vLLM 0.33 (each backend's supported_kv_cache_dtypes and supports_kv_cache_dtype).
+_KV_READERS_IN_VLLM = {
+    "fp8_inc": "Intel Gaudi's fp8 cache: no CUDA backend of vLLM 0.33 reads it",
+    "fp8_ds_mla": "DeepSeek's packed fp8 MLA latent: vLLM 0.33's sparse MLA backends only",
+    "nvfp4_ds_mla": "an NVFP4 MLA latent with fp8 rope: vLLM 0.33's FlashMLA sparse (SM100) only",
+    "nvfp4": "vLLM 0.33 reads it with FlashInfer (SM80+)",
+    "nvfp4_4over6": "vLLM 0.33 reads it with FlashInfer's TRT-LLM kernels (SM100 family)",
+    "int8_per_token_head": "vLLM 0.33 reads it with its Triton attention",
+    "int4_per_token_head": "vLLM 0.33 reads it with its Triton attention",
+    "fp8_per_token_head": "vLLM 0.33 reads it with its Triton attention",
+    "octave": "vLLM 0.33 reads it on ROCm only (ROCM_OCTAVE): no CUDA backend does",
+    "ultraquant": "vLLM 0.33 reads it on ROCm only (ULTRAQUANT): no CUDA backend does",
+    "turboquant": "vLLM 0.33 reads it with its TURBOQUANT backend (SM80+)",
+}
+
+
+def kv_cache_refusal(kv_cache_dtype: str) -> str | None:
+    """Why this build refuses a KV-cache dtype (None: a kernel here reads it)."""
+    if kv_cache_dtype in RUNNABLE_KV_CACHE_DTYPES:
+        return None
+    where = _KV_READERS_IN_VLLM.get(kv_cache_dtype) or next(
+        text for prefix, text in _KV_READERS_IN_VLLM.items()
+        if kv_cache_dtype.startswith(prefix))
+    return f"no kernel in this build reads the {kv_cache_dtype} KV cache: {where}"
+
+
+def resolve_kv_cache_dtype(device: DeviceInfo, requested: str = "auto",
+                           checkpoint: str | None = None) -> tuple[str, list[Decision]]:
     """The KV cache dtype: "auto" (the compute dtype) or any name vLLM knows.
 
-    fp8 is kept on every CUDA GPU, as vLLM keeps it (FlashInfer reads it on SM8x, Triton
-    everywhere: archserve's Triton kernels decode e4m3 bytes in software below SM89); on
-    a device with neither CUDA nor fp8 (a CPU) it becomes the compute dtype. "float16" and
-    "bfloat16" mean a 16-bit cache, which archserve keeps in the compute dtype. The other
-    names (nvfp4, int8 per token-head, turboquant, ...) pass through to selection, whose
-    rules know them; no kernel in this build reads them, so they have an ideal, not a route.
+    "auto" takes the cache a checkpoint was calibrated for (``checkpoint``: its
+    kv_cache_scheme or ModelOpt's kv_cache_quant_algo), as vLLM does; an explicit choice
+    wins over it. fp8 is kept on every CUDA GPU, as vLLM keeps it (FlashInfer reads it on
+    SM8x, Triton everywhere: archserve's Triton kernels decode e4m3 bytes in software below
+    SM89); on a device with neither CUDA nor fp8 (a CPU) it becomes the compute dtype.
+    "float16" and "bfloat16" mean a 16-bit cache, which archserve keeps in the compute
+    dtype. The other names (nvfp4, int8 per token-head, turboquant, ...) pass through to
+    selection, whose rules know them; no kernel in this build reads them, so they have an
+    ideal, not a route, and the decision says why (``kv_cache_refusal``).
     """
     key = (requested or "auto").strip().lower()
     if key not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv-cache dtype {requested!r}; "
                          f"choose from {', '.join(KV_CACHE_DTYPES)}")
+    if key == "auto" and checkpoint:
+        chosen, decisions = resolve_kv_cache_dtype(device, checkpoint)
+        return chosen, [Decision("kv_cache_dtype", "auto", d.chosen,
+                                 f"the checkpoint's KV cache scheme is {checkpoint}"
+                                 + ("" if d.reason == "as requested" else f"; {d.reason}"))
+                        for d in decisions]
     if key == "auto":
         return "auto", [Decision("kv_cache_dtype", "auto", "auto", "same as the compute dtype")]
     if key in ("float16", "bfloat16"):
@@ -95,7 +131,7 @@ def resolve_kv_cache_dtype(device: DeviceInfo, requested: str = "auto"
         why = (f"kept on {device_text(device)} without fp8 tensor cores: the cache stores fp8 "
                "bytes and the attention kernel widens them as it reads (as vLLM does)")
         return chosen, [Decision("kv_cache_dtype", key, chosen, why)]
-    if chosen not in RUNNABLE_KV_CACHE_DTYPES:
-        return chosen, [Decision("kv_cache_dtype", key, chosen,
-                                 "rules only: no kernel in this build reads this cache")]
+    refusal = kv_cache_refusal(chosen)
+    if refusal:
+        return chosen, [Decision("kv_cache_dtype", key, chosen, f"refused: {refusal}")]
     return chosen, [Decision("kv_cache_dtype", key, chosen, "as requested")]

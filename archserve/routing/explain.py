@@ -7,7 +7,7 @@ dict form is the JSON of ``archserve explain --json``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,17 +23,22 @@ from archserve.kernels.registry import (
 )
 from archserve.kernels.specs import (
     ATTENTION_TYPES,
-    RUNNABLE_KV_CACHE_DTYPES,
     AttentionSpec,
     LinearSpec,
     MoESpec,
 )
+from archserve.loader.attention_facts import AttentionFacts, VisionAttention
 from archserve.models.registry import architecture_unsupported, op_kinds_of_supported_architectures
 from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
 from archserve.quant.config import UnsupportedQuantization, explain_quant_config
 from archserve.quant.plan import QuantPlan, gguf_experts_decision, plan_quantization
-from archserve.routing.dtypes import dtype_name, resolve_dtype, resolve_kv_cache_dtype
+from archserve.routing.dtypes import (
+    dtype_name,
+    kv_cache_refusal,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from archserve.routing.model_summary import ModelSummary
 
 # DeepSeek-V3's MLA: 128 heads over a 512-dim latent plus 64 rope dims (head 576).
@@ -70,6 +75,15 @@ class SelectionInputs:
         return dict(has_sinks=self.has_sinks, attn_type=self.attn_type,
                     non_causal=self.non_causal, batch_invariant=self.batch_invariant,
                     per_head_kv_scales=self.per_head_kv_scales, fa_version=self.fa_version)
+
+    def for_model(self, facts: AttentionFacts) -> SelectionInputs:
+        """These inputs with what the model's config says (sinks, per-head KV scales, an
+        encoder's bidirectional attention): a flag adds to the config, never hides it."""
+        fields = facts.spec_fields()
+        return replace(self, has_sinks=self.has_sinks or fields["has_sinks"],
+                       per_head_kv_scales=self.per_head_kv_scales or fields["per_head_kv_scales"],
+                       attn_type=(fields["attn_type"] if self.attn_type == "decoder"
+                                  else self.attn_type))
 
     def per_rank_heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
         """Heads one tensor-parallel rank holds (KV heads are replicated below one per rank)."""
@@ -215,8 +229,7 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
     spec = AttentionSpec(dtype=torch_dtype, kv_cache_dtype=kv, block_size=block_size,
                          mla_sparse=sparse_mla and op == "mla_attention",
                          **shape, **inputs.attention_fields())
-    if kv not in RUNNABLE_KV_CACHE_DTYPES:
-        not_loadable = not_loadable or f"no kernel in this build reads a {kv} KV cache"
+    not_loadable = not_loadable or kv_cache_refusal(kv)
     route = (explain_op(device, op, spec, libraries, override=override)
              if override and not_loadable is None
              else _route(device, op, spec, libraries, op, not_loadable))
@@ -230,21 +243,45 @@ SIDE_SELECTIONS = ("vit_attention", "mla_prefill")
 def _side_selection(device: DeviceInfo, op: str, head_size: int | None, dtype: torch.dtype,
                     decisions: list[Decision], libraries: LibraryAssumption,
                     inputs: SelectionInputs) -> Explanation:
+    """``explain --op vit_attention | mla_prefill``: one of vLLM's side selections alone."""
+    if op == "vit_attention":
+        if head_size is None:
+            raise ValueError("--op vit_attention needs --head-size")
+        route = vit_route(device, VisionAttention(head_size, 16), dtype)
+        not_loadable = f"no supported architecture has {op} layers"
+    else:
+        route = side_route(device, op, AttentionSpec(dtype=dtype, **DEEPSEEK_V3_MLA),
+                           libraries, None)
+        not_loadable = None
+    return Explanation(device, dtype, decisions, [route], libraries_text(libraries),
+                       not_loadable, inputs)
+
+
+def vit_route(device: DeviceInfo, vision: VisionAttention, dtype: torch.dtype,
+              layer: str = "vit_attention") -> Route:
+    """A vision encoder's attention: vLLM's ViT priority list as the ideal; no route, as
+    archserve runs a multimodal checkpoint's text decoder only."""
+    spec = AttentionSpec(head_size=vision.head_size, dtype=dtype, attn_type="encoder_only",
+                         num_heads=vision.num_heads, num_kv_heads=vision.num_heads)
+    route = side_route(device, "vit_attention", spec, "all", None, layer)
+    route.rejected.append(Rejection("archserve", "no vision encoder runs in this build: a "
+                                                 "multimodal checkpoint loads its text decoder"))
+    return route
+
+
+def side_route(device: DeviceInfo, op: str, spec: AttentionSpec, libraries: LibraryAssumption,
+               not_loadable: str | None, layer: str | None = None) -> Route:
     """vLLM's ViT-encoder and MLA-prefill selections: each has its own priority list and asks
-    fewer questions than decoder attention. No architecture archserve loads has a ViT, so its
-    route is the ideal alone; MLA prompts run what the MLA route runs for them."""
+    fewer questions than decoder attention. MLA prompts run what the model's mla_attention
+    route runs for them (nothing where the model cannot load); a ViT has no route here."""
     from archserve.kernels.attention.backends import vit_attention_priority, vit_rule
     from archserve.kernels.mla.backends import mla_prefill_priority, mla_prefill_rule
 
     if op == "vit_attention":
-        if head_size is None:
-            raise ValueError("--op vit_attention needs --head-size")
-        spec = AttentionSpec(head_size=head_size, dtype=dtype, attn_type="encoder_only")
         order, rule = vit_attention_priority(device), vit_rule
         if not device.is_cuda:
             order = ["TORCH_SDPA"]
     else:
-        spec = AttentionSpec(dtype=dtype, **DEEPSEEK_V3_MLA)
         order, rule = mla_prefill_priority(device, spec), mla_prefill_rule
     rejected: list[Rejection] = []
     ideal = None
@@ -254,18 +291,16 @@ def _side_selection(device: DeviceInfo, op: str, head_size: int | None, dtype: t
             ideal = name
             break
         rejected.append(Rejection(name, reason))
-    if op == "mla_prefill":
-        # What runs here follows the mla_attention route (DeepSeek loads; its prompts do).
+    backend = ""
+    if op == "mla_prefill" and not_loadable is None:
         from archserve.kernels.mla.backends import mla_prefill_runs
-        selection = default_registry().select("mla_attention", device, spec,
-                                              libraries=libraries)
-        route = Route(op=op, layer=op, backend=mla_prefill_runs(selection.name), ideal=ideal,
-                      rejected=rejected)
-        return Explanation(device, dtype, decisions, [route], libraries_text(libraries),
-                           None, inputs)
-    route = Route(op=op, layer=op, backend="", ideal=ideal, rejected=rejected)
-    return Explanation(device, dtype, decisions, [route], libraries_text(libraries),
-                       f"no supported architecture has {op} layers", inputs)
+        try:
+            selection = default_registry().select("mla_attention", device, spec,
+                                                  libraries=libraries)
+            backend = mla_prefill_runs(selection.name)
+        except BackendError as exc:
+            rejected.append(Rejection("mla_attention", str(exc)))
+    return Route(op=op, layer=layer or op, backend=backend, ideal=ideal, rejected=rejected)
 
 
 def _moe_spec(inputs: SelectionInputs, **fields: Any) -> MoESpec:
@@ -321,9 +356,11 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     A model this build cannot load (architecture or quantization) gets no route: the
     explanation says why in ``not_loadable`` and shows each layer's ideal backend only.
     """
-    inputs = inputs or SelectionInputs()
+    facts = model.attention_facts
+    inputs = (inputs or SelectionInputs()).for_model(facts)
     torch_dtype, decisions = resolve_dtype(device, dtype, model.dtype)
-    kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype)
+    kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype,
+                                              facts.checkpoint_kv_cache_dtype)
     decisions += kv_decisions
     not_loadable = architecture_unsupported(model.architecture)
     plan = _quantization_plan(device, model.quantization_config, quantization, model.is_gguf,
@@ -346,9 +383,7 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     if gguf_experts is not None:
         decisions.append(gguf_experts)
 
-    if kv not in RUNNABLE_KV_CACHE_DTYPES:
-        not_loadable = "; ".join(filter(None, [
-            not_loadable, f"no kernel in this build reads a {kv} KV cache"]))
+    not_loadable = "; ".join(filter(None, [not_loadable, kv_cache_refusal(kv)])) or None
     not_loadable = _tensor_parallel_layout(device, model, inputs.tensor_parallel_size,
                                            decisions, not_loadable)
     num_heads, num_kv_heads = inputs.per_rank_heads(model.num_heads, model.num_kv_heads)
@@ -360,7 +395,23 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
         qk_rope_head_dim=model.qk_rope_head_dim, qk_nope_head_dim=model.qk_nope_head_dim,
         v_head_dim=model.v_head_dim)
     op = "mla_attention" if model.use_mla else "attention"
+    if not_loadable is None:
+        # As at start-up: attention that no backend of this build runs refuses the model.
+        try:
+            default_registry().select(op, device, attention, libraries=libraries)
+        except BackendError as exc:
+            not_loadable = str(exc)
     routes = [_route(device, op, attention, libraries, "attention", not_loadable)]
+    if facts.encoder_decoder:
+        for attn_type, layer in (("encoder", "encoder attention"),
+                                 ("encoder_decoder", "cross attention")):
+            routes.append(_route(device, "attention", replace(attention, attn_type=attn_type),
+                                 libraries, layer, not_loadable))
+    if model.use_mla:
+        routes.append(side_route(device, "mla_prefill", attention, libraries, not_loadable,
+                                 "attention (prefill)"))
+    if facts.vision is not None:
+        routes.append(vit_route(device, facts.vision, torch_dtype, "vision encoder attention"))
     routes += _linear_routes(device, plan, torch_dtype, libraries, not_loadable)
     if model.is_moe:
         moe = _moe_spec(inputs, dtype=torch_dtype, quant_scheme=plan.moe_format,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from archserve.distributed.layout import split_widths
+from archserve.loader.attention_facts import AttentionFacts
 from archserve.quant.schemes import scheme_from_config
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ class ModelSummary:
     dtype: str | None = None             # the checkpoint's dtype name
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
     is_gguf: bool = False
+    # Sinks, causality, the checkpoint's KV cache, a vision encoder (loader.attention_facts).
+    attention_facts: AttentionFacts = field(default_factory=AttentionFacts)
     # (what, width) of every width tensor parallelism splits (distributed.layout.split_widths)
     split_widths: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
@@ -113,6 +116,7 @@ def summary_from_model_config(model_config: ModelConfig, is_gguf: bool = False
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
         quantization_config=model_config.quantization_config,
         is_gguf=is_gguf,
+        attention_facts=model_config.attention_facts,
         split_widths=split_widths(model_config),
     )
 

@@ -3,6 +3,7 @@
 import pytest
 
 from archserve.platform.capability import (
+    SM61,
     SM70,
     SM75,
     SM80,
@@ -23,11 +24,11 @@ from archserve.platform.profiles import (
     resolve_device,
 )
 
-EXPECTED_IDS = ("v100", "t4", "a100", "a10", "l40s", "rtx4090", "h100", "h200", "b200", "b300",
+EXPECTED_IDS = ("p40", "v100", "t4", "a100", "a10", "l40s", "rtx4090", "h100", "h200", "b200", "b300",
                 "thor", "rtx5090", "rtx5070-laptop", "gb10", "mi300x", "cpu")
 
 EXPECTED_CAPABILITY = {
-    "v100": SM70, "t4": SM75, "a100": SM80, "a10": SM86, "l40s": SM89, "rtx4090": SM89,
+    "p40": SM61, "v100": SM70, "t4": SM75, "a100": SM80, "a10": SM86, "l40s": SM89, "rtx4090": SM89,
     "h100": SM90, "h200": SM90, "b200": SM100, "b300": SM103, "thor": SM110, "rtx5090": SM120,
     "rtx5070-laptop": SM120, "gb10": SM121, "mi300x": None, "cpu": None,
 }
@@ -56,7 +57,7 @@ def test_every_profile_resolves_with_its_real_capability(profile_id):
 
 def test_aliases_map_to_representative_profiles():
     assert ALIASES == {
-        "sm70": "v100", "sm75": "t4", "sm80": "a100", "sm86": "a10", "sm89": "l40s",
+        "sm61": "p40", "sm70": "v100", "sm75": "t4", "sm80": "a100", "sm86": "a10", "sm89": "l40s",
         "sm90": "h100", "sm100": "b200", "sm103": "b300", "sm110": "thor",
         "sm120": "rtx5090", "sm121": "gb10",
     }

@@ -17,6 +17,7 @@ from archserve.kernels.rules import (
     needs_dtype,
     needs_gpu,
     triton_interpreted,
+    triton_target_rule,
 )
 from archserve.kernels.specs import RUNNABLE_KV_CACHE_DTYPES, AttentionSpec
 from archserve.platform.capability import SM80, SM90, SM121
@@ -359,7 +360,8 @@ class FlexAttentionBackend(RuleBackend):
                     if spec.attn_type not in ("decoder", "encoder_only") else None))
 
     def build_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
-        return _torch_build_rule(spec)
+        # On CUDA, flex_attention is compiled: its kernels are Triton's.
+        return triton_target_rule(device) or _torch_build_rule(spec)
 
 
 class SdpaAttentionBackend(RuleBackend):
