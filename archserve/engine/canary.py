@@ -29,7 +29,8 @@ def attention_canary(impl, spec: AttentionSpec, block_size: int, device: torch.d
                          head_size=spec.head_size, block_size=block_size, dtype=spec.dtype,
                          kv_cache_dtype=spec.kv_cache_dtype,
                          sliding_window=spec.sliding_window, soft_cap=spec.logit_soft_cap,
-                         device=device.type, seed=1234, fp8_exact_kv=device.type == "cpu")
+                         device=device.type, seed=1234, fp8_exact_kv=device.type == "cpu",
+                         sinks=spec.has_sinks)
         reason = compare_with_reference(case, impl)
         if reason is not None:
             return f"numerics canary ({step} step): {reason}"

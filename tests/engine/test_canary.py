@@ -53,3 +53,22 @@ def test_a_demoted_graph_size_is_described_by_what_its_batches_run():
     assert (describe_demoted([1, 2, 8], {4: "RuntimeError: x"})
             == "size 4 replays the size-8 graph (RuntimeError: x)")
     assert describe_demoted([1, 2], {4: "r"}) == "size 4 runs eager (r)"
+
+
+def test_canary_checks_sinks_where_the_model_has_them():
+    """A kernel that passes without sinks fails the canary of a model with them when it
+    ignores them (here flex, whose rules refuse sinks, run past its rules)."""
+    import torch
+
+    from archserve.engine.canary import attention_canary
+    from archserve.kernels.attention.flex_backend import FlexAttentionImpl
+    from archserve.kernels.attention.sdpa_backend import SdpaAttentionImpl
+    from archserve.kernels.specs import AttentionSpec
+
+    spec = AttentionSpec(head_size=64, dtype=torch.float32, num_heads=4, num_kv_heads=2,
+                         sliding_window=16)
+    cpu = torch.device("cpu")
+    with_sinks = AttentionSpec(**{**spec.__dict__, "has_sinks": True})
+    assert attention_canary(FlexAttentionImpl(), spec, 16, cpu) is None
+    assert "max error" in attention_canary(FlexAttentionImpl(), with_sinks, 16, cpu)
+    assert attention_canary(SdpaAttentionImpl(), with_sinks, 16, cpu) is None

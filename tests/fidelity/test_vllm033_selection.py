@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from archserve.kernels.registry import BackendError
 from archserve.platform.profiles import get_profile
 from archserve.routing.explain import SelectionInputs, explain_op_request
 
@@ -156,11 +157,27 @@ def test_explain_json_carries_the_new_inputs():
 
 
 def test_rules_only_inputs_have_an_ideal_but_no_route_here():
-    """Sinks are a hardware-rule pass for TRITON_ATTN (vLLM runs them) but archserve's
-    kernels lack them: the ideal is named, the route is empty, and every reason is shown."""
-    out = explain_op_request(get_profile("a100"), "attention", 64, libraries="all",
-                             inputs=SelectionInputs(has_sinks=True)).to_dict()
+    """Batch-invariant mode at head 320 on an A100 is a hardware-rule pass for TRITON_ATTN
+    alone (vLLM runs it; FlashAttention and FlashInfer lack the head size) but archserve's
+    kernels lack the mode: the ideal is named, the route is empty, every reason is shown."""
+    out = explain_op_request(get_profile("a100"), "attention", 320, libraries="all",
+                             inputs=SelectionInputs(batch_invariant=True)).to_dict()
     (route,) = out["routes"]
     assert route["ideal"] == "TRITON_ATTN" and route["backend"] == ""
     reasons = {r["backend"]: r["reason"] for r in route["rejected"]}
-    assert "attention sinks are not implemented" in reasons["TRITON_ATTN"]
+    assert "batch-invariant mode is not implemented" in reasons["TRITON_ATTN"]
+
+
+@pytest.mark.parametrize("device,ideal", [("a100", "TRITON_ATTN"), ("h100", "FLASH_ATTN"),
+                                          ("b200", "FLASHINFER"), ("rtx5090", "FLASHINFER")])
+def test_sinks_run_on_triton_where_vllm_would_pick_another_kernel(device, ideal):
+    """Sinks: vLLM's pick is the ideal (FA3 on Hopper, FlashInfer's TRT-LLM kernels on
+    Blackwell, Triton on Ampere); archserve's Triton kernels take them on every GPU, and
+    flex refuses them as vLLM's FlexAttention does."""
+    out = explain_op_request(get_profile(device), "attention", 64, libraries="installed",
+                             inputs=SelectionInputs(has_sinks=True)).to_dict()
+    (route,) = out["routes"]
+    assert route["ideal"] == ideal and route["backend"] == "TRITON_ATTN"
+    with pytest.raises(BackendError, match="attention sinks unsupported"):
+        explain_op_request(get_profile(device), "attention", 64, libraries="installed",
+                           inputs=SelectionInputs(has_sinks=True), override="FLEX_ATTENTION")

@@ -54,6 +54,20 @@ CPU_CASES = [
                                   kv_cache_dtype="fp8_e4m3", dtype=torch.float16)),
 ]
 
+# Attention sinks (gpt-oss): GQA, odd head counts and group sizes, windows shorter than the
+# context, decode and chunked prefill, 16- and 32-bit queries.
+SINK_CASES = [
+    ("sinks-decode-gqa4", dict(seqs=[(1, 37), (1, 70), (1, 5)], num_heads=8, num_kv_heads=2)),
+    ("sinks-decode-odd-heads", dict(seqs=[(1, 40), (1, 17)], num_heads=5, num_kv_heads=5,
+                                    dtype=torch.float16)),
+    ("sinks-chunked-group3", dict(seqs=[(20, 52), (5, 40), (1, 9)], num_heads=6,
+                                  num_kv_heads=2, head_size=80)),
+    ("sinks-window-prefill", dict(seqs=[(33, 50), (7, 7)], num_heads=8, num_kv_heads=2,
+                                  block_size=32, sliding_window=9)),
+    ("sinks-window-decode-bf16", dict(seqs=[(1, 50), (1, 30)], num_heads=3, num_kv_heads=1,
+                                      sliding_window=16, dtype=torch.bfloat16)),
+]
+
 
 def poison_split_partials(monkeypatch, module) -> None:
     """Make ``module``'s split buffers start as NaN (``torch.empty`` may hand back zeros):

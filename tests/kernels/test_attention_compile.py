@@ -15,10 +15,10 @@ from archserve.kernels.rules import triton_interpreted
 
 pytestmark = pytest.mark.skipif(triton_interpreted(), reason="the interpreter does not compile")
 
-SM70, SM75, SM80, SM90 = (("cuda", c, 32) for c in (70, 75, 80, 90))
+SM70, SM75, SM80, SM90, SM100, SM120 = (("cuda", c, 32) for c in (70, 75, 80, 90, 100, 120))
 
 
-def _launch(target, head_size, cache_dtype, dtype=torch.float16, **fp8):
+def _launch(target, head_size, cache_dtype, dtype=torch.float16, sinks=None, **fp8):
     """Compile the write, decode and prefill launches of one layer kind for ``target``."""
     from triton_compile import compiled_launches
 
@@ -37,9 +37,10 @@ def _launch(target, head_size, cache_dtype, dtype=torch.float16, **fp8):
     with compiled_launches(target) as launches:
         write_kv_cache(kv, kv, cache, torch.arange(3), **fp8)
         decode_attention(q, cache, tables, seq_lens, starts, out, num_seqs=3, max_seq_len=20,
-                         scale=0.1, **read)
+                         scale=0.1, sinks=sinks, **read)
         prefill_attention(q, cache, tables, seq_lens, starts, out, num_seqs=3,
-                          max_query_len=2, scale=0.1, tiles=(64, 64, 4, 2), **read)
+                          max_query_len=2, scale=0.1, tiles=(64, 64, 4, 2), sinks=sinks,
+                          **read)
     assert [c.kernel for c in launches] == ["_write_kv_kernel", "_decode_kernel",
                                             "_prefill_kernel"]
     return launches
@@ -129,3 +130,13 @@ def test_split_decode_merging_in_the_kernel_is_one_launch(target, monkeypatch):
     assert launches[0].constexprs["MERGE_IN_KERNEL"]
     if target[0] == "cuda":
         assert "atom.global.gpu.acq_rel.add" in launches[0].code()
+
+
+@pytest.mark.parametrize("target", [SM80, SM90, SM100, SM120],
+                         ids=["sm80", "sm90", "sm100", "sm120"])
+def test_sinks_compile(target):
+    """gpt-oss's layers (bf16, head 64, float32 sinks) on every family the Triton attention
+    route serves them on."""
+    sinks = torch.zeros(8, dtype=torch.float32)
+    launches = _launch(target, 64, torch.bfloat16, dtype=torch.bfloat16, sinks=sinks)
+    assert all(c.constexprs["SINKS"] for c in launches[1:])

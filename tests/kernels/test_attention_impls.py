@@ -13,12 +13,14 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from attention_cases import (  # noqa: E402
     CPU_CASES,
+    SINK_CASES,
     assert_matches_reference,
     make_case,
     with_empty_slots,
 )
 
 from archserve.kernels.attention.flex_backend import FlexAttentionImpl  # noqa: E402
+from archserve.kernels.attention.reference import ReferenceAttentionImpl  # noqa: E402
 from archserve.kernels.attention.sdpa_backend import SdpaAttentionImpl  # noqa: E402
 
 CASE_IDS = [name for name, _ in CPU_CASES]
@@ -33,6 +35,28 @@ def test_sdpa_matches_reference(case_args):
 @pytest.mark.parametrize("case_args", CASE_ARGS, ids=CASE_IDS)
 def test_flex_matches_reference(case_args):
     assert_matches_reference(make_case(**case_args), FlexAttentionImpl())
+
+
+@pytest.mark.parametrize("case_args", [a for _, a in SINK_CASES],
+                         ids=[n for n, _ in SINK_CASES])
+def test_sdpa_sinks_match_reference(case_args):
+    assert_matches_reference(make_case(**case_args, sinks=True), SdpaAttentionImpl())
+
+
+def test_reference_sinks_are_a_softmax_column():
+    """The reference's sinks as transformers' eager gpt-oss attention has them: one more
+    logit per head in every row's softmax, its probability dropped (not renormalised)."""
+    case = make_case([(6, 6)], num_heads=2, num_kv_heads=1, head_size=32, sinks=True, seed=4)
+    out, _ = case.run(ReferenceAttentionImpl())
+    q = case.query[:6].float().transpose(0, 1)                      # [H, Q, D]
+    k = case.key[:6].float().transpose(0, 1)
+    v = case.value[:6].float().transpose(0, 1)
+    scores = q @ k.transpose(-1, -2) * case.layer.scale
+    scores = scores.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    sink = case.layer.sinks.view(2, 1, 1).expand(2, 6, 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    assert probs.sum(-1).min() < 0.99           # the sinks took a share
+    torch.testing.assert_close(out, (probs @ v).transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
 def test_sdpa_decode_skips_sequences_without_queries():
@@ -123,6 +147,21 @@ def test_gpu_backends_match_reference(backend, head_size, dtype, shape):
     seqs, heads, kv_heads, block_size = GPU_SHAPES[shape]
     case = make_case(seqs, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size,
                      block_size=block_size, dtype=dtype, device="cuda", seed=shape)
+    assert_matches_reference(case, _gpu_impls()[backend])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "TORCH_SDPA"])
+@pytest.mark.parametrize("window", [None, 128])
+@pytest.mark.parametrize("shape", [0, 1, 4])
+def test_gpu_sinks_match_reference(backend, window, shape):
+    """gpt-oss's attention: sinks, head 64, bf16, with and without its 128-token window,
+    on the decode (split) and mixed shapes."""
+    seqs, heads, kv_heads, block_size = GPU_SHAPES[shape]
+    case = make_case(seqs, num_heads=heads, num_kv_heads=kv_heads, head_size=64,
+                     block_size=block_size, dtype=torch.bfloat16, device="cuda", seed=shape,
+                     sliding_window=window, sinks=True)
     assert_matches_reference(case, _gpu_impls()[backend])
 
 

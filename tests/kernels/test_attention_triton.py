@@ -31,6 +31,7 @@ else:
     sys.path.insert(0, os.path.dirname(__file__))
     from attention_cases import (
         CPU_CASES,
+        SINK_CASES,
         assert_matches_reference,
         make_case,
         poison_split_partials,
@@ -73,6 +74,29 @@ else:
                              soft_cap=case.layer.logit_soft_cap, num_splits=num_splits)
             torch.testing.assert_close(out[:3], expected, atol=2e-3, rtol=2e-3)
             assert not arrival_counters(out.device).any()
+
+    @pytest.mark.parametrize("name,case_args", SINK_CASES, ids=[n for n, _ in SINK_CASES])
+    def test_sinks_match_reference(name, case_args):
+        assert_matches_reference(make_case(**case_args, sinks=True), TritonAttentionImpl())
+
+    @pytest.mark.parametrize("num_splits", [2, 4])
+    @pytest.mark.parametrize("window", [None, 70])
+    def test_split_decode_with_sinks(num_splits, window, monkeypatch):
+        # The first split alone takes the sinks; the merge weighs the others against it
+        # (the 5-token sequence has one split with keys, the others none).
+        poison_split_partials(monkeypatch, triton_decode)
+        case = make_case([(1, 150), (1, 5), (1, 97)], num_heads=6, num_kv_heads=2,
+                         sliding_window=window, seed=9, sinks=True)
+        expected, cache = case.run(ReferenceAttentionImpl())
+        without, _ = make_case([(1, 150), (1, 5), (1, 97)], num_heads=6, num_kv_heads=2,
+                               sliding_window=window, seed=9).run(ReferenceAttentionImpl())
+        assert (expected - without).abs().max() > 0.05, "the sinks must change the output"
+        out = torch.zeros_like(case.query)
+        decode_attention(case.query, cache, case.meta.block_tables, case.meta.seq_lens,
+                         case.meta.query_start_loc, out, num_seqs=3, max_seq_len=150,
+                         scale=case.layer.scale, sliding_window=window,
+                         num_splits=num_splits, sinks=case.layer.sinks)
+        torch.testing.assert_close(out[:3], expected, atol=2e-3, rtol=2e-3)
 
     # vLLM 0.33 TRITON_ATTN takes any head size >= 32 (v1/attention/backends/triton_attn.py,
     # TritonAttentionBackend.supports_head_size): the kernels pad to the next power of two.

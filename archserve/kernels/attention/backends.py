@@ -268,8 +268,6 @@ def archserve_kernel_rule(spec: AttentionSpec, *, what: str) -> str | None:
     implement, though vLLM's backends of the same name may: the build rule they share."""
     if spec.kv_cache_dtype not in RUNNABLE_KV_CACHE_DTYPES:
         return f"{spec.kv_cache_dtype} KV cache is not implemented in {what}"
-    if spec.has_sinks:
-        return f"attention sinks are not implemented in {what}"
     if spec.attn_type != "decoder" or spec.non_causal:
         kind = "non-causal" if spec.attn_type == "decoder" else spec.attn_type
         return f"{kind} attention is not implemented in {what} (causal decoder only)"
@@ -355,6 +353,8 @@ class FlexAttentionBackend(RuleBackend):
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         return (_torch_attention_request_rule(device, spec)
+                # vLLM 0.33's FlexAttentionBackend takes no sinks (supports_sink is the
+                # base class's False), so archserve's flex has none either.
                 or ("attention sinks unsupported" if spec.has_sinks else None)
                 or (f"{spec.attn_type} attention unsupported"
                     if spec.attn_type not in ("decoder", "encoder_only") else None))

@@ -47,10 +47,12 @@ def make_case(seqs: list[tuple[int, int]], *, num_heads: int = 4, num_kv_heads: 
               head_size: int = 64, block_size: int = 16, dtype: torch.dtype = torch.float32,
               kv_cache_dtype: str = "auto", sliding_window: int | None = None,
               soft_cap: float | None = None, pad_tokens: int = 0, device: str = "cpu",
-              seed: int = 0, fp8_exact_kv: bool = True) -> AttentionCase:
+              seed: int = 0, fp8_exact_kv: bool = True, sinks: bool = False) -> AttentionCase:
     """``fp8_exact_kv``: with an fp8 cache, make this step's K/V exactly representable after
     scaling, so writing needs no rounding. Triton's CPU interpreter rounds fp32 -> fp8 wrongly
     at binade edges (1.97 -> 1.0), so CPU tests keep this on; GPU tests turn it off.
+    ``sinks``: a float32 sink logit per query head, around the scores' own scale (2 sigma of
+    N(0, 1) scores), so it takes a share of each row that a kernel ignoring it would miss.
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [(seq_len + block_size - 1) // block_size for _, seq_len in seqs]
@@ -89,7 +91,9 @@ def make_case(seqs: list[tuple[int, int]], *, num_heads: int = 4, num_kv_heads: 
     layer = AttentionLayerParams(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                  head_size=head_size, scale=head_size ** -0.5,
                                  sliding_window=sliding_window, logit_soft_cap=soft_cap,
-                                 kv_cache_dtype=kv_cache_dtype)
+                                 kv_cache_dtype=kv_cache_dtype,
+                                 sinks=(2.0 * torch.randn(num_heads, generator=gen)).to(device)
+                                 if sinks else None)
     key = randn(num_tokens, num_kv_heads, head_size)
     value = randn(num_tokens, num_kv_heads, head_size)
     if kv_cache_dtype in FP8_CACHE and fp8_exact_kv:

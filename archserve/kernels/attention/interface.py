@@ -17,7 +17,8 @@ chunked prefill, decode). Prefill, chunked prefill and decode are one case.
 Every implementation does the same two things per layer:
   1. write this step's keys and values into the cache at ``slot_mapping``;
   2. attend each query token causally over its sequence's cached context
-     (optionally limited to a sliding window and with logit soft-capping).
+     (optionally limited to a sliding window, with logit soft-capping, and with a learned
+     sink logit per query head that joins the softmax's denominator and no value).
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ class AttentionLayerParams:
     sliding_window: int | None = None  # attend to the last `sliding_window` keys (incl. self)
     logit_soft_cap: float | None = None
     kv_cache_dtype: str = "auto"       # "auto" | "fp8_e4m3" | "fp8_e5m2"
+    # Attention sinks (gpt-oss): [num_heads] logits, one per query head of this rank, in the
+    # units of the scaled scores. Each softmax row then reads
+    # exp(s_j) / (exp(sink) + sum_j exp(s_j)): the sink takes probability and gives no value.
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
 
 class AttentionImpl(Protocol):

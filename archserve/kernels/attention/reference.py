@@ -64,6 +64,15 @@ def attention_mask(query_len: int, seq_len: int, sliding_window: int | None,
     return allowed
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of fp32 ``scores`` [..., H, Q, K]; with ``sinks`` [H], each
+    head's sink logit joins every row's denominator as one more column, then is dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+
+
 def scheduled_sequences(meta: AttentionMetadata) -> Iterator[tuple[int, int, int, int]]:
     """(index, first query row, end query row, context length) of each sequence with
     tokens in this step."""
@@ -96,5 +105,5 @@ class ReferenceAttentionImpl(PagedAttentionImpl):
                 scores = layer.logit_soft_cap * torch.tanh(scores / layer.logit_soft_cap)
             mask = attention_mask(query_len, seq_len, layer.sliding_window, query.device)
             scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            probs = softmax_with_sinks(scores, layer.sinks)
             out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)

@@ -1,8 +1,8 @@
 """TORCH_SDPA: torch's scaled_dot_product_attention over K/V gathered from the paged cache.
 
 The CPU default, so it avoids per-token Python: a pure-decode batch is one padded SDPA call,
-any other batch is one call per sequence. Soft-capping has no SDPA form, so those layers take
-an explicit fp32 math path. Also home of the plain-torch cache writer and gather that the
+any other batch is one call per sequence. Soft-capping and attention sinks have no SDPA form,
+so those layers take an explicit fp32 math path. Also home of the plain-torch cache writer and gather that the
 FLEX_ATTENTION backend shares.
 """
 
@@ -16,6 +16,7 @@ from archserve.kernels.attention.interface import (
     AttentionMetadata,
     PagedAttentionImpl,
 )
+from archserve.kernels.attention.reference import softmax_with_sinks
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -80,21 +81,25 @@ def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: in
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           is_causal: bool, scale: float, soft_cap: float | None) -> torch.Tensor:
-    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask broadcastable to [B, H, Q, L] -> [B, H, Q, D]."""
-    if not soft_cap:
+           is_causal: bool, scale: float, soft_cap: float | None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, Hkv, L, D], mask broadcastable to [B, H, Q, L] -> [B, H, Q, D];
+    ``sinks`` [H]: each head's sink logit in the softmax's denominator."""
+    if not soft_cap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                               scale=scale, enable_gqa=True)
+    # Soft-capping and sinks have no SDPA form: explicit fp32 scores.
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
-    scores = soft_cap * torch.tanh(scores / soft_cap)
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     if is_causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return torch.matmul(softmax_with_sinks(scores, sinks), v).to(q.dtype)
 
 
 class SdpaAttentionImpl(TorchCacheWriter):
@@ -123,7 +128,8 @@ class SdpaAttentionImpl(TorchCacheWriter):
                 q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
                 k_pos = torch.arange(seq_len, device=query.device)[None, :]
                 mask = visibility_mask(q_pos, k_pos, layer.sliding_window)
-            o = attend(q, k, v, mask, is_causal, layer.scale, layer.logit_soft_cap)
+            o = attend(q, k, v, mask, is_causal, layer.scale, layer.logit_soft_cap,
+                       layer.sinks)
             out[start:start + query_len] = o[0].transpose(0, 1)
             start += query_len
 
@@ -144,5 +150,6 @@ class SdpaAttentionImpl(TorchCacheWriter):
         k_pos = torch.arange(max_len, device=query.device)[None, :]
         mask = visibility_mask(lens - 1, k_pos, layer.sliding_window)     # [S, L]
         q = query[:num_seqs].unsqueeze(2)                                 # [S, H, 1, D]
-        o = attend(q, k, v, mask[:, None, None, :], False, layer.scale, layer.logit_soft_cap)
+        o = attend(q, k, v, mask[:, None, None, :], False, layer.scale, layer.logit_soft_cap,
+                   layer.sinks)
         out[:num_seqs] = o.squeeze(2)

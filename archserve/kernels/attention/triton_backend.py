@@ -60,8 +60,7 @@ class TritonAttentionImpl(PagedAttentionImpl):
         e4m3, _ = self._fp8_bits(kv_cache)
         common = dict(scale=layer.scale, sliding_window=layer.sliding_window,
                       soft_cap=layer.logit_soft_cap, k_scale=k_scale, v_scale=v_scale,
-                      num_seqs=meta.num_seqs,
-                      e4m3_bits=e4m3)
+                      num_seqs=meta.num_seqs, e4m3_bits=e4m3, sinks=layer.sinks)
         # max_query_len is a host int: choosing the kernel costs no device sync.
         if meta.max_query_len == 1:
             decode_attention(query, kv_cache, meta.block_tables, meta.seq_lens,

@@ -74,6 +74,19 @@ def online_softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def sink_start(l_i, m_i, sinks_ptr, heads, mask, split):
+    """``online_softmax_start``'s state with each row's attention sink already seen: its
+    logit (``sinks[heads]``, scaled-score units, here in log2 units) as the running max,
+    and exp of it against itself, 1, as the denominator; it adds no value to ``acc``.
+    Only split 0 takes the sinks (the merge joins the later splits with it); masked rows
+    keep the empty state."""
+    # (split as a vector: the interpreter mistypes scalar-bool & tensor)
+    keep = mask & ((heads * 0 + split) == 0)
+    sink = tl.load(sinks_ptr + heads, mask=keep, other=0.0).to(tl.float32) * 1.4426950408889634
+    return tl.where(keep, 1.0, l_i), tl.where(keep, sink, m_i)
+
+
+@triton.jit
 def online_softmax_step(acc, l_i, m_i, scores, v, DOT_DTYPE: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     """Fold one tile of keys into a running softmax (flash attention): ``scores`` [M, N] in
@@ -228,7 +241,7 @@ def prefetch_first_tile(k_base, v_base, block_table_row_ptr, lo, hi, first_new,
 
 @triton.jit
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                   out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+                   out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr, sinks_ptr,
                    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
                    stride_block_table, qk_scale, v_scale, soft_cap,
@@ -237,7 +250,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
                    NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
                    USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    E4M3_BITS: tl.constexpr, PDL: tl.constexpr = False,
-                   MERGE_IN_KERNEL: tl.constexpr = False):
+                   MERGE_IN_KERNEL: tl.constexpr = False, SINKS: tl.constexpr = False):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -269,6 +282,10 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
         q = q.to(tl.float32)
 
     acc, l_i, m_i = online_softmax_start(BLOCK_G, BLOCK_D)
+    if SINKS:
+        # The first split carries the sinks: its log-sum-exp then holds their mass, and
+        # the merge weighs every split against it.
+        l_i, m_i = sink_start(l_i, m_i, sinks_ptr, heads, mask_g, split)
     v_base = k_base + stride_cache_kv
 
     # The cache offsets in the same iteration (unlike MLA decode, paged_token_offsets): an
@@ -426,7 +443,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
                      k_scale: float = 1.0, v_scale: float = 1.0, num_sms: int = 0,
                      num_splits: int | None = None,
                      tiles: tuple[int, int, int] | None = None,
-                     e4m3_bits: bool | None = None) -> torch.Tensor:
+                     e4m3_bits: bool | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attend one query token per sequence over its paged context; writes into ``out``.
 
     query/out [T, H, D] (row ``query_start_loc[i]`` belongs to sequence i), kv_cache in the
@@ -434,6 +452,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     the (BLOCK_N, num_warps, num_stages) of ``decode_tiles`` (both for benchmark sweeps).
     Head sizes need not be powers of two: the kernel pads to the next one and masks.
     ``e4m3_bits`` reads an e4m3 cache as bytes (None: where the GPU lacks e4m3).
+    ``sinks`` [H]: each query head's attention sink logit (AttentionLayerParams.sinks).
     """
     _, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -456,7 +475,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     counters = arrival_counters(out.device) if merged else seq_lens
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
-        counters,
+        counters, sinks if sinks is not None else seq_lens,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
@@ -464,7 +483,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, num_warps=num_warps,
-        num_stages=num_stages, PDL=pdl, MERGE_IN_KERNEL=merged, **pdl_launch_options(pdl),
+        num_stages=num_stages, PDL=pdl, MERGE_IN_KERNEL=merged, SINKS=sinks is not None,
+        **pdl_launch_options(pdl),
     )
     if num_splits > 1 and not merged:
         merge_splits(partial_out, partial_lse, query_start_loc, seq_lens, out, v_scale,

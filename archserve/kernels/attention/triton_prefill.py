@@ -23,6 +23,7 @@ from archserve.kernels.attention.triton_decode import (
     dot_precision,
     online_softmax_start,
     online_softmax_step,
+    sink_start,
     soft_cap_scores,
 )
 from archserve.kernels.rules import triton_interpreted
@@ -71,14 +72,14 @@ FLAT_SEARCH_STEPS: tl.constexpr = tl.constexpr(16)
 # 16) compiles no variant of its own.
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                    out_ptr, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+                    out_ptr, sinks_ptr, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                     stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
                     stride_block_table, qk_scale, v_scale, soft_cap, tune_bucket, num_seqs,
                     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr,
-                    FLAT_GRID: tl.constexpr):
+                    FLAT_GRID: tl.constexpr, SINKS: tl.constexpr = False):
     if FLAT_GRID:
         # One axis of query tiles over every sequence: sequence s owns the programs from
         # query_start_loc[s] // BLOCK_M + s on (at least its cdiv(query_len, BLOCK_M)
@@ -133,6 +134,8 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
         unmasked_end = ((first_q_pos + 1) // BLOCK_N) * BLOCK_N
 
     acc, l_i, m_i = online_softmax_start(BLOCK_M, BLOCK_D)
+    if SINKS:   # every row of the tile is the same query head's
+        l_i, m_i = sink_start(l_i, m_i, sinks_ptr, head + offs_m * 0, mask_m, 0)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     k_base = cache_ptr + kv_head * stride_cache_head
     v_base = k_base + stride_cache_kv
@@ -202,7 +205,8 @@ _tuned_prefill_kernel = triton.autotune(
     prune_configs_by={"early_config_prune": _prune_prefill_configs},
     # tune_bucket: tiles that win on a 5-row canary lose on a 4096-row prefill, so the
     # problem's size class is part of the key (it is otherwise unused by the kernel).
-    key=["HEAD_SIZE", "GROUP", "SLIDING_WINDOW", "USE_SOFT_CAP", "E4M3_BITS", "tune_bucket"],
+    key=["HEAD_SIZE", "GROUP", "SLIDING_WINDOW", "USE_SOFT_CAP", "E4M3_BITS", "SINKS",
+         "tune_bucket"],
     # Timings persist in Triton's cache dir, which the engine keys by device and versions
     # (engine/kernel_cache.py): a second start on the same machine does not tune again.
     cache_results=True,
@@ -226,14 +230,16 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
                       sliding_window: int | None = None, soft_cap: float | None = None,
                       k_scale: float = 1.0, v_scale: float = 1.0,
                       tiles: tuple[int, int, int, int] | None = None,
-                      e4m3_bits: bool | None = None, flat_grid: bool = False) -> torch.Tensor:
+                      e4m3_bits: bool | None = None, flat_grid: bool = False,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged context; writes ``out``.
 
     On a GPU the tiles are autotuned once per head size, group, dtype and feature set
     (16-bit dtypes; fp32 takes ``_prefill_tiles``); ``tiles`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) pins them (tests, tuning).
     ``flat_grid``: one axis of query tiles over all sequences (tokens / BLOCK_M + sequences
     programs) instead of max_query_len / BLOCK_M per sequence, for batches padded to a
-    captured bucket, where most sequence slots are empty.
+    captured bucket, where most sequence slots are empty. ``sinks`` [H]: each query head's
+    attention sink logit (AttentionLayerParams.sinks).
     """
     _, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -243,7 +249,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     if bits:
         k_scale, v_scale = k_scale * E4M3_BITS_SCALE, v_scale * E4M3_BITS_SCALE
     args = (query, kv_cache, block_tables, seq_lens, query_start_loc, out,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            sinks if sinks is not None else seq_lens, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
             tune_bucket(max_query_len), num_seqs)
@@ -251,7 +257,8 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         GROUP=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
         BLOCK_D=triton.next_power_of_2(head_size), SLIDING_WINDOW=sliding_window or 0,
         USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
-        DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, FLAT_GRID=flat_grid)
+        DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, FLAT_GRID=flat_grid,
+        SINKS=sinks is not None)
     num_tokens = query.shape[0]
 
     def programs(block_m: int) -> tuple[int, ...]:

@@ -16,11 +16,17 @@ from archserve.models.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module, KVCacheScales):
-    """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D] through ``ForwardContext.attn_impl``."""
+    """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D] through ``ForwardContext.attn_impl``.
+
+    ``sinks_of``: (this rank's first query head, the checkpoint's query heads) where the
+    layer has attention sinks (gpt-oss): a learned logit per query head, the parameter
+    ``sinks`` [num_heads] (float32), which answers the loader for the checkpoint's whole
+    vector and keeps this rank's heads of it."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  layer_index: int, sliding_window: int | None = None,
-                 logit_soft_cap: float | None = None) -> None:
+                 logit_soft_cap: float | None = None,
+                 sinks_of: tuple[int, int] | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
@@ -29,14 +35,27 @@ class Attention(nn.Module, KVCacheScales):
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.layer_index = layer_index
+        self.sinks_of = sinks_of
+        self.sinks = (None if sinks_of is None else
+                      nn.Parameter(torch.zeros(num_heads, dtype=torch.float32),
+                                   requires_grad=False))
         self.params = AttentionLayerParams(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=scale,
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
 
+    def checkpoint_shape(self, param: str) -> tuple[int, ...]:
+        """The checkpoint's ``sinks``: one per query head of the whole layer."""
+        return (self.sinks_of[1],)
+
+    @torch.no_grad()
+    def load_checkpoint(self, param: str, tensor: torch.Tensor) -> None:
+        self.sinks.copy_(tensor.narrow(0, self.sinks_of[0], self.num_heads))
+
     def _params_for(self, kv_cache_dtype: str) -> AttentionLayerParams:
-        if self.params.kv_cache_dtype != kv_cache_dtype:
-            # Fixed for a whole run, so this rebuild happens once.
-            self.params = dataclasses.replace(self.params, kv_cache_dtype=kv_cache_dtype)
+        if self.params.kv_cache_dtype != kv_cache_dtype or self.params.sinks is not self.sinks:
+            # Fixed for a whole run (the sinks once loaded), so this rebuild happens once.
+            self.params = dataclasses.replace(self.params, kv_cache_dtype=kv_cache_dtype,
+                                              sinks=self.sinks)
         return self.params
 
     def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding,
