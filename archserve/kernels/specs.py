@@ -88,8 +88,17 @@ class MoESpec:
     hidden_size: int = 4096
     intermediate_size: int = 14336
     num_tokens: int = 256
-    tensor_parallel: bool = False
-    expert_parallel: bool = False
+    tensor_parallel_size: int = 1         # ranks of the tensor-parallel group
+    expert_parallel: bool = False         # experts split over the ranks, whole per rank
+    batch_invariant: bool = False         # VLLM_BATCH_INVARIANT: only kernels that promise it
     # How a quantized checkpoint quantizes the experts' activations (quantized_weights.ACT_*):
     # vLLM's MoE kernels accept different (weight, activation) pairs (kernels/moe/rules.py).
     activation: str = "dynamic_token"
+
+    @property
+    def intermediate_per_rank(self) -> int:
+        """Each expert's intermediate width on one rank: split by tensor parallelism,
+        whole under expert parallelism (vLLM's intermediate_size_per_partition)."""
+        if self.expert_parallel:
+            return self.intermediate_size
+        return self.intermediate_size // self.tensor_parallel_size

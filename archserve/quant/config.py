@@ -173,7 +173,9 @@ def explain_quant_config(checkpoint_config: dict[str, Any] | None, requested: st
     try:
         return resolve_quant_config(checkpoint_config, requested, is_gguf, keep_gguf_quantized)
     except UnsupportedQuantization:
-        if not requested:
+        # A checkpoint of the requested method that this build refuses stays refused: its
+        # own config, not the method's common form, is what would run.
+        if not requested or _same_method(checkpoint_config, requested):
             raise
     key = requested.strip().lower().replace("-", "_")
     if key == "gguf":
@@ -203,6 +205,15 @@ _REPRESENTATIVE = {
     "w8a8_int8": _CT_INT8,
     "int8": _CT_INT8,
 }
+
+
+def _same_method(checkpoint_config: dict[str, Any] | None, requested: str) -> bool:
+    if not checkpoint_config:
+        return False
+    method = str(checkpoint_config.get("quant_method", "")).lower().replace("-", "_")
+    names = {m.replace("-", "_") for m in _SAME_METHOD.get(method.replace("_", "-"), set())
+             | _SAME_METHOD.get(method, set())} | {method}
+    return requested.strip().lower().replace("-", "_") in names
 
 
 def gguf_quant_config() -> QuantConfig:

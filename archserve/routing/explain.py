@@ -304,8 +304,9 @@ def side_route(device: DeviceInfo, op: str, spec: AttentionSpec, libraries: Libr
 
 
 def _moe_spec(inputs: SelectionInputs, **fields: Any) -> MoESpec:
-    return MoESpec(tensor_parallel=inputs.tensor_parallel_size > 1,
-                   expert_parallel=inputs.expert_parallel, **fields)
+    return MoESpec(tensor_parallel_size=inputs.tensor_parallel_size,
+                   expert_parallel=inputs.expert_parallel,
+                   batch_invariant=inputs.batch_invariant, **fields)
 
 
 def _specs_of(op: str, plan: QuantPlan, dtype: torch.dtype, inputs: SelectionInputs

@@ -18,6 +18,7 @@ from archserve.kernels.attention.backends import flash_attn_version
 from archserve.kernels.catalog import default_registry
 from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
 from archserve.platform.device import DeviceInfo
+from archserve.platform.profiles import get_profile
 from archserve.quant.schemes import get_scheme
 
 # Representative requests: fp16 runs on every GPU generation, so only the silicon decides.
@@ -48,7 +49,7 @@ def _backend(op: str, name: str, spec: Any) -> MatrixRow:
 
 def _row(group: str, name: str, base: MatrixRow, note: Callable[[DeviceInfo], str] | None = None
          ) -> MatrixRow:
-    return MatrixRow(group, name, base.rule, base.implemented, note)
+    return MatrixRow(group, name, base.rule, base.implemented, note or base.note)
 
 
 # The activation quantization each format's native (W8A8) kernels are built for.
@@ -96,6 +97,37 @@ def _archserve_scheme_route(scheme: str, device: DeviceInfo) -> str:
         "dense after load")
 
 
+SINKS_SPEC = AttentionSpec(head_size=64, dtype=torch.float16, has_sinks=True)
+VIT_SPEC = AttentionSpec(head_size=72, dtype=torch.float16, attn_type="encoder_only")
+MLA_PREFILL_SPEC = MLA_SPEC
+
+
+def _sinks(name: str) -> MatrixRow:
+    """A backend's row for attention with learned sinks (gpt-oss's head size 64): rules
+    only where archserve's kernel of that name lacks them."""
+    backend = default_registry().get("attention", name)
+    built = backend.implemented and backend.build_rule(get_profile("h100"), SINKS_SPEC) is None
+    return MatrixRow("", name, lambda d: backend.hardware_rule(d, SINKS_SPEC), built)
+
+
+def _side(op: str, spec: AttentionSpec) -> MatrixRow:
+    """One of vLLM's side selections (ViT attention, MLA prefill): supported where its list
+    has an ideal, which the cell names. Rules only: archserve runs no ViT, and its MLA
+    prompts run its own Triton prefill rather than vLLM's choice."""
+    from archserve.routing.explain import side_route
+
+    def ideal(device: DeviceInfo) -> str | None:
+        return side_route(device, op, spec, "all", "matrix").ideal
+
+    return MatrixRow("", op, lambda d: None if ideal(d) else f"no {op} backend",
+                     False, lambda d: _SHORT_NAMES.get(ideal(d) or "", ideal(d) or ""))
+
+
+# Cell notes are a few characters wide.
+_SHORT_NAMES = {"FLASH_ATTN": "FA", "TORCH_SDPA": "SDPA", "TRITON_ATTN": "Triton",
+                "FLASHINFER": "FI", "TRTLLM_RAGGED": "TRT"}
+
+
 def _fa_version(device: DeviceInfo) -> str:
     return f"FA{flash_attn_version(device, ATTENTION_SPEC)}"
 
@@ -118,6 +150,11 @@ def matrix_rows() -> list[MatrixRow]:
         _row(att, "PyTorch SDPA", _backend("attention", "TORCH_SDPA", ATTENTION_SPEC)),
         _row(att, "PyTorch reference", _backend("attention", "TORCH_REFERENCE",
                                                 ATTENTION_SPEC)),
+        _row(att, "Sinks: FlashAttention", _sinks("FLASH_ATTN")),
+        _row(att, "Sinks: FlashInfer", _sinks("FLASHINFER")),
+        _row(att, "Sinks: Triton Attn", _sinks("TRITON_ATTN")),
+        _row(att, "ViT attention (vLLM's ViT list)", _side("vit_attention", VIT_SPEC)),
+        _row(mla, "MLA prefill (vLLM's prefill list)", _side("mla_prefill", MLA_PREFILL_SPEC)),
         _row(mla, "FlashAttn MLA", _backend("mla_attention", "FLASH_ATTN_MLA", MLA_SPEC)),
         _row(mla, "FlashMLA", _backend("mla_attention", "FLASHMLA", MLA_SPEC)),
         _row(mla, "CUTLASS MLA", _backend("mla_attention", "CUTLASS_MLA", MLA_SPEC)),

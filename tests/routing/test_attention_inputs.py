@@ -192,3 +192,18 @@ def test_the_engine_refuses_what_its_kernels_cannot_run(tiny_checkpoint, tmp_pat
     monkeypatch.delenv("VLLM_BATCH_INVARIANT")
     with pytest.raises(ValueError, match="int8_per_token_head KV cache"):
         LLM(tiny_checkpoint("llama"), dtype="float32", kv_cache_dtype="int8_per_token_head")
+
+
+def test_matrix_rows_for_sinks_vit_and_mla_prefill():
+    from archserve.platform.profiles import all_profiles
+    from archserve.routing.matrix import build_matrix
+
+    rows = {f["name"]: f for f in build_matrix(all_profiles())["features"]}
+    sinks = rows["Sinks: FlashAttention"]["support"]
+    assert sinks["h100"] and sinks["b200"] and not sinks["a100"]
+    assert rows["Sinks: Triton Attn"]["support"]["a100"]
+    vit = rows["ViT attention (vLLM's ViT list)"]
+    assert (vit["notes"]["t4"], vit["notes"]["h100"]) == ("SDPA", "FA")
+    prefill = rows["MLA prefill (vLLM's prefill list)"]
+    assert prefill["support"]["b200"] and not prefill["support"]["cpu"]
+    assert not vit["implemented"] and not prefill["implemented"]

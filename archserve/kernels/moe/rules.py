@@ -9,6 +9,8 @@ build; the others are rules only: they can be the ideal, never the route.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from archserve.kernels.linear.quantized_weights import ACT_STATIC_TENSOR
@@ -33,10 +35,33 @@ _IMPL = "archserve.kernels.moe"
 RUNNABLE_EXPERT_FORMATS = frozenset({None, "fp8", "fp8_block", "wna16"})
 
 
+FP8_BLOCK = 128      # the checkpoints' fp8 block (rows and columns)
+MIN_REFINED_BLOCK = 32
+
+
+def refined_fp8_block(spec: MoESpec) -> int | None:
+    """vLLM 0.33 refines 128x128 fp8 expert blocks when one rank's intermediate width is
+    not a whole number of blocks (tensor parallelism): the scales are upsampled to the
+    largest block (>= 32) dividing the blocks, that width and the hidden size. None: the
+    blocks stay 128x128 (or cannot be refined, and are padded to the shard instead)."""
+    if spec.quant_scheme != "fp8_block":
+        return None
+    per_rank = spec.intermediate_per_rank
+    tp = 1 if spec.expert_parallel else spec.tensor_parallel_size
+    if per_rank % FP8_BLOCK == 0 and (tp == 1 or per_rank % FP8_BLOCK == 0):
+        return None
+    block = math.gcd(FP8_BLOCK, per_rank, spec.hidden_size)
+    return block if block >= MIN_REFINED_BLOCK else None
+
+
 class MoEBackend(RuleBackend):
     op = "moe"
     implemented = False
     formats: frozenset[str | None] = frozenset()
+    # vLLM 0.33's _supports_batch_invariance: its Triton experts (and CUTLASS FP4) only.
+    batch_invariant = False
+    # Reads fp8 block scales of any block shape (vLLM: the Triton-based experts only).
+    any_fp8_block = False
 
     def hardware_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
         # The format decides first: "this layer is unquantized" explains more than an SM.
@@ -47,6 +72,12 @@ class MoEBackend(RuleBackend):
             names = ", ".join(sorted("bf16/fp16" if f is None else f for f in self.formats))
             have = spec.quant_scheme or "unquantized"
             return f"executes {names} experts; this model's experts are {have}"
+        if spec.batch_invariant and not self.batch_invariant:
+            return "batch-invariant mode unsupported (vLLM 0.33: the Triton experts only)"
+        block = refined_fp8_block(spec)
+        if block and not self.any_fp8_block:
+            return (f"reads 128x128 fp8 blocks only; one rank's intermediate width "
+                    f"{spec.intermediate_per_rank} refines them to {block}x{block}")
         return None
 
 
@@ -55,6 +86,8 @@ class TritonFusedMoEBackend(MoEBackend):
     library = "triton"
     implemented = True
     graph_capturable = True
+    batch_invariant = True
+    any_fp8_block = True
     formats = frozenset({None, "fp8", "fp8_block", "int8", "wna16"})
     description = ("Triton fused MoE: token-sorted grouped GEMMs, gate/up with SiLU*mul "
                    "fused, then down scaled by the routing weights (any CUDA or ROCm GPU)")
@@ -78,6 +111,8 @@ class TritonFusedMoEBackend(MoEBackend):
         return None
 
     def build_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
+        if spec.batch_invariant:
+            return "batch-invariant mode is not implemented in this build's Triton fused MoE"
         if spec.quant_scheme not in RUNNABLE_EXPERT_FORMATS:
             return (f"this build's Triton fused MoE runs 16-bit, fp8, fp8_block and wna16 "
                     f"experts; {spec.quant_scheme} experts are rules only")
@@ -239,6 +274,11 @@ class TorchMoEBackend(RuleBackend):
         if spec.quant_scheme not in RUNNABLE_EXPERT_FORMATS:
             return (f"dequantizes fp8, fp8_block and wna16 experts; {spec.quant_scheme} "
                     f"experts need a quantized MoE kernel")
+        return None
+
+    def build_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
+        if spec.batch_invariant:
+            return "batch-invariant mode is not implemented in archserve's torch MoE"
         return None
 
 
