@@ -14,17 +14,19 @@ REGISTRY = build_registry()
 
 # Ideal (hardware rules only) attention backend for head 128, fp16, per profile.
 ATTENTION_IDEAL = {
-    "v100": "TRITON_ATTN", "t4": "TRITON_ATTN", "a100": "FLASH_ATTN", "a10": "FLASH_ATTN",
+    "p40": "TRITON_ATTN", "v100": "TRITON_ATTN", "t4": "TRITON_ATTN", "a100": "FLASH_ATTN", "a10": "FLASH_ATTN",
     "l40s": "FLASH_ATTN", "rtx4090": "FLASH_ATTN", "h100": "FLASH_ATTN", "h200": "FLASH_ATTN",
     "b200": "FLASHINFER", "b300": "FLASHINFER", "thor": "FLASH_ATTN", "rtx5090": "FLASH_ATTN",
     "rtx5070-laptop": "FLASH_ATTN", "gb10": "FLASH_ATTN", "mi300x": "TRITON_ATTN",
     "cpu": "TORCH_SDPA",
 }
-# What this build runs with every library present: FA and FlashInfer are rules only.
-ATTENTION_BUILT = {pid: ("TORCH_SDPA" if pid == "cpu" else "TRITON_ATTN") for pid in PROFILE_IDS}
+# What this build runs with every library present: FA and FlashInfer are rules only, and
+# Triton (flex's compiler too) generates no Pascal code.
+ATTENTION_BUILT = {pid: ("TORCH_SDPA" if pid in ("cpu", "p40") else "TRITON_ATTN")
+                   for pid in PROFILE_IDS}
 
 MLA_IDEAL = {
-    "v100": "TRITON_MLA", "t4": "TRITON_MLA", "a100": "TRITON_MLA", "a10": "TRITON_MLA",
+    "p40": "TRITON_MLA", "v100": "TRITON_MLA", "t4": "TRITON_MLA", "a100": "TRITON_MLA", "a10": "TRITON_MLA",
     "l40s": "TRITON_MLA", "rtx4090": "TRITON_MLA", "h100": "FLASH_ATTN_MLA",
     "h200": "FLASH_ATTN_MLA", "b200": "FLASHINFER_MLA", "b300": "FLASHINFER_MLA",
     "thor": "TRITON_MLA", "rtx5090": "TRITON_MLA", "rtx5070-laptop": "TRITON_MLA", "gb10": "TRITON_MLA",
@@ -54,7 +56,7 @@ def test_mla_route_on_every_profile(profile: str) -> None:
     assert REGISTRY.ideal("mla_attention", get_profile(profile), spec) == MLA_IDEAL[profile]
     # The library MLA kernels are rules only: GPUs run archserve's Triton MLA, the CPU the
     # torch fallback.
-    built = "TORCH_REFERENCE" if profile == "cpu" else "TRITON_MLA"
+    built = "TORCH_REFERENCE" if profile in ("cpu", "p40") else "TRITON_MLA"
     assert select("mla_attention", profile, spec).name == built
 
 
