@@ -223,6 +223,22 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         return True
 
+    def finish_aborted(self, request_id: str, stop_reason: str | None = None
+                       ) -> RequestOutput | None:
+        """Abort a request now and return its final output: the unfinished choices end
+        with finish_reason "abort" (and ``stop_reason``), for a consumer that is still
+        listening (a server shutting down). None for an unknown request."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        self._compiling.pop(request_id, None)
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED,
+                                      stop_reason=stop_reason)
+        state.metrics.finished_time = time.time()
+        return self.outputs.request_output(state, True)
+
     # -- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of the requests it advanced.
@@ -276,11 +292,7 @@ class LLMEngine:
             if error is None or self.requests.get(request_id) is not state:
                 continue
             log.warning("request %s: %s", request_id, error)
-            for seq in state.seqs:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED, stop_reason=str(error))
-            state.metrics.finished_time = time.time()
-            del self.requests[request_id]
-            outputs.append(self.outputs.request_output(state, True))
+            outputs.append(self.finish_aborted(request_id, stop_reason=str(error)))
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -58,6 +58,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}       # touched only on the engine thread
         self._stopping = False
+        self.ending = False                          # end_all was called: shutting down
         self._pending_adds = 0                       # adds in the inbox, not yet queued
         self._num_waiting = 0                        # the scheduler's queue, after the last step
         self._thread = threading.Thread(target=self._run, name="archserve-engine", daemon=True)
@@ -71,6 +72,14 @@ class AsyncEngine:
         """Abort everything still running, stop the loop and wait for the thread."""
         self._submit(("stop",))
         self._thread.join(timeout)
+
+    def end_all(self, reason: str) -> None:
+        """End every request in flight now, each with a final output whose unfinished
+        choices carry finish_reason "abort", so every client gets a proper ending; requests
+        that arrive afterwards are refused. For a shutdown whose grace period has passed;
+        ``reason`` is what the log says."""
+        self.ending = True
+        self._submit(("end_all", reason))
 
     @property
     def is_alive(self) -> bool:
@@ -151,12 +160,17 @@ class AsyncEngine:
                 self._add(*command[1:])
             elif kind == "abort":
                 self._abort(command[1])
+            elif kind == "end_all":
+                self._end_all(command[1])
             elif kind == "stop":
                 self._stopping = True
         self._num_waiting = self.engine.stats()["num_waiting"]
         return not self._stopping
 
     def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream) -> None:
+        if self.ending:
+            stream.put(EngineDeadError("the server is shutting down"))
+            return
         try:
             # Not add_request: a grammar still compiling must not hold up this thread (the
             # scheduler admits the request once it is ready; the server compiled it ahead).
@@ -173,6 +187,18 @@ class AsyncEngine:
             self._abort_observer(request_id)
         if stream is not None:
             stream.put(asyncio.CancelledError())
+
+    def _end_all(self, reason: str) -> None:
+        outputs = [output for output in map(self.engine.finish_aborted, list(self._streams))
+                   if output is not None]
+        if outputs:
+            log.warning("%s with %d request(s) still running: they end now (streams with "
+                        "finish_reason 'abort', other requests with a 503 error)",
+                        reason, len(outputs))
+        if self._observer is not None:
+            self._observer(outputs)
+        for output in outputs:
+            self._streams.pop(output.request_id).put(output)
 
     def _step(self) -> None:
         try:

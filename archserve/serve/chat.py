@@ -142,6 +142,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return StreamingResponse(logging_disconnect(request_id, view.stream(stream)),
                                  media_type="text/event-stream")
     final = await unless_disconnected(raw, _last_output(stream), request_id)
+    ctx.check_not_ended([final])
     return JSONResponse(view.response(final).model_dump())
 
 

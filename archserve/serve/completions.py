@@ -95,6 +95,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         return StreamingResponse(logging_disconnect(request_id, view.stream(streams)),
                                  media_type="text/event-stream")
     finals = await unless_disconnected(raw, _last_outputs(streams), request_id)
+    ctx.check_not_ended(finals.values())
     return JSONResponse(view.response(finals).model_dump())
 
 

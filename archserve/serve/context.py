@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from archserve.engine.outputs import RequestOutput
@@ -87,6 +87,8 @@ class ServingContext:
 
     def admit(self, num_requests: int = 1) -> None:
         """503 when the waiting queue is full (the client should retry later)."""
+        if self.engine.ending:
+            raise OpenAIError("the server is shutting down", 503)
         if not self.engine.is_alive:
             raise OpenAIError(self.engine.dead_reason or "the engine is not running", 503,
                               headers={"Retry-After": "5"})
@@ -100,6 +102,14 @@ class ServingContext:
         # response starts its generator only when the body is sent), so a burst of
         # simultaneous requests cannot all pass the check above.
         self._reserved += num_requests
+
+    def check_not_ended(self, outputs: Iterable[RequestOutput]) -> None:
+        """A non-streaming request that the server ended while shutting down is a 503 (a
+        stream ends with finish_reason "abort" instead: its status line is already sent)."""
+        if self.engine.ending and any(c.finish_reason == "abort"
+                                      for output in outputs for c in output.outputs):
+            raise OpenAIError("the server is shutting down: this request was still running "
+                              "when the shutdown timeout passed, and was aborted", 503)
 
     def generate(self, request_id: str, prompt: list[int],
                  params: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -36,6 +37,31 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# After the shutdown timeout, the requests still running are ended (finish_reason "abort",
+# or a 503); uvicorn waits this much longer for their handlers to write those endings before
+# it cancels what is left (which would cut a stream off mid-body).
+_ENDING_GRACE_S = 10.0
+
+
+def _draining_server(config, engine, shutdown_timeout_s: float):
+    """A uvicorn server that, on SIGTERM, lets in-flight requests run for the shutdown
+    timeout and then ends those left through the engine, so each still gets a proper
+    OpenAI ending instead of a connection cut by uvicorn's own timeout."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            timer = asyncio.get_running_loop().call_later(
+                shutdown_timeout_s, engine.end_all,
+                f"shutdown: the shutdown timeout ({shutdown_timeout_s:g} s) has passed")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return DrainingServer(config)
+
+
 def run_server(engine_config: EngineConfig, settings: ServerSettings) -> None:
     """Serve until SIGTERM or SIGINT, then drain and exit normally."""
     import uvicorn
@@ -61,9 +87,10 @@ def run_server(engine_config: EngineConfig, settings: ServerSettings) -> None:
     shown = f"[{host}]" if ":" in host else host
     ctx.engine.start()
     config = uvicorn.Config(app, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=int(max(1, settings.shutdown_timeout_s)),
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s
+                                                          + _ENDING_GRACE_S),
                             timeout_keep_alive=5)
-    server = uvicorn.Server(config)
+    server = _draining_server(config, ctx.engine, settings.shutdown_timeout_s)
     # Uvicorn re-raises the signal that stopped it once it has shut down; a no-op
     # handler here turns that into a normal return, so SIGTERM exits with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
