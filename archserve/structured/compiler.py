@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from archserve.structured.params import StructuredOutputsParams
+from archserve.structured.schema_recursion import no_finite_instance
 
 CACHE_SIZE = 256
 # Whitespace allowed between JSON tokens when any is allowed: enough for indented output,
@@ -112,6 +113,10 @@ class GrammarCompiler:
         value = getattr(spec, kind)
         try:
             if kind == "json":
+                parsed = json.loads(value) if isinstance(value, str) else value
+                reason = no_finite_instance(parsed)
+                if reason is not None:
+                    raise GrammarError(f"structured output json: {reason}")
                 schema = value if isinstance(value, str) else json.dumps(value)
                 if spec.disable_any_whitespace:
                     return compiler.compile_json_schema(schema, any_whitespace=False)
@@ -129,6 +134,8 @@ class GrammarCompiler:
                 return compiler.compile_lark(value)
             tag = value if isinstance(value, str) else json.dumps(value)
             return compiler.compile_structural_tag(tag)
+        except GrammarError:
+            raise
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError for bad input
             raise GrammarError(f"structured output {kind} does not compile: "
                                f"{_clean(exc)}") from None

@@ -114,6 +114,17 @@ def test_json_object_choice_regex_and_grammar_fields(client):
     ({"response_format": {"type": "json_object"}, "extra_body": {"guided_choice": ["a"]}},
      "guided_choice", "one output constraint"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "xml"),
+    # Schemas whose references recurse with no way out: no finite JSON value matches them.
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format", "recurse with no way out (# -> #)"),
+    ({"extra_body": {"structured_outputs": {"json": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+        "$ref": "#/$defs/a"}}}},
+     "structured_outputs", "(#/$defs/a -> #/$defs/b -> #/$defs/a)"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}},
+     "response_format", "(# -> #/properties/next -> #)"),
 ])
 def test_a_bad_constraint_is_a_400_naming_it(client, body, param, words):
     with pytest.raises(openai.BadRequestError) as info:
@@ -124,3 +135,20 @@ def test_a_bad_constraint_is_a_400_naming_it(client, body, param, words):
     ok = client.chat.completions.create(model=MODEL, max_tokens=2,
                                         messages=[{"role": "user", "content": "hi"}])
     assert ok.choices[0].finish_reason in ("length", "stop")   # the server serves on
+
+
+def test_a_recursive_schema_with_a_way_out_is_obeyed(client):
+    """A linked list whose `next` is optional recurses, and has finite values: it is not
+    refused as a recursion with no way out. (The tiny model may nest until max_tokens.)"""
+    schema = {"type": "object", "required": ["v"], "additionalProperties": False,
+              "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "next": {"$ref": "#"}}}
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=120, temperature=0,
+        messages=[{"role": "user", "content": "A short linked list as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "list", "schema": schema}})
+    text = r.choices[0].message.content
+    assert re.match(r'\{\s*"v":', text), text
+    if r.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(text), schema)
