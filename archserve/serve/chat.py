@@ -9,7 +9,7 @@ from starlette.requests import Request
 
 from archserve.engine.outputs import CompletionOutput, RequestOutput
 from archserve.serve.context import ServingContext
-from archserve.serve.errors import OpenAIError
+from archserve.serve.errors import OpenAIError, check_unicode
 from archserve.serve.logprobs import chat_logprobs, prompt_logprobs
 from archserve.serve.protocol import (
     ChatChoice,
@@ -76,6 +76,8 @@ def render_chat_prompt(ctx: ServingContext, messages: list[ChatMessage],
     if continue_final_message and add_generation_prompt:
         raise OpenAIError("continue_final_message and add_generation_prompt cannot both be "
                           "true", param="continue_final_message")
+    for i, message in enumerate(messages):
+        check_unicode(message.model_dump(exclude_none=True), f"messages[{i}]")
     dicts = [_message_dict(m) for m in messages]
     try:
         if plan is None:
@@ -112,6 +114,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    check_unicode(req.tools, "tools")
     plan = None
     if req.tools or req.tool_choice is not None:
         plan = plan_tools(req.tools, req.tool_choice,

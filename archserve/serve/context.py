@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from archserve.engine.outputs import RequestOutput
 from archserve.engine.sampling_params import SamplingParams
 from archserve.serve.async_engine import AsyncEngine, EngineDeadError
-from archserve.serve.errors import OpenAIError
+from archserve.serve.errors import OpenAIError, check_unicode
 from archserve.serve.generation_defaults import load_generation_defaults
 from archserve.serve.metrics import ServerMetrics
 from archserve.structured import GrammarError, StructuredOutputsParams
@@ -63,8 +63,8 @@ class ServingContext:
 
     def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Token ids of client text; text that is not valid Unicode is a 400, not a 500."""
+        check_unicode(text, param)
         try:
-            text.encode("utf-8")
             return list(self.tokenizer.encode(text, **kwargs))
         except (UnicodeEncodeError, TypeError, ValueError) as exc:
             raise OpenAIError(f"{param} is not valid Unicode text ({type(exc).__name__})",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from http import HTTPStatus
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -35,6 +37,27 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message,
                       "type": _ERROR_TYPES.get(status, HTTPStatus(status).phrase),
                       "param": param, "code": status}}
+
+
+# JSON's \u escapes can carry half of a UTF-16 pair alone; such text has no UTF-8 form.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(value: Any, param: str) -> None:
+    """A 400 naming the first string in ``value`` (a string, or lists and dicts of them)
+    that is not valid Unicode, before a tokenizer or template fails on it obscurely."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found is not None:
+            raise OpenAIError(f"{param} is not valid Unicode: it holds a lone surrogate "
+                              f"(U+{ord(found.group()):04X}) at character {found.start()}",
+                              param=param)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(item, f"{param}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{param}[{i}]")
 
 
 class AsciiJSONResponse(JSONResponse):

@@ -135,6 +135,25 @@ def test_lone_surrogates_are_a_400(server, path, body):
     assert _assert_error(_post_raw(server, path, body), 400)["param"] == "prompt"
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": [{"type": "text", "text": "hi \udfff"}]}]},
+     "messages[1].content[0].text"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "\udc00"}]}, "messages[0].name"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f", "description": "\ud83d",
+                                                  "parameters": {"type": "object"}}}]},
+     "tools[0].function.description"),
+])
+def test_a_lone_surrogate_in_a_chat_is_a_400_saying_it_is_not_unicode(server, body, param):
+    error = _assert_error(_post_raw(server, "/v1/chat/completions",
+                                    {**body, "max_tokens": 2}), 400)
+    assert error["param"] == param, error
+    assert "is not valid Unicode" in error["message"] and "lone surrogate" in error["message"]
+    assert "Error" not in error["message"], error     # no TypeError leaking from a tokenizer
+
+
 def test_error_messages_quoting_a_surrogate_still_render(server):
     _assert_error(_post_raw(server, "/v1/completions", {"model": "\ud800", "prompt": "hi"}), 404)
 
