@@ -31,11 +31,14 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _fits_float32(value: float) -> float:
     """The sampler holds these numbers as float32: one that would become inf there, or
-    0 when it is not 0 (1e-300), would turn the logits into inf or nan."""
-    as32 = np.float32(value) if abs(value) <= np.finfo(np.float32).max else np.float32("inf")
-    if not np.isfinite(as32) or (value != 0 and as32 == 0):
+    0 when it is not 0 (1e-300), would turn the logits into inf or nan. The range check
+    is in Python floats: numpy would cast the value to float32 first, and warn."""
+    if not abs(value) <= _FLOAT32_MAX or (value != 0 and np.float32(value) == 0):
         raise ValueError(f"{value!r} is outside the range of a 32-bit float")
     return value
 

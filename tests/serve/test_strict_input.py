@@ -81,6 +81,15 @@ def test_completion_bodies_of_the_wrong_type_or_range_are_400(server, body, para
     assert error["param"] == param, error
 
 
+def test_numbers_beyond_float32_are_refused_without_a_warning_in_the_log(server):
+    for field, value in [("temperature", 1e300), ("temperature", 3.5e38), ("top_p", -1e300),
+                         ("min_p", 1e39)]:
+        error = _error(_post(server, "/v1/completions",
+                             {"prompt": "hi", "max_tokens": 1, field: value}))
+        assert error["param"] == field and "32-bit float" in error["message"], error
+    assert "Warning" not in server.log, server.log
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"max_tokens": 1}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}], "max_tokens": 1},
