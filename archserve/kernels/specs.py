@@ -29,6 +29,11 @@ class AttentionSpec:
     logit_soft_cap: float | None = None
     use_mla: bool = False
     mla_sparse: bool = False              # sparse (indexer) MLA, as in DeepSeek-V3.2
+    # Sparse MLA: the keys a query attends to, the indexer key kept beside the latent, and
+    # how that key is stored ("auto": the model dtype, or fp8 beside an fp8 latent; "fp8").
+    index_topk: int | None = None
+    index_head_dim: int = 0
+    index_cache_dtype: str = "auto"
     # MLA dimensions (DeepSeek-V3 defaults); head_size is kv_lora_rank + rope for MLA.
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64

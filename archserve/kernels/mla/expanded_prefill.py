@@ -29,19 +29,20 @@ EXPANDED_BLOCK = 16
 def gather_latent(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
                   k_scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Every context row of the given sequences, in order, as ``dtype`` [sum(seq_lens), L+R]."""
-    block_size, width = kv_cache.shape[2], kv_cache.shape[-1]
+    block_size = kv_cache.shape[2]
     seq_index = np.repeat(np.arange(len(seq_lens)), seq_lens)
     positions = np.concatenate([np.arange(n) for n in seq_lens])
     device = kv_cache.device
     seq_t = torch.from_numpy(seq_index).to(device)
     pos_t = torch.from_numpy(positions).to(device)
-    slots = block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size
-    flat = kv_cache.view(-1, width)
-    if flat.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    blocks = block_tables[seq_t, pos_t // block_size].long()
+    offsets = pos_t % block_size
+    # Indexed by block and offset: the latent may be a view of wider rows (sparse MLA's).
+    if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         # Index the bytes: float8 indexing is not implemented on every device.
-        rows = flat.view(torch.uint8)[slots].view(flat.dtype)
+        rows = kv_cache.view(torch.uint8)[0, blocks, offsets, 0].view(kv_cache.dtype)
         return (rows.float() * k_scale).to(dtype)
-    return flat[slots].to(dtype)
+    return kv_cache[0, blocks, offsets, 0].to(dtype)
 
 
 def expanded_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

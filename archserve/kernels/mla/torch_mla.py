@@ -10,6 +10,8 @@ by every head. The model absorbs ``W_UK`` into the query and applies ``W_UV`` af
 Both prefill and decode take this absorbed path (plain fp32 torch, one loop over sequences):
 exact, and it reads only the latent, so chunked prefill over a cached prefix and preemption
 need nothing else. TRITON_MLA (kernels/mla/triton_mla.py) is tested against ``attend_latent``.
+Sparse MLA (DeepSeek-V3.2, GLM-5) takes ``forward_sparse``: the cache row holds the indexer
+key beside the latent, and kernels/sparse_mla/reference.py selects and attends.
 """
 
 from __future__ import annotations
@@ -26,14 +28,22 @@ from archserve.kernels.attention.reference import (
     write_kv_cache,
 )
 from archserve.kernels.mla.interface import absorb_query, latent_output_to_heads
+from archserve.kernels.sparse_mla.interface import IndexerInputs
+from archserve.kernels.sparse_mla.layout import SparseMlaLayout, write_rows
+from archserve.kernels.sparse_mla.reference import sparse_attend, sparse_topk
 
 
 class TorchMlaImpl:
     graph_capturable = False      # reads sequence lengths on the host
 
-    def __init__(self, device: Any = None, spec: Any = None) -> None:
+    def __init__(self, device: Any = None, spec: Any = None,
+                 layout: SparseMlaLayout | None = None) -> None:
         self.device = device
         self.spec = spec
+        # A sparse model's cache rows (kernels/sparse_mla/layout.py): from the spec, or given.
+        if layout is None and getattr(spec, "mla_sparse", False):
+            layout = SparseMlaLayout.for_spec(spec)
+        self.layout = layout
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, w_uk: torch.Tensor,
@@ -60,3 +70,20 @@ class TorchMlaImpl:
             out[q_start:q_end] = torch.einsum("hqk,kl->qhl", probs,
                                               kv[:, :kv_lora_rank]).to(query.dtype)
         return out
+
+    def forward_sparse(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, w_uk: torch.Tensor,
+                       w_uv: torch.Tensor, scale: float, topk: int,
+                       indexer: IndexerInputs | None = None,
+                       shared_indices: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SparseMlaImpl contract (kernels/sparse_mla/interface.py), in fp32 torch."""
+        layout = self.layout
+        assert layout is not None, "a sparse-MLA layer needs the impl built for its spec"
+        write_rows(layout, kv_cache, meta.slot_mapping, latent,
+                   indexer.key if indexer is not None else None)
+        indices = (shared_indices if indexer is None else
+                   sparse_topk(layout, kv_cache, meta, indexer.query, indexer.weights, topk))
+        out = sparse_attend(layout, kv_cache, meta, absorb_query(q_nope, q_pe, w_uk), indices,
+                            scale)
+        return latent_output_to_heads(out, w_uv), indices

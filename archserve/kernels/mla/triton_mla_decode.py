@@ -53,6 +53,13 @@ from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
 from archserve.kernels.mla.triton_mla_output import latent_output_to_heads_triton
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from archserve.kernels.reduce_in_kernel import arrival_counters, reduce_in_kernel
+from archserve.kernels.sparse_mla.layout import SparseMlaLayout
+from archserve.kernels.sparse_mla.triton_rows import (
+    TORCH_TO_TL,
+    e4m3_read_as_bits,
+    load_fp8_tiles,
+    part_pointer,
+)
 from archserve.platform.detect import shared_memory_per_block
 
 
@@ -67,9 +74,17 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr,
                        KEYS_AS_ROWS: tl.constexpr, PDL: tl.constexpr = False,
-                       MERGE_IN_KERNEL: tl.constexpr = False):
+                       MERGE_IN_KERNEL: tl.constexpr = False,
+                       indices_ptr=None, row_seq_ptr=None, stride_indices=0,
+                       INDEXED: tl.constexpr = False, DS_MLA: tl.constexpr = False,
+                       SCALE_OFFSET: tl.constexpr = 0, ROPE_OFFSET: tl.constexpr = 0,
+                       ROPE_DTYPE: tl.constexpr = None):
     # MERGE_IN_KERNEL: the last split of each (head block, sequence) merges the partials
     # (kernels/reduce_in_kernel.py), instead of _merge_splits_kernel.
+    # INDEXED (sparse MLA): axis 1 is a query row that attends to the positions listed in
+    # its row of ``indices`` (seq_lens holds how many, query_start_loc is 0, 1, 2, ...) of
+    # block-table row ``row_seq[row]``; keys [lo, hi) of a split are entries of that list.
+    # DS_MLA: the cache is fp8_ds_mla rows as bytes (kernels/sparse_mla/layout.py).
     head_block = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -77,10 +92,17 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     # KV_RANK + ROPE <= 2 * BLOCK_L values).
     token, query_len, lo, hi, first_new = decode_split_range(
         query_start_loc_ptr, seq_lens_ptr, seq, split, 0, NUM_SPLITS, BLOCK_N)
-    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-    prefetch_first_tile(cache_ptr, cache_ptr, block_table_row, lo, hi,
-                        first_new, stride_cache_block, stride_cache_token, BLOCK_SIZE, BLOCK_N,
-                        KV_RANK + ROPE, 2 * BLOCK_L, False, PDL)
+    if INDEXED:
+        index_row = indices_ptr + seq.to(tl.int64) * stride_indices
+        block_table_row = (block_tables_ptr
+                           + tl.load(row_seq_ptr + seq).to(tl.int64) * stride_block_table)
+    else:
+        index_row = indices_ptr
+        block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+        # (An indexed launch cannot: its positions are the kernel before's output.)
+        prefetch_first_tile(cache_ptr, cache_ptr, block_table_row, lo, hi,
+                            first_new, stride_cache_block, stride_cache_token, BLOCK_SIZE,
+                            BLOCK_N, KV_RANK + ROPE, 2 * BLOCK_L, False, PDL)
     if MERGE_IN_KERNEL:
         num_active = active_splits(query_start_loc_ptr, seq_lens_ptr, seq, 0, NUM_SPLITS,
                                    BLOCK_N)
@@ -113,22 +135,22 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
 
     # Each tile's cache offsets are read one iteration ahead (paged_token_offsets says why).
     offs_n = lo + tl.arange(0, BLOCK_N)
-    rows = paged_token_offsets(block_table_row, offs_n, offs_n < hi, stride_cache_block,
-                               stride_cache_token, BLOCK_SIZE)
+    rows = paged_token_offsets(block_table_row,
+                               _key_positions(index_row, offs_n, offs_n < hi, INDEXED),
+                               offs_n < hi, stride_cache_block, stride_cache_token, BLOCK_SIZE)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        c_kv = tl.load(cache_ptr + rows[:, None] + offs_l[None, :],
-                       mask=mask_n[:, None] & mask_l[None, :], other=0.0)
-        k_pe = tl.load(cache_ptr + rows[:, None] + KV_RANK + offs_r[None, :],
-                       mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
-            c_kv = e4m3_bits_to_fp16(c_kv)
-            k_pe = e4m3_bits_to_fp16(k_pe)
+        c_kv, k_pe = _latent_tile(cache_ptr, rows, mask_n, offs_l, mask_l, offs_r, mask_r,
+                                  KV_RANK, E4M3_BITS, DS_MLA, SCALE_OFFSET, ROPE_OFFSET,
+                                  ROPE_DTYPE)
         c_kv = c_kv.to(q_nope.dtype)
         k_pe = k_pe.to(q_nope.dtype)
-        rows = paged_token_offsets(block_table_row, offs_n + BLOCK_N, offs_n + BLOCK_N < hi,
-                                   stride_cache_block, stride_cache_token, BLOCK_SIZE)
+        next_n = offs_n + BLOCK_N
+        rows = paged_token_offsets(block_table_row,
+                                   _key_positions(index_row, next_n, next_n < hi, INDEXED),
+                                   next_n < hi, stride_cache_block, stride_cache_token,
+                                   BLOCK_SIZE)
         if KEYS_AS_ROWS:
             scores = tl.dot(c_kv, q_nope, input_precision=DOT_PRECISION)
             scores += tl.dot(k_pe, q_pe, input_precision=DOT_PRECISION)
@@ -156,6 +178,43 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
                                 seq, num_active, NUM_HEADS, heads, mask_h, offs_l, mask_l,
                                 stride_out_token, stride_out_head, v_scale, KV_RANK,
                                 NUM_SPLITS)
+
+
+@triton.jit
+def _key_positions(index_row, entries, mask, INDEXED: tl.constexpr):
+    """The token positions of a tile's keys: the entries themselves (dense), or the
+    positions an indexed row lists at those entries."""
+    if INDEXED:
+        positions = tl.load(index_row + entries, mask=mask, other=0)
+    else:
+        positions = entries
+    return positions
+
+
+@triton.jit
+def _latent_tile(cache_ptr, rows, mask_n, offs_l, mask_l, offs_r, mask_r,
+                 KV_RANK: tl.constexpr, E4M3_BITS: tl.constexpr, DS_MLA: tl.constexpr,
+                 SCALE_OFFSET: tl.constexpr, ROPE_OFFSET: tl.constexpr,
+                 ROPE_DTYPE: tl.constexpr):
+    """(c_kv [N, BLOCK_L], k_pe [N, BLOCK_R]) of the cache rows at ``rows``: the latent as
+    the cache holds it (an e4m3 cache read as bytes: value / 256, the wrapper scales by
+    256), or an fp8_ds_mla row dequantized (c_kv's e4m3 bytes times their tile's scale,
+    k_pe in ROPE_DTYPE at byte ROPE_OFFSET)."""
+    mask_cl = mask_n[:, None] & mask_l[None, :]
+    mask_pe = mask_n[:, None] & mask_r[None, :]
+    if DS_MLA:
+        c_kv = load_fp8_tiles(cache_ptr, rows, mask_n, offs_l, mask_l, 0, SCALE_OFFSET,
+                              E4M3_BITS)
+        rope = part_pointer(cache_ptr, rows, ROPE_OFFSET, ROPE_DTYPE)
+        k_pe = tl.load(rope[:, None] + offs_r[None, :], mask=mask_pe, other=0.0)
+    else:
+        c_kv = tl.load(cache_ptr + rows[:, None] + offs_l[None, :], mask=mask_cl, other=0.0)
+        k_pe = tl.load(cache_ptr + rows[:, None] + KV_RANK + offs_r[None, :], mask=mask_pe,
+                       other=0.0)
+        if E4M3_BITS:   # bytes -> value / 256 (the wrapper scales by 256)
+            c_kv = e4m3_bits_to_fp16(c_kv)
+            k_pe = e4m3_bits_to_fp16(k_pe)
+    return c_kv, k_pe
 
 
 @triton.jit
@@ -238,8 +297,9 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
                num_seqs: int, max_seq_len: int, scale: float, k_scale: float = 1.0,
                num_sms: int = 0, num_splits: int | None = None,
                tiles: tuple[int, int, int, int] | None = None,
-               e4m3_bits: bool | None = None, w_uv: torch.Tensor | None = None
-               ) -> torch.Tensor:
+               e4m3_bits: bool | None = None, w_uv: torch.Tensor | None = None,
+               indices: torch.Tensor | None = None, row_seq: torch.Tensor | None = None,
+               layout: SparseMlaLayout | None = None) -> torch.Tensor:
     """Attend one absorbed query token per sequence over its paged latent; writes ``out``,
     or with ``w_uv`` [H, v, L] returns the heads' values [T, H, v] (the merge and W_UV in
     one kernel: triton_mla_output.py; ``out`` is then scratch).
@@ -249,18 +309,40 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     ``num_splits`` overrides the split rule (a power of two), ``tiles`` the
     ``mla_decode_tiles`` (both for benchmark sweeps); ``e4m3_bits`` reads an e4m3 cache as
     bytes (None: where the GPU lacks e4m3).
+
+    Sparse MLA: ``layout`` says how kv_cache's rows hold the latent (kernels/sparse_mla/
+    layout.py: the model dtype beside an indexer key, or fp8_ds_mla). With ``indices``
+    [T, topk] each query row attends to the positions its row lists, of block-table row
+    ``row_seq[row]``; ``seq_lens`` then counts each row's entries, ``query_start_loc`` is
+    0, 1, ..., T, num_seqs is T, and max_seq_len the most entries a row may have.
     """
     _, num_heads, latent_size = query.shape
     kv_rank = out.shape[-1]
     rope = latent_size - kv_rank
-    assert kv_cache.shape[0] == 1 and kv_cache.shape[3] == 1 and kv_cache.shape[4] == latent_size
+    sparse = {}
+    if layout is not None and layout.latent_fp8:
+        sparse = dict(DS_MLA=True, SCALE_OFFSET=layout.scale_offset,
+                      ROPE_OFFSET=layout.rope_offset,
+                      ROPE_DTYPE=TORCH_TO_TL[layout.model_dtype])
+    elif layout is not None:
+        kv_cache = layout.latent_view(kv_cache)
+    assert kv_cache.shape[0] == 1 and kv_cache.shape[3] == 1
+    assert sparse or kv_cache.shape[4] == latent_size
     assert rope > 0, "the kernel reads a rope part (qk_rope_head_dim > 0)"
     assert kv_cache.stride(-1) == 1 and query.stride(-1) == 1 and out.stride(-1) == 1
     if num_seqs == 0:
         return out
     block_size = kv_cache.shape[2]
-    kv_cache, bits = cache_operand(kv_cache, e4m3_bits)
-    v_scale = k_scale * (E4M3_BITS_SCALE if bits else 1.0)
+    if sparse:   # bytes; the tiles dequantize themselves
+        kv_cache = kv_cache.view(torch.uint8)
+        bits = e4m3_read_as_bits(out.device) if e4m3_bits is None else e4m3_bits
+        v_scale = k_scale
+    else:
+        kv_cache, bits = cache_operand(kv_cache, e4m3_bits)
+        v_scale = k_scale * (E4M3_BITS_SCALE if bits else 1.0)
+    if indices is not None:
+        sparse.update(indices_ptr=indices, row_seq_ptr=row_seq,
+                      stride_indices=indices.stride(0), INDEXED=True)
     block_h = (tiles or mla_decode_tiles(num_heads))[0]
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
@@ -284,7 +366,7 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         BLOCK_R=max(triton.next_power_of_2(rope), 16), NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, KEYS_AS_ROWS=keys_as_rows,
         PDL=pdl, MERGE_IN_KERNEL=merged, num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch_options(pdl),
+        **sparse, **pdl_launch_options(pdl),
     )
     if num_splits > 1 and not merged:
         if w_uv is not None:

@@ -1,0 +1,158 @@
+"""Triton lightning-indexer scores: each query row against every cached key it sees.
+
+score(row, s) = sum_h w[row, h] * relu(q[row, h] . k[s]) for the row's keys s < length, into
+a row of an fp32 buffer (entries past the row's length are left unwritten; the top-k reads
+no further). A program takes BLOCK_Q rows of one sequence and stacks their heads as the M
+side of one ``tl.dot`` against a tile of BLOCK_N keys, so a prompt's rows share each key
+tile; a decode row (BLOCK_Q 1) makes its heads the M side. The programs of a row block
+stride over its key tiles (grid axis 1, SPLITS of them, from host ints only: a CUDA graph
+replays the launch for any lengths). A block whose rows all see no more than ``topk`` keys
+does nothing: those rows attend to every key.
+
+The keys are read through the block table from the cache rows of layout.py: the model
+dtype, or e4m3 with a power-of-two scale per 128 values (dequantized exactly in 16 bits).
+The queries and the keys meet in the model dtype with fp32 accumulation, as DeepSeek's
+reference indexer scores in bf16 (transformers in fp32: the gap is bf16 rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from archserve.kernels.attention.triton_cache_write import paged_token_offsets
+from archserve.kernels.attention.triton_decode import dot_precision
+from archserve.kernels.sparse_mla.layout import SparseMlaLayout
+from archserve.kernels.sparse_mla.triton_rows import TORCH_TO_TL, load_index_keys
+
+INDEX_BLOCK_N = 64
+# Rows x heads one program stacks (the dot's M): a prompt block of 128 / heads rows.
+INDEX_BLOCK_M = 128
+# Programs a launch aims at per SM, counting each row's split programs.
+INDEX_PROGRAMS_PER_SM = 4
+
+
+@dataclass
+class RowBlocks:
+    """A step's query rows cut into blocks of at most ``rows_per_block`` rows of one
+    sequence: block b covers rows [start[b], end[b])."""
+
+    start: torch.Tensor
+    end: torch.Tensor
+    rows_per_block: int
+
+
+def row_blocks(query_lens: list[int], rows_per_block: int, device: torch.device) -> RowBlocks:
+    """Blocks of the consecutive rows of each sequence (query_lens: rows per sequence)."""
+    starts, ends, first = [], [], 0
+    for n in query_lens:
+        for s in range(first, first + n, rows_per_block):
+            starts.append(s)
+            ends.append(min(s + rows_per_block, first + n))
+        first += n
+    start = torch.from_numpy(np.asarray(starts, dtype=np.int32)).to(device)
+    end = torch.from_numpy(np.asarray(ends, dtype=np.int32)).to(device)
+    return RowBlocks(start, end, rows_per_block)
+
+
+@triton.jit
+def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, block_tables_ptr, row_seq_ptr, row_len_ptr,
+                         block_start_ptr, block_end_ptr, scores_ptr,
+                         stride_q_row, stride_q_head, stride_w_row, stride_cache_block,
+                         stride_cache_token, stride_block_table, stride_scores,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TOPK: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, INDEX_OFFSET: tl.constexpr,
+                         INDEX_SCALE_OFFSET: tl.constexpr, INDEX_FP8: tl.constexpr,
+                         KEY_DTYPE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr):
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    if BLOCK_Q == 1:        # decode: row b is block b
+        first = block
+        end = block + 1
+    else:
+        first = tl.load(block_start_ptr + block)
+        end = tl.load(block_end_ptr + block)
+    m = tl.arange(0, BLOCK_Q * BLOCK_H)
+    rows = first + m // BLOCK_H
+    heads = m % BLOCK_H
+    live = (rows < end) & (heads < NUM_HEADS)
+    q_rows = first + tl.arange(0, BLOCK_Q)
+    lengths = tl.load(row_len_ptr + q_rows, mask=q_rows < end, other=0)
+    longest = tl.max(lengths, axis=0)
+    # Rows that see at most TOPK keys take them all: nothing to score.
+    num_tiles = tl.where(longest > TOPK, tl.cdiv(longest, BLOCK_N), 0)
+    seq = tl.load(row_seq_ptr + first)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q_row
+                + heads[:, None] * stride_q_head + offs_d[None, :],
+                mask=live[:, None] & mask_d[None, :], other=0.0)
+    w = tl.load(w_ptr + rows.to(tl.int64) * stride_w_row + heads, mask=live, other=0.0)
+    if DOT_PRECISION == "ieee":
+        q = q.to(tl.float32)
+    out_rows = scores_ptr + q_rows.to(tl.int64)[:, None] * stride_scores
+    for tile in range(split, num_tiles, SPLITS):
+        pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        seen = pos < longest
+        offsets = paged_token_offsets(block_table_row, pos, seen, stride_cache_block,
+                                      stride_cache_token, BLOCK_SIZE)
+        keys = load_index_keys(cache_ptr, offsets, seen, offs_d, mask_d, INDEX_OFFSET,
+                               INDEX_SCALE_OFFSET, INDEX_FP8, KEY_DTYPE, E4M3_BITS)
+        products = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision=DOT_PRECISION)
+        weighted = tl.maximum(products, 0.0) * w[:, None]
+        scores = tl.sum(tl.reshape(weighted, [BLOCK_Q, BLOCK_H, BLOCK_N]), axis=1)
+        tl.store(out_rows + pos[None, :], scores,
+                 mask=(pos[None, :] < lengths[:, None]) & (q_rows < end)[:, None])
+
+
+def index_scores_triton(layout: SparseMlaLayout, kv_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query: torch.Tensor,
+                        weights: torch.Tensor, row_seq: torch.Tensor,
+                        row_lengths: torch.Tensor, max_length: int, topk: int,
+                        blocks: RowBlocks | None = None, num_sms: int = 0,
+                        e4m3_bits: bool = False) -> torch.Tensor:
+    """fp32 scores [R, max_length] of query rows [R, H, D] (weights [R, H] fp32, every scale
+    in them) over their sequences' cached indexer keys: row r reads block-table row
+    ``row_seq[r]`` and sees its first ``row_lengths[r]`` keys. ``blocks`` groups rows of
+    one sequence (prompts); None: one row a program (decode). ``max_length``, a host int
+    (the step's longest context, or a graph's max_model_len), sizes the buffer and the
+    grid."""
+    num_rows, num_heads, head_dim = query.shape
+    scores = torch.empty(num_rows, max(max_length, 1), dtype=torch.float32,
+                         device=query.device)
+    if num_rows == 0 or max_length <= topk:
+        return scores
+    rows_per_block = blocks.rows_per_block if blocks is not None else 1
+    num_blocks = blocks.start.shape[0] if blocks is not None else num_rows
+    block_h = max(triton.next_power_of_2(num_heads), 16 // rows_per_block)
+    tiles = triton.cdiv(max_length, INDEX_BLOCK_N)
+    splits = max(1, min(tiles, triton.cdiv(INDEX_PROGRAMS_PER_SM * max(num_sms, 1),
+                                           num_blocks)))
+    rows = layout.byte_rows(kv_cache)
+    block_size = kv_cache.shape[2]
+    start = blocks.start if blocks is not None else row_lengths
+    end = blocks.end if blocks is not None else row_lengths
+    _index_scores_kernel[(num_blocks, splits)](
+        query, weights, rows, block_tables, row_seq, row_lengths, start, end, scores,
+        query.stride(0), query.stride(1), weights.stride(0), block_size * rows.stride(0),
+        rows.stride(0), block_tables.stride(0), scores.stride(0),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, TOPK=topk, BLOCK_SIZE=block_size,
+        INDEX_OFFSET=layout.index_offset, INDEX_SCALE_OFFSET=layout.index_scale_offset,
+        INDEX_FP8=layout.index_fp8, KEY_DTYPE=TORCH_TO_TL[query.dtype],
+        BLOCK_Q=rows_per_block, BLOCK_H=block_h,
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16), BLOCK_N=INDEX_BLOCK_N,
+        SPLITS=splits, DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=e4m3_bits,
+        num_warps=4)
+    return scores
+
+
+def prompt_rows_per_block(num_heads: int) -> int:
+    """Rows a prompt block stacks: INDEX_BLOCK_M of rows x heads (one row at least)."""
+    return max(1, INDEX_BLOCK_M // triton.next_power_of_2(num_heads))

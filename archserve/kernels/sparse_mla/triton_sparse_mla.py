@@ -1,0 +1,160 @@
+"""TRITON_MLA_SPARSE: DeepSeek sparse attention from archserve's Triton kernels.
+
+Per layer and step:
+
+1. this step's latents and indexer keys into the layer's cache rows (triton_rows.py);
+2. each query row's indexer scores over the keys it sees (triton_indexer.py) and its top-k
+   (triton_topk.py): token positions that stay on the device;
+3. the MLA decode kernel in its indexed form over those positions, for decode and prompt
+   rows alike (kernels/mla/triton_mla_decode.py: absorbed query, head blocks, split-KV, the
+   merge and W_UV in one kernel), reading only the selected latent rows through the block
+   table.
+
+A layer that shares an earlier layer's selection (GLM-5) skips 1's key and 2. A row that
+sees no more than ``topk`` keys attends to all of them; a step where every row does (the
+step's longest context, a host int, at most topk) is dense MLA and runs TRITON_MLA's path
+over the latent: the absorbed decode kernel, and for prompts the expanded prefill (an
+fp8_ds_mla latent, which that prefill cannot read, takes the indexed kernel over every
+position instead). A decode step in a CUDA graph is sized by max_model_len: there it is
+dense only for models whose max_model_len is at most topk.
+
+The indexer's score buffer holds fp32 rows of the longest context; rows are processed in
+groups of at most SCORES_BUDGET_BYTES of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from archserve.kernels.attention.interface import AttentionMetadata
+from archserve.kernels.mla.interface import absorb_query
+from archserve.kernels.mla.triton_mla import TritonMlaImpl
+from archserve.kernels.mla.triton_mla_decode import mla_decode
+from archserve.kernels.sparse_mla.interface import IndexerInputs
+from archserve.kernels.sparse_mla.layout import SparseMlaLayout
+from archserve.kernels.sparse_mla.triton_indexer import (
+    index_scores_triton,
+    prompt_rows_per_block,
+    row_blocks,
+)
+from archserve.kernels.sparse_mla.triton_rows import e4m3_read_as_bits, write_sparse_rows
+from archserve.kernels.sparse_mla.triton_topk import select_topk_triton
+
+SCORES_BUDGET_BYTES = 64 << 20
+
+
+def row_groups(num_rows: int, max_length: int) -> list[tuple[int, int]]:
+    """[start, end) groups of at most SCORES_BUDGET_BYTES of fp32 score rows."""
+    per_group = max(1, SCORES_BUDGET_BYTES // (4 * max(max_length, 1)))
+    return [(s, min(s + per_group, num_rows)) for s in range(0, num_rows, per_group)]
+
+
+class TritonSparseMlaImpl(TritonMlaImpl):
+    graph_capturable = True
+
+    def __init__(self, device=None, spec=None, layout: SparseMlaLayout | None = None,  # noqa: ANN001
+                 fp8_bytes: bool | None = None) -> None:
+        super().__init__(device, spec, fp8_bytes)
+        self.layout = layout if layout is not None else SparseMlaLayout.for_spec(spec)
+        # The indexed decode kernel's tiles when the start-up timing chose other than the
+        # rule's (kernels/mla/tuning.py); None: the rule's.
+        self.sparse_tiles: tuple | None = None
+
+    def _bits(self, device: torch.device) -> bool:
+        return self.fp8_bytes if self.fp8_bytes is not None else e4m3_read_as_bits(device)
+
+    def forward_sparse(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, w_uk: torch.Tensor,
+                       w_uv: torch.Tensor, scale: float, topk: int,
+                       indexer: IndexerInputs | None = None,
+                       shared_indices: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The SparseMlaImpl contract (kernels/sparse_mla/interface.py). The selection is
+        None where the step is dense (a sharing layer's step is then dense too)."""
+        layout = self.layout
+        write_sparse_rows(layout, kv_cache, meta.slot_mapping, latent,
+                          indexer.key if indexer is not None else None)
+        if meta.max_seq_len <= topk and not layout.latent_fp8:
+            return self._dense(q_nope, q_pe, kv_cache, meta, w_uk, w_uv, scale), None
+        row_seq, row_len = self._rows(meta)
+        if indexer is not None:
+            indices, counts = self._select(indexer, kv_cache, meta, row_seq, row_len, topk)
+        elif shared_indices is not None:
+            indices, counts = shared_indices, row_len.clamp(max=topk)
+        else:   # a sharing layer after a dense step (an fp8_ds_mla latent): every key
+            indices, counts = select_topk_triton(row_len.new_empty(row_len.shape[0], 0),
+                                                 row_len, topk)
+        query = absorb_query(q_nope, q_pe, w_uk)
+        rows = row_seq.shape[0]
+        out = torch.empty(*query.shape[:2], w_uv.shape[-1], dtype=query.dtype,
+                          device=query.device)
+        values = mla_decode(query, kv_cache, meta.block_tables, counts,
+                            torch.arange(rows + 1, dtype=torch.int32, device=query.device),
+                            out, num_seqs=rows, max_seq_len=min(topk, max(meta.max_seq_len, 1)),
+                            scale=scale, num_sms=self._sm_count(query), tiles=self.sparse_tiles,
+                            e4m3_bits=self._bits(query.device), w_uv=w_uv, indices=indices,
+                            row_seq=row_seq, layout=layout)
+        return values, indices
+
+    def _dense(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Every row sees at most topk keys: TRITON_MLA over the latent (its rows written)."""
+        latent_cache = self.layout.latent_view(kv_cache)
+        if meta.max_query_len <= 1:
+            return self.decode(absorb_query(q_nope, q_pe, w_uk), latent_cache,
+                               meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                               meta.num_seqs, meta.max_seq_len, scale, w_uv, 1.0)
+        return self._mixed_step(q_nope, q_pe, latent_cache, meta, w_uk, w_uv, scale, 1.0)
+
+    @staticmethod
+    def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the block-table row, the keys seen) of each query row: for a decode step the
+        step's own device tensors (what a CUDA graph replays), else from host lengths."""
+        device = meta.seq_lens.device
+        if meta.max_query_len <= 1:   # row i is sequence i (tokens past them are padding)
+            return (torch.arange(meta.num_seqs, dtype=torch.int32, device=device),
+                    meta.seq_lens)
+        query_lens = np.asarray(meta.query_lens_cpu, dtype=np.int64)
+        seq_lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+        row_seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), query_lens)
+        first = np.repeat(seq_lens - query_lens, query_lens)
+        offset = np.arange(len(row_seq)) - np.repeat(np.cumsum(query_lens) - query_lens,
+                                                     query_lens)
+        row_len = (first + offset + 1).astype(np.int32)
+        return (torch.from_numpy(row_seq).to(device), torch.from_numpy(row_len).to(device))
+
+    def _select(self, indexer: IndexerInputs, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                row_seq: torch.Tensor, row_len: torch.Tensor, topk: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 [T, topk] positions, int32 [T] valid entries) of the step's rows."""
+        num_rows = row_seq.shape[0]
+        device = row_seq.device
+        indices = torch.empty(num_rows, topk, dtype=torch.int32, device=device)
+        counts = torch.empty(num_rows, dtype=torch.int32, device=device)
+        decode = meta.max_query_len <= 1
+        num_heads = indexer.query.shape[1]
+        for start, end in row_groups(num_rows, meta.max_seq_len):
+            blocks = None if decode else row_blocks(
+                _group_query_lens(meta.query_lens_cpu, start, end),
+                prompt_rows_per_block(num_heads), device)
+            scores = index_scores_triton(
+                self.layout, kv_cache, meta.block_tables, indexer.query[start:end],
+                indexer.weights[start:end], row_seq[start:end], row_len[start:end],
+                meta.max_seq_len, topk, blocks=blocks, num_sms=self._sm_count(row_len),
+                e4m3_bits=self._bits(device))
+            select_topk_triton(scores, row_len[start:end], topk, indices[start:end],
+                               counts[start:end])
+        return indices, counts
+
+
+def _group_query_lens(query_lens: list[int], start: int, end: int) -> list[int]:
+    """The rows per sequence of rows [start, end) of a step (sequences cut at its edges)."""
+    out, first = [], 0
+    for n in query_lens:
+        lo, hi = max(first, start), min(first + n, end)
+        if hi > lo:
+            out.append(hi - lo)
+        first += n
+    return out
