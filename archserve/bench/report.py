@@ -44,6 +44,14 @@ def _latency_rows(run: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _spec_decode_row(spec: dict) -> tuple[str, str]:
+    per_pos = ", ".join(f"{r:.2f}" for r in spec["acceptance_rate_per_pos"])
+    return ("spec decode: acceptance length, rate (per position)",
+            f"{_num(spec['mean_acceptance_length'])}, "
+            f"{_num(spec['acceptance_rate'], 1, 100, ' %')} ({per_pos}); "
+            f"{spec['num_accepted_tokens']} of {spec['num_draft_tokens']} drafted tokens")
+
+
 def summary_rows(result: dict) -> list[tuple[str, str]]:
     rows = [("mode", result["mode"]), ("model", str(result.get("model"))),
             ("requests", str(result.get("num_requests"))),
@@ -75,6 +83,8 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
         if result.get("compiled_while_running"):   # warm-up misses (kernels/jit_watch.py)
             rows.append(("Triton kernels compiled while running", ", ".join(
                 f"{name} x{count}" for name, count in result["compiled_while_running"].items())))
+        if result.get("spec_decode"):
+            rows.append(_spec_decode_row(result["spec_decode"]))
         if result.get("peer"):
             peer = result["peer"]
             rows += [(f"transformers ({peer['method']}) output tokens/s",
@@ -91,6 +101,8 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
                  ("KV cache usage max / mean",
                   f"{_num(server['kv_cache_usage_max'], 1, 100, ' %')} / "
                   f"{_num(server['kv_cache_usage_mean'], 1, 100, ' %')}")]
+    if result["mode"] != "offline" and result["server"].get("spec_decode"):
+        rows.append(_spec_decode_row(result["server"]["spec_decode"]))
     for path in result.get("plots", []):
         rows.append(("plot", path))
     return rows

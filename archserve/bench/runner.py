@@ -39,6 +39,7 @@ class BenchOptions:
     max_num_seqs: int = 256
     enforce_eager: bool = False
     compilation_config: str | None = None        # vLLM's JSON (engine/compilation_config.py)
+    speculative_config: str | None = None        # vLLM's JSON (engine/spec_decode/config.py)
     tensor_parallel_size: int = 1
     max_num_batched_tokens: int | None = None    # None: the engine's default
     target_itl_ms: float | str | None = None     # offline: no ITL bound unless asked
@@ -115,6 +116,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
         max_model_len=options.max_model_len, max_num_seqs=options.max_num_seqs,
         enforce_eager=options.enforce_eager, async_scheduling=options.async_scheduling,
         compilation_config=options.compilation_config,
+        speculative_config=options.speculative_config,
         seed=options.seed, tensor_parallel_size=options.tensor_parallel_size,
         distributed_executor_backend=options.distributed_executor_backend,
         max_num_batched_tokens=options.max_num_batched_tokens,
@@ -130,8 +132,10 @@ def run_offline_bench(options: BenchOptions) -> dict:
     device, dtype = engine.runner.device, engine.report.dtype
     ceilings = load_or_measure(device)
     compiled_before = compiled_after_startup()
+    spec_before = spec_decode_counts(engine)
     throughput, trace = run_offline(engine, requests, options.ignore_eos,
                                     options.show_progress)
+    spec = spec_decode_summary(spec_before, spec_decode_counts(engine))
     # Kernel variants the start-up did not compile: the run waited for them.
     compiled = compiled_since(compiled_before)
     if engine.cpu_threads is not None:
@@ -166,6 +170,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
         "host_ms_per_decode_step": trace.host_ms_per_decode_step(),
         # What the start-up chose (routes, tiles, graphs, budgets): which code made the row.
         "decisions": {d.what: d.chosen for d in engine.report.decisions},
+        "spec_decode": spec,
     }
     if options.plots_dir:
         result["plots"].append(_step_plot(trace, facts, ceilings, options.plots_dir))
@@ -180,6 +185,31 @@ def run_offline_bench(options: BenchOptions) -> dict:
         result["speedup_vs_peer"] = (throughput.output_tokens_per_s
                                      / peer.output_tokens_per_s)
     return result
+
+
+def spec_decode_counts(engine) -> dict | None:
+    """The engine's speculative decoding counters now (None when it does not speculate)."""
+    speculator = getattr(engine, "speculator", None)
+    return None if speculator is None else speculator.stats.as_dict()
+
+
+def spec_decode_summary(before: dict | None, after: dict | None) -> dict | None:
+    """vLLM's speculative decoding figures over a run, from the counters before and after
+    it: drafts, draft and accepted tokens, the acceptance rate, the mean acceptance length
+    (1 + accepted / drafts: tokens a verifying sequence got per step) and the acceptance
+    rate by draft position."""
+    if before is None or after is None:
+        return None
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    delta = {k: after[k] - before[k] for k in keys}
+    per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
+               for i, a in enumerate(after["accepted_per_pos"])]
+    drafts = delta["num_drafts"]
+    return {**delta,
+            "acceptance_rate": (delta["num_accepted_tokens"] / delta["num_draft_tokens"]
+                                if delta["num_draft_tokens"] else None),
+            "mean_acceptance_length": 1 + delta["num_accepted_tokens"] / drafts if drafts else None,
+            "acceptance_rate_per_pos": [n / drafts for n in per_pos] if drafts else []}
 
 
 def _step_plot(trace, facts, ceilings, directory: str) -> str:

@@ -21,6 +21,9 @@ _WANTED = {
     "num_waiting": ("num_requests_waiting",),
     "memory_used_bytes": ("device_memory_used_bytes", "gpu_memory_used_bytes"),
     "memory_peak_bytes": ("device_memory_peak_bytes", "gpu_memory_peak_bytes"),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts_total",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens_total",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens_total",),
 }
 
 
@@ -32,6 +35,9 @@ class MetricsSample:
     num_waiting: float | None
     memory_used_bytes: float | None
     memory_peak_bytes: float | None
+    spec_decode_num_drafts: float | None = None          # counters since the server started
+    spec_decode_num_draft_tokens: float | None = None
+    spec_decode_num_accepted_tokens: float | None = None
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -99,5 +105,23 @@ def summarize_samples(samples: list[MetricsSample]) -> dict:
         "kv_cache_usage_max": max(kv) if kv else None,
         "kv_cache_usage_mean": sum(kv) / len(kv) if kv else None,
         "memory_peak_bytes": max(peak + used) if peak or used else None,
+        "spec_decode": _spec_decode_over(samples),
         "timeline": [asdict(s) for s in samples],
     }
+
+
+def _spec_decode_over(samples: list[MetricsSample]) -> dict | None:
+    """The speculative decoding figures of the run, from the counters' first and last
+    samples (None when the server does not speculate)."""
+    counted = [s for s in samples if s.spec_decode_num_drafts is not None]
+    if not counted:
+        return None
+    first, last = counted[0], counted[-1]
+    drafts = last.spec_decode_num_drafts - first.spec_decode_num_drafts
+    draft_tokens = last.spec_decode_num_draft_tokens - first.spec_decode_num_draft_tokens
+    accepted = last.spec_decode_num_accepted_tokens - first.spec_decode_num_accepted_tokens
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate_per_pos": []}

@@ -17,6 +17,7 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto, bfloat16, float16,
 BackendOpt = Annotated[str | None, typer.Option("--attention-backend", help="Force an attention backend (validated; see `archserve explain`).")]
 EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")]
 CompilationOpt = Annotated[str | None, typer.Option("--compilation-config", "-O", help='vLLM\'s compilation config as JSON; archserve takes cudagraph_mode (FULL, the default: steps with prompt tokens replay CUDA graphs too; FULL_DECODE_ONLY: decode steps only; NONE) and cudagraph_capture_sizes, e.g. \'{"cudagraph_mode": "FULL"}\'; -O3 (a level) changes nothing.')]
+SpeculativeOpt = Annotated[str | None, typer.Option("--speculative-config", help='vLLM\'s speculative config as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\', \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' or \'{"method": "mtp"}\' (DeepSeek-V3 checkpoints\' next-token layers). Drafted tokens are verified by one forward of the model; the output is what decoding without them gives.')]
 AsyncSchedulingOpt = Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later). Default: on for CUDA, off on CPU.")]
 MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Sequences in one batch at most.")]
 LoadFormatOpt = Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")]
@@ -49,7 +50,8 @@ def parse_target_itl(text: str) -> float | str | None:
 
 
 def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_model_len, verbose,
-            quantization=None, tensor_parallel_size=1, distributed_executor_backend="mp"):
+            quantization=None, tensor_parallel_size=1, distributed_executor_backend="mp",
+            speculative_config=None):
     import logging
 
     from archserve.engine.config import EngineConfig
@@ -60,7 +62,8 @@ def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_mod
                           enforce_eager=enforce_eager, load_format=load_format,
                           max_model_len=max_model_len, max_num_seqs=8,
                           quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-                          distributed_executor_backend=distributed_executor_backend)
+                          distributed_executor_backend=distributed_executor_backend,
+                          speculative_config=speculative_config)
     return LLMEngine(config)
 
 
@@ -78,14 +81,15 @@ def generate(prompt: Annotated[str, typer.Argument(help="The prompt text.")],
              enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
              max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
              quantization: QuantOpt = None, tensor_parallel_size: TPOpt = 1,
-             distributed_executor_backend: ExecutorOpt = "mp") -> None:
+             distributed_executor_backend: ExecutorOpt = "mp",
+             speculative_config: SpeculativeOpt = None) -> None:
     """Generate a completion for PROMPT, streamed to the terminal."""
     from archserve.engine.streaming import stream_text
     from archserve.loader.tokenizer import apply_chat_template
     try:
         engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
                          max_model_len, verbose, quantization, tensor_parallel_size,
-                         distributed_executor_backend)
+                         distributed_executor_backend, speculative_config)
         params = _params(max_tokens, temperature, top_p, top_k, seed)
         request = (apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
                    if chat_template else prompt)
@@ -105,7 +109,8 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
          enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
          max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
          quantization: QuantOpt = None, tensor_parallel_size: TPOpt = 1,
-         distributed_executor_backend: ExecutorOpt = "mp") -> None:
+         distributed_executor_backend: ExecutorOpt = "mp",
+         speculative_config: SpeculativeOpt = None) -> None:
     """Chat with a model in the terminal; replies stream token by token.
 
     Type a message and press Enter. `/reset` clears the conversation, `/exit` (or
@@ -116,7 +121,7 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
     try:
         engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
                          max_model_len, verbose, quantization, tensor_parallel_size,
-                         distributed_executor_backend)
+                         distributed_executor_backend, speculative_config)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -16,6 +16,7 @@ from archserve.cli.generate import (
     MaxLenOpt,
     ModelOpt,
     QuantOpt,
+    SpeculativeOpt,
     TargetItlOpt,
     TPOpt,
     parse_target_itl,
@@ -30,6 +31,7 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
             max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Largest decode batch (CUDA graph sizes follow it).")] = 256,
             gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
             target_itl_ms: TargetItlOpt = "auto",   # as `serve`: its step budget is shown too
+            speculative_config: SpeculativeOpt = None,
             json_output: Annotated[bool, typer.Option("--json", help="Print the timings as JSON.")] = False) -> None:
     """Warm a model up ahead of time: derive and cache its GGUF metadata, compile and autotune
     its kernels, capture its CUDA graphs, measure the device's ceilings and run the
@@ -53,6 +55,7 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
             quantization=quantization, tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             target_itl_ms=parse_target_itl(target_itl_ms),
+            speculative_config=speculative_config,
             skip_tokenizer_init=dummy_without_tokenizer(model_path, load_format),
             self_check_profile=True))   # this process exits next: CUPTI's cost does not matter
     except ValueError as exc:

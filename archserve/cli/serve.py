@@ -23,6 +23,7 @@ from archserve.cli.generate import (
     ModelOpt,
     PrefixCachingOpt,
     QuantOpt,
+    SpeculativeOpt,
     TargetItlOpt,
     TPOpt,
     parse_target_itl,
@@ -42,6 +43,7 @@ def serve(
     enforce_eager: EagerOpt = False,
     compilation_config: CompilationOpt = None,
     async_scheduling: AsyncSchedulingOpt = None,
+    speculative_config: SpeculativeOpt = None,
     load_format: LoadFormatOpt = "auto",
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="HF directory or .gguf file to take the tokenizer from; default: --model's (e.g. dummy weights of a config-only folder with another model's tokenizer).")] = None,
     quantization: QuantOpt = None,
@@ -97,7 +99,8 @@ def serve(
                           enable_prefix_caching=enable_prefix_caching,
                           enable_chunked_prefill=enable_chunked_prefill,
                           kv_cache_dtype=kv_cache_dtype,
-                          calculate_kv_scales=calculate_kv_scales)
+                          calculate_kv_scales=calculate_kv_scales,
+                          speculative_config=speculative_config)
     try:
         run_server(config, settings)
     except (ValueError, OSError) as exc:

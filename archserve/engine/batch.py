@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from archserve.engine.scheduler import ScheduledSeq
+from archserve.engine.spec_decode.verification import sampler_rows
 from archserve.engine.staging import StagingRing
 from archserve.kernels.attention.interface import AttentionMetadata
 
@@ -22,14 +23,17 @@ class ModelBatch:
     input_ids: torch.Tensor           # long [T]
     positions: torch.Tensor           # long [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor      # long [N]: rows whose next token is sampled
-    sampled_seqs: list                # the N sequences, same order
+    logits_indices: torch.Tensor      # long [R]: rows whose next token is sampled
+    sampled_seqs: list                # the sequences that sample, in order
     prompt_logprob_rows: list[tuple[object, int, int, int]]  # (seq, row_start, row_end, first_pos)
     # The first input ids, still on their way from the step in flight (its sampled tokens,
     # in row order): a decode graph's replay reads them in its input kernel (``input_ids``
     # keeps its placeholders there), any other forward first copies them in
     # (``apply_fed_ids``).
     fed_ids: torch.Tensor | None = None
+    # The sampler's R rows, in order (engine/spec_decode/verification.py): a sequence's
+    # own, or with drafts its k + 1 rows; None when that is sampled_seqs.
+    sample_rows: list | None = None
 
     def apply_fed_ids(self) -> None:
         """Write ``fed_ids`` into the first rows of ``input_ids``."""
@@ -113,6 +117,7 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRin
     runner's: engine/staging.py)."""
     if all(c.num_new_tokens == 1 and c.samples for c in chunks):
         return build_decode_batch(chunks, block_size, staging)
+    drafting = any(c.draft_token_ids for c in chunks)
     num_tokens = sum(c.num_new_tokens for c in chunks)
     num_seqs = len(chunks)
     input_ids = np.empty(num_tokens, dtype=np.int64)
@@ -130,7 +135,8 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRin
         seq = chunk.seq
         start = seq.num_computed_tokens
         end = start + chunk.num_new_tokens
-        tokens = seq.token_ids_slice(start, end)
+        tokens = seq.token_ids_slice(start, end - len(chunk.draft_token_ids))
+        tokens += chunk.draft_token_ids
         pos = np.arange(start, end, dtype=np.int64)
         input_ids[row:row + chunk.num_new_tokens] = tokens
         positions[row:row + chunk.num_new_tokens] = pos
@@ -144,8 +150,10 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRin
             last = min(end, seq.num_prompt_tokens - 1)
             prompt_rows.append((seq, row, row + (last - start), start))
         if chunk.samples:
-            # This chunk reaches the newest token: the model's output here is sampled.
-            logits_rows.append(row + chunk.num_new_tokens - 1)
+            # This chunk reaches the newest token (and its drafts, each row verifying the
+            # next): the model's output there is sampled.
+            last = row + chunk.num_new_tokens
+            logits_rows.extend(range(last - 1 - len(chunk.draft_token_ids), last))
             sampled_seqs.append(seq)
         row += chunk.num_new_tokens
 
@@ -155,6 +163,8 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRin
                                           staging.device,
                                           upload=_uploader(staging.upload, own, moved))
     input_ids_t, positions_t, logits_indices = moved
+    rows = (sampler_rows(sampled_seqs, [c.draft_token_ids for c in chunks if c.samples])
+            if drafting else None)
     return ModelBatch(input_ids=input_ids_t, positions=positions_t, meta=meta,
                       logits_indices=logits_indices, sampled_seqs=sampled_seqs,
-                      prompt_logprob_rows=prompt_rows)
+                      prompt_logprob_rows=prompt_rows, sample_rows=rows)

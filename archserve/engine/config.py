@@ -42,6 +42,11 @@ class EngineConfig:
     # with prompt tokens replay graphs too), FULL_DECODE_ONLY or NONE, and
     # cudagraph_capture_sizes. engine/compilation_config.py says what else is refused.
     compilation_config: dict | str | None = None
+    # vLLM's speculative_config (a dict or its JSON): {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    # {"method": "draft_model", "model": PATH, ...} or {"method": "mtp"}
+    # (engine/spec_decode/config.py).
+    speculative_config: dict | str | None = None
     seed: int = 0
     skip_canary: bool = False                # numerics canary of the attention kernel at start
     self_check: bool | None = None           # roofline self-check of a decode step (None: on GPUs)
@@ -83,5 +88,10 @@ class EngineConfig:
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be mp or ray; got "
                              f"{self.distributed_executor_backend!r}")
+        from archserve.engine.spec_decode.config import parse_speculative_config
+        if parse_speculative_config(self.speculative_config) is not None \
+                and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
+                             "supported yet; use tensor_parallel_size 1")
         if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

@@ -42,12 +42,14 @@ class LaunchedStep:
     row_of: dict[int, int] = field(default_factory=dict)   # seq_id -> row of the output
 
     @classmethod
-    def start_copy(cls, seqs: list[Sequence], result: SamplerOutput, prompt_logprobs: list
-                   ) -> LaunchedStep:
+    def start_copy(cls, seqs: list[Sequence], result: SamplerOutput, prompt_logprobs: list,
+                   rows: list | None = None) -> LaunchedStep:
         """Queue the copy of every tensor of ``result`` (tokens, logprobs, and the ranks and
-        top-N when asked) to the host, behind the sampler."""
-        step = cls(seqs, result, prompt_logprobs,
-                   row_of={seq.seq_id: row for row, seq in enumerate(seqs)})
+        top-N when asked) to the host, behind the sampler. ``rows``: what each row of
+        ``result`` samples for (ModelBatch.sample_rows), where that is not ``seqs``."""
+        row_of = {seq.seq_id: row for row, seq in enumerate(rows or seqs)
+                  if isinstance(seq, Sequence)}    # a sequence's first row
+        step = cls(seqs, result, prompt_logprobs, row_of=row_of)
         device = result.sampled_token_ids.device
         on_cuda = device.type == "cuda"
         copies = {}

@@ -60,6 +60,7 @@ class LLMEngine:
                             setup.decoding_token_budget),
             self.block_pool, self.eos_token_ids)
         self.report.timings["total_s"] = startup.elapsed(t0)
+        self.speculator = setup.speculator    # None: no speculative decoding
         self.requests: dict[str, RequestState] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.requests, self.scheduler.finish)
         self._counter = 0
@@ -275,7 +276,7 @@ class LLMEngine:
         # skipped by commit (their work in this step is discarded).
         outputs = self._finish_in_flight() if self._in_flight is not None else []
         self.scheduler.commit(out)
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and self.speculator is None:
             self._in_flight = (out, launched)
             return ended + outputs
         return ended + outputs + self._finish(out, launched)
@@ -331,11 +332,33 @@ class LLMEngine:
             self.outputs.record_prompt_logprobs(launched.prompt_logprobs)
             if host is None:
                 self.scheduler.resolve(out, [])
-                return []
-            logprobs = host.sampled_logprobs
-            updated = self.scheduler.resolve(out, host.sampled_token_ids.tolist(),
-                                             None if logprobs is None else logprobs.tolist())
-            return self.outputs.process_sampled(launched.sampled_seqs, host, updated)
+                outputs = []
+            else:
+                outputs = self._resolve(out, launched, host)
+        if self.speculator is not None:
+            with phase("propose"):
+                self.speculator.propose(out)
+        return outputs
+
+    def _resolve(self, out: SchedulerOutput, launched: LaunchedStep, host
+                 ) -> list[RequestOutput]:
+        """Give the step's sampled tokens (``host``: the sampler's output on the host) to
+        their sequences, and build the outputs."""
+        drawn = host.sampled_token_ids.tolist()
+        rows = (self.speculator.emitted_rows(out, drawn) if self.speculator is not None
+                else [[row] for row in range(len(drawn))])
+        logprobs = None if host.sampled_logprobs is None else host.sampled_logprobs.tolist()
+        seqs = launched.sampled_seqs
+        before = [seq.num_output_tokens - 1 for seq in seqs]   # the placeholder is new
+        updated = {id(seq) for seq in self.scheduler.resolve(
+            out, [[drawn[r] for r in seq_rows] for seq_rows in rows],
+            None if logprobs is None else [[logprobs[r] for r in seq_rows]
+                                           for seq_rows in rows])}
+        # Each sequence's rows, cut where a stop rule ended it.
+        emitted = [(seq, seq_rows[:seq.num_output_tokens - first])
+                   for seq, seq_rows, first in zip(seqs, rows, before, strict=True)
+                   if id(seq) in updated]
+        return self.outputs.process_sampled(host, emitted)
 
     # -- stats ----------------------------------------------------------------------------
     def stats(self) -> dict:

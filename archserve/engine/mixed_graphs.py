@@ -125,10 +125,11 @@ class MixedGraphRunner(StaticGraphRunner):
                                  self._meta(tokens), self.logits_rows[:slots],
                                  None if out is None else out[:slots])
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
-        """The captured bucket a step of these sizes replays, or None (it runs eager)."""
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_rows: int = 0) -> int | None:
+        """The captured bucket a step of these sizes (``num_rows`` sampled rows) replays,
+        or None (it runs eager)."""
         bucket = self.size_for(num_tokens)
-        if bucket is None or num_seqs + 1 > self.seq_slots(bucket):
+        if bucket is None or max(num_seqs + 1, num_rows) > self.seq_slots(bucket):
             return None
         return bucket
 

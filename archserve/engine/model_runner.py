@@ -279,7 +279,8 @@ class ModelRunner:
         if (self.mixed_graphs is None or batch.prompt_logprob_rows
                 or self.kv_calibration_pending):
             return None
-        bucket = self.mixed_graphs.bucket_for(batch.input_ids.shape[0], batch.meta.num_seqs)
+        bucket = self.mixed_graphs.bucket_for(batch.input_ids.shape[0], batch.meta.num_seqs,
+                                              batch.logits_indices.shape[0])
         if bucket is None:
             return None
         return self.mixed_graphs.replay(bucket, batch.input_ids, batch.positions, batch.meta,
@@ -323,9 +324,10 @@ class ModelRunner:
         if self.sampler is None:   # a tensor-parallel rank other than 0: it computes, 0 samples
             return LaunchedStep([], None, prompt_logprobs)
         with phase("sample"):
-            result = self.sampler.sample(logits, batch.sampled_seqs,
+            result = self.sampler.sample(logits, batch.sample_rows or batch.sampled_seqs,
                                          previous and previous.token_of)
-        return LaunchedStep.start_copy(batch.sampled_seqs, result, prompt_logprobs)
+        return LaunchedStep.start_copy(batch.sampled_seqs, result, prompt_logprobs,
+                                       batch.sample_rows)
 
     def _prompt_logprobs(self, batch: ModelBatch, hidden: torch.Tensor):
         """For sequences that asked: logprob of each prompt token given the ones before it."""

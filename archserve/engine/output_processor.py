@@ -47,26 +47,34 @@ class OutputProcessor:
         self.requests = requests
         self.finish_seq = finish_seq
 
-    def process_sampled(self, sampled_seqs: list[Sequence], result: SamplerOutput,
-                         updated: list[Sequence]) -> list[RequestOutput]:
-        """Logprobs, detokenizing, stop strings and outputs of the sequences that got a token.
+    def process_sampled(self, result: SamplerOutput,
+                        emitted: list[tuple[Sequence, list[int]]]) -> list[RequestOutput]:
+        """Logprobs, detokenizing, stop strings and outputs of the sequences that got tokens.
 
-        ``result`` is the sampler's output copied to the host."""
-        topn = self._topn_per_row(result, sampled_seqs)
-        updated_ids = {id(s) for s in updated}
+        ``result`` is the sampler's output copied to the host; ``emitted`` holds each
+        sequence that got tokens with the rows of ``result`` they came from, in order (one
+        row, or with speculative decoding one per accepted draft and the token after).
+        Tokens are taken one at a time, as separate steps would take them: a stop string
+        completed by one drops the tokens after it."""
+        columns = _SampledColumns(result)
         touched: dict[str, RequestState] = {}
         now = time.time()
-        for row, seq in enumerate(sampled_seqs):
-            if id(seq) not in updated_ids:
-                continue
+        for seq, rows in emitted:
             state = self.requests.get(seq.request_id)
             if state is None:
                 continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
-            if seq.sampling_params.logprobs is not None:
-                seq.output_logprobs.append(topn[row])
-            self._detokenize(state, seq)
+            n = seq.sampling_params.logprobs
+            for i, row in enumerate(rows):
+                if n is not None:
+                    seq.output_logprobs.append(self._logprobs_of_row(columns, row, n))
+                later = len(rows) - 1 - i     # tokens of this step after this one
+                if self._detokenize(state, seq, later) and later:
+                    dropped = rows[i + 1:]
+                    seq.drop_newest_tokens(later, [columns.logprobs[r] for r in dropped]
+                                           if columns.logprobs is not None else ())
+                    break
             touched[seq.request_id] = state
         outputs = []
         for request_id, state in touched.items():
@@ -79,57 +87,52 @@ class OutputProcessor:
             outputs.append(self.request_output(state, finished))
         return outputs
 
-    def _detokenize(self, state: RequestState, seq: Sequence) -> None:
+    def _detokenize(self, state: RequestState, seq: Sequence, later: int) -> bool:
+        """Detokenize the output token that has ``later`` tokens after it; True when a
+        stop string completed there ended the sequence."""
         params = seq.sampling_params
         if not params.detokenize or self.tokenizer is None:
-            return
+            return False
         detok = state.detokenizers[seq.index]
-        stopped_by_token = (seq.status is SequenceStatus.FINISHED_STOPPED)
+        ends_here = seq.is_finished and later == 0
+        stopped_by_token = ends_here and seq.status is SequenceStatus.FINISHED_STOPPED
         # The stop token's text is not part of the output (vLLM semantics).
         drop_last = stopped_by_token and not params.include_stop_str_in_output
         if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop_strings:
             # Nobody reads the text before the end: detokenize once, when it finishes.
-            if seq.is_finished:
+            if ends_here:
                 ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
                 seq.output_text = detok.add_tokens(list(ids)) + detok.finish()
-            return
+            return False
         if drop_last:
             seq.output_text += detok.finish()
-            return
-        delta = detok.add_tokens([seq.last_token_id])
-        if seq.is_finished:
+            return False
+        delta = detok.add_tokens([seq.output_token_ids[-1 - later]])
+        if ends_here:
             delta += detok.finish()
         seq.output_text += delta
-        if not params.stop_strings or seq.num_output_tokens < params.min_tokens:
-            return
+        if not params.stop_strings or seq.num_output_tokens - later < params.min_tokens:
+            return False
         hit = find_stop_string(seq.output_text, len(delta), params.stop_strings)
         if hit is None:
-            return
+            return False
         index, matched = hit
         end = index + len(matched) if params.include_stop_str_in_output else index
         seq.output_text = seq.output_text[:end]
         self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, stop_reason=matched)
+        return True
 
-    def _topn_per_row(self, result, seqs: list[Sequence]) -> list:
-        if result.sampled_ranks is None:
-            return [None] * len(seqs)
-        ids = result.sampled_token_ids.tolist()
-        lps = result.sampled_logprobs.tolist()
-        ranks = result.sampled_ranks.tolist()
-        top_ids = result.topn_token_ids.tolist() if result.topn_token_ids is not None else None
-        top_lps = result.topn_logprobs.tolist() if result.topn_logprobs is not None else None
-        rows = []
-        for i, seq in enumerate(seqs):
-            n = seq.sampling_params.logprobs
-            if n is None:
-                rows.append(None)
-                continue
-            entry = {ids[i]: Logprob(lps[i], ranks[i], self._decode_one(ids[i]))}
-            if n and top_ids is not None:
-                for rank, (tid, lp) in enumerate(zip(top_ids[i][:n], top_lps[i][:n], strict=True), start=1):
-                    entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
-            rows.append(entry)
-        return rows
+    def _logprobs_of_row(self, columns: _SampledColumns, row: int, n: int) -> dict:
+        """The sampled token's logprob entry of ``row``, with the row's top ``n``."""
+        token = columns.ids[row]
+        entry = {token: Logprob(columns.logprobs[row], columns.ranks[row],
+                                self._decode_one(token))}
+        if n and columns.top_ids is not None:
+            for rank, (tid, lp) in enumerate(zip(columns.top_ids[row][:n],
+                                                 columns.top_logprobs[row][:n], strict=True),
+                                             start=1):
+                entry.setdefault(tid, Logprob(lp, rank, self._decode_one(tid)))
+        return entry
 
     def record_prompt_logprobs(self, prompt_lps) -> None:
         for seq, first_pos, logprobs, targets in prompt_lps:
@@ -179,6 +182,20 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs, outputs=completions, finished=finished,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens)
+
+
+class _SampledColumns:
+    """The sampler's host output as Python lists, made once a step."""
+
+    def __init__(self, result: SamplerOutput) -> None:
+        def listed(tensor):  # noqa: ANN001, ANN202
+            return None if tensor is None else tensor.tolist()
+
+        self.ids = listed(result.sampled_token_ids)
+        self.logprobs = listed(result.sampled_logprobs)
+        self.ranks = listed(result.sampled_ranks)
+        self.top_ids = listed(result.topn_token_ids)
+        self.top_logprobs = listed(result.topn_logprobs)
 
 
 def visible_text_length(seq: Sequence) -> int:

@@ -37,6 +37,8 @@ from archserve.engine.model_runner import ModelRunner
 from archserve.engine.rank_memory import measure_rank_memory
 from archserve.engine.sampler import Sampler
 from archserve.engine.self_check import run_self_check
+from archserve.engine.spec_decode.config import parse_speculative_config
+from archserve.engine.spec_decode.setup import build_speculator
 from archserve.engine.step_budget import (
     mixed_graph_buckets_of,
     resolve_token_budget,
@@ -69,6 +71,7 @@ class RunnerSetup:
     # What a decode step reads of this rank's weights (the bench's roofline; with tensor
     # parallelism the engine process holds no model to count them from).
     step_weights: StepWeights | None = None
+    speculator: object | None = None   # spec_decode.speculator.Speculator, when configured
 
 
 def peek_model_config(model_path: str | None):
@@ -181,6 +184,7 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     from archserve.loader.loader import load_model
     jit_watch.starting()   # a second engine's start-up compiles are not serving-path misses
     compilation = parse_compilation_config(config.compilation_config)   # refused before loading
+    speculative = parse_speculative_config(config.speculative_config)
     t0 = time.perf_counter()
     tp = get_tp()
     torch_device = startup.resolve_torch_device(config)
@@ -288,6 +292,10 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
                                                        config.max_num_seqs, agree)
     if mixed_decision is not None:
         decisions.append(mixed_decision)
+    speculator = None
+    if speculative is not None:
+        speculator, spec_decision = build_speculator(speculative, max_model_len)
+        decisions.append(spec_decision)
     graphs_s = startup.elapsed(t_graphs)
     t_budget = time.perf_counter()   # after the warm-up: a timed step compiles nothing
     budget = resolve_token_budget(config.target_itl_ms, config.max_num_batched_tokens,
@@ -325,4 +333,4 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     return RunnerSetup(runner, model, mc, max_model_len, max_batched, num_blocks, block_size,
                        scheduling.chosen == "async", report, cpu_threads=cpu_threads,
                        decoding_token_budget=budget.decoding,
-                       step_weights=runner.step_weights)
+                       step_weights=runner.step_weights, speculator=speculator)

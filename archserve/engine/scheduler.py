@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Collection, Iterable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from archserve.engine.block_pool import KVBlockPool
@@ -82,6 +83,15 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     samples: bool  # the chunk reaches the sequence's newest token: its logits are sampled
+    # Speculative decoding: drafts that follow the newest token, the last inputs of the
+    # chunk (counted in num_new_tokens); every one of the chunk's rows is sampled.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Inputs that are the sequence's own tokens: computed once the step runs (drafts
+        only once they are accepted)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -189,6 +199,12 @@ class Scheduler:
             if budget == 0:
                 break
             num_new = min(seq.num_uncomputed_tokens, budget)
+            drafts = seq.spec_token_ids[:budget - 1] if num_new == 1 else []
+            if drafts and self.block_pool.append_slots(seq, 1 + len(drafts)):
+                planned[seq.seq_id] = ScheduledSeq(seq, 1 + len(drafts), True, drafts)
+                budget -= 1 + len(drafts)
+                continue
+            # Drafts are optional: without room for them the sequence decodes one token.
             while not self.block_pool.append_slots(seq, num_new):
                 victim = self.running[-1]
                 budget += self._preempt(victim, planned, out)
@@ -207,13 +223,16 @@ class Scheduler:
 
     def postprocess(self, output: SchedulerOutput, sampled_token_ids: Iterable[int],
                     sampled_logprobs: Iterable[float] | None = None) -> list[Sequence]:
-        """Record a finished forward pass: ``commit`` then ``resolve`` with its tokens."""
+        """Record a finished forward pass of one token per sampling sequence: ``commit``
+        then ``resolve`` with its tokens."""
         self.commit(output)
-        return self.resolve(output, sampled_token_ids, sampled_logprobs)
+        return self.resolve(output, [[t] for t in sampled_token_ids],
+                            None if sampled_logprobs is None else [[lp] for lp in sampled_logprobs])
 
     def commit(self, output: SchedulerOutput) -> None:
-        """The forward pass of ``output`` is under way: its tokens count as computed, and
-        every sampling sequence holds a placeholder for its new token until ``resolve``.
+        """The forward pass of ``output`` is under way: its tokens count as computed (a
+        chunk's drafts not yet), and every sampling sequence holds a placeholder for its
+        new token until ``resolve``.
 
         The next ``schedule`` may then run before the tokens reach the host.
         """
@@ -221,7 +240,7 @@ class Scheduler:
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted, or finished by the resolve of the step before
-            seq.num_computed_tokens += entry.num_new_tokens
+            seq.num_computed_tokens += entry.num_known_tokens   # drafts: once accepted
             self.block_pool.cache_full_blocks(seq)   # every computed token has its value
             if entry.samples:
                 seq.append_placeholder()
@@ -235,31 +254,44 @@ class Scheduler:
                 continue
             if entry.samples and seq.num_pending:
                 seq.drop_newest_placeholder()
-            seq.num_computed_tokens -= entry.num_new_tokens
+            seq.num_computed_tokens -= entry.num_known_tokens
 
-    def resolve(self, output: SchedulerOutput, sampled_token_ids: Iterable[int],
-                sampled_logprobs: Iterable[float] | None = None) -> list[Sequence]:
-        """Give the committed step's placeholders their sampled values, and stop.
+    def resolve(self, output: SchedulerOutput, new_token_ids: Iterable[SequenceOf[int]],
+                new_logprobs: Iterable[SequenceOf[float]] | None = None) -> list[Sequence]:
+        """Give the committed step's sampling sequences their new tokens, and stop.
 
-        ``sampled_token_ids`` (and ``sampled_logprobs``) are aligned with
-        ``output.sampling_seqs``. Returns the sequences that received a token, in that
-        order; finished ones have a finished status and no blocks.
+        ``new_token_ids`` (and ``new_logprobs``) hold one list per sequence of
+        ``output.sampling_seqs``: its sampled token, or with drafts, the accepted drafts and
+        the token after them (their inputs count as computed now). The tokens are taken
+        one at a time, as separate steps would: after the one that stops the sequence,
+        the rest are dropped. Returns the sequences that received tokens, in that order;
+        finished ones have a finished status and no blocks.
         """
-        tokens = iter(sampled_token_ids)
-        logprobs = iter(sampled_logprobs) if sampled_logprobs is not None else None
+        tokens = iter(new_token_ids)
+        logprobs = iter(new_logprobs) if new_logprobs is not None else None
         updated: list[Sequence] = []
         finished = False
         for entry in output.scheduled:
             if not entry.samples:
                 continue
             seq = entry.seq
-            token = next(tokens)
-            logprob = next(logprobs) if logprobs is not None else None
+            new = next(tokens)
+            lps = next(logprobs) if logprobs is not None else None
             if seq.status is not SequenceStatus.RUNNING or not seq.num_pending:
                 continue  # aborted or finished while the step ran
-            seq.resolve_placeholder(int(token), None if logprob is None else float(logprob))
             updated.append(seq)
-            if check_stop(seq, self.eos_token_ids, self.config.max_model_len):
+            for i, token in enumerate(new):
+                logprob = None if lps is None else float(lps[i])
+                if i == 0:
+                    seq.resolve_placeholder(int(token), logprob)
+                else:   # the input before it was an accepted draft: computed now
+                    seq.num_computed_tokens += 1
+                    seq.append_token(int(token), logprob)
+                if check_stop(seq, self.eos_token_ids, self.config.max_model_len):
+                    break
+            if len(new) > 1 and not seq.is_finished:
+                self.block_pool.cache_full_blocks(seq)
+            if seq.is_finished:
                 self.block_pool.free(seq)
                 self._forget(seq)
                 finished = True

@@ -56,7 +56,7 @@ class Sequence:
         "prompt_token_ids", "token_ids", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes",
         "output_logprobs", "cumulative_logprob", "stop_reason", "num_preemptions",
-        "output_text", "extra", "num_pending", "gate",
+        "output_text", "extra", "num_pending", "gate", "spec_token_ids",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: SequenceOf[int],
@@ -94,6 +94,9 @@ class Sequence:
         # Work the sequence waits for before it may be scheduled (a future: its grammar's
         # compilation); None when it waits for nothing.
         self.gate: Any = None
+        # Draft tokens to follow this sequence's tokens, proposed after its newest token
+        # (speculative decoding): its next decode step verifies them.
+        self.spec_token_ids: list[int] = []
 
     # -- lengths ------------------------------------------------------------------
     @property
@@ -156,6 +159,14 @@ class Sequence:
         self.num_pending -= 1
         if logprob is not None:
             self.cumulative_logprob += logprob
+
+    def drop_newest_tokens(self, count: int, logprobs: SequenceOf[float] = ()) -> None:
+        """Take back the newest ``count`` output tokens (a stop string ended the sequence
+        before them); ``logprobs``: theirs, added to ``cumulative_logprob`` when they came."""
+        if count:
+            del self.token_ids[-count:]
+            del self.output_token_ids[-count:]
+        self.cumulative_logprob -= sum(logprobs)
 
     def drop_newest_placeholder(self) -> None:
         if self.num_pending == 0:

@@ -52,6 +52,29 @@ class _EngineGauges:
         yield CounterMetricFamily("archserve:prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache.",
                                   value=pool.prefix_cache_hits)
+        yield from _spec_decode_counters(getattr(self.engine, "speculator", None))
+
+
+def _spec_decode_counters(speculator):
+    """vLLM's speculative decoding counters, when the engine speculates. The mean
+    acceptance length is 1 + accepted / drafts; position i's acceptance rate is
+    accepted_per_pos{position=i} / drafts."""
+    if speculator is None:
+        return
+    stats = speculator.stats
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Sequences whose drafts a step verified.", stats.num_drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens verified.", stats.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+         stats.num_accepted_tokens),
+    ):
+        yield CounterMetricFamily(f"archserve:{name}", doc, value=value)
+    per_pos = CounterMetricFamily("archserve:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft.",
+                                  labels=["position"])
+    for position, count in enumerate(stats.accepted_per_pos):
+        per_pos.add_metric([str(position)], count)
+    yield per_pos
 
 
 def _self_check_gauges(check):
@@ -108,7 +131,9 @@ def _device_memory_gauges(device):
 VLLM_ALIASES = {name: name for name in (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
-    "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds")}
+    "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
+    "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")}
 VLLM_ALIASES["time_per_output_token_seconds"] = "request_time_per_output_token_seconds"
 
 
