@@ -12,6 +12,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = False        # no tokenizer: token-id prompts, no output text
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    # Sparse MLA (DeepSeek-V3.2, GLM-5): how the lightning indexer's key is cached. "auto":
+    # the model dtype, or fp8 beside an fp8 latent (fp8 / fp8_ds_mla KV cache); "fp8":
+    # always fp8, as vLLM keeps it (kernels/sparse_mla/layout.py).
+    index_cache_dtype: str = "auto"
     # fp8 cache without scales in the checkpoint: measure them on the first prefill
     # (vLLM's --calculate-kv-scales); checkpoint scales are used when present.
     calculate_kv_scales: bool = False
@@ -81,6 +85,10 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and in_ms:
             raise ValueError("give max_num_batched_tokens (a fixed budget for every step) or "
                              "target_itl_ms (a budget derived from it), not both")
+        from archserve.kernels.sparse_mla.layout import INDEX_CACHE_DTYPES
+        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
+            raise ValueError(f"index_cache_dtype must be one of {', '.join(INDEX_CACHE_DTYPES)}; "
+                             f"got {self.index_cache_dtype!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}")
         if self.tensor_parallel_size < 1:

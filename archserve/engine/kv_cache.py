@@ -28,11 +28,24 @@ def blocks_for_budget(budget_bytes: int, per_block: int) -> int:
     return max(0, budget_bytes // per_block)
 
 
+def cache_row_format(model_config, attn_impl, kv_dtype: torch.dtype
+                     ) -> tuple[torch.dtype, int]:
+    """(element dtype, head size) of the model's paged cache: ``kv_dtype`` rows of the
+    model's kv_cache_head_size, or, for an implementation that lays out its own rows (sparse
+    MLA: the latent beside the indexer key, kernels/sparse_mla/layout.py), its layout's."""
+    layout = getattr(attn_impl, "layout", None)
+    if layout is not None:
+        return layout.storage_dtype, layout.row_size
+    return kv_dtype, model_config.kv_cache_head_size
+
+
 def model_kv_caches(model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
-                    device: torch.device) -> list[torch.Tensor]:
-    """The paged cache of every layer in the model's layout (MLA: one latent plane)."""
+                    device: torch.device, head_size: int | None = None) -> list[torch.Tensor]:
+    """The paged cache of every layer in the model's layout (MLA: one latent plane);
+    ``head_size`` where the rows are not the model's (``cache_row_format``)."""
     return allocate_kv_caches(model_config.num_layers, num_blocks, block_size,
-                              model_config.kv_cache_heads, model_config.kv_cache_head_size,
+                              model_config.kv_cache_heads,
+                              head_size or model_config.kv_cache_head_size,
                               dtype, device, model_config.kv_cache_planes)
 
 

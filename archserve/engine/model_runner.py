@@ -15,7 +15,7 @@ import torch
 
 from archserve.engine.batch import ModelBatch, block_table_width, build_batch, host_to_device
 from archserve.engine.cuda_graphs import DecodeGraphRunner, describe_demoted
-from archserve.engine.kv_cache import model_kv_caches
+from archserve.engine.kv_cache import cache_row_format, model_kv_caches
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.mixed_graphs import MixedGraphRunner, mixed_graph_buckets
 from archserve.engine.phases import phase
@@ -100,11 +100,17 @@ class ModelRunner:
         self.graph_sizes_after_calibration: list[int] = []
 
     # -- memory -------------------------------------------------------------------
+    def kv_cache_format(self, kv_dtype: torch.dtype) -> tuple[torch.dtype, int]:
+        """(element dtype, head size) of this runner's cache rows (``cache_row_format``)."""
+        return cache_row_format(self.model_config, self.attn_impl, kv_dtype)
+
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype, kv_cache_dtype: str = "auto"
                           ) -> None:
         cfg = self.model_config
         self.kv_cache_dtype = kv_cache_dtype
-        self.kv_caches = model_kv_caches(cfg, num_blocks, self.block_size, kv_dtype, self.device)
+        dtype, head_size = self.kv_cache_format(kv_dtype)
+        self.kv_caches = model_kv_caches(cfg, num_blocks, self.block_size, dtype, self.device,
+                                         head_size)
 
     @functools.cached_property
     def step_weights(self):  # noqa: ANN201 - a StepWeights (engine/step_weights.py)
@@ -122,8 +128,9 @@ class ModelRunner:
         dev = self.device
         lens = profile_sequence_lengths(num_tokens, max_num_seqs, self.max_model_len)
         blocks_per_seq = -(-max(lens) // self.block_size)
-        caches = model_kv_caches(cfg, blocks_per_seq * len(lens), self.block_size, self.dtype,
-                                 dev)
+        row_dtype, head_size = self.kv_cache_format(self.dtype)
+        caches = model_kv_caches(cfg, blocks_per_seq * len(lens), self.block_size, row_dtype,
+                                 dev, head_size)
         tables = torch.arange(blocks_per_seq * len(lens), dtype=torch.int32,
                               device=dev).view(len(lens), blocks_per_seq)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])

@@ -142,6 +142,12 @@ def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype)
     mla_fields = {} if mla is None else dict(
         use_mla=True, kv_lora_rank=mla.kv_lora_rank, qk_rope_head_dim=mla.qk_rope_head_dim,
         qk_nope_head_dim=mla.qk_nope_head_dim, v_head_dim=mla.v_head_dim)
+    sparse = getattr(model_config, "sparse_attention", None)
+    if mla is not None and sparse is not None:
+        mla_fields.update(mla_sparse=True, index_topk=sparse.index_topk,
+                          index_head_dim=sparse.index_head_dim,
+                          index_num_heads=sparse.index_n_heads,
+                          index_cache_dtype=config.index_cache_dtype)
     return AttentionSpec(
         head_size=model_config.kv_cache_head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
         block_size=config.block_size, num_heads=model_config.num_heads,
@@ -155,9 +161,10 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
                  torch_device: torch.device, mixed_graph_tokens: int = 0) -> tuple[int, str]:
     """Number of KV blocks, and how that number was reached. ``mixed_graph_tokens``: the
     largest bucket of the mixed-step graphs to be captured (0: none)."""
+    row_dtype, head_size = runner.kv_cache_format(kv_torch_dtype)
     per_block = bytes_per_block(model_config.num_layers, runner.block_size,
-                                model_config.kv_cache_heads, model_config.kv_cache_head_size,
-                                kv_torch_dtype, model_config.kv_cache_planes)
+                                model_config.kv_cache_heads, head_size, row_dtype,
+                                model_config.kv_cache_planes)
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks, "num_kv_blocks given"
     if config.kv_cache_memory_bytes is not None:

@@ -33,6 +33,7 @@ class AttentionSpec:
     # how that key is stored ("auto": the model dtype, or fp8 beside an fp8 latent; "fp8").
     index_topk: int | None = None
     index_head_dim: int = 0
+    index_num_heads: int = 0
     index_cache_dtype: str = "auto"
     # MLA dimensions (DeepSeek-V3 defaults); head_size is kv_lora_rank + rope for MLA.
     kv_lora_rank: int = 512

@@ -43,6 +43,21 @@ class MlaDims:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+@dataclass(frozen=True)
+class SparseAttentionDims:
+    """DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5): a lightning indexer scores the
+    cached tokens for each query, which attends to its ``index_topk`` best."""
+
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    # Per layer: whether it runs its own indexer; a layer that does not reuses the previous
+    # indexer layer's selection (GLM-5's "shared" layers) and keeps no indexer key.
+    indexer_layers: tuple[bool, ...]
+    # The indexer's rope pairs: interleaved (GLM-5) or the two halves (DeepSeek-V3.2).
+    indexer_rope_interleaved: bool = False
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -77,6 +92,7 @@ class ModelConfig:
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
     mla: MlaDims | None = None                 # DeepSeek-style latent attention
+    sparse_attention: SparseAttentionDims | None = None   # DSA over the MLA latent
     # Sinks, causality, the checkpoint's KV cache, a vision encoder (what selection asks).
     attention_facts: AttentionFacts = field(default_factory=AttentionFacts)
     hf_config: Any = field(default=None, repr=False)
@@ -87,7 +103,9 @@ class ModelConfig:
 
     # The paged KV cache of one layer is [planes, blocks, block_size, heads, head_size]: keys
     # and values (2 planes of num_kv_heads x head_dim), or for MLA one plane holding one
-    # latent "head" (kv_lora_rank + qk_rope_head_dim) per token.
+    # latent "head" (kv_lora_rank + qk_rope_head_dim) per token. (Sparse MLA keeps its
+    # indexer key in the same row: the selected implementation's layout sizes that row,
+    # engine/kv_cache.py; the head size here is the latent's, which attention rules read.)
     @property
     def kv_cache_planes(self) -> int:
         return 1 if self.mla else 2
@@ -169,6 +187,7 @@ class ModelConfig:
             sliding_rope_theta=sliding_rope_theta,
             sliding_rope_scaling=sliding_rope_scaling,
             mla=_mla_dims(text),
+            sparse_attention=_sparse_attention_dims(text, num_layers),
             attention_facts=attention_facts(hf_config, _quantization_config(hf_config)),
             hf_config=hf_config,
         )
@@ -183,6 +202,20 @@ def _mla_dims(text: Any) -> MlaDims | None:
                    qk_nope_head_dim=int(text.qk_nope_head_dim),
                    v_head_dim=int(text.v_head_dim),
                    q_lora_rank=int(q_lora) if q_lora else None)
+
+
+def _sparse_attention_dims(text: Any, num_layers: int) -> SparseAttentionDims | None:
+    topk = getattr(text, "index_topk", None)
+    if topk is None or getattr(text, "kv_lora_rank", None) is None:
+        return None
+    kinds = getattr(text, "indexer_types", None) or ["full"] * num_layers
+    interleaved = getattr(text, "indexer_rope_interleave", None)
+    if interleaved is None:   # transformers: GLM-5's indexer rotates interleaved pairs
+        interleaved = text.model_type == "glm_moe_dsa"
+    return SparseAttentionDims(index_topk=int(topk), index_n_heads=int(text.index_n_heads),
+                               index_head_dim=int(text.index_head_dim),
+                               indexer_layers=tuple(kind != "shared" for kind in kinds),
+                               indexer_rope_interleaved=bool(interleaved))
 
 
 def _text_config(hf_config: Any) -> Any:

@@ -1,4 +1,6 @@
-"""DeepSeek-V2 (V2, V2-Lite) and DeepSeek-V3: MLA attention and MoE with shared experts.
+"""DeepSeek-V2 (V2, V2-Lite), DeepSeek-V3, V3.2 and GLM-5: MLA attention and MoE with shared
+experts; V3.2 and GLM-5 attend sparsely (DSA: a lightning indexer picks each query's keys,
+models/layers/indexer.py).
 
 The decoder is the MoE decoder (Llama's layer, norms and checkpoint handling) with two
 family parts swapped in:
@@ -153,6 +155,9 @@ class DeepseekFamily(MoEFamily):
         return getattr(hf, "topk_method", "greedy") == "group_limited_greedy"
 
     def is_sparse(self, hf: Any, layer_index: int) -> bool:
+        kinds = getattr(hf, "mlp_layer_types", None)     # V3.2 and GLM-5 list them
+        if kinds is not None:
+            return self.num_experts(hf) > 0 and kinds[layer_index] == "sparse"
         freq = int(getattr(hf, "moe_layer_freq", 1) or 1)
         return (self.num_experts(hf) > 0 and layer_index >= int(hf.first_k_dense_replace or 0)
                 and layer_index % freq == 0)
@@ -206,6 +211,17 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     model_class = DeepseekV3Model
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3 with DeepSeek sparse attention, a lightning indexer on every layer
+    (MLAAttention takes it from ModelConfig.sparse_attention)."""
+
+
+class GlmMoeDsaForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-5: V3.2's design (its routing with one group); the indexer's rope pairs are
+    interleaved, and layers the config marks "shared" reuse the previous indexer layer's
+    selection."""
 
 
 def _layer_at_or_after(name: str, first: int) -> bool:

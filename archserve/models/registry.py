@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from archserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from archserve.models.deepseek import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    DeepseekV32ForCausalLM,
+    GlmMoeDsaForCausalLM,
+)
 from archserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from archserve.models.llama import (
     LlamaForCausalLM,
@@ -28,6 +33,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
 }
 
 
@@ -38,7 +45,9 @@ def default_architecture(model_type: str) -> str:
             "gemma3_text": "Gemma3ForCausalLM",
             "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
             "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}.get(
+            "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+            "deepseek_v32": "DeepseekV32ForCausalLM",
+            "glm_moe_dsa": "GlmMoeDsaForCausalLM"}.get(
                 model_type, f"{model_type}ForCausalLM")
 
 

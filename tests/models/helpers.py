@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from archserve.engine.kv_cache import kv_dtype_of, model_kv_caches
+from archserve.engine.kv_cache import cache_row_format, kv_dtype_of, model_kv_caches
 from archserve.kernels.attention.interface import AttentionMetadata
 from archserve.kernels.attention.reference import ReferenceAttentionImpl
 from archserve.kernels.mla.torch_mla import TorchMlaImpl
+from archserve.kernels.sparse_mla.layout import SparseMlaLayout
 from archserve.models.layers.forward_context import ForwardContext, set_forward_context
 
 TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -31,9 +32,17 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
     return model
 
 
-def attention_impl_for(config):
-    """The plain-PyTorch attention of the model's kind (MLA or standard)."""
-    return TorchMlaImpl() if getattr(config, "mla", None) else ReferenceAttentionImpl()
+def attention_impl_for(config, dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
+                       index_cache_dtype: str = "auto"):
+    """The plain-PyTorch attention of the model's kind (MLA, sparse MLA or standard)."""
+    mla, sparse = getattr(config, "mla", None), getattr(config, "sparse_attention", None)
+    if mla is None:
+        return ReferenceAttentionImpl()
+    if sparse is None:
+        return TorchMlaImpl()
+    return TorchMlaImpl(layout=SparseMlaLayout.for_cache(
+        mla.kv_lora_rank, mla.qk_rope_head_dim, sparse.index_head_dim, dtype, kv_cache_dtype,
+        index_cache_dtype))
 
 
 # Token-id prompts for model-level comparisons, text prompts for the engine's.
@@ -66,11 +75,13 @@ class PagedSequences:
 
     @classmethod
     def for_config(cls, config, num_blocks: int = 64, block_size: int = 4,
-                   dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto"
-                   ) -> PagedSequences:
-        caches = model_kv_caches(config, num_blocks, block_size,
-                                 kv_dtype_of(kv_cache_dtype, dtype), torch.device("cpu"))
-        return cls(caches, block_size, attention_impl_for(config), kv_cache_dtype)
+                   dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
+                   index_cache_dtype: str = "auto") -> PagedSequences:
+        impl = attention_impl_for(config, dtype, kv_cache_dtype, index_cache_dtype)
+        row_dtype, head_size = cache_row_format(config, impl, kv_dtype_of(kv_cache_dtype, dtype))
+        caches = model_kv_caches(config, num_blocks, block_size, row_dtype,
+                                 torch.device("cpu"), head_size)
+        return cls(caches, block_size, impl, kv_cache_dtype)
 
     def _slot(self, seq: int, position: int) -> int:
         table = self.blocks.setdefault(seq, [])

@@ -25,6 +25,9 @@ class ForwardContext:
     # Set on the first real prefill under calculate_kv_scales: each layer measures its
     # fp8 cache scales from this forward's keys and values (models/layers/kv_scales.py).
     calibrate_kv_scales: bool = False
+    # Sparse MLA: the latest indexer layer's selection ([T, topk] positions, or None where
+    # the step ran dense), which the layers that share it read (GLM-5).
+    sparse_selection: torch.Tensor | None = None
 
 
 _current: ForwardContext | None = None

@@ -26,13 +26,18 @@ from torch import nn
 
 from archserve.distributed.layout import split_heads
 from archserve.distributed.parallel_state import get_tp
-from archserve.models.layers.forward_context import get_forward_context, op_region
+from archserve.models.layers.forward_context import (
+    ForwardContext,
+    get_forward_context,
+    op_region,
+)
+from archserve.models.layers.indexer import LightningIndexer
 from archserve.models.layers.kv_scales import KVCacheScales
 from archserve.models.layers.linear import DenseMatrix, Linear, add_in_last_gemm
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from archserve.models.layers.rotary import RotaryEmbedding, yarn_mscale
+from archserve.models.layers.rotary import RotaryEmbedding, deinterleave, yarn_mscale
 
 if TYPE_CHECKING:
     from archserve.loader.config import ModelConfig
@@ -49,10 +54,6 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
             m = yarn_mscale(float(scaling["factor"]), float(mscale_all_dim))
             scale *= m * m
     return scale
-
-
-def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 class MLAAttention(nn.Module, KVCacheScales):
@@ -90,12 +91,22 @@ class MLAAttention(nn.Module, KVCacheScales):
                                           config.rope_theta, config.rope_scaling)
         self.rope_interleaved = rope_interleaved
         self.scale = mla_softmax_scale(m.qk_head_dim, config.rope_scaling)
+        # Sparse MLA (DSA): this layer's lightning indexer, or None where it reuses the
+        # previous indexer layer's selection (GLM-5's shared layers); dense MLA: neither.
+        sparse = config.sparse_attention
+        self.index_topk = sparse.index_topk if sparse is not None else None
+        self.indexer = (LightningIndexer(config)
+                        if sparse is not None and sparse.indexer_layers[layer_index] else None)
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _query(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(q [T, H * qk_head_dim], the q LoRA's normalised output where the indexer reads
+        it, else None)."""
         if self.dims.q_lora_rank:
-            return self.q_b_proj.forward_after_norm(self.q_a_proj(hidden), None,
-                                                    self.q_a_layernorm)[0]
-        return self.q_proj(hidden)
+            out = self.q_b_proj.forward_after_norm(self.q_a_proj(hidden), None,
+                                                   self.q_a_layernorm,
+                                                   keep_normed=self.indexer is not None)
+            return out[0], out[2] if self.indexer is not None else None
+        return self.q_proj(hidden), None
 
     def forward_after_norm(self, positions: torch.Tensor, hidden: torch.Tensor,
                            residual: torch.Tensor | None, norm: RMSNorm
@@ -112,7 +123,11 @@ class MLAAttention(nn.Module, KVCacheScales):
     def input_matrices(self) -> list[torch.Tensor] | None:
         """The matrices that read the layer's input (norm_folding.py)."""
         query = self.q_a_proj if self.dims.q_lora_rank else self.q_proj
-        return float_matrices(query, self.kv_a_proj_with_mqa)
+        matrices = float_matrices(query, self.kv_a_proj_with_mqa)
+        if matrices is None or self.indexer is None:
+            return matrices
+        indexer = self.indexer.reader_matrices()
+        return None if indexer is None else matrices + indexer
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, L], W_UV [H, v, L]) from kv_b_proj."""
@@ -129,11 +144,13 @@ class MLAAttention(nn.Module, KVCacheScales):
         """The heads' values [T, H * v] o_proj reads, of (normalised) ``hidden``; ``kv_a``:
         its kv_a_proj_with_mqa output, where ``forward_after_norm`` ran that GEMV."""
         m, h, t = self.dims, self.num_heads, hidden.shape[0]
-        q = self._query(hidden)
+        q, q_resid = self._query(hidden)
         if kv_a is None:
             kv_a = self.kv_a_proj_with_mqa(hidden)
         w_uk, w_uv = self._absorbed_weights()
         ctx = get_forward_context()
+        if self.index_topk is not None:
+            return self._sparse_heads(ctx, positions, hidden, q, q_resid, kv_a, w_uk, w_uv)
         # An implementation that takes a decode step from the projections themselves does
         # the norm, rotary, latent write and W_UK in one kernel (TRITON_MLA); None: it
         # cannot here, and the steps below run.
@@ -146,18 +163,40 @@ class MLAAttention(nn.Module, KVCacheScales):
                     ctx.kv_caches[self.layer_index], ctx.attn_metadata, w_uk, w_uv, self.scale)
             if out is not None:
                 return out.reshape(t, h * m.v_head_dim)
+        q_nope, q_pe, latent = self._split_and_rotate(positions, q, kv_a)
+        # One scale for the latent: MLA's cache has one plane, written and read as "k".
+        k_scale, _ = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, latent, latent)
+        with op_region("attention"):
+            out = ctx.attn_impl.forward(q_nope, q_pe, latent, ctx.kv_caches[self.layer_index],
+                                        ctx.attn_metadata, w_uk, w_uv, self.scale, k_scale)
+        return out.reshape(t, h * m.v_head_dim)
+
+    def _split_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_nope [T, H, nope], rotated q_pe [T, H, rope], the latent [T, L + rope]: the
+        normalised c_kv and the rotated k_pe) of the projections."""
+        m, h, t = self.dims, self.num_heads, q.shape[0]
         q_nope, q_pe = q.view(t, h, m.qk_head_dim).split(
             [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = kv_a.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())[0]
         if self.rope_interleaved:
-            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, -1), k_pe.contiguous())
-        latent = torch.cat((c_kv, k_pe), dim=-1)
-        # One scale for the latent: MLA's cache has one plane, written and read as "k".
-        k_scale, _ = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, latent, latent)
+        return q_nope, q_pe.view(t, h, m.qk_rope_head_dim), torch.cat((c_kv, k_pe), dim=-1)
+
+    def _sparse_heads(self, ctx: ForwardContext, positions: torch.Tensor, hidden: torch.Tensor,
+                      q: torch.Tensor, q_resid: torch.Tensor | None, kv_a: torch.Tensor,
+                      w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """Sparse MLA: the indexer (or the selection an earlier layer left in the forward
+        context) and the implementation's ``forward_sparse``; this layer's selection is
+        left there for the layers that reuse it."""
+        q_nope, q_pe, latent = self._split_and_rotate(positions, q, kv_a)
+        indexer = (self.indexer(hidden, q_resid, positions, self.rotary_emb)
+                   if self.indexer is not None else None)
         with op_region("attention"):
-            out = ctx.attn_impl.forward(q_nope, q_pe.view(t, h, m.qk_rope_head_dim), latent,
-                                        ctx.kv_caches[self.layer_index], ctx.attn_metadata,
-                                        w_uk, w_uv, self.scale, k_scale)
-        return out.reshape(t, h * m.v_head_dim)
+            out, ctx.sparse_selection = ctx.attn_impl.forward_sparse(
+                q_nope, q_pe, latent, ctx.kv_caches[self.layer_index], ctx.attn_metadata,
+                w_uk, w_uv, self.scale, self.index_topk, indexer,
+                None if indexer is not None else ctx.sparse_selection)
+        return out.reshape(q.shape[0], self.num_heads * self.dims.v_head_dim)

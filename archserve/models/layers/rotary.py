@@ -99,6 +99,13 @@ def inverse_frequencies(head_size: int, base: float, scaling: dict[str, Any] | N
                      f"{', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Rope dimensions stored as interleaved pairs (x0, x1), (x2, x3) ... -> the evens, then
+    the odds: the neox rotation of that order rotates each pair as the interleaved one
+    would, and leaves every q.k product unchanged (DeepSeek's MLA, GLM-5's indexer)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, base: float,
                  scaling: dict[str, Any] | None = None) -> None:
