@@ -81,6 +81,7 @@ class LinearSpec:
     # How the checkpoint quantizes activations (quantized_weights.ACT_*): "none" for
     # weight-only schemes; a W8A8 kernel needs the scheme it was built for.
     activation: str = "none"
+    group_size: int | None = None         # integer groups: channels per scale (-1: per channel)
     in_features: int = 4096
     out_features: int = 4096
 

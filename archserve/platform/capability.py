@@ -57,6 +57,7 @@ class Capability:
         return f"SM{self.to_int()}"
 
 
+SM60 = Capability(6, 0)
 SM61 = Capability(6, 1)
 SM70 = Capability(7, 0)
 SM75 = Capability(7, 5)

@@ -74,7 +74,10 @@ class QuantPlan:
 
 
 def layer_spec(quant: LayerQuant, dtype: torch.dtype) -> LinearSpec:
-    return LinearSpec(dtype=dtype, quant_scheme=quant.weight_format, activation=quant.activation)
+    group = (quant.group_size if quant.strategy == "group" else -1
+             if quant.weight_format == fmt.WNA16 else None)
+    return LinearSpec(dtype=dtype, quant_scheme=quant.weight_format, activation=quant.activation,
+                      group_size=group)
 
 
 def plan_quantization(device: DeviceInfo, config: QuantConfig | None, dtype: torch.dtype,

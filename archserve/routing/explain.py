@@ -21,6 +21,7 @@ from archserve.kernels.registry import (
     Selection,
     override_from_env,
 )
+from archserve.kernels.rules import device_text
 from archserve.kernels.specs import (
     ATTENTION_TYPES,
     AttentionSpec,
@@ -33,6 +34,7 @@ from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
 from archserve.quant.config import UnsupportedQuantization, explain_quant_config
 from archserve.quant.plan import QuantPlan, gguf_experts_decision, plan_quantization
+from archserve.quant.schemes import QuantScheme, compressed_tensors_form, find_scheme
 from archserve.routing.dtypes import (
     dtype_name,
     kv_cache_refusal,
@@ -202,20 +204,27 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
                     else f"no supported architecture has {op} layers")
     if op in ("linear", "moe"):
         plan = _quantization_plan(device, None, quantization, False, torch_dtype, libraries)
-        if plan.not_loadable:
+        scheme = find_scheme(quantization) if quantization else None
+        if plan.not_loadable and (scheme is None or plan.layers):
             raise ValueError(plan.not_loadable)
-        routes = (_linear_routes(device, plan, torch_dtype, libraries, not_loadable)
+        # A scheme this build does not load still has vLLM's ideal: its kernel form's.
+        not_loadable = not_loadable or plan.not_loadable
+        form = plan if not plan.refused else SchemeForm.of(scheme, None)
+        routes = (_linear_routes(device, form, torch_dtype, libraries, not_loadable)
                   if op == "linear"
                   else [_moe_route(device, _moe_spec(inputs, dtype=torch_dtype,
-                                                     quant_scheme=plan.moe_format,
-                                                     activation=plan.moe_activation),
+                                                     quant_scheme=form.moe_format,
+                                                     activation=form.moe_activation),
                                    libraries, not_loadable)])
+        decisions = decisions + plan.decisions
+        if scheme is not None:
+            _vllm_refusal(device, scheme, routes, decisions)
         if override and not_loadable is None:
             routes = [explain_op(device, op, route_spec, libraries, layer=route.layer,
                                  override=override)
                       for route, route_spec in zip(
                           routes, _specs_of(op, plan, torch_dtype, inputs), strict=True)]
-        return Explanation(device, torch_dtype, decisions + plan.decisions, routes,
+        return Explanation(device, torch_dtype, decisions, routes,
                            libraries_text(libraries), not_loadable, inputs)
     kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype)
     shape: dict[str, Any] = dict(DEEPSEEK_V3_MLA) if op == "mla_attention" else {}
@@ -331,9 +340,41 @@ def _quantization_plan(device: DeviceInfo, checkpoint_config: dict[str, Any] | N
     return plan_quantization(device, quant, dtype, libraries)
 
 
-def _linear_routes(device: DeviceInfo, plan: QuantPlan, dtype: torch.dtype,
+@dataclass(frozen=True)
+class SchemeForm:
+    """A checkpoint this build does not load, as vLLM's kernels see it: its linear layers'
+    and experts' weight formats and activation quantization, so ``explain`` shows vLLM's
+    choice for it on any device (quant/schemes.py's table, or a compressed-tensors config's
+    own groups)."""
+
+    linear_format: str | None
+    activation: str
+    moe_format: str | None
+    moe_activation: str
+
+    @classmethod
+    def of(cls, scheme: QuantScheme, checkpoint: dict[str, Any] | None) -> SchemeForm:
+        form = compressed_tensors_form(checkpoint) if scheme.name == "compressed-tensors" \
+            else None
+        if form is not None:
+            return cls(*form, *form)
+        return cls(scheme.weight_format, scheme.activation, scheme.moe_format,
+                   scheme.moe_activation)
+
+    def linear_specs(self, dtype: torch.dtype) -> list[LinearSpec]:
+        if self.linear_format is None:
+            return []             # the scheme leaves linear layers 16-bit
+        return [LinearSpec(dtype=dtype, quant_scheme=self.linear_format,
+                           activation=self.activation)]
+
+
+def _linear_routes(device: DeviceInfo, plan: QuantPlan | SchemeForm, dtype: torch.dtype,
                    libraries: LibraryAssumption, not_loadable: str | None) -> list[Route]:
     """One route per quantized layer kind of the plan, or the dense linear route."""
+    if isinstance(plan, SchemeForm):
+        return [_route(device, "linear", spec, libraries, "linear (qkv, o, mlp)", not_loadable)
+                for spec in plan.linear_specs(dtype)] or _linear_routes(
+            device, QuantPlan(None), dtype, libraries, not_loadable)
     if not plan.layers:
         return [_route(device, "linear", LinearSpec(dtype=dtype), libraries,
                        "linear (qkv, o, mlp)", not_loadable)]
@@ -341,6 +382,31 @@ def _linear_routes(device: DeviceInfo, plan: QuantPlan, dtype: torch.dtype,
                    "linear (qkv, o, mlp)" if len(plan.layers) == 1
                    else f"linear ({layer.quant.describe()})", not_loadable)
             for layer in plan.layers]
+
+
+def _vllm_refusal(device: DeviceInfo, scheme: QuantScheme, routes: list[Route],
+                  decisions: list[Decision]) -> None:
+    """Where vLLM 0.33 refuses the scheme on this device, its quantized layers have no
+    ideal, and one decision says so and what archserve does instead."""
+    quantized = [r for r in routes if r.layer != "lm_head" and (
+        (r.op == "moe" and scheme.moe_format is not None)
+        or (r.op == "linear" and r.ideal not in ("TRITON_SKINNY_GEMM", "TORCH_MATMUL")))]
+    reason = scheme.vllm_refusal(device) or next(
+        (f"none of its kernels for the {r.layer} runs on {device_text(device)}"
+         for r in quantized if r.ideal is None), None)
+    if reason is None:
+        return
+    for route in quantized:
+        route.ideal, route.ideal_detail = None, ""
+    runs = sorted({r.backend for r in quantized if r.backend})
+    if runs:
+        instead = f"archserve degrades to {', '.join(runs)}"
+    elif scheme.dequantized_at_load or (scheme.name == "gguf" and not quantized):
+        instead = "archserve degrades to dequantizing it at load (dense layers)"
+    else:
+        instead = "archserve does not run it either"
+    decisions.append(Decision("quantization", scheme.name, ", ".join(runs) or "-",
+                              f"vLLM 0.33 refuses: {reason}; {instead}"))
 
 
 def _moe_route(device: DeviceInfo, spec: MoESpec, libraries: LibraryAssumption,
@@ -413,10 +479,14 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
                                  "attention (prefill)"))
     if facts.vision is not None:
         routes.append(vit_route(device, facts.vision, torch_dtype, "vision encoder attention"))
-    routes += _linear_routes(device, plan, torch_dtype, libraries, not_loadable)
+    scheme = find_scheme(quantization or model.quantization or "")
+    # A checkpoint whose scheme this build refuses still has vLLM's ideal: its kernel form's.
+    form = (SchemeForm.of(scheme, model.quantization_config)
+            if plan.refused and scheme is not None else plan)
+    routes += _linear_routes(device, form, torch_dtype, libraries, not_loadable)
     if model.is_moe:
-        moe = _moe_spec(inputs, dtype=torch_dtype, quant_scheme=plan.moe_format,
-                        activation=plan.moe_activation,
+        moe = _moe_spec(inputs, dtype=torch_dtype, quant_scheme=form.moe_format,
+                        activation=form.moe_activation,
                         num_experts=model.num_experts, top_k=model.experts_per_token or 2,
                         hidden_size=model.hidden_size,
                         intermediate_size=model.intermediate_size)
@@ -424,6 +494,8 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     # lm_head stays unquantized in every scheme archserve loads (as in vLLM by default).
     routes.append(_route(device, "linear", LinearSpec(dtype=torch_dtype), libraries, "lm_head",
                          not_loadable))
+    if scheme is not None:
+        _vllm_refusal(device, scheme, routes, decisions)
     return Explanation(device, torch_dtype, decisions, routes, libraries_text(libraries),
                        not_loadable, inputs)
 

@@ -100,6 +100,10 @@ def test_explain_every_op_kind() -> None:
     awq = json.loads(run("explain", "-d", "h100", "--op", "linear", "-q", "awq",
                          "--json").output)
     assert awq["routes"][0]["backend"] == "TRITON_WEIGHT_ONLY"
+    # vLLM 0.33 choose_mp_linear_kernel: Machete on Hopper (group 128), Marlin elsewhere.
+    assert awq["routes"][0]["ideal"] == "MACHETE"
+    awq = json.loads(run("explain", "-d", "a100", "--op", "linear", "-q", "awq",
+                         "--json").output)
     assert awq["routes"][0]["ideal"] == "MARLIN"
     moe = json.loads(run("explain", "-d", "h100", "--op", "moe", "--json").output)
     assert moe["routes"][0]["backend"] == "TRITON_FUSED_MOE" and moe["not_loadable"] is None
@@ -114,7 +118,14 @@ def test_explain_every_op_kind() -> None:
                          "--json").output)["routes"][0]
     # fp8 experts run in the Triton fused MoE on SM89+; vLLM's ideal, CUTLASS, is rules only.
     assert fp8["backend"] == "TRITON_FUSED_MOE" and fp8["ideal"] == "CUTLASS_MOE_FP8"
-    refused = run("explain", "--op", "linear", "-q", "bitsandbytes")
+    # A scheme this build does not load: its ideal, the reason, and no route.
+    bnb = json.loads(run("explain", "-d", "h100", "--op", "linear", "-q", "bitsandbytes",
+                         "--json").output)
+    assert "not loadable" in bnb["not_loadable"] and bnb["routes"][0]["backend"] == ""
+    nvfp4 = json.loads(run("explain", "-d", "b200", "--op", "linear", "-q", "nvfp4",
+                           "--json").output)
+    assert nvfp4["routes"][0]["ideal"] == "FLASHINFER_CUTEDSL_NVFP4"
+    refused = run("explain", "--op", "linear", "-q", "no-such-scheme")
     assert refused.exit_code == 2 and "not loadable" in refused.output
 
 

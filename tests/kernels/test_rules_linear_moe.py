@@ -49,7 +49,11 @@ def test_fp8_linear_dual_path() -> None:
     # CUTLASS is rules only in this build: torch._scaled_mm runs it.
     s = REGISTRY.select("linear", get_profile("h100"), fp8, libraries="all")
     assert s.name == "TORCH_SCALED_MM"
-    assert [r.backend for r in s.rejected] == ["CUTLASS_FP8"]
+    assert [r.backend for r in s.rejected] == ["FLASHINFER_FP8", "CUTLASS_FP8"]
+    # vLLM 0.33's FlashInfer FP8 GEMM: SM100+, per-tensor weight and activation scales.
+    static = replace(fp8, activation="static_tensor")
+    assert ideal("linear", "b200", static) == "FLASHINFER_FP8"
+    assert ideal("linear", "b200", fp8) == "CUTLASS_FP8"
     # A weight-only fp8 checkpoint (no activation scales) is not a W8A8 kernel's.
     w8a16 = LinearSpec(quant_scheme="fp8", activation="none")
     s = REGISTRY.select("linear", get_profile("h100"), w8a16, libraries="all")
@@ -70,9 +74,15 @@ def test_cutlass_fp8_needs_a_new_enough_runtime_on_ada() -> None:
 
 def test_nvfp4_gemm_is_two_separate_families() -> None:
     nvfp4 = LinearSpec(quant_scheme="nvfp4")
-    assert ideal("linear", "b200", nvfp4) == "CUTLASS_NVFP4"
-    assert ideal("linear", "rtx5090", nvfp4) == "CUTLASS_NVFP4"
+    # vLLM 0.33 _POSSIBLE_NVFP4_KERNELS: FlashInfer CuTe-DSL (SM10x), FlashInfer CUTLASS
+    # (SM100+), vLLM's CUTLASS (SM100 and SM120 builds), then Marlin weight-only.
+    assert ideal("linear", "b200", nvfp4) == "FLASHINFER_CUTEDSL_NVFP4"
+    assert ideal("linear", "rtx5090", nvfp4) == "FLASHINFER_CUTLASS_NVFP4"
+    assert ideal("linear", "thor", nvfp4) == "FLASHINFER_CUTLASS_NVFP4"
     assert ideal("linear", "h100", nvfp4) == "MARLIN"
+    cutlass = REGISTRY.get("linear", "CUTLASS_NVFP4")
+    assert cutlass.hardware_rule(get_profile("rtx5090"), nvfp4) is None
+    assert cutlass.hardware_rule(get_profile("thor"), nvfp4) is not None
 
 
 def test_rules_only_gemm_backends_are_rows_of_one_table():

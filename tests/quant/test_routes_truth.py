@@ -45,7 +45,9 @@ def test_every_printed_route_runs_in_this_build(profile: str, scheme: str) -> No
     registry = default_registry()
     if out.not_loadable:
         assert all(r.backend == "" for r in out.routes)
-        assert not [d for d in out.decisions if d.what == "quantization"]
+        # Only vLLM's refusal may be said of a scheme that does not load: never a route.
+        assert not [d for d in out.decisions if d.what == "quantization"
+                    and not d.reason.startswith("vLLM 0.33 refuses")]
         return
     for route in out.routes:
         assert registry.get(route.op, route.backend).implemented, (route.layer, route.backend)

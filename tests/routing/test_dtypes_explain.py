@@ -118,7 +118,9 @@ def test_explain_fp8_moe_mla_model(tmp_path) -> None:
     routes = {r["layer"]: r for r in out["routes"]}
     assert routes["attention"]["op"] == "mla_attention"
     assert routes["attention"]["ideal"] == "FLASH_ATTN_MLA"
-    assert routes["linear (qkv, o, mlp)"]["ideal"] == "CUTLASS_BLOCK_FP8"
+    # vLLM 0.33 kernels/linear: FlashInfer's Hopper block-scale GEMM with DeepGEMM above
+    # its batch size comes first for bf16 block FP8.
+    assert routes["linear (qkv, o, mlp)"]["ideal"] == "FLASHINFER_DEEPGEMM_BLOCK_FP8"
     # vLLM 0.33 oracle/fp8.py _get_priority_backends: Hopper block FP8 with EP = 1 moves
     # Triton to the front (FlashInfer CUTLASS under EP > 1).
     assert routes["moe experts"]["ideal"] == "TRITON_FUSED_MOE"

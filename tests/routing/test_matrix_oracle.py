@@ -75,6 +75,7 @@ DEVIATIONS = {
     ("CUTLASS MoE FP8", "sm120"),  # vLLM 0.33 cutlass_group_gemm_supported: 90 <= SM < 110
     ("DeepGEMM MoE", "sm120"),     # vLLM 0.33 support_deep_gemm: SM90, SM100 and SM120 families
     ("DeepGEMM MoE", "sm121"),
+    ("W4A8 mixed precision", "sm100"),  # vLLM 0.33 CutlassW4A8LinearKernel: SM90 only
 }
 
 

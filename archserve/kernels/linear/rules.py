@@ -26,7 +26,7 @@ from archserve.kernels.rules import (
     runtime_at_least,
 )
 from archserve.kernels.specs import LinearSpec
-from archserve.platform.capability import SM75, SM89, SM90, SM100, Capability
+from archserve.platform.capability import SM60, SM75, SM89, SM90, SM100, Capability
 from archserve.platform.device import DeviceInfo
 
 # Weight formats (the vocabulary shared with archserve.quant and MoESpec).
@@ -41,9 +41,11 @@ MXFP8 = "mxfp8"
 SPARSE_2_4 = "sparse_2_4"    # 2:4 structured-sparse FP8/INT8
 BNB = "bnb"                  # bitsandbytes NF4 / int8
 GROUPED = "grouped"          # grouped (per-expert) GEMM, reached from MoE layers
+HADAMARD_FP4 = "hadamard_fp4"  # FP-Quant: Hadamard-rotated MXFP4/NVFP4 weights and activations
+TORCHAO = "torchao"          # torchao's tensor subclasses (their own torch ops)
 
 WEIGHT_FORMATS = (FP8, FP8_BLOCK, INT8, WNA16, W4A8, NVFP4, MXFP4, MXFP8, SPARSE_2_4, BNB,
-                  GROUPED)
+                  GROUPED, HADAMARD_FP4, TORCHAO)
 
 
 def _format_text(fmt: str | None) -> str:
@@ -90,6 +92,8 @@ class RulesOnlyGemm:
     min_capability: Capability | None = None
     families: tuple[int, ...] = ()                 # SM families (90: Hopper, 100, 120)
     activations: frozenset[str] | None = None      # W8A8 kernels: the activation scales
+    dtypes: tuple[torch.dtype, ...] | None = None  # the activation dtypes it computes in
+    group_sizes: tuple[int, ...] | None = None     # integer groups it takes (-1: per channel)
     # (capability, CUDA runtime): the first row whose capability the device has (None:
     # any) gives the runtime this kernel's build needs (seed 000 §3.2).
     cuda_runtime: tuple[tuple[Capability | None, tuple[int, int]], ...] = ()
@@ -105,6 +109,15 @@ class RulesOnlyGemmBackend(QuantGemmBackend):
             return needs_family(device, *self.row.families)
         return needs_capability(device, self.row.min_capability)
 
+    def request_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
+        sizes = self.row.group_sizes
+        return super().request_rule(device, spec) or (
+            needs_dtype(spec.dtype, self.row.dtypes) if self.row.dtypes else None) or (
+            f"takes groups of {', '.join(map(str, sizes))} channels, the layer's are "
+            f"{spec.group_size}"
+            if sizes and spec.group_size is not None and spec.group_size not in sizes
+            else None)
+
     def runtime_rule(self, device: DeviceInfo) -> str | None:
         for capability, version in self.row.cuda_runtime:
             if capability is None or device.has_capability(capability):
@@ -113,14 +126,51 @@ class RulesOnlyGemmBackend(QuantGemmBackend):
 
 
 _PER_TOKEN_OR_TENSOR = frozenset({"dynamic_token", "static_tensor"})
-# Preference order is _QUANT_ORDER's, not this table's.
+_BF16 = (torch.bfloat16,)
+# Preference order is _QUANT_ORDER's, not this table's. The rows follow vLLM 0.33's linear
+# kernels (model_executor/kernels/linear: each kernel's is_supported and can_implement).
 _RULES_ONLY_GEMMS = (
+    RulesOnlyGemm("FLASHINFER_CUTEDSL_NVFP4", frozenset({NVFP4}),
+                  "FlashInfer CuTe-DSL NVFP4 GEMM (SM100 family)", families=(100,)),
+    RulesOnlyGemm("FLASHINFER_CUTLASS_NVFP4", frozenset({NVFP4}),
+                  "FlashInfer CUTLASS NVFP4 GEMM (SM100+)", min_capability=SM100),
+    RulesOnlyGemm("FLASHINFER_CUTEDSL_MXFP8", frozenset({MXFP8}),
+                  "FlashInfer CuTe-DSL MXFP8 GEMM (SM100 family)", families=(100,)),
+    RulesOnlyGemm("FLASHINFER_CUTLASS_MXFP8", frozenset({MXFP8}),
+                  "FlashInfer CUTLASS MXFP8 GEMM (SM100+)", min_capability=SM100),
+    RulesOnlyGemm("FLASHINFER_MXFP4", frozenset({MXFP4}),
+                  "FlashInfer CuTe-DSL MXFP4 W4A4 GEMM (SM100+)", min_capability=SM100,
+                  activations=frozenset({"dynamic_group"})),
+    RulesOnlyGemm("QUTLASS", frozenset({HADAMARD_FP4}),
+                  "QuTLASS Hadamard-rotated FP4 GEMM (SM100 and SM120 families)",
+                  families=(100, 120)),
+    # FlashInfer's Hopper block-scale GEMM for small batches, DeepGEMM for the rest.
+    RulesOnlyGemm("FLASHINFER_DEEPGEMM_BLOCK_FP8", frozenset({FP8_BLOCK}),
+                  "FlashInfer SM90 block-FP8 GEMM, DeepGEMM above its batch size (Hopper, "
+                  "bf16)", families=(90,), activations=frozenset({"dynamic_group"}),
+                  dtypes=_BF16),
+    RulesOnlyGemm("DEEPGEMM_BLOCK_FP8", frozenset({FP8_BLOCK}),
+                  "DeepGEMM block-FP8 GEMM (SM90, SM100 and SM120 families, bf16)",
+                  families=(90, 100, 120), activations=frozenset({"dynamic_group"}),
+                  dtypes=_BF16),
+    RulesOnlyGemm("FLASHINFER_FP8", frozenset({FP8}),
+                  "FlashInfer FP8 GEMM, per-tensor weight and activation scales (SM100+)",
+                  min_capability=SM100, activations=frozenset({"static_tensor"})),
+    RulesOnlyGemm("MACHETE", frozenset({WNA16}),
+                  "Machete mixed-input GEMM: integer weights, 16-bit activations (Hopper)",
+                  families=(90,), group_sizes=(-1, 64, 128)),
+    RulesOnlyGemm("EXLLAMA", frozenset({WNA16}),
+                  "ExLlama GPTQ GEMM: 4/8-bit weights, float16 activations (SM60+)",
+                  min_capability=SM60, dtypes=(torch.float16,)),
+    RulesOnlyGemm("BITSANDBYTES", frozenset({BNB}),
+                  "bitsandbytes NF4 / int8 matmul (any CUDA GPU)", min_capability=SM60),
+    RulesOnlyGemm("TORCHAO", frozenset({TORCHAO}),
+                  "torchao's quantized tensor ops (SM75+)", min_capability=SM75),
     RulesOnlyGemm("CUTLASS_NVFP4", frozenset({NVFP4}),
                   "CUTLASS NVFP4 GEMM (SM100 and SM120 families, separate builds)",
                   families=(100, 120), cuda_runtime=((None, (12, 8)),)),
     RulesOnlyGemm("CUTLASS_W4A8", frozenset({W4A8}),
-                  "CUTLASS W4A8 mixed-precision GEMM (Hopper, SM100 family)",
-                  families=(90, 100)),
+                  "CUTLASS W4A8 mixed-precision GEMM (Hopper only)", families=(90,)),
     RulesOnlyGemm("CUTLASS_SPARSE_2_4", frozenset({SPARSE_2_4}),
                   "CUTLASS 2:4 structured-sparse GEMM (Hopper, SM100 family)",
                   families=(90, 100)),
@@ -138,9 +188,9 @@ _RULES_ONLY_GEMMS = (
     RulesOnlyGemm("CUTLASS_GROUPED_GEMM", frozenset({GROUPED}),
                   "CUTLASS grouped GEMM for expert layers (Hopper, SM100 family)",
                   families=(90, 100)),
-    RulesOnlyGemm("MARLIN", frozenset({WNA16, FP8, FP8_BLOCK, NVFP4, MXFP4}),
+    RulesOnlyGemm("MARLIN", frozenset({WNA16, FP8, FP8_BLOCK, NVFP4, MXFP4, MXFP8}),
                   "Marlin weight-only GEMM: dequantize in registers, FP16/BF16 tensor cores "
-                  "(SM75+)", min_capability=SM75),
+                  "(SM75+)", min_capability=SM75, group_sizes=(-1, 32, 64, 128)),
 )
 
 
@@ -221,10 +271,17 @@ LINEAR_FALLBACK = TorchMatmulBackend.name
 # CUTLASS kernels, rules only here, then this build's own) before the weight-only paths
 # (Marlin, rules only; the Triton weight-only kernel), and the start-up dequantization
 # last (seed 000 §5.2).
-_QUANT_ORDER = ("CUTLASS_NVFP4", "CUTLASS_W4A8", "CUTLASS_SPARSE_2_4", "CUTLASS_BLOCK_FP8",
-                "TRITON_BLOCK_FP8", "CUTLASS_FP8", "TORCH_SCALED_MM", "CUTLASS_INT8",
-                "TRITON_INT8", "CUTLASS_GROUPED_GEMM", "MARLIN", "TRITON_WEIGHT_ONLY",
-                "TORCH_DEQUANT")
+# Per format this is vLLM 0.33's order (kernels/linear/__init__.py, _POSSIBLE_*_KERNELS):
+# FP8 block: FlashInfer+DeepGEMM, DeepGEMM, CUTLASS, Marlin, then Triton; integer groups:
+# Machete, Marlin, ExLlama; NVFP4 / MXFP8: FlashInfer CuTe-DSL, FlashInfer CUTLASS, (vLLM's
+# CUTLASS,) Marlin. This build's kernels sit where vLLM's of the same kind do.
+_QUANT_ORDER = ("FLASHINFER_CUTEDSL_NVFP4", "FLASHINFER_CUTLASS_NVFP4", "CUTLASS_NVFP4",
+                "FLASHINFER_CUTEDSL_MXFP8", "FLASHINFER_CUTLASS_MXFP8", "FLASHINFER_MXFP4",
+                "QUTLASS", "CUTLASS_W4A8", "CUTLASS_SPARSE_2_4",
+                "FLASHINFER_DEEPGEMM_BLOCK_FP8", "DEEPGEMM_BLOCK_FP8", "CUTLASS_BLOCK_FP8",
+                "FLASHINFER_FP8", "CUTLASS_FP8", "TORCH_SCALED_MM", "CUTLASS_INT8",
+                "TRITON_INT8", "CUTLASS_GROUPED_GEMM", "MACHETE", "MARLIN", "TRITON_BLOCK_FP8",
+                "EXLLAMA", "TRITON_WEIGHT_ONLY", "BITSANDBYTES", "TORCHAO", "TORCH_DEQUANT")
 
 
 def linear_priority(device: DeviceInfo, spec: LinearSpec) -> list[str]:

@@ -252,7 +252,7 @@ class TritonMxfp4MoEBackend(MoEBackend):
 
 class MarlinMoEBackend(MoEBackend):
     name = "MARLIN_MOE"
-    formats = frozenset({"wna16", "fp8", "fp8_block", "nvfp4", "mxfp4"})
+    formats = frozenset({"wna16", "fp8", "fp8_block", "nvfp4", "mxfp4", "mxfp8"})
     description = "Marlin weight-only MoE (SM75+)"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
