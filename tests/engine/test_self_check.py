@@ -55,13 +55,14 @@ def slow_attention():
 
 
 def test_a_deliberately_slow_route_is_flagged_and_named(tiny_checkpoint, slow_attention):
-    fast = LLM(tiny_checkpoint("llama"), dtype="float32", self_check=True)
     slow = LLM(tiny_checkpoint("llama"), dtype="float32", self_check=True,
                attention_backend="SLOW_ATTN")
-    fast_check = fast.llm_engine.report.self_check
     check = slow.llm_engine.report.self_check
     assert check.flagged and check.slowest_kind == "attention", check.to_json()
-    assert check.ratio < fast_check.ratio / 2
+    # The step it timed ran the route: each layer's attention slept 20 ms. (A comparison
+    # with a fast engine's ratio breaks on a loaded machine, where that step is slow too.)
+    layers = slow.llm_engine.model_config.num_layers
+    assert check.step_ms >= 20 * layers, check.to_json()
     assert check.to_json()["flagged"] is True
 
 
