@@ -17,7 +17,8 @@ os.environ.setdefault("KMP_BLOCKTIME", "0")
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -27,6 +28,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from archserve.engine.sampling_params import SamplingParams
         return SamplingParams
+    if name == "LoRARequest":
+        from archserve.engine.lora.request import LoRARequest
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from archserve.engine import outputs
         return getattr(outputs, name)

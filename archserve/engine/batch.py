@@ -34,6 +34,9 @@ class ModelBatch:
     # The sampler's R rows, in order (engine/spec_decode/verification.py): a sequence's
     # own, or with drafts its k + 1 rows; None when that is sampled_seqs.
     sample_rows: list | None = None
+    # The step's packed LoRA mapping (kernels/lora/interface.py), where the engine serves
+    # adapters: it travels with the batch; the runner copies it where forwards read it.
+    lora_mapping: torch.Tensor | None = None
 
     def apply_fed_ids(self) -> None:
         """Write ``fed_ids`` into the first rows of ``input_ids``."""
@@ -82,8 +85,8 @@ def _block_table_matrix(tables: list[list[int]]) -> np.ndarray:
     return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
 
 
-def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRing
-                       ) -> ModelBatch:
+def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRing,
+                       lora_mapping: np.ndarray | None = None) -> ModelBatch:
     """The common step of a busy server: one new token per sequence, every one sampled.
 
     Plain Python lists and one array per field: per-sequence numpy calls would cost
@@ -98,6 +101,8 @@ def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, staging: Sta
     own = [np.asarray([s.token_ids[p] for s, p in zip(seqs, positions, strict=True)],
                       dtype=np.int64),
            np.asarray(positions, dtype=np.int64), np.arange(n, dtype=np.int64)]
+    if lora_mapping is not None:
+        own.append(lora_mapping)
     moved: list[torch.Tensor] = []
     meta = AttentionMetadata.from_lengths(np.ones(n, dtype=np.int32),
                                           np.asarray(positions, dtype=np.int32) + 1,
@@ -105,18 +110,24 @@ def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, staging: Sta
                                           np.asarray(slot_mapping, dtype=np.int64),
                                           staging.device,
                                           upload=_uploader(staging.upload, own, moved))
-    input_ids, positions_t, logits_indices = moved
+    input_ids, positions_t, logits_indices = moved[:3]
     return ModelBatch(input_ids=input_ids, positions=positions_t, meta=meta,
                       logits_indices=logits_indices, sampled_seqs=seqs,
-                      prompt_logprob_rows=[])
+                      prompt_logprob_rows=[], lora_mapping=_lora_view(moved))
 
 
-def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRing
-                ) -> ModelBatch:
+def _lora_view(moved: list[torch.Tensor]) -> torch.Tensor | None:
+    """The LoRA mapping's device view, uploaded after the batch's own three arrays."""
+    return moved[3] if len(moved) > 3 else None
+
+
+def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRing,
+                lora_mapping: np.ndarray | None = None) -> ModelBatch:
     """The step's tensors, moved to the device in one transfer through ``staging`` (the
-    runner's: engine/staging.py)."""
+    runner's: engine/staging.py); ``lora_mapping``: the step's packed LoRA mapping, which
+    travels in the same transfer."""
     if all(c.num_new_tokens == 1 and c.samples for c in chunks):
-        return build_decode_batch(chunks, block_size, staging)
+        return build_decode_batch(chunks, block_size, staging, lora_mapping)
     drafting = any(c.draft_token_ids for c in chunks)
     num_tokens = sum(c.num_new_tokens for c in chunks)
     num_seqs = len(chunks)
@@ -159,12 +170,15 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRin
 
     moved: list[torch.Tensor] = []
     own = [input_ids, positions, np.asarray(logits_rows, dtype=np.int64)]
+    if lora_mapping is not None:
+        own.append(lora_mapping)
     meta = AttentionMetadata.from_lengths(query_lens, seq_lens, block_tables, slot_mapping,
                                           staging.device,
                                           upload=_uploader(staging.upload, own, moved))
-    input_ids_t, positions_t, logits_indices = moved
+    input_ids_t, positions_t, logits_indices = moved[:3]
     rows = (sampler_rows(sampled_seqs, [c.draft_token_ids for c in chunks if c.samples])
             if drafting else None)
     return ModelBatch(input_ids=input_ids_t, positions=positions_t, meta=meta,
                       logits_indices=logits_indices, sampled_seqs=sampled_seqs,
-                      prompt_logprob_rows=prompt_rows, sample_rows=rows)
+                      prompt_logprob_rows=prompt_rows, sample_rows=rows,
+                      lora_mapping=_lora_view(moved))

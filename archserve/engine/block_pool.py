@@ -15,6 +15,10 @@ tokens, and its parent must be the block the walk matched just before it (the sa
 block id, registered at the same time). So even a hash collision cannot serve KV that
 was computed after another prefix; the walk stops there instead.
 
+A sequence that runs with a LoRA adapter computes other KV for the same tokens: its chain
+starts from the adapter's ``cache_key`` instead of the common seed (``chain_root``), and
+each cached block records the root of its chain, which a hit must match too.
+
 Freed blocks whose hash is known stay findable: they wait in ``_free_cached`` in the
 order they were freed, and are evicted (hash forgotten) least recently freed first,
 only when no never-cached free block is left. Blocks of one sequence are freed tail
@@ -40,10 +44,17 @@ _ROOT = (-1, -1)                       # the "parent" of a sequence's first bloc
 
 
 def chain_hash(parent_hash: bytes | None, block_tokens: tuple[int, ...]) -> bytes:
-    """SHA-256 of a full block chained to the hash of the block before it (None: first)."""
+    """SHA-256 of a full block chained to the hash of the block before it (None: first of
+    a sequence without an adapter; its ``chain_root``: first of one with)."""
     digest = hashlib.sha256(_NO_PARENT if parent_hash is None else parent_hash)
     digest.update(array("q", block_tokens).tobytes())
     return digest.digest()
+
+
+def chain_root(seq: Sequence) -> bytes | None:
+    """What a sequence's first block chains to: its LoRA adapter's cache key (None: the
+    base model's seed)."""
+    return None if seq.lora is None else seq.lora.cache_key
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ class KVBlockPool:
         self._ref_count = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._block_root: list[bytes | None] = [None] * num_blocks   # its chain's root
         # Per cached block: (its parent's block id, the parent's registration number), and
         # its own registration number, which changes whenever the block id is re-registered.
         self._block_parent: list[tuple[int, int]] = [_ROOT] * num_blocks
@@ -114,12 +126,13 @@ class KVBlockPool:
         tokens = seq.token_ids
         ids: list[int] = []
         hashes: list[bytes] = []
-        parent: bytes | None = None
+        root = parent = chain_root(seq)
         for i in range(max_blocks):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             h = seq.block_hashes[i] if i < len(seq.block_hashes) else chain_hash(parent, block_tokens)
             block_id = self._cached.get(h)
             if (block_id is None or self._block_tokens[block_id] != block_tokens
+                    or self._block_root[block_id] != root
                     or self._block_parent[block_id] != self._identity(ids[-1] if ids else None)):
                 break
             ids.append(block_id)
@@ -182,7 +195,8 @@ class KVBlockPool:
             return
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        root = chain_root(seq)
+        parent = seq.block_hashes[-1] if seq.block_hashes else root
         for i in range(len(seq.block_hashes), num_full):
             block_tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, block_tokens)
@@ -199,6 +213,7 @@ class KVBlockPool:
                 self._cached[h] = block_id
                 self._block_hash[block_id] = h
                 self._block_tokens[block_id] = block_tokens
+                self._block_root[block_id] = root
                 self._block_parent[block_id] = self._identity(parent_id)
                 self._registrations += 1
                 self._registration[block_id] = self._registrations

@@ -61,6 +61,13 @@ class EngineConfig:
     # One worker process per rank, each on its own GPU (or sharing the CPU's cores).
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp" # mp (this machine) | ray (a Ray cluster)
+    # LoRA adapters (vLLM's names): each request may run with one (LoRARequest); every
+    # dense linear holds max_loras adapter slots of rank max_lora_rank, and the host keeps
+    # up to max_cpu_loras adapters read (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Accepted for vLLM compatibility:
     # None: the checkpoint's own; else a method checked against it ("fp8" on a 16-bit
     # checkpoint quantizes it at load, as vLLM's online fp8).
@@ -101,5 +108,21 @@ class EngineConfig:
                 and self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
                              "supported yet; use tensor_parallel_size 1")
+        if self.enable_lora:
+            self._validate_lora()
         if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+    def _validate_lora(self) -> None:
+        from archserve.engine.lora.peft_adapter import MAX_LORA_RANKS
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of "
+                             f"{', '.join(map(str, MAX_LORA_RANKS))}; got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet; "
+                             "serve adapters with --tensor-parallel-size 1")

@@ -7,6 +7,7 @@ from dataclasses import fields, replace
 
 from archserve.engine.config import EngineConfig
 from archserve.engine.llm_engine import LLMEngine
+from archserve.engine.lora.request import LoRARequest
 from archserve.engine.outputs import RequestOutput
 from archserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -42,11 +43,14 @@ class LLM:
 
     def generate(self, prompts: Prompt | SequenceOf[Prompt],
                  sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order.
 
         Every prompt is validated before any is queued, so one bad prompt raises
-        ValueError without leaving the others half-submitted.
+        ValueError without leaving the others half-submitted. ``lora_request``: one adapter
+        for every prompt, or one (or None) per prompt (needs ``enable_lora=True``).
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -59,11 +63,18 @@ class LLM:
                 raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} sampling params")
         # Only final outputs are returned: the engine then skips per-step output work.
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(lora_list)} LoRA "
+                                 f"requests")
         engine = self.llm_engine
         # Each prompt is validated and tokenized once, as its request is checked (its own
         # truncate_prompt_tokens included); none is queued until all are.
-        prepared = [engine.prepare_request(None, _prompt_value(p), sp)
-                    for p, sp in zip(prompt_list, params_list, strict=True)]
+        prepared = [engine.prepare_request(None, _prompt_value(p), sp, lora_request=lora)
+                    for p, sp, lora in zip(prompt_list, params_list, lora_list, strict=True)]
         # Grammars compile in parallel on the compiler's threads; a bad one is a ValueError
         # before anything is queued.
         engine.wait_for_grammars(prepared)
@@ -88,14 +99,16 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         from archserve.loader.tokenizer import apply_chat_template
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.get_tokenizer(), conv,
                                        add_generation_prompt=add_generation_prompt)
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
 
 def _as_prompt_list(prompts) -> list:

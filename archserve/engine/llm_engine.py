@@ -13,6 +13,8 @@ from archserve.engine.block_pool import KVBlockPool
 from archserve.engine.config import EngineConfig
 from archserve.engine.cuda_graphs import describe_demoted
 from archserve.engine.launched_step import LaunchedStep
+from archserve.engine.lora.manager import LoadedLoRA, LoRAManager
+from archserve.engine.lora.request import LoRARequest
 from archserve.engine.output_processor import OutputProcessor, RequestState
 from archserve.engine.outputs import RequestMetrics, RequestOutput
 from archserve.engine.phases import WAIT_FOR_DEVICE, phase
@@ -54,10 +56,14 @@ class LLMEngine:
                          if self.tokenizer is not None else None)
         self.block_pool = KVBlockPool(setup.num_blocks, setup.block_size,
                                       config.enable_prefix_caching)
+        # The adapters' host cache and slots (engine/lora/), where LoRA is enabled.
+        step_lora = getattr(self.runner, "lora", None)
+        self.lora: LoRAManager | None = step_lora.manager if step_lora is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, setup.max_num_batched_tokens,
                             self.max_model_len, config.enable_chunked_prefill,
-                            setup.decoding_token_budget),
+                            setup.decoding_token_budget,
+                            config.max_loras if self.lora is not None else None),
             self.block_pool, self.eos_token_ids)
         self.report.timings["total_s"] = startup.elapsed(t0)
         self.speculator = setup.speculator    # None: no speculative decoding
@@ -138,11 +144,11 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None, arrival_time: float | None = None
-                    ) -> str:
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Validate and queue a request; raises ValueError and changes nothing on bad input
         (a grammar that does not compile included: this waits for its compilation)."""
-        state = self.prepare_request(request_id, prompt, params, arrival_time)
+        state = self.prepare_request(request_id, prompt, params, arrival_time, lora_request)
         self.wait_for_grammars([state])
         return self.queue_request(state)
 
@@ -159,9 +165,12 @@ class LLMEngine:
 
     def prepare_request(self, request_id: str | None, prompt: str | list[int],
                         params: SamplingParams | None = None,
-                        arrival_time: float | None = None) -> RequestState:
+                        arrival_time: float | None = None,
+                        lora_request: LoRARequest | None = None) -> RequestState:
         """Validate and tokenize a request without queuing it (ValueError on bad input):
-        a caller with several requests prepares them all before it queues any."""
+        a caller with several requests prepares them all before it queues any.
+        ``lora_request``: the adapter it runs with (read from its directory unless the host
+        holds it)."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or self.new_request_id()
@@ -185,12 +194,44 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; this model's maximum context length is "
                 f"{self.max_model_len} tokens, and at least one must be left to generate")
+        adapter = self._adapter_of(lora_request)
         now = time.time() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id, ids, params, index=i) for i in range(params.n)]
+        for seq in seqs:
+            seq.lora = adapter
         grammar = attach_grammars(self.grammars, seqs)   # compiles on the compiler's threads
         return RequestState(request_id, text, ids, params, seqs, RequestMetrics(now),
                             [None] if params.prompt_logprobs is not None else None,
                             grammar=grammar)
+
+    # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------
+    def _adapter_of(self, lora_request: LoRARequest | None) -> LoadedLoRA | None:
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        return self._lora_manager().get(lora_request)
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True "
+                             "(--enable-lora) to serve adapters")
+        return self.lora
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into the host cache now, so its first request waits for no disk
+        (ValueError on a bad adapter)."""
+        manager = self._lora_manager()
+        manager.add(manager.read(lora_request))
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter ``lora_id``; requests running with it finish with it."""
+        return self._lora_manager().remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora.list_ids()) if self.lora is not None else set()
 
     def queue_request(self, state: RequestState) -> str:
         """Queue a prepared request; returns its id. One whose grammar is still compiling

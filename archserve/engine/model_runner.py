@@ -6,9 +6,11 @@ graphs and the sampler. It knows nothing of requests beyond the sequences it is 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -98,6 +100,11 @@ class ModelRunner:
         # the decode graphs (which bake the scales in) are captured at these sizes.
         self.kv_calibration_pending = False
         self.graph_sizes_after_calibration: list[int] = []
+        # LoRA adapters (engine/lora/step.py), where the engine serves them; the forward
+        # adds their deltas while ``lora_active`` (a step with adapters, graph captures
+        # and warm-ups, so the kernels are in every graph and compiled before serving).
+        self.lora = None
+        self.lora_active = False
 
     # -- memory -------------------------------------------------------------------
     def kv_cache_format(self, kv_dtype: torch.dtype) -> tuple[torch.dtype, int]:
@@ -156,11 +163,25 @@ class ModelRunner:
     # -- forward ------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, calibrate_kv_scales: bool = False) -> torch.Tensor:
+        lora = self.lora
         ctx = ForwardContext(meta, self.kv_caches, self.attn_impl,
                              kv_cache_dtype=self.kv_cache_dtype,
-                             calibrate_kv_scales=calibrate_kv_scales)
+                             calibrate_kv_scales=calibrate_kv_scales,
+                             lora_mapping=(lora.mapping(input_ids.shape[0])
+                                           if lora is not None and self.lora_active else None),
+                             lora_impl=lora.impl if lora is not None else None)
         with set_forward_context(ctx):
             return self.model(input_ids, positions)
+
+    @contextlib.contextmanager
+    def with_lora_kernels(self) -> Iterator[None]:
+        """Forwards in this scope run the LoRA kernels (over the mapping the buffer holds)
+        whatever the step: graphs captured here contain them, warm-ups compile them."""
+        previous, self.lora_active = self.lora_active, self.lora is not None
+        try:
+            yield
+        finally:
+            self.lora_active = previous
 
     @torch.inference_mode()
     def warm_up_prefill(self, max_num_batched_tokens: int, max_num_seqs: int = 256
@@ -175,8 +196,9 @@ class ModelRunner:
         batches = prefill_warm_up_batches(self.max_model_len, max_num_batched_tokens,
                                           max_num_seqs)
         logits = None
-        for lengths in batches:
-            logits = self.run_prefill_probe(lengths)
+        with self.with_lora_kernels():
+            for lengths in batches:
+                logits = self.run_prefill_probe(lengths)
         if self.device.type == "cuda":
             if logits is not None:   # the greedy argmax kernel, on logits as steps give them
                 from archserve.engine.sampler import greedy_argmax
@@ -224,9 +246,10 @@ class ModelRunner:
                                         self.max_blocks_per_seq, self.max_model_len)
         start = time.perf_counter()
         # In this scope the linear routine may take kernels worth launching only in a graph.
-        with torch.inference_mode(), decode_graph_scope():
+        with torch.inference_mode(), decode_graph_scope(), self.with_lora_kernels():
             result = self.graphs.capture(sizes)
-        self.graphs.replay_canary(self.kv_caches)
+        with self.with_lora_kernels():
+            self.graphs.replay_canary(self.kv_caches)
         log.info("captured CUDA graphs for %d decode batch sizes in %.1fs%s", len(result.sizes),
                  time.perf_counter() - start,
                  f"; not captured: {describe_demoted(result.sizes, result.demoted)}"
@@ -241,7 +264,7 @@ class ModelRunner:
                                              max_num_seqs, self.max_blocks_per_seq,
                                              self.max_model_len, self.block_size)
         start = time.perf_counter()
-        with torch.inference_mode(), decode_graph_scope():
+        with torch.inference_mode(), decode_graph_scope(), self.with_lora_kernels():
             result = self.mixed_graphs.capture(buckets)
         log.info("captured CUDA graphs for mixed steps at %d token buckets in %.1fs%s",
                  len(result.sizes), time.perf_counter() - start,
@@ -303,7 +326,13 @@ class ModelRunner:
         """
         self._capture_after_calibration()
         with phase("build_batch"):
-            batch = build_batch(chunks, self.block_size, self.staging)
+            lora_packed = None
+            if self.lora is not None:
+                lora_packed, self.lora_active = self.lora.pack(
+                    [c.seq for c in chunks], [c.num_new_tokens for c in chunks])
+            batch = build_batch(chunks, self.block_size, self.staging, lora_packed)
+            if self.lora is not None:
+                self.lora.load(batch.lora_mapping)
             if previous is not None:
                 previous.feed_pending_inputs(batch, chunks, self.staging)
         with phase("forward"):

@@ -32,6 +32,7 @@ from archserve.engine.decode_gemms import (
     tune_quantized_decode,
 )
 from archserve.engine.kernel_cache import configure_kernel_caches
+from archserve.engine.lora.setup import setup_lora
 from archserve.engine.mixed_graphs import COMPUTE_BOUND_S, TOKEN_BUCKETS, host_bound_tokens
 from archserve.engine.model_runner import ModelRunner
 from archserve.engine.rank_memory import measure_rank_memory
@@ -218,6 +219,7 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     model, mc = load_model(config.model, dtype=dtype, device=torch_device,
                            load_format=config.load_format, quantization=quant_plan.config)
     decisions += install_quantized_kernels(device, model, quant_plan)
+    lora = setup_lora(config, model, device, torch_device, dtype)   # slots: before KV sizing
     load_s = startup.elapsed(t0)
 
     if tp.size > 1 and torch_device.type == "cuda":   # before graphs capture the all-reduces
@@ -235,6 +237,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     select_s = startup.elapsed(t_select)
     graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection,
                                                 compilation.cudagraph_mode)
+    if lora is not None and graphs_off is None and torch_device.type == "cuda":
+        graphs_off = lora.graphs_off
     graph_sizes = (config.cuda_graph_sizes or list(compilation.capture_sizes)
                    or default_graph_sizes(config.max_num_seqs) if graphs_off is None else [])
     t_gemms = time.perf_counter()
@@ -255,6 +259,10 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     max_batched = config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
     if not config.enable_chunked_prefill:
         max_batched = max(max_batched, max_model_len)  # a whole prompt fits one step
+    if lora is not None:   # its mapping buffer holds the largest step any forward runs
+        runner.lora = lora.step(max(max_batched, config.max_num_seqs, *graph_sizes),
+                                torch_device)
+        decisions.append(lora.decision)
     kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
     calibrate = config.calculate_kv_scales and is_quantized_cache(kv_cache_dtype)
     mixed_tokens, mixed_decision = plan_mixed_step_graphs(compilation, graphs_off, selection,
@@ -313,7 +321,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
         graph_demoted=runner.graphs.set.demoted if graphs else {},
         graphs_off=graphs_off, kernel_cache=kernel_cache, kv_sizing=sizing,
         routes=startup.model_routes(device, config, rank_mc, dtype, kv_cache_dtype, selection,
-                                    is_gguf=gguf_path is not None),
+                                    is_gguf=gguf_path is not None)
+        + ([lora.route] if lora is not None else []),
         timings={"load_s": load_s, "select_and_canary_s": select_s,
                  "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s,
                  "cuda_graphs_s": graphs_s, "token_budget_s": budget_s},

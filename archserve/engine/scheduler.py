@@ -10,7 +10,9 @@ of a step:
 3. waiting sequences (new, or preempted and re-prefilling), front of the queue first,
    while ``max_num_seqs`` and the budget allow; none are admitted in a step that had to
    preempt, because that step is already short of blocks. A sequence whose ``gate`` is
-   still open (its grammar compiling) is passed over, keeping its place.
+   still open (its grammar compiling) is passed over, keeping its place; so is one whose
+   LoRA adapter would be one more than ``max_loras`` distinct adapters among the running
+   sequences (each layer has that many adapter slots).
 
 When the pool runs dry for a running sequence, the most recently arrived running
 sequence is preempted by recomputation: its blocks are freed, ``num_computed_tokens``
@@ -48,6 +50,8 @@ class SchedulerConfig:
     # Tokens of a step that carries running decodes; None: max_num_batched_tokens (every
     # step alike, vLLM's meaning of the flag). engine/step_budget.py chooses it.
     decoding_token_budget: int | None = None
+    # Distinct LoRA adapters the running sequences may use at once; None: no adapters.
+    max_loras: int | None = None
 
     @property
     def budget_while_decoding(self) -> int:
@@ -305,9 +309,10 @@ class Scheduler:
         compiling) keeps its place while those behind it go ahead."""
         chunked = self.config.enable_chunked_prefill
         skipped: list[Sequence] = []
+        adapters = {s.lora.cache_key for s in self.running if s.lora is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.is_ready:
+            if not seq.is_ready or self._adapter_over_limit(seq, adapters):
                 skipped.append(self.waiting.popleft())
                 continue
             prefix = self.block_pool.find_cached_prefix(seq)
@@ -319,12 +324,19 @@ class Scheduler:
             if not self.block_pool.allocate(seq, num_new, prefix):
                 break
             self.waiting.popleft()
+            if seq.lora is not None:
+                adapters.add(seq.lora.cache_key)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival_key)
             planned[seq.seq_id] = ScheduledSeq(seq, num_new, num_new == remaining)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _adapter_over_limit(self, seq: Sequence, adapters: set[bytes]) -> bool:
+        """Whether running ``seq`` would take one more adapter than the slots hold."""
+        return (seq.lora is not None and seq.lora.cache_key not in adapters
+                and len(adapters) >= (self.config.max_loras or 0))
 
     def _preempt(self, seq: Sequence, planned: dict[int, ScheduledSeq],
                  out: SchedulerOutput) -> int:

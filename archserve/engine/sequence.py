@@ -57,6 +57,7 @@ class Sequence:
         "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes",
         "output_logprobs", "cumulative_logprob", "stop_reason", "num_preemptions",
         "output_text", "extra", "num_pending", "gate", "spec_token_ids",
+        "lora",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: SequenceOf[int],
@@ -97,6 +98,8 @@ class Sequence:
         # Draft tokens to follow this sequence's tokens, proposed after its newest token
         # (speculative decoding): its next decode step verifies them.
         self.spec_token_ids: list[int] = []
+        # The LoRA adapter it runs with (engine/lora/manager.py's LoadedLoRA), or None.
+        self.lora: Any = None
 
     # -- lengths ------------------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ from archserve.kernels.attention.backends import (
 )
 from archserve.kernels.linear.quantized_backends import QUANTIZED_LINEAR_BACKENDS
 from archserve.kernels.linear.rules import LINEAR_BACKENDS, LINEAR_FALLBACK, linear_priority
+from archserve.kernels.lora.rules import LORA_BACKENDS, LORA_FALLBACK, lora_priority
 from archserve.kernels.mla.backends import MLA_BACKENDS, MLA_FALLBACK, mla_priority
 from archserve.kernels.moe.rules import MOE_BACKENDS, MOE_FALLBACK, moe_priority
 from archserve.kernels.registry import (
@@ -25,7 +26,7 @@ from archserve.kernels.registry import (
     Selection,
     override_from_env,
 )
-from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
+from archserve.kernels.specs import AttentionSpec, LinearSpec, LoRASpec, MoESpec
 from archserve.platform.device import DeviceInfo
 
 ExtraReject = Callable[[Backend], str | None]
@@ -40,6 +41,7 @@ def build_registry() -> Registry:
         (LINEAR_BACKENDS + QUANTIZED_LINEAR_BACKENDS, "linear", linear_priority,
          LINEAR_FALLBACK),
         (MOE_BACKENDS, "moe", moe_priority, MOE_FALLBACK),
+        (LORA_BACKENDS, "lora", lora_priority, LORA_FALLBACK),
     ):
         for cls in classes:
             registry.register(cls())
@@ -86,3 +88,9 @@ def select_moe_backend(device: DeviceInfo, spec: MoESpec,
                        libraries: LibraryAssumption = "installed", override: str | None = None,
                        extra_reject: ExtraReject | None = None) -> Selection:
     return _select("moe", device, spec, libraries, override, extra_reject)
+
+
+def select_lora_backend(device: DeviceInfo, spec: LoRASpec,
+                        libraries: LibraryAssumption = "installed", override: str | None = None,
+                        extra_reject: ExtraReject | None = None) -> Selection:
+    return _select("lora", device, spec, libraries, override, extra_reject)

@@ -29,7 +29,7 @@ from archserve.platform.device import DeviceInfo
 
 log = logging.getLogger(__name__)
 
-OP_KINDS = ("attention", "mla_attention", "linear", "moe")
+OP_KINDS = ("attention", "mla_attention", "linear", "moe", "lora")
 ENTRY_POINT_GROUP = "archserve.backends"
 
 # How selection treats optional kernel libraries:

@@ -109,3 +109,11 @@ class MoESpec:
         if self.expert_parallel:
             return self.intermediate_size
         return self.intermediate_size // self.tensor_parallel_size
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """The LoRA adapters one engine serves: the delta its dense linears add per token."""
+
+    dtype: torch.dtype = torch.bfloat16
+    max_loras: int = 1                    # adapter slots of every layer
+    max_lora_rank: int = 16

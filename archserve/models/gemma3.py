@@ -159,18 +159,21 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     the vision tower's weights are skipped."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(_text_weights(weights))
+        return super().load_weights((text, tensor) for name, tensor in weights
+                                    if (text := _text_name(name)) is not None)
+
+    def checkpoint_module_name(self, name: str) -> str | None:
+        return _text_name(name)
 
 
-def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]
-                  ) -> Iterable[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        if name.startswith(_VISION_PREFIXES):
-            continue
-        for prefix in _TEXT_PREFIXES:
-            if name.startswith(prefix):
-                name = "model." + name[len(prefix):]
-                break
-        if name == "language_model.lm_head.weight":
-            name = "lm_head.weight"
-        yield name, tensor
+def _text_name(name: str) -> str | None:
+    """A multimodal checkpoint's name in the text decoder's names; None for the vision
+    tower's."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    if name.startswith("language_model.lm_head"):
+        return name.removeprefix("language_model.")
+    return name

@@ -226,6 +226,12 @@ class LlamaForCausalLM(nn.Module):
                 out[hf_module] = (module, shard)
         return out
 
+    def checkpoint_module_name(self, name: str) -> str | None:
+        """A module name of this family's checkpoints (or of an adapter trained on one) in
+        the names ``linear_checkpoint_modules`` uses; None for a part the model does not
+        run. A family whose checkpoints nest the decoder (multimodal Gemma 3) renames."""
+        return name
+
     @staticmethod
     def _load_kv_scale(name: str, tensor: torch.Tensor, modules: dict[str, nn.Module]) -> bool:
         """Give an fp8 KV-cache scale to its attention layer; False if ``name`` is none."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from archserve.kernels.attention.interface import AttentionImpl, AttentionMetadata
+from archserve.kernels.lora.interface import LoRAImpl, LoRAMapping
 
 
 @dataclass
@@ -28,6 +29,10 @@ class ForwardContext:
     # Sparse MLA: the latest indexer layer's selection ([T, topk] positions, or None where
     # the step ran dense), which the layers that share it read (GLM-5).
     sparse_selection: torch.Tensor | None = None
+    # Set when the step's tokens may take LoRA adapters: each layer with adapter slots
+    # adds its delta through ``lora_impl`` (models/layers/linear.py, ``Linear.add_lora``).
+    lora_mapping: LoRAMapping | None = None
+    lora_impl: LoRAImpl | None = None
 
 
 _current: ForwardContext | None = None
@@ -60,6 +65,11 @@ def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _current = previous
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The forward context, or None outside a forward (a layer called on its own)."""
+    return _current
 
 
 def get_forward_context() -> ForwardContext:

@@ -7,6 +7,11 @@ without knowing the backend. A quantized layer carries its own ``quant`` state i
 checkpoint tensors, repacks them after loading and runs the selected quantized kernel.
 Fusing q/k/v (and gate/up) at load time turns three (two) GEMM launches per layer into one.
 
+A layer serving LoRA adapters holds their slots in ``lora`` (engine/lora/ attaches them):
+every forward path ends in ``add_lora``, the one hook through which the step's adapters add
+their delta to the layer's output. Fused forms that cannot take the delta where they fuse
+(an activation in the GEMM's epilogue) run unfused while the step carries adapters.
+
 Loaders talk to every linear layer through one protocol: ``shard_rows`` (the output rows
 of each checkpoint matrix the layer fuses), ``checkpoint_params`` / ``shard_shape`` (what
 the checkpoint must hold) and ``load_shard`` (copy one checkpoint tensor in).
@@ -23,6 +28,7 @@ from torch import nn
 
 from archserve.kernels.elementwise import fusion_enabled, silu_and_mul
 from archserve.kernels.linear.torch_linear import torch_linear
+from archserve.models.layers.forward_context import current_forward_context, op_region
 from archserve.models.layers.norm import RMSNorm
 
 LinearRoutine = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -195,18 +201,37 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
         self.quant: Any = None          # a LinearQuantState when the layer is quantized
+        self.lora: Any = None           # LoRASlots (kernels/lora) when it serves adapters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            return self.quant(x, self.bias)
-        return apply_linear(x, self.weight, self.bias)
+            return self.add_lora(x, self.quant(x, self.bias))
+        return self.add_lora(x, apply_linear(x, self.weight, self.bias))
+
+    def takes_lora(self) -> bool:
+        """Whether this forward's tokens may take adapters here (slots, and a step that
+        carries adapters)."""
+        if self.lora is None:
+            return False
+        ctx = current_forward_context()
+        return ctx is not None and ctx.lora_mapping is not None
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The hook: y (this layer's output of x) plus the delta of each token's adapter,
+        added in place; y itself where the step carries none."""
+        if self.takes_lora():
+            ctx = current_forward_context()
+            with op_region("lora"):
+                ctx.lora_impl.add_lora(y, x, self.lora, ctx.lora_mapping)
+        return y
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
         """self(x) + residual with the add in the GEMM's epilogue (``apply_linear_add``),
         or None where it cannot: quantized, or the routine declines."""
         if self.quant is not None:
             return None
-        return apply_linear_add(x, self.weight, self.bias, residual)
+        out = apply_linear_add(x, self.weight, self.bias, residual)
+        return None if out is None else self.add_lora(x, out)
 
     def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                            norm: RMSNorm, keep_normed: bool = False
@@ -217,8 +242,13 @@ class Linear(nn.Module):
         if self.quant is not None:
             hidden, residual = norm(x, residual)
             return (self(hidden), residual) + ((hidden,) if keep_normed else ())
-        return apply_rms_norm_linear(x, residual, norm, self.weight, self.bias,
-                                     keep_normed=keep_normed)
+        if not self.takes_lora():
+            return apply_rms_norm_linear(x, residual, norm, self.weight, self.bias,
+                                         keep_normed=keep_normed)
+        y, residual, normed = apply_rms_norm_linear(x, residual, norm, self.weight,
+                                                    self.bias, keep_normed=True)
+        y = self.add_lora(normed, y)
+        return (y, residual, normed) if keep_normed else (y, residual)
 
     # ---- the loader protocol ------------------------------------------------------------
     @property
@@ -307,8 +337,8 @@ class GateUpLinear(MergedLinear):
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [.., intermediate_size]: the gated MLP's activation, fused into
-        the GEMM where the routine can."""
-        if self.quant is not None:
+        the GEMM where the routine can (not while adapters add to gate and up first)."""
+        if self.quant is not None or self.takes_lora():
             return silu_and_mul(self(x))
         return apply_linear_silu_mul(x, self.weight, self.bias)
 
@@ -318,4 +348,7 @@ class GateUpLinear(MergedLinear):
         if self.quant is not None:
             hidden, residual = norm(x, residual)
             return self.forward_silu_mul(hidden), residual
+        if self.takes_lora():
+            y, residual = self.forward_after_norm(x, residual, norm)
+            return silu_and_mul(y), residual
         return apply_rms_norm_linear(x, residual, norm, self.weight, self.bias, silu_mul=True)

@@ -21,6 +21,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.folded = False     # the weight is ones, multiplied into its readers' matrices
+        # The weight before folding (float32), for what reads the normalised row after load
+        # and must absorb it too: a LoRA adapter's down-projection (engine/lora/).
+        self.folded_weight: torch.Tensor | None = None
 
     @torch.no_grad()
     def fold_into(self, matrices: list[torch.Tensor]) -> None:
@@ -32,7 +35,7 @@ class RMSNorm(nn.Module):
         rounds W g where the unfolded one rounds n g, and its outputs differ from the
         unfolded ones by about that rounding. A few thousand rows at a time (a stacked
         [E, N, K] tensor one expert at a time), so the fp32 copies stay small."""
-        g = self.weight.float()
+        g = self.folded_weight = self.weight.float().clone()
         for matrix in matrices:
             for part in (matrix if matrix.dim() > 2 else (matrix,)):
                 for rows in part.split(4096):

@@ -165,5 +165,7 @@ class RowParallelLinear(Linear):
             return super().forward(x)
         partial = (self.quant(x, None) if self.quant is not None
                    else apply_linear(x, self.weight, None))
-        out = self.tp.all_reduce(partial)
+        # An adapter's delta over this rank's input columns is a partial sum too: it joins
+        # the reduction.
+        out = self.tp.all_reduce(self.add_lora(x, partial))
         return out if self.bias is None else out + self.bias
