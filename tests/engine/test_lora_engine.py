@@ -1,0 +1,197 @@
+"""LoRA adapters through the whole engine against transformers + peft (fp32, CPU).
+
+Adapters made by peft with random weights, of several ranks and target modules (all seven
+linears, q/v only, rsLoRA on o/gate/down, rank and alpha patterns): greedy tokens equal
+for 24 tokens and top-5 log-probs within 1e-4; a batch that mixes four adapters and the
+base model gives every row what it gets alone; adapters never share prefix-cache blocks;
+fewer slots (max_loras) or host copies (max_cpu_loras) than adapters changes nothing but
+the copying; a bad adapter is a ValueError that leaves the engine serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from lora_adapters import ALL_LINEARS, greedy_reference, peft_model, save_peft_adapter
+
+from archserve import LLM, LoRARequest, SamplingParams
+
+PROMPTS = ["Hello world! How are you", "The capital of France is Paris. The capital of",
+           "1 2 3 4 5 6 7"]
+NUM_TOKENS = 24
+ADAPTERS = {
+    "all_r8": dict(target_modules=ALL_LINEARS, r=8, lora_alpha=16, seed=1),
+    "qv_r4": dict(target_modules=["q_proj", "v_proj"], r=4, lora_alpha=8, seed=2),
+    "rslora_r16": dict(target_modules=["o_proj", "gate_proj", "down_proj"], r=16,
+                       lora_alpha=8, use_rslora=True, seed=3),
+    "patterns": dict(target_modules=ALL_LINEARS, r=8, lora_alpha=16, seed=4,
+                     rank_pattern={"q_proj": 4}, alpha_pattern={"down_proj": 32}),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoint, tmp_path_factory) -> dict[str, LoRARequest]:
+    base = tiny_checkpoint("llama")
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: LoRARequest(name, i + 1, save_peft_adapter(base, str(root / name), **kw))
+            for i, (name, kw) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint) -> LLM:
+    return LLM(tiny_checkpoint("llama"), enable_lora=True, max_loras=4, max_lora_rank=16,
+               max_cpu_loras=4)
+
+
+def greedy(logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                          logprobs=logprobs)
+
+
+def assert_matches_peft(outputs, model, tokenizer) -> None:
+    for out in outputs:
+        tokens, logprobs = greedy_reference(model, tokenizer.encode(out.prompt), NUM_TOKENS)
+        completion = out.outputs[0]
+        assert completion.token_ids == tokens, out.prompt
+        for step, entry in enumerate(completion.logprobs):
+            top5 = torch.topk(logprobs[step], 5)
+            for value, token in zip(top5.values.tolist(), top5.indices.tolist(), strict=True):
+                assert token in entry, f"step {step}: top-5 token {token} missing"
+                assert abs(entry[token].logprob - value) < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_greedy_and_logprobs_match_transformers_peft(llm, adapters, tiny_checkpoint, name):
+    outputs = llm.generate(PROMPTS, greedy(logprobs=5), lora_request=adapters[name])
+    reference = peft_model(tiny_checkpoint("llama"), adapters[name].lora_path)
+    assert_matches_peft(outputs, reference, llm.get_tokenizer())
+    base = llm.generate(PROMPTS[:1], greedy())[0].outputs[0].token_ids
+    assert outputs[0].outputs[0].token_ids != base     # the adapter changes the model
+
+
+def test_a_batch_mixing_four_adapters_and_the_base_gives_each_row_its_own_tokens(
+        llm, adapters, monkeypatch):
+    choices = [*adapters.values(), None]
+    alone = {(p, None if a is None else a.lora_name):
+             llm.generate([p], greedy(), lora_request=a)[0].outputs[0].token_ids
+             for p in PROMPTS for a in choices}
+    step = llm.llm_engine.runner.lora
+    most = []
+    pack = step.pack
+
+    def counting_pack(seqs, num_tokens):
+        most.append(len({s.lora.id for s in seqs if s.lora is not None}))
+        return pack(seqs, num_tokens)
+
+    monkeypatch.setattr(step, "pack", counting_pack)
+    prompts = [p for p in PROMPTS for _ in choices]
+    requests = [a for _ in PROMPTS for a in choices]
+    outputs = llm.generate(prompts, greedy(), lora_request=requests)
+    assert max(most) == 4                      # the four adapters ran in the same steps
+    for out, request in zip(outputs, requests, strict=True):
+        key = (out.prompt, None if request is None else request.lora_name)
+        assert out.outputs[0].token_ids == alone[key], key
+    assert len({tuple(alone[PROMPTS[1], a and a.lora_name]) for a in choices}) == 5
+
+
+def test_prefix_cache_blocks_are_never_shared_across_adapters(llm, adapters):
+    prompt = "A paged KV cache stores keys and values in fixed-size blocks. " * 3
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first = llm.generate([prompt], params, lora_request=adapters["all_r8"])[0]
+    again = llm.generate([prompt], params, lora_request=adapters["all_r8"])[0]
+    other = llm.generate([prompt], params, lora_request=adapters["qv_r4"])[0]
+    base = llm.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert other.num_cached_tokens == 0
+    assert base.num_cached_tokens == 0
+
+
+def test_fewer_slots_and_host_copies_than_adapters(tiny_checkpoint, adapters, llm):
+    """Two slots for four adapters: the scheduler runs at most two at once, slots are
+    refilled as requests finish; one host copy: adapters are read again as they return."""
+    expected = {a.lora_name: llm.generate(PROMPTS[:2], greedy(), lora_request=a)
+                for a in adapters.values()}
+    small = LLM(tiny_checkpoint("llama"), enable_lora=True, max_loras=2, max_lora_rank=16,
+                max_cpu_loras=2)
+    runner_lora = small.llm_engine.runner.lora
+    seen = []
+    pack = runner_lora.pack
+
+    def counting_pack(seqs, num_tokens):
+        seen.append(len({s.lora.id for s in seqs if s.lora is not None}))
+        return pack(seqs, num_tokens)
+
+    runner_lora.pack = counting_pack
+    requests = [a for a in adapters.values() for _ in PROMPTS[:2]]
+    outputs = small.generate(PROMPTS[:2] * 4, greedy(), lora_request=requests)
+    assert max(seen) == 2
+    assert runner_lora.manager.slot_loads >= 4
+    assert len(runner_lora.manager.list_ids()) <= 2
+    for out, request in zip(outputs, requests, strict=True):
+        want = next(e for e in expected[request.lora_name] if e.prompt == out.prompt)
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def _write_adapter(path, config: dict | None, tensors: dict) -> str:
+    """An adapter directory written by hand (``config`` None: without adapter_config.json)."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    if config is not None:
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}, f)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    return str(path)
+
+
+def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(llm, adapters, tmp_path,
+                                                                  tiny_checkpoint):
+    base = tiny_checkpoint("llama")
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    good = {f"{q}.lora_A.weight": torch.zeros(4, 64), f"{q}.lora_B.weight": torch.zeros(64, 4)}
+    cases = {
+        "no such directory": str(tmp_path / "missing"),
+        "LoRA rank 32 is greater than max_lora_rank 16": save_peft_adapter(
+            base, str(tmp_path / "r32"), ["q_proj"], r=32),
+        "DoRA": save_peft_adapter(base, str(tmp_path / "dora"), ["q_proj"], use_dora=True),
+        "modules_to_save": save_peft_adapter(base, str(tmp_path / "save"), ["q_proj"],
+                                             modules_to_save=["lm_head"]),
+        "no adapter_config.json": _write_adapter(tmp_path / "noconfig", None, good),
+        "do not fit this model's layer": _write_adapter(tmp_path / "shape", {}, {
+            f"{q}.lora_A.weight": torch.zeros(4, 32), f"{q}.lora_B.weight": torch.zeros(64, 4)}),
+        "no such linear layer in this model": _write_adapter(tmp_path / "unknown", {}, {
+            "base_model.model.model.layers.0.self_attn.x_proj.lora_A.weight": torch.zeros(4, 64),
+            "base_model.model.model.layers.0.self_attn.x_proj.lora_B.weight": torch.zeros(64, 4)}),
+        "has no lora_B matrix": _write_adapter(tmp_path / "half", {}, {
+            f"{q}.lora_A.weight": torch.zeros(4, 64)}),
+    }
+    for i, (message, path) in enumerate(cases.items()):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(PROMPTS[:1], greedy(), lora_request=LoRARequest(f"bad{i}", 100 + i, path))
+        with pytest.raises(ValueError, match=message):
+            llm.llm_engine.add_lora(LoRARequest(f"bad{i}", 100 + i, path))
+    with pytest.raises(ValueError, match="already loaded from"):
+        llm.generate(PROMPTS[:1], greedy(), lora_request=LoRARequest(
+            "other", adapters["all_r8"].lora_int_id, adapters["qv_r4"].lora_path))
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate(PROMPTS[:1], greedy(), lora_request=adapters["qv_r4"])[0]
+    assert len(out.outputs[0].token_ids) == NUM_TOKENS
+
+
+def test_lora_requests_need_enable_lora(tiny_checkpoint, adapters):
+    llm = LLM(tiny_checkpoint("llama"))
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        llm.generate(PROMPTS[:1], greedy(), lora_request=adapters["all_r8"])
+    assert llm.llm_engine.runner.lora is None
+
+
+def test_lora_config_is_checked():
+    from archserve.engine.config import EngineConfig
+    for fields, message in ((dict(max_lora_rank=12), "max_lora_rank must be one of"),
+                            (dict(max_loras=0), "max_loras must be >= 1"),
+                            (dict(max_loras=4, max_cpu_loras=2), "must be >= max_loras"),
+                            (dict(tensor_parallel_size=2), "tensor_parallel_size > 1")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(enable_lora=True, **fields).validate()
