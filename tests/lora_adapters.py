@@ -3,6 +3,9 @@ transformers + peft's greedy reference for them. Shared by the engine, server an
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -54,3 +57,23 @@ def greedy_reference(model, prompt_ids: list[int], num_tokens: int
             logprobs.append(torch.log_softmax(logits, -1).cpu())
             ids.append(int(logits.argmax()))
     return ids[len(prompt_ids):], logprobs
+
+
+def write_adapter(path, tensors: dict[str, torch.Tensor], config: dict | None = None) -> str:
+    """An adapter directory written by hand, as peft lays it out (``config`` None: without
+    adapter_config.json), for what peft will not make."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    if config is not None:
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}, f)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    return str(path)
+
+
+def lora_pair(module: str, rank: int, in_features: int, out_features: int
+              ) -> dict[str, torch.Tensor]:
+    """Zero lora_A / lora_B tensors of ``module`` under peft's names."""
+    prefix = f"base_model.model.{module}"
+    return {f"{prefix}.lora_A.weight": torch.zeros(rank, in_features),
+            f"{prefix}.lora_B.weight": torch.zeros(out_features, rank)}

@@ -10,12 +10,16 @@ the copying; a bad adapter is a ValueError that leaves the engine serving.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
-from lora_adapters import ALL_LINEARS, greedy_reference, peft_model, save_peft_adapter
+from lora_adapters import (
+    ALL_LINEARS,
+    greedy_reference,
+    lora_pair,
+    peft_model,
+    save_peft_adapter,
+    write_adapter,
+)
 
 from archserve import LLM, LoRARequest, SamplingParams
 
@@ -135,22 +139,10 @@ def test_fewer_slots_and_host_copies_than_adapters(tiny_checkpoint, adapters, ll
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
 
 
-def _write_adapter(path, config: dict | None, tensors: dict) -> str:
-    """An adapter directory written by hand (``config`` None: without adapter_config.json)."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    if config is not None:
-        with open(os.path.join(path, "adapter_config.json"), "w") as f:
-            json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}, f)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    return str(path)
-
-
 def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(llm, adapters, tmp_path,
                                                                   tiny_checkpoint):
     base = tiny_checkpoint("llama")
-    q = "base_model.model.model.layers.0.self_attn.q_proj"
-    good = {f"{q}.lora_A.weight": torch.zeros(4, 64), f"{q}.lora_B.weight": torch.zeros(64, 4)}
+    q = "model.layers.0.self_attn.q_proj"
     cases = {
         "no such directory": str(tmp_path / "missing"),
         "LoRA rank 32 is greater than max_lora_rank 16": save_peft_adapter(
@@ -158,14 +150,16 @@ def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(llm, adapter
         "DoRA": save_peft_adapter(base, str(tmp_path / "dora"), ["q_proj"], use_dora=True),
         "modules_to_save": save_peft_adapter(base, str(tmp_path / "save"), ["q_proj"],
                                              modules_to_save=["lm_head"]),
-        "no adapter_config.json": _write_adapter(tmp_path / "noconfig", None, good),
-        "do not fit this model's layer": _write_adapter(tmp_path / "shape", {}, {
-            f"{q}.lora_A.weight": torch.zeros(4, 32), f"{q}.lora_B.weight": torch.zeros(64, 4)}),
-        "no such linear layer in this model": _write_adapter(tmp_path / "unknown", {}, {
-            "base_model.model.model.layers.0.self_attn.x_proj.lora_A.weight": torch.zeros(4, 64),
-            "base_model.model.model.layers.0.self_attn.x_proj.lora_B.weight": torch.zeros(64, 4)}),
-        "has no lora_B matrix": _write_adapter(tmp_path / "half", {}, {
-            f"{q}.lora_A.weight": torch.zeros(4, 64)}),
+        "no adapter_config.json": write_adapter(tmp_path / "noconfig", lora_pair(q, 4, 64, 64)),
+        "do not fit this model's layer": write_adapter(
+            tmp_path / "shape", lora_pair(q, 4, 32, 64), {}),
+        "no such linear layer in this model": write_adapter(
+            tmp_path / "unknown", lora_pair("model.layers.0.self_attn.x_proj", 4, 64, 64), {}),
+        "has no lora_B matrix": write_adapter(
+            tmp_path / "half", dict(list(lora_pair(q, 4, 64, 64).items())[:1]), {}),
+        "not a LoRA matrix": write_adapter(
+            tmp_path / "embedding", {"base_model.model.model.embed_tokens.lora_embedding_A":
+                                     torch.zeros(4, 384)}, {}),
     }
     for i, (message, path) in enumerate(cases.items()):
         with pytest.raises(ValueError, match=message):

@@ -35,8 +35,9 @@ _UNSUPPORTED = {
     "fan_in_fan_out": (False, "fan_in_fan_out (Conv1D weights) is not supported"),
     "modules_to_save": (None, "modules_to_save (fully trained modules) is not supported: an "
                               "adapter may only add LoRA deltas to linear layers"),
-    "target_parameters": (None, "target_parameters (parameter adapters, e.g. MoE experts) "
-                                "is not supported"),
+    "target_parameters": (None, "adapters of parameters (target_parameters: MoE experts) "
+                                "are not supported: MoE experts take no LoRA adapters, one "
+                                "fused kernel runs them all"),
     "trainable_token_indices": (None, "trainable_token_indices is not supported"),
     "layer_replication": (None, "layer_replication is not supported"),
 }
