@@ -1,0 +1,159 @@
+"""LoRA deltas (kernels/lora/): the torch path and the grouped Triton kernels against the
+token-by-token reference, on random slots and mappings that mix slots, tokens without an
+adapter and empty slots; the packed mapping; the backend rules per GPU generation.
+
+Without a GPU one test re-runs this file under Triton's interpreter (small sizes), and the
+compile tests build the kernels for SM80, SM90 (with PDL), SM100 and SM120; on a GPU the
+``gpu``-marked test runs the compiled kernels at a Llama-3-8B layer's sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from archserve.kernels.lora.interface import NO_SLOT, LoRAMapping, LoRASlots, pack_mapping
+from archserve.kernels.lora.reference import add_lora_reference
+from archserve.kernels.lora.torch_lora import TorchLoRA
+from archserve.kernels.rules import triton_interpreted
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ (triton helpers)
+INTERPRETED = triton_interpreted()
+
+
+def random_case(num_tokens: int, in_features: int, slice_sizes: tuple[int, ...], rank: int,
+                num_slots: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
+                empty_slot: int | None = None):
+    """(y, x, slots, mapping, token_slots): random slots (``empty_slot`` left zero, as a
+    slot no adapter holds) and a mapping where about a quarter of the tokens take none."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = LoRASlots.allocate(num_slots, rank, in_features, slice_sizes, dtype, device)
+    slots.a.copy_(torch.randn(slots.a.shape, generator=gen) / in_features ** 0.5)
+    slots.b.copy_(torch.randn(slots.b.shape, generator=gen))
+    if empty_slot is not None:
+        slots.a[empty_slot].zero_()
+        slots.b[:, empty_slot].zero_()
+    token_slots = torch.randint(NO_SLOT, num_slots, (num_tokens,), generator=gen).numpy()
+    packed = torch.from_numpy(pack_mapping(token_slots, num_slots)).to(device)
+    mapping = LoRAMapping.views(packed, num_slots, num_tokens)
+    x = torch.randn(num_tokens, in_features, generator=gen).to(device, dtype)
+    y = torch.randn(num_tokens, sum(slice_sizes), generator=gen).to(device, dtype)
+    return y, x, slots, mapping, token_slots
+
+
+def check_against_reference(impl, case, tolerance: float) -> None:
+    y, x, slots, mapping, token_slots = case
+    expected = y.clone()
+    add_lora_reference(expected, x, slots, mapping)
+    got = y.clone()
+    impl.add_lora(got, x, slots, mapping)
+    error = (got.float() - expected.float()).abs().max().item()
+    assert error <= tolerance * max(1.0, expected.float().abs().max().item()), error
+    untouched = torch.from_numpy(token_slots == NO_SLOT).to(y.device)
+    assert torch.equal(got[untouched], y[untouched])     # tokens without an adapter: exact
+
+
+# (tokens, in_features, output blocks, rank, slots): one block, q/k/v-like three of unequal
+# sizes, gate/up-like two; a rank below the kernels' 16-wide tiles; one slot.
+CASES = [(1, 64, (64,), 8, 4), (7, 96, (64, 32, 32), 16, 3), (40, 64, (48, 48), 4, 2),
+         (5, 128, (80,), 16, 1)]
+
+
+def test_packed_mapping_groups_tokens_by_slot():
+    packed = pack_mapping(np.array([2, -1, 0, 2, 0, -1, 1]), 4)
+    mapping = LoRAMapping.views(torch.from_numpy(packed), 4, 7)
+    assert mapping.slot_counts.tolist() == [2, 1, 2, 0]
+    assert mapping.slot_starts.tolist() == [0, 2, 3, 5]
+    assert mapping.sorted_tokens.tolist()[:5] == [2, 4, 6, 0, 3]   # slot 0, 1, 2, in order
+    assert mapping.token_slots.tolist() == [2, -1, 0, 2, 0, -1, 1]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("case", CASES)
+def test_torch_path_matches_the_reference(case, dtype, tolerance):
+    check_against_reference(TorchLoRA(), random_case(*case, dtype, empty_slot=0), tolerance)
+
+
+def test_backend_rules_per_gpu_generation():
+    from archserve.kernels.catalog import select_lora_backend
+    from archserve.kernels.specs import LoRASpec
+    from archserve.platform import get_profile
+
+    def route(profile: str, dtype: torch.dtype) -> tuple[str, str]:
+        device = get_profile(profile)
+        selection = select_lora_backend(device, LoRASpec(dtype=dtype), libraries="all")
+        return selection.name, selection.backend.detail(device, LoRASpec(dtype=dtype))
+
+    assert route("cpu", torch.float32)[0] == "TORCH_LORA"
+    assert route("v100", torch.float16)[0] == "TRITON_LORA"
+    assert route("v100", torch.bfloat16)[0] == "TORCH_LORA"      # bf16 needs SM80
+    assert route("a100", torch.bfloat16) == ("TRITON_LORA", "")
+    for hopper_or_later in ("h100", "b200"):
+        assert route(hopper_or_later, torch.bfloat16) == ("TRITON_LORA", "PDL launches")
+    assert route("mi300x", torch.bfloat16) == ("TRITON_LORA", "")
+
+
+if not INTERPRETED:
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled kernels run")
+    def test_triton_kernels_under_the_interpreter():
+        pytest.importorskip("triton")
+        from triton_interpreter import assert_passes_under_interpreter
+        assert_passes_under_interpreter(__file__)
+
+    @pytest.mark.parametrize("target, dtype, num_tokens", [
+        (80, torch.bfloat16, 3), (90, torch.bfloat16, 3), (90, torch.bfloat16, 300),
+        (90, torch.float32, 3), (100, torch.bfloat16, 300), (120, torch.bfloat16, 3),
+        (120, torch.float32, 300)])
+    def test_kernels_compile_for_gpu_targets(target, dtype, num_tokens, monkeypatch):
+        """Both kernels, as the wrapper launches them (decode-sized steps split K; longer
+        ones do not), for every NVIDIA family the engine serves on; with PDL on SM90+ (the
+        wrapper's choice there), reading nothing another kernel writes before its wait."""
+        pytest.importorskip("triton")
+        from triton_compile import compiled_launches
+
+        from archserve.kernels.lora import triton_lora
+        monkeypatch.setattr(triton_lora, "pdl_enabled", lambda device: target >= 90)
+        y, x, slots, mapping, _ = random_case(num_tokens, 4096, (4096, 1024, 1024), 16, 8,
+                                              dtype)
+        with compiled_launches(("cuda", target, 32)) as launches:
+            triton_lora.TritonLoRA().add_lora(y, x, slots, mapping)
+        assert [c.kernel for c in launches] == ["_lora_shrink_kernel", "_lora_expand_kernel"]
+        for launch in launches:
+            assert bool(launch.options.get("launch_pdl")) == (target >= 90)
+            if target >= 90:
+                ptx = launch.code()
+                wait = ptx.index("griddepcontrol.wait")
+                assert wait < ptx.index("griddepcontrol.launch_dependents")
+                assert "st.global" not in ptx[:wait], launch.kernel
+
+else:
+
+    @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+    @pytest.mark.parametrize("case", CASES + [(150, 64, (32, 32, 32), 8, 3)])
+    def test_triton_kernels_match_the_reference(case, dtype, tolerance):
+        from archserve.kernels.lora.triton_lora import TritonLoRA
+        check_against_reference(TritonLoRA(), random_case(*case, dtype, empty_slot=0),
+                                tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 32, 300, 2048])
+def test_gpu_kernels_match_the_reference_at_llama_8b_sizes(num_tokens):
+    """A Llama-3-8B layer's q/k/v and down projection, rank 16, eight slots; bf16."""
+    from archserve.kernels.lora.triton_lora import TritonLoRA
+    for in_features, blocks in ((4096, (4096, 1024, 1024)), (14336, (4096,))):
+        case = random_case(num_tokens, in_features, blocks, 16, 8, torch.bfloat16, "cuda",
+                           empty_slot=3)
+        if num_tokens > 64:   # the reference loops over tokens: check a slice of them
+            y, x, slots, _, token_slots = case
+            keep = 64
+            packed = torch.from_numpy(pack_mapping(token_slots[:keep], 8)).cuda()
+            case = (y[:keep], x[:keep], slots, LoRAMapping.views(packed, 8, keep),
+                    token_slots[:keep])
+        check_against_reference(TritonLoRA(), case, 2e-2)
+        check_against_reference(TorchLoRA(), case, 2e-2)
