@@ -31,6 +31,10 @@ PrefixCachingOpt = Annotated[bool, typer.Option("--enable-prefix-caching/--no-en
 ChunkedPrefillOpt = Annotated[bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts over steps, beside the running decodes.")]
 KvCacheDtypeOpt = Annotated[str, typer.Option("--kv-cache-dtype", help="auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2: half the KV bytes per token; scales from the checkpoint when it has them.")]
 CalculateKvScalesOpt = Annotated[bool, typer.Option("--calculate-kv-scales", help="With an fp8 KV cache: measure each layer's k/v scales on the first prompt (the checkpoint's own scales otherwise, else 1.0).")]
+EnableLoraOpt = Annotated[bool, typer.Option("--enable-lora", help="Serve LoRA adapters (PEFT directories) over the model: each request may run with one.")]
+MaxLorasOpt = Annotated[int, typer.Option("--max-loras", min=1, help="Distinct LoRA adapters in one batch at most (each linear layer holds this many adapter slots on the device).")]
+MaxLoraRankOpt = Annotated[int, typer.Option("--max-lora-rank", help="The largest adapter rank served: 1, 8, 16, 32, 64, 128, 256, 320 or 512 (slots are this wide).")]
+MaxCpuLorasOpt = Annotated[int | None, typer.Option("--max-cpu-loras", min=1, help="LoRA adapters kept read in host memory (least recently used evicted; default: --max-loras).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log the start-up route.")]
 
 

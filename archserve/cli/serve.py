@@ -15,10 +15,14 @@ from archserve.cli.generate import (
     CompilationOpt,
     DtypeOpt,
     EagerOpt,
+    EnableLoraOpt,
     ExecutorOpt,
     KvCacheDtypeOpt,
     LoadFormatOpt,
+    MaxCpuLorasOpt,
     MaxLenOpt,
+    MaxLoraRankOpt,
+    MaxLorasOpt,
     MaxNumSeqsOpt,
     ModelOpt,
     PrefixCachingOpt,
@@ -62,6 +66,11 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="Seconds to let in-flight requests finish on SIGTERM before aborting them.")] = 10.0,
     max_tokens_default: Annotated[int | None, typer.Option("--max-tokens-default", min=1, help="max_tokens for requests that give none (default: generation_config.json's max_new_tokens, else the rest of the context; 16 for /v1/completions).")] = None,
     generation_config: Annotated[str, typer.Option("--generation-config", help="Defaults for unset sampling fields: auto (the checkpoint's generation_config.json), vllm (ignore it) or a folder holding a generation_config.json.")] = "auto",
+    enable_lora: EnableLoraOpt = False,
+    lora_modules: Annotated[list[str] | None, typer.Option("--lora-modules", metavar="NAME=PATH", help="LoRA adapters served from the start, each as its own model name: name=path (several separated by spaces, or the option repeated) or JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...}. Needs --enable-lora; more load at run time through POST /v1/load_lora_adapter.")] = None,
+    max_loras: MaxLorasOpt = 1,
+    max_lora_rank: MaxLoraRankOpt = 16,
+    max_cpu_loras: MaxCpuLorasOpt = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, metrics)."""
     import logging
@@ -70,6 +79,7 @@ def serve(
     from archserve.engine.config import EngineConfig
     from archserve.serve.context import ServerSettings
     from archserve.serve.launcher import run_server
+    from archserve.serve.lora_adapters import parse_lora_modules
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if served_model_name:
@@ -78,13 +88,20 @@ def serve(
         names = ["SmolLM2-135M-Instruct"]
     else:   # clients may use the short name or the path they know
         names = list(dict.fromkeys([os.path.basename(os.path.normpath(model)), model]))
+    try:
+        adapters = parse_lora_modules(lora_modules or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--lora-modules") from None
+    if adapters and not enable_lora:
+        raise typer.BadParameter("needs --enable-lora", param_hint="--lora-modules")
     settings = ServerSettings(host=host, port=port, api_key=api_key,
                               max_request_bytes=max_request_bytes,
                               max_queued_requests=max_queued_requests,
                               served_model_names=names,
                               shutdown_timeout_s=shutdown_timeout,
                               max_tokens_default=max_tokens_default,
-                              generation_config=generation_config)
+                              generation_config=generation_config,
+                              lora_modules=adapters)
     config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, attention_backend=attention_backend,
                           enforce_eager=enforce_eager, load_format=load_format,
@@ -100,7 +117,9 @@ def serve(
                           enable_chunked_prefill=enable_chunked_prefill,
                           kv_cache_dtype=kv_cache_dtype,
                           calculate_kv_scales=calculate_kv_scales,
-                          speculative_config=speculative_config)
+                          speculative_config=speculative_config,
+                          enable_lora=enable_lora, max_loras=max_loras,
+                          max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
     try:
         run_server(config, settings)
     except (ValueError, OSError) as exc:

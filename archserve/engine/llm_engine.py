@@ -222,9 +222,18 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read an adapter into the host cache now, so its first request waits for no disk
         (ValueError on a bad adapter)."""
-        manager = self._lora_manager()
-        manager.add(manager.read(lora_request))
+        self.add_read_lora(self.read_lora(lora_request))
         return True
+
+    def read_lora(self, lora_request: LoRARequest) -> LoadedLoRA:
+        """Read and check an adapter without changing the engine: a server reads on a
+        worker thread, then hands the result to ``add_read_lora`` on the engine's."""
+        return self._lora_manager().read(lora_request)
+
+    def add_read_lora(self, loaded: LoadedLoRA, replace: bool = False) -> None:
+        """Keep an adapter ``read_lora`` read (``replace``: in place of the one its id
+        names)."""
+        self._lora_manager().add(loaded, replace)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forget adapter ``lora_id``; requests running with it finish with it."""

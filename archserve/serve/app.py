@@ -26,10 +26,12 @@ from archserve.serve.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
     now,
 )
@@ -139,13 +141,19 @@ def build_app(ctx: ServingContext) -> RequestGuard:
         return await create_chat_completion(ctx, body, raw)
 
     def model_card(name: str) -> dict:
+        """A served name's card: the base model's, or an adapter's (its directory as the
+        root, the base model as the parent, as vLLM lists them)."""
+        adapter = ctx.adapters.get(name)
+        root = (adapter.lora_path if adapter is not None
+                else ctx.engine.engine.config.model or "embedded:SmolLM2-135M-Instruct")
+        parent = (adapter.base_model_name or ctx.model_name) if adapter is not None else None
         return {"id": name, "object": "model", "created": now(), "owned_by": "archserve",
-                "root": ctx.engine.engine.config.model or "embedded:SmolLM2-135M-Instruct",
-                "parent": None, "max_model_len": ctx.max_model_len}
+                "root": root, "parent": parent, "max_model_len": ctx.max_model_len}
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **errors(401, 413, 500)})
     async def models():
-        return {"object": "list", "data": [model_card(name) for name in ctx.model_names]}
+        names = [*ctx.model_names, *ctx.adapters.by_name]
+        return {"object": "list", "data": [model_card(name) for name in names]}
 
     # ``:path``: a name the server answers to may be a model path, slashes and all.
     @app.get("/v1/models/{model_id:path}",
@@ -153,6 +161,19 @@ def build_app(ctx: ServingContext) -> RequestGuard:
     async def model(model_id: str):
         ctx.check_model(model_id)     # 404 for a name it does not answer to
         return model_card(model_id)
+
+    lora_responses = {200: {"description": "`Success: ...` (plain text)."}}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+              responses={**lora_responses, **errors(400, 401, 413, 500, 503)})
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        return PlainTextResponse(await ctx.adapters.load(body.lora_name, body.lora_path,
+                                                         body.load_inplace))
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+              responses={**lora_responses, **errors(400, 401, 404, 413, 500, 503)})
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        return PlainTextResponse(await ctx.adapters.unload(body.lora_name))
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "The engine runs (empty body)."},

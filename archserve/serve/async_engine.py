@@ -14,10 +14,15 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
+from archserve.engine.lora.request import LoRARequest
 from archserve.engine.outputs import RequestOutput
 from archserve.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 log = logging.getLogger("archserve.serve")
 
@@ -92,7 +97,8 @@ class AsyncEngine:
 
     # -- the asyncio side -------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (cumulative) until it finishes.
 
         Raises ValueError when the engine rejects the request. If the consumer stops
@@ -102,7 +108,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._submit(("add", request_id, prompt, params, stream))
+        self._submit(("add", request_id, prompt, params, stream, lora_request))
         finished = False
         try:
             while True:
@@ -120,6 +126,15 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the engine thread between two steps (what changes the engine's
+        state, such as its adapters); its exception is raised here."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        future: Future = Future()
+        self._submit(("call", fn, future))
+        return await asyncio.wrap_future(future)
 
     def _submit(self, command: tuple) -> None:
         with self._inbox_lock:
@@ -162,12 +177,15 @@ class AsyncEngine:
                 self._abort(command[1])
             elif kind == "end_all":
                 self._end_all(command[1])
+            elif kind == "call":
+                _run_into(*command[1:])
             elif kind == "stop":
                 self._stopping = True
         self._num_waiting = self.engine.stats()["num_waiting"]
         return not self._stopping
 
-    def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream) -> None:
+    def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream,
+             lora_request: LoRARequest | None) -> None:
         if self.ending:
             stream.put(EngineDeadError("the server is shutting down"))
             return
@@ -175,7 +193,8 @@ class AsyncEngine:
             # Not add_request: a grammar still compiling must not hold up this thread (the
             # scheduler admits the request once it is ready; the server compiled it ahead).
             engine = self.engine
-            engine.queue_request(engine.prepare_request(request_id, prompt, params))
+            engine.queue_request(engine.prepare_request(request_id, prompt, params,
+                                                        lora_request=lora_request))
         except ValueError as exc:
             stream.put(exc)
             return
@@ -233,9 +252,23 @@ class AsyncEngine:
 
     def _abort_everything(self) -> None:
         with self._inbox_lock:
-            pending = [c for c in self._inbox if c[0] == "add"]
+            pending = [c for c in self._inbox if c[0] in ("add", "call")]
             self._inbox.clear()
             self._pending_adds = 0
         for command in pending:
-            command[4].put(EngineDeadError("the server is shutting down"))
+            error = EngineDeadError("the server is shutting down")
+            if command[0] == "call":
+                command[2].set_exception(error)
+            else:
+                command[4].put(error)
         self._fail_all(EngineDeadError("the server is shutting down"))
+
+
+def _run_into(fn: Callable[[], object], future: Future) -> None:
+    """Run ``fn`` and put its result (or exception) into ``future``."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - the caller re-raises it
+        future.set_exception(exc)

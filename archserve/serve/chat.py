@@ -111,7 +111,7 @@ def _render_with_tools(tokenizer, dicts: list[dict], plan: ToolPlan,
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
-    ctx.check_model(req.model)
+    lora_request = ctx.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
     check_unicode(req.tools, "tools")
@@ -138,9 +138,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     await ctx.compile_grammar(structured, structured_param)
     ctx.admit()
     request_id = random_id("chatcmpl")
-    view = _ChatView(ctx, req, request_id, ids,
+    view = _ChatView(ctx, req, request_id, ids, ctx.served_name(lora_request),
                      plan if plan is not None and plan.parses_calls else None)
-    stream = ctx.generate(request_id, ids, params)
+    stream = ctx.generate(request_id, ids, params, lora_request)
     if req.stream:
         return StreamingResponse(logging_disconnect(request_id, view.stream(stream)),
                                  media_type="text/event-stream")
@@ -158,8 +158,9 @@ async def _last_output(stream) -> RequestOutput:
 
 class _ChatView:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                 prompt_ids: list[int], tools: ToolPlan | None = None) -> None:
+                 prompt_ids: list[int], model_name: str, tools: ToolPlan | None = None) -> None:
         self.ctx, self.req, self.id, self.prompt_ids = ctx, req, request_id, prompt_ids
+        self.model_name = model_name
         self.tools = tools     # set when tool calls are read out of the text
         self.created = now()
         # echo (vLLM's): the reply repeats the last message's content first, where that
@@ -218,14 +219,14 @@ class _ChatView:
             prompt_lps = prompt_logprobs(self.ctx.tokenizer, self.prompt_ids,
                                          output.prompt_logprobs or [], self.req.prompt_logprobs)
         return ChatCompletionResponse(id=self.id, created=self.created,
-                                      model=self.ctx.model_name, choices=choices,
+                                      model=self.model_name, choices=choices,
                                       usage=self._usage(sum(c.num_generated_tokens
                                                             for c in output.outputs)),
                                       prompt_logprobs=prompt_lps)
 
     def _chunk(self, choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created,
-                                       model=self.ctx.model_name, choices=[choice]))
+                                       model=self.model_name, choices=[choice]))
 
     def stream(self, stream) -> AsyncIterator[str]:
         self._pending = [PendingTokens() for _ in range(self.req.n)]
@@ -276,5 +277,5 @@ class _ChatView:
             return None
         used = sum(p.num_tokens for p in self._pending)
         return sse(ChatCompletionChunk(id=self.id, created=self.created,
-                                       model=self.ctx.model_name, choices=[],
+                                       model=self.model_name, choices=[],
                                        usage=self._usage(used)))

@@ -65,7 +65,7 @@ def _prompts(ctx: ServingContext, prompt) -> list[tuple[str, list[int]]]:
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
-    ctx.check_model(req.model)
+    lora_request = ctx.check_model(req.model)
     if req.suffix:
         raise OpenAIError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -88,9 +88,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     await ctx.compile_grammar(structured, structured_param)
     ctx.admit(len(prompts))
     request_id = random_id("cmpl")
-    streams = [ctx.generate(f"{request_id}-{i}", ids, p)
+    streams = [ctx.generate(f"{request_id}-{i}", ids, p, lora_request)
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
-    view = _CompletionView(ctx, req, request_id, prompts)
+    view = _CompletionView(ctx, req, request_id, prompts, ctx.served_name(lora_request))
     if req.stream:
         return StreamingResponse(logging_disconnect(request_id, view.stream(streams)),
                                  media_type="text/event-stream")
@@ -110,8 +110,9 @@ class _CompletionView:
     """Renders one request's engine outputs as OpenAI completion bodies."""
 
     def __init__(self, ctx: ServingContext, req: CompletionRequest, request_id: str,
-                 prompts: list[tuple[str, list[int]]]) -> None:
+                 prompts: list[tuple[str, list[int]]], model_name: str) -> None:
         self.ctx, self.req, self.id, self.prompts = ctx, req, request_id, prompts
+        self.model_name = model_name
         self.created = now()
 
     def _echo(self, prompt_index: int, output: RequestOutput) -> tuple[str, list[int], list]:
@@ -157,7 +158,7 @@ class _CompletionView:
                     self.req.prompt_logprobs)
         choices.sort(key=lambda ch: ch.index)
         used = sum(c.num_generated_tokens for o in finals.values() for c in o.outputs)
-        return CompletionResponse(id=self.id, created=self.created, model=self.ctx.model_name,
+        return CompletionResponse(id=self.id, created=self.created, model=self.model_name,
                                   choices=choices, usage=self._usage(used))
 
     def stream(self, streams) -> AsyncIterator[str]:
@@ -182,7 +183,7 @@ class _CompletionView:
                                       first, c.finish_reason if ends else None,
                                       c.stop_reason if ends else None)
                 yield sse(CompletionResponse(id=self.id, created=self.created,
-                                             model=self.ctx.model_name, choices=[choice]))
+                                             model=self.model_name, choices=[choice]))
 
     def _usage_chunk(self) -> str | None:
         options = self.req.stream_options
@@ -190,5 +191,5 @@ class _CompletionView:
             return None
         used = sum(p.num_tokens for p in self._pending.values())
         return sse(CompletionResponse(id=self.id, created=self.created,
-                                      model=self.ctx.model_name, choices=[],
+                                      model=self.model_name, choices=[],
                                       usage=self._usage(used)))

@@ -8,11 +8,13 @@ import weakref
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
+from archserve.engine.lora.request import LoRARequest
 from archserve.engine.outputs import RequestOutput
 from archserve.engine.sampling_params import SamplingParams
 from archserve.serve.async_engine import AsyncEngine, EngineDeadError
 from archserve.serve.errors import OpenAIError, check_unicode
 from archserve.serve.generation_defaults import load_generation_defaults
+from archserve.serve.lora_adapters import ServedAdapters
 from archserve.serve.metrics import ServerMetrics
 from archserve.structured import GrammarError, StructuredOutputsParams
 
@@ -30,6 +32,7 @@ class ServerSettings:
     shutdown_timeout_s: float = 10.0
     max_tokens_default: int | None = None   # for requests without max_tokens
     generation_config: str = "auto"         # vLLM's --generation-config: auto, vllm or a folder
+    lora_modules: list = field(default_factory=list)   # LoRAModulePath entries (--lora-modules)
 
 
 class ServingContext:
@@ -45,6 +48,9 @@ class ServingContext:
         self.max_model_len: int = llm_engine.max_model_len
         self.vocab_size: int = llm_engine.model_config.vocab_size
         self.model_names = settings.served_model_names or ["archserve-default"]
+        # LoRA adapters served under their own model names (--enable-lora).
+        self.adapters = ServedAdapters(engine, self.model_names)
+        self.adapters.load_static(settings.lora_modules)
         metrics.model_name = self.model_name    # the label of its vllm: aliases
         # Defaults for what a request leaves unset; --max-tokens-default beats the checkpoint's.
         self.sampling_defaults = load_generation_defaults(settings.generation_config,
@@ -57,9 +63,19 @@ class ServingContext:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model); 404 for a name
+        the server does not answer to."""
+        if name is None or name in self.model_names:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
             raise OpenAIError(f"The model `{name}` does not exist.", status=404, param="model")
+        return adapter
+
+    def served_name(self, lora_request: LoRARequest | None) -> str:
+        """The model name a response carries: the adapter's, or the base model's."""
+        return lora_request.lora_name if lora_request is not None else self.model_name
 
     def encode(self, text: str, param: str, **kwargs) -> list[int]:
         """Token ids of client text; text that is not valid Unicode is a 400, not a 500."""
@@ -111,8 +127,8 @@ class ServingContext:
             raise OpenAIError("the server is shutting down: this request was still running "
                               "when the shutdown timeout passed, and was aborted", 503)
 
-    def generate(self, request_id: str, prompt: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs; its admission reservation ends when the stream starts or,
         if the client left before the body was sent, when the stream is discarded."""
         released = False
@@ -123,15 +139,17 @@ class ServingContext:
                 released = True
                 self._reserved -= 1
 
-        stream = self._generate(request_id, prompt, params, release)
+        stream = self._generate(request_id, prompt, params, release, lora_request)
         weakref.finalize(stream, release)
         return stream
 
     async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                        release) -> AsyncIterator[RequestOutput]:
+                        release, lora_request: LoRARequest | None
+                        ) -> AsyncIterator[RequestOutput]:
         release()   # from here on the engine's own queue counts this request
         try:
-            async for output in self.engine.generate(request_id, prompt, params):
+            async for output in self.engine.generate(request_id, prompt, params,
+                                                     lora_request):
                 yield output
         except ValueError as exc:
             raise OpenAIError(str(exc)) from None

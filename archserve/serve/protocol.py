@@ -181,6 +181,25 @@ class DetokenizeRequest(_Request):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's /v1/load_lora_adapter body: serve the PEFT adapter at ``lora_path`` as the
+    model ``lora_name`` (``load_inplace``: replace the adapter of that name)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"lora_name": "sql-lora", "lora_path": "/adapters/sql-lora"}]})
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's /v1/unload_lora_adapter body (``lora_int_id`` is accepted and not needed)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"lora_name": "sql-lora"}]})
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 # -- responses ------------------------------------------------------------------------
 
 def random_id(prefix: str) -> str:

@@ -25,7 +25,8 @@ from tests.serve.conftest import API_KEY
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ROUTES = {"/v1/completions": "post", "/v1/chat/completions": "post", "/v1/models": "get",
           "/v1/models/{model_id}": "get", "/health": "get", "/version": "get",
-          "/metrics": "get", "/tokenize": "post", "/detokenize": "post"}
+          "/metrics": "get", "/tokenize": "post", "/detokenize": "post",
+          "/v1/load_lora_adapter": "post", "/v1/unload_lora_adapter": "post"}
 
 
 def test_openapi_json_and_docs_are_served(server):

@@ -74,7 +74,7 @@ def test_a_call_that_does_not_parse_is_text_and_not_a_tool_calls_finish():
     text = '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>'
     req = SimpleNamespace(messages=[SimpleNamespace(role="user")], echo=False,
                           add_generation_prompt=True)
-    view = _ChatView(SimpleNamespace(), req, "id", [1, 2],
+    view = _ChatView(SimpleNamespace(), req, "id", [1, 2], "model",
                      ToolPlan([WEATHER["function"]], "auto", "hermes"))
     message, finish = view._message(CompletionOutput(index=0, text=text, token_ids=[1],
                                                      cumulative_logprob=None, logprobs=None,
