@@ -20,7 +20,7 @@ def explain(
                               "default: the embedded SmolLM2-135M-Instruct.")] = None,
     op: Annotated[str | None, typer.Option(
         "--op", help="Explain one layer instead of a model: attention | mla_attention | "
-                     "linear | moe (linear and moe take --quantization), or vLLM's side "
+                     "linear | moe (linear and moe take --quantization) | lora, or vLLM's side "
                      "selections vit_attention | mla_prefill (vLLM rules; mla_prefill also shows what runs).")] = None,
     head_size: Annotated[int | None, typer.Option(
         "--head-size", help="Head size for --op attention (mla_attention assumes DeepSeek-V3, "
@@ -63,6 +63,13 @@ def explain(
                                               "and the MoE layout follow it.")] = 1,
     expert_parallel: Annotated[bool, typer.Option(
         "--enable-expert-parallel", help="Experts split across GPUs (MoE).")] = False,
+    enable_lora: Annotated[bool, typer.Option(
+        "--enable-lora", help="Serve LoRA adapters: add the route of their deltas (--op lora "
+                              "explains it alone).")] = False,
+    max_loras: Annotated[int, typer.Option("--max-loras", min=1,
+                                           help="Adapter slots per layer (LoRA).")] = 1,
+    max_lora_rank: Annotated[int, typer.Option("--max-lora-rank",
+                                               help="The largest adapter rank (LoRA).")] = 16,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
     """Show which backend each layer kind runs on DEVICE, the ideal one, and why others lost."""
@@ -86,7 +93,8 @@ def explain(
             batch_invariant=batch_invariant or batch_invariant_requested(),
             per_head_kv_scales=per_head_kv_scales,
             fa_version=fa_version, tensor_parallel_size=tensor_parallel_size,
-            expert_parallel=expert_parallel)
+            expert_parallel=expert_parallel, enable_lora=enable_lora, max_loras=max_loras,
+            max_lora_rank=max_lora_rank)
         info = resolve_device(device)
         default_libraries = "installed" if device.strip().lower() == "live" else "all"
         assumption = parse_libraries(libraries or default_libraries)

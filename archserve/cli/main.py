@@ -47,7 +47,9 @@ def _load_command(name: str) -> Any:
     # Plain (click) help: it wraps long option names and defaults at any width, where the
     # rich panels cut them to an ellipsis at 80 columns.
     single = typer.Typer(add_completion=False, rich_markup_mode=None)
-    single.command(name)(function)
+    # A command may take click's context settings (serve: values after an option that
+    # takes several, as vLLM's nargs="+").
+    single.command(name, context_settings=getattr(function, "context_settings", None))(function)
     return typer.main.get_command(single)
 
 

@@ -35,6 +35,7 @@ from archserve.cli.generate import (
 
 
 def serve(
+    ctx: typer.Context,
     model: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port; 0 picks a free one (printed at start).")] = 8000,
@@ -67,7 +68,7 @@ def serve(
     max_tokens_default: Annotated[int | None, typer.Option("--max-tokens-default", min=1, help="max_tokens for requests that give none (default: generation_config.json's max_new_tokens, else the rest of the context; 16 for /v1/completions).")] = None,
     generation_config: Annotated[str, typer.Option("--generation-config", help="Defaults for unset sampling fields: auto (the checkpoint's generation_config.json), vllm (ignore it) or a folder holding a generation_config.json.")] = "auto",
     enable_lora: EnableLoraOpt = False,
-    lora_modules: Annotated[list[str] | None, typer.Option("--lora-modules", metavar="NAME=PATH", help="LoRA adapters served from the start, each as its own model name: name=path (several separated by spaces, or the option repeated) or JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...}. Needs --enable-lora; more load at run time through POST /v1/load_lora_adapter.")] = None,
+    lora_modules: Annotated[list[str] | None, typer.Option("--lora-modules", metavar="NAME=PATH", help="LoRA adapters served from the start, each as its own model name: name=path (several after the option, as in vLLM, or the option repeated) or JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...}. Needs --enable-lora; more load at run time through POST /v1/load_lora_adapter.")] = None,
     max_loras: MaxLorasOpt = 1,
     max_lora_rank: MaxLoraRankOpt = 16,
     max_cpu_loras: MaxCpuLorasOpt = None,
@@ -88,8 +89,12 @@ def serve(
         names = ["SmolLM2-135M-Instruct"]
     else:   # clients may use the short name or the path they know
         names = list(dict.fromkeys([os.path.basename(os.path.normpath(model)), model]))
+    # vLLM takes several adapters after one --lora-modules; serve has no arguments of its
+    # own, so what click leaves over is those.
+    if ctx.args and not lora_modules:
+        raise typer.BadParameter(f"unexpected argument(s): {' '.join(ctx.args)}")
     try:
-        adapters = parse_lora_modules(lora_modules or [])
+        adapters = parse_lora_modules([*(lora_modules or []), *ctx.args])
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--lora-modules") from None
     if adapters and not enable_lora:
@@ -125,3 +130,6 @@ def serve(
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+serve.context_settings = {"allow_extra_args": True}

@@ -26,6 +26,7 @@ from archserve.kernels.specs import (
     ATTENTION_TYPES,
     AttentionSpec,
     LinearSpec,
+    LoRASpec,
     MoESpec,
 )
 from archserve.loader.attention_facts import AttentionFacts, VisionAttention
@@ -63,6 +64,10 @@ class SelectionInputs:
     fa_version: int | None = None
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
+    # LoRA adapters served over the model (vLLM's --enable-lora): a route of its own.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.attn_type not in ATTENTION_TYPES:
@@ -94,7 +99,11 @@ class SelectionInputs:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.attention_fields(), tensor_parallel_size=self.tensor_parallel_size,
-                    expert_parallel=self.expert_parallel)
+                    expert_parallel=self.expert_parallel, enable_lora=self.enable_lora,
+                    max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+
+    def lora_spec(self, dtype: torch.dtype) -> LoRASpec:
+        return LoRASpec(dtype=dtype, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
 
 
 @dataclass
@@ -199,6 +208,12 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
     torch_dtype, decisions = resolve_dtype(device, dtype)
     if op in SIDE_SELECTIONS:
         return _side_selection(device, op, head_size, torch_dtype, decisions, libraries, inputs)
+    if op == "lora":   # every architecture's dense linears take adapters
+        spec = inputs.lora_spec(torch_dtype)
+        route = (explain_op(device, op, spec, libraries, override=override) if override
+                 else _route(device, op, spec, libraries, "lora (adapters)", None))
+        return Explanation(device, torch_dtype, decisions, [route], libraries_text(libraries),
+                           None, inputs)
     # As in doctor: an op no loadable architecture has gets its ideal, never a route.
     not_loadable = (None if op in op_kinds_of_supported_architectures()
                     else f"no supported architecture has {op} layers")
@@ -494,6 +509,9 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     # lm_head stays unquantized in every scheme archserve loads (as in vLLM by default).
     routes.append(_route(device, "linear", LinearSpec(dtype=torch_dtype), libraries, "lm_head",
                          not_loadable))
+    if inputs.enable_lora:
+        routes.append(_route(device, "lora", inputs.lora_spec(torch_dtype), libraries,
+                             "lora (adapters)", not_loadable))
     if scheme is not None:
         _vllm_refusal(device, scheme, routes, decisions)
     return Explanation(device, torch_dtype, decisions, routes, libraries_text(libraries),

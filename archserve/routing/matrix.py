@@ -16,7 +16,7 @@ import torch
 
 from archserve.kernels.attention.backends import flash_attn_version
 from archserve.kernels.catalog import default_registry
-from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
+from archserve.kernels.specs import AttentionSpec, LinearSpec, LoRASpec, MoESpec
 from archserve.platform.device import DeviceInfo
 from archserve.platform.profiles import get_profile
 from archserve.quant.schemes import get_scheme
@@ -198,6 +198,10 @@ def matrix_rows() -> list[MatrixRow]:
         _row(moe, "FlashInfer CuteDSL MoE", _backend("moe", "FLASHINFER_CUTEDSL_MOE",
                                                      _moe("nvfp4"))),
         _row(moe, "PyTorch MoE", _backend("moe", "TORCH_MOE", _moe(None))),
+        _row("LoRA adapters", "Triton shrink/expand (SGMV)",
+             _backend("lora", "TRITON_LORA", LoRASpec(dtype=torch.float16))),
+        _row("LoRA adapters", "PyTorch (every slot, masked)",
+             _backend("lora", "TORCH_LORA", LoRASpec(dtype=torch.float16))),
         _scheme(quant, "GGUF", "gguf"),
         _scheme(quant, "GPTQ", "gptq"),
         _scheme(quant, "BitsAndBytes", "bitsandbytes"),

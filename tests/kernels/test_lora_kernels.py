@@ -157,3 +157,21 @@ def test_gpu_kernels_match_the_reference_at_llama_8b_sizes(num_tokens):
                     token_slots[:keep])
         check_against_reference(TritonLoRA(), case, 2e-2)
         check_against_reference(TorchLoRA(), case, 2e-2)
+
+
+def test_explain_shows_the_lora_route(tiny_checkpoint):
+    from archserve.platform import get_profile
+    from archserve.routing.explain import SelectionInputs, explain_model, explain_op_request
+    from archserve.routing.model_summary import read_model_summary
+
+    hopper = explain_op_request(get_profile("h100"), "lora", dtype="bfloat16").routes[0]
+    assert (hopper.op, hopper.backend, hopper.detail) == ("lora", "TRITON_LORA", "PDL launches")
+    cpu = explain_op_request(get_profile("cpu"), "lora", libraries="all").routes[0]
+    assert cpu.backend == "TORCH_LORA" and cpu.ideal == "TORCH_LORA"
+    summary = read_model_summary(tiny_checkpoint("llama"))
+    plain = explain_model(get_profile("a100"), summary)
+    assert not any(r.op == "lora" for r in plain.routes)
+    served = explain_model(get_profile("a100"), summary,
+                           inputs=SelectionInputs(enable_lora=True, max_lora_rank=64))
+    assert [r.backend for r in served.routes if r.op == "lora"] == ["TRITON_LORA"]
+    assert served.to_dict()["inputs"]["max_lora_rank"] == 64

@@ -121,3 +121,34 @@ def test_lora_endpoints_without_enable_lora_are_400s(server):
     response = post(server, "load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere"})
     assert response.status_code == 400
     assert "--enable-lora" in response.json()["error"]["message"]
+
+
+def test_serve_takes_lora_flags_as_vllm_does(monkeypatch):
+    """Several adapters after one --lora-modules (vLLM's nargs), the flag repeated, or
+    vLLM's JSON form; the engine gets the LoRA fields."""
+    from typer.testing import CliRunner
+
+    import archserve.serve.launcher as launcher
+    from archserve.cli.main import app
+
+    started = {}
+    monkeypatch.setattr(launcher, "run_server",
+                        lambda config, settings: started.update(config=config, settings=settings))
+    args = ["serve", "--enable-lora", "--lora-modules", "a=/p", "b=/q", "--max-loras", "3",
+            "--lora-modules", '{"name": "c", "path": "/r", "base_model_name": "m"}',
+            "--max-lora-rank", "64", "--max-cpu-loras", "8"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    modules = started["settings"].lora_modules
+    assert [(m.name, m.path, m.base_model_name) for m in modules] == [
+        ("a", "/p", None), ("c", "/r", "m"), ("b", "/q", None)]
+    config = started["config"]
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank,
+            config.max_cpu_loras) == (True, 3, 64, 8)
+    for bad, message in ((["serve", "--lora-modules", "a=/p"], "needs --enable-lora"),
+                         (["serve", "--enable-lora", "--lora-modules", "nopath"],
+                          "expected name=path"),
+                         (["serve", "stray"], "unexpected argument")):
+        result = CliRunner().invoke(app, bad)
+        text = " ".join(result.output.replace("│", " ").split())   # the error box, unwrapped
+        assert result.exit_code == 2 and message in text, result.output
