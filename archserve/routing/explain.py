@@ -413,6 +413,10 @@ def _vllm_refusal(device: DeviceInfo, scheme: QuantScheme, routes: list[Route],
         return
     for route in quantized:
         route.ideal, route.ideal_detail = None, ""
+    # The plan's own lines name the hardware-rule ideal; with vLLM refusing, there is none.
+    decisions[:] = [replace(d, reason=d.reason.split("; ", 1)[-1])
+                    if d.what == "quantization" and d.reason.startswith("ideal ") else d
+                    for d in decisions]
     runs = sorted({r.backend for r in quantized if r.backend})
     if runs:
         instead = f"archserve degrades to {', '.join(runs)}"
