@@ -15,7 +15,7 @@ import torch
 from archserve.kernels.elementwise.reference import rms_norm_reference, rotary_reference
 from archserve.kernels.mla.interface import absorb_query
 from archserve.kernels.rules import triton_interpreted
-from archserve.models.layers.mla import _deinterleave
+from archserve.models.layers.rotary import deinterleave
 
 INTERPRETED = triton_interpreted()
 HAS_CUDA = torch.cuda.is_available()
@@ -55,7 +55,7 @@ def reference(inputs, interleaved):
     c_kv, k_pe = kv_a.split([kv_rank, rope], -1)
     c_kv = rms_norm_reference(c_kv.contiguous(), inputs["kv_norm_weight"], inputs["eps"])[0]
     if interleaved:
-        q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
     q_pe, k_pe = rotary_reference(inputs["positions"], q_pe.reshape(t, -1), k_pe.contiguous(),
                                   inputs["cos_cache"], inputs["sin_cache"])
     query = absorb_query(q_nope.float(), q_pe.view(t, heads, rope).float(), w_uk.float())
@@ -193,8 +193,8 @@ def test_gpu_triton_mla_decode_from_projections_matches_its_forward(dtype):
     q_nope, q_pe = inputs["q"].view(t, heads, nope + rope).split([nope, rope], -1)
     c_kv, k_pe = inputs["kv_a"].split([kv_rank, rope], -1)
     c_kv = rms_norm_reference(c_kv.contiguous(), inputs["kv_norm_weight"], inputs["eps"])[0]
-    q_pe, k_pe = rotary_reference(inputs["positions"], _deinterleave(q_pe).reshape(t, -1),
-                                  _deinterleave(k_pe).contiguous(), inputs["cos_cache"],
+    q_pe, k_pe = rotary_reference(inputs["positions"], deinterleave(q_pe).reshape(t, -1),
+                                  deinterleave(k_pe).contiguous(), inputs["cos_cache"],
                                   inputs["sin_cache"])
     expected_cache = inputs["kv_cache"].clone()
     expected = impl.forward(q_nope, q_pe.view(t, heads, rope), torch.cat((c_kv, k_pe), -1),
