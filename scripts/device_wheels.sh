@@ -2,8 +2,8 @@
 # Download the wheels the GPU machine lacks (it has torch, triton, transformers, safetensors,
 # numpy, pytest) into .whl/ for the device tool's `carry`: the CLI's, the server's (fastapi,
 # uvicorn, prometheus-client), the serving bench's (httpx), the server tests' client and
-# validator (openai, jsonschema) and structured output's grammar library (xgrammar). Run
-# here, on a machine with pip.
+# validator (openai, jsonschema), structured output's grammar library (xgrammar) and what the
+# LoRA tests make their adapters with (peft, accelerate). Run here, on a machine with pip.
 # On the device: pip install --no-index --no-deps --target /tmp/site .whl/*.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,5 +19,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   httpcore anyio sniffio idna certifi psutil openai==3.57.0 jiter==0.19.0 \
   httpx2==2.16.2 httpcore2==2.16.2 truststore distro tqdm \
   opentelemetry-api==1.45.2 jsonschema==4.26.0 referencing==0.37.0 \
-  jsonschema-specifications==2025.9.1 rpds-py==0.30.0 attrs==26.1.0
+  jsonschema-specifications==2025.9.1 rpds-py==0.30.0 attrs==26.1.0 \
+  peft==0.21.2 accelerate==1.15.0
 ls .whl

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
 #   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
-#                                     quant_gemm|quant_perf|serve|structured|moe|tp|tp4|tp8|mla|ncu|speed|all]
+#                                     quant_gemm|quant_perf|serve|structured|moe|tp|tp4|tp8|mla|ncu|speed|
+#                                     lora|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -44,6 +45,11 @@
 #           report per case: env NCU_CASES, space-separated "CASE@KERNEL_REGEX@COUNT"
 #           (default: the MLA decode kernel); writes ncu/CASE.txt (the details page) and
 #           ncu/CASE.sass.csv.gz (stall samples per SASS instruction); `all` leaves it out.
+#   lora:   the LoRA GPU tests (the kernels at Llama-3-8B sizes; the engine with CUDA graphs
+#           against peft: a batch mixing four adapters and the base model, slots refilled),
+#           then benchmarks/bench_lora.py on the Llama-3-8B shape (dummy weights, rank-16
+#           adapters: batch 32 with 8 adapters and batch 1 with one, against the base
+#           steps); carry .whl (peft, accelerate); `all` leaves it out, ask for it by name.
 #   speed:  benchmarks/h200_speed.sh: the pending speed rows of issues 21, 13 and 14 in
 #           priority order within one device call (env SPEED_DEADLINE, default 540 s from
 #           this script's start; SPEED_STEPS: some steps only; SPEED_DRY_RUN=1: the plan);
@@ -80,6 +86,14 @@ if [ "$PART" = tp ]; then
     | tee "$OUT/tp_allreduce.txt"
   python3 benchmarks/tp_perf.py engine --out "$OUT/tp_perf" 2>&1 | tee "$OUT/tp_engine.txt"
   tar -C "$OUT" -czf "$OUT/tp_perf.tgz" tp_perf
+  exit 0
+fi
+if [ "$PART" = lora ]; then
+  timeout -s INT 300 $PYTEST -v --durations=10 tests/kernels/test_lora_kernels.py \
+    tests/engine/test_lora_gpu.py 2>&1 | tee "$OUT/pytest_lora.log" | tail -n 25
+  timeout 270 python3 benchmarks/bench_lora.py benchmarks/models/llama-3-8b \
+    --output-json "$OUT/lora_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/lora_perf.txt" \
+    | tail -n 8
   exit 0
 fi
 if [ "$PART" = tp_moe ]; then    # the MoE shape at TP=2 against TP=1 (experts' channels split)
