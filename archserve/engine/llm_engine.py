@@ -202,7 +202,7 @@ class LLMEngine:
         grammar = attach_grammars(self.grammars, seqs)   # compiles on the compiler's threads
         return RequestState(request_id, text, ids, params, seqs, RequestMetrics(now),
                             [None] if params.prompt_logprobs is not None else None,
-                            grammar=grammar)
+                            grammar=grammar, lora_request=lora_request)
 
     # -- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------
     def _adapter_of(self, lora_request: LoRARequest | None) -> LoadedLoRA | None:

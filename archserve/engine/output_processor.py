@@ -35,6 +35,7 @@ class RequestState:
     sent: list = field(default_factory=list)   # per sequence (text, tokens) already output
     num_cached_tokens: int = 0                 # prompt tokens found in the prefix cache
     grammar: Future | None = None              # its grammar's compilation (structured output)
+    lora_request: Any = None                   # the LoRARequest it runs with, if any
 
 
 class OutputProcessor:
@@ -181,7 +182,8 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=state.prompt_logprobs, outputs=completions, finished=finished,
             metrics=state.metrics,
-            num_cached_tokens=state.num_cached_tokens)
+            num_cached_tokens=state.num_cached_tokens,
+            lora_request=state.lora_request)
 
 
 class _SampledColumns:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # One position's logprobs: token id -> Logprob.
 LogprobsDict = dict[int, "Logprob"]
@@ -51,3 +52,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    lora_request: Any = None          # the LoRARequest it ran with (vLLM's field), or None

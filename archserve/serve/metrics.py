@@ -53,6 +53,27 @@ class _EngineGauges:
                                   "Prompt tokens found in the prefix cache.",
                                   value=pool.prefix_cache_hits)
         yield from _spec_decode_counters(getattr(self.engine, "speculator", None))
+        yield from _lora_info(self.engine)
+
+
+def _lora_info(engine):
+    """vLLM's LoRA gauge, where the engine serves adapters: the adapters of running and of
+    waiting requests (names, comma-separated) and max_lora as labels; the value is the time
+    of the scrape, as vLLM's."""
+    if getattr(engine, "lora", None) is None:
+        return
+    import time
+
+    def names(seqs) -> str:
+        return ",".join(sorted({s.lora.request.lora_name for s in list(seqs)
+                                if s.lora is not None}))
+
+    family = GaugeMetricFamily("archserve:lora_requests_info", "Running stats on LoRA requests.",
+                               labels=["max_lora", "running_lora_adapters",
+                                       "waiting_lora_adapters"])
+    family.add_metric([str(engine.lora.max_loras), names(engine.scheduler.running),
+                       names(engine.scheduler.waiting)], time.time())
+    yield family
 
 
 def _spec_decode_counters(speculator):
@@ -133,7 +154,8 @@ VLLM_ALIASES = {name: name for name in (
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
     "request_success", "time_to_first_token_seconds", "e2e_request_latency_seconds",
     "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")}
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+    "lora_requests_info")}
 VLLM_ALIASES["time_per_output_token_seconds"] = "request_time_per_output_token_seconds"
 
 

@@ -70,6 +70,7 @@ def assert_matches_peft(outputs, model, tokenizer) -> None:
 @pytest.mark.parametrize("name", sorted(ADAPTERS))
 def test_greedy_and_logprobs_match_transformers_peft(llm, adapters, tiny_checkpoint, name):
     outputs = llm.generate(PROMPTS, greedy(logprobs=5), lora_request=adapters[name])
+    assert all(out.lora_request is adapters[name] for out in outputs)
     reference = peft_model(tiny_checkpoint("llama"), adapters[name].lora_path)
     assert_matches_peft(outputs, reference, llm.get_tokenizer())
     base = llm.generate(PROMPTS[:1], greedy())[0].outputs[0].token_ids

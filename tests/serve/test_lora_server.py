@@ -76,6 +76,8 @@ def test_adapters_are_models_served_as_the_offline_engine_serves_them(setup):
     chat = client.chat.completions.create(model="first", max_tokens=4,
                                           messages=[{"role": "user", "content": "Hi"}])
     assert chat.model == "first"
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert 'vllm:lora_requests_info{max_lora="2"' in metrics
 
     # Loaded at run time: served at once, then gone when unloaded.
     loaded = post(server, "load_lora_adapter",

@@ -79,7 +79,9 @@ def _slot_rows(mapping, slot, pid_m, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.conste
     return rows.to(tl.int64), in_slot, count - pid_m * BLOCK_M
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+# One compiled variant whatever the step's size: the token count and the K split's width
+# and count change with it (decode-sized steps split K; larger ones do not).
+@triton.jit(do_not_specialize=["num_tokens", "k_per_split"])
 def _lora_shrink_kernel(x, a, partials, mapping, num_tokens, in_features, width,
                         x_row_stride, a_slot_stride, k_per_split,
                         NUM_SLOTS: tl.constexpr, R_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -116,7 +118,7 @@ def _lora_shrink_kernel(x, a, partials, mapping, num_tokens, in_features, width,
     tl.store(out, acc, mask=in_slot[:, None] & r_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "splits"])
 def _lora_expand_kernel(partials, b, y, mapping, num_tokens, width, rank, splits,
                         size0, size1, size2, y_row_stride,
                         NUM_SLOTS: tl.constexpr, N_TILES: tl.constexpr,
