@@ -11,6 +11,7 @@ an engine run (``--output-len`` tokens per request, all requests in one batch):
 
     python3 benchmarks/bench_lora.py benchmarks/models/llama-3-8b \
         [--rank 16] [--adapters 8] [--output-len 256] [--output-json FILE]
+        [--set archserve.kernels.lora.triton_lora:K_PER_SPLIT=1024 ...]
 
 The targets (docs/benchmarks.md): batch 32 with 8 adapters <= 1.2x the base step at
 batch 32; batch 1 with an adapter <= 1.1x the base step at batch 1.
@@ -28,6 +29,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from archserve.bench.module_settings import set_module_constants  # noqa: E402
 from archserve.bench.offline import bench_sampling_params, warm_up  # noqa: E402
 from archserve.bench.step_trace import trace_steps  # noqa: E402
 from archserve.bench.workload import random_requests  # noqa: E402
@@ -98,7 +100,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--output-json")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=INT",
+                        help="set an integer constant of a module before the engines start "
+                             "(the LoRA kernels' tiles: FEW_ROWS, K_PER_SPLIT, BLOCK_N ...)")
     args = parser.parse_args()
+    set_module_constants(args.set)
     runs = dict(input_len=args.input_len, output_len=args.output_len)
 
     base = engine_for(args)

@@ -35,10 +35,14 @@ from archserve.kernels.pdl import (
     prefetch_rows_to_l2,
 )
 
-# Rows at or below which a step counts as decode-sized: one row tile, K split for parallelism.
+# Rows at or below which a step counts as decode-sized: few rows per slot, so programs are
+# many and small for parallelism: K split, 16 rank columns a shrink program. The constants
+# are first choices, not tuned on a GPU (benchmarks/bench_lora.py --set sweeps them).
 FEW_ROWS = 128
-K_PER_SPLIT = 512     # K columns one shrink program reads when K is split
+K_PER_SPLIT = 512       # K columns one shrink program reads when K is split
 MAX_SPLITS = 32
+BLOCK_N = 128           # output columns one expand program adds to
+BLOCK_K = 64
 
 
 @dataclass(frozen=True)
@@ -56,15 +60,13 @@ def lora_tiles(num_tokens: int, in_features: int, width: int, rank: int) -> LoRA
     """The tiles of a step of ``num_tokens`` rows into a layer of ``in_features`` inputs and
     ``width`` = S * R down-projection rows."""
     few = num_tokens <= FEW_ROWS
-    block_k = 64
     splits = min(MAX_SPLITS, triton.cdiv(in_features, K_PER_SPLIT)) if few else 1
-    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), block_k) * block_k
+    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), BLOCK_K) * BLOCK_K
     splits = triton.cdiv(in_features, k_per_split)
     return LoRATiles(block_m=16 if few else 64,
-                     block_r=max(16, min(64, triton.next_power_of_2(width))),
-                     block_k=block_k, splits=splits, k_per_split=k_per_split,
-                     block_n=64 if few else 128,
-                     rank_pow2=max(16, triton.next_power_of_2(rank)))
+                     block_r=16 if few else max(16, min(64, triton.next_power_of_2(width))),
+                     block_k=BLOCK_K, splits=splits, k_per_split=k_per_split,
+                     block_n=BLOCK_N, rank_pow2=max(16, triton.next_power_of_2(rank)))
 
 
 @triton.jit
