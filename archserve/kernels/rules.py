@@ -60,6 +60,16 @@ def needs_gpu(device: DeviceInfo) -> str | None:
     return None
 
 
+def needs_triton_device(device: DeviceInfo) -> str | None:
+    """Where archserve's Triton kernels run: a CUDA or ROCm GPU, or the CPU under Triton's
+    interpreter (the tests)."""
+    if device.platform in ("cuda", "rocm"):
+        return None
+    if device.platform == "cpu" and triton_interpreted():
+        return None
+    return "needs a GPU (runs on CPU only under TRITON_INTERPRET=1)"
+
+
 def needs_capability(device: DeviceInfo, minimum: Capability) -> str | None:
     """CUDA and at least ``minimum``."""
     reason = needs_cuda(device)

@@ -67,6 +67,21 @@ def assert_matches_peft(outputs, model, tokenizer) -> None:
                 assert abs(entry[token].logprob - value) < 1e-4
 
 
+def adapters_per_step(llm: LLM, monkeypatch) -> list[int]:
+    """The number of distinct adapters of every step ``llm`` runs from now on (filled as
+    the steps run)."""
+    step = llm.llm_engine.runner.lora
+    counts: list[int] = []
+    pack = step.pack
+
+    def counting_pack(seqs, num_tokens):
+        counts.append(len({s.lora.id for s in seqs if s.lora is not None}))
+        return pack(seqs, num_tokens)
+
+    monkeypatch.setattr(step, "pack", counting_pack)
+    return counts
+
+
 @pytest.mark.parametrize("name", sorted(ADAPTERS))
 def test_greedy_and_logprobs_match_transformers_peft(llm, adapters, tiny_checkpoint, name):
     outputs = llm.generate(PROMPTS, greedy(logprobs=5), lora_request=adapters[name])
@@ -83,15 +98,7 @@ def test_a_batch_mixing_four_adapters_and_the_base_gives_each_row_its_own_tokens
     alone = {(p, None if a is None else a.lora_name):
              llm.generate([p], greedy(), lora_request=a)[0].outputs[0].token_ids
              for p in PROMPTS for a in choices}
-    step = llm.llm_engine.runner.lora
-    most = []
-    pack = step.pack
-
-    def counting_pack(seqs, num_tokens):
-        most.append(len({s.lora.id for s in seqs if s.lora is not None}))
-        return pack(seqs, num_tokens)
-
-    monkeypatch.setattr(step, "pack", counting_pack)
+    most = adapters_per_step(llm, monkeypatch)
     prompts = [p for p in PROMPTS for _ in choices]
     requests = [a for _ in PROMPTS for a in choices]
     outputs = llm.generate(prompts, greedy(), lora_request=requests)
@@ -114,27 +121,19 @@ def test_prefix_cache_blocks_are_never_shared_across_adapters(llm, adapters):
     assert base.num_cached_tokens == 0
 
 
-def test_fewer_slots_and_host_copies_than_adapters(tiny_checkpoint, adapters, llm):
+def test_fewer_slots_and_host_copies_than_adapters(tiny_checkpoint, adapters, llm, monkeypatch):
     """Two slots for four adapters: the scheduler runs at most two at once, slots are
     refilled as requests finish; one host copy: adapters are read again as they return."""
     expected = {a.lora_name: llm.generate(PROMPTS[:2], greedy(), lora_request=a)
                 for a in adapters.values()}
     small = LLM(tiny_checkpoint("llama"), enable_lora=True, max_loras=2, max_lora_rank=16,
                 max_cpu_loras=2)
-    runner_lora = small.llm_engine.runner.lora
-    seen = []
-    pack = runner_lora.pack
-
-    def counting_pack(seqs, num_tokens):
-        seen.append(len({s.lora.id for s in seqs if s.lora is not None}))
-        return pack(seqs, num_tokens)
-
-    runner_lora.pack = counting_pack
+    seen = adapters_per_step(small, monkeypatch)
     requests = [a for a in adapters.values() for _ in PROMPTS[:2]]
     outputs = small.generate(PROMPTS[:2] * 4, greedy(), lora_request=requests)
     assert max(seen) == 2
-    assert runner_lora.manager.slot_loads >= 4
-    assert len(runner_lora.manager.list_ids()) <= 2
+    assert small.llm_engine.lora.slot_loads >= 4
+    assert len(small.llm_engine.lora.list_ids()) <= 2
     for out, request in zip(outputs, requests, strict=True):
         want = next(e for e in expected[request.lora_name] if e.prompt == out.prompt)
         assert out.outputs[0].token_ids == want.outputs[0].token_ids

@@ -16,7 +16,7 @@ from archserve.kernels.rules import (
     needs_capability,
     needs_dtype,
     needs_gpu,
-    triton_interpreted,
+    needs_triton_device,
     triton_target_rule,
 )
 from archserve.kernels.specs import RUNNABLE_KV_CACHE_DTYPES, AttentionSpec
@@ -288,11 +288,7 @@ class TritonAttentionBackend(RuleBackend):
     impl_path = f"{_IMPL}.triton_backend:TritonAttentionImpl"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
-        if device.platform in ("cuda", "rocm"):
-            return None
-        if device.platform == "cpu" and triton_interpreted():
-            return None
-        return "needs a GPU (runs on CPU only under TRITON_INTERPRET=1)"
+        return needs_triton_device(device)
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         # An fp8 cache is read on every GPU (the kernels decode e4m3 bits in software

@@ -13,9 +13,8 @@ import torch
 from archserve.kernels.rules import (
     RuleBackend,
     bf16_on_device,
-    device_text,
     needs_dtype,
-    triton_interpreted,
+    needs_triton_device,
 )
 from archserve.kernels.specs import LoRASpec
 from archserve.platform.capability import SM90
@@ -36,12 +35,7 @@ class TritonLoRABackend(RuleBackend):
     impl_path = f"{_IMPL}.triton_lora:TritonLoRA"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
-        if device.platform in ("cuda", "rocm"):
-            return None
-        if device.platform == "cpu" and triton_interpreted():
-            return None
-        return f"needs a GPU, device is {device_text(device)} (runs on CPU only under " \
-               f"TRITON_INTERPRET=1)"
+        return needs_triton_device(device)
 
     def request_rule(self, device: DeviceInfo, spec: LoRASpec) -> str | None:
         return (needs_dtype(spec.dtype, _DTYPES)
