@@ -2,7 +2,7 @@
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
 #   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
 #                                     quant_gemm|quant_perf|serve|structured|moe|tp|tp4|tp8|mla|ncu|speed|
-#                                     lora|all]
+#                                     lora|sparse_mla|sparse_mla_perf|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -41,6 +41,10 @@
 #           the MLA decode kernel's GB/s (env MLA_ARGS, e.g. --sweep), DeepSeek-V2-Lite
 #           batch-1 step vs floor and 256 x 1024/128, KV bytes per token and 4k-token
 #           sequences vs an MHA-sized cache; `all` leaves it out, ask for it by name.
+#   sparse_mla: the sparse-MLA GPU tests (TRITON_MLA_SPARSE's kernels and implementation at
+#           DeepSeek-V3.2's sizes, tiny V3.2 / GLM-5 engines against transformers, graphs);
+#   sparse_mla_perf: benchmarks/sparse_mla_perf.py (env SPARSE_ARGS: --part kernel, engine
+#           or throughput, one a call; SPARSE_TIMEOUT, default 540 s); `all` leaves both out.
 #   ncu:    Nsight Compute's counters of single kernels (benchmarks/ncu_kernels.py), one
 #           report per case: env NCU_CASES, space-separated "CASE@KERNEL_REGEX@COUNT"
 #           (default: the MLA decode kernel); writes ncu/CASE.txt (the details page) and
@@ -189,6 +193,14 @@ if [ "$PART" = mla ]; then
     2>&1 | tee "$OUT/pytest_mla.log" | tail -n 30
   timeout ${MLA_TIMEOUT:-480} python3 benchmarks/mla_perf.py ${MLA_ARGS:-} \
     --out "$OUT/mla_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/mla_perf.txt"
+fi
+if [ "$PART" = sparse_mla ]; then
+  $PYTEST -v --durations=15 tests/kernels/test_sparse_mla_triton.py \
+    tests/models/test_sparse_mla_vs_hf.py 2>&1 | tee "$OUT/pytest_sparse_mla.log" | tail -n 30
+fi
+if [ "$PART" = sparse_mla_perf ]; then
+  timeout ${SPARSE_TIMEOUT:-540} python3 benchmarks/sparse_mla_perf.py ${SPARSE_ARGS:-} \
+    --out "$OUT/sparse_mla_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/sparse_mla_perf.txt"
 fi
 if [ "$PART" = ncu ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)

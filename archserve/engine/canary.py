@@ -42,6 +42,8 @@ def mla_canary(impl, spec: AttentionSpec, block_size: int, device: torch.device)
     (the prefill step mixes prompts, expanded, with a decode, absorbed)."""
     from archserve.kernels.mla.cases import compare_mla_with_reference, make_mla_case
 
+    if spec.mla_sparse:
+        return sparse_mla_canary(impl, spec, block_size, device)
     kv = "fp8_e4m3" if spec.kv_cache_dtype in ("fp8", "fp8_e4m3") else "auto"
     for step, seqs in CANARY_STEPS.items():
         case = make_mla_case(seqs, num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
@@ -50,6 +52,35 @@ def mla_canary(impl, spec: AttentionSpec, block_size: int, device: torch.device)
                              kv_cache_dtype=kv, device=device.type, seed=1234,
                              fp8_exact_kv=device.type == "cpu")
         reason = compare_mla_with_reference(case, impl)
+        if reason is not None:
+            return f"numerics canary ({step} step): {reason}"
+    return None
+
+
+def sparse_mla_canary(impl, spec: AttentionSpec, block_size: int, device: torch.device
+                      ) -> str | None:
+    """A sparse-MLA implementation at the model's sizes and cache layout, against the torch
+    reference over the same rows: the two steps above, whose contexts are within top-k
+    (dense MLA) but for the longest decode, and a prompt chunk past top-k beside a decode
+    (the indexer and the indexed kernel over prompt rows)."""
+    from archserve.kernels.attention.cases import compare_runs, tolerance
+    from archserve.kernels.mla.torch_mla import TorchMlaImpl
+    from archserve.kernels.sparse_mla.cases import make_sparse_case
+
+    topk = spec.index_topk or 2048
+    steps = {**CANARY_STEPS, "sparse prefill": [(37, topk + 63), (1, 30)]}
+    reference = TorchMlaImpl(layout=impl.layout)
+    for step, seqs in steps.items():
+        case = make_sparse_case(seqs, topk=topk, num_heads=spec.num_heads,
+                                kv_lora_rank=spec.kv_lora_rank, rope=spec.qk_rope_head_dim,
+                                nope=spec.qk_nope_head_dim, v_head=spec.v_head_dim,
+                                index_heads=spec.index_num_heads or 8,
+                                index_dim=spec.index_head_dim, block_size=block_size,
+                                dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype,
+                                index_cache_dtype=spec.index_cache_dtype, device=device.type,
+                                seed=1234)
+        kv = "auto" if impl.layout.typed else "fp8"
+        reason = compare_runs(case, impl, reference, tolerance(spec.dtype, kv))
         if reason is not None:
             return f"numerics canary ({step} step): {reason}"
     return None

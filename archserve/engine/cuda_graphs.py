@@ -43,6 +43,16 @@ def weak_callback(fn: Callable) -> Callable:
     return lambda *args, **kwargs: method()(*args, **kwargs)
 
 
+def random_cache_values(shape: torch.Size, dtype: torch.dtype, generator: torch.Generator,
+                        device: torch.device) -> torch.Tensor:
+    """Random contents for cache blocks: normal values, or for a cache of bytes (sparse
+    MLA's fp8 rows, kernels/sparse_mla/layout.py) bytes below 0x38, which read back finite
+    as any part (an e4m3 value below 1, an fp32 or 16-bit float of small magnitude)."""
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, device=device)
+    return torch.randint(0, 0x38, shape, generator=generator, device=device, dtype=dtype)
+
+
 def default_graph_sizes(max_num_seqs: int) -> list[int]:
     ladder = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
     return [s for s in ladder if s <= max_num_seqs] or [1]
@@ -161,7 +171,7 @@ class StaticGraphRunner:
         saved = [blocks.clone() for blocks in touched]
         generator = torch.Generator(device=self.device).manual_seed(0)
         for blocks in touched:
-            blocks.copy_(torch.randn(blocks.shape, generator=generator, device=self.device))
+            blocks.copy_(random_cache_values(blocks.shape, blocks.dtype, generator, self.device))
         try:
             for size in sorted({self.set.sizes[0], self.set.sizes[-1]}):
                 reason = self._canary_at(size, tolerance)

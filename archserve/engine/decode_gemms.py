@@ -133,17 +133,29 @@ def tune_mla_decode(device: DeviceInfo, attn_impl: object, model_config, dtype: 
                     torch_device: torch.device) -> Decision | None:
     """Choose the MLA decode kernel's tiles by timing, where TRITON_MLA decodes in CUDA
     graphs (kernels/mla/tuning.py; cached per device)."""
-    mla = model_config.mla
-    if mla is None or not graph_sizes or kv_cache_dtype not in ("auto", "fp8_e4m3"):
+    mla, sparse = model_config.mla, getattr(model_config, "sparse_attention", None)
+    if mla is None or not graph_sizes:
         return None       # (before the imports: Triton is not installed everywhere)
     from archserve.kernels.mla.triton_mla import TritonMlaImpl
     from archserve.kernels.mla.tuning import MlaShape, describe, tune_mla_tiles
 
     if not isinstance(attn_impl, TritonMlaImpl):
         return None
+    path = os.path.join(device_kernel_dir(device), "mla_tiles.json")
+    layout = getattr(attn_impl, "layout", None)
+    if sparse is not None and layout is not None:
+        # TRITON_MLA_SPARSE: the indexed kernel that its long-context decode steps run.
+        shape = MlaShape(model_config.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim,
+                         dtype, "fp8_ds_mla" if layout.latent_fp8 else "auto", block_size,
+                         sparse.index_topk, layout.index_dim)
+        attn_impl.sparse_tiles, timing, source = tune_mla_tiles(shape, path, torch_device)
+        torch.cuda.empty_cache()
+        return Decision("MLA sparse decode tiles", "TRITON_MLA_SPARSE", "TRITON_MLA_SPARSE",
+                        describe(timing, source, shape))
+    if kv_cache_dtype not in ("auto", "fp8_e4m3"):
+        return None
     shape = MlaShape(model_config.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype,
                      kv_cache_dtype, block_size)
-    path = os.path.join(device_kernel_dir(device), "mla_tiles.json")
     attn_impl.tiles, timing, source = tune_mla_tiles(shape, path, torch_device)
     torch.cuda.empty_cache()
     return Decision("MLA decode tiles", "TRITON_MLA", "TRITON_MLA", describe(timing, source))

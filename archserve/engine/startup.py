@@ -25,7 +25,12 @@ from archserve.kernels.registry import BackendError, Selection
 from archserve.kernels.specs import AttentionSpec, batch_invariant_requested
 from archserve.platform import DeviceInfo, detect
 from archserve.platform.decision import Decision
-from archserve.routing.dtypes import kv_cache_refusal, resolve_dtype, resolve_kv_cache_dtype
+from archserve.routing.dtypes import (
+    kv_cache_refusal,
+    model_kv_cache_default,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 
 log = logging.getLogger("archserve")
 
@@ -232,9 +237,11 @@ def plan_checkpoint_quantization(device: DeviceInfo, config: EngineConfig, model
 
 def resolve_precision(device: DeviceInfo, config: EngineConfig, model_config):
     dtype, decisions = resolve_dtype(device, config.dtype, model_config.torch_dtype)
+    sparse_mla = getattr(model_config, "sparse_attention", None) is not None
     kv, kv_decisions = resolve_kv_cache_dtype(
-        device, config.kv_cache_dtype, model_config.attention_facts.checkpoint_kv_cache_dtype)
-    refusal = kv_cache_refusal(kv)
+        device, config.kv_cache_dtype, model_config.attention_facts.checkpoint_kv_cache_dtype,
+        sparse_mla, model_kv_cache_default(model_config.architecture, device))
+    refusal = kv_cache_refusal(kv, sparse_mla)
     if refusal:
         raise ValueError(f"not loadable in this build: {refusal}")
     return dtype, kv, list(decisions) + list(kv_decisions)

@@ -83,9 +83,11 @@ _KV_READERS_IN_VLLM = {
 }
 
 
-def kv_cache_refusal(kv_cache_dtype: str) -> str | None:
-    """Why this build refuses a KV-cache dtype (None: a kernel here reads it)."""
-    if kv_cache_dtype in RUNNABLE_KV_CACHE_DTYPES:
+def kv_cache_refusal(kv_cache_dtype: str, sparse_mla: bool = False) -> str | None:
+    """Why this build refuses a KV-cache dtype (None: a kernel here reads it). A sparse-MLA
+    model's cache rows also take fp8_ds_mla (kernels/sparse_mla/layout.py)."""
+    if kv_cache_dtype in RUNNABLE_KV_CACHE_DTYPES or (
+            sparse_mla and kv_cache_dtype == "fp8_ds_mla"):
         return None
     where = _KV_READERS_IN_VLLM.get(kv_cache_dtype) or next(
         text for prefix, text in _KV_READERS_IN_VLLM.items()
@@ -93,8 +95,21 @@ def kv_cache_refusal(kv_cache_dtype: str) -> str | None:
     return f"no kernel in this build reads the {kv_cache_dtype} KV cache: {where}"
 
 
+# vLLM 0.33's own defaults for "auto" on some models (model_executor/models/config.py,
+# each class's verify_and_update_config): architecture -> (SM families, cache dtype).
+_VLLM_MODEL_KV_DEFAULTS = {"GlmMoeDsaForCausalLM": ((100,), "fp8_e4m3")}
+
+
+def model_kv_cache_default(architecture: str, device: DeviceInfo) -> str | None:
+    """The cache vLLM 0.33 gives ``architecture`` on this device for "auto", where it
+    departs from the compute dtype (GLM-5 takes an fp8 cache on the SM100 family)."""
+    families, dtype = _VLLM_MODEL_KV_DEFAULTS.get(architecture, ((), None))
+    return dtype if device.is_cuda and device.family in families else None
+
+
 def resolve_kv_cache_dtype(device: DeviceInfo, requested: str = "auto",
-                           checkpoint: str | None = None) -> tuple[str, list[Decision]]:
+                           checkpoint: str | None = None, sparse_mla: bool = False,
+                           model_default: str | None = None) -> tuple[str, list[Decision]]:
     """The KV cache dtype: "auto" (the compute dtype) or any name vLLM knows.
 
     "auto" takes the cache a checkpoint was calibrated for (``checkpoint``: its
@@ -111,11 +126,21 @@ def resolve_kv_cache_dtype(device: DeviceInfo, requested: str = "auto",
     if key not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv-cache dtype {requested!r}; "
                          f"choose from {', '.join(KV_CACHE_DTYPES)}")
+    if key == "auto" and model_default and not checkpoint:
+        chosen, decisions = resolve_kv_cache_dtype(device, model_default,
+                                                   sparse_mla=sparse_mla)
+        return chosen, [Decision("kv_cache_dtype", "auto", d.chosen,
+                                 f"vLLM 0.33 gives this model an {model_default} cache on "
+                                 f"{device_text(device)}"
+                                 + ("" if d.reason == "as requested"
+                                    else f"; {d.reason.removeprefix('as requested; ')}"))
+                        for d in decisions]
     if key == "auto" and checkpoint:
         chosen, decisions = resolve_kv_cache_dtype(device, checkpoint)
         return chosen, [Decision("kv_cache_dtype", "auto", d.chosen,
                                  f"the checkpoint's KV cache scheme is {checkpoint}"
-                                 + ("" if d.reason == "as requested" else f"; {d.reason}"))
+                                 + ("" if d.reason == "as requested"
+                                    else f"; {d.reason.removeprefix('as requested; ')}"))
                         for d in decisions]
     if key == "auto":
         return "auto", [Decision("kv_cache_dtype", "auto", "auto", "same as the compute dtype")]
@@ -123,15 +148,19 @@ def resolve_kv_cache_dtype(device: DeviceInfo, requested: str = "auto",
         return "auto", [Decision("kv_cache_dtype", key, "auto",
                                  "a 16-bit cache: archserve stores it in the compute dtype")]
     chosen = "fp8_e4m3" if key == "fp8" else key
-    if chosen in RUNNABLE_KV_CACHE_DTYPES and not device.features.fp8 and not device.is_cuda:
+    runnable = kv_cache_refusal(chosen, sparse_mla) is None
+    if runnable and not device.features.fp8 and not device.is_cuda:
         why = (f"fp8 KV cache needs fp8 support or a CUDA GPU, device is "
                f"{device_text(device)}; using the compute dtype")
         return "auto", [Decision("kv_cache_dtype", key, "auto", why)]
-    if chosen in RUNNABLE_KV_CACHE_DTYPES and not device.features.fp8:
+    served = ("; a sparse-MLA latent keeps it as fp8_ds_mla (e4m3 with a scale per 128 "
+              "values, the rope part 16-bit), as vLLM's FlashMLA sparse does"
+              if sparse_mla and chosen in ("fp8_e4m3", "fp8_ds_mla") else "")
+    if runnable and not device.features.fp8:
         why = (f"kept on {device_text(device)} without fp8 tensor cores: the cache stores fp8 "
                "bytes and the attention kernel widens them as it reads (as vLLM does)")
-        return chosen, [Decision("kv_cache_dtype", key, chosen, why)]
-    refusal = kv_cache_refusal(chosen)
+        return chosen, [Decision("kv_cache_dtype", key, chosen, why + served)]
+    refusal = kv_cache_refusal(chosen, sparse_mla)
     if refusal:
         return chosen, [Decision("kv_cache_dtype", key, chosen, f"refused: {refusal}")]
-    return chosen, [Decision("kv_cache_dtype", key, chosen, "as requested")]
+    return chosen, [Decision("kv_cache_dtype", key, chosen, "as requested" + served)]

@@ -39,6 +39,7 @@ from archserve.quant.schemes import QuantScheme, compressed_tensors_form, find_s
 from archserve.routing.dtypes import (
     dtype_name,
     kv_cache_refusal,
+    model_kv_cache_default,
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
@@ -48,6 +49,8 @@ from archserve.routing.model_summary import ModelSummary
 DEEPSEEK_V3_MLA = dict(head_size=576, num_heads=128, num_kv_heads=1, use_mla=True,
                        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
                        v_head_dim=128)
+# DeepSeek-V3.2's lightning indexer (--sparse-mla): top-2048 keys, 64 heads of 128.
+DEEPSEEK_V32_INDEXER = dict(index_topk=2048, index_head_dim=128, index_num_heads=64)
 
 
 @dataclass(frozen=True)
@@ -241,8 +244,11 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
                           routes, _specs_of(op, plan, torch_dtype, inputs), strict=True)]
         return Explanation(device, torch_dtype, decisions, routes,
                            libraries_text(libraries), not_loadable, inputs)
-    kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype)
+    sparse = sparse_mla and op == "mla_attention"
+    kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype, sparse_mla=sparse)
     shape: dict[str, Any] = dict(DEEPSEEK_V3_MLA) if op == "mla_attention" else {}
+    if sparse:
+        shape.update(DEEPSEEK_V32_INDEXER)
     if head_size is not None:
         shape["head_size"] = head_size
     elif op == "attention":
@@ -251,9 +257,8 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
                                                     shape.get("num_kv_heads", 8))
     shape.update(num_heads=num_heads, num_kv_heads=num_kv_heads)
     spec = AttentionSpec(dtype=torch_dtype, kv_cache_dtype=kv, block_size=block_size,
-                         mla_sparse=sparse_mla and op == "mla_attention",
-                         **shape, **inputs.attention_fields())
-    not_loadable = not_loadable or kv_cache_refusal(kv)
+                         mla_sparse=sparse, **shape, **inputs.attention_fields())
+    not_loadable = not_loadable or kv_cache_refusal(kv, sparse)
     route = (explain_op(device, op, spec, libraries, override=override)
              if override and not_loadable is None
              else _route(device, op, spec, libraries, op, not_loadable))
@@ -445,8 +450,9 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     facts = model.attention_facts
     inputs = (inputs or SelectionInputs()).for_model(facts)
     torch_dtype, decisions = resolve_dtype(device, dtype, model.dtype)
-    kv, kv_decisions = resolve_kv_cache_dtype(device, kv_cache_dtype,
-                                              facts.checkpoint_kv_cache_dtype)
+    kv, kv_decisions = resolve_kv_cache_dtype(
+        device, kv_cache_dtype, facts.checkpoint_kv_cache_dtype, model.mla_sparse,
+        model_kv_cache_default(model.architecture, device))
     decisions += kv_decisions
     not_loadable = architecture_unsupported(model.architecture)
     plan = _quantization_plan(device, model.quantization_config, quantization, model.is_gguf,
@@ -469,7 +475,8 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     if gguf_experts is not None:
         decisions.append(gguf_experts)
 
-    not_loadable = "; ".join(filter(None, [not_loadable, kv_cache_refusal(kv)])) or None
+    not_loadable = "; ".join(filter(None, [not_loadable, kv_cache_refusal(kv, model.mla_sparse)])
+                             ) or None
     not_loadable = _tensor_parallel_layout(device, model, inputs.tensor_parallel_size,
                                            decisions, not_loadable)
     num_heads, num_kv_heads = inputs.per_rank_heads(model.num_heads, model.num_kv_heads)
@@ -479,7 +486,8 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
         sliding_window=model.sliding_window, logit_soft_cap=model.logit_soft_cap,
         use_mla=model.use_mla, mla_sparse=model.mla_sparse, kv_lora_rank=model.kv_lora_rank,
         qk_rope_head_dim=model.qk_rope_head_dim, qk_nope_head_dim=model.qk_nope_head_dim,
-        v_head_dim=model.v_head_dim)
+        v_head_dim=model.v_head_dim, index_topk=model.index_topk,
+        index_head_dim=model.index_head_dim, index_num_heads=model.index_num_heads)
     op = "mla_attention" if model.use_mla else "attention"
     if not_loadable is None:
         # As at start-up: attention that no backend of this build runs refuses the model.

@@ -9,7 +9,7 @@ here is typed per GPU, so the table cannot drift from what selection does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,8 +25,22 @@ from archserve.quant.schemes import get_scheme
 ATTENTION_SPEC = AttentionSpec(head_size=128, dtype=torch.float16)
 MLA_SPEC = AttentionSpec(head_size=576, dtype=torch.float16, num_heads=128, num_kv_heads=1,
                          use_mla=True)
-SPARSE_MLA_SPEC = AttentionSpec(head_size=576, dtype=torch.float16, num_heads=128,
-                                num_kv_heads=1, use_mla=True, mla_sparse=True)
+# DeepSeek-V3.2: 128 heads, the indexer's top-2048 of 64 heads of 128; in bf16 for vLLM's
+# sparse kernels (all but two take bf16 only; their GPUs all have it), fp16 for archserve's
+# Triton one, so that a GPU without bf16 shows what it runs.
+SPARSE_MLA_SPEC = AttentionSpec(head_size=576, dtype=torch.bfloat16, num_heads=128,
+                                num_kv_heads=1, use_mla=True, mla_sparse=True, index_topk=2048,
+                                index_head_dim=128, index_num_heads=64)
+
+
+SPARSE_MLA_ROWS = tuple((label, name, SPARSE_MLA_SPEC) for label, name in (
+    ("FlashInfer MLA Sparse", "FLASHINFER_MLA_SPARSE"),
+    ("FlashAttn-4 MLA Sparse", "FLASH_ATTN_MLA_SPARSE_FA4"),
+    ("FlashMLA Sparse", "FLASHMLA_SPARSE"),
+    ("FlashAttn MLA Sparse", "FLASH_ATTN_MLA_SPARSE"),
+    ("FlashInfer MLA Sparse SM90", "FLASHINFER_MLA_SPARSE_SM90"),
+    ("FlashInfer MLA Sparse SM120", "FLASHINFER_MLA_SPARSE_SM120"),
+)) + (("Triton MLA Sparse", "TRITON_MLA_SPARSE", replace(SPARSE_MLA_SPEC, dtype=torch.float16)),)
 
 
 @dataclass(frozen=True)
@@ -160,10 +174,8 @@ def matrix_rows() -> list[MatrixRow]:
         _row(mla, "CUTLASS MLA", _backend("mla_attention", "CUTLASS_MLA", MLA_SPEC)),
         _row(mla, "FlashInfer MLA", _backend("mla_attention", "FLASHINFER_MLA", MLA_SPEC)),
         _row(mla, "Triton MLA", _backend("mla_attention", "TRITON_MLA", MLA_SPEC)),
-        _row(mla, "FlashInfer MLA Sparse", _backend("mla_attention", "FLASHINFER_MLA_SPARSE",
-                                                    SPARSE_MLA_SPEC)),
-        _row(mla, "FlashMLA Sparse", _backend("mla_attention", "FLASHMLA_SPARSE",
-                                              SPARSE_MLA_SPEC)),
+        *(_row(mla, label, _backend("mla_attention", name, spec))
+          for label, name, spec in SPARSE_MLA_ROWS),
         _row(gemm, "INT8 W8A8", _backend("linear", "CUTLASS_INT8", _linear("int8"))),
         _row(gemm, "FP8 W8A8", _backend("linear", "CUTLASS_FP8", _linear("fp8"))),
         _row(gemm, "Block-wise FP8", _backend("linear", "CUTLASS_BLOCK_FP8",

@@ -128,6 +128,16 @@ CASES = [
      "FLASHMLA_SPARSE", None, CUDA_PRIORITY),
     ("mla-sparse-h100", "h100", "mla_attention", None, {"sparse_mla": True},
      "FLASH_ATTN_MLA_SPARSE", None, CUDA_PRIORITY),
+    ("mla-sparse-fp8-b200", "b200", "mla_attention", None,
+     {"sparse_mla": True, "kv_cache_dtype": "fp8"}, "FLASHINFER_MLA_SPARSE", None,
+     CUDA_PRIORITY),
+    ("mla-sparse-ds-mla-b200", "b200", "mla_attention", None,
+     {"sparse_mla": True, "kv_cache_dtype": "fp8_ds_mla"}, "FLASHMLA_SPARSE", None,
+     "mla/flashinfer_mla_sparse.py, FlashInferMLASparseTRTLLMBackend.supports_combination"),
+    ("mla-sparse-fp8-h100", "h100", "mla_attention", None,
+     {"sparse_mla": True, "kv_cache_dtype": "fp8"}, "FLASHMLA_SPARSE", None,
+     "mla/flashmla_sparse.py, FlashMLASparseBackend.supported_kv_cache_dtypes (fp8: an alias "
+     "of fp8_ds_mla); FlashAttnMLASparseBackend takes 16-bit caches only"),
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -87,7 +89,9 @@ def test_triton_mla_rules_follow_vllm_033() -> None:
 
 
 def test_sparse_mla_order_depends_on_kv_dtype_and_heads() -> None:
-    sparse = AttentionSpec(dtype=torch.bfloat16, mla_sparse=True, **MLA)
+    indexer = dict(mla_sparse=True, index_topk=2048, index_head_dim=128, index_num_heads=64)
+    sparse = AttentionSpec(dtype=torch.bfloat16, **indexer, **MLA)
+
     def ideal(profile: str, spec: AttentionSpec) -> str | None:
         return REGISTRY.ideal("mla_attention", get_profile(profile), spec)
 
@@ -95,15 +99,29 @@ def test_sparse_mla_order_depends_on_kv_dtype_and_heads() -> None:
     # a 16-bit cache prefers FlashMLA sparse, or FA4 sparse at <= 16 heads; a quantized
     # cache FlashInfer sparse. Hopper tries FA sparse first; SM12x has its own FlashInfer.
     assert ideal("b200", sparse) == "FLASHMLA_SPARSE"
-    few_heads = AttentionSpec(dtype=torch.bfloat16, mla_sparse=True,
-                              **{**MLA, "num_heads": 16})
+    few_heads = AttentionSpec(dtype=torch.bfloat16, **indexer, **{**MLA, "num_heads": 16})
     assert ideal("b200", few_heads) == "FLASH_ATTN_MLA_SPARSE_FA4"
-    fp8 = AttentionSpec(dtype=torch.bfloat16, mla_sparse=True, kv_cache_dtype="fp8", **MLA)
-    assert ideal("b200", fp8) == "FLASHINFER_MLA_SPARSE"
+    # FA4 sparse needs top-k in whole 128-key tiles: FlashInfer's sparse kernels next.
+    odd_topk = replace(few_heads, index_topk=2000)
+    assert ideal("b200", odd_topk) == "FLASHINFER_MLA_SPARSE"
+    # An fp8 cache (archserve calls vLLM's "fp8" fp8_e4m3; fp8_ds_mla is FlashMLA's format,
+    # which FlashInfer's SM100 kernels refuse).
+    for kv in ("fp8", "fp8_e4m3"):
+        fp8 = replace(sparse, kv_cache_dtype=kv)
+        assert ideal("b200", fp8) == "FLASHINFER_MLA_SPARSE"
+        assert ideal("h100", fp8) == "FLASHMLA_SPARSE"
+    assert ideal("b200", replace(sparse, kv_cache_dtype="fp8_ds_mla")) == "FLASHMLA_SPARSE"
     assert ideal("h100", sparse) == "FLASH_ATTN_MLA_SPARSE"
-    assert ideal("h100", fp8) == "FLASHMLA_SPARSE"
+    # fp16: FlashMLA sparse and FlashInfer's SM90 kernel take bf16 only; FA3 sparse fp16.
+    assert ideal("h100", replace(sparse, dtype=torch.float16)) == "FLASH_ATTN_MLA_SPARSE"
+    assert ideal("h100", replace(sparse, dtype=torch.float16,
+                                 kv_cache_dtype="fp8_e4m3")) == "TRITON_MLA_SPARSE"
     assert ideal("rtx5090", sparse) == "FLASHINFER_MLA_SPARSE_SM120"
-    assert ideal("a100", sparse) == "TORCH_REFERENCE"
+    # SM12x's FlashInfer kernel is built for top-2048 only: archserve's Triton kernel then.
+    assert ideal("rtx5090", odd_topk) == "TRITON_MLA_SPARSE"
+    # No vLLM sparse kernel before Hopper: archserve's runs (the route on every GPU).
+    assert ideal("a100", sparse) == "TRITON_MLA_SPARSE"
+    assert ideal("cpu", sparse) == "TORCH_REFERENCE"
 
 
 @pytest.mark.parametrize("profile,head,version", [

@@ -196,6 +196,49 @@ else:
         torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
 
 
+    def test_glm5_layers_through_the_triton_impl_match_the_torch_path(tmp_path):
+        # A tiny GLM-5 (a layer that shares the previous one's selection, the indexer's
+        # interleaved rope, top-5) stepped through the paged cache by TRITON_MLA_SPARSE and
+        # by the torch reference: a batched prefill, then a decode step beside a chunk.
+        from models.helpers import PROMPTS, PagedSequences, saved_and_loaded, tiny_hf_model
+        from models.test_sparse_mla_vs_hf import DSA, VARIANTS
+
+        from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+
+        model_type, overrides = VARIANTS["glm"]
+        _, model, config = saved_and_loaded(
+            tiny_hf_model(model_type, **{**DSA, **overrides, "vocab_size": 256}), tmp_path)
+        reference, triton = PagedSequences.for_config(config), PagedSequences.for_config(config)
+        triton.attn_impl = TritonSparseMlaImpl(layout=reference.attn_impl.layout)
+        for step in ({0: PROMPTS[0], 1: PROMPTS[2]}, {0: [7], 1: [1, 2, 3]}):
+            torch.testing.assert_close(triton.run(model, step), reference.run(model, step),
+                                       atol=1e-4, rtol=1e-4)
+
+
+    def test_start_up_canary_passes_and_can_fail():
+        # The engine's numerics canary at a sparse model's sizes (top-16 here): dense steps,
+        # a decode past top-k, a prompt chunk past top-k. A kernel off by its scale fails it.
+        from archserve.engine.canary import attention_canary
+        from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+        from archserve.kernels.specs import AttentionSpec
+
+        spec = AttentionSpec(head_size=64, dtype=torch.float32, num_heads=16, num_kv_heads=1,
+                             use_mla=True, mla_sparse=True, kv_lora_rank=48,
+                             qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
+                             index_topk=16, index_head_dim=48, index_num_heads=8)
+        impl = TritonSparseMlaImpl(spec=spec)
+        assert attention_canary(impl, spec, 8, torch.device("cpu")) is None
+
+        class OffByScale(TritonSparseMlaImpl):
+            def forward_sparse(self, *args):
+                args = list(args)
+                args[7] *= 1.5                      # the softmax scale
+                return super().forward_sparse(*args)
+
+        reason = attention_canary(OffByScale(spec=spec), spec, 8, torch.device("cpu"))
+        assert reason is not None and "numerics canary" in reason
+
+
 # ---------------------------------------------------------------- compiled for real GPUs
 
 TARGETS = {"sm80": ("cuda", 80, 32), "sm90": ("cuda", 90, 32), "sm100": ("cuda", 100, 32),
@@ -205,18 +248,20 @@ TARGETS = {"sm80": ("cuda", 80, 32), "sm90": ("cuda", 90, 32), "sm100": ("cuda",
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_sparse_decode_step_compiles(target):
-    """A DeepSeek-V3.2 decode step's kernels at its sizes (latent 512 + 64, 16 heads;
-    indexer 64 heads of 128, top-2048), for each GPU generation: the row writer, the
+    """A sparse decode step's kernels for each GPU generation: the row writer, the
     indexer's scores, the top-k and the indexed decode over an fp8_ds_mla cache with fp8
-    indexer keys (SM80 reads e4m3 as bytes: it has no e4m3 type)."""
+    indexer keys (SM80 reads e4m3 as bytes: it has no e4m3 type). Hopper at DeepSeek-V3.2's
+    sizes (latent 512 + 64, 16 heads; indexer 64 heads of 128, top-2048), the others at a
+    quarter of the latent (a cold compile of every kernel at 512 costs CI seconds)."""
     from triton_compile import compiled_launches
 
     from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
 
+    rank, index_heads = (512, 64) if target == "sm90" else (128, 32)
     case = make_sparse_case([(1, 3000), (1, 2500)], topk=2048, num_heads=16,
-                            kv_lora_rank=512, rope=64, nope=128, v_head=128, index_heads=64,
-                            index_dim=128, block_size=64, dtype=torch.bfloat16,
-                            kv_cache_dtype="fp8_ds_mla")
+                            kv_lora_rank=rank, rope=64, nope=128, v_head=128,
+                            index_heads=index_heads, index_dim=128, block_size=64,
+                            dtype=torch.bfloat16, kv_cache_dtype="fp8_ds_mla")
     impl = TritonSparseMlaImpl(layout=case.layout, fp8_bytes=target == "sm80")
     with compiled_launches(TARGETS[target]) as launches:
         case.run(impl)
@@ -300,3 +345,20 @@ def test_gpu_sparse_decode_replays_in_a_cuda_graph():
     graph.replay()
     expected = step()
     torch.testing.assert_close(captured, expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_tile_choice_times_the_indexed_kernel(tmp_path):
+    """The start-up choice for TRITON_MLA_SPARSE's decode: the rule's tiles and every
+    candidate timed over top-2048 selections (16-bit rows and fp8_ds_mla), none fails or
+    disagrees, and what it chose is one of them."""
+    from archserve.kernels.mla.tuning import CANDIDATE_TILES, MlaShape, tune_mla_tiles
+
+    for cache in ("auto", "fp8_ds_mla"):
+        shape = MlaShape(16, 512, 64, torch.bfloat16, cache, 64, sparse_topk=2048,
+                         index_dim=128)
+        tiles, timing, source = tune_mla_tiles(shape, str(tmp_path / "mla.json"),
+                                               torch.device("cuda"))
+        assert source.startswith("tuned in") and timing.default_us > 0, (cache, source)
+        assert "disagrees" not in timing.note and "Error" not in timing.note, timing.note
+        assert tiles is None or tiles in CANDIDATE_TILES

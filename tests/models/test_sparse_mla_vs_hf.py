@@ -249,3 +249,139 @@ def test_block_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
     gaps = [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
             for p in range(1, len(ids))]
     assert max(gaps) < ATOL
+
+
+# ---------------------------------------------------------------- GPU
+
+# Latent 256 + 64 and q/k heads of 128 + 64, values of 128 (the Triton prefill's sizes for
+# the steps within top-k), indexer keys of 128 (64 of them rotated) with 16 heads.
+GPU_DSA = dict(DSA, hidden_size=256, intermediate_size=256, kv_lora_rank=256, q_lora_rank=128,
+               qk_rope_head_dim=64, head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+               moe_intermediate_size=64, index_n_heads=16, index_head_dim=128,
+               max_position_embeddings=1024)
+GPU_ENGINE = dict(kv_cache_memory_bytes=1 << 28, max_num_seqs=8, self_check=False)
+
+
+def _engine_logprobs(out) -> tuple[list[int], list[float]]:
+    """(the prompt and generated ids, the engine's log-prob of each after the first)."""
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    n = len(out.prompt_token_ids)
+    got = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, n)]
+    got += [step[ids[n + i]].logprob for i, step in enumerate(out.outputs[0].logprobs)]
+    return ids, got
+
+
+def _model_logprobs(model, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    return [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
+
+
+def _bf16_drift(path: str, outputs) -> tuple[float, float]:
+    """(mean |ours - transformers fp32|, mean |transformers bf16 - transformers fp32|) of
+    the log-probs of the engine's prompt and generated tokens: our drift beside
+    transformers' own bf16 drift on the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    ours, theirs = [], []
+    models = {dtype: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+              for dtype in (torch.float32, torch.bfloat16)}
+    for out in outputs:
+        ids, got = _engine_logprobs(out)
+        exact = _model_logprobs(models[torch.float32], ids)
+        rounded = _model_logprobs(models[torch.bfloat16], ids)
+        ours += [abs(a - b) for a, b in zip(got, exact, strict=True)]
+        theirs += [abs(a - b) for a, b in zip(rounded, exact, strict=True)]
+    del models
+    torch.cuda.empty_cache()
+    return sum(ours) / len(ours), sum(theirs) / len(theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("variant", ["v32", "glm"])
+def test_gpu_bf16_engine_is_within_transformers_bf16_drift(tmp_path, variant, enforce_eager):
+    """The engine on the GPU in bf16 (TRITON_MLA_SPARSE: the Triton indexer, top-k and
+    indexed MLA kernels; decode in CUDA graphs unless eager, async scheduling) against
+    transformers in fp32: the log-probs of the prompt and generated tokens drift from it
+    no more than transformers' own bf16 run does (twice its mean, as the near-ties that
+    bf16 rounding swaps, of experts and of keys at the top-k's edge, fall elsewhere)."""
+    from archserve import LLM
+
+    model_type, overrides = VARIANTS[variant]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**GPU_DSA, **overrides})
+    llm = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=enforce_eager,
+              **GPU_ENGINE)
+    engine = llm.llm_engine
+    routes = {r.layer: r for r in engine.report.routes}
+    assert (routes["attention"].op, routes["attention"].backend) == \
+        ("mla_attention", "TRITON_MLA_SPARSE")
+    assert bool(engine.report.graph_sizes) != enforce_eager, engine.report.graphs_off
+    assert engine.report.canary and all("passed" in c for c in engine.report.canary), \
+        engine.report.canary
+    assert any(d.what == "scheduling" and d.chosen == "async" for d in engine.report.decisions)
+    outputs = llm.generate(TEXT_PROMPTS, _bf16_params())
+    del llm, engine
+    ours, theirs = _bf16_drift(path, outputs)
+    print(f"mean |delta logprob| against fp32: archserve bf16 {ours:.4f}, transformers bf16 "
+          f"{theirs:.4f}")
+    assert ours <= max(2 * theirs, 0.01), (ours, theirs)
+
+
+def _bf16_params():  # noqa: N802 - a constant's maker
+    from archserve import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1,
+                          prompt_logprobs=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8", "auto+fp8-indexer"])
+def test_gpu_fp8_caches_run_in_graphs(tmp_path, kv):
+    """fp8_ds_mla latents with fp8 indexer keys (--kv-cache-dtype fp8), and fp8 indexer keys
+    beside a bf16 latent: the engine starts (canary, graphs) and its log-probs stay within
+    the fp8 caches' cost of transformers' fp32 ones (mean |delta| < 0.1)."""
+    from archserve import LLM
+
+    model_type, overrides = VARIANTS["v32"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**GPU_DSA, **overrides})
+    caches = (dict(kv_cache_dtype="fp8") if kv == "fp8"
+              else dict(index_cache_dtype="fp8"))
+    llm = LLM(path, dtype="bfloat16", device="cuda", **caches, **GPU_ENGINE)
+    engine = llm.llm_engine
+    assert engine.report.graph_sizes and all("passed" in c for c in engine.report.canary)
+    layout = engine.runner.attn_impl.layout
+    assert layout.index_fp8 and layout.latent_fp8 == (kv == "fp8")
+    outputs = llm.generate(TEXT_PROMPTS, _bf16_params())
+    del llm, engine
+    ours, _ = _bf16_drift(path, outputs)
+    assert ours < 0.1, ours
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
+    """Prompts sharing a cached prefix, chunked 16 tokens a step beside decodes: the same
+    greedy tokens as the engine without prefix caching or chunking, up to a near-tie."""
+    from archserve import LLM, SamplingParams
+    from models.helpers import assert_greedy_outputs_track
+
+    model_type, overrides = VARIANTS["glm"]
+    path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
+                                 **{**GPU_DSA, **overrides})
+    shared = "A paged KV cache stores keys and values in fixed-size blocks. " * 3
+    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=20)
+    plain = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=False,
+                enable_chunked_prefill=False, **GPU_ENGINE)
+    expected = plain.generate(prompts, params)
+    del plain
+    torch.cuda.empty_cache()
+    llm = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=16, **GPU_ENGINE)
+    llm.generate(prompts[:1], params)            # the shared prefix is cached
+    outputs = llm.generate(prompts, params)
+    assert max(o.num_cached_tokens for o in outputs) >= 16
+    assert_greedy_outputs_track(outputs, expected, min_agreeing=0, logprob_tol=None,
+                                near_tie=0.2)

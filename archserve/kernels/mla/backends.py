@@ -3,7 +3,8 @@
 Capability ranges follow today's vLLM where it differs from seed 000 §2.2 (FlashMLA
 and FlashMLA-sparse are Hopper and data-centre Blackwell, not Ada); see
 docs/deviations.md. The fused library kernels are rules only (``explain`` shows an MLA
-model's ideal route); TRITON_MLA (kernels/mla/triton_mla.py) runs on GPUs and
+model's ideal route); TRITON_MLA (kernels/mla/triton_mla.py) and, for sparse MLA,
+TRITON_MLA_SPARSE (kernels/sparse_mla/triton_sparse_mla.py) run on GPUs, and
 TORCH_REFERENCE (kernels/mla/torch_mla.py) everywhere.
 """
 
@@ -50,6 +51,7 @@ class MlaBackend(FamilyGated):
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
     fixed_latent = True          # fused kernels only exist for DeepSeek's latent sizes
     block_multiple: int | None = None
+    head_sizes: tuple[int, ...] = ()   # the latent sizes its kernels take (empty: any)
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         if not spec.use_mla:
@@ -59,7 +61,10 @@ class MlaBackend(FamilyGated):
         if self.sparse and not spec.mla_sparse:
             return "sparse MLA kernel; the model uses dense MLA"
         kv = spec.kv_cache_dtype
-        return (needs_dtype(spec.dtype, self.dtypes)
+        return ((f"head size {spec.head_size} unsupported "
+                 f"({', '.join(map(str, self.head_sizes))})"
+                 if self.head_sizes and spec.head_size not in self.head_sizes else None)
+                or needs_dtype(spec.dtype, self.dtypes)
                 or bf16_on_device(device, spec.dtype)
                 or (_latent_rule(spec) if self.fixed_latent else None)
                 or (f"{kv} KV cache unsupported" if kv not in self.kv_dtypes else None)
@@ -98,94 +103,141 @@ _MLA_ROWS = (
     # family runs FlashMLA's sparse kernels, not its dense one).
     dict(name="FLASHMLA", families=(90,), description="FlashMLA dense (Hopper)",
          preferred_block_size=64, block_multiple=64),
-    dict(name="FLASHINFER_MLA_SPARSE_SM120", families=(120,), library="flashinfer",
-         sparse=True, fixed_latent=False, dtypes=(torch.bfloat16,),
-         kv_dtypes=("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"),
-         description="FlashInfer sparse MLA (RTX Blackwell, SM12x)", block_multiple=64),
-    dict(name="FLASH_ATTN_MLA_SPARSE", families=(90,), library="flash_attn", sparse=True,
-         fixed_latent=False, kv_dtypes=_SIXTEEN_BIT_KV,
-         description="FlashAttention-3 sparse MLA (Hopper)", block_multiple=64),
 )
-(CutlassMlaBackend, FlashAttnMlaBackend, FlashMlaBackend, FlashInferMlaSparseSm120Backend,
- FlashAttnMlaSparseBackend) = (backend_class(MlaBackend, implemented=False, **row)
-                               for row in _MLA_ROWS)
+(CutlassMlaBackend, FlashAttnMlaBackend, FlashMlaBackend) = (
+    backend_class(MlaBackend, implemented=False, **row) for row in _MLA_ROWS)
 
 
-class FlashInferMlaSparseBackend(MlaBackend):
-    name = "FLASHINFER_MLA_SPARSE"
-    library = "flashinfer"
-    implemented = False
+# ---- sparse MLA (DeepSeek-V3.2, GLM-5): vLLM 0.33's backends, each as its
+# supported_dtypes / supported_kv_cache_dtypes / get_supported_head_sizes /
+# get_supported_kernel_block_sizes / supports_compute_capability / supports_combination
+# (v1/attention/backends/mla/*sparse*.py) say.
+
+class SparseMlaBackend(MlaBackend):
     sparse = True
     fixed_latent = False
-    description = "FlashInfer sparse MLA, TRT-LLM kernels (SM100 family)"
+    implemented = False
     preferred_block_size = 64
+    block_multiple = 64
+    head_sizes = (512, 576)
+
+    def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        reason = super().request_rule(device, spec)
+        if reason is None and spec.index_topk is None:
+            return "needs a model with index_topk (a sparse-MLA config)"
+        return reason
+
+
+def _nope_rule(spec: AttentionSpec) -> str | None:
+    """FlashInfer's sparse kernels (TRT-LLM): NoPE models of one shape, else nope 128/192."""
+    if spec.qk_rope_head_dim == 0:
+        if (spec.qk_nope_head_dim, spec.kv_lora_rank) != (256, 512):
+            return "a NoPE model needs qk_nope_head_dim 256 and kv_lora_rank 512"
+    elif spec.qk_nope_head_dim not in (128, 192):
+        return f"needs qk_nope_head_dim 128 or 192, model has {spec.qk_nope_head_dim}"
+    return None
+
+
+class FlashInferMlaSparseBackend(SparseMlaBackend):
+    """flashinfer_mla_sparse.py, FlashInferMLASparseTRTLLMBackend."""
+
+    name = "FLASHINFER_MLA_SPARSE"
+    library = "flashinfer"
+    kv_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")
+    description = "FlashInfer sparse MLA, TRT-LLM kernels (SM100 family)"
     block_multiple = 32
     families = (100,)
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
-        if spec.qk_rope_head_dim == 0:
-            if (spec.qk_nope_head_dim, spec.kv_lora_rank) != (256, 512):
-                return "a NoPE model needs qk_nope_head_dim 256 and kv_lora_rank 512"
-        elif spec.qk_nope_head_dim not in (128, 192):
-            return f"needs qk_nope_head_dim 128 or 192, model has {spec.qk_nope_head_dim}"
+        return _nope_rule(spec)
+
+
+class FlashAttnMlaSparseFa4Backend(FlashInferMlaSparseBackend):
+    """flashattn_mla_sparse.py, FlashAttnMLASparseFA4Backend: FA4 decode, the TRT-LLM
+    kernels' rules besides."""
+
+    name = "FLASH_ATTN_MLA_SPARSE_FA4"
+    library = "flash_attn"
+    dtypes = (torch.bfloat16,)
+    kv_dtypes = ("auto", "bfloat16")
+    description = "FlashAttention-4 sparse MLA decode (SM100 family)"
+    block_multiple = 64
+    head_sizes = (576,)
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        if spec.index_topk is not None and spec.index_topk % 128:
+            return f"needs index_topk a multiple of 128, model has {spec.index_topk}"
+        if (spec.kv_lora_rank, spec.qk_rope_head_dim) != DEEPSEEK_LATENT:
+            return (f"needs kv_lora_rank 512 + rope 64, model has {spec.kv_lora_rank} + "
+                    f"{spec.qk_rope_head_dim}")
+        if spec.num_heads not in (8, 16, 32, 64, 128):
+            return f"needs 8, 16, 32, 64 or 128 query heads, this rank has {spec.num_heads}"
+        return super().combination_rule(device, spec)
+
+
+class FlashInferMlaSparseSm120Backend(SparseMlaBackend):
+    """flashinfer_mla_sparse.py, FlashInferMLASparseSM120Backend."""
+
+    name = "FLASHINFER_MLA_SPARSE_SM120"
+    library = "flashinfer"
+    dtypes = (torch.bfloat16,)
+    kv_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+    description = "FlashInfer sparse MLA (RTX Blackwell, SM12x)"
+    families = (120,)
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        if spec.index_topk != 2048:
+            return f"needs index_topk 2048, model has {spec.index_topk}"
         return None
 
 
-class FlashInferMlaSparseSm90Backend(MlaBackend):
+class FlashInferMlaSparseSm90Backend(SparseMlaBackend):
+    """flashinfer_mla_sparse_sm90.py, FlashInferMLASparseSM90Backend."""
+
     name = "FLASHINFER_MLA_SPARSE_SM90"
     library = "flashinfer"
-    implemented = False
-    sparse = True
-    fixed_latent = False
+    dtypes = (torch.bfloat16,)
+    kv_dtypes = ("auto", "bfloat16", "fp8", "fp8_e4m3")
     description = "FlashInfer sparse MLA (Hopper)"
-    block_multiple = 64
     families = (90,)
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
-        if spec.head_size not in (512, 576):
-            return f"head size {spec.head_size} unsupported (512, 576)"
         if spec.kv_lora_rank != 512 or spec.qk_rope_head_dim not in (0, 64):
             return "needs kv_lora_rank 512 and qk_rope_head_dim 0 or 64"
         return None
 
 
-class FlashMlaSparseBackend(MlaBackend):
+class FlashAttnMlaSparseBackend(SparseMlaBackend):
+    """flashattn_mla_sparse.py, FlashAttnMLASparseBackend (FA3's MLA)."""
+
+    name = "FLASH_ATTN_MLA_SPARSE"
+    library = "flash_attn"
+    kv_dtypes = ("auto", "float16", "bfloat16")
+    description = "FlashAttention-3 sparse MLA (Hopper)"
+    families = (90,)
+    head_sizes = ()
+
+
+class FlashMlaSparseBackend(SparseMlaBackend):
+    """flashmla_sparse.py, FlashMLASparseBackend. A quantized cache is served as
+    fp8_ds_mla ("fp8" an alias for it; nvfp4_ds_mla as it is). archserve names the --kv-
+    cache-dtype "fp8" fp8_e4m3 (routing/dtypes.py), so that name stands for vLLM's "fp8"."""
+
     name = "FLASHMLA_SPARSE"
-    implemented = False
-    sparse = True
-    fixed_latent = False
-    kv_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_ds_mla", "nvfp4_ds_mla")
+    dtypes = (torch.bfloat16,)
+    kv_dtypes = ("auto", "bfloat16", "fp8_ds_mla", "fp8", "fp8_e4m3", "nvfp4_ds_mla")
     description = "FlashMLA sparse (Hopper and SM100 family)"
-    preferred_block_size = 64
-    block_multiple = 64
     families = (90, 100)
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
-        if spec.head_size not in (512, 576):
-            return f"head size {spec.head_size} unsupported (512, 576)"
-        if spec.head_size == 512 and not (
-                device.family == 90 and spec.kv_cache_dtype in ("auto", "float16", "bfloat16",
-                                                                "fp8_ds_mla")):
-            return "head size 512 (NoPE) needs Hopper and a bf16 or fp8_ds_mla cache"
+        if spec.head_size == 512:
+            if not (device.family == 90 and spec.kv_cache_dtype in
+                    ("auto", "bfloat16", "float16", "fp8_ds_mla")):
+                return "head size 512 needs Hopper and a bf16 or fp8_ds_mla cache"
+            if spec.qk_rope_head_dim != 0:
+                return "head size 512 only for rope-free (NoPE) models"
         if spec.kv_cache_dtype == "nvfp4_ds_mla" and device.family != 100:
             return "nvfp4_ds_mla KV cache needs the SM100 family"
-        return None
-
-
-class FlashAttnMlaSparseFa4Backend(MlaBackend):
-    name = "FLASH_ATTN_MLA_SPARSE_FA4"
-    library = "flash_attn"
-    implemented = False
-    sparse = True
-    dtypes = (torch.bfloat16,)
-    kv_dtypes = ("auto", "bfloat16")
-    description = "FlashAttention-4 sparse MLA decode (SM100 family)"
-    block_multiple = 64
-    families = (100,)
-
-    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
-        if spec.head_size != 576:
-            return f"head size {spec.head_size} unsupported (576)"
         return None
 
 
@@ -219,6 +271,35 @@ class TritonMlaBackend(MlaBackend):
         return None
 
 
+class TritonMlaSparseBackend(MlaBackend):
+    """archserve's sparse MLA (no vLLM counterpart): the Triton indexer, top-k and indexed
+    MLA decode (kernels/sparse_mla/triton_sparse_mla.py) on every GPU Triton compiles for."""
+
+    name = "TRITON_MLA_SPARSE"
+    library = "triton"
+    sparse = True
+    fixed_latent = False
+    # fp8 / fp8_e4m3 are served as fp8_ds_mla, as vLLM's FlashMLA sparse serves them.
+    kv_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla")
+    description = ("archserve's Triton sparse MLA: the lightning indexer's scores and a "
+                   "per-query top-k, then the MLA decode kernel over the selected latent "
+                   "rows, decode and prompt rows alike (any GPU)")
+    preferred_block_size = 64
+    block_multiple = 16
+    graph_capturable = True
+    impl_path = "archserve.kernels.sparse_mla.triton_sparse_mla:TritonSparseMlaImpl"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        if device.platform not in ("cuda", "rocm"):
+            return f"needs a CUDA or ROCm GPU, device is {device_text(device)}"
+        return None
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        if spec.qk_rope_head_dim <= 0:
+            return "the decode kernel reads a rope part (qk_rope_head_dim > 0)"
+        return None
+
+
 class ReferenceMlaBackend(MlaBackend):
     """The universal fallback: plain PyTorch latent attention (absorbed), any device."""
 
@@ -231,6 +312,8 @@ class ReferenceMlaBackend(MlaBackend):
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         from archserve.kernels.specs import RUNNABLE_KV_CACHE_DTYPES
+        if spec.mla_sparse and spec.kv_cache_dtype == "fp8_ds_mla":
+            return None      # the sparse cache rows' own format (kernels/sparse_mla/layout.py)
         if spec.kv_cache_dtype not in RUNNABLE_KV_CACHE_DTYPES:
             return f"KV cache dtype {spec.kv_cache_dtype} unsupported"
         return None
@@ -240,13 +323,19 @@ MLA_BACKENDS: tuple[type[RuleBackend], ...] = (
     FlashInferMlaBackend, CutlassMlaBackend, FlashAttnMlaBackend, FlashMlaBackend,
     FlashInferMlaSparseBackend, FlashInferMlaSparseSm90Backend, FlashInferMlaSparseSm120Backend,
     FlashMlaSparseBackend, FlashAttnMlaSparseBackend, FlashAttnMlaSparseFa4Backend,
-    TritonMlaBackend, ReferenceMlaBackend,
+    TritonMlaBackend, TritonMlaSparseBackend, ReferenceMlaBackend,
 )
 MLA_FALLBACK = ReferenceMlaBackend.name
 
 
 def mla_priority(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
-    """vLLM 0.33's MLA order (platforms/cuda.py, _get_backend_priorities with use_mla)."""
+    """vLLM 0.33's MLA order (platforms/cuda.py, _get_backend_priorities with use_mla), then
+    archserve's sparse kernel (vLLM's fused sparse backends are rules only here: the ideal
+    is vLLM's, the route TRITON_MLA_SPARSE)."""
+    return _vllm_mla_priority(device, spec) + (["TRITON_MLA_SPARSE"] if device.is_gpu else [])
+
+
+def _vllm_mla_priority(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
     if needs_cuda(device):
         return ["TRITON_MLA"] if device.is_gpu else []
     if device.family == 100:

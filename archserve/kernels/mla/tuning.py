@@ -40,13 +40,27 @@ class MlaShape:
     kv_lora_rank: int
     rope: int
     dtype: torch.dtype
-    cache_dtype: str        # "auto" or "fp8_e4m3"
+    cache_dtype: str        # "auto" or "fp8_e4m3"; sparse: "auto" or "fp8_ds_mla"
     block_size: int
+    # Sparse MLA: the indexed kernel over ``sparse_topk`` selected rows of cache rows of
+    # ``index_dim`` indexer values beside the latent (kernels/sparse_mla/layout.py); 0: dense.
+    sparse_topk: int = 0
+    index_dim: int = 0
+
+    def tuned_context(self) -> int:
+        """The context each timed row has: TUNE_CONTEXT, or for sparse rows twice the top-k
+        where that is more (a selection is spread over a context larger than itself)."""
+        return max(TUNE_CONTEXT, 2 * self.sparse_topk)
+
+    def describe(self) -> str:
+        sparse = f" (top-{self.sparse_topk} of each)" if self.sparse_topk else ""
+        return f"{TUNE_BATCH} x {self.tuned_context()}{sparse}"
 
     def key(self) -> str:
+        sparse = f":top{self.sparse_topk}:I{self.index_dim}" if self.sparse_topk else ""
         return (f"mla:H{self.num_heads}:L{self.kv_lora_rank}:R{self.rope}:"
                 f"{str(self.dtype).removeprefix('torch.')}:{self.cache_dtype}:"
-                f"b{self.block_size}")
+                f"b{self.block_size}{sparse}")
 
 
 Timer = Callable[[MlaShape, "tuple | None"], tuple[float, torch.Tensor]]
@@ -118,19 +132,55 @@ def _graph_timer(device: torch.device) -> Timer:
             cache = cache.to(torch.float8_e4m3fn)
         query = torch.randn(TUNE_BATCH, shape.num_heads, width, generator=gen, device=device,
                             dtype=shape.dtype)
-        return query, cache, tables, lens, starts, width ** -0.5
+        return query, cache, tables, lens, starts, width ** -0.5, {}
+
+    def make_sparse(shape: MlaShape) -> tuple:
+        """Each of TUNE_BATCH rows selects sparse_topk random positions of its own
+        ``tuned_context()``-token context, in the layout's cache rows (written by the row writer:
+        real fp8_ds_mla values where the latent is fp8)."""
+        from archserve.kernels.sparse_mla.layout import SparseMlaLayout
+        from archserve.kernels.sparse_mla.triton_rows import write_sparse_rows
+
+        layout = SparseMlaLayout.for_cache(shape.kv_lora_rank, shape.rope, shape.index_dim,
+                                           shape.dtype, shape.cache_dtype)
+        context = shape.tuned_context()
+        blocks_per_seq = -(-context // shape.block_size)
+        tables = torch.arange(TUNE_BATCH * blocks_per_seq, dtype=torch.int32,
+                              device=device).reshape(TUNE_BATCH, blocks_per_seq)
+        counts = torch.full((TUNE_BATCH,), shape.sparse_topk, dtype=torch.int32, device=device)
+        starts = torch.arange(TUNE_BATCH + 1, dtype=torch.int32, device=device)
+        row_seq = torch.arange(TUNE_BATCH, dtype=torch.int32, device=device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        cache = layout.allocate(TUNE_BATCH * blocks_per_seq, shape.block_size, device)
+        width = shape.kv_lora_rank + shape.rope
+        slots = cache.shape[1] * shape.block_size
+        for first in range(0, slots, 1 << 15):
+            n = min(1 << 15, slots - first)
+            write_sparse_rows(layout, cache,
+                              torch.arange(first, first + n, device=device),
+                              torch.randn(n, width, generator=gen, device=device,
+                                          dtype=shape.dtype),
+                              torch.randn(n, shape.index_dim, generator=gen, device=device,
+                                          dtype=shape.dtype) if shape.index_dim else None)
+        indices = torch.rand(TUNE_BATCH, context, generator=gen, device=device).argsort(
+            dim=1)[:, :shape.sparse_topk].to(torch.int32).contiguous()
+        query = torch.randn(TUNE_BATCH, shape.num_heads, width, generator=gen, device=device,
+                            dtype=shape.dtype)
+        return (query, cache, tables, counts, starts, width ** -0.5,
+                dict(indices=indices, row_seq=row_seq, layout=layout))
 
     def timer(shape: MlaShape, tiles: tuple | None) -> tuple[float, torch.Tensor]:
         if shape not in operands:
-            operands[shape] = make(shape)
-        query, cache, tables, lens, starts, scale = operands[shape]
+            operands[shape] = make(shape) if not shape.sparse_topk else make_sparse(shape)
+        query, cache, tables, lens, starts, scale, sparse = operands[shape]
         out = torch.empty(TUNE_BATCH, shape.num_heads, shape.kv_lora_rank, dtype=query.dtype,
                           device=device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
+        entries = shape.sparse_topk or TUNE_CONTEXT
 
         def run() -> None:
             mla_decode(query, cache, tables, lens, starts, out, num_seqs=TUNE_BATCH,
-                       max_seq_len=TUNE_CONTEXT, scale=scale, num_sms=sms, tiles=tiles)
+                       max_seq_len=entries, scale=scale, num_sms=sms, tiles=tiles, **sparse)
 
         us, how = graph_median_us(run, 10, warmup=2, reps=4)
         if how != "graph":
@@ -141,13 +191,13 @@ def _graph_timer(device: torch.device) -> Timer:
     return timer
 
 
-def describe(timing: KindTiming, source: str) -> str:
+def describe(timing: KindTiming, source: str, shape: MlaShape | None = None) -> str:
     """The start-up decision's reason (``source``: tune_mla_tiles' third value)."""
+    at = shape.describe() if shape is not None else f"{TUNE_BATCH} x {TUNE_CONTEXT}"
     if timing.default_us == 0.0:
         return f"the rule's tiles ({source})"
     if timing.chosen == DEFAULT:
-        return (f"the rule's tiles: {timing.default_us:.1f} µs at {TUNE_BATCH} x "
-                f"{TUNE_CONTEXT}, no candidate faster by {MIN_GAIN:.0%} ({source})")
+        return (f"the rule's tiles: {timing.default_us:.1f} µs at {at}, no candidate faster "
+                f"by {MIN_GAIN:.0%} ({source})")
     return (f"tiles {timing.chosen} (keys as the dots' rows): {timing.best_us:.1f} µs against "
-            f"the rule's {timing.default_us:.1f} µs at {TUNE_BATCH} x {TUNE_CONTEXT} "
-            f"({source})")
+            f"the rule's {timing.default_us:.1f} µs at {at} ({source})")

@@ -10,6 +10,8 @@ Triton's e4m3 type, or as bytes widened by integer operations where the GPU has 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,7 @@ TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
                torch.float32: tl.float32}
 
 
+@functools.cache
 def e4m3_read_as_bits(device: torch.device) -> bool:
     """Whether kernels widen e4m3 bytes with integer operations here: GPUs without Triton's
     e4m3 type (below SM89; AMD, whose e4m3 is the fnuz variant)."""

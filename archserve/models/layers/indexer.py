@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from archserve.kernels.sparse_mla.interface import IndexerInputs
-from archserve.models.layers.linear import Linear, WeightOnly, apply_linear
+from archserve.models.layers.linear import Linear
+from archserve.models.layers.moe import Router
 from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.layers.rotary import RotaryEmbedding, deinterleave
 
@@ -50,15 +51,13 @@ class KeyNorm(nn.Module):
                             self.eps).to(x.dtype)
 
 
-class HeadWeights(WeightOnly):
-    """weights_proj: fp32 weights (a 16-bit model's too, as transformers keeps them);
-    never quantized, as vLLM builds it without a quant config."""
+class HeadWeights(Router):
+    """weights_proj: a router's kind of matrix (one weight per head and token, fp32 weights
+    in a 16-bit model too, as transformers keeps them, never quantized, as vLLM builds it
+    without a quant config), so the decode GEMM tuner times it as it times a router."""
 
     def __init__(self, num_heads: int, hidden_size: int) -> None:
         super().__init__(num_heads, hidden_size, dtype=torch.float32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x, self.weight)
 
 
 class LightningIndexer(nn.Module):
