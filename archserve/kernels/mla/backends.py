@@ -271,28 +271,19 @@ class TritonMlaBackend(MlaBackend):
         return None
 
 
-class TritonMlaSparseBackend(MlaBackend):
+class TritonMlaSparseBackend(TritonMlaBackend):
     """archserve's sparse MLA (no vLLM counterpart): the Triton indexer, top-k and indexed
-    MLA decode (kernels/sparse_mla/triton_sparse_mla.py) on every GPU Triton compiles for."""
+    MLA decode (kernels/sparse_mla/triton_sparse_mla.py) where TRITON_MLA runs."""
 
     name = "TRITON_MLA_SPARSE"
-    library = "triton"
     sparse = True
-    fixed_latent = False
     # fp8 / fp8_e4m3 are served as fp8_ds_mla, as vLLM's FlashMLA sparse serves them.
     kv_dtypes = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla")
     description = ("archserve's Triton sparse MLA: the lightning indexer's scores and a "
                    "per-query top-k, then the MLA decode kernel over the selected latent "
                    "rows, decode and prompt rows alike (any GPU)")
     preferred_block_size = 64
-    block_multiple = 16
-    graph_capturable = True
     impl_path = "archserve.kernels.sparse_mla.triton_sparse_mla:TritonSparseMlaImpl"
-
-    def device_rule(self, device: DeviceInfo) -> str | None:
-        if device.platform not in ("cuda", "rocm"):
-            return f"needs a CUDA or ROCm GPU, device is {device_text(device)}"
-        return None
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         if spec.qk_rope_head_dim <= 0:
