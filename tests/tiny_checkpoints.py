@@ -214,3 +214,89 @@ def write_tiny_gguf(hf_dir: str, out_path: str, linear_types=None, expert_type=N
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+# A tiny DeepSeek-V3 (MLA with the q LoRA, sigmoid grouped routing, a dense first layer).
+TINY_V3 = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, head_dim=8,
+               qk_nope_head_dim=16, v_head_dim=24, moe_intermediate_size=32,
+               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+               first_k_dense_replace=1, num_hidden_layers=2, max_position_embeddings=256,
+               tie_word_embeddings=False, q_lora_rank=48, n_group=4, topk_group=2,
+               routed_scaling_factor=2.5, norm_topk_prob=True)
+
+
+def build_tiny_mtp_checkpoint(path: str, model_type: str = "deepseek_v3",
+                              predicts_next: bool = False, seed: int = 0, **overrides) -> str:
+    """A tiny DeepSeek-V3-family checkpoint with one multi-token-prediction layer, laid out
+    as DeepSeek's: layer N (after the N decoder layers) holds the MTP layer's decoder block,
+    and its own embed_tokens, enorm, hnorm, eh_proj and shared_head (in a second file).
+    transformers builds N + 1 layers and the last becomes the MTP block; it does not run
+    MTP layers itself (tests hold their reference).
+
+    ``predicts_next``: the MTP layer passes the target's hidden state through unchanged
+    (eh_proj picks it, the block's output projections are zero) and reads it with the
+    target's LM head, so it drafts the target's own next token: in a run of one repeated
+    token, the right draft. Otherwise its weights are random."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = train_tokenizer()
+    sizes = {**TINY_V3, **overrides}
+    layers = sizes["num_hidden_layers"]
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id,
+                                  vocab_size=len(tokenizer),
+                                  **{**sizes, "num_hidden_layers": layers + 1})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(torch.randn_like(buffer) * 0.05)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    hidden = config.hidden_size
+    prefix = f"model.layers.{layers}"
+    own = {f"{prefix}.embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
+           f"{prefix}.enorm.weight": 1 + 0.05 * torch.randn(hidden),
+           f"{prefix}.hnorm.weight": 1 + 0.05 * torch.randn(hidden),
+           f"{prefix}.eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden),
+           f"{prefix}.shared_head.norm.weight": 1 + 0.05 * torch.randn(hidden),
+           f"{prefix}.shared_head.head.weight": 0.1 * torch.randn(config.vocab_size, hidden)}
+    if predicts_next:
+        own[f"{prefix}.hnorm.weight"] = torch.ones(hidden)
+        own[f"{prefix}.shared_head.norm.weight"] = torch.ones(hidden)
+        own[f"{prefix}.eh_proj.weight"] = torch.cat([torch.zeros(hidden, hidden),
+                                                     torch.eye(hidden)], dim=1)
+        own[f"{prefix}.shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+        _zero_block_outputs(path, prefix)
+    save_file({k: v.contiguous() for k, v in own.items()},
+              os.path.join(path, "mtp.safetensors"))
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        saved = json.load(f)
+    saved.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(saved, f, indent=2)
+    return path
+
+
+def _zero_block_outputs(path: str, prefix: str) -> None:
+    """Zero the output projections of the decoder block ``prefix`` in the saved weights
+    (o_proj, and every down projection: the block then adds nothing to its input)."""
+    from safetensors.torch import load_file, save_file
+    for name in os.listdir(path):
+        if not name.endswith(".safetensors"):
+            continue
+        file = os.path.join(path, name)
+        tensors = load_file(file)
+        zeroed = {k: (torch.zeros_like(v) if k.startswith(prefix + ".") and
+                      (k.endswith("o_proj.weight") or "down_proj" in k) else v)
+                  for k, v in tensors.items()}
+        save_file(zeroed, file, metadata={"format": "pt"})

@@ -121,53 +121,43 @@ def _lora_view(moved: list[torch.Tensor]) -> torch.Tensor | None:
     return moved[3] if len(moved) > 3 else None
 
 
-def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRing,
-                lora_mapping: np.ndarray | None = None) -> ModelBatch:
-    """The step's tensors, moved to the device in one transfer through ``staging`` (the
-    runner's: engine/staging.py); ``lora_mapping``: the step's packed LoRA mapping, which
-    travels in the same transfer."""
-    if all(c.num_new_tokens == 1 and c.samples for c in chunks):
-        return build_decode_batch(chunks, block_size, staging, lora_mapping)
-    drafting = any(c.draft_token_ids for c in chunks)
-    num_tokens = sum(c.num_new_tokens for c in chunks)
-    num_seqs = len(chunks)
+@dataclass
+class Span:
+    """Consecutive inputs of one sequence: ``tokens`` at positions ``start``,
+    ``start + 1``, ..., over its ``block_table``; its last ``sampled_rows`` rows are
+    sampled (0: none)."""
+
+    block_table: list[int]
+    start: int
+    tokens: list[int]
+    sampled_rows: int = 0
+
+
+def build_span_batch(spans: list[Span], block_size: int, staging: StagingRing,
+                     lora_mapping: np.ndarray | None = None) -> ModelBatch:
+    """The tensors of a forward over ``spans`` (each one sequence's inputs, in order),
+    moved to the device in one transfer (``lora_mapping``, the step's packed LoRA
+    mapping, in the same one); its rows are sampled as the spans say."""
+    num_tokens = sum(len(s.tokens) for s in spans)
     input_ids = np.empty(num_tokens, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
     slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    query_lens = np.empty(num_seqs, dtype=np.int32)
-    seq_lens = np.empty(num_seqs, dtype=np.int32)
-    block_tables = _block_table_matrix([c.seq.block_table for c in chunks])
+    query_lens = np.empty(len(spans), dtype=np.int32)
+    seq_lens = np.empty(len(spans), dtype=np.int32)
+    block_tables = _block_table_matrix([s.block_table for s in spans])
     logits_rows: list[int] = []
-    sampled_seqs: list = []
-    prompt_rows: list[tuple[object, int, int, int]] = []
-
     row = 0
-    for i, chunk in enumerate(chunks):
-        seq = chunk.seq
-        start = seq.num_computed_tokens
-        end = start + chunk.num_new_tokens
-        tokens = seq.token_ids_slice(start, end - len(chunk.draft_token_ids))
-        tokens += chunk.draft_token_ids
-        pos = np.arange(start, end, dtype=np.int64)
-        input_ids[row:row + chunk.num_new_tokens] = tokens
-        positions[row:row + chunk.num_new_tokens] = pos
-        slot_mapping[row:row + chunk.num_new_tokens] = (
+    for i, span in enumerate(spans):
+        n = len(span.tokens)
+        pos = np.arange(span.start, span.start + n, dtype=np.int64)
+        input_ids[row:row + n] = span.tokens
+        positions[row:row + n] = pos
+        slot_mapping[row:row + n] = (
             block_tables[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
-        seq_lens[i] = end
-        query_lens[i] = chunk.num_new_tokens
-        params = seq.sampling_params
-        if params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-            # Rows whose *next* token is a prompt token: their logits score that token.
-            last = min(end, seq.num_prompt_tokens - 1)
-            prompt_rows.append((seq, row, row + (last - start), start))
-        if chunk.samples:
-            # This chunk reaches the newest token (and its drafts, each row verifying the
-            # next): the model's output there is sampled.
-            last = row + chunk.num_new_tokens
-            logits_rows.extend(range(last - 1 - len(chunk.draft_token_ids), last))
-            sampled_seqs.append(seq)
-        row += chunk.num_new_tokens
-
+        seq_lens[i] = span.start + n
+        query_lens[i] = n
+        logits_rows.extend(range(row + n - span.sampled_rows, row + n))
+        row += n
     moved: list[torch.Tensor] = []
     own = [input_ids, positions, np.asarray(logits_rows, dtype=np.int64)]
     if lora_mapping is not None:
@@ -176,9 +166,44 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRin
                                           staging.device,
                                           upload=_uploader(staging.upload, own, moved))
     input_ids_t, positions_t, logits_indices = moved[:3]
-    rows = (sampler_rows(sampled_seqs, [c.draft_token_ids for c in chunks if c.samples])
-            if drafting else None)
     return ModelBatch(input_ids=input_ids_t, positions=positions_t, meta=meta,
-                      logits_indices=logits_indices, sampled_seqs=sampled_seqs,
-                      prompt_logprob_rows=prompt_rows, sample_rows=rows,
+                      logits_indices=logits_indices, sampled_seqs=[], prompt_logprob_rows=[],
                       lora_mapping=_lora_view(moved))
+
+
+def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRing,
+                lora_mapping: np.ndarray | None = None) -> ModelBatch:
+    """The step's tensors, moved to the device in one transfer through ``staging`` (the
+    runner's: engine/staging.py); ``lora_mapping``: the step's packed LoRA mapping, which
+    travels in the same transfer."""
+    if all(c.num_new_tokens == 1 and c.samples for c in chunks):
+        return build_decode_batch(chunks, block_size, staging, lora_mapping)
+    spans: list[Span] = []
+    sampled_seqs: list = []
+    prompt_rows: list[tuple[object, int, int, int]] = []
+    row = 0
+    for chunk in chunks:
+        seq = chunk.seq
+        start = seq.num_computed_tokens
+        end = start + chunk.num_new_tokens
+        drafts = chunk.draft_token_ids
+        # A chunk that samples reaches the newest token (and its drafts, each row
+        # verifying the next): the model's output there is sampled.
+        spans.append(Span(seq.block_table, start,
+                          seq.token_ids_slice(start, end - len(drafts)) + drafts,
+                          1 + len(drafts) if chunk.samples else 0))
+        params = seq.sampling_params
+        if params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            # Rows whose *next* token is a prompt token: their logits score that token.
+            last = min(end, seq.num_prompt_tokens - 1)
+            prompt_rows.append((seq, row, row + (last - start), start))
+        if chunk.samples:
+            sampled_seqs.append(seq)
+        row += chunk.num_new_tokens
+    batch = build_span_batch(spans, block_size, staging, lora_mapping)
+    batch.sampled_seqs = sampled_seqs
+    batch.prompt_logprob_rows = prompt_rows
+    if any(c.draft_token_ids for c in chunks):
+        batch.sample_rows = sampler_rows(sampled_seqs,
+                                         [c.draft_token_ids for c in chunks if c.samples])
+    return batch

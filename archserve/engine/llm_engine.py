@@ -67,6 +67,8 @@ class LLMEngine:
             self.block_pool, self.eos_token_ids)
         self.report.timings["total_s"] = startup.elapsed(t0)
         self.speculator = setup.speculator    # None: no speculative decoding
+        if self.speculator is not None:
+            self.speculator.attach(self.block_pool)
         self.requests: dict[str, RequestState] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.requests, self.scheduler.finish)
         self._counter = 0
@@ -387,7 +389,7 @@ class LLMEngine:
                 outputs = self._resolve(out, launched, host)
         if self.speculator is not None:
             with phase("propose"):
-                self.speculator.propose(out)
+                self.speculator.propose(out, getattr(self.runner, "hidden_out", None))
         return outputs
 
     def _resolve(self, out: SchedulerOutput, launched: LaunchedStep, host

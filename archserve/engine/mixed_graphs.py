@@ -25,7 +25,9 @@ captured kernels see the same shapes every time:
   bucket with 257 slots would otherwise launch ~16x more programs, nearly all empty.
 
 Each bucket holds ``min(T, max_num_seqs) + 1`` sequence slots. The graph ends with the LM
-head on the rows the step samples (``logits_rows``, padded with row 0), so the output is
+head on the rows the step samples (``logits_rows``: ``min(T, max_num_seqs * rows_per_seq)
++ 1`` of them, padded with row 0; a sequence verifying k drafts samples k + 1 rows), so the
+output is
 those rows' logits in order. Only attention backends that take their grid from host
 maxima alone may be captured this way (``mixed_graph_capturable``); a replay canary
 compares one mixed step against the same step run eagerly.
@@ -77,12 +79,13 @@ class MixedGraphRunner(StaticGraphRunner):
 
     def __init__(self, forward_rows, device: torch.device, max_tokens: int,
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                 block_size: int) -> None:
+                 block_size: int, rows_per_seq: int = 1) -> None:
         super().__init__(device)
         # callable(input_ids, positions, meta, rows, out) -> float32 logits of ``rows``
         # [R, V], in ``out`` where the LM head writes them there
         self.forward_rows = weak_callback(forward_rows)
         self.max_num_seqs = max_num_seqs
+        self.max_rows = max_num_seqs * rows_per_seq
         self.max_model_len = max_model_len
         self.block_size = block_size
         seqs = self.seq_slots(max_tokens)
@@ -95,7 +98,12 @@ class MixedGraphRunner(StaticGraphRunner):
         # The padding sequence's context is up to a whole bucket of tokens.
         width = block_table_width(max(max_blocks_per_seq, -(-max_tokens // block_size)))
         self.block_tables = torch.zeros((seqs, width), dtype=torch.int32, device=device)
-        self.logits_rows = torch.zeros(seqs, dtype=torch.long, device=device)
+        self.logits_rows = torch.zeros(self.row_slots(max_tokens), dtype=torch.long,
+                                       device=device)
+
+    def row_slots(self, tokens: int) -> int:
+        """Sampled rows the bucket of ``tokens`` tokens takes through the LM head."""
+        return min(tokens, self.max_rows) + 1
 
     def seq_slots(self, tokens: int) -> int:
         """Sequence slots of the bucket of ``tokens`` tokens: its sequences and the padding one."""
@@ -120,7 +128,7 @@ class MixedGraphRunner(StaticGraphRunner):
         self.load(tokens, empty, empty, meta, empty)
 
     def _forward_at(self, tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        slots = self.seq_slots(tokens)
+        slots = self.row_slots(tokens)
         return self.forward_rows(self.input_ids[:tokens], self.positions[:tokens],
                                  self._meta(tokens), self.logits_rows[:slots],
                                  None if out is None else out[:slots])
@@ -129,7 +137,8 @@ class MixedGraphRunner(StaticGraphRunner):
         """The captured bucket a step of these sizes (``num_rows`` sampled rows) replays,
         or None (it runs eager)."""
         bucket = self.size_for(num_tokens)
-        if bucket is None or max(num_seqs + 1, num_rows) > self.seq_slots(bucket):
+        if (bucket is None or num_seqs + 1 > self.seq_slots(bucket)
+                or num_rows > self.row_slots(bucket)):
             return None
         return bucket
 
@@ -153,7 +162,7 @@ class MixedGraphRunner(StaticGraphRunner):
         self.block_tables[s:seqs].zero_()
         n = logits_indices.shape[0]
         self.logits_rows[:n].copy_(logits_indices, non_blocking=True)
-        self.logits_rows[n:seqs].zero_()
+        self.logits_rows[n:self.row_slots(bucket)].zero_()
 
     def replay(self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from archserve.engine.batch import ModelBatch, block_table_width, build_batch, host_to_device
 from archserve.engine.cuda_graphs import DecodeGraphRunner, describe_demoted
-from archserve.engine.kv_cache import cache_row_format, model_kv_caches
+from archserve.engine.kv_cache import bytes_per_block, cache_row_format, model_kv_caches
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.mixed_graphs import MixedGraphRunner, mixed_graph_buckets
 from archserve.engine.phases import phase
@@ -105,11 +105,27 @@ class ModelRunner:
         # and warm-ups, so the kernels are in every graph and compiled before serving).
         self.lora = None
         self.lora_active = False
+        # Every forward's final hidden states, in a buffer of their own (graphs write it
+        # too): what an MTP drafter reads after the step. None: not kept.
+        self.hidden_out: torch.Tensor | None = None
 
     # -- memory -------------------------------------------------------------------
     def kv_cache_format(self, kv_dtype: torch.dtype) -> tuple[torch.dtype, int]:
         """(element dtype, head size) of this runner's cache rows (``cache_row_format``)."""
         return cache_row_format(self.model_config, self.attn_impl, kv_dtype)
+
+    def kv_bytes_per_block(self, kv_dtype: torch.dtype) -> int:
+        """The bytes one KV block of this runner's cache takes."""
+        cfg = self.model_config
+        dtype, head_size = self.kv_cache_format(kv_dtype)
+        return bytes_per_block(cfg.num_layers, self.block_size, cfg.kv_cache_heads, head_size,
+                               dtype, cfg.kv_cache_planes)
+
+    def keep_hidden_states(self, max_tokens: int) -> None:
+        """Keep every forward's final hidden states (``hidden_out``), up to ``max_tokens``
+        rows: before any graph is captured, so the graphs write them too."""
+        self.hidden_out = torch.empty((max_tokens, self.model_config.hidden_size),
+                                      dtype=self.dtype, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype, kv_cache_dtype: str = "auto"
                           ) -> None:
@@ -127,10 +143,12 @@ class ModelRunner:
         return step_weights(self.model, self.model_config)
 
     @torch.inference_mode()
-    def profile_peak_activation_bytes(self, num_tokens: int, max_num_seqs: int = 256) -> int:
+    def profile_peak_activation_bytes(self, num_tokens: int, max_num_seqs: int = 256,
+                                      sampled_rows: int | None = None) -> int:
         """Run one prefill step of ``num_tokens`` tokens (as many sequences of at most
-        max_model_len tokens as that takes, like the largest real step) and return the
-        activation peak in bytes."""
+        max_model_len tokens as that takes, like the largest real step) through the LM
+        head of ``sampled_rows`` rows (default: one a sequence) and return the activation
+        peak in bytes."""
         cfg = self.model_config
         dev = self.device
         lens = profile_sequence_lengths(num_tokens, max_num_seqs, self.max_model_len)
@@ -152,8 +170,9 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(dev)
         with set_forward_context(ForwardContext(meta, caches, self.attn_impl)):
             hidden = self.model(ids, positions)
-            # The sampler's logits: one row per sequence, the largest decode batch.
-            self.model.compute_logits(hidden[:min(sum(lens), max_num_seqs)])
+            # The sampler's logits: one row per sequence (the largest decode batch), or a
+            # row per draft too.
+            self.model.compute_logits(hidden[:min(sum(lens), sampled_rows or max_num_seqs)])
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
         del caches, hidden
@@ -171,7 +190,10 @@ class ModelRunner:
                                            if lora is not None and self.lora_active else None),
                              lora_impl=lora.impl if lora is not None else None)
         with set_forward_context(ctx):
-            return self.model(input_ids, positions)
+            hidden = self.model(input_ids, positions)
+        if self.hidden_out is not None:
+            self.hidden_out[:hidden.shape[0]].copy_(hidden)
+        return hidden
 
     @contextlib.contextmanager
     def with_lora_kernels(self) -> Iterator[None]:
@@ -255,14 +277,16 @@ class ModelRunner:
                  f"; not captured: {describe_demoted(result.sizes, result.demoted)}"
                  if result.demoted else "")
 
-    def capture_mixed_graphs(self, max_tokens: int, max_num_seqs: int) -> None:
-        """Graphs for steps that carry prompt tokens, at the token buckets up to
-        ``max_tokens`` (engine/mixed_graphs.py); their replay canary is the caller's to run,
-        once every rank holds the same buckets."""
+    def capture_mixed_graphs(self, max_tokens: int, max_num_seqs: int, rows_per_seq: int = 1
+                             ) -> None:
+        """Graphs for steps that carry prompt tokens (or drafts to verify: ``rows_per_seq``
+        sampled rows a sequence), at the token buckets up to ``max_tokens``
+        (engine/mixed_graphs.py); their replay canary is the caller's to run, once every
+        rank holds the same buckets."""
         buckets = mixed_graph_buckets(max_tokens)
         self.mixed_graphs = MixedGraphRunner(self._forward_rows, self.device, max(buckets),
                                              max_num_seqs, self.max_blocks_per_seq,
-                                             self.max_model_len, self.block_size)
+                                             self.max_model_len, self.block_size, rows_per_seq)
         start = time.perf_counter()
         with torch.inference_mode(), decode_graph_scope(), self.with_lora_kernels():
             result = self.mixed_graphs.capture(buckets)
@@ -316,6 +340,32 @@ class ModelRunner:
         return self.mixed_graphs.replay(bucket, batch.input_ids, batch.positions, batch.meta,
                                         batch.logits_indices)
 
+    def forward(self, batch: ModelBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A step's forward through the LM head of its sampled rows (``logits_indices``):
+        (their float32 logits, None when it samples none; the hidden states of every row
+        where it ran eagerly, else None). A captured graph replays where one fits."""
+        with phase("forward"):
+            row_logits = self.replay_decode_graph(batch)
+            if row_logits is None:
+                batch.apply_fed_ids()
+            sampled_logits = None if row_logits is not None else self.replay_mixed_graph(batch)
+            hidden = None
+            if row_logits is None and sampled_logits is None:
+                hidden = self._forward_step(batch)
+        rows = batch.logits_indices.shape[0]
+        if rows == 0:
+            return None, hidden
+        with phase("logits"):
+            if sampled_logits is not None:
+                logits = sampled_logits   # the graph's LM head ran on the sampled rows only
+            elif row_logits is None:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
+            elif rows == batch.meta.num_seqs:
+                logits = row_logits  # every row sampled, in row order (a decode batch)
+            else:
+                logits = row_logits[batch.logits_indices]
+        return logits, hidden
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledSeq], previous: LaunchedStep | None = None
                 ) -> LaunchedStep:
@@ -335,28 +385,10 @@ class ModelRunner:
                 self.lora.load(batch.lora_mapping)
             if previous is not None:
                 previous.feed_pending_inputs(batch, chunks, self.staging)
-        with phase("forward"):
-            row_logits = self.replay_decode_graph(batch)
-            if row_logits is None:
-                batch.apply_fed_ids()
-            sampled_logits = None if row_logits is not None else self.replay_mixed_graph(batch)
-            if row_logits is None and sampled_logits is None:
-                hidden = self._forward_step(batch)
-        if row_logits is not None or sampled_logits is not None:
-            prompt_logprobs = []
-        else:
-            prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        if not batch.sampled_seqs:
+        logits, hidden = self.forward(batch)
+        prompt_logprobs = [] if hidden is None else self._prompt_logprobs(batch, hidden)
+        if logits is None:
             return LaunchedStep([], None, prompt_logprobs)
-        with phase("logits"):
-            if sampled_logits is not None:
-                logits = sampled_logits   # the graph's LM head ran on the sampled rows only
-            elif row_logits is None:
-                logits = self.model.compute_logits(hidden[batch.logits_indices])
-            elif len(batch.sampled_seqs) == batch.meta.num_seqs:
-                logits = row_logits  # every row sampled, in row order (a decode batch)
-            else:
-                logits = row_logits[batch.logits_indices]
         if self.sampler is None:   # a tensor-parallel rank other than 0: it computes, 0 samples
             return LaunchedStep([], None, prompt_logprobs)
         with phase("sample"):

@@ -39,7 +39,13 @@ from archserve.engine.rank_memory import measure_rank_memory
 from archserve.engine.sampler import Sampler
 from archserve.engine.self_check import run_self_check
 from archserve.engine.spec_decode.config import parse_speculative_config
-from archserve.engine.spec_decode.setup import build_speculator
+from archserve.engine.spec_decode.setup import (
+    build_speculator,
+    capture_draft_graphs,
+    draft_runner,
+    load_draft_network,
+    plan_speculation,
+)
 from archserve.engine.step_budget import (
     mixed_graph_buckets_of,
     resolve_token_budget,
@@ -112,7 +118,7 @@ def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calib
 
 
 def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: int,
-                              agree: RankAgreement) -> Decision:
+                              agree: RankAgreement, rows_per_seq: int = 1) -> Decision:
     """Capture the mixed-step graphs up to ``tokens`` and check them; FULL, or why not.
 
     Ranks keep only the buckets every rank has, after the capture (before the canaries run
@@ -155,7 +161,7 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
 
     error = None
     try:   # a failed capture of one bucket is demoted inside; this catches the rest
-        runner.capture_mixed_graphs(tokens, max_num_seqs)
+        runner.capture_mixed_graphs(tokens, max_num_seqs, rows_per_seq)
     except Exception as exc:
         error = failure(exc)
     if (decision := settled(error, "capturing the mixed-step graphs failed",
@@ -198,6 +204,9 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     quant_plan = startup.plan_checkpoint_quantization(device, config, probe_config,
                                                       gguf_path, dtype)
     decisions += quant_plan.decisions
+    if speculative is not None:   # refused here, before loading, when it cannot run
+        speculative, spec_decision = plan_speculation(speculative, probe_config)
+        decisions.append(spec_decision)
     scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
     decisions.append(scheduling)
     if pdl_enabled(torch_device):    # said where it is on, so that a row names its launch mode
@@ -220,6 +229,10 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
                            load_format=config.load_format, quantization=quant_plan.config)
     decisions += install_quantized_kernels(device, model, quant_plan)
     lora = setup_lora(config, model, device, torch_device, dtype)   # slots: before KV sizing
+    network = None   # the draft network of a draft_model or mtp speculative config
+    if speculative is not None and speculative.method != "ngram":
+        network, network_mc = load_draft_network(speculative, config.model, mc, dtype,
+                                                 torch_device, config.load_format)
     load_s = startup.elapsed(t0)
 
     if tp.size > 1 and torch_device.type == "cuda":   # before graphs capture the all-reduces
@@ -243,10 +256,12 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
                    or default_graph_sizes(config.max_num_seqs) if graphs_off is None else [])
     t_gemms = time.perf_counter()
 
+    tuned = model if network is None else torch.nn.ModuleList([model, network])
+
     def tune_gemms() -> list:
-        return [d for d in (install_linear_route(device, model, dtype, graph_sizes),
-                            tune_quantized_decode(device, model, dtype, graph_sizes),
-                            tune_moe_decode(device, model, graph_sizes),
+        return [d for d in (install_linear_route(device, tuned, dtype, graph_sizes),
+                            tune_quantized_decode(device, tuned, dtype, graph_sizes),
+                            tune_moe_decode(device, tuned, graph_sizes),
                             tune_mla_decode(device, attn_impl, rank_mc, dtype, kv_cache_dtype,
                                             block_size, graph_sizes, torch_device))
                 if d is not None]
@@ -264,13 +279,25 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
                                 torch_device)
         decisions.append(lora.decision)
     kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
+    # A sequence verifying drafts samples a row for each: the LM head's buffers have room.
+    rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)
+    drafts = None   # the draft network's runner: its cache in the target's blocks
+    if network is not None:
+        largest_step = max(max_batched, TOKEN_BUCKETS[-1], *graph_sizes) + config.max_num_seqs
+        drafts = draft_runner(network, network_mc, device, config, dtype, kv_cache_dtype,
+                              torch_device, block_size, max_model_len, largest_step)
+        if speculative.method == "mtp":
+            runner.keep_hidden_states(largest_step)
     calibrate = config.calculate_kv_scales and is_quantized_cache(kv_cache_dtype)
     mixed_tokens, mixed_decision = plan_mixed_step_graphs(compilation, graphs_off, selection,
                                                           calibrate, max_batched)
     num_blocks, sizing = startup.size_kv_pool(config, runner, rank_mc, kv_torch_dtype,
                                               max_batched, max_model_len,
                                               config.max_num_seqs, torch_device,
-                                              mixed_graph_tokens=mixed_tokens)
+                                              mixed_graph_tokens=mixed_tokens,
+                                              extra_bytes_per_block=drafts.kv_bytes_per_block(
+                                                  kv_torch_dtype) if drafts else 0,
+                                              rows_per_seq=rows_per_seq)
     if tp.size > 1:
         own, num_blocks = num_blocks, agree.min(num_blocks)
         sizing += (f"; the smallest of {tp.size} ranks' pools (this rank: {own})"
@@ -281,9 +308,13 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
             f"fewer than max_model_len={max_model_len}; lower max_model_len or give "
             f"the cache more memory")
     runner.allocate_kv_cache(num_blocks, kv_torch_dtype, kv_cache_dtype)
+    if drafts is not None:
+        drafts.allocate_kv_cache(num_blocks, kv_torch_dtype, kv_cache_dtype)
     t_warm = time.perf_counter()
     if torch_device.type == "cuda":  # JIT compilers run on GPUs only
         runner.warm_up_prefill(max_batched, config.max_num_seqs)
+        if drafts is not None:
+            drafts.warm_up_prefill(max_batched, config.max_num_seqs)
     warm_up_s = startup.elapsed(t_warm)
     deferred_graphs = graph_sizes if calibrate else []
     graphs = graphs_off is None and not calibrate
@@ -297,13 +328,15 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
         agree.same("the captured CUDA graph sizes", runner.graphs.set.sizes)
         if mixed_tokens:
             mixed_decision = capture_mixed_step_graphs(runner, mixed_tokens,
-                                                       config.max_num_seqs, agree)
+                                                       config.max_num_seqs, agree, rows_per_seq)
     if mixed_decision is not None:
         decisions.append(mixed_decision)
-    speculator = None
-    if speculative is not None:
-        speculator, spec_decision = build_speculator(speculative, max_model_len)
-        decisions.append(spec_decision)
+    if graphs and drafts is not None:
+        decisions.append(capture_draft_graphs(drafts, graph_sizes,
+                                              mixed_tokens if runner.mixed_graphs else 0,
+                                              config.max_num_seqs))
+    speculator = (build_speculator(speculative, max_model_len, drafts)
+                  if speculative is not None else None)
     graphs_s = startup.elapsed(t_graphs)
     t_budget = time.perf_counter()   # after the warm-up: a timed step compiles nothing
     budget = resolve_token_budget(config.target_itl_ms, config.max_num_batched_tokens,

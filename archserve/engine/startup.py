@@ -16,7 +16,6 @@ from archserve.engine.config import EngineConfig
 from archserve.engine.kv_cache import (
     DEFAULT_CPU_KV_BYTES,
     blocks_for_budget,
-    bytes_per_block,
     cuda_available_kv_bytes,
     kv_dtype_of,
 )
@@ -163,20 +162,22 @@ def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype)
 
 def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: torch.dtype,
                  max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
-                 torch_device: torch.device, mixed_graph_tokens: int = 0) -> tuple[int, str]:
+                 torch_device: torch.device, mixed_graph_tokens: int = 0,
+                 extra_bytes_per_block: int = 0, rows_per_seq: int = 1) -> tuple[int, str]:
     """Number of KV blocks, and how that number was reached. ``mixed_graph_tokens``: the
-    largest bucket of the mixed-step graphs to be captured (0: none)."""
-    row_dtype, head_size = runner.kv_cache_format(kv_torch_dtype)
-    per_block = bytes_per_block(model_config.num_layers, runner.block_size,
-                                model_config.kv_cache_heads, head_size, row_dtype,
-                                model_config.kv_cache_planes)
+    largest bucket of the mixed-step graphs to be captured (0: none);
+    ``extra_bytes_per_block``: what else each block holds (a draft network's cache);
+    ``rows_per_seq``: the rows a sequence samples in a step at most (1 + its drafts)."""
+    per_block = runner.kv_bytes_per_block(kv_torch_dtype) + extra_bytes_per_block
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks, "num_kv_blocks given"
     if config.kv_cache_memory_bytes is not None:
         return blocks_for_budget(config.kv_cache_memory_bytes, per_block), \
             f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
     if torch_device.type == "cuda":
-        peak = runner.profile_peak_activation_bytes(max_num_batched_tokens, max_num_seqs)
+        sampled_rows = max_num_seqs * rows_per_seq
+        peak = runner.profile_peak_activation_bytes(max_num_batched_tokens, max_num_seqs,
+                                                    sampled_rows)
         # CUDA graphs keep their own memory pool: set aside an estimate so graphs fit,
         # plus their LM-head output (float32 logits, and, where the LM head runs on cuBLAS,
         # the model-dtype product before them: an upper bound).
@@ -184,9 +185,10 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
         reserve = 0 if config.enforce_eager else (256 << 20) + logits_bytes
         if mixed_graph_tokens:
             # The mixed-step graphs' pool holds the activations of their largest bucket,
-            # and their output buffer the float32 logits of every sequence slot.
+            # and their output buffer the float32 logits of every sampled row's slot.
+            rows = min(mixed_graph_tokens, sampled_rows) + 1
             reserve += (int(peak * min(1.0, mixed_graph_tokens / max_num_batched_tokens))
-                        + logits_bytes + (max_num_seqs + 1) * model_config.vocab_size * 4)
+                        + logits_bytes + rows * model_config.vocab_size * 4)
         avail = cuda_available_kv_bytes(torch_device, config.gpu_memory_utilization, peak, reserve)
         return blocks_for_budget(avail, per_block), (
             f"gpu_memory_utilization={config.gpu_memory_utilization}, activation peak "

@@ -65,7 +65,8 @@ def _with_progress(weights: Iterable[tuple[str, torch.Tensor]], description: str
 
 def load_model(model_path: str | None, dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu", load_format: str = "auto",
-               quantization: str | QuantConfig | None = None
+               quantization: str | QuantConfig | None = None,
+               model_class: type[nn.Module] | None = None
                ) -> tuple[nn.Module, ModelConfig]:
     """Build the model for ``model_path`` on ``device`` in ``dtype`` and fill its weights.
 
@@ -77,6 +78,9 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
     resolved (archserve.quant.config.resolve_quant_config: it decides, for instance,
     whether a GGUF file stays quantized). Quantized layers come back holding their
     weights in the kernels' layout, ready for a kernel (engine start-up installs it).
+    ``model_class``: another network over the checkpoint than its architecture's (the
+    MTP layers of a DeepSeek-V3 checkpoint); one with ``reads_checkpoint_tensor(name)``
+    is given only those tensors.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -91,7 +95,10 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
                                   gguf_path is not None))
     dtype = dtype or config.torch_dtype or torch.float32
     device = torch.device(device)
-    model_class = model_class_for(config.architecture)
+    if model_class is not None and gguf_path is not None:
+        raise ValueError(f"{path}: {model_class.__name__} reads safetensors checkpoints, "
+                         f"not GGUF files")
+    model_class = model_class or model_class_for(config.architecture)
     deferred = deferred_linear_weights() if quant else contextlib.nullcontext()
     with torch.device(device), _default_dtype(dtype), deferred:
         model = model_class(config)
@@ -112,7 +119,9 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
                        or caching_gguf_weights(gguf_path, iterate_gguf(*args)))
         model.load_weights(_with_progress(weights, f"Loading {os.path.basename(gguf_path)}"))
     else:
-        model.load_weights(_with_progress(iterate_safetensors(path), "Loading safetensors"))
+        wanted = getattr(model, "reads_checkpoint_tensor", None)
+        model.load_weights(_with_progress(iterate_safetensors(path, wanted),
+                                          "Loading safetensors"))
     if quant is not None:
         finalize_quantized_layers(model)
         finalize_quantized_experts(model, dtype)

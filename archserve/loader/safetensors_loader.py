@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -36,8 +36,10 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, name) for name in files]
 
 
-def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) on the CPU for every tensor of every checkpoint file."""
+def iterate_safetensors(model_dir: str, wanted: Callable[[str], bool] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) on the CPU for every tensor of every checkpoint file (only
+    those ``wanted`` accepts by name: the others are never read)."""
     for path in safetensors_files(model_dir):
         try:
             handle = safe_open(path, framework="pt", device="cpu")
@@ -45,6 +47,8 @@ def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"{path}: not a readable safetensors file ({exc})") from exc
         with handle as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has keys() but no __iter__
+                if wanted is not None and not wanted(name):
+                    continue
                 try:
                     tensor = f.get_tensor(name)
                 except (SafetensorError, OSError) as exc:

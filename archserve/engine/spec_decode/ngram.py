@@ -28,8 +28,8 @@ class NgramIndex:
         self.num_indexed = 0     # tokens whose n-grams ending there are in the index
 
     def extend(self, tokens: list[int], min_n: int, max_n: int, upto: int) -> None:
-        """Index the n-grams of ``tokens`` that end before position ``upto`` (inclusive)
-        and were not indexed yet."""
+        """Index the n-grams ``tokens[end - n:end]`` for each ``end`` up to ``upto`` not
+        indexed yet."""
         first_end = self.first_end
         for end in range(max(self.num_indexed, min_n), upto + 1):
             for n in range(min_n, min(max_n, end) + 1):
@@ -40,12 +40,16 @@ class NgramIndex:
 class NgramProposer:
     """Drafts by prompt lookup; no model, no device work."""
 
-    needs_target_hidden = False
-
     def __init__(self, num_tokens: int, min_n: int, max_n: int) -> None:
         self.k = num_tokens
         self.min_n = min_n
         self.max_n = max_n
+
+    def propose(self, spans: list, target_hidden=None) -> None:  # noqa: ANN001
+        """Set the drafts of the step's sequences that sampled (drafter.StepSpan's)."""
+        for span in spans:
+            if span.sampled:
+                span.seq.spec_token_ids = self.draft(span.seq, span.limit) if span.limit else []
 
     def draft(self, seq: Sequence, limit: int) -> list[int]:
         """Up to ``min(k, limit)`` draft tokens to follow ``seq``'s tokens."""

@@ -9,8 +9,9 @@ of this step's drafts were accepted.
 from __future__ import annotations
 
 from archserve.engine.scheduler import SchedulerOutput
-from archserve.engine.sequence import Sequence
+from archserve.engine.sequence import Sequence, SequenceStatus
 from archserve.engine.spec_decode.config import SpeculativeConfig
+from archserve.engine.spec_decode.drafter import StepSpan
 from archserve.engine.spec_decode.verification import SpecDecodingStats, num_accepted
 
 
@@ -38,6 +39,12 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.stats = SpecDecodingStats(accepted_per_pos=[0] * self.k)
+        self._accepted: dict[int, int] = {}    # seq_id -> drafts accepted in the last step
+
+    def attach(self, block_pool) -> None:  # noqa: ANN001 - the engine's KVBlockPool
+        """A drafter reserves its forwards' blocks in the engine's pool."""
+        if hasattr(self.proposer, "block_pool"):
+            self.proposer.block_pool = block_pool
 
     def emitted_rows(self, out: SchedulerOutput, drawn: list[int]) -> list[list[int]]:
         """Per sampling sequence of ``out`` (in order), the rows of the sampler's output
@@ -45,6 +52,7 @@ class Speculator:
         one after them. Counts the drafts for the stats."""
         rows: list[list[int]] = []
         row = 0
+        self._accepted = {}
         for entry in out.scheduled:
             if not entry.samples:
                 continue
@@ -53,15 +61,27 @@ class Speculator:
             if drafts:
                 accepted = num_accepted(drawn[row:row + len(drafts)], drafts)
                 self.stats.observe(len(drafts), accepted)
+                self._accepted[entry.seq.seq_id] = accepted
             rows.append(list(range(row, row + accepted + 1)))
             row += 1 + len(drafts)
         return rows
 
-    def propose(self, out: SchedulerOutput) -> None:
-        """Draft the next tokens of the step's running sequences that sampled."""
+    def propose(self, out: SchedulerOutput, target_hidden=None) -> None:  # noqa: ANN001
+        """Draft the next tokens of the step's running sequences that sampled (a draft
+        network also reads the step's other inputs: ``target_hidden``, the target's hidden
+        states of the step's rows, for MTP)."""
+        spans: list[StepSpan] = []
+        row = 0
         for entry in out.scheduled:
             seq = entry.seq
-            if not entry.samples or seq.is_finished:
-                continue
-            limit = draft_limit(seq, self.k, self.max_model_len) if speculates(seq) else 0
-            seq.spec_token_ids = self.proposer.draft(seq, limit) if limit else []
+            first_row, row = row, row + entry.num_new_tokens
+            if seq.status is not SequenceStatus.RUNNING:
+                continue   # finished: its blocks are gone
+            accepted = self._accepted.get(seq.seq_id, 0)
+            start = seq.num_computed_tokens - entry.num_known_tokens - accepted
+            limit = (draft_limit(seq, self.k, self.max_model_len)
+                     if entry.samples and speculates(seq) else 0)
+            spans.append(StepSpan(seq, start, first_row, entry.samples, limit))
+        self._accepted = {}
+        if spans:
+            self.proposer.propose(spans, target_hidden)
