@@ -10,6 +10,8 @@ the copying; a bad adapter is a ValueError that leaves the engine serving.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from lora_adapters import (
@@ -109,6 +111,30 @@ def test_a_batch_mixing_four_adapters_and_the_base_gives_each_row_its_own_tokens
     assert len({tuple(alone[PROMPTS[1], a and a.lora_name]) for a in choices}) == 5
 
 
+@pytest.mark.parametrize("options", [
+    dict(max_num_batched_tokens=7),                                   # chunked prefill
+    dict(num_kv_blocks=24, block_size=4, max_model_len=64),           # preemption
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                             "prompt_lookup_max": 2, "prompt_lookup_min": 1}),
+], ids=["chunked-7", "tiny-pool", "ngram-drafts"])
+def test_batching_features_do_not_change_adapter_outputs(llm, adapters, tiny_checkpoint,
+                                                         options):
+    """Chunks of a prompt, recomputation after preemption and verified draft tokens run
+    with their sequence's adapter: the tokens of a mixed batch stay the same."""
+    requests = [adapters["all_r8"], adapters["rslora_r16"], None]
+    prompts = [p for p in PROMPTS for _ in requests]
+    requests = requests * len(PROMPTS)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                             lora_request=requests)]
+    other = LLM(tiny_checkpoint("llama"), enable_lora=True, max_loras=2, max_lora_rank=16,
+                **options)
+    got = [o.outputs[0].token_ids for o in other.generate(prompts, params,
+                                                          lora_request=requests)]
+    assert got == expected
+    assert other.llm_engine.block_pool.num_used_blocks == 0
+
+
 def test_prefix_cache_blocks_are_never_shared_across_adapters(llm, adapters):
     prompt = "A paged KV cache stores keys and values in fixed-size blocks. " * 3
     params = SamplingParams(temperature=0.0, max_tokens=2)
@@ -189,3 +215,42 @@ def test_lora_config_is_checked():
                             (dict(tensor_parallel_size=2), "tensor_parallel_size > 1")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(enable_lora=True, **fields).validate()
+
+
+_TRITON_RUN = """
+import json, sys
+from archserve import LLM, LoRARequest, SamplingParams
+base, requests, prompts = json.loads(sys.argv[1])
+llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=16)
+route = [r.backend for r in llm.llm_engine.report.routes if r.op == "lora"]
+requests = [None if r is None else LoRARequest(*r) for r in requests]
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                    lora_request=requests)
+print(json.dumps([route, [o.outputs[0].token_ids for o in outs]]))
+"""
+
+
+def test_the_triton_kernels_serve_the_engine_under_the_interpreter(llm, adapters):
+    """TRITON_LORA forced, on CPU through Triton's interpreter: a step mixing two adapters
+    and the base model gives the torch path's tokens (the engine's own mapping buffer,
+    strides and slots, not a kernel test's)."""
+    import json
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    picked = [adapters["all_r8"], adapters["qv_r4"], None]
+    prompts = [PROMPTS[1]] * len(picked)
+    requests = picked
+    expected = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        lora_request=requests)]
+    args = [llm.llm_engine.config.model,
+            [None if a is None else [a.lora_name, a.lora_int_id, a.lora_path] for a in requests],
+            prompts]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "ARCHSERVE_LORA_BACKEND": "TRITON_LORA"}
+    result = subprocess.run([sys.executable, "-c", _TRITON_RUN, json.dumps(args)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    route, tokens = json.loads(result.stdout.strip().splitlines()[-1])
+    assert route == ["TRITON_LORA"]
+    assert tokens == expected and len({tuple(t) for t in tokens}) == 3
