@@ -221,7 +221,7 @@ _TRITON_RUN = """
 import json, sys
 from archserve import LLM, LoRARequest, SamplingParams
 base, requests, prompts = json.loads(sys.argv[1])
-llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=16)
+llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=16, device="cpu")
 route = [r.backend for r in llm.llm_engine.report.routes if r.op == "lora"]
 requests = [None if r is None else LoRARequest(*r) for r in requests]
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
