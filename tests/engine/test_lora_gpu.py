@@ -66,8 +66,10 @@ def assert_rows_match_peft(base: str, outputs, requests: list, dtype: str) -> No
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_mixed_batch_in_cuda_graphs_matches_peft(setup, dtype):
     base, adapters = setup
+    # TRITON_ATTN: steps with prompt tokens replay graphs too (cudagraph_mode FULL).
     llm = LLM(base, dtype=dtype, enable_lora=True, max_loras=4, max_lora_rank=16,
-              kv_cache_memory_bytes=1 << 28, max_num_seqs=32, self_check=False)
+              attention_backend="TRITON_ATTN", kv_cache_memory_bytes=1 << 28,
+              max_num_seqs=32, self_check=False)
     report = llm.llm_engine.report
     assert report.graph_sizes, f"no decode graph captured: {report.graph_demoted}"
     assert [r.backend for r in report.routes if r.op == "lora"] == ["TRITON_LORA"]
