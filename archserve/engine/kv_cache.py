@@ -39,10 +39,38 @@ def cache_row_format(model_config, attn_impl, kv_dtype: torch.dtype
     return kv_dtype, model_config.kv_cache_head_size
 
 
+def compressed_layouts(model_config, dtype: torch.dtype, block_size: int) -> list | None:
+    """Each layer's cache block of a DeepSeek V4 model (kernels/compressed_attention/
+    layout.py: its window's keys, compressed entries, index keys and compressor state, in
+    ``dtype``), or None for any other model."""
+    dims = getattr(model_config, "compressed_attention", None)
+    if dims is None:
+        return None
+    from archserve.kernels.compressed_attention.layout import layer_layouts
+    from archserve.loader.config import CSA
+    return layer_layouts(dims.layer_kinds, dims.compress_rates, dims.sliding_window,
+                         model_config.head_dim, dims.index_head_dim, dtype, block_size, CSA)
+
+
+def cache_bytes_per_block(model_config, attn_impl, kv_dtype: torch.dtype, block_size: int
+                          ) -> int:
+    """Bytes one block id takes over every layer's cache."""
+    layouts = compressed_layouts(model_config, kv_dtype, block_size)
+    if layouts is not None:
+        return sum(layout.block_size * layout.row_bytes for layout in layouts)
+    row_dtype, head_size = cache_row_format(model_config, attn_impl, kv_dtype)
+    return bytes_per_block(model_config.num_layers, block_size, model_config.kv_cache_heads,
+                           head_size, row_dtype, model_config.kv_cache_planes)
+
+
 def model_kv_caches(model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
                     device: torch.device, head_size: int | None = None) -> list[torch.Tensor]:
-    """The paged cache of every layer in the model's layout (MLA: one latent plane);
-    ``head_size`` where the rows are not the model's (``cache_row_format``)."""
+    """The paged cache of every layer in the model's layout (MLA: one latent plane; V4: each
+    layer's blocks, ``compressed_layouts``); ``head_size`` where the rows are not the
+    model's (``cache_row_format``)."""
+    layouts = compressed_layouts(model_config, dtype, block_size)
+    if layouts is not None:
+        return _allocate_layer_blocks(layouts, num_blocks, device)
     return allocate_kv_caches(model_config.num_layers, num_blocks, block_size,
                               model_config.kv_cache_heads,
                               head_size or model_config.kv_cache_head_size,
@@ -56,6 +84,20 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     shape = (planes, *kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)[1:])
     pool = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
     return list(pool.unbind(0))
+
+
+def _allocate_layer_blocks(layouts: list, num_blocks: int, device: torch.device
+                           ) -> list[torch.Tensor]:
+    """One uint8 allocation, a [1, blocks, block_size, 1, row_bytes] view per layer (each
+    layer's rows as wide as its layout needs)."""
+    sizes = [num_blocks * layout.block_size * layout.row_bytes for layout in layouts]
+    pool = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+    out, start = [], 0
+    for layout, size in zip(layouts, sizes, strict=True):
+        out.append(pool[start:start + size].view(1, num_blocks, layout.block_size, 1,
+                                                 layout.row_bytes))
+        start += size
+    return out
 
 
 def cuda_available_kv_bytes(device: torch.device, utilization: float, peak_activation_bytes: int,

@@ -17,7 +17,7 @@ import torch
 
 from archserve.engine.batch import ModelBatch, block_table_width, build_batch, host_to_device
 from archserve.engine.cuda_graphs import DecodeGraphRunner, describe_demoted
-from archserve.engine.kv_cache import bytes_per_block, cache_row_format, model_kv_caches
+from archserve.engine.kv_cache import cache_bytes_per_block, cache_row_format, model_kv_caches
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.mixed_graphs import MixedGraphRunner, mixed_graph_buckets
 from archserve.engine.phases import phase
@@ -116,10 +116,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self, kv_dtype: torch.dtype) -> int:
         """The bytes one KV block of this runner's cache takes."""
-        cfg = self.model_config
-        dtype, head_size = self.kv_cache_format(kv_dtype)
-        return bytes_per_block(cfg.num_layers, self.block_size, cfg.kv_cache_heads, head_size,
-                               dtype, cfg.kv_cache_planes)
+        return cache_bytes_per_block(self.model_config, self.attn_impl, kv_dtype,
+                                     self.block_size)
 
     def keep_hidden_states(self, max_tokens: int) -> None:
         """Keep every forward's final hidden states (``hidden_out``), up to ``max_tokens``

@@ -152,6 +152,10 @@ def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype)
                           index_head_dim=sparse.index_head_dim,
                           index_num_heads=sparse.index_n_heads,
                           index_cache_dtype=config.index_cache_dtype)
+    compressed = getattr(model_config, "compressed_attention", None)
+    if compressed is not None:
+        mla_fields = dict(compressed.spec_fields(compressed.selection_kind),
+                          index_cache_dtype=config.index_cache_dtype)
     return AttentionSpec(
         head_size=model_config.kv_cache_head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
         block_size=config.block_size, num_heads=model_config.num_heads,

@@ -35,6 +35,10 @@ class AttentionSpec:
     index_head_dim: int = 0
     index_num_heads: int = 0
     index_cache_dtype: str = "auto"
+    # DeepSeek V4's compressed attention (a sliding window with sinks, plus compressed
+    # entries): the layer kind's compress rate, 0 for its sliding-window-only layers; None:
+    # not a V4 layer. Its sparse (indexer) layers also set mla_sparse and index_*.
+    compress_rate: int | None = None
     # MLA dimensions (DeepSeek-V3 defaults); head_size is kv_lora_rank + rope for MLA.
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # Model types whose every attention layer carries learned per-head sinks, with no config
-# flag saying so (gpt-oss and the privacy filter built on it).
-_SINKS_ALWAYS = ("gpt_oss", "openai_privacy_filter")
+# flag saying so (gpt-oss and the privacy filter built on it, DeepSeek V4).
+_SINKS_ALWAYS = ("gpt_oss", "openai_privacy_filter", "deepseek_v4")
 # Config flags that declare sinks (Granite's SWA checkpoints, MiMo-V2, Laguna ...).
 _SINK_FLAGS = ("attention_sinks", "attention_sink", "add_swa_attention_sink_bias",
                "add_full_attention_sink_bias")

@@ -58,6 +58,68 @@ class SparseAttentionDims:
     indexer_rope_interleaved: bool = False
 
 
+# DeepSeek V4's attention layer kinds (config ``layer_types``), and the legacy per-layer
+# ``compress_ratios`` ints that name them.
+SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention")
+_KIND_OF_RATIO = {0: SLIDING, 1: SLIDING, 4: CSA, 128: HCA}
+
+
+@dataclass(frozen=True)
+class CompressedAttentionDims:
+    """DeepSeek V4's attention: every layer attends to a sliding window of its own keys
+    (one shared key = value head, with per-head sinks) and, on compressed layers, to
+    entries that each summarise ``compress_rate`` consecutive tokens: all of them (HCA,
+    heavily compressed) or the ``index_topk`` a lightning indexer picks (CSA, compressed
+    sparse; its compressor overlaps neighbouring windows)."""
+
+    layer_kinds: tuple[str, ...]          # per layer: SLIDING, CSA or HCA
+    compress_rates: dict[str, int]        # CSA's and HCA's rate
+    sliding_window: int
+    rope_head_dim: int                    # the trailing rope slice of each head
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    # The compressed layers' rope (the sliding layers take ModelConfig's rope_theta).
+    compress_rope_theta: float
+    compress_rope_scaling: dict[str, Any] | None
+
+    def rate(self, layer_index: int) -> int:
+        """The layer's compress rate; 0 for a sliding-window-only layer."""
+        return self.compress_rates.get(self.layer_kinds[layer_index], 0)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The layer kinds the model has, in SLIDING, CSA, HCA order."""
+        return tuple(k for k in (SLIDING, CSA, HCA) if k in self.layer_kinds)
+
+    @property
+    def selection_kind(self) -> str:
+        """The kind the engine selects one attention backend for: compressed sparse where
+        the model has it (its layers ask the most of a backend), else its last kind."""
+        return CSA if CSA in self.layer_kinds else self.kinds[-1]
+
+    def spec_fields(self, kind: str) -> dict[str, Any]:
+        """AttentionSpec fields of the layers of ``kind`` (with the model's head size,
+        dtypes and sinks)."""
+        fields: dict[str, Any] = dict(use_mla=True, compress_rate=self.compress_rates.get(kind, 0),
+                                      qk_rope_head_dim=self.rope_head_dim)
+        if kind == CSA:
+            fields.update(mla_sparse=True, index_topk=self.index_topk,
+                          index_head_dim=self.index_head_dim, index_num_heads=self.index_n_heads)
+        return fields
+
+    def describe(self, kind: str) -> str:
+        """How explain names a layer kind, e.g. "compressed sparse, 1 entry per 4 tokens"."""
+        rate = self.compress_rates.get(kind, 0)
+        return {SLIDING: "sliding window only",
+                CSA: f"compressed sparse, 1 entry per {rate} tokens, top-{self.index_topk}",
+                HCA: f"heavily compressed, 1 entry per {rate} tokens"}[kind]
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -93,6 +155,7 @@ class ModelConfig:
     sliding_rope_scaling: dict[str, Any] | None = None
     mla: MlaDims | None = None                 # DeepSeek-style latent attention
     sparse_attention: SparseAttentionDims | None = None   # DSA over the MLA latent
+    compressed_attention: CompressedAttentionDims | None = None   # DeepSeek V4
     # Sinks, causality, the checkpoint's KV cache, a vision encoder (what selection asks).
     attention_facts: AttentionFacts = field(default_factory=AttentionFacts)
     hf_config: Any = field(default=None, repr=False)
@@ -105,10 +168,12 @@ class ModelConfig:
     # and values (2 planes of num_kv_heads x head_dim), or for MLA one plane holding one
     # latent "head" (kv_lora_rank + qk_rope_head_dim) per token. (Sparse MLA keeps its
     # indexer key in the same row: the selected implementation's layout sizes that row,
-    # engine/kv_cache.py; the head size here is the latent's, which attention rules read.)
+    # engine/kv_cache.py; the head size here is the latent's, which attention rules read.
+    # DeepSeek V4's blocks hold per layer its window's keys, its compressed entries and its
+    # compressor's state: kernels/compressed_attention/layout.py sizes them.)
     @property
     def kv_cache_planes(self) -> int:
-        return 1 if self.mla else 2
+        return 1 if self.mla or self.compressed_attention else 2
 
     @property
     def kv_cache_heads(self) -> int:
@@ -147,7 +212,10 @@ class ModelConfig:
         generation_config = generation_config or {}
         eos = generation_config.get("eos_token_id", getattr(text, "eos_token_id", None))
         bos = generation_config.get("bos_token_id", getattr(text, "bos_token_id", None))
+        compressed = _compressed_attention_dims(text, num_layers)
         window, per_layer = _sliding_windows(text, num_layers)
+        if compressed is not None:       # every V4 layer has its window
+            window, per_layer = compressed.sliding_window, [compressed.sliding_window] * num_layers
         # transformers 5 names it `dtype` (reading `torch_dtype` there logs a deprecation).
         dtype = (hf_config.dtype if hasattr(hf_config, "dtype")
                  else getattr(hf_config, "torch_dtype", None))
@@ -162,7 +230,8 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            intermediate_size=text.intermediate_size,
+            intermediate_size=(text.intermediate_size if compressed is None
+                               else text.moe_intermediate_size),
             rms_norm_eps=float(text.rms_norm_eps),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -188,6 +257,7 @@ class ModelConfig:
             sliding_rope_scaling=sliding_rope_scaling,
             mla=_mla_dims(text),
             sparse_attention=_sparse_attention_dims(text, num_layers),
+            compressed_attention=compressed,
             attention_facts=attention_facts(hf_config, _quantization_config(hf_config)),
             hf_config=hf_config,
         )
@@ -216,6 +286,34 @@ def _sparse_attention_dims(text: Any, num_layers: int) -> SparseAttentionDims | 
                                index_head_dim=int(text.index_head_dim),
                                indexer_layers=tuple(kind != "shared" for kind in kinds),
                                indexer_rope_interleaved=bool(interleaved))
+
+
+def _compressed_attention_dims(text: Any, num_layers: int) -> CompressedAttentionDims | None:
+    """DeepSeek V4's attention, from a transformers 5.25 config (``layer_types``,
+    ``compress_rates``, the nested ``main``/``compress`` rope) or the release's own names
+    (``compress_ratios`` per layer, ``compress_rate_csa``/``_hca``, ``qk_rope_head_dim``)."""
+    if getattr(text, "model_type", None) != "deepseek_v4":
+        return None
+    kinds = getattr(text, "layer_types", None)
+    if kinds is None:
+        ratios = getattr(text, "compress_ratios", None) or [128] * num_layers
+        kinds = [_KIND_OF_RATIO[int(r)] for r in ratios]
+    rates = dict(getattr(text, "compress_rates", None) or {CSA: 4, HCA: 128})
+    rope_dim = getattr(text, "qk_rope_head_dim", None) or int(
+        text.head_dim * (getattr(text, "partial_rotary_factor", None) or 64 / 512))
+    params = getattr(text, "rope_parameters", None) or {}
+    compress = dict(params.get("compress") or {})
+    theta = compress.pop("rope_theta", None) or getattr(text, "compress_rope_theta", 160000.0)
+    compress.pop("partial_rotary_factor", None)
+    rope_type = compress.get("rope_type", compress.get("type", "default"))
+    return CompressedAttentionDims(
+        layer_kinds=tuple(kinds[:num_layers]), compress_rates=rates,
+        sliding_window=int(text.sliding_window), rope_head_dim=int(rope_dim),
+        q_lora_rank=int(text.q_lora_rank), o_groups=int(text.o_groups),
+        o_lora_rank=int(text.o_lora_rank), index_topk=int(text.index_topk),
+        index_n_heads=int(text.index_n_heads), index_head_dim=int(text.index_head_dim),
+        compress_rope_theta=float(theta),
+        compress_rope_scaling=None if rope_type == "default" else compress)
 
 
 def _text_config(hf_config: Any) -> Any:

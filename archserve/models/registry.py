@@ -10,6 +10,7 @@ from archserve.models.deepseek import (
     DeepseekV32ForCausalLM,
     GlmMoeDsaForCausalLM,
 )
+from archserve.models.deepseek_v4 import DeepseekV4ForCausalLM
 from archserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from archserve.models.llama import (
     LlamaForCausalLM,
@@ -35,6 +36,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 
 
@@ -47,7 +49,8 @@ def default_architecture(model_type: str) -> str:
             "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
             "deepseek_v32": "DeepseekV32ForCausalLM",
-            "glm_moe_dsa": "GlmMoeDsaForCausalLM"}.get(
+            "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+            "deepseek_v4": "DeepseekV4ForCausalLM"}.get(
                 model_type, f"{model_type}ForCausalLM")
 
 

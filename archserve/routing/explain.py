@@ -489,19 +489,23 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
         v_head_dim=model.v_head_dim, index_topk=model.index_topk,
         index_head_dim=model.index_head_dim, index_num_heads=model.index_num_heads)
     op = "mla_attention" if model.use_mla else "attention"
+    # DeepSeek V4: one route per attention layer kind (its spec fields replace MLA's).
+    kinds = [(f"attention ({name})", replace(attention, **fields))
+             for name, fields in model.attention_kinds] or [("attention", attention)]
     if not_loadable is None:
         # As at start-up: attention that no backend of this build runs refuses the model.
         try:
-            default_registry().select(op, device, attention, libraries=libraries)
+            for _, spec in kinds:
+                default_registry().select(op, device, spec, libraries=libraries)
         except BackendError as exc:
             not_loadable = str(exc)
-    routes = [_route(device, op, attention, libraries, "attention", not_loadable)]
+    routes = [_route(device, op, spec, libraries, layer, not_loadable) for layer, spec in kinds]
     if facts.encoder_decoder:
         for attn_type, layer in (("encoder", "encoder attention"),
                                  ("encoder_decoder", "cross attention")):
             routes.append(_route(device, "attention", replace(attention, attn_type=attn_type),
                                  libraries, layer, not_loadable))
-    if model.use_mla:
+    if model.use_mla and not model.attention_kinds:
         routes.append(side_route(device, "mla_prefill", attention, libraries, not_loadable,
                                  "attention (prefill)"))
     if facts.vision is not None:

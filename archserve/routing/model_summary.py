@@ -49,6 +49,8 @@ class ModelSummary:
     attention_facts: AttentionFacts = field(default_factory=AttentionFacts)
     # (what, width) of every width tensor parallelism splits (distributed.layout.split_widths)
     split_widths: tuple[tuple[str, int], ...] = field(default=(), compare=False)
+    # DeepSeek V4: (its name, its AttentionSpec fields) of each attention layer kind.
+    attention_kinds: tuple[tuple[str, dict[str, Any]], ...] = field(default=(), compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -94,13 +96,14 @@ def summary_from_model_config(model_config: ModelConfig, is_gguf: bool = False
         return getattr(text, name, None)
 
     kv_lora_rank = get("kv_lora_rank")
-    use_mla = kv_lora_rank is not None
+    compressed = model_config.compressed_attention
+    use_mla = kv_lora_rank is not None or compressed is not None
     rope = int(get("qk_rope_head_dim") or 64)
     experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts") or 0
     dtype = model_config.torch_dtype
     return ModelSummary(
         architecture=model_config.architecture,
-        head_size=int(kv_lora_rank) + rope if use_mla else model_config.head_dim,
+        head_size=int(kv_lora_rank) + rope if kv_lora_rank is not None else model_config.head_dim,
         num_heads=model_config.num_heads,
         num_kv_heads=model_config.num_kv_heads,
         sliding_window=model_config.sliding_window,
@@ -124,6 +127,8 @@ def summary_from_model_config(model_config: ModelConfig, is_gguf: bool = False
         is_gguf=is_gguf,
         attention_facts=model_config.attention_facts,
         split_widths=split_widths(model_config),
+        attention_kinds=tuple((compressed.describe(kind), compressed.spec_fields(kind))
+                              for kind in compressed.kinds) if compressed is not None else (),
     )
 
 

@@ -34,8 +34,11 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
 
 def attention_impl_for(config, dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
                        index_cache_dtype: str = "auto"):
-    """The plain-PyTorch attention of the model's kind (MLA, sparse MLA or standard)."""
+    """The plain-PyTorch attention of the model's kind (MLA, sparse MLA, DeepSeek V4's or
+    standard)."""
     mla, sparse = getattr(config, "mla", None), getattr(config, "sparse_attention", None)
+    if getattr(config, "compressed_attention", None) is not None:
+        return TorchMlaImpl()       # DeepSeek V4: forward_compressed
     if mla is None:
         return ReferenceAttentionImpl()
     if sparse is None:

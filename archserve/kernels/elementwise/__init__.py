@@ -15,10 +15,14 @@ from archserve.kernels.elementwise.dispatch import (
     fused_kernel_route,
     fusion_enabled,
     gelu_tanh_and_mul,
+    hyper_connection_head,
+    hyper_connection_post,
+    hyper_connection_pre,
     rms_norm,
     silu_and_mul,
 )
 
 __all__ = ["DISABLE_ENV", "DISABLE_FUSIONS_ENV", "FUSIONS", "apply_rotary",
            "forced_fused_route", "fused_kernel_route", "fusion_enabled", "gelu_tanh_and_mul",
+           "hyper_connection_head", "hyper_connection_post", "hyper_connection_pre",
            "rms_norm", "silu_and_mul"]

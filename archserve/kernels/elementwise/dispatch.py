@@ -188,3 +188,27 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
         from archserve.kernels.elementwise.triton_gated_act import gelu_tanh_and_mul_triton
         return gelu_tanh_and_mul_triton(x)
     return gelu_tanh_and_mul_reference(x)
+
+
+def hyper_connection_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                         scale: torch.Tensor, norm_eps: float, hc_eps: float, iters: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek V4's hyper-connection before a block: streams x [T, n, H] -> (the block's
+    input [T, H] in x's dtype, post [T, n], comb [T, n, n] fp32)
+    (kernels/elementwise/hyper_connection_reference.py)."""
+    from archserve.kernels.elementwise.hyper_connection_reference import hc_pre_reference
+    return hc_pre_reference(x, fn, base, scale, norm_eps, hc_eps, iters)
+
+
+def hyper_connection_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor,
+                          comb: torch.Tensor) -> torch.Tensor:
+    """The streams after a block: post_i * out + sum_j comb[j, i] x_j [T, n, H]."""
+    from archserve.kernels.elementwise.hyper_connection_reference import hc_post_reference
+    return hc_post_reference(x, out, post, comb)
+
+
+def hyper_connection_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                          scale: torch.Tensor, norm_eps: float, hc_eps: float) -> torch.Tensor:
+    """The streams' final collapse [T, n, H] -> [T, H]."""
+    from archserve.kernels.elementwise.hyper_connection_reference import hc_head_reference
+    return hc_head_reference(x, fn, base, scale, norm_eps, hc_eps)

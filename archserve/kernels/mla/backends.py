@@ -47,6 +47,7 @@ class MlaBackend(FamilyGated):
 
     op = "mla_attention"
     sparse = False
+    dsv4 = False                 # a DeepSeek V4 backend (kernels/compressed_attention/)
     kv_dtypes: tuple[str, ...] = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
     fixed_latent = True          # fused kernels only exist for DeepSeek's latent sizes
@@ -56,6 +57,11 @@ class MlaBackend(FamilyGated):
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         if not spec.use_mla:
             return "serves MLA layers only; this layer is standard attention"
+        if spec.compress_rate is not None and not self.dsv4:
+            return (f"{self.name} is not a DeepSeek V4 attention backend (V4's compressed "
+                    f"attention needs a *_DSV4 one)")
+        if self.dsv4 and spec.compress_rate is None:
+            return "DeepSeek V4 kernel; the model is not DeepSeek V4"
         if spec.mla_sparse and not self.sparse:
             return "the model uses sparse MLA; needs a *_SPARSE backend"
         if self.sparse and not spec.mla_sparse:
@@ -307,6 +313,9 @@ class ReferenceMlaBackend(MlaBackend):
             return None      # the sparse cache rows' own format (kernels/sparse_mla/layout.py)
         if spec.kv_cache_dtype not in RUNNABLE_KV_CACHE_DTYPES:
             return f"KV cache dtype {spec.kv_cache_dtype} unsupported"
+        if spec.compress_rate is not None and spec.quantized_kv:
+            return ("keeps DeepSeek V4's cache in the model dtype; a "
+                    f"{spec.kv_cache_dtype} cache is not implemented for it")
         return None
 
 

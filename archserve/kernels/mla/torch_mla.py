@@ -11,7 +11,8 @@ Both prefill and decode take this absorbed path (plain fp32 torch, one loop over
 exact, and it reads only the latent, so chunked prefill over a cached prefix and preemption
 need nothing else. TRITON_MLA (kernels/mla/triton_mla.py) is tested against ``attend_latent``.
 Sparse MLA (DeepSeek-V3.2, GLM-5) takes ``forward_sparse``: the cache row holds the indexer
-key beside the latent, and kernels/sparse_mla/reference.py selects and attends.
+key beside the latent, and kernels/sparse_mla/reference.py selects and attends. DeepSeek
+V4's compressed attention takes ``forward_compressed`` (kernels/compressed_attention/).
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from archserve.kernels.attention.reference import (
     scheduled_sequences,
     write_kv_cache,
 )
+from archserve.kernels.compressed_attention import reference as compressed
+from archserve.kernels.compressed_attention.interface import (
+    CompressedLayerParams,
+    CompressedStepInputs,
+)
+from archserve.kernels.compressed_attention.layout import CompressedCacheLayout
 from archserve.kernels.mla.interface import absorb_query, latent_output_to_heads
 from archserve.kernels.sparse_mla.interface import IndexerInputs
 from archserve.kernels.sparse_mla.layout import SparseMlaLayout, write_rows
@@ -41,7 +48,9 @@ class TorchMlaImpl:
         self.device = device
         self.spec = spec
         # A sparse model's cache rows (kernels/sparse_mla/layout.py): from the spec, or given.
-        if layout is None and getattr(spec, "mla_sparse", False):
+        # (DeepSeek V4's layers hand their own layout to forward_compressed.)
+        if (layout is None and getattr(spec, "mla_sparse", False)
+                and getattr(spec, "compress_rate", None) is None):
             layout = SparseMlaLayout.for_spec(spec)
         self.layout = layout
 
@@ -87,3 +96,9 @@ class TorchMlaImpl:
         out = sparse_attend(layout, kv_cache, meta, absorb_query(q_nope, q_pe, w_uk), indices,
                             scale)
         return latent_output_to_heads(out, w_uv), indices
+
+    def forward_compressed(self, layout: CompressedCacheLayout, layer: CompressedLayerParams,
+                           inputs: CompressedStepInputs, kv_cache: torch.Tensor,
+                           meta: AttentionMetadata) -> torch.Tensor:
+        """The CompressedAttentionImpl contract (kernels/compressed_attention/interface.py)."""
+        return compressed.forward_compressed(layout, layer, inputs, kv_cache, meta)

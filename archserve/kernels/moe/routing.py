@@ -32,15 +32,18 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
 def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
                   renormalize: bool = False, num_groups: int = 1, topk_groups: int = 1,
                   correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
-                  shared_experts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  shared_experts: int = 0, fixed_ids: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's routing: (weights [T, k] float32, expert ids [T, k]).
 
-    Scores are softmax (V2) or sigmoid (V3) of the logits. Experts are chosen on the scores
-    plus ``correction_bias`` (V3's e_score_correction_bias), only among the ``topk_groups``
-    best of ``num_groups`` expert groups: a group scores its best expert (V2's
-    group_limited_greedy) or, with a correction bias, its best two summed (V3's noaux_tc).
+    Scores are softmax (V2), sigmoid (V3) or sqrt(softplus) (V4) of the logits. Experts are
+    chosen on the scores plus ``correction_bias`` (V3's e_score_correction_bias), only
+    among the ``topk_groups`` best of ``num_groups`` expert groups: a group scores its best
+    expert (V2's group_limited_greedy) or, with a correction bias, its best two summed (V3's
+    noaux_tc).
     The weights are the unbiased scores of the chosen experts, renormalised when asked, times
-    ``scaling`` (routed_scaling_factor).
+    ``scaling`` (routed_scaling_factor). ``fixed_ids`` [T, k]: the experts are given (V4's
+    hash routing, a table of token ids), only their weights computed.
 
     ``shared_experts`` S: the layer's always-on experts, stacked after its E routed ones
     (``FusedMoE``'s ``num_shared_experts``), as S more slots after the top k: experts E to
@@ -48,9 +51,14 @@ def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "so
     experts' output as it is). The results are then [T, k + S].
     """
     logits = router_logits.float()
-    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
+    if scoring == "sigmoid":
+        scores = logits.sigmoid()
+    elif scoring == "sqrtsoftplus":
+        scores = torch.nn.functional.softplus(logits).sqrt()
+    else:
+        scores = logits.softmax(dim=-1)
     choice = scores if correction_bias is None else scores + correction_bias.float()
-    if num_groups > 1 and topk_groups < num_groups:
+    if fixed_ids is None and num_groups > 1 and topk_groups < num_groups:
         grouped = choice.view(choice.shape[0], num_groups, -1)
         group_scores = (grouped.max(dim=-1).values if correction_bias is None
                         else grouped.topk(2, dim=-1).values.sum(dim=-1))
@@ -58,7 +66,8 @@ def grouped_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "so
         keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
         choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1),
                                     float("-inf"))
-    experts = choice.topk(top_k, dim=-1).indices
+    experts = (fixed_ids.long() if fixed_ids is not None
+               else choice.topk(top_k, dim=-1).indices)
     weights = scores.gather(1, experts)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

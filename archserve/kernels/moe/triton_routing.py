@@ -5,7 +5,8 @@ a GPU they are four (softmax top-k) to a dozen (DeepSeek's grouped top-k) launch
 and at batch 1 a decode step is made of such launches: each costs a few µs of a CUDA graph's
 replay, times 48 layers for Qwen3-30B-A3B (H200 profile of DeepSeek-V2-Lite: torch's top-k
 alone took 0.26 ms of a 3.3 ms step). Here one program per token loads its E logits as
-[groups, experts per group], scores them in fp32 (softmax over all experts, or sigmoid),
+[groups, experts per group], scores them in fp32 (softmax over all experts, sigmoid, or
+DeepSeek V4's sqrt(softplus)),
 adds the selection bias, keeps the ``topk_groups`` best groups (a group scores its best
 expert, or its best two summed when there is a bias: DeepSeek-V2's group_limited_greedy and
 V3's noaux_tc), picks the top k (the lower index on a tie, which is what torch.topk returns
@@ -17,6 +18,8 @@ the chosen experts, renormalised when asked and times ``scaling``, as weights fp
 with expert ids int32 [T, k], in the references' order (best choice first; a NaN score
 ranks below every other, where torch.topk puts it first); then, for a
 layer with shared experts stacked after its routed ones, their slots (ids E.., weight 1).
+With ``fixed_ids`` (DeepSeek V4's hash routing: the experts come from a table of token ids)
+the k experts are given, and only their weights are computed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ RANK_COMPARISONS_PER_THREAD = 64
 # Low bits of a float32 that are zero in every value of a 16-bit float: bf16 keeps 7 of the
 # 23 mantissa bits, fp16 10.
 _FREE_LOW_BITS = {torch.bfloat16: 16, torch.float16: 13}
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 if triton is not None:
@@ -55,10 +59,11 @@ if triton is not None:
     def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scaling,
                       TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
                       PER_GROUP: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, SIGMOID: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, SCORING: tl.constexpr,
                       HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
                       SHARED: tl.constexpr = 0, RANKED: tl.constexpr = False,
-                      LOGIT_KEY_BITS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                      LOGIT_KEY_BITS: tl.constexpr = 0, PDL: tl.constexpr = False,
+                      fixed_ids_ptr=None, FIXED: tl.constexpr = False):
         pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         group = tl.arange(0, BLOCK_G)
@@ -67,11 +72,34 @@ if triton is not None:
         real = (group < GROUPS)[:, None] & (member < PER_GROUP)[None, :]
         logits = tl.load(logits_ptr + token * stride_t + expert, mask=real,
                          other=-float("inf")).to(tl.float32)
-        if SIGMOID:
+        if SCORING == 1:
             scores = tl.sigmoid(logits)
+        elif SCORING == 2:     # sqrt(softplus), softplus as torch's (x itself past 20)
+            small = tl.exp(-tl.abs(logits))
+            log1p = tl.where(small < 1e-4, small - 0.5 * small * small, tl.log(1.0 + small))
+            softplus = tl.where(logits > 20.0, logits, tl.maximum(logits, 0.0) + log1p)
+            scores = tl.sqrt(softplus)
         else:
             exps = tl.exp(logits - tl.max(tl.max(logits, axis=1), axis=0))
             scores = exps / tl.sum(tl.sum(exps, axis=1), axis=0)
+        if FIXED:      # the experts are given: their scores are the weights
+            slots = tl.arange(0, BLOCK_K)
+            given = slots < TOP_K
+            ids = tl.load(fixed_ids_ptr + token * TOP_K + slots, mask=given, other=0)
+            flat_scores = tl.reshape(scores, (BLOCK_G * BLOCK_P,))
+            flat_expert = tl.reshape(expert, (BLOCK_G * BLOCK_P,))
+            picked = tl.sum(tl.where(flat_expert[None, :] == ids[:, None], flat_scores[None, :],
+                                     0.0), axis=1)
+            picked = tl.where(given, picked, 0.0)
+            if RENORMALIZE:
+                picked = picked / (tl.sum(picked, axis=0) + 1e-20)
+            out = token * (TOP_K + SHARED) + slots
+            shared = (slots >= TOP_K) & (slots < TOP_K + SHARED)
+            tl.store(weights_ptr + out, tl.where(shared, 1.0, picked * scaling),
+                     mask=given | shared)
+            tl.store(ids_ptr + out, tl.where(shared, GROUPS * PER_GROUP + slots - TOP_K, ids),
+                     mask=given | shared)
+            return
         choice = scores
         if HAS_BIAS:
             choice = choice + tl.load(bias_ptr + expert, mask=real, other=0.0).to(tl.float32)
@@ -160,15 +188,16 @@ if triton is not None:
 def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
                  scoring: str = "softmax", num_groups: int = 1, topk_groups: int = 1,
                  correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
-                 shared_experts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 shared_experts: int = 0, fixed_ids: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing.grouped_route`` (``routing.route`` with the defaults) in one launch:
     (weights [T, k + shared_experts] float32, expert ids [T, k + shared_experts] int32)."""
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"routes top-{top_k} of at most {MAX_EXPERTS} experts, "
                          f"not of {num_experts}")
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"scores experts by softmax or sigmoid, not {scoring!r}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scores experts by {', '.join(SCORINGS)}, not {scoring!r}")
     grouped = num_groups > 1 and topk_groups < num_groups
     if grouped and (num_experts % num_groups or topk_groups < 1
                     or topk_groups * (num_experts // num_groups) < top_k):
@@ -203,9 +232,11 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
         router_logits, bias, weights, ids, router_logits.stride(0), float(scaling),
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(slots), GROUPS=groups,
         PER_GROUP=per_group, TOPK_GROUPS=topk_groups if grouped else groups,
-        BLOCK_G=block_g, BLOCK_P=block_p, SIGMOID=scoring == "sigmoid",
+        BLOCK_G=block_g, BLOCK_P=block_p, SCORING=SCORINGS.index(scoring),
         HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
         SHARED=shared_experts, RANKED=ranked, LOGIT_KEY_BITS=logit_key_bits, PDL=pdl,
+        fixed_ids_ptr=fixed_ids.contiguous() if fixed_ids is not None else None,
+        FIXED=fixed_ids is not None,
         num_warps=warps,
         **pdl_launch_options(pdl))
     return weights, ids

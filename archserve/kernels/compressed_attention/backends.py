@@ -1,0 +1,93 @@
+"""DeepSeek V4's attention backends (op ``mla_attention``: vLLM counts V4's attention as sparse
+MLA, its own backends as ``*_DSV4``), with vLLM's conditions:
+
+- FLASHMLA_SPARSE_DSV4 (vLLM's default on SM90 and the SM100 family): bf16, a 16-bit cache
+  or fp8_ds_mla (V4's: 448 e4m3 values, the 64 rope values in bf16 and a ue8m0 scale per
+  64, 584 bytes a token), 256-token blocks, head size 512;
+- FLASHINFER_MLA_SPARSE_DSV4 (vLLM's default on SM12x, chosen on SM10x by name): on the
+  SM100 family a 16-bit or per-tensor fp8 cache (not fp8_ds_mla), on SM12x an fp8 cache
+  (fp8_ds_mla) and FlashInfer's SM120 sparse MLA decode;
+- TORCH_REFERENCE (kernels/mla/torch_mla.py, ``forward_compressed``) everywhere.
+
+The library kernels are rules only in this build: ``explain`` shows them as the ideal. The
+MLA backends of kernels/mla/backends.py refuse a V4 layer, as vLLM's selector does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from archserve.kernels.mla.backends import MlaBackend, mla_priority
+from archserve.kernels.rules import RuleBackend
+from archserve.kernels.specs import AttentionSpec
+from archserve.platform.device import DeviceInfo
+
+DSV4_HEAD_SIZE = 512
+DSV4_BLOCK_SIZE = 256
+
+
+class Dsv4Backend(MlaBackend):
+    """Common rules of the DeepSeek V4 backends (head size 512, sinks, every layer kind)."""
+
+    dsv4 = True
+    sparse = True
+    fixed_latent = False
+    dtypes = (torch.bfloat16,)
+    preferred_block_size = DSV4_BLOCK_SIZE
+    block_multiple = DSV4_BLOCK_SIZE
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        if spec.head_size != DSV4_HEAD_SIZE:
+            return f"head size {spec.head_size} unsupported ({DSV4_HEAD_SIZE})"
+        return None
+
+
+class FlashMlaSparseDsv4Backend(Dsv4Backend):
+    name = "FLASHMLA_SPARSE_DSV4"
+    implemented = False
+    kv_dtypes = ("auto", "bfloat16", "fp8_ds_mla", "fp8")
+    description = "FlashMLA sparse for DeepSeek V4 (Hopper and SM100 family)"
+    families = (90, 100)
+
+
+class FlashInferMlaSparseDsv4Backend(Dsv4Backend):
+    name = "FLASHINFER_MLA_SPARSE_DSV4"
+    library = "flashinfer"
+    implemented = False
+    kv_dtypes = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla")
+    description = ("FlashInfer sparse MLA for DeepSeek V4 (TRT-LLM kernels on the SM100 "
+                   "family, the SM120 sparse decode on RTX Blackwell)")
+    families = (100, 120)
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        reason = super().combination_rule(device, spec)
+        if reason:
+            return reason
+        kv = spec.kv_cache_dtype
+        if device.family == 100 and kv == "fp8_ds_mla":
+            return ("the SM100 family's kernels read the plain per-tensor fp8 cache, not "
+                    "fp8_ds_mla")
+        if device.family == 120 and kv not in ("fp8", "fp8_e4m3", "fp8_ds_mla"):
+            return f"SM12x reads an fp8 (fp8_ds_mla) cache only, requested {kv}"
+        return None
+
+
+DSV4_BACKENDS: tuple[type[RuleBackend], ...] = (FlashMlaSparseDsv4Backend,
+                                                FlashInferMlaSparseDsv4Backend)
+
+
+def dsv4_priority(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
+    """vLLM's _select_dsv4_attn_cls: FlashInfer on SM12x, FlashMLA elsewhere (FlashInfer on
+    the SM100 family when named)."""
+    if device.platform != "cuda":
+        return []
+    if device.family == 120:
+        return ["FLASHINFER_MLA_SPARSE_DSV4"]
+    return ["FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4"]
+
+
+def mla_attention_priority(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
+    """The ``mla_attention`` order: DeepSeek V4's backends for its layers, MLA's otherwise."""
+    if spec.compress_rate is not None:
+        return dsv4_priority(device, spec)
+    return mla_priority(device, spec)
