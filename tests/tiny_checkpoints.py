@@ -63,10 +63,12 @@ def train_tokenizer(vocab_size: int = 384):
 
 def build_tiny_checkpoint(path: str, model_type: str = "llama", seed: int = 0,
                           dtype: torch.dtype = torch.float32,
-                          random_buffers: tuple[str, ...] = (), **overrides) -> str:
+                          random_buffers: tuple[str, ...] = (), init_model=None,
+                          **overrides) -> str:
     """Save a random ``model_type`` causal LM and its tokenizer under ``path``; return path.
     ``random_buffers``: name endings of saved buffers to randomise too (transformers keeps
-    DeepSeek-V3's e_score_correction_bias as a zero buffer)."""
+    DeepSeek-V3's e_score_correction_bias as a zero buffer); ``init_model``: a function of
+    the random model that sets what else it needs (DeepSeek V4's token-to-expert table)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = train_tokenizer()
@@ -83,6 +85,8 @@ def build_tiny_checkpoint(path: str, model_type: str = "llama", seed: int = 0,
         for name, buffer in model.named_buffers():
             if name.endswith(random_buffers) if random_buffers else False:
                 buffer.add_(torch.randn_like(buffer) * 0.05)
+        if init_model is not None:
+            init_model(model)
     os.makedirs(path, exist_ok=True)
     model.to(dtype).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

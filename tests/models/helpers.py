@@ -77,9 +77,14 @@ class PagedSequences:
     lengths: dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def for_config(cls, config, num_blocks: int = 64, block_size: int = 4,
+    def for_config(cls, config, num_blocks: int = 64, block_size: int | None = None,
                    dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
                    index_cache_dtype: str = "auto") -> PagedSequences:
+        """``block_size`` None: 4 tokens, or a DeepSeek V4 model's largest compress rate (a
+        group must not straddle blocks)."""
+        compressed = getattr(config, "compressed_attention", None)
+        if block_size is None:
+            block_size = max(compressed.compress_rates.values()) if compressed else 4
         impl = attention_impl_for(config, dtype, kv_cache_dtype, index_cache_dtype)
         row_dtype, head_size = cache_row_format(config, impl, kv_dtype_of(kv_cache_dtype, dtype))
         caches = model_kv_caches(config, num_blocks, block_size, row_dtype,

@@ -155,15 +155,17 @@ class _Compressor:
             complete = hi == (g + 1) * m
             if complete:
                 self.emit(table, g, merge(prev_next, own) if overlap else own, dtype)
-            if g == last:       # what the next step needs of this one
-                if not complete:
-                    self.store(table, g, own_slot, own)
-                    if overlap:
-                        self.store(table, g, OPEN_NEXT, nxt)
-                        if g > first:      # group g - 1 closed in this step
-                            self.store(table, g - 1, CLOSED_NEXT, prev_next)
-                elif overlap:
+                # A block keeps the first series of its latest closed group: the next
+                # group (in it or in the next block) mixes it in, whichever step or
+                # sequence (the prefix cache) computes that group.
+                closes_block = (g + 1) * m % self.layout.block_size == 0
+                if overlap and (g == last or closes_block
+                                or (g + 1 == last and end < (g + 2) * m)):
                     self.store(table, g, CLOSED_NEXT, nxt)
+            elif g == last:       # an open group: what the next step needs of it
+                self.store(table, g, own_slot, own)
+                if overlap:
+                    self.store(table, g, OPEN_NEXT, nxt)
             prev_next = nxt
 
 

@@ -1,0 +1,204 @@
+"""DeepSeek V4 against transformers (5.25's DeepseekV4ForCausalLM, eager, fp32) with the same
+tiny random weights, on CPU: every prompt position, prefill then decode, chunked prefill whose
+chunks end inside compression groups, the whole engine's 32 greedy tokens and prompt
+log-probs, prefix reuse and preemption, DeepSeek's release layout, dummy weights.
+
+The tiny model has every V4 part at odd sizes: 7 layers of the three kinds (sliding window
+only, compressed sparse with 4-token entries, heavily compressed with 8-token ones, each kind
+at least twice), a window of 6 (prompts reach past it and past several groups), top-3 of the
+indexer's 9 heads (the selection matters from the 16th token; with 2-3 heads many keys score
+0 after the ReLU and top-k ties break arbitrarily), 3 hyper-connection streams, two hash-routed
+MoE layers with a random token table, sqrt(softplus) routing with a selection bias, a grouped
+output projection of 2 groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_checkpoints import build_tiny_checkpoint
+
+from archserve.engine.scheduler import Scheduler
+from archserve.loader.config import CSA, HCA, SLIDING
+from models.helpers import (
+    PROMPTS,
+    TEXT_PROMPTS,
+    PagedSequences,
+    assert_llm_greedy_and_prompt_logprobs_equal_hf,
+    assert_prefill_then_decode_match_hf,
+    assert_prompt_positions_match_hf,
+    hf_last_logits,
+    saved_and_loaded,
+    tiny_hf_model,
+)
+
+ATOL = 1e-4
+KINDS = [SLIDING, CSA, HCA, CSA, SLIDING, HCA, CSA]
+V4 = dict(hidden_size=72, moe_intermediate_size=40, num_hidden_layers=len(KINDS),
+          num_attention_heads=4, num_key_value_heads=1, head_dim=48, q_lora_rank=40,
+          partial_rotary_factor=16 / 48, n_routed_experts=8, num_experts_per_tok=2,
+          n_shared_experts=1, layer_types=KINDS,
+          mlp_layer_types=["hash_moe"] * 2 + ["moe"] * (len(KINDS) - 2),
+          compress_rates={CSA: 4, HCA: 8}, sliding_window=6, o_groups=2, o_lora_rank=24,
+          index_n_heads=9, index_head_dim=16, index_topk=3, hc_mult=3, hc_sinkhorn_iters=5,
+          max_position_embeddings=256, routed_scaling_factor=1.5, swiglu_limit=100.0,
+          tie_word_embeddings=False,
+          # The compressed layers' rope as the release sets it: YaRN over compress_rope_theta.
+          rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                               beta_fast=32, beta_slow=1))
+
+
+def init_v4_buffers(model, seed: int = 1) -> None:
+    """What transformers leaves zero: the selection bias, and the token-to-expert table of
+    the hash layers (distinct experts per token)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.05)
+            elif name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                rows = [torch.randperm(experts, generator=generator)[:buffer.shape[1]]
+                        for _ in range(buffer.shape[0])]
+                buffer.copy_(torch.stack(rows))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf_model = tiny_hf_model("deepseek_v4", **{**V4, "vocab_size": 256})
+    init_v4_buffers(hf_model)
+    return saved_and_loaded(hf_model, tmp_path_factory.mktemp("v4"))
+
+
+def test_config_and_cache_blocks_follow_the_layer_kinds(pair):
+    _, model, config = pair
+    dims = config.compressed_attention
+    assert dims.layer_kinds == tuple(KINDS) and dims.kinds == (SLIDING, CSA, HCA)
+    assert [dims.rate(i) for i in range(len(KINDS))] == [0, 4, 8, 4, 0, 8, 4]
+    assert (dims.sliding_window, dims.index_topk, dims.index_n_heads) == (6, 3, 9)
+    attention = [layer.self_attn for layer in model.model.layers]
+    assert [a.compressor is not None for a in attention] == [k != SLIDING for k in KINDS]
+    assert [hasattr(a.compressor, "indexer") for a in attention if a.compressor] == [
+        k == CSA for k in KINDS if k != SLIDING]
+    assert [layer.mlp.hashed for layer in model.model.layers] == [True, True] + [False] * 5
+    caches = PagedSequences.for_config(config, block_size=8).kv_caches
+    widths = [c.shape[-1] for c in caches]
+    # A block of 8 tokens: 6 window keys of 48 fp32; CSA 2 entries + 2 index keys + three
+    # accumulators of 64 channels; HCA one entry + one accumulator of 48.
+    assert widths[0] == widths[4] and widths[1] == widths[3] == widths[6] > widths[2] > widths[0]
+
+
+def test_prompt_positions_and_prefill_then_decode_match_hf(pair):
+    """Every position of a 26-token prompt (past the window, past several groups of both
+    rates, past top-3), then a batched prefill and a decode step through the paged cache."""
+    hf_model, model, config = pair
+    assert_prompt_positions_match_hf(model, hf_model, config, PROMPTS[0] + PROMPTS[2] * 2 + [1],
+                                     ATOL)
+    assert_prefill_then_decode_match_hf(model, hf_model, config, PROMPTS, ATOL)
+
+
+@pytest.mark.parametrize("block_size", [8, 24])
+def test_chunks_ending_inside_groups_match_hf(pair, block_size):
+    """Two sequences prefilled in chunks of 5, 7, 3, 11, 1, 1, 9 tokens (and 2 more for the
+    second), so a chunk ends inside a 4- and an 8-token group and the open accumulators carry
+    it; blocks of 8 tokens (window rows 6 < 8) and of 24 (three HCA groups a block)."""
+    hf_model, model, config = pair
+    first = [(7 * i + 3) % 256 for i in range(45)]
+    second = [(5 * i + 1) % 256 for i in range(60)]
+    with torch.no_grad():     # causal: position n - 1's logits are those of the first n
+        want = [hf_model(torch.tensor([tokens])).logits[0] for tokens in (first, second)]
+    cache = PagedSequences.for_config(config, block_size=block_size)
+    done = [0, 0]
+    for chunk in (5, 7, 3, 11, 1, 1, 9):
+        step = {0: first[done[0]:done[0] + chunk], 1: second[done[1]:done[1] + chunk + 2]}
+        logits = cache.run(model, step)
+        done = [done[0] + chunk, done[1] + chunk + 2]
+        for row in (0, 1):
+            torch.testing.assert_close(logits[row], want[row][done[row] - 1], atol=ATOL,
+                                       rtol=ATOL)
+
+
+def test_the_comparison_can_fail(pair):
+    """The parts matter: attending every compressed entry (no top-k), or dropping the sinks,
+    moves the logits of a prompt long enough to select."""
+    hf_model, model, config = pair
+    prompt = [(11 * i + 5) % 256 for i in range(30)]
+    want = hf_last_logits(hf_model, prompt)
+    attention = [layer.self_attn for layer in model.model.layers]
+    for change in ("topk", "sinks"):
+        saved = [(a.index_topk, a.sinks.clone()) for a in attention]
+        for a in attention:
+            if change == "topk" and a.index_topk:
+                a.index_topk = 100
+            elif change == "sinks":
+                a.sinks.fill_(-1e4)
+        try:
+            got = PagedSequences.for_config(config, block_size=8).run(model, {0: prompt})[0]
+        finally:
+            for a, (topk, sinks) in zip(attention, saved, strict=True):
+                a.index_topk = topk
+                a.sinks.copy_(sinks)
+        assert (got - want).abs().max() > 1e-3, change
+
+
+def test_release_layout_loads_the_same_weights(pair, tmp_path):
+    """DeepSeek's release names (no ``model.`` prefix, ``embed``/``head``, ``hc_head_fn``) load
+    the same model as transformers' names; the MTP layers are skipped."""
+    from safetensors.torch import load_file, save_file
+
+    from archserve.loader.loader import load_model
+    _, model, config = pair
+    hf_dir = tmp_path / "hf"
+    pair[0].save_pretrained(hf_dir)
+    state = load_file(str(hf_dir / "model.safetensors"))
+    release = {name.removeprefix("model.").replace("hc_head.hc_", "hc_head_"): t
+               for name, t in state.items()}
+    release["embed.weight"] = release.pop("embed_tokens.weight")
+    release["mtp.0.attn.wq_a.weight"] = torch.zeros(3, 3)
+    (tmp_path / "release").mkdir()
+    save_file(release, str(tmp_path / "release" / "model.safetensors"))
+    (tmp_path / "release" / "config.json").write_text((hf_dir / "config.json").read_text())
+    loaded, _ = load_model(str(tmp_path / "release"), dtype=torch.float32)
+    theirs = dict(loaded.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(theirs[name], param, rtol=0, atol=0)
+
+
+def test_dummy_weights_run(pair, tmp_path):
+    from archserve.loader.loader import load_model
+    pair[0].save_pretrained(tmp_path)
+    model, config = load_model(str(tmp_path), torch.bfloat16, load_format="dummy")
+    logits = PagedSequences.for_config(config, dtype=torch.bfloat16, block_size=8).run(
+        model, {0: PROMPTS[0] * 3})
+    assert torch.isfinite(logits).all()
+
+
+def _checkpoint(path) -> str:
+    return build_tiny_checkpoint(str(path), "deepseek_v4", init_model=init_v4_buffers, **V4)
+
+
+def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path):
+    assert_llm_greedy_and_prompt_logprobs_equal_hf(_checkpoint(tmp_path), TEXT_PROMPTS, 32,
+                                                   block_size=8)
+
+
+def test_llm_chunked_prefill_prefix_cache_and_preemption(tmp_path, monkeypatch):
+    """Prompts sharing a cached prefix (its blocks carry window keys, entries, index keys and
+    closed accumulators), prefills chunked 6 tokens a step (ending inside groups of 4 and 8),
+    and a pool too small for every sequence at once, so some are preempted and recomputed."""
+    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
+    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
+    preempted = []
+    original = Scheduler._preempt
+
+    def counting(self, seq, *args):
+        preempted.append(seq.seq_id)
+        return original(self, seq, *args)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
+        _checkpoint(tmp_path), prompts, 32, prompt_logprobs=False, enable_prefix_caching=True,
+        enable_chunked_prefill=True, max_num_batched_tokens=6, block_size=8, num_kv_blocks=14,
+        max_model_len=80)
+    assert preempted, "the pool was large enough for every sequence: nothing was preempted"
+    assert max(out.num_cached_tokens for out in outputs) >= 8
