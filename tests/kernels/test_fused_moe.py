@@ -64,7 +64,11 @@ GROUPINGS = {
     "v2-lite": (64, 6, dict(scoring="softmax", scaling=1.0), False),
     "v2": (160, 6, dict(scoring="softmax", num_groups=8, topk_groups=3, scaling=16.0), False),
     "v3": (256, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4, scaling=2.5), True),
+    "v4": (256, 6, dict(scoring="sqrtsoftplus", scaling=1.5), True),
 }
+# The inverse of each scoring function with a selection bias: logits from chosen scores.
+SCORE_INVERSES = {"sigmoid": lambda s: (s / (1 - s)).log(),
+                  "sqrtsoftplus": lambda s: torch.expm1(s * s).log()}
 
 
 def grouped_case(name: str, tokens: int, seed: int = 0):
@@ -88,7 +92,7 @@ def grouped_case(name: str, tokens: int, seed: int = 0):
             if sums.unique().numel() == groups:
                 rows.append(choice)
         scores = torch.stack(rows) - bias        # in (0, 0.9]: a sigmoid's values
-        logits = (scores / (1 - scores)).log().float()
+        logits = SCORE_INVERSES[keywords["scoring"]](scores).float()
         keywords["correction_bias"] = bias.float()
     grouped_route(logits, top_k, renormalize=renormalize, **keywords)   # the keywords fit it
     return logits, top_k, keywords, renormalize
@@ -345,9 +349,13 @@ def test_kernel_launches_compile_for_gpu_targets(target, dtype, monkeypatch):
         triton_route(torch.randn(3, 512), 8, True)
         logits, top_k, keywords, renormalize = grouped_case("v3", 3)
         triton_route(logits, top_k, renormalize, **keywords)
-    assert [launch.kernel for launch in launches] == ["_route_kernel"] * 2
+        # DeepSeek V4's hash layers: sqrt(softplus) scores of the table's experts.
+        triton_route(torch.randn(3, 256), 6, True, scoring="sqrtsoftplus",
+                     fixed_ids=torch.randint(0, 256, (3, 6)))
+    assert [launch.kernel for launch in launches] == ["_route_kernel"] * 3
     assert launches[0].code() and launches[0].constexprs["BLOCK_P"] == 512
     assert launches[1].code() and launches[1].constexprs["GROUPS"] == 8
+    assert launches[2].code() and launches[2].constexprs["FIXED"]
 
 
 # ---------------------------------------------------------------- CPU: the interpreter
@@ -469,8 +477,24 @@ else:
     def test_routing_kernel_refuses_groups_it_cannot_fill():
         with pytest.raises(ValueError, match="within 1 of 8 groups"):
             triton_route(torch.randn(2, 64), 9, False, num_groups=8, topk_groups=1)
-        with pytest.raises(ValueError, match="softmax or sigmoid"):
+        with pytest.raises(ValueError, match="not 'relu'"):
             triton_route(torch.randn(2, 64), 2, False, scoring="relu")
+
+    @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "softmax"])
+    def test_routing_kernel_weighs_given_experts(scoring):
+        # DeepSeek V4's hash layers: the experts come from a token table (a row may repeat
+        # one), the kernel computes their renormalised, scaled scores.
+        from archserve.kernels.moe.routing import grouped_route
+        gen = torch.Generator().manual_seed(5)
+        logits = torch.randn(6, 24, generator=gen) * 3
+        logits[0, :4] = torch.tensor([30.0, -30.0, 0.0, 25.0])   # softplus's two regimes
+        ids = torch.stack([torch.randperm(24, generator=gen)[:3] for _ in range(6)])
+        ids[5] = torch.tensor([7, 7, 2])
+        keywords = dict(scoring=scoring, scaling=1.5, shared_experts=1, fixed_ids=ids)
+        weights, got = triton_route(logits, 3, True, **keywords)
+        ref_weights, ref_ids = grouped_route(logits, 3, renormalize=True, **keywords)
+        assert got.tolist() == ref_ids.tolist()
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
 
     PAIR_CASES = [  # tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n
         (1, 8, 1, 32, 48, False, F32, 16),   # decode, top-1, 3 column tiles of 16

@@ -202,3 +202,12 @@ def test_llm_chunked_prefill_prefix_cache_and_preemption(tmp_path, monkeypatch):
         max_model_len=80)
     assert preempted, "the pool was large enough for every sequence: nothing was preempted"
     assert max(out.num_cached_tokens for out in outputs) >= 8
+
+
+def test_speculative_decoding_is_refused(pair):
+    """Verification would leave a rejected draft's share in the compressor's open sums."""
+    from archserve.engine.spec_decode.config import parse_speculative_config
+    from archserve.engine.spec_decode.setup import plan_speculation
+    for method in ({"method": "ngram", "num_speculative_tokens": 2}, {"method": "mtp"}):
+        with pytest.raises(ValueError, match="running sums"):
+            plan_speculation(parse_speculative_config(method), pair[2])

@@ -28,6 +28,15 @@ def plan_speculation(config: SpeculativeConfig, target) -> tuple[SpeculativeConf
     """``config`` completed for the ``target`` ModelConfig (mtp: its layer count as the
     default number of drafts), and the decision saying what will run; ValueError when the
     target or the draft cannot (read from configs only, no weights)."""
+    if getattr(target, "compressed_attention", None) is not None:
+        # Verification writes the drafts' tokens into the cache before they are accepted:
+        # overwriting a rejected draft's row is enough for keys and entries, but V4's
+        # compressor adds each token into its open group's running sums, which would keep
+        # a rejected draft's share.
+        raise ValueError(f"speculative_config: {target.architecture}'s compressor keeps its "
+                         f"open groups' running sums in the KV cache, where a rejected "
+                         f"draft's tokens would stay; speculative decoding is not supported "
+                         f"for it in this build")
     if config.method == "ngram":
         return config, Decision("speculative decoding", "ngram", "ngram",
                                 f"{config.describe()}; {_VERIFY}")
