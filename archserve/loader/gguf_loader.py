@@ -18,6 +18,7 @@ into one dict; this reader streams tensor by tensor.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Container, Iterable, Iterator
@@ -44,11 +45,32 @@ def gguf_model_type(architecture: str, expert_count: int) -> str:
     return _GGUF_MODEL_TYPES.get(architecture, architecture)
 
 
-def _open_reader(path: str):
+@functools.cache
+def _reader_class():
     import gguf
 
+    class PlainArrayReader(gguf.GGUFReader):
+        """gguf's reader over a plain ndarray view of its memory map. It slices the map
+        once per metadata element (a 262k-entry vocabulary: millions of slices), and a
+        numpy.memmap slice pays the memmap subclass's bookkeeping each time: the parse
+        takes 3.5x the CPU time (Gemma-3-270M: 9.2 s against 2.6 s)."""
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain_data = value.view(np.ndarray)
+
+    return PlainArrayReader
+
+
+def open_gguf(path: str):
+    """gguf's GGUFReader for ``path`` (metadata parsed, tensors mapped, not read); a file
+    it cannot read is a ValueError naming it."""
     try:
-        return gguf.GGUFReader(path)
+        return _reader_class()(path)
     except Exception as exc:  # the reader raises ValueError, struct or numpy errors
         raise ValueError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})"
                          ) from exc
@@ -130,7 +152,7 @@ def iterate_gguf(path: str, hf_names: Iterable[str], num_layers: int, num_heads:
     Tensors named in ``keep_quantized`` whose type archserve keeps quantized come as
     GgufGroups (integer groups, archserve.quant.gguf_blocks) instead.
     """
-    reader = _open_reader(path)
+    reader = open_gguf(path)
     architecture = _architecture(reader, path)
     names = gguf_to_hf_names(architecture, num_layers, hf_names)
     permuted = architecture in _PERMUTED_QK_ARCHITECTURES
@@ -189,7 +211,7 @@ def read_metadata_ints(path: str, *key_suffixes: str) -> dict[str, int]:
     """The integer metadata values whose keys end with the given suffixes (e.g.
     ".attention.key_length" matches "qwen3.attention.key_length"), by suffix; the file's
     metadata is parsed once for all of them."""
-    reader = _open_reader(path)
+    reader = open_gguf(path)
     found = {}
     for key, field in reader.fields.items():
         for suffix in key_suffixes:

@@ -134,9 +134,9 @@ def summary_from_model_config(model_config: ModelConfig, is_gguf: bool = False
 
 def summary_from_gguf(path: str) -> ModelSummary:
     """GGUF metadata only: GGUFReader maps the file but reads no tensor data here."""
-    from gguf import GGUFReader
+    from archserve.loader.gguf_loader import open_gguf
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
 
     def field(key: str, default: Any = None) -> Any:
         f = reader.fields.get(key)

@@ -41,3 +41,21 @@ def test_the_dense_weights_cache_says_where_and_how_big(cache, tmp_path, caplog)
     (message,) = [r.getMessage() for r in caplog.records if "dequantized weights" in r.message]
     assert "MB" in message and str(tmp_path / "cache") in message
     assert [name for name, _ in cache.cached_gguf_weights(str(path))] == ["w"]
+
+
+def test_open_gguf_reads_what_ggufs_reader_reads_without_memmap_slices(embedded_model_path):
+    """The embedded model (a 49k-entry vocabulary): the same fields and tensor bytes as
+    gguf's own reader; its slices are plain ndarrays (cheap), not numpy.memmap ones."""
+    import gguf
+    import numpy as np
+
+    from archserve.loader.gguf_loader import open_gguf
+    ours, theirs = open_gguf(embedded_model_path), gguf.GGUFReader(embedded_model_path)
+    assert type(ours.data) is np.ndarray
+    assert list(ours.fields) == list(theirs.fields)
+    for name in ("general.architecture", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        assert ours.fields[name].contents() == theirs.fields[name].contents()
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == [
+        (t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors,
+                                                              strict=True))
