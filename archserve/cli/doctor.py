@@ -19,24 +19,34 @@ def doctor(
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="With --tensor-parallel-size: the model whose layout to check "
                               "(config only).")] = None,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Every backend each op kind passed over, and why (the "
+                                "default shows each op's verdict).")] = False,
 ) -> None:
     """Check device, driver / CUDA runtime / torch build and kernel libraries; show each op's backend.
 
     Exits non-zero only when the engine cannot run here.
     """
+    from archserve.loader.default_model import resolve_model_path
     from archserve.platform.profiles import resolve_device
-    from archserve.routing.doctor import run_doctor
 
+    # The arguments first, with modules that do not import torch: a typo is answered at once.
     try:
         info = resolve_device(device)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from exc
+    checked_layout = model is not None or tensor_parallel_size > 1
+    try:
+        model_path = resolve_model_path(model) if checked_layout else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model") from exc
+    from archserve.routing.doctor import run_doctor
+    from archserve.routing.model_summary import read_model_summary
+
     summary = None
-    if model is not None or tensor_parallel_size > 1:
-        from archserve.loader.loader import resolve_model_path
-        from archserve.routing.model_summary import read_model_summary
+    if model_path is not None:
         try:
-            summary = read_model_summary(resolve_model_path(model))
+            summary = read_model_summary(model_path)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--model") from exc
     report = run_doctor(info, tensor_parallel_size=tensor_parallel_size, model=summary,
@@ -44,12 +54,12 @@ def doctor(
     if json_output:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        _print_report(report)
+        _print_report(report, verbose)
     if not report.can_run:
         raise typer.Exit(1)
 
 
-def _print_report(report) -> None:  # noqa: ANN001 - a DoctorReport
+def _print_report(report, verbose: bool = False) -> None:  # noqa: ANN001 - a DoctorReport
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -71,8 +81,7 @@ def _print_report(report) -> None:  # noqa: ANN001 - a DoctorReport
     console.print(f"[bold]toolchain[/bold] {mark}")
     console.print(report.toolchain_text, markup=False)
     arch = "[green]ok[/green]" if report.arch_ok else "[red]mismatch[/red]"
-    console.print(f"[bold]arch list[/bold] {arch}: ", end="")
-    console.print(report.arch_text, markup=False)
+    console.print(f"[bold]arch list[/bold] {arch}: " + escape(report.arch_text))
     for f in report.findings:
         colour = {"error": "red", "warning": "yellow"}.get(f.severity, "cyan")
         console.print(f"[{colour}]{f.severity}[/{colour}] {escape(f'{f.code}: {f.title}')}")
@@ -80,25 +89,58 @@ def _print_report(report) -> None:  # noqa: ANN001 - a DoctorReport
     for decision in report.decisions:
         console.print(f"[bold]{decision.what}[/bold] " + escape(
             f"{decision.requested} -> {decision.chosen}: {decision.reason}"))
-    table = Table(title="backend per op kind (representative request)")
-    for column in ("op", "backend", "ideal", "why the others were not chosen"):
-        table.add_column(column)
-    for op, r in report.ops.items():
-        if r.route is None:
-            table.add_row(op, "[red]none[/red]", "", escape(r.error or ""))
-            continue
-        why = [f"{x.backend}: {x.reason}" for x in r.route.rejected]
-        why += [f"{name}: {reason}" for name, reason in r.others]
-        backend = r.route.backend + (f" ({r.route.detail})" if r.route.detail else "")
+    registry = default_registry()
+
+    def ideal_of(r) -> str:  # noqa: ANN001 - an OpReport
         ideal = r.route.ideal or ""
-        if ideal and not default_registry().get(r.route.op, ideal).implemented:
+        if ideal and not registry.get(r.route.op, ideal).implemented:
             ideal += " (rules only)"
-        table.add_row(op, escape(backend), escape(ideal), escape("\n".join(why)))
-    console.print(table)
+        return ideal
+
+    if not verbose:   # one line per op: fits a screen at 80 columns
+        console.print("[bold]backend per op kind[/bold] (representative request)")
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(no_wrap=True)
+        grid.add_column(overflow="fold")
+        grid.add_column()
+        for op, r in report.ops.items():
+            if r.route is None:
+                grid.add_row(op, "[red]none[/red]", escape(r.error or ""))
+            else:
+                grid.add_row(op, escape(r.route.backend), escape(_verdict(r, ideal_of(r))))
+        console.print(grid)
+        console.print("[dim]archserve doctor --verbose: every backend each op passed over, "
+                      "and why[/dim]")
+    else:
+        table = Table(title="backend per op kind (representative request)")
+        table.add_column("op", no_wrap=True)
+        table.add_column("backend", overflow="fold")   # a name folds; it is never cut short
+        table.add_column("ideal", overflow="fold")
+        table.add_column("why the others were not chosen")
+        for op, r in report.ops.items():
+            if r.route is None:
+                table.add_row(op, "[red]none[/red]", "", escape(r.error or ""))
+                continue
+            backend = r.route.backend + (f" ({r.route.detail})" if r.route.detail else "")
+            why = [f"{x.backend}: {x.reason}" for x in r.route.rejected]
+            why += [f"{name}: {reason}" for name, reason in r.others]
+            table.add_row(op, escape(backend), escape(ideal_of(r)), escape("\n".join(why)))
+        console.print(table)
     if report.can_run:
         console.print("[green]archserve can run here.[/green]")
     else:
         console.print("[red]archserve cannot run here:[/red] " + escape("; ".join(report.blockers)))
+
+
+def _verdict(r, ideal: str) -> str:  # noqa: ANN001 - an OpReport
+    """The op's verdict in a few words: its ideal runs, or which ideal does not, and why."""
+    detail = f" ({r.route.detail})" if r.route.detail else ""
+    if r.route.backend == r.route.ideal:
+        return f"the ideal{detail}"
+    if ideal.endswith("(rules only)"):
+        return f"ideal: {ideal}"
+    why = next((x.reason for x in r.route.rejected if x.backend == r.route.ideal), "")
+    return f"ideal: {ideal}" + (f" ({why})" if why else "")
 
 
 def _live_device_count() -> int:

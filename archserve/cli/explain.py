@@ -23,8 +23,8 @@ def explain(
                      "linear | moe (linear and moe take --quantization) | lora, or vLLM's side "
                      "selections vit_attention | mla_prefill (vLLM rules; mla_prefill also shows what runs).")] = None,
     head_size: Annotated[int | None, typer.Option(
-        "--head-size", help="Head size for --op attention (mla_attention assumes DeepSeek-V3, "
-                            "576).")] = None,
+        "--head-size", help="Head size for --op attention (default 128, Llama-3-8B's) and "
+                            "vit_attention (mla_attention assumes DeepSeek-V3, 576).")] = None,
     dtype: Annotated[str, typer.Option(
         "--dtype", help="auto | bfloat16 | float16 | float32.")] = "auto",
     kv_cache_dtype: Annotated[str, typer.Option(
@@ -73,35 +73,44 @@ def explain(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
     """Show which backend each layer kind runs on DEVICE, the ideal one, and why others lost."""
-    from archserve.kernels.registry import BackendError
-    from archserve.kernels.specs import batch_invariant_requested
-    from archserve.loader.loader import resolve_model_path
+    # The arguments are checked first, with modules that do not import torch: a typo is
+    # answered at once, not after the seconds the selection rules take to import.
+    from archserve.loader.default_model import resolve_model_path
     from archserve.platform.profiles import resolve_device
-    from archserve.routing.explain import (
-        SelectionInputs,
-        explain_model,
-        explain_op_request,
-        parse_libraries,
-    )
-    from archserve.routing.model_summary import read_model_summary
+    from archserve.routing.explain_inputs import SelectionInputs, check_op, parse_libraries
 
-    if model is not None and op is not None:
-        raise typer.BadParameter("give --model PATH or --op OP, not both")
     try:
+        if model is not None and op is not None:
+            raise ValueError("give --model PATH or --op OP, not both")
+        if op is not None:
+            check_op(op, head_size)
         inputs = SelectionInputs(
             has_sinks=sinks, attn_type=attn_type.strip().lower(), non_causal=non_causal,
-            batch_invariant=batch_invariant or batch_invariant_requested(),
-            per_head_kv_scales=per_head_kv_scales,
+            batch_invariant=batch_invariant, per_head_kv_scales=per_head_kv_scales,
             fa_version=fa_version, tensor_parallel_size=tensor_parallel_size,
             expert_parallel=expert_parallel, enable_lora=enable_lora, max_loras=max_loras,
             max_lora_rank=max_lora_rank)
+        model_path = resolve_model_path(model) if op is None else None
         info = resolve_device(device)
         default_libraries = "installed" if device.strip().lower() == "live" else "all"
         assumption = parse_libraries(libraries or default_libraries)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+    from dataclasses import replace
+
+    from archserve.kernels.registry import BackendError
+    from archserve.kernels.specs import batch_invariant_requested
+    from archserve.routing.explain import explain_model, explain_op_request
+    from archserve.routing.model_summary import read_model_summary
+
+    if batch_invariant_requested():   # vLLM's VLLM_BATCH_INVARIANT=1
+        inputs = replace(inputs, batch_invariant=True)
+    try:
         if op is None:
-            summary = read_model_summary(resolve_model_path(model))
-            result = explain_model(info, summary, dtype, kv_cache_dtype, quantization, assumption,
-                                   inputs)
+            result = explain_model(info, read_model_summary(model_path), dtype, kv_cache_dtype,
+                                   quantization, assumption, inputs)
         else:
             result = explain_op_request(info, op, head_size, dtype, kv_cache_dtype, block_size,
                                         assumption, override=backend, quantization=quantization,

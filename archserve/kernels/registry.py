@@ -30,6 +30,9 @@ from archserve.platform.device import DeviceInfo
 log = logging.getLogger(__name__)
 
 OP_KINDS = ("attention", "mla_attention", "linear", "moe", "lora")
+# vLLM's attention types (AttentionSpec.attn_type). Here, with OP_KINDS, so that argument
+# checks can name them without importing torch.
+ATTENTION_TYPES = ("decoder", "encoder", "encoder_only", "encoder_decoder")
 ENTRY_POINT_GROUP = "archserve.backends"
 
 # How selection treats optional kernel libraries:

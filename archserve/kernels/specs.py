@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from archserve.kernels.registry import ATTENTION_TYPES  # noqa: F401 - re-exported
+
 
 def batch_invariant_requested() -> bool:
     """vLLM's ``VLLM_BATCH_INVARIANT=1``: results must not depend on the batch's make-up
@@ -63,7 +65,6 @@ class AttentionSpec:
         return self.kv_cache_dtype not in ("auto", "float16", "bfloat16")
 
 
-ATTENTION_TYPES = ("decoder", "encoder", "encoder_only", "encoder_decoder")
 # Every --kv-cache-dtype vLLM 0.33 knows (vllm/config/cache.py, CacheDType). archserve's
 # kernels read the first six; the others are rules only (explain shows their ideal).
 KV_CACHE_DTYPES = (

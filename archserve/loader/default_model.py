@@ -24,3 +24,13 @@ def default_model_path() -> str:
             return candidate
     raise ValueError(f"the default model ({DEFAULT_MODEL_FILE}) is not installed: run "
                      f"`{INSTALL_HINT}` or pass --model")
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """``model_path``, checked to exist (without importing torch), or the embedded model's."""
+    if model_path is None:
+        return default_model_path()
+    if not os.path.exists(model_path):
+        raise ValueError(f"model path {model_path!r} does not exist (archserve loads local "
+                         "Hugging Face directories and GGUF files only)")
+    return model_path

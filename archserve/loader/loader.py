@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from archserve.loader.config import ModelConfig, load_gguf_model_config, load_hf_model_config
-from archserve.loader.default_model import default_model_path
+from archserve.loader.default_model import resolve_model_path  # noqa: F401 - re-exported
 from archserve.loader.dummy import initialize_dummy_weights
 from archserve.loader.gguf_cache import cached_gguf_weights, caching_gguf_weights
 from archserve.loader.gguf_loader import find_gguf_file, iterate_gguf
@@ -24,15 +24,6 @@ from archserve.quant.expert_state import attach_expert_quantization, finalize_qu
 from archserve.quant.linear_state import attach_quantization, finalize_quantized_layers
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    if model_path is None:
-        return default_model_path()
-    if not os.path.exists(model_path):
-        raise ValueError(f"model path {model_path!r} does not exist (archserve loads local "
-                         "Hugging Face directories and GGUF files only)")
-    return model_path
 
 
 def load_model_config(model_path: str) -> tuple[ModelConfig, str | None]:

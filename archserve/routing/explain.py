@@ -14,7 +14,6 @@ import torch
 
 from archserve.kernels.catalog import default_registry
 from archserve.kernels.registry import (
-    OP_KINDS,
     BackendError,
     LibraryAssumption,
     Rejection,
@@ -23,13 +22,12 @@ from archserve.kernels.registry import (
 )
 from archserve.kernels.rules import device_text
 from archserve.kernels.specs import (
-    ATTENTION_TYPES,
     AttentionSpec,
     LinearSpec,
     LoRASpec,
     MoESpec,
 )
-from archserve.loader.attention_facts import AttentionFacts, VisionAttention
+from archserve.loader.attention_facts import VisionAttention
 from archserve.models.registry import architecture_unsupported, op_kinds_of_supported_architectures
 from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
@@ -43,6 +41,13 @@ from archserve.routing.dtypes import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from archserve.routing.explain_inputs import (  # noqa: F401 - SelectionInputs re-exported
+    DEFAULT_HEAD_SIZE,
+    SIDE_SELECTIONS,
+    SelectionInputs,
+    check_op,
+    parse_libraries,
+)
 from archserve.routing.model_summary import ModelSummary
 
 # DeepSeek-V3's MLA: 128 heads over a 512-dim latent plus 64 rope dims (head 576).
@@ -53,60 +58,8 @@ DEEPSEEK_V3_MLA = dict(head_size=576, num_heads=128, num_kv_heads=1, use_mla=Tru
 DEEPSEEK_V32_INDEXER = dict(index_topk=2048, index_head_dim=128, index_num_heads=64)
 
 
-@dataclass(frozen=True)
-class SelectionInputs:
-    """What else vLLM selects on, beyond dtype, KV dtype, head and block size (vLLM 0.33
-    v1/attention/selector.py, AttentionSelectorConfig; parallel sizes for MoE). Defaults
-    are a plain causal decoder on one GPU."""
-
-    has_sinks: bool = False
-    attn_type: str = "decoder"
-    non_causal: bool = False
-    batch_invariant: bool = False
-    per_head_kv_scales: bool = False
-    fa_version: int | None = None
-    tensor_parallel_size: int = 1
-    expert_parallel: bool = False
-    # LoRA adapters served over the model (vLLM's --enable-lora): a route of its own.
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-
-    def __post_init__(self) -> None:
-        if self.attn_type not in ATTENTION_TYPES:
-            raise ValueError(f"attention type must be one of {', '.join(ATTENTION_TYPES)}, "
-                             f"not {self.attn_type!r}")
-        if self.fa_version not in (None, 2, 3, 4):
-            raise ValueError(f"FlashAttention version must be 2, 3 or 4, not {self.fa_version}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor parallel size must be >= 1")
-
-    def attention_fields(self) -> dict[str, Any]:
-        return dict(has_sinks=self.has_sinks, attn_type=self.attn_type,
-                    non_causal=self.non_causal, batch_invariant=self.batch_invariant,
-                    per_head_kv_scales=self.per_head_kv_scales, fa_version=self.fa_version)
-
-    def for_model(self, facts: AttentionFacts) -> SelectionInputs:
-        """These inputs with what the model's config says (sinks, per-head KV scales, an
-        encoder's bidirectional attention): a flag adds to the config, never hides it."""
-        fields = facts.spec_fields()
-        return replace(self, has_sinks=self.has_sinks or fields["has_sinks"],
-                       per_head_kv_scales=self.per_head_kv_scales or fields["per_head_kv_scales"],
-                       attn_type=(fields["attn_type"] if self.attn_type == "decoder"
-                                  else self.attn_type))
-
-    def per_rank_heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
-        """Heads one tensor-parallel rank holds (KV heads are replicated below one per rank)."""
-        tp = self.tensor_parallel_size
-        return max(1, num_heads // tp), max(1, num_kv_heads // tp)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.attention_fields(), tensor_parallel_size=self.tensor_parallel_size,
-                    expert_parallel=self.expert_parallel, enable_lora=self.enable_lora,
-                    max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
-
-    def lora_spec(self, dtype: torch.dtype) -> LoRASpec:
-        return LoRASpec(dtype=dtype, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+def _lora_spec(inputs: SelectionInputs, dtype: torch.dtype) -> LoRASpec:
+    return LoRASpec(dtype=dtype, max_loras=inputs.max_loras, max_lora_rank=inputs.max_lora_rank)
 
 
 @dataclass
@@ -158,14 +111,6 @@ def libraries_text(libraries: LibraryAssumption) -> str:
     return libraries
 
 
-def parse_libraries(text: str) -> LibraryAssumption:
-    """``all`` | ``none`` | ``installed`` | a comma-separated list of library names."""
-    key = text.strip().lower()
-    if key in ("all", "none", "installed"):
-        return key
-    return frozenset(n.strip() for n in key.split(",") if n.strip())
-
-
 def _detail(op: str, name: str | None, device: DeviceInfo, spec: Any) -> str:
     if name is None:
         return ""
@@ -200,19 +145,18 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
                        inputs: SelectionInputs | None = None, sparse_mla: bool = False
                        ) -> Explanation:
     """``explain --op OP``: one layer of any op kind the registry routes, dtype decisions
-    first. Attention needs a head size (MLA assumes DeepSeek-V3's); linear and MoE take
-    Llama-3-8B's and Mixtral-8x7B's shapes, quantized as ``quantization`` says.
+    first. Attention takes Llama-3-8B's head size unless given (MLA assumes DeepSeek-V3's);
+    linear and MoE take Llama-3-8B's and Mixtral-8x7B's shapes, quantized as
+    ``quantization`` says.
     ``vit_attention`` and ``mla_prefill`` are vLLM's two side selections (their vLLM
     backends are rules only; mla_prefill's route is what archserve runs for MLA prompts)."""
     inputs = inputs or SelectionInputs()
-    if op not in OP_KINDS + SIDE_SELECTIONS:
-        raise ValueError(f"--op must be one of {', '.join(OP_KINDS + SIDE_SELECTIONS)}, "
-                         f"not {op!r}")
+    check_op(op, head_size)
     torch_dtype, decisions = resolve_dtype(device, dtype)
     if op in SIDE_SELECTIONS:
         return _side_selection(device, op, head_size, torch_dtype, decisions, libraries, inputs)
     if op == "lora":   # every architecture's dense linears take adapters
-        spec = inputs.lora_spec(torch_dtype)
+        spec = _lora_spec(inputs, torch_dtype)
         route = (explain_op(device, op, spec, libraries, override=override) if override
                  else _route(device, op, spec, libraries, "lora (adapters)", None))
         return Explanation(device, torch_dtype, decisions, [route], libraries_text(libraries),
@@ -252,7 +196,11 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
     if head_size is not None:
         shape["head_size"] = head_size
     elif op == "attention":
-        raise ValueError("--op attention needs --head-size")
+        shape["head_size"] = DEFAULT_HEAD_SIZE
+        decisions = decisions + [Decision(
+            "head size", "not given", str(DEFAULT_HEAD_SIZE),
+            "Llama-3-8B's attention (32 query, 8 KV heads), as --op linear takes Llama-3-8B's "
+            "shapes; --head-size sets another")]
     num_heads, num_kv_heads = inputs.per_rank_heads(shape.get("num_heads", 32),
                                                     shape.get("num_kv_heads", 8))
     shape.update(num_heads=num_heads, num_kv_heads=num_kv_heads)
@@ -266,16 +214,11 @@ def explain_op_request(device: DeviceInfo, op: str, head_size: int | None = None
                        libraries_text(libraries), not_loadable, inputs)
 
 
-SIDE_SELECTIONS = ("vit_attention", "mla_prefill")
-
-
 def _side_selection(device: DeviceInfo, op: str, head_size: int | None, dtype: torch.dtype,
                     decisions: list[Decision], libraries: LibraryAssumption,
                     inputs: SelectionInputs) -> Explanation:
     """``explain --op vit_attention | mla_prefill``: one of vLLM's side selections alone."""
     if op == "vit_attention":
-        if head_size is None:
-            raise ValueError("--op vit_attention needs --head-size")
         route = vit_route(device, VisionAttention(head_size, 16), dtype)
         not_loadable = f"no supported architecture has {op} layers"
     else:
@@ -526,7 +469,7 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     routes.append(_route(device, "linear", LinearSpec(dtype=torch_dtype), libraries, "lm_head",
                          not_loadable))
     if inputs.enable_lora:
-        routes.append(_route(device, "lora", inputs.lora_spec(torch_dtype), libraries,
+        routes.append(_route(device, "lora", _lora_spec(inputs, torch_dtype), libraries,
                              "lora (adapters)", not_loadable))
     if scheme is not None:
         _vllm_refusal(device, scheme, routes, decisions)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -220,3 +221,67 @@ def test_commands_table_points_at_real_functions() -> None:
     for name, target in COMMANDS.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), name
+
+
+_WITHOUT_TORCH = """
+import sys
+from archserve.cli.main import app
+try:
+    app(sys.argv[1:])
+except SystemExit as exit:
+    print("exit", exit.code, "torch imported:", "torch" in sys.modules, flush=True)
+"""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["explain", "--device", "nosuchgpu"], "unknown device profile 'nosuchgpu'"),
+    (["explain", "--op", "atention", "-d", "h100"], "--op must be one of attention"),
+    (["explain", "--op", "attention", "--model", "x"], "not both"),
+    (["explain", "--model", "/no/such/model"], "does not exist"),
+    (["explain", "--op", "attention", "--attn-type", "decodr"], "attention type must be"),
+    (["explain", "--op", "vit_attention", "-d", "h100"], "needs --head-size"),
+    (["matrix", "--device", "nosuchgpu"], "unknown device profile"),
+    (["doctor", "--device", "nosuchgpu"], "unknown device profile"),
+    (["doctor", "-d", "h100", "-tp", "2", "--model", "/no/such/model"], "does not exist"),
+])
+def test_argument_errors_come_before_torch_is_imported(args, message) -> None:
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert "exit 2 torch imported: False" in out.stdout, out.stdout + out.stderr
+    assert message in " ".join((out.stdout + out.stderr).split()), out.stderr
+
+
+def test_explain_attention_without_a_head_size_takes_llama_3_8bs() -> None:
+    result = run("explain", "-d", "h100", "--op", "attention", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    decision = next(d for d in out["decisions"] if d["what"] == "head size")
+    assert decision["chosen"] == "128" and "--head-size" in decision["reason"]
+    given = json.loads(run("explain", "-d", "h100", "--op", "attention", "--head-size", "128",
+                           "--json").output)
+    assert out["routes"] == given["routes"]
+
+
+def test_doctor_fits_a_screen_and_verbose_gives_every_rejection() -> None:
+    for device in ("h100", "cpu", "v100", "mi300x"):
+        brief = runner.invoke(app, ["doctor", "-d", device], terminal_width=80,
+                              env={"COLUMNS": "80"})
+        assert brief.exit_code == 0, brief.output
+        lines = brief.output.splitlines()
+        assert len(lines) <= 40 and max(map(len, lines)) <= 80, brief.output
+        assert "…" not in brief.output, brief.output
+    assert "attention" in brief.output and "--verbose" in brief.output
+    verbose = runner.invoke(app, ["doctor", "-d", "h100", "--verbose"], terminal_width=80,
+                            env={"COLUMNS": "80"})
+    assert verbose.exit_code == 0
+    flat = " ".join(verbose.output.replace("│", " ").split())
+    assert "FLASHINFER:" in flat and "TRITON_ATTN" in flat and len(verbose.output.splitlines()) > 100
+
+
+def test_matrix_never_cuts_a_device_name() -> None:
+    text = runner.invoke(app, ["matrix"], terminal_width=80, env={"COLUMNS": "80"}).output
+    assert "…" not in text
+    from archserve.platform.profiles import all_profiles
+    header = text.split("feature")[0]
+    for profile in all_profiles():
+        assert f" {profile.id} " in header, profile.id
