@@ -21,7 +21,7 @@ SpeculativeOpt = Annotated[str | None, typer.Option("--speculative-config", help
 AsyncSchedulingOpt = Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later). Default: on for CUDA, off on CPU.")]
 MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Sequences in one batch at most.")]
 LoadFormatOpt = Annotated[str, typer.Option("--load-format", help="auto, safetensors, gguf or dummy.")]
-MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Context length cap.")]
+MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Context length cap (default: the model's, lowered with a notice to what the KV cache holds; one that does not fit is an error before the load).")]
 QuantOpt = Annotated[str | None, typer.Option("--quantization", "-q", help="Default: the checkpoint's own scheme; fp8 quantizes a 16-bit checkpoint at load (checked against the checkpoint).")]
 TPOpt = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="Ranks to split the model over: one worker process per GPU (gloo ranks share the cores on a CPU).")]
 ExecutorOpt = Annotated[str, typer.Option("--distributed-executor-backend", help="mp (worker processes on this machine) or ray (actors of a Ray cluster; see docs/tensor-parallel.md).")]
@@ -118,8 +118,8 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
          speculative_config: SpeculativeOpt = None) -> None:
     """Chat with a model in the terminal; replies stream token by token.
 
-    Type a message and press Enter. `/reset` clears the conversation, `/exit` (or
-    Ctrl-D) quits. Input may also be piped: one message per line.
+    Type a message and press Enter. /help lists the commands: /reset clears the
+    conversation, /exit (or Ctrl-D) quits. Input may also be piped: one message per line.
     """
     from archserve.engine.streaming import stream_text
     from archserve.loader.tokenizer import apply_chat_template
@@ -133,7 +133,7 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
     interactive = sys.stdin.isatty()
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     if interactive:
-        typer.echo("archserve chat - /reset clears the conversation, /exit quits.")
+        typer.echo("archserve chat - /help lists the commands, /exit quits.")
     while True:
         if interactive:
             sys.stdout.write("\n> ")
@@ -144,11 +144,16 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
         message = line.strip()
         if not message:
             continue
-        if message in ("/exit", "/quit"):
+        command = _chat_command(message)
+        if command == "/exit":
             break
-        if message == "/reset":
+        if command == "/reset":
             history = history[:1] if system else []
             typer.echo("(conversation cleared)")
+            continue
+        if command is not None:   # /help, or a command it does not know: never sent
+            typer.echo(_CHAT_HELP if command == "/help" else
+                       f"unknown command {message.split()[0]}; /help lists the commands")
             continue
         history.append({"role": "user", "content": message})
         params = _params(max_tokens, temperature, top_p, top_k, seed)
@@ -163,5 +168,22 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
             history.pop()
             typer.echo(f"\nerror: {exc}", err=True)
             continue
-        sys.stdout.write("\n")
+        # A reply may hold blank lines of its own: a rule says where it ends.
+        sys.stdout.write("\n" + _TURN_SEPARATOR + "\n")
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+_CHAT_COMMANDS = {"/help": "list these commands",
+                  "/reset": "clear the conversation (a --system message stays)",
+                  "/exit": "quit (also /quit, or Ctrl-D)"}
+_CHAT_HELP = "\n".join(f"  {name:<7} {what}" for name, what in _CHAT_COMMANDS.items())
+_TURN_SEPARATOR = "─" * 40
+
+
+def _chat_command(message: str) -> str | None:
+    """The command a line is (/quit is /exit), an unknown "/word" as itself, or None for a
+    message to the model."""
+    if not message.startswith("/"):
+        return None
+    word = message.split()[0].lower()
+    return "/exit" if word == "/quit" else word

@@ -109,6 +109,11 @@ class ModelRunner:
         # too): what an MTP drafter reads after the step. None: not kept.
         self.hidden_out: torch.Tensor | None = None
 
+    def limit_max_model_len(self, max_model_len: int) -> None:
+        """Lower the context length (to what the KV pool holds) before graphs are captured."""
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
+
     # -- memory -------------------------------------------------------------------
     def kv_cache_format(self, kv_dtype: torch.dtype) -> tuple[torch.dtype, int]:
         """(element dtype, head size) of this runner's cache rows (``cache_row_format``)."""

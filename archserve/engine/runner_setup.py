@@ -192,7 +192,6 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     jit_watch.starting()   # a second engine's start-up compiles are not serving-path misses
     compilation = parse_compilation_config(config.compilation_config)   # refused before loading
     speculative = parse_speculative_config(config.speculative_config)
-    t0 = time.perf_counter()
     tp = get_tp()
     torch_device = startup.resolve_torch_device(config)
     # Unseeded requests draw from torch's global generator: make runs repeatable.
@@ -225,6 +224,27 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
         cpu_threads, threads_decision = cpu_thread_governor(torch_device)
         if threads_decision is not None:
             decisions.append(threads_decision)
+    rank_mc = rank_model_config(probe_config, tp.size, tp.rank)      # this rank's heads
+    kernel_cache = configure_kernel_caches(device)
+    # Attention is chosen (its canary runs on random data) and the context length checked
+    # against the KV pool before any weight is read: a start that cannot succeed fails fast.
+    t_select = time.perf_counter()
+    selection, attn_impl, canary = startup.select_attention_with_canary(
+        device, config, rank_mc, dtype, kv_cache_dtype, torch_device)
+    agree.same("the attention backend", selection.name)
+    block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
+    select_s = startup.elapsed(t_select)
+    kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
+    model_max_len = probe_config.max_position_embeddings
+    max_model_len, fitted = startup.fit_max_model_len(
+        config.max_model_len, min(config.max_model_len or model_max_len, model_max_len),
+        *startup.kv_capacity_before_load(
+            config, rank_mc, attn_impl, kv_torch_dtype, block_size, torch_device,
+            # A draft network's cache shares the blocks: known once it is loaded.
+            blocks_shared=speculative is not None and speculative.method != "ngram"))
+    decisions += [fitted] if fitted is not None else []
+
+    t_load = time.perf_counter()
     model, mc = load_model(config.model, dtype=dtype, device=torch_device,
                            load_format=config.load_format, quantization=quant_plan.config)
     decisions += install_quantized_kernels(device, model, quant_plan)
@@ -233,21 +253,11 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     if speculative is not None and speculative.method != "ngram":
         network, network_mc = load_draft_network(speculative, config.model, mc, dtype,
                                                  torch_device, config.load_format)
-    load_s = startup.elapsed(t0)
+    load_s = startup.elapsed(t_load)
 
     if tp.size > 1 and torch_device.type == "cuda":   # before graphs capture the all-reduces
         from archserve.distributed.peer_all_reduce import install_peer_all_reduce
         decisions.append(install_peer_all_reduce(tp, dtype))
-    rank_mc = rank_model_config(mc, tp.size, tp.rank)      # this rank's heads
-    max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                        mc.max_position_embeddings)
-    kernel_cache = configure_kernel_caches(device)
-    t_select = time.perf_counter()
-    selection, attn_impl, canary = startup.select_attention_with_canary(
-        device, config, rank_mc, dtype, kv_cache_dtype, torch_device)
-    agree.same("the attention backend", selection.name)
-    block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
-    select_s = startup.elapsed(t_select)
     graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection,
                                                 compilation.cudagraph_mode)
     if lora is not None and graphs_off is None and torch_device.type == "cuda":
@@ -278,7 +288,6 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
         runner.lora = lora.step(max(max_batched, config.max_num_seqs, *graph_sizes),
                                 torch_device)
         decisions.append(lora.decision)
-    kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
     # A sequence verifying drafts samples a row for each: the LM head's buffers have room.
     rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)
     drafts = None   # the draft network's runner: its cache in the target's blocks
@@ -302,11 +311,14 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
         own, num_blocks = num_blocks, agree.min(num_blocks)
         sizing += (f"; the smallest of {tp.size} ranks' pools (this rank: {own})"
                    if own != num_blocks else f"; every rank of {tp.size} fits it")
-    if num_blocks * block_size < max_model_len:
-        raise ValueError(
-            f"the KV cache has room for {num_blocks * block_size} tokens ({sizing}), "
-            f"fewer than max_model_len={max_model_len}; lower max_model_len or give "
-            f"the cache more memory")
+    # Exact now (a GPU's pool is what the weights and the activation peak left).
+    max_model_len, fitted = startup.fit_max_model_len(config.max_model_len, max_model_len,
+                                                      num_blocks * block_size, sizing)
+    if fitted is not None:
+        decisions.append(fitted)
+        for each in (runner, drafts):
+            if each is not None:
+                each.limit_max_model_len(max_model_len)
     runner.allocate_kv_cache(num_blocks, kv_torch_dtype, kv_cache_dtype)
     if drafts is not None:
         drafts.allocate_kv_cache(num_blocks, kv_torch_dtype, kv_cache_dtype)

@@ -16,6 +16,7 @@ from archserve.engine.config import EngineConfig
 from archserve.engine.kv_cache import (
     DEFAULT_CPU_KV_BYTES,
     blocks_for_budget,
+    cache_bytes_per_block,
     cuda_available_kv_bytes,
     kv_dtype_of,
 )
@@ -201,6 +202,54 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
     needed_blocks = max_num_seqs * ((max_model_len + runner.block_size - 1) // runner.block_size)
     return min(needed_blocks, blocks_for_budget(DEFAULT_CPU_KV_BYTES, per_block)), \
         f"CPU default budget {DEFAULT_CPU_KV_BYTES >> 20} MiB"
+
+
+def kv_capacity_before_load(config: EngineConfig, model_config, attn_impl,
+                            kv_torch_dtype: torch.dtype, block_size: int,
+                            torch_device: torch.device, blocks_shared: bool = False
+                            ) -> tuple[int, str, bool]:
+    """(tokens the KV pool will hold at most, how that is known, whether it is exact),
+    from the config alone, before any weight is read. Exact where the budget is given or
+    fixed (num_kv_blocks, kv_cache_memory_bytes, a CPU's default); on a GPU the pool gets
+    what the weights and the activation peak leave, known only after the load, so this is
+    the bound with neither (size_kv_pool has the exact number). ``blocks_shared``: a
+    draft network's cache will share the blocks (an upper bound too, without its bytes)."""
+    per_block = cache_bytes_per_block(model_config, attn_impl, kv_torch_dtype, block_size)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks * block_size, "num_kv_blocks given", True
+    if config.kv_cache_memory_bytes is not None:
+        return (blocks_for_budget(config.kv_cache_memory_bytes, per_block) * block_size,
+                f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}", not blocks_shared)
+    if torch_device.type == "cuda":
+        avail = cuda_available_kv_bytes(torch_device, config.gpu_memory_utilization, 0)
+        return (blocks_for_budget(avail, per_block) * block_size,
+                f"gpu_memory_utilization={config.gpu_memory_utilization} of the device "
+                f"before the weights and activations take their share", False)
+    return (blocks_for_budget(DEFAULT_CPU_KV_BYTES, per_block) * block_size,
+            f"CPU default budget {DEFAULT_CPU_KV_BYTES >> 20} MiB; --kv-cache-memory-bytes "
+            f"sets another", not blocks_shared)
+
+
+def fit_max_model_len(requested: int | None, max_model_len: int, capacity: int, sizing: str,
+                      exact: bool = True) -> tuple[int, Decision | None]:
+    """The context length that fits a KV pool of ``capacity`` tokens: ``max_model_len``
+    where it fits; an explicit one (``requested``) that does not is a ValueError; the
+    model's own is lowered to what fits, with a notice (as a decision, and a warning now:
+    the load that follows may take a while). ``exact`` False: ``capacity`` is an upper
+    bound, which only an explicit length can be refused against."""
+    if max_model_len <= capacity:
+        return max_model_len, None
+    if requested is not None:
+        raise ValueError(f"max_model_len={requested} does not fit: the KV cache has room for "
+                         f"{'at most ' if not exact else ''}{capacity} tokens ({sizing}); "
+                         f"lower max_model_len (to {capacity} or less) or give the cache "
+                         f"more memory")
+    if not exact:
+        return max_model_len, None
+    reason = (f"the model's {max_model_len} tokens do not fit the KV cache ({capacity} "
+              f"tokens: {sizing}); set max_model_len, or give the cache more memory")
+    log.warning("max_model_len %d: %s", capacity, reason)
+    return capacity, Decision("max_model_len", "auto", str(capacity), reason)
 
 
 def resolve_async_scheduling(requested: bool | None, torch_device: torch.device) -> Decision:
