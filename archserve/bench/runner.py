@@ -249,7 +249,8 @@ def run_serving_bench(options: BenchOptions) -> dict:
         raw["e2e"].append([t.e2e_s * 1000 for t in ok if t.e2e_s is not None])
     headline = runs[-1]
     result = {
-        "mode": "serve", "url": options.url, "model": options.model,
+        # The name the server answered to (--model is the tokenizer's path here).
+        "mode": "serve", "url": options.url, "model": headline["model"],
         **_workload_json(options, requests),
         **{k: headline[k] for k in ("output_tokens_per_s", "total_tokens_per_s",
                                     "requests_per_s", "ttft_ms", "tpot_ms", "itl_ms",

@@ -47,6 +47,7 @@ class ServingResult:
     timings: list[RequestTiming]
     elapsed_s: float
     metrics: dict
+    model: str | None = None    # the name the requests asked for (the server's, by default)
 
     def to_json(self) -> dict:
         ok = [t for t in self.timings if t.error is None]
@@ -55,6 +56,7 @@ class ServingResult:
         ms = lambda xs: {k: (v * 1000 if k != "count" else v)  # noqa: E731
                          for k, v in summarize(xs).items()}
         return {
+            "model": self.model,
             "concurrency": self.concurrency,
             "request_rate": None if math.isinf(self.request_rate) else self.request_rate,
             "completed": len(ok), "failed": len(self.timings) - len(ok),
@@ -183,7 +185,7 @@ async def run_serving_async(url: str, requests: list[BenchRequest], concurrency:
             elapsed = time.perf_counter() - t0
             await poller.stop()
     return ServingResult(concurrency, request_rate, list(timings), elapsed,
-                         summarize_samples(poller.samples))
+                         summarize_samples(poller.samples), model)
 
 
 def run_serving(url: str, requests: list[BenchRequest], concurrency: int | None,

@@ -5,6 +5,8 @@ check structure and bookkeeping, never speed."""
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -174,6 +176,14 @@ def test_serve_bench_poisson_arrivals(tiny_server, tiny_checkpoint):
     run = data["runs"][0]
     assert run["request_rate"] == 40 and run["concurrency"] is None
     assert run["completed"] == 4 and run["output_tokens"] == 16
+    # The model is the name the server answers to, in the JSON and in the text report.
+    served = os.path.basename(tiny_checkpoint("llama"))
+    assert data["model"] == run["model"] == served
+    text = CliRunner().invoke(app, ["bench", "--mode", "serve", "--url", tiny_server,
+                                    "--num-prompts", "2", "--input-len", "8",
+                                    "--output-len", "2", "--model", tiny_checkpoint("llama")])
+    assert text.exit_code == 0, text.output
+    assert re.search(rf"model\W+{re.escape(served)} ", text.output), text.output
 
 
 def test_dummy_weights_of_a_bare_config_need_no_tokenizer(tiny_checkpoint, tmp_path):

@@ -48,6 +48,23 @@ def test_chat_reset_says_so(checkpoint) -> None:
     assert "(conversation cleared)" in out.output
 
 
+def test_chat_commands_are_never_sent_to_the_model_and_turns_are_separated(checkpoint):
+    """/help lists the commands, an unknown /word says so, /exit quits before the last
+    line; only the two messages reach the model, each reply ends with a rule."""
+    out = runner.invoke(app, ["chat", "--model", checkpoint, "--max-tokens", "3",
+                              "--temperature", "0"],
+                        input="/help\nhello\n/nonsense here\nagain\n/exit\nnever sent\n")
+    assert out.exit_code == 0, out.output
+    for command in ("/help", "/reset", "/exit"):
+        assert f"  {command} " in out.output, out.output
+    assert "unknown command /nonsense; /help lists the commands" in out.output
+    assert out.output.count("─" * 40) == 2, out.output
+    llm = LLM(checkpoint, dtype="float32")
+    first = llm.chat([{"role": "user", "content": "hello"}],
+                     SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].text
+    assert first in out.output.split("─" * 40)[0]
+
+
 def test_prepare_prints_the_route_once(checkpoint) -> None:
     import subprocess
     import sys
