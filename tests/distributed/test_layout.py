@@ -201,3 +201,24 @@ def test_a_ranks_step_weights_are_its_shard(tiny_checkpoint):
     assert shard.body_params == (whole.body_params - norms) // 4 + norms
     assert shard.body_bytes == 4 * shard.body_params     # float32; no embedding rows
     assert mc.vocab_size % 4 == 0 and shard.lm_head_params == whole.lm_head_params // 4
+
+
+def test_the_readmes_tensor_parallel_example_splits_the_embedded_model(embedded_model_path):
+    """The README's example runs the embedded model (9 query heads, 3 KV heads) at a size
+    it splits over; 2, what users try first, is refused with the reason."""
+    import json
+    import os
+    import re
+
+    from typer.testing import CliRunner
+
+    from archserve.cli.main import app
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    section = readme.split("## Several GPUs")[1].split("\n## ")[0]
+    command = re.search(r"```bash\n(archserve generate .*-tp (\d+).*)\n```", section)
+    assert command is not None and "-m " not in command[1], section
+    size = command[2]
+    ok = json.loads(CliRunner().invoke(app, ["explain", "-tp", size, "--json"]).output)
+    assert ok["not_loadable"] is None
+    two = json.loads(CliRunner().invoke(app, ["explain", "-tp", "2", "--json"]).output)
+    assert "9 attention heads do not split over 2" in two["not_loadable"]
