@@ -13,6 +13,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import archserve
 from archserve.serve.api_docs import errors, finish, json_or_sse
+from archserve.serve.body_errors import (
+    BODY_SCOPE_KEY,
+    json_error_message,
+    parse_failure_message,
+)
 from archserve.serve.chat import create_chat_completion, render_chat_prompt
 from archserve.serve.completions import create_completion
 from archserve.serve.context import ServingContext
@@ -43,7 +48,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One 400 message for pydantic's errors, and OpenAI's ``param`` (messages[0].role)."""
     errors = exc.errors()
     if errors and errors[0].get("type") == "json_invalid":
-        return _json_error_message(errors[0], exc.body), None
+        reason = errors[0].get("ctx", {}).get("error", "not valid JSON")
+        return json_error_message(reason, exc.body, errors[0]["loc"][-1]), None
     parts, param = [], None
     for err in errors[:5]:
         path = _field_path(err, exc.body)
@@ -71,16 +77,6 @@ def _field_path(err: dict, body) -> str:
             # to walk into. A union tag's input would be the body's value, not None.
             path = f"{path}.{part}" if path else str(part)
     return path
-
-
-def _json_error_message(err: dict, doc) -> str:
-    pos = err["loc"][-1]
-    reason = err.get("ctx", {}).get("error", "not valid JSON")
-    if isinstance(doc, str) and isinstance(pos, int):
-        line = doc.count("\n", 0, pos) + 1
-        column = pos - doc.rfind("\n", 0, pos)
-        return f"invalid JSON in the request body at line {line}, column {column}: {reason}"
-    return f"invalid JSON in the request body: {reason}"
 
 
 def build_app(ctx: ServingContext) -> RequestGuard:
@@ -116,8 +112,12 @@ def build_app(ctx: ServingContext) -> RequestGuard:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        # FastAPI's one message for any body it could not parse: say what and where.
+        precise = (parse_failure_message(exc.__cause__, request.scope.get(BODY_SCOPE_KEY))
+                   if exc.status_code == 400 else None)
         # Starlette's own headers matter: a 405 names the allowed methods in ``Allow``.
-        return error_response(str(exc.detail), exc.status_code, headers=exc.headers)
+        return error_response(precise or str(exc.detail), exc.status_code,
+                              headers=exc.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def _client_gone(request: Request, exc: ClientDisconnected):

@@ -10,6 +10,7 @@ import hmac
 import json
 from collections.abc import Callable
 
+from archserve.serve.body_errors import BODY_SCOPE_KEY
 from archserve.serve.errors import error_body
 
 
@@ -57,6 +58,8 @@ class RequestGuard:
 
         if more is not None:   # the client went away while sending
             return
+        # Kept for the error handlers: a body that fails to parse is quoted by position.
+        scope[BODY_SCOPE_KEY] = body
         await self.app(scope, replay, send_observed)
 
     def _authorized(self, scope) -> bool:

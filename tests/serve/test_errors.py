@@ -154,6 +154,25 @@ def test_a_lone_surrogate_in_a_chat_is_a_400_saying_it_is_not_unicode(server, bo
     assert "Error" not in error["message"], error     # no TypeError leaking from a tokenizer
 
 
+@pytest.mark.parametrize("body, message", [
+    (b'{"prompt": "caf\xe9", "max_tokens": 1}',
+     "not valid UTF-8 at line 1, column 16: byte 0xe9 (invalid continuation byte)"),
+    (b'{"prompt": "ok",\n "max_tokens": 1}\n\xff',
+     "not valid UTF-8 at line 3, column 1: byte 0xff (invalid start byte)"),
+    # Brackets inside a string do not nest; the nesting itself begins at column 23.
+    (b'{"prompt": "[[[", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     "nests arrays and objects too deeply to parse (level 513 opens at line 1, column 535;"),
+    # Level 1 is the body's own object: the 512th '{"a":' opens level 513.
+    (b'{"prompt": "hi",\n"x": ' + b'{"a":' * 2000 + b"1" + b"}" * 2000 + b"}",
+     "level 513 opens at line 2, column 2561;"),   # 5 for '"x": ', 511 x 5 before it
+])
+def test_bodies_that_do_not_parse_say_what_and_where(server, body, message):
+    r = httpx.post(f"{server.url}/v1/completions", content=body,
+                   headers={"Content-Type": "application/json", **AUTH}, timeout=60)
+    error = _assert_error(r, 400)
+    assert message in error["message"], error
+
+
 def test_error_messages_quoting_a_surrogate_still_render(server):
     _assert_error(_post_raw(server, "/v1/completions", {"model": "\ud800", "prompt": "hi"}), 404)
 
