@@ -7,7 +7,7 @@ selection would choose here - with the reason every other backend was not chosen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from archserve.kernels.catalog import default_registry
@@ -20,7 +20,13 @@ from archserve.platform.toolchain import Finding, arch_verdict, diagnose, three_
 from archserve.quant.config import explain_quant_config
 from archserve.quant.plan import plan_quantization
 from archserve.routing.dtypes import resolve_dtype
-from archserve.routing.explain import DEEPSEEK_V3_MLA, Route, device_dict, explain_op
+from archserve.routing.explain import (
+    DEEPSEEK_V3_MLA,
+    DEEPSEEK_V32_INDEXER,
+    Route,
+    device_dict,
+    explain_op,
+)
 
 # Op kinds the engine cannot run without; MLA and MoE only matter for such models.
 REQUIRED_OPS = ("attention", "linear")
@@ -132,6 +138,10 @@ def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed",
         ops[op] = (_op_report(device, op, spec, libraries) if op in used else OpReport(
             None, f"not loadable in this build: no supported architecture has {op} layers"))
     ops.update(_quant_reports(device, specs["linear"].dtype, libraries))
+    # Sparse MLA (DeepSeek-V3.2, GLM-5): its own backends, on the same op kind.
+    ops["mla_attention sparse (DSA)"] = _op_report(
+        device, "mla_attention", replace(specs["mla_attention"], mla_sparse=True,
+                                         **DEEPSEEK_V32_INDEXER), libraries)
     blockers = [f"{op}: {ops[op].error}" for op in REQUIRED_OPS if ops[op].error]
     if device.is_gpu and not toolchain_ok:
         # torch cannot drive this GPU (wrong build, runtime newer than the driver, ...).

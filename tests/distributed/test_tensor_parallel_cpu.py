@@ -113,7 +113,8 @@ def test_two_ranks_split_the_experts_and_generate_what_one_rank_does(tmp_path, m
 
 # DeepSeek: MLA's heads split (query rows, kv_b_proj's per-head rows, o_proj's input) while
 # every rank keeps the whole latent; the routed experts and the shared expert split as
-# above. V2 with q LoRA and grouped top-k, V2-Lite without q LoRA, V3's sigmoid routing.
+# above. V2 with q LoRA and grouped top-k, V2-Lite without q LoRA, V3's sigmoid routing,
+# V3.2's sparse attention.
 MLA_TP = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
               num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, head_dim=8,
               qk_nope_head_dim=16, v_head_dim=24, moe_intermediate_size=32,
@@ -126,6 +127,10 @@ DEEPSEEK_TP = {
     "v2_lite": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy")),
     "v3": ("deepseek_v3", dict(q_lora_rank=48, n_group=4, topk_group=2,
                                routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # V3.2: the lightning indexer is every rank's whole (each selects the same top-4).
+    "v32": ("deepseek_v32", dict(q_lora_rank=48, n_group=4, topk_group=2,
+                                 routed_scaling_factor=2.5, index_topk=4, index_n_heads=9,
+                                 index_head_dim=16)),
 }
 
 
