@@ -227,3 +227,60 @@ def assert_greedy_outputs_track(got: list, want: list, min_agreeing: int = 4,
             a = ours.logprobs[i][ours.token_ids[i]].logprob
             b = theirs.logprobs[i][theirs.token_ids[i]].logprob
             assert abs(a - b) < logprob_tol
+
+
+# Prompts that share a cached prefix, for the engine's harder paths.
+SHARED_PREFIX = "A paged KV cache stores keys and values in fixed-size blocks. "
+PREFIX_TAILS = ("The capital of", "1 2 3", "Hello world")
+
+
+def assert_chunked_prefix_and_preemption_equal_hf(path: str, monkeypatch) -> None:
+    """The engine's harder paths on CPU in fp32 against transformers: prompts sharing a
+    cached prefix, prefills chunked over several steps (8-token budget), and a pool too
+    small for every sequence at once, so some are preempted and recomputed."""
+    from archserve.engine.scheduler import Scheduler
+
+    prompts = [SHARED_PREFIX + tail for tail in PREFIX_TAILS]
+    preempted = []
+    original = Scheduler._preempt
+
+    def counting(self, seq, *args):
+        preempted.append(seq.seq_id)
+        return original(self, seq, *args)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
+        path, prompts, 32, prompt_logprobs=False, enable_prefix_caching=True,
+        enable_chunked_prefill=True, max_num_batched_tokens=8, block_size=4, num_kv_blocks=24,
+        max_model_len=80)
+    assert preempted, "the pool was large enough for every sequence: nothing was preempted"
+    assert max(out.num_cached_tokens for out in outputs) >= 8
+
+
+def assert_gpu_chunked_prefix_tracks_one_prefill(path: str, engine: dict) -> None:
+    """On the GPU in bf16: prompts sharing a cached prefix, chunked 16 tokens a step beside
+    decodes, give the greedy tokens of the engine without prefix caching or chunking, up
+    to a near-tie. Chunks sum in another order: a continuation may part from the plain
+    engine's where bf16 holds a near-tie (these prompts' greedy steps hold an exact one,
+    and 1-ulp ones, measured on the CPU). 0.2, not the dense tests' 0.1: a routing
+    near-tie swapped in a prompt moves the later log-probs; the stray logprobs are why they
+    are not compared either."""
+    from archserve import LLM, SamplingParams
+
+    prompts = [SHARED_PREFIX * 3 + tail for tail in PREFIX_TAILS]
+    # 20 log-probs (the most a request may ask): these random models' distributions are
+    # flat (five tokens within 0.2 at a step), so a near-tie's other side may rank past
+    # fifth.
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=20)
+    plain = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=False,
+                enable_chunked_prefill=False, **engine)
+    expected = plain.generate(prompts, params)
+    del plain
+    torch.cuda.empty_cache()
+    llm = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=16, **engine)
+    llm.generate(prompts[:1], params)            # the shared prefix is cached
+    outputs = llm.generate(prompts, params)
+    assert max(o.num_cached_tokens for o in outputs) >= 16
+    assert_greedy_outputs_track(outputs, expected, min_agreeing=0, logprob_tol=None,
+                                near_tie=0.2)

@@ -16,7 +16,6 @@ from tiny_checkpoints import build_tiny_checkpoint
 
 from archserve.engine.config import EngineConfig
 from archserve.engine.sampling_params import SamplingParams
-from archserve.engine.scheduler import Scheduler
 from archserve.engine.startup import attention_spec_of
 from archserve.kernels.catalog import select_attention_backend
 from archserve.loader.loader import load_model
@@ -26,7 +25,8 @@ from models.helpers import (
     PROMPTS,
     TEXT_PROMPTS,
     PagedSequences,
-    assert_greedy_outputs_track,
+    assert_chunked_prefix_and_preemption_equal_hf,
+    assert_gpu_chunked_prefix_tracks_one_prefill,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
@@ -200,27 +200,12 @@ def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path, variant):
 
 
 def test_llm_chunked_prefill_prefix_cache_and_preemption(tmp_path, monkeypatch):
-    """The latent cache through the engine's harder paths: prompts sharing a cached prefix,
-    prefills chunked over several steps (8-token budget), and a pool too small for every
-    sequence at once, so some are preempted and recomputed."""
+    """The latent cache through the engine's harder paths (prefix cache, chunked prefill,
+    preemption)."""
     model_type, overrides = VARIANTS["v3"]
     path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
                                  **{**MLA, **overrides})
-    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
-    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
-    preempted = []
-    original = Scheduler._preempt
-
-    def counting(self, seq, *args):
-        preempted.append(seq.seq_id)
-        return original(self, seq, *args)
-
-    monkeypatch.setattr(Scheduler, "_preempt", counting)
-    outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
-        path, prompts, 32, prompt_logprobs=False, enable_prefix_caching=True, enable_chunked_prefill=True,
-        max_num_batched_tokens=8, block_size=4, num_kv_blocks=24, max_model_len=80)
-    assert preempted, "the pool was large enough for every sequence: nothing was preempted"
-    assert max(out.num_cached_tokens for out in outputs) >= 8
+    assert_chunked_prefix_and_preemption_equal_hf(path, monkeypatch)
 
 
 def test_engine_reports_the_mla_route_and_latent_cache(tmp_path):
@@ -352,33 +337,8 @@ def test_gpu_bf16_engine_is_close_to_transformers(tmp_path, variant, enforce_eag
 
 @pytest.mark.gpu
 def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
-    """Prompts sharing a cached prefix, chunked 16 tokens a step beside decodes (mixed
-    steps: expanded prefill next to the absorbed kernel): the same greedy tokens as the
-    engine without prefix caching or chunking, up to a near-tie."""
-    from archserve import LLM
-
+    """Mixed steps: the expanded prefill next to the absorbed kernel."""
     model_type, overrides = VARIANTS["v3"]
     path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
                                  **{**GPU_MLA, **overrides})
-    shared = "A paged KV cache stores keys and values in fixed-size blocks. " * 3
-    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
-    # 20 log-probs (the most a request may ask): this random model's distributions are flat
-    # (five tokens within 0.2 at a step), so a near-tie's other side may rank past fifth.
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=20)
-    plain = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=False,
-                enable_chunked_prefill=False, **GPU_ENGINE)
-    expected = plain.generate(prompts, params)
-    del plain
-    torch.cuda.empty_cache()
-    llm = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=True,
-              enable_chunked_prefill=True, max_num_batched_tokens=16, **GPU_ENGINE)
-    llm.generate(prompts[:1], params)            # the shared prefix is cached
-    outputs = llm.generate(prompts, params)
-    assert max(o.num_cached_tokens for o in outputs) >= 16
-    # Chunks sum in another order: a continuation may part from the plain engine's where
-    # bf16 holds a near-tie (these prompts' greedy steps hold an exact one, and 1-ulp ones,
-    # measured on the CPU). 0.2, not the dense tests' 0.1: a routing near-tie swapped in a
-    # prompt moves the later log-probs (assert_within_bf16_noise); the stray logprobs are
-    # why they are not compared either.
-    assert_greedy_outputs_track(outputs, expected, min_agreeing=0, logprob_tol=None,
-                                near_tie=0.2)
+    assert_gpu_chunked_prefix_tracks_one_prefill(path, GPU_ENGINE)

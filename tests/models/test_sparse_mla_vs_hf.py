@@ -21,7 +21,6 @@ import torch
 from tiny_checkpoints import build_tiny_checkpoint
 
 from archserve.engine.config import EngineConfig
-from archserve.engine.scheduler import Scheduler
 from archserve.engine.startup import attention_spec_of
 from archserve.kernels.catalog import select_attention_backend
 from archserve.models.layers.mla import MLAAttention
@@ -30,6 +29,8 @@ from models.helpers import (
     PROMPTS,
     TEXT_PROMPTS,
     PagedSequences,
+    assert_chunked_prefix_and_preemption_equal_hf,
+    assert_gpu_chunked_prefix_tracks_one_prefill,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
@@ -168,29 +169,13 @@ def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path, variant):
 
 @pytest.mark.parametrize("variant", ["v32", "glm"])
 def test_llm_chunked_prefill_prefix_cache_and_preemption(tmp_path, monkeypatch, variant):
-    """The indexer keys beside the latents through the engine's harder paths: prompts sharing
-    a cached prefix (its blocks carry both), prefills chunked 8 tokens a step (each chunk's
-    rows select among the prefix's keys), and a pool too small for every sequence at once,
-    so some are preempted and recomputed."""
+    """The indexer keys beside the latents through the engine's harder paths: a cached
+    prefix (its blocks carry both), prefills chunked 8 tokens a step (each chunk's rows
+    select among the prefix's keys), and preemption."""
     model_type, overrides = VARIANTS[variant]
     path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
                                  **{**DSA, **overrides})
-    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
-    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
-    preempted = []
-    original = Scheduler._preempt
-
-    def counting(self, seq, *args):
-        preempted.append(seq.seq_id)
-        return original(self, seq, *args)
-
-    monkeypatch.setattr(Scheduler, "_preempt", counting)
-    outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
-        path, prompts, 32, prompt_logprobs=False, enable_prefix_caching=True,
-        enable_chunked_prefill=True, max_num_batched_tokens=8, block_size=4, num_kv_blocks=24,
-        max_model_len=80)
-    assert preempted, "the pool was large enough for every sequence: nothing was preempted"
-    assert max(out.num_cached_tokens for out in outputs) >= 8
+    assert_chunked_prefix_and_preemption_equal_hf(path, monkeypatch)
 
 
 def test_block_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
@@ -362,26 +347,8 @@ def test_gpu_fp8_caches_run_in_graphs(tmp_path, kv):
 
 @pytest.mark.gpu
 def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
-    """Prompts sharing a cached prefix, chunked 16 tokens a step beside decodes: the same
-    greedy tokens as the engine without prefix caching or chunking, up to a near-tie."""
-    from archserve import LLM, SamplingParams
-    from models.helpers import assert_greedy_outputs_track
-
+    """GLM-5 (a shared layer): chunks past top-k over a cached prefix, beside decodes."""
     model_type, overrides = VARIANTS["glm"]
     path = build_tiny_checkpoint(str(tmp_path), model_type, random_buffers=RANDOM_BUFFERS,
                                  **{**GPU_DSA, **overrides})
-    shared = "A paged KV cache stores keys and values in fixed-size blocks. " * 3
-    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=20)
-    plain = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=False,
-                enable_chunked_prefill=False, **GPU_ENGINE)
-    expected = plain.generate(prompts, params)
-    del plain
-    torch.cuda.empty_cache()
-    llm = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=True,
-              enable_chunked_prefill=True, max_num_batched_tokens=16, **GPU_ENGINE)
-    llm.generate(prompts[:1], params)            # the shared prefix is cached
-    outputs = llm.generate(prompts, params)
-    assert max(o.num_cached_tokens for o in outputs) >= 16
-    assert_greedy_outputs_track(outputs, expected, min_agreeing=0, logprob_tol=None,
-                                near_tie=0.2)
+    assert_gpu_chunked_prefix_tracks_one_prefill(path, GPU_ENGINE)

@@ -24,11 +24,14 @@ TOPK_BLOCK = 1024
 
 
 @triton.jit
-def _unsigned_order_key(scores):
-    """fp32 -> int64 in [0, 2**32) ordered as the floats are (-0.0 just below +0.0)."""
-    bits = scores.to(tl.int32, bitcast=True)
+def _chunk_keys(src, start, length, BLOCK: tl.constexpr):
+    """(positions, valid, keys) of a row's scores [start, start + BLOCK): each score as an
+    int64 in [0, 2**32) ordered as the floats are (-0.0 just below +0.0)."""
+    pos = start + tl.arange(0, BLOCK)
+    valid = pos < length
+    bits = tl.load(src + pos, mask=valid, other=0.0).to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)          # signed order = float order
-    return key.to(tl.int64) + 2147483648
+    return pos, valid, key.to(tl.int64) + 2147483648
 
 
 @triton.jit
@@ -51,9 +54,7 @@ def _topk_kernel(scores_ptr, row_len_ptr, out_ptr, count_ptr, stride_scores, str
             hist = tl.zeros([256], tl.int32)
             excluded = tl.zeros([1], tl.int32)
             for start in range(0, length, BLOCK):
-                pos = start + tl.arange(0, BLOCK)
-                valid = pos < length
-                key = _unsigned_order_key(tl.load(src + pos, mask=valid, other=0.0))
+                pos, valid, key = _chunk_keys(src, start, length, BLOCK)
                 match = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
                 byte = ((key >> shift) & 0xFF).to(tl.int32)
                 # Every lane lands in a bin: the ones not matching go to bin 0, taken out below.
@@ -68,9 +69,7 @@ def _topk_kernel(scores_ptr, row_len_ptr, out_ptr, count_ptr, stride_scores, str
         taken_above = tl.zeros([1], tl.int32)
         taken_equal = tl.zeros([1], tl.int32)
         for start in range(0, length, BLOCK):
-            pos = start + tl.arange(0, BLOCK)
-            valid = pos < length
-            key = _unsigned_order_key(tl.load(src + pos, mask=valid, other=0.0))
+            pos, valid, key = _chunk_keys(src, start, length, BLOCK)
             above = (valid & (key > prefix)).to(tl.int32)
             equal = (valid & (key == prefix)).to(tl.int32)
             above_rank = taken_above + tl.cumsum(above, axis=0) - 1
