@@ -107,14 +107,17 @@ else:
                                     case.indexer.weights[row:row + 1], keys)[0]
             torch.testing.assert_close(scores[row, :length], expected, atol=1e-4, rtol=1e-4)
 
-    @pytest.mark.parametrize("lengths", [[3, 16, 1500], [1023, 1024, 1025]],
+    @pytest.mark.parametrize("lengths", [[3, 16, 1500], [-1, 0, 1]],
                              ids=["dense-and-sparse", "chunk-edges"])
     def test_topk_keeps_the_best_and_breaks_ties_by_position(lengths):
         # Rows shorter than k keep every key (dense); longer ones their k best, over rows
-        # that end at, before and after the select's 1024-score chunks. Scores repeat (the
-        # k-th best tied with others): the ties are taken in position order, as many as fit.
-        from archserve.kernels.sparse_mla.triton_topk import select_topk_triton
+        # that end at, before and after the select's chunks (TOPK_BLOCK scores: "chunk-
+        # edges" are offsets from it). Scores repeat (the k-th best tied with others): the
+        # ties are taken in position order, as many as fit.
+        from archserve.kernels.sparse_mla.triton_topk import TOPK_BLOCK, select_topk_triton
 
+        if max(lengths) < 16:
+            lengths = [TOPK_BLOCK + n for n in lengths]
         k = 16
         gen = torch.Generator().manual_seed(3)
         scores = torch.randn(len(lengths), max(lengths), generator=gen)

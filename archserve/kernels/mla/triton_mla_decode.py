@@ -99,7 +99,8 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     else:
         index_row = indices_ptr
         block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
-        # (An indexed launch cannot: its positions are the kernel before's output.)
+        # (Not an indexed launch: its positions, a top-k kernel's output this step, are
+        # read after the wait.)
         prefetch_first_tile(cache_ptr, cache_ptr, block_table_row, lo, hi,
                             first_new, stride_cache_block, stride_cache_token, BLOCK_SIZE,
                             BLOCK_N, KV_RANK + ROPE, 2 * BLOCK_L, False, PDL)
@@ -204,7 +205,7 @@ def _latent_tile(cache_ptr, rows, mask_n, offs_l, mask_l, offs_r, mask_r,
     mask_pe = mask_n[:, None] & mask_r[None, :]
     if DS_MLA:
         c_kv = load_fp8_tiles(cache_ptr, rows, mask_n, offs_l, mask_l, 0, SCALE_OFFSET,
-                              E4M3_BITS)
+                              KV_RANK, E4M3_BITS)
         rope = part_pointer(cache_ptr, rows, ROPE_OFFSET, ROPE_DTYPE)
         k_pe = tl.load(rope[:, None] + offs_r[None, :], mask=mask_pe, other=0.0)
     else:

@@ -11,8 +11,9 @@ does nothing: those rows attend to every key.
 
 The keys are read through the block table from the cache rows of layout.py: the model
 dtype, or e4m3 with a power-of-two scale per 128 values (dequantized exactly in 16 bits).
-The queries and the keys meet in the model dtype with fp32 accumulation, as DeepSeek's
-reference indexer scores in bf16 (transformers in fp32: the gap is bf16 rounding).
+The queries and the keys meet in the model dtype with fp32 accumulation; transformers
+multiplies the same 16-bit values in fp32, where their products are exact, so the scores
+differ by the sums' order only.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, block_tables_ptr, row_seq_ptr,
         offsets = paged_token_offsets(block_table_row, pos, seen, stride_cache_block,
                                       stride_cache_token, BLOCK_SIZE)
         keys = load_index_keys(cache_ptr, offsets, seen, offs_d, mask_d, INDEX_OFFSET,
-                               INDEX_SCALE_OFFSET, INDEX_FP8, KEY_DTYPE, E4M3_BITS)
+                               INDEX_SCALE_OFFSET, HEAD_DIM, INDEX_FP8, KEY_DTYPE, E4M3_BITS)
         products = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision=DOT_PRECISION)
         weighted = tl.maximum(products, 0.0) * w[:, None]
         scores = tl.sum(tl.reshape(weighted, [BLOCK_Q, BLOCK_H, BLOCK_N]), axis=1)

@@ -53,25 +53,30 @@ def part_pointer(cache_ptr, rows, offset, DTYPE: tl.constexpr):
 
 @triton.jit
 def load_fp8_tiles(cache_ptr, rows, mask, offs_d, mask_d, VALUES: tl.constexpr,
-                   SCALES: tl.constexpr, E4M3_BITS: tl.constexpr):
-    """fp32 [rows, D] of an fp8 part: e4m3 bytes at byte offset VALUES, one fp32 scale per
-    QUANT_TILE values at SCALES. Masked entries read 0."""
-    tile_mask = mask[:, None] & mask_d[None, :]
-    bits = tl.load(cache_ptr + rows[:, None] + VALUES + offs_d[None, :], mask=tile_mask,
-                   other=0)
+                   SCALES: tl.constexpr, WIDTH: tl.constexpr, E4M3_BITS: tl.constexpr):
+    """fp32 [rows, D] of an fp8 part of WIDTH values: e4m3 bytes at byte offset VALUES, one
+    fp32 scale per QUANT_TILE values at SCALES. Masked entries read 0. A row's few scales
+    are loaded once each and spread over their tile's columns by selects (not a gather a
+    value)."""
+    bits = tl.load(cache_ptr + rows[:, None] + VALUES + offs_d[None, :],
+                   mask=mask[:, None] & mask_d[None, :], other=0)
     scale_ptr = part_pointer(cache_ptr, rows, SCALES, tl.float32)
-    scales = tl.load(scale_ptr[:, None] + offs_d[None, :] // 128, mask=tile_mask, other=0.0)
-    return e4m3_bytes_to_float(bits, E4M3_BITS) * scales
+    factor = tl.zeros([rows.shape[0], offs_d.shape[0]], tl.float32)
+    for tile in tl.static_range((offs_d.shape[0] + 127) // 128):
+        if tile * 128 < WIDTH:
+            scale = tl.load(scale_ptr + tile, mask=mask, other=0.0)
+            factor = tl.where((offs_d // 128 == tile)[None, :], scale[:, None], factor)
+    return e4m3_bytes_to_float(bits, E4M3_BITS) * factor
 
 
 @triton.jit
 def load_index_keys(cache_ptr, rows, mask, offs_d, mask_d, OFFSET: tl.constexpr,
-                    SCALES: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr,
-                    E4M3_BITS: tl.constexpr):
-    """The indexer keys [rows, D] at byte offsets ``rows``, in DTYPE (an fp8 key
-    dequantized: e4m3 times a power of two is exact in 16 bits)."""
+                    SCALES: tl.constexpr, WIDTH: tl.constexpr, FP8: tl.constexpr,
+                    DTYPE: tl.constexpr, E4M3_BITS: tl.constexpr):
+    """The indexer keys [rows, D] (WIDTH values) at byte offsets ``rows``, in DTYPE (an fp8
+    key dequantized: e4m3 times a power of two is exact in 16 bits)."""
     if FP8:
-        keys = load_fp8_tiles(cache_ptr, rows, mask, offs_d, mask_d, OFFSET, SCALES,
+        keys = load_fp8_tiles(cache_ptr, rows, mask, offs_d, mask_d, OFFSET, SCALES, WIDTH,
                               E4M3_BITS).to(DTYPE)
     else:
         keys = tl.load(part_pointer(cache_ptr, rows, OFFSET, DTYPE)[:, None] + offs_d[None, :],

@@ -78,6 +78,10 @@ class TritonSparseMlaImpl(TritonMlaImpl):
         if meta.max_seq_len <= topk and not layout.latent_fp8:
             return self._dense(q_nope, q_pe, kv_cache, meta, w_uk, w_uv, scale), None
         row_seq, row_len = self._rows(meta)
+        rows = row_seq.shape[0]
+        # The indexed decode reads its metadata before PDL's wait (kernels/pdl.py): none of
+        # it may come from the kernel launched right before it (the absorbed query's).
+        starts = torch.arange(rows + 1, dtype=torch.int32, device=row_seq.device)
         if indexer is not None:
             indices, counts = self._select(indexer, kv_cache, meta, row_seq, row_len, topk)
         elif shared_indices is not None:
@@ -85,13 +89,11 @@ class TritonSparseMlaImpl(TritonMlaImpl):
         else:   # a sharing layer after a dense step (an fp8_ds_mla latent): every key
             indices, counts = select_topk_triton(row_len.new_empty(row_len.shape[0], 0),
                                                  row_len, topk)
+        out = torch.empty(*q_nope.shape[:2], w_uv.shape[-1], dtype=q_nope.dtype,
+                          device=q_nope.device)
         query = absorb_query(q_nope, q_pe, w_uk)
-        rows = row_seq.shape[0]
-        out = torch.empty(*query.shape[:2], w_uv.shape[-1], dtype=query.dtype,
-                          device=query.device)
-        values = mla_decode(query, kv_cache, meta.block_tables, counts,
-                            torch.arange(rows + 1, dtype=torch.int32, device=query.device),
-                            out, num_seqs=rows, max_seq_len=min(topk, max(meta.max_seq_len, 1)),
+        values = mla_decode(query, kv_cache, meta.block_tables, counts, starts, out,
+                            num_seqs=rows, max_seq_len=min(topk, max(meta.max_seq_len, 1)),
                             scale=scale, num_sms=self._sm_count(query), tiles=self.sparse_tiles,
                             e4m3_bits=self._bits(query.device), w_uv=w_uv, indices=indices,
                             row_seq=row_seq, layout=layout)

@@ -19,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Scores a program reads at once (a pass streams its row through BLOCK-wide chunks).
-TOPK_BLOCK = 1024
+# Scores a program reads at once (a pass streams its row through BLOCK-wide chunks): wide,
+# so that a batch-1 row of 128k scores takes 32 chunks a pass, each one histogram and one
+# barrier (16 values a thread at 8 warps).
+TOPK_BLOCK = 4096
 
 
 @triton.jit
