@@ -164,13 +164,19 @@ else:
                          indices=selection, row_seq=row_seq, layout=case.layout)
         torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
-    @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-    @pytest.mark.parametrize("seqs", [[(1, 45), (1, 8), (1, 17)],             # decode
-                                      [(20, 33), (1, 40), (4, 4), (3, 19)]],   # prompts + decode
-                             ids=["decode", "mixed"])
-    def test_impl_matches_reference(seqs, layout):
+    # Decode steps over every layout; prompts beside a decode over the 16-bit and the
+    # fp8_ds_mla rows (the prompt-row forms over fp8 keys are the scores test's).
+    NAMED = list(zip(LAYOUTS, LAYOUT_IDS, strict=True))
+    IMPL_CASES = ([("decode", *named) for named in NAMED]
+                  + [("mixed", *named) for named in NAMED[:2]])
+
+    @pytest.mark.parametrize("step,layout", [case[:2] for case in IMPL_CASES],
+                             ids=[f"{case[0]}-{case[2]}" for case in IMPL_CASES])
+    def test_impl_matches_reference(step, layout):
         from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
 
+        seqs = {"decode": [(1, 45), (1, 8), (1, 17)],                  # padded rows too
+                "mixed": [(20, 33), (1, 40), (4, 4), (3, 19)]}[step]   # prompts + a decode
         kv, index = layout
         case = make_sparse_case(seqs, topk=12, kv_cache_dtype=kv, index_cache_dtype=index,
                                 pad_tokens=2, seed=5, **TINY)

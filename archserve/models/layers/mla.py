@@ -15,6 +15,11 @@ RoPE: DeepSeek stores the rope dimensions as interleaved pairs (V2 always, V3 wh
 ``rope_interleave``); they are de-interleaved (evens, then odds) for both q and k before the
 neox rotation, which leaves every q.k product unchanged. The softmax scale is
 qk_head_dim^-1/2, times mscale(factor, mscale_all_dim)^2 under YaRN.
+
+Sparse MLA (DeepSeek-V3.2, GLM-5: ``ModelConfig.sparse_attention``): each query attends to
+the ``index_topk`` keys its lightning indexer (models/layers/indexer.py) scores best; the
+layer hands the indexer's query, key and weights to the implementation's ``forward_sparse``
+(kernels/sparse_mla/interface.py), which keeps the key beside the latent in the cache.
 """
 
 from __future__ import annotations
