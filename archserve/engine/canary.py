@@ -22,6 +22,8 @@ CANARY_STEPS = {"prefill": [(5, 21), (1, 40)], "decode": [(1, 40), (1, 2100), (1
 def attention_canary(impl, spec: AttentionSpec, block_size: int, device: torch.device
                      ) -> str | None:
     """None if ``impl`` passes both steps, else the reason (mismatch, NaN/Inf, exception)."""
+    if spec.compress_rate is not None:
+        return compressed_canary(impl, spec, block_size, device)
     if spec.use_mla:
         return mla_canary(impl, spec, block_size, device)
     for step, seqs in CANARY_STEPS.items():
@@ -81,6 +83,31 @@ def sparse_mla_canary(impl, spec: AttentionSpec, block_size: int, device: torch.
                                 seed=1234)
         kv = "auto" if impl.layout.typed else "fp8"
         reason = compare_runs(case, impl, reference, tolerance(spec.dtype, kv))
+        if reason is not None:
+            return f"numerics canary ({step} step): {reason}"
+    return None
+
+
+def compressed_canary(impl, spec: AttentionSpec, block_size: int, device: torch.device
+                      ) -> str | None:
+    """DeepSeek V4's layers at the model's sizes, the selection kind's (compressed sparse
+    where the model has it): a prompt continuing a cached prefix mid-group beside decodes,
+    then a decode batch (contexts past the window, past a compressed group)."""
+    from archserve.kernels.compressed_attention.cases import (
+        compare_compressed_with_reference,
+        make_compressed_case,
+    )
+
+    window = spec.sliding_window or 128
+    steps = {"prefill": [(9, 5), (window + 3, 1)], "decode": [(window + 9, 1), (3, 1)]}
+    for step, seqs in steps.items():
+        case = make_compressed_case(
+            seqs, num_heads=spec.num_heads, head_dim=spec.head_size,
+            rope_dim=spec.qk_rope_head_dim, window=window, compress_rate=spec.compress_rate,
+            overlap=spec.mla_sparse, index_dim=spec.index_head_dim,
+            index_heads=max(spec.index_num_heads, 1), topk=max(spec.index_topk or 1, 1),
+            block_size=block_size, dtype=spec.dtype, device=device.type, seed=1234)
+        reason = compare_compressed_with_reference(case, impl)
         if reason is not None:
             return f"numerics canary ({step} step): {reason}"
     return None

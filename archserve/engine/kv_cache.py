@@ -47,9 +47,8 @@ def compressed_layouts(model_config, dtype: torch.dtype, block_size: int) -> lis
     if dims is None:
         return None
     from archserve.kernels.compressed_attention.layout import layer_layouts
-    from archserve.loader.config import CSA
     return layer_layouts(dims.layer_kinds, dims.compress_rates, dims.sliding_window,
-                         model_config.head_dim, dims.index_head_dim, dtype, block_size, CSA)
+                         model_config.head_dim, dims.index_head_dim, dtype, block_size)
 
 
 def cache_bytes_per_block(model_config, attn_impl, kv_dtype: torch.dtype, block_size: int

@@ -14,14 +14,14 @@ from archserve.kernels.attention.backends import (
     ATTENTION_FALLBACK,
     attention_priority,
 )
-from archserve.kernels.compressed_attention.backends import (
-    DSV4_BACKENDS,
-    mla_attention_priority,
-)
 from archserve.kernels.linear.quantized_backends import QUANTIZED_LINEAR_BACKENDS
 from archserve.kernels.linear.rules import LINEAR_BACKENDS, LINEAR_FALLBACK, linear_priority
 from archserve.kernels.lora.rules import LORA_BACKENDS, LORA_FALLBACK, lora_priority
 from archserve.kernels.mla.backends import MLA_BACKENDS, MLA_FALLBACK
+from archserve.kernels.mla.dsv4_backends import (
+    DSV4_BACKENDS,
+    mla_attention_priority,
+)
 from archserve.kernels.moe.rules import MOE_BACKENDS, MOE_FALLBACK, moe_priority
 from archserve.kernels.registry import (
     Backend,

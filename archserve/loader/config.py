@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from archserve.kernels.compressed_attention.layout import CSA, HCA, SLIDING
 from archserve.loader.attention_facts import AttentionFacts, attention_facts
 from archserve.models.registry import default_architecture
 
@@ -58,10 +59,7 @@ class SparseAttentionDims:
     indexer_rope_interleaved: bool = False
 
 
-# DeepSeek V4's attention layer kinds (config ``layer_types``), and the legacy per-layer
-# ``compress_ratios`` ints that name them.
-SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
-                     "heavily_compressed_attention")
+# The legacy per-layer ``compress_ratios`` ints that name DeepSeek V4's layer kinds.
 _KIND_OF_RATIO = {0: SLIDING, 1: SLIDING, 4: CSA, 128: HCA}
 
 

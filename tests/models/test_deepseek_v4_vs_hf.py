@@ -19,7 +19,7 @@ import torch
 from tiny_checkpoints import build_tiny_checkpoint
 
 from archserve.engine.scheduler import Scheduler
-from archserve.loader.config import CSA, HCA, SLIDING
+from archserve.kernels.compressed_attention.layout import CSA, HCA, SLIDING
 from models.helpers import (
     PROMPTS,
     TEXT_PROMPTS,
@@ -211,3 +211,46 @@ def test_speculative_decoding_is_refused(pair):
     for method in ({"method": "ngram", "num_speculative_tokens": 2}, {"method": "mtp"}):
         with pytest.raises(ValueError, match="running sums"):
             plan_speculation(parse_speculative_config(method), pair[2])
+
+
+CHILD = r"""
+import json, sys
+from archserve import LLM, SamplingParams
+llm = LLM(sys.argv[1], attention_backend="TRITON_MLA_SPARSE_DSV4", dtype="float32",
+          block_size=8, max_num_batched_tokens=12, enable_prefix_caching=True)
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=8,
+                                                            ignore_eos=True))
+print(json.dumps({"backend": llm.llm_engine.report.attention.name,
+                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+"""
+
+
+def test_triton_route_under_the_interpreter_matches_transformers(tmp_path):
+    """TRITON_MLA_SPARSE_DSV4 serving the engine on CPU through Triton's interpreter (in a
+    child process: it must be on before triton is imported): prompts sharing a prefix,
+    prefilled 12 tokens a step, 8 greedy tokens each as transformers'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = _checkpoint(tmp_path)
+    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
+    prompts = [shared + "The capital of", shared + "1 2 3"]
+    tok = AutoTokenizer.from_pretrained(path)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = []
+    for prompt in prompts:
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            seq = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                                    pad_token_id=0, eos_token_id=None)
+        expected.append(seq[0, len(ids):].tolist())
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", CHILD, path, json.dumps(prompts)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["backend"] == "TRITON_MLA_SPARSE_DSV4"
+    assert result["tokens"] == expected

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
+# DeepSeek V4's attention layer kinds (config ``layer_types``).
+SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention")
 ALIGN = 16
 # Accumulator slots of a compressed sparse (overlapping) layer, and their order.
 OPEN_OWN, OPEN_NEXT, CLOSED_NEXT = 0, 1, 2
@@ -162,13 +165,13 @@ class CompressedCacheLayout:
 
 
 def layer_layouts(kinds: list[str] | tuple[str, ...], rates: dict[str, int], window: int,
-                  head_dim: int, index_dim: int, dtype: torch.dtype, block_size: int,
-                  sparse_kind: str) -> list[CompressedCacheLayout]:
+                  head_dim: int, index_dim: int, dtype: torch.dtype, block_size: int
+                  ) -> list[CompressedCacheLayout]:
     """Each layer's layout: ``kinds`` per layer, ``rates`` per compressed kind; the layers
-    of ``sparse_kind`` (compressed sparse attention) overlap and keep index keys."""
+    of compressed sparse attention overlap and keep index keys."""
     out = []
     for kind in kinds:
-        sparse = kind == sparse_kind
+        sparse = kind == CSA
         out.append(CompressedCacheLayout(block_size, head_dim, window, rates.get(kind, 0),
                                          overlap=sparse, index_dim=index_dim if sparse else 0,
                                          dtype=dtype))

@@ -309,13 +309,13 @@ class ReferenceMlaBackend(MlaBackend):
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         from archserve.kernels.specs import RUNNABLE_KV_CACHE_DTYPES
+        if spec.compress_rate is not None and spec.quantized_kv:
+            return ("keeps DeepSeek V4's cache in the model dtype; a "
+                    f"{spec.kv_cache_dtype} cache is not implemented for it")
         if spec.mla_sparse and spec.kv_cache_dtype == "fp8_ds_mla":
             return None      # the sparse cache rows' own format (kernels/sparse_mla/layout.py)
         if spec.kv_cache_dtype not in RUNNABLE_KV_CACHE_DTYPES:
             return f"KV cache dtype {spec.kv_cache_dtype} unsupported"
-        if spec.compress_rate is not None and spec.quantized_kv:
-            return ("keeps DeepSeek V4's cache in the model dtype; a "
-                    f"{spec.kv_cache_dtype} cache is not implemented for it")
         return None
 
 

@@ -113,6 +113,29 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, block_tables_ptr, row_seq_ptr,
                  mask=(pos[None, :] < lengths[:, None]) & (q_rows < end)[:, None])
 
 
+@dataclass
+class IndexKeySource:
+    """Where a launch reads the indexer keys: ``cache`` as bytes, key ``r`` of a sequence in
+    block ``block_tables[seq, r // rows_per_block]`` at byte ``block * block_stride +
+    (r % rows_per_block) * row_stride + offset`` (fp8: its scales from ``scale_offset``)."""
+
+    cache: torch.Tensor
+    block_stride: int
+    row_stride: int
+    rows_per_block: int
+    offset: int
+    scale_offset: int = 0
+    fp8: bool = False
+
+    @classmethod
+    def of_sparse_mla(cls, layout: SparseMlaLayout, kv_cache: torch.Tensor) -> IndexKeySource:
+        """A sparse-MLA cache: one key a token, in each token's row."""
+        rows = layout.byte_rows(kv_cache)
+        block_size = kv_cache.shape[2]
+        return cls(rows, block_size * rows.stride(0), rows.stride(0), block_size,
+                   layout.index_offset, layout.index_scale_offset, layout.index_fp8)
+
+
 def index_scores_triton(layout: SparseMlaLayout, kv_cache: torch.Tensor,
                         block_tables: torch.Tensor, query: torch.Tensor,
                         weights: torch.Tensor, row_seq: torch.Tensor,
@@ -125,6 +148,18 @@ def index_scores_triton(layout: SparseMlaLayout, kv_cache: torch.Tensor,
     one sequence (prompts); None: one row a program (decode). ``max_length``, a host int
     (the step's longest context, or a graph's max_model_len), sizes the buffer and the
     grid."""
+    return launch_index_scores(IndexKeySource.of_sparse_mla(layout, kv_cache), block_tables,
+                               query, weights, row_seq, row_lengths, max_length, topk, blocks,
+                               num_sms, e4m3_bits)
+
+
+def launch_index_scores(keys: IndexKeySource, block_tables: torch.Tensor, query: torch.Tensor,
+                        weights: torch.Tensor, row_seq: torch.Tensor,
+                        row_lengths: torch.Tensor, max_length: int, topk: int,
+                        blocks: RowBlocks | None = None, num_sms: int = 0,
+                        e4m3_bits: bool = False) -> torch.Tensor:
+    """``index_scores_triton`` over keys wherever ``keys`` says (DeepSeek V4's compressed
+    entries keep theirs a block's worth together)."""
     num_rows, num_heads, head_dim = query.shape
     scores = torch.empty(num_rows, max(max_length, 1), dtype=torch.float32,
                          device=query.device)
@@ -136,22 +171,67 @@ def index_scores_triton(layout: SparseMlaLayout, kv_cache: torch.Tensor,
     tiles = triton.cdiv(max_length, INDEX_BLOCK_N)
     splits = max(1, min(tiles, triton.cdiv(INDEX_PROGRAMS_PER_SM * max(num_sms, 1),
                                            num_blocks)))
-    rows = layout.byte_rows(kv_cache)
-    block_size = kv_cache.shape[2]
     start = blocks.start if blocks is not None else row_lengths
     end = blocks.end if blocks is not None else row_lengths
     _index_scores_kernel[(num_blocks, splits)](
-        query, weights, rows, block_tables, row_seq, row_lengths, start, end, scores,
-        query.stride(0), query.stride(1), weights.stride(0), block_size * rows.stride(0),
-        rows.stride(0), block_tables.stride(0), scores.stride(0),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, TOPK=topk, BLOCK_SIZE=block_size,
-        INDEX_OFFSET=layout.index_offset, INDEX_SCALE_OFFSET=layout.index_scale_offset,
-        INDEX_FP8=layout.index_fp8, KEY_DTYPE=TORCH_TO_TL[query.dtype],
+        query, weights, keys.cache, block_tables, row_seq, row_lengths, start, end, scores,
+        query.stride(0), query.stride(1), weights.stride(0), keys.block_stride,
+        keys.row_stride, block_tables.stride(0), scores.stride(0),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, TOPK=topk, BLOCK_SIZE=keys.rows_per_block,
+        INDEX_OFFSET=keys.offset, INDEX_SCALE_OFFSET=keys.scale_offset,
+        INDEX_FP8=keys.fp8, KEY_DTYPE=TORCH_TO_TL[query.dtype],
         BLOCK_Q=rows_per_block, BLOCK_H=block_h,
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16), BLOCK_N=INDEX_BLOCK_N,
         SPLITS=splits, DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=e4m3_bits,
         num_warps=4)
     return scores
+
+
+# The score buffer holds fp32 rows of the longest context; rows are scored and selected in
+# groups of at most this much of it.
+SCORES_BUDGET_BYTES = 64 << 20
+
+
+def row_groups(num_rows: int, max_length: int) -> list[tuple[int, int]]:
+    """[start, end) groups of at most SCORES_BUDGET_BYTES of fp32 score rows."""
+    per_group = max(1, SCORES_BUDGET_BYTES // (4 * max(max_length, 1)))
+    return [(s, min(s + per_group, num_rows)) for s in range(0, num_rows, per_group)]
+
+
+def select_top_keys(keys: IndexKeySource, block_tables: torch.Tensor, query: torch.Tensor,
+                    weights: torch.Tensor, row_seq: torch.Tensor, row_lengths: torch.Tensor,
+                    max_length: int, topk: int, query_lens: list[int] | None, num_sms: int = 0,
+                    e4m3_bits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query row's ``topk`` best keys by the indexer (the scores, then the per-row
+    select, triton_topk.py): (int32 [R, topk] key numbers, -1 padded; int32 [R] how many).
+    ``query_lens``: the rows per sequence of a prompt step (rows of one sequence share key
+    tiles); None: a decode step, a row a sequence."""
+    from archserve.kernels.sparse_mla.triton_topk import select_topk_triton
+    num_rows = row_seq.shape[0]
+    device = row_seq.device
+    indices = torch.empty(num_rows, topk, dtype=torch.int32, device=device)
+    counts = torch.empty(num_rows, dtype=torch.int32, device=device)
+    num_heads = query.shape[1]
+    for start, end in row_groups(num_rows, max_length):
+        blocks = None if query_lens is None else row_blocks(
+            _group_query_lens(query_lens, start, end), prompt_rows_per_block(num_heads), device)
+        scores = launch_index_scores(keys, block_tables, query[start:end], weights[start:end],
+                                     row_seq[start:end], row_lengths[start:end], max_length,
+                                     topk, blocks, num_sms, e4m3_bits)
+        select_topk_triton(scores, row_lengths[start:end], topk, indices[start:end],
+                           counts[start:end])
+    return indices, counts
+
+
+def _group_query_lens(query_lens: list[int], start: int, end: int) -> list[int]:
+    """The rows per sequence of rows [start, end) of a step (sequences cut at its edges)."""
+    out, first = [], 0
+    for n in query_lens:
+        lo, hi = max(first, start), min(first + n, end)
+        if hi > lo:
+            out.append(hi - lo)
+        first += n
+    return out
 
 
 def prompt_rows_per_block(num_heads: int) -> int:

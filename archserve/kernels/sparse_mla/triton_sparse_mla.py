@@ -19,7 +19,7 @@ position instead). A decode step in a CUDA graph is sized by max_model_len: ther
 dense only for models whose max_model_len is at most topk.
 
 The indexer's score buffer holds fp32 rows of the longest context; rows are processed in
-groups of at most SCORES_BUDGET_BYTES of it.
+groups of at most triton_indexer's SCORES_BUDGET_BYTES of it.
 """
 
 from __future__ import annotations
@@ -33,21 +33,9 @@ from archserve.kernels.mla.triton_mla import TritonMlaImpl
 from archserve.kernels.mla.triton_mla_decode import mla_decode
 from archserve.kernels.sparse_mla.interface import IndexerInputs
 from archserve.kernels.sparse_mla.layout import SparseMlaLayout
-from archserve.kernels.sparse_mla.triton_indexer import (
-    index_scores_triton,
-    prompt_rows_per_block,
-    row_blocks,
-)
+from archserve.kernels.sparse_mla.triton_indexer import IndexKeySource, select_top_keys
 from archserve.kernels.sparse_mla.triton_rows import e4m3_read_as_bits, write_sparse_rows
 from archserve.kernels.sparse_mla.triton_topk import select_topk_triton
-
-SCORES_BUDGET_BYTES = 64 << 20
-
-
-def row_groups(num_rows: int, max_length: int) -> list[tuple[int, int]]:
-    """[start, end) groups of at most SCORES_BUDGET_BYTES of fp32 score rows."""
-    per_group = max(1, SCORES_BUDGET_BYTES // (4 * max(max_length, 1)))
-    return [(s, min(s + per_group, num_rows)) for s in range(0, num_rows, per_group)]
 
 
 class TritonSparseMlaImpl(TritonMlaImpl):
@@ -131,32 +119,9 @@ class TritonSparseMlaImpl(TritonMlaImpl):
                 row_seq: torch.Tensor, row_len: torch.Tensor, topk: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 [T, topk] positions, int32 [T] valid entries) of the step's rows."""
-        num_rows = row_seq.shape[0]
-        device = row_seq.device
-        indices = torch.empty(num_rows, topk, dtype=torch.int32, device=device)
-        counts = torch.empty(num_rows, dtype=torch.int32, device=device)
         decode = meta.max_query_len <= 1
-        num_heads = indexer.query.shape[1]
-        for start, end in row_groups(num_rows, meta.max_seq_len):
-            blocks = None if decode else row_blocks(
-                _group_query_lens(meta.query_lens_cpu, start, end),
-                prompt_rows_per_block(num_heads), device)
-            scores = index_scores_triton(
-                self.layout, kv_cache, meta.block_tables, indexer.query[start:end],
-                indexer.weights[start:end], row_seq[start:end], row_len[start:end],
-                meta.max_seq_len, topk, blocks=blocks, num_sms=self._sm_count(row_len),
-                e4m3_bits=self._bits(device))
-            select_topk_triton(scores, row_len[start:end], topk, indices[start:end],
-                               counts[start:end])
-        return indices, counts
-
-
-def _group_query_lens(query_lens: list[int], start: int, end: int) -> list[int]:
-    """The rows per sequence of rows [start, end) of a step (sequences cut at its edges)."""
-    out, first = [], 0
-    for n in query_lens:
-        lo, hi = max(first, start), min(first + n, end)
-        if hi > lo:
-            out.append(hi - lo)
-        first += n
-    return out
+        return select_top_keys(IndexKeySource.of_sparse_mla(self.layout, kv_cache),
+                               meta.block_tables, indexer.query, indexer.weights, row_seq,
+                               row_len, meta.max_seq_len, topk,
+                               None if decode else meta.query_lens_cpu,
+                               self._sm_count(row_len), self._bits(row_len.device))

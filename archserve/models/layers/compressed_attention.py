@@ -37,7 +37,7 @@ from archserve.kernels.compressed_attention.interface import (
     rope_cos_sin,
     rotate_interleaved,
 )
-from archserve.kernels.compressed_attention.layout import CompressedCacheLayout
+from archserve.kernels.compressed_attention.layout import CSA, CompressedCacheLayout
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.linear import DenseMatrix, Linear, WeightOnly, apply_linear
 from archserve.models.layers.norm import RMSNorm
@@ -86,7 +86,6 @@ class DeepseekV4Attention(nn.Module):
         assert dims is not None
         if get_tp().size > 1:
             raise ValueError("DeepSeek V4 runs on one tensor-parallel rank in this build")
-        from archserve.loader.config import CSA
         self.layer_index = layer_index
         self.kind = dims.layer_kinds[layer_index]
         self.rate = dims.rate(layer_index)

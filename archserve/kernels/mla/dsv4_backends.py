@@ -7,10 +7,14 @@ MLA, its own backends as ``*_DSV4``), with vLLM's conditions:
 - FLASHINFER_MLA_SPARSE_DSV4 (vLLM's default on SM12x, chosen on SM10x by name): on the
   SM100 family a 16-bit or per-tensor fp8 cache (not fp8_ds_mla), on SM12x an fp8 cache
   (fp8_ds_mla) and FlashInfer's SM120 sparse MLA decode;
+- TRITON_MLA_SPARSE_DSV4 (archserve's, no vLLM counterpart; kernels/mla/triton_dsv4.py): the
+  compressor, the indexer's top-k and the window + entries + sinks attention in Triton,
+  where TRITON_MLA runs, with a cache in the model dtype;
 - TORCH_REFERENCE (kernels/mla/torch_mla.py, ``forward_compressed``) everywhere.
 
-The library kernels are rules only in this build: ``explain`` shows them as the ideal. The
-MLA backends of kernels/mla/backends.py refuse a V4 layer, as vLLM's selector does.
+The library kernels are rules only in this build: ``explain`` shows them as the ideal, the
+route is TRITON_MLA_SPARSE_DSV4. The MLA backends of kernels/mla/backends.py refuse a V4
+layer, as vLLM's selector does.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from archserve.kernels.mla.backends import MlaBackend, mla_priority
-from archserve.kernels.rules import RuleBackend
+from archserve.kernels.rules import RuleBackend, needs_triton_device
 from archserve.kernels.specs import AttentionSpec
 from archserve.platform.device import DeviceInfo
 
@@ -72,18 +76,47 @@ class FlashInferMlaSparseDsv4Backend(Dsv4Backend):
         return None
 
 
+class TritonMlaSparseDsv4Backend(Dsv4Backend):
+    name = "TRITON_MLA_SPARSE_DSV4"
+    library = "triton"
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    kv_dtypes = ("auto", "float16", "bfloat16")
+    description = ("archserve's Triton DeepSeek V4 attention: the compressor, the indexer's "
+                   "top-k over compressed entries, then one kernel over each query's window, "
+                   "entries and sinks (any GPU)")
+    block_multiple = None        # any block holding whole groups (the rate rule below)
+    graph_capturable = True
+    impl_path = "archserve.kernels.mla.triton_dsv4:TritonDsv4Impl"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        return needs_triton_device(device)
+
+    def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        return None
+
+    def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        # A compression group never straddles two blocks (compressed_attention/layout.py).
+        rate = spec.compress_rate or 0
+        if rate and spec.block_size is not None and spec.block_size % rate:
+            return (f"KV block size must be a multiple of the compress rate {rate}, requested "
+                    f"{spec.block_size}")
+        return super().request_rule(device, spec)
+
+
 DSV4_BACKENDS: tuple[type[RuleBackend], ...] = (FlashMlaSparseDsv4Backend,
-                                                FlashInferMlaSparseDsv4Backend)
+                                                FlashInferMlaSparseDsv4Backend,
+                                                TritonMlaSparseDsv4Backend)
 
 
 def dsv4_priority(device: DeviceInfo, spec: AttentionSpec) -> list[str]:
-    """vLLM's _select_dsv4_attn_cls: FlashInfer on SM12x, FlashMLA elsewhere (FlashInfer on
-    the SM100 family when named)."""
+    """vLLM's _select_dsv4_attn_cls (FlashInfer on SM12x, FlashMLA elsewhere, FlashInfer on
+    the SM100 family when named), then archserve's Triton route on any GPU."""
+    triton = ["TRITON_MLA_SPARSE_DSV4"] if device.is_gpu else []
     if device.platform != "cuda":
-        return []
+        return triton
     if device.family == 120:
-        return ["FLASHINFER_MLA_SPARSE_DSV4"]
-    return ["FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4"]
+        return ["FLASHINFER_MLA_SPARSE_DSV4", *triton]
+    return ["FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4", *triton]
 
 
 def mla_attention_priority(device: DeviceInfo, spec: AttentionSpec) -> list[str]:

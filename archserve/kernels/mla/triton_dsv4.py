@@ -1,0 +1,122 @@
+"""TRITON_MLA_SPARSE_DSV4: DeepSeek V4's attention from archserve's Triton kernels.
+
+Per layer and step (the contract: kernels/compressed_attention/interface.py):
+
+1. compressed layers: the compressor's emit and carry launches
+   (kernels/compressed_attention/triton_compressor.py): the entries (and index keys) of the
+   groups the step completes, the accumulators it leaves;
+2. compressed sparse layers: each query row's indexer scores over the entries complete at
+   its position (sparse MLA's scoring kernel, over V4's entry rows) and its top-k (sparse
+   MLA's radix select); a row that sees no more than top-k takes them all;
+3. the attention kernel over each row's window, its entries and the sinks
+   (kernels/compressed_attention/triton_attention.py), then the step's keys into the
+   window rows.
+
+A decode step's per-row inputs come from the step's device tensors with torch ops (what a
+CUDA graph replays), a prompt step's from its host lengths.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from archserve.kernels.attention.interface import AttentionMetadata
+from archserve.kernels.compressed_attention.interface import (
+    CompressedLayerParams,
+    CompressedStepInputs,
+)
+from archserve.kernels.compressed_attention.layout import CompressedCacheLayout
+from archserve.kernels.compressed_attention.triton_attention import (
+    RowInputs,
+    attention_triton,
+    write_window_triton,
+)
+from archserve.kernels.compressed_attention.triton_compressor import compress_triton
+from archserve.kernels.sparse_mla.triton_indexer import IndexKeySource, select_top_keys
+
+
+class TritonDsv4Impl:
+    graph_capturable = True
+
+    def __init__(self, device=None, spec=None) -> None:  # noqa: ANN001
+        self.device = device
+        self.spec = spec
+        self.num_sms = (getattr(device, "multiprocessor_count", None) or 0) if device else 0
+
+    def _sm_count(self, tensor: torch.Tensor) -> int:
+        if self.num_sms == 0 and tensor.is_cuda:
+            self.num_sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count
+        return self.num_sms
+
+    def forward_compressed(self, layout: CompressedCacheLayout, layer: CompressedLayerParams,
+                           inputs: CompressedStepInputs, kv_cache: torch.Tensor,
+                           meta: AttentionMetadata) -> torch.Tensor:
+        """The CompressedAttentionImpl contract (kernels/compressed_attention/interface.py)."""
+        if layer.compressor is not None:
+            compress_triton(layout, layer, inputs.compressor_kv, inputs.compressor_gate,
+                            inputs.index_kv, inputs.index_gate, kv_cache, meta)
+        rows = step_rows(meta, inputs.query.shape[0])
+        rate, window = layout.compress_rate, layout.window
+        n_window = torch.clamp(rows.position + 1, min=0, max=window)
+        visible = (torch.div(rows.position + 1, rate, rounding_mode="floor").clamp(min=0)
+                   if rate else None)
+        longest = meta.max_seq_len // rate if rate else 0
+        indices = None
+        if layout.index_dim:
+            indices, counts = self._select(layout, layer, inputs, kv_cache, meta, rows,
+                                           visible.to(torch.int32), longest)
+            entries, max_entries = counts, min(longest, layer.index_topk)
+        elif rate:
+            entries, max_entries = visible, longest
+        else:
+            entries, max_entries = torch.zeros_like(n_window), 0
+        rows.key_counts = (n_window + entries).to(torch.int32)
+        out = attention_triton(layout, inputs.query, inputs.kv, kv_cache, meta.block_tables,
+                               layer.sinks, layer.scale, rows, indices,
+                               min(window, meta.max_seq_len) + max_entries,
+                               self._sm_count(inputs.kv))
+        write_window_triton(layout, inputs.kv, kv_cache, meta.block_tables,
+                            meta.query_start_loc, meta.seq_lens, meta.num_seqs,
+                            meta.max_query_len)
+        return out
+
+    def _select(self, layout: CompressedCacheLayout, layer: CompressedLayerParams,
+                inputs: CompressedStepInputs, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                rows: RowInputs, visible: torch.Tensor, longest: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 [R, topk] entries, -1 padded; int32 [R] how many) of the step's rows:
+        sparse MLA's selection over the layer's index keys (an entry's key in its block's
+        index rows)."""
+        keys = IndexKeySource(layout.block_span(kv_cache), layout.block_size * layout.row_bytes,
+                              layout.index_dim * layout.elem, layout.entries_per_block,
+                              layout.index_offset)
+        decode = meta.max_query_len <= 1
+        return select_top_keys(keys, meta.block_tables, inputs.index_query,
+                               inputs.index_weights, rows.seq, visible, longest,
+                               layer.index_topk, None if decode else meta.query_lens_cpu,
+                               self._sm_count(visible))
+
+
+def step_rows(meta: AttentionMetadata, num_rows: int) -> RowInputs:
+    """Each query row's sequence, position, step start and the row of that start: from the
+    step's device tensors for a decode step (row i is sequence i), else from host lengths."""
+    device = meta.seq_lens.device
+    index = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
+    if meta.max_query_len <= 1:
+        seq = index[:num_rows]
+        position = (meta.seq_lens[:num_rows] - 1).to(torch.int32)
+        return RowInputs(seq, position, position, meta.query_start_loc[:num_rows], index)
+    query_lens = np.asarray(meta.query_lens_cpu, dtype=np.int64)
+    seq_lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+    firsts = np.cumsum(query_lens) - query_lens
+    seq = np.repeat(np.arange(len(query_lens)), query_lens)
+    start = np.repeat(seq_lens - query_lens, query_lens)
+    fresh = np.repeat(firsts, query_lens)
+    position = start + np.arange(len(seq)) - fresh
+    pad = num_rows - len(seq)        # rows past the sequences' (padding): no keys
+    arrays = [np.concatenate((a, np.full(pad, fill, dtype=np.int64)))
+              for a, fill in ((seq, 0), (position, -1), (start, 0), (fresh, 0))]
+    seq_t, position_t, start_t, fresh_t = (torch.from_numpy(a.astype(np.int32)).to(device)
+                                           for a in arrays)
+    return RowInputs(seq_t, position_t, start_t, fresh_t, index)
