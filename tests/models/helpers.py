@@ -234,10 +234,11 @@ SHARED_PREFIX = "A paged KV cache stores keys and values in fixed-size blocks. "
 PREFIX_TAILS = ("The capital of", "1 2 3", "Hello world")
 
 
-def assert_chunked_prefix_and_preemption_equal_hf(path: str, monkeypatch) -> None:
+def assert_chunked_prefix_and_preemption_equal_hf(path: str, monkeypatch, **engine) -> None:
     """The engine's harder paths on CPU in fp32 against transformers: prompts sharing a
     cached prefix, prefills chunked over several steps (8-token budget), and a pool too
-    small for every sequence at once, so some are preempted and recomputed."""
+    small for every sequence at once, so some are preempted and recomputed. ``engine``:
+    other sizes (DeepSeek V4's blocks hold whole compression groups)."""
     from archserve.engine.scheduler import Scheduler
 
     prompts = [SHARED_PREFIX + tail for tail in PREFIX_TAILS]
@@ -251,8 +252,8 @@ def assert_chunked_prefix_and_preemption_equal_hf(path: str, monkeypatch) -> Non
     monkeypatch.setattr(Scheduler, "_preempt", counting)
     outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
         path, prompts, 32, prompt_logprobs=False, enable_prefix_caching=True,
-        enable_chunked_prefill=True, max_num_batched_tokens=8, block_size=4, num_kv_blocks=24,
-        max_model_len=80)
+        enable_chunked_prefill=True, **{"max_num_batched_tokens": 8, "block_size": 4,
+                                        "num_kv_blocks": 24, "max_model_len": 80, **engine})
     assert preempted, "the pool was large enough for every sequence: nothing was preempted"
     assert max(out.num_cached_tokens for out in outputs) >= 8
 

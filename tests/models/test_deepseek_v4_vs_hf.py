@@ -18,12 +18,13 @@ import pytest
 import torch
 from tiny_checkpoints import build_tiny_checkpoint
 
-from archserve.engine.scheduler import Scheduler
 from archserve.kernels.compressed_attention.layout import CSA, HCA, SLIDING
 from models.helpers import (
     PROMPTS,
+    SHARED_PREFIX,
     TEXT_PROMPTS,
     PagedSequences,
+    assert_chunked_prefix_and_preemption_equal_hf,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
@@ -186,22 +187,9 @@ def test_llm_chunked_prefill_prefix_cache_and_preemption(tmp_path, monkeypatch):
     """Prompts sharing a cached prefix (its blocks carry window keys, entries, index keys and
     closed accumulators), prefills chunked 6 tokens a step (ending inside groups of 4 and 8),
     and a pool too small for every sequence at once, so some are preempted and recomputed."""
-    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
-    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
-    preempted = []
-    original = Scheduler._preempt
-
-    def counting(self, seq, *args):
-        preempted.append(seq.seq_id)
-        return original(self, seq, *args)
-
-    monkeypatch.setattr(Scheduler, "_preempt", counting)
-    outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
-        _checkpoint(tmp_path), prompts, 32, prompt_logprobs=False, enable_prefix_caching=True,
-        enable_chunked_prefill=True, max_num_batched_tokens=6, block_size=8, num_kv_blocks=14,
-        max_model_len=80)
-    assert preempted, "the pool was large enough for every sequence: nothing was preempted"
-    assert max(out.num_cached_tokens for out in outputs) >= 8
+    assert_chunked_prefix_and_preemption_equal_hf(
+        _checkpoint(tmp_path), monkeypatch, max_num_batched_tokens=6, block_size=8,
+        num_kv_blocks=14)
 
 
 def test_speculative_decoding_is_refused(pair):
@@ -236,8 +224,7 @@ def test_triton_route_under_the_interpreter_matches_transformers(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = _checkpoint(tmp_path)
-    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
-    prompts = [shared + "The capital of", shared + "1 2 3"]
+    prompts = [SHARED_PREFIX + "The capital of", SHARED_PREFIX + "1 2 3"]
     tok = AutoTokenizer.from_pretrained(path)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = []
