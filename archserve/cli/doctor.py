@@ -22,6 +22,10 @@ def doctor(
     verbose: Annotated[bool, typer.Option(
         "--verbose", "-v", help="Every backend each op kind passed over, and why (the "
                                 "default shows each op's verdict).")] = False,
+    speculative_config: Annotated[str | None, typer.Option(
+        "--speculative-config", help="vLLM's speculative config as JSON: check that it runs "
+                                     "for --model (default: the embedded model) and say "
+                                     "what would draft.")] = None,
 ) -> None:
     """Check device, driver / CUDA runtime / torch build and kernel libraries; show each op's backend.
 
@@ -51,6 +55,13 @@ def doctor(
             raise typer.BadParameter(str(exc), param_hint="--model") from exc
     report = run_doctor(info, tensor_parallel_size=tensor_parallel_size, model=summary,
                         num_devices=_live_device_count() if device is None else None)
+    if speculative_config is not None:
+        from archserve.cli.explain import speculation_decision
+        try:
+            report.decisions.append(speculation_decision(speculative_config,
+                                                         resolve_model_path(model)))
+        except ValueError as exc:
+            report.blockers.append(f"speculative decoding: {exc}")
     if json_output:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -70,6 +70,10 @@ def explain(
                                            help="Adapter slots per layer (LoRA).")] = 1,
     max_lora_rank: Annotated[int, typer.Option("--max-lora-rank",
                                                help="The largest adapter rank (LoRA).")] = 16,
+    speculative_config: Annotated[str | None, typer.Option(
+        "--speculative-config", help="vLLM's speculative config as JSON (ngram, draft_model "
+                                     "or mtp): say what would draft and verify for the "
+                                     "model.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
     """Show which backend each layer kind runs on DEVICE, the ideal one, and why others lost."""
@@ -115,6 +119,11 @@ def explain(
             result = explain_op_request(info, op, head_size, dtype, kv_cache_dtype, block_size,
                                         assumption, override=backend, quantization=quantization,
                                         inputs=inputs, sparse_mla=sparse_mla)
+        if speculative_config is not None:
+            if op is not None:
+                raise ValueError("--speculative-config explains a model: give --model, not --op")
+            result.decisions.append(speculation_decision(speculative_config,
+                                                         resolve_model_path(model)))
     except (ValueError, BackendError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -122,6 +131,17 @@ def explain(
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
         _print_explanation(result)
+
+
+def speculation_decision(speculative_config: str, model_path: str):  # noqa: ANN201
+    """What a speculative config would run for the model at ``model_path`` (a Decision;
+    ValueError when it cannot), from configs alone."""
+    from archserve.engine.spec_decode.config import parse_speculative_config
+    from archserve.engine.spec_decode.setup import plan_speculation
+    from archserve.loader.loader import load_model_config
+    target, _ = load_model_config(model_path)
+    return plan_speculation(parse_speculative_config(speculative_config), target,
+                            model_path)[1]
 
 
 def _print_explanation(result) -> None:  # noqa: ANN001 - an Explanation

@@ -21,8 +21,9 @@ Any other key is refused by name rather than ignored.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+
+from archserve.engine.config_json import loads_option, refuse_unknown_keys
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
 _NOT_BUILT = ("PIECEWISE", "FULL_AND_PIECEWISE")
@@ -42,20 +43,13 @@ def parse_compilation_config(value: dict | str | None) -> CompilationChoice:
     """The choice a ``compilation_config`` (a dict, or its JSON text) asks for."""
     if value is None:
         return CompilationChoice()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"compilation_config is not JSON: {exc}") from None
+    value = loads_option(value, "compilation_config")
     if isinstance(value, int) and not isinstance(value, bool):
         value = {"level": value}                 # -O3: vLLM's optimisation level
     if not isinstance(value, dict):
         raise ValueError("compilation_config must be a JSON object such as "
                          '{"cudagraph_mode": "FULL"}, or an optimisation level 0-3')
-    unknown = sorted(set(value) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"compilation_config key(s) {', '.join(unknown)} not supported by "
-                         f"archserve; supported: {', '.join(_KEYS)}")
+    refuse_unknown_keys(value, _KEYS, "compilation_config")
     if "level" in value and value["level"] not in _LEVELS:
         raise ValueError(f"optimisation level {value['level']!r} is not one of 0-3")
     mode = str(value.get("cudagraph_mode", "FULL")).upper()

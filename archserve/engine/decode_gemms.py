@@ -170,6 +170,12 @@ def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torc
     selection = select_linear_backend(device, spec)
     routine = selection.backend.make_impl(device, spec)
     decision = None
+    tune_rows = getattr(routine, "tune_rows", None)
+    if tune_rows is not None:   # the CPU's form of a few rows' GEMM (cpu_rows.py)
+        weights = [w for group in linear_weights_by_shape(model).values() for w in group]
+        path = os.path.join(device_kernel_dir(device), "cpu_gemms.json")
+        decision = Decision("GEMMs of a few rows", selection.name, selection.name,
+                            tune_rows(weights, path))
     tune = getattr(routine, "tune", None)
     if tune is not None:
         if graph_sizes:

@@ -204,7 +204,7 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
                                                       gguf_path, dtype)
     decisions += quant_plan.decisions
     if speculative is not None:   # refused here, before loading, when it cannot run
-        speculative, spec_decision = plan_speculation(speculative, probe_config)
+        speculative, spec_decision = plan_speculation(speculative, probe_config, config.model)
         decisions.append(spec_decision)
     scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
     decisions.append(scheduling)

@@ -19,8 +19,9 @@ are refused by name rather than ignored; vLLM's deprecated MTP method names
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from archserve.engine.config_json import loads_option, refuse_unknown_keys
 
 METHODS = ("ngram", "draft_model", "mtp")
 _MTP_ALIASES = ("deepseek_mtp", "deepseek_v3_mtp", "deepseek_v32_mtp", "glm4_moe_mtp")
@@ -60,18 +61,11 @@ def parse_speculative_config(value: dict | str | SpeculativeConfig | None
     asks for; None for none. ValueError names what is wrong."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not JSON: {exc}") from None
+    value = loads_option(value, "speculative_config")
     if not isinstance(value, dict):
         raise ValueError('speculative_config must be a JSON object such as {"method": "ngram", '
                          '"num_speculative_tokens": 4}')
-    unknown = sorted(set(value) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"speculative_config key(s) {', '.join(unknown)} not supported by "
-                         f"archserve; supported: {', '.join(_KEYS)}")
+    refuse_unknown_keys(value, _KEYS, "speculative_config")
     method = value.get("method")
     model = value.get("model")
     if method is None:   # vLLM infers it: "ngram" as the model names the method

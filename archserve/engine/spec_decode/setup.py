@@ -24,10 +24,12 @@ _VERIFY = ("one target forward verifies each sequence's drafts (greedy: accepted
            "resolves before the next is scheduled")
 
 
-def plan_speculation(config: SpeculativeConfig, target) -> tuple[SpeculativeConfig, Decision]:
+def plan_speculation(config: SpeculativeConfig, target, target_path: str | None = None
+                     ) -> tuple[SpeculativeConfig, Decision]:
     """``config`` completed for the ``target`` ModelConfig (mtp: its layer count as the
     default number of drafts), and the decision saying what will run; ValueError when the
-    target or the draft cannot (read from configs only, no weights)."""
+    target or the draft cannot (read from configs and tokenizers, no weights).
+    ``target_path``: the target's checkpoint, whose tokenizer a draft model's must match."""
     if getattr(target, "compressed_attention", None) is not None:
         # Verification writes the drafts' tokens into the cache before they are accepted:
         # overwriting a rejected draft's row is enough for keys and entries, but V4's
@@ -65,7 +67,25 @@ def plan_speculation(config: SpeculativeConfig, target) -> tuple[SpeculativeConf
     return config, Decision(
         "speculative decoding", "draft_model", "draft_model",
         f"{config.describe()} ({draft.architecture}, {draft.num_layers} layers, greedy, its "
-        f"KV cache in the target's blocks); {_VERIFY}")
+        f"KV cache in the target's blocks; {_same_tokenizer(target_path, config.model)}); "
+        f"{_VERIFY}")
+
+
+def _same_tokenizer(target_path: str | None, draft_path: str) -> str:
+    """How the draft model's tokenizer was checked against the target's: every draft token
+    must have the target's id (ValueError where one does not)."""
+    from archserve.loader.loader import resolve_model_path
+    from archserve.loader.tokenizer import has_tokenizer, load_tokenizer
+    paths = [resolve_model_path(target_path), resolve_model_path(draft_path)]
+    if not all(has_tokenizer(p) for p in paths):
+        return "tokenizers not compared: a checkpoint has none"
+    target, draft = (load_tokenizer(p).get_vocab() for p in paths)
+    other = [token for token, index in draft.items() if target.get(token) != index]
+    if other:
+        raise ValueError(f"speculative_config draft model {draft_path}: its tokenizer is not "
+                         f"the target's ({len(other)} of its {len(draft)} tokens have another "
+                         f"id there, e.g. {other[:3]})")
+    return "its tokenizer the target's"
 
 
 def load_draft_network(config: SpeculativeConfig, target_path: str | None, target,

@@ -53,6 +53,9 @@ def _format_text(fmt: str | None) -> str:
 
 
 def _torch_linear(device: DeviceInfo, spec: LinearSpec) -> Any:
+    if device.platform == "cpu":   # a few rows in the form the CPU BLAS runs faster
+        from archserve.kernels.linear.cpu_rows import CpuRowsLinear
+        return CpuRowsLinear()
     return torch_linear
 
 

@@ -1,0 +1,48 @@
+"""--speculative-config on the command line: generate speculates and prints plain
+decoding's text; explain and doctor say what would draft, and refuse what cannot."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from archserve.cli.main import app
+
+runner = CliRunner()
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                    "prompt_lookup_min": 1})
+
+
+def test_generate_with_speculation_prints_the_plain_text(tiny_checkpoint):
+    common = ["generate", "1 2 3 1 2 3 1 2", "--model", tiny_checkpoint("llama"),
+              "--max-tokens", "24", "--dtype", "float32"]
+    plain = runner.invoke(app, common)
+    spec = runner.invoke(app, [*common, "--speculative-config", NGRAM])
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert spec.output == plain.output
+    bad = runner.invoke(app, [*common, "--speculative-config", '{"method": "medusa"}'])
+    assert bad.exit_code == 2 and "method must be one of" in bad.output
+
+
+def test_explain_says_what_drafts(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    draft = json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    out = runner.invoke(app, ["explain", "--model", path, "--speculative-config", draft,
+                              "--json"])
+    assert out.exit_code == 0, out.output
+    decision = next(d for d in json.loads(out.output)["decisions"]
+                    if d["what"] == "speculative decoding")
+    assert decision["chosen"] == "draft_model" and "its tokenizer the target's" in \
+        decision["reason"]
+    mtp = runner.invoke(app, ["explain", "--model", path, "--speculative-config",
+                              '{"method": "mtp"}'])
+    assert mtp.exit_code == 2 and "no multi-token-prediction layers" in mtp.output
+
+
+def test_doctor_refuses_a_draft_with_another_tokenizer(tiny_checkpoint, embedded_model_path):
+    other = json.dumps({"method": "draft_model", "model": tiny_checkpoint("llama"),
+                        "num_speculative_tokens": 2})
+    out = runner.invoke(app, ["doctor", "--model", embedded_model_path,
+                              "--speculative-config", other])
+    assert out.exit_code == 1 and "its tokenizer is not the target's" in out.output
