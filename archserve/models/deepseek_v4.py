@@ -96,11 +96,11 @@ class DeepseekV4DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, streams: torch.Tensor, input_ids: torch.Tensor
                 ) -> torch.Tensor:
         """streams [T, hc_mult, hidden] -> the streams after attention and MoE."""
-        x, post, comb = self.attn_hc.pre(streams)
-        out = self.self_attn(positions, self.input_layernorm(x)[0])
+        x, post, comb = self.attn_hc.pre(streams, self.input_layernorm)
+        out = self.self_attn(positions, x)
         streams = self.attn_hc.post(streams, out, post, comb)
-        x, post, comb = self.ffn_hc.pre(streams)
-        out = self.mlp(self.post_attention_layernorm(x)[0], input_ids)
+        x, post, comb = self.ffn_hc.pre(streams, self.post_attention_layernorm)
+        out = self.mlp(x, input_ids)
         return self.ffn_hc.post(streams, out, post, comb)
 
 
@@ -121,7 +121,7 @@ class DeepseekV4Model(nn.Module):
         streams = x[:, None, :].expand(-1, self.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(positions, streams, input_ids)
-        return self.norm(self.hc_head(streams))[0]
+        return self.hc_head(streams, self.norm)
 
 
 class DeepseekV4ForCausalLM(LlamaForCausalLM):

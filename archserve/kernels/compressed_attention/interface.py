@@ -11,7 +11,7 @@ rotated (the layer rotates it back).
 
 Rope, here and in the layer, rotates interleaved pairs of each head's trailing
 ``rope_dim`` channels (DeepSeek's layout) by the angles position * inv_freq (fp32), computed
-where they are used: V4's million positions would make cos/sin tables of 128 MiB each.
+where they are used (kernels/elementwise/reference.py, ``rotate_interleaved``).
 """
 
 from __future__ import annotations
@@ -77,21 +77,3 @@ class CompressedAttentionImpl(Protocol):
                            meta: AttentionMetadata) -> torch.Tensor:
         """-> the heads' output [T, H, head_dim] in the query's dtype."""
         ...
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) fp32 [..., rope_dim / 2] of ``positions`` (any shape)."""
-    angles = positions.float()[..., None] * inv_freq.float()
-    return angles.cos(), angles.sin()
-
-
-def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., D] with its trailing 2 * cos.shape[-1] channels rotated as interleaved pairs
-    by cos/sin [..., R / 2] (broadcast over x's middle dimensions), in fp32, back in x's
-    dtype. sin negated rotates back."""
-    half = cos.shape[-1]
-    rope = x[..., x.shape[-1] - 2 * half:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
-    return torch.cat((x[..., :x.shape[-1] - 2 * half], rotated.flatten(-2).to(x.dtype)), -1)

@@ -30,8 +30,6 @@ from archserve.kernels.attention.reference import scheduled_sequences
 from archserve.kernels.compressed_attention.interface import (
     CompressedLayerParams,
     CompressedStepInputs,
-    rope_cos_sin,
-    rotate_interleaved,
 )
 from archserve.kernels.compressed_attention.layout import (
     CLOSED_NEXT,
@@ -39,6 +37,7 @@ from archserve.kernels.compressed_attention.layout import (
     OPEN_OWN,
     CompressedCacheLayout,
 )
+from archserve.kernels.elementwise.reference import rope_cos_sin, rotate_interleaved
 from archserve.kernels.sparse_mla.reference import index_scores, select_topk
 
 Accumulator = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # (max, sum exp, weighted sum)

@@ -18,6 +18,7 @@ from archserve.kernels.elementwise.dispatch import (
     hyper_connection_head,
     hyper_connection_post,
     hyper_connection_pre,
+    norm_rope_interleaved,
     rms_norm,
     silu_and_mul,
 )
@@ -25,4 +26,4 @@ from archserve.kernels.elementwise.dispatch import (
 __all__ = ["DISABLE_ENV", "DISABLE_FUSIONS_ENV", "FUSIONS", "apply_rotary",
            "forced_fused_route", "fused_kernel_route", "fusion_enabled", "gelu_tanh_and_mul",
            "hyper_connection_head", "hyper_connection_post", "hyper_connection_pre",
-           "rms_norm", "silu_and_mul"]
+           "norm_rope_interleaved", "rms_norm", "silu_and_mul"]

@@ -191,24 +191,53 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def hyper_connection_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
-                         scale: torch.Tensor, norm_eps: float, hc_eps: float, iters: int
+                         scale: torch.Tensor, norm_eps: float, hc_eps: float, iters: int,
+                         norm_weight: torch.Tensor, block_eps: float
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepSeek V4's hyper-connection before a block: streams x [T, n, H] -> (the block's
-    input [T, H] in x's dtype, post [T, n], comb [T, n, n] fp32)
+    input: the streams' collapse through the block's RMSNorm (``norm_weight``,
+    ``block_eps``), [T, H] in x's dtype; post [T, n]; comb [T, n, n] fp32)
     (kernels/elementwise/hyper_connection_reference.py)."""
+    if _takes_triton(x.device, None):
+        from archserve.kernels.elementwise.triton_hyper_connection import hc_pre_triton
+        return hc_pre_triton(x, fn, base, scale, norm_eps, hc_eps, iters, norm_weight,
+                             block_eps)
     from archserve.kernels.elementwise.hyper_connection_reference import hc_pre_reference
-    return hc_pre_reference(x, fn, base, scale, norm_eps, hc_eps, iters)
+    collapsed, post, comb = hc_pre_reference(x, fn, base, scale, norm_eps, hc_eps, iters)
+    return rms_norm_reference(collapsed, norm_weight, block_eps)[0], post, comb
 
 
 def hyper_connection_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor,
                           comb: torch.Tensor) -> torch.Tensor:
     """The streams after a block: post_i * out + sum_j comb[j, i] x_j [T, n, H]."""
+    if _takes_triton(x.device, None):
+        from archserve.kernels.elementwise.triton_hyper_connection import hc_post_triton
+        return hc_post_triton(x, out, post, comb)
     from archserve.kernels.elementwise.hyper_connection_reference import hc_post_reference
     return hc_post_reference(x, out, post, comb)
 
 
 def hyper_connection_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
-                          scale: torch.Tensor, norm_eps: float, hc_eps: float) -> torch.Tensor:
-    """The streams' final collapse [T, n, H] -> [T, H]."""
+                          scale: torch.Tensor, norm_eps: float, hc_eps: float,
+                          norm_weight: torch.Tensor, block_eps: float) -> torch.Tensor:
+    """The streams' final collapse [T, n, H] -> [T, H], through the model's last RMSNorm."""
+    if _takes_triton(x.device, None):
+        from archserve.kernels.elementwise.triton_hyper_connection import hc_head_triton
+        return hc_head_triton(x, fn, base, scale, norm_eps, hc_eps, norm_weight, block_eps)
     from archserve.kernels.elementwise.hyper_connection_reference import hc_head_reference
-    return hc_head_reference(x, fn, base, scale, norm_eps, hc_eps)
+    collapsed = hc_head_reference(x, fn, base, scale, norm_eps, hc_eps)
+    return rms_norm_reference(collapsed, norm_weight, block_eps)[0]
+
+
+def norm_rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                          weight: torch.Tensor | None = None, eps: float | None = None,
+                          inverse: bool = False) -> torch.Tensor:
+    """DeepSeek V4's per-head transform: x [T, D] or [T, H, D] RMS-normalised when ``eps``
+    is given (with ``weight`` or unweighted), then its trailing 2 * len(inv_freq) channels
+    rotated as interleaved pairs at ``positions`` [T] (``inverse``: rotated back)."""
+    unsupported = "norm_rope_interleaved on non-dense channels" if x.stride(-1) != 1 else None
+    if _takes_triton(x.device, unsupported):
+        from archserve.kernels.elementwise.triton_norm_rope import norm_rope_interleaved_triton
+        return norm_rope_interleaved_triton(x, positions, inv_freq, weight, eps, inverse)
+    from archserve.kernels.elementwise.reference import norm_rope_interleaved_reference
+    return norm_rope_interleaved_reference(x, positions, inv_freq, weight, eps, inverse)

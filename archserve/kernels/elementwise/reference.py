@@ -51,6 +51,45 @@ def rotary_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             rotate_neox_reference(k, cos, sin, head_size))
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) fp32 [..., rope_dim / 2] of ``positions`` (any shape): the angles
+    position * inv_freq, computed where they are used (DeepSeek V4's million positions would
+    make cos/sin tables of 128 MiB each)."""
+    angles = positions.float()[..., None] * inv_freq.float()
+    return angles.cos(), angles.sin()
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D] with its trailing 2 * cos.shape[-1] channels rotated as interleaved pairs
+    (DeepSeek V4's rope) by cos/sin [..., R / 2] (broadcast over x's middle dimensions), in
+    fp32, back in x's dtype. sin negated rotates back."""
+    half = cos.shape[-1]
+    rope = x[..., x.shape[-1] - 2 * half:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    return torch.cat((x[..., :x.shape[-1] - 2 * half], rotated.flatten(-2).to(x.dtype)), -1)
+
+
+def norm_rope_interleaved_reference(x: torch.Tensor, positions: torch.Tensor,
+                                    inv_freq: torch.Tensor, weight: torch.Tensor | None = None,
+                                    eps: float | None = None, inverse: bool = False
+                                    ) -> torch.Tensor:
+    """DeepSeek V4's per-head input (or output) transform: x [T, (H,) D] RMS-normalised over
+    D when ``eps`` is given (with ``weight``: rms_norm_reference's numerics; without: scaled
+    by 1/rms rounded to x's dtype, transformers' unweighted norm), then rotated at
+    ``positions`` [T] (``inverse``: rotated back)."""
+    if eps is not None:
+        if weight is not None:
+            x = rms_norm_reference(x, weight, eps)[0]
+        else:
+            x = x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    if x.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    return rotate_interleaved(x, cos, -sin if inverse else sin)
+
+
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """x [.., 2I] (gate then up) -> silu(gate) * up [.., I]."""
     gate, up = x.chunk(2, dim=-1)

@@ -34,10 +34,9 @@ from archserve.kernels.compressed_attention.interface import (
     CompressedLayerParams,
     CompressedStepInputs,
     CompressorParams,
-    rope_cos_sin,
-    rotate_interleaved,
 )
 from archserve.kernels.compressed_attention.layout import CSA, CompressedCacheLayout
+from archserve.kernels.elementwise import norm_rope_interleaved
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.linear import DenseMatrix, Linear, WeightOnly, apply_linear
 from archserve.models.layers.norm import RMSNorm
@@ -148,12 +147,11 @@ class DeepseekV4Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden_size] (the normalised block input) -> [T, hidden_size]."""
         t, h, d = hidden.shape[0], self.num_heads, self.head_dim
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
         q_resid = self.q_a_norm(self.q_a_proj(hidden))[0]
-        q = self.q_b_proj(q_resid).view(t, h, d)
-        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
-        q = rotate_interleaved(q, cos[:, None], sin[:, None])
-        kv = rotate_interleaved(self.kv_norm(self.kv_proj(hidden))[0], cos, sin)
+        q = norm_rope_interleaved(self.q_b_proj(q_resid).view(t, h, d), positions,
+                                  self.inv_freq, eps=self.eps)
+        kv = norm_rope_interleaved(self.kv_proj(hidden), positions, self.inv_freq,
+                                   self.kv_norm.weight, self.kv_norm.eps)
         inputs = CompressedStepInputs(q, kv)
         c = self.compressor
         if c is not None:
@@ -163,7 +161,7 @@ class DeepseekV4Attention(nn.Module):
                 inputs.index_kv = indexer.kv_proj(hidden)
                 inputs.index_gate = indexer.gate_proj(hidden)
                 iq = indexer.q_b_proj(q_resid).view(t, self.index_heads, self.index_dim)
-                inputs.index_query = rotate_interleaved(iq, cos[:, None], sin[:, None])
+                inputs.index_query = norm_rope_interleaved(iq, positions, self.inv_freq)
                 inputs.index_weights = indexer.scorer.weights_proj(hidden).float() * (
                     (self.index_heads * self.index_dim) ** -0.5)
         ctx = get_forward_context()
@@ -171,7 +169,7 @@ class DeepseekV4Attention(nn.Module):
         with op_region("attention"):
             out = ctx.attn_impl.forward_compressed(self.layout(cache, kv.dtype), self.params(),
                                                    inputs, cache, ctx.attn_metadata)
-        out = rotate_interleaved(out, cos[:, None], -sin[:, None])
+        out = norm_rope_interleaved(out, positions, self.inv_freq, inverse=True)
         return self.o_b_proj(self._grouped_output(out.reshape(t, self.o_groups, -1)))
 
     def _grouped_output(self, grouped: torch.Tensor) -> torch.Tensor:

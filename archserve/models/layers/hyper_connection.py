@@ -13,6 +13,7 @@ from archserve.kernels.elementwise import (
     hyper_connection_post,
     hyper_connection_pre,
 )
+from archserve.models.layers.norm import RMSNorm
 
 
 def _fp32(*shape: int) -> nn.Parameter:
@@ -32,10 +33,12 @@ class HyperConnection(nn.Module):
         self.scale = _fp32(3)
         self.sinkhorn_iters, self.hc_eps, self.norm_eps = sinkhorn_iters, hc_eps, norm_eps
 
-    def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, n, H] -> (the block's input [T, H], post [T, n], comb [T, n, n])."""
+    def pre(self, streams: torch.Tensor, norm: RMSNorm
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, H] -> (the block's input: their collapse through ``norm`` [T, H],
+        post [T, n], comb [T, n, n])."""
         return hyper_connection_pre(streams, self.fn, self.base, self.scale, self.norm_eps,
-                                    self.hc_eps, self.sinkhorn_iters)
+                                    self.hc_eps, self.sinkhorn_iters, norm.weight, norm.eps)
 
     @staticmethod
     def post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor,
@@ -54,6 +57,7 @@ class HyperHead(nn.Module):
         self.hc_scale = _fp32(1)
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The streams' collapse through the model's last ``norm``: [T, H]."""
         return hyper_connection_head(streams, self.hc_fn, self.hc_base, self.hc_scale,
-                                     self.norm_eps, self.hc_eps)
+                                     self.norm_eps, self.hc_eps, norm.weight, norm.eps)
