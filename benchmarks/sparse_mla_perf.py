@@ -192,9 +192,11 @@ def _run(engine, ceilings, name: str, num: int, input_len: int, output_len: int)
     roof = analyze(trace, model_facts(engine), ceilings)
     row = {"model": name, "requests": num, "input_len": input_len, "output_len": output_len,
            "decode_step_ms": roof.decode_step_s_mean * 1e3,
+           "decode_floor_ms": roof.decode_floor_s_mean * 1e3,
            "output_tok_s": throughput.output_tokens_per_s, "elapsed_s": throughput.elapsed_s}
     print(f"{name} {num} x {input_len}/{output_len}: decode step {row['decode_step_ms']:.3f} "
-          f"ms, {row['output_tok_s']:.1f} out tok/s, {row['elapsed_s']:.1f} s", flush=True)
+          f"ms (floor {row['decode_floor_ms']:.3f}), {row['output_tok_s']:.1f} out tok/s, "
+          f"{row['elapsed_s']:.1f} s", flush=True)
     return row
 
 

@@ -45,6 +45,10 @@ class ModelFacts:
     expert_bytes: int = 0
     num_experts: int = 0
     top_k: int = 0
+    # Where a layer reads less than its whole cached context (DeepSeek V4: a window and
+    # compressed entries), the bytes one sequence's step reads over every layer, from
+    # (context, new tokens); None: kv_bytes_per_token_per_layer * (context + new) a layer.
+    cache_read_bytes: Callable[[int, int], int] | None = None
 
     def weights(self) -> StepWeights:
         return StepWeights(self.body_params, self.weight_bytes, self.lm_head_params, 0,
@@ -64,12 +68,24 @@ def model_facts(engine) -> ModelFacts:
     kv_dtype = kv_dtype_of(engine.report.kv_cache_dtype, engine.report.dtype)
     # What a token keeps per layer in the cache's own layout (an MLA latent: one plane).
     kv_bytes = mc.kv_cache_planes * mc.kv_cache_heads * mc.kv_cache_head_size * kv_dtype.itemsize
-    return ModelFacts(body_params=weights.body_params, lm_head_params=weights.lm_head_params,
+    return ModelFacts(cache_read_bytes=_compressed_read_bytes(mc, kv_dtype, engine),
+                      body_params=weights.body_params, lm_head_params=weights.lm_head_params,
                       weight_bytes=weights.body_bytes + weights.lm_head_bytes,
                       num_layers=mc.num_layers, num_heads=mc.num_heads, head_dim=mc.head_dim,
                       kv_bytes_per_token_per_layer=kv_bytes,
                       expert_params=weights.expert_params, expert_bytes=weights.expert_bytes,
                       num_experts=weights.num_experts, top_k=weights.top_k)
+
+
+def _compressed_read_bytes(mc, kv_dtype, engine) -> Callable[[int, int], int] | None:  # noqa: ANN001
+    """DeepSeek V4's cache reads per sequence and step (each layer's window and entries)."""
+    from archserve.engine.kv_cache import compressed_layouts
+    layouts = compressed_layouts(mc, kv_dtype, engine.report.block_size)
+    if layouts is None:
+        return None
+    topk = mc.compressed_attention.index_topk
+    return lambda context, new: sum(layout.read_bytes(context, new, topk)
+                                    for layout in layouts)
 
 
 def attended_pairs(num_new_tokens: int, context_len: int) -> int:
@@ -87,10 +103,13 @@ def step_flops(facts: ModelFacts, work: list[ScheduledWork]) -> float:
 
 
 def step_bytes(facts: ModelFacts, work: list[ScheduledWork]) -> float:
-    kv_tokens = sum(w.context_len + w.num_new_tokens for w in work)
     tokens = sum(w.num_new_tokens for w in work)
-    return float(facts.weights().bytes_for_tokens(tokens)
-                 + facts.num_layers * facts.kv_bytes_per_token_per_layer * kv_tokens)
+    if facts.cache_read_bytes is not None:
+        cache = sum(facts.cache_read_bytes(w.context_len, w.num_new_tokens) for w in work)
+    else:
+        kv_tokens = sum(w.context_len + w.num_new_tokens for w in work)
+        cache = facts.num_layers * facts.kv_bytes_per_token_per_layer * kv_tokens
+    return float(facts.weights().bytes_for_tokens(tokens) + cache)
 
 
 def step_floor_seconds(facts: ModelFacts, work: list[ScheduledWork], ceilings: Ceilings

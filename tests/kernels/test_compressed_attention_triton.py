@@ -17,6 +17,7 @@ import torch
 
 from archserve.kernels.compressed_attention.cases import make_compressed_case, with_padding
 from archserve.kernels.mla.torch_mla import TorchMlaImpl
+from archserve.kernels.mla.triton_dsv4 import TritonDsv4Impl
 from archserve.kernels.rules import triton_interpreted
 
 INTERPRETED = triton_interpreted()
@@ -54,8 +55,6 @@ if not INTERPRETED:
         assert_passes_under_interpreter(__file__, timeout=900)
 
 else:
-    from archserve.kernels.mla.triton_dsv4 import TritonDsv4Impl
-
     @pytest.mark.parametrize("block_size, window", [(8, 6), (16, 12)])
     @pytest.mark.parametrize("kind", sorted(KINDS))
     @pytest.mark.parametrize("step", ["prompt", "decode"])
@@ -120,8 +119,6 @@ def test_v4_decode_step_compiles(target):
     """A compressed sparse layer's decode step for each GPU generation: the compressor's
     emit and carry, the indexer's scores and top-k, the attention, the window write."""
     from triton_compile import compiled_launches
-
-    from archserve.kernels.mla.triton_dsv4 import TritonDsv4Impl
     case = make_compressed_case([(40, 1), (23, 1)], compress_rate=4, overlap=True, **V4_SIZES)
     with compiled_launches(TARGETS[target]) as launches:
         case.run(TritonDsv4Impl())
@@ -137,8 +134,6 @@ def test_v4_prompt_steps_compile_for_hopper():
     """Prompt chunks of a heavily compressed layer (128-token groups, split attention off)
     and of a compressed sparse one (the indexer's prompt rows stacked in a program)."""
     from triton_compile import compiled_launches
-
-    from archserve.kernels.mla.triton_dsv4 import TritonDsv4Impl
     for rate, overlap in ((128, False), (4, True)):
         case = make_compressed_case([(100, 60)], compress_rate=rate, overlap=overlap,
                                     **V4_SIZES)
@@ -148,3 +143,40 @@ def test_v4_prompt_steps_compile_for_hopper():
         if overlap:
             scores = next(x for x in launches if x.kernel == "_index_scores_kernel")
             assert scores.constexprs["BLOCK_Q"] > 1
+
+
+# ---------------------------------------------------------------- GPU, V4's sizes
+
+@gpu
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_gpu_impl_at_v4_sizes(kind):
+    """64 heads of 512, window 128, rates 4 and 128, 64 indexer heads of 128, top-512, blocks
+    of 256, bf16: a decode batch (contexts past the window, past top-512 entries and past
+    several 128-token groups), then a prompt chunk continuing a cached prefix mid-group
+    beside decodes. Within bf16 noise of the reference (the selection's near-ties are the
+    scores' bf16 rounding: a swap moves an output by the weight of one entry)."""
+    rate = {"csa": 4, "hca": 128, "sliding": 0}[kind]
+    sizes = dict(V4_SIZES, topk=512, device="cuda")
+    for seqs in ([(2100, 1), (300, 1), (4000, 1), (127, 1)], [(1500, 300), (2600, 1)]):
+        case = make_compressed_case(seqs, compress_rate=rate, overlap=kind == "csa",
+                                    seed=7, **sizes)
+        assert_matches_reference(case, TritonDsv4Impl(), atol=3e-2)
+
+
+@gpu
+def test_gpu_decode_step_replays_in_a_cuda_graph():
+    """A compressed sparse decode step captured and replayed: the same output and cache as
+    the eager step."""
+    case = make_compressed_case([(2100, 1), (300, 1)], compress_rate=4, overlap=True, seed=8,
+                                **dict(V4_SIZES, topk=512, device="cuda"))
+    impl = TritonDsv4Impl()
+    eager, eager_cache = case.run(impl)
+    cache = case.kv_cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    impl.forward_compressed(case.layout, case.layer, case.inputs, cache.clone(), case.meta)
+    with torch.cuda.graph(graph):
+        out = impl.forward_compressed(case.layout, case.layer, case.inputs, cache, case.meta)
+    cache.copy_(case.kv_cache)
+    graph.replay()
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(cache, eager_cache)

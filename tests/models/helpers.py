@@ -285,3 +285,46 @@ def assert_gpu_chunked_prefix_tracks_one_prefill(path: str, engine: dict) -> Non
     assert max(o.num_cached_tokens for o in outputs) >= 16
     assert_greedy_outputs_track(outputs, expected, min_agreeing=0, logprob_tol=None,
                                 near_tie=0.2)
+
+
+def bf16_greedy_params():
+    """16 greedy tokens with their log-probs and the prompt's (the GPU tests' drift)."""
+    from archserve import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1,
+                          prompt_logprobs=1)
+
+
+def engine_logprobs(out) -> tuple[list[int], list[float]]:
+    """(the prompt and generated ids, the engine's log-prob of each after the first)."""
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    n = len(out.prompt_token_ids)
+    got = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, n)]
+    got += [step[ids[n + i]].logprob for i, step in enumerate(out.outputs[0].logprobs)]
+    return ids, got
+
+
+def model_logprobs(model, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    return [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
+
+
+def bf16_logprob_drift(path: str, outputs) -> tuple[float, float]:
+    """(mean |ours - transformers fp32|, mean |transformers bf16 - transformers fp32|) of
+    the log-probs of the engine's prompt and generated tokens: our drift beside
+    transformers' own bf16 drift on the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    ours, theirs = [], []
+    models = {dtype: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+              for dtype in (torch.float32, torch.bfloat16)}
+    for out in outputs:
+        ids, got = engine_logprobs(out)
+        exact = model_logprobs(models[torch.float32], ids)
+        rounded = model_logprobs(models[torch.bfloat16], ids)
+        ours += [abs(a - b) for a, b in zip(got, exact, strict=True)]
+        theirs += [abs(a - b) for a, b in zip(rounded, exact, strict=True)]
+    del models
+    torch.cuda.empty_cache()
+    return sum(ours) / len(ours), sum(theirs) / len(theirs)

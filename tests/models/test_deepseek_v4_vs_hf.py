@@ -25,9 +25,12 @@ from models.helpers import (
     TEXT_PROMPTS,
     PagedSequences,
     assert_chunked_prefix_and_preemption_equal_hf,
+    assert_gpu_chunked_prefix_tracks_one_prefill,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
+    bf16_greedy_params,
+    bf16_logprob_drift,
     hf_last_logits,
     saved_and_loaded,
     tiny_hf_model,
@@ -241,3 +244,53 @@ def test_triton_route_under_the_interpreter_matches_transformers(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["backend"] == "TRITON_MLA_SPARSE_DSV4"
     assert result["tokens"] == expected
+
+
+# ---------------------------------------------------------------- GPU (bf16, the Triton route)
+
+# Head size 128 with 64 rope channels, hidden 256, 16 heads, window 32, rates 4 and 16 (the
+# 16-token blocks hold whole groups), 16 indexer heads of 64, top-8.
+GPU_V4 = dict(V4, hidden_size=256, moe_intermediate_size=128, num_attention_heads=16,
+              head_dim=128, partial_rotary_factor=0.5, q_lora_rank=96, o_lora_rank=64,
+              o_groups=4, index_n_heads=16, index_head_dim=64, index_topk=8, sliding_window=32,
+              compress_rates={CSA: 4, HCA: 16}, max_position_embeddings=1024)
+GPU_ENGINE = dict(kv_cache_memory_bytes=1 << 28, max_num_seqs=8, self_check=False,
+                  block_size=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_gpu_bf16_engine_is_within_transformers_bf16_drift(tmp_path, enforce_eager):
+    """The engine on the GPU in bf16 (TRITON_MLA_SPARSE_DSV4; decode in CUDA graphs unless
+    eager; async scheduling; the hyper-connection and rope kernels) against transformers in
+    fp32: the log-probs of the prompt and generated tokens drift from it no more than
+    transformers' own bf16 run does (twice its mean)."""
+    from archserve import LLM
+    path = build_tiny_checkpoint(str(tmp_path), "deepseek_v4", init_model=init_v4_buffers,
+                                 **GPU_V4)
+    llm = LLM(path, dtype="bfloat16", device="cuda", enforce_eager=enforce_eager,
+              **GPU_ENGINE)
+    engine = llm.llm_engine
+    routes = {r.layer: r.backend for r in engine.report.routes if r.op == "mla_attention"}
+    assert set(routes.values()) == {"TRITON_MLA_SPARSE_DSV4"}, routes
+    assert engine.report.attention.name == "TRITON_MLA_SPARSE_DSV4"
+    assert bool(engine.report.graph_sizes) != enforce_eager, engine.report.graphs_off
+    assert engine.report.canary and all("passed" in c for c in engine.report.canary), \
+        engine.report.canary
+    assert any(d.what == "scheduling" and d.chosen == "async" for d in engine.report.decisions)
+    prompts = [p * 3 for p in TEXT_PROMPTS]       # past the window and top-8 of the entries
+    outputs = llm.generate(prompts, bf16_greedy_params())
+    del llm, engine
+    ours, theirs = bf16_logprob_drift(path, outputs)
+    print(f"mean |delta logprob| against fp32: archserve bf16 {ours:.4f}, transformers bf16 "
+          f"{theirs:.4f}")
+    assert ours <= max(2 * theirs, 0.01), (ours, theirs)
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
+    """Chunks of 16 tokens (4 and 1 compression groups) over a cached prefix, beside
+    decodes, against the engine without prefix caching or chunking."""
+    path = build_tiny_checkpoint(str(tmp_path), "deepseek_v4", init_model=init_v4_buffers,
+                                 **GPU_V4)
+    assert_gpu_chunked_prefix_tracks_one_prefill(path, GPU_ENGINE)

@@ -34,6 +34,8 @@ from models.helpers import (
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
+    bf16_greedy_params,
+    bf16_logprob_drift,
     hf_last_logits,
     saved_and_loaded,
     tiny_hf_model,
@@ -247,42 +249,6 @@ GPU_DSA = dict(DSA, hidden_size=256, intermediate_size=256, kv_lora_rank=256, q_
 GPU_ENGINE = dict(kv_cache_memory_bytes=1 << 28, max_num_seqs=8, self_check=False)
 
 
-def _engine_logprobs(out) -> tuple[list[int], list[float]]:
-    """(the prompt and generated ids, the engine's log-prob of each after the first)."""
-    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-    n = len(out.prompt_token_ids)
-    got = [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, n)]
-    got += [step[ids[n + i]].logprob for i, step in enumerate(out.outputs[0].logprobs)]
-    return ids, got
-
-
-def _model_logprobs(model, ids: list[int]) -> list[float]:
-    with torch.no_grad():
-        logits = model(torch.tensor([ids], device=model.device)).logits[0].float()
-    ref = torch.log_softmax(logits, -1)
-    return [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
-
-
-def _bf16_drift(path: str, outputs) -> tuple[float, float]:
-    """(mean |ours - transformers fp32|, mean |transformers bf16 - transformers fp32|) of
-    the log-probs of the engine's prompt and generated tokens: our drift beside
-    transformers' own bf16 drift on the same tokens."""
-    from transformers import AutoModelForCausalLM
-
-    ours, theirs = [], []
-    models = {dtype: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
-              for dtype in (torch.float32, torch.bfloat16)}
-    for out in outputs:
-        ids, got = _engine_logprobs(out)
-        exact = _model_logprobs(models[torch.float32], ids)
-        rounded = _model_logprobs(models[torch.bfloat16], ids)
-        ours += [abs(a - b) for a, b in zip(got, exact, strict=True)]
-        theirs += [abs(a - b) for a, b in zip(rounded, exact, strict=True)]
-    del models
-    torch.cuda.empty_cache()
-    return sum(ours) / len(ours), sum(theirs) / len(theirs)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("variant", ["v32", "glm"])
@@ -307,18 +273,12 @@ def test_gpu_bf16_engine_is_within_transformers_bf16_drift(tmp_path, variant, en
     assert engine.report.canary and all("passed" in c for c in engine.report.canary), \
         engine.report.canary
     assert any(d.what == "scheduling" and d.chosen == "async" for d in engine.report.decisions)
-    outputs = llm.generate(TEXT_PROMPTS, _bf16_params())
+    outputs = llm.generate(TEXT_PROMPTS, bf16_greedy_params())
     del llm, engine
-    ours, theirs = _bf16_drift(path, outputs)
+    ours, theirs = bf16_logprob_drift(path, outputs)
     print(f"mean |delta logprob| against fp32: archserve bf16 {ours:.4f}, transformers bf16 "
           f"{theirs:.4f}")
     assert ours <= max(2 * theirs, 0.01), (ours, theirs)
-
-
-def _bf16_params():  # noqa: N802 - a constant's maker
-    from archserve import SamplingParams
-    return SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1,
-                          prompt_logprobs=1)
 
 
 @pytest.mark.gpu
@@ -339,9 +299,9 @@ def test_gpu_fp8_caches_run_in_graphs(tmp_path, kv):
     assert engine.report.graph_sizes and all("passed" in c for c in engine.report.canary)
     layout = engine.runner.attn_impl.layout
     assert layout.index_fp8 and layout.latent_fp8 == (kv == "fp8")
-    outputs = llm.generate(TEXT_PROMPTS, _bf16_params())
+    outputs = llm.generate(TEXT_PROMPTS, bf16_greedy_params())
     del llm, engine
-    ours, _ = _bf16_drift(path, outputs)
+    ours, _ = bf16_logprob_drift(path, outputs)
     assert ours < 0.1, ours
 
 

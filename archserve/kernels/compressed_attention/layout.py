@@ -114,6 +114,16 @@ class CompressedCacheLayout:
         step = ALIGN // math.gcd(self.block_size, ALIGN)
         return _align(-(-self.block_bytes // self.block_size), step)
 
+    def read_bytes(self, context_len: int, new_tokens: int, topk: int) -> int:
+        """What one sequence's step of ``new_tokens`` after ``context_len`` reads of this
+        layer's cache (the roofline's floor): its window's keys, the index keys the indexer
+        scores, and the entries attended (a decode query's top-k; a prompt step's, all)."""
+        seen = context_len + new_tokens
+        entries = seen // self.compress_rate if self.compress_rate else 0
+        attended = min(entries, topk) if self.index_dim and new_tokens == 1 else entries
+        rows = min(self.window, seen) + attended
+        return (rows * self.head_dim + entries * self.index_dim) * self.elem
+
     def describe(self) -> str:
         """What a block keeps, e.g. "128 window keys + 64 entries + 64 index keys"."""
         parts = [f"{self.window_rows} window keys"]

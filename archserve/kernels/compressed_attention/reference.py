@@ -41,6 +41,7 @@ from archserve.kernels.elementwise.reference import rope_cos_sin, rotate_interle
 from archserve.kernels.sparse_mla.reference import index_scores, select_topk
 
 Accumulator = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # (max, sum exp, weighted sum)
+ROW_CHUNK = 128        # query rows attended at once (their keys gathered together)
 
 
 def empty_accumulator(channels: int, device: torch.device) -> Accumulator:
@@ -247,16 +248,23 @@ def forward_compressed(layout: CompressedCacheLayout, layer: CompressedLayerPara
                              torch.arange(first, start, device=query.device))
         keys = torch.cat((cached.to(kv.dtype), kv[rows]), dim=0)
         key_pos = torch.arange(first, seq_len, device=query.device)
-        window_mask = ((key_pos[None, :] <= positions[:, None])
-                       & (key_pos[None, :] > positions[:, None] - layer.window))
-        all_keys = keys.expand(len(positions), -1, -1)
-        mask = window_mask
-        if layer.compressor is not None:
-            chosen = selected_entries(layout, layer, kv_cache, table, inputs, rows, positions)
-            entries = compressed_entries(layout, kv_cache, table, chosen.clamp(min=0))
-            all_keys = torch.cat((all_keys, entries.to(kv.dtype)), dim=1)
-            mask = torch.cat((mask, chosen >= 0), dim=1)
-        out[rows] = attend_one(query[rows], all_keys, mask, layer.sinks,
-                               layer.scale).to(query.dtype)
+        chosen = (selected_entries(layout, layer, kv_cache, table, inputs, rows, positions)
+                  if layer.compressor is not None else None)
+        # Rows a chunk at a time: each chunk's keys are its window's span and its entries.
+        for lo in range(0, len(positions), ROW_CHUNK):
+            hi = min(lo + ROW_CHUNK, len(positions))
+            pos = positions[lo:hi]
+            span = slice(max(0, int(pos[0]) - layer.window + 1 - first), int(pos[-1]) + 1 - first)
+            window = key_pos[span]
+            mask = (window[None, :] <= pos[:, None]) & (window[None, :] > pos[:, None]
+                                                       - layer.window)
+            all_keys = keys[span].expand(hi - lo, -1, -1)
+            if chosen is not None:
+                entries = compressed_entries(layout, kv_cache, table, chosen[lo:hi].clamp(min=0))
+                all_keys = torch.cat((all_keys, entries.to(kv.dtype)), dim=1)
+                mask = torch.cat((mask, chosen[lo:hi] >= 0), dim=1)
+            out[q_start + lo:q_start + hi] = attend_one(query[q_start + lo:q_start + hi],
+                                                        all_keys, mask, layer.sinks,
+                                                        layer.scale).to(query.dtype)
         write_window(layout, kv_cache, table, kv[rows], start, seq_len)
     return out
