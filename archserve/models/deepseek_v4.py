@@ -15,9 +15,9 @@ and sqrt(softplus)-routed experts.
   and shared experts clamp their gate (above) and up (both sides) at ``swiglu_limit``.
 
 Checkpoints: transformers' names, or DeepSeek's release layout (``layers.N.attn.wq_a``,
-``ffn.experts.E.w1``, ``hc_attn_fn``, ... with or without a ``model.`` prefix; FP8 weights'
-``scale`` is their ``weight_scale_inv``); the multi-token-prediction layers (``mtp.``) are
-not loaded.
+``ffn.experts.E.w1``, ``hc_attn_fn``, ... with or without a ``model.`` prefix; an FP8
+weight's ``scale``, ue8m0 powers of two, is its ``weight_scale_inv`` in fp32); the
+multi-token-prediction layers (``mtp.``) are not loaded.
 """
 
 from __future__ import annotations
@@ -190,5 +190,8 @@ def release_names(weights: Iterable[tuple[str, torch.Tensor]]
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
         renamed = release_name(name)
-        if renamed is not None:
-            yield renamed, tensor
+        if renamed is None:
+            continue
+        if renamed.endswith(".weight_scale_inv") and tensor.dtype == torch.float8_e8m0fnu:
+            tensor = tensor.float()      # a power of two: exact in fp32
+        yield renamed, tensor

@@ -38,7 +38,10 @@ from models.helpers import (
 
 ATOL = 1e-4
 KINDS = [SLIDING, CSA, HCA, CSA, SLIDING, HCA, CSA]
-V4 = dict(hidden_size=72, moe_intermediate_size=40, num_hidden_layers=len(KINDS),
+# (intermediate_size is transformers' alias of moe_intermediate_size for V4: set both, as
+# build_tiny_checkpoint's defaults would set the alias.)
+V4 = dict(hidden_size=72, moe_intermediate_size=40, intermediate_size=40,
+          num_hidden_layers=len(KINDS),
           num_attention_heads=4, num_key_value_heads=1, head_dim=48, q_lora_rank=40,
           partial_rotary_factor=16 / 48, n_routed_experts=8, num_experts_per_tok=2,
           n_shared_experts=1, layer_types=KINDS,
@@ -250,7 +253,8 @@ def test_triton_route_under_the_interpreter_matches_transformers(tmp_path):
 
 # Head size 128 with 64 rope channels, hidden 256, 16 heads, window 32, rates 4 and 16 (the
 # 16-token blocks hold whole groups), 16 indexer heads of 64, top-8.
-GPU_V4 = dict(V4, hidden_size=256, moe_intermediate_size=128, num_attention_heads=16,
+GPU_V4 = dict(V4, hidden_size=256, moe_intermediate_size=128, intermediate_size=128,
+              num_attention_heads=16,
               head_dim=128, partial_rotary_factor=0.5, q_lora_rank=96, o_lora_rank=64,
               o_groups=4, index_n_heads=16, index_head_dim=64, index_topk=8, sliding_window=32,
               compress_rates={CSA: 4, HCA: 16}, max_position_embeddings=1024)
@@ -294,3 +298,59 @@ def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
     path = build_tiny_checkpoint(str(tmp_path), "deepseek_v4", init_model=init_v4_buffers,
                                  **GPU_V4)
     assert_gpu_chunked_prefix_tracks_one_prefill(path, GPU_ENGINE)
+
+
+def test_release_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
+    """DeepSeek's release layout and FP8 (scripts/quant_fixtures/deepseek_v4_release.py):
+    the attention's, the shared and routed experts' projections e4m3 with ue8m0 block
+    scales named ``scale``; the compressors' projections, the router, the norms, the sinks
+    and the hyper-connections 16-bit. With the activations' quantization off, archserve's
+    prompt log-probs are transformers' over the dequantized weights (fp32)."""
+    import os
+    import sys
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from archserve import LLM, SamplingParams
+    from archserve.models.layers.moe import FusedMoE
+    from archserve.quant.linear_state import quantized_layers
+
+    scripts = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "quant_fixtures")
+    sys.path.insert(0, scripts)
+    try:
+        import deepseek_v4_release
+    finally:
+        sys.path.remove(scripts)
+    # Block-FP8 activations are quantized per 128 input channels: every GEMM's input a
+    # multiple of 128.
+    widths = dict(hidden_size=128, q_lora_rank=128, moe_intermediate_size=128,
+                  intermediate_size=128, o_lora_rank=64,
+                  head_dim=64, partial_rotary_factor=0.25, index_head_dim=32)
+    base = build_tiny_checkpoint(str(tmp_path / "base"), "deepseek_v4",
+                                 init_model=init_v4_buffers, **{**V4, **widths})
+    release = deepseek_v4_release.write(base, str(tmp_path / "release"))
+    state = load_file(os.path.join(release, "model.safetensors"))
+    assert state["layers.1.attn.wq_b.scale"].dtype == torch.float8_e8m0fnu
+    assert state["layers.1.attn.compressor.wkv.weight"].dtype != torch.float8_e4m3fn
+    save_file(load_file(os.path.join(release, "dense.safetensors")),
+              os.path.join(base, "model.safetensors"), metadata={"format": "pt"})
+    hf_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+    llm = LLM(release, dtype="float32", max_model_len=128, block_size=8)
+    model = llm.llm_engine.model
+    assert model.model.layers[1].self_attn.q_b_proj.quant is not None
+    for _name, layer in quantized_layers(model):
+        layer.prepared.activation = "none"
+    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        moe.impl()
+        for weight in moe._operands:
+            weight.activation = "none"
+    ids = list(range(5, 45))
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    gaps = [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
+            for p in range(1, len(ids))]
+    assert max(gaps) < ATOL

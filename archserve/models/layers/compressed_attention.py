@@ -38,7 +38,9 @@ from archserve.kernels.compressed_attention.interface import (
 from archserve.kernels.compressed_attention.layout import CSA, CompressedCacheLayout
 from archserve.kernels.elementwise import norm_rope_interleaved
 from archserve.models.layers.forward_context import get_forward_context, op_region
-from archserve.models.layers.linear import DenseMatrix, Linear, WeightOnly, apply_linear
+from archserve.models.layers.indexer import HeadWeights
+from archserve.models.layers.linear import DenseMatrix, Linear
+from archserve.models.layers.moe import Router
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.rotary import inverse_frequencies
 
@@ -50,26 +52,18 @@ def _fp32(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
 
 
-class HeadWeights(WeightOnly):
-    """The indexer's ``weights_proj``: fp32 (transformers keeps the compressor's and the
-    indexer's projections out of the fp8 conversion; this one in fp32 as V3.2's)."""
-
-    def __init__(self, num_heads: int, hidden_size: int) -> None:
-        super().__init__(num_heads, hidden_size, dtype=torch.float32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x, self.weight)
-
-
 class Compressor(nn.Module):
     """A compressed layer's compressor (``series`` 2 where its windows overlap), or the
-    indexer's (``index`` True: its query and head weights too)."""
+    indexer's (``index_heads``: its query and head weights too)."""
 
     def __init__(self, hidden_size: int, head_dim: int, rate: int, series: int, eps: float,
                  index_heads: int = 0, q_lora_rank: int = 0) -> None:
         super().__init__()
-        self.kv_proj = Linear(hidden_size, series * head_dim)
-        self.gate_proj = Linear(hidden_size, series * head_dim)
+        # DeepSeek's release keeps these 16-bit beside its fp8 projections (transformers
+        # keeps them out of the fp8 conversion): a router's kind of matrix, which no
+        # checkpoint or online quantization reaches, timed by the decode GEMM tuner as one.
+        self.kv_proj = Router(series * head_dim, hidden_size)
+        self.gate_proj = Router(series * head_dim, hidden_size)
         self.position_bias = _fp32(rate, series * head_dim)
         self.kv_norm = RMSNorm(head_dim, eps)
         if index_heads:
