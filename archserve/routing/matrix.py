@@ -41,6 +41,19 @@ SPARSE_MLA_ROWS = tuple((label, name, SPARSE_MLA_SPEC) for label, name in (
     ("FlashInfer MLA Sparse SM90", "FLASHINFER_MLA_SPARSE_SM90"),
     ("FlashInfer MLA Sparse SM120", "FLASHINFER_MLA_SPARSE_SM120"),
 )) + (("Triton MLA Sparse", "TRITON_MLA_SPARSE", replace(SPARSE_MLA_SPEC, dtype=torch.float16)),)
+# DeepSeek V4 (a compressed sparse layer of V4-Flash: 64 heads of 512, top-512 of 64 indexer
+# heads of 128, sinks), bf16 for vLLM's V4 kernels; FlashInfer's on SM12x with its fp8 cache
+# (its SM100 row: the 16-bit one); fp16 for archserve's Triton route.
+DSV4_SPEC = AttentionSpec(head_size=512, dtype=torch.bfloat16, num_heads=64, num_kv_heads=1,
+                          use_mla=True, mla_sparse=True, compress_rate=4, index_topk=512,
+                          index_head_dim=128, index_num_heads=64, has_sinks=True)
+DSV4_ROWS = (
+    ("FlashMLA Sparse DSV4", "FLASHMLA_SPARSE_DSV4", DSV4_SPEC),
+    ("FlashInfer MLA Sparse DSV4 (bf16)", "FLASHINFER_MLA_SPARSE_DSV4", DSV4_SPEC),
+    ("FlashInfer MLA Sparse DSV4 (fp8_ds_mla)", "FLASHINFER_MLA_SPARSE_DSV4",
+     replace(DSV4_SPEC, kv_cache_dtype="fp8_ds_mla")),
+    ("Triton MLA Sparse DSV4", "TRITON_MLA_SPARSE_DSV4", replace(DSV4_SPEC, dtype=torch.float16)),
+)
 
 
 @dataclass(frozen=True)
@@ -175,7 +188,7 @@ def matrix_rows() -> list[MatrixRow]:
         _row(mla, "FlashInfer MLA", _backend("mla_attention", "FLASHINFER_MLA", MLA_SPEC)),
         _row(mla, "Triton MLA", _backend("mla_attention", "TRITON_MLA", MLA_SPEC)),
         *(_row(mla, label, _backend("mla_attention", name, spec))
-          for label, name, spec in SPARSE_MLA_ROWS),
+          for label, name, spec in SPARSE_MLA_ROWS + DSV4_ROWS),
         _row(gemm, "INT8 W8A8", _backend("linear", "CUTLASS_INT8", _linear("int8"))),
         _row(gemm, "FP8 W8A8", _backend("linear", "CUTLASS_FP8", _linear("fp8"))),
         _row(gemm, "Block-wise FP8", _backend("linear", "CUTLASS_BLOCK_FP8",
