@@ -2,7 +2,7 @@
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
 #   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
 #                                     quant_gemm|quant_perf|serve|structured|moe|tp|tp4|tp8|mla|ncu|speed|
-#                                     lora|sparse_mla|sparse_mla_perf|all]
+#                                     lora|sparse_mla|sparse_mla_perf|spec|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -54,6 +54,10 @@
 #           then benchmarks/bench_lora.py on the Llama-3-8B shape (dummy weights, rank-16
 #           adapters: batch 32 with 8 adapters and batch 1 with one, against the base
 #           steps); carry .whl (peft, accelerate); `all` leaves it out, ask for it by name.
+#   spec:   the speculative decoding GPU tests (every method lossless in CUDA graphs with
+#           async scheduling), then benchmarks/spec_verify_step.py on the Llama-3-8B shape:
+#           a verification step of k = 1..8 drafts against a decode step at batch 1, 8 and
+#           32 (dummy weights, 512 tokens of context); `all` leaves it out, ask by name.
 #   speed:  benchmarks/h200_speed.sh: the pending speed rows of issues 21, 13 and 14 in
 #           priority order within one device call (env SPEED_DEADLINE, default 540 s from
 #           this script's start; SPEED_STEPS: some steps only; SPEED_DRY_RUN=1: the plan);
@@ -98,6 +102,14 @@ if [ "$PART" = lora ]; then
   timeout 270 python3 benchmarks/bench_lora.py benchmarks/models/llama-3-8b \
     --output-json "$OUT/lora_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/lora_perf.txt" \
     | tail -n 8
+  exit 0
+fi
+if [ "$PART" = spec ]; then
+  timeout -s INT 300 $PYTEST -v --durations=10 tests/engine/test_spec_decode_gpu.py 2>&1 \
+    | tee "$OUT/pytest_spec.log" | tail -n 25
+  timeout 270 python3 benchmarks/spec_verify_step.py benchmarks/models/llama-3-8b \
+    --json "$OUT/spec_verify_step.json" 2>&1 | grep -v "^USDT" \
+    | tee "$OUT/spec_verify_step.txt" | tail -n 4
   exit 0
 fi
 if [ "$PART" = tp_moe ]; then    # the MoE shape at TP=2 against TP=1 (experts' channels split)

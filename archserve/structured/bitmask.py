@@ -90,6 +90,54 @@ class GrammarState:
             return True
 
 
+    def after(self, drafts: list[int]) -> DraftedGrammar:
+        """The state after the sequence's outputs and ``drafts`` (speculative decoding: the
+        row that verifies the next draft), this state untouched."""
+        return DraftedGrammar(self, drafts)
+
+
+class DraftedGrammar:
+    """A grammar's state after a sequence's drafts, as ``GrammarState`` presents it to the
+    sampler: a fork of the sequence's matcher, advanced over the drafts. A draft outside
+    the grammar leaves only stop tokens: the row before it cannot draw that draft (its mask
+    forbids it), so the draft is rejected and this row's token is never used."""
+
+    __slots__ = ("base", "drafts", "_matcher", "failed")
+
+    def __init__(self, base: GrammarState, drafts: list[int]) -> None:
+        self.base = base
+        self.drafts = drafts
+        self._matcher = None
+        self.failed = False
+
+    def catch_up(self, output_token_ids: list[int],
+                 pending_value: Callable[[], int] | None = None) -> None:
+        """``output_token_ids`` end with the drafts: the sequence's state catches up with
+        what comes before them, then a fork of it takes the drafts."""
+        self.base.catch_up(output_token_ids[:len(output_token_ids) - len(self.drafts)],
+                           pending_value)
+        self.failed = self.base.failed
+        if self.failed:
+            return
+        matcher = self.base.matcher.fork()
+        for token in self.drafts:
+            if not matcher.is_terminated() and not matcher.accept_token(token):
+                self.failed = True
+                break
+        self._matcher = matcher
+
+    @property
+    def matcher(self):  # noqa: ANN201 - an xgrammar GrammarMatcher
+        return self._matcher
+
+    def fail(self, why: str) -> None:
+        self.failed = True
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.failed or self._matcher.is_terminated()
+
+
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 

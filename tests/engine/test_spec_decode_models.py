@@ -101,9 +101,8 @@ def test_the_embedded_model_is_lossless_with_every_method_it_can_take(embedded_m
     text = ("The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and "
             "values in fixed-size blocks, so sequences of any length share one pool.")
     chats = [[{"role": "user", "content": f"Repeat this text exactly:\n{text}"}],
-             [{"role": "user", "content": f"Rewrite this text in capital letters:\n{text}"}],
              [{"role": "user", "content": "What is the capital of France?"}]]
-    params = SamplingParams(temperature=0.0, max_tokens=48)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
     plain = LLM(embedded_model_path, max_model_len=1024).chat(chats, params)
     for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                   "prompt_lookup_min": 2},

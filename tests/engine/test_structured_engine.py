@@ -91,6 +91,32 @@ def test_async_scheduling_gives_what_sync_gives(llm):
     assert results[0] == results[1]
 
 
+def test_speculative_decoding_keeps_to_the_grammar(llm, embedded_model_path):
+    """Drafts verified on constrained rows: each row's mask is the grammar's after the
+    drafts before it (a fork of the sequence's matcher), so greedy and seeded outputs are
+    the plain engine's, and drafts the grammar refuses are simply rejected."""
+    text = '{"name": "Ada", "age": 36}'
+    cases = [*_constrained(),
+             (f"Copy this JSON exactly: {text}\nCopy:", S(json=PERSON)),
+             (f"Copy: {text} {text}", S(json_object=True))]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec)
+              for _, spec in cases]
+    params += [SamplingParams(temperature=0.8, seed=3, max_tokens=32, structured_outputs=spec)
+               for _, spec in cases[-2:]]
+    prompts = [p for p, _ in cases] + [p for p, _ in cases[-2:]]
+    plain = llm.generate(prompts, params)
+    spec_llm = LLM(embedded_model_path, max_model_len=512, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1})
+    got = spec_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    for (_, spec), out in zip(cases, got, strict=False):
+        if out.outputs[0].finish_reason == "stop":
+            _check(spec, out.outputs[0].text)
+    stats = spec_llm.llm_engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
 def test_a_compiling_grammar_waits_while_others_run(llm, monkeypatch):
     """A request whose grammar is not compiled yet is not scheduled; the free request
     beside it runs to the end; once the grammar arrives the first one runs and matches."""

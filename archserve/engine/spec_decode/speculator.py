@@ -26,12 +26,6 @@ def draft_limit(seq: Sequence, k: int, max_model_len: int) -> int:
     return max(0, limit)
 
 
-def speculates(seq: Sequence) -> bool:
-    """Whether ``seq``'s requests take drafts. A grammar's rows are not verified against
-    drafts (each row would need the matcher advanced over the drafts before it)."""
-    return seq.sampling_params.structured_outputs is None
-
-
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int) -> None:
         self.config = config
@@ -79,8 +73,7 @@ class Speculator:
                 continue   # finished: its blocks are gone
             accepted = self._accepted.get(seq.seq_id, 0)
             start = seq.num_computed_tokens - entry.num_known_tokens - accepted
-            limit = (draft_limit(seq, self.k, self.max_model_len)
-                     if entry.samples and speculates(seq) else 0)
+            limit = draft_limit(seq, self.k, self.max_model_len) if entry.samples else 0
             spans.append(StepSpan(seq, start, first_row, entry.samples, limit))
         self._accepted = {}
         if spans:

@@ -49,7 +49,11 @@ class DraftRow:
 
     @property
     def extra(self) -> dict:
-        return self.seq.extra
+        grammar = self.seq.extra.get("grammar")
+        if grammar is None:
+            return self.seq.extra
+        # Its own grammar state: the sequence's matcher forked past the drafts before it.
+        return {**self.seq.extra, "grammar": grammar.after(list(self.drafts))}
 
     @property
     def num_output_tokens(self) -> int:
