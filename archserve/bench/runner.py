@@ -47,6 +47,7 @@ class BenchOptions:
     enable_chunked_prefill: bool = True
     distributed_executor_backend: str = "mp"
     async_scheduling: bool | None = None  # None: the engine's default for the device
+    emulate_device: str | None = None     # a profile run on this GPU (platform/emulation.py)
     peer: str | None = None                     # None | "transformers"
     url: str = "http://127.0.0.1:8000"
     api_key: str | None = None
@@ -123,7 +124,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
         target_itl_ms=options.target_itl_ms,
         enable_prefix_caching=options.enable_prefix_caching,
         enable_chunked_prefill=options.enable_chunked_prefill,
-        skip_tokenizer_init=no_tokenizer))
+        skip_tokenizer_init=no_tokenizer, emulate_device=options.emulate_device))
     vocab = engine.model_config.vocab_size
     if engine.tokenizer is not None:
         vocab = min(len(engine.tokenizer), vocab)

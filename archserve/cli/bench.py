@@ -14,6 +14,7 @@ from archserve.cli.generate import (
     CompilationOpt,
     DtypeOpt,
     EagerOpt,
+    EmulateOpt,
     ExecutorOpt,
     MaxLenOpt,
     MaxNumSeqsOpt,
@@ -59,6 +60,7 @@ def bench(
     target_itl_ms: TargetItlOpt = "off",
     enable_prefix_caching: PrefixCachingOpt = True,
     enable_chunked_prefill: ChunkedPrefillOpt = True,
+    emulate_device: EmulateOpt = None,
     peer: Annotated[str | None, typer.Option("--peer", help="Also run the requests through 'transformers' and report the ratio.")] = None,
     url: Annotated[str, typer.Option("--url", help="Server base URL (serve mode).")] = "http://127.0.0.1:8000",
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="ARCHSERVE_API_KEY", help="Bearer key for the server.")] = None,
@@ -91,7 +93,8 @@ def bench(
         max_num_batched_tokens=max_num_batched_tokens,
         target_itl_ms=parse_target_itl(target_itl_ms),
         enable_prefix_caching=enable_prefix_caching,
-        enable_chunked_prefill=enable_chunked_prefill, peer=peer, url=url,
+        enable_chunked_prefill=enable_chunked_prefill, emulate_device=emulate_device,
+        peer=peer, url=url,
         api_key=api_key, concurrency=_levels(concurrency), request_rate=request_rate,
         metrics_interval_s=metrics_interval, plots_dir=plots, show_progress=not json_out)
     try:

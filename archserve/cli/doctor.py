@@ -26,6 +26,9 @@ def doctor(
         "--speculative-config", help="vLLM's speculative config as JSON: check that it runs "
                                      "for --model (default: the embedded model) and say "
                                      "what would draft.")] = None,
+    emulate_device: Annotated[str | None, typer.Option(
+        "--emulate-device", help="Check a run of this machine (or --device) emulating a "
+                                 "profile: its routes on this GPU, or why it cannot.")] = None,
 ) -> None:
     """Check device, driver / CUDA runtime / torch build and kernel libraries; show each op's backend.
 
@@ -39,6 +42,12 @@ def doctor(
         info = resolve_device(device)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from exc
+    if emulate_device is not None:
+        from archserve.platform.profiles import get_profile
+        try:
+            get_profile(emulate_device)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--emulate-device") from exc
     checked_layout = model is not None or tensor_parallel_size > 1
     try:
         model_path = resolve_model_path(model) if checked_layout else None
@@ -54,7 +63,8 @@ def doctor(
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--model") from exc
     report = run_doctor(info, tensor_parallel_size=tensor_parallel_size, model=summary,
-                        num_devices=_live_device_count() if device is None else None)
+                        num_devices=_live_device_count() if device is None else None,
+                        emulate=emulate_device)
     if speculative_config is not None:
         from archserve.cli.explain import speculation_decision
         try:
@@ -83,8 +93,11 @@ def _print_report(report, verbose: bool = False) -> None:  # noqa: ANN001 - a Do
     gib = d.memory_bytes / 1024**3
     cap = f", capability {d.capability} ({d.capability.arch})" if d.capability else ""
     # escape(): "[cuda, capability SM90 (sm_90)]" would otherwise be read as a style tag.
+    host = d.emulated_on
+    on = "" if host is None else escape(
+        f", emulated on {host.name} [{host.platform}, capability {host.capability}]")
     console.print(f"[bold]device[/bold]   {escape(f'{d.name} [{d.platform}{cap}]')}, "
-                  f"{gib:.1f} GiB")
+                  f"{gib:.1f} GiB{on}")
     versions = data["versions"]
     libs = ", ".join(f"{k} {v}" for k, v in versions["libraries"].items() if v) or "none"
     console.print(f"[bold]torch[/bold]    {versions['torch'] or 'unknown'}; libraries: {libs}")

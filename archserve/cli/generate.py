@@ -36,6 +36,7 @@ EnableLoraOpt = Annotated[bool, typer.Option("--enable-lora", help="Serve LoRA a
 MaxLorasOpt = Annotated[int, typer.Option("--max-loras", min=1, help="Distinct LoRA adapters in one batch at most (each linear layer holds this many adapter slots on the device).")]
 MaxLoraRankOpt = Annotated[int, typer.Option("--max-lora-rank", help="The largest adapter rank served: 1, 8, 16, 32, 64, 128, 256, 320 or 512 (slots are this wide).")]
 MaxCpuLorasOpt = Annotated[int | None, typer.Option("--max-cpu-loras", min=1, help="LoRA adapters kept read in host memory (least recently used evicted; default: --max-loras).")]
+EmulateOpt = Annotated[str | None, typer.Option("--emulate-device", help="Run on this GPU with the capability model of a device profile (v100, t4, a100, a10, l40s, rtx4090, ...): its dtypes, features, shared-memory limits, routes and tiles, as `archserve explain --device PROFILE` shows them. Refused, with the reason, where this GPU cannot execute that profile's kernels.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log the start-up route.")]
 
 
@@ -56,7 +57,7 @@ def parse_target_itl(text: str) -> float | str | None:
 
 def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_model_len, verbose,
             quantization=None, tensor_parallel_size=1, distributed_executor_backend="mp",
-            speculative_config=None):
+            speculative_config=None, emulate_device=None):
     import logging
 
     from archserve.engine.config import EngineConfig
@@ -68,7 +69,8 @@ def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_mod
                           max_model_len=max_model_len, max_num_seqs=8,
                           quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                           distributed_executor_backend=distributed_executor_backend,
-                          speculative_config=speculative_config)
+                          speculative_config=speculative_config,
+                          emulate_device=emulate_device)
     return LLMEngine(config)
 
 
@@ -87,14 +89,15 @@ def generate(prompt: Annotated[str, typer.Argument(help="The prompt text.")],
              max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
              quantization: QuantOpt = None, tensor_parallel_size: TPOpt = 1,
              distributed_executor_backend: ExecutorOpt = "mp",
-             speculative_config: SpeculativeOpt = None) -> None:
+             speculative_config: SpeculativeOpt = None,
+             emulate_device: EmulateOpt = None) -> None:
     """Generate a completion for PROMPT, streamed to the terminal."""
     from archserve.engine.streaming import stream_text
     from archserve.loader.tokenizer import apply_chat_template
     try:
         engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
                          max_model_len, verbose, quantization, tensor_parallel_size,
-                         distributed_executor_backend, speculative_config)
+                         distributed_executor_backend, speculative_config, emulate_device)
         params = _params(max_tokens, temperature, top_p, top_k, seed)
         request = (apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
                    if chat_template else prompt)
@@ -115,7 +118,8 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
          max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
          quantization: QuantOpt = None, tensor_parallel_size: TPOpt = 1,
          distributed_executor_backend: ExecutorOpt = "mp",
-         speculative_config: SpeculativeOpt = None) -> None:
+         speculative_config: SpeculativeOpt = None,
+         emulate_device: EmulateOpt = None) -> None:
     """Chat with a model in the terminal; replies stream token by token.
 
     Type a message and press Enter. /help lists the commands: /reset clears the
@@ -126,7 +130,7 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
     try:
         engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
                          max_model_len, verbose, quantization, tensor_parallel_size,
-                         distributed_executor_backend, speculative_config)
+                         distributed_executor_backend, speculative_config, emulate_device)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -11,6 +11,7 @@ from archserve.cli.generate import (
     CompilationOpt,
     DtypeOpt,
     EagerOpt,
+    EmulateOpt,
     ExecutorOpt,
     LoadFormatOpt,
     MaxLenOpt,
@@ -32,6 +33,7 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
             gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
             target_itl_ms: TargetItlOpt = "auto",   # as `serve`: its step budget is shown too
             speculative_config: SpeculativeOpt = None,
+            emulate_device: EmulateOpt = None,
             json_output: Annotated[bool, typer.Option("--json", help="Print the timings as JSON.")] = False) -> None:
     """Warm a model up ahead of time: derive and cache its GGUF metadata, compile and autotune
     its kernels, capture its CUDA graphs, measure the device's ceilings and run the
@@ -57,6 +59,7 @@ def prepare(model: ModelOpt = None, dtype: DtypeOpt = "auto", attention_backend:
             target_itl_ms=parse_target_itl(target_itl_ms),
             speculative_config=speculative_config,
             skip_tokenizer_init=dummy_without_tokenizer(model_path, load_format),
+            emulate_device=emulate_device,
             self_check_profile=True))   # this process exits next: CUPTI's cost does not matter
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -15,6 +15,7 @@ from archserve.cli.generate import (
     CompilationOpt,
     DtypeOpt,
     EagerOpt,
+    EmulateOpt,
     EnableLoraOpt,
     ExecutorOpt,
     IndexCacheDtypeOpt,
@@ -68,6 +69,7 @@ def serve(
     max_queued_requests: Annotated[int | None, typer.Option("--max-queued-requests", help="Waiting requests beyond this get 503 with Retry-After.")] = None,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="Seconds to let in-flight requests finish on SIGTERM before aborting them.")] = 10.0,
     max_tokens_default: Annotated[int | None, typer.Option("--max-tokens-default", min=1, help="max_tokens for requests that give none (default: generation_config.json's max_new_tokens, else the rest of the context; 16 for /v1/completions).")] = None,
+    emulate_device: EmulateOpt = None,
     generation_config: Annotated[str, typer.Option("--generation-config", help="Defaults for unset sampling fields: auto (the checkpoint's generation_config.json), vllm (ignore it) or a folder holding a generation_config.json.")] = "auto",
     enable_lora: EnableLoraOpt = False,
     lora_modules: Annotated[list[str] | None, typer.Option("--lora-modules", metavar="NAME=PATH", help="LoRA adapters served from the start, each as its own model name: name=path (several after the option, as in vLLM, or the option repeated) or JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...}. Needs --enable-lora; more load at run time through POST /v1/load_lora_adapter.")] = None,
@@ -127,7 +129,8 @@ def serve(
                           calculate_kv_scales=calculate_kv_scales,
                           speculative_config=speculative_config,
                           enable_lora=enable_lora, max_loras=max_loras,
-                          max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+                          max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                          emulate_device=emulate_device)
     try:
         run_server(config, settings)
     except (ValueError, OSError) as exc:

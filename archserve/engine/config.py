@@ -21,6 +21,9 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     load_format: str = "auto"                # auto | safetensors | gguf | dummy
     device: str = "auto"                     # auto | cpu | cuda | cuda:N
+    # A device profile (t4, a100, l40s, ...) whose capability model the GPU here runs with:
+    # its dtypes, features, shared-memory limits, routes and tiles (platform/emulation.py).
+    emulate_device: str | None = None
     attention_backend: str | None = None     # override, validated alone (or ARCHSERVE_ATTENTION_BACKEND)
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
@@ -76,6 +79,9 @@ class EngineConfig:
     disable_log_stats: bool = False
 
     def validate(self) -> None:
+        if self.emulate_device is not None:
+            from archserve.platform.profiles import get_profile
+            get_profile(self.emulate_device)   # an unknown profile: the valid ids, now
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:

@@ -20,6 +20,10 @@ def kernel_cache_key(device: DeviceInfo) -> str:
     tc = device.toolchain
     parts = [device.name, str(device.capability), tc.driver_version or "", tc.runtime_version or "",
              tc.torch_version, tc.library("triton") or ""]
+    if device.emulated_on is not None:
+        # Kernels built for the profile and timed on another GPU: neither that GPU's own
+        # cache nor a real one of the profile's may serve them.
+        parts.append(f"emulated on {device.emulated_on.name} {device.emulated_on.capability}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -196,9 +196,11 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     torch_device = startup.resolve_torch_device(config)
     # Unseeded requests draw from torch's global generator: make runs repeatable.
     torch.manual_seed(config.seed)
-    device = startup.device_info_for(torch_device)
+    device = startup.engine_device_info(torch_device, config.emulate_device)
     probe_config, gguf_path = peek_model_config(config.model)
     dtype, kv_cache_dtype, decisions = startup.resolve_precision(device, config, probe_config)
+    if (emulated := startup.emulation_decision(device)) is not None:
+        decisions.insert(0, emulated)
     # Refused here, before any weight is read, when no kernel can run the checkpoint.
     quant_plan = startup.plan_checkpoint_quantization(device, config, probe_config,
                                                       gguf_path, dtype)

@@ -23,8 +23,9 @@ from archserve.engine.kv_cache import (
 from archserve.kernels.catalog import select_attention_backend
 from archserve.kernels.registry import BackendError, Selection
 from archserve.kernels.specs import AttentionSpec, batch_invariant_requested
-from archserve.platform import DeviceInfo, detect
+from archserve.platform import DeviceInfo
 from archserve.platform.decision import Decision
+from archserve.platform.detect import device_info_for as platform_device_info_for
 from archserve.routing.dtypes import (
     kv_cache_refusal,
     model_kv_cache_default,
@@ -69,13 +70,27 @@ def resolve_torch_device(config: EngineConfig) -> torch.device:
     return dev
 
 
-def device_info_for(torch_device: torch.device) -> DeviceInfo:
-    """The DeviceInfo of the device the engine will run on (a CPU run on a GPU host is a CPU)."""
-    info = detect()
-    if torch_device.type == "cpu" and info.platform != "cpu":
-        from archserve.platform import get_profile
-        info = get_profile("cpu")
-    return info
+def engine_device_info(torch_device: torch.device, emulate_device: str | None = None
+                       ) -> DeviceInfo:
+    """The DeviceInfo of the device the engine will run on (a CPU run on a GPU host is a
+    CPU); with ``emulate_device``, the GPU here narrowed to that profile
+    (platform/emulation.py). A GPU engine fixes its process's emulation, or its absence."""
+    from archserve.platform.emulation import EmulationRefused, emulate
+    if emulate_device is not None and torch_device.type != "cuda":
+        raise EmulationRefused(f"cannot emulate {emulate_device}: emulation runs on a GPU, and "
+                               f"this engine runs on {torch_device.type}")
+    if torch_device.type == "cuda":
+        emulate(emulate_device)
+    return platform_device_info_for(torch_device)
+
+
+def emulation_decision(device: DeviceInfo) -> Decision | None:
+    """The start-up decision that says the engine runs emulated (None when it does not)."""
+    from archserve.platform.emulation import emulation_summary
+    if device.emulated_on is None:
+        return None
+    return Decision("device", f"emulate {device.id}", device.describe(),
+                    emulation_summary(device))
 
 
 def select_attention(device: DeviceInfo, config: EngineConfig, model_config, dtype: torch.dtype,
@@ -306,6 +321,6 @@ def elapsed(start: float) -> float:
     return round(time.perf_counter() - start, 3)
 
 
-__all__ = ["StartupReport", "resolve_torch_device", "device_info_for", "select_attention",
+__all__ = ["StartupReport", "resolve_torch_device", "engine_device_info", "emulation_decision", "select_attention",
            "size_kv_pool", "resolve_precision", "elapsed", "BackendError", "kv_dtype_of",
            "attention_spec_of"]

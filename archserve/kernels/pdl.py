@@ -40,12 +40,14 @@ launch gets ``launch_pdl`` through ``pdl_launch_options``.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from archserve.kernels.rules import triton_interpreted
+from archserve.platform.capability import SM90
+from archserve.platform.detect import device_info_for
+from archserve.platform.device import DeviceInfo
 
 try:   # the engine core imports this module; Triton is not installed everywhere
     import triton
@@ -56,19 +58,17 @@ except ImportError:
 PDL_ENV = "ARCHSERVE_PDL"
 
 
-@functools.cache
-def _capable(index: int) -> bool:
-    # ROCm reports its GPUs as "cuda" devices with capabilities such as (9, 4): PDL and
-    # Triton's launch_pdl are NVIDIA's alone.
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+def pdl_supported(device: DeviceInfo) -> bool:
+    """The hardware rule: NVIDIA SM90+ (PDL and Triton's launch_pdl are NVIDIA's alone;
+    ROCm GPUs are not CUDA devices here, whatever torch calls them)."""
+    return device.is_cuda and device.has_capability(SM90)
 
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL (see the module doc)."""
-    if (os.environ.get(PDL_ENV) == "0" or device.type != "cuda" or triton is None
-            or triton_interpreted()):
+    if os.environ.get(PDL_ENV) == "0" or triton is None or triton_interpreted():
         return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return pdl_supported(device_info_for(device))
 
 
 def pdl_launch_options(pdl: bool) -> dict:

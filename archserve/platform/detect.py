@@ -1,10 +1,14 @@
-"""detect(): the live device and its toolchain, as a `DeviceInfo`.
+"""detect(): the device this process computes on and its toolchain, as a `DeviceInfo`.
 
 Order: a CUDA or ROCm GPU through torch, then an Intel XPU, else the CPU. The
 driver comes from NVML (`nvidia-ml-py`, module `pynvml`) when it is installed.
 Whether an NVIDIA GPU exists is also asked of the OS, so a CPU-only torch on a GPU
 machine can be diagnosed. Nothing here raises: an unanswerable question becomes
 None (unknown) in the result.
+
+Under emulation (platform/emulation.py) the device is the live one narrowed to a
+profile's capabilities; everything that asks ``detect()`` or ``device_info_for`` gets
+that device, and nothing else needs to know. ``detect_present()`` is the silicon.
 """
 
 from __future__ import annotations
@@ -21,7 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from archserve.platform.capability import Capability
-from archserve.platform.device import DeviceInfo, Toolchain, features_for, rocm_fp8_for
+from archserve.platform.device import (
+    CUDA_REGISTERS_PER_BLOCK,
+    DeviceInfo,
+    Toolchain,
+    features_for,
+    rocm_fp8_for,
+)
 from archserve.platform.toolchain import KERNEL_LIBRARIES
 
 log = logging.getLogger(__name__)
@@ -36,11 +46,52 @@ _EXTRA_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+# The device that stands in for the live one (platform/emulation.py sets it), and whether
+# it stands in for CPU tensors too (a compile target on a machine without that GPU).
+_standing_in: DeviceInfo | None = None
+_for_every_tensor = False
+
+
 def detect(*, refresh: bool = False) -> DeviceInfo:
-    """The device this process would compute on (cached; ``refresh`` asks again)."""
+    """The device this process computes on (cached; ``refresh`` asks again): the live
+    device, or under emulation the live device narrowed to the emulated profile."""
+    if _standing_in is not None:
+        return _standing_in
+    return detect_present(refresh=refresh)
+
+
+def detect_present(*, refresh: bool = False) -> DeviceInfo:
+    """The silicon and toolchain here, whatever is emulated."""
     if refresh:
         _detect_cached.cache_clear()
     return _detect_cached()
+
+
+def device_info_for(torch_device: Any) -> DeviceInfo:
+    """The DeviceInfo of the device a tensor lives on: ``detect()`` for a GPU tensor, the
+    CPU profile for a CPU tensor on a GPU host. Every question a kernel wrapper asks of
+    its GPU (capability, shared memory, SMs) is asked here, so emulation answers it."""
+    if _standing_in is not None and _for_every_tensor:
+        return _standing_in
+    device_type = getattr(torch_device, "type", None) or str(torch_device).split(":")[0]
+    info = detect()
+    if device_type == "cpu" and info.platform != "cpu":
+        from archserve.platform.profiles import get_profile  # profiles import this module
+        return get_profile("cpu")
+    return info
+
+
+def standing_in() -> tuple[DeviceInfo | None, bool]:
+    """(the device standing in for the live one, whether for CPU tensors too)."""
+    return _standing_in, _for_every_tensor
+
+
+def set_standing_in(device: DeviceInfo | None, *, for_every_tensor: bool = False) -> None:
+    """Make ``device`` what ``detect()`` answers (None: the live device again); with
+    ``for_every_tensor`` also what ``device_info_for`` answers for CPU tensors. Called by
+    platform/emulation.py only."""
+    global _standing_in, _for_every_tensor
+    _standing_in, _for_every_tensor = device, for_every_tensor
 
 
 @functools.cache
@@ -96,6 +147,7 @@ def _cuda_or_rocm_device(torch: Any, toolchain: Toolchain, gpu_present: bool) ->
         shared_memory_per_block_bytes=shared_memory_per_block(props),
         gcn_arch=gcn_arch,
         nvidia_gpu_present=gpu_present or not is_rocm,
+        registers_per_block=None if is_rocm else CUDA_REGISTERS_PER_BLOCK,
     )
 
 
@@ -250,5 +302,5 @@ def _vllm_bundled_flash_attn() -> str | None:
     return None
 
 
-__all__ = ["cpu_device", "detect", "library_versions", "memory_bandwidth_from_props",
-           "nvidia_gpu_present", "nvml_driver_versions"]
+__all__ = ["cpu_device", "detect", "detect_present", "device_info_for", "library_versions",
+           "memory_bandwidth_from_props", "nvidia_gpu_present", "nvml_driver_versions"]

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field, replace
 from archserve.platform.capability import SM70, SM75, SM80, SM89, SM90, SM100, Capability
 
 PLATFORMS = ("cuda", "rocm", "xpu", "cpu")
+# 32-bit registers one thread block may hold: 64K on every NVIDIA GPU from Kepler to
+# Blackwell (CUDA C Programming Guide, "Technical Specifications per Compute Capability").
+CUDA_REGISTERS_PER_BLOCK = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,10 @@ class DeviceInfo:
     shared_memory_per_block_bytes: int | None = None
     gcn_arch: str | None = None               # ROCm gfx target, e.g. "gfx942"
     nvidia_gpu_present: bool = False          # seen by the OS/driver even if torch cannot use it
+    registers_per_block: int | None = None    # 32-bit registers a thread block may hold
+    # The GPU that executes when this device is emulated (platform/emulation.py): this
+    # device's capabilities, that one's silicon. None: this device is itself.
+    emulated_on: DeviceInfo | None = None
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
@@ -142,8 +149,10 @@ class DeviceInfo:
 
     def describe(self) -> str:
         cap = f" {self.capability}" if self.capability else ""
-        return f"{self.name} ({self.platform}{cap})"
+        text = f"{self.name} ({self.platform}{cap})"
+        return text if self.emulated_on is None else (
+            f"{text}, emulated on {self.emulated_on.describe()}")
 
 
-__all__ = ["Capability", "DeviceInfo", "Features", "Toolchain", "features_for", "rocm_fp8_for",
-           "SM90"]
+__all__ = ["CUDA_REGISTERS_PER_BLOCK", "Capability", "DeviceInfo", "Features", "Toolchain",
+           "features_for", "rocm_fp8_for", "SM90"]

@@ -30,7 +30,13 @@ from archserve.platform.capability import (
     SM121,
     Capability,
 )
-from archserve.platform.device import DeviceInfo, Toolchain, features_for, rocm_fp8_for
+from archserve.platform.device import (
+    CUDA_REGISTERS_PER_BLOCK,
+    DeviceInfo,
+    Toolchain,
+    features_for,
+    rocm_fp8_for,
+)
 from archserve.platform.toolchain import TORCH_WHEELS
 
 GiB = 1024**3
@@ -141,6 +147,7 @@ def _cuda_profile(profile_id: str, spec: _CudaSpec) -> DeviceInfo:
         multiprocessor_count=spec.sm_count,
         shared_memory_per_block_bytes=spec.smem_per_block,
         nvidia_gpu_present=True,
+        registers_per_block=CUDA_REGISTERS_PER_BLOCK,
     )
 
 

@@ -16,6 +16,8 @@ from archserve.kernels.specs import AttentionSpec, LinearSpec, MoESpec
 from archserve.models.registry import op_kinds_of_supported_architectures
 from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
+from archserve.platform.emulation import emulation_refusal, emulation_summary, narrow
+from archserve.platform.profiles import get_profile
 from archserve.platform.toolchain import Finding, arch_verdict, diagnose, three_layer_verdict
 from archserve.quant.config import explain_quant_config
 from archserve.quant.plan import plan_quantization
@@ -63,10 +65,12 @@ class DoctorReport:
 
     def to_dict(self) -> dict[str, Any]:
         tc = self.device.toolchain
+        host = self.device.emulated_on
         return {
             "device": {**device_dict(self.device),
                        "memory_bytes": self.device.memory_bytes,
-                       "multiprocessor_count": self.device.multiprocessor_count},
+                       "multiprocessor_count": self.device.multiprocessor_count,
+                       "emulated_on": None if host is None else device_dict(host)},
             "versions": {"torch": tc.torch_version, "driver": tc.driver_version,
                          "driver_cuda": tc.driver_cuda_version, "runtime": tc.runtime_version,
                          "torch_arch_list": list(tc.torch_arch_list),
@@ -125,13 +129,24 @@ def _quant_reports(device: DeviceInfo, dtype: Any, libraries: LibraryAssumption
 
 
 def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed",
-               tensor_parallel_size: int = 1, model=None, num_devices: int | None = None
-               ) -> DoctorReport:
+               tensor_parallel_size: int = 1, model=None, num_devices: int | None = None,
+               emulate: str | None = None) -> DoctorReport:
     """``model`` (a ModelSummary) and ``num_devices`` (None: unknown, a simulated device)
-    let it check a tensor-parallel layout too."""
-    toolchain_ok, toolchain_text = three_layer_verdict(device)
-    arch_ok, arch_text = arch_verdict(device)
+    let it check a tensor-parallel layout too. ``emulate``: a profile to run ``device``
+    with (``--emulate-device``): its routes, this device's toolchain, or why it cannot."""
+    refused = None
+    if emulate is not None:
+        profile = get_profile(emulate)
+        refused = emulation_refusal(device, profile)
+        if refused is None:
+            device = narrow(device, profile)
+    silicon = device.emulated_on or device     # what torch and the driver really drive
+    toolchain_ok, toolchain_text = three_layer_verdict(silicon)
+    arch_ok, arch_text = arch_verdict(silicon)
     decisions, specs = _representative_specs(device)
+    if device.emulated_on is not None:
+        decisions.insert(0, Decision("device", f"emulate {device.id}", device.describe(),
+                                     emulation_summary(device)))
     used = op_kinds_of_supported_architectures()
     ops = {}
     for op, spec in specs.items():
@@ -143,13 +158,15 @@ def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed",
         device, "mla_attention", replace(specs["mla_attention"], mla_sparse=True,
                                          **DEEPSEEK_V32_INDEXER), libraries)
     blockers = [f"{op}: {ops[op].error}" for op in REQUIRED_OPS if ops[op].error]
+    if refused is not None:
+        blockers.insert(0, f"cannot emulate {emulate}: {refused}")
     if device.is_gpu and not toolchain_ok:
         # torch cannot drive this GPU (wrong build, runtime newer than the driver, ...).
         blockers.append(f"the toolchain cannot run on {device.describe()}: see findings")
     if tensor_parallel_size > 1:
         blockers += _parallel_layout(device, tensor_parallel_size, model, num_devices, decisions)
     return DoctorReport(device, decisions, toolchain_ok, toolchain_text, arch_ok, arch_text,
-                        diagnose(device), ops, blockers)
+                        diagnose(silicon), ops, blockers)
 
 
 

@@ -285,3 +285,24 @@ def test_matrix_never_cuts_a_device_name() -> None:
     header = text.split("feature")[0]
     for profile in all_profiles():
         assert f" {profile.id} " in header, profile.id
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench", "prepare"])
+def test_every_command_that_builds_an_engine_takes_emulate_device(command) -> None:
+    result = runner.invoke(app, [command, "--help"], terminal_width=200, env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "--emulate-device" in result.output
+
+
+def test_doctor_on_an_h200_emulating_a_t4_and_refusing_a_b200() -> None:
+    result = run("doctor", "--device", "h200", "--emulate-device", "t4", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["device"]["id"] == "t4" and data["device"]["emulated_on"]["id"] == "h200"
+    assert data["decisions"][0]["what"] == "device" and data["can_run"]
+    text = run("doctor", "--device", "h200", "--emulate-device", "t4")
+    assert "emulated on NVIDIA H200" in " ".join(text.output.split())
+    refused = run("doctor", "--device", "h200", "--emulate-device", "b200")
+    assert refused.exit_code == 1
+    assert "cannot emulate b200" in " ".join(refused.output.split())
+    unknown = run("doctor", "--emulate-device", "k80")
+    assert unknown.exit_code == 2 and "unknown device profile" in unknown.output

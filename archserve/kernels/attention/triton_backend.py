@@ -16,6 +16,7 @@ from archserve.kernels.attention.triton_cache_write import write_kv_cache
 from archserve.kernels.attention.triton_decode import decode_attention
 from archserve.kernels.attention.triton_prefill import prefill_attention
 from archserve.kernels.specs import AttentionSpec
+from archserve.platform.detect import device_info_for
 from archserve.platform.device import DeviceInfo
 
 
@@ -36,8 +37,8 @@ class TritonAttentionImpl(PagedAttentionImpl):
         self.num_sms = (device.multiprocessor_count if device is not None else None) or 0
 
     def _sm_count(self, tensor: torch.Tensor) -> int:
-        if self.num_sms == 0 and tensor.is_cuda:
-            self.num_sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count
+        if self.num_sms == 0:
+            self.num_sms = device_info_for(tensor.device).multiprocessor_count or 0
         return self.num_sms
 
     def _fp8_bits(self, kv_cache: torch.Tensor) -> tuple[bool | None, bool | None]:

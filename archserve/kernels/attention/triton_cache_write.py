@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 
 from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16, fp32_to_e4m3_bits
+from archserve.platform.capability import SM80, SM89, Capability
+from archserve.platform.detect import device_info_for
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # An e4m3 cache read as bytes holds value / 256 once widened (e4m3_bits_to_fp16): the
@@ -40,18 +42,21 @@ E5M2_MAX = 57344.0
 def e5m2_written_in_software(kv_cache: torch.Tensor) -> bool:
     """Triton's fp32 -> e5m2 conversion uses SM80 instructions: below SM80 the writer
     encodes e5m2 bytes itself (reading e5m2 needs no help on any target)."""
-    if kv_cache.dtype != torch.float8_e5m2 or not kv_cache.is_cuda or torch.version.hip:
-        return False
-    return torch.cuda.get_device_capability(kv_cache.device) < (8, 0)
+    return kv_cache.dtype == torch.float8_e5m2 and _cuda_below(kv_cache, SM80)
 
 
 def e4m3_in_software(kv_cache: torch.Tensor) -> bool:
     """Whether an e4m3 cache must be written and read as bytes here: Triton has no e4m3
     type below SM89 (it refuses "fp8e4nv" there), so those GPUs convert with integer ops.
     e5m2 needs no help: Triton widens it on every target."""
-    if kv_cache.dtype != torch.float8_e4m3fn or not kv_cache.is_cuda or torch.version.hip:
-        return False
-    return torch.cuda.get_device_capability(kv_cache.device) < (8, 9)
+    return kv_cache.dtype == torch.float8_e4m3fn and _cuda_below(kv_cache, SM89)
+
+
+def _cuda_below(tensor: torch.Tensor, capability: Capability) -> bool:
+    """Whether ``tensor``'s GPU is an NVIDIA one older than ``capability`` (the targets
+    where Triton lacks a conversion); False on ROCm and the CPU."""
+    device = device_info_for(tensor.device)
+    return device.is_cuda and not device.has_capability(capability)
 
 
 def cache_operand(kv_cache: torch.Tensor, e4m3_bits: bool | None) -> tuple[torch.Tensor, bool]:

@@ -27,6 +27,7 @@ from archserve.kernels.attention.triton_decode import (
     soft_cap_scores,
 )
 from archserve.kernels.rules import triton_interpreted
+from archserve.platform.detect import device_info_for
 
 
 @triton.jit
@@ -192,8 +193,7 @@ def fitting_prefill_configs(configs: list, smem_limit: int, block_d: int,
 def _prune_prefill_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}
     query = args["q_ptr"]
-    props = torch.cuda.get_device_properties(query.device)
-    limit = getattr(props, "shared_memory_per_block_optin", 0)
+    limit = device_info_for(query.device).shared_memory_per_block_bytes
     if not limit:   # a build that does not report it: let the compiler reject what fails
         return configs
     return fitting_prefill_configs(configs, limit, args["BLOCK_D"], query.element_size())

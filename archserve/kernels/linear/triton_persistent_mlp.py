@@ -40,6 +40,7 @@ from archserve.kernels.linear.triton_skinny_gemm import (
 )
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from archserve.kernels.rules import triton_interpreted
+from archserve.platform.detect import device_info_for
 
 # Widest hidden / intermediate this kernel keeps in registers (a row of each, padded to a
 # power of two, per program): the small models issue 21 is about. Wider blocks would
@@ -197,9 +198,10 @@ def barrier_gave_up(device: torch.device) -> bool:
 
 
 def _num_programs(device: torch.device) -> int:
-    if device.type != "cuda":
+    info = device_info_for(device)
+    if not info.is_gpu:
         return 4        # the interpreter: a few programs, so that the tile loops loop
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return info.multiprocessor_count or 4
 
 
 def persistent_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,

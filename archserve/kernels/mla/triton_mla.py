@@ -22,6 +22,7 @@ from archserve.kernels.mla.triton_mla_decode_inputs import (
     mla_decode_inputs,
     mla_decode_inputs_unsupported,
 )
+from archserve.platform.detect import device_info_for
 
 
 class TritonMlaImpl:
@@ -39,8 +40,8 @@ class TritonMlaImpl:
         self.tiles: tuple | None = None
 
     def _sm_count(self, tensor: torch.Tensor) -> int:
-        if self.num_sms == 0 and tensor.is_cuda:
-            self.num_sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count
+        if self.num_sms == 0:
+            self.num_sms = device_info_for(tensor.device).multiprocessor_count or 0
         return self.num_sms
 
     def _e4m3_bits(self, kv_cache: torch.Tensor) -> bool | None:

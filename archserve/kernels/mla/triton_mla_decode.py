@@ -25,8 +25,6 @@ An fp8 (e4m3) latent cache holds ``latent / k_scale``; both products are scaled 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -60,7 +58,7 @@ from archserve.kernels.sparse_mla.triton_rows import (
     load_fp8_tiles,
     part_pointer,
 )
-from archserve.platform.detect import shared_memory_per_block
+from archserve.platform.detect import device_info_for
 
 
 @triton.jit
@@ -268,14 +266,13 @@ def mla_decode_tiles(num_heads: int, num_splits: int = 1, max_seq_len: int = 1 <
     return 16, block_n, 4, min(max_stages, 3 if long_splits else 2), False
 
 
-@functools.cache
 def _max_stages(device: torch.device) -> int:
     """3 where a block may take THREE_STAGE_SHARED_BYTES of shared memory (and on the CPU,
     whose interpreter has no limit), else 2."""
-    if device.type != "cuda":
+    info = device_info_for(device)
+    if not info.is_gpu:
         return 3
-    props = torch.cuda.get_device_properties(device)
-    return 3 if (shared_memory_per_block(props) or 0) >= THREE_STAGE_SHARED_BYTES else 2
+    return 3 if (info.shared_memory_per_block_bytes or 0) >= THREE_STAGE_SHARED_BYTES else 2
 
 
 # Programs of the rule's tiles one SM holds at once: 4 warps at 206 registers a thread (ncu,

@@ -22,6 +22,7 @@ import torch
 
 from archserve.kernels.linear.quantized_tuning import DEFAULT, MIN_GAIN, KindTiming
 from archserve.kernels.tuning_cache import read_cache, write_cache
+from archserve.platform.detect import device_info_for
 
 log = logging.getLogger(__name__)
 _CACHE_VERSION = 2   # 2: the rule's splits and stages changed (session 20)
@@ -175,7 +176,7 @@ def _graph_timer(device: torch.device) -> Timer:
         query, cache, tables, lens, starts, scale, sparse = operands[shape]
         out = torch.empty(TUNE_BATCH, shape.num_heads, shape.kv_lora_rank, dtype=query.dtype,
                           device=device)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = device_info_for(device).multiprocessor_count or 0
         entries = shape.sparse_topk or TUNE_CONTEXT
 
         def run() -> None:

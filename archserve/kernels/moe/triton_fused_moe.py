@@ -33,7 +33,6 @@ from (T, k, E, tile) only: no host synchronisation, so decode can be graph-captu
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +40,7 @@ import torch
 
 from archserve.kernels.moe.routing import align_to_blocks, experts_touched
 from archserve.kernels.moe.triton_routing import triton_route
+from archserve.platform.detect import device_info_for
 
 try:
     import triton
@@ -183,13 +183,10 @@ def pair_tile(num_pairs: int, narrowest: int, sm_count: int, block_n: int | None
     return MoETile(16, block_n, block_k, num_warps, num_stages, pair_rows=True)
 
 
-@functools.cache
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (a host-side property: no sync, so it is
-    safe inside a graph capture); 1 elsewhere, where it only sizes interpreter grids."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Streaming multiprocessors of a GPU (a host-side property: no sync, so it is safe
+    inside a graph capture); 1 elsewhere, where it only sizes interpreter grids."""
+    return device_info_for(device).multiprocessor_count or 1
 
 
 def _expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:

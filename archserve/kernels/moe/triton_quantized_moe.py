@@ -38,6 +38,8 @@ from archserve.kernels.linear.quantized_weights import (
 from archserve.kernels.moe.quantized_experts import ExpertWeight, QuantizedExperts, expert_shape
 from archserve.kernels.moe.routing import align_to_blocks, route
 from archserve.kernels.moe.triton_fused_moe import MoETile, default_tile, sum_slots, triton
+from archserve.platform.capability import SM89
+from archserve.platform.detect import device_info_for
 
 ACT_GROUP = 128      # activation channels per dynamic group scale (fp8_gemm.GROUP)
 
@@ -250,8 +252,8 @@ def quantized_experts_unsupported(hidden: torch.Tensor, experts: QuantizedExpert
 
 def _native_fp8(device: torch.device) -> bool:
     """tl.dot on float8 operands: CUDA GPUs with FP8 tensor cores (SM89+)."""
-    return (device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    info = device_info_for(device)
+    return info.is_cuda and info.has_capability(SM89)
 
 
 def _block_k(tile: MoETile, w: ExpertWeight) -> int:

@@ -32,6 +32,7 @@ from archserve.models.layers.linear import WeightOnly
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.layers.parallel_linear import GateUpParallelLinear, RowParallelLinear
+from archserve.platform.detect import device_info_for
 
 # (gate, up, down) names of one expert's matrices in the two checkpoint conventions.
 HF_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -179,7 +180,7 @@ class FusedMoE(nn.Module):
         key = (self.w13.device, dtype)
         if self._impl_key != key:
             from archserve.kernels.catalog import select_moe_backend
-            device = _device_info(self.w13.device)
+            device = device_info_for(self.w13.device)
             spec = self.spec(dtype)
             selection = select_moe_backend(device, spec)
             self._impl = selection.backend.make_impl(device, spec)
@@ -234,14 +235,6 @@ class FusedMoE(nn.Module):
 def quantized_device(quantized: Any) -> torch.device:
     w = quantized.w13
     return (w.qweight if hasattr(w, "qweight") else w.weight).device
-
-
-def _device_info(device: torch.device) -> Any:
-    """The DeviceInfo of the device the weights are on (a CPU tensor on a GPU host is a CPU)."""
-    from archserve.platform import detect, get_profile
-    if device.type == "cpu":
-        return get_profile("cpu")
-    return detect()
 
 
 class GatedMLP(nn.Module):
