@@ -161,6 +161,23 @@ def test_route_is_torch_on_cpu_and_when_disabled(monkeypatch):
     assert fused_kernel_route("cuda")[0] == "triton"
 
 
+def test_route_on_a_gpu_follows_where_triton_compiles(monkeypatch):
+    """A Pascal GPU (SM61) runs the torch reference (Triton compiles for SM70+); a V100 and
+    an MI300X the Triton kernels. CPU tensors stand for each profile's GPU."""
+    pytest.importorskip("triton")
+    from archserve.platform.emulation import compile_target
+    from archserve.platform.profiles import get_profile
+
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    routes = {}
+    for profile in ("p40", "v100", "mi300x", "cpu"):
+        with compile_target(get_profile(profile)):
+            routes[profile] = fused_kernel_route("cpu")
+    assert routes["p40"] == ("torch", "Triton compiles for SM70+ only, device is SM61")
+    assert routes["v100"][0] == routes["mi300x"][0] == "triton"
+    assert routes["cpu"][0] == "torch"
+
+
 def test_unsupported_inputs_take_the_reference_even_when_triton_is_forced():
     # Outside the interpreter a Triton launch on CPU tensors would raise, so these
     # results can only come from the reference.

@@ -30,7 +30,7 @@ from archserve.routing.explain import explain_model
 from archserve.routing.model_summary import read_model_summary
 
 # The GPUs an H200 executes the route of: every older NVIDIA profile.
-ON_AN_H200 = ("v100", "t4", "a100", "a10", "l40s", "rtx4090", "h100", "h200")
+ON_AN_H200 = ("p40", "v100", "t4", "a100", "a10", "l40s", "rtx4090", "h100", "h200")
 QUANT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant")
 
 
@@ -93,7 +93,7 @@ def test_emulated_dtypes_are_the_profiles(h200, profile_id, dtype):
     assert resolve_dtype(device, dtype, "float16") == resolve_dtype(profile, dtype, "float16")
     for kv in ("auto", "fp8", "fp8_e5m2"):
         assert resolve_kv_cache_dtype(device, kv) == resolve_kv_cache_dtype(profile, kv)
-    expected = torch.float16 if profile_id in ("v100", "t4") else (
+    expected = torch.float16 if profile_id in ("p40", "v100", "t4") else (
         torch.bfloat16 if dtype == "auto" else getattr(torch, dtype))
     assert resolve_dtype(device, dtype)[0] == expected
 

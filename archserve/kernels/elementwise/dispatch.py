@@ -28,6 +28,7 @@ from archserve.kernels.elementwise.reference import (
     rotary_reference,
     silu_and_mul_reference,
 )
+from archserve.kernels.rules import triton_target_rule
 from archserve.platform.detect import device_info_for
 
 log = logging.getLogger(__name__)
@@ -82,10 +83,13 @@ def fused_kernel_route(device: torch.device | str) -> tuple[Route, str]:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return "torch", f"{DISABLE_ENV} is set"
     device_type = torch.device(device).type
+    info = device_info_for(device)
     # A CPU tensor may stand for a GPU (platform.emulation.compile_target: kernels compiled
     # for a GPU this machine need not have).
-    if device_type != "cuda" and not device_info_for(device).is_gpu:
+    if device_type != "cuda" and not info.is_gpu:
         return "torch", f"tensors on {device_type}; the fused kernels run on CUDA/ROCm"
+    if (reason := triton_target_rule(info)) is not None:
+        return "torch", reason
     missing = _triton_import_error()
     if missing is not None:
         return "torch", missing
