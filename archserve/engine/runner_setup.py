@@ -296,7 +296,8 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     if network is not None:
         largest_step = max(max_batched, TOKEN_BUCKETS[-1], *graph_sizes) + config.max_num_seqs
         drafts = draft_runner(network, network_mc, device, config, dtype, kv_cache_dtype,
-                              torch_device, block_size, max_model_len, largest_step)
+                              torch_device, block_size, max_model_len, largest_step,
+                              attn_impl if speculative.method == "mtp" else None)
         if speculative.method == "mtp":
             runner.keep_hidden_states(largest_step)
     calibrate = config.calculate_kv_scales and is_quantized_cache(kv_cache_dtype)

@@ -104,23 +104,27 @@ def load_draft_network(config: SpeculativeConfig, target_path: str | None, targe
 
 def draft_runner(network, network_config, device, engine_config, dtype: torch.dtype,
                  kv_cache_dtype: str, torch_device: torch.device, block_size: int,
-                 max_model_len: int, max_tokens: int):
-    """A ModelRunner for the draft network: its attention selected (and canaried) for its
-    own shapes at the target's block size, no sampler. ``max_tokens``: the most inputs one
-    of its forwards takes (an MTP network's hidden-state buffers are that long)."""
+                 max_model_len: int, max_tokens: int, attn_impl=None):  # noqa: ANN001
+    """A ModelRunner for the draft network, no sampler: ``attn_impl``, the target's where
+    the network's attention has the target's shapes (MTP layers: selected, canaried and
+    tuned already), else one selected (and canaried) for its own shapes at the target's
+    block size. ``max_tokens``: the most inputs one of its forwards takes (an MTP
+    network's hidden-state buffers are that long)."""
     from archserve.engine import startup
     from archserve.engine.model_runner import ModelRunner
     if network_config.max_position_embeddings < max_model_len:
         raise ValueError(f"the draft model's context ({network_config.max_position_embeddings} "
                          f"tokens) is shorter than max_model_len ({max_model_len}); lower "
                          f"max_model_len")
-    config = dataclasses.replace(engine_config, block_size=block_size, attention_backend=None)
-    selection, attn_impl, _ = startup.select_attention_with_canary(
-        device, config, network_config, dtype, kv_cache_dtype, torch_device)
+    if attn_impl is None:
+        config = dataclasses.replace(engine_config, block_size=block_size,
+                                     attention_backend=None)
+        selection, attn_impl, _ = startup.select_attention_with_canary(
+            device, config, network_config, dtype, kv_cache_dtype, torch_device)
+        log.info("draft network attention: %s", selection.name)
     allocate = getattr(network, "allocate_hidden_buffers", None)
     if allocate is not None:
         allocate(max_tokens, dtype, torch_device)
-    log.info("draft network attention: %s", selection.name)
     return ModelRunner(network, network_config, torch_device, dtype, attn_impl, block_size,
                        max_model_len, None)
 
