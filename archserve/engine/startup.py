@@ -209,6 +209,10 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
             rows = min(mixed_graph_tokens, sampled_rows) + 1
             reserve += (int(peak * min(1.0, mixed_graph_tokens / max_num_batched_tokens))
                         + logits_bytes + rows * model_config.vocab_size * 4)
+        if extra_bytes_per_block:
+            # A draft network's graphs keep a pool of their own, of the same forwards at
+            # the same sizes (its vocabulary at most the target's): as much again.
+            reserve *= 2
         avail = cuda_available_kv_bytes(torch_device, config.gpu_memory_utilization, peak, reserve)
         return blocks_for_budget(avail, per_block), (
             f"gpu_memory_utilization={config.gpu_memory_utilization}, activation peak "
