@@ -13,6 +13,12 @@ which keeps the invariant; for a sequence that sampled, that forward's last row 
 first draft, and k - 1 one-token forwards chain the rest. Drafts are greedy (the draft's
 argmax): the target's verification treats them as a point mass (verification.py).
 
+Where the invariant bends, only the drafts' quality can suffer, never an output (the target
+verifies every draft): a block the prefix cache hands another sequence holds the draft's
+entries of the sequence that computed it, and an MTP layer's entry at a block's last
+position was computed with that sequence's next token; a sequence that finishes in a step
+is not levelled, so the blocks it completed there keep the draft's earlier entries.
+
 What differs between the two kinds of draft network is ``DraftNetwork``'s:
 - a draft model reads each token at its own position and predicts the next one;
 - an MTP layer reads, at position i, the target's hidden state of position i and the token
