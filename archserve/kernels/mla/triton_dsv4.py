@@ -34,6 +34,7 @@ from archserve.kernels.compressed_attention.triton_attention import (
 )
 from archserve.kernels.compressed_attention.triton_compressor import compress_triton
 from archserve.kernels.sparse_mla.triton_indexer import IndexKeySource, select_top_keys
+from archserve.platform.detect import device_info_for
 
 
 class TritonDsv4Impl:
@@ -45,8 +46,8 @@ class TritonDsv4Impl:
         self.num_sms = (getattr(device, "multiprocessor_count", None) or 0) if device else 0
 
     def _sm_count(self, tensor: torch.Tensor) -> int:
-        if self.num_sms == 0 and tensor.is_cuda:
-            self.num_sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count
+        if self.num_sms == 0:
+            self.num_sms = device_info_for(tensor.device).multiprocessor_count or 0
         return self.num_sms
 
     def forward_compressed(self, layout: CompressedCacheLayout, layer: CompressedLayerParams,
