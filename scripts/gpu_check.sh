@@ -2,7 +2,7 @@
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
 #   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
 #                                     quant_gemm|quant_perf|serve|structured|moe|tp|tp4|tp8|mla|ncu|speed|
-#                                     lora|sparse_mla|sparse_mla_perf|spec|all]
+#                                     lora|sparse_mla|sparse_mla_perf|spec|emulate|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -58,6 +58,12 @@
 #           async scheduling), then benchmarks/spec_verify_step.py on the Llama-3-8B shape:
 #           a verification step of k = 1..8 drafts against a decode step at batch 1, 8 and
 #           32 (dummy weights, 512 tokens of context); `all` leaves it out, ask by name.
+#   emulate: tests/engine/test_emulated_generations.py: v100, t4, a100, a10, l40s and rtx4090
+#           emulated on this GPU (--emulate-device), one process each side by side: tiny Llama,
+#           Qwen3, Qwen3-MoE, DeepSeek-V2-Lite and the quantized fixtures against transformers
+#           in float32, the printed route against explain's, Triton's code for the profile
+#           and its shared-memory limit (env EMULATE_K: a pytest -k expression, e.g. "t4 or
+#           native"); each profile's log in $OUT/emulated; `all` leaves it out.
 #   speed:  benchmarks/h200_speed.sh: the pending speed rows of issues 21, 13 and 14 in
 #           priority order within one device call (env SPEED_DEADLINE, default 540 s from
 #           this script's start; SPEED_STEPS: some steps only; SPEED_DRY_RUN=1: the plan);
@@ -209,6 +215,11 @@ fi
 if [ "$PART" = sparse_mla ]; then
   $PYTEST -v --durations=15 tests/kernels/test_sparse_mla_triton.py \
     tests/models/test_sparse_mla_vs_hf.py 2>&1 | tee "$OUT/pytest_sparse_mla.log" | tail -n 30
+fi
+if [ "$PART" = emulate ]; then
+  EMULATED_LOGS="$OUT/emulated" timeout -s INT 580 $PYTEST -v --durations=10 \
+    tests/engine/test_emulated_generations.py -k "${EMULATE_K:-}" 2>&1 \
+    | tee "$OUT/pytest_emulate.log" | tail -n 40
 fi
 if [ "$PART" = sparse_mla_perf ]; then
   timeout ${SPARSE_TIMEOUT:-540} python3 benchmarks/sparse_mla_perf.py ${SPARSE_ARGS:-} \
