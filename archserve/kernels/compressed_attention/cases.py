@@ -9,7 +9,7 @@ step under test then brings ``query_len`` tokens of random projections.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -132,18 +132,24 @@ def make_compressed_case(seqs: list[tuple[int, int]], *, num_heads: int = 16,
 
 
 def with_padding(case: CompressedCase, extra_seqs: int) -> CompressedCase:
-    """The case's step as a CUDA graph replays it: ``extra_seqs`` more sequence slots with no
-    token (query_start_loc repeats its end, seq_len 0)."""
+    """The case's decode step as a CUDA graph replays it: ``extra_seqs`` more sequences of
+    one token each at position 0, slot -1 and block 0 (engine/cuda_graphs.py's padding),
+    which must write nothing."""
     meta = case.meta
     tables = torch.cat((meta.block_tables, meta.block_tables.new_zeros(
         extra_seqs, meta.block_tables.shape[1])))
-    starts = torch.cat((meta.query_start_loc, meta.query_start_loc[-1:].expand(extra_seqs)))
-    seq_lens = torch.cat((meta.seq_lens, meta.seq_lens.new_zeros(extra_seqs)))
+    total = meta.num_seqs + extra_seqs
+    starts = torch.arange(total + 1, dtype=torch.int32, device=meta.seq_lens.device)
+    seq_lens = torch.cat((meta.seq_lens, meta.seq_lens.new_ones(extra_seqs)))
+    slots = torch.cat((meta.slot_mapping, meta.slot_mapping.new_full((extra_seqs,), -1)))
     padded = replace(meta, query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
-                     num_seqs=meta.num_seqs + extra_seqs,
-                     query_lens_cpu=meta.query_lens_cpu + [0] * extra_seqs,
-                     seq_lens_cpu=meta.seq_lens_cpu + [0] * extra_seqs)
-    return replace(case, meta=padded)
+                     slot_mapping=slots, num_seqs=total,
+                     query_lens_cpu=meta.query_lens_cpu + [1] * extra_seqs,
+                     seq_lens_cpu=meta.seq_lens_cpu + [1] * extra_seqs)
+    inputs = CompressedStepInputs(*(
+        None if t is None else torch.cat((t, t[:1].expand(extra_seqs, *t.shape[1:])))
+        for t in (getattr(case.inputs, f.name) for f in fields(case.inputs))))
+    return replace(case, meta=padded, inputs=inputs)
 
 
 def compare_compressed_with_reference(case: CompressedCase, impl) -> str | None:  # noqa: ANN001

@@ -47,15 +47,13 @@ PROGRAMS_PER_SM = 2
 class RowInputs:
     """Per query row (int32 [R]): its sequence (block-table row), position, the position its
     sequence's step starts at and that start's row of the step's tensors; ``index`` [R + 1]
-    is 0, 1, .., R (each row its own "sequence" of keys for the split and merge helpers);
-    ``key_counts`` [R]: its window's and entries' keys, set once the selection is known."""
+    is 0, 1, .., R (each row its own "sequence" of keys for the split and merge helpers)."""
 
     seq: torch.Tensor
     position: torch.Tensor
     start: torch.Tensor
     fresh: torch.Tensor
     index: torch.Tensor
-    key_counts: torch.Tensor | None = None
 
 
 @triton.jit
@@ -125,12 +123,14 @@ def _attention_kernel(q_ptr, kv_ptr, rows_ptr, block_tables_ptr, row_seq_ptr, ro
 
 def attention_triton(layout: CompressedCacheLayout, query: torch.Tensor, kv: torch.Tensor,
                      kv_cache: torch.Tensor, block_tables: torch.Tensor, sinks: torch.Tensor,
-                     scale: float, rows: RowInputs, indices: torch.Tensor | None,
-                     max_keys: int, num_sms: int = 0) -> torch.Tensor:
+                     scale: float, rows: RowInputs, key_counts: torch.Tensor,
+                     indices: torch.Tensor | None, max_keys: int, num_sms: int = 0
+                     ) -> torch.Tensor:
     """query [R, H, D] (row r at ``rows.position[r]`` of block-table row ``rows.seq[r]``),
-    the step's keys ``kv`` [T, D] -> [R, H, D] in query's dtype. ``indices`` [R, k]: the
-    rows' selected entries (compressed sparse); None: every complete entry. ``max_keys``,
-    a host int, bounds any row's keys (the grid and the split rule)."""
+    the step's keys ``kv`` [T, D] -> [R, H, D] in query's dtype. ``key_counts`` [R] int32:
+    each row's window and entries; ``indices`` [R, k]: the rows' selected entries
+    (compressed sparse); None: every complete entry. ``max_keys``, a host int, bounds any
+    row's keys (the grid and the split rule)."""
     num_rows, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     if num_rows == 0:
@@ -143,7 +143,7 @@ def attention_triton(layout: CompressedCacheLayout, query: torch.Tensor, kv: tor
     indexed = indices is not None
     _attention_kernel[(head_blocks, num_rows, num_splits)](
         query, kv, cache_rows, block_tables, rows.seq, rows.position, rows.start, rows.fresh,
-        rows.key_counts, rows.index, indices if indexed else rows.index, sinks, out,
+        key_counts, rows.index, indices if indexed else rows.index, sinks, out,
         partial_out, partial_lse, query.stride(0), query.stride(1), kv.stride(0),
         out.stride(0), out.stride(1), block_tables.stride(0),
         indices.stride(0) if indexed else 0, scale,
@@ -155,14 +155,14 @@ def attention_triton(layout: CompressedCacheLayout, query: torch.Tensor, kv: tor
         TILE=BLOCK_N, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=4, num_stages=2)
     if num_splits > 1:
-        merge_splits(partial_out, partial_lse, rows.index, rows.key_counts, out, 1.0,
+        merge_splits(partial_out, partial_lse, rows.index, key_counts, out, 1.0,
                      split_block_n=BLOCK_N)
     return out
 
 
 @triton.jit
 def _write_window_kernel(kv_ptr, rows_ptr, block_tables_ptr, query_start_loc_ptr,
-                         seq_lens_ptr, stride_kv, stride_block_table,
+                         seq_lens_ptr, slot_mapping_ptr, stride_kv, stride_block_table,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW_ROWS: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_ELEMS: tl.constexpr,
                          TOKENS: tl.constexpr):
@@ -174,11 +174,14 @@ def _write_window_kernel(kv_ptr, rows_ptr, block_tables_ptr, query_start_loc_ptr
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    # Only the keys a later one of the step does not take the row of (its block's latest).
+    # Only the keys a later one of the step does not take the row of (its block's latest);
+    # none of a CUDA graph's padding (slot -1).
     for t0 in range(start + tl.program_id(1) * TOKENS, end, tl.num_programs(1) * TOKENS):
         pos = t0 + tl.arange(0, TOKENS)
         block_end = tl.minimum((pos // BLOCK_SIZE + 1) * BLOCK_SIZE, end)
         keep = (pos < end) & (pos >= block_end - WINDOW_ROWS)
+        slot = tl.load(slot_mapping_ptr + row0 + pos - start, mask=keep, other=-1)
+        keep = keep & (slot >= 0)
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=keep, other=0).to(tl.int64)
         dst = rows_ptr + block * BLOCK_ELEMS + ((pos % BLOCK_SIZE) % WINDOW_ROWS) * D
         src = kv_ptr + (row0 + pos - start).to(tl.int64) * stride_kv
@@ -188,16 +191,17 @@ def _write_window_kernel(kv_ptr, rows_ptr, block_tables_ptr, query_start_loc_ptr
 
 
 def write_window_triton(layout: CompressedCacheLayout, kv: torch.Tensor, kv_cache: torch.Tensor,
-                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                        seq_lens: torch.Tensor, num_seqs: int, max_query_len: int) -> None:
-    """Keep the step's keys [T, D] in their window rows (reference.write_window)."""
+                        meta, num_seqs: int, max_query_len: int) -> None:  # noqa: ANN001
+    """Keep the step's keys [T, D] in their window rows (reference.write_window), but for a
+    slot -1 (padding)."""
     if num_seqs == 0:
         return
     tokens = 8
     programs = max(1, min(triton.cdiv(max_query_len, tokens), 64))
     _write_window_kernel[(num_seqs, programs)](
-        kv, layout.block_span(kv_cache).view(layout.dtype), block_tables, query_start_loc,
-        seq_lens, kv.stride(0), block_tables.stride(0), D=layout.head_dim,
+        kv, layout.block_span(kv_cache).view(layout.dtype), meta.block_tables,
+        meta.query_start_loc, meta.seq_lens, meta.slot_mapping, kv.stride(0),
+        meta.block_tables.stride(0), D=layout.head_dim,
         BLOCK_D=triton.next_power_of_2(layout.head_dim), WINDOW_ROWS=layout.window_rows,
         BLOCK_SIZE=layout.block_size,
         BLOCK_ELEMS=layout.block_size * layout.row_bytes // layout.elem, TOKENS=tokens,

@@ -18,7 +18,8 @@
 
 Only the accumulators of groups a step touches are read, and only those it leaves are
 written, so blocks another sequence shares through the prefix cache (full, every group
-closed) are read, never written.
+closed) are read, never written. A sequence whose slots are -1 (a CUDA graph's padding)
+writes nothing.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def _emit_part(out_ptr, weight_ptr, inv_freq_ptr, total, weighted, position, eps
 @triton.jit
 def _compressor_kernel(kv_ptr, gate_ptr, bias_ptr, ikv_ptr, igate_ptr, ibias_ptr,
                        norm_ptr, inorm_ptr, inv_freq_ptr, rows_ptr, state_ptr,
-                       block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+                       block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, slot_mapping_ptr,
                        stride_kv, stride_ikv, stride_bias, stride_ibias, stride_block_table,
                        eps,
                        D: tl.constexpr, DI: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -182,6 +183,9 @@ def _compressor_kernel(kv_ptr, gate_ptr, bias_ptr, ikv_ptr, igate_ptr, ibias_ptr
     end = tl.load(seq_lens_ptr + seq)
     start = end - query_len
     if query_len <= 0:
+        return
+    # A CUDA graph's padding sequence (its slots -1) writes nothing.
+    if tl.load(slot_mapping_ptr + row0 + query_len - 1) < 0:
         return
     CHANNELS: tl.constexpr = D + DI
     OWN_SERIES: tl.constexpr = 1 if OVERLAP else 0
@@ -333,7 +337,8 @@ def compress_triton(layout: CompressedCacheLayout, layer: CompressedLayerParams,
             index_gate if has_index else gate,
             c.index_position_bias if has_index else c.position_bias, c.norm_weight,
             c.index_norm_weight if has_index else c.norm_weight, layer.inv_freq, rows, state,
-            meta.block_tables, meta.query_start_loc, meta.seq_lens, kv.stride(0),
+            meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.slot_mapping,
+            kv.stride(0),
             index_kv.stride(0) if has_index else kv.stride(0), c.position_bias.stride(0),
             c.index_position_bias.stride(0) if has_index else 0, meta.block_tables.stride(0),
             layer.eps)

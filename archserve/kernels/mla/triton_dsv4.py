@@ -44,11 +44,20 @@ class TritonDsv4Impl:
         self.device = device
         self.spec = spec
         self.num_sms = (getattr(device, "multiprocessor_count", None) or 0) if device else 0
+        # The step's per-row inputs and per-(window, rate) key counts, made by its first
+        # layer and read by the others (a decode graph records them once): (the step's
+        # metadata, its rows, the counts).
+        self._step: tuple[AttentionMetadata, RowInputs, dict] | None = None
 
     def _sm_count(self, tensor: torch.Tensor) -> int:
         if self.num_sms == 0:
             self.num_sms = device_info_for(tensor.device).multiprocessor_count or 0
         return self.num_sms
+
+    def _rows(self, meta: AttentionMetadata, num_rows: int) -> tuple[RowInputs, dict]:
+        if self._step is None or self._step[0] is not meta:
+            self._step = (meta, step_rows(meta, num_rows), {})
+        return self._step[1], self._step[2]
 
     def forward_compressed(self, layout: CompressedCacheLayout, layer: CompressedLayerParams,
                            inputs: CompressedStepInputs, kv_cache: torch.Tensor,
@@ -57,28 +66,28 @@ class TritonDsv4Impl:
         if layer.compressor is not None:
             compress_triton(layout, layer, inputs.compressor_kv, inputs.compressor_gate,
                             inputs.index_kv, inputs.index_gate, kv_cache, meta)
-        rows = step_rows(meta, inputs.query.shape[0])
+        rows, counts = self._rows(meta, inputs.query.shape[0])
         rate, window = layout.compress_rate, layout.window
-        n_window = torch.clamp(rows.position + 1, min=0, max=window)
-        visible = (torch.div(rows.position + 1, rate, rounding_mode="floor").clamp(min=0)
-                   if rate else None)
+        key = (window, rate)
+        if key not in counts:
+            n_window = torch.clamp(rows.position + 1, min=0, max=window)
+            visible = (torch.div(rows.position + 1, rate, rounding_mode="floor").clamp(min=0)
+                       if rate else torch.zeros_like(n_window))
+            counts[key] = (n_window, visible.to(torch.int32),
+                           (n_window + visible).to(torch.int32))
+        n_window, visible, key_counts = counts[key]
         longest = meta.max_seq_len // rate if rate else 0
-        indices = None
+        indices, max_entries = None, longest
         if layout.index_dim:
-            indices, counts = self._select(layout, layer, inputs, kv_cache, meta, rows,
-                                           visible.to(torch.int32), longest)
-            entries, max_entries = counts, min(longest, layer.index_topk)
-        elif rate:
-            entries, max_entries = visible, longest
-        else:
-            entries, max_entries = torch.zeros_like(n_window), 0
-        rows.key_counts = (n_window + entries).to(torch.int32)
+            indices, selected = self._select(layout, layer, inputs, kv_cache, meta, rows,
+                                             visible, longest)
+            key_counts = (n_window + selected).to(torch.int32)
+            max_entries = min(longest, layer.index_topk)
         out = attention_triton(layout, inputs.query, inputs.kv, kv_cache, meta.block_tables,
-                               layer.sinks, layer.scale, rows, indices,
+                               layer.sinks, layer.scale, rows, key_counts, indices,
                                min(window, meta.max_seq_len) + max_entries,
                                self._sm_count(inputs.kv))
-        write_window_triton(layout, inputs.kv, kv_cache, meta.block_tables,
-                            meta.query_start_loc, meta.seq_lens, meta.num_seqs,
+        write_window_triton(layout, inputs.kv, kv_cache, meta, meta.num_seqs,
                             meta.max_query_len)
         return out
 
