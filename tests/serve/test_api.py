@@ -307,7 +307,15 @@ def test_prompt_logprobs(client, server):
     assert [len(c["prompt_logprobs"]) for c in both] == [len(ids)] * 2 + [len(hello)] * 2
     top1 = [None] + [{t: e for t, e in entry.items() if t == str(token) or e["rank"] <= 1}
                      for token, entry in zip(ids[1:], lps[1:], strict=True)]
-    assert both[0]["prompt_logprobs"] == both[1]["prompt_logprobs"] == top1
+    # the same tokens and ranks; the values to rounding (the prompts share one batched step,
+    # whose GEMMs need not round as one prompt's alone do)
+    for choice in both[:2]:
+        assert choice["prompt_logprobs"][0] is None
+        for got, want in zip(choice["prompt_logprobs"][1:], top1[1:], strict=True):
+            assert {t: (e["rank"], e["decoded_token"]) for t, e in got.items()} == \
+                {t: (e["rank"], e["decoded_token"]) for t, e in want.items()}
+            assert all(got[t]["logprob"] == pytest.approx(e["logprob"], abs=1e-5)
+                       for t, e in want.items())
     for choice in both:     # echo's prompt entries keep their own 3 (and the token's)
         assert all(3 <= len(top) <= 4 for top in choice["logprobs"]["top_logprobs"][1:])
     for path, body in (("/v1/completions", {"prompt": PROMPT}),

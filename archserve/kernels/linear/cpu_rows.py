@@ -98,14 +98,16 @@ def _time_forms(weights: list[torch.Tensor], reps: int = 3) -> dict[int, RowsCho
     routine = CpuRowsLinear()
     choices = {}
     for rows in ROWS:
-        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+        # keyed by dtype too: a float32 router weight can share a 16-bit weight's width
+        inputs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype)
+                  for w in weights}
         best = {False: float("inf"), True: float("inf")}
         for _ in range(reps):
             for transposed in (False, True):
                 routine.transposed_rows = frozenset({rows} if transposed else ())
                 start = time.perf_counter()
                 for w in weights:
-                    routine(inputs[w.shape[1]], w)
+                    routine(inputs[w.shape[1], w.dtype], w)
                 best[transposed] = min(best[transposed], time.perf_counter() - start)
         choices[rows] = RowsChoice(best[True] < best[False] * (1 - MIN_GAIN),
                                    best[False] * 1e3, best[True] * 1e3)
