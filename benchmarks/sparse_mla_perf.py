@@ -13,7 +13,8 @@ MLA), both with dummy bf16 weights.
 - ``--part throughput``: 64 prompts of 8192 tokens with 128 outputs each, output tok/s and
   the decode step, both models.
 
-    python3 benchmarks/sparse_mla_perf.py [--part kernel|engine|throughput|all] [--out F.json]
+    python3 benchmarks/sparse_mla_perf.py [--part kernel|engine|throughput|all]
+        [--model deepseek-v32-4l|deepseek-v3-4l] [--contexts N ...] [--out F.json]
     TRITON_INTERPRET=1 python3 benchmarks/sparse_mla_perf.py --tiny   # CPU smoke run
 """
 
@@ -26,7 +27,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -235,6 +236,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", default="all",
                         choices=("kernel", "engine", "throughput", "all"))
+    parser.add_argument("--model", action="append", default=None,
+                        choices=("deepseek-v32-4l", "deepseek-v3-4l"),
+                        help="engine/throughput: this model only (repeatable; default both)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=None,
+                        help="engine: the batch-1 contexts (default 2048 8192 32768 131072)")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke run on tiny shapes (the kernel part needs "
                              "TRITON_INTERPRET=1, else it is left out)")
@@ -247,6 +253,10 @@ def main() -> None:
         plan = Plan(models=(("deepseek-v32-4l", V32_4L), ("deepseek-v3-4l", V3_4L)))
     else:
         sys.exit("sparse_mla_perf.py needs a CUDA GPU (or --tiny for a CPU smoke run)")
+    if args.model:
+        plan = replace(plan, models=tuple(m for m in plan.models if m[0] in args.model))
+    if args.contexts:
+        plan = replace(plan, decode_contexts=tuple(args.contexts))
     ceilings = load_or_measure(device)
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "ceilings": ceilings.describe()}
