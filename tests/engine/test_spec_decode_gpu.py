@@ -1,8 +1,12 @@
-"""Speculative decoding on the GPU, as it is served: CUDA graphs (decode graphs, and the
-mixed-step graphs that verification steps replay) and asynchronous scheduling. Every
-method gives plain decoding's tokens, up to where bf16 holds a near-tie (a verification
-step computes its rows in one GEMM, a decode step in another: their last bits differ), and
-leaks no KV block.
+"""Speculative decoding on the GPU, as it is served: CUDA graphs and asynchronous
+scheduling. Every method gives plain decoding's tokens, up to where bf16 holds a near-tie
+(a verification step computes its rows in one GEMM, a decode step in another: their last
+bits differ), and leaks no KV block.
+
+Verification steps replay mixed-step graphs where the target's attention captures those
+(TRITON_ATTN: the Llama targets); an MLA target's (the MTP case) reads its sequences'
+lengths on the host in steps with more than one query row, so its verification steps run
+eagerly while its decode steps and the MTP drafter's chained forwards replay graphs.
 """
 
 from __future__ import annotations
@@ -23,21 +27,41 @@ NEAR_TIE = 0.1    # the plain run's top two log-probs at a parting: within bf16 
 ENGINE = dict(dtype="bfloat16", kv_cache_memory_bytes=1 << 28, max_num_seqs=8,
               self_check=False)
 # DeepSeek-V3 MLA dims every GPU MLA kernel takes (tests/models/test_deepseek_vs_hf.py).
+# The target's decoder layers are dense (first_k_dense_replace: all of them): in bf16 a
+# verification step's rounding swaps near-tied experts now and then (tests/models/
+# test_deepseek_vs_hf.py: up to ~0.6 of a token's log-prob), which parts the runs beyond a
+# near-tie without any fault of speculation. The MTP layer's block (after them) keeps its
+# experts: they shape drafts only.
 GPU_V3 = dict(hidden_size=256, intermediate_size=256, kv_lora_rank=256, qk_rope_head_dim=64,
               head_dim=64, qk_nope_head_dim=128, v_head_dim=128, moe_intermediate_size=64,
-              max_position_embeddings=1024)
+              max_position_embeddings=1024, first_k_dense_replace=2)
 
 
-def assert_same_up_to_near_ties(got, want) -> None:
-    for g, w in zip(got, want, strict=True):
+def partings_beyond_near_ties(got, want) -> list[str]:
+    """Each prompt whose speculative tokens part from the plain run's where the plain run's
+    top two log-probs are further apart than NEAR_TIE (or that ends at another length),
+    described: the position, both tokens, the plain run's top two and what each run gave
+    that row."""
+    found = []
+    for prompt, g, w in zip(PROMPTS, got, want, strict=True):
         a, b = g.outputs[0].token_ids, w.outputs[0].token_ids
         parting = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
         if parting is None:
-            assert len(a) == len(b)
+            if len(a) != len(b):
+                found.append(f"{prompt!r}: {len(a)} tokens with drafts, {len(b)} without")
             continue
-        top = sorted((lp.logprob for lp in w.outputs[0].logprobs[parting].values()),
-                     reverse=True)
-        assert top[0] - top[1] < NEAR_TIE, (parting, a, b)
+        plain_row = w.outputs[0].logprobs[parting]
+        top = sorted(plain_row.items(), key=lambda kv: kv[1].logprob, reverse=True)
+        if top[0][1].logprob - top[1][1].logprob < NEAR_TIE:
+            continue
+        spec_top = sorted(((t, round(lp.logprob, 3))
+                           for t, lp in g.outputs[0].logprobs[parting].items()),
+                          key=lambda pair: -pair[1])
+        found.append(
+            f"{prompt!r}: token {parting} is {a[parting]} with drafts, {b[parting]} without; "
+            f"the plain run's top two {[(t, round(lp.logprob, 3)) for t, lp in top[:2]]}, "
+            f"the speculative run's {spec_top}; before it: {b[max(0, parting - 8):parting]}")
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +79,11 @@ def _count_replays(graph_runner, counter: list) -> None:
     graph_runner.replay = counting
 
 
+def _graph_decisions(engine) -> str:  # noqa: ANN001
+    return "; ".join(f"{d.what}: {d.chosen} ({d.reason})" for d in engine.report.decisions
+                     if "graph" in d.what or d.what == "speculative decoding")
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
 def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_checkpoint,
                                                            method):
@@ -70,18 +99,26 @@ def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_c
     torch.cuda.empty_cache()
     llm = LLM(path, async_scheduling=True, speculative_config=spec, **ENGINE)
     engine = llm.llm_engine
-    assert engine.config.async_scheduling and engine.report.graph_sizes
+    decisions = _graph_decisions(engine)
+    assert engine.config.async_scheduling and engine.report.graph_sizes, decisions
+    attention = engine.report.attention
     mixed = engine.runner.mixed_graphs
-    assert mixed is not None and mixed.set.sizes, "verification steps need mixed-step graphs"
     verified, drafted = [], []
-    _count_replays(mixed, verified)
+    if attention.backend.mixed_graph_capturable:
+        assert mixed is not None and mixed.set.sizes, \
+            f"{attention.name}: verification steps need mixed-step graphs; {decisions}"
+        _count_replays(mixed, verified)
+    else:
+        assert mixed is None, decisions
     drafts = getattr(engine.speculator.proposer, "runner", None)
     if drafts is not None:    # the draft network's chained forwards replay its graphs
-        assert drafts.graphs is not None and drafts.graphs.set.sizes
+        assert drafts.graphs is not None and drafts.graphs.set.sizes, decisions
         _count_replays(drafts.graphs, drafted)
     got = llm.generate(PROMPTS, GREEDY)
-    assert_same_up_to_near_ties(got, want)
-    assert engine.block_pool.num_used_blocks == 0
+    partings = partings_beyond_near_ties(got, want)
+    assert not partings, f"{method} ({attention.name}): " + "\n".join(partings)
+    assert engine.block_pool.num_used_blocks == 0, engine.block_pool.num_used_blocks
     stats = engine.speculator.stats
-    assert stats.num_accepted_tokens > 0 and verified
-    assert drafts is None or drafted
+    assert stats.num_accepted_tokens > 0, (stats, decisions)
+    assert verified or mixed is None, ("no verification step replayed a graph", decisions)
+    assert drafts is None or drafted, ("the draft network replayed no graph", decisions)
