@@ -234,7 +234,7 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     selection, attn_impl, canary = startup.select_attention_with_canary(
         device, config, rank_mc, dtype, kv_cache_dtype, torch_device)
     agree.same("the attention backend", selection.name)
-    block_size = config.block_size or getattr(selection.backend, "preferred_block_size", 16)
+    block_size = startup.kv_block_size(config, selection.backend, probe_config)
     select_s = startup.elapsed(t_select)
     kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
     model_max_len = probe_config.max_position_embeddings

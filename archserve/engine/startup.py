@@ -116,8 +116,8 @@ def select_attention_with_canary(device: DeviceInfo, config: EngineConfig, model
         impl = impls[backend.name] = backend.make_impl(device, spec)
         if config.skip_canary or backend.name == "TORCH_REFERENCE":
             return None
-        block_size = config.block_size or getattr(backend, "preferred_block_size", 16)
-        reason = attention_canary(impl, spec, block_size, torch_device)
+        reason = attention_canary(impl, spec, kv_block_size(config, backend, model_config),
+                                  torch_device)
         log_lines.append(f"{backend.name}: {reason or 'passed'}")
         return reason
 
@@ -155,6 +155,23 @@ def model_routes(device: DeviceInfo, config: EngineConfig, model_config, dtype: 
     spec = attention_spec_of(config, model_config, dtype, kv_cache_dtype)
     return [route_from_selection(attention, r.layer, device, spec)
             if r.layer == "attention" else r for r in explanation.routes]
+
+
+def kv_block_size(config: EngineConfig, backend, model_config) -> int:  # noqa: ANN001
+    """The KV block size: the user's, else the attention backend's preferred one. DeepSeek
+    V4's must hold whole compression groups of every rate: the user's is refused otherwise,
+    the preferred one rounded up to such a multiple."""
+    preferred = getattr(backend, "preferred_block_size", 16)
+    compressed = getattr(model_config, "compressed_attention", None)
+    multiple = compressed.block_multiple if compressed is not None else 1
+    if config.block_size is not None:
+        if config.block_size % multiple:
+            raise ValueError(
+                f"block_size {config.block_size} does not hold whole compression groups: "
+                f"this model compresses {', '.join(map(str, sorted(compressed.compress_rates.values())))}"
+                f" tokens at a time, so a block must be a multiple of {multiple}")
+        return config.block_size
+    return -(-preferred // multiple) * multiple
 
 
 def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype) -> AttentionSpec:

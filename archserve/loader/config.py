@@ -9,6 +9,7 @@ wrappers keep the decoder in ``text_config``). This is the one place that reads 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,12 @@ class CompressedAttentionDims:
     def rate(self, layer_index: int) -> int:
         """The layer's compress rate; 0 for a sliding-window-only layer."""
         return self.compress_rates.get(self.layer_kinds[layer_index], 0)
+
+    @property
+    def block_multiple(self) -> int:
+        """What every KV block size must be a multiple of: each rate (a compression group
+        never straddles two blocks)."""
+        return math.lcm(*self.compress_rates.values()) if self.compress_rates else 1
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -82,3 +82,29 @@ def test_cpu_runs_the_torch_reference_and_mla_backends_refuse_v4(summary):
     reason = default_registry().get("mla_attention", "FLASHINFER_MLA_SPARSE_SM120").check(
         get_profile("rtx5090"), spec, "all")
     assert "not a DeepSeek V4 attention backend" in reason
+
+
+def test_kv_block_size_holds_whole_groups_of_every_rate(tmp_path_factory):
+    # V4-Flash compresses 4 (CSA) and 128 (HCA) tokens an entry: the Triton route's 256-token
+    # blocks, the reference's 16 rounded up to 128, a user's 64 refused.
+    from transformers import DeepseekV4Config
+
+    from archserve.engine.config import EngineConfig
+    from archserve.engine.runner_setup import peek_model_config
+    from archserve.engine.startup import kv_block_size
+    from archserve.kernels.catalog import build_registry
+
+    config = DeepseekV4Config(num_hidden_layers=2, layer_types=[CSA, HCA],
+                              mlp_layer_types=["moe"] * 2)
+    config.architectures = ["DeepseekV4ForCausalLM"]
+    path = str(tmp_path_factory.mktemp("v4_blocks"))
+    config.save_pretrained(path)
+    model_config, _ = peek_model_config(path)
+    registry = build_registry()
+    triton = registry.get("mla_attention", "TRITON_MLA_SPARSE_DSV4")
+    reference = registry.get("mla_attention", "TORCH_REFERENCE")
+    assert kv_block_size(EngineConfig(model=path), triton, model_config) == 256
+    assert kv_block_size(EngineConfig(model=path), reference, model_config) == 128
+    assert kv_block_size(EngineConfig(model=path, block_size=384), triton, model_config) == 384
+    with pytest.raises(ValueError, match="multiple of 128"):
+        kv_block_size(EngineConfig(model=path, block_size=64), triton, model_config)

@@ -84,7 +84,9 @@ class TritonMlaSparseDsv4Backend(Dsv4Backend):
     description = ("archserve's Triton DeepSeek V4 attention: the compressor, the indexer's "
                    "top-k over compressed entries, then one kernel over each query's window, "
                    "entries and sinks (any GPU)")
-    block_multiple = None        # any block holding whole groups (the rate rule below)
+    # vLLM's 256-token V4 block is preferred (inherited); any block holding whole groups
+    # runs (the rate rule below; startup.kv_block_size checks every rate of the model).
+    block_multiple = None
     graph_capturable = True
     impl_path = "archserve.kernels.mla.triton_dsv4:TritonDsv4Impl"
 
