@@ -288,7 +288,7 @@ def test_gpu_bf16_engine_is_within_transformers_bf16_drift(tmp_path, enforce_eag
     ours, theirs = bf16_logprob_drift(path, outputs)
     print(f"mean |delta logprob| against fp32: archserve bf16 {ours:.4f}, transformers bf16 "
           f"{theirs:.4f}")
-    assert ours <= max(2 * theirs, 0.01), (ours, theirs)
+    assert ours <= max(2 * theirs, 0.02), (ours, theirs)
 
 
 @pytest.mark.gpu
