@@ -11,7 +11,8 @@ TRITON_MLA_SPARSE_DSV4.
 - ``--part cache``: the KV bytes a token of context costs, V4-Flash's 43 layers against
   DeepSeek-V3's MLA and against plain multi-head attention of V4's heads.
 
-    python3 benchmarks/deepseek_v4_perf.py [--part engine|throughput|cache|all] [--out F.json]
+    python3 benchmarks/deepseek_v4_perf.py [--part engine|throughput|cache|all]
+        [--contexts N ...] [--out F.json]
     python3 benchmarks/deepseek_v4_perf.py --tiny      # CPU smoke run (tiny shapes)
 """
 
@@ -22,7 +23,7 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -129,6 +130,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", default="all",
                         choices=("engine", "throughput", "cache", "all"))
+    parser.add_argument("--contexts", type=int, nargs="+", default=None,
+                        help="engine: the batch-1 contexts (default 2048 32768 131072; "
+                             "fewer a run where one device call must fit)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on tiny shapes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -138,6 +142,8 @@ def main() -> None:
         device, plan = torch.device("cuda"), Plan(path=V4_4L)
     else:
         sys.exit("deepseek_v4_perf.py needs a CUDA GPU (or --tiny for a CPU smoke run)")
+    if args.contexts:
+        plan = replace(plan, decode_contexts=tuple(args.contexts))
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
 
     def save(key: str, value) -> None:  # noqa: ANN001

@@ -2,7 +2,8 @@
 # Everything this project checks on a CUDA machine, in parts that each fit one device call.
 #   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
 #                                     quant_gemm|quant_perf|serve|structured|moe|tp|tp4|tp8|mla|ncu|speed|
-#                                     lora|sparse_mla|sparse_mla_perf|spec|emulate|all]
+#                                     lora|sparse_mla|sparse_mla_perf|dsv4|dsv4_perf|spec|
+#                                     emulate|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -45,6 +46,12 @@
 #           DeepSeek-V3.2's sizes, tiny V3.2 / GLM-5 engines against transformers, graphs);
 #   sparse_mla_perf: benchmarks/sparse_mla_perf.py (env SPARSE_ARGS: --part kernel, engine
 #           or throughput, one a call; SPARSE_TIMEOUT, default 540 s); `all` leaves both out.
+#   dsv4:   the DeepSeek V4 GPU tests (TRITON_MLA_SPARSE_DSV4's kernels at V4's sizes and in a
+#           CUDA graph, the hyper-connection and rope kernels, the tiny V4 engine in bf16
+#           against transformers' drift, chunked prefill over a cached prefix);
+#   dsv4_perf: benchmarks/deepseek_v4_perf.py (env DSV4_ARGS: --part engine, throughput or
+#           cache, one a call, and --contexts; DSV4_TIMEOUT, default 540 s); `all` leaves
+#           both out.
 #   ncu:    Nsight Compute's counters of single kernels (benchmarks/ncu_kernels.py), one
 #           report per case: env NCU_CASES, space-separated "CASE@KERNEL_REGEX@COUNT"
 #           (default: the MLA decode kernel); writes ncu/CASE.txt (the details page) and
@@ -215,6 +222,15 @@ fi
 if [ "$PART" = sparse_mla ]; then
   $PYTEST -v --durations=15 tests/kernels/test_sparse_mla_triton.py \
     tests/models/test_sparse_mla_vs_hf.py 2>&1 | tee "$OUT/pytest_sparse_mla.log" | tail -n 30
+fi
+if [ "$PART" = dsv4 ]; then
+  $PYTEST -v --durations=15 tests/kernels/test_compressed_attention_triton.py \
+    tests/kernels/test_v4_elementwise.py tests/models/test_deepseek_v4_vs_hf.py 2>&1 \
+    | tee "$OUT/pytest_dsv4.log" | tail -n 30
+fi
+if [ "$PART" = dsv4_perf ]; then
+  timeout ${DSV4_TIMEOUT:-540} python3 benchmarks/deepseek_v4_perf.py ${DSV4_ARGS:-} \
+    --out "$OUT/deepseek_v4_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/deepseek_v4_perf.txt"
 fi
 if [ "$PART" = emulate ]; then
   EMULATED_LOGS="$OUT/emulated" timeout -s INT 580 $PYTEST -v --durations=10 \
