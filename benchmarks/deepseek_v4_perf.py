@@ -140,6 +140,8 @@ def main() -> None:
         device, plan = torch.device("cpu"), tiny_plan(tempfile.mkdtemp(prefix="dsv4_"))
     elif torch.cuda.is_available():
         device, plan = torch.device("cuda"), Plan(path=V4_4L)
+    elif args.part == "cache":          # bytes from the layouts alone: any machine
+        device, plan = torch.device("cpu"), Plan(path=V4_4L)
     else:
         sys.exit("deepseek_v4_perf.py needs a CUDA GPU (or --tiny for a CPU smoke run)")
     if args.contexts:
