@@ -327,6 +327,11 @@ def _ct_activation(acts: dict[str, Any] | None, group_name: str) -> str:
 
 
 def _hf_fp8(config: dict[str, Any]) -> QuantConfig:
+    if str(config.get("expert_dtype", "fp8")).lower() == "fp4":
+        # DeepSeek V4's release (transformers folds its top-level expert_dtype in here).
+        raise UnsupportedQuantization(
+            "fp8 with FP4 experts (expert_dtype fp4: e2m1 pairs a byte, a ue8m0 scale per 32 "
+            "input channels) is not loadable in this build: its experts load as fp8 only")
     block = config.get("weight_block_size")
     dynamic = config.get("activation_scheme", "dynamic") == "dynamic"
     if block:

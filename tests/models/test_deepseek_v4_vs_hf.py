@@ -354,3 +354,32 @@ def test_release_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
     gaps = [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
             for p in range(1, len(ids))]
     assert max(gaps) < ATOL
+
+
+def test_release_with_fp4_experts_is_refused_before_any_weight_is_read(tmp_path):
+    """The release's FP4 experts (``expert_dtype: fp4`` beside the fp8 quantization config,
+    as DeepSeek ships V4) are refused up front, by start-up and by explain, naming them."""
+    import json
+    import os
+
+    from archserve import LLM
+    from archserve.platform.profiles import get_profile
+    from archserve.routing.explain import explain_model
+    from archserve.routing.model_summary import summary_from_hf_config
+
+    path = build_tiny_checkpoint(str(tmp_path), "deepseek_v4", init_model=init_v4_buffers,
+                                 **V4)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.update(expert_dtype="fp4", quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    # Not a safetensors file: reading any weight would fail with another message.
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(b"not weights")
+    with pytest.raises(ValueError, match="FP4 experts"):
+        LLM(path, dtype="float32", max_model_len=128, block_size=8)
+    out = explain_model(get_profile("cpu"), summary_from_hf_config(config))
+    assert "FP4 experts" in out.not_loadable
