@@ -43,12 +43,14 @@
 #           batch-1 step vs floor and 256 x 1024/128, KV bytes per token and 4k-token
 #           sequences vs an MHA-sized cache; `all` leaves it out, ask for it by name.
 #   sparse_mla: the sparse-MLA GPU tests (TRITON_MLA_SPARSE's kernels and implementation at
-#           DeepSeek-V3.2's sizes, tiny V3.2 / GLM-5 engines against transformers, graphs);
+#           DeepSeek-V3.2's sizes, tiny V3.2 / GLM-5 engines against transformers, graphs;
+#           env SPARSE_TESTS: the test paths, e.g. one file a call);
 #   sparse_mla_perf: benchmarks/sparse_mla_perf.py (env SPARSE_ARGS: --part kernel, engine
 #           or throughput, one a call; SPARSE_TIMEOUT, default 540 s); `all` leaves both out.
 #   dsv4:   the DeepSeek V4 GPU tests (TRITON_MLA_SPARSE_DSV4's kernels at V4's sizes and in a
 #           CUDA graph, the hyper-connection and rope kernels, the tiny V4 engine in bf16
-#           against transformers' drift, chunked prefill over a cached prefix);
+#           against transformers' drift, chunked prefill over a cached prefix; env
+#           DSV4_TESTS: the test paths);
 #   dsv4_perf: benchmarks/deepseek_v4_perf.py (env DSV4_ARGS: --part engine, throughput or
 #           cache, one a call, and --contexts; DSV4_TIMEOUT, default 540 s); `all` leaves
 #           both out.
@@ -220,12 +222,12 @@ if [ "$PART" = mla ]; then
     --out "$OUT/mla_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/mla_perf.txt"
 fi
 if [ "$PART" = sparse_mla ]; then
-  $PYTEST -v --durations=15 tests/kernels/test_sparse_mla_triton.py \
-    tests/models/test_sparse_mla_vs_hf.py 2>&1 | tee "$OUT/pytest_sparse_mla.log" | tail -n 30
+  $PYTEST -v --durations=15 ${SPARSE_TESTS:-tests/kernels/test_sparse_mla_triton.py \
+    tests/models/test_sparse_mla_vs_hf.py} 2>&1 | tee "$OUT/pytest_sparse_mla.log" | tail -n 30
 fi
 if [ "$PART" = dsv4 ]; then
-  $PYTEST -v --durations=15 tests/kernels/test_compressed_attention_triton.py \
-    tests/kernels/test_v4_elementwise.py tests/models/test_deepseek_v4_vs_hf.py 2>&1 \
+  $PYTEST -v --durations=15 ${DSV4_TESTS:-tests/kernels/test_compressed_attention_triton.py \
+    tests/kernels/test_v4_elementwise.py tests/models/test_deepseek_v4_vs_hf.py} 2>&1 \
     | tee "$OUT/pytest_dsv4.log" | tail -n 30
 fi
 if [ "$PART" = dsv4_perf ]; then
