@@ -217,7 +217,7 @@ def kernel_rows(name: str, shape: tuple[int, int, int, int], tokens_list, device
                      generator=gen) * inter ** -0.5
     fused, copy_bytes_per_s = None, None
     if device.type == "cuda":
-        from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+        from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
         from archserve.kernels.moe.triton_routing import triton_route
         copy_bytes_per_s = load_or_measure(device).copy_bytes_per_s
         from archserve.kernels.moe.tuning import MoEShape, tune_moe

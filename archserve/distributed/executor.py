@@ -33,8 +33,6 @@ class RankWorker(Protocol):
 # spawned process or a Ray actor can call it.
 WorkerFactory = Callable[..., RankWorker]
 
-BACKENDS = ("mp", "ray")
-
 
 class Executor(ABC):
     size: int
@@ -50,17 +48,6 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every worker; no process of this executor is left when it returns."""
-
-
-def make_executor(backend: str, size: int, device_type: str) -> Executor:
-    if backend == "mp":
-        from archserve.distributed.mp_executor import MultiprocessExecutor
-        return MultiprocessExecutor(size, device_type)
-    if backend == "ray":
-        from archserve.distributed.ray_executor import RayExecutor
-        return RayExecutor(size, device_type)
-    raise ValueError(f"distributed_executor_backend {backend!r} is not one of "
-                     f"{', '.join(BACKENDS)}")
 
 
 def run_rank(place: RankPlace, factory: WorkerFactory, args: tuple) -> RankWorker:

@@ -138,7 +138,7 @@ class RayExecutor(Executor):
 
 def _runtime_env() -> dict:
     """Actors import the archserve this engine runs (a source checkout included)."""
-    import archserve
-    root = os.path.dirname(os.path.dirname(os.path.abspath(archserve.__file__)))
+    # <root>/archserve/distributed/ray_executor.py: the directory that holds the package.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     return {"env_vars": {"PYTHONPATH": path}}

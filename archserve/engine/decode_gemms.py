@@ -105,7 +105,7 @@ def tune_quantized_decode(device: DeviceInfo, model: torch.nn.Module, dtype: tor
 def tune_moe_decode(device: DeviceInfo, model: torch.nn.Module, graph_sizes: list[int]
                     ) -> Decision | None:
     """Tune the fused MoE's tiles at the decode graph sizes (cached per device)."""
-    from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+    from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
     from archserve.kernels.moe.tuning import MoEShape, tune_moe
     from archserve.models.layers.moe import FusedMoE
 

@@ -16,7 +16,8 @@ import logging
 
 import torch
 
-from archserve.distributed.executor import Executor, WorkerFailure, make_executor
+from archserve.distributed.executor import Executor, WorkerFailure
+from archserve.distributed.executor_backends import make_executor
 from archserve.distributed.layout import layout_decision, layout_problems
 from archserve.distributed.process_group import RankPlace
 from archserve.engine import startup

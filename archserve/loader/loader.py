@@ -9,19 +9,18 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from archserve.loader.config import ModelConfig, load_gguf_model_config, load_hf_model_config
+from archserve.loader.config import load_gguf_model_config, load_hf_model_config
 from archserve.loader.default_model import resolve_model_path  # noqa: F401 - re-exported
 from archserve.loader.dummy import initialize_dummy_weights
 from archserve.loader.gguf_cache import cached_gguf_weights, caching_gguf_weights
 from archserve.loader.gguf_loader import find_gguf_file, iterate_gguf
+from archserve.loader.quantized_model import attach_quantization, finalize_quantization
 from archserve.loader.safetensors_loader import iterate_safetensors
+from archserve.models.config import ModelConfig
 from archserve.models.layers.linear import deferred_linear_weights
 from archserve.models.layers.norm_folding import fold_norm_weights
 from archserve.models.registry import model_class_for
-from archserve.quant.checkpoint_matrix import attach_dense_matrices, finalize_dense_matrices
 from archserve.quant.config import QuantConfig, resolve_quant_config
-from archserve.quant.expert_state import attach_expert_quantization, finalize_quantized_experts
-from archserve.quant.linear_state import attach_quantization, finalize_quantized_layers
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -95,8 +94,6 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
         model = model_class(config)
     if quant is not None:
         attach_quantization(model, quant, device, dtype)
-        attach_expert_quantization(model, quant, device, dtype)
-        attach_dense_matrices(model, quant, device)
     if load_format == "dummy":
         initialize_dummy_weights(model)
     elif gguf_path is not None:
@@ -114,8 +111,6 @@ def load_model(model_path: str | None, dtype: torch.dtype | None = None,
         model.load_weights(_with_progress(iterate_safetensors(path, wanted),
                                           "Loading safetensors"))
     if quant is not None:
-        finalize_quantized_layers(model)
-        finalize_quantized_experts(model, dtype)
-        finalize_dense_matrices(model, dtype)
+        finalize_quantization(model, dtype)
     fold_norm_weights(model)
     return model.eval(), config

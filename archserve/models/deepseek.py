@@ -42,7 +42,7 @@ from archserve.models.layers.moe import (
 from archserve.models.mixtral import MoEFamily, MoEForCausalLM, MoEModel
 
 if TYPE_CHECKING:
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
 
 class DeepseekRouter(Router):

@@ -38,7 +38,7 @@ from archserve.models.llama import LlamaForCausalLM
 from archserve.models.mixtral import moe_decoder_layer
 
 if TYPE_CHECKING:
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
 # The MTP layer's own parts (the rest of its tensors belong to its decoder layer).
 _OWN_PARTS = ("enorm", "hnorm", "eh_proj", "shared_head")

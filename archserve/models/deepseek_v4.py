@@ -38,7 +38,7 @@ from archserve.models.layers.parallel_embedding import VocabParallelEmbedding
 from archserve.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
 
 class HashRouter(DeepseekRouter):

@@ -32,7 +32,7 @@ from archserve.models.layers.rotary import RotaryEmbedding
 from archserve.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
 # Names transformers gives the tanh-approximated GELU (Gemma 3 configs use the first).
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")

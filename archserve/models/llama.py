@@ -28,7 +28,7 @@ from archserve.models.layers.parallel_linear import (
 from archserve.models.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
 # checkpoint module name -> (our fused module name, shard)
 _FUSED_SHARDS = {

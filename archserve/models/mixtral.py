@@ -29,7 +29,7 @@ from archserve.models.layers.moe import (
 from archserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 if TYPE_CHECKING:
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
 
 class MoEFamily:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from archserve.models.config import default_architecture
 from archserve.models.deepseek import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
@@ -38,20 +39,6 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
-
-
-def default_architecture(model_type: str) -> str:
-    # GGUF-derived configs carry no `architectures`; the model type names the family.
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM",
-            "gemma3": "Gemma3ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-            "deepseek_v32": "DeepseekV32ForCausalLM",
-            "glm_moe_dsa": "GlmMoeDsaForCausalLM",
-            "deepseek_v4": "DeepseekV4ForCausalLM"}.get(
-                model_type, f"{model_type}ForCausalLM")
 
 
 def op_kinds_of_supported_architectures() -> set[str]:

@@ -8,9 +8,9 @@ expert's gate, up and down this way.
 Some matrices a layer reads itself rather than multiplying through a linear kernel: MLA
 absorbs ``kv_b_proj`` into its query and output (models/layers/mla.py), so it is a
 ``DenseMatrix``. When the checkpoint quantizes one (DeepSeek-V3's block-FP8 release does),
-``attach_dense_matrices`` puts a holder in its place before loading and
-``finalize_dense_matrices`` dequantizes it to the model dtype afterwards, with the dense
-layers' own repacking and dequantization (``to_kernel_weight``, ``dequantize``).
+the loader puts a ``dense_matrix_holder`` in its place before loading and dequantizes it
+to the model dtype afterwards (loader/quantized_model.py), with the dense layers' own
+repacking and dequantization (``to_kernel_weight``, ``dequantize``).
 Online fp8 and GGUF leave such a matrix dense, as before.
 """
 
@@ -105,39 +105,17 @@ class QuantizedDenseMatrix(QuantizedMatrix):
     """A ``DenseMatrix``'s stand-in while its quantized checkpoint tensors load."""
 
 
-def attach_dense_matrices(model: nn.Module, config: QuantConfig, device: torch.device) -> int:
-    """Put a holder of the checkpoint's tensors in place of every ``DenseMatrix`` the
-    checkpoint quantizes. Returns how many."""
-    from archserve.models.layers.linear import DenseMatrix
-
-    count = 0
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, DenseMatrix):
-            continue
-        quant = config.layer(name)
-        if quant is None or quant.layout in (ONLINE_FP8, GGUF):
-            continue
-        rows, cols = module.weight.shape
-        holder = QuantizedDenseMatrix(quant, rows, cols, device, split_rows=module.split_rows)
-        reason = holder.split_problem()
-        if reason:
-            raise ValueError(f"{name}: its tensor-parallel part cannot be cut from the "
-                             f"checkpoint ({quant.describe()}): {reason}")
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, holder)
-        count += 1
-    return count
-
-
-def finalize_dense_matrices(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every holder of ``attach_dense_matrices`` -> a DenseMatrix of its dequantized weight."""
-    from archserve.models.layers.linear import DenseMatrix
-
-    for name, holder in list(model.named_modules()):
-        if not isinstance(holder, QuantizedDenseMatrix):
-            continue
-        dense = DenseMatrix(holder.rows, holder.in_features, split_rows=holder.split_rows)
-        with torch.no_grad():
-            dense.weight = nn.Parameter(holder.dequantized().to(dtype), requires_grad=False)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, dense)
+def dense_matrix_holder(name: str, matrix: nn.Module, config: QuantConfig,
+                        device: torch.device) -> QuantizedDenseMatrix | None:
+    """A holder of the checkpoint's tensors to put in place of one ``DenseMatrix`` (rows x
+    in_features ``matrix.weight``), or None where the checkpoint leaves it dense."""
+    quant = config.layer(name)
+    if quant is None or quant.layout in (ONLINE_FP8, GGUF):
+        return None
+    rows, cols = matrix.weight.shape
+    holder = QuantizedDenseMatrix(quant, rows, cols, device, split_rows=matrix.split_rows)
+    reason = holder.split_problem()
+    if reason:
+        raise ValueError(f"{name}: its tensor-parallel part cannot be cut from the "
+                         f"checkpoint ({quant.describe()}): {reason}")
+    return holder

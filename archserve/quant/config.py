@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from archserve.kernels.linear import rules as fmt
+from archserve.kernels.linear import formats as fmt
 from archserve.kernels.linear.quantized_weights import (
     ACT_DYNAMIC_GROUP,
     ACT_DYNAMIC_TOKEN,
@@ -42,7 +42,7 @@ ACTIVATION_TEXT = {ACT_NONE: "16-bit activations",
 @dataclass(frozen=True)
 class LayerQuant:
     layout: str                      # one of the checkpoint layouts above
-    weight_format: str               # the kernel vocabulary (rules.FP8, FP8_BLOCK, INT8, WNA16)
+    weight_format: str               # the kernel vocabulary (formats.FP8, FP8_BLOCK, INT8, WNA16)
     bits: int
     strategy: str                    # weights: "tensor" | "channel" | "group" | "block"
     activation: str = ACT_NONE       # quantized_weights.ACT_*

@@ -1,6 +1,7 @@
 """Quantized routed experts, from checkpoint tensors to the stacked kernel layout.
 
-The dense linears' two load stages (quant/linear_state.py), applied to a FusedMoE:
+The dense linears' two load stages (quant/linear_state.py), applied to one FusedMoE (the
+loader walks the model: loader/quantized_model.py):
 
 1. ``attach_expert_quantization`` (before any weight is read): when the checkpoint
    quantizes the experts, each expert's gate, up and down matrix becomes a holder of the
@@ -40,47 +41,38 @@ def _expert_quant(config: QuantConfig, moe_name: str, moe: nn.Module) -> LayerQu
     return kinds.pop()
 
 
-def attach_expert_quantization(model: nn.Module, config: QuantConfig, device: torch.device,
-                               dtype: torch.dtype) -> int:
-    """Give every FusedMoE the checkpoint quantizes its checkpoint-tensor holders; give
-    the others (and online fp8's) their dense weights. Returns the quantized layers."""
-    from archserve.models.layers.moe import FusedMoE
-
-    quantized = 0
-    for name, moe in list(model.named_modules()):
-        if not isinstance(moe, FusedMoE):
-            continue
-        quant = _expert_quant(config, name, moe)
-        moe.checkpoint_quant = quant
-        if quant is None or quant.layout == ONLINE_FP8:
-            moe.allocate_dense(device, dtype)
-            quantized += quant is not None
-            continue
-        hidden, inter = moe.hidden_size, moe.intermediate_size
-        # A tensor-parallel rank holds its channels of each expert: rows of gate and up,
-        # input channels of down (FusedMoE); None at one rank.
-        part = ((moe.first_channel, moe.checkpoint_intermediate_size)
-                if moe.tp.size > 1 else None)
-        for in_features, shards in ((hidden, [inter, inter]), (inter, [hidden])):
-            reason = check_shard_alignment(quant, in_features, shards)
+def attach_expert_quantization(moe_name: str, moe: nn.Module, config: QuantConfig,
+                               device: torch.device, dtype: torch.dtype) -> None:
+    """Give one FusedMoE the checkpoint quantizes its checkpoint-tensor holders; give
+    a 16-bit one (and online fp8's) its dense weights."""
+    quant = _expert_quant(config, moe_name, moe)
+    moe.checkpoint_quant = quant
+    if quant is None or quant.layout == ONLINE_FP8:
+        moe.allocate_dense(device, dtype)
+        return
+    hidden, inter = moe.hidden_size, moe.intermediate_size
+    # A tensor-parallel rank holds its channels of each expert: rows of gate and up,
+    # input channels of down (FusedMoE); None at one rank.
+    part = ((moe.first_channel, moe.checkpoint_intermediate_size)
+            if moe.tp.size > 1 else None)
+    for in_features, shards in ((hidden, [inter, inter]), (inter, [hidden])):
+        reason = check_shard_alignment(quant, in_features, shards)
+        if reason:
+            raise ValueError(f"{moe_name} experts: {reason}")
+    moe.allocate_dense(torch.device("meta"))
+    for e in range(moe.num_stacked_experts):
+        expert = getattr(moe, str(e))
+        for proj, (rows, k, split) in zip(
+                moe.expert_names, ((inter, hidden, "rows"), (inter, hidden, "rows"),
+                                   (hidden, inter, "channels")), strict=True):
+            matrix = QuantizedMatrix(
+                quant, rows, k, device, split_rows=part if split == "rows" else None,
+                split_channels=part if split == "channels" else None)
+            reason = matrix.split_problem()
             if reason:
-                raise ValueError(f"{name} experts: {reason}")
-        moe.allocate_dense(torch.device("meta"))
-        for e in range(moe.num_stacked_experts):
-            expert = getattr(moe, str(e))
-            for proj, (rows, k, split) in zip(
-                    moe.expert_names, ((inter, hidden, "rows"), (inter, hidden, "rows"),
-                                       (hidden, inter, "channels")), strict=True):
-                matrix = QuantizedMatrix(
-                    quant, rows, k, device, split_rows=part if split == "rows" else None,
-                    split_channels=part if split == "channels" else None)
-                reason = matrix.split_problem()
-                if reason:
-                    raise ValueError(f"{name} experts: {moe.tp.size} tensor-parallel ranks "
-                                     f"cannot split them ({quant.describe()}): {reason}")
-                setattr(expert, proj, matrix)
-        quantized += 1
-    return quantized
+                raise ValueError(f"{moe_name} experts: {moe.tp.size} tensor-parallel ranks "
+                                 f"cannot split them ({quant.describe()}): {reason}")
+            setattr(expert, proj, matrix)
 
 
 def _fused(gate: QuantizedMatrix, up: QuantizedMatrix) -> dict[str, torch.Tensor]:
@@ -94,23 +86,21 @@ def _fused(gate: QuantizedMatrix, up: QuantizedMatrix) -> dict[str, torch.Tensor
     return out
 
 
-def finalize_quantized_experts(model: nn.Module, dtype: torch.dtype) -> None:
-    from archserve.models.layers.moe import FusedMoE
-
-    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
-        quant = getattr(moe, "checkpoint_quant", None)
-        if quant is None:
-            continue
-        hidden, inter = moe.hidden_size, moe.intermediate_size
-        w13, w2 = [], []
-        with torch.no_grad():
-            for e in range(moe.num_stacked_experts):
-                if quant.layout == ONLINE_FP8:
-                    w13.append(quantize_fp8_per_channel(moe.w13[e]))
-                    w2.append(quantize_fp8_per_channel(moe.w2[e]))
-                    continue
-                gate, up, down = (getattr(getattr(moe, str(e)), p) for p in moe.expert_names)
-                w13.append(to_kernel_weight(quant, _fused(gate, up), [inter, inter], hidden))
-                w2.append(to_kernel_weight(quant, down.as_one_shard(), [hidden], inter))
-            moe.set_quantized(QuantizedExperts(stack_expert_weights(w13),
-                                               stack_expert_weights(w2)), dtype)
+def finalize_quantized_experts(moe: nn.Module, dtype: torch.dtype) -> None:
+    """One FusedMoE's quantized experts repacked and stacked (nothing for 16-bit ones)."""
+    quant = getattr(moe, "checkpoint_quant", None)
+    if quant is None:
+        return
+    hidden, inter = moe.hidden_size, moe.intermediate_size
+    w13, w2 = [], []
+    with torch.no_grad():
+        for e in range(moe.num_stacked_experts):
+            if quant.layout == ONLINE_FP8:
+                w13.append(quantize_fp8_per_channel(moe.w13[e]))
+                w2.append(quantize_fp8_per_channel(moe.w2[e]))
+                continue
+            gate, up, down = (getattr(getattr(moe, str(e)), p) for p in moe.expert_names)
+            w13.append(to_kernel_weight(quant, _fused(gate, up), [inter, inter], hidden))
+            w2.append(to_kernel_weight(quant, down.as_one_shard(), [hidden], inter))
+        moe.set_quantized(QuantizedExperts(stack_expert_weights(w13),
+                                           stack_expert_weights(w2)), dtype)

@@ -2,9 +2,9 @@
 
 Three stages, each done once:
 
-1. ``attach_quantization`` (loader, before any weight is read): every linear layer the
-   checkpoint quantizes gets a ``QuantizedLinearState`` as ``layer.quant``, holding empty
-   tensors shaped as the checkpoint stores them (fused shards stacked).
+1. ``attach_linear_quantization`` (loader, before any weight is read): every linear layer
+   the checkpoint quantizes gets a ``QuantizedLinearState`` as ``layer.quant``, holding
+   empty tensors shaped as the checkpoint stores them (fused shards stacked).
 2. ``finalize_quantized_layers`` (loader, after the weights): the checkpoint tensors are
    repacked into the kernels' layout (an IntGroupWeight, Fp8Weight or Int8Weight).
 3. ``install_kernel`` (engine start-up): the selected backend prepares the weight for its
@@ -152,56 +152,42 @@ def _set_params(layer: nn.Module, tensors: dict[str, torch.Tensor],
         setattr(layer, name, nn.Parameter(tensor, requires_grad=False))
 
 
-# ---- whole-model steps --------------------------------------------------------------------
+# ---- one layer's load steps (the loader walks the model: loader/quantized_model.py) ---------
 
-def attach_quantization(model: nn.Module, config: QuantConfig, device: torch.device,
-                        dtype: torch.dtype) -> int:
-    """Give every linear layer the checkpoint quantizes its state; materialise the rest.
+def attach_linear_quantization(hf_names: list[str], layer: nn.Module, config: QuantConfig,
+                               device: torch.device, dtype: torch.dtype) -> None:
+    """Give one linear layer (the checkpoint matrices ``hf_names`` fused into it) its
+    QuantizedLinearState where the checkpoint quantizes it, else its dense weight.
 
-    The model was built under ``deferred_linear_weights`` (dense weights on "meta").
-    Returns the number of quantized layers. Raises ValueError when fused shards (q/k/v)
-    are quantized differently or cannot share one tensor.
+    The model was built under ``deferred_linear_weights`` (dense weights on "meta"). Raises
+    ValueError when fused shards (q/k/v) are quantized differently or cannot share one
+    tensor.
     """
-    from archserve.models.layers.linear import Linear
-
-    quantized = 0
-    for hf_names, layer in _fused_layers(model):
-        kinds = {config.layer(name) for name in hf_names}
-        if len(kinds) > 1:
-            raise ValueError(f"{', '.join(hf_names)} are fused into one layer but the "
-                             "checkpoint quantizes them differently")
-        quant = kinds.pop()
-        # A tensor-parallel rank's part must be whole packed words, groups and blocks.
-        split_problem = getattr(layer, "split_problem", None)
-        reason = split_problem(quant) if quant is not None and split_problem else None
+    kinds = {config.layer(name) for name in hf_names}
+    if len(kinds) > 1:
+        raise ValueError(f"{', '.join(hf_names)} are fused into one layer but the "
+                         "checkpoint quantizes them differently")
+    quant = kinds.pop()
+    # A tensor-parallel rank's part must be whole packed words, groups and blocks.
+    split_problem = getattr(layer, "split_problem", None)
+    reason = split_problem(quant) if quant is not None and split_problem else None
+    if reason:
+        raise ValueError(f"{', '.join(hf_names)}: {layer.tp.size} tensor-parallel ranks "
+                         f"cannot split this layer ({quant.describe()}): {reason}")
+    if quant is not None:
+        reason = check_shard_alignment(quant, layer.in_features, layer.shard_rows())
         if reason:
-            raise ValueError(f"{', '.join(hf_names)}: {layer.tp.size} tensor-parallel ranks "
-                             f"cannot split this layer ({quant.describe()}): {reason}")
-        if quant is not None:
-            reason = check_shard_alignment(quant, layer.in_features, layer.shard_rows())
-            if reason:
-                raise ValueError(f"{', '.join(hf_names)}: {reason}")
-        if quant is None:
-            _materialise(layer, device, dtype)
-            continue
-        if quant.layout in (ONLINE_FP8, GGUF):
-            _materialise(layer, device, dtype)
-        layer.quant = QuantizedLinearState(layer, quant, device, dtype)
-        quantized += 1
-    for module in model.modules():     # linears outside the checkpoint map (none today)
-        if isinstance(module, Linear) and module.quant is None:
-            _materialise(module, device, dtype)
-    return quantized
+            raise ValueError(f"{', '.join(hf_names)}: {reason}")
+    if quant is None:
+        materialise_weight(layer, device, dtype)
+        return
+    if quant.layout in (ONLINE_FP8, GGUF):
+        materialise_weight(layer, device, dtype)
+    layer.quant = QuantizedLinearState(layer, quant, device, dtype)
 
 
-def _fused_layers(model: nn.Module) -> list[tuple[list[str], nn.Module]]:
-    by_layer: dict[int, tuple[list[str], nn.Module]] = {}
-    for hf_name, (layer, _shard) in model.linear_checkpoint_modules().items():
-        by_layer.setdefault(id(layer), ([], layer))[0].append(hf_name)
-    return list(by_layer.values())
-
-
-def _materialise(layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def materialise_weight(layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """A dense weight left on "meta" by ``deferred_linear_weights``, allocated for loading."""
     weight = layer._parameters.get("weight")
     if weight is not None and weight.is_meta:
         layer.weight = nn.Parameter(torch.empty(weight.shape, device=device, dtype=dtype),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from archserve.kernels.catalog import default_registry
-from archserve.kernels.linear import rules as fmt
+from archserve.kernels.linear import formats as fmt
 from archserve.kernels.linear.quantized_weights import ACT_DYNAMIC_TOKEN, ACT_NONE
 from archserve.kernels.registry import BackendError, LibraryAssumption, Selection
 from archserve.kernels.specs import LinearSpec

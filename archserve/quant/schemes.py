@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archserve.kernels.linear import rules as fmt
+from archserve.kernels.linear import formats as fmt
 from archserve.kernels.rules import device_text
 from archserve.platform.capability import Capability
 from archserve.platform.device import DeviceInfo

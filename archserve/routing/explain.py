@@ -27,7 +27,7 @@ from archserve.kernels.specs import (
     LoRASpec,
     MoESpec,
 )
-from archserve.loader.attention_facts import VisionAttention
+from archserve.models.attention_facts import VisionAttention
 from archserve.models.registry import architecture_unsupported, op_kinds_of_supported_architectures
 from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from archserve.kernels.registry import ATTENTION_TYPES, OP_KINDS, LibraryAssumption
 
 if TYPE_CHECKING:
-    from archserve.loader.attention_facts import AttentionFacts
+    from archserve.models.attention_facts import AttentionFacts
 
 # vLLM's two side selections, explained alone with --op.
 SIDE_SELECTIONS = ("vit_attention", "mla_prefill")

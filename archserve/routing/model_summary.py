@@ -1,6 +1,6 @@
 """The few facts about a model that routing needs, read without touching any weight.
 
-For a Hugging Face directory the summary is derived from the loader's ModelConfig
+For a Hugging Face directory the summary is derived from the ModelConfig the loader reads
 (archserve.loader.config), so explain and the engine read config.json one way (the same
 sliding-window rule, the same multimodal unwrapping). A GGUF file's metadata is read here.
 The summary covers what ``explain`` routes on: attention shape, MLA, experts, quantization.
@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from archserve.distributed.layout import split_widths
-from archserve.loader.attention_facts import AttentionFacts
+from archserve.models.attention_facts import AttentionFacts
 from archserve.quant.schemes import scheme_from_config
 
 if TYPE_CHECKING:
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ModelSummary:
     dtype: str | None = None             # the checkpoint's dtype name
     quantization_config: dict[str, Any] | None = field(default=None, compare=False)
     is_gguf: bool = False
-    # Sinks, causality, the checkpoint's KV cache, a vision encoder (loader.attention_facts).
+    # Sinks, causality, the checkpoint's KV cache, a vision encoder (models.attention_facts).
     attention_facts: AttentionFacts = field(default_factory=AttentionFacts)
     # (what, width) of every width tensor parallelism splits (distributed.layout.split_widths)
     split_widths: tuple[tuple[str, int], ...] = field(default=(), compare=False)
@@ -71,7 +71,7 @@ def summary_from_hf_config(config: dict[str, Any]) -> ModelSummary:
     """A summary from config.json's contents, parsed by transformers as the loader does."""
     from transformers import AutoConfig
 
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
     fields = dict(config)
     model_type = fields.pop("model_type", None)

@@ -87,7 +87,7 @@ def test_explain_and_doctor_report_the_layout_and_refuse_impossible_ones():
 def test_a_moe_model_splits_when_its_expert_channels_do():
     from transformers import MixtralConfig, Qwen2MoeConfig
 
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
     from archserve.routing.model_summary import summary_from_hf_config
 
     hf = MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,

@@ -158,7 +158,7 @@ def test_cuda_selects_the_fused_kernel_and_cpu_the_torch_loop():
     h100 = select_moe_backend(get_profile("h100"), MoESpec(), libraries="all")
     assert h100.name == "TRITON_FUSED_MOE" and h100.backend.implemented
     assert h100.backend.graph_capturable
-    from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+    from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
     assert isinstance(h100.backend.make_impl(get_profile("h100"), MoESpec()),
                       TritonFusedMoEImpl)
     cpu = select_moe_backend(get_profile("cpu"), MoESpec(dtype=torch.float32))
@@ -204,9 +204,9 @@ def test_the_kernel_refuses_what_it_cannot_compute():
 # ---------------------------------------------------------------- tiles and their tuning
 
 def test_tiles_are_keyed_by_power_of_two_token_buckets():
+    from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
     from archserve.kernels.moe.triton_fused_moe import (
         MoETile,
-        TritonFusedMoEImpl,
         candidate_tiles,
         default_tile,
         token_bucket,
@@ -274,7 +274,8 @@ def test_the_pair_tile_gives_every_sm_programs_at_batch_1():
 def test_cached_moe_tiles_are_installed_without_timing(tmp_path):
     import json
 
-    from archserve.kernels.moe.triton_fused_moe import MoETile, TritonFusedMoEImpl
+    from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
+    from archserve.kernels.moe.triton_fused_moe import MoETile
     from archserve.kernels.moe.tuning import _CACHE_VERSION, MoEShape, tune_moe
     _, _, w13, w2 = operands(1, 8, 32, 16, torch.float16)
     impls = [TritonFusedMoEImpl(), TritonFusedMoEImpl()]
@@ -380,9 +381,9 @@ if not INTERPRETED:
         assert_passes_under_interpreter(__file__, timeout=900)
 
 else:
+    from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
     from archserve.kernels.moe.triton_fused_moe import (
         MoETile,
-        TritonFusedMoEImpl,
         choose_tile,
         fused_moe,
         pair_tile,
@@ -832,7 +833,7 @@ def test_gpu_fp32_is_exact_to_rounding():
 def test_gpu_decode_step_replays_in_a_cuda_graph(tokens):
     """Capture once, then replay with other tokens and other routing: the graph holds no
     value read back to the host, so the replay computes the new batch."""
-    from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+    from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
     experts, top_k, hidden, inter = REAL["qwen3-30b-a3b"]
     x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda")
     impl = TritonFusedMoEImpl()

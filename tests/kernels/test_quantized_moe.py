@@ -119,7 +119,7 @@ else:
 
     def test_the_backend_runs_quantized_experts():
         """TRITON_FUSED_MOE's forward, as a model layer calls it, on quantized experts."""
-        from archserve.kernels.moe.triton_fused_moe import TritonFusedMoEImpl
+        from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
         q = quantized_experts("fp8_token", 4, 64, 32)
         x, logits = inputs(5, 4, 64, torch.float32)
         impl = TritonFusedMoEImpl()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from models.helpers import PagedSequences, tiny_hf_model
 
-from archserve.loader.config import ModelConfig
 from archserve.loader.loader import load_model
+from archserve.models.config import ModelConfig
 
 
 def test_dummy_weights_have_real_shapes_and_dtype(tmp_path):

@@ -75,7 +75,7 @@ def test_transformers4_style_config_is_normalised():
     rope_local_base_freq and the global scaling rope_scaling (Gemma-3-4B and larger)."""
     from transformers import Gemma3TextConfig
 
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
     config = ModelConfig.from_hf_config(Gemma3TextConfig(
         num_hidden_layers=6, rope_theta=1e6, rope_local_base_freq=1e4,

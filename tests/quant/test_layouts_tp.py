@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from archserve.kernels.linear.formats import FP8_BLOCK, WNA16
 from archserve.kernels.linear.quantized_weights import ACT_DYNAMIC_GROUP, ACT_NONE
-from archserve.kernels.linear.rules import FP8_BLOCK, WNA16
 from archserve.quant.checkpoint_matrix import QuantizedMatrix
 from archserve.quant.config import AWQ, CT_FLOAT, GPTQ, LayerQuant
 from archserve.quant.layouts import (

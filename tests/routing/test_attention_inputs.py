@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoConfig
 
 from archserve.kernels.specs import KV_CACHE_DTYPES, RUNNABLE_KV_CACHE_DTYPES
-from archserve.loader.attention_facts import attention_facts, checkpoint_kv_cache
+from archserve.models.attention_facts import attention_facts, checkpoint_kv_cache
 from archserve.platform.profiles import get_profile
 from archserve.routing.dtypes import kv_cache_refusal, resolve_kv_cache_dtype
 from archserve.routing.explain import SelectionInputs, explain_model

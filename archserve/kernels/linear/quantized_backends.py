@@ -1,6 +1,6 @@
 """Linear backends for the quantized GEMM kernels of this build (Triton and torch._scaled_mm).
 
-Each executes the weight formats of archserve.kernels.linear.rules (FP8, FP8_BLOCK, INT8,
+Each executes the weight formats of archserve.kernels.linear.formats (FP8, FP8_BLOCK, INT8,
 WNA16) through one routine, ``routine(x, weight, bias)``, whose weight is the layout of
 archserve.kernels.linear.quantized_weights that archserve.quant repacks at load:
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from archserve.kernels.linear.formats import FP8, FP8_BLOCK, INT8, WNA16, QuantGemmBackend
 from archserve.kernels.linear.quantized_weights import (
     ACT_DYNAMIC_GROUP,
     ACT_DYNAMIC_TOKEN,
     ACT_STATIC_TENSOR,
 )
-from archserve.kernels.linear.rules import FP8, FP8_BLOCK, INT8, WNA16, QuantGemmBackend
 from archserve.kernels.rules import (
     bf16_on_device,
     device_text,

@@ -1,9 +1,7 @@
 """Linear / GEMM backends (op ``linear``): dense torch matmul and the quantized GEMM paths.
 
-A `LinearSpec.quant_scheme` here is a *weight format* the kernels understand, not a
-checkpoint's ``quant_method``: archserve.quant maps methods to formats (AWQ and GPTQ
-are both ``wna16``; FBGEMM and ModelOpt FP8 are both ``fp8``). Rules follow seed 000
-§3 and the §5.3 matrix. This build implements the torch paths and, for dense layers on
+A `LinearSpec.quant_scheme` here is a *weight format* the kernels understand (formats.py).
+Rules follow seed 000 §3 and the §5.3 matrix. This build implements the torch paths and, for dense layers on
 GPUs, TRITON_SKINNY_GEMM (decode-sized GEMMs through a Triton GEMV where it measures
 faster than cuBLAS).
 """
@@ -15,6 +13,23 @@ from typing import Any
 
 import torch
 
+from archserve.kernels.linear.formats import (
+    BNB,
+    FP8,
+    FP8_BLOCK,
+    GROUPED,
+    HADAMARD_FP4,
+    INT8,
+    MXFP4,
+    MXFP8,
+    NVFP4,
+    SPARSE_2_4,
+    TORCHAO,
+    W4A8,
+    WNA16,
+    QuantGemmBackend,
+)
+from archserve.kernels.linear.quantized_backends import QUANTIZED_LINEAR_BACKENDS
 from archserve.kernels.linear.torch_linear import torch_linear
 from archserve.kernels.rules import (
     RuleBackend,
@@ -29,59 +44,12 @@ from archserve.kernels.specs import LinearSpec
 from archserve.platform.capability import SM60, SM75, SM89, SM90, SM100, Capability
 from archserve.platform.device import DeviceInfo
 
-# Weight formats (the vocabulary shared with archserve.quant and MoESpec).
-FP8 = "fp8"                  # FP8 weights and activations, per-tensor/per-channel scales
-FP8_BLOCK = "fp8_block"      # FP8 with 128x128 block scales (DeepSeek-V3 style)
-INT8 = "int8"                # INT8 W8A8
-WNA16 = "wna16"              # 4/8-bit integer weights, 16-bit activations (GPTQ, AWQ)
-W4A8 = "w4a8"                # 4-bit weights, FP8 activations
-NVFP4 = "nvfp4"
-MXFP4 = "mxfp4"
-MXFP8 = "mxfp8"
-SPARSE_2_4 = "sparse_2_4"    # 2:4 structured-sparse FP8/INT8
-BNB = "bnb"                  # bitsandbytes NF4 / int8
-GROUPED = "grouped"          # grouped (per-expert) GEMM, reached from MoE layers
-HADAMARD_FP4 = "hadamard_fp4"  # FP-Quant: Hadamard-rotated MXFP4/NVFP4 weights and activations
-TORCHAO = "torchao"          # torchao's tensor subclasses (their own torch ops)
-
-WEIGHT_FORMATS = (FP8, FP8_BLOCK, INT8, WNA16, W4A8, NVFP4, MXFP4, MXFP8, SPARSE_2_4, BNB,
-                  GROUPED, HADAMARD_FP4, TORCHAO)
-
-
-def _format_text(fmt: str | None) -> str:
-    return "unquantized" if fmt is None else fmt
-
 
 def _torch_linear(device: DeviceInfo, spec: LinearSpec) -> Any:
     if device.platform == "cpu":   # a few rows in the form the CPU BLAS runs faster
         from archserve.kernels.linear.cpu_rows import CpuRowsLinear
         return CpuRowsLinear()
     return torch_linear
-
-
-class QuantGemmBackend(RuleBackend):
-    """A GEMM kernel that executes a fixed set of weight formats."""
-
-    op = "linear"
-    implemented = False
-    formats: frozenset[str] = frozenset()
-    # The activation quantizations (quantized_weights.ACT_*) a W8A8 kernel is built for;
-    # None: weight-only, it runs any checkpoint's weights with 16-bit activations.
-    activations: frozenset[str] | None = None
-
-    def hardware_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
-        # The format decides first: "this layer is unquantized" explains more than an SM.
-        return self.request_rule(device, spec) or self.device_rule(device)
-
-    def request_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
-        if spec.quant_scheme not in self.formats:
-            return (f"executes {', '.join(sorted(self.formats))} weights; "
-                    f"this layer is {_format_text(spec.quant_scheme)}")
-        if self.activations is not None and spec.activation not in self.activations:
-            wanted = " or ".join(a.replace("_", " ") for a in sorted(self.activations))
-            return (f"quantizes activations {wanted}; the checkpoint's are "
-                    f"{spec.activation.replace('_', ' ')}")
-        return None
 
 
 @dataclass(frozen=True)
@@ -290,8 +258,6 @@ _QUANT_ORDER = ("FLASHINFER_CUTEDSL_NVFP4", "FLASHINFER_CUTLASS_NVFP4", "CUTLASS
 def linear_priority(device: DeviceInfo, spec: LinearSpec) -> list[str]:
     """Dense layers: the tuned skinny GEMM on GPUs, else torch; quantized ones try the
     kernels that know the format."""
-    from archserve.kernels.linear.quantized_backends import QUANTIZED_LINEAR_BACKENDS
-
     if spec.quant_scheme is None:
         return ["TRITON_SKINNY_GEMM", "TORCH_MATMUL"] if device.is_gpu else ["TORCH_MATMUL"]
     executes = {cls.name for cls in LINEAR_BACKENDS + QUANTIZED_LINEAR_BACKENDS

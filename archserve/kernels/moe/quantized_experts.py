@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from archserve.kernels.linear import rules as fmt
+from archserve.kernels.linear import formats as fmt
 from archserve.kernels.linear.quantized_weights import (
     ACT_NONE,
     Fp8Weight,

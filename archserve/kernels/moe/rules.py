@@ -91,7 +91,7 @@ class TritonFusedMoEBackend(MoEBackend):
     formats = frozenset({None, "fp8", "fp8_block", "int8", "wna16"})
     description = ("Triton fused MoE: token-sorted grouped GEMMs, gate/up with SiLU*mul "
                    "fused, then down scaled by the routing weights (any CUDA or ROCm GPU)")
-    impl_path = f"{_IMPL}.triton_fused_moe:TritonFusedMoEImpl"
+    impl_path = f"{_IMPL}.triton_fused_impl:TritonFusedMoEImpl"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
         if device.platform not in ("cuda", "rocm"):

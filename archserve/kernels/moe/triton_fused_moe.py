@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -48,6 +47,12 @@ try:
 
     from archserve.kernels.elementwise.triton_rounding import round_to_dtype
     from archserve.kernels.linear.triton_skinny_gemm import _weight_times_rows
+    from archserve.kernels.moe.triton_common import (
+        program_tile,
+        silu_and_mul,
+        store_rows,
+        times_routing_weights,
+    )
     from archserve.kernels.pdl import (
         pdl_enabled,
         pdl_launch_options,
@@ -253,41 +258,6 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Te
 if triton is not None:
 
     @triton.jit
-    def _program_tile(block_expert_ptr, sorted_pairs_ptr, num_pairs, num_cols,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR_ROWS: tl.constexpr):
-        """This program's expert (-1: past the last tile), its (token, slot) pairs, which
-        of them are real, and its output columns (of ``num_cols``) and which of them are.
-        PAIR_ROWS: program m is pair m, whose expert is block_expert[m] (the flat expert
-        ids); row 0 of the tile is the pair, the other rows repeat it masked off, so they
-        load nothing and store nothing."""
-        pid_m = tl.program_id(0)
-        expert = tl.load(block_expert_ptr + pid_m)
-        lanes = tl.arange(0, BLOCK_M)
-        if PAIR_ROWS:
-            rows = pid_m + lanes * 0
-            row_ok = lanes == 0
-        else:
-            rows = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + lanes)
-            row_ok = rows < num_pairs
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return expert, rows, row_ok, cols, cols < num_cols
-
-    @triton.jit
-    def _silu_and_mul(gate, up):
-        return gate / (1.0 + tl.exp(-gate)) * up
-
-    @triton.jit
-    def _times_routing_weights(acc, weights_ptr, rows, row_ok):
-        """Each (token, slot) row of ``acc`` times that slot's routing weight."""
-        return acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
-
-    @triton.jit
-    def _store_rows(out_ptr, tile, rows, row_ok, cols, col_ok, stride_ot):
-        """``tile`` [M, N] into rows ``rows`` and columns ``cols`` of ``out``."""
-        tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :],
-                 tile.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-    @triton.jit
     def _operand_tiles(a_ptr, a_rows, stride_a, row_ok, w_base, w_cols, stride_wn, col_ok,
                        ks, k_ok):
         """The activation tile [M, K] (rows ``a_rows``) and the weight tile [K, N]."""
@@ -311,7 +281,7 @@ if triton is not None:
                         IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
                         PDL: tl.constexpr = False):
         pdl_start(PDL)
-        expert, rows, row_ok, cols, col_ok = _program_tile(
+        expert, rows, row_ok, cols, col_ok = program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, PAIR_ROWS)
         if expert < 0:
             return
@@ -328,8 +298,8 @@ if triton is not None:
                            mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             gate_acc = _dot(gate_acc, a, gate_w, IEEE_FP32)
             up_acc = _dot(up_acc, a, up_w, IEEE_FP32)
-        _store_rows(out_ptr, _silu_and_mul(gate_acc, up_acc), rows, row_ok, cols, col_ok,
-                    stride_ot)
+        store_rows(out_ptr, silu_and_mul(gate_acc, up_acc), rows, row_ok, cols, col_ok,
+                   stride_ot)
 
     @triton.jit
     def _gate_up_gemv_kernel(x_ptr, w13_ptr, out_ptr, experts_ptr, inter, hidden, stride_xt,
@@ -360,7 +330,7 @@ if triton is not None:
             x = tl.load(x_row + k, mask=k < hidden, other=0.0).to(tl.float32)[None, :]
             gate = _weight_times_rows(gate, gate_rows, x, k, col_ok, hidden, 1, EVEN_K)
             up = _weight_times_rows(up, up_rows, x, k, col_ok, hidden, 1, EVEN_K)
-        act = _silu_and_mul(tl.sum(gate, axis=1), tl.sum(up, axis=1))
+        act = silu_and_mul(tl.sum(gate, axis=1), tl.sum(up, axis=1))
         tl.store(out_ptr + pair * stride_ot + cols, act.to(out_ptr.dtype.element_ty),
                  mask=col_ok)
 
@@ -410,7 +380,7 @@ if triton is not None:
         # written by the routing (and the sort) before the gate/up kernel, the kernel right
         # before, which writes only the activations. So the first K tile of the expert's
         # weight is prefetched into L2 while gate/up drains.
-        expert, rows, row_ok, cols, col_ok = _program_tile(
+        expert, rows, row_ok, cols, col_ok = program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, PAIR_ROWS)
         w_base = w2_ptr + expert.to(tl.int64) * stride_we
         if PDL:
@@ -427,8 +397,8 @@ if triton is not None:
             a, w = _operand_tiles(act_ptr, rows, stride_at, row_ok, w_base, cols, stride_wn,
                                   col_ok, ks, k_ok)
             acc = _dot(acc, a, w, IEEE_FP32)
-        acc = _times_routing_weights(acc, weights_ptr, rows, row_ok)
-        _store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
+        acc = times_routing_weights(acc, weights_ptr, rows, row_ok)
+        store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
         if SUM_IN_KERNEL:
             token = tl.program_id(0) // TOP_K
             counter = counters_ptr + token * tl.num_programs(1) + tl.program_id(1)
@@ -605,52 +575,3 @@ def sum_slots(out: torch.Tensor, num_tokens: int, top_k: int,
         TOP_K=top_k, BLOCK_H=block_h, num_warps=4, PDL=pdl, ADD=add is not None,
         **pdl_launch_options(pdl))
     return summed
-
-
-class TritonFusedMoEImpl:
-    """The backend's implementation: ``forward`` as TORCH_MOE's, through the fused kernels.
-    ``tiles`` maps a token bucket (``token_bucket``) to the tile the tuner chose."""
-
-    graph_capturable = True
-    adds_residual = True    # forward takes ``add`` for 16-bit experts (FusedMoE.forward_add)
-
-    def __init__(self, device: Any = None, spec: Any = None) -> None:
-        self.device = device
-        self.spec = spec
-        self.tiles: dict[int, MoETile] = {}
-
-    def tile_for(self, num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor
-                 ) -> MoETile:
-        return (self.tiles.get(token_bucket(num_tokens))
-                or choose_tile(num_tokens, top_k, w13, w2))
-
-    def prepare(self, quantized: Any, dtype: torch.dtype) -> tuple[Any, Any]:
-        """Quantized experts (QuantizedExperts) as ``forward`` takes them: as they are."""
-        return quantized.w13, quantized.w2
-
-    def route(self, router_logits: torch.Tensor, top_k: int, renormalize: bool, **grouping
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, experts) of ``routing.grouped_route`` (its keywords in ``grouping``)
-        in one launch."""
-        return triton_route(router_logits, top_k, renormalize, **grouping)
-
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: Any, w2: Any,
-                top_k: int, renormalize: bool = True,
-                routed: tuple[torch.Tensor, torch.Tensor] | None = None,
-                add: torch.Tensor | None = None) -> torch.Tensor:
-        """TORCH_MOE's forward; with ``add`` (16-bit experts only), plus it, in the kernel
-        that sums each token's slots (``fused_experts``)."""
-        routed = routed or triton_route(router_logits, top_k, renormalize)
-        if not isinstance(w13, torch.Tensor):        # quantized experts
-            if add is not None:
-                raise ValueError("TRITON_FUSED_MOE adds a residual for 16-bit experts only")
-            from archserve.kernels.moe.triton_quantized_moe import quantized_moe
-            # Their kernels take the sorted layout's tiles (never pair rows), and the
-            # tuner times 16-bit experts only: the default sorted tile of this batch.
-            return quantized_moe(hidden, router_logits, w13, w2, top_k, renormalize,
-                                 default_tile(hidden.shape[0]), routed)
-        reason = fused_moe_unsupported(hidden, w13, w2)
-        if reason is not None:
-            raise ValueError(f"TRITON_FUSED_MOE cannot run this layer: {reason}")
-        return fused_moe(hidden, router_logits, w13, w2, top_k, renormalize,
-                         self.tile_for(hidden.shape[0], top_k, w13, w2), routed, add)

@@ -1,5 +1,5 @@
 """TRITON_FUSED_MOE on quantized experts: the same token-sorted grouped GEMMs
-(triton_fused_moe: tiles from ``_program_tile``, gate and up in one K loop with SiLU*mul,
+(triton_fused_moe; tiles from triton_common's ``program_tile``, gate and up in one K loop with SiLU*mul,
 down scaled by the routing weights), with quantized weight tiles read in the K loop.
 
 Weights (kernels/moe/quantized_experts.py):
@@ -49,11 +49,11 @@ if triton is not None:
     from archserve.kernels.linear.fp8_gemm import quantize_fp8_activation
     from archserve.kernels.linear.triton_fp8_bits import E4M3_AS_FP16_SCALE, e4m3_bits_to_fp16
     from archserve.kernels.linear.triton_weight_only import _centered_as, _int_group_params
-    from archserve.kernels.moe.triton_fused_moe import (
-        _program_tile,
-        _silu_and_mul,
-        _store_rows,
-        _times_routing_weights,
+    from archserve.kernels.moe.triton_common import (
+        program_tile,
+        silu_and_mul,
+        store_rows,
+        times_routing_weights,
     )
 
     INT_W: tl.constexpr = tl.constexpr(0)
@@ -170,7 +170,7 @@ if triton is not None:
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             IEEE: tl.constexpr):
         # Sorted tiles only (align_to_blocks): never the pair-rows layout.
-        expert, rows, row_ok, cols, col_ok = _program_tile(
+        expert, rows, row_ok, cols, col_ok = program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, False)
         if expert < 0:
             return
@@ -196,7 +196,7 @@ if triton is not None:
         up = _expert_epilogue(up_acc, x_scale_ptr, tokens, stride_xs, row_ok, s_base,
                               cols + inter, col_ok, stride_sn, W_KIND, A_FP8, A_GROUPED,
                               NATIVE_FP8, BLOCK_SCALE_N)
-        _store_rows(out_ptr, _silu_and_mul(gate, up), rows, row_ok, cols, col_ok, stride_ot)
+        store_rows(out_ptr, silu_and_mul(gate, up), rows, row_ok, cols, col_ok, stride_ot)
 
     @triton.jit
     def _down_quant_kernel(
@@ -207,7 +207,7 @@ if triton is not None:
             NATIVE_FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
             HAS_OFFSETS: tl.constexpr, BLOCK_SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        expert, rows, row_ok, cols, col_ok = _program_tile(
+        expert, rows, row_ok, cols, col_ok = program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, False)
         if expert < 0:
             return
@@ -223,8 +223,8 @@ if triton is not None:
                                  BLOCK_SCALE_N, BLOCK_N, BLOCK_K, IEEE)
         acc = _expert_epilogue(acc, a_scale_ptr, rows, stride_as, row_ok, s_base, cols, col_ok,
                                stride_sn, W_KIND, A_FP8, A_GROUPED, NATIVE_FP8, BLOCK_SCALE_N)
-        acc = _times_routing_weights(acc, weights_ptr, rows, row_ok)
-        _store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
+        acc = times_routing_weights(acc, weights_ptr, rows, row_ok)
+        store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
 
 
 # ---- what the kernels take ------------------------------------------------------------------

@@ -27,9 +27,9 @@ from archserve.kernels.linear.quantized_tuning import (
     KindTiming,
     QuantTuneReport,
 )
+from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
 from archserve.kernels.moe.triton_fused_moe import (
     MoETile,
-    TritonFusedMoEImpl,
     candidate_tiles,
     fused_moe,
     token_bucket,

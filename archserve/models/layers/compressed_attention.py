@@ -45,7 +45,7 @@ from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.rotary import inverse_frequencies
 
 if TYPE_CHECKING:
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
 
 def _fp32(*shape: int) -> nn.Parameter:

@@ -32,7 +32,7 @@ from archserve.models.layers.norm_folding import float_matrices
 from archserve.models.layers.rotary import RotaryEmbedding, deinterleave
 
 if TYPE_CHECKING:
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
 INDEXER_NORM_EPS = 1e-6
 

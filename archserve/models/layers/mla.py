@@ -45,7 +45,7 @@ from archserve.models.layers.parallel_linear import ColumnParallelLinear, RowPar
 from archserve.models.layers.rotary import RotaryEmbedding, deinterleave, yarn_mscale
 
 if TYPE_CHECKING:
-    from archserve.loader.config import ModelConfig
+    from archserve.models.config import ModelConfig
 
 LORA_NORM_EPS = 1e-6   # the q/kv LoRA norms use the RMSNorm default, not rms_norm_eps
 
