@@ -21,6 +21,7 @@ from archserve.kernels.linear.quantized_weights import (
     ACT_NONE,
     ACT_STATIC_TENSOR,
 )
+from archserve.quant.schemes import find_scheme, loadable_methods
 
 # Checkpoint layouts: which tensors a quantized layer stores (archserve.quant.layouts).
 CT_FLOAT = "compressed-tensors float-quantized"     # fp8 weight + weight_scale (+ input_scale)
@@ -130,7 +131,7 @@ def parse_quant_config(config: dict[str, Any] | None) -> QuantConfig | None:
     if parser is None:
         raise UnsupportedQuantization(
             f"quantization method {config.get('quant_method')!r} is not loadable in this build "
-            f"(loadable: {', '.join(sorted(LOADABLE_METHODS))})")
+            f"(loadable: {', '.join(loadable_methods())})")
     return parser(config)
 
 
@@ -168,8 +169,9 @@ def explain_quant_config(checkpoint_config: dict[str, Any] | None, requested: st
                          is_gguf: bool = False, keep_gguf_quantized: bool = False
                          ) -> QuantConfig | None:
     """What ``explain --quantization`` routes: the checkpoint's own config, or, for a
-    scheme asked of a checkpoint that does not carry it, that scheme's common form (AWQ
-    and GPTQ 4-bit group 128, fp8 block 128x128, INT8 W8A8 per channel ...)."""
+    scheme asked of a checkpoint that does not carry it, that scheme's common form
+    (``QuantScheme.checkpoint``: AWQ and GPTQ 4-bit group 128, fp8 block 128x128, INT8 W8A8
+    per channel ...)."""
     try:
         return resolve_quant_config(checkpoint_config, requested, is_gguf, keep_gguf_quantized)
     except UnsupportedQuantization:
@@ -177,34 +179,12 @@ def explain_quant_config(checkpoint_config: dict[str, Any] | None, requested: st
         # own config, not the method's common form, is what would run.
         if not requested or _same_method(checkpoint_config, requested):
             raise
-    key = requested.strip().lower().replace("-", "_")
-    if key == "gguf":
+    scheme = find_scheme(requested)
+    if scheme is not None and scheme.name == "gguf":
         return gguf_quant_config() if keep_gguf_quantized else None
-    if key in _REPRESENTATIVE:
-        return parse_quant_config(_REPRESENTATIVE[key])
+    if scheme is not None and scheme.checkpoint is not None:
+        return parse_quant_config(scheme.checkpoint)
     return parse_quant_config({"quant_method": requested})   # raises, naming what is loadable
-
-
-_CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                 "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
-                 "symmetric": True}}}}
-_CT_INT8 = {"quant_method": "compressed-tensors", "format": "int-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
-                "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
-                                      "dynamic": True, "symmetric": True}}}}
-_REPRESENTATIVE = {
-    "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
-    "fp8_block": {"quant_method": "fp8", "weight_block_size": [128, 128]},
-    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
-    "awq_marlin": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True},
-    "gptq_marlin": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True},
-    "compressed_tensors": _CT_W4A16,
-    "w8a8_int8": _CT_INT8,
-    "int8": _CT_INT8,
-}
 
 
 def _same_method(checkpoint_config: dict[str, Any] | None, requested: str) -> bool:
@@ -382,4 +362,3 @@ _PARSERS = {
     "gptq": _gptq,
     "awq": _awq,
 }
-LOADABLE_METHODS = ("compressed-tensors", "fp8", "gptq", "awq", "gguf")

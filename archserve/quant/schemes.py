@@ -1,14 +1,19 @@
 """Quantization schemes (seed 000 §5.1): what each needs and which kernels can execute it.
 
+This table is the one truth about schemes: ``matrix`` draws a row from each entry,
+``explain --quantization`` routes each entry's ``checkpoint`` form, and the loader's list of
+loadable methods is read from it. Adding a scheme is adding an entry (and, for a new
+checkpoint method, its parser in archserve.quant.config).
+
 ``min_capability`` is today's vLLM ``get_min_capability()`` (docs/deviations.md lists
 where the seed differs): the least SM where vLLM has a kernel path. What archserve runs
-is decided per layer by archserve.quant.plan from the kernels this build has; which
-schemes this build can load at all is archserve.quant.config's (``LOADABLE_METHODS``).
+is decided per layer by archserve.quant.plan from the kernels this build has.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from archserve.kernels.linear import formats as fmt
 from archserve.kernels.rules import device_text
@@ -34,12 +39,16 @@ class QuantScheme:
     in_vllm: bool = True                   # vLLM 0.33 registers the method
     # A load-time check vLLM makes above get_min_capability (GPTQ's verify_marlin_supported).
     vllm_floor: Capability | None = None
+    # The ``quantization_config`` of the scheme's checkpoints in their common form, as this
+    # build's loader reads it: what ``explain --quantization NAME`` and ``matrix`` route (a
+    # GGUF file is read from its blocks, not a config). None: this build does not load the
+    # scheme, and only vLLM's rule is shown for it.
+    checkpoint: dict[str, Any] | None = None
 
     @property
     def loadable(self) -> bool:
         """Whether archserve's loader reads checkpoints of this scheme."""
-        from archserve.quant.config import LOADABLE_METHODS
-        return self.name in LOADABLE_METHODS or self.name in ("fp8_block", "w8a8_int8")
+        return self.checkpoint is not None
 
     def vllm_refusal(self, device: DeviceInfo) -> str | None:
         """Why vLLM 0.33 refuses this scheme on the device (None: it has a kernel path)."""
@@ -66,28 +75,47 @@ def _cap(n: int) -> Capability:
     return Capability.parse(n)
 
 
+# The common checkpoint forms (``QuantScheme.checkpoint``).
+_GPTQ_4BIT = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}
+_AWQ_4BIT = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+_CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                 "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+                 "symmetric": True}}}}
+_CT_INT8 = {"quant_method": "compressed-tensors", "format": "int-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+                "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                      "dynamic": True, "symmetric": True}}}}
+
+
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     QuantScheme("gguf", "GGUF", _cap(60), None, None, (),
-                "k-quant / legacy ggml blocks", dequantized_at_load=True, in_vllm=False),
+                "k-quant / legacy ggml blocks", dequantized_at_load=True, in_vllm=False,
+                checkpoint={"quant_method": "gguf"}),
     QuantScheme("compressed-tensors", "compressed-tensors", _cap(70), None, None, (),
-                "per-group config: fp8/int8 W8A8, fp8 block, packed int4/int8 W4A16/W8A16"),
+                "per-group config: fp8/int8 W8A8, fp8 block, packed int4/int8 W4A16/W8A16",
+                checkpoint=_CT_W4A16),
     QuantScheme("gptq", "GPTQ", _cap(60), fmt.WNA16, fmt.WNA16, ("MARLIN",),
-                "int4/int8 weights, group scales, fp16 activations", vllm_floor=_cap(75)),
+                "int4/int8 weights, group scales, fp16 activations", vllm_floor=_cap(75),
+                checkpoint=_GPTQ_4BIT),
     QuantScheme("bitsandbytes", "BitsAndBytes", _cap(70), fmt.BNB, None, (),
                 "NF4 / int8 weights", in_vllm=False),
     QuantScheme("awq", "AWQ", _cap(75), fmt.WNA16, fmt.WNA16, ("MARLIN",),
-                "int4 weights, group scales and zeros"),
+                "int4 weights, group scales and zeros", checkpoint=_AWQ_4BIT),
     QuantScheme("awq_marlin", "AWQ-Marlin", _cap(75), fmt.WNA16, fmt.WNA16, ("MARLIN",),
-                "int4 weights repacked for Marlin"),
+                "int4 weights repacked for Marlin", checkpoint=_AWQ_4BIT),
     QuantScheme("gptq_marlin", "GPTQ-Marlin", _cap(75), fmt.WNA16, fmt.WNA16, ("MARLIN",),
-                "int4/int8 weights repacked for Marlin"),
+                "int4/int8 weights repacked for Marlin", checkpoint=_GPTQ_4BIT),
     # FP8's minimum is Turing because SM75-88 run it weight-only through Marlin (§5.2).
     QuantScheme("fp8", "FP8", _cap(75), fmt.FP8, fmt.FP8, ("CUTLASS_FP8",),
                 "fp8 e4m3 weights (+ dynamic fp8 activations), per-tensor/channel scales",
-                activation="dynamic_token"),
+                activation="dynamic_token",
+                checkpoint={"quant_method": "fp8", "activation_scheme": "dynamic"}),
     QuantScheme("fp8_block", "FP8 block-wise", _cap(75), fmt.FP8_BLOCK, fmt.FP8_BLOCK,
                 ("CUTLASS_BLOCK_FP8",), "fp8 e4m3 weights with 128x128 block scales",
-                activation="dynamic_group", moe_activation="dynamic_group"),
+                activation="dynamic_group", moe_activation="dynamic_group",
+                checkpoint={"quant_method": "fp8", "weight_block_size": [128, 128]}),
     QuantScheme("fbgemm_fp8", "FBGEMM FP8", _cap(80), fmt.FP8, fmt.FP8, ("CUTLASS_FP8",),
                 "fp8 weights, per-channel scales", activation="dynamic_token"),
     # ModelOpt FP8 and MXFP8 reach SM80 weight-only through Marlin (vLLM 0.33's
@@ -95,7 +123,8 @@ SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     QuantScheme("modelopt", "ModelOpt FP8", _cap(80), fmt.FP8, fmt.FP8, ("CUTLASS_FP8",),
                 "fp8 weights and activations, static scales", activation="static_tensor",
                 moe_activation="static_tensor"),
-    QuantScheme("modelopt_fp4", "NVFP4", _cap(75), fmt.NVFP4, fmt.NVFP4, ("CUTLASS_NVFP4",),
+    QuantScheme("modelopt_fp4", "ModelOpt NVFP4", _cap(75), fmt.NVFP4, fmt.NVFP4,
+                ("CUTLASS_NVFP4",),
                 "nvfp4 e2m1 weights, fp8 block scales (Marlin weight-only below SM100)",
                 activation="dynamic_group"),
     QuantScheme("modelopt_mxfp8", "ModelOpt MXFP8", _cap(80), fmt.MXFP8, fmt.MXFP8, (),
@@ -106,8 +135,9 @@ SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
                 "mxfp4 e2m1 expert weights, e8m0 block scales", moe_activation="none"),
     QuantScheme("experts_int8", "Experts INT8", _cap(80), None, fmt.INT8, (),
                 "int8 expert weights only (dense layers stay 16-bit)"),
-    QuantScheme("w8a8_int8", "INT8 W8A8", _cap(75), fmt.INT8, fmt.INT8, ("CUTLASS_INT8",),
-                "int8 weights and activations", activation="dynamic_token"),
+    QuantScheme("w8a8_int8", "W8A8 INT8", _cap(75), fmt.INT8, fmt.INT8, ("CUTLASS_INT8",),
+                "int8 weights and activations", activation="dynamic_token",
+                checkpoint=_CT_INT8),
     QuantScheme("w4a8", "W4A8", _cap(90), fmt.W4A8, None, ("CUTLASS_W4A8",),
                 "int4 weights, fp8 activations", activation="dynamic_token"),
     # The rest of vLLM 0.33's registered methods (model_executor/layers/quantization),
@@ -159,6 +189,12 @@ def get_scheme(name: str) -> QuantScheme:
     if found is None:
         raise ValueError(f"unknown quantization {name!r}; known: {', '.join(SCHEMES)}")
     return found
+
+
+def loadable_methods() -> tuple[str, ...]:
+    """The checkpoint ``quant_method``s this build's loader reads."""
+    return tuple(sorted({s.checkpoint["quant_method"] for s in SCHEMES.values()
+                         if s.checkpoint is not None}))
 
 
 def scheme_from_config(quant_config: dict | None) -> str | None:

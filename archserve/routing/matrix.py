@@ -2,7 +2,8 @@
 
 Every cell asks a rule: a feature flag of `features_for`, a backend's
 ``hardware_rule`` with a representative spec, or a quantization scheme's
-``hardware_rule`` (for a scheme archserve loads, its own quantization plan). Nothing
+``hardware_rule`` (for a scheme archserve loads, its own quantization plan). The scheme rows
+are quant/schemes.py's table, one row an entry. Nothing
 here is typed per GPU, so the table cannot drift from what selection does.
 """
 
@@ -19,7 +20,7 @@ from archserve.kernels.catalog import default_registry
 from archserve.kernels.specs import AttentionSpec, LinearSpec, LoRASpec, MoESpec
 from archserve.platform.device import DeviceInfo
 from archserve.platform.profiles import get_profile
-from archserve.quant.schemes import get_scheme
+from archserve.quant.schemes import SCHEMES, get_scheme
 
 # Representative requests: fp16 runs on every GPU generation, so only the silicon decides.
 ATTENTION_SPEC = AttentionSpec(head_size=128, dtype=torch.float16)
@@ -92,15 +93,25 @@ def _moe(fmt: str | None) -> MoESpec:
     return MoESpec(dtype=torch.float16, quant_scheme=fmt)
 
 
-def _scheme(group: str, name: str, scheme: str) -> MatrixRow:
-    """A scheme's row. One archserve loads is supported where this build runs it (the
-    quantization plan's route on the silicon: GGUF and the dequantizing CPU path run on
-    CPUs, which vLLM's kernels do not); one it does not load keeps vLLM's hardware rule."""
+def _scheme(group: str, scheme: str) -> MatrixRow:
+    """A scheme's row (quant/schemes.py's table). One archserve loads is supported where
+    this build runs it (the quantization plan's route on the silicon, as ``explain
+    --quantization`` routes it: GGUF and the dequantizing CPU path run on CPUs, which vLLM's
+    kernels do not); one it does not load keeps vLLM's hardware rule."""
     found = get_scheme(scheme)
     if not found.loadable:
-        return MatrixRow(group, name, found.hardware_rule, False)
-    return MatrixRow(group, name, lambda device: _archserve_scheme_rule(scheme, device), True,
+        return MatrixRow(group, found.display, found.hardware_rule, False)
+    return MatrixRow(group, found.display,
+                     lambda device: _archserve_scheme_rule(scheme, device), True,
                      lambda device: _archserve_scheme_route(scheme, device))
+
+
+def _kernel_path(group: str, name: str, backend: str, spec: LinearSpec) -> MatrixRow:
+    """One of a scheme's kernel paths (seed 000 §5.2: native W8A8, or weight-only), as the
+    kernel that takes it; a kernel this build has names itself in the cell."""
+    base = _backend("linear", backend, spec)
+    return MatrixRow(group, name, base.rule, base.implemented,
+                     (lambda device: backend) if base.implemented else None)
 
 
 def _scheme_plan(scheme: str, device: DeviceInfo):  # noqa: ANN202 - a QuantPlan
@@ -227,21 +238,13 @@ def matrix_rows() -> list[MatrixRow]:
              _backend("lora", "TRITON_LORA", LoRASpec(dtype=torch.float16))),
         _row("LoRA adapters", "PyTorch (every slot, masked)",
              _backend("lora", "TORCH_LORA", LoRASpec(dtype=torch.float16))),
-        _scheme(quant, "GGUF", "gguf"),
-        _scheme(quant, "GPTQ", "gptq"),
-        _scheme(quant, "BitsAndBytes", "bitsandbytes"),
-        _scheme(quant, "AWQ", "awq"),
-        _scheme(quant, "GPTQ-Marlin", "gptq_marlin"),
-        _scheme(quant, "compressed-tensors", "compressed-tensors"),
-        # The seed's two FP8 rows are the two paths of §5.2, i.e. two linear kernels.
-        _row(quant, "FP8 (Marlin path)", _backend("linear", "MARLIN", _linear("fp8"))),
-        _row(quant, "FP8 (native)", _backend("linear", "CUTLASS_FP8", _linear("fp8"))),
-        _scheme(quant, "FBGEMM FP8", "fbgemm_fp8"),
-        _scheme(quant, "ModelOpt FP8", "modelopt"),
-        _scheme(quant, "ModelOpt MXFP8", "modelopt_mxfp8"),
-        # The seed's NVFP4 row is the native path; vLLM also runs NVFP4 weight-only via Marlin.
-        _row(quant, "NVFP4 quantization", _backend("linear", "CUTLASS_NVFP4", _linear("nvfp4"))),
-        _row(quant, "NVFP4 (Marlin path)", _backend("linear", "MARLIN", _linear("nvfp4"))),
+        *(_scheme(quant, name) for name in SCHEMES),
+        # The seed's FP8 and NVFP4 rows by path (§5.2): the kernel this build runs for a
+        # path where it has one, else vLLM's (rules only).
+        _kernel_path(quant, "FP8 (Marlin path)", "TRITON_WEIGHT_ONLY", _linear("fp8")),
+        _kernel_path(quant, "FP8 (native)", "TORCH_SCALED_MM", _linear("fp8")),
+        _kernel_path(quant, "NVFP4 quantization", "CUTLASS_NVFP4", _linear("nvfp4")),
+        _kernel_path(quant, "NVFP4 (Marlin path)", "MARLIN", _linear("nvfp4")),
     ]
 
 

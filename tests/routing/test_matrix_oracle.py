@@ -67,6 +67,8 @@ DEVIATIONS = {
     ("GPTQ", "sm70"),              # vLLM min capability 60 (the seed's own §5.1 and §8.1)
     ("GPTQ", "sm75"),
     ("AWQ", "sm70"),               # vLLM min capability 75; archserve's weight-only kernel: SM70
+    ("GPTQ-Marlin", "sm70"),       # loads as GPTQ: the same weight-only kernel from SM70
+    ("FP8 (Marlin path)", "sm70"),  # the weight-only path here is that kernel, from SM70
     # vLLM 0.33 runs both weight-only through Marlin from SM80 (issue 18 wins over the seed)
     ("ModelOpt FP8", "sm80"),
     ("ModelOpt MXFP8", "sm80"),
