@@ -92,13 +92,6 @@ step qwen06b_b1_nopdl 60 150 env ARCHSERVE_PDL=0 $AS bench $EQ $B1 \
   --output-json "$D/qwen06b_b1_nopdl.json"
 step llama8b_b1_nopdl 70 180 env ARCHSERVE_PDL=0 $AS bench $E8 $B1 \
   --output-json "$D/llama8b_b1_nopdl.json"
-# Reductions by the last program to arrive (kernels/reduce_in_kernel.py; opt-in: these rows
-# were slower in session 15): split-KV decode without its merge kernel, the MoE slot sum
-# inside the down kernel; one launch fewer per layer for each.
-step qwen06b_b1_reduce 60 150 env ARCHSERVE_REDUCE_IN_KERNEL=1 $AS bench $EQ $B1 \
-  --output-json "$D/qwen06b_b1_reduce.json"
-step moe_qwen3_reduce 75 180 env ARCHSERVE_REDUCE_IN_KERNEL=1 python3 benchmarks/moe_perf.py \
-  --part engine --models qwen3-30b-a3b --skip-peer --out "$D/moe_qwen3_reduce.json"
 # (b) issue 13: Qwen3-30B-A3B batch 1 (<= 1.5x its active-weight floor) and 256 x 256/128
 # (MBU >= 60%); Mixtral-8x7B batch 1 (<= 1.4x). One model per process: 60 GB and 93 GB of
 # dummy weights never share the device.
@@ -162,10 +155,6 @@ step moe_peer 70 150 python3 benchmarks/moe_perf.py --part peer --models qwen3-3
   --peer-layers 12 --out "$D/moe_peer.json"
 step moe_kernels 75 180 python3 benchmarks/moe_perf.py --part kernels --out "$D/moe_kernels.json"
 # (a, continued) µs and launches per decoder layer, every fusion off and on.
-# The persistent MLP block (one launch, a grid barrier between gate/up and down) against
-# the separate kernels it would replace, per layer, small models' shapes (issue 21's try).
-step persistent_mlp 60 150 python3 benchmarks/bench_persistent_mlp.py --rows 1,4 \
-  --out "$D/persistent_mlp.json"
 step decode_layer 35 120 python3 benchmarks/bench_decode_layer.py --models qwen3-0.6b \
   --configs unfused,all --iters 100 --out "$D/decode_layer.json"
 # (a, continued) host time of a step with prompt tokens on the 0.6B shape: replayed from the

@@ -80,8 +80,6 @@ def _time(fn, iters: int) -> float:
 def install_peer_all_reduce(group: TensorParallelGroup, dtype: torch.dtype) -> Decision:
     """Measure and install the one-shot path on ``group`` (CUDA ranks); the decision says
     which sizes it took, or why NCCL keeps everything."""
-    if os.environ.get("ARCHSERVE_PEER_ALL_REDUCE", "1") == "0":
-        return Decision("all-reduce", "auto", "NCCL", "ARCHSERVE_PEER_ALL_REDUCE=0")
     try:
         peer = PeerAllReduce(group, dtype)
         times = peer.tune(group)

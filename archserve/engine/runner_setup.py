@@ -53,7 +53,6 @@ from archserve.engine.step_budget import (
 )
 from archserve.engine.step_weights import StepWeights
 from archserve.kernels.pdl import pdl_enabled
-from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, reduce_in_kernel
 from archserve.models.layers.kv_scales import is_quantized_cache
 from archserve.platform.decision import Decision
 
@@ -215,12 +214,6 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
                                   "decode kernels that take it may start while the kernel "
                                   "before them drains (kernels/pdl.py; ARCHSERVE_PDL=0 "
                                   "turns it off)"))
-    if reduce_in_kernel():   # opt-in, and slower where measured: say so when it is on
-        decisions.append(Decision("reductions across programs", f"{REDUCE_IN_KERNEL_ENV}=1",
-                                  "in the kernel", "the last program to arrive merges split-KV "
-                                  "decode and sums each token's experts; no second kernel "
-                                  "(kernels/reduce_in_kernel.py; slower than the "
-                                  "second kernel on an H200 with PDL)"))
     cpu_threads = None
     if tp.size == 1:   # tensor-parallel CPU ranks split the cores between them instead
         cpu_threads, threads_decision = cpu_thread_governor(torch_device)

@@ -107,31 +107,6 @@ def test_gpu_odd_heads_and_fp8_bytes_match_reference(head_size, kv, fp8_bytes):
     assert_matches_reference(case, TritonAttentionImpl(fp8_bytes=fp8_bytes))
 
 
-@pytest.mark.parametrize("target", [SM70, SM80, SM90, ("hip", "gfx942", 64)],
-                         ids=["sm70", "sm80", "sm90", "gfx942"])
-def test_split_decode_merging_in_the_kernel_is_one_launch(target, monkeypatch):
-    """ARCHSERVE_REDUCE_IN_KERNEL=1: a split decode is the decode kernel alone; its
-    splits count themselves in with an acquire-release atomic at GPU scope."""
-    from triton_compile import compiled_launches
-
-    from archserve.kernels.attention.triton_decode import decode_attention
-    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV
-
-    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
-    dtype = torch.float16 if target[1] == 70 else torch.bfloat16
-    q = torch.zeros(2, 8, 128, dtype=dtype)
-    cache = torch.zeros(2, 6, 16, 2, 128, dtype=dtype)
-    with compiled_launches(target) as launches:
-        decode_attention(q, cache, torch.zeros(2, 4, dtype=torch.int32),
-                         torch.tensor([60, 20], dtype=torch.int32),
-                         torch.arange(3, dtype=torch.int32), torch.empty_like(q), num_seqs=2,
-                         max_seq_len=60, scale=0.1, num_splits=4)
-    assert [c.kernel for c in launches] == ["_decode_kernel"]
-    assert launches[0].constexprs["MERGE_IN_KERNEL"]
-    if target[0] == "cuda":
-        assert "atom.global.gpu.acq_rel.add" in launches[0].code()
-
-
 @pytest.mark.parametrize("target", [SM80, SM90, SM100, SM120],
                          ids=["sm80", "sm90", "sm100", "sm120"])
 def test_sinks_compile(target):

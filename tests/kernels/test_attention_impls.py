@@ -199,42 +199,6 @@ def test_gpu_split_kv_decode_matches_reference(num_splits):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("num_splits", [2, 8, 32])
-def test_gpu_split_merge_in_the_kernel_matches_the_merge_kernel(num_splits, monkeypatch):
-    """ARCHSERVE_REDUCE_IN_KERNEL=1: the last split merges; the result equals the
-    merge kernel's to a rounding (the same sums in another order), in eager launches and
-    in a replayed CUDA graph (each replay finds its counters reset)."""
-    from archserve.kernels.attention.triton_decode import decode_attention
-    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, arrival_counters
-    case = make_case([(1, 3000), (1, 5), (1, 1025)], num_heads=32, num_kv_heads=8,
-                     head_size=128, dtype=torch.bfloat16, device="cuda")
-    _, cache = case.run(_gpu_impls()["TRITON_ATTN"])
-
-    def run(out: torch.Tensor) -> torch.Tensor:
-        return decode_attention(case.query, cache, case.meta.block_tables, case.meta.seq_lens,
-                                case.meta.query_start_loc, out, num_seqs=3,
-                                max_seq_len=3000, scale=case.layer.scale,
-                                num_splits=num_splits)
-
-    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "0")
-    separate = run(torch.zeros_like(case.query))
-    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
-    eager = run(torch.zeros_like(case.query))
-    torch.testing.assert_close(eager[:3].float(), separate[:3].float(), atol=2e-2, rtol=2e-2)
-    out = torch.zeros_like(case.query)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(out)
-    for _ in range(5):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out[:3], eager[:3])
-    assert not arrival_counters(out.device).any()
-
-
-@pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("features", [{}, {"sliding_window": 100, "soft_cap": 30.0}])
 def test_gpu_flat_grid_prefill_with_empty_slots_matches_reference(features):
     """The layout of a captured mixed-step bucket (engine/mixed_graphs.py): decodes, a chunk

@@ -301,13 +301,12 @@ def test_cached_moe_tiles_are_installed_without_timing(tmp_path):
 @pytest.mark.parametrize("target, dtype", [  # cold compiles are slow on CI: three pairs
     (("cuda", 80, 32), torch.bfloat16), (("cuda", 90, 32), torch.float16),
     (("cuda", 90, 32), torch.float32)], ids=["sm80-bf16", "sm90-fp16", "sm90-fp32"])
-def test_kernel_launches_compile_for_gpu_targets(target, dtype, monkeypatch):
+def test_kernel_launches_compile_for_gpu_targets(target, dtype):
     pytest.importorskip("triton")
     from triton_compile import compiled_launches
 
     from archserve.kernels.moe.triton_fused_moe import DEFAULT_TILES, fused_moe, pair_tile
     from archserve.kernels.moe.triton_routing import triton_route
-    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV
     x, logits, w13, w2 = operands(4, 8, 64, 48, dtype)
     tiles = [DEFAULT_TILES[0][1], DEFAULT_TILES[-1][1], pair_tile(8, 48, 132)] \
         if dtype != torch.float32 else [DEFAULT_TILES[0][1]]
@@ -337,15 +336,6 @@ def test_kernel_launches_compile_for_gpu_targets(target, dtype, monkeypatch):
             fused_moe(x, logits, w13, w2, 2, True, tile, routed, add=residual)
         assert launches[-1].kernel == last and launches[-1].constexprs["ADD"]
         assert launches[-1].code()
-    if dtype != torch.float16:
-        return
-    # ARCHSERVE_REDUCE_IN_KERNEL=1: in the pair layout the down kernel sums the slots.
-    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
-    with compiled_launches(target) as launches:
-        fused_moe(x, logits, w13, w2, 2, True, pair_tile(8, 48, 132), routed)
-    assert [launch.kernel for launch in launches] == ["_gate_up_kernel", "_down_kernel"]
-    assert launches[1].constexprs["SUM_IN_KERNEL"]
-    assert "atom.global.gpu.acq_rel.add" in launches[1].code()
     with compiled_launches(target) as launches:   # fp32 logits whatever the model dtype
         triton_route(torch.randn(3, 512), 8, True)
         logits, top_k, keywords, renormalize = grouped_case("v3", 3)
@@ -587,25 +577,6 @@ else:
         torch.testing.assert_close(fused_moe(x, logits, w13, w2, 2, True, gemv), expected,
                                    atol=1e-5, rtol=1e-5)
 
-    @pytest.mark.parametrize(
-        "tokens, experts, top_k, hidden, inter, renormalize, dtype, block_n", PAIR_CASES)
-    def test_pair_rows_sum_in_the_kernel_gives_the_same_bits(tokens, experts, top_k, hidden,
-                                                             inter, renormalize, dtype, block_n,
-                                                             monkeypatch):
-        """ARCHSERVE_REDUCE_IN_KERNEL=1: the last down program of a token's column tile sums
-        its slots, in the sum kernel's order from the same rows; twice, so the counters
-        must have been reset."""
-        from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, arrival_counters
-        x, logits, w13, w2 = operands(tokens, experts, hidden, inter, dtype, seed=5)
-        tile = pair_tile(tokens * top_k, min(hidden, inter), 1, block_n)
-        monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "0")
-        separate = fused_moe(x, logits, w13, w2, top_k, renormalize, tile)
-        monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
-        for _ in range(2):
-            assert torch.equal(fused_moe(x, logits, w13, w2, top_k, renormalize, tile),
-                               separate)
-            assert not arrival_counters(x.device).any()
-
     @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, renormalize, dtype", CASES)
     def test_matches_torch_moe(tokens, experts, top_k, hidden, inter, renormalize, dtype):
         x, logits, w13, w2 = operands(tokens, experts, hidden, inter, dtype)
@@ -728,28 +699,6 @@ def test_gpu_pair_layout_alternatives_match_in_a_graph(shape, tokens):
         assert_graph_replays_give(
             lambda variant=variant: fused_moe(x, logits, w13, w2, top_k, True, variant, routed),
             got, 3)
-
-
-@gpu
-@pytest.mark.parametrize("shape", sorted(REAL))
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_gpu_slot_sum_in_the_kernel_gives_the_same_bits_in_a_graph(shape, tokens,
-                                                                   monkeypatch):
-    """ARCHSERVE_REDUCE_IN_KERNEL=1 at real sizes: the pair layout's down kernel sums the
-    slots; bit for bit the sum kernel's result, eagerly and in every replay of a graph."""
-    from archserve.kernels.moe.triton_fused_moe import fused_moe, pair_tile
-    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, arrival_counters
-    experts, top_k, hidden, inter = REAL[shape]
-    x, logits, w13, w2 = operands(tokens, experts, hidden, inter, torch.bfloat16, "cuda", 7)
-    routed = route(logits, top_k, True)
-    tile = pair_tile(tokens * top_k, min(hidden, inter), 132)
-    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "0")
-    separate = fused_moe(x, logits, w13, w2, top_k, True, tile, routed)
-    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
-    assert torch.equal(fused_moe(x, logits, w13, w2, top_k, True, tile, routed), separate)
-    assert_graph_replays_give(lambda: fused_moe(x, logits, w13, w2, top_k, True, tile, routed),
-                              separate, 5)
-    assert not arrival_counters(x.device).any()
 
 
 def assert_graph_replays_give(run, expected: torch.Tensor, replays: int) -> None:

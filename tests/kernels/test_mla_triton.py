@@ -78,20 +78,14 @@ else:
 
     from archserve.kernels.mla import triton_mla_decode
 
-    @pytest.mark.parametrize("merge", ["merge kernel", "in kernel"])
     @pytest.mark.parametrize("tiles", [None, KEYS_AS_ROWS_TINY], ids=["heads", "keys"])
-    def test_split_decode_kernel_matches_reference(tiles, merge, monkeypatch):
+    def test_split_decode_kernel_matches_reference(tiles, monkeypatch):
         # 4 splits of one 32-token tile: the 5-token sequence's later splits are empty;
-        # 20 heads leave the second block of 16 partly masked; blocks of 8 tokens. "in
-        # kernel": the last split merges (ARCHSERVE_REDUCE_IN_KERNEL=1), twice over.
-        from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, arrival_counters
-        monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1" if merge == "in kernel" else "0")
+        # 20 heads leave the second block of 16 partly masked; blocks of 8 tokens.
         poison_split_partials(monkeypatch, triton_mla_decode)   # empty splits are not read
         case = make_mla_case([(1, 70), (1, 5)], block_size=8, seed=1,
                              **{**TINY, "num_heads": 20})
-        for _ in range(2 if merge == "in kernel" else 1):
-            decode_against_reference(case, num_splits=4, tiles=tiles)
-            assert not arrival_counters(torch.device("cpu")).any()
+        decode_against_reference(case, num_splits=4, tiles=tiles)
 
     @pytest.mark.parametrize("splits", [1, 4])
     def test_carried_offsets_over_many_tiles(splits):
@@ -102,17 +96,15 @@ else:
         case = make_mla_case([(1, 200), (1, 131)], block_size=8, seed=5, **TINY)
         decode_against_reference(case, num_splits=splits)
 
-    @pytest.mark.parametrize("splits", [1, 4, 16, "in kernel"])
+    @pytest.mark.parametrize("splits", [1, 4, 16])
     def test_decode_with_w_uv_gives_the_heads_values(splits, monkeypatch):
         # The merge and W_UV in one kernel (4 splits: 16 sequences a program, 16 splits: 4,
-        # most splits of the short ones empty), W_UV alone (one split, or merged by the last
-        # split): 20 heads; 17 sequences leave the last program's rows partly masked.
-        from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV
-        monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1" if splits == "in kernel" else "0")
+        # most splits of the short ones empty), W_UV alone (one split): 20 heads; 17
+        # sequences leave the last program's rows partly masked.
         poison_split_partials(monkeypatch, triton_mla_decode)   # empty splits are not read
         case = make_mla_case([(1, 5 + 4 * i) for i in range(17)], block_size=8, seed=4,
                              **{**TINY, "num_heads": 20})
-        heads_against_reference(case, num_splits=4 if splits == "in kernel" else splits)
+        heads_against_reference(case, num_splits=splits)
 
     @pytest.mark.parametrize("splits", [8, 32])
     def test_decode_with_w_uv_of_one_sequence(splits, monkeypatch):
@@ -259,7 +251,7 @@ def test_three_stages_only_where_splits_are_few():
 # ---------------------------------------------------------------- compiled for real GPUs
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-def test_decode_compiles_for_hopper(monkeypatch):
+def test_decode_compiles_for_hopper():
     """DeepSeek's latent (512 + 64, 16 heads) in bf16 over an e4m3 cache read as bytes,
     split (decode and merge kernels), as the compiler takes it: tensor-core MMAs. (One
     target: a cold compile costs CI seconds; the GPU tests run the rest.)"""
@@ -278,15 +270,6 @@ def test_decode_compiles_for_hopper(monkeypatch):
                    e4m3_bits=True)
     assert [launch.kernel for launch in launches] == ["_mla_decode_kernel", "_merge_splits_kernel"]
     assert "mma" in launches[0].code()
-    # ARCHSERVE_REDUCE_IN_KERNEL=1: the last split merges; one launch.
-    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV
-    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
-    with compiled_launches(target) as launches:
-        mla_decode(query, cache, tables, lens, starts, torch.zeros(2, 16, 512, dtype=torch.bfloat16),
-                   num_seqs=2, max_seq_len=256, scale=0.1, k_scale=0.5, num_splits=2,
-                   e4m3_bits=True)
-    assert [launch.kernel for launch in launches] == ["_mla_decode_kernel"]
-    assert "atom.global.gpu.acq_rel.add" in launches[0].code()
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -347,21 +330,6 @@ def test_gpu_decode_with_w_uv_at_deepseek_sizes(heads, kv):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for splits, num_sms in ((1, 0), (None, sms), (8, 0)):
         heads_against_reference(case, num_splits=splits, num_sms=num_sms, atol=3e-2)
-
-
-@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_split_merge_in_the_kernel_at_deepseek_sizes(heads, monkeypatch):
-    """ARCHSERVE_REDUCE_IN_KERNEL=1: 8 splits merged by the last one, against the
-    reference, twice (the counters reset themselves)."""
-    from archserve.kernels.reduce_in_kernel import REDUCE_IN_KERNEL_ENV, arrival_counters
-    monkeypatch.setenv(REDUCE_IN_KERNEL_ENV, "1")
-    case = make_mla_case([(1, n) for n in CONTEXTS], num_heads=heads, dtype=torch.bfloat16,
-                         device="cuda", seed=heads, **DEEPSEEK)
-    for _ in range(2):
-        decode_against_reference(case, num_splits=8, atol=3e-2)
-    assert not arrival_counters(torch.device("cuda", 0)).any()
 
 
 @pytest.mark.gpu

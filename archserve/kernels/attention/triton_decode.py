@@ -9,10 +9,8 @@ H200 (14.4 ms of a 17.5 ms batch-256 step).
 
 When sequences x KV heads cannot fill the GPU, the context is split into ``num_splits``
 chunks (flash-decoding); each writes a partial output and its log-sum-exp, and a small second
-kernel merges them. With ``ARCHSERVE_REDUCE_IN_KERNEL=1`` (kernels/reduce_in_kernel.py;
-opt-in: slower on an H200 with PDL) there is no second kernel: the split that arrives
-last on its (sequence, KV head) counter merges the group's partials, in split order. At
-batch 1 a decode step's attention is then one launch per layer instead of two (issue 21).
+kernel merges them. (Merging in the split that arrives last, with no second kernel, was
+measured slower on an H200 with PDL, which schedules the merge while the splits drain.)
 """
 
 from __future__ import annotations
@@ -32,12 +30,6 @@ from archserve.kernels.pdl import (
     pdl_launch_options,
     pdl_start,
     prefetch_rows_to_l2,
-)
-from archserve.kernels.reduce_in_kernel import (
-    arrival_counters,
-    count_arrival,
-    reduce_in_kernel,
-    reset_arrivals,
 )
 from archserve.kernels.rules import triton_interpreted
 
@@ -178,46 +170,6 @@ def store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr
 
 
 @triton.jit
-def merge_if_last_split(counter_ptr, partial_out_ptr, partial_lse_ptr, out_ptr, token,
-                        query_len, seq, num_active, num_heads, heads, mask_h, offs_d, mask_d,
-                        stride_out_token, stride_out_head, v_scale, HEAD_SIZE: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr):
-    """After this program, one of the ``num_active`` splits that hold keys, stored its
-    partials (``store_decode_output``): count it in on ``counter_ptr`` (one counter per
-    program group of the same rows); the last of them to arrive merges their partials of
-    rows ``heads`` into ``out``, as ``_merge_splits_kernel`` does, and resets the counter for
-    the next launch. The splits without keys neither store nor arrive, and their loads here
-    are masked off: a short context in a launch split for a long one merges a few rows."""
-    if count_arrival(counter_ptr, num_active):
-        rows0 = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS
-        lse_max = tl.full(heads.shape, float("-inf"), tl.float32)
-        # (split as a vector: the interpreter mistypes scalar-bool & tensor)
-        for split in tl.static_range(NUM_SPLITS):
-            lse_max = tl.maximum(lse_max, tl.load(partial_lse_ptr + rows0 + split,
-                                                  mask=mask_h & (heads * 0 + split < num_active),
-                                                  other=float("-inf"), cache_modifier=".cg"))
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        total = tl.zeros(heads.shape, tl.float32)
-        merged = tl.zeros([heads.shape[0], offs_d.shape[0]], tl.float32)
-        for split in tl.static_range(NUM_SPLITS):
-            ok = mask_h & (heads * 0 + split < num_active)
-            weight = tl.exp2(tl.load(partial_lse_ptr + rows0 + split, mask=ok,
-                                     other=float("-inf"), cache_modifier=".cg") - lse_max)
-            part = tl.load(partial_out_ptr + (rows0 + split)[:, None] * HEAD_SIZE
-                           + offs_d[None, :], mask=ok[:, None] & mask_d[None, :],
-                           other=0.0, cache_modifier=".cg")
-            total += weight
-            merged += weight[:, None] * part
-        out = merged / tl.where(total > 0.0, total, 1.0)[:, None]
-        dst = (out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
-               + offs_d[None, :])
-        live = (tl.zeros(out.shape, tl.int32) + query_len) > 0
-        tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty),
-                 mask=mask_h[:, None] & mask_d[None, :] & live)
-        reset_arrivals(counter_ptr)
-
-
-@triton.jit
 def prefetch_first_tile(k_base, v_base, block_table_row_ptr, lo, hi, first_new,
                         stride_cache_block, stride_cache_token, BLOCK_SIZE: tl.constexpr,
                         BLOCK_N: tl.constexpr, ROW_ELEMENTS: tl.constexpr,
@@ -241,7 +193,7 @@ def prefetch_first_tile(k_base, v_base, block_table_row_ptr, lo, hi, first_new,
 
 @triton.jit
 def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                   out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr, sinks_ptr,
+                   out_ptr, partial_out_ptr, partial_lse_ptr, sinks_ptr,
                    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
                    stride_block_table, qk_scale, v_scale, soft_cap,
@@ -250,7 +202,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
                    NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
                    USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    E4M3_BITS: tl.constexpr, PDL: tl.constexpr = False,
-                   MERGE_IN_KERNEL: tl.constexpr = False, SINKS: tl.constexpr = False):
+                   SINKS: tl.constexpr = False):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -263,9 +215,6 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
     prefetch_first_tile(k_base, k_base + stride_cache_kv, block_table_row, lo, hi,
                         first_new, stride_cache_block, stride_cache_token, BLOCK_SIZE,
                         BLOCK_N, HEAD_SIZE, BLOCK_D, True, PDL)
-    if MERGE_IN_KERNEL:
-        num_active = active_splits(query_start_loc_ptr, seq_lens_ptr, seq, SLIDING_WINDOW,
-                                   NUM_SPLITS, BLOCK_N)
     pdl_start(PDL)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -310,13 +259,6 @@ def _decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start
                         query_len, seq, split, lo < hi, tl.num_programs(1) * GROUP, heads,
                         mask_g, offs_d, mask_d, stride_out_token, stride_out_head, v_scale,
                         HEAD_SIZE, NUM_SPLITS)
-    if MERGE_IN_KERNEL:
-        if lo < hi:
-            merge_if_last_split(counters_ptr + seq * tl.num_programs(1) + kv_head,
-                                partial_out_ptr, partial_lse_ptr, out_ptr, token, query_len, seq,
-                                num_active, tl.num_programs(1) * GROUP, heads, mask_g, offs_d,
-                                mask_d, stride_out_token, stride_out_head, v_scale, HEAD_SIZE,
-                                NUM_SPLITS)
 
 
 @triton.jit
@@ -471,11 +413,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     block_d = triton.next_power_of_2(head_size)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, head_size)
     pdl = pdl_enabled(out.device)
-    merged = num_splits > 1 and reduce_in_kernel(num_seqs * num_kv_heads)
-    counters = arrival_counters(out.device) if merged else seq_lens
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
-        counters, sinks if sinks is not None else seq_lens,
+        sinks if sinks is not None else seq_lens,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
@@ -483,10 +423,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0, USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, num_warps=num_warps,
-        num_stages=num_stages, PDL=pdl, MERGE_IN_KERNEL=merged, SINKS=sinks is not None,
-        **pdl_launch_options(pdl),
+        num_stages=num_stages, PDL=pdl, SINKS=sinks is not None, **pdl_launch_options(pdl),
     )
-    if num_splits > 1 and not merged:
+    if num_splits > 1:
         merge_splits(partial_out, partial_lse, query_start_loc, seq_lens, out, v_scale,
                      split_block_n=block_n, sliding_window=sliding_window)
     return out

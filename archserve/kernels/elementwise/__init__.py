@@ -7,7 +7,6 @@ the same name exported here (a submodule import sets an attribute on this packag
 """
 
 from archserve.kernels.elementwise.dispatch import (
-    DISABLE_ENV,
     DISABLE_FUSIONS_ENV,
     FUSIONS,
     apply_rotary,
@@ -23,7 +22,7 @@ from archserve.kernels.elementwise.dispatch import (
     silu_and_mul,
 )
 
-__all__ = ["DISABLE_ENV", "DISABLE_FUSIONS_ENV", "FUSIONS", "apply_rotary",
-           "forced_fused_route", "fused_kernel_route", "fusion_enabled", "gelu_tanh_and_mul",
-           "hyper_connection_head", "hyper_connection_post", "hyper_connection_pre",
-           "norm_rope_interleaved", "rms_norm", "silu_and_mul"]
+__all__ = ["DISABLE_FUSIONS_ENV", "FUSIONS", "apply_rotary", "forced_fused_route",
+           "fused_kernel_route", "fusion_enabled", "gelu_tanh_and_mul", "hyper_connection_head",
+           "hyper_connection_post", "hyper_connection_pre", "norm_rope_interleaved", "rms_norm",
+           "silu_and_mul"]

@@ -1,8 +1,7 @@
 """The one place that chooses between the fused Triton kernels and the torch references.
 
-Triton runs when the tensors live on a CUDA or ROCm device (torch calls both "cuda"),
-triton imports, and ``ARCHSERVE_DISABLE_FUSED_KERNELS`` is unset (or "0"); everything
-else takes the torch reference, which is also the test oracle. The choice reads only
+Triton runs when the tensors live on a CUDA or ROCm device (torch calls both "cuda") and
+triton imports; everything else takes the torch reference, which is also the test oracle. The choice reads only
 the device, dtypes and shapes, never tensor values, and the kernels neither synchronise
 nor autotune, so a decode step through these functions can be captured in a CUDA graph
 (after an eager warm-up has compiled the kernels).
@@ -33,7 +32,6 @@ from archserve.platform.detect import device_info_for
 
 log = logging.getLogger(__name__)
 
-DISABLE_ENV = "ARCHSERVE_DISABLE_FUSED_KERNELS"
 Route = Literal["triton", "torch"]
 
 # A row wider than this would need a looped kernel; no released model comes close.
@@ -80,8 +78,6 @@ def fused_kernel_route(device: torch.device | str) -> tuple[Route, str]:
     """Which implementation elementwise ops on ``device`` take, and why (for logs/explain)."""
     if _forced_route is not None:
         return _forced_route, f"forced to {_forced_route} (forced_fused_route)"
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return "torch", f"{DISABLE_ENV} is set"
     device_type = torch.device(device).type
     info = device_info_for(device)
     # A CPU tensor may stand for a GPU (platform.emulation.compile_target: kernels compiled

@@ -35,11 +35,9 @@ from archserve.kernels.attention.triton_cache_write import (
     paged_token_offsets,
 )
 from archserve.kernels.attention.triton_decode import (
-    active_splits,
     choose_num_splits,
     decode_split_range,
     dot_precision,
-    merge_if_last_split,
     merge_splits,
     online_softmax_start,
     online_softmax_step,
@@ -50,7 +48,6 @@ from archserve.kernels.attention.triton_decode import (
 from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
 from archserve.kernels.mla.triton_mla_output import latent_output_to_heads_triton
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
-from archserve.kernels.reduce_in_kernel import arrival_counters, reduce_in_kernel
 from archserve.kernels.sparse_mla.layout import SparseMlaLayout
 from archserve.kernels.sparse_mla.triton_rows import (
     TORCH_TO_TL,
@@ -63,7 +60,7 @@ from archserve.platform.detect import device_info_for
 
 @triton.jit
 def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                       out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
+                       out_ptr, partial_out_ptr, partial_lse_ptr,
                        stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                        stride_cache_block, stride_cache_token, stride_block_table,
                        qk_scale, v_scale,
@@ -72,13 +69,10 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr,
                        KEYS_AS_ROWS: tl.constexpr, PDL: tl.constexpr = False,
-                       MERGE_IN_KERNEL: tl.constexpr = False,
                        indices_ptr=None, row_seq_ptr=None, stride_indices=0,
                        INDEXED: tl.constexpr = False, DS_MLA: tl.constexpr = False,
                        SCALE_OFFSET: tl.constexpr = 0, ROPE_OFFSET: tl.constexpr = 0,
                        ROPE_DTYPE: tl.constexpr = None):
-    # MERGE_IN_KERNEL: the last split of each (head block, sequence) merges the partials
-    # (kernels/reduce_in_kernel.py), instead of _merge_splits_kernel.
     # INDEXED (sparse MLA): axis 1 is a query row that attends to the positions listed in
     # its row of ``indices`` (seq_lens holds how many, query_start_loc is 0, 1, 2, ...) of
     # block-table row ``row_seq[row]``; keys [lo, hi) of a split are entries of that list.
@@ -102,9 +96,6 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
         prefetch_first_tile(cache_ptr, cache_ptr, block_table_row, lo, hi,
                             first_new, stride_cache_block, stride_cache_token, BLOCK_SIZE,
                             BLOCK_N, KV_RANK + ROPE, 2 * BLOCK_L, False, PDL)
-    if MERGE_IN_KERNEL:
-        num_active = active_splits(query_start_loc_ptr, seq_lens_ptr, seq, 0, NUM_SPLITS,
-                                   BLOCK_N)
     pdl_start(PDL)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -170,13 +161,6 @@ def _mla_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_s
     store_decode_output(acc, l_i, m_i, out_ptr, partial_out_ptr, partial_lse_ptr, token,
                         query_len, seq, split, lo < hi, NUM_HEADS, heads, mask_h, offs_l,
                         mask_l, stride_out_token, stride_out_head, v_scale, KV_RANK, NUM_SPLITS)
-    if MERGE_IN_KERNEL:
-        if lo < hi:
-            merge_if_last_split(counters_ptr + seq * tl.num_programs(0) + head_block,
-                                partial_out_ptr, partial_lse_ptr, out_ptr, token, query_len,
-                                seq, num_active, NUM_HEADS, heads, mask_h, offs_l, mask_l,
-                                stride_out_token, stride_out_head, v_scale, KV_RANK,
-                                NUM_SPLITS)
 
 
 @triton.jit
@@ -351,11 +335,8 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     block_l = triton.next_power_of_2(kv_rank)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, kv_rank)
     pdl = pdl_enabled(out.device)
-    merged = num_splits > 1 and reduce_in_kernel(num_seqs * head_blocks)
-    counters = arrival_counters(out.device) if merged else seq_lens
     _mla_decode_kernel[(head_blocks, num_seqs, num_splits)](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, partial_out, partial_lse,
-        counters,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
         scale * v_scale, v_scale,
@@ -363,17 +344,17 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_L=block_l,
         BLOCK_R=max(triton.next_power_of_2(rope), 16), NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, KEYS_AS_ROWS=keys_as_rows,
-        PDL=pdl, MERGE_IN_KERNEL=merged, num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **sparse, **pdl_launch_options(pdl),
     )
-    if num_splits > 1 and not merged:
+    if num_splits > 1:
         if w_uv is not None:
             return latent_output_to_heads_triton(partial_out, partial_lse, query_start_loc,
                                                  num_seqs, out.shape[0], w_uv, v_scale,
                                                  seq_lens=seq_lens, split_block_n=block_n)
         merge_splits(partial_out, partial_lse, query_start_loc, seq_lens, out, v_scale,
                      split_block_n=block_n)
-    if w_uv is not None:   # the kernel (or its last split) wrote the scaled output
+    if w_uv is not None:   # the kernel wrote the scaled output
         return latent_output_to_heads_triton(out, out, query_start_loc, num_seqs,
                                              out.shape[0], w_uv)
     return out

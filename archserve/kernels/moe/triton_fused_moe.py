@@ -15,10 +15,7 @@ Then:
 The k slots of a token are then summed in fp32, in slot order, by ``_sum_slots_kernel``
 (one launch: a token's slots sit in different experts' tiles, so summing inside the down
 kernel would need atomics, whose order, and so rounding, changes from run to run). In the
-pair layout, with ``ARCHSERVE_REDUCE_IN_KERNEL=1`` (kernels/reduce_in_kernel.py), the down
-program that finishes a token's column tile last sums its slots instead, in the same order
-from the same rows: the same bits, one launch fewer per MoE layer. Also in the pair layout,
-a tile with ``down_block_n`` runs the down projection as ``_down_sum_slots_kernel``: a
+pair layout, a tile with ``down_block_n`` runs the down projection as ``_down_sum_slots_kernel``: a
 program per (token, column tile) with all the token's slots, each a GEMV on the CUDA
 cores, summed in registers, so no slot holds a row in memory and there is no sum launch
 (the tuner times it beside the pair layout's down kernel). A tile with ``gate_up_block_n``
@@ -58,12 +55,6 @@ try:
         pdl_launch_options,
         pdl_start,
         prefetch_rows_to_l2,
-    )
-    from archserve.kernels.reduce_in_kernel import (
-        arrival_counters,
-        count_arrival,
-        reduce_in_kernel,
-        reset_arrivals,
     )
 except ImportError:  # the backend's availability rule reports it; nothing runs here
     triton = None
@@ -335,24 +326,6 @@ if triton is not None:
                  mask=col_ok)
 
     @triton.jit
-    def _sum_token_slots(src_ptr, dst_ptr, token, cols, col_ok, stride_src, stride_dst,
-                         TOP_K: tl.constexpr, FROM_L2: tl.constexpr, add_ptr=None,
-                         stride_add=0, ADD: tl.constexpr = False):
-        """dst[token] = sum over j of src[token * TOP_K + j] at ``cols``, in fp32 and slot
-        order (FROM_L2: rows other programs of this launch stored); with ADD, plus
-        add[token], as ``_store_sum`` adds it."""
-        acc = tl.zeros(cols.shape, dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            row = src_ptr + (token * TOP_K + j) * stride_src + cols
-            if FROM_L2:
-                part = tl.load(row, mask=col_ok, other=0.0, cache_modifier=".cg")
-            else:
-                part = tl.load(row, mask=col_ok, other=0.0)
-            acc += part.to(tl.float32)
-        _store_sum(dst_ptr + token * stride_dst + cols, acc, col_ok, add_ptr,
-                   token * stride_add + cols, ADD)
-
-    @triton.jit
     def _store_sum(dst, total, mask, add_ptr, add_offsets, ADD: tl.constexpr):
         """Store a token's fp32 expert sum at ``dst``; with ADD, rounded first, plus
         add_ptr[add_offsets] (the residual: a decoder block's output and its input summed
@@ -366,16 +339,10 @@ if triton is not None:
     @triton.jit
     def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
                      block_expert_ptr, num_pairs, hidden, inter, stride_at, stride_we,
-                     stride_wn, stride_ot, summed_ptr, counters_ptr, stride_st,
+                     stride_wn, stride_ot,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
-                     PDL: tl.constexpr = False, TOP_K: tl.constexpr = 1,
-                     SUM_IN_KERNEL: tl.constexpr = False):
-        # SUM_IN_KERNEL (pair layout only: program m is pair m, of token m // TOP_K): the
-        # last of a token's TOP_K programs on a column tile sums them into ``summed``. Every
-        # one of them must count in: the pair layout's experts come from top-k routing and
-        # are never negative, so none returns early below (a masked expert id would leave
-        # its counter short, and the next reduction on it would run too early).
+                     PDL: tl.constexpr = False):
         # Before PDL's wait (kernels/pdl.py): which expert and rows this program takes were
         # written by the routing (and the sort) before the gate/up kernel, the kernel right
         # before, which writes only the activations. So the first K tile of the expert's
@@ -399,13 +366,6 @@ if triton is not None:
             acc = _dot(acc, a, w, IEEE_FP32)
         acc = times_routing_weights(acc, weights_ptr, rows, row_ok)
         store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
-        if SUM_IN_KERNEL:
-            token = tl.program_id(0) // TOP_K
-            counter = counters_ptr + token * tl.num_programs(1) + tl.program_id(1)
-            if count_arrival(counter, TOP_K):
-                _sum_token_slots(out_ptr, summed_ptr, token.to(tl.int64), cols, col_ok,
-                                 stride_ot, stride_st, TOP_K, True)
-                reset_arrivals(counter)
 
     @triton.jit
     def _down_sum_slots_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, hidden,
@@ -461,9 +421,15 @@ if triton is not None:
         """dst[t] = sum over j of src[t * TOP_K + j], in fp32 and slot order (the same
         rounding on every run); with ADD, plus add[t] (``_store_sum``)."""
         pdl_start(PDL)
+        token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        _sum_token_slots(src_ptr, dst_ptr, tl.program_id(0).to(tl.int64), cols, cols < hidden,
-                         stride_src, stride_dst, TOP_K, False, add_ptr, stride_add, ADD)
+        col_ok = cols < hidden
+        acc = tl.zeros(cols.shape, dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            acc += tl.load(src_ptr + (token * TOP_K + j) * stride_src + cols, mask=col_ok,
+                           other=0.0).to(tl.float32)
+        _store_sum(dst_ptr + token * stride_dst + cols, acc, col_ok, add_ptr,
+                   token * stride_add + cols, ADD)
 
 
 def fused_moe_unsupported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
@@ -496,8 +462,8 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
                   add: torch.Tensor | None = None) -> torch.Tensor:
     """The expert computation after routing: weights / experts [T, k] from ``route``.
     ``add`` [T, H] (a decoder block's residual): added to the rounded sum and rounded
-    again, in the kernel that sums the slots (a torch add after the single-slot and the
-    in-kernel-sum paths, which have none)."""
+    again, in the kernel that sums the slots (a torch add after the single-slot path, which
+    has none)."""
     num_tokens, hidden_size = hidden.shape
     top_k = experts.shape[1]
     num_experts, two_inter, _ = w13.shape
@@ -544,20 +510,13 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
             **pdl_launch_options(pdl))
         return summed
     out = torch.empty(pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    col_tiles = triton.cdiv(hidden_size, tile.block_n)
-    sum_in_kernel = (tile.pair_rows and top_k > 1
-                     and reduce_in_kernel(num_tokens * col_tiles))
-    summed = (torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-              if sum_in_kernel else out)
-    counters = arrival_counters(hidden.device) if sum_in_kernel else sorted_pairs
-    _down_kernel[(num_blocks, col_tiles)](
+    _down_kernel[(num_blocks, triton.cdiv(hidden_size, tile.block_n))](
         act, w2, out, flat_weights, sorted_pairs, block_expert, pairs,
         hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        summed, counters, summed.stride(0),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
-        PAIR_ROWS=tile.pair_rows, TOP_K=top_k, SUM_IN_KERNEL=sum_in_kernel, **launch)
-    if top_k == 1 or sum_in_kernel:
-        return summed if add is None else summed + add
+        PAIR_ROWS=tile.pair_rows, **launch)
+    if top_k == 1:
+        return out if add is None else out + add
     return sum_slots(out, num_tokens, top_k, add)
 
 
