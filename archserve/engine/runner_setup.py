@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -186,201 +188,319 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
 
 
 def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> RunnerSetup:
-    from archserve.kernels import jit_watch
-    from archserve.loader.loader import load_model
-    jit_watch.starting()   # a second engine's start-up compiles are not serving-path misses
-    compilation = parse_compilation_config(config.compilation_config)   # refused before loading
-    speculative = parse_speculative_config(config.speculative_config)
-    tp = get_tp()
-    torch_device = startup.resolve_torch_device(config)
-    # Unseeded requests draw from torch's global generator: make runs repeatable.
-    torch.manual_seed(config.seed)
-    device = startup.engine_device_info(torch_device, config.emulate_device)
-    probe_config, gguf_path = peek_model_config(config.model)
-    dtype, kv_cache_dtype, decisions = startup.resolve_precision(device, config, probe_config)
-    if (emulated := startup.emulation_decision(device)) is not None:
-        decisions.insert(0, emulated)
-    # Refused here, before any weight is read, when no kernel can run the checkpoint.
-    quant_plan = startup.plan_checkpoint_quantization(device, config, probe_config,
-                                                      gguf_path, dtype)
-    decisions += quant_plan.decisions
-    if speculative is not None:   # refused here, before loading, when it cannot run
-        speculative, spec_decision = plan_speculation(speculative, probe_config, config.model)
-        decisions.append(spec_decision)
-    scheduling = startup.resolve_async_scheduling(config.async_scheduling, torch_device)
-    decisions.append(scheduling)
-    if pdl_enabled(torch_device):    # said where it is on, so that a row names its launch mode
-        decisions.append(Decision("programmatic dependent launch", "default (SM90+)", "on",
-                                  "decode kernels that take it may start while the kernel "
-                                  "before them drains (kernels/pdl.py; ARCHSERVE_PDL=0 "
-                                  "turns it off)"))
-    cpu_threads = None
-    if tp.size == 1:   # tensor-parallel CPU ranks split the cores between them instead
-        cpu_threads, threads_decision = cpu_thread_governor(torch_device)
-        if threads_decision is not None:
-            decisions.append(threads_decision)
-    rank_mc = rank_model_config(probe_config, tp.size, tp.rank)      # this rank's heads
-    kernel_cache = configure_kernel_caches(device)
-    # Attention is chosen (its canary runs on random data) and the context length checked
-    # against the KV pool before any weight is read: a start that cannot succeed fails fast.
-    t_select = time.perf_counter()
-    selection, attn_impl, canary = startup.select_attention_with_canary(
-        device, config, rank_mc, dtype, kv_cache_dtype, torch_device)
-    agree.same("the attention backend", selection.name)
-    block_size = startup.kv_block_size(config, selection.backend, probe_config)
-    select_s = startup.elapsed(t_select)
-    kv_torch_dtype = startup.kv_dtype_of(kv_cache_dtype, dtype)
-    model_max_len = probe_config.max_position_embeddings
-    max_model_len, fitted = startup.fit_max_model_len(
-        config.max_model_len, min(config.max_model_len or model_max_len, model_max_len),
-        *startup.kv_capacity_before_load(
-            config, rank_mc, attn_impl, kv_torch_dtype, block_size, torch_device,
-            # A draft network's cache shares the blocks: known once it is loaded.
-            blocks_shared=speculative is not None and speculative.method != "ngram"))
-    decisions += [fitted] if fitted is not None else []
+    """The start-up, phase by phase (each reads what the phases before it settled)."""
+    build = _RunnerBuild(config, agree)
+    build.decide_precision()
+    build.select_attention()
+    build.load_weights()
+    build.decide_graphs()
+    build.tune_decode_gemms()
+    build.allocate_kv_pool()
+    build.warm_up()
+    build.capture_graphs()
+    build.resolve_token_budget()
+    build.report_decisions()
+    build.self_check()
+    build.arm_for_serving()
+    return build.setup()
 
-    t_load = time.perf_counter()
-    model, mc = load_model(config.model, dtype=dtype, device=torch_device,
-                           load_format=config.load_format, quantization=quant_plan.config)
-    decisions += install_quantized_kernels(device, model, quant_plan)
-    lora = setup_lora(config, model, device, torch_device, dtype)   # slots: before KV sizing
-    network = None   # the draft network of a draft_model or mtp speculative config
-    if speculative is not None and speculative.method != "ngram":
-        network, network_mc = load_draft_network(speculative, config.model, mc, dtype,
-                                                 torch_device, config.load_format)
-    load_s = startup.elapsed(t_load)
 
-    if tp.size > 1 and torch_device.type == "cuda":   # before graphs capture the all-reduces
-        from archserve.distributed.peer_all_reduce import install_peer_all_reduce
-        decisions.append(install_peer_all_reduce(tp, dtype))
-    graphs_off = startup.cuda_graphs_off_reason(torch_device, config, selection,
-                                                compilation.cudagraph_mode)
-    if lora is not None and graphs_off is None and torch_device.type == "cuda":
-        graphs_off = lora.graphs_off
-    graph_sizes = (config.cuda_graph_sizes or list(compilation.capture_sizes)
-                   or default_graph_sizes(config.max_num_seqs) if graphs_off is None else [])
-    t_gemms = time.perf_counter()
+class _RunnerBuild:
+    """The state one start-up builds; ``build_runner`` calls the phases in order."""
 
-    tuned = model if network is None else torch.nn.ModuleList([model, network])
+    def __init__(self, config: EngineConfig, agree: RankAgreement) -> None:
+        from archserve.kernels import jit_watch
+        jit_watch.starting()   # a second engine's start-up compiles are not serving-path misses
+        self.config = config
+        self.agree = agree
+        self.compilation = parse_compilation_config(config.compilation_config)  # before loading
+        self.speculative = parse_speculative_config(config.speculative_config)
+        self.tp = get_tp()
+        self.torch_device = startup.resolve_torch_device(config)
+        # Unseeded requests draw from torch's global generator: make runs repeatable.
+        torch.manual_seed(config.seed)
+        self.device = startup.engine_device_info(self.torch_device, config.emulate_device)
+        self.decisions: list[Decision] = []
+        self.timings: dict[str, float] = {}
+        self.cpu_threads = None
+        self.speculator = None
 
-    def tune_gemms() -> list:
-        return [d for d in (install_linear_route(device, tuned, dtype, graph_sizes),
-                            tune_quantized_decode(device, tuned, dtype, graph_sizes),
-                            tune_moe_decode(device, tuned, graph_sizes),
-                            tune_mla_decode(device, attn_impl, rank_mc, dtype, kv_cache_dtype,
-                                            block_size, graph_sizes, torch_device))
-                if d is not None]
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.timings[name] = startup.elapsed(start)
 
-    decisions += agree.rank0_first(tune_gemms)
-    gemm_tune_s = startup.elapsed(t_gemms)
-    agree.same("the kernel choices", [(d.what, d.chosen) for d in decisions])
-    runner = ModelRunner(model, rank_mc, torch_device, dtype, attn_impl, block_size,
-                         max_model_len, Sampler(set(mc.eos_token_ids)))
-    max_batched = config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
-    if not config.enable_chunked_prefill:
-        max_batched = max(max_batched, max_model_len)  # a whole prompt fits one step
-    if lora is not None:   # its mapping buffer holds the largest step any forward runs
-        runner.lora = lora.step(max(max_batched, config.max_num_seqs, *graph_sizes),
-                                torch_device)
-        decisions.append(lora.decision)
-    # A sequence verifying drafts samples a row for each: the LM head's buffers have room.
-    rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)
-    drafts = None   # the draft network's runner: its cache in the target's blocks
-    if network is not None:
-        largest_step = max(max_batched, TOKEN_BUCKETS[-1], *graph_sizes) + config.max_num_seqs
-        drafts = draft_runner(network, network_mc, device, config, dtype, kv_cache_dtype,
-                              torch_device, block_size, max_model_len, largest_step,
-                              attn_impl if speculative.method == "mtp" else None)
-        if speculative.method == "mtp":
-            runner.keep_hidden_states(largest_step)
-    calibrate = config.calculate_kv_scales and is_quantized_cache(kv_cache_dtype)
-    mixed_tokens, mixed_decision = plan_mixed_step_graphs(compilation, graphs_off, selection,
-                                                          calibrate, max_batched)
-    num_blocks, sizing = startup.size_kv_pool(config, runner, rank_mc, kv_torch_dtype,
-                                              max_batched, max_model_len,
-                                              config.max_num_seqs, torch_device,
-                                              mixed_graph_tokens=mixed_tokens,
-                                              extra_bytes_per_block=drafts.kv_bytes_per_block(
-                                                  kv_torch_dtype) if drafts else 0,
-                                              rows_per_seq=rows_per_seq)
-    if tp.size > 1:
-        own, num_blocks = num_blocks, agree.min(num_blocks)
-        sizing += (f"; the smallest of {tp.size} ranks' pools (this rank: {own})"
-                   if own != num_blocks else f"; every rank of {tp.size} fits it")
-    # Exact now (a GPU's pool is what the weights and the activation peak left).
-    max_model_len, fitted = startup.fit_max_model_len(config.max_model_len, max_model_len,
-                                                      num_blocks * block_size, sizing)
-    if fitted is not None:
-        decisions.append(fitted)
-        for each in (runner, drafts):
-            if each is not None:
-                each.limit_max_model_len(max_model_len)
-    runner.allocate_kv_cache(num_blocks, kv_torch_dtype, kv_cache_dtype)
-    if drafts is not None:
-        drafts.allocate_kv_cache(num_blocks, kv_torch_dtype, kv_cache_dtype)
-    t_warm = time.perf_counter()
-    if torch_device.type == "cuda":  # JIT compilers run on GPUs only
-        runner.warm_up_prefill(max_batched, config.max_num_seqs)
-        if drafts is not None:
-            drafts.warm_up_prefill(max_batched, config.max_num_seqs)
-    warm_up_s = startup.elapsed(t_warm)
-    deferred_graphs = graph_sizes if calibrate else []
-    graphs = graphs_off is None and not calibrate
-    if deferred_graphs:
-        # A graph bakes the scales in: capture once the first prefill has measured them.
-        graphs_off = ("captured after the first prefill, where calculate_kv_scales measures "
-                      "the fp8 KV-cache scales")
-    t_graphs = time.perf_counter()
-    if graphs:
-        runner.capture_cuda_graphs(graph_sizes)
-        agree.same("the captured CUDA graph sizes", runner.graphs.set.sizes)
-        if mixed_tokens:
-            mixed_decision = capture_mixed_step_graphs(runner, mixed_tokens,
-                                                       config.max_num_seqs, agree, rows_per_seq)
-    if mixed_decision is not None:
-        decisions.append(mixed_decision)
-    if graphs and drafts is not None:
-        decisions.append(capture_draft_graphs(drafts, graph_sizes,
-                                              mixed_tokens if runner.mixed_graphs else 0,
-                                              config.max_num_seqs))
-    speculator = (build_speculator(speculative, max_model_len, drafts)
-                  if speculative is not None else None)
-    graphs_s = startup.elapsed(t_graphs)
-    t_budget = time.perf_counter()   # after the warm-up: a timed step compiles nothing
-    budget = resolve_token_budget(config.target_itl_ms, config.max_num_batched_tokens,
-                                  max_batched, config.max_num_seqs,
-                                  config.enable_chunked_prefill,
-                                  lambda: runner_cost_model(runner, max_batched),
-                                  mixed_graph_buckets_of(runner))
-    decisions.append(budget.decision)
-    budget_s = startup.elapsed(t_budget)
-    report = startup.StartupReport(
-        device=device, torch_device=torch_device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-        decisions=decisions, attention=selection, block_size=block_size, canary=canary,
-        num_blocks=num_blocks, max_model_len=max_model_len,
-        graph_sizes=runner.graphs.set.sizes if graphs else [],
-        graph_demoted=runner.graphs.set.demoted if graphs else {},
-        graphs_off=graphs_off, kernel_cache=kernel_cache, kv_sizing=sizing,
-        routes=startup.model_routes(device, config, rank_mc, dtype, kv_cache_dtype, selection,
-                                    is_gguf=gguf_path is not None)
-        + ([lora.route] if lora is not None else []),
-        timings={"load_s": load_s, "select_and_canary_s": select_s,
-                 "decode_gemm_tuning_s": gemm_tune_s, "prefill_warm_up_s": warm_up_s,
-                 "cuda_graphs_s": graphs_s, "token_budget_s": budget_s},
-        token_budget=budget)
-    if config.self_check or (config.self_check is None and torch_device.type == "cuda"):
-        t_check = time.perf_counter()
-        ceilings = load_or_measure(torch_device)
-        report.self_check = run_self_check(runner, ceilings.copy_bytes_per_s,
-                                           profile=config.self_check_profile)
-        report.timings["self_check_s"] = startup.elapsed(t_check)
-    if calibrate:   # after every start-up forward: only a real prompt calibrates
-        runner.calibrate_kv_scales_on_first_prefill(deferred_graphs)
-    if torch_device.type == "cuda" and not calibrate:   # from here a compile is a warm-up miss
-        jit_watch.watch_after_startup()
-    kv_pool_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
-    report.rank_memory = agree.every(measure_rank_memory(torch_device, kv_pool_bytes, model))
-    return RunnerSetup(runner, model, mc, max_model_len, max_batched, num_blocks, block_size,
-                       scheduling.chosen == "async", report, cpu_threads=cpu_threads,
-                       decoding_token_budget=budget.decoding,
-                       step_weights=runner.step_weights, speculator=speculator)
+    def decide_precision(self) -> None:
+        """dtype, KV-cache dtype and the checkpoint's quantization (refused here, before any
+        weight is read, when no kernel can run it); scheduling, PDL and CPU threads."""
+        config, torch_device = self.config, self.torch_device
+        self.probe_config, self.gguf_path = peek_model_config(config.model)
+        self.dtype, self.kv_cache_dtype, decisions = startup.resolve_precision(
+            self.device, config, self.probe_config)
+        self.decisions += decisions
+        if (emulated := startup.emulation_decision(self.device)) is not None:
+            self.decisions.insert(0, emulated)
+        self.quant_plan = startup.plan_checkpoint_quantization(
+            self.device, config, self.probe_config, self.gguf_path, self.dtype)
+        self.decisions += self.quant_plan.decisions
+        if self.speculative is not None:   # refused here, before loading, when it cannot run
+            self.speculative, spec_decision = plan_speculation(self.speculative,
+                                                               self.probe_config)
+            self.decisions.append(spec_decision)
+        self.scheduling = startup.resolve_async_scheduling(config.async_scheduling,
+                                                           torch_device)
+        self.decisions.append(self.scheduling)
+        if pdl_enabled(torch_device):   # said where it is on, so a row names its launch mode
+            self.decisions.append(Decision(
+                "programmatic dependent launch", "default (SM90+)", "on",
+                "decode kernels that take it may start while the kernel before them drains "
+                "(kernels/pdl.py; ARCHSERVE_PDL=0 turns it off)"))
+        if self.tp.size == 1:   # tensor-parallel CPU ranks split the cores between them instead
+            self.cpu_threads, threads_decision = cpu_thread_governor(torch_device)
+            if threads_decision is not None:
+                self.decisions.append(threads_decision)
+
+    def select_attention(self) -> None:
+        """The attention backend, each candidate through the numerics canary (on random
+        data), the same on every rank; and the context length checked against the KV pool.
+        Both before any weight is read: a start that cannot succeed fails fast."""
+        config, probe_config = self.config, self.probe_config
+        self.rank_mc = rank_model_config(probe_config, self.tp.size, self.tp.rank)  # its heads
+        self.kernel_cache = configure_kernel_caches(self.device)
+        with self._timed("select_and_canary_s"):
+            self.selection, self.attn_impl, self.canary = startup.select_attention_with_canary(
+                self.device, config, self.rank_mc, self.dtype, self.kv_cache_dtype,
+                self.torch_device)
+            self.agree.same("the attention backend", self.selection.name)
+            self.block_size = startup.kv_block_size(config, self.selection.backend,
+                                                    self.probe_config)
+        self.kv_torch_dtype = startup.kv_dtype_of(self.kv_cache_dtype, self.dtype)
+        model_max_len = probe_config.max_position_embeddings
+        self.max_model_len, fitted = startup.fit_max_model_len(
+            config.max_model_len, min(config.max_model_len or model_max_len, model_max_len),
+            *startup.kv_capacity_before_load(
+                config, self.rank_mc, self.attn_impl, self.kv_torch_dtype, self.block_size,
+                self.torch_device,
+                # A draft network's cache shares the blocks: known once it is loaded.
+                blocks_shared=(self.speculative is not None
+                               and self.speculative.method != "ngram")))
+        self.decisions += [fitted] if fitted is not None else []
+
+    def load_weights(self) -> None:
+        """The weights and their quantized kernels, LoRA's slots and a draft network; then
+        the tensor-parallel all-reduce (before graphs capture it)."""
+        from archserve.loader.loader import load_model
+        config = self.config
+        with self._timed("load_s"):
+            self.model, self.mc = load_model(config.model, dtype=self.dtype,
+                                             device=self.torch_device,
+                                             load_format=config.load_format,
+                                             quantization=self.quant_plan.config)
+            self.decisions += install_quantized_kernels(self.device, self.model,
+                                                        self.quant_plan)
+            # LoRA slots: before the KV pool is sized.
+            self.lora = setup_lora(config, self.model, self.device, self.torch_device,
+                                   self.dtype)
+            self.network = None   # the draft network of a draft_model or mtp speculative config
+            if self.speculative is not None and self.speculative.method != "ngram":
+                self.network, self.network_mc = load_draft_network(
+                    self.speculative, config.model, self.mc, self.dtype, self.torch_device,
+                    config.load_format)
+        if self.tp.size > 1 and self.torch_device.type == "cuda":
+            from archserve.distributed.peer_all_reduce import install_peer_all_reduce
+            self.decisions.append(install_peer_all_reduce(self.tp, self.dtype))
+
+    def decide_graphs(self) -> None:
+        """Whether decode steps replay CUDA graphs, and at which sizes."""
+        config = self.config
+        self.graphs_off = startup.cuda_graphs_off_reason(self.torch_device, config,
+                                                         self.selection,
+                                                         self.compilation.cudagraph_mode)
+        if (self.lora is not None and self.graphs_off is None
+                and self.torch_device.type == "cuda"):
+            self.graphs_off = self.lora.graphs_off
+        self.graph_sizes = (config.cuda_graph_sizes or list(self.compilation.capture_sizes)
+                            or default_graph_sizes(config.max_num_seqs)
+                            if self.graphs_off is None else [])
+
+    def tune_decode_gemms(self) -> None:
+        """The dense, quantized, MoE and MLA decode kernels timed per graph size (rank 0
+        first, so the others read its cache); every rank must choose the same."""
+        device, dtype, sizes = self.device, self.dtype, self.graph_sizes
+        # The draft network's GEMMs are tuned with the model's.
+        tuned = (self.model if self.network is None
+                 else nn.ModuleList([self.model, self.network]))
+
+        def tune_gemms() -> list:
+            return [d for d in (install_linear_route(device, tuned, dtype, sizes),
+                                tune_quantized_decode(device, tuned, dtype, sizes),
+                                tune_moe_decode(device, tuned, sizes),
+                                tune_mla_decode(device, self.attn_impl, self.rank_mc, dtype,
+                                                self.kv_cache_dtype, self.block_size, sizes,
+                                                self.torch_device))
+                    if d is not None]
+
+        with self._timed("decode_gemm_tuning_s"):
+            self.decisions += self.agree.rank0_first(tune_gemms)
+        self.agree.same("the kernel choices", [(d.what, d.chosen) for d in self.decisions])
+
+    def allocate_kv_pool(self) -> None:
+        """The model runner and its KV pool: sized from what is left after a profiling
+        step (and the mixed-step graphs' reserve), the smallest of every rank's; the
+        context length fitted to it."""
+        config, tp = self.config, self.tp
+        self.runner = ModelRunner(self.model, self.rank_mc, self.torch_device, self.dtype,
+                                  self.attn_impl, self.block_size, self.max_model_len,
+                                  Sampler(set(self.mc.eos_token_ids)))
+        max_batched = config.max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS
+        if not config.enable_chunked_prefill:
+            max_batched = max(max_batched, self.max_model_len)  # a whole prompt fits a step
+        self.max_batched = max_batched
+        if self.lora is not None:   # its mapping buffer holds the largest step any forward runs
+            self.runner.lora = self.lora.step(
+                max(max_batched, config.max_num_seqs, *self.graph_sizes), self.torch_device)
+            self.decisions.append(self.lora.decision)
+        kv_torch_dtype = self.kv_torch_dtype
+        # A sequence verifying drafts samples a row for each: the LM head's buffers have room.
+        self.rows_per_seq = 1 + (self.speculative.num_speculative_tokens
+                                 if self.speculative else 0)
+        self.drafts = None   # the draft network's runner: its cache in the target's blocks
+        if self.network is not None:
+            largest_step = (max(max_batched, TOKEN_BUCKETS[-1], *self.graph_sizes)
+                            + config.max_num_seqs)
+            self.drafts = draft_runner(self.network, self.network_mc, self.device, config,
+                                       self.dtype, self.kv_cache_dtype, self.torch_device,
+                                       self.block_size, self.max_model_len, largest_step,
+                                       self.attn_impl if self.speculative.method == "mtp"
+                                       else None)
+            if self.speculative.method == "mtp":
+                self.runner.keep_hidden_states(largest_step)
+        self.calibrate = config.calculate_kv_scales and is_quantized_cache(self.kv_cache_dtype)
+        self.mixed_tokens, self.mixed_decision = plan_mixed_step_graphs(
+            self.compilation, self.graphs_off, self.selection, self.calibrate, max_batched)
+        num_blocks, sizing = startup.size_kv_pool(config, self.runner, self.rank_mc,
+                                                  kv_torch_dtype, max_batched,
+                                                  self.max_model_len, config.max_num_seqs,
+                                                  self.torch_device,
+                                                  mixed_graph_tokens=self.mixed_tokens,
+                                                  extra_bytes_per_block=(
+                                                      self.drafts.kv_bytes_per_block(
+                                                          kv_torch_dtype)
+                                                      if self.drafts else 0),
+                                                  rows_per_seq=self.rows_per_seq)
+        if tp.size > 1:
+            own, num_blocks = num_blocks, self.agree.min(num_blocks)
+            sizing += (f"; the smallest of {tp.size} ranks' pools (this rank: {own})"
+                       if own != num_blocks else f"; every rank of {tp.size} fits it")
+        # Exact now (a GPU's pool is what the weights and the activation peak left).
+        self.max_model_len, fitted = startup.fit_max_model_len(
+            config.max_model_len, self.max_model_len, num_blocks * self.block_size, sizing)
+        if fitted is not None:
+            self.decisions.append(fitted)
+            for each in (self.runner, self.drafts):
+                if each is not None:
+                    each.limit_max_model_len(self.max_model_len)
+        self.num_blocks, self.kv_sizing = num_blocks, sizing
+        self.runner.allocate_kv_cache(num_blocks, kv_torch_dtype, self.kv_cache_dtype)
+        if self.drafts is not None:
+            self.drafts.allocate_kv_cache(num_blocks, kv_torch_dtype, self.kv_cache_dtype)
+
+    def warm_up(self) -> None:
+        """One eager prefill step per attention tune bucket: nothing is tuned or compiled on
+        the serving path."""
+        with self._timed("prefill_warm_up_s"):
+            if self.torch_device.type == "cuda":  # JIT compilers run on GPUs only
+                self.runner.warm_up_prefill(self.max_batched, self.config.max_num_seqs)
+                if self.drafts is not None:
+                    self.drafts.warm_up_prefill(self.max_batched, self.config.max_num_seqs)
+
+    def capture_graphs(self) -> None:
+        """Decode graphs and their replay canary, and under cudagraph_mode FULL the
+        mixed-step graphs (and the draft network's); with calculate_kv_scales, deferred to
+        the first prefill. Then the speculative decoding proposer, where one is configured."""
+        self.deferred_graphs = self.graph_sizes if self.calibrate else []
+        self.graphs = self.graphs_off is None and not self.calibrate
+        if self.deferred_graphs:
+            # A graph bakes the scales in: capture once the first prefill has measured them.
+            self.graphs_off = ("captured after the first prefill, where calculate_kv_scales "
+                               "measures the fp8 KV-cache scales")
+        with self._timed("cuda_graphs_s"):
+            if self.graphs:
+                self.runner.capture_cuda_graphs(self.graph_sizes)
+                self.agree.same("the captured CUDA graph sizes", self.runner.graphs.set.sizes)
+                if self.mixed_tokens:
+                    self.mixed_decision = capture_mixed_step_graphs(
+                        self.runner, self.mixed_tokens, self.config.max_num_seqs, self.agree,
+                        self.rows_per_seq)
+            if self.mixed_decision is not None:
+                self.decisions.append(self.mixed_decision)
+            if self.graphs and self.drafts is not None:
+                self.decisions.append(capture_draft_graphs(
+                    self.drafts, self.graph_sizes,
+                    self.mixed_tokens if self.runner.mixed_graphs else 0,
+                    self.config.max_num_seqs))
+            if self.speculative is not None:
+                self.speculator = build_speculator(self.speculative, self.max_model_len,
+                                                   self.drafts)
+
+    def resolve_token_budget(self) -> None:
+        """The token budget of steps with decodes (after the warm-up: a timed step compiles
+        nothing)."""
+        config = self.config
+        with self._timed("token_budget_s"):
+            self.budget = resolve_token_budget(
+                config.target_itl_ms, config.max_num_batched_tokens, self.max_batched,
+                config.max_num_seqs, config.enable_chunked_prefill,
+                lambda: runner_cost_model(self.runner, self.max_batched),
+                mixed_graph_buckets_of(self.runner))
+            self.decisions.append(self.budget.decision)
+
+    def report_decisions(self) -> None:
+        runner, graphs = self.runner, self.graphs
+        self.report = startup.StartupReport(
+            device=self.device, torch_device=self.torch_device, dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype, decisions=self.decisions,
+            attention=self.selection, block_size=self.block_size, canary=self.canary,
+            num_blocks=self.num_blocks, max_model_len=self.max_model_len,
+            graph_sizes=runner.graphs.set.sizes if graphs else [],
+            graph_demoted=runner.graphs.set.demoted if graphs else {},
+            graphs_off=self.graphs_off, kernel_cache=self.kernel_cache,
+            kv_sizing=self.kv_sizing,
+            routes=startup.model_routes(self.device, self.config, self.rank_mc, self.dtype,
+                                        self.kv_cache_dtype, self.selection,
+                                        is_gguf=self.gguf_path is not None)
+            + ([self.lora.route] if self.lora is not None else []),
+            timings=self.timings, token_budget=self.budget)
+
+    def self_check(self) -> None:
+        """The roofline self-check (on GPUs by default)."""
+        config = self.config
+        if config.self_check or (config.self_check is None
+                                 and self.torch_device.type == "cuda"):
+            with self._timed("self_check_s"):
+                ceilings = load_or_measure(self.torch_device)
+                self.report.self_check = run_self_check(self.runner,
+                                                        ceilings.copy_bytes_per_s,
+                                                        profile=config.self_check_profile)
+
+    def arm_for_serving(self) -> None:
+        """After every start-up forward: the first real prompt calibrates the KV scales
+        (and captures the deferred graphs); from here a compile is a warm-up miss."""
+        from archserve.kernels import jit_watch
+        if self.calibrate:
+            self.runner.calibrate_kv_scales_on_first_prefill(self.deferred_graphs)
+        if self.torch_device.type == "cuda" and not self.calibrate:
+            jit_watch.watch_after_startup()
+
+    def setup(self) -> RunnerSetup:
+        runner = self.runner
+        kv_pool_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+        self.report.rank_memory = self.agree.every(
+            measure_rank_memory(self.torch_device, kv_pool_bytes, self.model))
+        return RunnerSetup(runner, self.model, self.mc, self.max_model_len, self.max_batched,
+                           self.num_blocks, self.block_size,
+                           self.scheduling.chosen == "async", self.report,
+                           cpu_threads=self.cpu_threads,
+                           decoding_token_budget=self.budget.decoding,
+                           step_weights=runner.step_weights, speculator=self.speculator)

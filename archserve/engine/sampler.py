@@ -58,6 +58,12 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device
     return counts.scatter_add_(1, host_to_device(ids, device), host_to_device(valid, device))
 
 
+# The rows of the one host array of per-row scalars that ``SamplingBatch.from_sequences``
+# fills and copies to the device in one transfer.
+(_TEMPERATURE, _TOP_P, _MIN_P, _REPETITION_PENALTY, _FREQUENCY_PENALTY, _PRESENCE_PENALTY,
+ _GREEDY, _NUM_SCALARS) = range(8)
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling parameters of one step, on the logits' device.
@@ -111,8 +117,7 @@ class SamplingBatch:
             return cls(temperature=None, greedy=None, all_greedy=True)
         device = torch.device(device)
         n = len(seqs)
-        # One host array, one transfer: temperature, top_p, min_p, rep, freq, presence, greedy.
-        scalars = np.empty((7, n), dtype=np.float32)
+        scalars = np.empty((_NUM_SCALARS, n), dtype=np.float32)   # one transfer
         top_k = np.zeros(n, dtype=np.int64)
         seeded_rows: list[int] = []
         seeded_keys: list[int] = []
@@ -125,9 +130,13 @@ class SamplingBatch:
         for i, seq in enumerate(seqs):
             p = seq.sampling_params
             greedy = p.greedy
-            scalars[:, i] = (1.0 if greedy else p.temperature, p.top_p, p.min_p,
-                             p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-                             greedy)
+            scalars[_TEMPERATURE, i] = 1.0 if greedy else p.temperature
+            scalars[_TOP_P, i] = p.top_p
+            scalars[_MIN_P, i] = p.min_p
+            scalars[_REPETITION_PENALTY, i] = p.repetition_penalty
+            scalars[_FREQUENCY_PENALTY, i] = p.frequency_penalty
+            scalars[_PRESENCE_PENALTY, i] = p.presence_penalty
+            scalars[_GREEDY, i] = greedy
             # Greedy rows keep 1: their argmax is taken before truncation anyway.
             top_k[i] = 1 if greedy else min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
             if p.seed is not None and not greedy:
@@ -151,25 +160,26 @@ class SamplingBatch:
             if p.logprobs is not None:
                 max_logprobs = max(max_logprobs, p.logprobs)
 
-        greedy_rows = scalars[6] > 0.5
+        greedy_rows = scalars[_GREEDY] > 0.5
         all_greedy = bool(greedy_rows.all())
-        uses_rep = scalars[3] != 1.0
-        uses_output = (scalars[4] != 0.0) | (scalars[5] != 0.0) | uses_rep
+        uses_rep = scalars[_REPETITION_PENALTY] != 1.0
+        uses_output = ((scalars[_FREQUENCY_PENALTY] != 0.0)
+                       | (scalars[_PRESENCE_PENALTY] != 0.0) | uses_rep)
         # Every row greedy and unpenalised (the common batch-1 case): the argmax needs no
         # per-row scalar on the device, so no host-to-device copy is made for them.
         dev = None if all_greedy and not uses_output.any() else host_to_device(scalars, device)
-        batch = cls(temperature=None if all_greedy else dev[0],
-                    greedy=None if all_greedy else dev[6] > 0.5, all_greedy=all_greedy,
+        batch = cls(temperature=None if all_greedy else dev[_TEMPERATURE],
+                    greedy=None if all_greedy else dev[_GREEDY] > 0.5, all_greedy=all_greedy,
                     seeded_rows=tuple(seeded_rows), seeded_keys=tuple(seeded_keys),
                     max_num_logprobs=max_logprobs)
         random_rows = ~greedy_rows  # top-k/p and min-p cannot change a greedy row's argmax
         if (top_k[random_rows] < vocab_size).any():
             batch.top_k = host_to_device(top_k, device)
             batch.max_top_k = int(top_k.max())
-        if (scalars[1][random_rows] < 1.0).any():
-            batch.top_p = dev[1]
-        if (scalars[2][random_rows] > 0.0).any():
-            batch.min_p = dev[2]
+        if (scalars[_TOP_P][random_rows] < 1.0).any():
+            batch.top_p = dev[_TOP_P]
+        if (scalars[_MIN_P][random_rows] > 0.0).any():
+            batch.min_p = dev[_MIN_P]
         if blocked:
             pairs = host_to_device(np.asarray(blocked, dtype=np.int64).T.copy(), device)
             batch.blocked_rows, batch.blocked_tokens = pairs[0], pairs[1]
@@ -196,12 +206,13 @@ class SamplingBatch:
         if uses_output.any():
             outputs = [s.output_token_ids if uses_output[i] else [] for i, s in enumerate(seqs)]
             batch.output_counts = _token_counts(outputs, vocab_size, device)
-            batch.frequency_penalty, batch.presence_penalty = dev[4], dev[5]
+            batch.frequency_penalty = dev[_FREQUENCY_PENALTY]
+            batch.presence_penalty = dev[_PRESENCE_PENALTY]
         if uses_rep.any():
             prompts = [s.prompt_token_ids if uses_rep[i] else [] for i, s in enumerate(seqs)]
             batch.repetition_mask = (_token_counts(prompts, vocab_size, device) > 0) | (
                 batch.output_counts > 0)
-            batch.repetition_penalty = dev[3]
+            batch.repetition_penalty = dev[_REPETITION_PENALTY]
         return batch
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -464,60 +465,131 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     ``add`` [T, H] (a decoder block's residual): added to the rounded sum and rounded
     again, in the kernel that sums the slots (a torch add after the single-slot path, which
     has none)."""
+    tile = tile or choose_tile(hidden.shape[0], experts.shape[1], w13, w2)
+    layout = _pair_layout if tile.pair_rows else _sorted_layout
+    return layout(hidden.contiguous(), weights, experts, w13, w2, tile, add)
+
+
+def _sorted_layout(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                   w13: torch.Tensor, w2: torch.Tensor, tile: MoETile,
+                   add: torch.Tensor | None) -> torch.Tensor:
+    """The (token, slot) pairs sorted by expert and padded per expert to the row tile
+    (``align_to_blocks``): both GEMMs as tensor-core tiles of one expert's rows, then the
+    slot sum."""
+    align = align_to_blocks(experts, w13.shape[0], tile.block_m)
+    flat_weights = _flat_weights(weights)
+    act = _gate_up_tiles(hidden, w13, tile, experts.shape[1], align.sorted_pairs,
+                         align.block_expert, align.num_blocks)
+    return _down_tiles_then_sum(act, flat_weights, w2, tile, experts.shape, align.sorted_pairs,
+                                align.block_expert, align.num_blocks, add)
+
+
+def _pair_layout(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                 w13: torch.Tensor, w2: torch.Tensor, tile: MoETile,
+                 add: torch.Tensor | None) -> torch.Tensor:
+    """No sort: program m is pair m, of expert ``experts.flatten()[m]``. Gate/up as
+    tensor-core tiles, or with ``gate_up_block_n`` as GEMVs on the CUDA cores; down as tiles
+    then the slot sum, or with ``down_block_n`` as GEMVs whose slots are summed in
+    registers."""
+    num_tokens, top_k = experts.shape
+    flat_experts = experts.reshape(-1)
+    pairs = flat_experts.shape[0]
+    flat_weights = _flat_weights(weights)
+    if tile.gate_up_block_n:
+        act = _gate_up_gemvs(hidden, w13, tile, top_k, flat_experts)
+    else:
+        act = _gate_up_tiles(hidden, w13, tile, top_k, flat_experts, flat_experts, pairs)
+    if tile.down_block_n and top_k > 1:
+        return _down_gemvs_summed(act, flat_weights, w2, tile, num_tokens, top_k,
+                                  flat_experts, add)
+    return _down_tiles_then_sum(act, flat_weights, w2, tile, experts.shape, flat_experts,
+                                flat_experts, pairs, add)
+
+
+def _flat_weights(weights: torch.Tensor) -> torch.Tensor:
+    return weights.reshape(-1).to(torch.float32).contiguous()
+
+
+def _tile_launch(tile: MoETile, device: torch.device) -> dict[str, Any]:
+    pdl = pdl_enabled(device)
+    return dict(num_warps=tile.num_warps, num_stages=tile.num_stages, PDL=pdl,
+                **pdl_launch_options(pdl))
+
+
+def _gate_up_tiles(hidden: torch.Tensor, w13: torch.Tensor, tile: MoETile, top_k: int,
+                   sorted_pairs: torch.Tensor, block_expert: torch.Tensor, num_blocks: int
+                   ) -> torch.Tensor:
+    """silu(gate) * up [T * k, I] of every pair, as ``_gate_up_kernel``'s tiles."""
     num_tokens, hidden_size = hidden.shape
-    top_k = experts.shape[1]
-    num_experts, two_inter, _ = w13.shape
-    inter = two_inter // 2
-    tile = tile or choose_tile(num_tokens, top_k, w13, w2)
-    hidden = hidden.contiguous()
-    pairs = num_tokens * top_k
-    if tile.pair_rows:   # no sort: program m is pair m, of expert flat_experts[m]
-        flat_experts = experts.reshape(-1)
-        sorted_pairs, block_expert, num_blocks = flat_experts, flat_experts, pairs
-    else:
-        align = align_to_blocks(experts, num_experts, tile.block_m)
-        sorted_pairs, block_expert = align.sorted_pairs, align.block_expert
-        num_blocks = align.num_blocks
+    pairs, inter = num_tokens * top_k, w13.shape[1] // 2
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
-    ieee = hidden.dtype == torch.float32
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tile.block_n))](
+        hidden, w13, act, sorted_pairs, block_expert, pairs, inter, hidden_size,
+        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        IEEE_FP32=hidden.dtype == torch.float32, PAIR_ROWS=tile.pair_rows,
+        **_tile_launch(tile, hidden.device))
+    return act
+
+
+def _gate_up_gemvs(hidden: torch.Tensor, w13: torch.Tensor, tile: MoETile, top_k: int,
+                   flat_experts: torch.Tensor) -> torch.Tensor:
+    """``_gate_up_tiles``' result through ``_gate_up_gemv_kernel`` (pair layout)."""
+    num_tokens, hidden_size = hidden.shape
+    pairs, inter = num_tokens * top_k, w13.shape[1] // 2
+    act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     pdl = pdl_enabled(hidden.device)
-    launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, PDL=pdl,
-                  **pdl_launch_options(pdl))
-    if tile.pair_rows and tile.gate_up_block_n:
-        _gate_up_gemv_kernel[(pairs, triton.cdiv(inter, tile.gate_up_block_n))](
-            hidden, w13, act, flat_experts, inter, hidden_size, hidden.stride(0),
-            w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
-            BLOCK_N=tile.gate_up_block_n, BLOCK_K=tile.gate_up_block_k,
-            EVEN_K=hidden_size % tile.gate_up_block_k == 0, num_warps=4, PDL=pdl,
-            **pdl_launch_options(pdl))
-    else:
-        _gate_up_kernel[(num_blocks, triton.cdiv(inter, tile.block_n))](
-            hidden, w13, act, sorted_pairs, block_expert, pairs, inter, hidden_size,
-            hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
-            PAIR_ROWS=tile.pair_rows, **launch)
+    _gate_up_gemv_kernel[(pairs, triton.cdiv(inter, tile.gate_up_block_n))](
+        hidden, w13, act, flat_experts, inter, hidden_size, hidden.stride(0),
+        w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
+        BLOCK_N=tile.gate_up_block_n, BLOCK_K=tile.gate_up_block_k,
+        EVEN_K=hidden_size % tile.gate_up_block_k == 0, num_warps=4, PDL=pdl,
+        **pdl_launch_options(pdl))
+    return act
+
+
+def _down_tiles_then_sum(act: torch.Tensor, flat_weights: torch.Tensor, w2: torch.Tensor,
+                         tile: MoETile, routed_shape: torch.Size, sorted_pairs: torch.Tensor,
+                         block_expert: torch.Tensor, num_blocks: int,
+                         add: torch.Tensor | None) -> torch.Tensor:
+    """Each pair's down projection times its routing weight (``_down_kernel``'s tiles),
+    then each token's slots summed (``sum_slots``; plus ``add``)."""
+    num_tokens, top_k = routed_shape
+    pairs, inter = act.shape
+    hidden_size = w2.shape[1]
     if add is not None:
         add = add.contiguous()
-    if tile.pair_rows and tile.down_block_n and top_k > 1:
-        summed = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
-        _down_sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, tile.down_block_n))](
-            act, w2, summed, flat_weights, flat_experts, hidden_size, inter, act.stride(0),
-            w2.stride(0), w2.stride(1), summed.stride(0), add if add is not None else summed,
-            add.stride(0) if add is not None else 0, TOP_K=top_k,
-            SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tile.down_block_n,
-            BLOCK_K=tile.down_block_k, num_warps=4, PDL=pdl, ADD=add is not None,
-            **pdl_launch_options(pdl))
-        return summed
-    out = torch.empty(pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(pairs, hidden_size, dtype=act.dtype, device=act.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, tile.block_n))](
         act, w2, out, flat_weights, sorted_pairs, block_expert, pairs,
         hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, IEEE_FP32=ieee,
-        PAIR_ROWS=tile.pair_rows, **launch)
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        IEEE_FP32=act.dtype == torch.float32, PAIR_ROWS=tile.pair_rows,
+        **_tile_launch(tile, act.device))
     if top_k == 1:
         return out if add is None else out + add
     return sum_slots(out, num_tokens, top_k, add)
+
+
+def _down_gemvs_summed(act: torch.Tensor, flat_weights: torch.Tensor, w2: torch.Tensor,
+                       tile: MoETile, num_tokens: int, top_k: int, flat_experts: torch.Tensor,
+                       add: torch.Tensor | None) -> torch.Tensor:
+    """The down projection and the slot sum in one launch (``_down_sum_slots_kernel``,
+    pair layout, top-k > 1); plus ``add``."""
+    inter = act.shape[1]
+    hidden_size = w2.shape[1]
+    if add is not None:
+        add = add.contiguous()
+    summed = torch.empty(num_tokens, hidden_size, dtype=act.dtype, device=act.device)
+    pdl = pdl_enabled(act.device)
+    _down_sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, tile.down_block_n))](
+        act, w2, summed, flat_weights, flat_experts, hidden_size, inter, act.stride(0),
+        w2.stride(0), w2.stride(1), summed.stride(0), add if add is not None else summed,
+        add.stride(0) if add is not None else 0, TOP_K=top_k,
+        SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tile.down_block_n,
+        BLOCK_K=tile.down_block_k, num_warps=4, PDL=pdl, ADD=add is not None,
+        **pdl_launch_options(pdl))
+    return summed
 
 
 def sum_slots(out: torch.Tensor, num_tokens: int, top_k: int,
