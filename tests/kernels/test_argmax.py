@@ -8,16 +8,13 @@ does); on a GPU the ``gpu``-marked tests run the compiled kernel at real vocabul
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 from archserve.kernels.rules import triton_interpreted
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ (triton helpers)
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 600
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -71,15 +68,7 @@ def test_argmax_refuses_what_it_cannot_take():
     assert argmax_unsupported(torch.zeros(4, 8)) is None
 
 
-if not INTERPRETED:
-
-    @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled kernel is tested")
-    def test_argmax_under_interpreter():
-        pytest.importorskip("triton")
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__, timeout=600)
-
-else:
+if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     def test_argmax_matches_torch(dtype):

@@ -92,9 +92,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_gpu_odd_heads_and_fp8_bytes_match_reference(head_size, kv, fp8_bytes):
     """Real sizes on the GPU: odd head sizes, and the byte path an SM8x/SM7x GPU takes
     for fp8 (forced here on whatever GPU runs the test)."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
     from attention_cases import assert_matches_reference, make_case
 
     from archserve.kernels.attention.triton_backend import TritonAttentionImpl

@@ -4,14 +4,9 @@ test_attention_triton.py (they need the interpreter in a process of their own)."
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
-from attention_cases import (  # noqa: E402
+from attention_cases import (
     CPU_CASES,
     SINK_CASES,
     assert_matches_reference,
@@ -19,9 +14,9 @@ from attention_cases import (  # noqa: E402
     with_empty_slots,
 )
 
-from archserve.kernels.attention.flex_backend import FlexAttentionImpl  # noqa: E402
-from archserve.kernels.attention.reference import ReferenceAttentionImpl  # noqa: E402
-from archserve.kernels.attention.sdpa_backend import SdpaAttentionImpl  # noqa: E402
+from archserve.kernels.attention.flex_backend import FlexAttentionImpl
+from archserve.kernels.attention.reference import ReferenceAttentionImpl
+from archserve.kernels.attention.sdpa_backend import SdpaAttentionImpl
 
 CASE_IDS = [name for name, _ in CPU_CASES]
 CASE_ARGS = [args for _, args in CPU_CASES]

@@ -9,26 +9,15 @@ TRITON_INTERPRET=1 to see the individual cases.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 from archserve.kernels.rules import triton_interpreted
 
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 600
 
-if not INTERPRETED:
-
-    @pytest.mark.skipif(torch.cuda.is_available(),
-                        reason="on a GPU the real-size tests in test_attention_impls.py run")
-    def test_triton_kernels_under_interpreter():
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__, timeout=600)
-
-else:
-    sys.path.insert(0, os.path.dirname(__file__))
+if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
     from attention_cases import (
         CPU_CASES,
         SINK_CASES,

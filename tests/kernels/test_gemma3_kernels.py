@@ -13,11 +13,9 @@ rare flips, as for SiLU.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from attention_cases import assert_matches_reference, make_case
 
 from archserve.kernels.elementwise import forced_fused_route, gelu_tanh_and_mul, rms_norm
 from archserve.kernels.elementwise.reference import (
@@ -26,10 +24,8 @@ from archserve.kernels.elementwise.reference import (
 )
 from archserve.kernels.rules import triton_interpreted
 
-sys.path.insert(0, os.path.dirname(__file__))
-from attention_cases import assert_matches_reference, make_case  # noqa: E402
-
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 900
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 # Gemma-3-270M's attention shape (4 query heads on 1 KV head of 256) with a small window.
@@ -127,15 +123,7 @@ def test_torch_attention_head256_window(name, case_args):
 
 # ---------------------------------------------------------------- CPU: the interpreter
 
-if not INTERPRETED:
-
-    @pytest.mark.skipif(torch.cuda.is_available(),
-                        reason="on a GPU the compiled kernels are tested at real sizes")
-    def test_triton_kernels_under_interpreter():
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__, timeout=900)
-
-else:
+if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("intermediate", [100, 2048])

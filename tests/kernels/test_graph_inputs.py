@@ -7,16 +7,13 @@ Without a GPU one test re-runs this file under Triton's interpreter; on a GPU th
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 from archserve.kernels.rules import triton_interpreted
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ (triton helpers)
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 600
 
 
 def static_buffers(rows: int, width: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -75,15 +72,7 @@ def test_inputs_it_cannot_take_are_refused():
     assert "fed ids" in graph_inputs_unsupported(4, static, step, torch.zeros(3, dtype=torch.long))
 
 
-if not INTERPRETED:
-
-    @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled kernel is tested")
-    def test_graph_inputs_under_interpreter():
-        pytest.importorskip("triton")
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__, timeout=600)
-
-else:
+if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
 
     @pytest.mark.parametrize("batch, size, table_width, static_width, fed", [
         (1, 1, 3, 8, 0), (3, 4, 5, 8, 0), (2, 8, 8, 8, 0), (5, 5, 1, 2100, 0), (1, 1, 3, 8, 1),

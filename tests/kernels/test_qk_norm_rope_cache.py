@@ -8,9 +8,6 @@ Llama-3-8B shapes, inside a CUDA graph too.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
@@ -25,8 +22,8 @@ from archserve.kernels.elementwise.reference import rms_norm_reference, rotary_r
 from archserve.kernels.rules import triton_interpreted
 from archserve.models.layers.rotary import RotaryEmbedding
 
-sys.path.insert(0, os.path.dirname(__file__))  # test_elementwise beside this file
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 600
 BLOCK_SIZE = 16
 
 
@@ -209,15 +206,7 @@ def test_kernel_compiles_for_gpu_targets(target):
 
 # ---------------------------------------------------------------- CPU: the interpreter
 
-if not INTERPRETED:
-
-    @pytest.mark.skipif(torch.cuda.is_available(),
-                        reason="on a GPU the compiled kernel is tested at real sizes")
-    def test_fused_preamble_under_interpreter():
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__, timeout=600)
-
-else:
+if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
 
     @pytest.mark.parametrize("qk_norm,dtype", [
         (True, torch.float32), (True, torch.bfloat16), (True, torch.float16),

@@ -19,9 +19,7 @@ equal the reference's bit for bit, the reference evaluated on the CPU (see ``ora
 from __future__ import annotations
 
 import importlib
-import os
 import re
-import sys
 
 import pytest
 import torch
@@ -45,8 +43,8 @@ from archserve.kernels.linear.quantized_weights import (
 )
 from archserve.kernels.rules import triton_interpreted
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ (triton_interpreter)
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 900
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 
@@ -441,14 +439,7 @@ def _case_id(case) -> str:
     return "-".join(str(v).replace("torch.", "") for v in case)
 
 
-if not INTERPRETED:
-
-    @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the compiled kernels are tested at real sizes")
-    def test_quant_gemm_under_interpreter():
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__, timeout=900)
-
-else:
+if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
 
     import triton
     import triton.language as tl

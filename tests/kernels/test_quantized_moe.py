@@ -10,21 +10,16 @@ them at Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from quantized_moe_cases import quantized_experts
 
 from archserve.kernels.moe.routing import route
 from archserve.kernels.moe.torch_moe import TorchMoEImpl
 from archserve.kernels.rules import triton_interpreted
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ (triton helpers)
-sys.path.insert(0, os.path.dirname(__file__))
-from quantized_moe_cases import quantized_experts  # noqa: E402
-
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 900
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -90,15 +85,7 @@ CASES = [  # mode, tokens, experts, top_k, hidden, inter, dtype
     ("int4_asym_g64", 5, 4, 2, 64, 32, F16),
 ]
 
-if not INTERPRETED:
-
-    @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the compiled kernels are tested instead")
-    def test_quantized_moe_under_interpreter():
-        pytest.importorskip("triton")
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__, timeout=900)
-
-else:
+if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
     from archserve.kernels.moe.triton_fused_moe import MoETile
     from archserve.kernels.moe.triton_quantized_moe import fused_quantized_experts
 

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 from archserve.kernels.linear.quantized_weights import reference_linear
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
 
 
 @pytest.mark.gpu

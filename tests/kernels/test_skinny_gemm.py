@@ -9,8 +9,6 @@ shapes of Llama-3-8B and Qwen3-0.6B, inside a CUDA graph, and tune a routine on 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -46,8 +44,8 @@ from archserve.kernels.linear.triton_skinny_gemm import (
 )
 from archserve.kernels.rules import triton_interpreted
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ (triton_interpreter)
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 900
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 
@@ -453,14 +451,7 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
 
 # ---------------------------------------------------------------- CPU: the interpreter
 
-if not INTERPRETED:
-
-    @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the compiled kernel is tested at real sizes")
-    def test_skinny_gemm_under_interpreter():
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__, timeout=900)
-
-else:
+if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
     @pytest.mark.parametrize("rows", [1, 2, 3, 4])
