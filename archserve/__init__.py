@@ -11,7 +11,7 @@ import os
 # machine the spinning workers take the cores from the one doing the work, and a decode
 # step of the embedded model went from 0.21 s (idle) to 1.3-4.4 s (two other busy
 # processes on 2 cores). With blocktime 0 it took 0.25 s there and the same 0.21 s idle
-# (docs/benchmarks.md, "A CPU run"). The runtime reads this when it starts, so it is set
+# (`archserve bench` on the embedded model). The runtime reads this when it starts, so it is set
 # here, before anything imports torch; a value the user set is kept.
 os.environ.setdefault("KMP_BLOCKTIME", "0")
 

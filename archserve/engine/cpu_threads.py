@@ -5,7 +5,7 @@ the slowest. When other processes keep the cores busy, the region ends only when
 scheduler has given each of our threads a time slice, so each of a decode step's ~120
 matmuls waits for the other processes' slices. On this project's 2-core machine, with two
 busy processes beside it, one thread decoded the embedded model twice as fast as two;
-idle, two threads are 13% faster (docs/benchmarks.md, "CPU threads on a busy machine").
+idle, two threads are 13% faster (`archserve bench`, OMP_NUM_THREADS fixed at 1 and 2).
 So the engine measures, about once a second, how many cores other processes used and
 runs with the cores that are left (at least one, at most torch's default). A thread count
 the user set with ``OMP_NUM_THREADS`` is kept as it is.

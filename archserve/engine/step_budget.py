@@ -37,7 +37,7 @@ import torch
 from archserve.platform.decision import Decision
 
 PROBE_LENGTHS = (1, 128, 512, 1024, 2048)
-DEFAULT_ITL_FACTOR = 3.0   # issue 21's bound: ITL P99 <= 3x TPOT P50 (docs/benchmarks.md)
+DEFAULT_ITL_FACTOR = 3.0   # the serving-tail target: ITL P99 <= 3x TPOT P50 (docs/benchmarks.md)
 BUDGET_MULTIPLE = 16      # Triton specialises integer arguments on divisibility by 16
 
 

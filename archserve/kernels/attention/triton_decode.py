@@ -362,8 +362,8 @@ def decode_tiles(head_size: int, group: int, split_tokens: int | None = None
                  ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). Decode is bandwidth-bound: the loads in flight come
     from the many light programs an SM holds (two stages give a program one tile buffer).
-    (The tile sweeps of 2026-11-29 and session 20 found every tile within 1% of the others,
-    but bench_attention.py did not pass the swept tiles to the kernel then: not measured.)
+    (Whether another tile is faster is not measured: the tile sweeps that found every tile
+    within 1% of the others did not pass the swept tiles to the kernel.)
 
     ``split_tokens``: the most keys a split holds at the launch's longest context. Splits
     as short as ``choose_num_splits`` makes them (MIN_TOKENS_PER_SPLIT: a small batch's

@@ -47,7 +47,7 @@ class SkinnyConfig:
 
 # Tiles (BLOCK_N, BLOCK_K, warps) worth timing per BLOCK_M: the leaders of sweeps of 1-32 x
 # 128-4096 tiles at 2, 4 and 8 warps over the 8B and 0.6B shapes on an H200
-# (benchmarks/bench_skinny_gemm.py; docs/benchmarks.md). Few: each is compiled and timed
+# (benchmarks/bench_skinny_gemm.py). Few: each is compiled and timed
 # at the first start.
 _CANDIDATE_TILES = {1: [(2, 1024, 4), (1, 2048, 4), (2, 2048, 8), (4, 512, 4)],
                     2: [(2, 1024, 4), (4, 512, 4), (8, 512, 4), (16, 128, 4)],
@@ -130,7 +130,7 @@ def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K, stride_x
     GEMM's, RMSNorm.fold_into). The squares are held per element and summed over K once,
     after the loop: summed every K step, each step's block-wide reduction stood between
     one tile's loads and the next (H200 tuner, standalone, µs: Qwen3-30B-A3B's QKV 7.41
-    -> 7.14, V2-Lite's q 5.73 -> 5.02, its dense down 18.16 -> 12.16; session 27)."""
+    -> 7.14, V2-Lite's q 5.73 -> 5.02, its dense down 18.16 -> 12.16)."""
     x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_residual,
                    HAS_RESIDUAL, EVEN_K, True)
     if NORM:

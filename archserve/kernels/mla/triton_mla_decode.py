@@ -231,14 +231,13 @@ def mla_decode_tiles(num_heads: int, num_splits: int = 1, max_seq_len: int = 1 <
     ``max_stages``. 16 heads per program: tl.dot's smallest M, and its [16, 512] fp32
     accumulator fits 4 warps' registers; more heads per program would spill. A 32-token
     latent tile is 36 KiB in bf16. (16-token tiles, measured in a chain of batch-1 launches
-    with the merge and W_UV on the H200, session 27: 7.25 µs a launch against 7.91 at 384
-    tokens, 18.60 against 15.38 at 4096: not taken.)
+    with the merge and W_UV on the H200: 7.25 µs a launch against 7.91 at 384 tokens, 18.60
+    against 15.38 at 4096: not taken.)
 
     Two stages keep one tile in shared memory: each tile is loaded after the previous one's
     products. Three keep two, so the next tile streams during this one's products: on the
-    H200, 64 x 4096 with 16 heads and 4 splits ran 98.5 µs (74% of copy; two stages: 115.3
-    µs in session 11's sweep, 125 at 8 splits now), and V2-Lite's 256 x 1024/128 step 14.64
-    ms against 15.21. But a batch-1 step split 32 ways, a tile or two a split, lost 0.12 ms
+    H200, 64 x 4096 with 16 heads and 4 splits ran 98.5 µs (74% of copy; two stages: 115-125
+    µs), and V2-Lite's 256 x 1024/128 step 14.64 ms against 15.21. But a batch-1 step split 32 ways, a tile or two a split, lost 0.12 ms
     with three (2.056 against 1.937 ms): there is nothing to overlap, and the pipelined loop
     costs more than it hides. So three stages only for a few long splits (a split of
     PIPELINED_MIN_TILES tiles or more, no more than PIPELINED_MAX_SPLITS of them). The

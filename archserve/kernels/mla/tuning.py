@@ -25,7 +25,7 @@ from archserve.kernels.tuning_cache import read_cache, write_cache
 from archserve.platform.detect import device_info_for
 
 log = logging.getLogger(__name__)
-_CACHE_VERSION = 2   # 2: the rule's splits and stages changed (session 20)
+_CACHE_VERSION = 2   # 2: the rule's splits and stages changed
 TUNE_BATCH = 64
 TUNE_CONTEXT = 4096
 # (BLOCK_H, BLOCK_N, num_warps, num_stages, KEYS_AS_ROWS): 64-token tiles give wgmma its

@@ -125,7 +125,7 @@ _CANDIDATES: tuple[tuple[int, tuple[MoETile, ...]], ...] = (
 
 
 # The pair layout against the sorted one. align_to_blocks is ~15 small launches per layer:
-# ~40 µs of a graph replay on an H200 (issue 13's trace: ~25 launches of 2-3 µs with the
+# ~40 µs of a graph replay on an H200 (a profiler trace: ~25 launches of 2-3 µs with the
 # torch routing), while giving each pair its own rows costs one more read of an expert's
 # weights per pair that shares it with an earlier pair (an upper bound: pairs of one expert
 # run side by side in the grid and may meet in L2). At HBM speed (~4.8 TB/s) 40 µs moves
@@ -143,7 +143,7 @@ PAIR_TILE_BLOCK_NS = (64, 32, 16)     # widest first: fewer programs, longer loa
 # weights, so a step stays at 4096 values at top-8 (ptxas for sm_90a at 4 warps: 128
 # registers, four programs an SM; 8 x 4 x 256 took 254, one). A batch-1 step needs a few
 # hundred programs (hidden 2048 / 4 columns = 512) to keep every SM loading weights.
-# The leaders of benchmarks/bench_moe_tiles.py's sweep (H200; docs/benchmarks.md): 4 x 256
+# The leaders of benchmarks/bench_moe_tiles.py's sweep on an H200: 4 x 256
 # at Qwen3-30B-A3B's and DeepSeek-V2-Lite's batch 1-2, 1 x 1024 at Mixtral-8x7B's (its
 # experts' K is 14336), 4 x 128 and 8 x 128 at batch 4.
 SUM_DOWN_TILES = ((4, 256), (4, 128), (2, 256), (1, 1024), (8, 128))

@@ -38,11 +38,11 @@ except ImportError:  # the fused backend's availability rule reports it
 MAX_EXPERTS = 4096      # one program holds a token's logits in registers
 # Up to this many lanes (experts, padded to powers of two) the top k comes from every
 # lane's rank, a [lanes, lanes] comparison on one SM; past it, k passes. Measured in a
-# chain of launches on an H200 (benchmarks/bench_chain_latency.py, session 26): 64 lanes
+# chain of launches on an H200 (benchmarks/bench_chain_latency.py): 64 lanes
 # top-6 (DeepSeek-V2-Lite) 1.32 µs a launch ranked against 1.59 by argmax passes; 128 lanes
 # top-8 (Qwen3-30B-A3B) 2.31-4.41 ranked (by warps) against 2.14: the comparisons grow with
-# the square of the lanes, the passes with k. Session 27: the passes keyed on bf16 logits,
-# one int32 max a pass (a warp's redux.sync), 1.52 µs.
+# the square of the lanes, the passes with k. The passes key on bf16 logits, one int32 max
+# a pass (a warp's redux.sync): 1.52 µs.
 MAX_RANKED_LANES = 64
 # Comparisons a thread makes for the ranks (the warps follow, 1 to 16): at 64 lanes, 2
 # warps (1.32 µs) beat 1 (1.55) and 4 (1.79).
