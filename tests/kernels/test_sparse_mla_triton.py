@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from archserve.kernels.mla.sparse_cases import make_sparse_case
 from archserve.kernels.mla.torch_mla import TorchMlaImpl
 from archserve.kernels.rules import triton_interpreted
-from archserve.kernels.sparse_mla.cases import make_sparse_case
 
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 600
 TINY = dict(num_heads=16, kv_lora_rank=48, rope=16, nope=16, v_head=24, index_heads=8,
             index_dim=48, block_size=8)
 # (kv_cache_dtype, index_cache_dtype): 16-bit rows, fp8_ds_mla latents with fp8 keys (the
@@ -29,7 +30,7 @@ LAYOUT_IDS = ["16bit", "ds_mla", "fp8-index", "ds_mla-16bit-index"]
 
 def step_rows(meta):
     """(row_seq, row_len) of a step's rows, as the impl builds them."""
-    from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+    from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
     return TritonSparseMlaImpl._rows(meta)
 
 
@@ -46,14 +47,7 @@ def assert_impl_matches_reference(case, impl, atol=2e-3) -> None:
         assert_same_selection(indices, expected_indices)
 
 
-if not INTERPRETED:
-
-    @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu-marked tests run")
-    def test_sparse_mla_kernels_under_interpreter():
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__, timeout=600)
-
-else:
+if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
 
     @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
     def test_row_writer_matches_the_torch_format(layout):
@@ -173,7 +167,7 @@ else:
     @pytest.mark.parametrize("step,layout", [case[:2] for case in IMPL_CASES],
                              ids=[f"{case[0]}-{case[2]}" for case in IMPL_CASES])
     def test_impl_matches_reference(step, layout):
-        from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+        from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
 
         seqs = {"decode": [(1, 45), (1, 8), (1, 17)],                  # padded rows too
                 "mixed": [(20, 33), (1, 40), (4, 4), (3, 19)]}[step]   # prompts + a decode
@@ -186,7 +180,7 @@ else:
         # Every context within topk: exactly dense MLA (TRITON_MLA's path over the latent,
         # the expanded prefill for the prompt), no selection returned. A layer that reuses
         # an earlier layer's selection writes no key and attends over that selection.
-        from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+        from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
 
         dense = make_sparse_case([(5, 12), (1, 16)], topk=16, seed=6, **TINY)
         impl = TritonSparseMlaImpl(layout=dense.layout)
@@ -212,7 +206,7 @@ else:
         from models.helpers import PROMPTS, PagedSequences, saved_and_loaded, tiny_hf_model
         from models.test_sparse_mla_vs_hf import DSA, VARIANTS
 
-        from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+        from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
 
         model_type, overrides = VARIANTS["glm"]
         _, model, config = saved_and_loaded(
@@ -228,7 +222,7 @@ else:
         # The engine's numerics canary at a sparse model's sizes (top-16 here): dense steps,
         # a decode past top-k, a prompt chunk past top-k. A kernel off by its scale fails it.
         from archserve.engine.canary import attention_canary
-        from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+        from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
         from archserve.kernels.specs import AttentionSpec
 
         spec = AttentionSpec(head_size=64, dtype=torch.float32, num_heads=16, num_kv_heads=1,
@@ -264,7 +258,7 @@ def test_sparse_decode_step_compiles(target):
     quarter of the latent (a cold compile of every kernel at 512 costs CI seconds)."""
     from triton_compile import compiled_launches
 
-    from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+    from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
 
     rank, index_heads = (512, 64) if target == "sm90" else (128, 32)
     case = make_sparse_case([(1, 3000), (1, 2500)], topk=2048, num_heads=16,
@@ -286,7 +280,7 @@ def test_sparse_prompt_rows_compile_for_hopper():
     rows: the prompt form of the indexer and the indexed decode over prompt rows."""
     from triton_compile import compiled_launches
 
-    from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+    from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
 
     case = make_sparse_case([(64, 2200)], topk=2048, num_heads=16, kv_lora_rank=512, rope=64,
                             nope=128, v_head=128, index_heads=32, index_dim=128,
@@ -311,7 +305,7 @@ def test_gpu_impl_at_deepseek_sizes(heads, layout):
     prompt chunk over a long cached prefix beside decodes; bf16. The selections agree with
     the reference's (the scores differ by bf16 rounding; a swapped near-tie at the k-th
     place would show here, and has not), the outputs within bf16 noise."""
-    from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+    from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
 
     kv, index = layout
     for seqs in ([(1, 100), (1, 2048), (1, 2049), (1, 9000)],
@@ -332,7 +326,7 @@ def test_gpu_impl_at_deepseek_sizes(heads, layout):
 def test_gpu_sparse_decode_replays_in_a_cuda_graph():
     """Captured once at the longest context, replayed with other lengths and selections in
     the same buffers: grids come from shapes and host maxima, never from the lengths."""
-    from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+    from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
 
     case = make_sparse_case([(1, 6000), (1, 3000), (1, 10)], topk=2048, num_heads=16,
                             block_size=64, dtype=torch.bfloat16, device="cuda", seed=9,

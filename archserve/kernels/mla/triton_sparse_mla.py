@@ -1,10 +1,11 @@
-"""TRITON_MLA_SPARSE: DeepSeek sparse attention from archserve's Triton kernels.
+"""TRITON_MLA_SPARSE: DeepSeek sparse attention from archserve's Triton kernels (the MLA
+decode kernel here, the sparse pieces below it in kernels/sparse_mla/).
 
 Per layer and step:
 
-1. this step's latents and indexer keys into the layer's cache rows (triton_rows.py);
-2. each query row's indexer scores over the keys it sees (triton_indexer.py) and its top-k
-   (triton_topk.py): token positions that stay on the device;
+1. this step's latents and indexer keys into the layer's cache rows (kernels/sparse_mla/triton_rows.py);
+2. each query row's indexer scores over the keys it sees (sparse_mla/triton_indexer.py) and its
+   top-k (sparse_mla/triton_topk.py): token positions that stay on the device;
 3. the MLA decode kernel in its indexed form over those positions, for decode and prompt
    rows alike (kernels/mla/triton_mla_decode.py: absorbed query, head blocks, split-KV, the
    merge and W_UV in one kernel), reading only the selected latent rows through the block

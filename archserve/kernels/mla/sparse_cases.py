@@ -1,7 +1,7 @@
 """Random paged sparse-MLA problems: the kernel tests' and the numerics canary's.
 
 A case is the standard attention case's batch (kernels/attention/cases.py: shuffled block
-tables, (query_len, seq_len) per sequence) over a sparse-MLA cache (layout.py): every
+tables, (query_len, seq_len) per sequence) over a sparse-MLA cache (kernels/sparse_mla/layout.py): every
 cached position holds a random latent and indexer key, this step's rows are handed over as
 the layer hands them (the latent, the indexer's query, key and weights, the split query,
 W_UK and W_UV). Random continuous scores leave no ties for the top-k to break.
