@@ -39,7 +39,7 @@ SHAPES = {  # name: (out_features, in_features); "+silu": the GEMM then silu(gat
     "0.6b.qkv": (4096, 1024), "0.6b.o": (1024, 2048), "0.6b.gate_up": (6144, 1024),
     "0.6b.gate_up+silu": (6144, 1024), "0.6b.down": (1024, 3072),
     "0.6b.lm_head": (151936, 1024),
-    # the MoE models' dense GEMVs (issue 13 and 14's batch-1 rows)
+    # the MoE models' dense GEMVs (their batch-1 rows)
     "q3moe.qkv": (5120, 2048), "q3moe.o": (2048, 4096), "q3moe.router": (128, 2048),
     "v2lite.q": (3072, 2048), "v2lite.kv_a": (576, 2048), "v2lite.o": (2048, 2048),
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serving latency on one GPU: a real `archserve serve` process (Llama-3-8B shape, dummy bf16
 # weights) and `archserve bench --mode serve` over HTTP, at several concurrencies and Poisson
-# request rates (issue 21's workload: 512±50% prompt tokens, 128±50% output tokens).
+# request rates (the serving rows' workload: 512±50% prompt tokens, 128±50% output tokens).
 #   bash benchmarks/h200_serve.sh OUTDIR
 #   results: OUTDIR/serve/*.json, *.log and server.log
 # The config-only model folder has no tokenizer: the server takes one with a word per id of

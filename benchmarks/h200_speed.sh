@@ -25,8 +25,8 @@ PLANNED=0   # the dry run's sum of estimates
 AS="python3 -m archserve.cli.main"
 L8=benchmarks/models/llama-3-8b
 Q06=benchmarks/models/qwen3-0.6b
-# The commands of docs/benchmarks.md's issue-6 table (benchmarks/h200_targets.sh), so the
-# rows compare with it.
+# The commands of docs/benchmarks.md's dense-decoder table (benchmarks/h200_targets.sh), so
+# the rows compare with it.
 E8="--model $L8 --load-format dummy --dtype bfloat16 --max-model-len 2048 --max-num-seqs 256"
 EQ="--model $Q06 --load-format dummy --dtype bfloat16 --max-model-len 2048"
 B1="--num-prompts 1 --input-len 128 --output-len 512"
@@ -81,7 +81,7 @@ if [ "$DRY" != 1 ]; then
     | tee "$SUMMARY"
 fi
 
-# (a) issue 21: Qwen3-0.6B batch-1 step (target <= 0.6 ms) with the fusions and without
+# (a) Dense decoders: Qwen3-0.6B batch-1 step (target <= 0.6 ms) with the fusions and without
 # them, and the Llama-3-8B batch-1 step against its floor (target <= 1.11x).
 step qwen06b_b1 60 150 $AS bench $EQ $B1 --output-json "$D/qwen06b_b1.json"
 step qwen06b_b1_unfused 35 120 env ARCHSERVE_DISABLE_FUSIONS=$ALL_FUSIONS \
@@ -92,28 +92,28 @@ step qwen06b_b1_nopdl 60 150 env ARCHSERVE_PDL=0 $AS bench $EQ $B1 \
   --output-json "$D/qwen06b_b1_nopdl.json"
 step llama8b_b1_nopdl 70 180 env ARCHSERVE_PDL=0 $AS bench $E8 $B1 \
   --output-json "$D/llama8b_b1_nopdl.json"
-# (b) issue 13: Qwen3-30B-A3B batch 1 (<= 1.5x its active-weight floor) and 256 x 256/128
+# (b) MoE: Qwen3-30B-A3B batch 1 (<= 1.5x its active-weight floor) and 256 x 256/128
 # (MBU >= 60%); Mixtral-8x7B batch 1 (<= 1.4x). One model per process: 60 GB and 93 GB of
 # dummy weights never share the device.
 step moe_qwen3 75 180 python3 benchmarks/moe_perf.py --part engine --models qwen3-30b-a3b \
   --skip-peer --out "$D/moe_qwen3.json"
 step moe_mixtral 80 200 python3 benchmarks/moe_perf.py --part engine --models mixtral-8x7b \
   --skip-peer --skip-mixtral-throughput --out "$D/moe_mixtral.json"
-# (c) issue 14: the MLA decode kernel at 64 x 4096 (>= 70% of copy bandwidth at 16 heads),
+# (c) MLA: the MLA decode kernel at 64 x 4096 (>= 70% of copy bandwidth at 16 heads),
 # DeepSeek-V2-Lite batch 1 (<= 1.5x) and 256 x 1024/128, KV bytes per token and 4k-token
 # sequences against an MHA-sized cache.
 step mla_kernel 45 120 python3 benchmarks/mla_perf.py --part kernel --out "$D/mla_kernel.json"
 step mla_engine 80 200 python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine.json"
-# The same without PDL: session 15 measured 256 x 1024/128 slower with it (19.6 against 16.0 ms
-# in session 14, PDL off), one run each.
+# The same without PDL: 256 x 1024/128 once measured slower with it (19.6 against 16.0 ms,
+# one run each).
 step mla_engine_nopdl 80 200 env ARCHSERVE_PDL=0 python3 benchmarks/mla_perf.py --part engine \
   --out "$D/mla_engine_nopdl.json"
 # DeepSeek's shared experts as their own MLP (two GEMVs and an add a layer at batch 1)
-# against stacked with the routed experts (the default since session 18).
+# against stacked with the routed experts (the default).
 step mla_engine_shared_mlp 80 200 env ARCHSERVE_DISABLE_FUSIONS=shared_experts \
   python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_shared_mlp.json"
 # The MoE and MLA rows with every RMSNorm in a kernel of its own (fusion rms_norm_gemm off):
-# since session 19 the norm before a MoE router, and before MLA's first projection, can run
+# the norm before a MoE router, and before MLA's first projection, can run
 # in that GEMV's prologue, as the QKV and gate/up GEMVs' could.
 step moe_qwen3_norm_kernel 75 180 env ARCHSERVE_DISABLE_FUSIONS=rms_norm_gemm \
   python3 benchmarks/moe_perf.py --part engine --models qwen3-30b-a3b --skip-peer \
@@ -121,21 +121,21 @@ step moe_qwen3_norm_kernel 75 180 env ARCHSERVE_DISABLE_FUSIONS=rms_norm_gemm \
 step mla_engine_norm_kernel 80 200 env ARCHSERVE_DISABLE_FUSIONS=rms_norm_gemm \
   python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_norm_kernel.json"
 # The same rows with the norms' weights left in the norms and the residual added by the
-# norms (fusion fold_norm_weights off; session 21 folded them into the GEMMs after, and
-# moved the add into each block's last GEMM or MoE kernel: models/layers/norm_folding.py).
+# norms (fusion fold_norm_weights off; on, they are folded into the GEMMs after, and the add
+# is in each block's last GEMM or MoE kernel: models/layers/norm_folding.py).
 step moe_qwen3_unfolded 75 180 env ARCHSERVE_DISABLE_FUSIONS=fold_norm_weights \
   python3 benchmarks/moe_perf.py --part engine --models qwen3-30b-a3b --skip-peer \
   --out "$D/moe_qwen3_unfolded.json"
 step mla_engine_unfolded 80 200 env ARCHSERVE_DISABLE_FUSIONS=fold_norm_weights \
   python3 benchmarks/mla_perf.py --part engine --out "$D/mla_engine_unfolded.json"
 # What runs between two batch-1 decode graphs: the engine's step against its graph replayed
-# alone (session 25), on the MoE and MLA shapes.
+# alone, on the MoE and MLA shapes.
 step step_vs_graph_qwen3 60 150 python3 benchmarks/step_vs_graph.py benchmarks/models/qwen3-30b-a3b \
   --max-model-len 1024
 step step_vs_graph_v2 60 150 python3 benchmarks/step_vs_graph.py benchmarks/models/deepseek-v2-lite \
   --max-model-len 4224
 # What each byte-less kernel of a batch-1 MoE / MLA layer costs in a chain of launches
-# (session 26: benchmarks/bench_chain_latency.py).
+# (benchmarks/bench_chain_latency.py).
 step chain_latency 30 90 python3 benchmarks/bench_chain_latency.py --out "$D/chain_latency.json"
 # Where the 0.6B's batch-1 step goes, kernel by kernel (device time per step, top kernels).
 step profile_06b_b1 60 150 python3 benchmarks/profile_engine_step.py --model $Q06 \
@@ -167,8 +167,8 @@ step eager_host 45 120 python3 benchmarks/eager_step_host.py $EQ \
 step eager_host_cupti 45 120 python3 benchmarks/eager_step_host.py $EQ --cuda-profile-first \
   --compilation-config '{"cudagraph_mode":"FULL_DECODE_ONLY"}' \
   --cprofile 25 --out "$D/eager_host_cupti.json"
-# (d) issue 21's serving tail, shortened: the auto budget (then the old fixed 8192) at 8, 16
-# and 24 requests/s for 10 s each (about 135 s a budget in session 13); what ran is kept if
+# (d) The serving tail, shortened: the auto budget (then the old fixed 8192) at 8, 16
+# and 24 requests/s for 10 s each (about 135 s a budget); what ran is kept if
 # cut. Then the fixed budgets between at 16 requests/s, for the trade-off plot.
 step serve_budget 270 330 python3 benchmarks/serve_budget_sweep.py --out "$D/budget" \
   --budgets auto,8192 --rates 8,16,24 --duration 10

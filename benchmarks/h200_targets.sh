@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6's workloads on one GPU (Llama-3-8B and Qwen3-0.6B shapes, dummy weights, bf16),
+# The dense-decoder workloads on one GPU (Llama-3-8B and Qwen3-0.6B shapes, dummy weights, bf16),
 # in the order: cold and warm start, batch-1 decode, 256-request throughput (+ transformers).
 #   bash benchmarks/h200_targets.sh OUTDIR [LABEL [EXTRA BENCH ARGS...]]
 #   results: OUTDIR/perfLABEL.tgz and OUTDIR/perfLABEL.log; e.g. LABEL=_sync with

@@ -1,4 +1,4 @@
-"""MLA speed and memory on one GPU (issue 14): the Triton MLA decode kernel, DeepSeek-V2-Lite
+"""MLA speed and memory on one GPU: the Triton MLA decode kernel, DeepSeek-V2-Lite
 through the engine with dummy bf16 weights, and what the latent cache buys in sequences.
 
 - ``--part kernel``: the MLA decode kernel at batch 64 x context 4096 (16 heads, V2-Lite;

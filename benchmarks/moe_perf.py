@@ -1,4 +1,4 @@
-"""MoE speed on one GPU (issue 13): the engine on Qwen3-30B-A3B and Mixtral-8x7B shapes with
+"""MoE speed on one GPU: the engine on Qwen3-30B-A3B and Mixtral-8x7B shapes with
 dummy bf16 weights, and a kernel table of the fused MoE.
 
 Engine rows (``--part engine``), one engine per model, several workloads on it:

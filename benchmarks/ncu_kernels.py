@@ -6,7 +6,7 @@ case launches its kernel ``--launches`` times on the shapes the speed rows use, 
 through enough copies of the weights that L2 cannot hold them (ncu also flushes caches
 before each profiled launch by default):
 
-- ``mla``: MLA decode, 64 sequences x 4096 tokens, 16 heads, bf16 latent (issue 14's
+- ``mla``: MLA decode, 64 sequences x 4096 tokens, 16 heads, bf16 latent (the MLA kernel row's
   kernel row), the rule's tiles and splits;
 - ``gemv:N:K:CONFIG``: the skinny GEMV of one row against an N x K bf16 weight with the
   config key (e.g. ``gemv:5120:2048:n2_k1024_w4``, Qwen3-30B-A3B's QKV);

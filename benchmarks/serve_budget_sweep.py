@@ -4,7 +4,7 @@ Poisson loads through `archserve bench --mode serve` against each.
     python3 benchmarks/serve_budget_sweep.py --out OUT            # on the H200, ~6-8 minutes
     python3 benchmarks/serve_budget_sweep.py --out OUT --budgets 256,512,1024,2048,auto,itl:30
     python3 benchmarks/serve_budget_sweep.py --out OUT --budgets auto,8192 --rates 8,16,24 \
-        --duration 10                                             # issue 21's loads, ~2.5 min
+        --duration 10                                             # the serving rows' loads, ~2.5 min
 
 Default budgets: 256, 512, 1024, 2048, 8192 (the fixed default before the auto budget) and auto.
 A budget is a number (`--max-num-batched-tokens N`: every step, vLLM's meaning), `auto` (the

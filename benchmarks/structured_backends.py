@@ -10,7 +10,7 @@ For each library, with the embedded model's tokenizer (or ``--tokenizer``):
   each step (the batch fill where the library has one).
 
 The answers are fixed JSON documents valid against their schemas, so both libraries
-walk the same token path. Decides the library (issue 20); results in docs/benchmarks.md.
+walk the same token path. Decides the library; results in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
       all-reduce latency and bus bandwidth, 4 KiB .. 256 MiB, bf16: NCCL eager, NCCL in a
       CUDA graph, and the one-shot peer-memory path (up to its 8 MiB buffer).
   python3 benchmarks/tp_perf.py engine [--model DIR] [--tp 1 2] [--out DIR]
-      a model shape with dummy bf16 weights (default Llama-3-8B; issue 16:
+      a model shape with dummy bf16 weights (default Llama-3-8B; the 70B rows:
       --model benchmarks/models/llama-3-70b --tp 4 8), each TP size in a process of its own:
       - start-up: its time, the CUDA graphs captured, the KV pool printed at start-up beside
         each rank's memory left (the gpu_memory_utilization share minus the memory in use
@@ -13,8 +13,8 @@
       - batch-1 decode (1 x 128/512) and throughput (256 x 256/128), each decode step against
         its floor: one rank's bytes over the measured copy bandwidth plus 2 all-reduces per
         layer at the step's message size, measured first on as many GPUs
-        (archserve/bench/tp_floor.py). Issue 16: step <= 1.4x floor.
-      With TP=1 among the sizes, every other size's ratios to it (issue 15, TP=2: decode
+        (archserve/bench/tp_floor.py). Target: step <= 1.4x floor.
+      With TP=1 among the sizes, every other size's ratios to it (targets at TP=2: decode
       step <= 0.62x TP=1; throughput >= 1.6x TP=1).
 
 Bus bandwidth is NCCL's convention: 2 (n-1)/n x bytes / time.
@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = [1 << k for k in range(12, 29)]     # 4 KiB .. 256 MiB
 L8 = "benchmarks/models/llama-3-8b"
 DTYPE_BYTES = 2                             # bf16 activations: the all-reduce messages
-STEP_OVER_FLOOR_TARGET = 1.4                # issue 16
-DECODE_RATIO_TARGET, THROUGHPUT_RATIO_TARGET = 0.62, 1.6     # issue 15, TP=2 against TP=1
+STEP_OVER_FLOOR_TARGET = 1.4                # at 4 and 8 GPUs
+DECODE_RATIO_TARGET, THROUGHPUT_RATIO_TARGET = 0.62, 1.6     # TP=2 against TP=1
 # A rank's unused share of its GPU after start-up, as a fraction of the GPU, within which
 # the KV pool is taken to match the memory left (graphs and activations use some reserve).
 KV_MATCH_TOLERANCE = 0.02

@@ -14,14 +14,14 @@
 #           then "tests/models tests/platform tests/quant tests/serve" with SKIP_KERNELS=1);
 #   attention: benchmarks/bench_attention.py, with a decode split sweep (env SPLITS);
 #   gemm:   benchmarks/bench_skinny_gemm.py, cuBLAS against the Triton skinny GEMM sweep;
-#   perf:   benchmarks/h200_targets.sh (issue 6's workloads, async scheduling: the CUDA
+#   perf:   benchmarks/h200_targets.sh (the dense-decoder workloads, async scheduling: the CUDA
 #           default); perf_sync: the same rows with --no-async-scheduling;
 #   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
 #           (device busy/idle per decode step, top kernels, engine phases);
 #   quant_gemm: benchmarks/bench_quant_gemm.py, every quantized GEMM beside cuBLAS bf16;
 #   quant_perf: benchmarks/h200_quant_targets.sh (the quantized 8B rows beside bf16);
 #   serve:  benchmarks/h200_serve.sh (a real server, 8B shape; bench --mode serve over HTTP);
-#   structured: benchmarks/structured_perf.py (issue 20: the token mask's cost per decode
+#   structured: benchmarks/structured_perf.py (the token mask's cost per decode
 #           step at batch 1, 32, 256; TTFT with a cold and a cached grammar) on the 0.6B and
 #           8B shapes, with the embedded model's tokenizer carried in .tok/smollm2 (made
 #           here by `python benchmarks/structured_perf.py --save-tokenizer .tok/smollm2`;
@@ -30,14 +30,14 @@
 #   tp:     (2+ GPUs) the tensor-parallel tests, benchmarks/tp_perf.py allreduce and engine
 #           (8B shape TP=2 against TP=1); `all` leaves it out, ask for it by name;
 #   tp_moe: (2 GPUs) benchmarks/tp_perf.py engine on the Qwen3-30B-A3B shape, TP=1 and 2;
-#   tp4, tp8: (4 / 8 GPUs, issue 16) the Llama-3-70B shape at TP=4 or TP=8: `doctor` on its
+#   tp4, tp8: (4 / 8 GPUs) the Llama-3-70B shape at TP=4 or TP=8: `doctor` on its
 #           layout, benchmarks/tp_perf.py engine (start-up, CUDA graphs, KV pool against the
 #           memory left per rank, greedy identical across two runs, batch-1 decode and
 #           256 x 256/128 each against its floor), then the all-reduce table on as many
 #           GPUs; `all` leaves them out.
 #   moe:    benchmarks/moe_perf.py, the MoE kernel table then the Qwen3-30B-A3B and
 #           Mixtral-8x7B engine rows (env MOE_ARGS: extra arguments, e.g. --skip-peer).
-#   mla:    (issue 14) the MLA GPU tests (TRITON_MLA kernel and implementation at DeepSeek's
+#   mla:    the MLA GPU tests (TRITON_MLA kernel and implementation at DeepSeek's
 #           sizes, tiny V2/V3 engines against transformers), then benchmarks/mla_perf.py:
 #           the MLA decode kernel's GB/s (env MLA_ARGS, e.g. --sweep), DeepSeek-V2-Lite
 #           batch-1 step vs floor and 256 x 1024/128, KV bytes per token and 4k-token

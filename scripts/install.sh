@@ -13,7 +13,7 @@ fi
 extra=""
 [ "${1:-}" = "--test" ] && extra="[test]"
 "$PY" -m pip install -q -e ".${extra}"
-# Structured output's grammar library (issue 20: measured faster than llguidance, see
+# Structured output's grammar library (measured faster than llguidance, see
 # docs/benchmarks.md). --no-deps: beyond archserve's own dependencies it needs only
 # apache-tvm-ffi; the triton it also lists is for a GPU kernel archserve does not use (the
 # mask is applied with torch), and a CPU install stays without Triton.

@@ -243,11 +243,18 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class CompletionResponse(BaseModel):
+class _CompletionObject(BaseModel):
+    """The head every completion response and stream chunk carries (OpenAI's order); each
+    names its own ``object``."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
+
+
+class CompletionResponse(_CompletionObject):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -291,11 +298,8 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_CompletionObject):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
@@ -327,11 +331,8 @@ class ChatStreamChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_CompletionObject):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
 

@@ -61,7 +61,7 @@ def test_tp_perf_takes_a_model_and_tp_sizes():
         ["engine", "--model", "benchmarks/models/llama-3-70b", "--tp", "4", "8"])
     assert args.tp == [4, 8] and args.model.endswith("llama-3-70b")
     assert (args.b1, args.throughput) == ((1, 128, 512), (256, 256, 128))
-    assert tp_perf.build_parser().parse_args(["engine"]).tp == [1, 2]     # issue 15's run
+    assert tp_perf.build_parser().parse_args(["engine"]).tp == [1, 2]     # TP=1 against TP=2
     with pytest.raises(argparse.ArgumentTypeError):
         tp_perf.workload("256x256")
     # One token's message of the 70B shape (16 KiB) up to 256 tokens' (4 MiB).

@@ -69,7 +69,7 @@ DEVIATIONS = {
     ("AWQ", "sm70"),               # vLLM min capability 75; archserve's weight-only kernel: SM70
     ("GPTQ-Marlin", "sm70"),       # loads as GPTQ: the same weight-only kernel from SM70
     ("FP8 (Marlin path)", "sm70"),  # the weight-only path here is that kernel, from SM70
-    # vLLM 0.33 runs both weight-only through Marlin from SM80 (issue 18 wins over the seed)
+    # vLLM 0.33 runs both weight-only through Marlin from SM80 (today's vLLM wins over the seed)
     ("ModelOpt FP8", "sm80"),
     ("ModelOpt MXFP8", "sm80"),
     ("ModelOpt MXFP8", "sm89"),
