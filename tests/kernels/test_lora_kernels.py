@@ -9,9 +9,6 @@ compile tests build the kernels for SM80, SM90 (with PDL), SM100 and SM120; on a
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -21,8 +18,8 @@ from archserve.kernels.lora.reference import add_lora_reference
 from archserve.kernels.lora.torch_lora import TorchLoRA
 from archserve.kernels.rules import triton_interpreted
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ (triton helpers)
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 900   # its 'else:' half runs under the interpreter (conftest.py)
 
 
 def random_case(num_tokens: int, in_features: int, slice_sizes: tuple[int, ...], rank: int,
@@ -98,12 +95,6 @@ def test_backend_rules_per_gpu_generation():
 
 
 if not INTERPRETED:
-
-    @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled kernels run")
-    def test_triton_kernels_under_the_interpreter():
-        pytest.importorskip("triton")
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__)
 
     @pytest.mark.parametrize("target, dtype, num_tokens", [
         (80, torch.bfloat16, 3), (90, torch.bfloat16, 3), (90, torch.bfloat16, 300),

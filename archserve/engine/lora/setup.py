@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from archserve.engine.config import EngineConfig
 from archserve.engine.lora.layout import LoRALayout
 from archserve.engine.lora.manager import LoRAManager
 from archserve.engine.lora.step import LoRAStep
@@ -16,6 +16,9 @@ from archserve.kernels.registry import Selection
 from archserve.kernels.specs import LoRASpec
 from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
+
+if TYPE_CHECKING:
+    from archserve.engine.config import EngineConfig
 
 
 @dataclass
