@@ -37,7 +37,7 @@ from archserve.bench.offline import run_offline  # noqa: E402
 from archserve.bench.roofline import analyze, model_facts  # noqa: E402
 from archserve.bench.workload import random_requests  # noqa: E402
 from archserve.engine.ceilings import load_or_measure  # noqa: E402
-from archserve.kernels.sparse_mla.cases import make_sparse_case  # noqa: E402
+from archserve.kernels.mla.sparse_cases import make_sparse_case  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 V32_4L = os.path.join(HERE, "models", "deepseek-v32-4l")
@@ -113,7 +113,7 @@ def kernel_rows(ceilings, plan: Plan, device: torch.device) -> list[dict]:
 def _sparse_decode_row(ceilings, plan: Plan, heads: int, kv: str, device: torch.device  # noqa: ANN001
                        ) -> dict:
     from archserve.kernels.mla.triton_mla_decode import mla_decode
-    from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+    from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
 
     case = _case([(1, plan.context)] * plan.batch, plan, heads, kv, device)
     impl = TritonSparseMlaImpl(layout=case.layout)
@@ -140,7 +140,7 @@ def _sparse_decode_row(ceilings, plan: Plan, heads: int, kv: str, device: torch.
 
 
 def _indexer_row(plan: Plan, batch: int, context: int, device: torch.device) -> dict:
-    from archserve.kernels.sparse_mla.triton_sparse_mla import TritonSparseMlaImpl
+    from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
 
     case = _case([(1, context)] * batch, plan, plan.heads[0], "auto", device)
     impl = TritonSparseMlaImpl(layout=case.layout)

@@ -39,7 +39,7 @@ class BenchOptions:
     max_num_seqs: int = 256
     enforce_eager: bool = False
     compilation_config: str | None = None        # vLLM's JSON (engine/compilation_config.py)
-    speculative_config: str | None = None        # vLLM's JSON (engine/spec_decode/config.py)
+    speculative_config: str | None = None        # vLLM's JSON (engine/speculative_config.py)
     tensor_parallel_size: int = 1
     max_num_batched_tokens: int | None = None    # None: the engine's default
     target_itl_ms: float | str | None = None     # offline: no ITL bound unless asked

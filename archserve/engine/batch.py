@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from archserve.engine.sample_rows import sampler_rows
 from archserve.engine.scheduler import ScheduledSeq
-from archserve.engine.spec_decode.verification import sampler_rows
 from archserve.engine.staging import StagingRing
 from archserve.kernels.attention.interface import AttentionMetadata
 
@@ -31,7 +31,7 @@ class ModelBatch:
     # keeps its placeholders there), any other forward first copies them in
     # (``apply_fed_ids``).
     fed_ids: torch.Tensor | None = None
-    # The sampler's R rows, in order (engine/spec_decode/verification.py): a sequence's
+    # The sampler's R rows, in order (engine/sample_rows.py): a sequence's
     # own, or with drafts its k + 1 rows; None when that is sampled_seqs.
     sample_rows: list | None = None
     # The step's packed LoRA mapping (kernels/lora/interface.py), where the engine serves

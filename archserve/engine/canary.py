@@ -66,8 +66,8 @@ def sparse_mla_canary(impl, spec: AttentionSpec, block_size: int, device: torch.
     (dense MLA) but for the longest decode, and a prompt chunk past top-k beside a decode
     (the indexer and the indexed kernel over prompt rows)."""
     from archserve.kernels.attention.cases import compare_runs, tolerance
+    from archserve.kernels.mla.sparse_cases import make_sparse_case
     from archserve.kernels.mla.torch_mla import TorchMlaImpl
-    from archserve.kernels.sparse_mla.cases import make_sparse_case
 
     topk = spec.index_topk or 2048
     steps = {**CANARY_STEPS, "sparse prefill": [(37, topk + 63), (1, 30)]}

@@ -52,7 +52,7 @@ class EngineConfig:
     # vLLM's speculative_config (a dict or its JSON): {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     # {"method": "draft_model", "model": PATH, ...} or {"method": "mtp"}
-    # (engine/spec_decode/config.py).
+    # (engine/speculative_config.py).
     speculative_config: dict | str | None = None
     seed: int = 0
     skip_canary: bool = False                # numerics canary of the attention kernel at start
@@ -109,7 +109,7 @@ class EngineConfig:
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be mp or ray; got "
                              f"{self.distributed_executor_backend!r}")
-        from archserve.engine.spec_decode.config import parse_speculative_config
+        from archserve.engine.speculative_config import parse_speculative_config
         if parse_speculative_config(self.speculative_config) is not None \
                 and self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "

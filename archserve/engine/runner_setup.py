@@ -40,7 +40,6 @@ from archserve.engine.model_runner import ModelRunner
 from archserve.engine.rank_memory import measure_rank_memory
 from archserve.engine.sampler import Sampler
 from archserve.engine.self_check import run_self_check
-from archserve.engine.spec_decode.config import parse_speculative_config
 from archserve.engine.spec_decode.setup import (
     build_speculator,
     capture_draft_graphs,
@@ -48,6 +47,7 @@ from archserve.engine.spec_decode.setup import (
     load_draft_network,
     plan_speculation,
 )
+from archserve.engine.speculative_config import parse_speculative_config
 from archserve.engine.step_budget import (
     mixed_graph_buckets_of,
     resolve_token_budget,

@@ -16,8 +16,8 @@ from feature_cases import PROMPTS
 
 from archserve import LLM, SamplingParams
 from archserve.engine.sequence import Sequence
-from archserve.engine.spec_decode.config import parse_speculative_config
 from archserve.engine.spec_decode.ngram import NgramProposer
+from archserve.engine.speculative_config import parse_speculative_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}

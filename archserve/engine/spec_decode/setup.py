@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from archserve.engine.spec_decode.config import SpeculativeConfig
 from archserve.engine.spec_decode.speculator import Speculator
+from archserve.engine.speculative_config import SpeculativeConfig
 from archserve.platform.decision import Decision
 
 log = logging.getLogger("archserve")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from archserve.engine.scheduler import SchedulerOutput
 from archserve.engine.sequence import Sequence, SequenceStatus
-from archserve.engine.spec_decode.config import SpeculativeConfig
 from archserve.engine.spec_decode.drafter import StepSpan
 from archserve.engine.spec_decode.verification import SpecDecodingStats, num_accepted
+from archserve.engine.speculative_config import SpeculativeConfig
 
 
 def draft_limit(seq: Sequence, k: int, max_model_len: int) -> int:

@@ -4,8 +4,8 @@ a token drawn at every row, and the drafts accepted while they equal those draws
 A sequence with drafts d_1..d_k is scheduled with the k + 1 inputs [t, d_1, ..., d_k]; row
 j's logits give the target's distribution p_j of the token after d_j (row 0's after t).
 The sampler draws x_j ~ p_j for every row, each row processed as if d_1..d_j were already
-outputs (``DraftRow``: penalties count them, min_tokens and a seeded row's draw key see
-their positions). Then d_1..d_a are accepted for the longest run with x_{j-1} = d_j, and
+outputs (engine/sample_rows.py's ``DraftRow``: penalties count them, min_tokens and a
+seeded row's draw key see their positions, a grammar's matcher is forked past them). Then d_1..d_a are accepted for the longest run with x_{j-1} = d_j, and
 x_a is the step's last token: the bonus token when every draft was accepted, else the
 target's own token where the first draft failed. A step yields 1 to k + 1 tokens.
 
@@ -21,58 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-
-from archserve.engine.sequence import Sequence
-
-
-class DraftRow:
-    """The sequence as the sampler sees it at the row after its first ``j`` drafts
-    (the attributes ``SamplingBatch.from_sequences`` reads)."""
-
-    __slots__ = ("seq", "drafts")
-
-    def __init__(self, seq: Sequence, drafts: SequenceOf[int]) -> None:
-        self.seq = seq
-        self.drafts = drafts
-
-    @property
-    def sampling_params(self):  # noqa: ANN201 - the sequence's SamplingParams
-        return self.seq.sampling_params
-
-    @property
-    def index(self) -> int:
-        return self.seq.index
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.seq.prompt_token_ids
-
-    @property
-    def extra(self) -> dict:
-        grammar = self.seq.extra.get("grammar")
-        if grammar is None:
-            return self.seq.extra
-        # Its own grammar state: the sequence's matcher forked past the drafts before it.
-        return {**self.seq.extra, "grammar": grammar.after(list(self.drafts))}
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.seq.num_output_tokens + len(self.drafts)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        # Built on demand: only penalties read the values.
-        return [*self.seq.output_token_ids, *self.drafts]
-
-
-def sampler_rows(seqs: SequenceOf[Sequence], drafts: SequenceOf[SequenceOf[int]]) -> list:
-    """One entry per logits row, in row order: a sequence without drafts is its own row;
-    one with k drafts has k + 1 rows (``DraftRow`` after 0..k drafts)."""
-    rows: list = []
-    for seq, draft in zip(seqs, drafts, strict=True):
-        rows.append(seq)
-        rows.extend(DraftRow(seq, draft[:j]) for j in range(1, len(draft) + 1))
-    return rows
 
 
 def num_accepted(drawn: SequenceOf[int], draft: SequenceOf[int]) -> int:

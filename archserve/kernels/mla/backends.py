@@ -4,7 +4,7 @@ Capability ranges follow today's vLLM where it differs from seed 000 §2.2 (Flas
 and FlashMLA-sparse are Hopper and data-centre Blackwell, not Ada); see
 docs/deviations.md. The fused library kernels are rules only (``explain`` shows an MLA
 model's ideal route); TRITON_MLA (kernels/mla/triton_mla.py) and, for sparse MLA,
-TRITON_MLA_SPARSE (kernels/sparse_mla/triton_sparse_mla.py) run on GPUs, and
+TRITON_MLA_SPARSE (kernels/mla/triton_sparse_mla.py) run on GPUs, and
 TORCH_REFERENCE (kernels/mla/torch_mla.py) everywhere.
 """
 
@@ -279,7 +279,7 @@ class TritonMlaBackend(MlaBackend):
 
 class TritonMlaSparseBackend(TritonMlaBackend):
     """archserve's sparse MLA (no vLLM counterpart): the Triton indexer, top-k and indexed
-    MLA decode (kernels/sparse_mla/triton_sparse_mla.py) where TRITON_MLA runs."""
+    MLA decode (kernels/mla/triton_sparse_mla.py) where TRITON_MLA runs."""
 
     name = "TRITON_MLA_SPARSE"
     sparse = True
@@ -289,7 +289,7 @@ class TritonMlaSparseBackend(TritonMlaBackend):
                    "per-query top-k, then the MLA decode kernel over the selected latent "
                    "rows, decode and prompt rows alike (any GPU)")
     preferred_block_size = 64
-    impl_path = "archserve.kernels.sparse_mla.triton_sparse_mla:TritonSparseMlaImpl"
+    impl_path = "archserve.kernels.mla.triton_sparse_mla:TritonSparseMlaImpl"
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         if spec.qk_rope_head_dim <= 0:
