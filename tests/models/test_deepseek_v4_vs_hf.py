@@ -200,8 +200,8 @@ def test_llm_chunked_prefill_prefix_cache_and_preemption(tmp_path, monkeypatch):
 
 def test_speculative_decoding_is_refused(pair):
     """Verification would leave a rejected draft's share in the compressor's open sums."""
-    from archserve.engine.spec_decode.config import parse_speculative_config
     from archserve.engine.spec_decode.setup import plan_speculation
+    from archserve.engine.speculative_config import parse_speculative_config
     for method in ({"method": "ngram", "num_speculative_tokens": 2}, {"method": "mtp"}):
         with pytest.raises(ValueError, match="running sums"):
             plan_speculation(parse_speculative_config(method), pair[2])
