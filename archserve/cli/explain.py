@@ -136,7 +136,7 @@ def explain(
 def speculation_decision(speculative_config: str, model_path: str):  # noqa: ANN201
     """What a speculative config would run for the model at ``model_path`` (a Decision;
     ValueError when it cannot), from configs alone."""
-    from archserve.engine.spec_decode.config import parse_speculative_config
+    from archserve.engine.speculative_config import parse_speculative_config
     from archserve.engine.spec_decode.setup import plan_speculation
     from archserve.loader.loader import load_model_config
     target, _ = load_model_config(model_path)
