@@ -35,7 +35,7 @@ def doctor(
     Exits non-zero only when the engine cannot run here.
     """
     from archserve.loader.default_model import resolve_model_path
-    from archserve.platform.profiles import resolve_device
+    from archserve.platform.detect import resolve_device
 
     # The arguments first, with modules that do not import torch: a typo is answered at once.
     try:

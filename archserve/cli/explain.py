@@ -80,7 +80,7 @@ def explain(
     # The arguments are checked first, with modules that do not import torch: a typo is
     # answered at once, not after the seconds the selection rules take to import.
     from archserve.loader.default_model import resolve_model_path
-    from archserve.platform.profiles import resolve_device
+    from archserve.platform.detect import resolve_device
     from archserve.routing.explain_inputs import SelectionInputs, check_op, parse_libraries
 
     try:
@@ -136,8 +136,8 @@ def explain(
 def speculation_decision(speculative_config: str, model_path: str):  # noqa: ANN201
     """What a speculative config would run for the model at ``model_path`` (a Decision;
     ValueError when it cannot), from configs alone."""
-    from archserve.engine.speculative_config import parse_speculative_config
     from archserve.engine.spec_decode.setup import plan_speculation
+    from archserve.engine.speculative_config import parse_speculative_config
     from archserve.loader.loader import load_model_config
     target, _ = load_model_config(model_path)
     return plan_speculation(parse_speculative_config(speculative_config), target,

@@ -93,7 +93,7 @@ def compressed_canary(impl, spec: AttentionSpec, block_size: int, device: torch.
     """DeepSeek V4's layers at the model's sizes, the selection kind's (compressed sparse
     where the model has it): a prompt continuing a cached prefix mid-group beside decodes,
     then a decode batch (contexts past the window, past a compressed group)."""
-    from archserve.kernels.compressed_attention.cases import (
+    from archserve.kernels.mla.dsv4_cases import (
         compare_compressed_with_reference,
         make_compressed_case,
     )

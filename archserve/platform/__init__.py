@@ -4,14 +4,13 @@ Importing this package does not import torch; `detect()` does, when called.
 """
 
 from archserve.platform.capability import Capability
-from archserve.platform.detect import detect
+from archserve.platform.detect import detect, resolve_device
 from archserve.platform.device import DeviceInfo, Features, Toolchain
 from archserve.platform.profiles import (
     ALIASES,
     PROFILE_IDS,
     all_profiles,
     get_profile,
-    resolve_device,
 )
 from archserve.platform.toolchain import Finding, arch_verdict, diagnose, three_layer_verdict
 

@@ -32,6 +32,7 @@ from archserve.platform.device import (
     features_for,
     rocm_fp8_for,
 )
+from archserve.platform.profiles import get_profile
 from archserve.platform.toolchain import KERNEL_LIBRARIES
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,15 @@ def device_info_for(torch_device: Any) -> DeviceInfo:
     device_type = getattr(torch_device, "type", None) or str(torch_device).split(":")[0]
     info = detect()
     if device_type == "cpu" and info.platform != "cpu":
-        from archserve.platform.profiles import get_profile  # profiles import this module
         return get_profile("cpu")
     return info
+
+
+def resolve_device(id_or_live: str | None) -> DeviceInfo:
+    """``None`` or ``"live"``: the device here (`detect`); anything else: a profile."""
+    if id_or_live is None or id_or_live.strip().lower() == "live":
+        return detect()
+    return get_profile(id_or_live)
 
 
 def standing_in() -> tuple[DeviceInfo | None, bool]:

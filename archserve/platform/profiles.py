@@ -234,12 +234,3 @@ def get_profile(id_or_alias: str) -> DeviceInfo:
 def all_profiles() -> list[DeviceInfo]:
     """Every profile, in PROFILE_IDS order."""
     return [_PROFILES[pid] for pid in PROFILE_IDS]
-
-
-def resolve_device(id_or_live: str | None) -> DeviceInfo:
-    """``None`` or ``"live"``: the device here (`detect`); anything else: a profile."""
-    if id_or_live is None or id_or_live.strip().lower() == "live":
-        from archserve.platform.detect import detect  # detect imports torch; defer it
-
-        return detect()
-    return get_profile(id_or_live)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archserve.kernels.compressed_attention.cases import make_compressed_case, with_padding
+from archserve.kernels.mla.dsv4_cases import make_compressed_case, with_padding
 from archserve.kernels.mla.torch_mla import TorchMlaImpl
 from archserve.kernels.mla.triton_dsv4 import TritonDsv4Impl
 from archserve.kernels.rules import triton_interpreted

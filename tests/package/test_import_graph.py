@@ -141,10 +141,12 @@ def test_the_graph_sees_the_imports_it_should():
     assert "archserve.kernels.registry" in graph["archserve.kernels.catalog"]
     # A lazy import inside a function counts.
     assert "archserve.distributed.mp_executor" in graph["archserve.distributed.executor_backends"]
-    # The models name ModelConfig under TYPE_CHECKING only; ModelConfig's module is a leaf
-    # but for its attention facts, a leaf too.
-    assert graph["archserve.models.config"] == {"archserve.models.attention_facts"}
-    assert graph["archserve.models.attention_facts"] == set()
+    # The models name ModelConfig under TYPE_CHECKING only; ModelConfig's module imports
+    # leaves only: its attention facts and the compressed-attention layer kinds.
+    assert graph["archserve.models.config"] == {
+        "archserve.models.attention_facts", "archserve.kernels.compressed_attention.layout"}
+    for leaf in graph["archserve.models.config"]:
+        assert graph[leaf] == set(), leaf
 
 
 def test_a_loop_is_found():

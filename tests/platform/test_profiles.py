@@ -16,12 +16,12 @@ from archserve.platform.capability import (
     SM120,
     SM121,
 )
+from archserve.platform.detect import resolve_device
 from archserve.platform.profiles import (
     ALIASES,
     PROFILE_IDS,
     all_profiles,
     get_profile,
-    resolve_device,
 )
 
 EXPECTED_IDS = ("p40", "v100", "t4", "a100", "a10", "l40s", "rtx4090", "h100", "h200", "b200", "b300",

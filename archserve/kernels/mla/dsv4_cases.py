@@ -1,8 +1,8 @@
 """Random paged problems of DeepSeek V4's attention: the kernel tests' and the numerics canary's.
 
 A case is a layer (random sinks, position biases, norm weights, rope) and a batch of
-sequences, each (history, query_len): the reference (reference.py) first runs the history
-in two steps, the first ending inside a group, so the cache holds what a real run leaves
+sequences, each (history, query_len): the reference (kernels/compressed_attention/
+reference.py) first runs the history in two steps, the first ending inside a group, so the cache holds what a real run leaves
 (window rows, entries, index keys, open and closed accumulators, on shuffled blocks); the
 step under test then brings ``query_len`` tokens of random projections.
 """
