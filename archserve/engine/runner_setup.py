@@ -246,7 +246,7 @@ class _RunnerBuild:
         self.decisions += self.quant_plan.decisions
         if self.speculative is not None:   # refused here, before loading, when it cannot run
             self.speculative, spec_decision = plan_speculation(self.speculative,
-                                                               self.probe_config)
+                                                               self.probe_config, config.model)
             self.decisions.append(spec_decision)
         self.scheduling = startup.resolve_async_scheduling(config.async_scheduling,
                                                            torch_device)

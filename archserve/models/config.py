@@ -46,13 +46,10 @@ ARCHITECTURE_OF_MODEL_TYPE = {
 }
 
 
-
 def default_architecture(model_type: str) -> str:
     """The architecture of a config that names none (``<model_type>ForCausalLM`` for a
     family this table does not know, so the refusal names what was asked for)."""
     return ARCHITECTURE_OF_MODEL_TYPE.get(model_type, f"{model_type}ForCausalLM")
-
-
 
 
 @dataclass(frozen=True)
