@@ -34,6 +34,7 @@ from archserve.kernels.linear.quantized_weights import (
     Fp8Weight,
     Int8Weight,
     IntGroupWeight,
+    Mxfp4Weight,
     dequantize,
     dequantize_activation,
     pack_int_rows,
@@ -91,6 +92,17 @@ def fp8_weight(n: int, k: int, block: tuple[int, int] | None, activation: str = 
         scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 1e-3 + 1e-4
     input_scale = torch.tensor(0.03) if activation == ACT_STATIC_TENSOR else None
     return _to(Fp8Weight(values.to(FP8_DTYPE), scale, activation, block, input_scale), device)
+
+
+def mxfp4_weight(n: int, k: int, device: str = "cpu") -> Mxfp4Weight:
+    """Every e2m1 code, and scales 2**-8 to 2**2 (e8m0 119..129)."""
+    g = _generator(n, k, 4)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    scales = torch.randint(119, 130, (n, k // 32), generator=g).to(torch.uint8)
+    w = Mxfp4Weight(blocks, scales)
+    w.validate()
+    return _to(w, device)
 
 
 def int8_weight(n: int, k: int, activation: str, device: str = "cpu") -> Int8Weight:
@@ -195,10 +207,13 @@ def test_config_keys_round_trip_and_rules_pick_the_kernel():
     )
     weights = [int_group_weight(64, 256, 4, 32, True, False),
                int_group_weight(64, 256, 8, 256, False, False),
-               fp8_weight(64, 256, None), fp8_weight(64, 256, (128, 64))]
+               fp8_weight(64, 256, None), fp8_weight(64, 256, (128, 64)),
+               mxfp4_weight(64, 256)]
     for w in weights:
-        # The K extent one MMA tile may span: one scale group or block (K: one group).
-        span = getattr(w, "group_size", None) or (w.block[1] if w.block else 256)
+        # The K extent one MMA tile may span: one scale group or block (K: one group); an
+        # MXFP4 tile spans whole groups of 32, scaled in registers.
+        span = getattr(w, "group_size", None) or (
+            w.block[1] if getattr(w, "block", None) else 256)
         for rows in ROWS:
             configs = candidate_configs(rows, 64, 256, w)
             assert configs[0] == default_config(rows, 64, 256, w)
@@ -211,10 +226,14 @@ def test_config_keys_round_trip_and_rules_pick_the_kernel():
                     values = block_m * c.block_n * c.block_k
                     if isinstance(w, IntGroupWeight):
                         values //= w.pack
+                    if isinstance(w, Mxfp4Weight):
+                        values //= 2     # one accumulator per byte (two values)
                     assert values <= 32 * 32 * c.num_warps
                 else:
                     assert c.block_k >= 16 and span % c.block_k == 0
                     assert c.block_m >= min(rows, 128)
+                if isinstance(w, Mxfp4Weight):
+                    assert c.block_k % 32 == 0
     for rows in ROWS:
         for module in (fp8_gemm, int8_gemm):
             tiles = module.candidate_configs(rows, 4096)
@@ -321,7 +340,8 @@ def test_backend_rules_name_the_hardware_reason():
 # are the wrappers' own (tests/triton_compile.py), so every specialization the engine can
 # launch reaches the compiler, which refuses code the interpreter runs.
 
-SM70, SM75, SM80, SM89, SM90 = (("cuda", c, 32) for c in (70, 75, 80, 89, 90))
+SM70, SM75, SM80, SM89, SM90, SM100, SM120 = (("cuda", c, 32)
+                                              for c in (70, 75, 80, 89, 90, 100, 120))
 GFX942 = ("hip", "gfx942", 64)
 COMPILE_N, COMPILE_K = 256, 512
 # Every weight-only layout: symmetric and offset groups, act order, one group over K, FP8.
@@ -332,6 +352,7 @@ WEIGHT_ONLY_LAYOUTS = {
     "int8 channel": lambda: int_group_weight(COMPILE_N, COMPILE_K, 8, COMPILE_K, False, False),
     "fp8 channel": lambda: fp8_weight(COMPILE_N, COMPILE_K, None),
     "fp8 block": lambda: fp8_weight(COMPILE_N, COMPILE_K, (128, 128)),
+    "mxfp4": lambda: mxfp4_weight(COMPILE_N, COMPILE_K),
 }
 # GEMV rows, MMA rows, and the dequantize-then-cuBLAS rows.
 COMPILE_ROWS = (1, 3, 8, 16, 64, 256)
@@ -371,6 +392,19 @@ def test_weight_only_launches_compile(layout):
             assert launch.code() and "e4m3" not in launch.code(), (target, launch)
             if target == SM80 and launch.kernel == "_weight_only_mma_kernel":
                 assert "mma.sync" in launch.code()
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+def test_mxfp4_launches_compile_for_blackwell():
+    """MXFP4 weights decoded in registers on the SM100 and SM120 families too (their FP4
+    tensor cores are the native kernels' and rules only here): GEMV, MMA and dequantize."""
+    from archserve.kernels.linear.triton_weight_only import WeightOnlyLinear
+    weight = WEIGHT_ONLY_LAYOUTS["mxfp4"]()
+    for target in (SM100, SM120):
+        launches = _launch_all(target, WeightOnlyLinear(), weight, (1, 64, 256), torch.bfloat16)
+        assert {launch.kernel for launch in launches} == {
+            "_weight_only_gemv_kernel", "_weight_only_mma_kernel", "_dequantize_mxfp4_kernel"}
+        assert all(launch.code() for launch in launches)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -433,6 +467,9 @@ INT_CASES = [(40, 128, 4, 32, True, True, torch.float16),
 # (N, K, block, dtype)
 FP8_CASES = [(40, 256, None, torch.float16), (96, 128, (16, 128), torch.float16),
              (33, 256, (32, 64), torch.float32), (40, 128, (128, 128), torch.bfloat16)]
+# (N, K, dtype): a K of one group and of several tiles, odd N, every activation dtype.
+MXFP4_CASES = [(40, 256, torch.float16), (33, 96, torch.float32), (24, 32, torch.float16),
+               (40, 128, torch.bfloat16)]
 
 
 def _case_id(case) -> str:
@@ -498,10 +535,26 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
         for r in rows:
             check_weight_only(activations(r, k, dtype, "cpu"), w, bias if r % 2 else None)
 
+    @pytest.mark.parametrize("case", MXFP4_CASES, ids=_case_id)
+    def test_mxfp4_weight_only_every_row_count(case):
+        """Against dequantize-then-matmul: every e2m1 code, scales 2**-8 to 2**2; the GEMV
+        (up to 8 rows), the MMA kernel (16+) and the dequantize kernel (256)."""
+        n, k, dtype = case
+        w = mxfp4_weight(n, k)
+        bias = bias_for(n, dtype, "cpu")
+        rows = ROWS if dtype != torch.bfloat16 else [r for r in ROWS if r <= 5]
+        for r in rows:
+            check_weight_only(activations(r, k, dtype, "cpu"), w, bias if r % 2 else None)
+        if dtype != torch.bfloat16:
+            from archserve.kernels.linear.triton_weight_only import WeightOnlyLinear
+            x = activations(256, k, dtype, "cpu")
+            assert_close(WeightOnlyLinear().run(x, w, bias, None), reference_linear(x, w, bias),
+                         dtype)
+
     def test_every_weight_only_candidate_computes_the_same():
         from archserve.kernels.linear.triton_weight_only import candidate_configs
         for w in (int_group_weight(40, 256, 4, 64, True, False, torch.float32),
-                  fp8_weight(40, 256, (16, 128))):
+                  fp8_weight(40, 256, (16, 128)), mxfp4_weight(40, 256)):
             for rows in (1, 4, 33):
                 x = activations(rows, 256, torch.float16, "cpu", seed=1)
                 for config in candidate_configs(rows, 40, 256, w):
@@ -569,13 +622,15 @@ def _gpu_weight(kind: str, n: int, k: int):
         return int_group_weight(n, k, 8, k, False, False, torch.float32, "cuda")
     if kind == "fp8_channel":
         return fp8_weight(n, k, None, device="cuda")
+    if kind == "mxfp4":
+        return mxfp4_weight(n, k, "cuda")
     return fp8_weight(n, k, (128, 128), device="cuda")
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("kind", ["int4_g128_asym", "int8_channel_sym", "fp8_channel",
-                                  "fp8_block"])
+                                  "fp8_block", "mxfp4"])
 @pytest.mark.parametrize("n,k", LLAMA_8B, ids=[f"{n}x{k}" for n, k in LLAMA_8B])
 def test_gpu_weight_only_real_shapes(n, k, kind):
     w = _gpu_weight(kind, n, k)
@@ -587,7 +642,7 @@ def test_gpu_weight_only_real_shapes(n, k, kind):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("kind", ["int4_g128_asym", "fp8_block"])
+@pytest.mark.parametrize("kind", ["int4_g128_asym", "fp8_block", "mxfp4"])
 def test_gpu_weight_only_every_candidate_fp16_and_act_order(kind):
     from archserve.kernels.linear.triton_weight_only import candidate_configs
     w = _gpu_weight(kind, 6144, 4096)

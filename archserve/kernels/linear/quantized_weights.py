@@ -13,6 +13,10 @@ these layouts, so a kernel is written once per layout rather than once per file 
   per 128-group, static per tensor, or none for weight-only execution).
 * ``Int8Weight`` - int8 weights with per-channel scales and int8 activations (dynamic per
   token or static per tensor).
+* ``Mxfp4Weight`` - OCP MXFP4: e2m1 values (4 bits: sign, 2 exponent, 1 mantissa; 0 to 6),
+  two a byte, and one e8m0 scale (a power of two, 2**(s - 127)) per 32 input channels;
+  weight-only (activations stay 16-bit). gpt-oss's ``*_blocks`` / ``*_scales`` are exactly
+  this, as are DeepSeek V4's FP4 experts.
 
 The ``reference_*`` functions define the arithmetic (fp32 accumulation of exactly the
 quantized operands). They are the oracles of the kernel tests and the CPU path.
@@ -101,7 +105,43 @@ class Int8Weight(_RowsByColumns):
     input_scale: torch.Tensor | None = None    # float32 [] for ACT_STATIC_TENSOR
 
 
-QuantizedWeight = IntGroupWeight | Fp8Weight | Int8Weight
+MXFP4_GROUP = 32                    # input channels per e8m0 scale
+E8M0_BIAS = 127
+# The 16 e2m1 codes in order: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+@dataclass
+class Mxfp4Weight:
+    blocks: torch.Tensor           # uint8 [N, K // 2]: value k of row n in byte k // 2, the
+                                   # low nibble for even k (the checkpoint's [N, K/32, 16])
+    scales: torch.Tensor           # uint8 [N, K // 32]: e8m0, the group's 2**(s - 127)
+
+    @property
+    def in_features(self) -> int:
+        return self.blocks.shape[-1] * 2
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[-2]
+
+    @property
+    def activation(self) -> str:
+        return ACT_NONE
+
+    def validate(self) -> None:
+        k, n = self.in_features, self.out_features
+        if self.blocks.dtype != torch.uint8 or self.scales.dtype != torch.uint8:
+            raise ValueError("MXFP4 blocks and scales are uint8")
+        if k % MXFP4_GROUP:
+            raise ValueError(f"in_features {k} is not a multiple of {MXFP4_GROUP}")
+        if tuple(self.scales.shape[-2:]) != (n, k // MXFP4_GROUP):
+            raise ValueError(f"scales: expected shape {(n, k // MXFP4_GROUP)}, got "
+                             f"{tuple(self.scales.shape[-2:])}")
+
+
+QuantizedWeight = IntGroupWeight | Fp8Weight | Int8Weight | Mxfp4Weight
 
 
 def weight_signature(w: QuantizedWeight) -> str:
@@ -111,6 +151,8 @@ def weight_signature(w: QuantizedWeight) -> str:
                 f"{'+perm' if w.perm is not None else ''}")
     if isinstance(w, Fp8Weight):
         return f"fp8{'block' if w.block else 'channel'}-{w.activation}"
+    if isinstance(w, Mxfp4Weight):
+        return "mxfp4"
     return f"int8-{w.activation}"
 
 
@@ -134,6 +176,46 @@ def unpack_int_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = (torch.arange(pack, dtype=torch.int32, device=packed.device) * bits).view(1, pack, 1)
     values = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
     return values.reshape(rows * pack, n)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> Mxfp4Weight:
+    """A weight [..., N, K] (K a multiple of 32) in MXFP4 as OpenAI's converter writes it:
+    each group's scale is the power of two at or above amax / 6 (so no value saturates),
+    each value rounded to the nearest e2m1, ties to the even code."""
+    w = weight.float()
+    *lead, n, k = w.shape
+    groups = w.reshape(*lead, n, k // MXFP4_GROUP, MXFP4_GROUP)
+    amax = groups.abs().amax(dim=-1)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).nan_to_num(neginf=-E8M0_BIAS)
+    exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    magnitudes = torch.tensor(E2M1_VALUES[:8], device=w.device)
+    # Nearest code; a tie (the midpoint of two codes) goes to the even code, as rounding
+    # half to even does on the 3-bit magnitude.
+    distance = (scaled.abs().unsqueeze(-1) - magnitudes).abs()
+    best = distance.min(dim=-1, keepdim=True).values
+    candidates = (distance == best) & ((torch.arange(8, device=w.device) % 2 == 0)
+                                       | (distance == best).sum(-1, keepdim=True).eq(1))
+    code = candidates.to(torch.int64).argmax(dim=-1)
+    code = code | ((scaled < 0) & (code > 0)).to(torch.int64) << 3
+    code = code.reshape(*lead, n, k)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    scales = (exponent + E8M0_BIAS).to(torch.uint8)
+    return Mxfp4Weight(blocks.contiguous(), scales.contiguous())
+
+
+def unpack_e2m1(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K // 2] -> the e2m1 values, float32 [..., K]."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).long()
+    return lut[codes].flatten(-2)
+
+
+def dequantize_mxfp4(w: Mxfp4Weight) -> torch.Tensor:
+    """float32 [..., N, K]: each value times its group's 2**(s - 127) (exact in fp32)."""
+    values = unpack_e2m1(w.blocks)
+    exponents = w.scales.to(torch.int32) - E8M0_BIAS
+    return torch.ldexp(values, exponents.repeat_interleave(MXFP4_GROUP, dim=-1))
 
 
 # ---- dequantization and the reference GEMM ------------------------------------------------
@@ -174,6 +256,8 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
         return dequantize_int_group(w)
     if isinstance(w, Fp8Weight):
         return dequantize_fp8(w)
+    if isinstance(w, Mxfp4Weight):
+        return dequantize_mxfp4(w)
     return dequantize_int8(w)
 
 

@@ -5,7 +5,8 @@ AWQ layer does the same above 256 tokens).
 
 * IntGroupWeight -> [K, N] (its own orientation: the write is coalesced along N), used
   as ``x @ dense``;
-* Fp8Weight (per-channel or block scales) -> [N, K], used as ``x @ dense.T``.
+* Fp8Weight (per-channel or block scales) -> [N, K], used as ``x @ dense.T``;
+* Mxfp4Weight -> [K, N] (coalesced along N, as the MMA kernel's tiles), ``x @ dense``.
 
 The values are those of ``quantized_weights.dequantize`` rounded once to the output
 dtype: q * scale + offset in fp32, FP8 bytes decoded with integer operations (so no FP8
@@ -18,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.linear.quantized_weights import Fp8Weight, IntGroupWeight
+from archserve.kernels.linear.quantized_weights import Fp8Weight, IntGroupWeight, Mxfp4Weight
 from archserve.kernels.linear.triton_fp8_bits import E4M3_AS_FP16_SCALE, e4m3_bits_to_fp16
+from archserve.kernels.linear.triton_mxfp4 import mxfp4_weight_tile
 
 
 @triton.jit
@@ -71,6 +73,19 @@ def _dequantize_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s,
              (value * s).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _dequantize_mxfp4_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s,
+                             BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows pid(0)*BLOCK_K.. x columns pid(1)*BLOCK_N.. of the dense [K, N] weight."""
+    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    tile = mxfp4_weight_tile(w_ptr, s_ptr, cols, col_ok, tl.program_id(0) * BLOCK_K, K,
+                             stride_w, stride_s, out_ptr.dtype.element_ty, BLOCK_K, BLOCK_N)
+    tl.store(out_ptr + ks.to(tl.int64)[:, None] * N + cols[None, :], tile,
+             mask=(ks < K)[:, None] & col_ok[None, :])
+
+
 def dequantize_int_group(weight: IntGroupWeight, dtype: torch.dtype) -> torch.Tensor:
     """The dense [K, N] weight (input channels in ``perm`` order, as the GEMM's x)."""
     k, n = weight.in_features, weight.out_features
@@ -99,13 +114,26 @@ def dequantize_fp8(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def dequantized_linear(x: torch.Tensor, weight: IntGroupWeight | Fp8Weight,
+def dequantize_mxfp4(weight: Mxfp4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [K, N] weight."""
+    k, n = weight.in_features, weight.out_features
+    out = torch.empty((k, n), dtype=dtype, device=weight.blocks.device)
+    tile_k, tile_n = 64, 64
+    _dequantize_mxfp4_kernel[(triton.cdiv(k, tile_k), triton.cdiv(n, tile_n))](
+        weight.blocks, weight.scales, out, n, k, weight.blocks.stride(0),
+        weight.scales.stride(0), BLOCK_K=tile_k, BLOCK_N=tile_n)
+    return out
+
+
+def dequantized_linear(x: torch.Tensor, weight: IntGroupWeight | Fp8Weight | Mxfp4Weight,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N]: the weight dequantized to x's dtype, then one cuBLAS GEMM."""
     if isinstance(weight, IntGroupWeight):
         if weight.perm is not None:
             x = x.index_select(1, weight.perm)
         y = x @ dequantize_int_group(weight, x.dtype)
+    elif isinstance(weight, Mxfp4Weight):
+        y = x @ dequantize_mxfp4(weight, x.dtype)
     else:
         y = x @ dequantize_fp8(weight, x.dtype).t()
     return y if bias is None else y + bias

@@ -1,5 +1,6 @@
 """Weight-only quantized GEMM: y = x W^T (+ b), W stored as 4/8-bit integer groups
-(IntGroupWeight) or FP8 e4m3 (Fp8Weight executed weight-only), dequantized in registers.
+(IntGroupWeight), FP8 e4m3 (Fp8Weight executed weight-only) or MXFP4 (Mxfp4Weight: e2m1
+values and an e8m0 scale per 32, decoded by triton_mxfp4), dequantized in registers.
 
 One kernel family, two shapes of work, a constexpr switch for the weight kind:
 
@@ -11,7 +12,8 @@ One kernel family, two shapes of work, a constexpr switch for the weight kind:
   ``sum_k x (q s + o) = s sum_k x (q - h) + (o + h s) sum_k x`` with h = 2**(bits-1).
 * ``_weight_only_gemv_kernel`` (decode, up to MAX_GEMV_ROWS rows): the packed weight is
   read once, each int32 of an integer weight unpacked into its values in registers
-  (coalesced along N, the layout's contiguous axis), FP8 rows read along K; the fp32
+  (coalesced along N, the layout's contiguous axis), FP8 and MXFP4 rows read along K
+  (an MXFP4 byte's two values times x's even and odd elements); the fp32
   products accumulate per element and are summed over K once at the end. K may be split
   across programs (``split_k``) so a narrow layer still fills the GPU; the partial sums
   then go through an fp32 buffer and one torch sum, in a fixed order.
@@ -40,13 +42,20 @@ import triton.language as tl
 
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.linear.gemm_tiles import ConfiguredRoutine, occupancy_block_n
-from archserve.kernels.linear.quantized_weights import Fp8Weight, IntGroupWeight
+from archserve.kernels.linear.quantized_weights import (
+    MXFP4_GROUP,
+    Fp8Weight,
+    IntGroupWeight,
+    Mxfp4Weight,
+)
 from archserve.kernels.linear.triton_dequantize import dequantized_linear
 from archserve.kernels.linear.triton_fp8_bits import E4M3_AS_FP16_SCALE, e4m3_bits_to_fp16
 from archserve.kernels.linear.triton_gemm_tile import output_tile, store_output_tile
+from archserve.kernels.linear.triton_mxfp4 import mxfp4_row_pairs, mxfp4_weight_tile
 
 INT_WEIGHT: tl.constexpr = tl.constexpr(0)
 FP8_WEIGHT: tl.constexpr = tl.constexpr(1)
+MXFP4_WEIGHT: tl.constexpr = tl.constexpr(2)
 # Rows up to which the GEMV kernel runs; its fp32 accumulator holds rows x a weight tile.
 MAX_GEMV_ROWS = 8
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -127,7 +136,9 @@ def _weight_only_gemv_kernel(
     ``pid(1)``. INT: w is int32 [K/pack, N] (stride_w per packed row), scales/offsets
     [K/GROUP, N]; GROUP_TILE: a BLOCK_K tile lies in one group. FP8: w is uint8 [N, K]
     (stride_w per row); BLOCK_SCALE_N == 0: per-channel scales [N], else block scales
-    [ceil(N/bn), ceil(K/bk)] (stride_s per block row) with BLOCK_K dividing bk.
+    [ceil(N/bn), ceil(K/bk)] (stride_s per block row) with BLOCK_K dividing bk. MXFP4: w is
+    uint8 [N, K/2] (stride_w per row), scales uint8 [N, K/32] (stride_s per row), BLOCK_K
+    and the splits multiples of 32.
     PARTIAL: store fp32 sums to y[split] (stride_yk) for the host to add up."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -197,6 +208,32 @@ def _weight_only_gemv_kernel(
             total = tl.sum(acc, axis=0)[None, :]
         else:
             total = tl.sum(acc, axis=1)
+    elif KIND == MXFP4_WEIGHT:
+        BLOCK_P: tl.constexpr = BLOCK_K // 2
+        w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+        s_rows = scale_ptr + cols.to(tl.int64)[:, None] * stride_s
+        if BLOCK_M == 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_P], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            even, odd = mxfp4_row_pairs(w_rows, s_rows, col_ok[:, None], k0, k_end, BLOCK_K)
+            k = k0 + 2 * tl.arange(0, BLOCK_P)
+            k_ok = k < k_end
+            if BLOCK_M == 1:
+                x_row = x_ptr + rows.to(tl.int64) * stride_xm
+                x_even = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_row + k + 1, mask=k_ok, other=0.0).to(tl.float32)
+                acc += even * x_even[None, :] + odd * x_odd[None, :]
+            else:
+                x_ok = row_ok[:, None] & k_ok[None, :]
+                x_even = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_rows + k[None, :] + 1, mask=x_ok, other=0.0).to(tl.float32)
+                acc += even[None, :, :] * x_even[:, None, :] + odd[None, :, :] * x_odd[:, None, :]
+        if BLOCK_M == 1:
+            total = tl.sum(acc, axis=1)[None, :]
+        else:
+            total = tl.sum(acc, axis=2)
     else:
         ks = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
@@ -277,6 +314,10 @@ def _weight_only_mma_kernel(
             # no large common term that the offsets would cancel after fp32 rounding.
             q = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
             b = _centered_as(tl.reshape(q, (BLOCK_K, BLOCK_N)), dtype, BITS)
+        elif KIND == MXFP4_WEIGHT:
+            # Dequantized (scales applied) in registers: exact in bf16 and fp32.
+            b = mxfp4_weight_tile(w_ptr, scale_ptr, cols, col_ok, k0, K, stride_w, stride_s,
+                                  dtype, BLOCK_K, BLOCK_N)
         else:
             bits = tl.load(w_ptr + cols.to(tl.int64)[None, :] * stride_w + k[:, None],
                            mask=k_ok[:, None] & col_ok[None, :], other=0)
@@ -309,7 +350,7 @@ def _weight_only_mma_kernel(
         acc = acc * E4M3_AS_FP16_SCALE
         if SCALE_AT_END:
             acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    elif SCALE_AT_END:
+    elif KIND == INT_WEIGHT and SCALE_AT_END:
         s, o = _int_group_params(scale_ptr, offset_ptr, 0, cols, col_ok, stride_s, HAS_OFFSETS,
                                  BITS)
         acc = acc * s[None, :]
@@ -320,7 +361,7 @@ def _weight_only_mma_kernel(
 
 # ---- what a weight allows ----------------------------------------------------------------
 
-WeightOnly = IntGroupWeight | Fp8Weight
+WeightOnly = IntGroupWeight | Fp8Weight | Mxfp4Weight
 
 
 def _largest_pow2_divisor(value: int, cap: int) -> int:
@@ -332,7 +373,10 @@ def _largest_pow2_divisor(value: int, cap: int) -> int:
 
 def mma_block_k_limit(weight: WeightOnly) -> int:
     """The largest BLOCK_K the MMA kernel may take for this weight (0: it cannot run it):
-    a tile must lie in one scale group (INT) or one scale block along K (FP8)."""
+    a tile must lie in one scale group (INT) or one scale block along K (FP8); an MXFP4
+    tile is whole groups of 32 (the MMA kernel scales it in registers)."""
+    if isinstance(weight, Mxfp4Weight):
+        return 128
     if isinstance(weight, IntGroupWeight):
         if weight.group_size == weight.in_features:
             return 128
@@ -370,6 +414,10 @@ def weight_only_unsupported(x: torch.Tensor, weight: WeightOnly,
         if weight.block is None and weight.weight_scale.numel() != weight.out_features:
             return f"FP8 weight scales {tuple(weight.weight_scale.shape)}: expected one per row"
         return None
+    if isinstance(weight, Mxfp4Weight):
+        if weight.blocks.stride(1) != 1 or weight.scales.stride(1) != 1:
+            return "MXFP4 blocks and scales not contiguous along K"
+        return None
     return f"{type(weight).__name__} is not a weight-only layout"
 
 
@@ -391,6 +439,13 @@ def _split_k(programs_n: int, k: int, block_k: int, split: int | None = None) ->
     return split
 
 
+# (block_n, block_k, num_warps) of the FP8 GEMV by rows (block_k in values), default first.
+_FP8_GEMV_TILES = {1: [(8, 512, 4), (4, 1024, 4), (16, 256, 4)],
+                   2: [(4, 512, 4), (8, 256, 4), (2, 1024, 4)],
+                   4: [(4, 256, 4), (2, 512, 4), (8, 128, 4)],
+                   8: [(2, 256, 4), (4, 128, 4), (1, 512, 4)]}
+
+
 def _gemv_tiles(rows: int, weight: WeightOnly) -> list[tuple[int, int, int]]:
     """(block_n, block_k, num_warps) worth running at this many rows, the default first.
     The accumulator (rows x tile) stays at or below 2048 fp32 values per 128 threads."""
@@ -405,10 +460,11 @@ def _gemv_tiles(rows: int, weight: WeightOnly) -> list[tuple[int, int, int]]:
         # Llama-3-8B shape of an H200 sweep (benchmarks/sweep_weight_only_gemv.py), with
         # its best split 1.2-1.3x faster than the former default (the first tile below).
         return [(32, 64 * pack, 8)] + tiles if block_m == 1 else tiles
-    tiles = {1: [(8, 512, 4), (4, 1024, 4), (16, 256, 4)],
-             2: [(4, 512, 4), (8, 256, 4), (2, 1024, 4)],
-             4: [(4, 256, 4), (2, 512, 4), (8, 128, 4)],
-             8: [(2, 256, 4), (4, 128, 4), (1, 512, 4)]}[block_m]
+    if isinstance(weight, Mxfp4Weight):
+        # FP8's tiles in values (half its bytes: two values a byte), twice its columns;
+        # the accumulator holds rows x columns x half a tile's values.
+        return [(2 * bn, bk, w) for bn, bk, w in _FP8_GEMV_TILES[block_m]]
+    tiles = _FP8_GEMV_TILES[block_m]
     limit = mma_block_k_limit(weight) if weight.block is not None else 1 << 30
     # Block scales: a tile lies in one scale block along K; keep the tile's size.
     return [(min(64, bn * bk // min(bk, limit)), min(bk, limit), w) for bn, bk, w in tiles]
@@ -478,6 +534,11 @@ def _weight_operands(weight: WeightOnly) -> tuple[tuple, dict]:
         return tensors, dict(KIND=INT_WEIGHT, BITS=weight.bits, GROUP=weight.group_size,
                              HAS_OFFSETS=weight.offsets is not None, BLOCK_SCALE_N=0,
                              BLOCK_SCALE_K=1)
+    if isinstance(weight, Mxfp4Weight):
+        tensors = (weight.blocks, weight.scales, weight.scales, weight.blocks.stride(0),
+                   weight.scales.stride(0))
+        return tensors, dict(KIND=MXFP4_WEIGHT, BITS=4, GROUP=MXFP4_GROUP, HAS_OFFSETS=False,
+                             BLOCK_SCALE_N=0, BLOCK_SCALE_K=1)
     scale = weight.weight_scale
     block_n, block_k = weight.block if weight.block is not None else (0, 1)
     tensors = (weight.weight.view(torch.uint8), scale, scale, weight.weight.stride(0),
@@ -488,8 +549,8 @@ def _weight_operands(weight: WeightOnly) -> tuple[tuple, dict]:
 
 def weight_only_gemm(x: torch.Tensor, weight: WeightOnly, bias: torch.Tensor | None = None,
                      config: WeightOnlyConfig | None = None) -> torch.Tensor:
-    """x [M, K] (fp16, bf16, fp32), an IntGroupWeight or Fp8Weight (its activation scheme
-    ignored: weight-only), bias [N] or None -> [M, N] in x's dtype. Act order: x is
+    """x [M, K] (fp16, bf16, fp32), an IntGroupWeight, Fp8Weight (its activation scheme
+    ignored: weight-only) or Mxfp4Weight, bias [N] or None -> [M, N] in x's dtype. Act order: x is
     gathered by ``weight.perm`` first. The caller checks ``weight_only_unsupported``."""
     if isinstance(weight, IntGroupWeight) and weight.perm is not None:
         x = x.index_select(1, weight.perm)
@@ -506,7 +567,7 @@ def weight_only_gemm(x: torch.Tensor, weight: WeightOnly, bias: torch.Tensor | N
     if not config.gemv:
         grid = (triton.cdiv(cols, config.block_n), triton.cdiv(rows, config.block_m))
         scale_at_end = (kind["BLOCK_SCALE_N"] == 0 if kind["KIND"] == FP8_WEIGHT
-                        else weight.group_size == depth)
+                        else kind["KIND"] == MXFP4_WEIGHT or weight.group_size == depth)
         _weight_only_mma_kernel[grid](
             x, w, scale, offset, b, y, rows, cols, depth, x.stride(0), stride_w, stride_s,
             y.stride(0), **kind, SCALE_AT_END=scale_at_end, HAS_BIAS=bias is not None,

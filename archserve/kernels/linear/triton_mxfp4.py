@@ -1,0 +1,81 @@
+"""MXFP4 (e2m1 values, an e8m0 scale per 32) decoded in registers, for Triton kernels.
+
+Every GPU Triton targets runs these: the codes become floats through integer operations
+and a bit cast, never a float4 type (native FP4 tensor cores exist on the SM100 and SM120
+families only; there the native kernels are vLLM's and rules only here). The dense
+weight-only GEMM and the fused MoE both read MXFP4 weights through them
+(quantized_weights.Mxfp4Weight: bytes [N, K/2], two values a byte, low nibble first).
+
+Exactness: an e2m1 value is an fp16 number (its 3 magnitude bits placed at fp16's lowest
+exponent bits and first mantissa bit give it times 2**-14, subnormal 0.5 included), and
+fp16 -> fp32 is exact; a scale 2**(s - 127) is an fp32 number built from its exponent
+bits. So a decoded weight is value * scale exactly in fp32, and exactly in bf16 too (the
+same exponent range), which is what dequantizing then multiplying computes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from archserve.kernels.linear.quantized_weights import MXFP4_GROUP
+
+GROUP: tl.constexpr = tl.constexpr(MXFP4_GROUP)
+
+
+@triton.jit
+def e2m1_to_fp32(codes):
+    """int32 e2m1 codes (0..15) -> their values as fp32 (exact)."""
+    half = ((codes & 0x8) << 12) | ((codes & 0x7) << 9)
+    return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def e8m0_to_fp32(scales):
+    """uint8 e8m0 exponents s -> 2**(s - 127) as fp32, built from the exponent bits (s = 0,
+    2**-127, reads as 0: below fp32's normal range, where GPUs flush to zero anyway)."""
+    return (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_weight_tile(w_base, s_base, cols, col_ok, k0, K, stride_wn, stride_sn,
+                      dtype: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dequantized weight tile [BLOCK_K, BLOCK_N] (rows k0.., columns ``cols``) in
+    ``dtype``, as a tl.dot's second operand: bytes ``w_base + col * stride_wn + k // 2``,
+    scales ``s_base + col * stride_sn + k // 32``. k0 and BLOCK_K are multiples of 32, K
+    too (rows from K on are 0)."""
+    BLOCK_P: tl.constexpr = BLOCK_K // 2
+    BLOCK_G: tl.constexpr = BLOCK_K // GROUP
+    p = k0 // 2 + tl.arange(0, BLOCK_P)
+    packed = tl.load(w_base + cols.to(tl.int64)[None, :] * stride_wn + p[:, None],
+                     mask=(p < K // 2)[:, None] & col_ok[None, :], other=0).to(tl.int32)
+    # [BLOCK_P, 2, BLOCK_N]: byte p's low nibble is row 2p, its high nibble row 2p + 1.
+    codes = (packed[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF
+    g = k0 // GROUP + tl.arange(0, BLOCK_G)
+    s = tl.load(s_base + cols.to(tl.int64)[None, :] * stride_sn + g[:, None],
+                mask=(g < K // GROUP)[:, None] & col_ok[None, :], other=0)
+    values = tl.reshape(e2m1_to_fp32(codes), (BLOCK_G, GROUP, BLOCK_N))
+    w = values * e8m0_to_fp32(s)[:, None, :]
+    return tl.reshape(w, (BLOCK_K, BLOCK_N)).to(dtype)
+
+
+@triton.jit
+def mxfp4_row_pairs(w_rows, s_rows, row_ok, k0, K, BLOCK_K: tl.constexpr):
+    """(w[n, k0 + 2j], w[n, k0 + 2j + 1]) for the tile's rows n, each fp32 [N, BLOCK_K // 2]
+    and dequantized, for a GEMV on the CUDA cores: bytes ``w_rows + k // 2`` and scales
+    ``s_rows + k // 32`` ([N, 1] pointers, ``row_ok`` [N, 1]). The caller multiplies them
+    by x's even and odd elements, read apart, so the bytes are used as read (no interleave).
+    k0 and BLOCK_K are multiples of 32, K too (columns from K on are 0)."""
+    BLOCK_P: tl.constexpr = BLOCK_K // 2
+    BLOCK_G: tl.constexpr = BLOCK_K // GROUP
+    p = k0 // 2 + tl.arange(0, BLOCK_P)
+    packed = tl.load(w_rows + p[None, :], mask=row_ok & (p < K // 2)[None, :],
+                     other=0).to(tl.int32)
+    g = k0 // GROUP + tl.arange(0, BLOCK_G)
+    s = e8m0_to_fp32(tl.load(s_rows + g[None, :], mask=row_ok & (g < K // GROUP)[None, :],
+                             other=0))
+    rows: tl.constexpr = packed.shape[0]
+    # A group's 16 bytes share its scale: [N, G, 16] against [N, G, 1].
+    even = tl.reshape(e2m1_to_fp32(packed & 0xF), (rows, BLOCK_G, GROUP // 2)) * s[:, :, None]
+    odd = tl.reshape(e2m1_to_fp32(packed >> 4), (rows, BLOCK_G, GROUP // 2)) * s[:, :, None]
+    return tl.reshape(even, (rows, BLOCK_P)), tl.reshape(odd, (rows, BLOCK_P))
