@@ -106,6 +106,10 @@ class MoESpec:
     # How a quantized checkpoint quantizes the experts' activations (quantized_weights.ACT_*):
     # vLLM's MoE kernels accept different (weight, activation) pairs (kernels/moe/rules.py).
     activation: str = "dynamic_token"
+    # What each expert computes between gate/up and down (expert_activation.py: "silu", or
+    # gpt-oss's "swigluoai"), and whether it adds biases after its projections.
+    gated_activation: str = "silu"
+    expert_bias: bool = False
 
     @property
     def intermediate_per_rank(self) -> int:

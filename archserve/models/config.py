@@ -43,6 +43,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "deepseek_v4": "DeepseekV4ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

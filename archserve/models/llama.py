@@ -41,6 +41,10 @@ _FUSED_SHARDS = {
 _SHARD_MODULES = {(fused, shard): hf for hf, (fused, shard) in _FUSED_SHARDS.items()}
 # Checkpoint entries that carry no weights we use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoint names of tensors a layer of ours holds one module down: the attention sinks
+# (gpt-oss's ``self_attn.sinks``) belong to the Attention op inside self_attn. Renamed only
+# where the model has no tensor of the checkpoint's name (a DeepSeek V4 layer holds its own).
+_RENAMED_SUFFIXES = {".self_attn.sinks": ".self_attn.attn.sinks"}
 
 
 class LlamaAttention(nn.Module):
@@ -55,9 +59,11 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(d, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling)
         heads = self.qkv_proj.heads          # this rank's heads
+        sinks = config.attention_facts.has_sinks
         self.attn = Attention(heads.num_heads, heads.num_kv_heads, d, scale=d ** -0.5,
                               layer_index=layer_index,
-                              sliding_window=config.layer_sliding_windows[layer_index])
+                              sliding_window=config.layer_sliding_windows[layer_index],
+                              sinks_of=(heads.first_head, h) if sinks else None)
         self.head_dim = d
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -261,6 +267,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
+            if name not in expected:
+                name = next((name.removesuffix(old) + new for old, new in _RENAMED_SUFFIXES.items()
+                             if name.endswith(old)), name)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints still store the copy
             if self._load_kv_scale(name, tensor, modules):

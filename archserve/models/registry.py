@@ -13,6 +13,7 @@ from archserve.models.deepseek import (
 )
 from archserve.models.deepseek_v4 import DeepseekV4ForCausalLM
 from archserve.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from archserve.models.gpt_oss import GptOssForCausalLM
 from archserve.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -38,6 +39,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -19,8 +19,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from archserve.kernels.elementwise import silu_and_mul
 from archserve.kernels.linear.torch_dequant import DequantizedWeight, TorchDequantLinear
+from archserve.kernels.moe.expert_activation import (
+    DEFAULT_ACTIVATION,
+    ExpertBiases,
+    GatedActivation,
+)
 from archserve.kernels.moe.quantized_experts import QuantizedExperts, expert_weight
 from archserve.kernels.moe.routing import grouped_route, route
 
@@ -56,10 +60,13 @@ class TorchMoEImpl:
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                 w2: torch.Tensor, top_k: int, renormalize: bool = True,
-                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                routed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                activation: GatedActivation = DEFAULT_ACTIVATION,
+                biases: ExpertBiases | None = None) -> torch.Tensor:
         """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x).
         ``routed``: (weights, experts) [T, k] chosen by the model (DeepSeek's grouped top-k)
-        instead of the softmax top-k of the logits."""
+        instead of the softmax top-k of the logits. ``activation`` between gate/up and
+        down; ``biases`` added after each projection (the down bias before the weight)."""
         weights, experts = routed or route(router_logits, top_k, renormalize)
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         flat_experts = experts.reshape(-1)
@@ -74,7 +81,12 @@ class TorchMoEImpl:
             start += count
             tokens = token_of[picks]
             x = hidden[tokens]
-            y = _linear(silu_and_mul(_linear(x, w13, expert)), w2, expert)
+            gate_up = _linear(x, w13, expert)
+            if biases is not None:
+                gate_up = gate_up + biases.w13[expert].to(gate_up.dtype)
+            y = _linear(activation(*gate_up.chunk(2, dim=-1)), w2, expert)
+            if biases is not None and biases.w2 is not None:
+                y = y + biases.w2[expert].to(y.dtype)
             out.index_add_(0, tokens, y.float() * weights.reshape(-1)[picks, None])
         return out.to(hidden.dtype)
 

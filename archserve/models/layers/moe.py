@@ -27,6 +27,11 @@ from torch import nn
 
 from archserve.distributed.layout import split_evenly
 from archserve.distributed.parallel_state import get_tp
+from archserve.kernels.moe.expert_activation import (
+    DEFAULT_ACTIVATION,
+    ExpertBiases,
+    GatedActivation,
+)
 from archserve.models.layers import linear as _linear
 from archserve.models.layers.linear import WeightOnly
 from archserve.models.layers.norm import RMSNorm
@@ -40,21 +45,28 @@ MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 
 
 class Router(WeightOnly):
-    """logits = x W^T in the model dtype, as transformers computes them. Not a ``Linear``:
+    """logits = x W^T (+ b: gpt-oss's router has a bias) in the model dtype, as transformers
+    computes them. Not a ``Linear``:
     a quantized checkpoint never quantizes the router (vLLM builds it with
     quant_config=None), and online quantization must not either. Its GEMM goes through
     the linear routine all the same (the decode tuner times it as any other shape: on an
     H200, cuBLAS took 5 µs for Qwen3-30B-A3B's 128 x 2048 router at batch 1, 48 times a
     step)."""
 
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype | None = None,
+                 bias: bool = False) -> None:
+        super().__init__(rows, cols, dtype)
+        self.bias = (nn.Parameter(torch.empty(rows, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear.apply_linear(x, self.weight)
+        return _linear.apply_linear(x, self.weight, self.bias)
 
     def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                            norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the logits of norm(x, residual)'s output, the new residual, that output: the
         experts' input), the norm fused into the router's GEMM where the routine can."""
-        return _linear.apply_rms_norm_linear(x, residual, norm, self.weight,
+        return _linear.apply_rms_norm_linear(x, residual, norm, self.weight, self.bias,
                                              keep_normed=True)
 
 
@@ -103,11 +115,17 @@ class FusedMoE(nn.Module):
     slots after its top k (DeepSeek's shared experts, ``n_shared_experts`` of
     ``moe_intermediate_size`` channels: one gated MLP of S times the width is the sum of
     S such experts over its channel blocks). At batch 1 they then stream in the same two
-    launches as the routed experts, instead of two GEMVs and an add of their own."""
+    launches as the routed experts, instead of two GEMVs and an add of their own.
+
+    ``activation``: what each expert computes between gate/up and down (silu(gate) * up,
+    or gpt-oss's clamped SwiGLU). ``bias``: each expert adds a bias after gate/up
+    (``w13_bias`` [E, 2I], gate then up, this rank's channels) and after down (``w2_bias``
+    [E, H]: added by rank 0 alone, so the ranks' all-reduced sum holds it once)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, expert_names: tuple[str, str, str] = HF_EXPERT_NAMES,
-                 num_shared_experts: int = 0) -> None:
+                 num_shared_experts: int = 0,
+                 activation: GatedActivation = DEFAULT_ACTIVATION, bias: bool = False) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be between 1 and the {num_experts} experts")
@@ -120,6 +138,12 @@ class FusedMoE(nn.Module):
                                                              self.tp.rank)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.expert_names = expert_names
+        self.activation = activation
+        stacked = self.num_stacked_experts
+        self.w13_bias = (nn.Parameter(torch.empty(stacked, 2 * intermediate_size),
+                                      requires_grad=False) if bias else None)
+        self.w2_bias = (nn.Parameter(torch.empty(stacked, hidden_size), requires_grad=False)
+                        if bias else None)
         # A quantized model is built with its dense weights on "meta" (as Linear's).
         self.allocate_dense(torch.device("meta") if _linear.linear_weights_deferred() else None)
         self.quantized: Any = None      # a QuantizedExperts once a quantized checkpoint loads
@@ -142,6 +166,26 @@ class FusedMoE(nn.Module):
             self.add_module(str(e), _Expert(self.w13[e, :inter], self.w13[e, inter:],
                                             self.w2[e], self.expert_names, self.first_channel,
                                             self.checkpoint_intermediate_size))
+
+    def checkpoint_shape(self, param: str) -> tuple[int, ...]:
+        """The biases as the checkpoint holds them: gate/up over every rank's channels."""
+        if param == "w13_bias":
+            return (self.num_stacked_experts, 2 * self.checkpoint_intermediate_size)
+        return tuple(getattr(self, param).shape)
+
+    @torch.no_grad()
+    def load_checkpoint(self, param: str, tensor: torch.Tensor) -> None:
+        """A bias, whole; a tensor-parallel rank keeps its channels of gate and of up."""
+        if param == "w13_bias":
+            gate, up = tensor.chunk(2, dim=1)
+            tensor = torch.cat([t.narrow(1, self.first_channel, self.intermediate_size)
+                                for t in (gate, up)], dim=1)
+        getattr(self, param).copy_(tensor)
+
+    def biases(self) -> ExpertBiases | None:
+        if self.w13_bias is None:
+            return None
+        return ExpertBiases(self.w13_bias, self.w2_bias if self.tp.rank == 0 else None)
 
     @property
     def slots(self) -> int:
@@ -170,7 +214,8 @@ class FusedMoE(nn.Module):
             quant_scheme=self.quantized.weight_format, activation=self.quantized.activation)
         return MoESpec(dtype=dtype, num_experts=self.num_experts, top_k=self.top_k,
                        hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                       **quant)
+                       gated_activation=self.activation.kind,
+                       expert_bias=self.w13_bias is not None, **quant)
 
     def impl(self) -> Any:
         """The selected backend's implementation for where the weights live (selected on
@@ -209,6 +254,8 @@ class FusedMoE(nn.Module):
                             shared_experts=self.num_shared_experts)
         add = residual if residual is not None and self.takes_residual(impl, hidden) else None
         kwargs = {"add": add} if add is not None else {}
+        if self.activation != DEFAULT_ACTIVATION or self.w13_bias is not None:
+            kwargs.update(activation=self.activation, biases=self.biases())
         out = impl.forward(hidden, router_logits, *operands, self.slots, self.renormalize,
                            routed=routed, **kwargs)
         if self.tp.size > 1:
@@ -288,11 +335,14 @@ class SparseMoEBlock(RouterFirstBlock):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, expert_names: tuple[str, str, str] = HF_EXPERT_NAMES,
-                 shared_intermediate_size: int = 0) -> None:
+                 shared_intermediate_size: int = 0, router_bias: bool = False,
+                 activation: GatedActivation = DEFAULT_ACTIVATION,
+                 expert_bias: bool = False) -> None:
         super().__init__()
-        self.gate = Router(num_experts, hidden_size)
+        self.gate = Router(num_experts, hidden_size, bias=router_bias)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size,
-                                renormalize, expert_names)
+                                renormalize, expert_names, activation=activation,
+                                bias=expert_bias)
         self.shared_expert = (GatedMLP(hidden_size, shared_intermediate_size)
                               if shared_intermediate_size else None)
         self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size else None
