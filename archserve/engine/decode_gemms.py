@@ -111,15 +111,18 @@ def tune_moe_decode(device: DeviceInfo, model: torch.nn.Module, graph_sizes: lis
 
     shapes: dict[tuple, MoEShape] = {}
     for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
-        if moe.quantized is not None:       # the tuner times 16-bit experts' tiles only
-            continue
+        if moe.quantized is not None and moe.quantized.weight_format != "mxfp4":
+            continue    # the tuner times 16-bit and MXFP4 experts' tiles (their one kernel)
         impl = moe.impl()
         if not isinstance(impl, TritonFusedMoEImpl):
             continue
-        # Timed as it runs: a token's slots are its top k and the shared experts.
-        key = (tuple(moe.w13.shape), moe.w13.dtype, moe.slots, moe.renormalize)
-        shapes.setdefault(key, MoEShape([], moe.w13, moe.w2, moe.slots, moe.renormalize)
-                          ).impls.append(impl)
+        w13, w2 = moe.operands()
+        dtype = moe.w13.dtype if moe.quantized is None else moe.quant_dtype
+        # Timed as it runs: a token's slots are its top k and the shared experts, with the
+        # layer's activation and biases.
+        shape = MoEShape([], w13, w2, moe.slots, moe.renormalize, dtype, moe.activation,
+                         moe.biases())
+        shapes.setdefault((shape.key(0), moe.renormalize), shape).impls.append(impl)
     if not shapes or not graph_sizes:
         return None
     path = os.path.join(device_kernel_dir(device), "moe_tiles.json")

@@ -81,7 +81,7 @@ def step_weights(model: torch.nn.Module, model_config) -> StepWeights:
     expert_params = expert_bytes = 0
     body_params = body_bytes = 0
     for moe in moes.values():
-        held = sum(p.numel() * p.element_size() for p in moe.parameters())
+        held = moe.held_bytes()
         shared = held * moe.num_shared_experts // moe.num_stacked_experts
         expert_params += moe.expert_params()
         expert_bytes += held - shared

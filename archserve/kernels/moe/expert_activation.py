@@ -20,6 +20,8 @@ import torch
 SILU = "silu"
 SWIGLU_OAI = "swigluoai"
 ACTIVATION_KINDS = (SILU, SWIGLU_OAI)
+# How the Triton kernels name them (a constexpr: triton_common.gated_activation).
+ACTIVATION_CODES = {SILU: 0, SWIGLU_OAI: 1}
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ tensor given a leading expert dimension:
   blocks; one input_scale [] for the layer (static activations: the largest expert's, as
   vLLM takes it), since a token's activations are quantized once for all its experts.
 * ``IntGroupWeight``: qweight int32 [E, K/pack, N]; scales and offsets [E, K/group, N].
+* ``Mxfp4Weight``: blocks uint8 [E, N, K/2]; scales (e8m0) [E, N, K/32].
 
 ``expert_weight`` cuts expert e back out as a plain 2-D weight, so the reference
 arithmetic (``reference_linear``, ``dequantize``) and the loaders' repacking are the dense
@@ -28,10 +29,11 @@ from archserve.kernels.linear.quantized_weights import (
     ACT_NONE,
     Fp8Weight,
     IntGroupWeight,
+    Mxfp4Weight,
     QuantizedWeight,
 )
 
-ExpertWeight = Fp8Weight | IntGroupWeight
+ExpertWeight = Fp8Weight | IntGroupWeight | Mxfp4Weight
 # Fields one value of which serves every expert (not stacked).
 _SHARED = ("input_scale",)
 
@@ -43,13 +45,16 @@ class QuantizedExperts:
 
     @property
     def num_experts(self) -> int:
-        return _tensor(self.w13).shape[0]
+        return expert_tensor(self.w13).shape[0]
 
     @property
     def weight_format(self) -> str:
-        """The kernel vocabulary of kernels/linear/rules.py (fp8, fp8_block, wna16)."""
+        """The kernel vocabulary of kernels/linear/formats.py (fp8, fp8_block, wna16,
+        mxfp4)."""
         if isinstance(self.w13, IntGroupWeight):
             return fmt.WNA16
+        if isinstance(self.w13, Mxfp4Weight):
+            return fmt.MXFP4
         return fmt.FP8_BLOCK if self.w13.block is not None else fmt.FP8
 
     @property
@@ -60,12 +65,15 @@ class QuantizedExperts:
 def expert_shape(w: ExpertWeight) -> tuple[int, int]:
     """(N, K) of each expert's matrix (the dense layouts' in/out_features read a 2-D
     weight, not the stacked one)."""
-    if isinstance(w, IntGroupWeight):
+    if isinstance(w, IntGroupWeight | Mxfp4Weight):
         return w.out_features, w.in_features
     return w.weight.shape[1], w.weight.shape[2]
 
 
-def _tensor(w: ExpertWeight) -> torch.Tensor:
+def expert_tensor(w: ExpertWeight) -> torch.Tensor:
+    """The stacked tensor that holds the values (its first dim: the experts)."""
+    if isinstance(w, Mxfp4Weight):
+        return w.blocks
     return w.qweight if isinstance(w, IntGroupWeight) else w.weight
 
 

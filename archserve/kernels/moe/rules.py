@@ -2,9 +2,10 @@
 
 ``MoESpec.quant_scheme`` uses the weight-format vocabulary of
 archserve.kernels.linear.rules (None, fp8, fp8_block, nvfp4, mxfp8, mxfp4, wna16, int8).
-TRITON_FUSED_MOE (16-bit, FP8 per-channel / per-tensor / block, and W4A16 / W8A16
-integer-group experts) and the torch fallback (any of those, dequantized once) run in this
-build; the others are rules only: they can be the ideal, never the route.
+TRITON_FUSED_MOE (16-bit, FP8 per-channel / per-tensor / block, W4A16 / W8A16
+integer-group, and MXFP4 experts: weight-only, decoded in registers) and the torch fallback
+(any of those, dequantized once) run in this build; the others are rules only: they can be
+the ideal, never the route.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ from archserve.kernels.rules import (
     needs_family,
 )
 from archserve.kernels.specs import MoESpec
-from archserve.platform.capability import SM75, SM89, SM90, SM100
+from archserve.platform.capability import SM75, SM80, SM89, SM90, SM100
 from archserve.platform.device import DeviceInfo
 
 _IMPL = "archserve.kernels.moe"
 # Expert formats a kernel of this build executes (TRITON_FUSED_MOE, and TORCH_MOE after
 # dequantizing them); the loader and quant/plan.py refuse the rest.
-RUNNABLE_EXPERT_FORMATS = frozenset({None, "fp8", "fp8_block", "wna16"})
+RUNNABLE_EXPERT_FORMATS = frozenset({None, "fp8", "fp8_block", "wna16", "mxfp4"})
+# Expert formats whose Triton kernels also take gpt-oss's clamped SwiGLU and biases.
+_ANY_ACTIVATION_FORMATS = frozenset({None, "mxfp4"})
 
 
 FP8_BLOCK = 128      # the checkpoints' fp8 block (rows and columns)
@@ -88,9 +91,10 @@ class TritonFusedMoEBackend(MoEBackend):
     graph_capturable = True
     batch_invariant = True
     any_fp8_block = True
-    formats = frozenset({None, "fp8", "fp8_block", "int8", "wna16"})
-    description = ("Triton fused MoE: token-sorted grouped GEMMs, gate/up with SiLU*mul "
-                   "fused, then down scaled by the routing weights (any CUDA or ROCm GPU)")
+    formats = frozenset({None, "fp8", "fp8_block", "int8", "wna16", "mxfp4"})
+    description = ("Triton fused MoE: token-sorted grouped GEMMs, gate/up with its activation "
+                   "fused, then down scaled by the routing weights (any CUDA or ROCm GPU; "
+                   "MXFP4 experts decoded in registers, SM80+)")
     impl_path = f"{_IMPL}.triton_fused_impl:TritonFusedMoEImpl"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
@@ -108,14 +112,23 @@ class TritonFusedMoEBackend(MoEBackend):
             return f"fp8 experts need SM89+, device is {device_text(device)}"
         if spec.quant_scheme == "int8" and not device.has_capability(SM75):
             return f"int8 experts need SM75+, device is {device_text(device)}"
+        if spec.quant_scheme == "mxfp4" and not device.has_capability(SM80):
+            # Decoded tiles feed bf16 tensor cores; in fp16 the e8m0 scales can leave its
+            # range (vLLM's own MXFP4 floor is Marlin's SM75).
+            return f"MXFP4 experts need SM80+ (bf16), device is {device_text(device)}"
         return None
 
     def build_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
         if spec.batch_invariant:
             return "batch-invariant mode is not implemented in this build's Triton fused MoE"
         if spec.quant_scheme not in RUNNABLE_EXPERT_FORMATS:
-            return (f"this build's Triton fused MoE runs 16-bit, fp8, fp8_block and wna16 "
-                    f"experts; {spec.quant_scheme} experts are rules only")
+            return (f"this build's Triton fused MoE runs 16-bit, fp8, fp8_block, wna16 and "
+                    f"mxfp4 experts; {spec.quant_scheme} experts are rules only")
+        if spec.quant_scheme not in _ANY_ACTIVATION_FORMATS and (
+                spec.gated_activation != "silu" or spec.expert_bias):
+            return (f"this build's {spec.quant_scheme} expert kernels run silu(gate) * up "
+                    f"without biases; this layer's experts have {spec.gated_activation}"
+                    f"{' and biases' if spec.expert_bias else ''}")
         return (needs_dtype(spec.dtype, (torch.float16, torch.bfloat16, torch.float32))
                 or bf16_on_device(device, spec.dtype))
 
@@ -272,8 +285,8 @@ class TorchMoEBackend(RuleBackend):
 
     def request_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
         if spec.quant_scheme not in RUNNABLE_EXPERT_FORMATS:
-            return (f"dequantizes fp8, fp8_block and wna16 experts; {spec.quant_scheme} "
-                    f"experts need a quantized MoE kernel")
+            return (f"dequantizes fp8, fp8_block, wna16 and mxfp4 experts; "
+                    f"{spec.quant_scheme} experts need a quantized MoE kernel")
         return None
 
     def build_rule(self, device: DeviceInfo, spec: MoESpec) -> str | None:
@@ -344,7 +357,8 @@ def moe_priority(device: DeviceInfo, spec: MoESpec) -> list[str]:
         if device.family == 120:
             # Consumer Blackwell: the OAI Triton kernels' small tiles lose to Marlin.
             order = _move_to_back(order, "TRITON_MXFP4_MOE")
-        return order
+        # vLLM's list is rules only here; this build's Triton weight-only path runs them.
+        return order + ["TRITON_FUSED_MOE"]
     if fmt == "wna16":
         return list(_WNA16_ORDER)
     return ["TRITON_FUSED_MOE"]

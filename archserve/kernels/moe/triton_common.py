@@ -1,7 +1,8 @@
 """The Triton helpers both fused-MoE kernel modules build on (triton_fused_moe.py for
 16-bit experts, triton_quantized_moe.py for quantized ones): which expert, (token, slot)
-rows and output columns a program takes, SiLU*mul, the routing-weight scale and the store
-of a tile's rows. Both kernel families share one tiling, so they share these."""
+rows and output columns a program takes, SiLU*mul (and the other gated activations), an
+expert's bias, the routing-weight scale and the store of a tile's rows. Both kernel
+families share one tiling, so they share these."""
 
 from __future__ import annotations
 
@@ -36,6 +37,28 @@ if triton is not None:
     @triton.jit
     def silu_and_mul(gate, up):
         return gate / (1.0 + tl.exp(-gate)) * up
+
+    @triton.jit
+    def gated_activation(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+        """The expert's activation (expert_activation.ACTIVATION_CODES): 0 silu(gate) * up,
+        1 gpt-oss's clamped SwiGLU (gate at most ``limit``, up within +-``limit``, then
+        (up + 1) * gate * sigmoid(``alpha`` * gate))."""
+        if ACTIVATION == 1:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            act = silu_and_mul(gate, up)
+        return act
+
+    @triton.jit
+    def bias_row(b_base, cols, col_ok, HAS_BIAS: tl.constexpr):
+        """The expert's bias at ``cols`` as fp32 (0 without one)."""
+        if HAS_BIAS:
+            bias = tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        else:
+            bias = tl.zeros(cols.shape, tl.float32)
+        return bias
 
     @triton.jit
     def times_routing_weights(acc, weights_ptr, rows, row_ok):

@@ -1,5 +1,7 @@
-"""TRITON_FUSED_MOE's implementation: routing in one launch, then the 16-bit experts'
-kernels (triton_fused_moe.py) or the quantized experts' (triton_quantized_moe.py)."""
+"""TRITON_FUSED_MOE's implementation: routing in one launch, then the 16-bit and MXFP4
+experts' kernels (triton_fused_moe.py: MXFP4 is weight-only, decoded in those kernels'
+registers, so it takes their every layout and the tuner's tiles) or the other quantized
+experts' (triton_quantized_moe.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,12 @@ from typing import Any
 
 import torch
 
+from archserve.kernels.linear.quantized_weights import Mxfp4Weight
+from archserve.kernels.moe.expert_activation import (
+    DEFAULT_ACTIVATION,
+    ExpertBiases,
+    GatedActivation,
+)
 from archserve.kernels.moe.triton_fused_moe import (
     MoETile,
     choose_tile,
@@ -31,8 +39,7 @@ class TritonFusedMoEImpl:
         self.spec = spec
         self.tiles: dict[int, MoETile] = {}
 
-    def tile_for(self, num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor
-                 ) -> MoETile:
+    def tile_for(self, num_tokens: int, top_k: int, w13: Any, w2: Any) -> MoETile:
         return (self.tiles.get(token_bucket(num_tokens))
                 or choose_tile(num_tokens, top_k, w13, w2))
 
@@ -49,11 +56,17 @@ class TritonFusedMoEImpl:
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: Any, w2: Any,
                 top_k: int, renormalize: bool = True,
                 routed: tuple[torch.Tensor, torch.Tensor] | None = None,
-                add: torch.Tensor | None = None) -> torch.Tensor:
+                add: torch.Tensor | None = None,
+                activation: GatedActivation = DEFAULT_ACTIVATION,
+                biases: ExpertBiases | None = None) -> torch.Tensor:
         """TORCH_MOE's forward; with ``add`` (16-bit experts only), plus it, in the kernel
         that sums each token's slots (``fused_experts``)."""
         routed = routed or triton_route(router_logits, top_k, renormalize)
-        if not isinstance(w13, torch.Tensor):        # quantized experts
+        mxfp4 = isinstance(w13, Mxfp4Weight)
+        if not isinstance(w13, torch.Tensor) and not mxfp4:   # fp8, integer experts
+            if activation != DEFAULT_ACTIVATION or biases is not None:
+                raise ValueError("TRITON_FUSED_MOE's fp8 and integer expert kernels run "
+                                 "silu(gate) * up without biases only")
             if add is not None:
                 raise ValueError("TRITON_FUSED_MOE adds a residual for 16-bit experts only")
             # Their kernels take the sorted layout's tiles (never pair rows), and the
@@ -63,5 +76,8 @@ class TritonFusedMoEImpl:
         reason = fused_moe_unsupported(hidden, w13, w2)
         if reason is not None:
             raise ValueError(f"TRITON_FUSED_MOE cannot run this layer: {reason}")
+        if mxfp4 and add is not None:
+            raise ValueError("TRITON_FUSED_MOE adds a residual for 16-bit experts only")
         return fused_moe(hidden, router_logits, w13, w2, top_k, renormalize,
-                         self.tile_for(hidden.shape[0], top_k, w13, w2), routed, add)
+                         self.tile_for(hidden.shape[0], top_k, w13, w2), routed, add,
+                         activation, biases)

@@ -35,6 +35,13 @@ from typing import Any
 
 import torch
 
+from archserve.kernels.linear.quantized_weights import Mxfp4Weight
+from archserve.kernels.moe.expert_activation import (
+    ACTIVATION_CODES,
+    DEFAULT_ACTIVATION,
+    ExpertBiases,
+    GatedActivation,
+)
 from archserve.kernels.moe.routing import align_to_blocks, experts_touched
 from archserve.kernels.moe.triton_routing import triton_route
 from archserve.platform.detect import device_info_for
@@ -44,10 +51,12 @@ try:
     import triton.language as tl
 
     from archserve.kernels.elementwise.triton_rounding import round_to_dtype
+    from archserve.kernels.linear.triton_mxfp4 import mxfp4_row_pairs, mxfp4_weight_tile
     from archserve.kernels.linear.triton_skinny_gemm import _weight_times_rows
     from archserve.kernels.moe.triton_common import (
+        bias_row,
+        gated_activation,
         program_tile,
-        silu_and_mul,
         store_rows,
         times_routing_weights,
     )
@@ -61,6 +70,58 @@ except ImportError:  # the backend's availability rule reports it; nothing runs 
     triton = None
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class ExpertMatrices:
+    """One projection of a layer's experts as the kernels read it: 16-bit ``weight``
+    [E, N, K] (``scales`` None), or MXFP4 (quantized_weights.Mxfp4Weight with an expert
+    axis: bytes [E, N, K/2] and e8m0 ``scales`` [E, N, K/32]); ``bias`` [E, N] or None."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, w: Any, bias: torch.Tensor | None = None) -> ExpertMatrices:
+        """From a stacked 16-bit tensor, an Mxfp4Weight, or (as is) an ExpertMatrices."""
+        if isinstance(w, ExpertMatrices):
+            return w
+        if isinstance(w, Mxfp4Weight):
+            return cls(w.blocks, w.scales, bias)
+        return cls(w, None, bias)
+
+    @property
+    def mxfp4(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(experts, N, K) of the matrices they stand for."""
+        e, n, k = self.weight.shape
+        return e, n, 2 * k if self.mxfp4 else k
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def expert_bytes(self) -> int:
+        """What one expert's matrix occupies (values and scales)."""
+        held = self.weight[0].numel() * self.weight.element_size()
+        return held + (self.scales[0].numel() if self.mxfp4 else 0)
+
+    def launch_args(self) -> tuple:
+        """(weight, scales, bias, and their strides: expert and row of the weight, of the
+        scales, expert of the bias), absent ones standing in by the weight (not read)."""
+        w, s, b = self.weight, self.scales, self.bias
+        scales = s if s is not None else w
+        bias = b if b is not None else w
+        return (w, scales, bias, w.stride(0), w.stride(1), scales.stride(0), scales.stride(1),
+                b.stride(0) if b is not None else 0)
+
+    def flags(self) -> dict[str, bool]:
+        return dict(MXFP4=self.mxfp4, HAS_BIAS=self.bias is not None)
 
 
 @dataclass(frozen=True)
@@ -186,8 +247,8 @@ def _sm_count(device: torch.device) -> int:
     return device_info_for(device).multiprocessor_count or 1
 
 
-def _expert_bytes(w13: torch.Tensor, w2: torch.Tensor) -> int:
-    return w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
+def _expert_bytes(w13: ExpertMatrices, w2: ExpertMatrices) -> int:
+    return w13.expert_bytes + w2.expert_bytes
 
 
 def _by_tokens(table: tuple, num_tokens: int):  # noqa: ANN202 - an entry of ``table``
@@ -203,26 +264,28 @@ def token_bucket(num_tokens: int) -> int:
     return 1 << max(num_tokens - 1, 0).bit_length()
 
 
-def choose_tile(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor
-                ) -> MoETile:
+def choose_tile(num_tokens: int, top_k: int, w13: Any, w2: Any) -> MoETile:
     """The untuned tile of a batch: the pair layout where ``pair_rows_pay``, else the sorted
-    layout's ``default_tile``."""
-    if pair_rows_pay(num_tokens, top_k, w13.shape[0], _expert_bytes(w13, w2)):
-        return pair_tile(num_tokens * top_k, min(w13.shape[1] // 2, w13.shape[2]),
-                         _sm_count(w13.device))
+    layout's ``default_tile``. w13, w2: anything ``ExpertMatrices.of`` takes."""
+    w13, w2 = ExpertMatrices.of(w13), ExpertMatrices.of(w2)
+    experts, two_inter, hidden = w13.shape
+    if pair_rows_pay(num_tokens, top_k, experts, _expert_bytes(w13, w2)):
+        return pair_tile(num_tokens * top_k, min(two_inter // 2, hidden), _sm_count(w13.device))
     return default_tile(num_tokens)
 
 
-def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor
-                    ) -> list[MoETile]:
+def candidate_tiles(num_tokens: int, top_k: int, w13: Any, w2: Any) -> list[MoETile]:
     """``choose_tile`` first, then the others the tuner times for this batch: where the
     pair layout is the default, its other widths, the sorted default, and each gate/up
     kernel (tl.dot, GATE_UP_GEMV_TILES) with each down (tl.dot then the sum,
     SUM_DOWN_TILES); near the boundary
-    (up to twice PAIR_ROWS_MAX_PAIRS pairs), the sorted tiles and two pair tiles."""
+    (up to twice PAIR_ROWS_MAX_PAIRS pairs), the sorted tiles and two pair tiles. MXFP4
+    experts: no slot-summing down (its weights are read as 16-bit)."""
+    w13, w2 = ExpertMatrices.of(w13), ExpertMatrices.of(w2)
     default = choose_tile(num_tokens, top_k, w13, w2)
     pairs = num_tokens * top_k
-    narrowest = min(w13.shape[1] // 2, w13.shape[2])
+    _, two_inter, hidden = w13.shape
+    narrowest = min(two_inter // 2, hidden)
     sms = _sm_count(w13.device)
     pair_tiles = [pair_tile(pairs, narrowest, sms, n) for n in PAIR_TILE_BLOCK_NS]
     pair_tiles.append(pair_tile(pairs, narrowest, sms, default.block_n, 256, 3))
@@ -237,7 +300,7 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Te
         gate_ups = [default] + [dataclasses.replace(default, gate_up_block_n=n,
                                                     gate_up_block_k=k)
                                 for n, k in GATE_UP_GEMV_TILES]
-        downs = [(0, 0)] + (list(SUM_DOWN_TILES) if top_k > 1 else [])
+        downs = [(0, 0)] + (list(SUM_DOWN_TILES) if top_k > 1 and not w2.mxfp4 else [])
         tiles += [dataclasses.replace(gate_up, down_block_n=n, down_block_k=k)
                   for gate_up in gate_ups for n, k in downs]
     elif pairs <= 2 * PAIR_ROWS_MAX_PAIRS:
@@ -250,14 +313,24 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Te
 if triton is not None:
 
     @triton.jit
-    def _operand_tiles(a_ptr, a_rows, stride_a, row_ok, w_base, w_cols, stride_wn, col_ok,
-                       ks, k_ok):
-        """The activation tile [M, K] (rows ``a_rows``) and the weight tile [K, N]."""
-        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + w_cols[None, :] * stride_wn + ks[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        return a, w
+    def _activation_tile(a_ptr, a_rows, stride_a, row_ok, ks, k_ok):
+        """The activation tile [M, K] (rows ``a_rows``)."""
+        return tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+                       mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+
+    @triton.jit
+    def _weight_tile(w_base, s_base, cols, col_ok, k0, ks, k_ok, K, stride_wn, stride_sn,
+                     dtype: tl.constexpr, MXFP4: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+        """The expert's weight tile [K, N] at rows ``cols``: 16-bit as stored, or MXFP4
+        decoded into ``dtype`` in registers (triton_mxfp4)."""
+        if MXFP4:
+            w = mxfp4_weight_tile(w_base, s_base, cols, col_ok, k0, K, stride_wn, stride_sn,
+                                  dtype, BLOCK_K, BLOCK_N)
+        else:
+            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        return w
 
     @triton.jit
     def _dot(acc, a, w, IEEE_FP32: tl.constexpr):
@@ -266,45 +339,56 @@ if triton is not None:
         return acc + tl.dot(a, w)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
-                        num_pairs, inter, hidden, stride_xt, stride_we, stride_wn,
-                        stride_ot, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, b13_ptr, out_ptr, sorted_pairs_ptr,
+                        block_expert_ptr, num_pairs, inter, hidden, stride_xt, stride_we,
+                        stride_wn, stride_se, stride_sn, stride_be, stride_ot, alpha, limit,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+                        ACTIVATION: tl.constexpr = 0, PDL: tl.constexpr = False):
         pdl_start(PDL)
         expert, rows, row_ok, cols, col_ok = program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, PAIR_ROWS)
         if expert < 0:
             return
         tokens = rows // TOP_K
-        w_base = w13_ptr + expert.to(tl.int64) * stride_we
+        e = expert.to(tl.int64)
+        w_base, s_base = w13_ptr + e * stride_we, s13_ptr + e * stride_se
         gate_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < hidden
-            a, gate_w = _operand_tiles(x_ptr, tokens, stride_xt, row_ok, w_base, cols,
-                                       stride_wn, col_ok, ks, k_ok)
-            up_w = tl.load(w_base + (cols + inter)[None, :] * stride_wn + ks[:, None],
-                           mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            a = _activation_tile(x_ptr, tokens, stride_xt, row_ok, ks, k_ok)
+            gate_w = _weight_tile(w_base, s_base, cols, col_ok, k0, ks, k_ok, hidden,
+                                  stride_wn, stride_sn, a.dtype, MXFP4, BLOCK_K, BLOCK_N)
+            up_w = _weight_tile(w_base, s_base, cols + inter, col_ok, k0, ks, k_ok, hidden,
+                                stride_wn, stride_sn, a.dtype, MXFP4, BLOCK_K, BLOCK_N)
             gate_acc = _dot(gate_acc, a, gate_w, IEEE_FP32)
             up_acc = _dot(up_acc, a, up_w, IEEE_FP32)
-        store_rows(out_ptr, silu_and_mul(gate_acc, up_acc), rows, row_ok, cols, col_ok,
-                   stride_ot)
+        b_base = b13_ptr + e * stride_be
+        gate_acc += bias_row(b_base, cols, col_ok, HAS_BIAS)[None, :]
+        up_acc += bias_row(b_base + inter, cols, col_ok, HAS_BIAS)[None, :]
+        store_rows(out_ptr, gated_activation(gate_acc, up_acc, alpha, limit, ACTIVATION), rows,
+                   row_ok, cols, col_ok, stride_ot)
 
     @triton.jit
-    def _gate_up_gemv_kernel(x_ptr, w13_ptr, out_ptr, experts_ptr, inter, hidden, stride_xt,
-                             stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr,
+    def _gate_up_gemv_kernel(x_ptr, w13_ptr, s13_ptr, b13_ptr, out_ptr, experts_ptr, inter,
+                             hidden, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+                             stride_be, stride_ot, alpha, limit, TOP_K: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
+                             EVEN_K: tl.constexpr, MXFP4: tl.constexpr = False,
+                             HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = 0,
+                             PDL: tl.constexpr = False):
         """act[pair, cols] = silu(x[token] . gate[cols]ᵀ) * (x[token] . up[cols]ᵀ) for one
         (token, slot) pair of the pair layout, with the pair's expert: two GEMVs on the
         CUDA cores, whose weight tiles go from memory straight to registers (the tl.dot
         form stages them through shared memory for tensor cores that use one row in 16).
         The products are summed over K in fp32 and rounded once, as ``_gate_up_kernel``
-        stores its tile. The experts come from the routing, the kernel right before: all
-        is read after PDL's wait."""
+        stores its tile. MXFP4 weights: each byte's two values times x's even and odd
+        elements (triton_mxfp4.mxfp4_row_pairs). The experts come from the routing, the
+        kernel right before: all is read after PDL's wait."""
         pdl_start(PDL)
         pair = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -314,15 +398,38 @@ if triton is not None:
                      + cols.to(tl.int64)[:, None] * stride_wn)             # [N, 1]
         up_rows = gate_rows + inter * stride_wn
         x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt
-        ks = tl.arange(0, BLOCK_K)
-        gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            k = k0 + ks
-            x = tl.load(x_row + k, mask=k < hidden, other=0.0).to(tl.float32)[None, :]
-            gate = _weight_times_rows(gate, gate_rows, x, k, col_ok, hidden, 1, EVEN_K)
-            up = _weight_times_rows(up, up_rows, x, k, col_ok, hidden, 1, EVEN_K)
-        act = silu_and_mul(tl.sum(gate, axis=1), tl.sum(up, axis=1))
+        if MXFP4:
+            BLOCK_P: tl.constexpr = BLOCK_K // 2
+            gate_scales = (s13_ptr + expert * stride_se
+                           + cols.to(tl.int64)[:, None] * stride_sn)       # [N, 1]
+            up_scales = gate_scales + inter * stride_sn
+            gate = tl.zeros([BLOCK_N, BLOCK_P], tl.float32)
+            up = tl.zeros([BLOCK_N, BLOCK_P], tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                k = k0 + 2 * tl.arange(0, BLOCK_P)
+                x_even = tl.load(x_row + k, mask=k < hidden, other=0.0).to(tl.float32)[None, :]
+                x_odd = tl.load(x_row + k + 1, mask=k < hidden,
+                                other=0.0).to(tl.float32)[None, :]
+                even, odd = mxfp4_row_pairs(gate_rows, gate_scales, col_ok[:, None], k0,
+                                            hidden, BLOCK_K)
+                gate += even * x_even + odd * x_odd
+                even, odd = mxfp4_row_pairs(up_rows, up_scales, col_ok[:, None], k0, hidden,
+                                            BLOCK_K)
+                up += even * x_even + odd * x_odd
+        else:
+            ks = tl.arange(0, BLOCK_K)
+            gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                k = k0 + ks
+                x = tl.load(x_row + k, mask=k < hidden, other=0.0).to(tl.float32)[None, :]
+                gate = _weight_times_rows(gate, gate_rows, x, k, col_ok, hidden, 1, EVEN_K)
+                up = _weight_times_rows(up, up_rows, x, k, col_ok, hidden, 1, EVEN_K)
+        b_base = b13_ptr + expert * stride_be
+        act = gated_activation(tl.sum(gate, axis=1) + bias_row(b_base, cols, col_ok, HAS_BIAS),
+                               tl.sum(up, axis=1) + bias_row(b_base + inter, cols, col_ok,
+                                                             HAS_BIAS),
+                               alpha, limit, ACTIVATION)
         tl.store(out_ptr + pair * stride_ot + cols, act.to(out_ptr.dtype.element_ty),
                  mask=col_ok)
 
@@ -338,11 +445,12 @@ if triton is not None:
         tl.store(dst, total.to(dtype), mask=mask)
 
     @triton.jit
-    def _down_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
+    def _down_kernel(act_ptr, w2_ptr, s2_ptr, b2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
                      block_expert_ptr, num_pairs, hidden, inter, stride_at, stride_we,
-                     stride_wn, stride_ot,
+                     stride_wn, stride_se, stride_sn, stride_be, stride_ot,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
+                     MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
                      PDL: tl.constexpr = False):
         # Before PDL's wait (kernels/pdl.py): which expert and rows this program takes were
         # written by the routing (and the sort) before the gate/up kernel, the kernel right
@@ -350,11 +458,15 @@ if triton is not None:
         # weight is prefetched into L2 while gate/up drains.
         expert, rows, row_ok, cols, col_ok = program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, PAIR_ROWS)
-        w_base = w2_ptr + expert.to(tl.int64) * stride_we
+        e = expert.to(tl.int64)
+        w_base, s_base = w2_ptr + e * stride_we, s2_ptr + e * stride_se
         if PDL:
+            # The first K tile's bytes of each row (half its values for MXFP4).
+            ROW_BYTES: tl.constexpr = BLOCK_K // 2 if MXFP4 else BLOCK_K
             prefetch_rows_to_l2(w_base + cols.to(tl.int64) * stride_wn,
-                                col_ok & ((cols * 0 + expert) >= 0), tl.minimum(inter, BLOCK_K),
-                                BLOCK_K, PDL)
+                                col_ok & ((cols * 0 + expert) >= 0),
+                                tl.minimum(inter // (2 if MXFP4 else 1), ROW_BYTES), ROW_BYTES,
+                                PDL)
         pdl_start(PDL)
         if expert < 0:
             return
@@ -362,17 +474,21 @@ if triton is not None:
         for k0 in range(0, inter, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < inter
-            a, w = _operand_tiles(act_ptr, rows, stride_at, row_ok, w_base, cols, stride_wn,
-                                  col_ok, ks, k_ok)
+            a = _activation_tile(act_ptr, rows, stride_at, row_ok, ks, k_ok)
+            w = _weight_tile(w_base, s_base, cols, col_ok, k0, ks, k_ok, inter, stride_wn,
+                             stride_sn, a.dtype, MXFP4, BLOCK_K, BLOCK_N)
             acc = _dot(acc, a, w, IEEE_FP32)
+        # The bias is the expert's output's: added before the routing weight scales it.
+        acc += bias_row(b2_ptr + e * stride_be, cols, col_ok, HAS_BIAS)[None, :]
         acc = times_routing_weights(acc, weights_ptr, rows, row_ok)
         store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
 
     @triton.jit
-    def _down_sum_slots_kernel(act_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, hidden,
-                               inter, stride_at, stride_we, stride_wn, stride_ot, add_ptr,
-                               stride_add, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _down_sum_slots_kernel(act_ptr, w2_ptr, b2_ptr, out_ptr, weights_ptr, experts_ptr,
+                               hidden, inter, stride_at, stride_we, stride_wn, stride_be,
+                               stride_ot, add_ptr, stride_add, TOP_K: tl.constexpr,
+                               SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False,
                                PDL: tl.constexpr = False, ADD: tl.constexpr = False):
         """out[t, cols] = sum over slots j of weight[t, j] * (act[t * TOP_K + j] .
         w2[expert[t, j]][cols]ᵀ): a GEMV per slot on the CUDA cores (one row each: tensor
@@ -409,8 +525,11 @@ if triton is not None:
             a = tl.load(a_rows + k[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
             acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
         dtype: tl.constexpr = out_ptr.dtype.element_ty
-        parts = tl.sum(acc, axis=2) * tl.load(weights_ptr + pairs, mask=slot_ok,
-                                              other=0.0)[:, None]
+        parts = tl.sum(acc, axis=2)
+        if HAS_BIAS:     # each slot's expert's bias, before its routing weight
+            parts += tl.load(b2_ptr + experts.to(tl.int64)[:, None] * stride_be + cols[None, :],
+                             mask=slot_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        parts = parts * tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)[:, None]
         total = tl.sum(round_to_dtype(parts, dtype), axis=0)
         _store_sum(out_ptr + token * stride_ot + cols, total, col_ok, add_ptr,
                    token * stride_add + cols, ADD)
@@ -433,72 +552,85 @@ if triton is not None:
                    token * stride_add + cols, ADD)
 
 
-def fused_moe_unsupported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-                          ) -> str | None:
-    """None when the kernels take these operands, else why not."""
+def fused_moe_unsupported(hidden: torch.Tensor, w13: Any, w2: Any) -> str | None:
+    """None when the kernels take these operands (16-bit experts in the activations' dtype,
+    or MXFP4 experts), else why not."""
     if triton is None:
         return "triton is not importable"
     if hidden.dtype not in SUPPORTED_DTYPES:
         return f"computes in float16, bfloat16 or float32, not {hidden.dtype}"
-    if w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
-        return "expert weights must be in the activations' dtype (no quantized experts yet)"
-    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        return "expert weights must be contiguous in K"
+    w13, w2 = ExpertMatrices.of(w13), ExpertMatrices.of(w2)
+    for w in (w13, w2):
+        if w.mxfp4:
+            if w.shape[2] % 32:
+                return f"MXFP4 experts need K a multiple of 32, K is {w.shape[2]}"
+        elif w.weight.dtype != hidden.dtype:
+            return "16-bit expert weights must be in the activations' dtype"
+        if w.weight.stride(-1) != 1 or (w.mxfp4 and w.scales.stride(-1) != 1):
+            return "expert weights must be contiguous in K"
     return None
 
 
-def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-              w2: torch.Tensor, top_k: int, renormalize: bool,
-              tile: MoETile | None = None,
+def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: Any, w2: Any,
+              top_k: int, renormalize: bool, tile: MoETile | None = None,
               routed: tuple[torch.Tensor, torch.Tensor] | None = None,
-              add: torch.Tensor | None = None) -> torch.Tensor:
+              add: torch.Tensor | None = None,
+              activation: GatedActivation = DEFAULT_ACTIVATION,
+              biases: ExpertBiases | None = None) -> torch.Tensor:
     """hidden [T, H] -> [T, H]: sum over each token's top-k experts of weight * expert(x)
     (+ ``add``, see ``fused_experts``)."""
     weights, experts = routed or triton_route(router_logits, top_k, renormalize)
-    return fused_experts(hidden, weights, experts, w13, w2, tile, add)
+    return fused_experts(hidden, weights, experts, w13, w2, tile, add, activation, biases)
 
 
 def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                  w13: torch.Tensor, w2: torch.Tensor, tile: MoETile | None = None,
-                  add: torch.Tensor | None = None) -> torch.Tensor:
+                  w13: Any, w2: Any, tile: MoETile | None = None,
+                  add: torch.Tensor | None = None,
+                  activation: GatedActivation = DEFAULT_ACTIVATION,
+                  biases: ExpertBiases | None = None) -> torch.Tensor:
     """The expert computation after routing: weights / experts [T, k] from ``route``.
+    w13, w2: stacked 16-bit tensors or Mxfp4Weights. ``activation`` between gate/up and
+    down; ``biases`` after each projection (the down bias before the routing weight).
     ``add`` [T, H] (a decoder block's residual): added to the rounded sum and rounded
     again, in the kernel that sums the slots (a torch add after the single-slot path, which
     has none)."""
+    w13 = ExpertMatrices.of(w13, biases.w13 if biases is not None else None)
+    w2 = ExpertMatrices.of(w2, biases.w2 if biases is not None else None)
     tile = tile or choose_tile(hidden.shape[0], experts.shape[1], w13, w2)
     layout = _pair_layout if tile.pair_rows else _sorted_layout
-    return layout(hidden.contiguous(), weights, experts, w13, w2, tile, add)
+    return layout(hidden.contiguous(), weights, experts, w13, w2, tile, add, activation)
 
 
 def _sorted_layout(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                   w13: torch.Tensor, w2: torch.Tensor, tile: MoETile,
-                   add: torch.Tensor | None) -> torch.Tensor:
+                   w13: ExpertMatrices, w2: ExpertMatrices, tile: MoETile,
+                   add: torch.Tensor | None, activation: GatedActivation) -> torch.Tensor:
     """The (token, slot) pairs sorted by expert and padded per expert to the row tile
     (``align_to_blocks``): both GEMMs as tensor-core tiles of one expert's rows, then the
     slot sum."""
     align = align_to_blocks(experts, w13.shape[0], tile.block_m)
     flat_weights = _flat_weights(weights)
     act = _gate_up_tiles(hidden, w13, tile, experts.shape[1], align.sorted_pairs,
-                         align.block_expert, align.num_blocks)
+                         align.block_expert, align.num_blocks, activation)
     return _down_tiles_then_sum(act, flat_weights, w2, tile, experts.shape, align.sorted_pairs,
                                 align.block_expert, align.num_blocks, add)
 
 
 def _pair_layout(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                 w13: torch.Tensor, w2: torch.Tensor, tile: MoETile,
-                 add: torch.Tensor | None) -> torch.Tensor:
+                 w13: ExpertMatrices, w2: ExpertMatrices, tile: MoETile,
+                 add: torch.Tensor | None, activation: GatedActivation) -> torch.Tensor:
     """No sort: program m is pair m, of expert ``experts.flatten()[m]``. Gate/up as
     tensor-core tiles, or with ``gate_up_block_n`` as GEMVs on the CUDA cores; down as tiles
     then the slot sum, or with ``down_block_n`` as GEMVs whose slots are summed in
-    registers."""
+    registers (16-bit experts)."""
     num_tokens, top_k = experts.shape
     flat_experts = experts.reshape(-1)
     pairs = flat_experts.shape[0]
     flat_weights = _flat_weights(weights)
     if tile.gate_up_block_n:
-        act = _gate_up_gemvs(hidden, w13, tile, top_k, flat_experts)
+        act = _gate_up_gemvs(hidden, w13, tile, top_k, flat_experts, activation)
     else:
-        act = _gate_up_tiles(hidden, w13, tile, top_k, flat_experts, flat_experts, pairs)
+        act = _gate_up_tiles(hidden, w13, tile, top_k, flat_experts, flat_experts, pairs,
+                             activation)
     if tile.down_block_n and top_k > 1:
         return _down_gemvs_summed(act, flat_weights, w2, tile, num_tokens, top_k,
                                   flat_experts, add)
@@ -516,79 +648,91 @@ def _tile_launch(tile: MoETile, device: torch.device) -> dict[str, Any]:
                 **pdl_launch_options(pdl))
 
 
-def _gate_up_tiles(hidden: torch.Tensor, w13: torch.Tensor, tile: MoETile, top_k: int,
-                   sorted_pairs: torch.Tensor, block_expert: torch.Tensor, num_blocks: int
-                   ) -> torch.Tensor:
-    """silu(gate) * up [T * k, I] of every pair, as ``_gate_up_kernel``'s tiles."""
+def _activation_args(activation: GatedActivation) -> tuple[tuple[float, float], dict]:
+    return (activation.alpha, activation.limit), dict(ACTIVATION=ACTIVATION_CODES[activation.kind])
+
+
+def _gate_up_tiles(hidden: torch.Tensor, w13: ExpertMatrices, tile: MoETile, top_k: int,
+                   sorted_pairs: torch.Tensor, block_expert: torch.Tensor, num_blocks: int,
+                   activation: GatedActivation) -> torch.Tensor:
+    """The activation [T * k, I] of every pair, as ``_gate_up_kernel``'s tiles."""
     num_tokens, hidden_size = hidden.shape
     pairs, inter = num_tokens * top_k, w13.shape[1] // 2
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    w, s, b, *strides = w13.launch_args()
+    scalars, act_kind = _activation_args(activation)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tile.block_n))](
-        hidden, w13, act, sorted_pairs, block_expert, pairs, inter, hidden_size,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
+        hidden, w, s, b, act, sorted_pairs, block_expert, pairs, inter, hidden_size,
+        hidden.stride(0), *strides, act.stride(0), *scalars, TOP_K=top_k,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        IEEE_FP32=hidden.dtype == torch.float32, PAIR_ROWS=tile.pair_rows,
-        **_tile_launch(tile, hidden.device))
+        IEEE_FP32=hidden.dtype == torch.float32, PAIR_ROWS=tile.pair_rows, **w13.flags(),
+        **act_kind, **_tile_launch(tile, hidden.device))
     return act
 
 
-def _gate_up_gemvs(hidden: torch.Tensor, w13: torch.Tensor, tile: MoETile, top_k: int,
-                   flat_experts: torch.Tensor) -> torch.Tensor:
+def _gate_up_gemvs(hidden: torch.Tensor, w13: ExpertMatrices, tile: MoETile, top_k: int,
+                   flat_experts: torch.Tensor, activation: GatedActivation) -> torch.Tensor:
     """``_gate_up_tiles``' result through ``_gate_up_gemv_kernel`` (pair layout)."""
     num_tokens, hidden_size = hidden.shape
     pairs, inter = num_tokens * top_k, w13.shape[1] // 2
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     pdl = pdl_enabled(hidden.device)
+    w, s, b, *strides = w13.launch_args()
+    scalars, act_kind = _activation_args(activation)
     _gate_up_gemv_kernel[(pairs, triton.cdiv(inter, tile.gate_up_block_n))](
-        hidden, w13, act, flat_experts, inter, hidden_size, hidden.stride(0),
-        w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
-        BLOCK_N=tile.gate_up_block_n, BLOCK_K=tile.gate_up_block_k,
-        EVEN_K=hidden_size % tile.gate_up_block_k == 0, num_warps=4, PDL=pdl,
-        **pdl_launch_options(pdl))
+        hidden, w, s, b, act, flat_experts, inter, hidden_size, hidden.stride(0), *strides,
+        act.stride(0), *scalars, TOP_K=top_k, BLOCK_N=tile.gate_up_block_n,
+        BLOCK_K=tile.gate_up_block_k, EVEN_K=hidden_size % tile.gate_up_block_k == 0,
+        **w13.flags(), **act_kind, num_warps=4, PDL=pdl, **pdl_launch_options(pdl))
     return act
 
 
-def _down_tiles_then_sum(act: torch.Tensor, flat_weights: torch.Tensor, w2: torch.Tensor,
+def _down_tiles_then_sum(act: torch.Tensor, flat_weights: torch.Tensor, w2: ExpertMatrices,
                          tile: MoETile, routed_shape: torch.Size, sorted_pairs: torch.Tensor,
                          block_expert: torch.Tensor, num_blocks: int,
                          add: torch.Tensor | None) -> torch.Tensor:
-    """Each pair's down projection times its routing weight (``_down_kernel``'s tiles),
-    then each token's slots summed (``sum_slots``; plus ``add``)."""
+    """Each pair's down projection (plus its bias) times its routing weight
+    (``_down_kernel``'s tiles), then each token's slots summed (``sum_slots``; plus
+    ``add``)."""
     num_tokens, top_k = routed_shape
     pairs, inter = act.shape
     hidden_size = w2.shape[1]
     if add is not None:
         add = add.contiguous()
     out = torch.empty(pairs, hidden_size, dtype=act.dtype, device=act.device)
+    w, s, b, *strides = w2.launch_args()
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, tile.block_n))](
-        act, w2, out, flat_weights, sorted_pairs, block_expert, pairs,
-        hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        act, w, s, b, out, flat_weights, sorted_pairs, block_expert, pairs,
+        hidden_size, inter, act.stride(0), *strides, out.stride(0),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        IEEE_FP32=act.dtype == torch.float32, PAIR_ROWS=tile.pair_rows,
+        IEEE_FP32=act.dtype == torch.float32, PAIR_ROWS=tile.pair_rows, **w2.flags(),
         **_tile_launch(tile, act.device))
     if top_k == 1:
         return out if add is None else out + add
     return sum_slots(out, num_tokens, top_k, add)
 
 
-def _down_gemvs_summed(act: torch.Tensor, flat_weights: torch.Tensor, w2: torch.Tensor,
+def _down_gemvs_summed(act: torch.Tensor, flat_weights: torch.Tensor, w2: ExpertMatrices,
                        tile: MoETile, num_tokens: int, top_k: int, flat_experts: torch.Tensor,
                        add: torch.Tensor | None) -> torch.Tensor:
-    """The down projection and the slot sum in one launch (``_down_sum_slots_kernel``,
-    pair layout, top-k > 1); plus ``add``."""
+    """The down projection (16-bit experts) and the slot sum in one launch
+    (``_down_sum_slots_kernel``, pair layout, top-k > 1); plus ``add``."""
+    if w2.mxfp4:
+        raise ValueError("the slot-summing down kernel reads 16-bit experts only")
     inter = act.shape[1]
     hidden_size = w2.shape[1]
     if add is not None:
         add = add.contiguous()
     summed = torch.empty(num_tokens, hidden_size, dtype=act.dtype, device=act.device)
     pdl = pdl_enabled(act.device)
+    w, _, b, stride_we, stride_wn, _, _, stride_be = w2.launch_args()
     _down_sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, tile.down_block_n))](
-        act, w2, summed, flat_weights, flat_experts, hidden_size, inter, act.stride(0),
-        w2.stride(0), w2.stride(1), summed.stride(0), add if add is not None else summed,
+        act, w, b, summed, flat_weights, flat_experts, hidden_size, inter, act.stride(0),
+        stride_we, stride_wn, stride_be, summed.stride(0), add if add is not None else summed,
         add.stride(0) if add is not None else 0, TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tile.down_block_n,
-        BLOCK_K=tile.down_block_k, num_warps=4, PDL=pdl, ADD=add is not None,
-        **pdl_launch_options(pdl))
+        BLOCK_K=tile.down_block_k, HAS_BIAS=w2.bias is not None, num_warps=4, PDL=pdl,
+        ADD=add is not None, **pdl_launch_options(pdl))
     return summed
 
 

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,8 +28,14 @@ from archserve.kernels.linear.quantized_tuning import (
     KindTiming,
     QuantTuneReport,
 )
+from archserve.kernels.moe.expert_activation import (
+    DEFAULT_ACTIVATION,
+    ExpertBiases,
+    GatedActivation,
+)
 from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
 from archserve.kernels.moe.triton_fused_moe import (
+    ExpertMatrices,
     MoETile,
     candidate_tiles,
     fused_moe,
@@ -39,7 +46,9 @@ from archserve.kernels.tuning_cache import read_cache, write_cache
 log = logging.getLogger(__name__)
 # 2: the pair layout (MoETile.pair_rows); 3: its widest tile at 8 warps; 4: the
 # slot-summing down kernel (MoETile.down_block_n); 5: the CUDA-core gate/up
-# (MoETile.gate_up_block_n); 6: timed over routings that differ call to call
+# (MoETile.gate_up_block_n); 6: timed over routings that differ call to call. Keys name
+# MXFP4 experts, the activation and biases where a layer has them (no version change:
+# the 16-bit silu keys are as before).
 _CACHE_VERSION = 6
 # Calls in one timed graph, each with its own routing (so its own experts): a decode step's
 # layers never find the experts they read in L2, and Qwen3-30B-A3B's 8 experts a token
@@ -49,18 +58,35 @@ _ROUTINGS = 4
 
 @dataclass
 class MoEShape:
-    """Every layer impl that runs one expert shape, and one layer's weights to time."""
+    """Every layer impl that runs one expert shape, and one layer's weights to time: 16-bit
+    (``dtype`` theirs) or MXFP4 (``dtype`` the activations'), with the layer's activation
+    and biases, as it runs."""
 
     impls: list[TritonFusedMoEImpl]
-    w13: torch.Tensor          # [E, 2I, H]
-    w2: torch.Tensor           # [E, H, I]
+    w13: Any                   # [E, 2I, H]: a tensor or an Mxfp4Weight
+    w2: Any                    # [E, H, I]
     top_k: int
     renormalize: bool
+    dtype: torch.dtype | None = None
+    activation: GatedActivation = DEFAULT_ACTIVATION
+    biases: ExpertBiases | None = None
+
+    @property
+    def activations_dtype(self) -> torch.dtype:
+        return self.dtype or self.w13.dtype
 
     def key(self, bucket: int) -> str:
-        e, n, k = self.w13.shape
-        return (f"moe:E{e}xN{n}xK{k}:top{self.top_k}:{str(self.w13.dtype).removeprefix('torch.')}"
-                f":b{bucket}")
+        w13 = ExpertMatrices.of(self.w13)
+        e, n, k = w13.shape
+        kind = ("mxfp4-" if w13.mxfp4 else "") + str(self.activations_dtype).removeprefix(
+            "torch.")
+        extras = ("" if self.activation == DEFAULT_ACTIVATION else f":{self.activation.kind}"
+                  ) + (":bias" if self.biases is not None else "")
+        return f"moe:E{e}xN{n}xK{k}:top{self.top_k}:{kind}{extras}:b{bucket}"
+
+    def run(self, x: torch.Tensor, logits: torch.Tensor, tile: MoETile) -> torch.Tensor:
+        return fused_moe(x, logits, self.w13, self.w2, self.top_k, self.renormalize, tile,
+                         activation=self.activation, biases=self.biases)
 
 
 class MoETuneReport(QuantTuneReport):
@@ -111,14 +137,12 @@ def tune_moe(shapes: Sequence[MoEShape], token_counts: Sequence[int], cache_path
 def _time_bucket(shape: MoEShape, bucket: int, timer) -> KindTiming:  # noqa: ANN001
     candidates = candidate_tiles(bucket, shape.top_k, shape.w13, shape.w2)
     x, logits = _inputs(shape, bucket)
-    expected = fused_moe(x, logits, shape.w13, shape.w2, shape.top_k, shape.renormalize,
-                         candidates[0]).float()
+    expected = shape.run(x, logits, candidates[0]).float()
     default_us = timer(shape, bucket, candidates[0])
     timing = KindTiming(default_us, default_us, calls=len(shape.impls))
     for tile in candidates[1:]:
         try:
-            got = fused_moe(x, logits, shape.w13, shape.w2, shape.top_k, shape.renormalize,
-                            tile).float()
+            got = shape.run(x, logits, tile).float()
             if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max()):
                 timing.note += f"{tile.key()}: disagrees with the default; "
                 continue
@@ -132,10 +156,12 @@ def _time_bucket(shape: MoEShape, bucket: int, timer) -> KindTiming:  # noqa: AN
 
 
 def _inputs(shape: MoEShape, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator(device=shape.w13.device).manual_seed(tokens + (seed << 20))
-    x = torch.randn(tokens, shape.w13.shape[2], generator=gen, device=shape.w13.device,
-                    dtype=shape.w13.dtype)
-    logits = torch.randn(tokens, shape.w13.shape[0], generator=gen, device=shape.w13.device)
+    w13 = ExpertMatrices.of(shape.w13)
+    experts, _, hidden = w13.shape
+    gen = torch.Generator(device=w13.device).manual_seed(tokens + (seed << 20))
+    x = torch.randn(tokens, hidden, generator=gen, device=w13.device,
+                    dtype=shape.activations_dtype)
+    logits = torch.randn(tokens, experts, generator=gen, device=w13.device)
     return x, logits
 
 
@@ -147,7 +173,7 @@ def _graph_us(shape: MoEShape, tokens: int, tile: MoETile) -> float:
 
     def calls() -> None:
         for x, logits in inputs:
-            fused_moe(x, logits, shape.w13, shape.w2, shape.top_k, shape.renormalize, tile)
+            shape.run(x, logits, tile)
     us, how = graph_median_us(calls, 10, warmup=2, reps=1)
     if how != "graph":
         raise RuntimeError("the fused MoE could not be captured in a CUDA graph")

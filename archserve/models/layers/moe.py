@@ -202,6 +202,16 @@ class FusedMoE(nn.Module):
         self.quantized, self.quant_dtype = quantized, dtype
         self._impl_key = None
 
+    def held_bytes(self) -> int:
+        """What the layer's experts occupy: their 16-bit matrices (each expert's views of
+        the stacked weights) or the quantized experts' tensors, and the biases."""
+        held = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.quantized is not None:
+            held += sum(t.numel() * t.element_size()
+                        for w in (self.quantized.w13, self.quantized.w2)
+                        for t in vars(w).values() if isinstance(t, torch.Tensor))
+        return held
+
     def expert_params(self, shared: bool = False) -> int:
         """The weights the routed experts stand for (gate, up and down of each); with
         ``shared``, those of the shared experts."""
@@ -234,6 +244,11 @@ class FusedMoE(nn.Module):
                 self._operands = self._impl.prepare(self.quantized, dtype)
         return self._impl
 
+    def operands(self) -> tuple[Any, Any]:
+        """(w13, w2) as the selected backend's forward takes them: the 16-bit stacked
+        weights, or the quantized experts as its ``prepare`` made them."""
+        return (self.w13, self.w2) if self.quantized is None else self._operands
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 grouping: dict[str, Any] | None = None) -> torch.Tensor:
         """``grouping``: a family's own top-k (DeepSeek's scoring, expert groups, selection
@@ -249,7 +264,7 @@ class FusedMoE(nn.Module):
         else (``forward``, ``residual``): the (output, residual) pair a decoder block
         returns (norm_folding.py)."""
         impl = self.impl()
-        operands = (self.w13, self.w2) if self.quantized is None else self._operands
+        operands = self.operands()
         routed = impl.route(router_logits, self.top_k, self.renormalize, **(grouping or {}),
                             shared_experts=self.num_shared_experts)
         add = residual if residual is not None and self.takes_residual(impl, hidden) else None
@@ -280,8 +295,8 @@ class FusedMoE(nn.Module):
 
 
 def quantized_device(quantized: Any) -> torch.device:
-    w = quantized.w13
-    return (w.qweight if hasattr(w, "qweight") else w.weight).device
+    from archserve.kernels.moe.quantized_experts import expert_tensor
+    return expert_tensor(quantized.w13).device
 
 
 class GatedMLP(nn.Module):
