@@ -25,6 +25,10 @@ from archserve.models.attention_facts import AttentionFacts, attention_facts
 # Families whose attention has q/k/v biases regardless of the ``attention_bias`` field.
 _QKV_BIAS_ALWAYS = {"qwen2"}
 _QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text"}
+# Families whose experts add a bias after each projection, and their activation where it
+# is not silu(gate) * up (kernels/moe/expert_activation.py).
+_EXPERT_BIAS = {"gpt_oss"}
+_EXPERT_ACTIVATION = {"gpt_oss": "swigluoai"}
 
 # config.json's ``model_type`` -> the architecture that runs it. GGUF-derived configs carry
 # no ``architectures``; the model type names the family.
@@ -189,6 +193,10 @@ class ModelConfig:
     mla: MlaDims | None = None                 # DeepSeek-style latent attention
     sparse_attention: SparseAttentionDims | None = None   # DSA over the MLA latent
     compressed_attention: CompressedAttentionDims | None = None   # DeepSeek V4
+    # Routed experts: their activation (kernels/moe/expert_activation.py: "silu", or
+    # gpt-oss's "swigluoai") and biases.
+    expert_activation: str = "silu"
+    expert_bias: bool = False
     # Sinks, causality, the checkpoint's KV cache, a vision encoder (what selection asks).
     attention_facts: AttentionFacts = field(default_factory=AttentionFacts)
     hf_config: Any = field(default=None, repr=False)
@@ -291,6 +299,8 @@ class ModelConfig:
             mla=_mla_dims(text),
             sparse_attention=_sparse_attention_dims(text, num_layers),
             compressed_attention=compressed,
+            expert_activation=_EXPERT_ACTIVATION.get(model_type, "silu"),
+            expert_bias=model_type in _EXPERT_BIAS,
             attention_facts=attention_facts(hf_config, _quantization_config(hf_config)),
             hf_config=hf_config,
         )

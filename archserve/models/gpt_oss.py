@@ -46,7 +46,7 @@ class GptOssFamily(MoEFamily):
         return SparseMoEBlock(config.hidden_size, self.num_experts(hf),
                               int(hf.num_experts_per_tok), self.expert_intermediate_size(hf),
                               self.renormalize(hf), self.expert_names, router_bias=True,
-                              activation=activation, expert_bias=True)
+                              activation=activation, expert_bias=config.expert_bias)
 
 
 class GptOssModel(MoEModel):

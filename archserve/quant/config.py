@@ -32,6 +32,7 @@ AWQ = "awq"                                         # qweight/qzeros/scales, AWQ
 HF_FP8 = "fp8"                                      # fp8 weight + weight_scale(_inv)
 ONLINE_FP8 = "online fp8"                           # a dense weight, quantized after load
 GGUF = "gguf"                                       # GGUF blocks, split into integer groups
+MXFP4 = "mxfp4"                                     # OpenAI's blocks (e2m1) + scales (e8m0)
 
 
 ACTIVATION_TEXT = {ACT_NONE: "16-bit activations",
@@ -56,6 +57,8 @@ class LayerQuant:
     def describe(self) -> str:
         if self.layout == GGUF:
             return "GGUF blocks as int4/int8 groups (scale and offset), 16-bit activations"
+        if self.layout == MXFP4:
+            return "mxfp4 weights (e2m1, an e8m0 scale per 32), 16-bit activations"
         weights = {"tensor": "per-tensor", "channel": "per-channel",
                    "group": f"group {self.group_size}",
                    "block": f"{self.block[0]}x{self.block[1]} blocks" if self.block else ""
@@ -73,6 +76,7 @@ class UnsupportedQuantization(ValueError):
 class _Group:
     targets: list[str]
     layer: LayerQuant
+    experts_only: bool = False       # the group quantizes routed experts, no linear layer
 
 
 @dataclass
@@ -96,7 +100,9 @@ class QuantConfig:
 
     @property
     def layers(self) -> list[LayerQuant]:
-        return [g.layer for g in self.groups]
+        """The quantizations of the checkpoint's linear layers (not of experts-only groups:
+        MXFP4's routed experts, whose dense layers stay 16-bit)."""
+        return [g.layer for g in self.groups if not g.experts_only]
 
     def describe(self) -> str:
         kinds = sorted({g.layer.describe() for g in self.groups})
@@ -356,9 +362,34 @@ def _awq(config: dict[str, Any]) -> QuantConfig:
                        list(config.get("modules_to_not_convert") or []), config)
 
 
+# The expert matrices' module names (models/layers/moe.py: ``<moe>.experts.<e>.<proj>``).
+EXPERT_MATRICES = r"re:.*\.experts\.\d+\."
+
+
+def _glob_pattern(pattern: str) -> str:
+    """A ``modules_to_not_convert`` entry with ``*`` wildcards (OpenAI's
+    ``model.layers.*.self_attn``) as a ``re:`` pattern matching the module and what is
+    under it; plain names stay names."""
+    if "*" not in pattern:
+        return pattern
+    body = r"[^.]+".join(re.escape(part) for part in pattern.split("*"))
+    return f"re:{body}(\\.|$)"
+
+
+def _mxfp4(config: dict[str, Any]) -> QuantConfig:
+    """OpenAI's MXFP4 (gpt-oss; transformers' and vLLM's ``mxfp4`` method): the routed
+    experts' matrices as ``*_blocks`` (e2m1) and ``*_scales`` (e8m0, one per 32 input
+    channels); every other layer stays 16-bit, as both read it."""
+    layer = LayerQuant(MXFP4, fmt.MXFP4, 4, "group", ACT_NONE, group_size=32)
+    ignore = [_glob_pattern(p) for p in config.get("modules_to_not_convert") or []]
+    return QuantConfig("mxfp4", [_Group([EXPERT_MATRICES], layer, experts_only=True)], ignore,
+                       config)
+
+
 _PARSERS = {
     "compressed_tensors": _compressed_tensors,
     "fp8": _hf_fp8,
     "gptq": _gptq,
     "awq": _awq,
+    "mxfp4": _mxfp4,
 }

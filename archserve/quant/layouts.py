@@ -28,6 +28,7 @@ from archserve.kernels.linear.quantized_weights import (
     Fp8Weight,
     Int8Weight,
     IntGroupWeight,
+    Mxfp4Weight,
     QuantizedWeight,
     pack_int_rows,
     unpack_int_rows,
@@ -40,6 +41,7 @@ from archserve.quant.config import (
     GGUF,
     GPTQ,
     HF_FP8,
+    MXFP4,
     ONLINE_FP8,
     LayerQuant,
 )
@@ -79,6 +81,13 @@ def tensor_layouts(q: LayerQuant, in_features: int) -> list[TensorLayout]:
     # Along the input channels: one entry per group (none when a single group spans K).
     by_group = dict(in_dim=None) if not q.group_size else {}
     group = q.group_size or 1
+    if q.layout == MXFP4:
+        # gpt-oss's ``*_blocks`` [N, K/32, 16] (as [N, K/2]: two values a byte) and
+        # ``*_scales`` [N, K/32], one expert matrix's rows each (models/gpt_oss.py).
+        return [TensorLayout("blocks", torch.uint8, lambda r: (r, k // 2), in_dim=1,
+                             channels_per_entry=2),
+                TensorLayout("scales", torch.uint8, lambda r: (r, k // 32), in_dim=1,
+                             channels_per_entry=32)]
     if q.layout in (CT_FLOAT, HF_FP8):
         scale_name = "weight_scale_inv" if q.layout == HF_FP8 and q.block else "weight_scale"
         layouts = [TensorLayout("weight", FP8_DTYPE, lambda r: (r, k), in_dim=1)]
@@ -369,4 +378,8 @@ def to_kernel_weight(q: LayerQuant, tensors: dict[str, torch.Tensor], shard_rows
         return _gptq(q, tensors, in_features)
     if q.layout == AWQ:
         return _awq(q, tensors, in_features)
+    if q.layout == MXFP4:             # the checkpoint's layout is the kernels' own
+        weight = Mxfp4Weight(tensors["blocks"].contiguous(), tensors["scales"].contiguous())
+        weight.validate()
+        return weight
     raise ValueError(f"no repacking for {q.layout}")

@@ -31,6 +31,7 @@ from archserve.quant.config import (
     CT_PACKED,
     GPTQ,
     HF_FP8,
+    MXFP4,
     ONLINE_FP8,
     LayerQuant,
     QuantConfig,
@@ -121,7 +122,7 @@ def _reason(device: DeviceInfo, quant: LayerQuant, spec: LinearSpec, selection: 
 _EXPERT_MATRICES = ("model.layers.0.mlp.experts.0.gate_proj",
                     "model.layers.0.block_sparse_moe.experts.0.w1")
 # Checkpoint layouts whose experts load (quant/expert_state.py repacks them per expert).
-_EXPERT_LAYOUTS = (CT_FLOAT, HF_FP8, CT_PACKED, CT_INT, GPTQ, AWQ, ONLINE_FP8)
+_EXPERT_LAYOUTS = (CT_FLOAT, HF_FP8, CT_PACKED, CT_INT, GPTQ, AWQ, ONLINE_FP8, MXFP4)
 
 
 def expert_quant(config: QuantConfig | None) -> LayerQuant | None:
@@ -136,16 +137,16 @@ def quantized_experts_refusal(config: QuantConfig | None, has_moe: bool) -> str 
 
     Loadable: FP8 (per-tensor, per-channel, 128x128 blocks; compressed-tensors or HF
     ``fp8``), integer groups without act order (GPTQ, AWQ, compressed-tensors W4A16 /
-    W8A16), online fp8 (``--quantization fp8``) of a 16-bit MoE, and GGUF (its experts
-    are dequantized at load: see gguf_experts_decision)."""
+    W8A16), MXFP4 (OpenAI's ``mxfp4``), online fp8 (``--quantization fp8``) of a 16-bit
+    MoE, and GGUF (its experts are dequantized at load: see gguf_experts_decision)."""
     quant = expert_quant(config) if has_moe else None
     if quant is None:
         return None
     what = f"the routed experts are quantized ({quant.describe()})"
     if quant.layout not in _EXPERT_LAYOUTS or quant.weight_format not in (
-            fmt.FP8, fmt.FP8_BLOCK, fmt.WNA16):
+            fmt.FP8, fmt.FP8_BLOCK, fmt.WNA16, fmt.MXFP4):
         return (f"{what}; this build's MoE kernels run fp8 (per-tensor, per-channel, "
-                f"128x128 blocks) and W4A16/W8A16 integer-group experts, not "
+                f"128x128 blocks), W4A16/W8A16 integer-group and MXFP4 experts, not "
                 f"{quant.weight_format} (`explain --op moe --quantization ...` shows vLLM's "
                 f"choice)")
     if quant.act_order:

@@ -130,9 +130,11 @@ SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     QuantScheme("modelopt_mxfp8", "ModelOpt MXFP8", _cap(80), fmt.MXFP8, fmt.MXFP8, (),
                 "mxfp8 weights, e8m0 block scales (Marlin weight-only below SM100)",
                 activation="dynamic_group"),
-    # vLLM's Mxfp4Config (gpt-oss) quantizes the experts only: its linear layers stay 16-bit.
+    # OpenAI's MXFP4 (gpt-oss): the routed experts only; transformers and vLLM 0.33 keep
+    # every linear layer 16-bit (vLLM's Mxfp4Config gives linears UnquantizedLinearMethod).
     QuantScheme("mxfp4", "MXFP4", _cap(80), None, fmt.MXFP4, (),
-                "mxfp4 e2m1 expert weights, e8m0 block scales", moe_activation="none"),
+                "mxfp4 e2m1 expert weights, an e8m0 scale per 32 (dense layers 16-bit)",
+                moe_activation="none", checkpoint={"quant_method": "mxfp4"}),
     QuantScheme("experts_int8", "Experts INT8", _cap(80), None, fmt.INT8, (),
                 "int8 expert weights only (dense layers stay 16-bit)"),
     QuantScheme("w8a8_int8", "W8A8 INT8", _cap(75), fmt.INT8, fmt.INT8, ("CUTLASS_INT8",),

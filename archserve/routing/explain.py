@@ -461,6 +461,8 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     if model.is_moe:
         moe = _moe_spec(inputs, dtype=torch_dtype, quant_scheme=form.moe_format,
                         activation=form.moe_activation,
+                        gated_activation=model.expert_activation,
+                        expert_bias=model.expert_bias,
                         num_experts=model.num_experts, top_k=model.experts_per_token or 2,
                         hidden_size=model.hidden_size,
                         intermediate_size=model.intermediate_size)

@@ -129,10 +129,16 @@ def _archserve_scheme_rule(scheme: str, device: DeviceInfo) -> str | None:
 
 
 def _archserve_scheme_route(scheme: str, device: DeviceInfo) -> str:
+    """The linear kernels of the scheme's layers; for a scheme of routed experts alone
+    (MXFP4), the MoE kernel that runs them; else "dense after load"."""
     plan = _scheme_plan(scheme, device)
-    return ", ".join(sorted({layer.selection.name for layer in plan.layers
-                            if layer.selection is not None})) or (
-        "dense after load")
+    route = ", ".join(sorted({layer.selection.name for layer in plan.layers
+                              if layer.selection is not None}))
+    if not route and plan.moe_format is not None:
+        experts = default_registry().select("moe", device, _moe(plan.moe_format),
+                                            libraries="all")
+        return f"experts: {experts.name}"
+    return route or "dense after load"
 
 
 SINKS_SPEC = AttentionSpec(head_size=64, dtype=torch.float16, has_sinks=True)
@@ -233,6 +239,10 @@ def matrix_rows() -> list[MatrixRow]:
                                                      _moe("fp8"))),
         _row(moe, "FlashInfer CuteDSL MoE", _backend("moe", "FLASHINFER_CUTEDSL_MOE",
                                                      _moe("nvfp4"))),
+        _row(moe, "TRTLLM MoE MXFP4", _backend("moe", "TRTLLM_MOE_MXFP4", _moe("mxfp4"))),
+        _row(moe, "OpenAI Triton MXFP4 MoE", _backend("moe", "TRITON_MXFP4_MOE", _moe("mxfp4"))),
+        _row(moe, "Triton fused_moe, MXFP4 weight-only",
+             _backend("moe", "TRITON_FUSED_MOE", _moe("mxfp4"))),
         _row(moe, "PyTorch MoE", _backend("moe", "TORCH_MOE", _moe(None))),
         _row("LoRA adapters", "Triton shrink/expand (SGMV)",
              _backend("lora", "TRITON_LORA", LoRASpec(dtype=torch.float16))),
@@ -245,6 +255,9 @@ def matrix_rows() -> list[MatrixRow]:
         _kernel_path(quant, "FP8 (native)", "TORCH_SCALED_MM", _linear("fp8")),
         _kernel_path(quant, "NVFP4 quantization", "CUTLASS_NVFP4", _linear("nvfp4")),
         _kernel_path(quant, "NVFP4 (Marlin path)", "MARLIN", _linear("nvfp4")),
+        _kernel_path(quant, "MXFP4 (Marlin path)", "MARLIN", _linear("mxfp4")),
+        _kernel_path(quant, "MXFP4 (Triton weight-only)", "TRITON_WEIGHT_ONLY",
+                     _linear("mxfp4")),
     ]
 
 

@@ -39,6 +39,8 @@ class ModelSummary:
     v_head_dim: int = 128
     num_experts: int = 0
     experts_per_token: int = 0
+    expert_activation: str = "silu"      # kernels/moe/expert_activation.py
+    expert_bias: bool = False
     hidden_size: int = 4096
     intermediate_size: int = 11008
     quantization: str | None = None      # an archserve.quant scheme name
@@ -119,6 +121,8 @@ def summary_from_model_config(model_config: ModelConfig, is_gguf: bool = False
         v_head_dim=int(get("v_head_dim") or 128),
         num_experts=int(experts),
         experts_per_token=int(get("num_experts_per_tok") or 0),
+        expert_activation=model_config.expert_activation,
+        expert_bias=model_config.expert_bias,
         hidden_size=model_config.hidden_size,
         intermediate_size=int(get("moe_intermediate_size") or model_config.intermediate_size),
         quantization=scheme_from_config(model_config.quantization_config),

@@ -292,7 +292,7 @@ def test_backend_rules_name_the_hardware_reason():
     from archserve.platform.profiles import get_profile
 
     activation = {"fp8": ACT_DYNAMIC_TOKEN, "int8": ACT_STATIC_TENSOR,
-                  "fp8_block": ACT_DYNAMIC_GROUP, "wna16": ACT_NONE}
+                  "fp8_block": ACT_DYNAMIC_GROUP, "wna16": ACT_NONE, "mxfp4": ACT_NONE}
 
     def check(cls, profile, scheme, dtype=torch.float16, **spec):
         spec = {"activation": activation[scheme], **spec}
@@ -305,7 +305,12 @@ def test_backend_rules_name_the_hardware_reason():
     assert check(wo, "v100", "wna16", torch.bfloat16) == "bfloat16 needs SM80+, device is SM70"
     assert check(wo, "a100", "wna16", torch.bfloat16) is None
     assert check(wo, "cpu", "wna16") == "needs a CUDA or ROCm GPU, device is cpu"
-    assert "executes fp8, fp8_block, wna16 weights; this layer is int8" == check(wo, "h200", "int8")
+    assert "executes fp8, fp8_block, mxfp4, wna16 weights; this layer is int8" == check(
+        wo, "h200", "int8")
+    # MXFP4: weight-only from SM80 (bf16); below, the dequantizing torch path.
+    assert check(wo, "a100", "mxfp4", torch.bfloat16) is None
+    assert check(wo, "rtx5090", "mxfp4", torch.bfloat16) is None
+    assert check(wo, "t4", "mxfp4") == "MXFP4 weights need SM80+ (bf16), device is SM75"
     assert check(TorchScaledMmBackend, "a100", "fp8") == "needs SM89+, device is SM80"
     assert check(TorchScaledMmBackend, "v100", "fp8", torch.bfloat16) == \
         "needs SM89+, device is SM70"

@@ -173,16 +173,19 @@ def assert_prefill_then_decode_match_hf(model, hf_model, config, prompts: list[l
 def assert_llm_greedy_and_prompt_logprobs_equal_hf(path: str, prompts: list[str],
                                                   num_tokens: int = 32, tol: float = 1e-4,
                                                   prompt_logprobs: bool = True,
+                                                  hf_kwargs: dict | None = None,
                                                   **llm_kwargs) -> list:
-    """The whole engine (archserve.LLM, fp32) against transformers from the same checkpoint:
-    token-identical greedy output and prompt log-probabilities within ``tol`` (unless
-    ``prompt_logprobs`` is off: a request asking for them computes its whole prompt, never
-    reading the prefix cache). Returns the engine's outputs."""
+    """The whole engine (archserve.LLM, fp32) against transformers from the same checkpoint
+    (``hf_kwargs``: more arguments of its ``from_pretrained``): token-identical greedy
+    output and prompt log-probabilities within ``tol`` (unless ``prompt_logprobs`` is off:
+    a request asking for them computes its whole prompt, never reading the prefix cache).
+    Returns the engine's outputs."""
     from transformers import AutoModelForCausalLM
 
     from archserve import LLM, SamplingParams
 
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                    **(hf_kwargs or {})).eval()
     hf_model.generation_config.eos_token_id = None
     llm = LLM(path, dtype="float32", **{"max_num_seqs": 4, **llm_kwargs})
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True,

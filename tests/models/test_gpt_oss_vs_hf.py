@@ -11,6 +11,8 @@ stacked checkpoint, YaRN without truncation, alternating sliding and full layers
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tiny_checkpoints import build_tiny_checkpoint
@@ -144,3 +146,48 @@ def test_llm_chunked_prefill_prefix_cache_and_preemption(checkpoint, monkeypatch
         max_model_len=80)
     assert preempted, "the pool was large enough for every sequence: nothing was preempted"
     assert max(out.num_cached_tokens for out in outputs) >= 8
+
+
+# ---------------------------------------------------------------- MXFP4 (OpenAI's form)
+
+MXFP4_FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant",
+                             "gpt-oss-mxfp4")
+
+
+def _mxfp4_hf():
+    from transformers import Mxfp4Config
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
+def test_mxfp4_checkpoint_keeps_its_experts_packed():
+    """scripts/quant_fixtures/gpt_oss_mxfp4.py's checkpoint: the experts load as MXFP4
+    (uint8 blocks and e8m0 scales, gate and up rows apart), every other layer 16-bit; on a
+    CPU the torch loop runs them, dequantized once."""
+    from archserve.kernels.linear.quantized_weights import Mxfp4Weight
+    from archserve.loader.loader import load_model
+    model, config = load_model(MXFP4_FIXTURE, dtype=torch.float32)
+    assert config.quantization_config["quant_method"] == "mxfp4"
+    for moe in model.moe_layers():
+        assert isinstance(moe.quantized.w13, Mxfp4Weight)
+        assert moe.quantized.w13.blocks.shape == (4, 2 * 64, 128 // 2)
+        assert moe.quantized.w2.scales.shape == (4, 128, 64 // 32)
+        assert moe.impl() is not None and moe.backend_name == "TORCH_MOE"
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters()
+               if "experts" not in n)
+
+
+def test_mxfp4_llm_equals_transformers_dequantizing_the_same_files():
+    """The engine on the MXFP4 files against transformers reading them with its own MXFP4
+    decoder (``Mxfp4Config(dequantize=True)``), fp32: the same greedy tokens (32, past the
+    16-token window) and prompt log-probabilities within 1e-4."""
+    assert_llm_greedy_and_prompt_logprobs_equal_hf(MXFP4_FIXTURE, TEXT_PROMPTS, 32,
+                                                   hf_kwargs=_mxfp4_hf())
+
+
+def test_mxfp4_chunked_prefill_and_preemption():
+    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
+    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
+    assert_llm_greedy_and_prompt_logprobs_equal_hf(
+        MXFP4_FIXTURE, prompts, 24, prompt_logprobs=False, hf_kwargs=_mxfp4_hf(),
+        enable_chunked_prefill=True, max_num_batched_tokens=8, block_size=4, num_kv_blocks=24,
+        max_model_len=80)

@@ -28,7 +28,7 @@ FIXTURES = {
     "gptq": ["gptq-w4-g128-sym", "gptq-w4-g32-asym-actorder", "gptq-w8-g128"],
     "gptq_marlin": ["gptq-w4-g128-sym"], "awq": ["awq-w4-g64"], "awq_marlin": ["awq-w4-g64"],
     "fp8": ["online fp8 of a dense checkpoint"], "fp8_block": ["hf-fp8-block"],
-    "gguf": ["gguf-mixed"], "w8a8_int8": ["ct-int8-w8a8"],
+    "gguf": ["gguf-mixed"], "w8a8_int8": ["ct-int8-w8a8"], "mxfp4": ["gpt-oss-mxfp4"],
 }
 
 
@@ -73,9 +73,8 @@ def test_doctor_routes_run_in_this_build(profile: str) -> None:
 
 
 @pytest.mark.parametrize("config,needle", [
-    ({**LLAMA, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-      "num_local_experts": 8, "num_experts_per_tok": 2},
-     "architecture 'GptOssForCausalLM' is not supported in this build"),
+    ({**LLAMA, "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"},
+     "architecture 'Olmo2ForCausalLM' is not supported in this build"),
     ({**LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
       "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32,

@@ -69,6 +69,11 @@ def test_matrix_and_explain_agree_on_every_profile(name: str, scheme_rows: dict[
         quantized = sorted(backends & planned)
         assert not quantized or quantized == sorted(backends), (name, device.id)
         expected = ", ".join(quantized) if quantized else "dense after load"
+        if not quantized and scheme.moe_format is not None:
+            # Routed experts alone (MXFP4): the kernel `explain --op moe` routes them to.
+            (experts,) = explain_op_request(device, "moe", quantization=name,
+                                            libraries="all").routes
+            expected = f"experts: {experts.backend}"
         assert row["notes"][device.id] == expected, (name, device.id)
 
 
@@ -78,7 +83,7 @@ def test_the_loader_reads_the_methods_of_the_table() -> None:
     for scheme in SCHEMES.values():
         if scheme.loadable and scheme.name != "gguf":
             assert parse_quant_config(scheme.checkpoint) is not None, scheme.name
-    assert loadable_methods() == ("awq", "compressed-tensors", "fp8", "gguf", "gptq")
+    assert loadable_methods() == ("awq", "compressed-tensors", "fp8", "gguf", "gptq", "mxfp4")
     with pytest.raises(UnsupportedQuantization) as refused:
         parse_quant_config({"quant_method": "bitsandbytes"})
-    assert "loadable: awq, compressed-tensors, fp8, gguf, gptq" in str(refused.value)
+    assert "loadable: awq, compressed-tensors, fp8, gguf, gptq, mxfp4" in str(refused.value)

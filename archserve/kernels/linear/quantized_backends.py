@@ -1,10 +1,10 @@
 """Linear backends for the quantized GEMM kernels of this build (Triton and torch._scaled_mm).
 
 Each executes the weight formats of archserve.kernels.linear.formats (FP8, FP8_BLOCK, INT8,
-WNA16) through one routine, ``routine(x, weight, bias)``, whose weight is the layout of
+WNA16, MXFP4) through one routine, ``routine(x, weight, bias)``, whose weight is the layout of
 archserve.kernels.linear.quantized_weights that archserve.quant repacks at load:
 
-* TRITON_WEIGHT_ONLY - integer-group (wna16) and FP8 weights executed weight-only: the
+* TRITON_WEIGHT_ONLY - integer-group (wna16), FP8 and MXFP4 weights executed weight-only: the
   weight is dequantized in registers, the activations stay 16-bit. FP8 bytes are decoded
   with integer operations, so it runs where FP8 hardware does not (SM70-SM88).
 * TORCH_SCALED_MM - FP8 W8A8 with per-channel weight scales through torch._scaled_mm
@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from archserve.kernels.linear.formats import FP8, FP8_BLOCK, INT8, WNA16, QuantGemmBackend
+from archserve.kernels.linear.formats import (
+    FP8,
+    FP8_BLOCK,
+    INT8,
+    MXFP4,
+    WNA16,
+    QuantGemmBackend,
+)
 from archserve.kernels.linear.quantized_weights import (
     ACT_DYNAMIC_GROUP,
     ACT_DYNAMIC_TOKEN,
@@ -61,10 +68,10 @@ class TritonWeightOnlyBackend(QuantGemmBackend):
     name = "TRITON_WEIGHT_ONLY"
     implemented = True
     library = "triton"
-    formats = frozenset({WNA16, FP8, FP8_BLOCK})
+    formats = frozenset({WNA16, FP8, FP8_BLOCK, MXFP4})
     activations = None          # weight-only: any checkpoint's scheme, x stays 16-bit
-    description = ("Triton weight-only GEMM: 4/8-bit integer groups or FP8 dequantized in "
-                   "registers, 16-bit activations (SM70+, ROCm)")
+    description = ("Triton weight-only GEMM: 4/8-bit integer groups, FP8 or MXFP4 dequantized "
+                   "in registers, 16-bit activations (SM70+, ROCm; MXFP4 SM80+)")
     impl_path = "archserve.kernels.linear.triton_weight_only:WeightOnlyLinear"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
@@ -72,7 +79,12 @@ class TritonWeightOnlyBackend(QuantGemmBackend):
         return _cuda_or_rocm(device, SM70)
 
     def request_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
-        return super().request_rule(device, spec) or _activations_rule(device, spec)
+        reason = super().request_rule(device, spec) or _activations_rule(device, spec)
+        if reason is None and spec.quant_scheme == MXFP4 and device.is_cuda \
+                and not device.has_capability(SM80):
+            # As the MoE's: MXFP4 tiles feed bf16 MMAs; fp16 cannot hold every e8m0 scale.
+            return f"MXFP4 weights need SM80+ (bf16), device is {device_text(device)}"
+        return reason
 
 
 class TorchScaledMmBackend(QuantGemmBackend):

@@ -180,7 +180,7 @@ class TorchDequantBackend(RuleBackend):
                    "W8A8 activations quantized as the checkpoint says (any device; no memory "
                    "saving)")
     impl_path = "archserve.kernels.linear.torch_dequant:TorchDequantLinear"
-    formats = frozenset({FP8, FP8_BLOCK, INT8, WNA16})
+    formats = frozenset({FP8, FP8_BLOCK, INT8, WNA16, MXFP4})
 
     def request_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
         if spec.quant_scheme is None:
