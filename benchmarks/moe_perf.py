@@ -1,5 +1,6 @@
-"""MoE speed on one GPU: the engine on Qwen3-30B-A3B and Mixtral-8x7B shapes with
-dummy bf16 weights, and a kernel table of the fused MoE.
+"""MoE speed on one GPU: the engine on Qwen3-30B-A3B, Mixtral-8x7B and gpt-oss-20b shapes
+with dummy weights (gpt-oss-20b in OpenAI's MXFP4 form, and gpt-oss-20b-bf16 with 16-bit
+experts), and a kernel table of the fused MoE.
 
 Engine rows (``--part engine``), one engine per model, several workloads on it:
 
@@ -17,6 +18,12 @@ Engine rows (``--part engine``), one engine per model, several workloads on it:
   records the layers it ran. ``--part peer`` runs this comparison alone (with
   --peer-layers, the whole model is then never built).
 
+gpt-oss (``--models gpt-oss-20b,gpt-oss-20b-bf16``): the same engine rows. The floor of an
+MXFP4 step counts the experts' packed bytes (values and scales) as they are held. Its
+kernel table (``--models gpt-oss-20b --part kernels``) times, at 1, 16, 256 and 4096
+tokens, the fused MoE on MXFP4 experts beside the same layer with bf16 experts (both with
+gpt-oss's clamped SwiGLU and biases, each with its tuned tile), against each one's floor.
+
 Kernel table (``--part kernels``), per expert shape and token count (1, 16, 64, 256, 1024):
 the fused Triton MoE with its tuned tile (the engine's tuner and cache, so a later engine
 start reads the result; "_pairs" in the tile: the unsorted pair layout), the TORCH_MOE loop,
@@ -26,6 +33,7 @@ floor (those bytes over the measured copy bandwidth), and the routing alone: the
 routing kernel against routing.route's torch ops.
 
     python3 benchmarks/moe_perf.py [--part engine|peer|kernels|all] [--models qwen3-30b-a3b,..]
+    python3 benchmarks/moe_perf.py --models gpt-oss-20b,gpt-oss-20b-bf16 --skip-peer
         [--skip-peer] [--peer-layers N] [--skip-mixtral-throughput] [--out F.json]
     python3 benchmarks/moe_perf.py --tiny          # CPU smoke run: tiny shapes, no GPU
 """
@@ -51,11 +59,14 @@ from archserve.engine.heap import free_dropped_engines  # noqa: E402
 from archserve.engine.step_weights import experts_touched  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODELS = {"qwen3-30b-a3b": os.path.join(HERE, "models", "qwen3-30b-a3b"),
-          "mixtral-8x7b": os.path.join(HERE, "models", "mixtral-8x7b")}
+MODELS = {name: os.path.join(HERE, "models", name)
+          for name in ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-20b-bf16")}
 # experts, top_k, hidden, expert intermediate
-KERNEL_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+KERNEL_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336),
+                 "gpt-oss-20b": (32, 4, 2880, 2880), "gpt-oss-20b-bf16": (32, 4, 2880, 2880)}
 TOKENS = (1, 16, 64, 256, 1024)
+# gpt-oss's kernel table: MXFP4 experts beside bf16 ones at these token counts.
+GPT_OSS_TOKENS = (1, 16, 256, 4096)
 TINY_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
                "num_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 2,
@@ -258,6 +269,51 @@ def kernel_rows(name: str, shape: tuple[int, int, int, int], tokens_list, device
     return rows
 
 
+def gpt_oss_kernel_rows(name: str, shape: tuple[int, int, int, int], tokens_list, device,
+                        cache_path: str | None) -> list[dict]:
+    """The fused MoE on gpt-oss's experts (clamped SwiGLU, biases), MXFP4 beside bf16, each
+    with its tuned tile; µs, GB/s of the expert bytes the tokens touch, and the floor (those
+    bytes over the measured copy bandwidth)."""
+    from archserve.kernels.linear.quantized_weights import quantize_mxfp4
+    from archserve.kernels.moe.expert_activation import SWIGLU_OAI, ExpertBiases, GatedActivation
+    from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl
+    from archserve.kernels.moe.triton_fused_moe import ExpertMatrices
+    from archserve.kernels.moe.tuning import MoEShape, tune_moe
+    experts, top_k, hidden, inter = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16
+    w13 = torch.randn(experts, 2 * inter, hidden, device=device, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, device=device, generator=gen) * inter ** -0.5
+    activation = GatedActivation(SWIGLU_OAI, 1.702, 7.0)
+    biases = ExpertBiases(torch.randn(experts, 2 * inter, device=device, dtype=dtype) * 0.1,
+                          torch.randn(experts, hidden, device=device, dtype=dtype) * 0.1)
+    forms = {"bf16": (w13.to(dtype), w2.to(dtype)),
+             "mxfp4": (quantize_mxfp4(w13), quantize_mxfp4(w2))}
+    copy_bytes_per_s = load_or_measure(device).copy_bytes_per_s
+    rows = []
+    for form, (a, b) in forms.items():
+        impl = TritonFusedMoEImpl()
+        report = tune_moe([MoEShape([impl], a, b, top_k, True, dtype, activation, biases)],
+                          tokens_list, cache_path)
+        print(f"{name} {form}: {report.summary()}", flush=True)
+        expert_bytes = ExpertMatrices.of(a).expert_bytes + ExpertMatrices.of(b).expert_bytes
+        for tokens in tokens_list:
+            x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+            logits = torch.randn(tokens, experts, device=device, generator=gen)
+            touched = experts_touched(tokens, experts, top_k) * expert_bytes
+            us, how = _time_us(lambda x=x, lg=logits, a=a, b=b, impl=impl: impl.forward(
+                x, lg, a, b, top_k, True, activation=activation, biases=biases), device)
+            row = {"shape": name, "experts": form, "tokens": tokens, "us": us, "how": how,
+                   "tile": impl.tile_for(tokens, top_k, a, b).key(), "expert_bytes": touched,
+                   "gb_s": touched / us / 1e3, "floor_us": touched / copy_bytes_per_s * 1e6}
+            row["over_floor"] = us / row["floor_us"]
+            rows.append(row)
+            print(f"{name:16s} {form:5s} T={tokens:5d} {us:9.1f} us ({row['gb_s']:.0f} GB/s, "
+                  f"floor {row['floor_us']:.1f} us = {row['over_floor']:.2f}x) "
+                  f"[{row['tile']}]", flush=True)
+    return rows
+
+
 def _kernel_line(row: dict) -> str:
     def cell(kind: str) -> str:
         r = row.get(kind)
@@ -320,7 +376,14 @@ def main() -> None:
             cache = os.path.join(device_kernel_dir(detect()), "moe_tiles.json")
         dtype = torch.float32 if args.tiny else torch.bfloat16
         for name in names:
-            result["kernels"] += kernel_rows(name, shapes[name], tokens, device, dtype, cache)
+            if name.startswith("gpt-oss") and device.type == "cuda":
+                # One table of both expert forms (the -bf16 name adds nothing to it).
+                if name == "gpt-oss-20b" or "gpt-oss-20b" not in names:
+                    result["kernels"] += gpt_oss_kernel_rows(name, shapes[name],
+                                                             GPT_OSS_TOKENS, device, cache)
+            else:
+                result["kernels"] += kernel_rows(name, shapes[name], tokens, device, dtype,
+                                                 cache)
             free_dropped_engines(device.type)
             save()
     if args.part in ("engine", "peer", "all"):

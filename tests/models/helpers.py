@@ -237,11 +237,14 @@ SHARED_PREFIX = "A paged KV cache stores keys and values in fixed-size blocks. "
 PREFIX_TAILS = ("The capital of", "1 2 3", "Hello world")
 
 
-def assert_chunked_prefix_and_preemption_equal_hf(path: str, monkeypatch, **engine) -> None:
-    """The engine's harder paths on CPU in fp32 against transformers: prompts sharing a
-    cached prefix, prefills chunked over several steps (8-token budget), and a pool too
-    small for every sequence at once, so some are preempted and recomputed. ``engine``:
-    other sizes (DeepSeek V4's blocks hold whole compression groups)."""
+def assert_chunked_prefix_and_preemption_equal_hf(path: str, monkeypatch, num_tokens: int = 32,
+                                                  hf_kwargs: dict | None = None,
+                                                  **engine) -> list:
+    """The engine's harder paths on CPU in fp32 against transformers (``hf_kwargs``: more
+    arguments of its ``from_pretrained``): prompts sharing a cached prefix, prefills
+    chunked over several steps (8-token budget), and a pool too small for every sequence at
+    once, so some are preempted and recomputed (both asserted to happen). ``engine``: other
+    sizes (DeepSeek V4's blocks hold whole compression groups)."""
     from archserve.engine.scheduler import Scheduler
 
     prompts = [SHARED_PREFIX + tail for tail in PREFIX_TAILS]
@@ -254,11 +257,13 @@ def assert_chunked_prefix_and_preemption_equal_hf(path: str, monkeypatch, **engi
 
     monkeypatch.setattr(Scheduler, "_preempt", counting)
     outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
-        path, prompts, 32, prompt_logprobs=False, enable_prefix_caching=True,
-        enable_chunked_prefill=True, **{"max_num_batched_tokens": 8, "block_size": 4,
-                                        "num_kv_blocks": 24, "max_model_len": 80, **engine})
+        path, prompts, num_tokens, prompt_logprobs=False, hf_kwargs=hf_kwargs,
+        enable_prefix_caching=True, enable_chunked_prefill=True,
+        **{"max_num_batched_tokens": 8, "block_size": 4, "num_kv_blocks": 24,
+           "max_model_len": 80, **engine})
     assert preempted, "the pool was large enough for every sequence: nothing was preempted"
     assert max(out.num_cached_tokens for out in outputs) >= 8
+    return outputs
 
 
 def assert_gpu_chunked_prefix_tracks_one_prefill(path: str, engine: dict) -> None:
@@ -331,3 +336,19 @@ def bf16_logprob_drift(path: str, outputs) -> tuple[float, float]:
     del models
     torch.cuda.empty_cache()
     return sum(ours) / len(ours), sum(theirs) / len(theirs)
+
+
+def assert_greedy_agrees_with_hf(hf_model, prompt_ids: list[int], ours: list[int],
+                                 near_tie: float) -> None:
+    """Ours is transformers' argmax at every step, up to a near-tie (GPU kernels sum in
+    other orders; where the top two are within ``near_tie`` the continuations may part)."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for step, token in enumerate(ours):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+            best = int(logits.argmax())
+            if token != best:
+                margin = float(logits[best] - logits[token])
+                assert margin < near_tie, f"step {step}: ours {token}, transformers {best}"
+                return
+            ids.append(token)

@@ -17,11 +17,12 @@ import pytest
 import torch
 from tiny_checkpoints import build_tiny_checkpoint
 
-from archserve.engine.scheduler import Scheduler
 from models.helpers import (
     PROMPTS,
     TEXT_PROMPTS,
     PagedSequences,
+    assert_chunked_prefix_and_preemption_equal_hf,
+    assert_greedy_agrees_with_hf,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
@@ -127,25 +128,9 @@ def test_llm_greedy_and_prompt_logprobs_equal_transformers(checkpoint):
 
 
 def test_llm_chunked_prefill_prefix_cache_and_preemption(checkpoint, monkeypatch):
-    """Prompts sharing a cached prefix, prefills chunked 8 tokens a step (each chunk's
-    window reaching back into cached blocks), and a pool too small for every sequence at
-    once, so some are preempted and recomputed."""
-    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
-    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
-    preempted = []
-    original = Scheduler._preempt
-
-    def counting(self, seq, *args):
-        preempted.append(seq.seq_id)
-        return original(self, seq, *args)
-
-    monkeypatch.setattr(Scheduler, "_preempt", counting)
-    outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
-        checkpoint, prompts, 32, prompt_logprobs=False, enable_prefix_caching=True,
-        enable_chunked_prefill=True, max_num_batched_tokens=8, block_size=4, num_kv_blocks=24,
-        max_model_len=80)
-    assert preempted, "the pool was large enough for every sequence: nothing was preempted"
-    assert max(out.num_cached_tokens for out in outputs) >= 8
+    """Prefills chunked 8 tokens a step (each chunk's window reaching back into cached
+    blocks), prompts sharing a cached prefix, and preemption."""
+    assert_chunked_prefix_and_preemption_equal_hf(checkpoint, monkeypatch)
 
 
 # ---------------------------------------------------------------- MXFP4 (OpenAI's form)
@@ -176,6 +161,25 @@ def test_mxfp4_checkpoint_keeps_its_experts_packed():
                if "experts" not in n)
 
 
+def test_mxfp4_dummy_weights_are_small_and_the_step_reads_the_packed_bytes():
+    """The benchmark's MXFP4 shapes load this way: random e2m1 bytes and small e8m0 scales
+    (weights of the dense ones' size: finite logits); a decode step reads each touched
+    expert's packed bytes (blocks, scales, biases), not bf16's."""
+    from archserve.engine.step_weights import step_weights
+    from archserve.kernels.linear.quantized_weights import dequantize_mxfp4
+    from archserve.loader.loader import load_model
+    model, config = load_model(MXFP4_FIXTURE, dtype=torch.bfloat16, load_format="dummy")
+    for moe in model.moe_layers():
+        assert dequantize_mxfp4(moe.quantized.w13).abs().max() < 0.01
+    logits = PagedSequences.for_config(config, dtype=torch.bfloat16).run(model, {0: PROMPTS[0]})
+    assert torch.isfinite(logits).all()
+    weights = step_weights(model, config)
+    e, h, i = 4, 128, 64
+    per_layer = e * (2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32) \
+        + e * (2 * i + h) * 2
+    assert weights.expert_bytes == 2 * per_layer
+
+
 def test_mxfp4_llm_equals_transformers_dequantizing_the_same_files():
     """The engine on the MXFP4 files against transformers reading them with its own MXFP4
     decoder (``Mxfp4Config(dequantize=True)``), fp32: the same greedy tokens (32, past the
@@ -184,10 +188,65 @@ def test_mxfp4_llm_equals_transformers_dequantizing_the_same_files():
                                                    hf_kwargs=_mxfp4_hf())
 
 
-def test_mxfp4_chunked_prefill_and_preemption():
-    shared = "A paged KV cache stores keys and values in fixed-size blocks. "
-    prompts = [shared + tail for tail in ("The capital of", "1 2 3", "Hello world")]
-    assert_llm_greedy_and_prompt_logprobs_equal_hf(
-        MXFP4_FIXTURE, prompts, 24, prompt_logprobs=False, hf_kwargs=_mxfp4_hf(),
-        enable_chunked_prefill=True, max_num_batched_tokens=8, block_size=4, num_kv_blocks=24,
-        max_model_len=80)
+def test_mxfp4_chunked_prefill_prefix_cache_and_preemption(monkeypatch):
+    assert_chunked_prefix_and_preemption_equal_hf(MXFP4_FIXTURE, monkeypatch,
+                                                  hf_kwargs=_mxfp4_hf())
+
+
+# ---------------------------------------------------------------- GPU
+
+def _checkpoint_of(form: str, tmp_path) -> tuple[str, dict]:
+    """(path, transformers' from_pretrained arguments) of the tiny bf16-form checkpoint or
+    the MXFP4 fixture."""
+    if form == "mxfp4":
+        return MXFP4_FIXTURE, _mxfp4_hf()
+    return build_tiny_checkpoint(str(tmp_path), "gpt_oss", **GPT_OSS), {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("form", ["bf16 checkpoint", "mxfp4"])
+def test_gpu_llm_greedy_equals_transformers(tmp_path, form, enforce_eager):
+    """fp32 on the GPU: Triton attention with sinks over the 4- or 16-token windows, the
+    Triton MoE (16-bit, or MXFP4 decoded in registers) with the clamped SwiGLU and biases,
+    decode in CUDA graphs unless eager; greedy tokens are transformers' (fp32, on the CPU;
+    for MXFP4 its own decoder's dequantized weights), up to a near-tie."""
+    from transformers import AutoModelForCausalLM
+
+    from archserve import LLM, SamplingParams
+    path, hf_kwargs = _checkpoint_of(form, tmp_path)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                    **hf_kwargs).eval()
+    llm = LLM(path, dtype="float32", device="cuda", enforce_eager=enforce_eager,
+              gpu_memory_utilization=0.3)
+    engine = llm.llm_engine
+    routes = {r.layer: r.backend for r in engine.report.routes}
+    assert routes["attention"] == "TRITON_ATTN" and routes["moe experts"] == "TRITON_FUSED_MOE"
+    assert bool(engine.report.graph_sizes) != enforce_eager, engine.report.graphs_off
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for out in llm.generate(TEXT_PROMPTS, params):
+        assert_greedy_agrees_with_hf(hf_model, out.prompt_token_ids, list(out.outputs[0].token_ids), 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["bf16 checkpoint", "mxfp4"])
+def test_gpu_bf16_prompt_logprobs_are_close_to_transformers(tmp_path, form):
+    """bf16 on the GPU, graphs on, against transformers in bf16 on the GPU (MXFP4: its
+    dequantized experts): the prompts' log-probabilities agree to bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from archserve import LLM, SamplingParams
+    path, hf_kwargs = _checkpoint_of(form, tmp_path)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                    **hf_kwargs).cuda().eval()
+    llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    diffs = []
+    for out in llm.generate(TEXT_PROMPTS, params):
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids], device="cuda")).logits[0]
+                                    .float(), -1)
+        diffs += [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
+                  for p in range(1, len(ids))]
+    assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02

@@ -21,6 +21,7 @@ from models.helpers import (
     PROMPTS,
     TEXT_PROMPTS,
     PagedSequences,
+    assert_greedy_agrees_with_hf,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
@@ -234,21 +235,6 @@ def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path, variant):
 
 # ---------------------------------------------------------------- GPU
 
-def _greedy_agrees(hf_model, prompt_ids: list[int], ours: list[int], near_tie: float) -> None:
-    """Ours is transformers' argmax at every step, up to a near-tie (GPU kernels sum in
-    other orders; where the top two are within ``near_tie`` the continuations may part)."""
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for step, token in enumerate(ours):
-            logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
-            best = int(logits.argmax())
-            if token != best:
-                margin = float(logits[best] - logits[token])
-                assert margin < near_tie, f"step {step}: ours {token}, transformers {best}"
-                return
-            ids.append(token)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("variant", ["mixtral_top2", "qwen2_moe_shared_step2",
@@ -271,7 +257,7 @@ def test_gpu_llm_greedy_equals_transformers(tmp_path, variant, enforce_eager):
     assert len(tiles) == (0 if enforce_eager else 1)    # tuned (or cached) for the graphs
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     for out in llm.generate(TEXT_PROMPTS, params):
-        _greedy_agrees(hf_model, out.prompt_token_ids, list(out.outputs[0].token_ids), 1e-4)
+        assert_greedy_agrees_with_hf(hf_model, out.prompt_token_ids, list(out.outputs[0].token_ids), 1e-4)
 
 
 @pytest.mark.gpu
