@@ -352,3 +352,21 @@ def assert_greedy_agrees_with_hf(hf_model, prompt_ids: list[int], ours: list[int
                 assert margin < near_tie, f"step {step}: ours {token}, transformers {best}"
                 return
             ids.append(token)
+
+
+def prompt_logprob_gaps(hf_model, llm, prompts: list[str]) -> list[float]:
+    """|ours - transformers'| of every prompt token's log-probability after the first (the
+    engine's prompt_logprobs against ``hf_model``'s log-softmax, on the model's device)."""
+    from archserve import SamplingParams
+
+    device = next(hf_model.parameters()).device
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    gaps = []
+    for out in llm.generate(prompts, params):
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids], device=device)).logits[0]
+                                    .float(), -1)
+        gaps += [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
+                 for p in range(1, len(ids))]
+    return gaps

@@ -27,6 +27,7 @@ from models.helpers import (
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
     hf_last_logits,
+    prompt_logprob_gaps,
     saved_and_loaded,
     tiny_hf_model,
 )
@@ -235,18 +236,10 @@ def test_gpu_bf16_prompt_logprobs_are_close_to_transformers(tmp_path, form):
     dequantized experts): the prompts' log-probabilities agree to bf16 rounding."""
     from transformers import AutoModelForCausalLM
 
-    from archserve import LLM, SamplingParams
+    from archserve import LLM
     path, hf_kwargs = _checkpoint_of(form, tmp_path)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
                                                     **hf_kwargs).cuda().eval()
     llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
-    diffs = []
-    for out in llm.generate(TEXT_PROMPTS, params):
-        ids = out.prompt_token_ids
-        with torch.no_grad():
-            ref = torch.log_softmax(hf_model(torch.tensor([ids], device="cuda")).logits[0]
-                                    .float(), -1)
-        diffs += [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
-                  for p in range(1, len(ids))]
+    diffs = prompt_logprob_gaps(hf_model, llm, TEXT_PROMPTS)
     assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02
