@@ -303,14 +303,16 @@ def gpt_oss_kernel_rows(name: str, shape: tuple[int, int, int, int], tokens_list
             touched = experts_touched(tokens, experts, top_k) * expert_bytes
             us, how = _time_us(lambda x=x, lg=logits, a=a, b=b, impl=impl: impl.forward(
                 x, lg, a, b, top_k, True, activation=activation, biases=biases), device)
+            flops = 2.0 * tokens * top_k * 3 * hidden * inter
             row = {"shape": name, "experts": form, "tokens": tokens, "us": us, "how": how,
                    "tile": impl.tile_for(tokens, top_k, a, b).key(), "expert_bytes": touched,
-                   "gb_s": touched / us / 1e3, "floor_us": touched / copy_bytes_per_s * 1e6}
+                   "gb_s": touched / us / 1e3, "tflops": flops / us / 1e6,
+                   "floor_us": touched / copy_bytes_per_s * 1e6}
             row["over_floor"] = us / row["floor_us"]
             rows.append(row)
             print(f"{name:16s} {form:5s} T={tokens:5d} {us:9.1f} us ({row['gb_s']:.0f} GB/s, "
-                  f"floor {row['floor_us']:.1f} us = {row['over_floor']:.2f}x) "
-                  f"[{row['tile']}]", flush=True)
+                  f"{row['tflops']:.1f} TFLOP/s; bytes floor {row['floor_us']:.1f} us = "
+                  f"{row['over_floor']:.2f}x) [{row['tile']}]", flush=True)
     return rows
 
 
