@@ -121,9 +121,9 @@ def test_the_torch_loop_is_transformers_gpt_oss_experts():
 
 
 def test_mxfp4_tiles():
-    """The tuner's candidates for MXFP4 experts: both layouts and the CUDA-core gate/up,
-    never the slot-summing down (it reads 16-bit experts); the pair layout's choice counts
-    the packed bytes (a quarter of bf16's, plus the scales)."""
+    """The tuner's candidates for MXFP4 experts: both layouts, the CUDA-core gate/up and
+    the slot-summing down; the pair layout's choice counts the packed bytes (a quarter of
+    bf16's, plus the scales)."""
     from archserve.kernels.moe.triton_fused_moe import (
         ExpertMatrices,
         candidate_tiles,
@@ -138,9 +138,10 @@ def test_mxfp4_tiles():
     assert w13.expert_bytes == 5760 * 1440 + 5760 * 90
     tiles = candidate_tiles(1, 4, w13, w2)
     assert tiles[0] == choose_tile(1, 4, w13, w2) and tiles[0].pair_rows
-    assert any(t.gate_up_block_n for t in tiles) and not any(t.down_block_n for t in tiles)
+    assert any(t.gate_up_block_n for t in tiles) and any(t.down_block_n for t in tiles)
     assert {t.pair_rows for t in tiles} == {True, False}
-    assert all(t.block_k % 32 == 0 and t.gate_up_block_k % 32 == 0 for t in tiles)
+    assert all(t.block_k % 32 == 0 and t.gate_up_block_k % 32 == 0
+               and t.down_block_k % 32 == 0 for t in tiles)
 
 
 # ---------------------------------------------------------------- compiled for real GPUs
@@ -157,7 +158,8 @@ def test_mxfp4_launches_compile(target):
     x, logits, w13, w2, biases, _, _ = experts_case(4, 8, 64, 32, torch.bfloat16, True)
     routed = route(logits, 2, True)
     pair = pair_tile(8, 32, 132)
-    gemv = dataclasses.replace(pair, gate_up_block_n=4, gate_up_block_k=64)
+    gemv = dataclasses.replace(pair, gate_up_block_n=4, gate_up_block_k=64, down_block_n=4,
+                               down_block_k=64)
     kernels = []
     for tile in (DEFAULT_TILES[0][1], pair, gemv):
         with compiled_launches(target) as launches:
@@ -168,7 +170,7 @@ def test_mxfp4_launches_compile(target):
             assert launch.code() and launch.constexprs["MXFP4"]
             assert launch.constexprs["HAS_BIAS"]
     assert kernels == [["_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"]] * 2 + [
-        ["_gate_up_gemv_kernel", "_down_kernel", "_sum_slots_kernel"]]
+        ["_gate_up_gemv_kernel", "_down_sum_slots_kernel"]]
 
 
 # ---------------------------------------------------------------- CPU: the interpreter
@@ -194,11 +196,10 @@ if INTERPRETED:
         expected = reference(x, logits, d13, d2, top_k, CLAMPING, biases)
         pair = pair_tile(tokens * top_k, min(hidden, inter), 1, 32)
         # Sorted tiles of a K step of one group; the pair layout (K step 128: past K); its
-        # CUDA-core gate/up over two K steps.
+        # CUDA-core gate/up over two K steps; the slot-summing down, with its biases.
         tiles = [MoETile(16, 32, 32), pair,
-                 dataclasses.replace(pair, gate_up_block_n=16, gate_up_block_k=32)]
-        if not mxfp4:    # the slot-summing down, with its biases
-            tiles.append(dataclasses.replace(pair, down_block_n=8, down_block_k=32))
+                 dataclasses.replace(pair, gate_up_block_n=16, gate_up_block_k=32),
+                 dataclasses.replace(pair, down_block_n=8, down_block_k=32)]
         for tile in tiles:
             got = fused_moe(x, logits, w13, w2, top_k, True, tile, activation=CLAMPING,
                             biases=biases)

@@ -279,8 +279,7 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: Any, w2: Any) -> list[MoET
     pair layout is the default, its other widths, the sorted default, and each gate/up
     kernel (tl.dot, GATE_UP_GEMV_TILES) with each down (tl.dot then the sum,
     SUM_DOWN_TILES); near the boundary
-    (up to twice PAIR_ROWS_MAX_PAIRS pairs), the sorted tiles and two pair tiles. MXFP4
-    experts: no slot-summing down (its weights are read as 16-bit)."""
+    (up to twice PAIR_ROWS_MAX_PAIRS pairs), the sorted tiles and two pair tiles."""
     w13, w2 = ExpertMatrices.of(w13), ExpertMatrices.of(w2)
     default = choose_tile(num_tokens, top_k, w13, w2)
     pairs = num_tokens * top_k
@@ -300,7 +299,7 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: Any, w2: Any) -> list[MoET
         gate_ups = [default] + [dataclasses.replace(default, gate_up_block_n=n,
                                                     gate_up_block_k=k)
                                 for n, k in GATE_UP_GEMV_TILES]
-        downs = [(0, 0)] + (list(SUM_DOWN_TILES) if top_k > 1 and not w2.mxfp4 else [])
+        downs = [(0, 0)] + (list(SUM_DOWN_TILES) if top_k > 1 else [])
         tiles += [dataclasses.replace(gate_up, down_block_n=n, down_block_k=k)
                   for gate_up in gate_ups for n, k in downs]
     elif pairs <= 2 * PAIR_ROWS_MAX_PAIRS:
@@ -484,21 +483,33 @@ if triton is not None:
         store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
 
     @triton.jit
-    def _down_sum_slots_kernel(act_ptr, w2_ptr, b2_ptr, out_ptr, weights_ptr, experts_ptr,
-                               hidden, inter, stride_at, stride_we, stride_wn, stride_be,
-                               stride_ot, add_ptr, stride_add, TOP_K: tl.constexpr,
-                               SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False,
+    def _down_sum_slots_kernel(act_ptr, w2_ptr, s2_ptr, b2_ptr, out_ptr, weights_ptr,
+                               experts_ptr, hidden, inter, stride_at, stride_we, stride_wn,
+                               stride_se, stride_sn, stride_be, stride_ot, add_ptr, stride_add,
+                               TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
                                PDL: tl.constexpr = False, ADD: tl.constexpr = False):
         """out[t, cols] = sum over slots j of weight[t, j] * (act[t * TOP_K + j] .
         w2[expert[t, j]][cols]ᵀ): a GEMV per slot on the CUDA cores (one row each: tensor
         cores would be 1/16 used), rounded to the output dtype as ``_down_kernel`` stores
         each slot's row, then summed in fp32 in registers (``_sum_slots_kernel``'s sum,
         without its launch). SLOTS: TOP_K rounded up to a power of two, masked. ADD: plus
-        add[t] (``_store_sum``)."""
+        add[t] (``_store_sum``). MXFP4: the slots one after another, each a GEMV over its
+        expert's decoded rows (``_mxfp4_slot_parts``), summed in the same order."""
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
+        if MXFP4:
+            pdl_start(PDL)
+            total = _mxfp4_slot_parts(act_ptr, w2_ptr, s2_ptr, b2_ptr, weights_ptr,
+                                      experts_ptr, token, cols, col_ok, inter, stride_at,
+                                      stride_we, stride_wn, stride_se, stride_sn, stride_be,
+                                      out_ptr.dtype.element_ty, TOP_K, BLOCK_N, BLOCK_K,
+                                      HAS_BIAS)
+            _store_sum(out_ptr + token * stride_ot + cols, total, col_ok, add_ptr,
+                       token * stride_add + cols, ADD)
+            return
         slots = tl.arange(0, SLOTS)
         slot_ok = slots < TOP_K
         pairs = token * TOP_K + slots
@@ -533,6 +544,36 @@ if triton is not None:
         total = tl.sum(round_to_dtype(parts, dtype), axis=0)
         _store_sum(out_ptr + token * stride_ot + cols, total, col_ok, add_ptr,
                    token * stride_add + cols, ADD)
+
+    @triton.jit
+    def _mxfp4_slot_parts(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, experts_ptr, token,
+                          cols, col_ok, inter, stride_at, stride_we, stride_wn, stride_se,
+                          stride_sn, stride_be, dtype: tl.constexpr, TOP_K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr):
+        """Sum over token ``token``'s slots of each slot's down row at ``cols`` (MXFP4
+        experts, decoded by triton_mxfp4.mxfp4_row_pairs; plus its bias), times its routing
+        weight, rounded to ``dtype``: in fp32, in slot order."""
+        BLOCK_P: tl.constexpr = BLOCK_K // 2
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(TOP_K):
+            pair = token * TOP_K + j
+            expert = tl.load(experts_ptr + pair).to(tl.int64)
+            w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+            s_rows = s_ptr + expert * stride_se + cols.to(tl.int64)[:, None] * stride_sn
+            a_row = act_ptr + pair * stride_at
+            acc = tl.zeros([BLOCK_N, BLOCK_P], tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                even, odd = mxfp4_row_pairs(w_rows, s_rows, col_ok[:, None], k0, inter,
+                                            BLOCK_K)
+                k = k0 + 2 * tl.arange(0, BLOCK_P)
+                a_even = tl.load(a_row + k, mask=k < inter, other=0.0).to(tl.float32)
+                a_odd = tl.load(a_row + k + 1, mask=k < inter, other=0.0).to(tl.float32)
+                acc += even * a_even[None, :] + odd * a_odd[None, :]
+            part = tl.sum(acc, axis=1) + bias_row(b_ptr + expert * stride_be, cols, col_ok,
+                                                   HAS_BIAS)
+            total += round_to_dtype(part * tl.load(weights_ptr + pair), dtype)
+        return total
 
     @triton.jit
     def _sum_slots_kernel(src_ptr, dst_ptr, hidden, stride_src, stride_dst, add_ptr,
@@ -621,7 +662,7 @@ def _pair_layout(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Ten
     """No sort: program m is pair m, of expert ``experts.flatten()[m]``. Gate/up as
     tensor-core tiles, or with ``gate_up_block_n`` as GEMVs on the CUDA cores; down as tiles
     then the slot sum, or with ``down_block_n`` as GEMVs whose slots are summed in
-    registers (16-bit experts)."""
+    registers."""
     num_tokens, top_k = experts.shape
     flat_experts = experts.reshape(-1)
     pairs = flat_experts.shape[0]
@@ -715,24 +756,22 @@ def _down_tiles_then_sum(act: torch.Tensor, flat_weights: torch.Tensor, w2: Expe
 def _down_gemvs_summed(act: torch.Tensor, flat_weights: torch.Tensor, w2: ExpertMatrices,
                        tile: MoETile, num_tokens: int, top_k: int, flat_experts: torch.Tensor,
                        add: torch.Tensor | None) -> torch.Tensor:
-    """The down projection (16-bit experts) and the slot sum in one launch
-    (``_down_sum_slots_kernel``, pair layout, top-k > 1); plus ``add``."""
-    if w2.mxfp4:
-        raise ValueError("the slot-summing down kernel reads 16-bit experts only")
+    """The down projection and the slot sum in one launch (``_down_sum_slots_kernel``,
+    pair layout, top-k > 1); plus ``add``."""
     inter = act.shape[1]
     hidden_size = w2.shape[1]
     if add is not None:
         add = add.contiguous()
     summed = torch.empty(num_tokens, hidden_size, dtype=act.dtype, device=act.device)
     pdl = pdl_enabled(act.device)
-    w, _, b, stride_we, stride_wn, _, _, stride_be = w2.launch_args()
+    w, s, b, *strides = w2.launch_args()
     _down_sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, tile.down_block_n))](
-        act, w, b, summed, flat_weights, flat_experts, hidden_size, inter, act.stride(0),
-        stride_we, stride_wn, stride_be, summed.stride(0), add if add is not None else summed,
+        act, w, s, b, summed, flat_weights, flat_experts, hidden_size, inter, act.stride(0),
+        *strides, summed.stride(0), add if add is not None else summed,
         add.stride(0) if add is not None else 0, TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tile.down_block_n,
-        BLOCK_K=tile.down_block_k, HAS_BIAS=w2.bias is not None, num_warps=4, PDL=pdl,
-        ADD=add is not None, **pdl_launch_options(pdl))
+        BLOCK_K=tile.down_block_k, **w2.flags(), num_warps=4, PDL=pdl, ADD=add is not None,
+        **pdl_launch_options(pdl))
     return summed
 
 
