@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh OUTDIR [doctor|tests|attention|gemm|perf|perf_sync|profile|
 #                                     quant_gemm|quant_perf|serve|structured|moe|tp|tp4|tp8|mla|ncu|speed|
 #                                     lora|sparse_mla|sparse_mla_perf|dsv4|dsv4_perf|spec|
-#                                     emulate|all]
+#                                     emulate|gpt_oss|gpt_oss_engine|all]
 #   (default: all)
 #   doctor: nvidia-smi, `archserve doctor`, `explain` on the live device;
 #   tests:  every gpu-marked test; the kernel tests (many small Triton compiles, CPU-bound)
@@ -37,6 +37,11 @@
 #           GPUs; `all` leaves them out.
 #   moe:    benchmarks/moe_perf.py, the MoE kernel table then the Qwen3-30B-A3B and
 #           Mixtral-8x7B engine rows (env MOE_ARGS: extra arguments, e.g. --skip-peer).
+#   gpt_oss: the gpt-oss GPU tests (MXFP4 MoE and GEMV kernels at real shapes, sinks, the
+#           tiny bf16 and MXFP4 models against transformers with and without graphs), then
+#           the MXFP4-beside-bf16 MoE kernel table at 1, 16, 256, 4096 tokens;
+#   gpt_oss_engine: moe_perf.py's engine rows on gpt-oss-20b (MXFP4) and -bf16 (batch 1
+#           vs floor, 256 x 256/128); `all` leaves both out, ask for them by name;
 #   mla:    the MLA GPU tests (TRITON_MLA kernel and implementation at DeepSeek's
 #           sizes, tiny V2/V3 engines against transformers), then benchmarks/mla_perf.py:
 #           the MLA decode kernel's GB/s (env MLA_ARGS, e.g. --sweep), DeepSeek-V2-Lite
@@ -242,6 +247,20 @@ fi
 if [ "$PART" = sparse_mla_perf ]; then
   timeout ${SPARSE_TIMEOUT:-540} python3 benchmarks/sparse_mla_perf.py ${SPARSE_ARGS:-} \
     --out "$OUT/sparse_mla_perf.json" 2>&1 | grep -v "^USDT" | tee "$OUT/sparse_mla_perf.txt"
+fi
+if [ "$PART" = gpt_oss ]; then
+  $PYTEST -v --durations=15 tests/kernels/test_mxfp4_moe.py tests/models/test_gpt_oss_vs_hf.py \
+    tests/kernels/test_attention_impls.py::test_gpu_sinks_match_reference \
+    "tests/kernels/test_quant_gemm.py::test_gpu_weight_only_real_shapes" \
+    2>&1 | tee "$OUT/pytest_gpt_oss.log" | tail -n 30
+  timeout ${GPT_OSS_TIMEOUT:-480} python3 benchmarks/moe_perf.py --models gpt-oss-20b \
+    --part kernels --out "$OUT/gpt_oss_kernels.json" 2>&1 | grep -v "^USDT" \
+    | tee "$OUT/gpt_oss_kernels.txt"
+fi
+if [ "$PART" = gpt_oss_engine ]; then
+  timeout ${GPT_OSS_TIMEOUT:-580} python3 benchmarks/moe_perf.py \
+    --models gpt-oss-20b,gpt-oss-20b-bf16 --part engine --skip-peer \
+    --out "$OUT/gpt_oss_engine.json" 2>&1 | grep -v "^USDT" | tee "$OUT/gpt_oss_engine.txt"
 fi
 if [ "$PART" = ncu ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
