@@ -28,7 +28,7 @@ _QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text"}
 # Families whose experts add a bias after each projection, and their activation where it
 # is not silu(gate) * up (kernels/moe/expert_activation.py).
 _EXPERT_BIAS = {"gpt_oss"}
-_EXPERT_ACTIVATION = {"gpt_oss": "swigluoai"}
+_EXPERT_ACTIVATION = {"gpt_oss": "swigluoai", "deepseek_v4": "silu_clamped"}
 
 # config.json's ``model_type`` -> the architecture that runs it. GGUF-derived configs carry
 # no ``architectures``; the model type names the family.

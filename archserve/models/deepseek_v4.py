@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from archserve.kernels.moe.expert_activation import SILU_CLAMPED, GatedActivation
 from archserve.models.deepseek import DeepseekRouter
 from archserve.models.layers.compressed_attention import DeepseekV4Attention
 from archserve.models.layers.hyper_connection import HyperConnection, HyperHead
@@ -62,9 +63,11 @@ class DeepseekV4MoE(nn.Module):
         self.hashed = kinds[layer_index] == "hash_moe"
         self.gate = (HashRouter(num_experts, hidden, config.vocab_size, top_k) if self.hashed
                      else DeepseekRouter(num_experts, hidden, correction_bias=True))
-        self.experts = FusedMoE(num_experts, top_k, hidden, inter, True, MIXTRAL_EXPERT_NAMES)
+        limit = float(hf.swiglu_limit)
+        self.experts = FusedMoE(num_experts, top_k, hidden, inter, True, MIXTRAL_EXPERT_NAMES,
+                                activation=GatedActivation(SILU_CLAMPED, limit=limit))
         shared = int(getattr(hf, "n_shared_experts", 0) or 0)
-        self.shared_experts = GatedMLP(hidden, shared * inter) if shared else None
+        self.shared_experts = GatedMLP(hidden, shared * inter, limit=limit) if shared else None
         self.grouping = dict(scoring=str(getattr(hf, "scoring_func", "sqrtsoftplus")),
                              scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
 

@@ -17,6 +17,8 @@ import torch
 
 from archserve.kernels.linear.quantized_weights import dequantize_mxfp4, quantize_mxfp4
 from archserve.kernels.moe.expert_activation import (
+    DEFAULT_ACTIVATION,
+    SILU_CLAMPED,
     SWIGLU_OAI,
     ExpertBiases,
     GatedActivation,
@@ -32,6 +34,8 @@ gpu = pytest.mark.gpu
 # gpt-oss's own (limit 7), and one these random activations reach (about a third clamped).
 GPT_OSS = GatedActivation(SWIGLU_OAI, 1.702, 7.0)
 CLAMPING = GatedActivation(SWIGLU_OAI, 1.5, 0.5)
+# DeepSeek V4's clamped silu(gate) * up at a limit these activations reach.
+V4_CLAMPING = GatedActivation(SILU_CLAMPED, limit=0.5)
 
 
 def experts_case(tokens: int, experts: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -171,6 +175,11 @@ def test_mxfp4_launches_compile(target):
             assert launch.constexprs["HAS_BIAS"]
     assert kernels == [["_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"]] * 2 + [
         ["_gate_up_gemv_kernel", "_down_sum_slots_kernel"]]
+    # DeepSeek V4's clamped silu, in the tensor-core and the CUDA-core gate/up.
+    for tile in (pair, gemv):
+        with compiled_launches(target) as launches:
+            fused_moe(x, logits, w13, w2, 2, True, tile, routed, activation=V4_CLAMPING)
+        assert launches[0].code() and launches[0].constexprs["ACTIVATION"] == 2
 
 
 # ---------------------------------------------------------------- CPU: the interpreter
@@ -222,6 +231,24 @@ if INTERPRETED:
         doubled = fused_moe(x, logits, dataclasses.replace(w13, scales=scales), w2, 2, True,
                             tile, activation=CLAMPING, biases=biases)
         assert (doubled - good).abs().max() > 1e-2
+
+    @pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "16-bit"])
+    def test_deepseek_v4_clamped_silu_in_every_layout(mxfp4):
+        """DeepSeek V4's activation (gate and up clamped, then silu(gate) * up; no biases)
+        in every layout, and the clamp moves the result."""
+        x, logits, w13, w2, biases, d13, d2 = experts_case(5, 8, 64, 32, F32, mxfp4, seed=6)
+        zero = ExpertBiases(torch.zeros_like(biases.w13), torch.zeros_like(biases.w2))
+        expected = reference(x, logits, d13, d2, 2, V4_CLAMPING, zero)
+        pair = pair_tile(10, 32, 1, 32)
+        tiles = [MoETile(16, 32, 32), pair,
+                 dataclasses.replace(pair, gate_up_block_n=16, gate_up_block_k=32),
+                 dataclasses.replace(pair, down_block_n=8, down_block_k=32)]
+        for tile in tiles:
+            got = fused_moe(x, logits, w13, w2, 2, True, tile, activation=V4_CLAMPING)
+            torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5,
+                                       msg=lambda m, t=tile: f"{t}: {m}")
+        plain = fused_moe(x, logits, w13, w2, 2, True, tiles[0], activation=DEFAULT_ACTIVATION)
+        assert (plain.double() - expected).abs().max() > 1e-2
 
     def test_the_impl_runs_mxfp4_experts_on_its_default_tiles():
         x, logits, w13, w2, biases, d13, d2 = experts_case(3, 8, 64, 32, F32, True, seed=5)

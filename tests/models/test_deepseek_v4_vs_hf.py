@@ -9,7 +9,8 @@ at least twice), a window of 6 (prompts reach past it and past several groups), 
 indexer's 9 heads (the selection matters from the 16th token; with 2-3 heads many keys score
 0 after the ReLU and top-k ties break arbitrarily), 3 hyper-connection streams, two hash-routed
 MoE layers with a random token table, sqrt(softplus) routing with a selection bias, a grouped
-output projection of 2 groups.
+output projection of 2 groups, a ``swiglu_limit`` of 1 (the routed and shared experts' gate
+and up pre-activations pass it: the clamp matters).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ V4 = dict(hidden_size=72, moe_intermediate_size=40, intermediate_size=40,
           mlp_layer_types=["hash_moe"] * 2 + ["moe"] * (len(KINDS) - 2),
           compress_rates={CSA: 4, HCA: 8}, sliding_window=6, o_groups=2, o_lora_rank=24,
           index_n_heads=9, index_head_dim=16, index_topk=3, hc_mult=3, hc_sinkhorn_iters=5,
-          max_position_embeddings=256, routed_scaling_factor=1.5, swiglu_limit=100.0,
+          max_position_embeddings=256, routed_scaling_factor=1.5, swiglu_limit=1.0,
           tie_word_embeddings=False,
           # The compressed layers' rope as the release sets it: YaRN over compress_rope_theta.
           rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,

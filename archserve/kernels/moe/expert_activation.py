@@ -6,6 +6,11 @@ Most MoE families run ``silu(gate) * up``. gpt-oss runs its own clamped SwiGLU
     gate = min(gate, limit);  up = clamp(up, -limit, limit)
     act  = (up + 1) * gate * sigmoid(alpha * gate)
 
+DeepSeek V4 clamps the same way at its ``swiglu_limit``, then runs plain SwiGLU
+(transformers' DeepseekV4Experts), "silu_clamped" here:
+
+    act  = silu(min(gate, limit)) * clamp(up, -limit, limit)
+
 and adds a bias after each of its expert projections. Every MoE backend that runs such a
 layer takes the activation and the biases; the torch reference here is the oracle its
 kernels are tested against.
@@ -19,16 +24,18 @@ import torch
 
 SILU = "silu"
 SWIGLU_OAI = "swigluoai"
-ACTIVATION_KINDS = (SILU, SWIGLU_OAI)
+SILU_CLAMPED = "silu_clamped"
+ACTIVATION_KINDS = (SILU, SWIGLU_OAI, SILU_CLAMPED)
 # How the Triton kernels name them (a constexpr: triton_common.gated_activation).
-ACTIVATION_CODES = {SILU: 0, SWIGLU_OAI: 1}
+ACTIVATION_CODES = {SILU: 0, SWIGLU_OAI: 1, SILU_CLAMPED: 2}
 
 
 @dataclass(frozen=True)
 class GatedActivation:
     kind: str = SILU
     alpha: float = 1.702            # swigluoai: the sigmoid's gain
-    limit: float = 7.0              # swigluoai: the clamp of gate (above) and up (both sides)
+    limit: float = 7.0              # swigluoai, silu_clamped: the clamp of gate (above) and
+                                    # up (both sides)
 
     def __post_init__(self) -> None:
         if self.kind not in ACTIVATION_KINDS:
@@ -41,6 +48,8 @@ class GatedActivation:
             return torch.nn.functional.silu(gate) * up
         gate = gate.clamp(max=self.limit)
         up = up.clamp(-self.limit, self.limit)
+        if self.kind == SILU_CLAMPED:
+            return torch.nn.functional.silu(gate) * up
         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
 

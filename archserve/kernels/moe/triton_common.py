@@ -42,11 +42,16 @@ if triton is not None:
     def gated_activation(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
         """The expert's activation (expert_activation.ACTIVATION_CODES): 0 silu(gate) * up,
         1 gpt-oss's clamped SwiGLU (gate at most ``limit``, up within +-``limit``, then
-        (up + 1) * gate * sigmoid(``alpha`` * gate))."""
+        (up + 1) * gate * sigmoid(``alpha`` * gate)), 2 DeepSeek V4's (the same clamps,
+        then silu(gate) * up)."""
         if ACTIVATION == 1:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
             act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        elif ACTIVATION == 2:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            act = silu_and_mul(gate, up)
         else:
             act = silu_and_mul(gate, up)
         return act

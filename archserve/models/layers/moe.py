@@ -29,6 +29,7 @@ from archserve.distributed.layout import split_evenly
 from archserve.distributed.parallel_state import get_tp
 from archserve.kernels.moe.expert_activation import (
     DEFAULT_ACTIVATION,
+    SILU_CLAMPED,
     ExpertBiases,
     GatedActivation,
 )
@@ -301,15 +302,23 @@ def quantized_device(quantized: Any) -> torch.device:
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) of a given width: a shared expert (split over
-    tensor-parallel ranks as a dense MLP is)."""
+    tensor-parallel ranks as a dense MLP is). With ``limit`` (DeepSeek V4's
+    ``swiglu_limit``) gate and up are clamped first, as its routed experts' are
+    (expert_activation.SILU_CLAMPED)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 limit: float | None = None) -> None:
         super().__init__()
         self.gate_up_proj = GateUpParallelLinear(hidden_size, intermediate_size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+        self.activation = None if limit is None else GatedActivation(SILU_CLAMPED, limit=limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
+        if self.activation is None:
+            return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
+        # The clamps sit between the GEMM and the product, where the fused epilogue of
+        # forward_silu_mul has no place for them.
+        return self.down_proj(self.activation(*self.gate_up_proj(x).chunk(2, dim=-1)))
 
 
 class RouterFirstBlock(nn.Module):
