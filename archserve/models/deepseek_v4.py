@@ -16,8 +16,9 @@ and sqrt(softplus)-routed experts.
 
 Checkpoints: transformers' names, or DeepSeek's release layout (``layers.N.attn.wq_a``,
 ``ffn.experts.E.w1``, ``hc_attn_fn``, ... with or without a ``model.`` prefix; an FP8
-weight's ``scale``, ue8m0 powers of two, is its ``weight_scale_inv`` in fp32); the
-multi-token-prediction layers (``mtp.``) are not loaded.
+weight's ``scale``, ue8m0 powers of two, is its ``weight_scale_inv`` in fp32; FP4 routed
+experts, ``expert_dtype`` fp4, are MXFP4's bytes); the multi-token-prediction layers
+(``mtp.``) are not loaded.
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
     model_class = DeepseekV4Model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(release_names(weights))
+        quant = self.config.quantization_config or {}
+        fp4_experts = str(quant.get("expert_dtype", "fp8")).lower() == "fp4"
+        return super().load_weights(release_names(weights, fp4_experts))
 
 
 # DeepSeek's release names -> transformers' (after ``layers.N.``): the attention's, the
@@ -189,11 +192,21 @@ def release_name(name: str) -> str | None:
     return f"model.layers.{m[1]}.{rest}"
 
 
-def release_names(weights: Iterable[tuple[str, torch.Tensor]]
+_ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.w[123]\.(weight|weight_scale_inv)$")
+
+
+def release_names(weights: Iterable[tuple[str, torch.Tensor]], fp4_experts: bool = False
                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``release_name`` of each tensor. ``fp4_experts`` (the release's ``expert_dtype``
+    fp4): a routed expert's int8 weight is its e2m1 pairs, low nibble first, and its ue8m0
+    scale one per 32 input channels, MXFP4's ``blocks`` and ``scales`` bytes as they are."""
     for name, tensor in weights:
         renamed = release_name(name)
         if renamed is None:
+            continue
+        if fp4_experts and (m := _ROUTED_EXPERT.search(renamed)):
+            part = "blocks" if m[1] == "weight" else "scales"
+            yield renamed[:m.start(1)] + part, tensor.view(torch.uint8)
             continue
         if renamed.endswith(".weight_scale_inv") and tensor.dtype == torch.float8_e8m0fnu:
             tensor = tensor.float()      # a power of two: exact in fp32

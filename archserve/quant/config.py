@@ -313,11 +313,6 @@ def _ct_activation(acts: dict[str, Any] | None, group_name: str) -> str:
 
 
 def _hf_fp8(config: dict[str, Any]) -> QuantConfig:
-    if str(config.get("expert_dtype", "fp8")).lower() == "fp4":
-        # DeepSeek V4's release (transformers folds its top-level expert_dtype in here).
-        raise UnsupportedQuantization(
-            "fp8 with FP4 experts (expert_dtype fp4: e2m1 pairs a byte, a ue8m0 scale per 32 "
-            "input channels) is not loadable in this build: its experts load as fp8 only")
     block = config.get("weight_block_size")
     dynamic = config.get("activation_scheme", "dynamic") == "dynamic"
     if block:
@@ -329,8 +324,13 @@ def _hf_fp8(config: dict[str, Any]) -> QuantConfig:
         layer = LayerQuant(HF_FP8, fmt.FP8, 8, "tensor",
                            ACT_DYNAMIC_TOKEN if dynamic else ACT_STATIC_TENSOR)
     ignore = list(config.get("ignored_layers") or config.get("modules_to_not_convert") or [])
-    return QuantConfig("fp8_block" if block else "fp8", [_Group(["Linear"], layer)], ignore,
-                       config)
+    groups = [_Group(["Linear"], layer)]
+    if str(config.get("expert_dtype", "fp8")).lower() == "fp4":
+        # DeepSeek V4's release (transformers folds its top-level expert_dtype in here): the
+        # routed experts as e2m1 pairs a byte with a ue8m0 scale per 32 input channels,
+        # MXFP4's encoding (models/deepseek_v4.py names them so); the rest fp8 as above.
+        groups.insert(0, _Group([EXPERT_MATRICES], MXFP4_EXPERTS, experts_only=True))
+    return QuantConfig("fp8_block" if block else "fp8", groups, ignore, config)
 
 
 def _gptq(config: dict[str, Any]) -> QuantConfig:
@@ -376,14 +376,16 @@ def _glob_pattern(pattern: str) -> str:
     return f"re:{body}(\\.|$)"
 
 
+MXFP4_EXPERTS = LayerQuant(MXFP4, fmt.MXFP4, 4, "group", ACT_NONE, group_size=32)
+
+
 def _mxfp4(config: dict[str, Any]) -> QuantConfig:
     """OpenAI's MXFP4 (gpt-oss; transformers' and vLLM's ``mxfp4`` method): the routed
     experts' matrices as ``*_blocks`` (e2m1) and ``*_scales`` (e8m0, one per 32 input
     channels); every other layer stays 16-bit, as both read it."""
-    layer = LayerQuant(MXFP4, fmt.MXFP4, 4, "group", ACT_NONE, group_size=32)
     ignore = [_glob_pattern(p) for p in config.get("modules_to_not_convert") or []]
-    return QuantConfig("mxfp4", [_Group([EXPERT_MATRICES], layer, experts_only=True)], ignore,
-                       config)
+    return QuantConfig("mxfp4", [_Group([EXPERT_MATRICES], MXFP4_EXPERTS, experts_only=True)],
+                       ignore, config)
 
 
 _PARSERS = {

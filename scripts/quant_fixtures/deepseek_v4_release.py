@@ -1,6 +1,6 @@
 """Write a tiny DeepSeek V4 checkpoint in DeepSeek's release layout from a transformers one.
 
-    python deepseek_v4_release.py BASE_DIR OUT_DIR
+    python deepseek_v4_release.py BASE_DIR OUT_DIR [--fp4-experts]
 
 The release's names (no ``model.`` prefix; ``embed``, ``head``, ``hc_head_fn``, the layers'
 ``attn.wq_a`` ... as transformers' conversion maps them back) and its FP8: the attention's and
@@ -8,8 +8,11 @@ the dense projections (``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b``, the inde
 ``wq_b``, the experts' and the shared experts' ``w1``/``w2``/``w3``) as e4m3 with a ue8m0
 (power of two, float8_e8m0fnu) ``scale`` per 128 x 128 block; the compressors' ``wkv`` and
 ``wgate``, the indexer's ``weights_proj``, the router, the norms, the sinks and the
-hyper-connections stay as they are. Also writes ``dense.safetensors`` beside the base's
-config: the dequantized weights under transformers' names, for the comparison.
+hyper-connections stay as they are. With ``--fp4-experts`` the routed experts are FP4 as
+the V4 release ships them (``expert_dtype: fp4``): int8 bytes of two e2m1 values (low nibble
+first) and a float8_e8m0fnu ``scale`` per 32 input channels. Also writes
+``dense.safetensors`` beside the base's config: the dequantized weights under transformers'
+names, for the comparison.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from safetensors.torch import load_file, save_file
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 QUANTIZED = re.compile(r"\.(wq_a|wq_b|wkv|wo_a|wo_b|w1|w2|w3)\.weight$")
 NOT_QUANTIZED = re.compile(r"\.compressor\.(wkv|wgate)\.weight$")
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 
 
 def quantize_ue8m0(weight: torch.Tensor, block: int = 128
@@ -55,13 +59,20 @@ def release_name(name: str) -> str:
     return re.sub(r"^hc_head\.hc_", "hc_head_", name)
 
 
-def write(base: str, out: str) -> str:
+def write(base: str, out: str, fp4_experts: bool = False) -> str:
+    from archserve.kernels.linear.quantized_weights import dequantize_mxfp4, quantize_mxfp4
+
     os.makedirs(out, exist_ok=True)
     state = load_file(os.path.join(base, "model.safetensors"))
     release, dense = {}, {}
     for name, tensor in state.items():
         new = release_name(name)
-        if QUANTIZED.search(new) and not NOT_QUANTIZED.search(new):
+        if fp4_experts and ROUTED_EXPERT.search(new):
+            q = quantize_mxfp4(tensor)
+            release[new] = q.blocks.view(torch.int8)
+            release[new.removesuffix("weight") + "scale"] = q.scales.view(torch.float8_e8m0fnu)
+            dense[name] = dequantize_mxfp4(q)
+        elif QUANTIZED.search(new) and not NOT_QUANTIZED.search(new):
             q, scale = quantize_ue8m0(tensor)
             release[new] = q
             release[new.removesuffix("weight") + "scale"] = scale.to(torch.float8_e8m0fnu)
@@ -70,12 +81,16 @@ def write(base: str, out: str) -> str:
             release[new] = tensor.contiguous()
             dense[name] = tensor.float()
     save_file(release, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    save_file(dense, os.path.join(out, "dense.safetensors"), metadata={"format": "pt"})
+    # Beside the base's config, not in the release: a loader reads every *.safetensors of
+    # a checkpoint folder.
+    save_file(dense, os.path.join(base, "dense.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(base, "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                      "fmt": "e4m3", "scale_fmt": "ue8m0",
                                      "weight_block_size": [128, 128]}
+    if fp4_experts:
+        config["expert_dtype"] = "fp4"          # top-level, as the release writes it
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     for extra in os.listdir(base):
@@ -85,4 +100,4 @@ def write(base: str, out: str) -> str:
 
 
 if __name__ == "__main__":
-    write(sys.argv[1], sys.argv[2])
+    write(sys.argv[1], sys.argv[2], fp4_experts="--fp4-experts" in sys.argv[3:])

@@ -301,12 +301,15 @@ def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
     assert_gpu_chunked_prefix_tracks_one_prefill(path, GPU_ENGINE)
 
 
-def test_release_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
+@pytest.mark.parametrize("fp4_experts", [False, True], ids=["fp8", "fp4-experts"])
+def test_release_checkpoint_matches_its_dequantized_weights(tmp_path, fp4_experts):
     """DeepSeek's release layout and FP8 (scripts/quant_fixtures/deepseek_v4_release.py):
     the attention's, the shared and routed experts' projections e4m3 with ue8m0 block
     scales named ``scale``; the compressors' projections, the router, the norms, the sinks
-    and the hyper-connections 16-bit. With the activations' quantization off, archserve's
-    prompt log-probs are transformers' over the dequantized weights (fp32)."""
+    and the hyper-connections 16-bit. Or, as V4 ships, the routed experts FP4
+    (``expert_dtype: fp4``: e2m1 pairs a byte, a ue8m0 scale per 32 input channels), run
+    as MXFP4 experts. With the activations' quantization off, archserve's prompt log-probs
+    are transformers' over the dequantized weights (fp32)."""
     import os
     import sys
 
@@ -330,17 +333,21 @@ def test_release_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
                   head_dim=64, partial_rotary_factor=0.25, index_head_dim=32)
     base = build_tiny_checkpoint(str(tmp_path / "base"), "deepseek_v4",
                                  init_model=init_v4_buffers, **{**V4, **widths})
-    release = deepseek_v4_release.write(base, str(tmp_path / "release"))
+    release = deepseek_v4_release.write(base, str(tmp_path / "release"), fp4_experts)
     state = load_file(os.path.join(release, "model.safetensors"))
     assert state["layers.1.attn.wq_b.scale"].dtype == torch.float8_e8m0fnu
+    expert = state["layers.1.ffn.experts.0.w1.weight"]
+    assert expert.dtype == (torch.int8 if fp4_experts else torch.float8_e4m3fn)
     assert state["layers.1.attn.compressor.wkv.weight"].dtype != torch.float8_e4m3fn
-    save_file(load_file(os.path.join(release, "dense.safetensors")),
+    save_file(load_file(os.path.join(base, "dense.safetensors")),
               os.path.join(base, "model.safetensors"), metadata={"format": "pt"})
     hf_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
 
     llm = LLM(release, dtype="float32", max_model_len=128, block_size=8)
     model = llm.llm_engine.model
     assert model.model.layers[1].self_attn.q_b_proj.quant is not None
+    experts = model.model.layers[1].mlp.experts
+    assert experts.checkpoint_quant.weight_format == ("mxfp4" if fp4_experts else "fp8_block")
     for _name, layer in quantized_layers(model):
         layer.prepared.activation = "none"
     for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
@@ -355,32 +362,3 @@ def test_release_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
     gaps = [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
             for p in range(1, len(ids))]
     assert max(gaps) < ATOL
-
-
-def test_release_with_fp4_experts_is_refused_before_any_weight_is_read(tmp_path):
-    """The release's FP4 experts (``expert_dtype: fp4`` beside the fp8 quantization config,
-    as DeepSeek ships V4) are refused up front, by start-up and by explain, naming them."""
-    import json
-    import os
-
-    from archserve import LLM
-    from archserve.platform.profiles import get_profile
-    from archserve.routing.explain import explain_model
-    from archserve.routing.model_summary import summary_from_hf_config
-
-    path = build_tiny_checkpoint(str(tmp_path), "deepseek_v4", init_model=init_v4_buffers,
-                                 **V4)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config.update(expert_dtype="fp4", quantization_config={
-        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    # Not a safetensors file: reading any weight would fail with another message.
-    with open(os.path.join(path, "model.safetensors"), "wb") as f:
-        f.write(b"not weights")
-    with pytest.raises(ValueError, match="FP4 experts"):
-        LLM(path, dtype="float32", max_model_len=128, block_size=8)
-    out = explain_model(get_profile("cpu"), summary_from_hf_config(config))
-    assert "FP4 experts" in out.not_loadable
