@@ -115,14 +115,17 @@ def _store_acc(state_ptr, block, slot, ch0, mx, total, weighted, WIDTH: tl.const
 
 
 @triton.jit
-def _series(mx, total, weighted, kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group,
-            step_start, end, row0, slot, series, stride_t, bias_stride,
+def _series(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group, step_start, end, row0,
+            slot, series, stride_t, bias_stride,
             WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, CH0: tl.constexpr,
             RATE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_F32: tl.constexpr,
             STATE_OFF: tl.constexpr, CHANNELS: tl.constexpr, TOK: tl.constexpr):
     """One series of ``group`` (columns series * WIDTH ..) over what exists of it up to
     ``end``: the block's open accumulator ``slot`` where the group began before
     ``step_start``, merged with the step's tokens of it."""
+    mx = tl.full([BLOCK_W], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_W], tl.float32)
+    weighted = tl.zeros([BLOCK_W], tl.float32)
     g_lo = group * RATE
     lo = tl.maximum(g_lo, step_start)
     hi = tl.minimum(g_lo + RATE, end)
@@ -196,15 +199,11 @@ def _compressor_kernel(kv_ptr, gate_ptr, bias_ptr, ikv_ptr, igate_ptr, ibias_ptr
         group = g_first + tl.program_id(1)
         if group > g_last or (group + 1) * RATE > end:
             return
-        own = _series(tl.full([BLOCK_D], float("-inf"), tl.float32),
-                      tl.zeros([BLOCK_D], tl.float32), tl.zeros([BLOCK_D], tl.float32),
-                      kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group, start, end,
+        own = _series(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group, start, end,
                       row0, OWN, OWN_SERIES, stride_kv, stride_bias, D, BLOCK_D, 0, RATE,
                       BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
         if DI > 0:
-            iown = _series(tl.full([BLOCK_DI], float("-inf"), tl.float32),
-                           tl.zeros([BLOCK_DI], tl.float32), tl.zeros([BLOCK_DI], tl.float32),
-                           ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, group, start,
+            iown = _series(ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, group, start,
                            end, row0, OWN, OWN_SERIES, stride_ikv, stride_ibias, DI, BLOCK_DI,
                            D, RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
         if OVERLAP:
@@ -220,15 +219,11 @@ def _compressor_kernel(kv_ptr, gate_ptr, bias_ptr, ikv_ptr, igate_ptr, ibias_ptr
                                                            CHANNELS)
                 else:
                     mx, total, weighted = _series(
-                        tl.full([BLOCK_D], float("-inf"), tl.float32),
-                        tl.zeros([BLOCK_D], tl.float32), tl.zeros([BLOCK_D], tl.float32),
                         kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, prev, start, end,
                         row0, _OPEN_NEXT, 0, stride_kv, stride_bias, D, BLOCK_D, 0, RATE,
                         BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
                     if DI > 0:
                         imx, itotal, iweighted = _series(
-                            tl.full([BLOCK_DI], float("-inf"), tl.float32),
-                            tl.zeros([BLOCK_DI], tl.float32), tl.zeros([BLOCK_DI], tl.float32),
                             ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, prev, start,
                             end, row0, _OPEN_NEXT, 0, stride_ikv, stride_ibias, DI, BLOCK_DI, D,
                             RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
@@ -254,15 +249,11 @@ def _compressor_kernel(kv_ptr, gate_ptr, bias_ptr, ikv_ptr, igate_ptr, ibias_ptr
                 if closes_block or group == g_closed:
                     block = tl.load(table_row + group * RATE // BLOCK_SIZE)
                     mx, total, weighted = _series(
-                        tl.full([BLOCK_D], float("-inf"), tl.float32),
-                        tl.zeros([BLOCK_D], tl.float32), tl.zeros([BLOCK_D], tl.float32),
                         kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group, start, end,
                         row0, _OPEN_NEXT, 0, stride_kv, stride_bias, D, BLOCK_D, 0, RATE,
                         BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
                     if DI > 0:
                         imx, itotal, iweighted = _series(
-                            tl.full([BLOCK_DI], float("-inf"), tl.float32),
-                            tl.zeros([BLOCK_DI], tl.float32), tl.zeros([BLOCK_DI], tl.float32),
                             ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, group, start,
                             end, row0, _OPEN_NEXT, 0, stride_ikv, stride_ibias, DI, BLOCK_DI, D,
                             RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
@@ -273,31 +264,23 @@ def _compressor_kernel(kv_ptr, gate_ptr, bias_ptr, ikv_ptr, igate_ptr, ibias_ptr
                                    DI, BLOCK_DI, BLOCK_F32, STATE_OFF, CHANNELS)
         if (g_last + 1) * RATE > end:        # the step ends inside a group: keep it open
             block = tl.load(table_row + g_last * RATE // BLOCK_SIZE)
-            own = _series(tl.full([BLOCK_D], float("-inf"), tl.float32),
-                          tl.zeros([BLOCK_D], tl.float32), tl.zeros([BLOCK_D], tl.float32),
-                          kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, g_last, start, end,
+            own = _series(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, g_last, start, end,
                           row0, OWN, OWN_SERIES, stride_kv, stride_bias, D, BLOCK_D, 0, RATE,
                           BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
             if DI > 0:
-                iown = _series(tl.full([BLOCK_DI], float("-inf"), tl.float32),
-                               tl.zeros([BLOCK_DI], tl.float32),
-                               tl.zeros([BLOCK_DI], tl.float32), ikv_ptr, igate_ptr, ibias_ptr,
-                               state_ptr, table_row, g_last, start, end, row0, OWN, OWN_SERIES,
-                               stride_ikv, stride_ibias, DI, BLOCK_DI, D, RATE, BLOCK_SIZE,
-                               BLOCK_F32, STATE_OFF, CHANNELS, TOK)
+                iown = _series(ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, g_last, start,
+                               end, row0, OWN, OWN_SERIES, stride_ikv, stride_ibias, DI,
+                               BLOCK_DI, D, RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS,
+                               TOK)
             if OVERLAP:
-                nxt = _series(tl.full([BLOCK_D], float("-inf"), tl.float32),
-                              tl.zeros([BLOCK_D], tl.float32), tl.zeros([BLOCK_D], tl.float32),
-                              kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, g_last, start,
+                nxt = _series(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, g_last, start,
                               end, row0, _OPEN_NEXT, 0, stride_kv, stride_bias, D, BLOCK_D, 0,
                               RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
                 if DI > 0:
-                    inxt = _series(tl.full([BLOCK_DI], float("-inf"), tl.float32),
-                                   tl.zeros([BLOCK_DI], tl.float32),
-                                   tl.zeros([BLOCK_DI], tl.float32), ikv_ptr, igate_ptr,
-                                   ibias_ptr, state_ptr, table_row, g_last, start, end, row0,
-                                   _OPEN_NEXT, 0, stride_ikv, stride_ibias, DI, BLOCK_DI, D,
-                                   RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
+                    inxt = _series(ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, g_last,
+                                   start, end, row0, _OPEN_NEXT, 0, stride_ikv, stride_ibias,
+                                   DI, BLOCK_DI, D, RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF,
+                                   CHANNELS, TOK)
             # The reads above (this program's threads) come before the stores below.
             tl.debug_barrier()
             _store_acc(state_ptr, block, OWN, 0, own[0], own[1], own[2], D, BLOCK_D,
