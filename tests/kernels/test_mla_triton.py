@@ -242,6 +242,24 @@ def test_three_stages_only_where_splits_are_few():
     assert mla_num_splits(256, 16, 4224, 132, 16) == 1
 
 
+def test_the_latent_tile_fits_the_gpus_shared_memory():
+    """Below SM80 the decode kernel's footprint grows with its latent tile (the compile
+    sweep measures it, tests/compile_sweep.py): DeepSeek's rank 512 takes 16-token tiles on
+    a V100 and does not fit a T4 at all (TRITON_MLA refuses it there); rank 256 fits both
+    at 32; from SM80, and on ROCm, 32 everywhere."""
+    from archserve.kernels.mla.decode_shared_memory import latent_tile_tokens, too_large_reason
+    from archserve.kernels.mla.triton_mla_decode import mla_decode_tiles
+    from archserve.platform.profiles import get_profile
+
+    tokens = {(gpu, rank): latent_tile_tokens(get_profile(gpu), rank)
+              for gpu in ("v100", "t4", "a10", "h200", "mi300x") for rank in (256, 512)}
+    assert tokens == {("v100", 256): 32, ("v100", 512): 16, ("t4", 256): 32, ("t4", 512): None,
+                      ("a10", 256): 32, ("a10", 512): 32, ("h200", 256): 32,
+                      ("h200", 512): 32, ("mi300x", 256): 32, ("mi300x", 512): 32}
+    assert too_large_reason(get_profile("t4"), 512).endswith("the GPU has 64 KiB")
+    assert mla_decode_tiles(16, 1, 4096, block_n=16)[1] == 16
+
+
 # ---------------------------------------------------------------- compiled for real GPUs
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")

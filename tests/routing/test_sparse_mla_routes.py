@@ -1,6 +1,7 @@
 """explain on DeepSeek-V3.2 and GLM-5 configs (their real defaults from transformers' config
 classes): vLLM 0.33's sparse-MLA choice as the ideal, TRITON_MLA_SPARSE as the route on every
-GPU, TORCH_REFERENCE on the CPU, and the fp8 caches' decisions."""
+GPU whose shared memory holds its decode tile, TORCH_REFERENCE on the CPU and where it does
+not, and the fp8 caches' decisions."""
 
 from __future__ import annotations
 
@@ -46,6 +47,18 @@ def test_v32_ideal_is_vllms_and_the_route_is_triton(configs, device, ideal):
     route, _ = attention(device, summary)
     assert (route.op, route.backend, route.ideal) == ("mla_attention", "TRITON_MLA_SPARSE",
                                                       ideal)
+
+
+def test_a_gpu_whose_shared_memory_cannot_hold_the_decode_tile_runs_the_reference(configs):
+    """The compile sweep's finding (tests/compile_sweep.py): below SM80 the decode's latent
+    tile for rank 512 takes 100 KiB of shared memory at 32 tokens, 68 KiB at 16: a V100
+    (96 KiB) runs 16-token tiles, a T4 (64 KiB) the reference."""
+    assert attention("v100", configs["v32"])[0].backend == "TRITON_MLA_SPARSE"
+    route, _ = attention("t4", configs["v32"])
+    assert route.backend == "TORCH_REFERENCE"
+    reason = next(r.reason for r in route.rejected if r.backend == "TRITON_MLA_SPARSE")
+    assert reason == ("below SM80 its decode's smallest latent tile for kv_lora_rank 512 "
+                      "needs 68 KiB of shared memory, the GPU has 64 KiB")
 
 
 def test_fp8_caches_and_glm5s_sm100_default(configs):

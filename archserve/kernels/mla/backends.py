@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from archserve.kernels.mla.decode_shared_memory import too_large_reason
 from archserve.kernels.rules import (
     FamilyGated,
     RuleBackend,
@@ -275,6 +276,11 @@ class TritonMlaBackend(MlaBackend):
             return (f"latent head size {spec.head_size} unsupported "
                     f"({', '.join(map(str, MLA_COMMON_HEAD_SIZES))})")
         return None
+
+    def build_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        # The decode kernel's latent tile must fit the GPU's shared memory (the ideal's
+        # rules allow it; archserve's kernel is what needs the room).
+        return too_large_reason(device, spec.kv_lora_rank)
 
 
 class TritonMlaSparseBackend(TritonMlaBackend):

@@ -46,6 +46,11 @@ from archserve.kernels.attention.triton_decode import (
     store_decode_output,
 )
 from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
+from archserve.kernels.mla.decode_shared_memory import (
+    DECODE_BLOCK_N,
+    SMALLEST_BLOCK_N,
+    latent_tile_tokens,
+)
 from archserve.kernels.mla.triton_mla_output import latent_output_to_heads_triton
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 from archserve.kernels.sparse_mla.layout import SparseMlaLayout
@@ -225,10 +230,12 @@ THREE_STAGE_SHARED_BYTES = 96 << 10
 
 
 def mla_decode_tiles(num_heads: int, num_splits: int = 1, max_seq_len: int = 1 << 30,
-                     max_stages: int = 3) -> tuple[int, int, int, int, bool]:
+                     max_stages: int = 3, block_n: int = DECODE_BLOCK_N
+                     ) -> tuple[int, int, int, int, bool]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages, KEYS_AS_ROWS) for a launch of
     ``num_splits`` splits over contexts up to ``max_seq_len``, on a GPU that fits
-    ``max_stages``. 16 heads per program: tl.dot's smallest M, and its [16, 512] fp32
+    ``max_stages`` and latent tiles of ``block_n`` tokens (decode_shared_memory.py: 32, or
+    16 on a GPU below SM80 whose shared memory holds no more). 16 heads per program: tl.dot's smallest M, and its [16, 512] fp32
     accumulator fits 4 warps' registers; more heads per program would spill. A 32-token
     latent tile is 36 KiB in bf16. (16-token tiles, measured in a chain of batch-1 launches
     with the merge and W_UV on the H200: 7.25 µs a launch against 7.91 at 384 tokens, 18.60
@@ -243,7 +250,6 @@ def mla_decode_tiles(num_heads: int, num_splits: int = 1, max_seq_len: int = 1 <
     PIPELINED_MIN_TILES tiles or more, no more than PIPELINED_MAX_SPLITS of them). The
     engine times KEYS_AS_ROWS tiles against these at start-up and launches the faster
     (kernels/mla/tuning.py)."""
-    block_n = 32
     long_splits = (num_splits <= PIPELINED_MAX_SPLITS
                    and max_seq_len >= num_splits * PIPELINED_MIN_TILES * block_n)
     return 16, block_n, 4, min(max_stages, 3 if long_splits else 2), False
@@ -329,8 +335,9 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     if num_splits is None:
         num_splits = mla_num_splits(num_seqs, num_heads, max_seq_len, num_sms, block_h)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-    block_h, block_n, num_warps, num_stages, keys_as_rows = (
-        tiles or mla_decode_tiles(num_heads, num_splits, max_seq_len, _max_stages(out.device)))
+    block_h, block_n, num_warps, num_stages, keys_as_rows = tiles or mla_decode_tiles(
+        num_heads, num_splits, max_seq_len, _max_stages(out.device),
+        latent_tile_tokens(device_info_for(out.device), kv_rank) or SMALLEST_BLOCK_N)
     block_l = triton.next_power_of_2(kv_rank)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, kv_rank)
     pdl = pdl_enabled(out.device)

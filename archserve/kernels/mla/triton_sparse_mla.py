@@ -84,8 +84,8 @@ class TritonSparseMlaImpl(TritonMlaImpl):
         values = mla_decode(query, kv_cache, meta.block_tables, counts, starts, out,
                             num_seqs=rows, max_seq_len=min(topk, max(meta.max_seq_len, 1)),
                             scale=scale, num_sms=self._sm_count(query), tiles=self.sparse_tiles,
-                            e4m3_bits=self._bits(query.device), w_uv=w_uv, indices=indices,
-                            row_seq=row_seq, layout=layout)
+                            e4m3_bits=self._bits(query.device) if layout.latent_fp8 else None,
+                            w_uv=w_uv, indices=indices, row_seq=row_seq, layout=layout)
         return values, indices
 
     def _dense(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

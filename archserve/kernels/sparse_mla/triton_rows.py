@@ -10,28 +10,25 @@ Triton's e4m3 type, or as bytes widened by integer operations where the GPU has 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.attention.triton_cache_write import e4m3_in_software
 from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16, fp32_to_e4m3_bits
 from archserve.kernels.sparse_mla.layout import QUANT_TILE, SparseMlaLayout, fp8_tiles
+from archserve.platform.capability import SM89
+from archserve.platform.detect import device_info_for
 
 TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
                torch.float32: tl.float32}
 
 
-@functools.cache
 def e4m3_read_as_bits(device: torch.device) -> bool:
     """Whether kernels widen e4m3 bytes with integer operations here: GPUs without Triton's
-    e4m3 type (below SM89; AMD, whose e4m3 is the fnuz variant)."""
-    if device.type != "cuda":
-        return False
-    probe = torch.empty(0, dtype=torch.float8_e4m3fn, device=device)
-    return bool(torch.version.hip) or e4m3_in_software(probe)
+    e4m3 type (below SM89; AMD, whose e4m3 is the fnuz variant). Asked of the platform, so
+    an emulated GPU and a compile target answer as the GPU they stand for."""
+    info = device_info_for(device)
+    return info.platform == "rocm" or (info.is_cuda and not info.has_capability(SM89))
 
 
 @triton.jit
