@@ -84,7 +84,7 @@ ROUTES: tuple[SweepRoute, ...] = (
     SweepRoute("moe fp8 block", "moe", "fp8_block", forms=("fp8_block",)),
     SweepRoute("moe w4a16", "moe", "awq", forms=("int4_g128_zero",)),
     SweepRoute("moe int8", "moe", "w8a8_int8", forms=("int8_token",)),
-    SweepRoute("moe mxfp4", "moe", "mxfp4"),
+    SweepRoute("moe mxfp4", "moe", "mxfp4", forms=("mxfp4",)),
     SweepRoute("lora", "lora"),
     SweepRoute("mla", "mla_attention"),
     SweepRoute("mla kv fp8", "mla_attention", kv_cache_dtype="fp8_e4m3"),
@@ -262,6 +262,10 @@ def _weight(form: str, n: int, k: int, experts: int = 0):  # noqa: ANN202 - a we
     )
     lead = (experts,) if experts else ()
     bits, group, zero = WEIGHT_FORMS[form]
+    if form == "mxfp4":
+        from archserve.kernels.linear.quantized_weights import Mxfp4Weight
+        return Mxfp4Weight(torch.zeros(*lead, n, k // 2, dtype=torch.uint8),
+                           torch.full((*lead, n, k // group), 127, dtype=torch.uint8))
     if form.startswith("fp8"):
         block = (128, 128) if form == "fp8_block" else None
         scale = torch.ones(*lead, -(-n // 128), -(-k // 128)) if block else torch.ones(*lead, n)
@@ -287,6 +291,7 @@ WEIGHT_FORMS: dict[str, tuple[int, int, bool]] = {
     # GGUF block types as integer groups (quant/gguf_blocks.py): Q4_K / Q4_0 / Q4_1 are
     # 4-bit groups of 32, Q8_0 / Q5_* 8-bit groups of 32, Q6_K 8-bit groups of 16.
     "q4_k": (4, 32, True), "q8_0": (8, 32, True), "q6_k": (8, 16, True),
+    "mxfp4": (4, 32, False),              # e2m1 pairs, an e8m0 scale per 32 (gpt-oss)
 }
 
 
@@ -322,6 +327,29 @@ def fused_moe(case: SweepCase) -> None:
     triton_route(torch.empty(4, 256), 8, True, scoring="sigmoid", num_groups=8,
                  topk_groups=4, correction_bias=torch.empty(256), scaling=2.5,
                  shared_experts=1)
+    if case.route.forms == ("mxfp4",):
+        # The fused kernels' own path (their tiles and the tuner's), with gpt-oss's
+        # clamped SwiGLU and expert biases, and without them.
+        from archserve.kernels.moe.expert_activation import (
+            SWIGLU_OAI,
+            ExpertBiases,
+            GatedActivation,
+        )
+        w13, w2 = _weight("mxfp4", 2 * inter, hidden, experts), _weight("mxfp4", hidden,
+                                                                       inter, experts)
+        biases = ExpertBiases(_empty(experts, 2 * inter, dtype=case.dtype),
+                              _empty(experts, hidden, dtype=case.dtype))
+        for tokens in MOE_TOKENS:
+            x, logits = _empty(tokens, hidden, dtype=case.dtype), torch.randn(tokens, experts)
+            routed = route(logits, top_k, True)
+            default, *others = candidate_tiles(tokens, top_k, w13, w2)
+            fused_moe(x, logits, w13, w2, top_k, True, default, routed)
+            fused_moe(x, logits, w13, w2, top_k, True, default, routed,
+                      activation=GatedActivation(SWIGLU_OAI), biases=biases)
+            with candidates():
+                for tile in others:
+                    fused_moe(x, logits, w13, w2, top_k, True, tile, routed)
+        return
     if case.route.forms:
         from archserve.kernels.moe.quantized_experts import QuantizedExperts
         for form in case.route.forms:
@@ -494,16 +522,18 @@ def collect(profiles: list[DeviceInfo] | None = None,
 
 
 # What a sweep compiles, by the kind of launch (tests/triton_compile.py):
-#   representative: for each target, each kernel (and, apart, its fp8-reading launches)
-#             at the largest tiles the engine launches it with there (the launch most
-#             likely to exceed the GPU's shared memory). What CI compiles (about 400
-#             distinct launches of about 3,400 the engine runs) and the docs' table records;
+#   representative: for each target, each kernel (apart for each combination of byte
+#             operands it reads: fp8, int8, packed 4-bit) at the largest tiles the engine
+#             launches it with there (the launch most likely to exceed the GPU's shared
+#             memory). What CI compiles and the docs' table records;
 #   defaults: every launch the engine runs with its rules' tiles, and each autotuned
 #             kernel's first config the pruning keeps (archserve lists them largest first);
 #   autotuned: also every other config the autotuners keep for the profile;
 #   all:       also every candidate the start-up tuners time.
 LEVELS = ("representative", "defaults", "autotuned", "all")
-FP8_POINTERS = frozenset({"*fp8e4nv", "*fp8e5"})
+# Operands of a byte a value (fp8, int8, packed 4-bit): a kernel's launches over them take
+# other code than its 16-bit ones, so each such combination is compiled apart.
+BYTE_POINTERS = frozenset({"*fp8e4nv", "*fp8e5", "*i8", "*u8"})
 
 
 def _by_kind(spec: Any, level: str) -> bool:
@@ -534,7 +564,7 @@ def selected_keys(specs: list[Any], level: str) -> set[tuple]:
     largest: dict[tuple, Any] = {}
     for spec in kept:
         group = (spec.target, spec.module, spec.name,
-                 any(kind in FP8_POINTERS for _, kind in spec.signature))
+                 frozenset(kind for _, kind in spec.signature if kind in BYTE_POINTERS))
         if group not in largest or _footprint(spec) > _footprint(largest[group]):
             largest[group] = spec
     return {spec.key() for spec in largest.values()}

@@ -59,6 +59,12 @@ def test_a_gpu_whose_shared_memory_cannot_hold_the_decode_tile_runs_the_referenc
     reason = next(r.reason for r in route.rejected if r.backend == "TRITON_MLA_SPARSE")
     assert reason == ("below SM80 its decode's smallest latent tile for kv_lora_rank 512 "
                       "needs 68 KiB of shared memory, the GPU has 64 KiB")
+    # An fp8_ds_mla cache's decode takes 102 KiB from SM80: an A100 holds it, an L40S not.
+    assert attention("a100", configs["v32"], "fp8")[0].backend == "TRITON_MLA_SPARSE"
+    route, _ = attention("l40s", configs["v32"], "fp8")
+    assert route.backend == "TORCH_REFERENCE"
+    assert "fp8_ds_mla cache needs 102 KiB of shared memory, the GPU has 99 KiB" in next(
+        r.reason for r in route.rejected if r.backend == "TRITON_MLA_SPARSE")
 
 
 def test_fp8_caches_and_glm5s_sm100_default(configs):

@@ -302,6 +302,11 @@ class TritonMlaSparseBackend(TritonMlaBackend):
             return "the decode kernel reads a rope part (qk_rope_head_dim > 0)"
         return None
 
+    def build_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        from archserve.kernels.sparse_mla.layout import FP8_LATENT_NAMES
+        return too_large_reason(device, spec.kv_lora_rank,
+                                ds_mla=spec.kv_cache_dtype in FP8_LATENT_NAMES)
+
 
 class ReferenceMlaBackend(MlaBackend):
     """The universal fallback: plain PyTorch latent attention (absorbed), any device."""

@@ -49,6 +49,7 @@ from archserve.kernels.linear.triton_fp8_bits import e4m3_bits_to_fp16
 from archserve.kernels.mla.decode_shared_memory import (
     DECODE_BLOCK_N,
     SMALLEST_BLOCK_N,
+    ds_mla_max_stages,
     latent_tile_tokens,
 )
 from archserve.kernels.mla.triton_mla_output import latent_output_to_heads_triton
@@ -336,7 +337,9 @@ def mla_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
         num_splits = mla_num_splits(num_seqs, num_heads, max_seq_len, num_sms, block_h)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     block_h, block_n, num_warps, num_stages, keys_as_rows = tiles or mla_decode_tiles(
-        num_heads, num_splits, max_seq_len, _max_stages(out.device),
+        num_heads, num_splits, max_seq_len,
+        ds_mla_max_stages(device_info_for(out.device)) if sparse.get("DS_MLA")
+        else _max_stages(out.device),
         latent_tile_tokens(device_info_for(out.device), kv_rank) or SMALLEST_BLOCK_N)
     block_l = triton.next_power_of_2(kv_rank)
     partial_out, partial_lse = split_partials(out, num_seqs, num_heads, num_splits, kv_rank)
