@@ -87,9 +87,10 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
             rows.append(_spec_decode_row(result["spec_decode"]))
         if result.get("peer"):
             peer = result["peer"]
-            rows += [(f"transformers ({peer['method']}) output tokens/s",
+            name = peer.get("name", "transformers")
+            rows += [(f"{name} ({peer['method']}) output tokens/s",
                       _num(peer["output_tokens_per_s"])),
-                     ("speedup vs transformers", _num(result["speedup_vs_peer"], 2, 1, "x"))]
+                     (f"speedup vs {name}", _num(result["speedup_vs_peer"], 2, 1, "x"))]
     else:
         for run in result["runs"]:
             label = f"c={run['concurrency']}" if run["concurrency"] else f"rate={run['request_rate']}"

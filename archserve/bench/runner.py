@@ -21,6 +21,9 @@ from archserve.bench.workload import (
 log = logging.getLogger("archserve.bench")
 
 
+PEERS = ("transformers", "llama.cpp")
+
+
 @dataclass
 class BenchOptions:
     mode: str = "offline"                       # offline | serve
@@ -48,7 +51,7 @@ class BenchOptions:
     distributed_executor_backend: str = "mp"
     async_scheduling: bool | None = None  # None: the engine's default for the device
     emulate_device: str | None = None     # a profile run on this GPU (platform/emulation.py)
-    peer: str | None = None                     # None | "transformers"
+    peer: str | None = None                     # None | one of PEERS
     url: str = "http://127.0.0.1:8000"
     api_key: str | None = None
     concurrency: list[int] = field(default_factory=list)
@@ -60,12 +63,29 @@ class BenchOptions:
     def validate(self) -> None:
         if self.mode not in ("offline", "serve"):
             raise ValueError(f"mode must be offline or serve, got {self.mode!r}")
-        if self.peer not in (None, "transformers"):
-            raise ValueError(f"the only peer is 'transformers', got {self.peer!r}")
+        if self.peer not in (None, *PEERS):
+            raise ValueError(f"--peer is one of {', '.join(PEERS)}, got {self.peer!r}")
         if self.peer and self.mode != "offline":
             raise ValueError("--peer runs in the same process: use it with --mode offline")
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+
+
+def peer_gguf(options: BenchOptions, model_path: str) -> str | None:
+    """The GGUF file llama.cpp reads (None for another peer); ValueError, before archserve
+    runs, where llama.cpp cannot be the peer."""
+    if options.peer != "llama.cpp":
+        return None
+    from archserve.bench.peer_llama_cpp import llama_cpp_available
+    from archserve.loader.gguf_loader import find_gguf_file
+    gguf_path = find_gguf_file(model_path)
+    if gguf_path is None or options.load_format == "dummy":
+        raise ValueError("--peer llama.cpp compares a GGUF model's real weights; "
+                         f"{model_path} is not a GGUF file")
+    reason = llama_cpp_available()
+    if reason:
+        raise ValueError(f"--peer llama.cpp: {reason}")
+    return gguf_path
 
 
 def build_requests(options: BenchOptions, tokenizer, vocab_size: int) -> list[BenchRequest]:
@@ -110,6 +130,7 @@ def run_offline_bench(options: BenchOptions) -> dict:
     from archserve.loader.loader import resolve_model_path
     from archserve.loader.tokenizer import dummy_without_tokenizer
     model_path = resolve_model_path(options.model)
+    gguf_path = peer_gguf(options, model_path)
     no_tokenizer = dummy_without_tokenizer(model_path, options.load_format)
     engine = LLMEngine(EngineConfig(
         model=model_path, dtype=options.dtype, load_format=options.load_format,
@@ -183,6 +204,15 @@ def run_offline_bench(options: BenchOptions) -> dict:
         peer, method = run_peer(model_path, options.load_format, dtype, device, requests,
                                 options.ignore_eos, options.max_num_seqs, options.show_progress)
         result["peer"] = {"name": "transformers", "method": method, **peer.to_json()}
+    if options.peer == "llama.cpp":
+        eos = set(engine.eos_token_ids)
+        del engine                     # the peer needs the cores, not archserve's threads
+        from archserve.bench.peer_llama_cpp import run_llama_cpp_peer
+        peer, method = run_llama_cpp_peer(gguf_path, requests, options.ignore_eos,
+                                          options.max_num_seqs, eos,
+                                          show_progress=options.show_progress)
+        result["peer"] = {"name": "llama.cpp", "method": method, **peer.to_json()}
+    if options.peer is not None:
         result["speedup_vs_peer"] = (throughput.output_tokens_per_s
                                      / peer.output_tokens_per_s)
     return result

@@ -61,7 +61,7 @@ def bench(
     enable_prefix_caching: PrefixCachingOpt = True,
     enable_chunked_prefill: ChunkedPrefillOpt = True,
     emulate_device: EmulateOpt = None,
-    peer: Annotated[str | None, typer.Option("--peer", help="Also run the requests through 'transformers' and report the ratio.")] = None,
+    peer: Annotated[str | None, typer.Option("--peer", help="Also run the requests through 'transformers' or 'llama.cpp' (a GGUF model; llama-cpp-python importable) and report the ratio.")] = None,
     url: Annotated[str, typer.Option("--url", help="Server base URL (serve mode).")] = "http://127.0.0.1:8000",
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="ARCHSERVE_API_KEY", help="Bearer key for the server.")] = None,
     concurrency: Annotated[str | None, typer.Option("--concurrency", help="Requests in flight, e.g. 8 or 1,8,32 (one run per level).")] = None,
