@@ -1,84 +1,84 @@
-"""Would the embedded GGUF model decode faster on a CPU if its int4 weights stayed packed?
+"""One decode step's linear layers of the embedded model on this CPU, in each storage
+format CPU_WEIGHT_ONLY can keep them (archserve/kernels/linear/cpu_weight_only.py).
 
-archserve expands GGUF weights to dense float32 at load on CPUs. This times one decode
-step's linear layers (the embedded model's shapes, all layers) three ways, with the
-torch kernels a CPU has:
-  dense: float32 weight, ``x @ w.T`` (what archserve runs);
-  int4pack: torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``, group 32, a scale
-    and an offset per group, as Q4_1 stores them);
-  dequantize per call: uint8 nibbles times scale plus offset, then the matmul.
-The values are random (timing does not depend on them).
+Every layer of the model gets its own random Q4_1-like weight (4-bit, groups of 32, a scale
+and an offset), so a pass reads all 30 layers' weights from memory as a step does; each
+format's best pass of ``--reps`` (cpu_timing.best_times: the formats take turns). The last
+column is torch's int4 kernel fed float32 activations, the scalar path that once made
+packed int4 look 8-20x slower than float32 here; CPU_WEIGHT_ONLY feeds it bfloat16.
 
-    python3 benchmarks/cpu_gguf_kept_quantized.py [--rows 4] [--threads N]
+    python3 benchmarks/cpu_gguf_kept_quantized.py [--rows 1,4,16] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+from functools import partial
 
 import torch
 
+from archserve.kernels.linear.cpu_timing import best_times
+from archserve.kernels.linear.cpu_weight_only import (
+    BF16,
+    FP32,
+    INT4,
+    CpuWeight,
+    cpu_linear,
+    to_format,
+)
+from archserve.kernels.linear.quantized_weights import IntGroupWeight, pack_int_rows
 from archserve.loader.default_model import default_model_path
 from archserve.loader.loader import load_model_config
 
 GROUP = 32
+FORMATS = (FP32, BF16, INT4)
 
 
-def ms_per_call(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t) / iters * 1e3
-
-
-def layer_shapes(cfg) -> dict[str, tuple[int, int]]:
+def layer_shapes(cfg) -> list[tuple[int, int]]:  # noqa: ANN001 - a ModelConfig
     kv = cfg.num_kv_heads * cfg.head_dim
-    return {"qkv": (cfg.num_heads * cfg.head_dim + 2 * kv, cfg.hidden_size),
-            "o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
-            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
-            "down": (cfg.hidden_size, cfg.intermediate_size)}
+    return [(cfg.num_heads * cfg.head_dim + 2 * kv, cfg.hidden_size),     # qkv
+            (cfg.hidden_size, cfg.num_heads * cfg.head_dim),              # o
+            (2 * cfg.intermediate_size, cfg.hidden_size),                 # gate_up
+            (cfg.hidden_size, cfg.intermediate_size)]                     # down
 
 
-def time_shape(n: int, k: int, rows: int, iters: int) -> dict[str, float]:
-    x = torch.randn(rows, k)
-    dense = torch.randn(n, k)
-    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
-    scale, offset = torch.rand(k // GROUP, n) * 0.01, torch.rand(k // GROUP, n) * 0.01
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    scales_and_zeros = torch.stack([scale, offset], -1).contiguous()
-    nibbles = q.to(torch.uint8).view(n, k // GROUP, GROUP)
-    s3, o3 = scale.t().unsqueeze(-1), offset.t().unsqueeze(-1)
-    return {
-        "dense": ms_per_call(lambda: x @ dense.t(), iters),
-        "int4pack": ms_per_call(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, packed, GROUP, scales_and_zeros), iters),
-        "dequantize per call": ms_per_call(
-            lambda: x @ (nibbles.float() * s3 + o3).view(n, k).t(), iters),
-    }
+def q4_1_weight(n: int, k: int) -> IntGroupWeight:
+    q = torch.randint(0, 16, (k, n))
+    scales = torch.rand(k // GROUP, n) * 0.01
+    return IntGroupWeight(pack_int_rows(q, 4), scales, -8 * scales, 4, GROUP, k, n)
+
+
+def int4_float32_x(x: torch.Tensor, w: CpuWeight) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.weight, w.group_size,
+                                                      w.scales.float())
+
+
+def one_step(layers: list[CpuWeight], inputs: dict[int, torch.Tensor], linear) -> None:  # noqa: ANN001
+    for w in layers:
+        linear(inputs[w.in_features], w)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=4, help="sequences in the decode step")
+    ap.add_argument("--rows", default="1,4,16", help="sequences in the decode step")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, _ = load_model_config(default_model_path())
-    totals = {"dense": 0.0, "int4pack": 0.0, "dequantize per call": 0.0}
-    print(f"{cfg.architecture}, {cfg.num_layers} layers, {args.rows} rows, "
-          f"{torch.get_num_threads()} threads; ms per layer")
-    for name, (n, k) in layer_shapes(cfg).items():
-        row = time_shape(n, k, args.rows, args.iters)
-        for key, value in row.items():
-            totals[key] += value
-        print(f"  {name:8s} {n}x{k}: " + ", ".join(f"{k_} {v:.3f}" for k_, v in row.items()))
-    print("one step's linears (x layers), ms: " + ", ".join(
-        f"{k_} {v * cfg.num_layers:.1f}" for k_, v in totals.items()))
+    weights = [q4_1_weight(n, k) for _ in range(cfg.num_layers) for n, k in layer_shapes(cfg)]
+    stored = {f: [to_format(w, f) for w in weights] for f in FORMATS}
+    print(f"{cfg.architecture}: {cfg.num_layers} layers' linears, "
+          f"{torch.get_num_threads()} threads; ms a step (best of {args.reps})")
+    print("| rows | " + " | ".join(FORMATS) + " | int4, float32 x |")
+    for rows in map(int, args.rows.split(",")):
+        inputs = {k: torch.randn(rows, k) for k in {w.in_features for w in weights}}
+        candidates = {f: partial(one_step, stored[f], inputs, cpu_linear) for f in FORMATS}
+        candidates["int4, float32 x"] = partial(one_step, stored[INT4], inputs, int4_float32_x)
+        best = best_times(candidates, args.reps)
+        print(f"| {rows} | " + " | ".join(f"{best[f] * 1e3:.1f}" for f in candidates) + " |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ def doctor(
     emulate_device: Annotated[str | None, typer.Option(
         "--emulate-device", help="Check a run of this machine (or --device) emulating a "
                                  "profile: its routes on this GPU, or why it cannot.")] = None,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="The model dtype the routes are for: auto (the device's default), "
+                        "bfloat16, float16, float32.")] = "auto",
 ) -> None:
     """Check device, driver / CUDA runtime / torch build and kernel libraries; show each op's backend.
 
@@ -54,6 +57,11 @@ def doctor(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--model") from exc
     from archserve.routing.doctor import run_doctor
+    from archserve.routing.dtypes import parse_dtype
+    try:
+        parse_dtype(dtype)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--dtype") from exc
     from archserve.routing.model_summary import read_model_summary
 
     summary = None
@@ -64,7 +72,7 @@ def doctor(
             raise typer.BadParameter(str(exc), param_hint="--model") from exc
     report = run_doctor(info, tensor_parallel_size=tensor_parallel_size, model=summary,
                         num_devices=_live_device_count() if device is None else None,
-                        emulate=emulate_device)
+                        emulate=emulate_device, dtype=dtype)
     if speculative_config is not None:
         from archserve.cli.explain import speculation_decision
         try:
@@ -86,6 +94,7 @@ def _print_report(report, verbose: bool = False) -> None:  # noqa: ANN001 - a Do
     from rich.table import Table
 
     from archserve.kernels.catalog import default_registry
+    from archserve.platform.device import ALL_CPU_ISA
 
     console = Console()
     d = report.device
@@ -98,6 +107,11 @@ def _print_report(report, verbose: bool = False) -> None:  # noqa: ANN001 - a Do
         f", emulated on {host.name} [{host.platform}, capability {host.capability}]")
     console.print(f"[bold]device[/bold]   {escape(f'{d.name} [{d.platform}{cap}]')}, "
                   f"{gib:.1f} GiB{on}")
+    if d.platform == "cpu":
+        present = d.features.cpu_isa()
+        absent = [n for n in ALL_CPU_ISA if n not in present]
+        console.print(f"[bold]ISA[/bold]      {', '.join(present) or 'no vector extension'}"
+                      + (f"; not {', '.join(absent)}" if absent else ""))
     versions = data["versions"]
     libs = ", ".join(f"{k} {v}" for k, v in versions["libraries"].items() if v) or "none"
     console.print(f"[bold]torch[/bold]    {versions['torch'] or 'unknown'}; libraries: {libs}")

@@ -57,6 +57,7 @@ def install_quantized_kernels(device: DeviceInfo, model: torch.nn.Module, plan: 
     kinds = {layer.quant: layer for layer in plan.layers if layer.selection is not None}
     impls: dict[tuple, tuple[str, object]] = {}
     decisions = []
+    chosen = []
     for name, state in quantized_layers(model):
         kind = kinds.get(state.quant)
         if kind is None:
@@ -72,8 +73,28 @@ def install_quantized_kernels(device: DeviceInfo, model: torch.nn.Module, plan: 
         key = (backend.name, state.quant)
         if key not in impls:
             impls[key] = (backend.name, backend.make_impl(device, spec))
-        state.install_kernel(*impls[key])
+        chosen.append((state, impls[key]))
+    for name, impl in {id(impl): (name, impl) for _s, (name, impl) in chosen}.values():
+        tune = getattr(impl, "tune_formats", None)     # CPU_WEIGHT_ONLY: storage per shape
+        if tune is not None:
+            weights = [state.weight for state, (_n, each) in chosen if each is impl]
+            path = os.path.join(device_kernel_dir(device), "cpu_weight_formats.json")
+            decisions.append(Decision("CPU weight formats", name, name,
+                                      describe_formats(tune(weights, path))))
+    for state, (name, impl) in chosen:
+        state.install_kernel(name, impl)
     return decisions
+
+
+def describe_formats(timings: dict) -> str:
+    """What CPU_WEIGHT_ONLY chose per kind of weight, with the times it chose from."""
+    parts = []
+    for key, timing in sorted(timings.items()):
+        times = ", ".join(f"{f} {ms:.3f}" for f, ms in sorted(timing.ms.items(),
+                                                             key=lambda item: item[1]))
+        parts.append(f"{key}: {timing.chosen}" + (f" (ms a layer at 1+16 rows: {times})"
+                                                  if times else " (the only format)"))
+    return "; ".join(parts) or "no weight to store"
 
 
 def quantized_kinds(model: torch.nn.Module) -> list:

@@ -308,13 +308,14 @@ def plan_checkpoint_quantization(device: DeviceInfo, config: EngineConfig, model
     from archserve.quant.config import resolve_quant_config
     from archserve.quant.plan import (
         gguf_experts_decision,
+        keeps_gguf_quantized,
         plan_quantization,
         quantized_experts_refusal,
     )
 
-    # A GGUF file stays quantized on GPUs (a dequantizing kernel reads it); CPUs expand it.
     quant = resolve_quant_config(model_config.quantization_config, config.quantization,
-                                 gguf_path is not None, keep_gguf_quantized=device.is_gpu)
+                                 gguf_path is not None,
+                                 keep_gguf_quantized=keeps_gguf_quantized(device, dtype))
     plan = plan_quantization(device, quant, dtype)
     has_moe = "moe" in getattr(model_class_for(model_config.architecture), "op_kinds", ())
     reason = plan.not_loadable or quantized_experts_refusal(quant, has_moe)

@@ -201,10 +201,32 @@ def cpu_device(toolchain: Toolchain, gpu_present: bool = False) -> DeviceInfo:
         name=cpu_name(),
         capability=None,
         memory_bytes=host_memory_bytes(),
-        features=features_for("cpu", None),
+        features=features_for("cpu", None, cpu_flags=cpu_flags()),
         toolchain=toolchain,
         nvidia_gpu_present=gpu_present,
     )
+
+
+# torch's dispatch level (torch.backends.cpu.get_cpu_capability) -> the flags it implies,
+# for a host without /proc/cpuinfo.
+_TORCH_CPU_LEVEL_FLAGS = {
+    "AVX2": ("avx2", "fma"),
+    "AVX512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl"),
+}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The host CPU's ISA flags: /proc/cpuinfo's first "flags" line, else what torch's
+    dispatch level implies (then VNNI, BF16 and AMX are unknown: absent)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import torch
+    level = _safe(torch.backends.cpu.get_cpu_capability, "DEFAULT")
+    return frozenset(_TORCH_CPU_LEVEL_FLAGS.get(level, ()))
 
 
 def cpu_name() -> str:

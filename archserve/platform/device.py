@@ -35,21 +35,50 @@ class Features:
     wgmma: bool = False
     tcgen05: bool = False
     cuda_graphs: bool = False
+    # A CPU's vector ISA (x86 flags as /proc/cpuinfo names them): which of torch's CPU
+    # kernels run vectorised, and whether bfloat16 products are native.
+    avx2: bool = False             # AVX2 + FMA: torch's int4/int8 weight-only kernels
+    avx512: bool = False           # AVX-512 F/BW/VL: their wider paths
+    avx512_vnni: bool = False      # int8 dot products
+    avx512_bf16: bool = False      # bfloat16 dot products (vdpbf16ps)
+    amx: bool = False              # AMX tiles (bf16 and int8 matrix units)
 
     @property
     def fp8(self) -> bool:
         return self.fp8_e4m3 and self.fp8_e5m2
 
+    def cpu_isa(self) -> list[str]:
+        """The CPU vector extensions present, as doctor and explain name them."""
+        present = (self.avx2, self.avx512, self.avx512_vnni, self.avx512_bf16, self.amx)
+        return [name for name, has in zip(ALL_CPU_ISA, present, strict=True) if has]
+
+
+ALL_CPU_ISA = ("AVX2", "AVX-512", "AVX-512 VNNI", "AVX-512 BF16", "AMX")
+
+
+# /proc/cpuinfo flags behind each CPU feature (every one listed must be present).
+CPU_FEATURE_FLAGS = {
+    "avx2": ("avx2", "fma"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl"),
+    "avx512_vnni": ("avx512_vnni",),
+    "avx512_bf16": ("avx512_bf16",),
+    "amx": ("amx_bf16", "amx_int8", "amx_tile"),
+}
+
 
 def features_for(platform: str, capability: Capability | None, *, rocm_fp8: bool = False,
-                 rocm_bf16: bool = True) -> Features:
+                 rocm_bf16: bool = True, cpu_flags: frozenset[str] = frozenset()
+                 ) -> Features:
     """The single rule that turns (platform, capability) into feature flags.
 
     ROCm devices report a gfx architecture rather than an SM; their facts come
-    from the caller (`rocm_fp8` for MI300-class parts).
+    from the caller (`rocm_fp8` for MI300-class parts). A CPU's come from its ISA flags
+    (`cpu_flags`, /proc/cpuinfo's names).
     """
     if platform == "cpu":
-        return Features(bf16=True, fp16=True)
+        isa = {name: all(flag in cpu_flags for flag in flags)
+               for name, flags in CPU_FEATURE_FLAGS.items()}
+        return Features(bf16=True, fp16=True, **isa)
     if platform in ("rocm", "xpu"):
         return Features(bf16=rocm_bf16, fp8_e4m3=rocm_fp8, fp8_e5m2=rocm_fp8,
                         int8_tensor_cores=True, tensor_cores=True,

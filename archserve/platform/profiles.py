@@ -178,14 +178,19 @@ def _mi300x() -> DeviceInfo:
     )
 
 
+_SERVER_CPU_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                               "avx512_vnni", "avx512_bf16"})
+
+
 def _cpu() -> DeviceInfo:
     return DeviceInfo(
         id="cpu",
         platform="cpu",
-        name="x86-64 CPU (simulated)",
+        name="x86-64 CPU with AVX-512 BF16 (simulated)",
         capability=None,
         memory_bytes=64 * GiB,
-        features=features_for("cpu", None),
+        # A current server CPU (Zen 4, Sapphire Rapids without its AMX).
+        features=features_for("cpu", None, cpu_flags=_SERVER_CPU_FLAGS),
         toolchain=Toolchain(
             torch_version=f"{TORCH_VERSION}+cpu",
             torch_has_cuda=False,

@@ -81,6 +81,17 @@ def layer_spec(quant: LayerQuant, dtype: torch.dtype) -> LinearSpec:
                       group_size=group)
 
 
+def keeps_gguf_quantized(device: DeviceInfo, dtype: torch.dtype) -> bool:
+    """Whether a GGUF file's linear layers stay packed on ``device`` at ``dtype`` (else they
+    are expanded to dense weights at load): on GPUs, where a Triton kernel dequantizes in
+    registers, and on CPUs where CPU_WEIGHT_ONLY runs (its ISA, a bfloat16 model)."""
+    if device.is_gpu:
+        return True
+    backend = default_registry().get("linear", "CPU_WEIGHT_ONLY")
+    return backend.hardware_rule(device, LinearSpec(dtype=dtype,
+                                                    quant_scheme=fmt.WNA16)) is None
+
+
 def plan_quantization(device: DeviceInfo, config: QuantConfig | None, dtype: torch.dtype,
                       libraries: LibraryAssumption = "installed") -> QuantPlan:
     """The backend of every kind of quantized layer in ``config``, with the decision."""

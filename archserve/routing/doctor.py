@@ -20,7 +20,7 @@ from archserve.platform.emulation import emulation_refusal, emulation_summary, n
 from archserve.platform.profiles import get_profile
 from archserve.platform.toolchain import Finding, arch_verdict, diagnose, three_layer_verdict
 from archserve.quant.config import explain_quant_config
-from archserve.quant.plan import plan_quantization
+from archserve.quant.plan import keeps_gguf_quantized, plan_quantization
 from archserve.routing.dtypes import resolve_dtype
 from archserve.routing.explain import (
     DEEPSEEK_V3_MLA,
@@ -86,8 +86,9 @@ class DoctorReport:
         }
 
 
-def _representative_specs(device: DeviceInfo) -> tuple[list[Decision], dict[str, Any]]:
-    dtype, decisions = resolve_dtype(device, "auto")
+def _representative_specs(device: DeviceInfo, dtype: str = "auto"
+                          ) -> tuple[list[Decision], dict[str, Any]]:
+    dtype, decisions = resolve_dtype(device, dtype)
     return decisions, {
         "attention": AttentionSpec(head_size=128, dtype=dtype),
         "mla_attention": AttentionSpec(dtype=dtype, **DEEPSEEK_V3_MLA),
@@ -114,14 +115,20 @@ def _op_report(device: DeviceInfo, op: str, spec: Any, libraries: LibraryAssumpt
 
 # The quantized layer kinds a checkpoint of each loadable scheme typically holds.
 QUANT_ROWS = {"linear fp8 W8A8": "fp8", "linear fp8 block": "fp8_block",
-              "linear int8 W8A8": "w8a8_int8", "linear int4 W4A16 (AWQ/GPTQ)": "awq"}
+              "linear int8 W8A8": "w8a8_int8", "linear int4 W4A16 (AWQ/GPTQ)": "awq",
+              "linear GGUF blocks": "gguf"}
 
 
 def _quant_reports(device: DeviceInfo, dtype: Any, libraries: LibraryAssumption
                    ) -> dict[str, OpReport]:
     reports = {}
     for label, scheme in QUANT_ROWS.items():
-        config = explain_quant_config(None, scheme)
+        gguf = scheme == "gguf"
+        config = explain_quant_config(None, scheme, is_gguf=gguf,
+                                      keep_gguf_quantized=keeps_gguf_quantized(device, dtype))
+        if config is None:   # a GGUF file expanded at load runs on the dense route
+            reports[label] = _op_report(device, "linear", LinearSpec(dtype=dtype), libraries)
+            continue
         layer = plan_quantization(device, config, dtype, libraries).layers[0]
         reports[label] = (_op_report(device, "linear", layer.spec, libraries)
                           if layer.error is None else OpReport(None, layer.error))
@@ -130,10 +137,11 @@ def _quant_reports(device: DeviceInfo, dtype: Any, libraries: LibraryAssumption
 
 def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed",
                tensor_parallel_size: int = 1, model=None, num_devices: int | None = None,
-               emulate: str | None = None) -> DoctorReport:
+               emulate: str | None = None, dtype: str = "auto") -> DoctorReport:
     """``model`` (a ModelSummary) and ``num_devices`` (None: unknown, a simulated device)
     let it check a tensor-parallel layout too. ``emulate``: a profile to run ``device``
-    with (``--emulate-device``): its routes, this device's toolchain, or why it cannot."""
+    with (``--emulate-device``): its routes, this device's toolchain, or why it cannot.
+    ``dtype``: the model dtype the routes are for (``--dtype``; auto: the device's default)."""
     refused = None
     if emulate is not None:
         profile = get_profile(emulate)
@@ -143,7 +151,7 @@ def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed",
     silicon = device.emulated_on or device     # what torch and the driver really drive
     toolchain_ok, toolchain_text = three_layer_verdict(silicon)
     arch_ok, arch_text = arch_verdict(silicon)
-    decisions, specs = _representative_specs(device)
+    decisions, specs = _representative_specs(device, dtype)
     if device.emulated_on is not None:
         decisions.insert(0, Decision("device", f"emulate {device.id}", device.describe(),
                                      emulation_summary(device)))

@@ -32,7 +32,12 @@ from archserve.models.registry import architecture_unsupported, op_kinds_of_supp
 from archserve.platform.decision import Decision
 from archserve.platform.device import DeviceInfo
 from archserve.quant.config import UnsupportedQuantization, explain_quant_config
-from archserve.quant.plan import QuantPlan, gguf_experts_decision, plan_quantization
+from archserve.quant.plan import (
+    QuantPlan,
+    gguf_experts_decision,
+    keeps_gguf_quantized,
+    plan_quantization,
+)
 from archserve.quant.schemes import QuantScheme, compressed_tensors_form, find_scheme
 from archserve.routing.dtypes import (
     dtype_name,
@@ -101,8 +106,11 @@ class Explanation:
 
 def device_dict(device: DeviceInfo) -> dict[str, Any]:
     cap = device.capability
-    return {"id": device.id, "name": device.name, "platform": device.platform,
-            "capability": None if cap is None else [cap.major, cap.minor]}
+    out = {"id": device.id, "name": device.name, "platform": device.platform,
+           "capability": None if cap is None else [cap.major, cap.minor]}
+    if device.platform == "cpu":   # what its kernels vectorise with (CPU_WEIGHT_ONLY's rules)
+        out["cpu_isa"] = device.features.cpu_isa()
+    return out
 
 
 def libraries_text(libraries: LibraryAssumption) -> str:
@@ -297,7 +305,7 @@ def _quantization_plan(device: DeviceInfo, checkpoint_config: dict[str, Any] | N
     gives an empty plan whose ``not_loadable`` says why."""
     try:
         quant = explain_quant_config(checkpoint_config, quantization, is_gguf,
-                                     keep_gguf_quantized=device.is_gpu)
+                                     keep_gguf_quantized=keeps_gguf_quantized(device, dtype))
     except UnsupportedQuantization as exc:
         return QuantPlan(None, refused=str(exc))
     return plan_quantization(device, quant, dtype, libraries)

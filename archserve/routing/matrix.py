@@ -116,11 +116,11 @@ def _kernel_path(group: str, name: str, backend: str, spec: LinearSpec) -> Matri
 
 def _scheme_plan(scheme: str, device: DeviceInfo):  # noqa: ANN202 - a QuantPlan
     from archserve.quant.config import explain_quant_config
-    from archserve.quant.plan import plan_quantization
+    from archserve.quant.plan import keeps_gguf_quantized, plan_quantization
     from archserve.routing.dtypes import resolve_dtype
-    config = explain_quant_config(None, scheme, is_gguf=scheme == "gguf",
-                                  keep_gguf_quantized=device.is_gpu)
     dtype, _ = resolve_dtype(device, "auto")
+    config = explain_quant_config(None, scheme, is_gguf=scheme == "gguf",
+                                  keep_gguf_quantized=keeps_gguf_quantized(device, dtype))
     return plan_quantization(device, config, dtype, "all")
 
 

@@ -173,9 +173,28 @@ def test_doctor_live_json_can_run_here() -> None:
     assert {"attention", "mla_attention", "linear", "moe"} <= set(out["ops"])
     assert out["ops"]["linear"]["backend"] == "TORCH_MATMUL"
     # Every quantized layer kind a loadable checkpoint holds has a route that runs here.
-    quantized = {op: r for op, r in out["ops"].items() if op.startswith("linear ")}
-    assert len(quantized) == 4 and all(r["backend"] == "TORCH_DEQUANT"
-                                       for r in quantized.values())
+    # float32 (a CPU's default) stays exact: every quantized weight is dequantized, a GGUF
+    # file expanded at load (the dense route).
+    quantized = {op: r["backend"] for op, r in out["ops"].items() if op.startswith("linear ")}
+    assert quantized == {"linear fp8 W8A8": "TORCH_DEQUANT", "linear fp8 block": "TORCH_DEQUANT",
+                         "linear int8 W8A8": "TORCH_DEQUANT",
+                         "linear int4 W4A16 (AWQ/GPTQ)": "TORCH_DEQUANT",
+                         "linear GGUF blocks": "TORCH_MATMUL"}
+    # A bfloat16 model keeps integer-group weights packed where torch's CPU weight-only
+    # kernels vectorise (AVX2, which doctor lists with the CPU's other vector extensions).
+    from archserve.platform.detect import detect
+    packed = detect().features.avx2
+    bf16 = json.loads(run("doctor", "--json", "--dtype", "bfloat16").output)
+    weight_only = {op: r["backend"] for op, r in bf16["ops"].items()
+                   if op in ("linear int4 W4A16 (AWQ/GPTQ)", "linear GGUF blocks")}
+    assert weight_only == {"linear int4 W4A16 (AWQ/GPTQ)":
+                           "CPU_WEIGHT_ONLY" if packed else "TORCH_DEQUANT",
+                           "linear GGUF blocks": "CPU_WEIGHT_ONLY" if packed else "TORCH_MATMUL"}
+    assert ("AVX2" in out["device"]["cpu_isa"]) == packed
+    refused = {o["backend"]: o["reason"]
+               for o in out["ops"]["linear int4 W4A16 (AWQ/GPTQ)"]["rejected"]}
+    if packed:
+        assert "takes bfloat16 activations" in refused["CPU_WEIGHT_ONLY"]
     # MLA runs the torch fallback over the latent cache; MoE runs the loop.
     assert out["ops"]["mla_attention"]["backend"] == "TORCH_REFERENCE"
     assert out["ops"]["moe"]["backend"] == "TORCH_MOE"

@@ -18,6 +18,7 @@ equal the reference's bit for bit, the reference evaluated on the CPU (see ``ora
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 
@@ -43,6 +44,7 @@ from archserve.kernels.linear.quantized_weights import (
     reference_linear,
 )
 from archserve.kernels.rules import triton_interpreted
+from archserve.platform.device import features_for
 
 INTERPRETED = triton_interpreted()
 INTERPRETER_TIMEOUT_S = 900
@@ -283,6 +285,7 @@ def test_unsupported_operands_are_named():
 def test_backend_rules_name_the_hardware_reason():
     from archserve.kernels.linear.quantized_backends import (
         QUANTIZED_LINEAR_BACKENDS,
+        CpuWeightOnlyBackend,
         TorchScaledMmBackend,
         TritonBlockFp8Backend,
         TritonInt8Backend,
@@ -331,12 +334,24 @@ def test_backend_rules_name_the_hardware_reason():
     assert check(TritonInt8Backend, "t4", "int8") == "needs SM80+, device is SM75"
     assert check(TritonInt8Backend, "a100", "int8") is None
     assert check(TritonInt8Backend, "mi300x", "int8") is None
+    # CPU_WEIGHT_ONLY: torch's CPU kernels, vectorised from AVX2 on, for a bfloat16 model
+    # (they take bfloat16 activations; float32 stays exact with TORCH_DEQUANT).
+    cpu = CpuWeightOnlyBackend
+    assert check(cpu, "cpu", "wna16", torch.bfloat16) is None
+    assert "takes bfloat16 activations" in check(cpu, "cpu", "wna16", torch.float32)
+    assert "requested float16" in check(cpu, "cpu", "wna16", torch.float16)
+    assert check(cpu, "h200", "wna16", torch.bfloat16) == "CPU only, device is SM90"
+    no_avx2 = dataclasses.replace(get_profile("cpu"), features=features_for("cpu", None))
+    assert "AVX2" in cpu().check(no_avx2, LinearSpec(dtype=torch.bfloat16, quant_scheme="wna16"),
+                                 libraries="all")
+    assert "executes wna16 weights; this layer is fp8" == check(cpu, "cpu", "fp8", torch.bfloat16)
     for cls in QUANTIZED_LINEAR_BACKENDS:
         backend = cls()
-        assert backend.implemented and backend.library == "triton"
+        assert backend.implemented and backend.library == (None if cls is cpu else "triton")
         scheme = sorted(backend.formats)[0]
-        assert "triton" in backend.check(get_profile("h200"), LinearSpec(
-            quant_scheme=scheme, activation=activation[scheme]), libraries="none")
+        if cls is not cpu:
+            assert "triton" in backend.check(get_profile("h200"), LinearSpec(
+                quant_scheme=scheme, activation=activation[scheme]), libraries="none")
         module, _, name = backend.impl_path.partition(":")
         assert callable(getattr(importlib.import_module(module), name))
 

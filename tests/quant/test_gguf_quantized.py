@@ -43,6 +43,27 @@ def test_kept_quantized_weights_equal_the_dense_load(monkeypatch) -> None:
             torch.testing.assert_close(module.weight, modules[name].weight, rtol=0, atol=0)
 
 
+def test_packed_on_a_cpu_every_layer_computes_the_dense_product(tmp_path, monkeypatch) -> None:
+    """CPU_WEIGHT_ONLY (a bfloat16 model on a CPU with AVX-512 BF16: int4, bf16 or fp32 per
+    kind, by timing) multiplies as the float32 dense load does, within bf16's rounding."""
+    monkeypatch.setenv("ARCHSERVE_DISABLE_FUSIONS", "fold_norm_weights")
+    monkeypatch.setenv("ARCHSERVE_CACHE_DIR", str(tmp_path))
+    quantized, _ = load_model(GGUF, dtype=torch.bfloat16, quantization=gguf_quant_config())
+    plan = plan_quantization(get_profile("cpu"), gguf_quant_config(), torch.bfloat16)
+    assert plan.layers[0].selection.name == "CPU_WEIGHT_ONLY"
+    decisions = install_quantized_kernels(get_profile("cpu"), quantized, plan)
+    assert [d.what for d in decisions] == ["CPU weight formats"]
+    dense, _ = load_model(GGUF, dtype=torch.float32)
+    modules = dict(dense.named_modules())
+    for name, layer in quantized_layers(quantized):
+        weight = modules[name].weight
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        want = torch.nn.functional.linear(x, weight)
+        got = layer(x.bfloat16(), None)
+        assert got.dtype == torch.bfloat16
+        assert ((got.float() - want).abs().max() / want.abs().max()).item() < 2e-2, name
+
+
 @pytest.mark.gpu
 def test_gguf_runs_quantized_on_the_gpu() -> None:
     from archserve import LLM, SamplingParams

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from archserve.platform.device import features_for
 from archserve.platform.profiles import get_profile
 from archserve.routing.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from archserve.routing.explain import explain_model, explain_op_request
@@ -148,8 +150,19 @@ def test_explain_gguf_model(tmp_path) -> None:
     # Kept quantized on GPUs: the weight-only kernel reads the GGUF blocks.
     assert out["routes"][1]["backend"] == "TRITON_WEIGHT_ONLY"
     assert any(d["what"] == "quantization" for d in out["decisions"])
+    # A float32 model (a CPU's default) expands it at load: float32 stays exact.
     cpu = explain_model(get_profile("cpu"), summary, libraries="all").to_dict()
-    assert cpu["routes"][1]["backend"] == "TORCH_MATMUL"      # dequantized at load
+    assert cpu["routes"][1]["backend"] == "TORCH_MATMUL"
+    assert "AVX-512 BF16" in cpu["device"]["cpu_isa"]
+    # A bfloat16 one keeps it packed on a CPU whose vector ISA torch's weight-only kernels
+    # take (AVX2) ...
+    cpu = explain_model(get_profile("cpu"), summary, dtype="bfloat16", libraries="all").to_dict()
+    assert cpu["routes"][1]["backend"] == "CPU_WEIGHT_ONLY"
+    # ... and expands it on one without, where they would run scalar code.
+    plain = dataclasses.replace(get_profile("cpu"), features=features_for("cpu", None))
+    cpu = explain_model(plain, summary, dtype="bfloat16", libraries="all").to_dict()
+    assert cpu["routes"][1]["backend"] == "TORCH_MATMUL"
+    assert cpu["device"]["cpu_isa"] == []
 
 
 def test_explain_reads_sliding_windows_as_the_engine_does(tmp_path) -> None:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from archserve.kernels.linear.cpu_timing import best_times, cycled, tensor_bytes
 from archserve.kernels.linear.torch_linear import torch_linear
 from archserve.kernels.tuning_cache import read_cache, write_cache
 
@@ -29,8 +30,6 @@ ROWS = (2, 3, 4, 5, 6, 8, 12, 16)   # timed; a count between two takes the lower
 MAX_ROWS = ROWS[-1]
 # W xᵀ must beat x Wᵀ by this fraction: below it, timing noise decides.
 MIN_GAIN = 0.05
-# Weights cycled per timing: enough to spill the CPU's caches, as a step's do.
-TIMED_BYTES = 96 << 20
 _CACHE_VERSION = 1
 
 
@@ -66,7 +65,7 @@ class CpuRowsLinear:
         cached = read_cache(path, _CACHE_VERSION, "rows", RowsChoice)
         choices = {rows: cached[f"{key}|{rows}"] for rows in ROWS if f"{key}|{rows}" in cached}
         if len(choices) < len(ROWS):
-            choices = _time_forms(_cycled(weights))
+            choices = _time_forms(cycled(weights, tensor_bytes))
             if path is not None:
                 write_cache(path, _CACHE_VERSION, "rows",
                             {**cached, **{f"{key}|{r}": c for r, c in choices.items()}})
@@ -81,34 +80,23 @@ class CpuRowsLinear:
             f"; timed x WT / (W xT)T: {detail}"
 
 
-def _cycled(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Weights, largest first, until ``TIMED_BYTES`` (all of them if fewer)."""
-    chosen, total = [], 0
-    for w in sorted(weights, key=lambda w: -w.numel()):
-        if total >= TIMED_BYTES:
-            break
-        chosen.append(w)
-        total += w.numel() * w.element_size()
-    return chosen
-
-
 def _time_forms(weights: list[torch.Tensor], reps: int = 3) -> dict[int, RowsChoice]:
-    """Per row count, the best of ``reps`` passes over ``weights`` in each form, the two
-    forms taking turns so that a change in the machine's load falls on both."""
-    routine = CpuRowsLinear()
+    """Per row count, the best of ``reps`` passes over ``weights`` in each form
+    (cpu_timing.best_times: the forms take turns)."""
+    plain, transposed = CpuRowsLinear(), CpuRowsLinear()
     choices = {}
     for rows in ROWS:
+        transposed.transposed_rows = frozenset({rows})
         # keyed by dtype too: a float32 router weight can share a 16-bit weight's width
         inputs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype)
                   for w in weights}
-        best = {False: float("inf"), True: float("inf")}
-        for _ in range(reps):
-            for transposed in (False, True):
-                routine.transposed_rows = frozenset({rows} if transposed else ())
-                start = time.perf_counter()
-                for w in weights:
-                    routine(inputs[w.shape[1], w.dtype], w)
-                best[transposed] = min(best[transposed], time.perf_counter() - start)
+        best = best_times({False: partial(_one_pass, plain, weights, inputs),
+                           True: partial(_one_pass, transposed, weights, inputs)}, reps)
         choices[rows] = RowsChoice(best[True] < best[False] * (1 - MIN_GAIN),
                                    best[False] * 1e3, best[True] * 1e3)
     return choices
+
+
+def _one_pass(routine: CpuRowsLinear, weights: list[torch.Tensor], inputs: dict) -> None:
+    for w in weights:
+        routine(inputs[w.shape[1], w.dtype], w)

@@ -12,6 +12,8 @@ archserve.kernels.linear.quantized_weights that archserve.quant repacks at load:
 * TRITON_BLOCK_FP8 - FP8 W8A8 with 128x128 weight blocks and per-token-per-128-channel
   activation scales, on FP8 tensor cores (tl.float8e4nv).
 * TRITON_INT8 - INT8 W8A8 with an int8 tl.dot.
+* CPU_WEIGHT_ONLY - integer-group weights on a CPU, stored as int4, int8, bf16 or fp32,
+  whichever this CPU multiplies fastest per shape (torch's CPU weight-only kernels).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from archserve.kernels.linear.quantized_weights import (
 from archserve.kernels.rules import (
     bf16_on_device,
     device_text,
+    dtype_name,
     needs_capability,
     needs_dtype,
     runtime_at_least,
@@ -155,5 +158,33 @@ class TritonInt8Backend(QuantGemmBackend):
         return super().request_rule(device, spec) or _w8a8_activations_rule(spec)
 
 
+class CpuWeightOnlyBackend(QuantGemmBackend):
+    name = "CPU_WEIGHT_ONLY"
+    implemented = True
+    formats = frozenset({WNA16})
+    activations = None
+    description = ("integer-group weights kept packed on a CPU: torch's int4 / int8 "
+                   "weight-only kernels or dense bf16 (AVX-512 BF16, AMX), the fastest per "
+                   "shape by start-up timing; bf16 activations into the kernel (AVX2+)")
+    impl_path = "archserve.kernels.linear.cpu_weight_only:CpuWeightOnlyLinear"
+
+    def device_rule(self, device: DeviceInfo) -> str | None:
+        if device.platform != "cpu":
+            return f"CPU only, device is {device_text(device)}"
+        if not device.features.avx2:
+            return "needs AVX2 (torch's int4/int8 CPU kernels are scalar without it)"
+        return None
+
+    def request_rule(self, device: DeviceInfo, spec: LinearSpec) -> str | None:
+        # Its kernels round x to bfloat16: a float32 model keeps float32's exactness and
+        # takes TORCH_DEQUANT (the expansion), a bfloat16 one has already chosen rounding.
+        if (reason := super().request_rule(device, spec)) is not None:
+            return reason
+        if spec.dtype != torch.bfloat16:
+            return (f"takes bfloat16 activations (torch's int4/int8 CPU kernels), "
+                    f"requested {dtype_name(spec.dtype)}: TORCH_DEQUANT keeps it exact")
+        return None
+
+
 QUANTIZED_LINEAR_BACKENDS = (TorchScaledMmBackend, TritonBlockFp8Backend, TritonInt8Backend,
-                             TritonWeightOnlyBackend)
+                             TritonWeightOnlyBackend, CpuWeightOnlyBackend)

@@ -162,11 +162,13 @@ def pack_int_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned ints [K, N] (values < 2**bits) -> int32 [K // pack, N], packed along K."""
     pack = 32 // bits
     k, n = q.shape
-    q = q.to(torch.int64).reshape(k // pack, pack, n)
-    shifts = (torch.arange(pack, dtype=torch.int64, device=q.device) * bits).view(1, pack, 1)
-    packed = (q << shifts).sum(dim=1)
-    # Keep the low 32 bits as a signed int32 (the top nibble may set the sign bit).
-    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+    q = q.to(torch.int32).reshape(k // pack, pack, n)
+    # The values' bits do not overlap, so OR-ing them in int32 is their sum; the top one
+    # may set the sign bit, which keeps the low 32 bits as they are.
+    packed = q[:, 0].clone()
+    for i in range(1, pack):
+        packed |= q[:, i] << (i * bits)
+    return packed
 
 
 def unpack_int_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:

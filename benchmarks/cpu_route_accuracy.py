@@ -1,0 +1,123 @@
+"""How far each CPU_WEIGHT_ONLY storage format moves the embedded model from the float32
+expansion: log-prob drift and greedy tokens on fixed prompts.
+
+The reference stores every GGUF linear as float32, the expansion archserve ran on CPUs
+before it kept GGUF files packed. Each variant forces one format for every linear layer
+(``int4`` falls back to ``bf16`` for shapes it cannot take); ``tuned`` is what start-up
+chooses here. The LM head stays float32 in every variant. For
+each fixed prompt the reference decodes greedily; every variant then scores the prompt plus
+the reference's tokens (prompt log-probs), so drift is measured on the same tokens,
+and decodes greedily itself (the tokens must agree until the first near-tie).
+
+    python3 benchmarks/cpu_route_accuracy.py [--new-tokens 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 10.",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Romeo and Juliet?",
+]
+VARIANTS = {   # name -> format forced on every linear (None: start-up's timed choice)
+    "fp32 (reference)": "fp32",
+    "bf16": "bf16",
+    "int4": "int4",
+    "tuned (start-up's choice)": None,
+}
+
+
+@contextlib.contextmanager
+def forced(fmt: str | None):
+    """Start-up stores every linear as ``fmt`` (None: as it chooses)."""
+    from archserve.kernels.linear import cpu_weight_only as cwo
+
+    tune = cwo.CpuWeightOnlyLinear.tune_formats
+
+    def tune_forced(self, weights, path):
+        for w in weights:
+            formats = self.formats_for(w)
+            choice = fmt if fmt in formats else "bf16" if "bf16" in formats else formats[-1]
+            self.choices[cwo.kind_key(w)] = choice
+        return {}
+
+    if fmt is not None:
+        cwo.CpuWeightOnlyLinear.tune_formats = tune_forced
+    try:
+        yield
+    finally:
+        cwo.CpuWeightOnlyLinear.tune_formats = tune
+
+
+def run_variant(fmt, prompts_ids, reference_tokens, new_tokens):
+    """(greedy tokens, the log-prob of each reference token after its prefix); the
+    reference tokens are this variant's own when ``reference_tokens`` is None."""
+    from archserve import LLM, SamplingParams
+
+    with forced(fmt):
+        llm = LLM(model=None, max_num_seqs=8)
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], greedy,
+                        use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    reference_tokens = reference_tokens or tokens
+    score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    scored = llm.generate([{"prompt_token_ids": ids + ref}
+                           for ids, ref in zip(prompts_ids, reference_tokens, strict=True)],
+                          score, use_tqdm=False)
+    logprobs = []
+    for out, ids, ref in zip(scored, prompts_ids, reference_tokens, strict=True):
+        rows = out.prompt_logprobs[len(ids):]
+        logprobs.append([row[tok].logprob for row, tok in zip(rows, ref, strict=True)])
+    return tokens, logprobs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from archserve.loader.default_model import default_model_path
+    from archserve.loader.gguf_cache import gguf_tokenizer
+    tokenizer = gguf_tokenizer(default_model_path())
+    prompts_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                 add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+                   for p in PROMPTS]
+    prompts_ids = [list(ids["input_ids"]) if isinstance(ids, dict) else list(ids)
+                   for ids in prompts_ids]
+    results = {}
+    reference = None
+    for name, fmt in VARIANTS.items():
+        tokens, logprobs = run_variant(fmt, prompts_ids,
+                                       reference and reference["tokens"], args.new_tokens)
+        if reference is None:
+            reference = {"tokens": tokens, "logprobs": logprobs}
+        drift = [abs(a - b) for lp, ref in zip(logprobs, reference["logprobs"], strict=True)
+                 for a, b in zip(lp, ref, strict=True)]
+        same = sum(t == r for t, r in zip(tokens, reference["tokens"], strict=True))
+        agree = [next((i for i, (a, b) in enumerate(zip(t, r, strict=True)) if a != b), len(r))
+                 for t, r in zip(tokens, reference["tokens"], strict=True)]
+        results[name] = {"max_logprob_drift": max(drift),
+                         "mean_logprob_drift": sum(drift) / len(drift),
+                         "prompts_identical": f"{same}/{len(PROMPTS)}",
+                         "tokens_before_first_difference": agree}
+        print(f"{name:28s} max |dlogp| {max(drift):.4f}  mean {sum(drift) / len(drift):.5f}  "
+              f"greedy identical {same}/{len(PROMPTS)}  agree for {agree}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    assert all(math.isfinite(r["max_logprob_drift"]) for r in results.values())
+
+
+if __name__ == "__main__":
+    main()
