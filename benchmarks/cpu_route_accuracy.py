@@ -1,10 +1,10 @@
-"""How far each CPU_WEIGHT_ONLY storage format moves the embedded model from the float32
-expansion: log-prob drift and greedy tokens on fixed prompts.
+"""How far a bfloat16 run of the embedded model, in each CPU_WEIGHT_ONLY storage format,
+moves from the float32 expansion: log-prob drift and greedy tokens on fixed prompts.
 
-The reference stores every GGUF linear as float32, the expansion archserve ran on CPUs
-before it kept GGUF files packed. Each variant forces one format for every linear layer
-(``int4`` falls back to ``bf16`` for shapes it cannot take); ``tuned`` is what start-up
-chooses here. The LM head stays float32 in every variant. For
+The reference is the float32 model (a CPU's default dtype: every GGUF linear expanded to
+float32). Each other variant is the bfloat16 model with one format forced on every linear
+layer (``int4`` falls back to ``bf16`` for shapes it cannot take); ``tuned`` is what
+start-up chooses here. For
 each fixed prompt the reference decodes greedily; every variant then scores the prompt plus
 the reference's tokens (prompt log-probs), so drift is measured on the same tokens,
 and decodes greedily itself (the tokens must agree until the first near-tie).
@@ -27,11 +27,12 @@ PROMPTS = [
     "Translate 'good morning' into Spanish.",
     "Who wrote Romeo and Juliet?",
 ]
-VARIANTS = {   # name -> format forced on every linear (None: start-up's timed choice)
-    "fp32 (reference)": "fp32",
-    "bf16": "bf16",
-    "int4": "int4",
-    "tuned (start-up's choice)": None,
+VARIANTS = {   # name -> (model dtype, format forced on every linear; None: start-up's)
+    "float32 (reference)": ("float32", None),
+    "bfloat16, fp32 weights": ("bfloat16", "fp32"),
+    "bfloat16, bf16 weights": ("bfloat16", "bf16"),
+    "bfloat16, int4 weights": ("bfloat16", "int4"),
+    "bfloat16, tuned (start-up's choice)": ("bfloat16", None),
 }
 
 
@@ -57,13 +58,13 @@ def forced(fmt: str | None):
         cwo.CpuWeightOnlyLinear.tune_formats = tune
 
 
-def run_variant(fmt, prompts_ids, reference_tokens, new_tokens):
+def run_variant(dtype, fmt, prompts_ids, reference_tokens, new_tokens):
     """(greedy tokens, the log-prob of each reference token after its prefix); the
     reference tokens are this variant's own when ``reference_tokens`` is None."""
     from archserve import LLM, SamplingParams
 
     with forced(fmt):
-        llm = LLM(model=None, max_num_seqs=8)
+        llm = LLM(model=None, dtype=dtype, max_num_seqs=8)
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], greedy,
                         use_tqdm=False)
@@ -97,8 +98,8 @@ def main() -> None:
                    for ids in prompts_ids]
     results = {}
     reference = None
-    for name, fmt in VARIANTS.items():
-        tokens, logprobs = run_variant(fmt, prompts_ids,
+    for name, (dtype, fmt) in VARIANTS.items():
+        tokens, logprobs = run_variant(dtype, fmt, prompts_ids,
                                        reference and reference["tokens"], args.new_tokens)
         if reference is None:
             reference = {"tokens": tokens, "logprobs": logprobs}

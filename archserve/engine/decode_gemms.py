@@ -16,6 +16,7 @@ import torch
 
 from archserve.engine.kernel_cache import device_kernel_dir
 from archserve.kernels.catalog import default_registry, select_linear_backend
+from archserve.kernels.linear.cpu_weight_only import TIMED_ROWS
 from archserve.kernels.linear.quantized_tuning import tune_quantized
 from archserve.kernels.linear.quantized_weights import weight_signature
 from archserve.kernels.linear.skinny_choice import LINEAR, SILU_MUL, WeightGroups
@@ -92,7 +93,7 @@ def describe_formats(timings: dict) -> str:
     for key, timing in sorted(timings.items()):
         times = ", ".join(f"{f} {ms:.3f}" for f, ms in sorted(timing.ms.items(),
                                                              key=lambda item: item[1]))
-        parts.append(f"{key}: {timing.chosen}" + (f" (ms a layer at 1+16 rows: {times})"
+        parts.append(f"{key}: {timing.chosen}" + (f" (ms a layer at {'+'.join(map(str, TIMED_ROWS))} rows: {times})"
                                                   if times else " (the only format)"))
     return "; ".join(parts) or "no weight to store"
 

@@ -13,13 +13,17 @@ storage and the torch kernel that reads it:
 | ``fp32`` | 4 | ``F.linear`` (MKL) | yes (TORCH_DEQUANT's expansion) | any CPU |
 
 torch's int4 and int8 CPU kernels are fast with bfloat16 activations only (a float32 x
-takes a scalar path 20-100x slower), so x is rounded to bfloat16 for the three narrow
-formats and their output widened back: the model keeps its float32 residual stream.
-Which format wins depends on the CPU and the row count (the int4 kernel's cost grows with
-the rows, dense bf16 is a GEMM), so ``tune_formats`` times every format this CPU runs on the
-layers' own weights at 1 and 16 rows, cycling through enough of them that they come from
-memory as in a step (cpu_timing.py, shared with cpu_rows.py), and keeps the format of least
-summed time per (shape, group layout). Results are cached per CPU and torch version (the engine passes the path).
+takes a scalar path 20-100x slower), so the route serves bfloat16 models; a float32 model
+keeps the exact expansion (TORCH_DEQUANT). Which format wins depends on the CPU and the row
+count (the int4 kernel's cost grows with the rows, dense bf16 is a GEMM): on the development
+machine (AVX-512 BF16, one thread, the embedded model's 30 layers) a step's linears took
+17 / 76 / 90 ms as int4 / bf16 / fp32 at 1 row, 32 / 78 / 169 at 4, but 304 / 157 / 675 at
+64 (a prefill). So ``tune_formats`` times every format this CPU runs on the layers' own
+weights at decode's row counts (TIMED_ROWS), cycling through enough of them that they come
+from memory as in a step (cpu_timing.py, shared with cpu_rows.py), and keeps the format of
+least summed time per (shape, group layout): decode is most of a reply's time, a long
+prompt's prefill pays for it. Results are cached per CPU and torch version (the engine
+passes the path).
 """
 
 from __future__ import annotations
@@ -45,10 +49,10 @@ log = logging.getLogger(__name__)
 
 INT4, INT8, BF16, FP32 = "int4", "int8", "bf16", "fp32"
 FORMATS = (INT4, INT8, BF16, FP32)           # also the order when nothing was timed
-TIMED_ROWS = (1, 16)
+TIMED_ROWS = (1, 4)
 REPS = 5
 _INT4_GROUPS = (32, 64, 128, 256)
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 
 
 def format_rule(fmt: str, device: DeviceInfo, weight: IntGroupWeight | None = None
