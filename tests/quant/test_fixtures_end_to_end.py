@@ -158,6 +158,27 @@ def test_activation_quantized_fixture_in_bf16_on_cpu(name: str) -> None:
     assert mean_delta < bound and top1 >= min_top1, (mean_delta, top1)
 
 
+WEIGHT_ONLY = [n for n in FIXTURES if "a16" in n or n.startswith(("gptq", "awq"))]
+
+
+@pytest.mark.parametrize("name", WEIGHT_ONLY)
+def test_weight_only_fixture_in_bf16_on_cpu(name: str) -> None:
+    """A bfloat16 run keeps integer groups packed (CPU_WEIGHT_ONLY, where the CPU has AVX2:
+    int4, int8, bf16 or fp32 per kind, as timed here) within bf16's bounds of the tool's
+    reference."""
+    llm = LLM(os.path.join(ROOT, name), dtype="bfloat16", max_model_len=128)
+    routes = {r.layer: r.backend for r in llm.llm_engine.report.routes}
+    packed = llm.llm_engine.report.device.features.avx2
+    assert routes["linear (qkv, o, mlp)"] == ("CPU_WEIGHT_ONLY" if packed else "TORCH_DEQUANT")
+    if packed:
+        formats = next(d for d in llm.llm_engine.report.decisions
+                       if d.what == "CPU weight formats")
+        assert formats.chosen == "CPU_WEIGHT_ONLY" and "x" in formats.reason
+    mean_delta, top1 = compare(llm, name)
+    bound, min_top1 = bf16_bounds(name)
+    assert mean_delta < bound and top1 >= min_top1, (mean_delta, top1)
+
+
 # The kernel each fixture's layers must run on an SM90 GPU (the H200 of the device tool).
 SM90_ROUTES = {"ct-fp8-tensor-static": "TORCH_SCALED_MM", "ct-fp8-channel-dynamic":
                "TORCH_SCALED_MM", "ct-fp8-block": "TRITON_BLOCK_FP8", "hf-fp8-block":
