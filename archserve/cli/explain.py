@@ -156,6 +156,8 @@ def _print_explanation(result) -> None:  # noqa: ANN001 - an Explanation
     console.print(f"[bold]{d.name}[/bold] ({d.id}, {d.platform}{cap}); dtype "
                   f"{str(result.dtype).removeprefix('torch.')}; libraries assumed: "
                   f"{result.libraries}")
+    if d.platform == "cpu":   # what CPU_WEIGHT_ONLY's rules read
+        console.print(f"  ISA: {', '.join(d.features.cpu_isa()) or 'no vector extension'}")
     changed = {k: v for k, v in result.inputs.to_dict().items()
                if v != type(result.inputs)().to_dict()[k]}
     if changed:

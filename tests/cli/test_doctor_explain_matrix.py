@@ -325,3 +325,13 @@ def test_doctor_on_an_h200_emulating_a_t4_and_refusing_a_b200() -> None:
     assert "cannot emulate b200" in " ".join(refused.output.split())
     unknown = run("doctor", "--emulate-device", "k80")
     assert unknown.exit_code == 2 and "unknown device profile" in unknown.output
+
+
+def test_explain_on_a_cpu_names_its_isa_and_the_bf16_route() -> None:
+    text = run("explain", "-d", "cpu", "--dtype", "bfloat16")
+    assert text.exit_code == 0, text.output
+    assert "ISA: AVX2, AVX-512, AVX-512 VNNI, AVX-512 BF16" in text.output
+    out = json.loads(run("explain", "-d", "cpu", "--dtype", "bfloat16", "--json").output)
+    linear = next(r for r in out["routes"] if r["layer"].startswith("linear"))
+    assert linear["backend"] == "CPU_WEIGHT_ONLY"      # the embedded GGUF kept packed
+    assert out["device"]["cpu_isa"] == ["AVX2", "AVX-512", "AVX-512 VNNI", "AVX-512 BF16"]

@@ -163,9 +163,9 @@ class CpuWeightOnlyBackend(QuantGemmBackend):
     implemented = True
     formats = frozenset({WNA16})
     activations = None
-    description = ("integer-group weights kept packed on a CPU: torch's int4 / int8 "
-                   "weight-only kernels or dense bf16 (AVX-512 BF16, AMX), the fastest per "
-                   "shape by start-up timing; bf16 activations into the kernel (AVX2+)")
+    description = ("a bfloat16 model's integer-group weights kept packed on a CPU: int4 / "
+                   "int8 (torch's weight-only kernels, AVX2+), dense bf16 (AVX-512 BF16, "
+                   "AMX) or fp32, whichever start-up timing finds fastest per shape")
     impl_path = "archserve.kernels.linear.cpu_weight_only:CpuWeightOnlyLinear"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
