@@ -71,8 +71,19 @@ def _feature(flag: str) -> Callable[[DeviceInfo], str | None]:
 
 
 def _backend(op: str, name: str, spec: Any) -> MatrixRow:
+    """A backend's row: vLLM's hardware rule for one archserve only knows as rules; for one
+    this build runs, also where its kernels run (Triton's SM70+ code, its build rule), so a
+    cell never says supported where ``explain`` would refuse."""
     backend = default_registry().get(op, name)
-    return MatrixRow("", name, lambda d: backend.hardware_rule(d, spec), backend.implemented)
+    return MatrixRow("", name, _cell_rule(backend, spec, backend.implemented),
+                     backend.implemented)
+
+
+def _cell_rule(backend: Any, spec: Any, built: bool) -> Callable[[DeviceInfo], str | None]:
+    if not built:
+        return lambda d: backend.hardware_rule(d, spec)
+    return lambda d: (backend.hardware_rule(d, spec) or backend.availability(d, "all")
+                      or backend.build_rule(d, spec))
 
 
 def _row(group: str, name: str, base: MatrixRow, note: Callable[[DeviceInfo], str] | None = None
@@ -151,7 +162,7 @@ def _sinks(name: str) -> MatrixRow:
     only where archserve's kernel of that name lacks them."""
     backend = default_registry().get("attention", name)
     built = backend.implemented and backend.build_rule(get_profile("h100"), SINKS_SPEC) is None
-    return MatrixRow("", name, lambda d: backend.hardware_rule(d, SINKS_SPEC), built)
+    return MatrixRow("", name, _cell_rule(backend, SINKS_SPEC, built), built)
 
 
 def _side(op: str, spec: AttentionSpec) -> MatrixRow:

@@ -78,6 +78,7 @@ DEVIATIONS = {
     ("DeepGEMM MoE", "sm120"),     # vLLM 0.33 support_deep_gemm: SM90, SM100 and SM120 families
     ("DeepGEMM MoE", "sm121"),
     ("W4A8 mixed precision", "sm100"),  # vLLM 0.33 CutlassW4A8LinearKernel: SM90 only
+    ("Triton MLA", "sm75"),        # archserve's decode tile for a 512 latent: 68 KiB > T4's 64
 }
 
 
