@@ -41,11 +41,18 @@ class MetricsSample:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Metric name after its namespace -> value (labelled series summed)."""
+    """Metric name after its namespace -> value (labelled series summed).
+
+    A server may export one metric under two namespaces (archserve exports its
+    ``archserve:`` families and vLLM's ``vllm:`` aliases of them): the first namespace
+    seen is read, the other is the same figure again and is not added to it."""
     values: dict[str, float] = {}
+    namespace_of: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            short = sample.name.split(":", 1)[-1]
+            namespace, _, short = sample.name.rpartition(":")
+            if namespace_of.setdefault(short, namespace) != namespace:
+                continue
             values[short] = values.get(short, 0.0) + float(sample.value)
     return values
 

@@ -179,6 +179,10 @@ def test_metrics_parsing_reads_archserve_and_vllm_names():
     assert s.memory_peak_bytes is None
     vllm = "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.5\n"
     assert sample_from(parse_metrics(vllm), 0.0).kv_cache_usage == 0.5
+    # archserve exports vLLM's names beside its own: the same figure is not counted twice
+    both = text + ('# TYPE vllm:kv_cache_usage_perc gauge\n'
+                   'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n')
+    assert sample_from(parse_metrics(both), 0.0).kv_cache_usage == 0.25
 
 
 def test_calibration_is_cached_on_disk(tmp_path, monkeypatch):
