@@ -36,6 +36,7 @@ from archserve.kernels.compressed_attention.layout import (
     OPEN_OWN,
     CompressedCacheLayout,
 )
+from archserve.kernels.elementwise.triton_norm_rope import rope_tail_interleaved
 
 # Tokens a program folds in at once.
 TOKEN_TILE = 8
@@ -151,18 +152,7 @@ def _emit_part(out_ptr, weight_ptr, inv_freq_ptr, total, weighted, position, eps
     rms = tl.rsqrt(tl.sum(value * value, axis=0) / WIDTH + eps)
     w = tl.load(weight_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     y = (w * value * rms).to(out_ptr.dtype.element_ty).to(tl.float32)
-    pairs = tl.reshape(y, [BLOCK_W // 2, 2])
-    even, odd = tl.split(pairs)
-    half = tl.arange(0, BLOCK_W // 2)
-    first = (WIDTH - ROPE) // 2
-    rotated = (half >= first) & (half < WIDTH // 2)
-    freq = tl.load(inv_freq_ptr + half - first, mask=rotated, other=0.0)
-    angle = position.to(tl.float32) * freq
-    c = tl.cos(angle)
-    s = tl.sin(angle)
-    new_even = tl.where(rotated, even * c - odd * s, even)
-    new_odd = tl.where(rotated, odd * c + even * s, odd)
-    y = tl.reshape(tl.join(new_even, new_odd), [BLOCK_W])
+    y = rope_tail_interleaved(y, inv_freq_ptr, position, WIDTH, BLOCK_W, ROPE, False)
     tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
 
 

@@ -14,6 +14,28 @@ from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 
 
 @triton.jit
+def rope_tail_interleaved(x, inv_freq_ptr, position, WIDTH: tl.constexpr,
+                          BLOCK_W: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr):
+    """x [BLOCK_W] (fp32, WIDTH channels) with its trailing ROPE channels rotated as
+    interleaved pairs at ``position`` (back from it where INVERSE); the angles are computed
+    from inv_freq [ROPE // 2], not read from a table. DeepSeek V4 rotates the tail of
+    every head this way: its queries and keys, and its compressor's entries and index keys."""
+    even, odd = tl.split(tl.reshape(x, [BLOCK_W // 2, 2]))
+    half = tl.arange(0, BLOCK_W // 2)
+    first = (WIDTH - ROPE) // 2
+    rotated = (half >= first) & (half < WIDTH // 2)
+    freq = tl.load(inv_freq_ptr + half - first, mask=rotated, other=0.0)
+    angle = position.to(tl.float32) * freq
+    c = tl.cos(angle)
+    s = tl.sin(angle)
+    if INVERSE:
+        s = -s
+    new_even = tl.where(rotated, even * c - odd * s, even)
+    new_odd = tl.where(rotated, odd * c + even * s, odd)
+    return tl.reshape(tl.join(new_even, new_odd), [BLOCK_W])
+
+
+@triton.jit
 def _norm_rope_kernel(x_ptr, out_ptr, positions_ptr, inv_freq_ptr, weight_ptr, eps,
                       stride_token, stride_head, HEADS: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
@@ -33,20 +55,8 @@ def _norm_rope_kernel(x_ptr, out_ptr, positions_ptr, inv_freq_ptr, weight_ptr, e
             x = scale_normalized(x, inv_rms, w, dtype, dtype, False).to(tl.float32)
         else:    # x times 1/rms rounded to x's dtype, the product rounded
             x = (x * inv_rms.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    pairs = tl.reshape(x, [BLOCK_D // 2, 2])
-    even, odd = tl.split(pairs)
-    half = tl.arange(0, BLOCK_D // 2)
-    first = (D - ROPE) // 2
-    rotated = (half >= first) & (half < D // 2)
-    freq = tl.load(inv_freq_ptr + half - first, mask=rotated, other=0.0)
-    angle = tl.load(positions_ptr + token).to(tl.float32) * freq
-    c = tl.cos(angle)
-    s = tl.sin(angle)
-    if INVERSE:
-        s = -s
-    new_even = tl.where(rotated, even * c - odd * s, even)
-    new_odd = tl.where(rotated, odd * c + even * s, odd)
-    y = tl.reshape(tl.join(new_even, new_odd), [BLOCK_D])
+    y = rope_tail_interleaved(x, inv_freq_ptr, tl.load(positions_ptr + token), D, BLOCK_D,
+                              ROPE, INVERSE)
     dst = out_ptr + token.to(tl.int64) * (HEADS * D) + head * D
     tl.store(dst + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
