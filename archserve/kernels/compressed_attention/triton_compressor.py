@@ -157,6 +157,78 @@ def _emit_part(out_ptr, weight_ptr, inv_freq_ptr, total, weighted, position, eps
 
 
 @triton.jit
+def _emit_group(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group, start, end, row0,
+                stride_t, bias_stride, out_ptr, norm_ptr, inv_freq_ptr, eps,
+                WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, CH0: tl.constexpr,
+                ROPE: tl.constexpr, RATE: tl.constexpr, OVERLAP: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, BLOCK_F32: tl.constexpr, STATE_OFF: tl.constexpr,
+                CHANNELS: tl.constexpr, TOK: tl.constexpr, OWN: tl.constexpr):
+    """One part's (the latent's or the index keys' channels, CH0 ..) entry of ``group``, a
+    group the step completes: its own series, where windows overlap merged with the first
+    series of the group before, emitted at ``out_ptr``."""
+    OWN_SERIES: tl.constexpr = 1 if OVERLAP else 0
+    own = _series(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group, start, end, row0,
+                  OWN, OWN_SERIES, stride_t, bias_stride, WIDTH, BLOCK_W, CH0, RATE,
+                  BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
+    if OVERLAP:
+        if group > 0:
+            prev = group - 1
+            if group * RATE <= start:     # closed in an earlier step: its block kept it
+                pblock = tl.load(table_row + prev * RATE // BLOCK_SIZE)
+                mx, total, weighted = _load_acc(state_ptr, pblock, _CLOSED_NEXT, CH0, WIDTH,
+                                                BLOCK_W, BLOCK_F32, STATE_OFF, CHANNELS)
+            else:
+                mx, total, weighted = _series(
+                    kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, prev, start, end, row0,
+                    _OPEN_NEXT, 0, stride_t, bias_stride, WIDTH, BLOCK_W, CH0, RATE,
+                    BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
+            own = _merge(own[0], own[1], own[2], mx, total, weighted)
+    _emit_part(out_ptr, norm_ptr, inv_freq_ptr, own[1], own[2], group * RATE, eps, WIDTH,
+               BLOCK_W, ROPE)
+
+
+@triton.jit
+def _carry(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, g_first, g_last, start, end,
+           row0, stride_t, bias_stride, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+           CH0: tl.constexpr, RATE: tl.constexpr, OVERLAP: tl.constexpr,
+           BLOCK_SIZE: tl.constexpr, BLOCK_F32: tl.constexpr, STATE_OFF: tl.constexpr,
+           CHANNELS: tl.constexpr, TOK: tl.constexpr, OWN: tl.constexpr):
+    """What the next steps need of one part's (CH0 ..) accumulators: for an overlapping
+    layer, the first series of each block's latest group this step closes; the open group's
+    series where the step ends inside a group."""
+    OWN_SERIES: tl.constexpr = 1 if OVERLAP else 0
+    if OVERLAP:
+        # Each block's latest group this step closes keeps its first series.
+        g_closed = tl.where((g_last + 1) * RATE <= end, g_last, g_last - 1)
+        for group in range(g_first, g_closed + 1):
+            closes_block = ((group + 1) * RATE) % BLOCK_SIZE == 0
+            if closes_block or group == g_closed:
+                block = tl.load(table_row + group * RATE // BLOCK_SIZE)
+                mx, total, weighted = _series(
+                    kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group, start, end, row0,
+                    _OPEN_NEXT, 0, stride_t, bias_stride, WIDTH, BLOCK_W, CH0, RATE,
+                    BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
+                _store_acc(state_ptr, block, _CLOSED_NEXT, CH0, mx, total, weighted, WIDTH,
+                           BLOCK_W, BLOCK_F32, STATE_OFF, CHANNELS)
+    if (g_last + 1) * RATE > end:        # the step ends inside a group: keep it open
+        block = tl.load(table_row + g_last * RATE // BLOCK_SIZE)
+        own = _series(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, g_last, start, end,
+                      row0, OWN, OWN_SERIES, stride_t, bias_stride, WIDTH, BLOCK_W, CH0, RATE,
+                      BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
+        if OVERLAP:
+            nxt = _series(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, g_last, start, end,
+                          row0, _OPEN_NEXT, 0, stride_t, bias_stride, WIDTH, BLOCK_W, CH0,
+                          RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
+        # The reads above (this program's threads) come before the stores below.
+        tl.debug_barrier()
+        _store_acc(state_ptr, block, OWN, CH0, own[0], own[1], own[2], WIDTH, BLOCK_W,
+                   BLOCK_F32, STATE_OFF, CHANNELS)
+        if OVERLAP:
+            _store_acc(state_ptr, block, _OPEN_NEXT, CH0, nxt[0], nxt[1], nxt[2], WIDTH,
+                       BLOCK_W, BLOCK_F32, STATE_OFF, CHANNELS)
+
+
+@triton.jit
 def _compressor_kernel(kv_ptr, gate_ptr, bias_ptr, ikv_ptr, igate_ptr, ibias_ptr,
                        norm_ptr, inorm_ptr, inv_freq_ptr, rows_ptr, state_ptr,
                        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, slot_mapping_ptr,
@@ -169,7 +241,9 @@ def _compressor_kernel(kv_ptr, gate_ptr, bias_ptr, ikv_ptr, igate_ptr, ibias_ptr
                        ENTRY_OFF: tl.constexpr, INDEX_OFF: tl.constexpr,
                        BLOCK_F32: tl.constexpr, STATE_OFF: tl.constexpr,
                        TOK: tl.constexpr, OWN: tl.constexpr, EMIT: tl.constexpr):
-    # OWN: the slot of the open group's own series (its second where windows overlap).
+    # OWN: the slot of the open group's own series (its second where windows overlap). The
+    # latent's channels (0 .. D) and the index keys' (D .. D + DI) are two parts of the same
+    # groups, each accumulated, carried and emitted on its own.
     seq = tl.program_id(0)
     row0 = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - row0
@@ -181,7 +255,6 @@ def _compressor_kernel(kv_ptr, gate_ptr, bias_ptr, ikv_ptr, igate_ptr, ibias_ptr
     if tl.load(slot_mapping_ptr + row0 + query_len - 1) < 0:
         return
     CHANNELS: tl.constexpr = D + DI
-    OWN_SERIES: tl.constexpr = 1 if OVERLAP else 0
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
     g_first = start // RATE
     g_last = (end - 1) // RATE
@@ -189,101 +262,26 @@ def _compressor_kernel(kv_ptr, gate_ptr, bias_ptr, ikv_ptr, igate_ptr, ibias_ptr
         group = g_first + tl.program_id(1)
         if group > g_last or (group + 1) * RATE > end:
             return
-        own = _series(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group, start, end,
-                      row0, OWN, OWN_SERIES, stride_kv, stride_bias, D, BLOCK_D, 0, RATE,
-                      BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
-        if DI > 0:
-            iown = _series(ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, group, start,
-                           end, row0, OWN, OWN_SERIES, stride_ikv, stride_ibias, DI, BLOCK_DI,
-                           D, RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
-        if OVERLAP:
-            if group > 0:
-                prev = group - 1
-                if group * RATE <= start:     # closed in an earlier step: its block kept it
-                    pblock = tl.load(table_row + prev * RATE // BLOCK_SIZE)
-                    mx, total, weighted = _load_acc(state_ptr, pblock, _CLOSED_NEXT, 0, D,
-                                                    BLOCK_D, BLOCK_F32, STATE_OFF, CHANNELS)
-                    if DI > 0:
-                        imx, itotal, iweighted = _load_acc(state_ptr, pblock, _CLOSED_NEXT, D,
-                                                           DI, BLOCK_DI, BLOCK_F32, STATE_OFF,
-                                                           CHANNELS)
-                else:
-                    mx, total, weighted = _series(
-                        kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, prev, start, end,
-                        row0, _OPEN_NEXT, 0, stride_kv, stride_bias, D, BLOCK_D, 0, RATE,
-                        BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
-                    if DI > 0:
-                        imx, itotal, iweighted = _series(
-                            ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, prev, start,
-                            end, row0, _OPEN_NEXT, 0, stride_ikv, stride_ibias, DI, BLOCK_DI, D,
-                            RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
-                own = _merge(own[0], own[1], own[2], mx, total, weighted)
-                if DI > 0:
-                    iown = _merge(iown[0], iown[1], iown[2], imx, itotal, iweighted)
         block = tl.load(table_row + group * RATE // BLOCK_SIZE).to(tl.int64)
         slot = group % PER_BLOCK
-        position = group * RATE
-        entry = rows_ptr + block * BLOCK_ELEMS + ENTRY_OFF + slot * D
-        _emit_part(entry, norm_ptr, inv_freq_ptr, own[1], own[2], position, eps, D, BLOCK_D,
-                   ROPE)
+        block_rows = rows_ptr + block * BLOCK_ELEMS
+        _emit_group(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group, start, end, row0,
+                    stride_kv, stride_bias, block_rows + ENTRY_OFF + slot * D, norm_ptr,
+                    inv_freq_ptr, eps, D, BLOCK_D, 0, ROPE, RATE, OVERLAP, BLOCK_SIZE,
+                    BLOCK_F32, STATE_OFF, CHANNELS, TOK, OWN)
         if DI > 0:
-            key = rows_ptr + block * BLOCK_ELEMS + INDEX_OFF + slot * DI
-            _emit_part(key, inorm_ptr, inv_freq_ptr, iown[1], iown[2], position, eps, DI,
-                       BLOCK_DI, ROPE)
+            _emit_group(ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, group, start, end,
+                        row0, stride_ikv, stride_ibias, block_rows + INDEX_OFF + slot * DI,
+                        inorm_ptr, inv_freq_ptr, eps, DI, BLOCK_DI, D, ROPE, RATE, OVERLAP,
+                        BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK, OWN)
     else:
-        if OVERLAP:
-            # Each block's latest group this step closes keeps its first series.
-            g_closed = tl.where((g_last + 1) * RATE <= end, g_last, g_last - 1)
-            for group in range(g_first, g_closed + 1):
-                closes_block = ((group + 1) * RATE) % BLOCK_SIZE == 0
-                if closes_block or group == g_closed:
-                    block = tl.load(table_row + group * RATE // BLOCK_SIZE)
-                    mx, total, weighted = _series(
-                        kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, group, start, end,
-                        row0, _OPEN_NEXT, 0, stride_kv, stride_bias, D, BLOCK_D, 0, RATE,
-                        BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
-                    if DI > 0:
-                        imx, itotal, iweighted = _series(
-                            ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, group, start,
-                            end, row0, _OPEN_NEXT, 0, stride_ikv, stride_ibias, DI, BLOCK_DI, D,
-                            RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
-                    _store_acc(state_ptr, block, _CLOSED_NEXT, 0, mx, total, weighted, D,
-                               BLOCK_D, BLOCK_F32, STATE_OFF, CHANNELS)
-                    if DI > 0:
-                        _store_acc(state_ptr, block, _CLOSED_NEXT, D, imx, itotal, iweighted,
-                                   DI, BLOCK_DI, BLOCK_F32, STATE_OFF, CHANNELS)
-        if (g_last + 1) * RATE > end:        # the step ends inside a group: keep it open
-            block = tl.load(table_row + g_last * RATE // BLOCK_SIZE)
-            own = _series(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, g_last, start, end,
-                          row0, OWN, OWN_SERIES, stride_kv, stride_bias, D, BLOCK_D, 0, RATE,
-                          BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
-            if DI > 0:
-                iown = _series(ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, g_last, start,
-                               end, row0, OWN, OWN_SERIES, stride_ikv, stride_ibias, DI,
-                               BLOCK_DI, D, RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS,
-                               TOK)
-            if OVERLAP:
-                nxt = _series(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, g_last, start,
-                              end, row0, _OPEN_NEXT, 0, stride_kv, stride_bias, D, BLOCK_D, 0,
-                              RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK)
-                if DI > 0:
-                    inxt = _series(ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, g_last,
-                                   start, end, row0, _OPEN_NEXT, 0, stride_ikv, stride_ibias,
-                                   DI, BLOCK_DI, D, RATE, BLOCK_SIZE, BLOCK_F32, STATE_OFF,
-                                   CHANNELS, TOK)
-            # The reads above (this program's threads) come before the stores below.
-            tl.debug_barrier()
-            _store_acc(state_ptr, block, OWN, 0, own[0], own[1], own[2], D, BLOCK_D,
-                       BLOCK_F32, STATE_OFF, CHANNELS)
-            if DI > 0:
-                _store_acc(state_ptr, block, OWN, D, iown[0], iown[1], iown[2], DI, BLOCK_DI,
-                           BLOCK_F32, STATE_OFF, CHANNELS)
-            if OVERLAP:
-                _store_acc(state_ptr, block, _OPEN_NEXT, 0, nxt[0], nxt[1], nxt[2], D,
-                           BLOCK_D, BLOCK_F32, STATE_OFF, CHANNELS)
-                if DI > 0:
-                    _store_acc(state_ptr, block, _OPEN_NEXT, D, inxt[0], inxt[1], inxt[2], DI,
-                               BLOCK_DI, BLOCK_F32, STATE_OFF, CHANNELS)
+        _carry(kv_ptr, gate_ptr, bias_ptr, state_ptr, table_row, g_first, g_last, start, end,
+               row0, stride_kv, stride_bias, D, BLOCK_D, 0, RATE, OVERLAP, BLOCK_SIZE,
+               BLOCK_F32, STATE_OFF, CHANNELS, TOK, OWN)
+        if DI > 0:
+            _carry(ikv_ptr, igate_ptr, ibias_ptr, state_ptr, table_row, g_first, g_last, start,
+                   end, row0, stride_ikv, stride_ibias, DI, BLOCK_DI, D, RATE, OVERLAP,
+                   BLOCK_SIZE, BLOCK_F32, STATE_OFF, CHANNELS, TOK, OWN)
 
 
 def groups_per_step(max_query_len: int, rate: int) -> int:
