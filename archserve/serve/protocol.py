@@ -14,7 +14,15 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 
 # Ranges that keep one request from hurting the batch it joins (a huge n or logprobs
 # would allocate without bound; a huge penalty would turn logits into inf/nan).
@@ -290,12 +298,16 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+def _chat_choice(name: str, body: str, body_type: type[BaseModel]) -> type[BaseModel]:
+    """A chat choice model: its index, its ``body`` (a response's whole message, a stream
+    chunk's delta), then how it ends, in OpenAI's order. Made here rather than inherited: a
+    base class's fields would come before the subclass's body."""
+    return create_model(name, __module__=__name__, index=(int, ...),
+                        **{body: (body_type, ...)}, logprobs=(ChatLogprobs | None, None),
+                        finish_reason=(str | None, None), stop_reason=(int | str | None, None))
+
+
+ChatChoice = _chat_choice("ChatChoice", "message", ChatResponseMessage)
 
 
 class ChatCompletionResponse(_CompletionObject):
@@ -323,12 +335,7 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+ChatStreamChoice = _chat_choice("ChatStreamChoice", "delta", DeltaMessage)
 
 
 class ChatCompletionChunk(_CompletionObject):
