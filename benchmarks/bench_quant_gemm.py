@@ -7,11 +7,19 @@ kernels: torch._scaled_mm fp8, Triton block fp8, Triton int8) beside dense cuBLA
 each timed as CUDA-graph replays cycling through enough copies of the weight that L2
 cannot hold them (as a decode step's layers do). Each kernel is called through the
 layer routine the engine installs (its `prepare`, then calls), so activation
-quantization is inside the time. Prints µs, GB/s (weight bytes / time) and TFLOP/s;
---out writes JSON.
+quantization is inside the time. Prints µs, GB/s (weight bytes / time), TFLOP/s and the
+bytes' floor: the weight's bytes over the measured copy bandwidth (engine/ceilings.py, as
+the engine rows' floor), and the time over it.
+
+Where the routine has a start-up tuner (rows up to --tune-rows), a second row "[tuned]"
+runs the start-up tuner on the same weights first (quantized_tuning.tune_quantized: every
+candidate timed against the default, kept only where it wins by its margin and agrees)
+and times the routine with what it installed; the row names the config it chose
+("default": none won). For the W8A8 FP8 routines the candidates include the FP8 GEMV with
+the activations quantized in its registers.
 
     python3 benchmarks/bench_quant_gemm.py [--m 1,16,256,4096] [--shapes qkv,o,gate_up,down]
-        [--iters 20] [--out F.json]
+        [--iters 20] [--tune-rows 16] [--out F.json]
 """
 
 from __future__ import annotations
@@ -107,17 +115,40 @@ def time_cycled(call, weights: list, x: torch.Tensor, iters: int) -> float:
     return us
 
 
+def tuned_routine(routine, weights: list, m: int) -> str | None:
+    """Run the start-up tuner of ``routine`` on ``weights`` at ``m`` rows (no cache);
+    the chosen config's description, or None where the routine has nothing to tune."""
+    candidates = getattr(routine, "candidates", None)
+    if candidates is None or not candidates(m, weights[0]):
+        return None
+    from archserve.kernels.linear.quantized_tuning import DEFAULT, tune_quantized
+    report = tune_quantized([(routine, type(routine).__name__, weights)], [m],
+                            torch.bfloat16, None)
+    timing = next(iter(report.timings.values()))
+    if timing.chosen == DEFAULT:
+        return f"default ({timing.note[:80] or 'no candidate won'})"
+    chosen = routine.config_from(json.loads(timing.chosen))
+    return getattr(chosen, "key", lambda: str(chosen))()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="1,16,256,4096")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--kernels", default="", help="substring filter on kernel names")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tune-rows", type=int, default=16,
+                        help="run the start-up tuner at up to this many rows ([tuned] rows)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     torch.manual_seed(0)
+    from archserve.engine.ceilings import load_or_measure
+    ceilings = load_or_measure(torch.device("cuda"))
+    print(f"floor: weight bytes / {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s (measured copy "
+          f"bandwidth, {ceilings.describe()})")
     rows = []
-    header = f"{'shape':8s} {'M':>5s} {'kernel':48s} {'us':>9s} {'GB/s':>7s} {'TFLOP/s':>8s}"
+    header = (f"{'shape':8s} {'M':>5s} {'kernel':56s} {'us':>9s} {'GB/s':>7s} {'TFLOP/s':>8s} "
+              f"{'floor':>7s} {'x floor':>7s}  config")
     print(header)
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
@@ -138,19 +169,30 @@ def main() -> None:
                 prepared = [one] + [prepare(make(n, k), torch.bfloat16)
                                     for _ in range(min(copies, 64) - 1)]
                 entries.append((name, lambda a, w, r=routine: r(a, w), prepared))
+                if m <= args.tune_rows and getattr(routine, "candidates", None) is not None:
+                    entries.append((f"{name} [tuned]", routine, prepared))
             for name, call, weights in entries:
+                config = ""
                 try:
+                    if name.endswith("[tuned]"):
+                        config = tuned_routine(call, weights, m)
+                        if config is None:
+                            continue
+                        call = lambda a, w, r=call: r(a, w)  # noqa: E731 - the tuned routine
                     us = time_cycled(call, weights, x, args.iters)
                 except Exception as exc:  # noqa: BLE001 - report and go on
-                    print(f"{shape:8s} {m:5d} {name:48s} failed: {type(exc).__name__}: "
+                    print(f"{shape:8s} {m:5d} {name:56s} failed: {type(exc).__name__}: "
                           f"{str(exc)[:120]}")
                     continue
-                gbs = weight_bytes(weights[0]) / us / 1e3
-                row = dict(shape=shape, m=m, kernel=name, us=us, gb_s=gbs,
-                           tflops=flops / us / 1e6)
+                nbytes = weight_bytes(weights[0])
+                floor_us = nbytes / ceilings.copy_bytes_per_s * 1e6
+                row = dict(shape=shape, m=m, kernel=name, us=us, gb_s=nbytes / us / 1e3,
+                           tflops=flops / us / 1e6, floor_us=floor_us,
+                           over_floor=us / floor_us, config=config)
                 rows.append(row)
-                print(f"{shape:8s} {m:5d} {name:48s} {us:9.1f} {gbs:7.0f} "
-                      f"{row['tflops']:8.1f}", flush=True)
+                print(f"{shape:8s} {m:5d} {name:56s} {us:9.1f} {row['gb_s']:7.0f} "
+                      f"{row['tflops']:8.1f} {floor_us:7.1f} {row['over_floor']:7.2f}  {config}",
+                      flush=True)
             del entries
             torch.cuda.empty_cache()
     if args.out:

@@ -18,8 +18,13 @@
 #           default); perf_sync: the same rows with --no-async-scheduling;
 #   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
 #           (device busy/idle per decode step, top kernels, engine phases);
-#   quant_gemm: benchmarks/bench_quant_gemm.py, every quantized GEMM beside cuBLAS bf16;
-#   quant_perf: benchmarks/h200_quant_targets.sh (the quantized 8B rows beside bf16);
+#   quant_gemm: the quantized GEMMs' GPU tests (the W8A8 FP8 GEMV candidates against the
+#           reference, the start-up tuner on them; env QUANT_TESTS=0 skips them), then
+#           benchmarks/bench_quant_gemm.py: every quantized GEMM beside cuBLAS bf16, µs, TB/s
+#           and x its bytes' floor, with [tuned] rows at decode sizes (the start-up tuner's
+#           choice; env QUANT_GEMM_ARGS: its arguments, default --m 1,16,256,4096);
+#   quant_perf: benchmarks/h200_quant_targets.sh (the quantized 8B rows beside bf16, the
+#           targets' table, the tuner's choices; env QUANT_ROWS: a subset of its rows);
 #   serve:  benchmarks/h200_serve.sh (a real server, 8B shape; bench --mode serve over HTTP);
 #   structured: benchmarks/structured_perf.py (the token mask's cost per decode
 #           step at batch 1, 32, 256; TTFT with a cold and a cached grammar) on the 0.6B and
@@ -187,7 +192,13 @@ if want perf_sync; then   # the bench rows again without async scheduling
   bash benchmarks/h200_targets.sh "$OUT" _sync --no-async-scheduling
 fi
 if want quant_gemm; then
-  python3 benchmarks/bench_quant_gemm.py --out "$OUT/bench_quant_gemm.json" 2>&1 \
+  if [ "${QUANT_TESTS:-1}" != 0 ]; then
+    timeout 300 $PYTEST -v -s tests/kernels/test_quantized_tuning.py \
+      tests/kernels/test_quant_gemm.py -k "w8a8 or tuned or tuner or scaled_mm or block_fp8 or weight_only" 2>&1 \
+      | tee "$OUT/pytest_quant_gemm.log" | grep -E "PASS|FAIL|ERROR|default .* us|passed|failed"
+  fi
+  timeout ${QUANT_GEMM_TIMEOUT:-560} python3 benchmarks/bench_quant_gemm.py \
+    ${QUANT_GEMM_ARGS:-} --out "$OUT/bench_quant_gemm.json" 2>&1 \
     | tee "$OUT/bench_quant_gemm.txt"
 fi
 if want quant_perf; then

@@ -282,6 +282,50 @@ def test_unsupported_operands_are_named():
     assert "activation scheme" in int8_unsupported(x, int8_weight(32, 256, ACT_NONE))
 
 
+def test_w8a8_routines_offer_the_gemv_at_decode_rows_only():
+    """TORCH_SCALED_MM's tuner times the in-kernel-quantizing GEMV against its default
+    (quantize, then torch._scaled_mm) up to W8A8_GEMV_ROWS; TRITON_BLOCK_FP8's beside its
+    tiles, with one 128-deep K tile per activation group; configs survive the cache."""
+    import json
+
+    from archserve.kernels.linear.fp8_gemm import SCALED_MM, BlockFp8Linear, ScaledMmFp8Linear
+    from archserve.kernels.linear.gemm_tiles import TileConfig
+    from archserve.kernels.linear.triton_weight_only import (
+        W8A8_GEMV_ROWS,
+        WeightOnlyConfig,
+        w8a8_gemv_unsupported,
+    )
+    scaled, block = ScaledMmFp8Linear(), BlockFp8Linear()
+    for activation in (ACT_DYNAMIC_TOKEN, ACT_STATIC_TENSOR):
+        w = fp8_weight(4096, 4096, None, activation)
+        for rows in (1, 3, 8, W8A8_GEMV_ROWS):
+            configs = scaled.candidates(rows, w)
+            assert configs[0] == SCALED_MM and len(configs) == len(set(configs)) > 3
+            assert all(c.gemv for c in configs[1:])
+        assert scaled.candidates(W8A8_GEMV_ROWS + 1, w) == []
+        # The narrow layer's splits reach four times the default's programs.
+        first, *others = scaled.candidates(1, w)[1:]
+        assert dataclasses.replace(first, split_k=4 * first.split_k) in others
+    w = fp8_weight(4096, 4096, (128, 128), ACT_DYNAMIC_GROUP)
+    for rows in (1, W8A8_GEMV_ROWS, 64):
+        configs = block.candidates(rows, w)
+        tiles = [c for c in configs if isinstance(c, TileConfig)]
+        gemvs = [c for c in configs if isinstance(c, WeightOnlyConfig)]
+        assert configs[0] == tiles[0] and len(tiles) > 1
+        assert (len(gemvs) > 1) == (rows <= W8A8_GEMV_ROWS)
+        assert all(c.gemv and c.block_k == 128 for c in gemvs)
+        for c in configs:
+            assert block.config_from(json.loads(json.dumps(dataclasses.asdict(c)))) == c
+    gemv = scaled.candidates(1, fp8_weight(64, 256, None, ACT_DYNAMIC_TOKEN))[-1]
+    assert scaled.config_from(dataclasses.asdict(gemv)) == gemv
+    assert "input scale" in w8a8_gemv_unsupported(None, dataclasses.replace(
+        fp8_weight(64, 256, None, ACT_STATIC_TENSOR), input_scale=None))
+    assert "divisible by 128" in w8a8_gemv_unsupported(
+        None, fp8_weight(64, 256, (64, 64), ACT_DYNAMIC_GROUP))
+    assert w8a8_gemv_unsupported(None, fp8_weight(64, 256, (128, 128), ACT_DYNAMIC_GROUP)) is None
+    assert block.candidates(1, fp8_weight(64, 256, (64, 64), ACT_DYNAMIC_GROUP))[0].block_m
+
+
 def test_backend_rules_name_the_hardware_reason():
     from archserve.kernels.linear.quantized_backends import (
         QUANTIZED_LINEAR_BACKENDS,
@@ -442,6 +486,36 @@ def test_every_tuner_candidate_compiles():
         launches = _launch_all(SM90, routine, weight, (1, 64), torch.bfloat16,
                                every_candidate=True)
         assert len(launches) >= 6 and all(launch.code() for launch in launches)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+def test_w8a8_gemv_compiles_with_fp8_conversions_from_sm89():
+    """The GEMV candidates of the W8A8 FP8 routines compile for each FP8 generation
+    (SM89, SM90, SM100, SM120) as the engine launches them there: the weight decoded and
+    the activation quantized by the hardware's cvt (e4m3x2), one launch per GEMM. On SM90
+    every candidate the tuner may time; elsewhere the first at each row count."""
+    from triton_compile import compiled_launches
+
+    from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, ScaledMmFp8Linear
+    from archserve.platform.profiles import get_profile
+    cases = [(ScaledMmFp8Linear(), fp8_weight(COMPILE_N, COMPILE_K, None, ACT_DYNAMIC_TOKEN)),
+             (ScaledMmFp8Linear(), fp8_weight(COMPILE_N, COMPILE_K, None, ACT_STATIC_TENSOR)),
+             (BlockFp8Linear(), fp8_weight(COMPILE_N, COMPILE_K, (128, 128), ACT_DYNAMIC_GROUP))]
+    for profile in ("l40s", "h200", "b200", "rtx5090"):
+        for routine, weight in cases:
+            with compiled_launches(get_profile(profile)) as launches:
+                for rows in (1, 16):
+                    x = activations(rows, COMPILE_K, torch.bfloat16, "cpu")
+                    gemvs = [c for c in routine.candidates(rows, weight)
+                             if getattr(c, "gemv", False)]
+                    for config in gemvs if profile == "h200" else gemvs[:1]:
+                        routine.run(x, weight, None, config)
+            assert len(launches) >= 2, (profile, weight.activation)
+            for launch in launches:
+                assert launch.kernel == "_weight_only_gemv_kernel", launch.kernel
+                assert launch.constexprs["HW_FP8"] and launch.constexprs["ACT_QUANT"] > 0
+                code = launch.code()
+                assert "cvt.rn.f16x2.e4m3x2" in code and "cvt.rn.satfinite.e4m3x2.f32" in code
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -621,6 +695,31 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
                        config=config)
 
 
+    @pytest.mark.parametrize("activation,block,dtype", [
+        (ACT_DYNAMIC_TOKEN, None, torch.bfloat16), (ACT_STATIC_TENSOR, None, torch.float16),
+        (ACT_DYNAMIC_GROUP, (128, 128), torch.float32)],
+        ids=["token-channel-bf16", "tensor-tensor-fp16", "group-block-fp32"])
+    def test_w8a8_gemv_quantizes_activations_as_the_reference(activation, block, dtype):
+        """The FP8 GEMV with the checkpoint's activation scheme in its registers equals
+        reference_linear (x quantized per token, per tensor or per 128-group; per-channel,
+        per-tensor (one value per row, as loaded) or 128x128 block weight scales) within
+        the fp32 sums' rounding: every candidate at one row, the default's split at 3 and
+        16 (two blocks of 8 rows)."""
+        from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, ScaledMmFp8Linear
+        w = fp8_weight(40, 256, block, activation)
+        if activation == ACT_STATIC_TENSOR:       # a per-tensor weight scale
+            w.weight_scale = w.weight_scale[:1].expand(40).contiguous()
+        routine = BlockFp8Linear() if block else ScaledMmFp8Linear()
+        bias = bias_for(40, dtype, "cpu")
+        for rows in (1, 3, 16):
+            x = activations(rows, 256, dtype, "cpu")
+            x[0, :6] = torch.tensor([0.5, 1.5, 2.5, -2.5, 6.35, 1e4]).to(dtype) * 0.05
+            gemvs = [c for c in routine.candidates(rows, w) if getattr(c, "gemv", False)]
+            for config in gemvs if rows == 1 else gemvs[:1]:
+                assert_close(routine.run(x, w, bias if rows == 3 else None, config),
+                             oracle(x, w, bias if rows == 3 else None), dtype)
+
+
 # ------------------------------------------------------------------ GPU: real shapes
 
 LLAMA_8B = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]
@@ -747,6 +846,30 @@ def test_gpu_int8_real_shapes(n, k, activation):
         if (n, k) == (6144, 4096) and activation == ACT_DYNAMIC_TOKEN and rows in (1, 256):
             for config in candidate_configs(rows, n):
                 check_w8a8(int8_gemm, x, w, None, config=config)
+
+
+@gpu
+@needs_cuda
+@needs_fp8
+@pytest.mark.parametrize("activation", [ACT_DYNAMIC_TOKEN, ACT_STATIC_TENSOR,
+                                        ACT_DYNAMIC_GROUP])
+@pytest.mark.parametrize("n,k", LLAMA_8B, ids=[f"{n}x{k}" for n, k in LLAMA_8B])
+def test_gpu_w8a8_gemv_real_shapes(n, k, activation):
+    """The W8A8 FP8 GEMV candidates (hardware FP8 conversions, x quantized in registers
+    by a multiply with 1/scale) against the reference at decode rows; every candidate at
+    1 and 16 rows on the narrow shape."""
+    from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, ScaledMmFp8Linear
+    group = activation == ACT_DYNAMIC_GROUP
+    w = fp8_weight(n, k, (128, 128) if group else None, activation, "cuda")
+    routine = BlockFp8Linear() if group else ScaledMmFp8Linear()
+    bias = bias_for(n, torch.bfloat16, "cuda")
+    for rows in (1, 4, 16):
+        x = activations(rows, k, torch.bfloat16, "cuda")
+        gemvs = [c for c in routine.candidates(rows, w) if getattr(c, "gemv", False)]
+        every = (n, k) == (4096, 4096) and rows in (1, 16)
+        for config in gemvs if every else gemvs[:1]:
+            check_w8a8(routine.run, x, w, bias if rows == 4 else None, floor=FP8_FLOOR,
+                       config=config)
 
 
 @gpu

@@ -36,3 +36,42 @@ def test_tuned_configs_are_installed_agree_and_are_cached(tmp_path) -> None:
     cached = tune_quantized([(again, "TRITON_WEIGHT_ONLY", weights)], [1, 4, 64, 512],
                             torch.bfloat16, path)
     assert cached.from_cache and again.configs == routine.configs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() < (8, 9), reason="needs SM89+")
+@pytest.mark.parametrize("activation", ["dynamic_token", "dynamic_group"])
+def test_w8a8_fp8_decode_tuner_keeps_the_gemv_only_where_it_wins(tmp_path, activation) -> None:
+    """TORCH_SCALED_MM (per-token) and TRITON_BLOCK_FP8 (per-group): at decode rows the
+    tuner times the in-kernel-quantizing GEMV against the default; what it installs agrees
+    with the reference; no candidate above W8A8_GEMV_ROWS. Prints the timings (the GPU
+    log shows which won)."""
+    from test_quant_gemm import FP8_FLOOR, activations, assert_close, fp8_weight, oracle
+
+    from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, ScaledMmFp8Linear
+    from archserve.kernels.linear.quantized_tuning import DEFAULT, tune_quantized
+    from archserve.kernels.linear.triton_weight_only import W8A8_GEMV_ROWS
+
+    block = activation == "dynamic_group"
+    name = "TRITON_BLOCK_FP8" if block else "TORCH_SCALED_MM"
+    for n, k in [(4096, 4096), (28672, 4096), (4096, 14336)]:
+        routine = BlockFp8Linear() if block else ScaledMmFp8Linear()
+        weights = [fp8_weight(n, k, (128, 128) if block else None, activation, "cuda")
+                   for _ in range(4)]
+        rows = [1, 4, 16, 64]
+        report = tune_quantized([(routine, name, weights)], rows, torch.bfloat16,
+                                str(tmp_path / "quantized_gemms.json"))
+        for key, timing in sorted(report.timings.items()):
+            print(f"{key}: default {timing.default_us:.1f} us, best {timing.best_us:.1f} us, "
+                  f"chosen {timing.chosen} {timing.note[:200]}")
+            assert timing.default_us > 0 and timing.best_us <= timing.default_us
+        tuned = [key for key in report.timings if int(key.split(":")[1].split("x")[0])
+                 <= W8A8_GEMV_ROWS]
+        assert len(tuned) == 3 and (block or len(report.timings) == 3)
+        assert len(routine.configs) == sum(t.chosen != DEFAULT
+                                           for t in report.timings.values())
+        for r in rows:
+            x = activations(r, k, torch.bfloat16, "cuda")
+            assert_close(routine(x, weights[0]), oracle(x, weights[0]), torch.bfloat16,
+                         floor=FP8_FLOOR)

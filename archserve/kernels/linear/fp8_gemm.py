@@ -45,8 +45,17 @@ from archserve.kernels.linear.quantized_weights import (
 from archserve.kernels.linear.triton_fp8_bits import fp32_to_e4m3_bits
 from archserve.kernels.linear.triton_gemm_tile import output_tile, store_output_tile
 from archserve.kernels.linear.triton_row_scale import row_absmax_scale
+from archserve.kernels.linear.triton_weight_only import (
+    DENSE_CONFIG,
+    WeightOnlyConfig,
+    w8a8_gemv_candidates,
+    weight_only_gemm,
+)
 
 GROUP = 128      # activation channels per dynamic group scale (= the weight block's K)
+# TORCH_SCALED_MM's default config: not a Triton launch, the library GEMM (as the
+# weight-only routine's DENSE_CONFIG is its dequantize-then-cuBLAS path).
+SCALED_MM = DENSE_CONFIG
 _MAX: tl.constexpr = tl.constexpr(FP8_MAX)
 _MIN_SCALE: tl.constexpr = tl.constexpr(MIN_ACTIVATION_SCALE)
 _TOKEN: tl.constexpr = tl.constexpr(0)
@@ -173,18 +182,30 @@ def rowwise_scaled_mm_works(device: torch.device) -> bool:
     return True
 
 
-class ScaledMmFp8Linear:
-    """The TORCH_SCALED_MM routine: ``routine(x, weight, bias)`` for x [..., K]."""
+class ScaledMmFp8Linear(ConfiguredRoutine):
+    """The TORCH_SCALED_MM routine: ``routine(x, weight, bias)`` for x [..., K].
+
+    At decode rows (up to W8A8_GEMV_ROWS) the start-up tuner also times the FP8 GEMV with
+    the activations quantized in its registers (one launch: no quantization kernel before
+    the GEMM; the weight streamed once on the CUDA cores) against the default,
+    quantize-then-torch._scaled_mm (SCALED_MM); it is installed only where it timed
+    faster and agreed."""
+
+    config_type = WeightOnlyConfig
 
     def __init__(self, device=None, spec=None) -> None:
+        super().__init__(device, spec)
         self.rowwise = (rowwise_scaled_mm_works(torch.device("cuda"))
                         if torch.cuda.is_available() else True)
 
-    def __call__(self, x: torch.Tensor, weight: Fp8Weight,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        y = scaled_mm_fp8(x2, weight, bias, self.rowwise)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+    def run(self, x, weight, bias, config):  # noqa: ANN001, ANN201
+        if config is None or not config.gemv:
+            return scaled_mm_fp8(x, weight, bias, self.rowwise)
+        return weight_only_gemm(x, weight, bias, config, w8a8=True)
+
+    def candidates(self, rows: int, weight) -> list:  # noqa: ANN001
+        gemvs = w8a8_gemv_candidates(rows, weight)
+        return [SCALED_MM] + gemvs if gemvs else []
 
 
 # ---- 128x128 block weights: Triton ---------------------------------------------------------
@@ -262,10 +283,17 @@ def block_fp8_gemm(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None
 
 
 class BlockFp8Linear(ConfiguredRoutine):
-    """The TRITON_BLOCK_FP8 routine."""
+    """The TRITON_BLOCK_FP8 routine. At decode rows its tuner also times the FP8 GEMV with
+    the per-128-group activation quantization in its registers (a WeightOnlyConfig)."""
 
     def run(self, x, weight, bias, config):  # noqa: ANN001, ANN201
+        if isinstance(config, WeightOnlyConfig):
+            return weight_only_gemm(x, weight, bias, config, w8a8=True)
         return block_fp8_gemm(x, weight, bias, config)
 
     def candidates(self, rows: int, weight) -> list:  # noqa: ANN001
-        return candidate_configs(rows, weight.out_features)
+        return (candidate_configs(rows, weight.out_features)
+                + w8a8_gemv_candidates(rows, weight))
+
+    def config_from(self, fields: dict):  # noqa: ANN201
+        return WeightOnlyConfig(**fields) if "gemv" in fields else TileConfig(**fields)

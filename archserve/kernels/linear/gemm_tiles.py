@@ -90,6 +90,11 @@ class ConfiguredRoutine:
         GEMM takes no config there."""
         raise NotImplementedError
 
+    def config_from(self, fields: dict):  # noqa: ANN201
+        """A config from its fields (a tuner's cache): of ``config_type``; a routine whose
+        candidates are of several types says which."""
+        return self.config_type(**fields)
+
     @staticmethod
     def config_key(rows: int, weight) -> tuple:  # noqa: ANN001
         from archserve.kernels.linear.quantized_weights import weight_signature

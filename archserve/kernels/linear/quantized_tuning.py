@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 MIN_GAIN = 0.03           # below this, timing noise decides: keep the default
 DEFAULT = "default"
-_CACHE_VERSION = 1
+# 2: the W8A8 FP8 routines' GEMV candidates and the GEMVs' wider splits
+_CACHE_VERSION = 2
 
 
 @dataclass
@@ -94,7 +95,7 @@ def tune_quantized(kinds: Sequence[Kind], rows: Sequence[int], dtype: torch.dtyp
                 failed.add(key)
         report.timings[key] = timing
         if timing.chosen != DEFAULT:
-            config = routine.config_type(**json.loads(timing.chosen))
+            config = routine.config_from(json.loads(timing.chosen))
             routine.configs[routine.config_key(r, weights[0])] = config
     if cache_path is not None and not report.from_cache:
         _write_cache(cache_path, {**cached, **{k: t for k, t in report.timings.items()

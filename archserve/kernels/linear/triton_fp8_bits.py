@@ -49,3 +49,20 @@ def fp32_to_e4m3_bits(v):
     sub = scaled.to(tl.uint32, bitcast=True) & 0xF
     code = tl.where(mag >= 0x3C800000, normal, sub)       # 0x3C800000 is 2**-6
     return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_activation(v, scale, inverse, HW_FP8: tl.constexpr):
+    """The e4m3 value, in fp32, of activation ``v`` quantized with ``scale`` (clamped to
+    +-448, rounded half to even): W8A8's quantized x, for a kernel that multiplies it in
+    fp32. Without HW_FP8 it is the reference's arithmetic exactly (a correctly rounded
+    v / scale, integer rounding). HW_FP8 (SM89+): v * ``inverse`` (1 / scale) and the
+    hardware's cvt, a few instructions a value instead of some thirty; the product can
+    differ from the correctly rounded quotient by an ulp, which moves a value that lies
+    exactly on an e4m3 rounding tie to the other side (rare, one e4m3 step of one value)."""
+    if HW_FP8:
+        q = tl.minimum(tl.maximum(v * inverse, -448.0), 448.0)
+        return q.to(tl.float8e4nv).to(tl.float32)
+    else:
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+        return e4m3_bits_to_fp16(fp32_to_e4m3_bits(q)).to(tl.float32) * E4M3_AS_FP16_SCALE

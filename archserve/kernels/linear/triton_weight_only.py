@@ -18,8 +18,14 @@ One kernel family, two shapes of work, a constexpr switch for the weight kind:
   across programs (``split_k``) so a narrow layer still fills the GPU; the partial sums
   then go through an fp32 buffer and one torch sum, in a fixed order.
 
+The FP8 GEMV also runs W8A8 FP8 layers at decode sizes (``w8a8``): the checkpoint's
+activation quantization (per token, per tensor, per 128-group) is done on x in its
+registers, so no quantization kernel runs before it; the W8A8 routines' tuners time it
+against their default (``w8a8_gemv_candidates``).
+
 FP8 bytes are turned into fp16 with integer operations (triton_fp8_bits), never a float8
-type, so the FP8 path runs on GPUs without FP8 hardware. On SM70/SM75 Triton lowers
+type, so the FP8 path runs on GPUs without FP8 hardware; where the hardware has FP8
+conversions (SM89+) the GEMV uses them (``fp8_hardware``). On SM70/SM75 Triton lowers
 tl.dot to FMA rather than tensor cores: correct there, not fast.
 
 Configs are fixed per call (``default_config``: a small rule on rows, N, K and the
@@ -43,21 +49,49 @@ import triton.language as tl
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.linear.gemm_tiles import ConfiguredRoutine, occupancy_block_n
 from archserve.kernels.linear.quantized_weights import (
+    ACT_DYNAMIC_GROUP,
+    ACT_DYNAMIC_TOKEN,
+    ACT_NONE,
+    ACT_STATIC_TENSOR,
+    FP8_MAX,
+    MIN_ACTIVATION_SCALE,
     MXFP4_GROUP,
     Fp8Weight,
     IntGroupWeight,
     Mxfp4Weight,
 )
 from archserve.kernels.linear.triton_dequantize import dequantized_linear
-from archserve.kernels.linear.triton_fp8_bits import E4M3_AS_FP16_SCALE, e4m3_bits_to_fp16
+from archserve.kernels.linear.triton_fp8_bits import (
+    E4M3_AS_FP16_SCALE,
+    e4m3_activation,
+    e4m3_bits_to_fp16,
+)
 from archserve.kernels.linear.triton_gemm_tile import output_tile, store_output_tile
 from archserve.kernels.linear.triton_mxfp4 import mxfp4_row_pairs, mxfp4_weight_tile
+from archserve.kernels.rules import triton_interpreted
+from archserve.platform.capability import SM89
+from archserve.platform.detect import device_info_for
 
+# How the FP8 GEMV treats x (ACT_QUANT): kept as it is (weight-only), or quantized to e4m3
+# in registers as a W8A8 checkpoint's scheme says, so such a layer's decode GEMM needs no
+# activation-quantization launch before it.
+ACT_QUANT_NONE: tl.constexpr = tl.constexpr(0)
+ACT_QUANT_TOKEN: tl.constexpr = tl.constexpr(1)
+ACT_QUANT_STATIC: tl.constexpr = tl.constexpr(2)
+ACT_QUANT_GROUP: tl.constexpr = tl.constexpr(3)
+ACT_QUANT_MODES = {ACT_NONE: 0, ACT_DYNAMIC_TOKEN: 1, ACT_STATIC_TENSOR: 2, ACT_DYNAMIC_GROUP: 3}
+ACT_GROUP = 128                  # channels per dynamic group scale (the weight block's K)
+FP8_MAX_VALUE: tl.constexpr = tl.constexpr(FP8_MAX)
+MIN_SCALE: tl.constexpr = tl.constexpr(MIN_ACTIVATION_SCALE)
 INT_WEIGHT: tl.constexpr = tl.constexpr(0)
 FP8_WEIGHT: tl.constexpr = tl.constexpr(1)
 MXFP4_WEIGHT: tl.constexpr = tl.constexpr(2)
 # Rows up to which the GEMV kernel runs; its fp32 accumulator holds rows x a weight tile.
 MAX_GEMV_ROWS = 8
+# Rows up to which a W8A8 FP8 layer's tuner also times the GEMV (activations quantized in
+# its registers) against the quantize-then-tensor-core path: decode batches. Above 8 rows
+# the GEMV runs blocks of 8 rows, each reading the weight again.
+W8A8_GEMV_ROWS = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -125,13 +159,42 @@ def _centered_as(q, dtype: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_weight(bits, HW_FP8: tl.constexpr):
+    """uint8 e4m3 bits -> fp32: the value with HW_FP8 (the hardware's cvt), else the value
+    / 256 (integer operations: no FP8 hardware needed)."""
+    if HW_FP8:
+        return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return e4m3_bits_to_fp16(bits).to(tl.float32)
+
+
+@triton.jit
+def _absmax_scale(absmax):
+    """A W8A8 FP8 activation scale from its rows' (or group's) absmax, as the reference."""
+    return tl.maximum(tl.math.div_rn(absmax, FP8_MAX_VALUE), MIN_SCALE)
+
+
+@triton.jit
+def _rows_absmax_scale(x_rows, row_ok, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M] per-token scales over the whole of each row (a split program reads the
+    rows' other K too: x is a few KB, in L2, against the weight's megabytes)."""
+    amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    return _absmax_scale(tl.max(amax, axis=1))
+
+
+@triton.jit
 def _weight_only_gemv_kernel(
         x_ptr, w_ptr, scale_ptr, offset_ptr, b_ptr, y_ptr, M, N, K, k_per_split,
         stride_xm, stride_w, stride_s, stride_ym, stride_yk,
         KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_TILE: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_SCALE_N: tl.constexpr,
         BLOCK_SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        act_scale_ptr, ACT_QUANT: tl.constexpr = 0, HW_FP8: tl.constexpr = False):
     """Rows ``pid(2)*BLOCK_M..`` x columns ``pid(0)*BLOCK_N..`` over the K range of split
     ``pid(1)``. INT: w is int32 [K/pack, N] (stride_w per packed row), scales/offsets
     [K/GROUP, N]; GROUP_TILE: a BLOCK_K tile lies in one group. FP8: w is uint8 [N, K]
@@ -139,6 +202,10 @@ def _weight_only_gemv_kernel(
     [ceil(N/bn), ceil(K/bk)] (stride_s per block row) with BLOCK_K dividing bk. MXFP4: w is
     uint8 [N, K/2] (stride_w per row), scales uint8 [N, K/32] (stride_s per row), BLOCK_K
     and the splits multiples of 32.
+    ACT_QUANT (FP8 only; see ``ACT_QUANT_MODES``): x is quantized to e4m3 as a W8A8
+    checkpoint says, in registers: per row from the whole row's absmax, with the static
+    scale at act_scale_ptr, or per 128-group (BLOCK_K == 128: a tile is one group).
+    HW_FP8 (SM89+): FP8 conversions by the hardware's cvt, two values an instruction.
     PARTIAL: store fp32 sums to y[split] (stride_yk) for the host to add up."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -241,11 +308,19 @@ def _weight_only_gemv_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        # Per row (token) or per tensor: one scale a row over all of K, applied to the sums.
+        if ACT_QUANT == ACT_QUANT_TOKEN:
+            x_scale = _rows_absmax_scale(x_rows, row_ok, K, BLOCK_M, BLOCK_K)
+        elif ACT_QUANT == ACT_QUANT_STATIC:
+            x_scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(act_scale_ptr).to(tl.float32)
+        else:
+            x_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+        x_inverse = 1.0 / x_scale
         for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + ks
             k_ok = k < k_end
             bits = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
-            w = e4m3_bits_to_fp16(bits).to(tl.float32)   # the e4m3 value / 256
+            w = _e4m3_weight(bits, HW_FP8)     # the e4m3 value (/ 256 without HW_FP8)
             if BLOCK_SCALE_N > 0:
                 s = tl.load(scale_ptr + (cols // BLOCK_SCALE_N) * stride_s + k0 // BLOCK_SCALE_K,
                             mask=col_ok, other=0.0)
@@ -253,16 +328,29 @@ def _weight_only_gemv_kernel(
             if BLOCK_M == 1:
                 xk = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + k, mask=k_ok,
                              other=0.0).to(tl.float32)
+                if ACT_QUANT == ACT_QUANT_GROUP:
+                    g_scale = _absmax_scale(tl.max(tl.abs(xk), axis=0))
+                    xk = e4m3_activation(xk, g_scale, 1.0 / g_scale, HW_FP8) * g_scale
+                elif ACT_QUANT != ACT_QUANT_NONE:
+                    xk = e4m3_activation(xk, x_scale, x_inverse, HW_FP8)
                 acc += xk[None, :] * w
             else:
                 xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                              other=0.0).to(tl.float32)
+                if ACT_QUANT == ACT_QUANT_GROUP:
+                    g_scale = _absmax_scale(tl.max(tl.abs(xk), axis=1))[:, None]
+                    xk = e4m3_activation(xk, g_scale, 1.0 / g_scale, HW_FP8) * g_scale
+                elif ACT_QUANT != ACT_QUANT_NONE:
+                    xk = e4m3_activation(xk, x_scale[:, None], x_inverse[:, None], HW_FP8)
                 acc += xk[:, None, :] * w[None, :, :]
         if BLOCK_M == 1:
             total = tl.sum(acc, axis=1)[None, :]
         else:
             total = tl.sum(acc, axis=2)
-        total = total * E4M3_AS_FP16_SCALE
+        if not HW_FP8:
+            total = total * E4M3_AS_FP16_SCALE
+        if ACT_QUANT == ACT_QUANT_TOKEN or ACT_QUANT == ACT_QUANT_STATIC:
+            total = total * x_scale[:, None]
         if BLOCK_SCALE_N == 0:
             total = total * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     out_ok = row_ok[:, None] & col_ok[None, :]
@@ -502,13 +590,37 @@ def default_config(rows: int, n: int, k: int, weight: WeightOnly) -> WeightOnlyC
     return _mma_config(rows, n, weight)
 
 
+def _gemv_candidates(rows: int, n: int, k: int, weight: WeightOnly) -> list[WeightOnlyConfig]:
+    """Every GEMV tile at the split that fills the GPU, and at twice and four times that
+    many programs (more loads in flight; the partial sums cost one more small pass)."""
+    configs = []
+    for tile in _gemv_tiles(rows, weight):
+        split = _split_k(triton.cdiv(n, tile[0]), k, tile[1])
+        splits = (split, 2 * split, 4 * split) if triton.cdiv(k, tile[1]) >= 4 * split \
+            else (split, 2 * split)
+        configs += [_gemv_config(rows, n, k, tile, s) for s in splits]
+    return configs
+
+
+def w8a8_gemv_candidates(rows: int, weight: WeightOnly) -> list[WeightOnlyConfig]:
+    """The GEMV configs that may run a W8A8 FP8 layer at ``rows`` rows with its
+    activations quantized in-kernel (``weight_only_gemm(..., w8a8=True)``): none above
+    W8A8_GEMV_ROWS or where the GEMV cannot take the weight."""
+    probe = torch.empty((0, weight.in_features))      # the weight's own conditions only
+    if rows > W8A8_GEMV_ROWS or weight_only_unsupported(probe, weight, None) is not None \
+            or w8a8_gemv_unsupported(probe, weight) is not None:
+        return []
+    configs = _gemv_candidates(rows, weight.out_features, weight.in_features, weight)
+    if weight.activation == ACT_DYNAMIC_GROUP:        # a K tile is one activation group
+        configs = [c for c in configs if c.block_k == ACT_GROUP]
+    return list(dict.fromkeys(configs))
+
+
 def candidate_configs(rows: int, n: int, k: int, weight: WeightOnly) -> list[WeightOnlyConfig]:
     """What a start-up tuner may time at ``rows`` rows, ``default_config`` first."""
     configs = [default_config(rows, n, k, weight)]
     if configs[0].gemv:
-        for tile in _gemv_tiles(rows, weight):
-            split = _split_k(triton.cdiv(n, tile[0]), k, tile[1])
-            configs += [_gemv_config(rows, n, k, tile, s) for s in (split, 2 * split)]
+        configs += _gemv_candidates(rows, n, k, weight)
     else:
         limit = mma_block_k_limit(weight)
         for block_n, block_k, warps, stages in [(128, 64, 4, 3), (64, 64, 4, 3),
@@ -547,11 +659,37 @@ def _weight_operands(weight: WeightOnly) -> tuple[tuple, dict]:
                          BLOCK_SCALE_N=block_n, BLOCK_SCALE_K=block_k)
 
 
+def fp8_hardware(device: torch.device) -> bool:
+    """Whether kernels on ``device`` convert FP8 with the hardware's instructions (SM89+;
+    never under the interpreter, whose float8 rounding is wrong at carries)."""
+    if triton_interpreted():
+        return False
+    info = device_info_for(device)
+    return info.is_cuda and info.has_capability(SM89)
+
+
+def w8a8_gemv_unsupported(x: torch.Tensor, weight: Fp8Weight) -> str | None:
+    """Why the GEMV cannot run this W8A8 FP8 weight with its activation scheme in-kernel."""
+    if not isinstance(weight, Fp8Weight) or weight.activation not in ACT_QUANT_MODES:
+        return "not an FP8 weight with a known activation scheme"
+    if weight.activation == ACT_STATIC_TENSOR and weight.input_scale is None:
+        return "static activation scheme without an input scale"
+    if weight.activation == ACT_DYNAMIC_GROUP and (
+            weight.in_features % ACT_GROUP or weight.block is None
+            or weight.block[1] % ACT_GROUP):
+        return f"per-group activations need K and the weight blocks' K divisible by {ACT_GROUP}"
+    return None
+
+
 def weight_only_gemm(x: torch.Tensor, weight: WeightOnly, bias: torch.Tensor | None = None,
-                     config: WeightOnlyConfig | None = None) -> torch.Tensor:
+                     config: WeightOnlyConfig | None = None, w8a8: bool = False
+                     ) -> torch.Tensor:
     """x [M, K] (fp16, bf16, fp32), an IntGroupWeight, Fp8Weight (its activation scheme
     ignored: weight-only) or Mxfp4Weight, bias [N] or None -> [M, N] in x's dtype. Act order: x is
-    gathered by ``weight.perm`` first. The caller checks ``weight_only_unsupported``."""
+    gathered by ``weight.perm`` first. The caller checks ``weight_only_unsupported``.
+    ``w8a8`` (an Fp8Weight, a GEMV config; ``w8a8_gemv_unsupported``): x is quantized by
+    the weight's activation scheme inside the GEMV, no launch before it; per-group scales
+    need a ``block_k`` of 128."""
     if isinstance(weight, IntGroupWeight) and weight.perm is not None:
         x = x.index_select(1, weight.perm)
     if x.stride(1) != 1:
@@ -564,6 +702,8 @@ def weight_only_gemm(x: torch.Tensor, weight: WeightOnly, bias: torch.Tensor | N
         return y
     (w, scale, offset, stride_w, stride_s), kind = _weight_operands(weight)
     b = bias if bias is not None else y
+    if w8a8 and not config.gemv:
+        raise ValueError("activations are quantized in the GEMV only")
     if not config.gemv:
         grid = (triton.cdiv(cols, config.block_n), triton.cdiv(rows, config.block_m))
         scale_at_end = (kind["BLOCK_SCALE_N"] == 0 if kind["KIND"] == FP8_WEIGHT
@@ -583,11 +723,19 @@ def weight_only_gemm(x: torch.Tensor, weight: WeightOnly, bias: torch.Tensor | N
     out = y if splits == 1 else torch.empty((splits, rows, cols), dtype=torch.float32,
                                             device=x.device)
     grid = (triton.cdiv(cols, config.block_n), splits, triton.cdiv(rows, block_m))
+    fp8 = dict(act_scale_ptr=scale)
+    if kind["KIND"] == FP8_WEIGHT:
+        scheme = weight.activation if w8a8 else ACT_NONE
+        if scheme == ACT_DYNAMIC_GROUP and config.block_k != ACT_GROUP:
+            raise ValueError(f"per-group activations need block_k {ACT_GROUP}, "
+                             f"the config has {config.block_k}")
+        fp8 = dict(act_scale_ptr=weight.input_scale if scheme == ACT_STATIC_TENSOR else scale,
+                   ACT_QUANT=ACT_QUANT_MODES[scheme], HW_FP8=fp8_hardware(x.device))
     _weight_only_gemv_kernel[grid](
         x, w, scale, offset, b, out, rows, cols, depth, k_per_split, x.stride(0), stride_w,
         stride_s, out.stride(-2), out.stride(0) if splits > 1 else 0, **kind,
         GROUP_TILE=group_tile, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps)
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **fp8)
     if splits == 1:
         return y
     total = out.sum(dim=0)
