@@ -45,6 +45,10 @@ from archserve.kernels.linear.quantized_weights import (  # noqa: E402
     IntGroupWeight,
     pack_int_rows,
 )
+from archserve.kernels.linear.triton_weight_only import (  # noqa: E402
+    w8a8_gemv_candidates,
+    weight_only_gemm,
+)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -171,6 +175,13 @@ def main() -> None:
                 entries.append((name, lambda a, w, r=routine: r(a, w), prepared))
                 if m <= args.tune_rows and getattr(routine, "candidates", None) is not None:
                     entries.append((f"{name} [tuned]", routine, prepared))
+                gemvs = w8a8_gemv_candidates(m, one) if isinstance(one, Fp8Weight) and \
+                    one.activation != ACT_NONE else []
+                if gemvs:       # the W8A8 GEMV's first candidate, whether it wins or not
+                    entries.append((f"{name.split(' (')[0]}: GEMV, x quantized in it",
+                                    lambda a, w, c=gemvs[0]: weight_only_gemm(a, w, None, c,
+                                                                              w8a8=True),
+                                    prepared))
             for name, call, weights in entries:
                 config = ""
                 try:

@@ -486,6 +486,18 @@ def test_every_tuner_candidate_compiles():
         launches = _launch_all(SM90, routine, weight, (1, 64), torch.bfloat16,
                                every_candidate=True)
         assert len(launches) >= 6 and all(launch.code() for launch in launches)
+    # The GEMVs with two tiles in flight, on the other generations too.
+    from triton_compile import compiled_launches
+    routine = WeightOnlyLinear()
+    for weight in (int_group_weight(COMPILE_N, 4096, 4, 32, True, True),
+                   fp8_weight(COMPILE_N, 4096, None)):      # K of several tiles
+        x = activations(1, 4096, torch.bfloat16, "cpu")
+        for target in (SM80, SM100, SM120):
+            with compiled_launches(target) as launches:
+                for config in [c for c in routine.candidates(1, weight) if c.prefetch]:
+                    routine.run(x, weight, None, config)
+            assert launches and all(launch.constexprs["PREFETCH"]
+                                              and launch.code() for launch in launches)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")

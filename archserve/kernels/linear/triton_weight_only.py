@@ -40,6 +40,7 @@ dequantize-then-cuBLAS path for large M would have to beat.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -97,8 +98,10 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class WeightOnlyConfig:
-    """A launch of one of the two kernels. GEMV: ``block_k`` counts unpacked values, and
-    ``split_k`` programs share K. MMA: ``block_m`` rows per program, ``num_stages``."""
+    """A launch of one of the two kernels. GEMV: ``block_k`` counts unpacked values,
+    ``split_k`` programs share K, ``prefetch`` requests each K step's next weight tile
+    before computing (integer and FP8 weights). MMA: ``block_m`` rows per program,
+    ``num_stages``."""
 
     gemv: bool
     block_n: int
@@ -107,10 +110,12 @@ class WeightOnlyConfig:
     block_m: int = 0
     num_stages: int = 1
     split_k: int = 1
+    prefetch: int = 0
 
     def key(self) -> str:
         if self.gemv:
-            return f"gemv_n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}"
+            return (f"gemv_n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}"
+                    + (f"_p{self.prefetch}" if self.prefetch else ""))
         return (f"mma_m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
                 f"_st{self.num_stages}")
 
@@ -120,7 +125,8 @@ class WeightOnlyConfig:
         values = {part.rstrip("0123456789"): int(part.lstrip("abcdefghijklmnopqrstuvwxyz"))
                   for part in parts}
         if kind == "gemv":
-            return cls(True, values["n"], values["k"], values["w"], split_k=values["s"])
+            return cls(True, values["n"], values["k"], values["w"], split_k=values["s"],
+                       prefetch=values.get("p", 0))
         return cls(False, values["n"], values["k"], values["w"], block_m=values["m"],
                    num_stages=values["st"])
 
@@ -169,6 +175,13 @@ def _e4m3_weight(bits, HW_FP8: tl.constexpr):
 
 
 @triton.jit
+def _packed_tile(w_ptr, p, p_end, cols, col_ok, stride_w):
+    """The int32 [len(p), len(cols)] tile of packed rows ``p`` (zeros from ``p_end``)."""
+    return tl.load(w_ptr + p.to(tl.int64)[:, None] * stride_w + cols[None, :],
+                   mask=(p < p_end)[:, None] & col_ok[None, :], other=0)
+
+
+@triton.jit
 def _absmax_scale(absmax):
     """A W8A8 FP8 activation scale from its rows' (or group's) absmax, as the reference."""
     return tl.maximum(tl.math.div_rn(absmax, FP8_MAX_VALUE), MIN_SCALE)
@@ -194,7 +207,8 @@ def _weight_only_gemv_kernel(
         GROUP_TILE: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_SCALE_N: tl.constexpr,
         BLOCK_SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        act_scale_ptr, ACT_QUANT: tl.constexpr = 0, HW_FP8: tl.constexpr = False):
+        act_scale_ptr, ACT_QUANT: tl.constexpr = 0, HW_FP8: tl.constexpr = False,
+        PREFETCH: tl.constexpr = False):
     """Rows ``pid(2)*BLOCK_M..`` x columns ``pid(0)*BLOCK_N..`` over the K range of split
     ``pid(1)``. INT: w is int32 [K/pack, N] (stride_w per packed row), scales/offsets
     [K/GROUP, N]; GROUP_TILE: a BLOCK_K tile lies in one group. FP8: w is uint8 [N, K]
@@ -206,6 +220,9 @@ def _weight_only_gemv_kernel(
     checkpoint says, in registers: per row from the whole row's absmax, with the static
     scale at act_scale_ptr, or per 128-group (BLOCK_K == 128: a tile is one group).
     HW_FP8 (SM89+): FP8 conversions by the hardware's cvt, two values an instruction.
+    PREFETCH (INT, FP8): each K step requests the next step's weight tile before it
+    computes on its own, which arrived during the step before: two tiles in flight per
+    program instead of one (a tile past the split's end is masked: no bytes).
     PARTIAL: store fp32 sums to y[split] (stride_yk) for the host to add up."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -228,11 +245,18 @@ def _weight_only_gemv_kernel(
         # or'ed in, and subtracting ZERO leaves q (offsets) or q - 2**(bits-1), exactly.
         MAGIC: tl.constexpr = 0x4B000000
         ZERO: tl.constexpr = 8388608.0 if HAS_OFFSETS else 8388608.0 + (1 << (BITS - 1))
+        if PREFETCH:
+            packed_next = _packed_tile(w_ptr, k_start // PACK + prow, k_end // PACK, cols,
+                                       col_ok, stride_w)
         for k0 in range(k_start, k_end, BLOCK_K):
             p = k0 // PACK + prow                       # packed rows of this tile
             p_ok = p < k_end // PACK
-            packed = tl.load(w_ptr + p.to(tl.int64)[:, None] * stride_w + cols[None, :],
-                             mask=p_ok[:, None] & col_ok[None, :], other=0)
+            if PREFETCH:    # this tile was requested a step ago; request the next one
+                packed = packed_next
+                packed_next = _packed_tile(w_ptr, p + BLOCK_P, k_end // PACK, cols, col_ok,
+                                           stride_w)
+            else:
+                packed = _packed_tile(w_ptr, p, k_end // PACK, cols, col_ok, stride_w)
             # The PACK values of an int32 share one group (GROUP is a multiple of PACK):
             # sum x q over them, then scale once per int32,
             #   sum_j x_j (q_j s + o) = s sum_j x_j q_j + o sum_j x_j.
@@ -316,10 +340,20 @@ def _weight_only_gemv_kernel(
         else:
             x_scale = tl.full([BLOCK_M], 1.0, tl.float32)
         x_inverse = 1.0 / x_scale
+        if PREFETCH:
+            bits_next = tl.load(w_rows + (k_start + ks)[None, :],
+                                mask=col_ok[:, None] & (k_start + ks < k_end)[None, :], other=0)
         for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + ks
             k_ok = k < k_end
-            bits = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+            if PREFETCH:    # this tile was requested a step ago; request the next one
+                bits = bits_next
+                bits_next = tl.load(w_rows + (k + BLOCK_K)[None, :],
+                                    mask=col_ok[:, None] & (k + BLOCK_K < k_end)[None, :],
+                                    other=0)
+            else:
+                bits = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                               other=0)
             w = _e4m3_weight(bits, HW_FP8)     # the e4m3 value (/ 256 without HW_FP8)
             if BLOCK_SCALE_N > 0:
                 s = tl.load(scale_ptr + (cols // BLOCK_SCALE_N) * stride_s + k0 // BLOCK_SCALE_K,
@@ -591,14 +625,20 @@ def default_config(rows: int, n: int, k: int, weight: WeightOnly) -> WeightOnlyC
 
 
 def _gemv_candidates(rows: int, n: int, k: int, weight: WeightOnly) -> list[WeightOnlyConfig]:
-    """Every GEMV tile at the split that fills the GPU, and at twice and four times that
-    many programs (more loads in flight; the partial sums cost one more small pass)."""
+    """Every GEMV tile at the split that fills the GPU and at twice that many programs;
+    the first tile also at four times (more loads in flight; the partial sums cost one
+    more small pass) and, for integer and FP8 weights, at its first two splits with two
+    tiles in flight per program (``prefetch``): where a program's tile is its only load
+    in flight, that doubles the bytes in flight without more programs."""
     configs = []
-    for tile in _gemv_tiles(rows, weight):
+    for i, tile in enumerate(_gemv_tiles(rows, weight)):
         split = _split_k(triton.cdiv(n, tile[0]), k, tile[1])
-        splits = (split, 2 * split, 4 * split) if triton.cdiv(k, tile[1]) >= 4 * split \
-            else (split, 2 * split)
-        configs += [_gemv_config(rows, n, k, tile, s) for s in splits]
+        deep = i == 0 and triton.cdiv(k, tile[1]) >= 4 * split
+        configs += [_gemv_config(rows, n, k, tile, s)
+                    for s in ((split, 2 * split, 4 * split) if deep else (split, 2 * split))]
+    if not isinstance(weight, Mxfp4Weight):
+        configs += [dataclasses.replace(c, prefetch=1) for c in configs[:2]
+                    if triton.cdiv(k, c.block_k) >= 2 * c.split_k]
     return configs
 
 
@@ -735,7 +775,8 @@ def weight_only_gemm(x: torch.Tensor, weight: WeightOnly, bias: torch.Tensor | N
         x, w, scale, offset, b, out, rows, cols, depth, k_per_split, x.stride(0), stride_w,
         stride_s, out.stride(-2), out.stride(0) if splits > 1 else 0, **kind,
         GROUP_TILE=group_tile, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, **fp8)
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        PREFETCH=bool(config.prefetch) and kind["KIND"] != MXFP4_WEIGHT, **fp8)
     if splits == 1:
         return y
     total = out.sum(dim=0)
