@@ -1,7 +1,7 @@
 """How far a bfloat16 run of the embedded model, in each CPU_WEIGHT_ONLY storage format,
 moves from the float32 expansion: log-prob drift and greedy tokens on fixed prompts.
 
-The reference is the float32 model (a CPU's default dtype: every GGUF linear expanded to
+The reference is the float32 model (``--dtype float32``: every GGUF linear expanded to
 float32). Each other variant is the bfloat16 model with one format forced on every linear
 layer (``int4`` falls back to ``bf16`` for shapes it cannot take); ``tuned`` is what
 start-up chooses here. For

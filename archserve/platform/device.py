@@ -47,6 +47,12 @@ class Features:
     def fp8(self) -> bool:
         return self.fp8_e4m3 and self.fp8_e5m2
 
+    @property
+    def cpu_bf16(self) -> bool:
+        """A CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX); without either,
+        oneDNN emulates bfloat16 GEMMs, slower than float32's."""
+        return self.avx512_bf16 or self.amx
+
     def cpu_isa(self) -> list[str]:
         """The CPU vector extensions present, as doctor and explain name them."""
         present = (self.avx2, self.avx512, self.avx512_vnni, self.avx512_bf16, self.amx)

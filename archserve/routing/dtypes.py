@@ -41,16 +41,16 @@ def resolve_dtype(device: DeviceInfo, requested: str | torch.dtype | None = "aut
                   ) -> tuple[torch.dtype, list[Decision]]:
     """The compute dtype for this device.
 
-    auto: float32 on CPU (exact, and CPU half-precision matmuls are slow); on GPUs the
-    checkpoint's float16 if it is float16, else bfloat16 where supported, else float16.
-    An explicit bfloat16 on a device without it becomes float16 with a decision.
+    auto: on a CPU, ``cpu_auto_dtype``; on GPUs the checkpoint's float16 if it is float16,
+    else bfloat16 where supported, else float16. An explicit bfloat16 on a device without
+    it becomes float16 with a decision.
     """
     wanted = parse_dtype(requested)
     model = parse_dtype(model_dtype)
     asked = "auto" if wanted is None else dtype_name(wanted)
     if wanted is None:
         if not device.is_gpu:
-            chosen, why = torch.float32, "CPU: float32 is exact and fast enough"
+            chosen, why = cpu_auto_dtype(device, model)
         elif model == torch.float16:
             chosen, why = torch.float16, "the checkpoint is float16"
         elif device.features.bf16:
@@ -64,6 +64,26 @@ def resolve_dtype(device: DeviceInfo, requested: str | torch.dtype | None = "aut
                "(vLLM refuses; archserve degrades: watch for overflow in large activations)")
         return torch.float16, [Decision("dtype", asked, "float16", why)]
     return wanted, [Decision("dtype", asked, asked, "as requested")]
+
+
+def cpu_auto_dtype(device: DeviceInfo, model: torch.dtype | None = None
+                   ) -> tuple[torch.dtype, str]:
+    """"auto" on a CPU, and why: bfloat16 where the CPU multiplies it in hardware, as
+    vLLM's CPU backend runs it (a decode step reads half float32's bytes, and
+    CPU_WEIGHT_ONLY keeps quantized weights packed for bfloat16 models only); float32
+    elsewhere, where emulated bfloat16 GEMMs are slower than float32's. A float16
+    checkpoint takes bfloat16 too (vLLM keeps float16): no x86 CPU here multiplies float16
+    in hardware short of AVX-512 FP16, and torch's weight-only CPU kernels take bfloat16."""
+    features = device.features
+    if not features.cpu_bf16:
+        return torch.float32, ("CPU without native bfloat16 (no AVX-512 BF16 or AMX): "
+                               "emulated bfloat16 GEMMs are slower than float32's")
+    native = " and ".join(name for name, has in (("AVX-512 BF16", features.avx512_bf16),
+                                                 ("AMX", features.amx)) if has)
+    checkpoint = f", the checkpoint {dtype_name(model)}" if model is not None else ""
+    return torch.bfloat16, (f"CPU with native bfloat16 ({native}{checkpoint}): half "
+                            "float32's bytes per token, as vLLM's CPU backend runs; "
+                            "--dtype float32 for float32's exactness")
 
 
 # Why no kernel of this build reads each rules-only KV-cache dtype, and what reads it in

@@ -166,15 +166,22 @@ def test_explain_moe_model_shows_the_route_and_vllms_ideal() -> None:
 
 
 def test_doctor_live_json_can_run_here() -> None:
-    result = run("doctor", "--json")
+    from archserve.platform.detect import detect
+    features = detect().features
+    auto = json.loads(run("doctor", "--json").output)
+    # auto: bfloat16 where this CPU multiplies it natively, else float32 (either CI machine).
+    dtype = next(d for d in auto["decisions"] if d["what"] == "dtype")
+    assert dtype["chosen"] == ("bfloat16" if features.cpu_bf16 else "float32")
+    assert "native bfloat16" in dtype["reason"]
+    result = run("doctor", "--json", "--dtype", "float32")
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     assert out["can_run"] is True
     assert {"attention", "mla_attention", "linear", "moe"} <= set(out["ops"])
     assert out["ops"]["linear"]["backend"] == "TORCH_MATMUL"
     # Every quantized layer kind a loadable checkpoint holds has a route that runs here.
-    # float32 (a CPU's default) stays exact: every quantized weight is dequantized, a GGUF
-    # file expanded at load (the dense route).
+    # float32 stays exact: every quantized weight is dequantized, a GGUF file expanded at
+    # load (the dense route).
     quantized = {op: r["backend"] for op, r in out["ops"].items() if op.startswith("linear ")}
     assert quantized == {"linear fp8 W8A8": "TORCH_DEQUANT", "linear fp8 block": "TORCH_DEQUANT",
                          "linear int8 W8A8": "TORCH_DEQUANT",
@@ -182,8 +189,7 @@ def test_doctor_live_json_can_run_here() -> None:
                          "linear GGUF blocks": "TORCH_MATMUL"}
     # A bfloat16 model keeps integer-group weights packed where torch's CPU weight-only
     # kernels vectorise (AVX2, which doctor lists with the CPU's other vector extensions).
-    from archserve.platform.detect import detect
-    packed = detect().features.avx2
+    packed = features.avx2
     bf16 = json.loads(run("doctor", "--json", "--dtype", "bfloat16").output)
     weight_only = {op: r["backend"] for op, r in bf16["ops"].items()
                    if op in ("linear int4 W4A16 (AWQ/GPTQ)", "linear GGUF blocks")}
@@ -228,8 +234,9 @@ def test_matrix_marks_schemes_archserve_runs_where_it_runs_them() -> None:
     a scheme this build does not load keeps vLLM's rule (no CPU kernels)."""
     out = json.loads(run("matrix", "--json").output)
     rows = {f["name"]: f for f in out["features"]}
-    assert rows["GGUF"]["support"]["cpu"] and rows["GGUF"]["notes"]["cpu"] == "dense after load"
-    assert rows["AWQ"]["support"]["cpu"] and rows["AWQ"]["notes"]["cpu"] == "TORCH_DEQUANT"
+    # The cpu profile has AVX-512 BF16: bfloat16 by default, so its GGUF weights stay packed.
+    assert rows["GGUF"]["support"]["cpu"] and rows["GGUF"]["notes"]["cpu"] == "CPU_WEIGHT_ONLY"
+    assert rows["AWQ"]["support"]["cpu"] and rows["AWQ"]["notes"]["cpu"] == "CPU_WEIGHT_ONLY"
     assert rows["AWQ"]["notes"]["h100"] == "TRITON_WEIGHT_ONLY"
     assert not rows["BitsAndBytes"]["support"]["cpu"] and not rows["BitsAndBytes"]["implemented"]
 

@@ -18,7 +18,7 @@ from archserve.routing.model_summary import read_model_summary
 @pytest.mark.parametrize("profile,requested,chosen", [
     ("v100", "bfloat16", torch.float16), ("t4", "bf16", torch.float16),
     ("a100", "bfloat16", torch.bfloat16), ("v100", "auto", torch.float16),
-    ("h100", "auto", torch.bfloat16), ("cpu", "auto", torch.float32),
+    ("h100", "auto", torch.bfloat16), ("cpu", "auto", torch.bfloat16),
     ("cpu", "half", torch.float16), ("h100", torch.float32, torch.float32),
 ])
 def test_resolve_dtype(profile: str, requested, chosen: torch.dtype) -> None:
@@ -35,6 +35,29 @@ def test_bf16_degradation_is_a_recorded_decision() -> None:
 
 def test_auto_keeps_a_float16_checkpoint_on_gpus() -> None:
     assert resolve_dtype(get_profile("h100"), "auto", "float16")[0] == torch.float16
+
+
+@pytest.mark.parametrize("flags,checkpoint,chosen", [
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, None, torch.bfloat16),
+    ({"avx2", "fma", "amx_bf16", "amx_int8", "amx_tile"}, "float16", torch.bfloat16),
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "bfloat16",
+     torch.float32),
+    (set(), "float32", torch.float32),
+])
+def test_auto_on_a_cpu_is_bfloat16_where_it_multiplies_bfloat16(flags, checkpoint, chosen
+                                                                 ) -> None:
+    """As vLLM's CPU backend, bfloat16 where AVX-512 BF16 or AMX multiply it (a float16
+    checkpoint too); float32 where bfloat16 would be emulated. The decision says why."""
+    cpu = dataclasses.replace(get_profile("cpu"),
+                              features=features_for("cpu", None, cpu_flags=frozenset(flags)))
+    dtype, (decision,) = resolve_dtype(cpu, "auto", checkpoint)
+    assert dtype == chosen
+    assert decision.chosen == str(chosen).removeprefix("torch.")
+    assert ("native bfloat16" in decision.reason) and (
+        ("without" in decision.reason) == (chosen == torch.float32))
+    # An explicit choice is kept either way.
+    assert resolve_dtype(cpu, "float32", checkpoint)[0] == torch.float32
+    assert resolve_dtype(cpu, "bfloat16", checkpoint)[0] == torch.bfloat16
 
 
 def test_unknown_dtype_is_refused() -> None:
@@ -150,13 +173,14 @@ def test_explain_gguf_model(tmp_path) -> None:
     # Kept quantized on GPUs: the weight-only kernel reads the GGUF blocks.
     assert out["routes"][1]["backend"] == "TRITON_WEIGHT_ONLY"
     assert any(d["what"] == "quantization" for d in out["decisions"])
-    # A float32 model (a CPU's default) expands it at load: float32 stays exact.
-    cpu = explain_model(get_profile("cpu"), summary, libraries="all").to_dict()
+    # A float32 model expands it at load: float32 stays exact.
+    cpu = explain_model(get_profile("cpu"), summary, dtype="float32", libraries="all").to_dict()
     assert cpu["routes"][1]["backend"] == "TORCH_MATMUL"
     assert "AVX-512 BF16" in cpu["device"]["cpu_isa"]
-    # A bfloat16 one keeps it packed on a CPU whose vector ISA torch's weight-only kernels
-    # take (AVX2) ...
-    cpu = explain_model(get_profile("cpu"), summary, dtype="bfloat16", libraries="all").to_dict()
+    # A bfloat16 one (auto, on a CPU with AVX-512 BF16) keeps it packed on a CPU whose
+    # vector ISA torch's weight-only kernels take (AVX2) ...
+    cpu = explain_model(get_profile("cpu"), summary, libraries="all").to_dict()
+    assert cpu["dtype"] == "bfloat16"
     assert cpu["routes"][1]["backend"] == "CPU_WEIGHT_ONLY"
     # ... and expands it on one without, where they would run scalar code.
     plain = dataclasses.replace(get_profile("cpu"), features=features_for("cpu", None))

@@ -61,7 +61,7 @@ def format_rule(fmt: str, device: DeviceInfo, weight: IntGroupWeight | None = No
     features = device.features
     if fmt in (INT4, INT8) and not features.avx2:
         return "torch's int4/int8 CPU kernels need AVX2 (scalar code otherwise)"
-    if fmt == BF16 and not (features.avx512_bf16 or features.amx):
+    if fmt == BF16 and not features.cpu_bf16:
         return "bfloat16 GEMMs need AVX-512 BF16 or AMX (emulated otherwise)"
     if weight is None or fmt in (BF16, FP32):
         return None
