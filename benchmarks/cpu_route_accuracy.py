@@ -4,7 +4,8 @@ moves from the float32 expansion: log-prob drift and greedy tokens on fixed prom
 The reference is the float32 model (``--dtype float32``: every GGUF linear expanded to
 float32). Each other variant is the bfloat16 model with one format forced on every linear
 layer (``int4`` falls back to ``bf16`` for shapes it cannot take); ``tuned`` is what
-start-up chooses here. For
+start-up chooses here, and ``auto`` the route a user gets without ``--dtype`` (bfloat16,
+tuned, on a CPU with native bfloat16; float32, the reference, elsewhere). For
 each fixed prompt the reference decodes greedily; every variant then scores the prompt plus
 the reference's tokens (prompt log-probs), so drift is measured on the same tokens,
 and decodes greedily itself (the tokens must agree until the first near-tie).
@@ -33,6 +34,7 @@ VARIANTS = {   # name -> (model dtype, format forced on every linear; None: star
     "bfloat16, bf16 weights": ("bfloat16", "bf16"),
     "bfloat16, int4 weights": ("bfloat16", "int4"),
     "bfloat16, tuned (start-up's choice)": ("bfloat16", None),
+    "auto (the default dtype here)": ("auto", None),
 }
 
 

@@ -44,7 +44,8 @@ def reference(tiny_checkpoint):
 @pytest.mark.parametrize("backend", ["TORCH_SDPA", "TORCH_REFERENCE", "FLEX_ATTENTION"])
 def test_forced_backend_matches_transformers(reference, backend):
     path, expected = reference
-    llm = LLM(path, attention_backend=backend, max_num_batched_tokens=16)  # chunked prefill
+    # chunked prefill; float32, as the transformers reference
+    llm = LLM(path, attention_backend=backend, max_num_batched_tokens=16, dtype="float32")
     assert llm.llm_engine.report.attention.name == backend
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -53,7 +54,8 @@ def test_forced_backend_matches_transformers(reference, backend):
 CHILD = r"""
 import json, sys
 from archserve import LLM, SamplingParams
-llm = LLM(sys.argv[1], attention_backend="TRITON_ATTN", max_num_batched_tokens=16)
+llm = LLM(sys.argv[1], attention_backend="TRITON_ATTN", max_num_batched_tokens=16,
+          dtype="float32")
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=12,
                                                             ignore_eos=True))
 print(json.dumps({"backend": llm.llm_engine.report.attention.name,

@@ -19,7 +19,8 @@ NUM_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def llm(embedded_model_path):
-    return LLM(embedded_model_path, max_model_len=1024)
+    # float32: compared with transformers' float32 run of the same file
+    return LLM(embedded_model_path, max_model_len=1024, dtype="float32")
 
 
 @pytest.fixture(scope="module")

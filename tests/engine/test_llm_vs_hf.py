@@ -34,7 +34,7 @@ def hf_greedy(path: str, prompt_ids: list[int], num_tokens: int):
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def engine_and_reference(request, tiny_checkpoint):
     path = tiny_checkpoint(request.param)
-    llm = LLM(path, max_num_seqs=8)
+    llm = LLM(path, max_num_seqs=8, dtype="float32")   # as the transformers reference
     tok = llm.get_tokenizer()
     reference = [hf_greedy(path, tok.encode(p), NUM_TOKENS) for p in PROMPTS]
     return llm, reference
@@ -131,7 +131,7 @@ def test_stop_strings_and_stop_tokens(tiny_checkpoint):
 
 def test_token_id_prompts_and_prompt_logprobs(tiny_checkpoint):
     path = tiny_checkpoint("llama")
-    llm = LLM(path)
+    llm = LLM(path, dtype="float32")   # as the transformers reference
     ids = llm.get_tokenizer().encode("The capital of France is")
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))[0]
     assert out.prompt_token_ids == ids

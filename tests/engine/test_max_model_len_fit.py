@@ -18,7 +18,7 @@ from archserve.engine.kv_cache import DEFAULT_CPU_KV_BYTES
 from archserve.engine.llm_engine import LLMEngine
 from archserve.loader.loader import load_model_config
 
-# The tiny checkpoint: 2 layers x keys and values x 2 KV heads x 16 x float32 = 512 bytes a
+# The tiny checkpoint in float32: 2 layers x keys and values x 2 KV heads x 16 x 4 = 512 bytes a
 # token; blocks of 16 tokens. Ten blocks' worth of memory holds 160 tokens, fewer than its
 # 256 positions.
 TEN_BLOCKS = 10 * 16 * 512
@@ -26,7 +26,7 @@ TEN_BLOCKS = 10 * 16 * 512
 
 def test_the_models_length_is_lowered_to_what_fits_with_a_notice(tiny_checkpoint, caplog):
     with caplog.at_level(logging.WARNING, logger="archserve"):
-        llm = LLM(tiny_checkpoint("llama"), kv_cache_memory_bytes=TEN_BLOCKS)
+        llm = LLM(tiny_checkpoint("llama"), kv_cache_memory_bytes=TEN_BLOCKS, dtype="float32")
     engine = llm.llm_engine
     assert engine.max_model_len == 160 and engine.report.max_model_len == 160
     notices = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
@@ -46,14 +46,14 @@ def test_an_explicit_length_that_does_not_fit_fails_before_the_weights_load(
     for name in os.listdir(broken):
         if name.endswith(".safetensors"):
             (broken / name).write_bytes(b"not safetensors")
-    config = EngineConfig(model=str(broken), max_model_len=200,
+    config = EngineConfig(model=str(broken), max_model_len=200, dtype="float32",
                           kv_cache_memory_bytes=TEN_BLOCKS)
     with pytest.raises(ValueError, match=r"max_model_len=200 does not fit: the KV cache has "
                                          r"room for 160 tokens \(kv_cache_memory_bytes="):
         LLMEngine(config)
     # The same checkpoint with a length that fits does reach the load, and fails there.
     with pytest.raises(Exception) as info:
-        LLMEngine(EngineConfig(model=str(broken), max_model_len=160,
+        LLMEngine(EngineConfig(model=str(broken), max_model_len=160, dtype="float32",
                                kv_cache_memory_bytes=TEN_BLOCKS))
     assert "does not fit" not in str(info.value)
 

@@ -21,6 +21,9 @@ from archserve.engine.speculative_config import parse_speculative_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
+# Every engine compared with another in float32: a verification step computes its rows in
+# one batch, and bfloat16's rounding moves with a step's rows enough to flip a near-tie.
+FP32 = "float32"
 
 # The engine features' cases (feature_cases.py), and one of logit bias with min_tokens.
 CASES = {**FEATURE_CASES, "bias-min-tokens": (dict(), [SamplingParams(
@@ -57,7 +60,8 @@ def _assert_same(got, expected):
 def reference(tiny_checkpoint):
     """Each case's outputs without speculation."""
     path = tiny_checkpoint("llama")
-    return {case: _summary(LLM(path, max_num_seqs=4, **args).generate(PROMPTS, params))
+    return {case: _summary(LLM(path, max_num_seqs=4, dtype=FP32, **args).generate(PROMPTS,
+                                                                                 params))
             for case, (args, params) in CASES.items()}
 
 
@@ -65,7 +69,7 @@ def reference(tiny_checkpoint):
 def test_ngram_speculation_is_lossless(tiny_checkpoint, reference, case, async_scheduling):
     args, params = CASES[case]
     llm = LLM(tiny_checkpoint("llama"), max_num_seqs=4, speculative_config=NGRAM,
-              async_scheduling=async_scheduling, **args)
+              async_scheduling=async_scheduling, dtype=FP32, **args)
     engine = llm.llm_engine
     _assert_same(_summary(llm.generate(PROMPTS, params)), reference[case])
     assert not engine.has_unfinished_requests()
@@ -83,8 +87,8 @@ def test_preemption_and_chunked_prefill_with_drafts(tiny_checkpoint):
     args = dict(num_kv_blocks=24, block_size=4, max_model_len=96, max_num_batched_tokens=16,
                 max_num_seqs=6)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    plain = _summary(LLM(path, **args).generate(PROMPTS, params))
-    llm = LLM(path, speculative_config=NGRAM, **args)
+    plain = _summary(LLM(path, dtype=FP32, **args).generate(PROMPTS, params))
+    llm = LLM(path, speculative_config=NGRAM, dtype=FP32, **args)
     preempted = []
     scheduler = llm.llm_engine.scheduler
     schedule = scheduler.schedule
@@ -197,7 +201,7 @@ def test_a_stop_string_inside_a_verified_run_drops_the_tokens_after_it(tiny_chec
     Each stop string is the shortest tail of a speculating run's output that first
     completes at a token that was not the last of its step."""
     path = tiny_checkpoint("llama")
-    spec = LLM(path, max_num_seqs=4, speculative_config=NGRAM)
+    spec = LLM(path, max_num_seqs=4, speculative_config=NGRAM, dtype=FP32)
     decode = spec.get_tokenizer().decode
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ends, outputs = _step_ends(spec, PROMPTS, greedy)
@@ -214,7 +218,7 @@ def test_a_stop_string_inside_a_verified_run_drops_the_tokens_after_it(tiny_chec
         params.append(SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
                                      stop=[stop], include_stop_str_in_output=i % 2 == 0))
     assert sum(p is not greedy for p in params) >= 3
-    expected = _summary(LLM(path, max_num_seqs=4).generate(PROMPTS, params))
+    expected = _summary(LLM(path, max_num_seqs=4, dtype=FP32).generate(PROMPTS, params))
     dropped = []
     drop = Sequence.drop_newest_tokens
     monkeypatch.setattr(Sequence, "drop_newest_tokens",
