@@ -106,11 +106,12 @@ def test_engine_and_explain_say_the_experts_are_dequantized(tmp_path_factory):
     hf_dir, _, root = _built("qwen2_moe", tmp_path_factory)
     path = write_tiny_gguf(hf_dir, str(root / "engine.gguf"))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    engine = LLM(path, max_model_len=64)
+    # float32: the file's dequantized experts must give the checkpoint's tokens exactly
+    engine = LLM(path, max_model_len=64, dtype="float32")
     decisions = {d.requested: d for d in engine.llm_engine.report.decisions}
     assert decisions["gguf experts"].chosen == "dense float32"
     from_gguf = engine.generate(["Hello world! The capital of France"], params)[0]
-    from_hf = LLM(hf_dir, max_model_len=64).generate(["Hello world! The capital of France"],
+    from_hf = LLM(hf_dir, max_model_len=64, dtype="float32").generate(["Hello world! The capital of France"],
                                                       params)[0]
     assert from_gguf.outputs[0].token_ids == from_hf.outputs[0].token_ids
     # explain, from the file's metadata alone, on a GPU profile: the linears stay GGUF
