@@ -61,6 +61,17 @@ def train_tokenizer(vocab_size: int = 384):
     return fast
 
 
+def randomize_weights(model, random_buffers: tuple[str, ...] = ()) -> None:  # noqa: ANN001
+    """Noise on every parameter of a freshly made transformers model (its norms and biases
+    non-trivial too), and on its buffers whose names end in ``random_buffers``."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+        for name, buffer in model.named_buffers():
+            if random_buffers and name.endswith(random_buffers):
+                buffer.add_(torch.randn_like(buffer) * 0.05)
+
+
 def build_tiny_checkpoint(path: str, model_type: str = "llama", seed: int = 0,
                           dtype: torch.dtype = torch.float32,
                           random_buffers: tuple[str, ...] = (), init_model=None,
@@ -79,13 +90,9 @@ def build_tiny_checkpoint(path: str, model_type: str = "llama", seed: int = 0,
                                   eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id, **sizes)
     model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():  # norms and biases non-trivial too
-            param.add_(torch.randn_like(param) * 0.05)
-        for name, buffer in model.named_buffers():
-            if name.endswith(random_buffers) if random_buffers else False:
-                buffer.add_(torch.randn_like(buffer) * 0.05)
-        if init_model is not None:
+    randomize_weights(model, random_buffers)
+    if init_model is not None:
+        with torch.no_grad():
             init_model(model)
     os.makedirs(path, exist_ok=True)
     model.to(dtype).save_pretrained(path, safe_serialization=True)

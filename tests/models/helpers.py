@@ -18,17 +18,18 @@ TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_
             head_dim=16, intermediate_size=96, vocab_size=256, max_position_embeddings=64)
 
 
-def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
-    """A random HF causal LM of ``model_type`` with every weight (biases, norms) non-trivial."""
+def tiny_hf_model(model_type: str, seed: int = 0, random_buffers: tuple[str, ...] = (),
+                  **overrides):
+    """A random HF causal LM of ``model_type`` with every weight (biases, norms) non-trivial,
+    and the buffers named by ``random_buffers`` (name endings) too."""
+    from tiny_checkpoints import randomize_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
+    randomize_weights(model, random_buffers)
     return model
 
 
@@ -62,6 +63,20 @@ def saved_and_loaded(hf_model, path):
     hf_model.save_pretrained(path)
     model, config = load_model(str(path), dtype=torch.float32, device="cpu")
     return hf_model, model, config
+
+
+def assert_dummy_weights_run(hf_model, path, prompt: list[int] | None = None, **cache):
+    """``hf_model``'s checkpoint under ``path`` loaded with dummy weights in bfloat16
+    (load_format="dummy"), then a prefill of ``prompt`` (PROMPTS[0]) through the paged cache
+    (``cache``: PagedSequences.for_config's sizes) gives finite logits. Returns the model."""
+    from archserve.loader.loader import load_model
+
+    hf_model.save_pretrained(path)
+    model, config = load_model(str(path), torch.bfloat16, load_format="dummy")
+    logits = PagedSequences.for_config(config, dtype=torch.bfloat16, **cache).run(
+        model, {0: PROMPTS[0] if prompt is None else prompt})
+    assert torch.isfinite(logits).all()
+    return model
 
 
 @dataclass

@@ -26,6 +26,7 @@ from models.helpers import (
     TEXT_PROMPTS,
     PagedSequences,
     assert_chunked_prefix_and_preemption_equal_hf,
+    assert_dummy_weights_run,
     assert_gpu_chunked_prefix_tracks_one_prefill,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
@@ -173,12 +174,7 @@ def test_release_layout_loads_the_same_weights(pair, tmp_path):
 
 
 def test_dummy_weights_run(pair, tmp_path):
-    from archserve.loader.loader import load_model
-    pair[0].save_pretrained(tmp_path)
-    model, config = load_model(str(tmp_path), torch.bfloat16, load_format="dummy")
-    logits = PagedSequences.for_config(config, dtype=torch.bfloat16, block_size=8).run(
-        model, {0: PROMPTS[0] * 3})
-    assert torch.isfinite(logits).all()
+    assert_dummy_weights_run(pair[0], tmp_path, PROMPTS[0] * 3, block_size=8)
 
 
 def _checkpoint(path) -> str:

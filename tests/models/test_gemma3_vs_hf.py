@@ -17,9 +17,11 @@ from archserve import LLM, SamplingParams
 from archserve.loader.loader import load_model
 from models.helpers import (
     PagedSequences,
+    assert_dummy_weights_run,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
     hf_last_logits,
+    saved_and_loaded,
     tiny_hf_model,
 )
 
@@ -54,10 +56,7 @@ ATOL = RTOL = 1e-4
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request, tmp_path_factory):
     hf_model = tiny_hf_model("gemma3_text", **{**GEMMA3, **VARIANTS[request.param]})
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(path)
-    model, config = load_model(str(path), dtype=torch.float32, device="cpu")
-    return hf_model, model, config
+    return saved_and_loaded(hf_model, tmp_path_factory.mktemp(request.param))
 
 
 def test_config_facts(pair):
@@ -87,12 +86,10 @@ def test_transformers4_style_config_is_normalised():
 
 
 def test_dummy_weights_leave_gemma_norms_the_identity(tmp_path):
-    tiny_hf_model("gemma3_text", **GEMMA3).save_pretrained(tmp_path)
-    model, config = load_model(str(tmp_path), torch.bfloat16, load_format="dummy")
+    model = assert_dummy_weights_run(tiny_hf_model("gemma3_text", **GEMMA3), tmp_path,
+                                     PROMPTS[0])
     norms = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
     assert len(norms) == 4 * 6 + 1 and all(torch.all(p == 0) for p in norms)
-    logits = PagedSequences.for_config(config, dtype=torch.bfloat16).run(model, {0: PROMPTS[0]})
-    assert torch.isfinite(logits).all()
 
 
 def test_batched_prefill_then_decode_matches_hf(pair):

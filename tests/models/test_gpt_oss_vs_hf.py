@@ -22,6 +22,7 @@ from models.helpers import (
     TEXT_PROMPTS,
     PagedSequences,
     assert_chunked_prefix_and_preemption_equal_hf,
+    assert_dummy_weights_run,
     assert_greedy_agrees_with_hf,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
@@ -108,12 +109,7 @@ def test_the_comparison_can_fail(pair, what):
 
 
 def test_dummy_weights_run(pair, tmp_path):
-    hf_model, _, _ = pair
-    hf_model.save_pretrained(tmp_path)
-    from archserve.loader.loader import load_model
-    model, config = load_model(str(tmp_path), torch.bfloat16, load_format="dummy")
-    logits = PagedSequences.for_config(config, dtype=torch.bfloat16).run(model, {0: PROMPTS[0]})
-    assert torch.isfinite(logits).all()
+    assert_dummy_weights_run(pair[0], tmp_path)
 
 
 # ---------------------------------------------------------------- the engine

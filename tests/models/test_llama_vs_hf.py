@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archserve.loader.loader import load_model
 from models.helpers import (
+    PROMPTS,
     PagedSequences,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
     hf_last_logits,
+    saved_and_loaded,
     tiny_hf_model,
 )
 
@@ -28,17 +29,12 @@ VARIANTS = {
     "mistral_sliding_window": ("mistral", dict(sliding_window=5, tie_word_embeddings=False)),
 }
 
-PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 9], [200, 1, 2], [33, 34, 35, 36, 37, 38]]
-
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request, tmp_path_factory):
     model_type, overrides = VARIANTS[request.param]
     hf_model = tiny_hf_model(model_type, **overrides)
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(path)
-    model, config = load_model(str(path), dtype=torch.float32, device="cpu")
-    return hf_model, model, config
+    return saved_and_loaded(hf_model, tmp_path_factory.mktemp(request.param))
 
 
 def test_single_prefill_matches_hf(pair):

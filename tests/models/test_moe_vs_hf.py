@@ -21,6 +21,7 @@ from models.helpers import (
     PROMPTS,
     TEXT_PROMPTS,
     PagedSequences,
+    assert_dummy_weights_run,
     assert_greedy_agrees_with_hf,
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
@@ -212,13 +213,11 @@ def test_expert_matrices_are_views_of_the_stacked_kernel_weights(pair):
 
 
 def test_dummy_weights_fill_the_experts(tmp_path):
-    tiny_hf_model("qwen2_moe", **{**MOE, **VARIANTS["qwen2_moe_shared_step2"][1]}
-                  ).save_pretrained(tmp_path)
-    model, config = load_model(str(tmp_path), torch.bfloat16, load_format="dummy")
+    model = assert_dummy_weights_run(
+        tiny_hf_model("qwen2_moe", **{**MOE, **VARIANTS["qwen2_moe_shared_step2"][1]}),
+        tmp_path)
     for moe in model.moe_layers():
         assert moe.w13.abs().max() > 0 and moe.w2.abs().max() > 0
-    logits = PagedSequences.for_config(config, dtype=torch.bfloat16).run(model, {0: PROMPTS[0]})
-    assert torch.isfinite(logits).all()
 
 
 # ---------------------------------------------------------------- the engine
