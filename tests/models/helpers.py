@@ -79,6 +79,15 @@ def assert_dummy_weights_run(hf_model, path, prompt: list[int] | None = None, **
     return model
 
 
+def variant_pair(variants: dict, name: str, sizes: dict, path, **kwargs) -> tuple:
+    """(name, hf_model, model, config) of ``variants[name]``, a (model_type, overrides)
+    pair: its tiny model over ``sizes`` (``kwargs``: more of tiny_hf_model's arguments)
+    saved under ``path`` and loaded back (``saved_and_loaded``)."""
+    model_type, overrides = variants[name]
+    return name, *saved_and_loaded(tiny_hf_model(model_type, **kwargs, **{**sizes, **overrides}),
+                                   path)
+
+
 @dataclass
 class PagedSequences:
     """A minimal block allocator: enough of the engine to drive a model by hand."""

@@ -32,8 +32,8 @@ from models.helpers import (
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
     hf_last_logits,
-    saved_and_loaded,
     tiny_hf_model,
+    variant_pair,
 )
 
 ATOL = 1e-4
@@ -70,10 +70,8 @@ RANDOM_BUFFERS = ("e_score_correction_bias",)
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request, tmp_path_factory):
-    model_type, overrides = VARIANTS[request.param]
-    hf_model = tiny_hf_model(model_type, random_buffers=RANDOM_BUFFERS,
-                             **{**MLA, **overrides, "vocab_size": 256})
-    return request.param, *saved_and_loaded(hf_model, tmp_path_factory.mktemp(request.param))
+    return variant_pair(VARIANTS, request.param, MLA, tmp_path_factory.mktemp(request.param),
+                        random_buffers=RANDOM_BUFFERS)
 
 
 def test_layers_and_cache_follow_the_config(pair):

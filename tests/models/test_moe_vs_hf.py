@@ -28,8 +28,8 @@ from models.helpers import (
     assert_prompt_positions_match_hf,
     hf_last_logits,
     prompt_logprob_gaps,
-    saved_and_loaded,
     tiny_hf_model,
+    variant_pair,
 )
 
 ATOL = RTOL = 1e-4
@@ -64,9 +64,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request, tmp_path_factory):
-    model_type, overrides = VARIANTS[request.param]
-    hf_model = tiny_hf_model(model_type, **{**MOE, **overrides})
-    return request.param, *saved_and_loaded(hf_model, tmp_path_factory.mktemp(request.param))
+    return variant_pair(VARIANTS, request.param, MOE, tmp_path_factory.mktemp(request.param))
 
 
 def test_sparse_and_dense_layers_follow_the_config(pair):

@@ -38,8 +38,8 @@ from models.helpers import (
     bf16_greedy_params,
     bf16_logprob_drift,
     hf_last_logits,
-    saved_and_loaded,
     tiny_hf_model,
+    variant_pair,
 )
 
 ATOL = 1e-4
@@ -70,10 +70,8 @@ RANDOM_BUFFERS = ("e_score_correction_bias",)
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request, tmp_path_factory):
-    model_type, overrides = VARIANTS[request.param]
-    hf_model = tiny_hf_model(model_type, random_buffers=RANDOM_BUFFERS,
-                             **{**DSA, **overrides, "vocab_size": 256})
-    return request.param, *saved_and_loaded(hf_model, tmp_path_factory.mktemp(request.param))
+    return variant_pair(VARIANTS, request.param, DSA, tmp_path_factory.mktemp(request.param),
+                        random_buffers=RANDOM_BUFFERS)
 
 
 def test_indexers_and_cache_rows_follow_the_config(pair):
