@@ -15,8 +15,9 @@ Where the routine has a start-up tuner (rows up to --tune-rows), a second row "[
 runs the start-up tuner on the same weights first (quantized_tuning.tune_quantized: every
 candidate timed against the default, kept only where it wins by its margin and agrees)
 and times the routine with what it installed; the row names the config it chose
-("default": none won). For the W8A8 FP8 routines the candidates include the FP8 GEMV with
-the activations quantized in its registers.
+("default": none won). For the W8A8 routines (FP8, INT8) the candidates include the GEMV
+with the activations quantized in its registers; its first candidate is also timed on its
+own ("GEMV, x quantized in it"), whether it wins or not.
 
     python3 benchmarks/bench_quant_gemm.py [--m 1,16,256,4096] [--shapes qkv,o,gate_up,down]
         [--iters 20] [--tune-rows 16] [--out F.json]
@@ -175,7 +176,7 @@ def main() -> None:
                 entries.append((name, lambda a, w, r=routine: r(a, w), prepared))
                 if m <= args.tune_rows and getattr(routine, "candidates", None) is not None:
                     entries.append((f"{name} [tuned]", routine, prepared))
-                gemvs = w8a8_gemv_candidates(m, one) if isinstance(one, Fp8Weight) and \
+                gemvs = w8a8_gemv_candidates(m, one) if isinstance(one, (Fp8Weight, Int8Weight)) and \
                     one.activation != ACT_NONE else []
                 if gemvs:       # the W8A8 GEMV's first candidate, whether it wins or not
                     entries.append((f"{name.split(' (')[0]}: GEMV, x quantized in it",

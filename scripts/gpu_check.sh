@@ -18,7 +18,7 @@
 #           default); perf_sync: the same rows with --no-async-scheduling;
 #   profile: benchmarks/profile_engine_step.py on the 8B and 0.6B shapes at batch 1 and 256
 #           (device busy/idle per decode step, top kernels, engine phases);
-#   quant_gemm: the quantized GEMMs' GPU tests (the W8A8 FP8 GEMV candidates against the
+#   quant_gemm: the quantized GEMMs' GPU tests (the W8A8 GEMV candidates against the
 #           reference, the start-up tuner on them; env QUANT_TESTS=0 skips them), then
 #           benchmarks/bench_quant_gemm.py: every quantized GEMM beside cuBLAS bf16, µs, TB/s
 #           and x its bytes' floor, with [tuned] rows at decode sizes (the start-up tuner's
@@ -194,7 +194,7 @@ fi
 if want quant_gemm; then
   if [ "${QUANT_TESTS:-1}" != 0 ]; then
     timeout 300 $PYTEST -v -s tests/kernels/test_quantized_tuning.py \
-      tests/kernels/test_quant_gemm.py -k "w8a8 or tuned or tuner or scaled_mm or block_fp8 or weight_only" 2>&1 \
+      tests/kernels/test_quant_gemm.py -k "w8a8 or tuned or tuner or scaled_mm or block_fp8 or int8 or weight_only" 2>&1 \
       | tee "$OUT/pytest_quant_gemm.log" | grep -E "PASS|FAIL|ERROR|default .* us|passed|failed"
   fi
   timeout ${QUANT_GEMM_TIMEOUT:-560} python3 benchmarks/bench_quant_gemm.py \

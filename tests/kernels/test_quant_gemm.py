@@ -324,6 +324,14 @@ def test_w8a8_routines_offer_the_gemv_at_decode_rows_only():
         None, fp8_weight(64, 256, (64, 64), ACT_DYNAMIC_GROUP))
     assert w8a8_gemv_unsupported(None, fp8_weight(64, 256, (128, 128), ACT_DYNAMIC_GROUP)) is None
     assert block.candidates(1, fp8_weight(64, 256, (64, 64), ACT_DYNAMIC_GROUP))[0].block_m
+    from archserve.kernels.linear.int8_gemm import Int8Linear
+    int8 = Int8Linear()
+    for rows in (1, W8A8_GEMV_ROWS, 64):
+        configs = int8.candidates(rows, int8_weight(4096, 4096, ACT_DYNAMIC_TOKEN))
+        gemvs = [c for c in configs if isinstance(c, WeightOnlyConfig)]
+        assert isinstance(configs[0], TileConfig) and (len(gemvs) > 1) == (rows <= 16)
+        for c in configs:
+            assert int8.config_from(json.loads(json.dumps(dataclasses.asdict(c)))) == c
 
 
 def test_backend_rules_name_the_hardware_reason():
@@ -502,19 +510,26 @@ def test_every_tuner_candidate_compiles():
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
 def test_w8a8_gemv_compiles_with_fp8_conversions_from_sm89():
-    """The GEMV candidates of the W8A8 FP8 routines compile for each FP8 generation
-    (SM89, SM90, SM100, SM120) as the engine launches them there: the weight decoded and
-    the activation quantized by the hardware's cvt (e4m3x2), one launch per GEMM. On SM90
-    every candidate the tuner may time; elsewhere the first at each row count."""
+    """The GEMV candidates of the W8A8 routines compile for each generation that runs
+    them (FP8: SM89, SM90, SM100, SM120; INT8 from SM80) as the engine launches them
+    there: FP8 weights decoded and activations quantized by the hardware's cvt (e4m3x2),
+    one launch per GEMM. On SM90 every candidate the tuner may time; elsewhere the first at
+    each row count."""
     from triton_compile import compiled_launches
 
     from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, ScaledMmFp8Linear
+    from archserve.kernels.linear.int8_gemm import Int8Linear
     from archserve.platform.profiles import get_profile
     cases = [(ScaledMmFp8Linear(), fp8_weight(COMPILE_N, COMPILE_K, None, ACT_DYNAMIC_TOKEN)),
              (ScaledMmFp8Linear(), fp8_weight(COMPILE_N, COMPILE_K, None, ACT_STATIC_TENSOR)),
-             (BlockFp8Linear(), fp8_weight(COMPILE_N, COMPILE_K, (128, 128), ACT_DYNAMIC_GROUP))]
-    for profile in ("l40s", "h200", "b200", "rtx5090"):
+             (BlockFp8Linear(), fp8_weight(COMPILE_N, COMPILE_K, (128, 128), ACT_DYNAMIC_GROUP)),
+             (Int8Linear(), int8_weight(COMPILE_N, COMPILE_K, ACT_DYNAMIC_TOKEN)),
+             (Int8Linear(), int8_weight(COMPILE_N, COMPILE_K, ACT_STATIC_TENSOR))]
+    for profile in ("a100", "l40s", "h200", "b200", "rtx5090"):
         for routine, weight in cases:
+            fp8 = isinstance(weight, Fp8Weight)
+            if fp8 and profile == "a100":
+                continue                      # the FP8 routines need SM89+
             with compiled_launches(get_profile(profile)) as launches:
                 for rows in (1, 16):
                     x = activations(rows, COMPILE_K, torch.bfloat16, "cpu")
@@ -522,12 +537,14 @@ def test_w8a8_gemv_compiles_with_fp8_conversions_from_sm89():
                              if getattr(c, "gemv", False)]
                     for config in gemvs if profile == "h200" else gemvs[:1]:
                         routine.run(x, weight, None, config)
-            assert len(launches) >= 2, (profile, weight.activation)
+            assert launches, (profile, weight)
             for launch in launches:
                 assert launch.kernel == "_weight_only_gemv_kernel", launch.kernel
-                assert launch.constexprs["HW_FP8"] and launch.constexprs["ACT_QUANT"] > 0
+                assert launch.constexprs["ACT_QUANT"] > 0 and launch.constexprs["HW_FP8"] == (
+                    profile != "a100")
                 code = launch.code()
-                assert "cvt.rn.f16x2.e4m3x2" in code and "cvt.rn.satfinite.e4m3x2.f32" in code
+                assert ("cvt.rn.f16x2.e4m3x2" in code and "cvt.rn.satfinite.e4m3x2.f32"
+                        in code) == fp8, (profile, weight)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
@@ -709,19 +726,26 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
 
     @pytest.mark.parametrize("activation,block,dtype", [
         (ACT_DYNAMIC_TOKEN, None, torch.bfloat16), (ACT_STATIC_TENSOR, None, torch.float16),
-        (ACT_DYNAMIC_GROUP, (128, 128), torch.float32)],
-        ids=["token-channel-bf16", "tensor-tensor-fp16", "group-block-fp32"])
+        (ACT_DYNAMIC_GROUP, (128, 128), torch.float32),
+        (ACT_DYNAMIC_TOKEN, "int8", torch.float16), (ACT_STATIC_TENSOR, "int8", torch.bfloat16)],
+        ids=["token-channel-bf16", "tensor-tensor-fp16", "group-block-fp32", "int8-token-fp16",
+             "int8-tensor-bf16"])
     def test_w8a8_gemv_quantizes_activations_as_the_reference(activation, block, dtype):
-        """The FP8 GEMV with the checkpoint's activation scheme in its registers equals
-        reference_linear (x quantized per token, per tensor or per 128-group; per-channel,
-        per-tensor (one value per row, as loaded) or 128x128 block weight scales) within
-        the fp32 sums' rounding: every candidate at one row, the default's split at 3 and
-        16 (two blocks of 8 rows)."""
+        """The GEMV with the checkpoint's activation scheme in its registers equals
+        reference_linear (FP8: x quantized per token, per tensor or per 128-group;
+        per-channel, per-tensor (one value per row, as loaded) or 128x128 block weight
+        scales; INT8: per token or per tensor, per-channel weights) within the fp32 sums'
+        rounding: every candidate at one row, the default's split at 3 and 16 (two blocks
+        of 8 rows)."""
         from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, ScaledMmFp8Linear
-        w = fp8_weight(40, 256, block, activation)
+        from archserve.kernels.linear.int8_gemm import Int8Linear
+        if block == "int8":
+            w, routine = int8_weight(40, 256, activation), Int8Linear()
+        else:
+            w = fp8_weight(40, 256, block, activation)
+            routine = BlockFp8Linear() if block else ScaledMmFp8Linear()
         if activation == ACT_STATIC_TENSOR:       # a per-tensor weight scale
             w.weight_scale = w.weight_scale[:1].expand(40).contiguous()
-        routine = BlockFp8Linear() if block else ScaledMmFp8Linear()
         bias = bias_for(40, dtype, "cpu")
         for rows in (1, 3, 16):
             x = activations(rows, 256, dtype, "cpu")
@@ -864,16 +888,21 @@ def test_gpu_int8_real_shapes(n, k, activation):
 @needs_cuda
 @needs_fp8
 @pytest.mark.parametrize("activation", [ACT_DYNAMIC_TOKEN, ACT_STATIC_TENSOR,
-                                        ACT_DYNAMIC_GROUP])
+                                        ACT_DYNAMIC_GROUP, "int8_token", "int8_static"])
 @pytest.mark.parametrize("n,k", LLAMA_8B, ids=[f"{n}x{k}" for n, k in LLAMA_8B])
 def test_gpu_w8a8_gemv_real_shapes(n, k, activation):
-    """The W8A8 FP8 GEMV candidates (hardware FP8 conversions, x quantized in registers
-    by a multiply with 1/scale) against the reference at decode rows; every candidate at
-    1 and 16 rows on the narrow shape."""
+    """The W8A8 GEMV candidates (FP8: hardware conversions; x quantized in registers by a
+    multiply with 1/scale) against the reference at decode rows; every candidate at 1 and
+    16 rows on the narrow shape."""
     from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, ScaledMmFp8Linear
+    from archserve.kernels.linear.int8_gemm import Int8Linear
     group = activation == ACT_DYNAMIC_GROUP
-    w = fp8_weight(n, k, (128, 128) if group else None, activation, "cuda")
-    routine = BlockFp8Linear() if group else ScaledMmFp8Linear()
+    if activation.startswith("int8"):
+        scheme = ACT_DYNAMIC_TOKEN if activation == "int8_token" else ACT_STATIC_TENSOR
+        w, routine = int8_weight(n, k, scheme, "cuda"), Int8Linear()
+    else:
+        w = fp8_weight(n, k, (128, 128) if group else None, activation, "cuda")
+        routine = BlockFp8Linear() if group else ScaledMmFp8Linear()
     bias = bias_for(n, torch.bfloat16, "cuda")
     for rows in (1, 4, 16):
         x = activations(rows, k, torch.bfloat16, "cuda")

@@ -41,23 +41,34 @@ def test_tuned_configs_are_installed_agree_and_are_cached(tmp_path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available()
                     or torch.cuda.get_device_capability() < (8, 9), reason="needs SM89+")
-@pytest.mark.parametrize("activation", ["dynamic_token", "dynamic_group"])
-def test_w8a8_fp8_decode_tuner_keeps_the_gemv_only_where_it_wins(tmp_path, activation) -> None:
-    """TORCH_SCALED_MM (per-token) and TRITON_BLOCK_FP8 (per-group): at decode rows the
-    tuner times the in-kernel-quantizing GEMV against the default; what it installs agrees
-    with the reference; no candidate above W8A8_GEMV_ROWS. Prints the timings (the GPU
-    log shows which won)."""
-    from test_quant_gemm import FP8_FLOOR, activations, assert_close, fp8_weight, oracle
+@pytest.mark.parametrize("activation", ["dynamic_token", "dynamic_group", "int8"])
+def test_w8a8_decode_tuner_keeps_the_gemv_only_where_it_wins(tmp_path, activation) -> None:
+    """TORCH_SCALED_MM (per-token), TRITON_BLOCK_FP8 (per-group) and TRITON_INT8: at
+    decode rows the tuner times the in-kernel-quantizing GEMV against the default; what
+    it installs agrees with the reference; no GEMV above W8A8_GEMV_ROWS. Prints the
+    timings (the GPU log shows which won)."""
+    from test_quant_gemm import (
+        FP8_FLOOR,
+        activations,
+        assert_close,
+        fp8_weight,
+        int8_weight,
+        oracle,
+    )
 
     from archserve.kernels.linear.fp8_gemm import BlockFp8Linear, ScaledMmFp8Linear
+    from archserve.kernels.linear.int8_gemm import Int8Linear
     from archserve.kernels.linear.quantized_tuning import DEFAULT, tune_quantized
     from archserve.kernels.linear.triton_weight_only import W8A8_GEMV_ROWS
 
     block = activation == "dynamic_group"
-    name = "TRITON_BLOCK_FP8" if block else "TORCH_SCALED_MM"
+    name = {"dynamic_token": "TORCH_SCALED_MM", "dynamic_group": "TRITON_BLOCK_FP8",
+            "int8": "TRITON_INT8"}[activation]
     for n, k in [(4096, 4096), (28672, 4096), (4096, 14336)]:
-        routine = BlockFp8Linear() if block else ScaledMmFp8Linear()
-        weights = [fp8_weight(n, k, (128, 128) if block else None, activation, "cuda")
+        routine = {"dynamic_token": ScaledMmFp8Linear, "dynamic_group": BlockFp8Linear,
+                   "int8": Int8Linear}[activation]()
+        weights = [int8_weight(n, k, "dynamic_token", "cuda") if activation == "int8" else
+                   fp8_weight(n, k, (128, 128) if block else None, activation, "cuda")
                    for _ in range(4)]
         rows = [1, 4, 16, 64]
         report = tune_quantized([(routine, name, weights)], rows, torch.bfloat16,
@@ -68,7 +79,7 @@ def test_w8a8_fp8_decode_tuner_keeps_the_gemv_only_where_it_wins(tmp_path, activ
             assert timing.default_us > 0 and timing.best_us <= timing.default_us
         tuned = [key for key in report.timings if int(key.split(":")[1].split("x")[0])
                  <= W8A8_GEMV_ROWS]
-        assert len(tuned) == 3 and (block or len(report.timings) == 3)
+        assert len(tuned) == 3 and (activation != "dynamic_token" or len(report.timings) == 3)
         assert len(routine.configs) == sum(t.chosen != DEFAULT
                                            for t in report.timings.values())
         for r in rows:

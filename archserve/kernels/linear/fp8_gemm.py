@@ -286,6 +286,8 @@ class BlockFp8Linear(ConfiguredRoutine):
     """The TRITON_BLOCK_FP8 routine. At decode rows its tuner also times the FP8 GEMV with
     the per-128-group activation quantization in its registers (a WeightOnlyConfig)."""
 
+    config_types = (TileConfig, WeightOnlyConfig)
+
     def run(self, x, weight, bias, config):  # noqa: ANN001, ANN201
         if isinstance(config, WeightOnlyConfig):
             return weight_only_gemm(x, weight, bias, config, w8a8=True)
@@ -295,5 +297,3 @@ class BlockFp8Linear(ConfiguredRoutine):
         return (candidate_configs(rows, weight.out_features)
                 + w8a8_gemv_candidates(rows, weight))
 
-    def config_from(self, fields: dict):  # noqa: ANN201
-        return WeightOnlyConfig(**fields) if "gemv" in fields else TileConfig(**fields)

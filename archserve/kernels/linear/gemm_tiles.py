@@ -7,6 +7,7 @@ start-up tuner may time.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,9 +92,12 @@ class ConfiguredRoutine:
         raise NotImplementedError
 
     def config_from(self, fields: dict):  # noqa: ANN201
-        """A config from its fields (a tuner's cache): of ``config_type``; a routine whose
-        candidates are of several types says which."""
-        return self.config_type(**fields)
+        """A config from its fields (a tuner's cache): of the type in ``config_types``
+        (a routine whose candidates are of several types lists them) with those fields."""
+        for config_type in getattr(self, "config_types", (self.config_type,)):
+            if set(fields) == {f.name for f in dataclasses.fields(config_type)}:
+                return config_type(**fields)
+        raise ValueError(f"no config type of {type(self).__name__} has the fields {fields}")
 
     @staticmethod
     def config_key(rows: int, weight) -> tuple:  # noqa: ANN001

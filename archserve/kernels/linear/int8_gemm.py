@@ -5,13 +5,13 @@ Triton lowers an int8 tl.dot to tensor cores on SM80+ (mma.sync s8, Hopper wgmma
 to MFMA i8 on CDNA GPUs (gfx90a, gfx942); on SM70/SM75 it fails to compile (Turing's
 int8 mma shape is not one Triton emits), hence SM80+ on CUDA.
 
-Activations round half to even, as the reference's torch.round: the quotient (a correctly
-rounded ``div_rn``) is clamped to [-128, 127] and rounded by adding 1.5 * 2**23, whose fp32
-sum keeps the integer in its low mantissa bits (fp32 addition rounds half to even; the
-integer is read from the bits, so no compiler can fold the add away). Clamping before
-rounding equals the reference's rounding then clamping, the bounds being integers. So the
+Activations round half to even, as the reference's torch.round (triton_int8_bits), so the
 int8 operands equal ``quantize_activation_int8``'s exactly; the product differs from the
 reference only by fp32 rounding order (exact int32 sums, then two scale multiplies).
+
+At decode rows (up to W8A8_GEMV_ROWS) the start-up tuner also times the weight-only
+kernel's GEMV reading the int8 weight with the activation quantization in its registers
+(no quantization launch before it) against this kernel.
 """
 
 from __future__ import annotations
@@ -33,18 +33,21 @@ from archserve.kernels.linear.quantized_weights import (
     Int8Weight,
 )
 from archserve.kernels.linear.triton_gemm_tile import output_tile, store_output_tile
+from archserve.kernels.linear.triton_int8_bits import int8_rounded
 from archserve.kernels.linear.triton_row_scale import row_absmax_scale
+from archserve.kernels.linear.triton_weight_only import (
+    WeightOnlyConfig,
+    w8a8_gemv_candidates,
+    weight_only_gemm,
+)
 
 BLOCK_K = 128
 _MAX: tl.constexpr = tl.constexpr(INT8_MAX)
-_ROUNDER: tl.constexpr = tl.constexpr(12582912.0)      # 1.5 * 2**23
-_ROUNDER_BITS: tl.constexpr = tl.constexpr(0x4B400000)  # its fp32 bits
 
 
 @triton.jit
 def _to_int8(v, scale):
-    y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -128.0), 127.0)
-    return ((y + _ROUNDER).to(tl.int32, bitcast=True) - _ROUNDER_BITS).to(tl.int8)
+    return int8_rounded(tl.math.div_rn(v, scale)).to(tl.int8)
 
 
 @triton.jit
@@ -151,10 +154,17 @@ def int8_gemm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = N
 
 
 class Int8Linear(ConfiguredRoutine):
-    """The TRITON_INT8 routine."""
+    """The TRITON_INT8 routine. At decode rows its tuner also times the GEMV with the
+    activation quantization in its registers (a WeightOnlyConfig)."""
+
+    config_types = (TileConfig, WeightOnlyConfig)
 
     def run(self, x, weight, bias, config):  # noqa: ANN001, ANN201
+        if isinstance(config, WeightOnlyConfig):
+            return weight_only_gemm(x, weight, bias, config, w8a8=True)
         return int8_gemm(x, weight, bias, config)
 
     def candidates(self, rows: int, weight) -> list:  # noqa: ANN001
-        return candidate_configs(rows, weight.out_features)
+        return (candidate_configs(rows, weight.out_features)
+                + w8a8_gemv_candidates(rows, weight))
+

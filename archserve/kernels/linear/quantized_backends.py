@@ -11,9 +11,9 @@ archserve.kernels.linear.quantized_weights that archserve.quant repacks at load:
   (row-wise scales); the activations are quantized by a Triton kernel.
 * TRITON_BLOCK_FP8 - FP8 W8A8 with 128x128 weight blocks and per-token-per-128-channel
   activation scales, on FP8 tensor cores (tl.float8e4nv).
-  Both: at decode rows the start-up tuner may give a layer the weight-only FP8 GEMV with
-  the activation quantization in its registers instead, where it timed faster.
 * TRITON_INT8 - INT8 W8A8 with an int8 tl.dot.
+  All three: at decode rows the start-up tuner may give a layer the weight-only kernel's
+  GEMV with the activation quantization in its registers instead, where it timed faster.
 * CPU_WEIGHT_ONLY - integer-group weights on a CPU, stored as int4, int8, bf16 or fp32,
   whichever this CPU multiplies fastest per shape (torch's CPU weight-only kernels).
 """

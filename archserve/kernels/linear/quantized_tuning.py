@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 MIN_GAIN = 0.03           # below this, timing noise decides: keep the default
 DEFAULT = "default"
-# 2: the W8A8 FP8 routines' GEMV candidates and the GEMVs' wider splits
+# 2: the W8A8 routines' GEMV candidates, the GEMVs' wider splits and prefetching
 _CACHE_VERSION = 2
 
 

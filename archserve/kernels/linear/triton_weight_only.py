@@ -55,9 +55,11 @@ from archserve.kernels.linear.quantized_weights import (
     ACT_NONE,
     ACT_STATIC_TENSOR,
     FP8_MAX,
+    INT8_MAX,
     MIN_ACTIVATION_SCALE,
     MXFP4_GROUP,
     Fp8Weight,
+    Int8Weight,
     IntGroupWeight,
     Mxfp4Weight,
 )
@@ -68,6 +70,7 @@ from archserve.kernels.linear.triton_fp8_bits import (
     e4m3_bits_to_fp16,
 )
 from archserve.kernels.linear.triton_gemm_tile import output_tile, store_output_tile
+from archserve.kernels.linear.triton_int8_bits import int8_activation, int8_bits_to_fp32
 from archserve.kernels.linear.triton_mxfp4 import mxfp4_row_pairs, mxfp4_weight_tile
 from archserve.kernels.rules import triton_interpreted
 from archserve.platform.capability import SM89
@@ -83,10 +86,12 @@ ACT_QUANT_GROUP: tl.constexpr = tl.constexpr(3)
 ACT_QUANT_MODES = {ACT_NONE: 0, ACT_DYNAMIC_TOKEN: 1, ACT_STATIC_TENSOR: 2, ACT_DYNAMIC_GROUP: 3}
 ACT_GROUP = 128                  # channels per dynamic group scale (the weight block's K)
 FP8_MAX_VALUE: tl.constexpr = tl.constexpr(FP8_MAX)
+INT8_MAX_VALUE: tl.constexpr = tl.constexpr(INT8_MAX)
 MIN_SCALE: tl.constexpr = tl.constexpr(MIN_ACTIVATION_SCALE)
 INT_WEIGHT: tl.constexpr = tl.constexpr(0)
 FP8_WEIGHT: tl.constexpr = tl.constexpr(1)
 MXFP4_WEIGHT: tl.constexpr = tl.constexpr(2)
+INT8_WEIGHT: tl.constexpr = tl.constexpr(3)     # Int8Weight rows (W8A8 only)
 # Rows up to which the GEMV kernel runs; its fp32 accumulator holds rows x a weight tile.
 MAX_GEMV_ROWS = 8
 # Rows up to which a W8A8 FP8 layer's tuner also times the GEMV (activations quantized in
@@ -182,13 +187,24 @@ def _packed_tile(w_ptr, p, p_end, cols, col_ok, stride_w):
 
 
 @triton.jit
-def _absmax_scale(absmax):
-    """A W8A8 FP8 activation scale from its rows' (or group's) absmax, as the reference."""
-    return tl.maximum(tl.math.div_rn(absmax, FP8_MAX_VALUE), MIN_SCALE)
+def _absmax_scale(absmax, QMAX: tl.constexpr):
+    """A W8A8 activation scale from its rows' (or group's) absmax, as the reference."""
+    return tl.maximum(tl.math.div_rn(absmax, QMAX), MIN_SCALE)
 
 
 @triton.jit
-def _rows_absmax_scale(x_rows, row_ok, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w8a8_activation(v, scale, inverse, KIND: tl.constexpr, HW_FP8: tl.constexpr,
+                     FAST_DIV: tl.constexpr):
+    """x's value after the W8A8 quantization of the weight's kind (scale not applied)."""
+    if KIND == INT8_WEIGHT:
+        return int8_activation(v, scale, inverse, FAST_DIV)
+    else:
+        return e4m3_activation(v, scale, inverse, HW_FP8)
+
+
+@triton.jit
+def _rows_absmax_scale(x_rows, row_ok, K, QMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     """[BLOCK_M] per-token scales over the whole of each row (a split program reads the
     rows' other K too: x is a few KB, in L2, against the weight's megabytes)."""
     amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -196,7 +212,7 @@ def _rows_absmax_scale(x_rows, row_ok, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.con
         k = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    return _absmax_scale(tl.max(amax, axis=1))
+    return _absmax_scale(tl.max(amax, axis=1), QMAX)
 
 
 @triton.jit
@@ -208,7 +224,7 @@ def _weight_only_gemv_kernel(
         BLOCK_SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         act_scale_ptr, ACT_QUANT: tl.constexpr = 0, HW_FP8: tl.constexpr = False,
-        PREFETCH: tl.constexpr = False):
+        PREFETCH: tl.constexpr = False, FAST_DIV: tl.constexpr = False):
     """Rows ``pid(2)*BLOCK_M..`` x columns ``pid(0)*BLOCK_N..`` over the K range of split
     ``pid(1)``. INT: w is int32 [K/pack, N] (stride_w per packed row), scales/offsets
     [K/GROUP, N]; GROUP_TILE: a BLOCK_K tile lies in one group. FP8: w is uint8 [N, K]
@@ -216,9 +232,11 @@ def _weight_only_gemv_kernel(
     [ceil(N/bn), ceil(K/bk)] (stride_s per block row) with BLOCK_K dividing bk. MXFP4: w is
     uint8 [N, K/2] (stride_w per row), scales uint8 [N, K/32] (stride_s per row), BLOCK_K
     and the splits multiples of 32.
-    ACT_QUANT (FP8 only; see ``ACT_QUANT_MODES``): x is quantized to e4m3 as a W8A8
+    INT8: w is int8 [N, K] (stride_w per row) with per-channel scales, x quantized to int8.
+    ACT_QUANT (FP8 and INT8; see ``ACT_QUANT_MODES``): x is quantized as a W8A8
     checkpoint says, in registers: per row from the whole row's absmax, with the static
-    scale at act_scale_ptr, or per 128-group (BLOCK_K == 128: a tile is one group).
+    scale at act_scale_ptr, or per 128-group (FP8; BLOCK_K == 128: a tile is one group).
+    FAST_DIV (INT8): x / scale as x * (1 / scale) (HW_FP8 does so for FP8).
     HW_FP8 (SM89+): FP8 conversions by the hardware's cvt, two values an instruction.
     PREFETCH (INT, FP8): each K step requests the next step's weight tile before it
     computes on its own, which arrived during the step before: two tiles in flight per
@@ -333,8 +351,9 @@ def _weight_only_gemv_kernel(
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         # Per row (token) or per tensor: one scale a row over all of K, applied to the sums.
+        QMAX: tl.constexpr = INT8_MAX_VALUE if KIND == INT8_WEIGHT else FP8_MAX_VALUE
         if ACT_QUANT == ACT_QUANT_TOKEN:
-            x_scale = _rows_absmax_scale(x_rows, row_ok, K, BLOCK_M, BLOCK_K)
+            x_scale = _rows_absmax_scale(x_rows, row_ok, K, QMAX, BLOCK_M, BLOCK_K)
         elif ACT_QUANT == ACT_QUANT_STATIC:
             x_scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(act_scale_ptr).to(tl.float32)
         else:
@@ -354,7 +373,10 @@ def _weight_only_gemv_kernel(
             else:
                 bits = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                                other=0)
-            w = _e4m3_weight(bits, HW_FP8)     # the e4m3 value (/ 256 without HW_FP8)
+            if KIND == INT8_WEIGHT:
+                w = int8_bits_to_fp32(bits)
+            else:
+                w = _e4m3_weight(bits, HW_FP8)     # the e4m3 value (/ 256 without HW_FP8)
             if BLOCK_SCALE_N > 0:
                 s = tl.load(scale_ptr + (cols // BLOCK_SCALE_N) * stride_s + k0 // BLOCK_SCALE_K,
                             mask=col_ok, other=0.0)
@@ -363,25 +385,26 @@ def _weight_only_gemv_kernel(
                 xk = tl.load(x_ptr + rows.to(tl.int64) * stride_xm + k, mask=k_ok,
                              other=0.0).to(tl.float32)
                 if ACT_QUANT == ACT_QUANT_GROUP:
-                    g_scale = _absmax_scale(tl.max(tl.abs(xk), axis=0))
+                    g_scale = _absmax_scale(tl.max(tl.abs(xk), axis=0), FP8_MAX_VALUE)
                     xk = e4m3_activation(xk, g_scale, 1.0 / g_scale, HW_FP8) * g_scale
                 elif ACT_QUANT != ACT_QUANT_NONE:
-                    xk = e4m3_activation(xk, x_scale, x_inverse, HW_FP8)
+                    xk = _w8a8_activation(xk, x_scale, x_inverse, KIND, HW_FP8, FAST_DIV)
                 acc += xk[None, :] * w
             else:
                 xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                              other=0.0).to(tl.float32)
                 if ACT_QUANT == ACT_QUANT_GROUP:
-                    g_scale = _absmax_scale(tl.max(tl.abs(xk), axis=1))[:, None]
+                    g_scale = _absmax_scale(tl.max(tl.abs(xk), axis=1), FP8_MAX_VALUE)[:, None]
                     xk = e4m3_activation(xk, g_scale, 1.0 / g_scale, HW_FP8) * g_scale
                 elif ACT_QUANT != ACT_QUANT_NONE:
-                    xk = e4m3_activation(xk, x_scale[:, None], x_inverse[:, None], HW_FP8)
+                    xk = _w8a8_activation(xk, x_scale[:, None], x_inverse[:, None], KIND,
+                                          HW_FP8, FAST_DIV)
                 acc += xk[:, None, :] * w[None, :, :]
         if BLOCK_M == 1:
             total = tl.sum(acc, axis=1)[None, :]
         else:
             total = tl.sum(acc, axis=2)
-        if not HW_FP8:
+        if KIND == FP8_WEIGHT and not HW_FP8:
             total = total * E4M3_AS_FP16_SCALE
         if ACT_QUANT == ACT_QUANT_TOKEN or ACT_QUANT == ACT_QUANT_STATIC:
             total = total * x_scale[:, None]
@@ -484,6 +507,9 @@ def _weight_only_mma_kernel(
 # ---- what a weight allows ----------------------------------------------------------------
 
 WeightOnly = IntGroupWeight | Fp8Weight | Mxfp4Weight
+# The byte-per-value row layouts the GEMV also runs as W8A8 (``w8a8``), activations
+# quantized in its registers.
+W8A8Weight = Fp8Weight | Int8Weight
 
 
 def _largest_pow2_divisor(value: int, cap: int) -> int:
@@ -527,6 +553,12 @@ def weight_only_unsupported(x: torch.Tensor, weight: WeightOnly,
                     f"{weight.pack} values per int32")
         if weight.qweight.stride(1) != 1:
             return "packed weight not contiguous along N"
+        return None
+    if isinstance(weight, Int8Weight):
+        if weight.weight.stride(1) != 1:
+            return "INT8 weight not contiguous along K"
+        if weight.weight_scale.numel() != weight.out_features:
+            return f"INT8 weight scales {tuple(weight.weight_scale.shape)}: expected one per row"
         return None
     if isinstance(weight, Fp8Weight):
         if weight.weight.stride(1) != 1:
@@ -586,8 +618,10 @@ def _gemv_tiles(rows: int, weight: WeightOnly) -> list[tuple[int, int, int]]:
         # FP8's tiles in values (half its bytes: two values a byte), twice its columns;
         # the accumulator holds rows x columns x half a tile's values.
         return [(2 * bn, bk, w) for bn, bk, w in _FP8_GEMV_TILES[block_m]]
-    tiles = _FP8_GEMV_TILES[block_m]
-    limit = mma_block_k_limit(weight) if weight.block is not None else 1 << 30
+    tiles = _FP8_GEMV_TILES[block_m]            # FP8 and INT8: a byte a value
+    if isinstance(weight, Int8Weight) or weight.block is None:
+        return tiles
+    limit = mma_block_k_limit(weight)
     # Block scales: a tile lies in one scale block along K; keep the tile's size.
     return [(min(64, bn * bk // min(bk, limit)), min(bk, limit), w) for bn, bk, w in tiles]
 
@@ -692,11 +726,13 @@ def _weight_operands(weight: WeightOnly) -> tuple[tuple, dict]:
         return tensors, dict(KIND=MXFP4_WEIGHT, BITS=4, GROUP=MXFP4_GROUP, HAS_OFFSETS=False,
                              BLOCK_SCALE_N=0, BLOCK_SCALE_K=1)
     scale = weight.weight_scale
-    block_n, block_k = weight.block if weight.block is not None else (0, 1)
+    block = getattr(weight, "block", None)      # Int8Weight: per-channel scales
+    block_n, block_k = block if block is not None else (0, 1)
     tensors = (weight.weight.view(torch.uint8), scale, scale, weight.weight.stride(0),
-               scale.stride(0) if weight.block is not None else 0)
-    return tensors, dict(KIND=FP8_WEIGHT, BITS=8, GROUP=1, HAS_OFFSETS=False,
-                         BLOCK_SCALE_N=block_n, BLOCK_SCALE_K=block_k)
+               scale.stride(0) if block is not None else 0)
+    return tensors, dict(KIND=INT8_WEIGHT if isinstance(weight, Int8Weight) else FP8_WEIGHT,
+                         BITS=8, GROUP=1, HAS_OFFSETS=False, BLOCK_SCALE_N=block_n,
+                         BLOCK_SCALE_K=block_k)
 
 
 def fp8_hardware(device: torch.device) -> bool:
@@ -708,10 +744,13 @@ def fp8_hardware(device: torch.device) -> bool:
     return info.is_cuda and info.has_capability(SM89)
 
 
-def w8a8_gemv_unsupported(x: torch.Tensor, weight: Fp8Weight) -> str | None:
-    """Why the GEMV cannot run this W8A8 FP8 weight with its activation scheme in-kernel."""
-    if not isinstance(weight, Fp8Weight) or weight.activation not in ACT_QUANT_MODES:
-        return "not an FP8 weight with a known activation scheme"
+def w8a8_gemv_unsupported(x: torch.Tensor, weight: W8A8Weight) -> str | None:
+    """Why the GEMV cannot run this W8A8 FP8 or INT8 weight with its activation scheme
+    in-kernel."""
+    if not isinstance(weight, W8A8Weight) or weight.activation not in ACT_QUANT_MODES:
+        return "not an FP8 or INT8 weight with a known activation scheme"
+    if isinstance(weight, Int8Weight) and weight.activation == ACT_DYNAMIC_GROUP:
+        return "INT8 weights take per-token or per-tensor activation scales"
     if weight.activation == ACT_STATIC_TENSOR and weight.input_scale is None:
         return "static activation scheme without an input scale"
     if weight.activation == ACT_DYNAMIC_GROUP and (
@@ -764,13 +803,14 @@ def weight_only_gemm(x: torch.Tensor, weight: WeightOnly, bias: torch.Tensor | N
                                             device=x.device)
     grid = (triton.cdiv(cols, config.block_n), splits, triton.cdiv(rows, block_m))
     fp8 = dict(act_scale_ptr=scale)
-    if kind["KIND"] == FP8_WEIGHT:
+    if kind["KIND"] in (FP8_WEIGHT, INT8_WEIGHT):
         scheme = weight.activation if w8a8 else ACT_NONE
         if scheme == ACT_DYNAMIC_GROUP and config.block_k != ACT_GROUP:
             raise ValueError(f"per-group activations need block_k {ACT_GROUP}, "
                              f"the config has {config.block_k}")
         fp8 = dict(act_scale_ptr=weight.input_scale if scheme == ACT_STATIC_TENSOR else scale,
-                   ACT_QUANT=ACT_QUANT_MODES[scheme], HW_FP8=fp8_hardware(x.device))
+                   ACT_QUANT=ACT_QUANT_MODES[scheme], HW_FP8=fp8_hardware(x.device),
+                   FAST_DIV=not triton_interpreted())
     _weight_only_gemv_kernel[grid](
         x, w, scale, offset, b, out, rows, cols, depth, k_per_split, x.stride(0), stride_w,
         stride_s, out.stride(-2), out.stride(0) if splits > 1 else 0, **kind,
