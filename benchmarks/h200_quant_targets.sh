@@ -7,7 +7,8 @@
 # (benchmarks/quant_targets_table.py: step / floor, vs bf16, met or not) and the start-up
 # tuner's choice per kind of quantized decode GEMM (its cache, copied beside the results).
 #   bash benchmarks/h200_quant_targets.sh OUTDIR
-#   env QUANT_ROWS: the rows to run (default all), e.g. "bf16_b1 fp8_b1"
+#   env QUANT_ROWS: the rows to run (default all), e.g. "bf16_b1 fp8_b1";
+#   QUANT_BENCH_TIMEOUT: seconds per row (default 420: a first start compiles and tunes)
 #   results: OUTDIR/quant_perf.tgz, OUTDIR/quant_perf.log, OUTDIR/quant_targets_table.txt
 set -uo pipefail
 OUT=${1:-out}
@@ -20,7 +21,7 @@ bench() {   # bench NAME ARGS...: one `archserve bench` run, JSON kept
   local name=$1; shift
   [ -z "${QUANT_ROWS:-}" ] || [[ " $QUANT_ROWS " == *" $name "* ]] || return 0
   echo "== $name: archserve bench $*"
-  timeout 300 $AS bench "$@" --output-json "$D/$name.json" > "$D/$name.log" 2>&1
+  timeout ${QUANT_BENCH_TIMEOUT:-420} $AS bench "$@" --output-json "$D/$name.json" > "$D/$name.log" 2>&1
   echo "exit $?"; tail -n 22 "$D/$name.log"
 }
 {
