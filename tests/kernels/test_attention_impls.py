@@ -60,6 +60,30 @@ def test_sdpa_decode_skips_sequences_without_queries():
     assert_matches_reference(case, SdpaAttentionImpl())
 
 
+def test_sdpa_attends_16_bit_in_float32_on_a_cpu_without_amx():
+    """torch's CPU flash-attention kernel runs bfloat16 4-25x slower than float32 without
+    AMX: there TORCH_SDPA attends in float32 and rounds the output once."""
+    from torch.nn import functional as F
+
+    from archserve.kernels.attention.sdpa_backend import attend, widened_on_cpu
+    from archserve.platform.detect import device_info_for
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen).to(torch.bfloat16)
+               for shape in ((4, 6, 1, 32), (4, 2, 40, 32), (4, 2, 40, 32)))
+    mask = torch.rand(4, 1, 1, 40, generator=gen) > 0.3
+    mask[..., 0] = True
+    out = attend(q, k, v, mask, False, 0.125, None)
+    wide = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                          scale=0.125, enable_gqa=True).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert widened_on_cpu(q) == (not device_info_for(q.device).features.amx)
+    if widened_on_cpu(q):
+        assert torch.equal(out, wide)
+    else:
+        torch.testing.assert_close(out, wide, atol=2e-2, rtol=2e-2)
+
+
 def test_choose_num_splits_fills_idle_sms_only():
     from archserve.kernels.attention.triton_decode import choose_num_splits
     assert choose_num_splits(64, 8, 4096, num_sms=132) == 1      # 512 programs: GPU is full
