@@ -25,6 +25,7 @@ GPU (and under ``--emulate-device``), so they are reported, not failed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,9 @@ class SweepRoute:
     # Also the fused elementwise kernels (norms, rotary, gated activations, argmax, graph
     # inputs) every decoder runs, whose route the engine logs beside explain's.
     elementwise: bool = False
+    # A key of MODELS: ``op``'s routes as ``explain --model`` prints them for that model
+    # (each of its layer kinds), for a layer ``explain --op`` has no shape for.
+    model: str | None = None
 
 
 ROUTES: tuple[SweepRoute, ...] = (
@@ -90,7 +94,27 @@ ROUTES: tuple[SweepRoute, ...] = (
     SweepRoute("mla kv fp8", "mla_attention", kv_cache_dtype="fp8_e4m3"),
     SweepRoute("sparse mla", "mla_attention", sparse_mla=True),
     SweepRoute("sparse mla kv fp8", "mla_attention", kv_cache_dtype="fp8", sparse_mla=True),
+    SweepRoute("deepseek v4", "mla_attention", model="deepseek_v4"),
 )
+# config.json of each model a route names: DeepSeek V4-Flash's (transformers' defaults) with
+# one layer of each attention kind (sliding window, compressed sparse, heavily compressed).
+MODELS: dict[str, dict[str, Any]] = {
+    "deepseek_v4": dict(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"],
+                        num_hidden_layers=3,
+                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention"],
+                        mlp_layer_types=["hash_moe", "moe", "moe"]),
+}
+
+
+@functools.cache
+def model_config(name: str):  # noqa: ANN201 - archserve's ModelConfig
+    """The loader's ModelConfig of ``MODELS[name]``, parsed by transformers offline."""
+    from transformers import AutoConfig
+
+    from archserve.models.config import ModelConfig
+    fields = dict(MODELS[name])
+    return ModelConfig.from_hf_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
 
 
 @dataclass
@@ -406,6 +430,45 @@ def triton_sparse_mla(case: SweepCase) -> None:
         sparse.run(backend.make_impl(case.profile, spec))
 
 
+def triton_dsv4(case: SweepCase) -> None:
+    """TRITON_MLA_SPARSE_DSV4 at the model's sizes, each layer kind: a long batch-1 decode
+    (split attention, the indexer's scores past top-k), a wide decode, and a prompt chunk
+    continuing a cached prefix mid-group beside a decode (the indexer's stacked prompt rows).
+    """
+    from archserve.kernels.compressed_attention.layout import CSA
+    from archserve.kernels.specs import AttentionSpec
+
+    config = model_config(case.route.model)
+    dims = config.compressed_attention
+    spec = AttentionSpec(head_size=config.kv_cache_head_size, dtype=case.dtype,
+                         kv_cache_dtype=case.kv_cache_dtype, num_heads=config.num_heads,
+                         num_kv_heads=1, sliding_window=config.sliding_window, has_sinks=True,
+                         **dims.spec_fields(CSA))
+    backend = default_registry().get("mla_attention", case.backend)
+    impl = backend.make_impl(case.profile, spec)
+    for step in _dsv4_steps(case.route.model, case.dtype, backend.preferred_block_size):
+        step.run(impl)
+
+
+@functools.cache
+def _dsv4_steps(model: str, dtype: torch.dtype, block_size: int) -> list:
+    """triton_dsv4's steps (the same for every profile of a dtype: made once)."""
+    from archserve.kernels.compressed_attention.layout import CSA
+    from archserve.kernels.mla.dsv4_cases import make_compressed_case
+
+    config = model_config(model)
+    dims = config.compressed_attention
+    sizes = dict(num_heads=config.num_heads, head_dim=config.kv_cache_head_size,
+                 rope_dim=dims.rope_head_dim, window=config.sliding_window,
+                 index_dim=dims.index_head_dim, index_heads=dims.index_n_heads,
+                 topk=dims.index_topk, dtype=dtype, block_size=block_size, run_history=False)
+    longest = 2 * dims.index_topk * dims.compress_rates.get(CSA, 1)   # twice what top-k covers
+    steps = ([(longest, 1)], [(600, 1)] * 32, [(longest // 2 + 3, PROMPT_ROWS), (600, 1)])
+    return [make_compressed_case(seqs, compress_rate=dims.compress_rates.get(kind, 0),
+                                 overlap=kind == CSA, **sizes)
+            for kind in dims.kinds for seqs in steps]
+
+
 def triton_lora(case: SweepCase) -> None:
     """TRITON_LORA: shrink then expand over a step's adapter slots (q/k/v blocks), at a
     decode batch and a prompt."""
@@ -429,6 +492,7 @@ LAUNCHES: dict[tuple[str, str], Callable[[SweepCase], None]] = {
     ("attention", "TRITON_ATTN"): triton_attention,
     ("mla_attention", "TRITON_MLA"): triton_mla,
     ("mla_attention", "TRITON_MLA_SPARSE"): triton_sparse_mla,
+    ("mla_attention", "TRITON_MLA_SPARSE_DSV4"): triton_dsv4,
     ("linear", "TRITON_SKINNY_GEMM"): skinny_gemm,
     ("elementwise", "triton"): elementwise,
     ("linear", "TRITON_WEIGHT_ONLY"): quantized_linear,
@@ -458,23 +522,31 @@ class RouteResult:
 
 def route_cases(profile: DeviceInfo, route: SweepRoute) -> tuple[list[SweepCase], str | None]:
     """The (op, backend) cases explain's route for ``profile`` runs, or why it has none."""
-    from archserve.routing.explain import SelectionInputs, explain_op_request
+    from archserve.routing.explain import SelectionInputs, explain_model, explain_op_request
+    from archserve.routing.model_summary import summary_from_model_config
 
-    explanation = explain_op_request(profile, route.op, head_size=HEAD if route.op ==
-                                     "attention" else None, kv_cache_dtype=route.kv_cache_dtype,
-                                     quantization=route.quantization, libraries="all",
-                                     inputs=SelectionInputs(has_sinks=route.sinks),
-                                     sparse_mla=route.sparse_mla)
+    if route.model is not None:
+        explanation = explain_model(profile, summary_from_model_config(model_config(route.model)),
+                                    kv_cache_dtype=route.kv_cache_dtype, libraries="all")
+    else:
+        explanation = explain_op_request(profile, route.op, head_size=HEAD if route.op ==
+                                         "attention" else None,
+                                         kv_cache_dtype=route.kv_cache_dtype,
+                                         quantization=route.quantization, libraries="all",
+                                         inputs=SelectionInputs(has_sinks=route.sinks),
+                                         sparse_mla=route.sparse_mla)
     if explanation.not_loadable:
         return [], explanation.not_loadable
-    unrouted = next((r for r in explanation.routes if not r.backend), None)
+    routes = explanation.routes
+    if route.model is not None:     # its routes of ``op`` (a layer kind each), a case a backend
+        routes = list({r.backend: r for r in routes if r.op == route.op}.values())
+    unrouted = next((r for r in routes if not r.backend), None)
     if unrouted is not None:     # explain's first rejection says why (the ideal's, mostly)
         why = (f"{unrouted.rejected[0].backend}: {unrouted.rejected[0].reason}"
                if unrouted.rejected else "every backend refuses it")
         return [], f"no {unrouted.layer} backend runs it ({why})"
     kv = next((d.chosen for d in explanation.decisions if d.what == "kv_cache_dtype"), "auto")
-    cases = [SweepCase(profile, route, r.op, r.backend, explanation.dtype, kv)
-             for r in explanation.routes]
+    cases = [SweepCase(profile, route, r.op, r.backend, explanation.dtype, kv) for r in routes]
     if route.elementwise and profile.is_gpu:
         from archserve.kernels.elementwise.dispatch import fused_kernel_route
         from archserve.platform.emulation import compile_target

@@ -57,6 +57,21 @@ def test_every_gpu_routes_triton_beside_vllms_ideal(summary, device, ideal):
         assert (route.backend, route.ideal) == ("TRITON_MLA_SPARSE_DSV4", ideal), route
 
 
+def test_a_t4_runs_the_reference_where_the_kernels_outgrow_its_shared_memory(summary):
+    """Below SM80 the Triton kernels stage their operands through shared memory: 96 KiB at
+    V4's 512-channel heads (the compile sweep measures it), which a V100 has and a T4 (64
+    KiB) has not."""
+    explanation, routes = attention_routes("t4", summary)
+    assert explanation.not_loadable is None, explanation.not_loadable
+    assert {r.backend for r in routes} == {"TORCH_REFERENCE"}
+    reasons = {r.backend: r.reason for r in routes[1].rejected}
+    assert reasons["TRITON_MLA_SPARSE_DSV4"] == (
+        "below SM80 its kernels at head size 512 need 96 KiB of shared memory, the GPU has "
+        "64 KiB")
+    _, routes = attention_routes("v100", summary)
+    assert {r.backend for r in routes} == {"TRITON_MLA_SPARSE_DSV4"}
+
+
 def test_sm120s_fp8_ideal_and_the_refusal_of_fp8(summary):
     """--kv-cache-dtype fp8_ds_mla: FlashInfer's SM120 kernel is vLLM's choice; no route of
     this build keeps V4's cache in fp8, so the model is refused with the reasons."""

@@ -24,10 +24,33 @@ import torch
 from archserve.kernels.mla.backends import MlaBackend, mla_priority
 from archserve.kernels.rules import RuleBackend, needs_triton_device
 from archserve.kernels.specs import AttentionSpec
+from archserve.platform.capability import SM80
 from archserve.platform.device import DeviceInfo
 
 DSV4_HEAD_SIZE = 512
 DSV4_BLOCK_SIZE = 256
+# Below SM80 Triton stages the dots' operands through shared memory (measured by compiling
+# the kernels for sm_70 and sm_75; from SM80 they fit every profile): the attention kernel
+# takes 192 bytes a head channel (96 KiB at 512), the indexer's prompt scores 96 KiB at V4's
+# 64 heads of 128.
+STAGED_ATTENTION_BYTES_PER_CHANNEL = 192
+STAGED_INDEX_PROMPT_BYTES = 98304
+
+
+def staged_shared_memory_reason(device: DeviceInfo, spec: AttentionSpec) -> str | None:
+    """Why TRITON_MLA_SPARSE_DSV4's kernels do not fit ``device``'s shared memory below SM80
+    (None: they do)."""
+    if not device.is_cuda or device.has_capability(SM80):
+        return None
+    channels = 1 << max(spec.head_size - 1, 0).bit_length()
+    need = STAGED_ATTENTION_BYTES_PER_CHANNEL * channels
+    if spec.index_topk:
+        need = max(need, STAGED_INDEX_PROMPT_BYTES)
+    limit = device.shared_memory_per_block_bytes or 0
+    if need <= limit:
+        return None
+    return (f"below SM80 its kernels at head size {spec.head_size} need {need // 1024} KiB of "
+            f"shared memory, the GPU has {limit // 1024} KiB")
 
 
 class Dsv4Backend(MlaBackend):
@@ -95,6 +118,9 @@ class TritonMlaSparseDsv4Backend(Dsv4Backend):
 
     def combination_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         return None
+
+    def build_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
+        return staged_shared_memory_reason(device, spec)
 
     def request_rule(self, device: DeviceInfo, spec: AttentionSpec) -> str | None:
         # A compression group never straddles two blocks (compressed_attention/layout.py).

@@ -101,9 +101,11 @@ def make_compressed_case(seqs: list[tuple[int, int]], *, num_heads: int = 16,
                          compress_rate: int = 4, overlap: bool = True, index_dim: int = 16,
                          index_heads: int = 8, topk: int = 3, block_size: int = 16,
                          dtype: torch.dtype = torch.float32, device: str = "cpu",
-                         seed: int = 0) -> CompressedCase:
+                         seed: int = 0, run_history: bool = True) -> CompressedCase:
     """``seqs``: (history tokens, this step's tokens) per sequence; ``compress_rate`` 0 is a
-    sliding-window-only layer; ``overlap`` with ``index_dim``: compressed sparse."""
+    sliding-window-only layer; ``overlap`` with ``index_dim``: compressed sparse.
+    ``run_history`` False leaves the history's cache as allocated, for callers that only
+    compile the step's kernels (the reference's history at long contexts takes seconds)."""
     rand = _Random(seed, dtype, device)
     layout = CompressedCacheLayout(block_size, head_dim, window, compress_rate,
                                    overlap and bool(compress_rate),
@@ -120,7 +122,8 @@ def make_compressed_case(seqs: list[tuple[int, int]], *, num_heads: int = 16,
     tables = tables.to(device)
     # The history in two steps, the first ending inside a group (and a window).
     cut = [h * 2 // 3 + 1 if h > 1 else h for h, _ in seqs]
-    for spans in ([(0, c) for c in cut], [(c, h) for c, (h, _) in zip(cut, seqs, strict=True)]):
+    history = ([(0, c) for c in cut], [(c, h) for c, (h, _) in zip(cut, seqs, strict=True)])
+    for spans in history if run_history else ():
         meta = _metadata(tables, spans, device)
         if meta.num_tokens:
             reference.forward_compressed(
