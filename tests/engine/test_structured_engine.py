@@ -25,7 +25,9 @@ FREE_PROMPTS = ["The capital of France is", "1 2 3 4", "def main():"]
 
 @pytest.fixture(scope="module")
 def llm(embedded_model_path):
-    return LLM(embedded_model_path, max_model_len=512)
+    # float32: the comparisons below are token for token between engines of other batch
+    # shapes (speculating, async), which bfloat16 (auto on a CPU with native bf16) is not
+    return LLM(embedded_model_path, max_model_len=512, dtype="float32")
 
 
 def _constrained():
@@ -105,7 +107,7 @@ def test_speculative_decoding_keeps_to_the_grammar(llm, embedded_model_path):
                for _, spec in cases[-2:]]
     prompts = [p for p, _ in cases] + [p for p, _ in cases[-2:]]
     plain = llm.generate(prompts, params)
-    spec_llm = LLM(embedded_model_path, max_model_len=512, speculative_config={
+    spec_llm = LLM(embedded_model_path, max_model_len=512, dtype="float32", speculative_config={
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1})
     got = spec_llm.generate(prompts, params)
