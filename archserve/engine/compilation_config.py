@@ -1,8 +1,7 @@
 """vLLM's ``compilation_config``, as far as archserve has what it names.
 
-On a GPU archserve captures CUDA graphs by hand and compiles nothing with torch.compile; on
-a CPU it compiles each decode batch size's forward with torch.compile (inductor's C++
-wrapper: engine/cpu_compiled_step.py). Of vLLM's keys it takes:
+archserve compiles nothing with torch.compile; it captures CUDA graphs by hand. Of vLLM's
+keys it takes:
 
 - ``cudagraph_mode``: ``FULL`` (the default: steps with prompt tokens replay graphs too, at
   token buckets: engine/mixed_graphs.py; where the attention backend cannot be captured
@@ -14,10 +13,8 @@ wrapper: engine/cpu_compiled_step.py). Of vLLM's keys it takes:
   ``PIECEWISE`` and ``FULL_AND_PIECEWISE`` need graphs split around attention, which
   archserve does not build;
 - ``cudagraph_capture_sizes``: the decode batch sizes to capture (``cuda_graph_sizes``);
-- an optimisation level (``-O3``, or ``level`` / ``mode``: 0-3): on a CPU, 1-3 compile
-  the decode steps (not done by default there: a cold compile takes minutes on a few
-  cores), 0 (vLLM's "no torch.compile") or none leaves them eager; archserve has no
-  further torch.compile levels. GPU graphs follow ``cudagraph_mode`` alone.
+- an optimisation level (``-O3``, or ``level``: 0-3) is accepted and changes nothing, since
+  archserve has no torch.compile levels; its graphs follow ``cudagraph_mode`` alone.
 
 Any other key is refused by name rather than ignored.
 """
@@ -30,7 +27,7 @@ from archserve.engine.config_json import loads_option, refuse_unknown_keys
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
 _NOT_BUILT = ("PIECEWISE", "FULL_AND_PIECEWISE")
-_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "level", "mode")
+_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "level")
 _LEVELS = range(4)
 
 
@@ -38,7 +35,6 @@ _LEVELS = range(4)
 class CompilationChoice:
     cudagraph_mode: str = "FULL"
     capture_sizes: tuple[int, ...] = ()       # empty: the default ladder
-    level: int | None = None                  # vLLM's optimisation level; 0: no torch.compile
     # Whether the user named the mode: the default FULL says nothing where graphs are off.
     mode_given: bool = field(default=False, compare=False)
 
@@ -54,11 +50,8 @@ def parse_compilation_config(value: dict | str | None) -> CompilationChoice:
         raise ValueError("compilation_config must be a JSON object such as "
                          '{"cudagraph_mode": "FULL"}, or an optimisation level 0-3')
     refuse_unknown_keys(value, _KEYS, "compilation_config")
-    if "level" in value and "mode" in value and value["level"] != value["mode"]:
-        raise ValueError("compilation_config names two optimisation levels (level and mode)")
-    level = value.get("mode", value.get("level"))   # vLLM renamed level to mode
-    if level is not None and level not in _LEVELS:
-        raise ValueError(f"optimisation level {level!r} is not one of 0-3")
+    if "level" in value and value["level"] not in _LEVELS:
+        raise ValueError(f"optimisation level {value['level']!r} is not one of 0-3")
     mode = str(value.get("cudagraph_mode", "FULL")).upper()
     mode = mode.removeprefix("CUDAGRAPHMODE.")   # vLLM's enum printed as text
     if mode in _NOT_BUILT:
@@ -69,5 +62,4 @@ def parse_compilation_config(value: dict | str | None) -> CompilationChoice:
     sizes = value.get("cudagraph_capture_sizes") or ()
     if not all(isinstance(s, int) and s > 0 for s in sizes):
         raise ValueError("cudagraph_capture_sizes must be positive integers")
-    return CompilationChoice(mode, tuple(sorted(set(sizes))), level,
-                             "cudagraph_mode" in value)
+    return CompilationChoice(mode, tuple(sorted(set(sizes))), "cudagraph_mode" in value)

@@ -115,16 +115,11 @@ class LLMEngine:
             lines.append(f"decision: {d.what}: {d.requested} -> {d.chosen} ({d.reason})")
         if r.self_check is not None:
             lines.append(f"roofline self-check: {r.self_check.summary()}")
-        # A CPU's decode steps run compiled (torch.compile) where a GPU's replay graphs.
-        cpu = r.torch_device.type == "cpu"
-        label = "compiled decode steps" if cpu else "cuda graphs"
-        if r.graphs_off and (cpu or r.torch_device.type == "cuda"):
-            lines.append(f"{label}: off ({r.graphs_off})")
+        if r.graphs_off and r.torch_device.type == "cuda":
+            lines.append(f"cuda graphs: off ({r.graphs_off})")
         if r.graph_sizes or r.graph_demoted:
-            lines.append(f"{label}: {len(r.graph_sizes)} decode sizes"
-                         + (" (torch.compile, inductor C++ wrapper)" if cpu else "")
-                         + (f"; not {'compiled' if cpu else 'captured'}: "
-                            f"{describe_demoted(r.graph_sizes, r.graph_demoted)}"
+            lines.append(f"cuda graphs: {len(r.graph_sizes)} decode sizes"
+                         + (f"; not captured: {describe_demoted(r.graph_sizes, r.graph_demoted)}"
                             if r.graph_demoted else ""))
         return "\n".join(lines)
 

@@ -94,9 +94,7 @@ class ModelRunner:
         self.staging = StagingRing(device)   # each step's batch reaches the device through it
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache_dtype = "auto"
-        # Captured CUDA graphs, or on a CPU compiled steps (a subclass), per decode size.
         self.graphs: DecodeGraphRunner | None = None
-        self.compiled_model = None
         self.mixed_graphs: MixedGraphRunner | None = None   # cudagraph_mode FULL only
         # calculate_kv_scales: the next prefill measures each layer's fp8 KV scales, then
         # the decode graphs (which bake the scales in) are captured at these sizes.
@@ -186,10 +184,7 @@ class ModelRunner:
 
     # -- forward ------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata, calibrate_kv_scales: bool = False,
-                 model: torch.nn.Module | None = None) -> torch.Tensor:
-        """``model``: what runs the model's forward (default the model itself; a compiled
-        step passes its compiled forward)."""
+                 meta: AttentionMetadata, calibrate_kv_scales: bool = False) -> torch.Tensor:
         lora = self.lora
         ctx = ForwardContext(meta, self.kv_caches, self.attn_impl,
                              kv_cache_dtype=self.kv_cache_dtype,
@@ -198,7 +193,7 @@ class ModelRunner:
                                            if lora is not None and self.lora_active else None),
                              lora_impl=lora.impl if lora is not None else None)
         with set_forward_context(ctx):
-            hidden = (self.model if model is None else model)(input_ids, positions)
+            hidden = self.model(input_ids, positions)
         if self.hidden_out is not None:
             self.hidden_out[:hidden.shape[0]].copy_(hidden)
         return hidden
@@ -270,41 +265,6 @@ class ModelRunner:
         """A decode step through the LM head: float32 logits of every row (what graphs run),
         in ``out`` where the LM head can write them there."""
         return self.model.compute_logits(self._forward(input_ids, positions, meta), out)
-
-    def _compiled_forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                                 meta: AttentionMetadata, out: torch.Tensor | None = None
-                                 ) -> torch.Tensor:
-        """``_forward_logits`` through the compiled model (engine/cpu_compiled_step.py)."""
-        hidden = self._forward(input_ids, positions, meta, model=self.compiled_model)
-        return self.model.compute_logits(hidden, out)
-
-    def compile_decode_steps(self, sizes: list[int], cache_dir: str | None,
-                             thread_counts: list[int] | None = None) -> None:
-        """A compiled decode step per batch size (a CPU's counterpart of CUDA graphs) at
-        each of ``thread_counts``, then their canary; sizes that fail to compile or to pass
-        it run eager, with the reason."""
-        from archserve.engine.cpu_compiled_step import (
-            CompiledDecodeRunner,
-            compile_model,
-            configure_inductor,
-        )
-        configure_inductor(cache_dir)
-        self.compiled_model = compile_model(self.model)
-        self.graphs = CompiledDecodeRunner(self._compiled_forward_logits, self._forward_logits,
-                                           self.device, max(sizes), self.max_blocks_per_seq,
-                                           self.max_model_len)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            result = self.graphs.capture(sizes, thread_counts)
-        # Inductor keeps 16-bit intermediates in float32 where eager rounds each op's
-        # output, so 16-bit logits drift by a few percent of their scale; a stale length
-        # or cache read changes them by their whole scale.
-        self.graphs.replay_canary(self.kv_caches,
-                                  tolerance=2e-2 if self.dtype == torch.float32 else 0.1)
-        log.info("compiled decode steps for %d batch sizes in %.1fs%s", len(result.sizes),
-                 time.perf_counter() - start,
-                 f"; not compiled: {describe_demoted(result.sizes, result.demoted)}"
-                 if result.demoted else "")
 
     def capture_cuda_graphs(self, sizes: list[int]) -> None:
         self.graphs = DecodeGraphRunner(self._forward_logits, self.device, max(sizes),

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from archserve.cache import cache_dir
 from archserve.distributed.agreement import SINGLE_RANK, RankAgreement
 from archserve.distributed.layout import rank_model_config
 from archserve.distributed.parallel_state import get_tp
@@ -321,13 +320,9 @@ class _RunnerBuild:
         if (self.lora is not None and self.graphs_off is None
                 and self.torch_device.type == "cuda"):
             self.graphs_off = self.lora.graphs_off
-        self.graph_sizes = self.decode_sizes() if self.graphs_off is None else []
-
-    def decode_sizes(self) -> list[int]:
-        """The decode batch sizes graphs are captured (or on a CPU steps compiled) at."""
-        config = self.config
-        return (config.cuda_graph_sizes or list(self.compilation.capture_sizes)
-                or default_graph_sizes(config.max_num_seqs))
+        self.graph_sizes = (config.cuda_graph_sizes or list(self.compilation.capture_sizes)
+                            or default_graph_sizes(config.max_num_seqs)
+                            if self.graphs_off is None else [])
 
     def tune_decode_gemms(self) -> None:
         """The dense, quantized, MoE and MLA decode kernels timed per graph size (rank 0
@@ -448,26 +443,6 @@ class _RunnerBuild:
             if self.speculative is not None:
                 self.speculator = build_speculator(self.speculative, self.max_model_len,
                                                    self.drafts)
-        if self.torch_device.type == "cpu":
-            self.compile_cpu_steps()
-
-    def compile_cpu_steps(self) -> None:
-        """A CPU's counterpart of decode graphs: a compiled decode step per size of the
-        graph ladder (engine/cpu_compiled_step.py), or why decode steps run eager."""
-        config = self.config
-        self.graphs_off = startup.compiled_steps_off_reason(config, self.compilation,
-                                                            self.lora, self.calibrate)
-        if self.graphs_off is not None:
-            return
-        with self._timed("compile_s"):
-            governor = self.cpu_threads
-            self.runner.compile_decode_steps(
-                self.decode_sizes(), cache_dir("inductor"),
-                # The governor's two ends: one thread under load, all of them when idle.
-                [1, governor.max_threads] if governor is not None else None)
-        self.graphs = True
-        if not self.runner.graphs.set.sizes:
-            self.graphs_off = "no decode size compiled"
 
     def resolve_token_budget(self) -> None:
         """The token budget of steps with decodes (after the warm-up: a timed step compiles

@@ -142,26 +142,6 @@ def cuda_graphs_off_reason(torch_device: torch.device, config: EngineConfig,
     return None
 
 
-def compiled_steps_off_reason(config: EngineConfig, compilation, lora, calibrate: bool
-                              ) -> str | None:
-    """None when a CPU's decode steps run compiled (engine/cpu_compiled_step.py), else why
-    they run eager (``compilation``: parse_compilation_config's choice)."""
-    if config.enforce_eager:
-        return "enforce_eager=True"
-    if compilation.level == 0:
-        return "compilation_config level 0 (-O0: no torch.compile)"
-    if compilation.level is None:
-        # A cold compile of the embedded model took minutes on a 2-core CPU (per batch
-        # size and thread count; a warm inductor cache loads it in seconds).
-        return ("off by default on a CPU, where a cold compile takes minutes; "
-                "compilation_config level 1-3 (-O3) compiles")
-    if lora is not None:
-        return "LoRA adapters run eagerly (the adapter of each token is a per-step choice)"
-    if calibrate:
-        return "calculate_kv_scales measures the fp8 KV scales on eager steps"
-    return None
-
-
 def model_routes(device: DeviceInfo, config: EngineConfig, model_config, dtype: torch.dtype,
                  kv_cache_dtype: str, attention: Selection, is_gguf: bool = False) -> list:
     """The explain routes of the loaded model, with attention as actually selected here."""

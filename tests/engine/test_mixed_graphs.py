@@ -35,11 +35,9 @@ def test_compilation_config_takes_vllms_cudagraph_keys():
     assert parse_compilation_config('{"cudagraph_mode": "NONE"}').cudagraph_mode == "NONE"
     choice = parse_compilation_config({"cudagraph_capture_sizes": [8, 1, 8, 4]})
     assert choice == CompilationChoice("FULL", (1, 4, 8))
-    # vLLM's -O3 / {"level": 3} (or "mode", its newer name): kept, a CPU compiles its
-    # decode steps at 1-3; the graphs stay as they are.
-    assert parse_compilation_config("3") == parse_compilation_config({"mode": 3}) \
-        == CompilationChoice(level=3)
-    assert parse_compilation_config({"level": 0}).level == 0
+    # vLLM's -O3 / {"level": 3}: accepted, no torch.compile levels to change.
+    assert parse_compilation_config("3") == parse_compilation_config({"level": 0}) \
+        == CompilationChoice()
 
 
 @pytest.mark.parametrize("value, message", [
@@ -48,7 +46,6 @@ def test_compilation_config_takes_vllms_cudagraph_keys():
     ({"cudagraph_mode": "SOMETIMES"}, "unknown cudagraph_mode"),
     ({"debug_dump_path": "/tmp"}, "debug_dump_path not supported"),
     ({"level": 7}, "not one of 0-3"),
-    ({"level": 3, "mode": 0}, "two optimisation levels"),
     ({"cudagraph_capture_sizes": [0]}, "positive integers"),
     ("{not json", "not JSON"),
     ("[1, 2]", "JSON object"),

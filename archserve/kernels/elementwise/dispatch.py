@@ -74,7 +74,6 @@ def _triton_import_error() -> str | None:
     return None
 
 
-@torch.compiler.assume_constant_result   # fixed for a run: a traced step bakes it in
 def fused_kernel_route(device: torch.device | str) -> tuple[Route, str]:
     """Which implementation elementwise ops on ``device`` take, and why (for logs/explain)."""
     if _forced_route is not None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import weakref
 
 import torch
 from torch import nn
@@ -15,26 +13,6 @@ from archserve.models.layers.forward_context import get_forward_context, op_regi
 from archserve.models.layers.kv_scales import KVCacheScales
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.rotary import RotaryEmbedding
-
-# Attention layers by a number of their own: the opaque op below finds its layer by it.
-_LAYERS: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
-_LAYER_IDS = itertools.count()
-
-
-@torch.library.custom_op("archserve::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                 layer_id: int) -> torch.Tensor:
-    """One layer's cache write and paged attention as one opaque op, for a forward that
-    torch.compile traces (engine/cpu_compiled_step.py): the step's lengths, block tables
-    and cache live in the forward context, read when the op runs, so a graph compiled
-    once serves every context length. q [T, H*D] -> [T, H*D]."""
-    return _LAYERS[layer_id].attend(q, k, v)
-
-
-@attention_op.register_fake
-def _attention_shape(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                     layer_id: int) -> torch.Tensor:
-    return torch.empty_like(q)
 
 
 class Attention(nn.Module, KVCacheScales):
@@ -64,8 +42,6 @@ class Attention(nn.Module, KVCacheScales):
         self.params = AttentionLayerParams(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=scale,
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
-        self.layer_id = next(_LAYER_IDS)
-        _LAYERS[self.layer_id] = self
 
     def checkpoint_shape(self, param: str) -> tuple[int, ...]:
         """The checkpoint's ``sinks``: one per query head of the whole layer."""
@@ -91,16 +67,8 @@ class Attention(nn.Module, KVCacheScales):
         if q_norm is not None and q_norm.identity_weight != 1.0:
             # Every path here scales by the weight itself; Gemma's (1 + w) norm is not one.
             raise ValueError(f"{type(q_norm).__name__} q/k norms are not supported here")
-        norm_weights = None if q_norm is None else (q_norm.weight, k_norm.weight)
-        if torch.compiler.is_compiling():
-            # Traced: nothing of the step's context enters the graph (the cache write
-            # happens in the opaque op); the fused preamble is a GPU kernel anyway.
-            q, k, v = attention_preamble(
-                qkv, positions, rotary.cos_cache, rotary.sin_cache, norm_weights,
-                q_norm.eps if q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
-                None, None, False)
-            return self(q, k, v)
         ctx = get_forward_context()
+        norm_weights = None if q_norm is None else (q_norm.weight, k_norm.weight)
         q, k, v = attention_preamble(
             qkv, positions, rotary.cos_cache, rotary.sin_cache, norm_weights,
             q_norm.eps if q_norm is not None else 0.0, self.num_heads, self.num_kv_heads,
@@ -111,13 +79,6 @@ class Attention(nn.Module, KVCacheScales):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
                 ) -> torch.Tensor:
         """k and v None: this step's keys and values are already in the cache."""
-        if torch.compiler.is_compiling():
-            return attention_op(q.flatten(1), k, v, self.layer_id)
-        return self.attend(q, k, v)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
-               ) -> torch.Tensor:
-        """``forward``'s work, over the forward context's cache and step."""
         ctx = get_forward_context()
         num_tokens = q.shape[0]
         k_scale, v_scale = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, k, v)
