@@ -41,9 +41,14 @@ class ServerProcess:
 
 
 def start_server(log_path: Path, *args: str, timeout: float = 240.0) -> ServerProcess:
-    """Start `archserve serve --port 0 ...`; return once /health answers 200."""
+    """Start `archserve serve --port 0 ...`; return once /health answers 200.
+
+    float32 unless ``args`` name a dtype: the servers of these tests are compared with each
+    other and with offline engines token for token, across batch shapes and scheduling
+    modes, which bfloat16 (auto on a CPU with native bf16) does not promise at near-ties."""
+    dtype = () if "--dtype" in args else ("--dtype", "float32")
     cmd = [sys.executable, "-m", "archserve.cli.main", "serve", "--port", "0",
-           "--max-model-len", str(MAX_MODEL_LEN), *args]
+           "--max-model-len", str(MAX_MODEL_LEN), *dtype, *args]
     log_file = open(log_path, "w")  # noqa: SIM115 - the child writes to it
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)

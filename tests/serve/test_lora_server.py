@@ -35,7 +35,7 @@ def setup(tiny_checkpoint, tmp_path_factory):
 
 
 def offline_texts(base: str, adapters: dict[str, str]) -> dict[str | None, str]:
-    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=16)
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="float32")  # as served
     params = SamplingParams(temperature=0.0, max_tokens=12)
     return {name: llm.generate([PROMPT], params, lora_request=None if name is None else
                                LoRARequest(name, i + 1, adapters[name]))[0].outputs[0].text

@@ -94,7 +94,7 @@ def test_soak_concurrent_streams_with_cancellations(server):
     assert ended["stop"] + ended["length"] >= len(completed)
 
     # Greedy results equal the offline engine's for the same prompts.
-    llm = LLM(max_model_len=MAX_MODEL_LEN)
+    llm = LLM(max_model_len=MAX_MODEL_LEN, dtype="float32")     # as the server runs
     reference = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     expected = {p: out.outputs[0].text for p, out in zip(PROMPTS, reference, strict=True)}
     greedy = [r for r in completed if r["greedy"]]
