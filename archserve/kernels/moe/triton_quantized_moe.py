@@ -48,16 +48,18 @@ if triton is not None:
 
     from archserve.kernels.linear.fp8_gemm import quantize_fp8_activation
     from archserve.kernels.linear.triton_fp8_bits import E4M3_AS_FP16_SCALE, e4m3_bits_to_fp16
-    from archserve.kernels.linear.triton_weight_only import _centered_as, _int_group_params
+    from archserve.kernels.linear.triton_weight_only import (
+        FP8_WEIGHT,
+        INT_WEIGHT,
+        _centered_as,
+        _int_group_params,
+    )
     from archserve.kernels.moe.triton_common import (
         program_tile,
         silu_and_mul,
         store_rows,
         times_routing_weights,
     )
-
-    INT_W: tl.constexpr = tl.constexpr(0)
-    FP8_W: tl.constexpr = tl.constexpr(1)
 
     @triton.jit
     def _activation_tile(a_ptr, a_scale_ptr, a_rows, stride_a, stride_as, row_ok, k0, K,
@@ -95,7 +97,7 @@ if triton is not None:
         here when the scale changes along K (groups, blocks), else after the loop."""
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        if W_KIND == INT_W:
+        if W_KIND == INT_WEIGHT:
             PACK: tl.constexpr = 32 // BITS
             BLOCK_P: tl.constexpr = BLOCK_K // PACK
             HALF: tl.constexpr = 1 << (BITS - 1)
@@ -139,7 +141,7 @@ if triton is not None:
                          BLOCK_SCALE_N: tl.constexpr):
         """The scales that do not change along K: widened e4m3's 1/256 per operand, the
         per-channel weight scale and the per-row activation scale."""
-        if W_KIND == FP8_W:
+        if W_KIND == FP8_WEIGHT:
             if not NATIVE_FP8:
                 acc = acc * E4M3_AS_FP16_SCALE
                 if A_FP8:
@@ -273,7 +275,7 @@ def _kernel_operands(a: torch.Tensor, w: ExpertWeight, native_fp8: bool
         args = [a, a, w.qweight, w.scales, offsets, a.stride(0), 0, w.qweight.stride(0),
                 w.qweight.stride(2), w.qweight.stride(1), w.scales.stride(0),
                 w.scales.stride(2), w.scales.stride(1)]
-        return args, dict(W_KIND=0, A_FP8=False, A_GROUPED=False, NATIVE_FP8=False,
+        return args, dict(W_KIND=INT_WEIGHT, A_FP8=False, A_GROUPED=False, NATIVE_FP8=False,
                           BITS=w.bits,
                           GROUP=w.group_size, HAS_OFFSETS=w.offsets is not None,
                           BLOCK_SCALE_N=0, IEEE=a.dtype == torch.float32)
@@ -291,7 +293,7 @@ def _kernel_operands(a: torch.Tensor, w: ExpertWeight, native_fp8: bool
     args = [a, scale, weight, s, s, a.stride(0), scale.stride(0) if a_fp8 else 0,
             weight.stride(0), weight.stride(1), weight.stride(2), s.stride(0), s.stride(1),
             s.stride(2) if block else 0]
-    return args, dict(W_KIND=1, A_FP8=a_fp8, A_GROUPED=w.activation == ACT_DYNAMIC_GROUP,
+    return args, dict(W_KIND=FP8_WEIGHT, A_FP8=a_fp8, A_GROUPED=w.activation == ACT_DYNAMIC_GROUP,
                       NATIVE_FP8=native, BITS=8, GROUP=1, HAS_OFFSETS=False,
                       BLOCK_SCALE_N=w.block[0] if block else 0,
                       IEEE=not a_fp8 and a.dtype == torch.float32)
