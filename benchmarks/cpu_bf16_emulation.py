@@ -1,5 +1,5 @@
 """Whether bfloat16 pays on a CPU without native bfloat16: one decode step's dense linears
-(the embedded SmolLM2-135M's shapes, the LM head included, one row) in float32 and in
+(the embedded SmolLM2-135M's shapes, the LM head included, at 1 and 16 rows) in float32 and in
 bfloat16, with oneDNN's instruction set capped below AVX-512 BF16 to stand for a CPU
 without it.
 
@@ -9,7 +9,7 @@ to float32 in software, and the step reads half the bytes but computes more. one
 ``ONEDNN_MAX_CPU_ISA`` once, at its first call, so each setting runs in its own process;
 the settings take turns over ``--rounds`` and each keeps its best step.
 
-    python3 benchmarks/cpu_bf16_emulation.py [--rounds 3] [--threads 2]
+    python3 benchmarks/cpu_bf16_emulation.py [--rounds 3] [--threads 2] [--rows 1,16]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ SETTINGS = {
 }
 
 
-def time_step(dtype_name: str, threads: int, reps: int) -> float:
+def time_step(dtype_name: str, threads: int, reps: int, rows: int) -> float:
     """Best of ``reps`` steps in ms (runs in the child process)."""
     import time
 
@@ -44,7 +44,7 @@ def time_step(dtype_name: str, threads: int, reps: int) -> float:
     torch.manual_seed(0)
     weights = [torch.randn(n, k, dtype=dtype) for _ in range(LAYERS) for n, k in LAYER]
     weights.append(torch.randn(*LM_HEAD, dtype=dtype))
-    inputs = {k: torch.randn(1, k, dtype=dtype) for _n, k in LAYER}
+    inputs = {k: torch.randn(rows, k, dtype=dtype) for _n, k in LAYER}
     best = float("inf")
     with torch.inference_mode():
         for _ in range(reps + 1):            # the first step warms oneDNN's kernels up
@@ -60,26 +60,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rows", default="1,16", help="batch rows, comma-separated")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(time_step(args.child, args.threads, args.reps))
+        print(time_step(args.child, args.threads, args.reps, int(args.rows)))
         return
-    best = dict.fromkeys(SETTINGS, float("inf"))
+    rows = [int(r) for r in args.rows.split(",")]
+    best = {(name, r): float("inf") for name in SETTINGS for r in rows}
     for _ in range(args.rounds):
-        for name, (dtype, isa) in SETTINGS.items():
+        for (name, r) in best:
+            dtype, isa = SETTINGS[name]
             env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
             if isa:
                 env["ONEDNN_MAX_CPU_ISA"] = isa
             out = subprocess.run([sys.executable, __file__, "--child", dtype, "--threads",
-                                  str(args.threads), "--reps", str(args.reps)],
+                                  str(args.threads), "--reps", str(args.reps), "--rows", str(r)],
                                  env=env, capture_output=True, text=True, check=True)
-            best[name] = min(best[name], float(out.stdout.strip().splitlines()[-1]))
+            best[name, r] = min(best[name, r], float(out.stdout.strip().splitlines()[-1]))
     load = os.getloadavg()[0]
-    print(f"one decode step's linears ({LAYERS} layers + LM head, 1 row), {args.threads} "
-          f"threads, best of {args.rounds} rounds x {args.reps}; load average {load:.2f}")
-    for name, ms in best.items():
-        print(f"  {name:48s} {ms:8.2f} ms")
+    print(f"one decode step's linears ({LAYERS} layers + LM head), {args.threads} threads, "
+          f"best of {args.rounds} rounds x {args.reps}; load average {load:.2f}")
+    print(f"  {'':48s} " + " ".join(f"{f'{r} rows':>10s}" for r in rows))
+    for name in SETTINGS:
+        print(f"  {name:48s} " + " ".join(f"{best[name, r]:7.2f} ms" for r in rows))
 
 
 if __name__ == "__main__":
