@@ -53,14 +53,6 @@ def spec_server(tmp_path_factory):
     assert srv.stop() == 0, srv.log
 
 
-@pytest.fixture(scope="module")
-def plain_server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("serve-plain") / "server.log",
-                       "--api-key", API_KEY, "--max-num-seqs", "32", "--dtype", "float32")
-    yield srv
-    assert srv.stop() == 0, srv.log
-
-
 def _complete(url: str, body: dict) -> list[tuple]:
     r = httpx.post(f"{url}/v1/completions", json={"model": "SmolLM2-135M-Instruct", **body},
                    headers=AUTH, timeout=120)
@@ -71,8 +63,9 @@ def _complete(url: str, body: dict) -> list[tuple]:
 
 
 @pytest.mark.parametrize("body", REQUESTS, ids=range(len(REQUESTS)))
-def test_speculating_server_matches_a_plain_one(plain_server, spec_server, body):
-    assert _complete(spec_server.url, body) == _complete(plain_server.url, body)
+def test_speculating_server_matches_a_plain_one(server, spec_server, body):
+    # `server` is the suite's shared float32 server without speculation.
+    assert _complete(spec_server.url, body) == _complete(server.url, body)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, i: int) -> bool:
