@@ -30,6 +30,12 @@ def assert_matches_reference(case: AttentionCase, impl) -> None:
 # Small cases every backend must pass on CPU: (id, make_case kwargs).
 CPU_CASES = [
     ("decode-mha-bs16", dict(seqs=[(1, 37), (1, 16), (1, 5)], num_heads=4, num_kv_heads=4)),
+    ("decode-one-seq-gqa3-bf16", dict(seqs=[(1, 37)], num_heads=9, num_kv_heads=3,
+                                      dtype=torch.bfloat16)),
+    ("decode-one-seq-window", dict(seqs=[(1, 50)], num_heads=4, num_kv_heads=2,
+                                   sliding_window=16)),
+    ("decode-pad-slots", dict(seqs=[(1, 20), (1, 3)], num_heads=4, num_kv_heads=1,
+                              pad_tokens=2)),
     ("decode-gqa4-fp16", dict(seqs=[(1, 33), (1, 70)], num_heads=8, num_kv_heads=2,
                               dtype=torch.float16)),
     ("decode-gqa16-dot", dict(seqs=[(1, 40), (1, 17)], num_heads=16, num_kv_heads=1,

@@ -54,6 +54,15 @@ def test_reference_sinks_are_a_softmax_column():
     torch.testing.assert_close(out, (probs @ v).transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
+def test_sdpa_step_memo_follows_each_step():
+    """One TORCH_SDPA instance serves every layer of every step: what it derives once a
+    step (the slots to write, the rows to gather, the mask) is never a former step's."""
+    impl = SdpaAttentionImpl()
+    for seqs in ([(1, 37), (1, 5)], [(1, 37), (1, 5)], [(1, 70)], [(1, 9), (1, 40)]):
+        assert_matches_reference(make_case(seqs, num_heads=4, num_kv_heads=2, seed=len(seqs)),
+                                 impl)
+
+
 def test_sdpa_decode_skips_sequences_without_queries():
     # A sequence scheduled with no token this step must not disturb its neighbours' rows.
     case = make_case([(3, 20), (0, 9), (2, 2)], num_heads=4, num_kv_heads=2)

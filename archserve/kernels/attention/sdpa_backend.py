@@ -9,6 +9,8 @@ FLEX_ATTENTION backend shares.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -25,28 +27,76 @@ FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def write_kv_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                         v_scale: float = 1.0) -> None:
-    """Scatter key/value [T, Hkv, D] into the cache at ``slot_mapping``; slot -1 is skipped."""
+                         v_scale: float = 1.0,
+                         valid: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                         ) -> None:
+    """Scatter key/value [T, Hkv, D] into the cache at ``slot_mapping``; slot -1 is skipped.
+    ``valid``: ``written_slots(slot_mapping)``, where the caller keeps it for every layer."""
     flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
+    slots, rows = valid if valid is not None else written_slots(slot_mapping)
     fp8 = kv_cache.dtype in FP8_CACHE_DTYPES
     for half, src, scale in ((flat[0], key, k_scale), (flat[1], value, v_scale)):
-        src = src[valid]
+        if rows is not None:
+            src = src[rows]
         if fp8:
             # Indexed writes into float8 are missing on CPU; the bytes are the same thing.
             quantized = (src.float() / scale).to(kv_cache.dtype)
             half.view(torch.uint8)[slots] = quantized.view(torch.uint8)
         else:
-            half[slots] = src.to(kv_cache.dtype)
+            half.index_copy_(0, slots, src.to(kv_cache.dtype))
+
+
+def written_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the slots a cache write fills, long; the rows they come from, None for every row):
+    slot -1 rows are left out. One check of the step's slots, shared by its layers."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping.long(), None
+    return slot_mapping[valid].long(), valid
+
+
+class StepMemo:
+    """What a step's layers derive alike from its metadata (the slots to write, the cache
+    rows to gather, the padding mask), computed by the first layer and reused by the
+    others: a decode step of a small model spends more in such small ops than in
+    attention itself. Keyed by the metadata object (held, so its id cannot be reused; the
+    engine builds one per step, while the tensors in it may be views it reuses across
+    steps) and a plain key; a step's metadata is not changed once its forward began."""
+
+    def __init__(self) -> None:
+        self.meta: AttentionMetadata | None = None
+        self.entries: dict[tuple, object] = {}
+
+    def begin(self, meta: AttentionMetadata) -> None:
+        if meta is not self.meta:
+            self.meta, self.entries = meta, {}
+
+    def get(self, key: tuple, compute: Callable[[], object]) -> object:
+        if key not in self.entries:
+            self.entries[key] = compute()
+        return self.entries[key]
 
 
 class TorchCacheWriter(PagedAttentionImpl):
-    """The torch backends' cache write (SDPA, FLEX_ATTENTION)."""
+    """The torch backends' cache write (SDPA, FLEX_ATTENTION), and the step's memo of what
+    its layers derive alike (``StepMemo``)."""
+
+    def __init__(self, device=None, spec=None) -> None:   # noqa: ANN001 - as the base's
+        super().__init__(device, spec)
+        self.step_memo = StepMemo()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None,
+                value: torch.Tensor | None, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                layer: AttentionLayerParams, k_scale: float = 1.0, v_scale: float = 1.0
+                ) -> torch.Tensor:
+        self.step_memo.begin(meta)
+        return super().forward(query, key, value, kv_cache, meta, layer, k_scale, v_scale)
 
     def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
-        write_kv_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+        valid = self.step_memo.get(("written", id(slot_mapping)),
+                                   lambda: written_slots(slot_mapping))
+        write_kv_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale, valid)
 
 
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -125,7 +175,7 @@ class SdpaAttentionImpl(TorchCacheWriter):
                layer: AttentionLayerParams, out: torch.Tensor, k_scale: float,
                v_scale: float) -> None:
         query_lens, seq_lens = host_lengths(meta)
-        if meta.num_seqs > 1 and all(n == 1 for n in query_lens):
+        if all(n == 1 for n in query_lens):
             self._decode_batch(query, kv_cache, meta, layer, seq_lens, out, k_scale, v_scale)
             return
         start = 0
@@ -149,23 +199,47 @@ class SdpaAttentionImpl(TorchCacheWriter):
             out[start:start + query_len] = o[0].transpose(0, 1)
             start += query_len
 
-    @staticmethod
-    def _decode_batch(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      layer: AttentionLayerParams, seq_lens: list[int], out: torch.Tensor,
-                      k_scale: float, v_scale: float) -> None:
-        """One query per sequence: pad every context to the longest and mask the padding."""
+    def _decode_batch(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, layer: AttentionLayerParams,
+                      seq_lens: list[int], out: torch.Tensor, k_scale: float,
+                      v_scale: float) -> None:
+        """One query per sequence: every context padded to the longest, the padding
+        masked; the cache rows to read and the mask are the step's (``StepMemo``)."""
         num_seqs, block_size = meta.num_seqs, kv_cache.shape[2]
         max_len = max(seq_lens)
-        num_blocks = (max_len + block_size - 1) // block_size
-        blocks = meta.block_tables[:, :num_blocks].long().clamp_min(0)   # -1 padding -> any block
-        k = kv_cache[0, blocks].flatten(1, 2)[:, :max_len]                # [S, L, Hkv, D]
-        v = kv_cache[1, blocks].flatten(1, 2)[:, :max_len]
-        k = dequantize(k, k_scale, query.dtype).transpose(1, 2)           # [S, Hkv, L, D]
+        rows = self.step_memo.get(("rows", block_size, max_len), lambda: decode_cache_rows(
+            meta.block_tables[:num_seqs], block_size, max_len))             # [S * L]
+        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+        shape = (num_seqs, max_len, *kv_cache.shape[3:])
+        k = flat[0].index_select(0, rows).view(shape)                        # [S, L, Hkv, D]
+        v = flat[1].index_select(0, rows).view(shape)
+        k = dequantize(k, k_scale, query.dtype).transpose(1, 2)              # [S, Hkv, L, D]
         v = dequantize(v, v_scale, query.dtype).transpose(1, 2)
-        lens = meta.seq_lens[:num_seqs].long()[:, None]
-        k_pos = torch.arange(max_len, device=query.device)[None, :]
-        mask = visibility_mask(lens - 1, k_pos, layer.sliding_window)     # [S, L]
-        q = query[:num_seqs].unsqueeze(2)                                 # [S, H, 1, D]
-        o = attend(q, k, v, mask[:, None, None, :], False, layer.scale, layer.logit_soft_cap,
-                   layer.sinks)
+        mask = self.step_memo.get(("mask", max_len, layer.sliding_window), lambda: decode_mask(
+            meta.seq_lens[:num_seqs], seq_lens, max_len, layer.sliding_window))
+        q = query[:num_seqs].unsqueeze(2)                                    # [S, H, 1, D]
+        o = attend(q, k, v, mask, False, layer.scale, layer.logit_soft_cap, layer.sinks)
         out[:num_seqs] = o.squeeze(2)
+
+
+def decode_cache_rows(block_tables: torch.Tensor, block_size: int, max_len: int
+                      ) -> torch.Tensor:
+    """The flattened cache rows (block * block_size + offset) of each sequence's first
+    ``max_len`` tokens, [S * max_len] long; rows past a sequence's length (and its -1
+    table padding, read as block 0) are masked by ``decode_mask``."""
+    num_blocks = (max_len + block_size - 1) // block_size
+    blocks = block_tables[:, :num_blocks].long().clamp_min(0)
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (blocks[:, :, None] * block_size + offsets).flatten(1)[:, :max_len].reshape(-1)
+
+
+def decode_mask(seq_lens: torch.Tensor, host_seq_lens: list[int], max_len: int,
+                sliding_window: int | None) -> torch.Tensor | None:
+    """[S, 1, 1, max_len]: which padded keys each sequence's one query sees; None where it
+    sees every one (each context is max_len long, none beyond a window)."""
+    if all(n == max_len for n in host_seq_lens) and (sliding_window is None
+                                                     or sliding_window >= max_len):
+        return None
+    k_pos = torch.arange(max_len, device=seq_lens.device)[None, :]
+    mask = visibility_mask(seq_lens.long()[:, None] - 1, k_pos, sliding_window)
+    return mask[:, None, None, :]
