@@ -8,8 +8,9 @@ TRITON_MLA_SPARSE_DSV4.
   ratio (target: at most 1.3);
 - ``--part throughput``: 64 prompts of 8192 tokens with 128 outputs each, output tok/s and
   the decode step;
-- ``--part cache``: the KV bytes a token of context costs, V4-Flash's 43 layers against
-  DeepSeek-V3's MLA and against plain multi-head attention of V4's heads.
+- ``--part cache``: the KV bytes a token of context costs at 2k, 32k and 128k (the window
+  ring is one window's keys per sequence), V4-Flash's 43 layers against DeepSeek-V3's MLA
+  and against plain multi-head attention of V4's heads.
 
     python3 benchmarks/deepseek_v4_perf.py [--part engine|throughput|cache|all]
         [--contexts N ...] [--out F.json]
@@ -105,9 +106,11 @@ def engine_rows(ceilings, plan: Plan, part: str, save) -> list[dict]:  # noqa: A
     return rows
 
 
-def cache_rows() -> list[dict]:
-    """KV bytes per token of context (long contexts: a block's window rows and accumulators
-    spread over its tokens), bf16, V4-Flash's layers, block sizes 256 (vLLM's) and 1024."""
+def cache_rows(contexts: tuple[int, ...] = (2048, 32768, 131072)) -> list[dict]:
+    """KV bytes per token of one sequence's context, bf16, V4-Flash's layers, block sizes
+    256 (vLLM's) and 1024: each block's entries, index keys and accumulators spread over
+    its tokens, plus the sequence's window rings (one window's keys per layer, whatever the
+    context) spread over the context."""
     from archserve.kernels.compressed_attention.layout import CSA, HCA, SLIDING, layer_layouts
     kinds = [SLIDING] * 2 + [CSA if i % 2 == 0 else HCA for i in range(FLASH_LAYERS - 2)]
     rows = []
@@ -115,14 +118,17 @@ def cache_rows() -> list[dict]:
         layouts = layer_layouts(kinds, {CSA: 4, HCA: 128}, 128, 512, 128, torch.bfloat16,
                                 block)
         per_token = sum(layout.block_size * layout.row_bytes for layout in layouts) / block
-        rows.append({"what": f"DeepSeek V4-Flash, {block}-token blocks",
-                     "bytes_per_token": per_token})
+        ring = sum(layout.ring_bytes for layout in layouts)
+        for context in contexts:
+            rows.append({"what": f"DeepSeek V4-Flash, {block}-token blocks, {context} tokens "
+                                 f"of context", "bytes_per_token": per_token + ring / context,
+                         "ring_bytes_per_sequence": ring})
     rows.append({"what": "DeepSeek-V3 MLA (61 layers, latent 512 + 64, bf16)",
                  "bytes_per_token": V3_LAYERS * (512 + 64) * 2})
     rows.append({"what": "plain MHA of V4's 64 heads of 512 (43 layers, K and V, bf16)",
                  "bytes_per_token": FLASH_LAYERS * 2 * 64 * 512 * 2})
     for row in rows:
-        print(f"{row['what']}: {row['bytes_per_token'] / 1024:.1f} KiB a token", flush=True)
+        print(f"{row['what']}: {row['bytes_per_token'] / 1024:.2f} KiB a token", flush=True)
     return rows
 
 

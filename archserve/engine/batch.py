@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from archserve.engine.block_pool import token_slot
 from archserve.engine.sample_rows import sampler_rows
 from archserve.engine.scheduler import ScheduledSeq
 from archserve.engine.staging import StagingRing
@@ -96,8 +97,8 @@ def build_decode_batch(chunks: list[ScheduledSeq], block_size: int, staging: Sta
     positions = [s.num_computed_tokens for s in seqs]
     tables = [s.block_table for s in seqs]
     n = len(seqs)
-    slot_mapping = [t[p // block_size] * block_size + p % block_size
-                    for t, p in zip(tables, positions, strict=True)]
+    slot_mapping = [token_slot(t, s.ring, block_size, p)
+                    for s, t, p in zip(seqs, tables, positions, strict=True)]
     own = [np.asarray([s.token_ids[p] for s, p in zip(seqs, positions, strict=True)],
                       dtype=np.int64),
            np.asarray(positions, dtype=np.int64), np.arange(n, dtype=np.int64)]
@@ -124,13 +125,14 @@ def _lora_view(moved: list[torch.Tensor]) -> torch.Tensor | None:
 @dataclass
 class Span:
     """Consecutive inputs of one sequence: ``tokens`` at positions ``start``,
-    ``start + 1``, ..., over its ``block_table``; its last ``sampled_rows`` rows are
-    sampled (0: none)."""
+    ``start + 1``, ..., over its ``block_table`` (and its window ring: ``Sequence.ring``);
+    its last ``sampled_rows`` rows are sampled (0: none)."""
 
     block_table: list[int]
     start: int
     tokens: list[int]
     sampled_rows: int = 0
+    ring: tuple[int, int] | None = None
 
 
 def build_span_batch(spans: list[Span], block_size: int, staging: StagingRing,
@@ -153,7 +155,8 @@ def build_span_batch(spans: list[Span], block_size: int, staging: StagingRing,
         input_ids[row:row + n] = span.tokens
         positions[row:row + n] = pos
         slot_mapping[row:row + n] = (
-            block_tables[i, pos // block_size].astype(np.int64) * block_size + pos % block_size)
+            block_tables[i, pos // block_size].astype(np.int64) * block_size + pos % block_size
+            if span.ring is None else span.ring[0] + pos % span.ring[1])
         seq_lens[i] = span.start + n
         query_lens[i] = n
         logits_rows.extend(range(row + n - span.sampled_rows, row + n))
@@ -191,7 +194,7 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRin
         # verifying the next): the model's output there is sampled.
         spans.append(Span(seq.block_table, start,
                           seq.token_ids_slice(start, end - len(drafts)) + drafts,
-                          1 + len(drafts) if chunk.samples else 0))
+                          1 + len(drafts) if chunk.samples else 0, seq.ring))
         params = seq.sampling_params
         if params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
             # Rows whose *next* token is a prompt token: their logits score that token.

@@ -24,6 +24,10 @@ order they were freed, and are evicted (hash forgotten) least recently freed fir
 only when no never-cached free block is left. Blocks of one sequence are freed tail
 first, so a prompt's head outlives its tail.
 
+A model that keeps its window's keys in a ring per sequence (DeepSeek V4: ``num_rings`` rings
+of ``ring_rows`` rows) takes one at admission and returns it with its blocks: the pool is
+built for as many rings as sequences may run.
+
 Sampling with ``n > 1`` needs no fork: the ``n`` sequences are ordinary sequences with
 the same prompt. Once one of them has computed a full prompt block, the others find it
 here; sequences admitted in the same step compute their blocks side by side and the
@@ -51,6 +55,15 @@ def chain_hash(parent_hash: bytes | None, block_tokens: tuple[int, ...]) -> byte
     return digest.digest()
 
 
+def token_slot(block_table: list[int], ring: tuple[int, int] | None, block_size: int,
+               position: int) -> int:
+    """Where the token at ``position`` writes its key: its block's row, or where the
+    sequence has a ring (``Sequence.ring``: first row, rows) its ring's row."""
+    if ring is not None:
+        return ring[0] + position % ring[1]
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 def chain_root(seq: Sequence) -> bytes | None:
     """What a sequence's first block chains to: its LoRA adapter's cache key (None: the
     base model's seed)."""
@@ -67,10 +80,14 @@ class CachedPrefix:
 
 
 class KVBlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
-                 ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_rings: int = 0, ring_rows: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        if ring_rows and num_rings < 1:
+            raise ValueError("a model with a window ring per sequence needs num_rings >= 1")
+        self.ring_rows = ring_rows
+        self._free_rings: deque[int] = deque(range(num_rings if ring_rows else 0))
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -151,6 +168,8 @@ class KVBlockPool:
         """Whether ``allocate(seq, num_new_tokens, prefix)`` would succeed."""
         if seq.block_table:
             return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+        if self.ring_rows and not self._free_rings:
+            return False
         prefix = self.find_cached_prefix(seq) if prefix is None else prefix
         return self._fresh_blocks_for_admission(prefix, num_new_tokens) <= self._free_after_taking(prefix)
 
@@ -167,8 +186,10 @@ class KVBlockPool:
             return self.append_slots(seq, num_new_tokens)
         prefix = self.find_cached_prefix(seq) if prefix is None else prefix
         fresh = self._fresh_blocks_for_admission(prefix, num_new_tokens)
-        if fresh > self._free_after_taking(prefix):
+        if fresh > self._free_after_taking(prefix) or (self.ring_rows and not self._free_rings):
             return False
+        if self.ring_rows:
+            seq.ring = (self._free_rings.popleft() * self.ring_rows, self.ring_rows)
         for block_id in prefix.block_ids:
             self._take(block_id)
         seq.block_table = list(prefix.block_ids)
@@ -227,6 +248,9 @@ class KVBlockPool:
                     self._free_uncached.append(block_id)
                 else:
                     self._free_cached[block_id] = None
+        if seq.ring is not None:
+            self._free_rings.append(seq.ring[0] // self.ring_rows)
+            seq.ring = None
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
@@ -244,10 +268,10 @@ class KVBlockPool:
 
     # -- slots --------------------------------------------------------------------
     def slots_for(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """KV cache slots (``block_id * block_size + offset``) of token positions [start, end)."""
-        bs = self.block_size
-        table = seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        """KV cache slots of token positions [start, end): ``block_id * block_size +
+        offset``, or in the sequence's ring (``token_slot``)."""
+        return [token_slot(seq.block_table, seq.ring, self.block_size, p)
+                for p in range(start, end)]
 
     # -- internals ----------------------------------------------------------------
     def _identity(self, block_id: int | None) -> tuple[int, int]:

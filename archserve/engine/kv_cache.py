@@ -40,15 +40,28 @@ def cache_row_format(model_config, attn_impl, kv_dtype: torch.dtype
 
 
 def compressed_layouts(model_config, dtype: torch.dtype, block_size: int) -> list | None:
-    """Each layer's cache block of a DeepSeek V4 model (kernels/compressed_attention/
-    layout.py: its window's keys, compressed entries, index keys and compressor state, in
-    ``dtype``), or None for any other model."""
+    """Each layer's cache of a DeepSeek V4 model (kernels/compressed_attention/layout.py: a
+    block's compressed entries, index keys and compressor state, a sequence's ring of window
+    keys, in ``dtype``), or None for any other model."""
     dims = getattr(model_config, "compressed_attention", None)
     if dims is None:
         return None
     from archserve.kernels.compressed_attention.layout import layer_layouts
     return layer_layouts(dims.layer_kinds, dims.compress_rates, dims.sliding_window,
                          model_config.head_dim, dims.index_head_dim, dtype, block_size)
+
+
+def ring_rows(model_config) -> int:
+    """Rows of the window ring a sequence of this model holds per layer (DeepSeek V4: its
+    window; kernels/compressed_attention/layout.py), 0 for a model without rings."""
+    dims = getattr(model_config, "compressed_attention", None)
+    return dims.sliding_window if dims is not None else 0
+
+
+def ring_bytes_per_sequence(model_config, kv_dtype: torch.dtype, block_size: int) -> int:
+    """Bytes one sequence's window rings take over every layer (0: no rings)."""
+    layouts = compressed_layouts(model_config, kv_dtype, block_size)
+    return sum(layout.ring_bytes for layout in layouts) if layouts is not None else 0
 
 
 def cache_bytes_per_block(model_config, attn_impl, kv_dtype: torch.dtype, block_size: int
@@ -63,13 +76,16 @@ def cache_bytes_per_block(model_config, attn_impl, kv_dtype: torch.dtype, block_
 
 
 def model_kv_caches(model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
-                    device: torch.device, head_size: int | None = None) -> list[torch.Tensor]:
+                    device: torch.device, head_size: int | None = None, num_rings: int = 1
+                    ) -> list[torch.Tensor]:
     """The paged cache of every layer in the model's layout (MLA: one latent plane; V4: each
-    layer's blocks, ``compressed_layouts``); ``head_size`` where the rows are not the
-    model's (``cache_row_format``)."""
+    layer's blocks, ``compressed_layouts``, then each layer's ``num_rings`` window rings:
+    layout.py's ``ring_cache_index``); ``head_size`` where the rows are not the model's
+    (``cache_row_format``)."""
     layouts = compressed_layouts(model_config, dtype, block_size)
     if layouts is not None:
-        return _allocate_layer_blocks(layouts, num_blocks, device)
+        return (_allocate_layer_blocks(layouts, num_blocks, device)
+                + [layout.allocate_rings(num_rings, device) for layout in layouts])
     return allocate_kv_caches(model_config.num_layers, num_blocks, block_size,
                               model_config.kv_cache_heads,
                               head_size or model_config.kv_cache_head_size,

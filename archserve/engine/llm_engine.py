@@ -45,7 +45,8 @@ class LLMEngine:
         self.report, self.cpu_threads = setup.report, setup.cpu_threads
         self.step_weights = setup.step_weights      # of one rank's shard under TP
         self.config = config = dataclasses.replace(config,
-                                                   async_scheduling=setup.async_scheduling)
+                                                   async_scheduling=setup.async_scheduling,
+                                                   enable_prefix_caching=setup.prefix_caching)
         self.tokenizer = (None if config.skip_tokenizer_init
                           else load_tokenizer(config.tokenizer or config.model))
         self.max_model_len = setup.max_model_len
@@ -55,7 +56,8 @@ class LLMEngine:
                                          sorted(self.eos_token_ids))
                          if self.tokenizer is not None else None)
         self.block_pool = KVBlockPool(setup.num_blocks, setup.block_size,
-                                      config.enable_prefix_caching)
+                                      config.enable_prefix_caching, setup.num_rings,
+                                      setup.ring_rows)
         # The adapters' host cache and slots (engine/lora/), where LoRA is enabled.
         step_lora = getattr(self.runner, "lora", None)
         self.lora: LoRAManager | None = step_lora.manager if step_lora is not None else None

@@ -17,7 +17,12 @@ import torch
 
 from archserve.engine.batch import ModelBatch, block_table_width, build_batch, host_to_device
 from archserve.engine.cuda_graphs import DecodeGraphRunner, describe_demoted
-from archserve.engine.kv_cache import cache_bytes_per_block, cache_row_format, model_kv_caches
+from archserve.engine.kv_cache import (
+    cache_bytes_per_block,
+    cache_row_format,
+    model_kv_caches,
+    ring_rows,
+)
 from archserve.engine.launched_step import LaunchedStep
 from archserve.engine.mixed_graphs import MixedGraphRunner, mixed_graph_buckets
 from archserve.engine.phases import phase
@@ -130,13 +135,14 @@ class ModelRunner:
         self.hidden_out = torch.empty((max_tokens, self.model_config.hidden_size),
                                       dtype=self.dtype, device=self.device)
 
-    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype, kv_cache_dtype: str = "auto"
-                          ) -> None:
+    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                          num_rings: int = 1) -> None:
+        """``num_rings``: the window rings of a model that keeps them (a sequence each)."""
         cfg = self.model_config
         self.kv_cache_dtype = kv_cache_dtype
         dtype, head_size = self.kv_cache_format(kv_dtype)
         self.kv_caches = model_kv_caches(cfg, num_blocks, self.block_size, dtype, self.device,
-                                         head_size)
+                                         head_size, num_rings)
 
     @functools.cached_property
     def step_weights(self):  # noqa: ANN201 - a StepWeights (engine/step_weights.py)
@@ -158,13 +164,15 @@ class ModelRunner:
         blocks_per_seq = -(-max(lens) // self.block_size)
         row_dtype, head_size = self.kv_cache_format(self.dtype)
         caches = model_kv_caches(cfg, blocks_per_seq * len(lens), self.block_size, row_dtype,
-                                 dev, head_size)
+                                 dev, head_size, num_rings=len(lens))
         tables = torch.arange(blocks_per_seq * len(lens), dtype=torch.int32,
                               device=dev).view(len(lens), blocks_per_seq)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         seq_index = torch.repeat_interleave(torch.arange(len(lens), device=dev),
                                             torch.tensor(lens, device=dev))
-        slots = (tables[seq_index, positions // self.block_size].long() * self.block_size
+        rows = ring_rows(cfg)
+        slots = (seq_index * rows + positions % rows if rows else
+                 tables[seq_index, positions // self.block_size].long() * self.block_size
                  + positions % self.block_size)
         meta = AttentionMetadata.from_lengths(lens, lens, tables, slots, dev)
         ids = torch.zeros(sum(lens), dtype=torch.long, device=dev)

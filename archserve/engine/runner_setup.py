@@ -34,6 +34,7 @@ from archserve.engine.decode_gemms import (
     tune_quantized_decode,
 )
 from archserve.engine.kernel_cache import configure_kernel_caches
+from archserve.engine.kv_cache import ring_bytes_per_sequence, ring_rows
 from archserve.engine.lora.setup import setup_lora
 from archserve.engine.mixed_graphs import COMPUTE_BOUND_S, TOKEN_BUCKETS, host_bound_tokens
 from archserve.engine.model_runner import ModelRunner
@@ -80,6 +81,11 @@ class RunnerSetup:
     # parallelism the engine process holds no model to count them from).
     step_weights: StepWeights | None = None
     speculator: object | None = None   # spec_decode.speculator.Speculator, when configured
+    # DeepSeek V4: a window ring per sequence (num_rings of ring_rows rows), and prefix
+    # caching refused (its blocks do not carry the window's keys).
+    num_rings: int = 0
+    ring_rows: int = 0
+    prefix_caching: bool = True
 
 
 def peek_model_config(model_path: str | None):
@@ -362,6 +368,17 @@ class _RunnerBuild:
                 max(max_batched, config.max_num_seqs, *self.graph_sizes), self.torch_device)
             self.decisions.append(self.lora.decision)
         kv_torch_dtype = self.kv_torch_dtype
+        # DeepSeek V4 keeps its window's keys in a ring per sequence that may run.
+        self.ring_rows = ring_rows(self.rank_mc)
+        self.num_rings = config.max_num_seqs if self.ring_rows else 0
+        self.prefix_caching = config.enable_prefix_caching
+        if self.ring_rows and config.enable_prefix_caching:
+            self.prefix_caching = False
+            self.decisions.append(Decision(
+                "prefix caching", "on", "off",
+                "the model's sliding-window keys live in a ring per sequence, which a "
+                "cached block does not carry: a cached prefix could not give the keys of "
+                "the window before its end"))
         # A sequence verifying drafts samples a row for each: the LM head's buffers have room.
         self.rows_per_seq = 1 + (self.speculative.num_speculative_tokens
                                  if self.speculative else 0)
@@ -388,7 +405,10 @@ class _RunnerBuild:
                                                       self.drafts.kv_bytes_per_block(
                                                           kv_torch_dtype)
                                                       if self.drafts else 0),
-                                                  rows_per_seq=self.rows_per_seq)
+                                                  rows_per_seq=self.rows_per_seq,
+                                                  ring_bytes=self.num_rings * ring_bytes_per_sequence(
+                                                      self.rank_mc, kv_torch_dtype,
+                                                      self.block_size))
         if tp.size > 1:
             own, num_blocks = num_blocks, self.agree.min(num_blocks)
             sizing += (f"; the smallest of {tp.size} ranks' pools (this rank: {own})"
@@ -402,7 +422,8 @@ class _RunnerBuild:
                 if each is not None:
                     each.limit_max_model_len(self.max_model_len)
         self.num_blocks, self.kv_sizing = num_blocks, sizing
-        self.runner.allocate_kv_cache(num_blocks, kv_torch_dtype, self.kv_cache_dtype)
+        self.runner.allocate_kv_cache(num_blocks, kv_torch_dtype, self.kv_cache_dtype,
+                                      max(self.num_rings, 1))
         if self.drafts is not None:
             self.drafts.allocate_kv_cache(num_blocks, kv_torch_dtype, self.kv_cache_dtype)
 
@@ -503,4 +524,6 @@ class _RunnerBuild:
                            self.scheduling.chosen == "async", self.report,
                            cpu_threads=self.cpu_threads,
                            decoding_token_budget=self.budget.decoding,
-                           step_weights=runner.step_weights, speculator=self.speculator)
+                           step_weights=runner.step_weights, speculator=self.speculator,
+                           num_rings=self.num_rings, ring_rows=self.ring_rows,
+                           prefix_caching=self.prefix_caching)

@@ -54,7 +54,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "index", "sampling_params", "arrival_time", "status",
         "prompt_token_ids", "token_ids", "output_token_ids",
-        "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes",
+        "num_computed_tokens", "num_cached_tokens", "block_table", "block_hashes", "ring",
         "output_logprobs", "cumulative_logprob", "stop_reason", "num_preemptions",
         "output_text", "extra", "num_pending", "gate", "spec_token_ids",
         "lora",
@@ -79,6 +79,10 @@ class Sequence:
         # Prefix-cache hit at the most recent admission, in tokens.
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        # A model that keeps its window's keys in a ring per sequence (DeepSeek V4): this
+        # sequence's (first row, rows), a token's slot is first row + position % rows;
+        # None elsewhere, or while it holds no blocks.
+        self.ring: tuple[int, int] | None = None
         # Chained hashes of this sequence's computed full blocks, in order (see block_pool).
         self.block_hashes: list[bytes] = []
         # Filled by the engine: one {token_id: Logprob} per generated token when asked for.

@@ -200,17 +200,21 @@ def attention_spec_of(config: EngineConfig, model_config, dtype, kv_cache_dtype)
 def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: torch.dtype,
                  max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
                  torch_device: torch.device, mixed_graph_tokens: int = 0,
-                 extra_bytes_per_block: int = 0, rows_per_seq: int = 1) -> tuple[int, str]:
+                 extra_bytes_per_block: int = 0, rows_per_seq: int = 1,
+                 ring_bytes: int = 0) -> tuple[int, str]:
     """Number of KV blocks, and how that number was reached. ``mixed_graph_tokens``: the
     largest bucket of the mixed-step graphs to be captured (0: none);
     ``extra_bytes_per_block``: what else each block holds (a draft network's cache);
-    ``rows_per_seq``: the rows a sequence samples in a step at most (1 + its drafts)."""
+    ``rows_per_seq``: the rows a sequence samples in a step at most (1 + its drafts);
+    ``ring_bytes``: what the cache holds beside its blocks (DeepSeek V4's window rings, one
+    per sequence), taken from the budget first."""
     per_block = runner.kv_bytes_per_block(kv_torch_dtype) + extra_bytes_per_block
+    rings = f", {ring_bytes / 2**20:.1f} MiB of window rings" if ring_bytes else ""
     if config.num_kv_blocks is not None:
-        return config.num_kv_blocks, "num_kv_blocks given"
+        return config.num_kv_blocks, "num_kv_blocks given" + rings
     if config.kv_cache_memory_bytes is not None:
-        return blocks_for_budget(config.kv_cache_memory_bytes, per_block), \
-            f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+        return blocks_for_budget(config.kv_cache_memory_bytes - ring_bytes, per_block), \
+            f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}" + rings
     if torch_device.type == "cuda":
         sampled_rows = max_num_seqs * rows_per_seq
         peak = runner.profile_peak_activation_bytes(max_num_batched_tokens, max_num_seqs,
@@ -231,13 +235,13 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
             # the same sizes (its vocabulary at most the target's): as much again.
             reserve *= 2
         avail = cuda_available_kv_bytes(torch_device, config.gpu_memory_utilization, peak, reserve)
-        return blocks_for_budget(avail, per_block), (
+        return blocks_for_budget(avail - ring_bytes, per_block), (
             f"gpu_memory_utilization={config.gpu_memory_utilization}, activation peak "
-            f"{peak / 2**20:.0f} MiB, graph reserve {reserve >> 20} MiB")
+            f"{peak / 2**20:.0f} MiB, graph reserve {reserve >> 20} MiB" + rings)
     # CPU: no more than the longest possible batch needs, capped by the default budget.
     needed_blocks = max_num_seqs * ((max_model_len + runner.block_size - 1) // runner.block_size)
-    return min(needed_blocks, blocks_for_budget(DEFAULT_CPU_KV_BYTES, per_block)), \
-        f"CPU default budget {DEFAULT_CPU_KV_BYTES >> 20} MiB"
+    return min(needed_blocks, blocks_for_budget(DEFAULT_CPU_KV_BYTES - ring_bytes, per_block)), \
+        f"CPU default budget {DEFAULT_CPU_KV_BYTES >> 20} MiB" + rings
 
 
 def kv_capacity_before_load(config: EngineConfig, model_config, attn_impl,

@@ -1,8 +1,9 @@
 """TRITON_MLA_SPARSE_DSV4 (DeepSeek V4's attention) against the torch reference
 (kernels/compressed_attention/reference.py): the compressor's entries, index keys and carried
 accumulators, the indexer's selection over entries, the window + entries + sinks attention,
-the window rows, over the three layer kinds, decode and prompt steps (chunks ending inside a
-group, blocks smaller and larger than the window, a graph's padding slots).
+the window's ring, over the three layer kinds, decode and prompt steps (chunks ending inside a
+group and across the ring's wrap, blocks smaller and larger than the window, a graph's
+padding slots).
 
 On CPU the kernels run under Triton's interpreter in a child process at tiny, odd sizes
 (head 48 with 16 rope channels, 9 indexer heads of 16, top-3, rates 4 and 8, windows of 6
@@ -30,16 +31,20 @@ TINY = dict(num_heads=5, head_dim=48, rope_dim=16, index_dim=16, index_heads=9, 
 # closing a group, and a decode at the start of a block.
 PROMPT = [(13, 11), (0, 30), (21, 1), (23, 1), (16, 1)]
 DECODE = [(6, 1), (23, 1), (16, 1), (31, 1), (2, 1)]
+# Far past the window (the ring wrapped many times): a chunk that starts and ends mid-ring
+# and is longer than it, a chunk shorter than the ring across its wrap, decodes.
+WRAPPED = [(53, 17), (61, 5), (70, 1), (89, 1)]
 
 
 def assert_matches_reference(case, impl, atol: float = 2e-3, reference_case=None) -> None:
     """``impl`` on ``case`` against the torch reference on ``reference_case`` (default the
     same case): the real rows' output, and the cache through the layout's views."""
-    out, cache = case.run(impl)
-    expected, expected_cache = (reference_case or case).run(TorchMlaImpl())
+    out, (cache, rings) = case.run(impl)
+    expected, (expected_cache, expected_rings) = (reference_case or case).run(TorchMlaImpl())
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=atol)
     layout = case.layout
-    views = [layout.window_view]
+    torch.testing.assert_close(rings.float(), expected_rings.float(), atol=atol, rtol=atol)
+    views = []
     if layout.compress_rate:
         views += [layout.entry_view, layout.state_view]
     if layout.index_dim:
@@ -59,10 +64,11 @@ if not INTERPRETED:
 else:
     @pytest.mark.parametrize("block_size, window", [(8, 6), (16, 12)])
     @pytest.mark.parametrize("kind", sorted(KINDS))
-    @pytest.mark.parametrize("step", ["prompt", "decode"])
+    @pytest.mark.parametrize("step", ["prompt", "decode", "wrapped"])
     def test_impl_matches_reference(step, kind, block_size, window):
         rate, overlap = KINDS[kind]
-        case = make_compressed_case(PROMPT if step == "prompt" else DECODE, seed=3,
+        seqs = {"prompt": PROMPT, "decode": DECODE, "wrapped": WRAPPED}[step]
+        case = make_compressed_case(seqs, seed=3,
                                     compress_rate=rate, overlap=overlap, window=window,
                                     block_size=block_size, **TINY)
         assert_matches_reference(case, TritonDsv4Impl())
@@ -173,13 +179,17 @@ def test_gpu_decode_step_replays_in_a_cuda_graph():
     case = make_compressed_case([(2100, 1), (300, 1)], compress_rate=4, overlap=True, seed=8,
                                 **dict(V4_SIZES, topk=512, device="cuda"))
     impl = TritonDsv4Impl()
-    eager, eager_cache = case.run(impl)
-    cache = case.kv_cache.clone()
+    eager, (eager_cache, eager_rings) = case.run(impl)
+    cache, rings = case.kv_cache.clone(), case.ring_cache.clone()
     graph = torch.cuda.CUDAGraph()
-    impl.forward_compressed(case.layout, case.layer, case.inputs, cache.clone(), case.meta)
+    impl.forward_compressed(case.layout, case.layer, case.inputs, cache.clone(), rings.clone(),
+                            case.meta)
     with torch.cuda.graph(graph):
-        out = impl.forward_compressed(case.layout, case.layer, case.inputs, cache, case.meta)
+        out = impl.forward_compressed(case.layout, case.layer, case.inputs, cache, rings,
+                                      case.meta)
     cache.copy_(case.kv_cache)
+    rings.copy_(case.ring_cache)
     graph.replay()
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(cache, eager_cache)
+    torch.testing.assert_close(rings, eager_rings)

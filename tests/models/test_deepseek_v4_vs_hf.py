@@ -1,7 +1,8 @@
 """DeepSeek V4 against transformers (5.25's DeepseekV4ForCausalLM, eager, fp32) with the same
 tiny random weights, on CPU: every prompt position, prefill then decode, chunked prefill whose
 chunks end inside compression groups, the whole engine's 32 greedy tokens and prompt
-log-probs, prefix reuse and preemption, DeepSeek's release layout, dummy weights.
+log-probs, the window's ring wrapping under chunked prefill and preemption, prefix caching
+refused, DeepSeek's release layout, dummy weights.
 
 The tiny model has every V4 part at odd sizes: 7 layers of the three kinds (sliding window
 only, compressed sparse with 4-token entries, heavily compressed with 8-token ones, each kind
@@ -91,10 +92,14 @@ def test_config_and_cache_blocks_follow_the_layer_kinds(pair):
         k == CSA for k in KINDS if k != SLIDING]
     assert [layer.mlp.hashed for layer in model.model.layers] == [True, True] + [False] * 5
     caches = PagedSequences.for_config(config, block_size=8).kv_caches
-    widths = [c.shape[-1] for c in caches]
-    # A block of 8 tokens: 6 window keys of 48 fp32; CSA 2 entries + 2 index keys + three
-    # accumulators of 64 channels; HCA one entry + one accumulator of 48.
+    blocks, rings = caches[:len(KINDS)], caches[len(KINDS):]
+    widths = [c.shape[-1] for c in blocks]
+    # A block of 8 tokens: CSA 2 entries + 2 index keys + three accumulators of 64 channels;
+    # HCA one entry + one accumulator of 48; a sliding-window-only layer nothing (16 bytes).
     assert widths[0] == widths[4] and widths[1] == widths[3] == widths[6] > widths[2] > widths[0]
+    assert widths[0] * 8 == 16
+    # Each layer's window keys: a ring of 6 rows of 48 per sequence, whatever its length.
+    assert all(tuple(r.shape) == (1, 16, 6, 1, 48) and r.dtype == torch.float32 for r in rings)
 
 
 def test_prompt_positions_and_prefill_then_decode_match_hf(pair):
@@ -186,13 +191,38 @@ def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path):
                                                    block_size=8)
 
 
-def test_llm_chunked_prefill_prefix_cache_and_preemption(tmp_path, monkeypatch):
-    """Prompts sharing a cached prefix (its blocks carry window keys, entries, index keys and
-    closed accumulators), prefills chunked 6 tokens a step (ending inside groups of 4 and 8),
-    and a pool too small for every sequence at once, so some are preempted and recomputed."""
-    assert_chunked_prefix_and_preemption_equal_hf(
-        _checkpoint(tmp_path), monkeypatch, max_num_batched_tokens=6, block_size=8,
-        num_kv_blocks=14)
+@pytest.mark.parametrize("budget", [6, 7, 11])
+def test_llm_chunked_prefill_ring_wrap_and_preemption(tmp_path, monkeypatch, budget):
+    """Prompts of 20+ tokens and 32 greedy tokens over a window of 6 (each sequence's ring
+    of 6 rows wraps 9 times and more), prefills chunked 6, 7 or 11 tokens a step (ending
+    inside groups of 4 and 8; 7 and 11 move a chunk's end around the ring, across its wrap,
+    11 is longer than the ring), and a pool too small for every sequence at once, so some
+    are preempted and recomputed in a fresh ring. Prefix caching was asked for and is
+    refused (no hits)."""
+    outputs = assert_chunked_prefix_and_preemption_equal_hf(
+        _checkpoint(tmp_path), monkeypatch, max_num_batched_tokens=budget, block_size=8,
+        num_kv_blocks=14, min_cached_tokens=0)
+    assert all(len(o.prompt_token_ids) > 3 * 6 for o in outputs)
+    assert all(o.num_cached_tokens == 0 for o in outputs)
+
+
+def test_prefix_caching_is_refused_with_its_reason(tmp_path):
+    """A cached block does not carry the window's keys before its end (the ring moved on):
+    the engine runs without prefix caching and says why; a repeated prompt is recomputed,
+    to the same tokens."""
+    from archserve import LLM, SamplingParams
+    llm = LLM(_checkpoint(tmp_path), dtype="float32", block_size=8,
+              enable_prefix_caching=True)
+    engine = llm.llm_engine
+    decision = next(d for d in engine.report.decisions if d.what == "prefix caching")
+    assert (decision.requested, decision.chosen) == ("on", "off")
+    assert "ring" in decision.reason
+    assert not engine.block_pool.enable_prefix_caching
+    assert not engine.config.enable_prefix_caching
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first, again = (llm.generate([SHARED_PREFIX * 2], params)[0] for _ in range(2))
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_speculative_decoding_is_refused(pair):
@@ -289,12 +319,13 @@ def test_gpu_bf16_engine_is_within_transformers_bf16_drift(tmp_path, enforce_eag
 
 
 @pytest.mark.gpu
-def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
-    """Chunks of 16 tokens (4 and 1 compression groups) over a cached prefix, beside
-    decodes, against the engine without prefix caching or chunking."""
+def test_gpu_chunked_prefill_matches_one_prefill(tmp_path):
+    """Chunks of 16 tokens (4 and 1 compression groups, half the window's ring: chunk ends
+    cross its wrap) beside decodes, against the engine without chunking (prefix caching is
+    refused: no hits)."""
     path = build_tiny_checkpoint(str(tmp_path), "deepseek_v4", init_model=init_v4_buffers,
                                  **GPU_V4)
-    assert_gpu_chunked_prefix_tracks_one_prefill(path, GPU_ENGINE)
+    assert_gpu_chunked_prefix_tracks_one_prefill(path, GPU_ENGINE, min_cached_tokens=0)
 
 
 @pytest.mark.parametrize("fp4_experts", [False, True], ids=["fp8", "fp4-experts"])

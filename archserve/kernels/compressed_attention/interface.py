@@ -2,8 +2,9 @@
 
 The layer projects this step's tokens (queries, the shared key = value, and on compressed
 layers the compressor's and the indexer's projections) and hands them over with its
-constants; the implementation updates the layer's cache block (layout.py: the compressor's
-state, the entries of groups that complete, the window's keys), selects each query's
+constants; the implementation updates the layer's cache blocks (layout.py: the compressor's
+state, the entries of groups that complete) and its ring (the window's keys, at the
+tokens' ``slot_mapping``), selects each query's
 compressed entries (all of them before the query on heavily compressed layers, the
 indexer's top-k on compressed sparse ones), attends over the window and those entries with
 the layer's sinks, and returns the per-head output [T, H, head_dim], its rope slice still
@@ -74,6 +75,6 @@ class CompressedStepInputs:
 class CompressedAttentionImpl(Protocol):
     def forward_compressed(self, layout: CompressedCacheLayout, layer: CompressedLayerParams,
                            inputs: CompressedStepInputs, kv_cache: torch.Tensor,
-                           meta: AttentionMetadata) -> torch.Tensor:
+                           ring_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """-> the heads' output [T, H, head_dim] in the query's dtype."""
         ...

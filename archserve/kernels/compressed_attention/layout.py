@@ -1,15 +1,20 @@
-"""The paged cache block of one DeepSeek V4 layer: its window's keys, its compressed entries,
-the indexer's keys and its compressor's running state, all kept per block id.
+"""The paged cache of one DeepSeek V4 layer: its compressed entries, the indexer's keys and its
+compressor's running state, kept per block id, and its window's keys, kept per sequence in a
+ring.
 
 A V4 layer attends to the last ``window`` keys of its sequence (one key head that is also
 the value) and, when it compresses (rate m), to entries that each summarise m consecutive
 tokens (the softmax-gated sum of their projections: entry g covers tokens [g m, g m + m)).
-Per block of ``block_size`` tokens (a multiple of m), the layer's cache holds:
 
-- window rows: the keys of the block's latest ``min(window, block_size)`` tokens, token p at
-  row (p % block_size) % rows, so a block that is full keeps its last rows tokens and a
-  query's window reads them from the blocks it spans. A block stores fewer keys than tokens
-  once block_size exceeds the window (V4's 256-token blocks against its 128-token window);
+The window's keys live in a ring of ``ring_rows`` (= window) rows per sequence: a token's
+cache slot is ``ring * ring_rows + position % ring_rows`` (its sequence's ring, from the
+block pool), so a sequence holds one window's keys however long its context, and a key
+takes the row of the key one window before it. A step reads its window's cached keys
+before it writes its own (the writes launch after the attention), so the ring holds no
+more than the window.
+
+Per block of ``block_size`` tokens (a multiple of m), the layer's block holds:
+
 - entries: its block_size / m compressed entries (entry g in block g m // block_size);
 - index keys (compressed sparse layers): the lightning indexer's compressed key of each entry;
 - state: the compressor's fp32 accumulators of the group still being filled (a running
@@ -20,13 +25,17 @@ Per block of ``block_size`` tokens (a multiple of m), the layer's cache holds:
   block's latest closed group. The indexer's compressor shares the groups, so its channels
   sit beside the main compressor's in the same accumulators.
 
-Everything in a block is a function of the tokens up to its end once the block is full:
-the prefix cache can hand a full block to another sequence, preemption recomputes blocks,
-and chunked prefill may end a step inside a group (the open accumulators carry it over).
+Everything in a block is a function of the tokens up to its end once the block is full, but
+the window's keys at a block's end are not kept (the ring moves on): a cached block cannot
+be handed to another sequence without them, so a V4 engine runs without prefix caching
+(``prefix_caching_refusal``). Preemption recomputes (a re-admitted sequence takes a fresh
+ring), and chunked prefill may end a step inside a group (the open accumulators carry it
+over) or anywhere in the ring.
 
-Rows are in the model dtype; the cache of one layer is uint8
+Rows are in the model dtype; the block cache of one layer is uint8
 ``[1, num_blocks, block_size, 1, row_bytes]`` (the engine's 5-d form, with each token's
-row ``row_bytes`` wide), addressed as one byte span per block.
+row ``row_bytes`` wide), addressed as one byte span per block; its ring cache is
+``[1, num_rings, ring_rows, 1, head_dim]`` in the model dtype.
 """
 
 from __future__ import annotations
@@ -71,8 +80,14 @@ class CompressedCacheLayout:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
-    def window_rows(self) -> int:
-        return min(self.window, self.block_size)
+    def ring_rows(self) -> int:
+        """Window keys a sequence's ring holds: a step reads its window's before it writes."""
+        return self.window
+
+    @property
+    def ring_bytes(self) -> int:
+        """One sequence's ring of this layer."""
+        return self.ring_rows * self.head_dim * self.elem
 
     @property
     def entries_per_block(self) -> int:
@@ -92,7 +107,7 @@ class CompressedCacheLayout:
     # ---- byte offsets within a block ------------------------------------------------------
     @property
     def entries_offset(self) -> int:
-        return _align(self.window_rows * self.head_dim * self.elem)
+        return 0
 
     @property
     def index_offset(self) -> int:
@@ -104,8 +119,10 @@ class CompressedCacheLayout:
 
     @property
     def block_bytes(self) -> int:
-        return _align(self.state_offset + 4 * self.state_slots * ACCUMULATOR_PARTS
-                      * self.state_channels)
+        """At least ALIGN: a sliding-window-only layer keeps nothing per block, but its
+        cache stays a tensor of the engine's form."""
+        return max(ALIGN, _align(self.state_offset + 4 * self.state_slots * ACCUMULATOR_PARTS
+                                 * self.state_channels))
 
     @property
     def row_bytes(self) -> int:
@@ -125,15 +142,15 @@ class CompressedCacheLayout:
         return (rows * self.head_dim + entries * self.index_dim) * self.elem
 
     def describe(self) -> str:
-        """What a block keeps, e.g. "128 window keys + 64 entries + 64 index keys"."""
-        parts = [f"{self.window_rows} window keys"]
+        """What a block keeps, e.g. "64 entries (1 per 4 tokens) + 64 index keys"."""
+        parts = []
         if self.compress_rate:
             parts.append(f"{self.entries_per_block} entries (1 per {self.compress_rate} tokens)")
         if self.index_dim:
             parts.append(f"{self.entries_per_block} index keys")
         if self.state_slots:
             parts.append(f"{self.state_slots} fp32 accumulator{'s' * (self.state_slots > 1)}")
-        return " + ".join(parts)
+        return " + ".join(parts) or "nothing"
 
     # ---- views ----------------------------------------------------------------------------
     def block_span(self, cache: torch.Tensor) -> torch.Tensor:
@@ -146,10 +163,9 @@ class CompressedCacheLayout:
         nbytes = count * torch.empty((), dtype=dtype).element_size()
         return self.block_span(cache)[:, offset:offset + nbytes].view(dtype)
 
-    def window_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """[num_blocks, window_rows, head_dim] in the model dtype."""
-        return self._region(cache, 0, self.window_rows * self.head_dim, self.dtype).view(
-            -1, self.window_rows, self.head_dim)
+    def ring_view(self, ring_cache: torch.Tensor) -> torch.Tensor:
+        """[num_rings * ring_rows, head_dim]: the rows a token's slot numbers."""
+        return ring_cache.view(-1, self.head_dim)
 
     def entry_view(self, cache: torch.Tensor) -> torch.Tensor:
         """[num_blocks, entries_per_block, head_dim] in the model dtype."""
@@ -172,6 +188,17 @@ class CompressedCacheLayout:
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.zeros(1, num_blocks, self.block_size, 1, self.row_bytes,
                            dtype=torch.uint8, device=device)
+
+    def allocate_rings(self, num_rings: int, device: torch.device | str = "cpu"
+                       ) -> torch.Tensor:
+        return torch.zeros(1, num_rings, self.ring_rows, 1, self.head_dim, dtype=self.dtype,
+                           device=device)
+
+
+def ring_cache_index(num_layers: int, layer: int) -> int:
+    """Where a layer's window rings sit in the engine's list of caches
+    (engine/kv_cache.py's ``model_kv_caches``): after every layer's blocks."""
+    return num_layers + layer
 
 
 def layer_layouts(kinds: list[str] | tuple[str, ...], rates: dict[str, int], window: int,

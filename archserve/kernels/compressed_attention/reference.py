@@ -12,11 +12,11 @@ Per layer and step, for each sequence whose step covers positions [start, end):
 2. select (compressed sparse layers): each query row's indexer scores over the entries that
    are complete at its position, and its ``index_topk`` best (every entry where it sees no
    more);
-3. attend: each query over the keys of its window (the cache's rows before the step, this
-   step's own keys after), its selected entries (every complete entry on heavily compressed
-   layers) and its sink, one softmax;
-4. keep the step's keys in the window rows (after attending: a long chunk's later keys
-   take the rows of its earlier ones).
+3. attend: each query over the keys of its window (its sequence's ring before the step,
+   this step's own keys after), its selected entries (every complete entry on heavily
+   compressed layers) and its sink, one softmax;
+4. keep the step's keys in the ring at their slots (after attending: a key takes the row
+   of the key one window before it, which the step's first queries may still read).
 
 A query at position q sees entry g once the group is complete: (g + 1) * rate <= q + 1.
 """
@@ -169,12 +169,17 @@ class _Compressor:
             prev_next = nxt
 
 
-def window_keys(layout: CompressedCacheLayout, kv_cache: torch.Tensor, table: torch.Tensor,
+def ring_start(layout: CompressedCacheLayout, slot: int) -> int:
+    """The first row of the ring that a token's slot is in (a padding token's slot, -1:
+    ring 0, which such a token reads nothing of)."""
+    return max(slot, 0) // layout.ring_rows * layout.ring_rows
+
+
+def window_keys(layout: CompressedCacheLayout, ring_cache: torch.Tensor, ring: int,
                 positions: torch.Tensor) -> torch.Tensor:
-    """The cached keys [n, head_dim] of ``positions`` (each within its block's window rows)."""
-    b = layout.block_size
-    blocks = table.long()[positions // b]
-    return layout.window_view(kv_cache)[blocks, (positions % b) % layout.window_rows]
+    """The cached keys [n, head_dim] of ``positions`` (within a window of the step) in the
+    ring starting at row ``ring``."""
+    return layout.ring_view(ring_cache)[ring + positions % layout.ring_rows]
 
 
 def compressed_entries(layout: CompressedCacheLayout, kv_cache: torch.Tensor,
@@ -186,17 +191,14 @@ def compressed_entries(layout: CompressedCacheLayout, kv_cache: torch.Tensor,
     return view[table.long()[entries // per_block], entries % per_block]
 
 
-def write_window(layout: CompressedCacheLayout, kv_cache: torch.Tensor, table: torch.Tensor,
-                 kv: torch.Tensor, start: int, end: int) -> None:
-    """Keep keys [end - start, head_dim] of positions [start, end) in their window rows:
-    each block's latest rows only (a later key takes the row of one rows tokens before)."""
-    b, rows = layout.block_size, layout.window_rows
-    positions = torch.arange(start, end, device=kv.device)
-    block_end = torch.clamp((positions // b + 1) * b, max=end)
-    keep = positions >= block_end - rows
-    positions = positions[keep]
-    view = layout.window_view(kv_cache)
-    view[table.long()[positions // b], (positions % b) % rows] = kv[keep].to(view.dtype)
+def write_window(layout: CompressedCacheLayout, ring_cache: torch.Tensor, kv: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """Keep one sequence's step keys [n, head_dim] at their ``slots`` [n]: the latest
+    ring_rows only (an earlier one's row is a later one's), none at slot -1 (padding)."""
+    keep = slots[-layout.ring_rows:]
+    view = layout.ring_view(ring_cache)
+    live = keep >= 0
+    view[keep[live]] = kv[-layout.ring_rows:][live].to(view.dtype)
 
 
 def attend_one(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
@@ -231,7 +233,7 @@ def selected_entries(layout: CompressedCacheLayout, layer: CompressedLayerParams
 
 def forward_compressed(layout: CompressedCacheLayout, layer: CompressedLayerParams,
                        inputs: CompressedStepInputs, kv_cache: torch.Tensor,
-                       meta: AttentionMetadata) -> torch.Tensor:
+                       ring_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """The CompressedAttentionImpl contract (interface.py), in fp32 torch."""
     query, kv = inputs.query, inputs.kv
     out = torch.empty_like(query)
@@ -244,7 +246,8 @@ def forward_compressed(layout: CompressedCacheLayout, layer: CompressedLayerPara
         positions = torch.arange(start, seq_len, device=query.device)
         # The window: cached keys before the step, then the step's own.
         first = max(0, start - layer.window + 1)
-        cached = window_keys(layout, kv_cache, table,
+        ring = ring_start(layout, int(meta.slot_mapping[q_start]))
+        cached = window_keys(layout, ring_cache, ring,
                              torch.arange(first, start, device=query.device))
         keys = torch.cat((cached.to(kv.dtype), kv[rows]), dim=0)
         key_pos = torch.arange(first, seq_len, device=query.device)
@@ -266,5 +269,5 @@ def forward_compressed(layout: CompressedCacheLayout, layer: CompressedLayerPara
             out[q_start + lo:q_start + hi] = attend_one(query[q_start + lo:q_start + hi],
                                                         all_keys, mask, layer.sinks,
                                                         layer.scale).to(query.dtype)
-        write_window(layout, kv_cache, table, kv[rows], start, seq_len)
+        write_window(layout, ring_cache, kv[rows], meta.slot_mapping[rows])
     return out

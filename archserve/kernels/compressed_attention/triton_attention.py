@@ -5,10 +5,10 @@ its sinks, in one online softmax.
 A row at position p has ``n_keys`` keys: its window, positions p - n_window + 1 .. p
 (n_window = min(window, p + 1)), then its entries (every complete one on heavily compressed
 layers; on compressed sparse ones the indexer's selection, a row of ``indices``). Key j of
-the row is read from the cache (a window row of its position's block, or an entry row) or,
-for a position the step itself brings, from the step's keys: the window rows are written
-after attending (``write_window_triton``), since a long chunk's later keys take the rows of
-its earlier ones. Every key is also the value (K = V), head_dim wide.
+the row is read from the cache (its sequence's ring row of its position, or an entry row of
+a block) or, for a position the step itself brings, from the step's keys: the ring is
+written after attending (``write_window_triton``), since a key takes the row of the key
+one window before it. Every key is also the value (K = V), head_dim wide.
 
 A program owns BLOCK_H query heads of one row (the heads are the dots' M side: every key
 tile is read once for all of them) and one split of its keys; splits merge as the decode
@@ -55,15 +55,23 @@ class RowInputs:
     fresh: torch.Tensor
     index: torch.Tensor
 
+    def ring_starts(self, slot_mapping: torch.Tensor, ring_rows: int) -> torch.Tensor:
+        """int64 [R]: the first row of each row's ring (its step's first token's slot
+        rounded down to a ring; a padding token's slot, -1: ring 0, of which it reads
+        nothing). Device ops: a decode graph records them."""
+        slots = slot_mapping[self.fresh.long()].clamp(min=0)
+        return torch.div(slots, ring_rows, rounding_mode="floor") * ring_rows
+
 
 @triton.jit
-def _attention_kernel(q_ptr, kv_ptr, rows_ptr, block_tables_ptr, row_seq_ptr, row_pos_ptr,
-                      row_start_ptr, row_fresh_ptr, key_counts_ptr, row_index_ptr,
+def _attention_kernel(q_ptr, kv_ptr, rows_ptr, ring_ptr, block_tables_ptr, row_seq_ptr,
+                      row_pos_ptr, row_start_ptr, row_fresh_ptr, row_ring_ptr,
+                      key_counts_ptr, row_index_ptr,
                       indices_ptr, sinks_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                       stride_q_row, stride_q_head, stride_kv, stride_out_row, stride_out_head,
                       stride_block_table, stride_indices, scale,
                       NUM_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      WINDOW: tl.constexpr, WINDOW_ROWS: tl.constexpr,
+                      WINDOW: tl.constexpr, RING_ROWS: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, RATE: tl.constexpr, PER_BLOCK: tl.constexpr,
                       BLOCK_ELEMS: tl.constexpr, ENTRY_OFF: tl.constexpr,
                       INDEXED: tl.constexpr, HEAD_BLOCK: tl.constexpr, TILE: tl.constexpr,
@@ -78,6 +86,7 @@ def _attention_kernel(q_ptr, kv_ptr, rows_ptr, block_tables_ptr, row_seq_ptr, ro
     pos = tl.load(row_pos_ptr + row)
     start = tl.load(row_start_ptr + row)
     fresh0 = tl.load(row_fresh_ptr + row)
+    ring = tl.load(row_ring_ptr + row)
     n_window = tl.minimum(pos + 1, WINDOW)
     first = pos - n_window + 1
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
@@ -99,18 +108,18 @@ def _attention_kernel(q_ptr, kv_ptr, rows_ptr, block_tables_ptr, row_seq_ptr, ro
         in_window = j < n_window
         position = first + j
         fresh = in_window & (position >= start)
-        # A window key: its block's row; an entry: its block's entry row.
+        # A window key: its ring's row; an entry: its block's entry row.
         entry = j - n_window
         if INDEXED:
             entry = tl.load(index_row + entry, mask=live & ~in_window, other=0)
-        key_pos = tl.where(in_window, position, entry * RATE)
-        block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=live & ~fresh, other=0)
-        cached = block.to(tl.int64) * BLOCK_ELEMS + tl.where(
-            in_window, ((position % BLOCK_SIZE) % WINDOW_ROWS) * D,
-            ENTRY_OFF + (entry % PER_BLOCK) * D)
+        block = tl.load(table_row + (entry * RATE) // BLOCK_SIZE, mask=live & ~in_window,
+                        other=0)
+        entry_row = block.to(tl.int64) * BLOCK_ELEMS + ENTRY_OFF + (entry % PER_BLOCK) * D
+        ring_row = (ring + position % RING_ROWS) * D
         ptrs = tl.where(fresh[:, None],
                         kv_ptr + (fresh0 + position - start).to(tl.int64)[:, None] * stride_kv,
-                        rows_ptr + cached[:, None]) + offs_d[None, :]
+                        tl.where(in_window[:, None], ring_ptr + ring_row[:, None],
+                                 rows_ptr + entry_row[:, None])) + offs_d[None, :]
         keys = tl.load(ptrs, mask=live[:, None] & mask_d[None, :], other=0.0)
         keys = keys.to(q.dtype)
         scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
@@ -122,12 +131,14 @@ def _attention_kernel(q_ptr, kv_ptr, rows_ptr, block_tables_ptr, row_seq_ptr, ro
 
 
 def attention_triton(layout: CompressedCacheLayout, query: torch.Tensor, kv: torch.Tensor,
-                     kv_cache: torch.Tensor, block_tables: torch.Tensor, sinks: torch.Tensor,
-                     scale: float, rows: RowInputs, key_counts: torch.Tensor,
+                     kv_cache: torch.Tensor, ring_cache: torch.Tensor,
+                     block_tables: torch.Tensor, sinks: torch.Tensor, scale: float,
+                     rows: RowInputs, ring_starts: torch.Tensor, key_counts: torch.Tensor,
                      indices: torch.Tensor | None, max_keys: int, num_sms: int = 0
                      ) -> torch.Tensor:
-    """query [R, H, D] (row r at ``rows.position[r]`` of block-table row ``rows.seq[r]``),
-    the step's keys ``kv`` [T, D] -> [R, H, D] in query's dtype. ``key_counts`` [R] int32:
+    """query [R, H, D] (row r at ``rows.position[r]`` of block-table row ``rows.seq[r]``,
+    its ring at row ``ring_starts[r]``), the step's keys ``kv`` [T, D] -> [R, H, D] in
+    query's dtype. ``key_counts`` [R] int32:
     each row's window and entries; ``indices`` [R, k]: the rows' selected entries
     (compressed sparse); None: every complete entry. ``max_keys``, a host int, bounds any
     row's keys (the grid and the split rule)."""
@@ -142,13 +153,13 @@ def attention_triton(layout: CompressedCacheLayout, query: torch.Tensor, kv: tor
     cache_rows = layout.block_span(kv_cache).view(layout.dtype)
     indexed = indices is not None
     _attention_kernel[(head_blocks, num_rows, num_splits)](
-        query, kv, cache_rows, block_tables, rows.seq, rows.position, rows.start, rows.fresh,
-        key_counts, rows.index, indices if indexed else rows.index, sinks, out,
+        query, kv, cache_rows, layout.ring_view(ring_cache), block_tables, rows.seq,
+        rows.position, rows.start, rows.fresh, ring_starts, key_counts, rows.index, indices if indexed else rows.index, sinks, out,
         partial_out, partial_lse, query.stride(0), query.stride(1), kv.stride(0),
         out.stride(0), out.stride(1), block_tables.stride(0),
         indices.stride(0) if indexed else 0, scale,
         NUM_HEADS=num_heads, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        WINDOW=layout.window, WINDOW_ROWS=layout.window_rows, BLOCK_SIZE=layout.block_size,
+        WINDOW=layout.window, RING_ROWS=layout.ring_rows, BLOCK_SIZE=layout.block_size,
         RATE=max(layout.compress_rate, 1), PER_BLOCK=max(layout.entries_per_block, 1),
         BLOCK_ELEMS=layout.block_size * layout.row_bytes // elem,
         ENTRY_OFF=layout.entries_offset // elem, INDEXED=indexed, HEAD_BLOCK=BLOCK_H,
@@ -161,48 +172,39 @@ def attention_triton(layout: CompressedCacheLayout, query: torch.Tensor, kv: tor
 
 
 @triton.jit
-def _write_window_kernel(kv_ptr, rows_ptr, block_tables_ptr, query_start_loc_ptr,
-                         seq_lens_ptr, slot_mapping_ptr, stride_kv, stride_block_table,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW_ROWS: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_ELEMS: tl.constexpr,
+def _write_window_kernel(kv_ptr, ring_ptr, query_start_loc_ptr, slot_mapping_ptr, stride_kv,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, RING_ROWS: tl.constexpr,
                          TOKENS: tl.constexpr):
     seq = tl.program_id(0)
     row0 = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - row0
-    end = tl.load(seq_lens_ptr + seq)
-    start = end - query_len
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    row_end = tl.load(query_start_loc_ptr + seq + 1)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    # Only the keys a later one of the step does not take the row of (its block's latest);
-    # none of a CUDA graph's padding (slot -1).
-    for t0 in range(start + tl.program_id(1) * TOKENS, end, tl.num_programs(1) * TOKENS):
-        pos = t0 + tl.arange(0, TOKENS)
-        block_end = tl.minimum((pos // BLOCK_SIZE + 1) * BLOCK_SIZE, end)
-        keep = (pos < end) & (pos >= block_end - WINDOW_ROWS)
-        slot = tl.load(slot_mapping_ptr + row0 + pos - start, mask=keep, other=-1)
+    # Only the step's latest RING_ROWS keys (an earlier one's row is a later one's); none
+    # of a CUDA graph's padding (slot -1).
+    first = tl.maximum(row0, row_end - RING_ROWS)
+    for t0 in range(first + tl.program_id(1) * TOKENS, row_end, tl.num_programs(1) * TOKENS):
+        token = t0 + tl.arange(0, TOKENS)
+        keep = token < row_end
+        slot = tl.load(slot_mapping_ptr + token, mask=keep, other=-1)
         keep = keep & (slot >= 0)
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=keep, other=0).to(tl.int64)
-        dst = rows_ptr + block * BLOCK_ELEMS + ((pos % BLOCK_SIZE) % WINDOW_ROWS) * D
-        src = kv_ptr + (row0 + pos - start).to(tl.int64) * stride_kv
+        dst = ring_ptr + slot * D
+        src = kv_ptr + token.to(tl.int64) * stride_kv
         mask = keep[:, None] & mask_d[None, :]
         tl.store(dst[:, None] + offs_d[None, :],
                  tl.load(src[:, None] + offs_d[None, :], mask=mask), mask=mask)
 
 
-def write_window_triton(layout: CompressedCacheLayout, kv: torch.Tensor, kv_cache: torch.Tensor,
-                        meta, num_seqs: int, max_query_len: int) -> None:  # noqa: ANN001
-    """Keep the step's keys [T, D] in their window rows (reference.write_window), but for a
-    slot -1 (padding)."""
+def write_window_triton(layout: CompressedCacheLayout, kv: torch.Tensor,
+                        ring_cache: torch.Tensor, meta, num_seqs: int,  # noqa: ANN001
+                        max_query_len: int) -> None:
+    """Keep the step's keys [T, D] in their sequences' rings at their slots
+    (reference.write_window), but for a slot -1 (padding)."""
     if num_seqs == 0:
         return
     tokens = 8
-    programs = max(1, min(triton.cdiv(max_query_len, tokens), 64))
+    programs = max(1, min(triton.cdiv(min(max_query_len, layout.ring_rows), tokens), 64))
     _write_window_kernel[(num_seqs, programs)](
-        kv, layout.block_span(kv_cache).view(layout.dtype), meta.block_tables,
-        meta.query_start_loc, meta.seq_lens, meta.slot_mapping, kv.stride(0),
-        meta.block_tables.stride(0), D=layout.head_dim,
-        BLOCK_D=triton.next_power_of_2(layout.head_dim), WINDOW_ROWS=layout.window_rows,
-        BLOCK_SIZE=layout.block_size,
-        BLOCK_ELEMS=layout.block_size * layout.row_bytes // layout.elem, TOKENS=tokens,
-        num_warps=4)
+        kv, layout.ring_view(ring_cache), meta.query_start_loc, meta.slot_mapping,
+        kv.stride(0), D=layout.head_dim, BLOCK_D=triton.next_power_of_2(layout.head_dim),
+        RING_ROWS=layout.ring_rows, TOKENS=tokens, num_warps=4)

@@ -2,9 +2,10 @@
 
 A case is a layer (random sinks, position biases, norm weights, rope) and a batch of
 sequences, each (history, query_len): the reference (kernels/compressed_attention/
-reference.py) first runs the history in two steps, the first ending inside a group, so the cache holds what a real run leaves
-(window rows, entries, index keys, open and closed accumulators, on shuffled blocks); the
-step under test then brings ``query_len`` tokens of random projections.
+reference.py) first runs the history in two steps, the first ending inside a group, so the
+cache holds what a real run leaves (entries, index keys, open and closed accumulators, on
+shuffled blocks; each sequence's window keys in a ring of its own, the rings shuffled too);
+the step under test then brings ``query_len`` tokens of random projections.
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ class CompressedCase:
     layout: CompressedCacheLayout
     layer: CompressedLayerParams
     kv_cache: torch.Tensor          # after the history
+    ring_cache: torch.Tensor        # after the history
     meta: AttentionMetadata         # the step under test
     inputs: CompressedStepInputs
     num_valid_tokens: int
 
-    def run(self, impl) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the real rows' output [T, H, D], the cache after the step)."""
-        cache = self.kv_cache.clone()
-        out = impl.forward_compressed(self.layout, self.layer, self.inputs, cache, self.meta)
-        return out[:self.num_valid_tokens], cache
+    def run(self, impl) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(the real rows' output [T, H, D], (the block cache, the rings) after the
+        step)."""
+        cache, rings = self.kv_cache.clone(), self.ring_cache.clone()
+        out = impl.forward_compressed(self.layout, self.layer, self.inputs, cache, rings,
+                                      self.meta)
+        return out[:self.num_valid_tokens], (cache, rings)
 
 
 class _Random:
@@ -86,14 +90,16 @@ def step_inputs(layout: CompressedCacheLayout, layer: CompressedLayerParams, num
     return inputs
 
 
-def _metadata(tables: torch.Tensor, spans: list[tuple[int, int]], device: str
-              ) -> AttentionMetadata:
+def _metadata(tables: torch.Tensor, rings: list[int], ring_rows: int,
+              spans: list[tuple[int, int]], device: str) -> AttentionMetadata:
     """The step of (start, end) positions per sequence (a sequence with start == end sits
-    the step out: a graph's padding slot)."""
+    the step out: a graph's padding slot), sequence i's keys in ring ``rings[i]``."""
     query_lens = [end - start for start, end in spans]
     seq_lens = [end if end > start else 0 for start, end in spans]
-    slots = torch.zeros(sum(query_lens), dtype=torch.int64)
-    return AttentionMetadata.from_lengths(query_lens, seq_lens, tables, slots, device)
+    slots = [ring * ring_rows + p % ring_rows
+             for ring, (start, end) in zip(rings, spans, strict=True) for p in range(start, end)]
+    return AttentionMetadata.from_lengths(query_lens, seq_lens, tables,
+                                          torch.tensor(slots, dtype=torch.int64), device)
 
 
 def make_compressed_case(seqs: list[tuple[int, int]], *, num_heads: int = 16,
@@ -119,19 +125,21 @@ def make_compressed_case(seqs: list[tuple[int, int]], *, num_heads: int = 16,
         tables[i, :n] = physical[used:used + n].to(torch.int32)
         used += n
     cache = layout.allocate(sum(blocks) + 2, device)
+    rings = torch.randperm(len(seqs) + 1, generator=rand.gen)[:len(seqs)].tolist()
+    ring_cache = layout.allocate_rings(len(seqs) + 1, device)
     tables = tables.to(device)
     # The history in two steps, the first ending inside a group (and a window).
     cut = [h * 2 // 3 + 1 if h > 1 else h for h, _ in seqs]
     history = ([(0, c) for c in cut], [(c, h) for c, (h, _) in zip(cut, seqs, strict=True)])
     for spans in history if run_history else ():
-        meta = _metadata(tables, spans, device)
+        meta = _metadata(tables, rings, layout.ring_rows, spans, device)
         if meta.num_tokens:
             reference.forward_compressed(
                 layout, layer, step_inputs(layout, layer, meta.num_tokens, num_heads,
-                                           index_heads, rand), cache, meta)
-    meta = _metadata(tables, [(h, h + q) for h, q in seqs], device)
+                                           index_heads, rand), cache, ring_cache, meta)
+    meta = _metadata(tables, rings, layout.ring_rows, [(h, h + q) for h, q in seqs], device)
     inputs = step_inputs(layout, layer, meta.num_tokens, num_heads, index_heads, rand)
-    return CompressedCase(layout, layer, cache, meta, inputs, meta.num_tokens)
+    return CompressedCase(layout, layer, cache, ring_cache, meta, inputs, meta.num_tokens)
 
 
 def with_padding(case: CompressedCase, extra_seqs: int) -> CompressedCase:

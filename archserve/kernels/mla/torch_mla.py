@@ -99,6 +99,6 @@ class TorchMlaImpl:
 
     def forward_compressed(self, layout: CompressedCacheLayout, layer: CompressedLayerParams,
                            inputs: CompressedStepInputs, kv_cache: torch.Tensor,
-                           meta: AttentionMetadata) -> torch.Tensor:
+                           ring_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The CompressedAttentionImpl contract (kernels/compressed_attention/interface.py)."""
-        return compressed.forward_compressed(layout, layer, inputs, kv_cache, meta)
+        return compressed.forward_compressed(layout, layer, inputs, kv_cache, ring_cache, meta)

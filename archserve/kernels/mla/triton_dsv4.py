@@ -8,9 +8,9 @@ Per layer and step (the contract: kernels/compressed_attention/interface.py):
 2. compressed sparse layers: each query row's indexer scores over the entries complete at
    its position (sparse MLA's scoring kernel, over V4's entry rows) and its top-k (sparse
    MLA's radix select); a row that sees no more than top-k takes them all;
-3. the attention kernel over each row's window, its entries and the sinks
-   (kernels/compressed_attention/triton_attention.py), then the step's keys into the
-   window rows.
+3. the attention kernel over each row's window (its sequence's ring), its entries and the
+   sinks (kernels/compressed_attention/triton_attention.py), then the step's keys into the
+   ring.
 
 A decode step's per-row inputs come from the step's device tensors with torch ops (what a
 CUDA graph replays), a prompt step's from its host lengths.
@@ -61,7 +61,7 @@ class TritonDsv4Impl:
 
     def forward_compressed(self, layout: CompressedCacheLayout, layer: CompressedLayerParams,
                            inputs: CompressedStepInputs, kv_cache: torch.Tensor,
-                           meta: AttentionMetadata) -> torch.Tensor:
+                           ring_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The CompressedAttentionImpl contract (kernels/compressed_attention/interface.py)."""
         if layer.compressor is not None:
             compress_triton(layout, layer, inputs.compressor_kv, inputs.compressor_gate,
@@ -76,6 +76,9 @@ class TritonDsv4Impl:
             counts[key] = (n_window, visible.to(torch.int32),
                            (n_window + visible).to(torch.int32))
         n_window, visible, key_counts = counts[key]
+        ring_key = ("ring", layout.ring_rows)
+        if ring_key not in counts:
+            counts[ring_key] = rows.ring_starts(meta.slot_mapping, layout.ring_rows)
         longest = meta.max_seq_len // rate if rate else 0
         indices, max_entries = None, longest
         if layout.index_dim:
@@ -83,11 +86,12 @@ class TritonDsv4Impl:
                                              visible, longest)
             key_counts = (n_window + selected).to(torch.int32)
             max_entries = min(longest, layer.index_topk)
-        out = attention_triton(layout, inputs.query, inputs.kv, kv_cache, meta.block_tables,
-                               layer.sinks, layer.scale, rows, key_counts, indices,
+        out = attention_triton(layout, inputs.query, inputs.kv, kv_cache, ring_cache,
+                               meta.block_tables, layer.sinks, layer.scale, rows,
+                               counts[ring_key], key_counts, indices,
                                min(window, meta.max_seq_len) + max_entries,
                                self._sm_count(inputs.kv))
-        write_window_triton(layout, inputs.kv, kv_cache, meta, meta.num_seqs,
+        write_window_triton(layout, inputs.kv, ring_cache, meta, meta.num_seqs,
                             meta.max_query_len)
         return out
 

@@ -35,7 +35,11 @@ from archserve.kernels.compressed_attention.interface import (
     CompressedStepInputs,
     CompressorParams,
 )
-from archserve.kernels.compressed_attention.layout import CSA, CompressedCacheLayout
+from archserve.kernels.compressed_attention.layout import (
+    CSA,
+    CompressedCacheLayout,
+    ring_cache_index,
+)
 from archserve.kernels.elementwise import norm_rope_interleaved
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.indexer import HeadWeights
@@ -80,6 +84,7 @@ class DeepseekV4Attention(nn.Module):
         if get_tp().size > 1:
             raise ValueError("DeepSeek V4 runs on one tensor-parallel rank in this build")
         self.layer_index = layer_index
+        self.ring_index = ring_cache_index(config.num_layers, layer_index)
         self.kind = dims.layer_kinds[layer_index]
         self.rate = dims.rate(layer_index)
         h, d, hidden = config.num_heads, config.head_dim, config.hidden_size
@@ -162,7 +167,8 @@ class DeepseekV4Attention(nn.Module):
         cache = ctx.kv_caches[self.layer_index]
         with op_region("attention"):
             out = ctx.attn_impl.forward_compressed(self.layout(cache, kv.dtype), self.params(),
-                                                   inputs, cache, ctx.attn_metadata)
+                                                   inputs, cache, ctx.kv_caches[self.ring_index],
+                                                   ctx.attn_metadata)
         out = norm_rope_interleaved(out, positions, self.inv_freq, inverse=True)
         return self.o_b_proj(self._grouped_output(out.reshape(t, self.o_groups, -1)))
 
