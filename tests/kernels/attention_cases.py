@@ -58,6 +58,13 @@ CPU_CASES = [
                                   kv_cache_dtype="fp8_e5m2", dtype=torch.bfloat16)),
     ("fp8-e4m3-decode-gqa4", dict(seqs=[(1, 40), (1, 70)], num_heads=8, num_kv_heads=2,
                                   kv_cache_dtype="fp8_e4m3", dtype=torch.float16)),
+    # A serving step: running decodes beside prompt chunks, the decodes first (as the
+    # scheduler orders them) or between the chunks.
+    ("mixed-decodes-first", dict(seqs=[(1, 37), (1, 16), (1, 5), (12, 30), (7, 7)],
+                                 num_heads=4, num_kv_heads=2)),
+    ("mixed-decodes-between-window-fp8", dict(seqs=[(9, 20), (1, 33), (5, 5), (1, 50), (1, 3)],
+                                              num_heads=8, num_kv_heads=2, sliding_window=9,
+                                              soft_cap=5.0, kv_cache_dtype="fp8_e4m3")),
 ]
 
 # Attention sinks (gpt-oss): GQA, odd head counts and group sizes, windows shorter than the
@@ -72,6 +79,7 @@ SINK_CASES = [
                                   block_size=32, sliding_window=9)),
     ("sinks-window-decode-bf16", dict(seqs=[(1, 50), (1, 30)], num_heads=3, num_kv_heads=1,
                                       sliding_window=16, dtype=torch.bfloat16)),
+    ("sinks-mixed", dict(seqs=[(1, 21), (6, 6), (1, 40)], num_heads=4, num_kv_heads=2)),
 ]
 
 

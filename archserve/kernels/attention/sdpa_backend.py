@@ -1,7 +1,9 @@
 """TORCH_SDPA: torch's scaled_dot_product_attention over K/V gathered from the paged cache.
 
-The CPU default, so it avoids per-token Python: a pure-decode batch is one padded SDPA call,
-any other batch is one call per sequence. Soft-capping and attention sinks have no SDPA form,
+The CPU default, so it avoids per-token Python: the one-query sequences of a batch (its
+decodes) attend in one padded SDPA call, every longer query (a prompt chunk) in a call of
+its own. A serving step mixes both (running streams beside a new prompt): one call per
+sequence there cost a 16-stream step 30 SDPA calls and gathers per stream. Soft-capping and attention sinks have no SDPA form,
 so those layers take an explicit fp32 math path; on a CPU without AMX a 16-bit layer
 attends in float32 too (``widened_on_cpu``). Also home of the plain-torch cache writer and gather that the
 FLEX_ATTENTION backend shares.
@@ -9,6 +11,7 @@ FLEX_ATTENTION backend shares.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -175,13 +178,18 @@ class SdpaAttentionImpl(TorchCacheWriter):
                layer: AttentionLayerParams, out: torch.Tensor, k_scale: float,
                v_scale: float) -> None:
         query_lens, seq_lens = host_lengths(meta)
-        if all(n == 1 for n in query_lens):
-            self._decode_batch(query, kv_cache, meta, layer, seq_lens, out, k_scale, v_scale)
-            return
-        start = 0
+        starts = [0, *itertools.accumulate(query_lens)]
+        single = [i for i, n in enumerate(query_lens) if n == 1]
+        if single and (len(single) == meta.num_seqs or len(single) > 1):
+            self._decode_batch(query, kv_cache, meta, layer, single, starts, seq_lens, out,
+                               k_scale, v_scale)
+            batched = set(single)
+        else:
+            batched = set()
         for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
-            if query_len == 0:
+            if query_len == 0 or i in batched:
                 continue
+            start = starts[i]
             k, v = gather_sequence_kv(kv_cache, meta.block_tables[i], seq_len)
             k = dequantize(k, k_scale, query.dtype).transpose(0, 1).unsqueeze(0)
             v = dequantize(v, v_scale, query.dtype).transpose(0, 1).unsqueeze(0)
@@ -197,18 +205,26 @@ class SdpaAttentionImpl(TorchCacheWriter):
             o = attend(q, k, v, mask, is_causal, layer.scale, layer.logit_soft_cap,
                        layer.sinks)
             out[start:start + query_len] = o[0].transpose(0, 1)
-            start += query_len
 
     def _decode_batch(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                      meta: AttentionMetadata, layer: AttentionLayerParams,
-                      seq_lens: list[int], out: torch.Tensor, k_scale: float,
-                      v_scale: float) -> None:
-        """One query per sequence: every context padded to the longest, the padding
-        masked; the cache rows to read and the mask are the step's (``StepMemo``)."""
-        num_seqs, block_size = meta.num_seqs, kv_cache.shape[2]
-        max_len = max(seq_lens)
+                      meta: AttentionMetadata, layer: AttentionLayerParams, seqs: list[int],
+                      starts: list[int], seq_lens: list[int], out: torch.Tensor,
+                      k_scale: float, v_scale: float) -> None:
+        """The sequences ``seqs``, one query each (its row: ``starts``): every context
+        padded to the longest, the padding masked; the cache rows to read and the mask are
+        the step's (``StepMemo``)."""
+        num_seqs, block_size = len(seqs), kv_cache.shape[2]
+        lens = [seq_lens[i] for i in seqs]
+        max_len = max(lens)
+        # A decode step, or decodes ahead of prompt chunks (the scheduler's order): the
+        # batch's first sequences and rows, sliced. Otherwise they are picked by index.
+        leading = seqs[-1] == num_seqs - 1 and starts[num_seqs] == num_seqs
+        picked = self.step_memo.get(("picked",), lambda: slice(0, num_seqs) if leading
+                                    else torch.tensor(seqs, device=query.device))
+        rows_q = picked if leading else self.step_memo.get(
+            ("rows_q",), lambda: torch.tensor([starts[i] for i in seqs], device=query.device))
         rows = self.step_memo.get(("rows", block_size, max_len), lambda: decode_cache_rows(
-            meta.block_tables[:num_seqs], block_size, max_len))             # [S * L]
+            meta.block_tables[picked], block_size, max_len))                # [S * L]
         flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
         shape = (num_seqs, max_len, *kv_cache.shape[3:])
         k = flat[0].index_select(0, rows).view(shape)                        # [S, L, Hkv, D]
@@ -216,10 +232,10 @@ class SdpaAttentionImpl(TorchCacheWriter):
         k = dequantize(k, k_scale, query.dtype).transpose(1, 2)              # [S, Hkv, L, D]
         v = dequantize(v, v_scale, query.dtype).transpose(1, 2)
         mask = self.step_memo.get(("mask", max_len, layer.sliding_window), lambda: decode_mask(
-            meta.seq_lens[:num_seqs], seq_lens, max_len, layer.sliding_window))
-        q = query[:num_seqs].unsqueeze(2)                                    # [S, H, 1, D]
+            meta.seq_lens[picked], lens, max_len, layer.sliding_window))
+        q = query[rows_q].unsqueeze(2)                                       # [S, H, 1, D]
         o = attend(q, k, v, mask, False, layer.scale, layer.logit_soft_cap, layer.sinks)
-        out[:num_seqs] = o.squeeze(2)
+        out[rows_q] = o.squeeze(2)
 
 
 def decode_cache_rows(block_tables: torch.Tensor, block_size: int, max_len: int
