@@ -14,10 +14,14 @@ tokens whose step still ends within a target ITL, by a cost model of this device
 
 Between the probes the cost is interpolated linearly, and past the last one it grows at
 the last segment's slope. The target is ``target_itl_ms``, or by default
-``DEFAULT_ITL_FACTOR`` times the cost of a one-token step: a step may carry as much
-prompt as costs that many decode steps. The budget is rounded down to a multiple of 16,
-and kept within [max_num_seqs, max_num_batched_tokens] so every running sequence can
-still decode in one step.
+``DEFAULT_ITL_FACTOR`` times the cost of a decode step of ``max_num_seqs`` sequences (the
+TPOT of a full server): a step may carry as much prompt as costs that many full decode
+steps. Not a one-token step: where a step's cost grows with its rows from the first row
+on (a CPU: the embedded model's 16-token step costs 2.3x a one-token step measured, 6.8x by
+the roofline floors), 3x a one-token step leaves a full decode batch no room for prompt
+tokens, and a request arriving beside running streams waits one step per prompt token.
+The budget is rounded down to a multiple of 16, and kept within [max_num_seqs,
+max_num_batched_tokens] so every running sequence can still decode in one step.
 
 A step without decodes (idle engine, or only prompts in flight) may take
 ``max_num_batched_tokens`` (the size the activation memory was profiled for): no stream
@@ -174,7 +178,7 @@ def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None
                          graph_buckets: Sequence[int] = ()) -> TokenBudget:
     """The budgets of a step with and without decodes, and the decision that explains them.
 
-    ``target_itl_ms`` is "auto" (DEFAULT_ITL_FACTOR one-token steps), a number of ms, or
+    ``target_itl_ms`` is "auto" (DEFAULT_ITL_FACTOR full decode steps), a number of ms, or
     None (no bound: the offline default); ``explicit`` is the user's
     max_num_batched_tokens; ``cost`` builds the cost model, only when one is needed;
     ``graph_buckets``: the token buckets of the captured mixed-step graphs, if any.
@@ -196,8 +200,9 @@ def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None
                          "with decodes cannot be bounded")
     model = cost()
     if target_itl_ms == "auto":
-        target_s = DEFAULT_ITL_FACTOR * model.seconds(1)
-        target = f"target ITL {_ms(target_s)} ms ({DEFAULT_ITL_FACTOR:g}x a one-token step)"
+        target_s = DEFAULT_ITL_FACTOR * model.seconds(max_num_seqs)
+        target = (f"target ITL {_ms(target_s)} ms ({DEFAULT_ITL_FACTOR:g}x a decode step of "
+                  f"max_num_seqs={max_num_seqs} sequences)")
     else:
         target_s = float(target_itl_ms) / 1e3
         target = f"target ITL {_ms(target_s)} ms (target_itl_ms)"
