@@ -94,7 +94,7 @@ ROUTES: tuple[SweepRoute, ...] = (
     SweepRoute("mla kv fp8", "mla_attention", kv_cache_dtype="fp8_e4m3"),
     SweepRoute("sparse mla", "mla_attention", sparse_mla=True),
     SweepRoute("sparse mla kv fp8", "mla_attention", kv_cache_dtype="fp8", sparse_mla=True),
-    SweepRoute("deepseek v4", "mla_attention", model="deepseek_v4"),
+    SweepRoute("deepseek v4", "mla_attention", model="deepseek_v4", elementwise=True),
 )
 # config.json of each model a route names: DeepSeek V4-Flash's (transformers' defaults) with
 # one layer of each attention kind (sliding window, compressed sparse, heavily compressed).
@@ -270,6 +270,35 @@ def elementwise(case: SweepCase) -> None:
               torch.zeros(size, dtype=torch.long), torch.zeros(size, dtype=torch.int32),
               torch.zeros(size, width, dtype=torch.int32))
     load_graph_inputs_triton(size, static, tuple(t[:8] for t in static))
+    if case.route.model == "deepseek_v4":
+        _v4_elementwise(case)
+
+
+def _v4_elementwise(case: SweepCase) -> None:
+    """DeepSeek V4's own fused kernels at the model's sizes: the hyper-connections around
+    each block and the head's collapse, and the per-head norm + interleaved rope of the
+    queries, the key row and the rotated-back output."""
+    from archserve.kernels.elementwise import dispatch
+
+    config = model_config(case.route.model)
+    hf, dtype = config.hf_config, case.dtype
+    n, hidden, heads = int(hf.hc_mult), config.hidden_size, config.num_heads
+    head_dim, rope = config.kv_cache_head_size, config.compressed_attention.rope_head_dim
+    mixes = (2 + n) * n
+    fn, base = _empty(mixes, n * hidden, dtype=torch.float32), _empty(mixes, dtype=torch.float32)
+    scale, norm = _empty(3, dtype=torch.float32), _empty(hidden, dtype=dtype)
+    inv_freq = _empty(rope // 2, dtype=torch.float32)
+    for rows in (1, 64, PROMPT_ROWS):
+        streams, positions = _empty(rows, n, hidden, dtype=dtype), torch.zeros(rows).long()
+        _, post, comb = dispatch.hyper_connection_pre(streams, fn, base, scale, 1e-6, 1e-6,
+                                                      int(hf.hc_sinkhorn_iters), norm, 1e-6)
+        dispatch.hyper_connection_post(streams, streams[:, 0], post, comb)
+        dispatch.hyper_connection_head(streams, fn[:n], base[:n], scale[:1], 1e-6, 1e-6,
+                                       norm, 1e-6)
+        dispatch.norm_rope_interleaved(_empty(rows, heads, head_dim, dtype=dtype), positions,
+                                       inv_freq, eps=1e-6)
+        dispatch.norm_rope_interleaved(_empty(rows, head_dim, dtype=dtype), positions,
+                                       inv_freq, _empty(head_dim, dtype=dtype), 1e-6)
 
 
 def _weight(form: str, n: int, k: int, experts: int = 0):  # noqa: ANN202 - a weight layout
