@@ -1,7 +1,7 @@
 """vLLM's ``compilation_config``, as far as archserve has what it names.
 
-archserve compiles nothing with torch.compile; it captures CUDA graphs by hand. Of vLLM's
-keys it takes:
+On a GPU archserve captures CUDA graphs by hand; on a CPU it can compile decode steps with
+inductor (engine/cpu_compiled_step.py). Of vLLM's keys it takes:
 
 - ``cudagraph_mode``: ``FULL`` (the default: steps with prompt tokens replay graphs too, at
   token buckets: engine/mixed_graphs.py; where the attention backend cannot be captured
@@ -12,9 +12,12 @@ keys it takes:
   every running stream waits for; a replayed one 1.3-6.8 ms.
   ``PIECEWISE`` and ``FULL_AND_PIECEWISE`` need graphs split around attention, which
   archserve does not build;
-- ``cudagraph_capture_sizes``: the decode batch sizes to capture (``cuda_graph_sizes``);
-- an optimisation level (``-O3``, or ``level``: 0-3) is accepted and changes nothing, since
-  archserve has no torch.compile levels; its graphs follow ``cudagraph_mode`` alone.
+- ``cudagraph_capture_sizes``: the decode batch sizes to capture (``cuda_graph_sizes``),
+  on a CPU the batch sizes to compile (default: 1);
+- an optimisation level (``-O3``, or ``level``: 0-3): on a CPU, 1-3 compile the decode
+  steps (not by default: a cold compile of the embedded model takes 30-45 s on 2 cores, a
+  second start loads inductor's cache in seconds), 0 or none leaves them eager. GPU graphs
+  follow ``cudagraph_mode`` alone.
 
 Any other key is refused by name rather than ignored.
 """
@@ -35,6 +38,7 @@ _LEVELS = range(4)
 class CompilationChoice:
     cudagraph_mode: str = "FULL"
     capture_sizes: tuple[int, ...] = ()       # empty: the default ladder
+    level: int | None = None                  # the optimisation level, where one was given
     # Whether the user named the mode: the default FULL says nothing where graphs are off.
     mode_given: bool = field(default=False, compare=False)
 
@@ -62,4 +66,5 @@ def parse_compilation_config(value: dict | str | None) -> CompilationChoice:
     sizes = value.get("cudagraph_capture_sizes") or ()
     if not all(isinstance(s, int) and s > 0 for s in sizes):
         raise ValueError("cudagraph_capture_sizes must be positive integers")
-    return CompilationChoice(mode, tuple(sorted(set(sizes))), "cudagraph_mode" in value)
+    return CompilationChoice(mode, tuple(sorted(set(sizes))), value.get("level"),
+                             "cudagraph_mode" in value)

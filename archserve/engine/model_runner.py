@@ -100,6 +100,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache_dtype = "auto"
         self.graphs: DecodeGraphRunner | None = None
+        # On a CPU, decode steps compiled per batch size (engine/cpu_compiled_step.py).
+        self.compiled_steps = None
         self.mixed_graphs: MixedGraphRunner | None = None   # cudagraph_mode FULL only
         # calculate_kv_scales: the next prefill measures each layer's fp8 KV scales, then
         # the decode graphs (which bake the scales in) are captured at these sizes.
@@ -191,15 +193,20 @@ class ModelRunner:
         return int(peak)
 
     # -- forward ------------------------------------------------------------------
+    def _context(self, meta: AttentionMetadata, num_tokens: int,
+                 calibrate_kv_scales: bool = False) -> ForwardContext:
+        """The forward context of a step of ``num_tokens`` tokens described by ``meta``."""
+        lora = self.lora
+        return ForwardContext(meta, self.kv_caches, self.attn_impl,
+                              kv_cache_dtype=self.kv_cache_dtype,
+                              calibrate_kv_scales=calibrate_kv_scales,
+                              lora_mapping=(lora.mapping(num_tokens)
+                                            if lora is not None and self.lora_active else None),
+                              lora_impl=lora.impl if lora is not None else None)
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, calibrate_kv_scales: bool = False) -> torch.Tensor:
-        lora = self.lora
-        ctx = ForwardContext(meta, self.kv_caches, self.attn_impl,
-                             kv_cache_dtype=self.kv_cache_dtype,
-                             calibrate_kv_scales=calibrate_kv_scales,
-                             lora_mapping=(lora.mapping(input_ids.shape[0])
-                                           if lora is not None and self.lora_active else None),
-                             lora_impl=lora.impl if lora is not None else None)
+        ctx = self._context(meta, input_ids.shape[0], calibrate_kv_scales)
         with set_forward_context(ctx):
             hidden = self.model(input_ids, positions)
         if self.hidden_out is not None:
@@ -288,6 +295,31 @@ class ModelRunner:
                  f"; not captured: {describe_demoted(result.sizes, result.demoted)}"
                  if result.demoted else "")
 
+    def compile_cpu_decode_steps(self, sizes: list[int]):  # noqa: ANN201 - CompiledSteps
+        """A compiled decode step per batch size of ``sizes`` (a CPU's counterpart of decode
+        graphs: engine/cpu_compiled_step.py), each checked against the eager step; the
+        result says which sizes compiled and why others did not."""
+        from archserve.engine.cpu_compiled_step import compile_decode_steps
+        # Compiled and eager steps round alike; 16-bit: room for a last-bit difference.
+        tolerance = 2e-3 if self.dtype == torch.float32 else 1e-2
+        self.compiled_steps = compile_decode_steps(
+            self.model, lambda meta: self._context(meta, meta.num_tokens), self.kv_caches,
+            sizes, self.device, tolerance)
+        return self.compiled_steps
+
+    def run_compiled_step(self, batch: ModelBatch) -> torch.Tensor | None:
+        """Logits of every row from a compiled decode step, or None when none fits."""
+        meta = batch.meta
+        if (self.compiled_steps is None or not meta.is_pure_decode
+                or batch.prompt_logprob_rows):
+            return None
+        step = self.compiled_steps.steps.get(meta.num_seqs)
+        if step is None:
+            return None
+        batch.apply_fed_ids()
+        with set_forward_context(self._context(meta, meta.num_tokens)):
+            return step(batch.input_ids, batch.positions)
+
     def capture_mixed_graphs(self, max_tokens: int, max_num_seqs: int, rows_per_seq: int = 1
                              ) -> None:
         """Graphs for steps that carry prompt tokens (or drafts to verify: ``rows_per_seq``
@@ -357,6 +389,8 @@ class ModelRunner:
         where it ran eagerly, else None). A captured graph replays where one fits."""
         with phase("forward"):
             row_logits = self.replay_decode_graph(batch)
+            if row_logits is None:
+                row_logits = self.run_compiled_step(batch)
             if row_logits is None:
                 batch.apply_fed_ids()
             sampled_logits = None if row_logits is not None else self.replay_mixed_graph(batch)

@@ -204,6 +204,7 @@ def build_runner(config: EngineConfig, agree: RankAgreement = SINGLE_RANK) -> Ru
     build.allocate_kv_pool()
     build.warm_up()
     build.capture_graphs()
+    build.compile_cpu_steps()
     build.resolve_token_budget()
     build.report_decisions()
     build.self_check()
@@ -464,6 +465,29 @@ class _RunnerBuild:
             if self.speculative is not None:
                 self.speculator = build_speculator(self.speculative, self.max_model_len,
                                                    self.drafts)
+
+    def compile_cpu_steps(self) -> None:
+        """A CPU's decode steps compiled (engine/cpu_compiled_step.py) where the
+        compilation level asks for it; the decision says at which batch sizes, or why not."""
+        if self.torch_device.type != "cpu":
+            return
+        config = self.config
+        reason = startup.compiled_steps_off_reason(config, self.compilation, self.lora,
+                                                   self.calibrate,
+                                                   self.runner.hidden_out is not None)
+        requested = (f"compiled (level {self.compilation.level})" if self.compilation.level
+                     else "eager")
+        chosen = "eager"
+        if reason is None:
+            sizes = [s for s in (config.cuda_graph_sizes or self.compilation.capture_sizes
+                                 or [1]) if s <= config.max_num_seqs]
+            with self._timed("compile_s"):
+                result = self.runner.compile_cpu_decode_steps(sizes)
+            chosen = (f"compiled at batch sizes {', '.join(map(str, result.sizes))}"
+                      if result.sizes else "eager")
+            reason = ("inductor, attention an opaque op; other batch sizes run eager"
+                      + "".join(f"; batch {s}: {why}" for s, why in result.demoted.items()))
+        self.decisions.append(Decision("decode steps", requested, chosen, reason))
 
     def resolve_token_budget(self) -> None:
         """The token budget of steps with decodes (after the warm-up: a timed step compiles

@@ -142,6 +142,24 @@ def cuda_graphs_off_reason(torch_device: torch.device, config: EngineConfig,
     return None
 
 
+def compiled_steps_off_reason(config: EngineConfig, compilation, lora, calibrate: bool,
+                              keeps_hidden_states: bool) -> str | None:
+    """None when a CPU's decode steps run compiled (engine/cpu_compiled_step.py), else why
+    they run eager (``compilation``: parse_compilation_config's choice)."""
+    if config.enforce_eager:
+        return "enforce_eager=True"
+    if not compilation.level:
+        return ("compilation_config level 1-3 (-O3) compiles them (not by default: a cold "
+                "compile takes 30-45 s on 2 cores)")
+    if lora is not None:
+        return "LoRA adapters: each step's adapters are a per-step choice"
+    if calibrate:
+        return "calculate_kv_scales measures the fp8 KV scales on eager steps"
+    if keeps_hidden_states:
+        return "a drafter reads each step's hidden states"
+    return None
+
+
 def model_routes(device: DeviceInfo, config: EngineConfig, model_config, dtype: torch.dtype,
                  kv_cache_dtype: str, attention: Selection, is_gguf: bool = False) -> list:
     """The explain routes of the loaded model, with attention as actually selected here."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
+import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -13,6 +17,41 @@ from archserve.models.layers.forward_context import get_forward_context, op_regi
 from archserve.models.layers.kv_scales import KVCacheScales
 from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.rotary import RotaryEmbedding
+
+# Attention layers by a number of their own, which the opaque op below finds its layer by
+# (several models live in one process: a drafter beside its target, tests).
+_LAYERS: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
+_LAYER_KEYS = itertools.count()
+_opaque = False
+
+
+@contextlib.contextmanager
+def attention_as_opaque_op() -> Iterator[None]:
+    """Within the block, attention layers call ``paged_attention_op`` instead of their
+    forward: a forward traced here (engine/cpu_compiled_step.py) records each layer's cache
+    write and attention as one opaque op, which reads the step's lengths, block tables and
+    cache from the forward context when it runs, so a graph traced once serves every
+    context length and step."""
+    global _opaque
+    previous, _opaque = _opaque, True
+    try:
+        yield
+    finally:
+        _opaque = previous
+
+
+@torch.library.custom_op("archserve::paged_attention", mutates_args=())
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                       layer_key: int) -> torch.Tensor:
+    """One layer's cache write and attention (``Attention.forward``), opaque to a tracer:
+    q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
+    return _LAYERS[layer_key].forward(q, k, v)
+
+
+@paged_attention_op.register_fake
+def _paged_attention_shape(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                           layer_key: int) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 class Attention(nn.Module, KVCacheScales):
@@ -42,6 +81,8 @@ class Attention(nn.Module, KVCacheScales):
         self.params = AttentionLayerParams(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=scale,
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+        self.layer_key = next(_LAYER_KEYS)
+        _LAYERS[self.layer_key] = self
 
     def checkpoint_shape(self, param: str) -> tuple[int, ...]:
         """The checkpoint's ``sinks``: one per query head of the whole layer."""
@@ -79,6 +120,8 @@ class Attention(nn.Module, KVCacheScales):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
                 ) -> torch.Tensor:
         """k and v None: this step's keys and values are already in the cache."""
+        if _opaque:
+            return paged_attention_op(q.flatten(1), k, v, self.layer_key)
         ctx = get_forward_context()
         num_tokens = q.shape[0]
         k_scale, v_scale = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, k, v)

@@ -1,0 +1,168 @@
+"""Compiled decode steps on a CPU (engine/cpu_compiled_step.py): the eager step's logits at
+every context length from one compile per batch size, the engine's tokens unchanged, eager
+where asked, and a size whose compiled step differs from eager demoted with its reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from archserve import LLM, SamplingParams
+from archserve.engine.cpu_compiled_step import decode_meta
+from archserve.models.layers.forward_context import set_forward_context
+
+COMPILE = {"level": 3, "cudagraph_capture_sizes": [1, 2]}
+PROMPTS = ["hello world", "The capital of France is"]
+
+
+@pytest.fixture(autouse=True)
+def private_inductor_cache(tmp_path, monkeypatch):
+    """Inductor's cache: a test's own, not the user's."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+
+def decode_steps_decision(llm: LLM) -> str:
+    (line,) = [line for line in llm.llm_engine.describe_route().splitlines()
+               if line.startswith("decision: decode steps")]
+    return line
+
+
+def counted(runner) -> list[int]:
+    """Wrap each compiled step so that the runs of each size are counted."""
+    runs = []
+    for size, step in list(runner.compiled_steps.steps.items()):
+        def run(ids, positions, step=step, size=size):
+            runs.append(size)
+            return step(ids, positions)
+        runner.compiled_steps.steps[size] = run
+    return runs
+
+
+def decode_step(runner, lengths: list[int], compiled: bool) -> torch.Tensor:
+    """The logits of a decode step of sequences at ``lengths`` over the cache a run wrote
+    (sequence i reads the blocks after sequence i - 1's, from block 0), writing nothing:
+    compiled, or eager."""
+    blocks = -(-max(lengths) // runner.block_size)
+    tables = torch.stack([torch.arange(blocks, dtype=torch.int32) + i * blocks
+                          for i in range(len(lengths))])
+    meta = decode_meta(lengths, tables, runner.device)
+    ids = torch.tensor([5, 9][:len(lengths)])
+    positions = torch.tensor(lengths) - 1
+    with torch.inference_mode():
+        if not compiled:
+            return runner._forward_logits(ids, positions, meta).float()
+        with set_forward_context(runner._context(meta, len(lengths))):
+            return runner.compiled_steps.steps[len(lengths)](ids, positions).float()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_steps_give_the_eager_logits_and_tokens(tiny_checkpoint, dtype):
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    llm = LLM(path, dtype=dtype, max_num_seqs=2, compilation_config=COMPILE)
+    runner = llm.llm_engine.runner
+    assert runner.compiled_steps.sizes == [1, 2], runner.compiled_steps.demoted
+    assert decode_steps_decision(llm).startswith(
+        "decision: decode steps: compiled (level 3) -> compiled at batch sizes 1, 2")
+    runs = counted(runner)
+    outputs = llm.generate(PROMPTS, params)
+    assert 2 in runs                      # both decoded together, then the longer alone
+    runs.clear()
+    single = llm.generate(PROMPTS[:1], params)[0].outputs[0]
+    assert runs and set(runs) == {1}
+    assert single.token_ids == outputs[0].outputs[0].token_ids
+
+    # Compiled against eager logits over the cache the run wrote, at lengths and block
+    # tables unlike the trace's (one graph serves every length).
+    tolerance = 2e-3 if dtype == "float32" else 1e-2
+    for lengths in ([7], [3, 19], [24, 1], [30]):
+        compiled = decode_step(runner, lengths, compiled=True)
+        eager = decode_step(runner, lengths, compiled=False)
+        assert (eager - compiled).abs().max().item() <= tolerance * eager.abs().max().item()
+
+    eager = LLM(path, dtype=dtype, max_num_seqs=2, enforce_eager=True).generate(PROMPTS, params)
+    # Inductor rounds 16-bit intermediates as eager does: the same tokens and log-probs.
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in eager]
+    assert logprob_drift(outputs, eager) < (1e-3 if dtype == "float32" else 2e-2)
+
+
+def logprob_drift(outputs, reference) -> float:
+    """The largest difference of the chosen tokens' log-probs, over each pair's common
+    prefix of tokens (after the first different token the contexts differ)."""
+    drift = 0.0
+    for got, want in zip(outputs, reference, strict=True):
+        got, want = got.outputs[0], want.outputs[0]
+        for g, w, token, other in zip(got.logprobs, want.logprobs, got.token_ids,
+                                      want.token_ids, strict=False):
+            if token != other:
+                break
+            drift = max(drift, abs(g[token].logprob - w[token].logprob))
+    return drift
+
+
+@pytest.mark.parametrize("options, requested, reason", [
+    (dict(enforce_eager=True, compilation_config=COMPILE), "compiled (level 3)",
+     "enforce_eager=True"),
+    (dict(compilation_config=0), "eager", "compilation_config level 1-3 (-O3) compiles"),
+    (dict(), "eager", "compilation_config level 1-3 (-O3) compiles"),
+])
+def test_decode_steps_stay_eager_where_asked(tiny_checkpoint, options, requested, reason):
+    llm = LLM(tiny_checkpoint("llama"), max_num_seqs=2, **options)
+    assert llm.llm_engine.runner.compiled_steps is None
+    assert decode_steps_decision(llm).startswith(
+        f"decision: decode steps: {requested} -> eager ({reason}")
+
+
+def test_a_size_whose_compiled_step_differs_runs_eager_with_its_reason(tiny_checkpoint,
+                                                                      monkeypatch):
+    """The canary compares each compiled size with the eager step: a compiled step that
+    computes something else (here its logits scaled) is not kept, and the engine's tokens
+    are the eager ones."""
+    from archserve.engine import cpu_compiled_step
+    compile_graph = cpu_compiled_step.compile_graph
+
+    def wrong(graph, size, device):
+        step = compile_graph(graph, size, device)
+        return lambda ids, positions: step(ids, positions) * 1.5
+
+    monkeypatch.setattr(cpu_compiled_step, "compile_graph", wrong)
+    path = tiny_checkpoint("llama")
+    llm = LLM(path, dtype="float32", max_num_seqs=2, compilation_config=COMPILE)
+    steps = llm.llm_engine.runner.compiled_steps
+    assert steps.sizes == []
+    assert "compiled step canary (batch 1" in steps.demoted[1]
+    assert "max error" in steps.demoted[2]
+    assert decode_steps_decision(llm).startswith(
+        "decision: decode steps: compiled (level 3) -> eager (")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    eager = LLM(path, dtype="float32", max_num_seqs=2, enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)] == tokens
+
+
+def test_the_embedded_gguf_compiled_stays_within_the_eager_bound(embedded_model_path):
+    """The embedded model (30 layers; int4 weights, bfloat16 where the CPU multiplies it
+    natively) at batch 1: the compiled step's logits are as near the float32 model's as the
+    eager step's are (a step reading a stale length, a wrong cache row or a wrong weight
+    is as far off as the logits' scale), and its greedy tokens are the eager ones."""
+    options = dict(max_num_seqs=1, max_model_len=256)
+    llm = LLM(embedded_model_path, compilation_config={"level": 3}, **options)
+    runner = llm.llm_engine.runner
+    assert runner.compiled_steps.sizes == [1], runner.compiled_steps.demoted
+    params = SamplingParams(max_tokens=20, temperature=0)
+    prompt = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles "
+              "begins with a single step, and every step counts.")
+    tokens = llm.generate([prompt], params)[0].outputs[0].token_ids
+    eager = LLM(embedded_model_path, **options)
+    assert eager.generate([prompt], params)[0].outputs[0].token_ids == tokens
+    reference = LLM(embedded_model_path, dtype="float32", **options)
+    reference.generate([prompt], params)
+    # Within the prompt, whose cache rows the three engines wrote alike.
+    for length in (5, 23):
+        compiled = decode_step(runner, [length], compiled=True)
+        eager_logits = decode_step(eager.llm_engine.runner, [length], compiled=False)
+        exact = decode_step(reference.llm_engine.runner, [length], compiled=False)
+        eager_error = (eager_logits - exact).abs().max().item()
+        compiled_error = (compiled - exact).abs().max().item()
+        assert compiled_error <= max(2 * eager_error, 0.5), (length, compiled_error,
+                                                              eager_error)
