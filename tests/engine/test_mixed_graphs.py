@@ -35,9 +35,9 @@ def test_compilation_config_takes_vllms_cudagraph_keys():
     assert parse_compilation_config('{"cudagraph_mode": "NONE"}').cudagraph_mode == "NONE"
     choice = parse_compilation_config({"cudagraph_capture_sizes": [8, 1, 8, 4]})
     assert choice == CompilationChoice("FULL", (1, 4, 8))
-    # vLLM's -O3 / {"level": 3}: accepted, no torch.compile levels to change.
-    assert parse_compilation_config("3") == parse_compilation_config({"level": 0}) \
-        == CompilationChoice()
+    # vLLM's -O3 / {"level": 3}: on a CPU, compiled decode steps (engine/cpu_compiled_step.py).
+    assert parse_compilation_config("3") == CompilationChoice(level=3)
+    assert parse_compilation_config({"level": 0}).level == 0
 
 
 @pytest.mark.parametrize("value, message", [
