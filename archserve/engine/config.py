@@ -34,7 +34,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: 8192, and target_itl_ms bounds decode steps
     # The inter-token latency a step that carries decodes should stay within, which sets
     # its token budget from the measured step cost (engine/step_budget.py): "auto" (a
-    # multiple of a full decode step; the server's default), milliseconds, or None (no bound:
+    # multiple of a 16-sequence decode step; the server's default), milliseconds, or None (no bound:
     # throughput first, the offline default). Ignored when max_num_batched_tokens is set.
     target_itl_ms: float | str | None = None
     block_size: int | None = None            # None: the attention backend's preferred size

@@ -14,14 +14,15 @@ tokens whose step still ends within a target ITL, by a cost model of this device
 
 Between the probes the cost is interpolated linearly, and past the last one it grows at
 the last segment's slope. The target is ``target_itl_ms``, or by default
-``DEFAULT_ITL_FACTOR`` times the cost of a decode step of ``max_num_seqs`` sequences (the
-TPOT of a full server): a step may carry as much prompt as costs that many full decode
-steps. Not a one-token step: where a step's cost grows with its rows from the first row
-on (a CPU: the embedded model's 16-token step costs 2.3x a one-token step measured, 6.8x by
-the roofline floors), 3x a one-token step leaves a full decode batch no room for prompt
-tokens, and a request arriving beside running streams waits one step per prompt token.
-The budget is rounded down to a multiple of 16, and kept within [max_num_seqs,
-max_num_batched_tokens] so every running sequence can still decode in one step.
+``DEFAULT_ITL_FACTOR`` times the cost of a decode step of ``ANCHOR_SEQS`` sequences (fewer
+if ``max_num_seqs`` is smaller): a step may carry as much prompt as costs that many such
+decode steps. On a GPU that step costs about what a one-token step costs (each reads the
+weights once). On a CPU every row costs from the first on (the embedded model's 16-token
+step: 2.3x a one-token step measured, 6.8x by the roofline floors), and 3x a one-token
+step left 16 running streams no room for prompt tokens: a request arriving beside them
+got one prompt token a step. The budget is rounded down to a multiple of 16, and kept within
+[max_num_seqs, max_num_batched_tokens] so every running sequence can still decode in one
+step.
 
 A step without decodes (idle engine, or only prompts in flight) may take
 ``max_num_batched_tokens`` (the size the activation memory was profiled for): no stream
@@ -43,6 +44,7 @@ from archserve.platform.decision import Decision
 PROBE_LENGTHS = (1, 128, 512, 1024, 2048)
 DEFAULT_ITL_FACTOR = 3.0   # the serving-tail target: ITL P99 <= 3x TPOT P50 (docs/benchmarks.md)
 BUDGET_MULTIPLE = 16      # Triton specialises integer arguments on divisibility by 16
+ANCHOR_SEQS = 16          # the decode batch whose step the auto target is a multiple of
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None
                          graph_buckets: Sequence[int] = ()) -> TokenBudget:
     """The budgets of a step with and without decodes, and the decision that explains them.
 
-    ``target_itl_ms`` is "auto" (DEFAULT_ITL_FACTOR full decode steps), a number of ms, or
+    ``target_itl_ms`` is "auto" (DEFAULT_ITL_FACTOR decode steps of ANCHOR_SEQS), a number of ms, or
     None (no bound: the offline default); ``explicit`` is the user's
     max_num_batched_tokens; ``cost`` builds the cost model, only when one is needed;
     ``graph_buckets``: the token buckets of the captured mixed-step graphs, if any.
@@ -200,9 +202,10 @@ def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None
                          "with decodes cannot be bounded")
     model = cost()
     if target_itl_ms == "auto":
-        target_s = DEFAULT_ITL_FACTOR * model.seconds(max_num_seqs)
+        anchor = min(ANCHOR_SEQS, max_num_seqs)
+        target_s = DEFAULT_ITL_FACTOR * model.seconds(anchor)
         target = (f"target ITL {_ms(target_s)} ms ({DEFAULT_ITL_FACTOR:g}x a decode step of "
-                  f"max_num_seqs={max_num_seqs} sequences)")
+                  f"{anchor} sequences)")
     else:
         target_s = float(target_itl_ms) / 1e3
         target = f"target ITL {_ms(target_s)} ms (target_itl_ms)"

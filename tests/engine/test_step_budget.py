@@ -78,21 +78,27 @@ def test_a_slower_cost_model_gives_a_smaller_budget():
                    for m in (fast, slow)]
         assert budgets[1] < budgets[0], (target, budgets)
     auto = resolve_token_budget("auto", None, 8192, 16, True, lambda: fast)
-    target_s = DEFAULT_ITL_FACTOR * fast.seconds(16)     # a full decode batch's step
+    target_s = DEFAULT_ITL_FACTOR * fast.seconds(16)     # a 16-sequence decode step
     assert fast.seconds(auto.decoding) <= target_s < fast.seconds(auto.decoding + 16)
     assert auto.max_num_batched_tokens == 8192     # a step without decodes fills the cap
     assert str(auto.decoding) in auto.decision.chosen and "measured" in auto.decision.reason
 
 
-def test_a_full_decode_batch_leaves_room_for_prompt_tokens():
-    """A CPU-like step whose cost grows with every row (16.5 ms + 1.3 ms a token): the
-    auto target is 3x a full batch's decode step, so 16 running streams still let prompts
-    in, several tokens a step, instead of one token a step beside them."""
+def test_sixteen_running_streams_leave_room_for_prompt_tokens():
+    """A CPU-like step whose cost grows with every row (16.5 ms + 1.3 ms a token): the auto
+    target is 3x a 16-sequence decode step, so 16 running streams still let prompts in,
+    several tokens a step, instead of one token a step beside them. A GPU-like step (the
+    weights' read dominates up to hundreds of rows) keeps 3x a one-token step."""
     cpu = linear(16.5, 1.3)
     auto = resolve_token_budget("auto", None, 8192, 16, True, lambda: cpu)
     assert auto.decoding >= 3 * 16, auto.decision.reason
     assert cpu.seconds(auto.decoding) <= auto.target_itl_s == DEFAULT_ITL_FACTOR * cpu.seconds(16)
-    assert "max_num_seqs=16" in auto.decision.reason
+    assert "a decode step of 16 sequences" in auto.decision.reason
+    few = resolve_token_budget("auto", None, 8192, 4, True, lambda: cpu)
+    assert few.target_itl_s == DEFAULT_ITL_FACTOR * cpu.seconds(4)    # never past max_num_seqs
+    gpu = linear(5.0, 0.0005)
+    served = resolve_token_budget("auto", None, 8192, 256, True, lambda: gpu)
+    assert served.target_itl_s == pytest.approx(DEFAULT_ITL_FACTOR * gpu.seconds(1), rel=0.01)
 
 
 def test_unbounded_cases_keep_one_budget_and_do_not_build_a_cost_model():
