@@ -28,9 +28,14 @@ Each bucket holds ``min(T, max_num_seqs) + 1`` sequence slots. The graph ends wi
 head on the rows the step samples (``logits_rows``: ``min(T, max_num_seqs * rows_per_seq)
 + 1`` of them, padded with row 0; a sequence verifying k drafts samples k + 1 rows), so the
 output is
-those rows' logits in order. Only attention backends that take their grid from host
-maxima alone may be captured this way (``mixed_graph_capturable``); a replay canary
-compares one mixed step against the same step run eagerly.
+those rows' logits in order. Attention backends that take their grid from host
+maxima alone capture any such step (``mixed_graph_capturable``: TRITON_ATTN). A backend
+that runs a sequence of a few query tokens as decode rows (``decode_rows_max_query_len``:
+TRITON_MLA and TRITON_MLA_SPARSE, kernels/mla/decode_rows.py) captures the steps whose
+every sequence brings at most ``max_query_len`` tokens (k + 1: speculative decoding's
+verification steps); in a bucket it runs every token, the padding sequence's too, as a
+decode row, and a step with a longer prompt chunk runs eagerly. A replay canary compares
+one such step against the same step run eagerly.
 """
 
 from __future__ import annotations
@@ -79,8 +84,11 @@ class MixedGraphRunner(StaticGraphRunner):
 
     def __init__(self, forward_rows, device: torch.device, max_tokens: int,
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                 block_size: int, rows_per_seq: int = 1) -> None:
+                 block_size: int, rows_per_seq: int = 1, max_query_len: int | None = None
+                 ) -> None:
         super().__init__(device)
+        # The most query tokens a sequence of a replayed step may bring (None: any).
+        self.max_query_len = max_query_len
         # callable(input_ids, positions, meta, rows, out) -> float32 logits of ``rows``
         # [R, V], in ``out`` where the LM head writes them there
         self.forward_rows = weak_callback(forward_rows)
@@ -133,12 +141,14 @@ class MixedGraphRunner(StaticGraphRunner):
                                  self._meta(tokens), self.logits_rows[:slots],
                                  None if out is None else out[:slots])
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, num_rows: int = 0) -> int | None:
-        """The captured bucket a step of these sizes (``num_rows`` sampled rows) replays,
-        or None (it runs eager)."""
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_rows: int = 0,
+                   query_len: int = 1) -> int | None:
+        """The captured bucket a step of these sizes (``num_rows`` sampled rows, at most
+        ``query_len`` query tokens a sequence) replays, or None (it runs eager)."""
         bucket = self.size_for(num_tokens)
         if (bucket is None or num_seqs + 1 > self.seq_slots(bucket)
-                or num_rows > self.row_slots(bucket)):
+                or num_rows > self.row_slots(bucket)
+                or (self.max_query_len is not None and query_len > self.max_query_len)):
             return None
         return bucket
 
@@ -177,10 +187,34 @@ class MixedGraphRunner(StaticGraphRunner):
         chunk over a cached prefix, reading KV blocks below ``blocks``, writing none.
         Returns (input_ids, positions, meta, sampled rows)."""
         prefix = 5                                          # cached tokens before the chunk
+        if self.max_query_len is not None:
+            query_lens, seq_lens = self._verification_lengths(bucket, prefix)
+            return self._canary_of(query_lens, seq_lens, blocks, every_row=True)
         chunk = max(2, min(bucket - 2, 3 * bucket // 4, self.max_model_len - prefix))
         decodes = max(0, min(2, bucket - chunk, self.seq_slots(bucket) - 2))
         query_lens = [1] * decodes + [chunk]
         seq_lens = [4 + 3 * i for i in range(decodes)] + [prefix + chunk]
+        return self._canary_of(query_lens, seq_lens, blocks, every_row=False)
+
+    def _verification_lengths(self, bucket: int, prefix: int) -> tuple[list[int], list[int]]:
+        """(query, context lengths) of a step this runner replays with at most
+        ``max_query_len`` tokens a sequence: a decode beside sequences of the most tokens
+        (over cached prefixes of differing lengths), about 3/4 of the bucket, padded."""
+        most = max(1, min(self.max_query_len, self.max_model_len - prefix - 8))
+        query_lens = [1]
+        while (len(query_lens) + 2 <= self.seq_slots(bucket)
+               and sum(query_lens) + most <= max(2, 3 * bucket // 4)):
+            query_lens.append(most)
+        seq_lens = [min(self.max_model_len, prefix + 3 * i + q)
+                    for i, q in enumerate(query_lens)]
+        return query_lens, seq_lens
+
+    def _canary_of(self, query_lens: list[int], seq_lens: list[int], blocks: int,
+                   every_row: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """A canary step of these lengths, reading blocks below ``blocks``, writing none;
+        it samples each sequence's last row, or (``every_row``, as a verification does)
+        every row where the bucket's LM head has room for them."""
         width = -(-max(seq_lens) // self.block_size)
         tables = torch.tensor([[(r + j) % blocks for j in range(width)]
                                for r in range(len(seq_lens))], dtype=torch.int32)
@@ -188,12 +222,12 @@ class MixedGraphRunner(StaticGraphRunner):
         meta = AttentionMetadata.from_lengths(
             query_lens, seq_lens, tables.to(self.device),
             torch.full((t,), -1, dtype=torch.long, device=self.device), self.device)
-        positions = torch.cat([torch.tensor([n - 1 for n in seq_lens[:decodes]],
-                                            dtype=torch.long),
-                               torch.arange(prefix, prefix + chunk)]).to(self.device)
+        positions = torch.cat([torch.arange(n - q, n) for q, n in zip(query_lens, seq_lens,
+                                                                     strict=True)])
         ids = (7 + torch.arange(t, device=self.device) % 13).long()
-        rows = torch.tensor([*range(decodes), t - 1], dtype=torch.long, device=self.device)
-        return ids, positions, meta, rows
+        rows = (torch.arange(t) if every_row and t < self.row_slots(t)
+                else torch.tensor(query_lens).cumsum(0) - 1)
+        return ids, positions.to(self.device), meta, rows.to(self.device)
 
     def _canary_at(self, bucket: int, tolerance: float) -> str | None:
         ids, positions, meta, rows = self.canary_step(bucket, self._canary_blocks())

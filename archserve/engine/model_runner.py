@@ -262,7 +262,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         last_rows = torch.tensor(lens, device=dev).cumsum(0) - 1
         # Timed for the step budget: a step that a mixed graph would run, runs it here too.
-        bucket = self.mixed_graphs.bucket_for(sum(lens), len(lens)) if self.mixed_graphs else None
+        bucket = (self.mixed_graphs.bucket_for(sum(lens), len(lens), query_len=max(lens))
+                  if self.mixed_graphs else None)
         if bucket is not None:
             return self.mixed_graphs.replay(bucket, ids, positions, meta, last_rows)
         return self._forward_rows(ids, positions, meta, last_rows)
@@ -320,16 +321,18 @@ class ModelRunner:
         with set_forward_context(self._context(meta, meta.num_tokens)):
             return step(batch.input_ids, batch.positions)
 
-    def capture_mixed_graphs(self, max_tokens: int, max_num_seqs: int, rows_per_seq: int = 1
-                             ) -> None:
+    def capture_mixed_graphs(self, max_tokens: int, max_num_seqs: int, rows_per_seq: int = 1,
+                             max_query_len: int | None = None) -> None:
         """Graphs for steps that carry prompt tokens (or drafts to verify: ``rows_per_seq``
-        sampled rows a sequence), at the token buckets up to ``max_tokens``
+        sampled rows a sequence; ``max_query_len``: only steps whose sequences bring at
+        most that many tokens, None: any), at the token buckets up to ``max_tokens``
         (engine/mixed_graphs.py); their replay canary is the caller's to run, once every
         rank holds the same buckets."""
         buckets = mixed_graph_buckets(max_tokens)
         self.mixed_graphs = MixedGraphRunner(self._forward_rows, self.device, max(buckets),
                                              max_num_seqs, self.max_blocks_per_seq,
-                                             self.max_model_len, self.block_size, rows_per_seq)
+                                             self.max_model_len, self.block_size, rows_per_seq,
+                                             max_query_len)
         start = time.perf_counter()
         with torch.inference_mode(), decode_graph_scope(), self.with_lora_kernels():
             result = self.mixed_graphs.capture(buckets)
@@ -377,7 +380,8 @@ class ModelRunner:
                 or self.kv_calibration_pending):
             return None
         bucket = self.mixed_graphs.bucket_for(batch.input_ids.shape[0], batch.meta.num_seqs,
-                                              batch.logits_indices.shape[0])
+                                              batch.logits_indices.shape[0],
+                                              batch.meta.max_query_len)
         if bucket is None:
             return None
         return self.mixed_graphs.replay(bucket, batch.input_ids, batch.positions, batch.meta,

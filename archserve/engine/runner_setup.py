@@ -95,18 +95,21 @@ def peek_model_config(model_path: str | None):
 
 
 def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calibrate: bool,
-                           max_batched: int) -> tuple[int, Decision | None]:
+                           max_batched: int, max_num_seqs: int = 1, rows_per_seq: int = 1
+                           ) -> tuple[int, Decision | None, int | None]:
     """cudagraph_mode: (the largest step in tokens that mixed-step graphs will cover, 0 for
-    none; the decision when that is already settled here, else None)."""
+    none; the decision when that is already settled here, else None; the most query tokens
+    a sequence of a captured step may bring, None for any). ``rows_per_seq``: 1 + the
+    drafts a sequence verifies, where speculative decoding is configured."""
     requested = compilation.cudagraph_mode
 
-    def decode_only(reason: str) -> tuple[int, Decision]:
+    def decode_only(reason: str) -> tuple[int, Decision, None]:
         return 0, Decision("cudagraph_mode", requested, "FULL_DECODE_ONLY"
-                           if graphs_off is None or calibrate else "NONE", reason)
+                           if graphs_off is None or calibrate else "NONE", reason), None
 
     if graphs_off is not None and not calibrate and (requested != "FULL"
                                                     or not compilation.mode_given):
-        return 0, None                    # graphs are off: cuda_graphs_off_reason says why
+        return 0, None, None              # graphs are off: cuda_graphs_off_reason says why
     if requested != "FULL":
         return decode_only("decode steps replay CUDA graphs; steps with prompt tokens run "
                            "eagerly (compilation_config cudagraph_mode FULL captures those "
@@ -116,17 +119,32 @@ def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calib
                            "prefill, decode steps only")
     if graphs_off is not None:
         return decode_only(f"CUDA graphs are off ({graphs_off})")
-    if not selection.backend.mixed_graph_capturable:
-        return decode_only(f"{selection.name} reads per-sequence lengths on the host in steps "
-                           f"with prompt tokens, so only decode steps are captured")
-    # An upper bound (the KV reserve is sized from it); capture_mixed_step_graphs stops
-    # earlier where the steps turn compute-bound.
-    return min(max_batched, TOKEN_BUCKETS[-1]), None
+    backend = selection.backend
+    if backend.mixed_graph_capturable:
+        # An upper bound (the KV reserve is sized from it); capture_mixed_step_graphs stops
+        # earlier where the steps turn compute-bound.
+        return min(max_batched, TOKEN_BUCKETS[-1]), None, None
+    host_lengths = (f"{selection.name} reads per-sequence lengths on the host in steps with "
+                    f"prompt tokens")
+    rows = backend.decode_rows_max_query_len
+    if rows_per_seq > 1 and rows >= rows_per_seq:
+        # Verification steps: every sequence brings at most k + 1 tokens, each a decode row.
+        return (min(max_batched, max_num_seqs * rows_per_seq, TOKEN_BUCKETS[-1]), None,
+                rows_per_seq)
+    if rows_per_seq > 1 and rows > 1:
+        return decode_only(f"{host_lengths}, and runs a sequence of at most {rows} query "
+                           f"tokens as decode rows; verifying {rows_per_seq - 1} drafts "
+                           f"brings {rows_per_seq}, so only decode steps are captured")
+    return decode_only(f"{host_lengths}, so only decode steps are captured"
+                       + (" (with speculative decoding, verification steps too: each "
+                          "token a decode row)" if rows > 1 else ""))
 
 
 def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: int,
-                              agree: RankAgreement, rows_per_seq: int = 1) -> Decision:
-    """Capture the mixed-step graphs up to ``tokens`` and check them; FULL, or why not.
+                              agree: RankAgreement, rows_per_seq: int = 1,
+                              max_query_len: int | None = None) -> Decision:
+    """Capture the mixed-step graphs up to ``tokens`` (of steps whose sequences bring at
+    most ``max_query_len`` tokens each, None: any) and check them; FULL, or why not.
 
     Ranks keep only the buckets every rank has, after the capture (before the canaries run
     collectives of a bucket's size) and after the canary: a capture or canary that fails
@@ -168,7 +186,7 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
 
     error = None
     try:   # a failed capture of one bucket is demoted inside; this catches the rest
-        runner.capture_mixed_graphs(tokens, max_num_seqs, rows_per_seq)
+        runner.capture_mixed_graphs(tokens, max_num_seqs, rows_per_seq, max_query_len)
     except Exception as exc:
         error = failure(exc)
     if (decision := settled(error, "capturing the mixed-step graphs failed",
@@ -183,8 +201,12 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
             ) is not None:
         return decision
     captured = runner.mixed_graphs.set
+    steps = ("steps with prompt tokens" if max_query_len is None else
+             f"verification steps (every sequence at most {max_query_len} query tokens, each "
+             f"run as a decode row of its own causal length; a longer prompt chunk runs "
+             f"eagerly)")
     return Decision("cudagraph_mode", "FULL", "FULL",
-                    f"steps with prompt tokens replay graphs at token buckets "
+                    f"{steps} replay graphs at token buckets "
                     f"{captured.sizes}; a larger step runs eagerly (buckets stop at "
                     f"{TOKEN_BUCKETS[-1]} tokens, at the step budget, and where a step's "
                     f"matmuls would take over {COMPUTE_BOUND_S * 1e3:g} ms: there the device, "
@@ -395,8 +417,9 @@ class _RunnerBuild:
             if self.speculative.method == "mtp":
                 self.runner.keep_hidden_states(largest_step)
         self.calibrate = config.calculate_kv_scales and is_quantized_cache(self.kv_cache_dtype)
-        self.mixed_tokens, self.mixed_decision = plan_mixed_step_graphs(
-            self.compilation, self.graphs_off, self.selection, self.calibrate, max_batched)
+        self.mixed_tokens, self.mixed_decision, self.mixed_query_len = plan_mixed_step_graphs(
+            self.compilation, self.graphs_off, self.selection, self.calibrate, max_batched,
+            config.max_num_seqs, self.rows_per_seq)
         num_blocks, sizing = startup.size_kv_pool(config, self.runner, self.rank_mc,
                                                   kv_torch_dtype, max_batched,
                                                   self.max_model_len, config.max_num_seqs,
@@ -454,14 +477,14 @@ class _RunnerBuild:
                 if self.mixed_tokens:
                     self.mixed_decision = capture_mixed_step_graphs(
                         self.runner, self.mixed_tokens, self.config.max_num_seqs, self.agree,
-                        self.rows_per_seq)
+                        self.rows_per_seq, self.mixed_query_len)
             if self.mixed_decision is not None:
                 self.decisions.append(self.mixed_decision)
             if self.graphs and self.drafts is not None:
                 self.decisions.append(capture_draft_graphs(
                     self.drafts, self.graph_sizes,
                     self.mixed_tokens if self.runner.mixed_graphs else 0,
-                    self.config.max_num_seqs))
+                    self.config.max_num_seqs, self.mixed_query_len))
             if self.speculative is not None:
                 self.speculator = build_speculator(self.speculative, self.max_model_len,
                                                    self.drafts)

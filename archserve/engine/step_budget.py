@@ -234,5 +234,10 @@ def runner_cost_model(runner, limit: int) -> StepCostModel:
 
 
 def mixed_graph_buckets_of(runner) -> list[int]:
-    """The token buckets of a runner's captured mixed-step graphs ([] without them)."""
-    return list(runner.mixed_graphs.set.sizes) if runner.mixed_graphs is not None else []
+    """The token buckets a step with a prompt chunk replays: its runner's captured
+    mixed-step graphs ([] without them, and where they replay only steps of a few tokens a
+    sequence, an MLA target's verification steps: a prompt chunk runs eagerly there)."""
+    graphs = runner.mixed_graphs
+    if graphs is None or graphs.max_query_len is not None:
+        return []
+    return list(graphs.set.sizes)

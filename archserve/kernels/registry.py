@@ -63,6 +63,13 @@ class Backend:
     # takes its grid from host maxima only (a captured bucket's), never per-sequence host
     # lengths (engine/mixed_graphs.py; vLLM's cudagraph_mode FULL).
     mixed_graph_capturable: bool = False
+    # The most query tokens a sequence may bring and still run as decode rows (each token a
+    # row of its own causal length, read from device lengths: kernels/mla/decode_rows.py);
+    # 1: one-token decodes only. Where this is above 1 and the backend is not
+    # mixed_graph_capturable, the mixed-step graphs capture only steps whose every sequence
+    # fits it: speculative decoding's verification steps (vLLM's MLA backends likewise take
+    # spec-decode queries as decode rows).
+    decode_rows_max_query_len: int = 1
 
     def hardware_rule(self, device: DeviceInfo, spec: Any) -> str | None:
         """None if the hardware (and the request) allow this backend, else the reason."""

@@ -121,8 +121,8 @@ class _Rank:
         self.kv_caches, self.mixed_graphs = [], None
         self.lacks, self.capture_raises, self.canary_fails = lacks, capture_raises, canary_fails
 
-    def capture_mixed_graphs(self, tokens: int, max_num_seqs: int, rows_per_seq: int = 1
-                             ) -> None:
+    def capture_mixed_graphs(self, tokens: int, max_num_seqs: int, rows_per_seq: int = 1,
+                             max_query_len: int | None = None) -> None:
         if self.capture_raises:
             raise torch.cuda.OutOfMemoryError("out of memory on this rank")
         sizes = [s for s in mixed_graph_buckets(tokens) if s not in self.lacks]

@@ -126,6 +126,35 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
         torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(cache, expected_cache)    # the same latent rows written
 
+    @pytest.mark.parametrize("seqs", [[(4, 21), (1, 40), (3, 3), (4, 9)],   # k = 3
+                                      [(20, 33), (4, 12), (1, 7)]],          # beside a prompt
+                             ids=["verification", "beside-a-prompt"])
+    def test_decode_rows_match_reference_and_their_captured_bucket(seqs):
+        # A verification step (at most k + 1 query tokens a sequence) runs each token as a
+        # decode row of its own causal length: the reference's multi-token attention, and
+        # the same rows bit for bit where the step sits in a captured bucket's layout
+        # (device lengths only, a padding sequence, empty slots). Beside a long prompt
+        # chunk (expanded prefill) the short sequences are decode rows too.
+        from mla_bucket_cases import bucket_layout, padded_rows
+
+        from archserve.kernels.mla.triton_mla import TritonMlaImpl
+
+        case = make_mla_case(seqs, seed=3, **TINY)
+        (out, cache), (expected, expected_cache) = case.run(TritonMlaImpl()), \
+            case.run(TorchMlaImpl())
+        torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(cache, expected_cache)
+        if max(q for q, _ in seqs) > 4:
+            return          # a step with a prompt chunk runs eagerly, never in a bucket
+        bucket = 16
+        meta = bucket_layout(case.meta, bucket, case.kv_cache.shape[2], 4)
+        replayed = TritonMlaImpl().forward(
+            padded_rows(case.q_nope, bucket), padded_rows(case.q_pe, bucket),
+            padded_rows(case.latent, bucket), case.kv_cache.clone(), meta, case.w_uk,
+            case.w_uv, case.scale, case.k_scale)
+        assert torch.equal(replayed[:case.num_valid_tokens], out)
+        assert torch.isfinite(replayed).all()     # the padding sequence's rows too
+
     def test_mixed_step_decode_metadata_is_not_written_by_the_kernel_before(monkeypatch):
         # The decode kernel reads its metadata (query starts, lengths, block tables) before
         # PDL's wait (kernels/pdl.py), while the kernel launched right before it may still

@@ -28,10 +28,10 @@ LAYOUTS = [("auto", "auto"), ("fp8_ds_mla", "auto"), ("auto", "fp8"),
 LAYOUT_IDS = ["16bit", "ds_mla", "fp8-index", "ds_mla-16bit-index"]
 
 
-def step_rows(meta):
-    """(row_seq, row_len) of a step's rows, as the impl builds them."""
+def step_rows(case):
+    """(row_seq, row_len) of a case's step's rows, as the impl builds them."""
     from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
-    return TritonSparseMlaImpl._rows(meta)
+    return TritonSparseMlaImpl(layout=case.layout)._rows(case.meta, case.meta.num_tokens)
 
 
 def assert_same_selection(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -86,7 +86,7 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
                 else [(21, 70), (5, 65), (2, 129)])
         case = make_sparse_case(seqs, topk=4, index_cache_dtype=index, seed=2, **TINY)
         cache, meta = case.written_cache(), case.meta
-        row_seq, row_len = step_rows(meta)
+        row_seq, row_len = step_rows(case)
         blocks = None if form == "decode" else row_blocks(meta.query_lens_cpu, 4,
                                                           torch.device("cpu"))
         scores = index_scores_triton(case.layout, cache, meta.block_tables,
@@ -146,7 +146,7 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
         cache, meta = case.written_cache(), case.meta
         selection = sparse_topk(case.layout, cache, meta, case.indexer.query,
                                 case.indexer.weights, case.topk)
-        row_seq, row_len = step_rows(meta)
+        row_seq, row_len = step_rows(case)
         rows = case.num_valid_tokens
         expected = latent_output_to_heads(sparse_attend(case.layout, cache, meta,
                                                         case.absorbed_query, selection,
@@ -175,6 +175,36 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
         case = make_sparse_case(seqs, topk=12, kv_cache_dtype=kv, index_cache_dtype=index,
                                 pad_tokens=2, seed=5, **TINY)
         assert_impl_matches_reference(case, TritonSparseMlaImpl(layout=case.layout))
+
+    @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=LAYOUT_IDS[:2])
+    def test_verification_rows_match_reference_and_their_captured_bucket(layout):
+        # A verification step (k = 3: up to 4 query tokens a sequence, contexts past top-k):
+        # each token a decode row, its indexer scores and top-k from its own causal length,
+        # as the reference selects and attends; laid out as a captured bucket (device
+        # lengths only, a padding sequence, empty slots) the same rows bit for bit.
+        from mla_bucket_cases import bucket_layout, padded_rows
+
+        from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
+        from archserve.kernels.sparse_mla.interface import IndexerInputs
+
+        kv, index = layout
+        case = make_sparse_case([(4, 30), (1, 40), (3, 15), (4, 9)], topk=12,
+                                kv_cache_dtype=kv, index_cache_dtype=index, seed=8, **TINY)
+        impl = TritonSparseMlaImpl(layout=case.layout)
+        assert_impl_matches_reference(case, impl)
+        out, selection = case.run(impl)
+        bucket = 16
+        meta = bucket_layout(case.meta, bucket, TINY["block_size"], 4)
+        indexer = IndexerInputs(*(padded_rows(x, bucket) for x in (
+            case.indexer.query, case.indexer.key, case.indexer.weights)))
+        replayed, replayed_selection = impl.forward_sparse(
+            padded_rows(case.q_nope, bucket), padded_rows(case.q_pe, bucket),
+            padded_rows(case.latent, bucket), case.kv_cache.clone(), meta, case.w_uk,
+            case.w_uv, case.scale, case.topk, indexer)
+        rows = case.num_valid_tokens
+        assert torch.equal(replayed_selection[:rows], selection)
+        assert torch.equal(replayed[:rows], out)
+        assert torch.isfinite(replayed.float()).all()
 
     def test_impl_dense_steps_and_shared_selections():
         # Every context within topk: exactly dense MLA (TRITON_MLA's path over the latent,

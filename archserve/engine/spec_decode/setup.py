@@ -145,10 +145,12 @@ def build_speculator(config: SpeculativeConfig, max_model_len: int, runner=None)
 
 
 def capture_draft_graphs(runner, graph_sizes: list[int], mixed_tokens: int,
-                         max_num_seqs: int) -> Decision:
+                         max_num_seqs: int, max_query_len: int | None = None) -> Decision:
     """The draft network's CUDA graphs: its chained one-token forwards at the decode sizes,
     and its forward over a step's inputs at the mixed-step buckets where the target has
-    those; the decision saying which."""
+    those (``max_query_len``: the target's limit on a captured step's tokens a sequence,
+    which the draft's forward after a verification keeps: at most k + 1); the decision
+    saying which."""
     layers = len(getattr(runner.model, "layers", ())) if hasattr(runner.model, "current") else 1
     if layers > 1:
         return Decision("draft network CUDA graphs", "on", "off",
@@ -158,7 +160,8 @@ def capture_draft_graphs(runner, graph_sizes: list[int], mixed_tokens: int,
     captured = f"decode sizes {runner.graphs.set.sizes}"
     if mixed_tokens:
         try:
-            runner.capture_mixed_graphs(mixed_tokens, max_num_seqs)
+            runner.capture_mixed_graphs(mixed_tokens, max_num_seqs,
+                                        max_query_len=max_query_len)
             reason = runner.mixed_graphs.replay_canary(runner.kv_caches)
         except Exception as exc:  # noqa: BLE001 - the draft's steps then run eagerly
             reason = f"{type(exc).__name__}: {exc}"

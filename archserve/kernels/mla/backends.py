@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from archserve.kernels.mla.decode_shared_memory import too_large_reason
+from archserve.kernels.mla.interface import DECODE_ROWS_MAX_QUERY_LEN
 from archserve.kernels.rules import (
     FamilyGated,
     RuleBackend,
@@ -264,6 +265,7 @@ class TritonMlaBackend(MlaBackend):
                    "prompts expanded to per-head K/V through the Triton prefill (any GPU)")
     block_multiple = 16
     graph_capturable = True
+    decode_rows_max_query_len = DECODE_ROWS_MAX_QUERY_LEN   # verification steps in graphs
     impl_path = "archserve.kernels.mla.triton_mla:TritonMlaImpl"
 
     def device_rule(self, device: DeviceInfo) -> str | None:

@@ -17,6 +17,15 @@ import torch
 
 from archserve.kernels.attention.interface import AttentionMetadata
 
+# A sequence that brings at most this many query tokens (a speculative verification's
+# k + 1, a short prompt chunk) runs absorbed, each token a decode row of its own causal
+# length (decode_rows.py): it reads only the latent, where the expanded form first expands
+# the sequence's whole context to per-head keys and values (DeepSeek-V3: 128 heads x 256
+# values a cached token, ~33 MFLOP, against ~0.28 MFLOP a query-key pair absorbed), which a
+# few rows cannot repay. vLLM's MLA decode backends take spec-decode queries as decode rows
+# alike. Such steps are what an MLA target's mixed-step graphs capture.
+DECODE_ROWS_MAX_QUERY_LEN = 16
+
 
 def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """[T, H, nope], [T, H, rope] -> the query over the latent [T, H, L + rope]."""

@@ -19,6 +19,11 @@ fp8_ds_mla latent, which that prefill cannot read, takes the indexed kernel over
 position instead). A decode step in a CUDA graph is sized by max_model_len: there it is
 dense only for models whose max_model_len is at most topk.
 
+A step whose sequences bring at most a few query tokens each (a speculative verification:
+kernels/mla/decode_rows.py) takes every token as a decode row, from device lengths: the
+indexer scores and selects per row with the row's causal length, as in a decode step, so
+the mixed-step graphs that replay verification steps capture it (engine/mixed_graphs.py).
+
 The indexer's score buffer holds fp32 rows of the longest context; rows are processed in
 groups of at most triton_indexer's SCORES_BUDGET_BYTES of it.
 """
@@ -29,6 +34,7 @@ import numpy as np
 import torch
 
 from archserve.kernels.attention.interface import AttentionMetadata
+from archserve.kernels.mla.decode_rows import all_decode_rows, host_decode_rows
 from archserve.kernels.mla.interface import absorb_query
 from archserve.kernels.mla.triton_mla import TritonMlaImpl
 from archserve.kernels.mla.triton_mla_decode import mla_decode
@@ -66,7 +72,7 @@ class TritonSparseMlaImpl(TritonMlaImpl):
                           indexer.key if indexer is not None else None)
         if meta.max_seq_len <= topk and not layout.latent_fp8:
             return self._dense(q_nope, q_pe, kv_cache, meta, w_uk, w_uv, scale), None
-        row_seq, row_len = self._rows(meta)
+        row_seq, row_len = self._rows(meta, q_nope.shape[0])
         rows = row_seq.shape[0]
         # The indexed decode reads its metadata before PDL's wait (kernels/pdl.py): none of
         # it may come from the kernel launched right before it (the absorbed query's).
@@ -92,37 +98,35 @@ class TritonSparseMlaImpl(TritonMlaImpl):
                meta: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
                scale: float) -> torch.Tensor:
         """Every row sees at most topk keys: TRITON_MLA over the latent (its rows written)."""
-        latent_cache = self.layout.latent_view(kv_cache)
-        if meta.max_query_len <= 1:
-            return self.decode(absorb_query(q_nope, q_pe, w_uk), latent_cache,
-                               meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                               meta.num_seqs, meta.max_seq_len, scale, w_uv, 1.0)
-        return self._mixed_step(q_nope, q_pe, latent_cache, meta, w_uk, w_uv, scale, 1.0)
+        return self.attend(q_nope, q_pe, self.layout.latent_view(kv_cache), meta, w_uk, w_uv,
+                           scale, 1.0)
 
-    @staticmethod
-    def _rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, meta: AttentionMetadata, num_tokens: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the block-table row, the keys seen) of each query row: for a decode step the
-        step's own device tensors (what a CUDA graph replays), else from host lengths."""
+        step's own device tensors (what a CUDA graph replays), for a step of decode rows
+        (``all_decode_rows``) the same from the device lengths (decode_rows.py), else from
+        host lengths."""
         device = meta.seq_lens.device
         if meta.max_query_len <= 1:   # row i is sequence i (tokens past them are padding)
             return (torch.arange(meta.num_seqs, dtype=torch.int32, device=device),
                     meta.seq_lens)
-        query_lens = np.asarray(meta.query_lens_cpu, dtype=np.int64)
-        seq_lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
-        row_seq = np.repeat(np.arange(len(query_lens), dtype=np.int32), query_lens)
-        first = np.repeat(seq_lens - query_lens, query_lens)
-        offset = np.arange(len(row_seq)) - np.repeat(np.cumsum(query_lens) - query_lens,
-                                                     query_lens)
-        row_len = (first + offset + 1).astype(np.int32)
-        return (torch.from_numpy(row_seq).to(device), torch.from_numpy(row_len).to(device))
+        if all_decode_rows(meta):
+            return self.step_rows(meta, num_tokens)
+        _, row_seq, row_len = host_decode_rows(meta.query_lens_cpu, meta.seq_lens_cpu)
+        return (torch.from_numpy(row_seq.astype(np.int32)).to(device),
+                torch.from_numpy(row_len.astype(np.int32)).to(device))
 
     def _select(self, indexer: IndexerInputs, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 row_seq: torch.Tensor, row_len: torch.Tensor, topk: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 [T, topk] positions, int32 [T] valid entries) of the step's rows."""
-        decode = meta.max_query_len <= 1
+        # Decode rows score one row a program, as a CUDA graph replays them; a prompt's rows
+        # share their key tiles.
+        one_row_each = meta.max_query_len <= 1 or all_decode_rows(meta)
         return select_top_keys(IndexKeySource.of_sparse_mla(self.layout, kv_cache),
                                meta.block_tables, indexer.query, indexer.weights, row_seq,
                                row_len, meta.max_seq_len, topk,
-                               None if decode else meta.query_lens_cpu,
+                               None if one_row_each else meta.query_lens_cpu,
                                self._sm_count(row_len), self._bits(row_len.device))
+
