@@ -3,10 +3,11 @@ scheduling. Every method gives plain decoding's tokens, up to where bf16 holds a
 (a verification step computes its rows in one GEMM, a decode step in another: their last
 bits differ), and leaks no KV block.
 
-Verification steps replay mixed-step graphs where the target's attention captures those
-(TRITON_ATTN: the Llama targets); an MLA target's (the MTP case) reads its sequences'
-lengths on the host in steps with more than one query row, so its verification steps run
-eagerly while its decode steps and the MTP drafter's chained forwards replay graphs.
+Verification steps replay mixed-step graphs for every target: TRITON_ATTN's (the Llama
+targets) capture any step with prompt tokens; an MLA target's (TRITON_MLA: the MTP case)
+capture the steps whose every sequence brings at most k + 1 query tokens, each token a
+decode row of its own causal length (kernels/mla/decode_rows.py). The draft network's
+forwards replay graphs of their own.
 """
 
 from __future__ import annotations
@@ -104,12 +105,14 @@ def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_c
     attention = engine.report.attention
     mixed = engine.runner.mixed_graphs
     verified, drafted = [], []
-    if attention.backend.mixed_graph_capturable:
-        assert mixed is not None and mixed.set.sizes, \
-            f"{attention.name}: verification steps need mixed-step graphs; {decisions}"
-        _count_replays(mixed, verified)
-    else:
-        assert mixed is None, decisions
+    assert mixed is not None and mixed.set.sizes and not mixed.set.demoted, \
+        f"{attention.name}: verification steps need mixed-step graphs; {decisions}"
+    mode = next(d for d in engine.report.decisions if d.what == "cudagraph_mode") \
+        if not attention.backend.mixed_graph_capturable else None
+    if mode is not None:    # an MLA target: verification steps only, and it says so
+        assert mixed.max_query_len == spec["num_speculative_tokens"] + 1, decisions
+        assert mode.chosen == "FULL" and "verification steps" in mode.reason, decisions
+    _count_replays(mixed, verified)
     drafts = getattr(engine.speculator.proposer, "runner", None)
     if drafts is not None:    # the draft network's chained forwards replay its graphs
         assert drafts.graphs is not None and drafts.graphs.set.sizes, decisions
@@ -120,5 +123,5 @@ def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_c
     assert engine.block_pool.num_used_blocks == 0, engine.block_pool.num_used_blocks
     stats = engine.speculator.stats
     assert stats.num_accepted_tokens > 0, (stats, decisions)
-    assert verified or mixed is None, ("no verification step replayed a graph", decisions)
+    assert verified, ("no verification step replayed a graph", decisions)
     assert drafts is None or drafted, ("the draft network replayed no graph", decisions)
