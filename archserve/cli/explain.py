@@ -123,7 +123,8 @@ def explain(
             if op is not None:
                 raise ValueError("--speculative-config explains a model: give --model, not --op")
             result.decisions.append(speculation_decision(speculative_config,
-                                                         resolve_model_path(model)))
+                                                         resolve_model_path(model),
+                                                         result.routes))
     except (ValueError, BackendError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -133,15 +134,26 @@ def explain(
         _print_explanation(result)
 
 
-def speculation_decision(speculative_config: str, model_path: str):  # noqa: ANN201
+def speculation_decision(speculative_config: str, model_path: str, routes=()):  # noqa: ANN001, ANN201
     """What a speculative config would run for the model at ``model_path`` (a Decision;
-    ValueError when it cannot), from configs alone."""
-    from archserve.engine.spec_decode.setup import plan_speculation
+    ValueError when it cannot), from configs alone; with the model's ``routes``, how its
+    verification steps run over the attention route's backend (CUDA graphs or eagerly)."""
+    from dataclasses import replace
+
+    from archserve.engine.spec_decode.setup import plan_speculation, verification_graphs_text
     from archserve.engine.speculative_config import parse_speculative_config
+    from archserve.kernels.catalog import default_registry
     from archserve.loader.loader import load_model_config
     target, _ = load_model_config(model_path)
-    return plan_speculation(parse_speculative_config(speculative_config), target,
-                            model_path)[1]
+    config, decision = plan_speculation(parse_speculative_config(speculative_config), target,
+                                        model_path)
+    attention = next((r for r in routes if r.op in ("attention", "mla_attention")
+                      and r.backend), None)
+    if attention is None:
+        return decision
+    backend = default_registry().get(attention.op, attention.backend)
+    return replace(decision, reason=f"{decision.reason}; "
+                   + verification_graphs_text(backend, config.num_speculative_tokens + 1))
 
 
 def _print_explanation(result) -> None:  # noqa: ANN001 - an Explanation

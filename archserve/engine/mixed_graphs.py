@@ -79,6 +79,18 @@ def host_bound_tokens(flops_per_token: float, matmul_flops_per_s: float,
     return min(limit, fitting[-1])
 
 
+def mixed_step_query_limit(backend, rows_per_seq: int = 1) -> tuple[bool, int | None]:
+    """Which steps with more than one query token a sequence the mixed-step graphs over the
+    attention ``backend`` (a registry backend) capture, with ``rows_per_seq`` (1 + the
+    drafts a sequence verifies; 1 without speculative decoding): (whether any are, the most
+    query tokens a sequence of such a step may bring, None for any)."""
+    if backend.mixed_graph_capturable:
+        return True, None
+    if 1 < rows_per_seq <= backend.decode_rows_max_query_len:
+        return True, rows_per_seq         # verification steps, every token a decode row
+    return False, None
+
+
 class MixedGraphRunner(StaticGraphRunner):
     """Static buffers and captured graphs of steps that carry prompt tokens."""
 

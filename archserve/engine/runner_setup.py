@@ -36,7 +36,12 @@ from archserve.engine.decode_gemms import (
 from archserve.engine.kernel_cache import configure_kernel_caches
 from archserve.engine.kv_cache import ring_bytes_per_sequence, ring_rows
 from archserve.engine.lora.setup import setup_lora
-from archserve.engine.mixed_graphs import COMPUTE_BOUND_S, TOKEN_BUCKETS, host_bound_tokens
+from archserve.engine.mixed_graphs import (
+    COMPUTE_BOUND_S,
+    TOKEN_BUCKETS,
+    host_bound_tokens,
+    mixed_step_query_limit,
+)
 from archserve.engine.model_runner import ModelRunner
 from archserve.engine.rank_memory import measure_rank_memory
 from archserve.engine.sampler import Sampler
@@ -119,18 +124,18 @@ def plan_mixed_step_graphs(compilation, graphs_off: str | None, selection, calib
                            "prefill, decode steps only")
     if graphs_off is not None:
         return decode_only(f"CUDA graphs are off ({graphs_off})")
-    backend = selection.backend
-    if backend.mixed_graph_capturable:
+    captured, query_limit = mixed_step_query_limit(selection.backend, rows_per_seq)
+    if captured and query_limit is None:
         # An upper bound (the KV reserve is sized from it); capture_mixed_step_graphs stops
         # earlier where the steps turn compute-bound.
         return min(max_batched, TOKEN_BUCKETS[-1]), None, None
-    host_lengths = (f"{selection.name} reads per-sequence lengths on the host in steps with "
-                    f"prompt tokens")
-    rows = backend.decode_rows_max_query_len
-    if rows_per_seq > 1 and rows >= rows_per_seq:
+    if captured:
         # Verification steps: every sequence brings at most k + 1 tokens, each a decode row.
         return (min(max_batched, max_num_seqs * rows_per_seq, TOKEN_BUCKETS[-1]), None,
-                rows_per_seq)
+                query_limit)
+    host_lengths = (f"{selection.name} reads per-sequence lengths on the host in steps with "
+                    f"prompt tokens")
+    rows = selection.backend.decode_rows_max_query_len
     if rows_per_seq > 1 and rows > 1:
         return decode_only(f"{host_lengths}, and runs a sequence of at most {rows} query "
                            f"tokens as decode rows; verifying {rows_per_seq - 1} drafts "

@@ -1,10 +1,13 @@
 """--speculative-config on the command line: generate speculates and prints plain
-decoding's text; explain and doctor say what would draft, and refuse what cannot."""
+decoding's text; explain and doctor say what would draft and how its verification steps
+run (CUDA graphs or eagerly), and refuse what cannot."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+from tiny_checkpoints import build_tiny_mtp_checkpoint
 from typer.testing import CliRunner
 
 from archserve.cli.main import app
@@ -46,3 +49,24 @@ def test_doctor_refuses_a_draft_with_another_tokenizer(tiny_checkpoint, embedded
     out = runner.invoke(app, ["doctor", "--model", embedded_model_path,
                               "--speculative-config", other])
     assert out.exit_code == 1 and "its tokenizer is not the target's" in out.output
+
+
+@pytest.mark.parametrize("device, says", [
+    ("h200", "verification steps (at most 4 query tokens a sequence) replay mixed-step CUDA "
+             "graphs per token bucket (cudagraph_mode FULL), each token a decode row of "
+             "TRITON_MLA's decode kernel"),
+    ("cpu", "verification steps run eagerly (TORCH_REFERENCE is not captured in CUDA graphs)"),
+])
+def test_explain_says_how_an_mla_targets_verification_steps_run(tmp_path, device, says):
+    # An MTP target's attention is MLA: on a GPU its verification steps (k + 1 = 4 tokens a
+    # sequence) are captured as decode rows; the CPU's reference runs them eagerly.
+    path = build_tiny_mtp_checkpoint(str(tmp_path / "v3"), kv_lora_rank=256,
+                                     qk_rope_head_dim=64, head_dim=64, qk_nope_head_dim=128,
+                                     v_head_dim=128)
+    out = runner.invoke(app, ["explain", "--model", path, "--device", device, "--json",
+                              "--speculative-config",
+                              '{"method": "mtp", "num_speculative_tokens": 3}'])
+    assert out.exit_code == 0, out.output
+    decision = next(d for d in json.loads(out.output)["decisions"]
+                    if d["what"] == "speculative decoding")
+    assert decision["chosen"] == "mtp" and says in decision["reason"], decision["reason"]

@@ -229,9 +229,10 @@ def test_a_buckets_padding_stays_inside_what_a_real_step_can_address():
 
 CHILD = r"""
 import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+import written_steps
 from archserve import LLM
 from archserve.engine.mixed_graphs import MixedGraphRunner
-from archserve.kernels.attention.interface import AttentionMetadata
 
 llm = LLM(sys.argv[1], attention_backend="TRITON_ATTN", dtype="float32", max_model_len=128,
           max_num_seqs=4)
@@ -241,24 +242,11 @@ for kv in runner.kv_caches:
     kv.copy_(torch.randn(kv.shape, generator=generator))
 mixed = MixedGraphRunner(runner._forward_rows, runner.device, 64, 4, runner.max_blocks_per_seq,
                          runner.max_model_len, runner.block_size)
-bs = runner.block_size
 
 def written_step():
     # A decode at position 20, a 9-token chunk after a 7-token prefix, a fresh 5-token
     # prompt: each sequence its own blocks, every token's KV written to its slot.
-    query_lens, seq_lens = [1, 9, 5], [21, 16, 5]
-    tables = [[10 + j for j in range(3)], [20 + j for j in range(3)], [30, 31, 32]]
-    slots, positions = [], []
-    for q, n, table in zip(query_lens, seq_lens, tables):
-        for p in range(n - q, n):
-            positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-    meta = AttentionMetadata.from_lengths(query_lens, seq_lens,
-                                          torch.tensor(tables, dtype=torch.int32),
-                                          torch.tensor(slots), "cpu")
-    ids = torch.arange(len(slots)) % 50 + 3
-    rows = torch.tensor([0, 9, 14])
-    return ids, torch.tensor(positions), meta, rows
+    return written_steps.written_step([1, 9, 5], [21, 16, 5], runner.block_size)
 
 cases = [(16, mixed.canary_step(16, 8)), (64, mixed.canary_step(64, 8)), (16, written_step()),
          (32, written_step())]
@@ -279,8 +267,8 @@ print(json.dumps(result))
 def test_a_step_padded_into_a_bucket_gives_the_same_logits(tiny_checkpoint):
     path = tiny_checkpoint("llama-h64")   # the Triton backend takes heads of 32 and up
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", CHILD, path, os.path.dirname(__file__)],
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [c["bucket"] for c in cases] == [16, 64, 16, 32]

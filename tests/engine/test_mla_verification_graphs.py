@@ -20,9 +20,10 @@ from archserve.engine.mixed_graphs import MixedGraphRunner
 
 CHILD = r"""
 import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+import written_steps
 from archserve import LLM
 from archserve.engine.mixed_graphs import MixedGraphRunner
-from archserve.kernels.attention.interface import AttentionMetadata
 from archserve.kernels.mla.triton_mla import TritonMlaImpl
 
 llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, max_num_seqs=4)
@@ -35,23 +36,12 @@ k = 3
 mixed = MixedGraphRunner(runner._forward_rows, runner.device, 32, 4, runner.max_blocks_per_seq,
                          runner.max_model_len, runner.block_size, rows_per_seq=k + 1,
                          max_query_len=k + 1)
-bs = runner.block_size
 
 def verification_step():
     # Sequences verifying 3, 0 and 2 drafts over contexts of 20, 9 and 33 tokens, each in
     # its own blocks, every token's latent written to its slot; every row sampled.
-    query_lens, seq_lens = [4, 1, 3], [24, 10, 36]
-    tables = [[10 + j for j in range(3)], [20 + j for j in range(3)], [30, 31, 32]]
-    slots, positions = [], []
-    for q, n, table in zip(query_lens, seq_lens, tables):
-        for p in range(n - q, n):
-            positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-    meta = AttentionMetadata.from_lengths(query_lens, seq_lens,
-                                          torch.tensor(tables, dtype=torch.int32),
-                                          torch.tensor(slots), "cpu")
-    ids = torch.arange(len(slots)) % 50 + 3
-    return ids, torch.tensor(positions), meta, torch.arange(len(slots))
+    return written_steps.written_step([4, 1, 3], [24, 10, 36], runner.block_size,
+                                      every_row=True)
 
 cases = [(16, mixed.canary_step(16, 8)), (32, mixed.canary_step(32, 8)),
          (16, verification_step())]
@@ -80,8 +70,8 @@ print(json.dumps(result))
 def test_a_verification_step_padded_into_a_bucket_gives_the_same_logits(tmp_path):
     path = build_tiny_mtp_checkpoint(str(tmp_path / "v3"))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True,
-                          env=env, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", CHILD, path, os.path.dirname(__file__)],
+                          capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     *cases, refused = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [c["bucket"] for c in cases] == [16, 32, 16]

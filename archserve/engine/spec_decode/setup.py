@@ -71,6 +71,27 @@ def plan_speculation(config: SpeculativeConfig, target, target_path: str | None 
         f"{_VERIFY}")
 
 
+def verification_graphs_text(backend, rows_per_seq: int) -> str:
+    """How verification steps of ``rows_per_seq`` (1 + k) query tokens a sequence run over
+    the target's attention ``backend`` (a registry backend) with CUDA graphs on
+    (cudagraph_mode FULL, the default): what explain says. The engine's start-up decision
+    "cudagraph_mode" says what it captured."""
+    from archserve.engine.mixed_graphs import mixed_step_query_limit
+    if not backend.graph_capturable:
+        return f"verification steps run eagerly ({backend.name} is not captured in CUDA graphs)"
+    captured, limit = mixed_step_query_limit(backend, rows_per_seq)
+    if not captured:
+        return (f"verification steps run eagerly ({backend.name}'s CUDA graphs capture "
+                f"decode steps only)")
+    if limit is None:
+        return (f"verification steps replay mixed-step CUDA graphs per token bucket "
+                f"({backend.name}, cudagraph_mode FULL)")
+    return (f"verification steps (at most {limit} query tokens a sequence) replay mixed-step "
+            f"CUDA graphs per token bucket (cudagraph_mode FULL), each token a decode row of "
+            f"{backend.name}'s decode kernel with its own causal length; a step with a longer "
+            f"prompt chunk runs eagerly")
+
+
 def _same_tokenizer(target_path: str | None, draft_path: str) -> str:
     """How the draft model's tokenizer was checked against the target's: every draft token
     must have the target's id (ValueError where one does not)."""
