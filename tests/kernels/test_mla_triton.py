@@ -155,11 +155,15 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
         assert torch.equal(replayed[:case.num_valid_tokens], out)
         assert torch.isfinite(replayed).all()     # the padding sequence's rows too
 
-    def test_mixed_step_decode_metadata_is_not_written_by_the_kernel_before(monkeypatch):
+    @pytest.mark.parametrize("seqs", [[(20, 33), (5, 21), (1, 40), (3, 3)],
+                                      [(5, 21), (1, 40), (3, 3)]],
+                             ids=["beside-a-prompt", "decode-rows"])
+    def test_mixed_step_decode_metadata_is_not_written_by_the_kernel_before(monkeypatch, seqs):
         # The decode kernel reads its metadata (query starts, lengths, block tables) before
         # PDL's wait (kernels/pdl.py), while the kernel launched right before it may still
-        # be running: in a mixed step, where the decoding sequences' metadata is gathered on
-        # the device, the last op before the decode must be another's (the absorbed query).
+        # be running: in a step with more than one query token a sequence, where the decode
+        # rows' metadata is gathered on the device (beside a prompt chunk, or for every
+        # token), the last op before the decode must be another's (the absorbed query).
         from torch.utils._python_dispatch import TorchDispatchMode
 
         from archserve.kernels.mla import triton_mla
@@ -195,7 +199,7 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
 
         decode = triton_mla.mla_decode
         monkeypatch.setattr(triton_mla, "mla_decode", decode_after)
-        case = make_mla_case([(5, 21), (1, 40), (3, 3)], seed=3, **TINY)
+        case = make_mla_case(seqs, seed=3, **TINY)
         with writes:
             case.run(triton_mla.TritonMlaImpl())
         assert checked
