@@ -14,9 +14,10 @@ def written_step(query_lens: list[int], seq_lens: list[int], block_size: int,
                  every_row: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """(input ids, positions, metadata, sampled rows) of a step of these lengths (at most
-    three blocks a sequence), sequence i in blocks 10 (i + 1) onwards, every token's KV
-    written to its slot; it samples each sequence's last row, or every row."""
-    tables = [[10 * (i + 1) + j for j in range(3)] for i in range(len(query_lens))]
+    three blocks a sequence), every token's KV written to its slot; it samples each
+    sequence's last row, or every row. Sequence i owns blocks 3i + 1 .. 3i + 3 (a small
+    pool holds them; block 0 is left to a bucket's padding sequence, which reads it)."""
+    tables = [[3 * i + j + 1 for j in range(3)] for i in range(len(query_lens))]
     slots, positions = [], []
     for q, n, table in zip(query_lens, seq_lens, tables, strict=True):
         for p in range(n - q, n):
