@@ -94,14 +94,17 @@ def trace_decode_step(model: torch.nn.Module, context: ForwardContext, size: int
 
 
 def compile_graph(graph: torch.fx.GraphModule, size: int, device: torch.device) -> Step:
-    """``graph`` compiled by inductor, rounding 16-bit intermediates as eager does, without
-    autotuning (a start-up would time GEMM templates for minutes). Inductor caches what it compiles (its FX graph cache, keyed by the graph
+    """``graph`` compiled by inductor (its Python wrapper: the C++ one timed no faster here
+    and compiles longer), rounding 16-bit intermediates as eager does, without autotuning
+    (a start-up would time GEMM templates for minutes). Inductor caches what it compiles (its FX graph cache, keyed by the graph
     and its constants' shapes), so a second start loads it in seconds."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    with torch.inference_mode(), inductor_config.patch(max_autotune=False,
-                                                             emulate_precision_casts=True):
+    # size_asserts off: the wrapper checked the shape of every kernel's output, ~600 Python
+    # calls a step of the embedded model, for shapes fixed by the trace.
+    with torch.inference_mode(), inductor_config.patch(max_autotune=False, size_asserts=False,
+                                                       emulate_precision_casts=True):
         compiled = compile_fx(graph, example_inputs(size, device))
 
     def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

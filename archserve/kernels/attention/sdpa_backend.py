@@ -225,16 +225,18 @@ class SdpaAttentionImpl(TorchCacheWriter):
             ("rows_q",), lambda: torch.tensor([starts[i] for i in seqs], device=query.device))
         rows = self.step_memo.get(("rows", block_size, max_len), lambda: decode_cache_rows(
             meta.block_tables[picked], block_size, max_len))                # [S * L]
-        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+        keys, values = kv_cache.view(2, -1, *kv_cache.shape[3:]).unbind(0)
         shape = (num_seqs, max_len, *kv_cache.shape[3:])
-        k = flat[0].index_select(0, rows).view(shape)                        # [S, L, Hkv, D]
-        v = flat[1].index_select(0, rows).view(shape)
-        k = dequantize(k, k_scale, query.dtype).transpose(1, 2)              # [S, Hkv, L, D]
-        v = dequantize(v, v_scale, query.dtype).transpose(1, 2)
+        # Widened (``widened_on_cpu``): read straight into float32, one conversion a tensor;
+        # the output is rounded to the query's dtype by its copy into ``out``.
+        dtype = torch.float32 if widened_on_cpu(query) else query.dtype
+        k = dequantize(keys.index_select(0, rows).view(shape), k_scale, dtype)  # [S, L, Hkv, D]
+        v = dequantize(values.index_select(0, rows).view(shape), v_scale, dtype)
         mask = self.step_memo.get(("mask", max_len, layer.sliding_window), lambda: decode_mask(
             meta.seq_lens[picked], lens, max_len, layer.sliding_window))
-        q = query[rows_q].unsqueeze(2)                                       # [S, H, 1, D]
-        o = attend(q, k, v, mask, False, layer.scale, layer.logit_soft_cap, layer.sinks)
+        q = query[rows_q].unsqueeze(2).to(dtype)                             # [S, H, 1, D]
+        o = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, False, layer.scale,
+                   layer.logit_soft_cap, layer.sinks)
         out[rows_q] = o.squeeze(2)
 
 
