@@ -76,8 +76,9 @@ def doctor(
     if speculative_config is not None:
         from archserve.cli.explain import speculation_decision
         try:
-            report.decisions.append(speculation_decision(speculative_config,
-                                                         resolve_model_path(model)))
+            report.decisions.append(speculation_decision(
+                speculative_config, resolve_model_path(model),
+                [op.route for op in report.ops.values() if op.route is not None]))
         except ValueError as exc:
             report.blockers.append(f"speculative decoding: {exc}")
     if json_output:

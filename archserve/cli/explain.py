@@ -147,13 +147,18 @@ def speculation_decision(speculative_config: str, model_path: str, routes=()):  
     target, _ = load_model_config(model_path)
     config, decision = plan_speculation(parse_speculative_config(speculative_config), target,
                                         model_path)
-    attention = next((r for r in routes if r.op in ("attention", "mla_attention")
-                      and r.backend), None)
-    if attention is None:
-        return decision
-    backend = default_registry().get(attention.op, attention.backend)
-    return replace(decision, reason=f"{decision.reason}; "
-                   + verification_graphs_text(backend, config.num_speculative_tokens + 1))
+    # The route of the target's attention: MLA (sparse or dense, as the model is) or not.
+    op = "mla_attention" if target.mla is not None else "attention"
+    sparse = target.sparse_attention is not None
+    registry = default_registry()
+    for route in routes:
+        if route.op != op or not route.backend:
+            continue
+        backend = registry.get(op, route.backend)
+        if op == "attention" or backend.sparse == sparse:
+            return replace(decision, reason=f"{decision.reason}; " + verification_graphs_text(
+                backend, config.num_speculative_tokens + 1))
+    return decision
 
 
 def _print_explanation(result) -> None:  # noqa: ANN001 - an Explanation

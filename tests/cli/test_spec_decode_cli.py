@@ -57,16 +57,18 @@ def test_doctor_refuses_a_draft_with_another_tokenizer(tiny_checkpoint, embedded
              "TRITON_MLA's decode kernel"),
     ("cpu", "verification steps run eagerly (TORCH_REFERENCE is not captured in CUDA graphs)"),
 ])
-def test_explain_says_how_an_mla_targets_verification_steps_run(tmp_path, device, says):
+def test_explain_and_doctor_say_how_an_mla_targets_verification_steps_run(tmp_path, device, says):
     # An MTP target's attention is MLA: on a GPU its verification steps (k + 1 = 4 tokens a
     # sequence) are captured as decode rows; the CPU's reference runs them eagerly.
     path = build_tiny_mtp_checkpoint(str(tmp_path / "v3"), kv_lora_rank=256,
                                      qk_rope_head_dim=64, head_dim=64, qk_nope_head_dim=128,
                                      v_head_dim=128)
-    out = runner.invoke(app, ["explain", "--model", path, "--device", device, "--json",
-                              "--speculative-config",
-                              '{"method": "mtp", "num_speculative_tokens": 3}'])
-    assert out.exit_code == 0, out.output
-    decision = next(d for d in json.loads(out.output)["decisions"]
-                    if d["what"] == "speculative decoding")
-    assert decision["chosen"] == "mtp" and says in decision["reason"], decision["reason"]
+    for command in ("explain", "doctor"):
+        out = runner.invoke(app, [command, "--model", path, "--device", device, "--json",
+                                  "--speculative-config",
+                                  '{"method": "mtp", "num_speculative_tokens": 3}'])
+        assert out.exit_code == 0, out.output
+        decision = next(d for d in json.loads(out.output)["decisions"]
+                        if d["what"] == "speculative decoding")
+        assert decision["chosen"] == "mtp" and says in decision["reason"], \
+            (command, decision["reason"])
