@@ -6,15 +6,16 @@ bits differ), and leaks no KV block.
 Verification steps replay mixed-step graphs for every target: TRITON_ATTN's (the Llama
 targets) capture any step with prompt tokens; an MLA target's (TRITON_MLA: the MTP case)
 capture the steps whose every sequence brings at most k + 1 query tokens, each token a
-decode row of its own causal length (kernels/mla/decode_rows.py). The draft network's
-forwards replay graphs of their own.
+decode row of its own causal length (kernels/mla/decode_rows.py); a sparse-MLA target's
+(TRITON_MLA_SPARSE, n-gram drafts over a DeepSeek-V3.2) selects its keys per row too. The
+draft network's forwards replay graphs of their own.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_checkpoints import build_tiny_mtp_checkpoint
+from tiny_checkpoints import build_tiny_checkpoint, build_tiny_mtp_checkpoint
 
 from archserve import LLM, SamplingParams
 
@@ -71,6 +72,15 @@ def mtp_checkpoint(tmp_path_factory):
                                      predicts_next=True, **GPU_V3)
 
 
+def sparse_mla_checkpoint(path: str) -> str:
+    """A tiny DeepSeek-V3.2 (TRITON_MLA_SPARSE: latent 256 + 64, 16 indexer heads) whose
+    contexts pass its top-16, its decoder layers dense as the MTP target's are."""
+    from models.test_sparse_mla_vs_hf import GPU_DSA, RANDOM_BUFFERS
+    return build_tiny_checkpoint(path, "deepseek_v32", random_buffers=RANDOM_BUFFERS,
+                                 **{**GPU_DSA, "index_topk": 16,
+                                    "first_k_dense_replace": GPU_DSA["num_hidden_layers"]})
+
+
 def _count_replays(graph_runner, counter: list) -> None:
     replay = graph_runner.replay
 
@@ -85,12 +95,19 @@ def _graph_decisions(engine) -> str:  # noqa: ANN001
                      if "graph" in d.what or d.what == "speculative decoding")
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp", "ngram-sparse-mla"])
 def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_checkpoint,
-                                                           method):
-    path = mtp_checkpoint if method == "mtp" else tiny_checkpoint("llama-h64")
+                                                           tmp_path, method):
+    if method == "mtp":
+        path = mtp_checkpoint
+    elif method == "ngram-sparse-mla":
+        path = sparse_mla_checkpoint(str(tmp_path / "v32"))
+    else:
+        path = tiny_checkpoint("llama-h64")
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                       "prompt_lookup_min": 1},
+            "ngram-sparse-mla": {"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1},
             "draft_model": {"method": "draft_model", "model": path,
                             "num_speculative_tokens": 4},
             "mtp": {"method": "mtp", "num_speculative_tokens": 3}}[method]
@@ -103,6 +120,7 @@ def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_c
     decisions = _graph_decisions(engine)
     assert engine.config.async_scheduling and engine.report.graph_sizes, decisions
     attention = engine.report.attention
+    assert method != "ngram-sparse-mla" or attention.name == "TRITON_MLA_SPARSE", decisions
     mixed = engine.runner.mixed_graphs
     verified, drafted = [], []
     assert mixed is not None and mixed.set.sizes, \
