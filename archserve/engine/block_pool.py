@@ -25,8 +25,11 @@ only when no never-cached free block is left. Blocks of one sequence are freed t
 first, so a prompt's head outlives its tail.
 
 A model that keeps its window's keys in a ring per sequence (DeepSeek V4: ``num_rings`` rings
-of ``ring_rows`` rows) takes one at admission and returns it with its blocks: the pool is
-built for as many rings as sequences may run.
+of ``ring_rows`` rows, engine/window_rings.py) takes one at admission and returns it with its
+blocks. No block keeps the window's keys, so the prefix cache serves a prefix only up to a
+block whose ring snapshot it holds (taken when a step ends at that block's end: a prompt's
+chunks are cut at its last full block, ``chunk_limit``), and the admitted sequence's ring
+starts as a copy of it.
 
 Sampling with ``n > 1`` needs no fork: the ``n`` sequences are ordinary sequences with
 the same prompt. Once one of them has computed a full prompt block, the others find it
@@ -42,6 +45,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from archserve.engine.sequence import Sequence
+from archserve.engine.window_rings import WindowRings
 
 _NO_PARENT = b"archserve-prefix-v1"   # seed of every hash chain
 _ROOT = (-1, -1)                       # the "parent" of a sequence's first block
@@ -84,10 +88,7 @@ class KVBlockPool:
                  num_rings: int = 0, ring_rows: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        if ring_rows and num_rings < 1:
-            raise ValueError("a model with a window ring per sequence needs num_rings >= 1")
-        self.ring_rows = ring_rows
-        self._free_rings: deque[int] = deque(range(num_rings if ring_rows else 0))
+        self.rings = WindowRings(num_rings, ring_rows) if ring_rows else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -155,7 +156,21 @@ class KVBlockPool:
             ids.append(block_id)
             hashes.append(h)
             parent = h
+        if self.rings is not None:   # a hit ends where the window before it was kept
+            while ids and not self.rings.has_snapshot(ids[-1]):
+                ids.pop()
+                hashes.pop()
         return CachedPrefix(tuple(ids), tuple(hashes), len(ids) * bs)
+
+    def chunk_limit(self, seq: Sequence, start: int, num_new_tokens: int) -> int:
+        """How many of ``num_new_tokens`` from position ``start`` a chunk of ``seq`` may
+        take: with window rings and the prefix cache, a chunk that would run past the
+        prompt's last full block (the longest prefix another prompt could reuse) ends
+        there, so that block's ring snapshot can be kept."""
+        if self.rings is None or not self.enable_prefix_caching:
+            return num_new_tokens
+        last = (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+        return last - start if start < last < start + num_new_tokens else num_new_tokens
 
     # -- allocation ---------------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -168,7 +183,7 @@ class KVBlockPool:
         """Whether ``allocate(seq, num_new_tokens, prefix)`` would succeed."""
         if seq.block_table:
             return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
-        if self.ring_rows and not self._free_rings:
+        if self.rings is not None and not self.rings.can_take():
             return False
         prefix = self.find_cached_prefix(seq) if prefix is None else prefix
         return self._fresh_blocks_for_admission(prefix, num_new_tokens) <= self._free_after_taking(prefix)
@@ -186,10 +201,11 @@ class KVBlockPool:
             return self.append_slots(seq, num_new_tokens)
         prefix = self.find_cached_prefix(seq) if prefix is None else prefix
         fresh = self._fresh_blocks_for_admission(prefix, num_new_tokens)
-        if fresh > self._free_after_taking(prefix) or (self.ring_rows and not self._free_rings):
+        if fresh > self._free_after_taking(prefix) or (self.rings is not None
+                                                       and not self.rings.can_take()):
             return False
-        if self.ring_rows:
-            seq.ring = (self._free_rings.popleft() * self.ring_rows, self.ring_rows)
+        if self.rings is not None:
+            self.rings.take(seq, prefix.block_ids[-1] if prefix.block_ids else None)
         for block_id in prefix.block_ids:
             self._take(block_id)
         seq.block_table = list(prefix.block_ids)
@@ -238,6 +254,15 @@ class KVBlockPool:
                 self._block_parent[block_id] = self._identity(parent_id)
                 self._registrations += 1
                 self._registration[block_id] = self._registrations
+        if self.rings is not None and num_full and num_full * bs == seq.num_computed_tokens \
+                <= seq.num_prompt_tokens:
+            # The step just committed ended at this block's end: the ring holds the window
+            # before it (copied before any later step writes the ring), kept for the
+            # cache's entry of the block (this one, or the same prefix's computed earlier).
+            entry = self._cached.get(seq.block_hashes[num_full - 1])
+            if entry is not None and self._block_tokens[entry] == tuple(
+                    seq.token_ids[(num_full - 1) * bs:num_full * bs]):
+                self.rings.snapshot(entry, seq)
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, and clear its KV state."""
@@ -248,9 +273,8 @@ class KVBlockPool:
                     self._free_uncached.append(block_id)
                 else:
                     self._free_cached[block_id] = None
-        if seq.ring is not None:
-            self._free_rings.append(seq.ring[0] // self.ring_rows)
-            seq.ring = None
+        if self.rings is not None:
+            self.rings.give_back(seq)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
@@ -262,6 +286,8 @@ class KVBlockPool:
             self._block_hash[block_id] = None
             self._block_tokens[block_id] = None
         self._cached.clear()
+        if self.rings is not None:
+            self.rings.forget_all()
         self._free_uncached.extend(self._free_cached)
         self._free_cached.clear()
         return dropped
@@ -298,6 +324,8 @@ class KVBlockPool:
         else:
             block_id, _ = self._free_cached.popitem(last=False)  # least recently freed
             del self._cached[self._block_hash[block_id]]
+            if self.rings is not None:
+                self.rings.forget(block_id)
             self._block_hash[block_id] = None
             self._block_tokens[block_id] = None
         self._ref_count[block_id] = 1

@@ -45,8 +45,7 @@ class LLMEngine:
         self.report, self.cpu_threads = setup.report, setup.cpu_threads
         self.step_weights = setup.step_weights      # of one rank's shard under TP
         self.config = config = dataclasses.replace(config,
-                                                   async_scheduling=setup.async_scheduling,
-                                                   enable_prefix_caching=setup.prefix_caching)
+                                                   async_scheduling=setup.async_scheduling)
         self.tokenizer = (None if config.skip_tokenizer_init
                           else load_tokenizer(config.tokenizer or config.model))
         self.max_model_len = setup.max_model_len
@@ -325,6 +324,8 @@ class LLMEngine:
                 # The prefix-cache hit users see is the first admission's, not a
                 # recompute's after preemption (those hit the sequence's own blocks).
                 state.num_cached_tokens = max(s.num_cached_tokens for s in state.seqs)
+        if out.ring_copies:   # window rings (DeepSeek V4), before the step's forward
+            self.runner.copy_rings(out.ring_copies)
         launched = self.runner.execute(out.scheduled, self._in_flight and self._in_flight[1])
         # The previous step resolves while this one runs; its finished sequences are then
         # skipped by commit (their work in this step is discarded).

@@ -146,6 +146,15 @@ class ModelRunner:
         self.kv_caches = model_kv_caches(cfg, num_blocks, self.block_size, dtype, self.device,
                                          head_size, num_rings)
 
+    def copy_rings(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole window rings (source ring, target ring), in order, in every layer
+        (engine/window_rings.py: a prefix's snapshot, a ring restored from one), queued
+        before the step's forward."""
+        rings = self.kv_caches[self.model_config.num_layers:]
+        for source, target in copies:
+            for ring in rings:
+                ring[:, target].copy_(ring[:, source])
+
     @functools.cached_property
     def step_weights(self):  # noqa: ANN201 - a StepWeights (engine/step_weights.py)
         """What one decode step reads (weights by kind), computed once: the self-check,

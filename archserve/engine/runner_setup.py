@@ -86,11 +86,10 @@ class RunnerSetup:
     # parallelism the engine process holds no model to count them from).
     step_weights: StepWeights | None = None
     speculator: object | None = None   # spec_decode.speculator.Speculator, when configured
-    # DeepSeek V4: a window ring per sequence (num_rings of ring_rows rows), and prefix
-    # caching refused (its blocks do not carry the window's keys).
+    # DeepSeek V4: window rings of ring_rows rows, one per sequence and the prefix
+    # cache's snapshots (engine/window_rings.py).
     num_rings: int = 0
     ring_rows: int = 0
-    prefix_caching: bool = True
 
 
 def peek_model_config(model_path: str | None):
@@ -396,17 +395,11 @@ class _RunnerBuild:
                 max(max_batched, config.max_num_seqs, *self.graph_sizes), self.torch_device)
             self.decisions.append(self.lora.decision)
         kv_torch_dtype = self.kv_torch_dtype
-        # DeepSeek V4 keeps its window's keys in a ring per sequence that may run.
+        # DeepSeek V4 keeps its window's keys in a ring per sequence that may run, and the
+        # prefix cache as many again: the snapshots of the windows before cached prefixes.
         self.ring_rows = ring_rows(self.rank_mc)
-        self.num_rings = config.max_num_seqs if self.ring_rows else 0
-        self.prefix_caching = config.enable_prefix_caching
-        if self.ring_rows and config.enable_prefix_caching:
-            self.prefix_caching = False
-            self.decisions.append(Decision(
-                "prefix caching", "on", "off",
-                "the model's sliding-window keys live in a ring per sequence, which a "
-                "cached block does not carry: a cached prefix could not give the keys of "
-                "the window before its end"))
+        self.num_rings = (config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
+                          if self.ring_rows else 0)
         # A sequence verifying drafts samples a row for each: the LM head's buffers have room.
         self.rows_per_seq = 1 + (self.speculative.num_speculative_tokens
                                  if self.speculative else 0)
@@ -577,5 +570,4 @@ class _RunnerBuild:
                            cpu_threads=self.cpu_threads,
                            decoding_token_budget=self.budget.decoding,
                            step_weights=runner.step_weights, speculator=self.speculator,
-                           num_rings=self.num_rings, ring_rows=self.ring_rows,
-                           prefix_caching=self.prefix_caching)
+                           num_rings=self.num_rings, ring_rows=self.ring_rows)

@@ -102,6 +102,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes, then prefills
     preempted: list[Sequence] = field(default_factory=list)
+    # Window rings (engine/window_rings.py) the runner copies before the step's forward:
+    # (source ring, target ring), in order.
+    ring_copies: list[tuple[int, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
     token_budget: int = 0          # what this step could take (it carried decodes, or not)
 
@@ -202,7 +205,8 @@ class Scheduler:
                 continue  # preempted earlier in this step
             if budget == 0:
                 break
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self.block_pool.chunk_limit(seq, seq.num_computed_tokens,
+                                                  min(seq.num_uncomputed_tokens, budget))
             drafts = seq.spec_token_ids[:budget - 1] if num_new == 1 else []
             if drafts and self.block_pool.append_slots(seq, 1 + len(drafts)):
                 planned[seq.seq_id] = ScheduledSeq(seq, 1 + len(drafts), True, drafts)
@@ -223,6 +227,8 @@ class Scheduler:
 
         out.scheduled = list(planned.values())
         out.num_batched_tokens = out.token_budget - budget
+        if self.block_pool.rings is not None and out.scheduled:   # else the next step's
+            out.ring_copies = self.block_pool.rings.drain_copies()
         return out
 
     def postprocess(self, output: SchedulerOutput, sampled_token_ids: Iterable[int],
@@ -320,7 +326,7 @@ class Scheduler:
             if remaining > budget and not chunked:
                 # Validation guarantees a whole prompt fits an empty step, so it waits for one.
                 break
-            num_new = min(remaining, budget)
+            num_new = self.block_pool.chunk_limit(seq, prefix.num_tokens, min(remaining, budget))
             if not self.block_pool.allocate(seq, num_new, prefix):
                 break
             self.waiting.popleft()

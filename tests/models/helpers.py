@@ -205,12 +205,15 @@ def assert_llm_greedy_and_prompt_logprobs_equal_hf(path: str, prompts: list[str]
                                                   num_tokens: int = 32, tol: float = 1e-4,
                                                   prompt_logprobs: bool = True,
                                                   hf_kwargs: dict | None = None,
+                                                  warm_up: list[str] = (),
+                                                  output_logprobs: bool = False,
                                                   **llm_kwargs) -> list:
     """The whole engine (archserve.LLM, fp32) against transformers from the same checkpoint
     (``hf_kwargs``: more arguments of its ``from_pretrained``): token-identical greedy
     output and prompt log-probabilities within ``tol`` (unless ``prompt_logprobs`` is off:
-    a request asking for them computes its whole prompt, never reading the prefix cache).
-    Returns the engine's outputs."""
+    a request asking for them computes its whole prompt, never reading the prefix cache),
+    with ``output_logprobs`` the generated tokens' too. ``warm_up``: prompts the engine
+    generates first (their prefixes cached). Returns the engine's outputs."""
     from transformers import AutoModelForCausalLM
 
     from archserve import LLM, SamplingParams
@@ -220,17 +223,24 @@ def assert_llm_greedy_and_prompt_logprobs_equal_hf(path: str, prompts: list[str]
     hf_model.generation_config.eos_token_id = None
     llm = LLM(path, dtype="float32", **{"max_num_seqs": 4, **llm_kwargs})
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True,
-                            prompt_logprobs=1 if prompt_logprobs else None)
+                            prompt_logprobs=1 if prompt_logprobs else None,
+                            logprobs=1 if output_logprobs else None)
     seen: set[int] = set()
+    if warm_up:
+        llm.generate(list(warm_up), params)
     outputs = llm.generate(prompts, params)
     for out in outputs:
         ids = out.prompt_token_ids
         with torch.no_grad():
             expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=num_tokens,
                                          do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
-            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+            scored = ids + expected if output_logprobs else ids
+            ref = torch.log_softmax(hf_model(torch.tensor([scored])).logits[0].float(), -1)
         assert list(out.outputs[0].token_ids) == expected, out.prompt
         seen.update(expected)
+        for i, token in enumerate(expected if output_logprobs else ()):
+            got = out.outputs[0].logprobs[i][token].logprob
+            assert abs(got - ref[len(ids) - 1 + i, token].item()) < tol
         for pos in range(1, len(ids) if prompt_logprobs else 0):
             got = out.prompt_logprobs[pos][ids[pos]].logprob
             assert abs(got - ref[pos - 1, ids[pos]].item()) < tol

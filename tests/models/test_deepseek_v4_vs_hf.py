@@ -1,8 +1,8 @@
 """DeepSeek V4 against transformers (5.25's DeepseekV4ForCausalLM, eager, fp32) with the same
 tiny random weights, on CPU: every prompt position, prefill then decode, chunked prefill whose
 chunks end inside compression groups, the whole engine's 32 greedy tokens and prompt
-log-probs, the window's ring wrapping under chunked prefill and preemption, prefix caching
-refused, DeepSeek's release layout, dummy weights.
+log-probs, the window's ring wrapping under chunked prefill, prefix reuse (the ring restored
+from a snapshot) and preemption, DeepSeek's release layout, dummy weights.
 
 The tiny model has every V4 part at odd sizes: 7 layers of the three kinds (sliding window
 only, compressed sparse with 4-token entries, heavily compressed with 8-token ones, each kind
@@ -22,6 +22,7 @@ from tiny_checkpoints import build_tiny_checkpoint
 
 from archserve.kernels.compressed_attention.layout import CSA, HCA, SLIDING
 from models.helpers import (
+    PREFIX_TAILS,
     PROMPTS,
     SHARED_PREFIX,
     TEXT_PROMPTS,
@@ -192,37 +193,30 @@ def test_llm_greedy_and_prompt_logprobs_equal_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("budget", [6, 7, 11])
-def test_llm_chunked_prefill_ring_wrap_and_preemption(tmp_path, monkeypatch, budget):
+def test_llm_chunked_prefill_ring_wrap_prefix_and_preemption(tmp_path, monkeypatch, budget):
     """Prompts of 20+ tokens and 32 greedy tokens over a window of 6 (each sequence's ring
     of 6 rows wraps 9 times and more), prefills chunked 6, 7 or 11 tokens a step (ending
     inside groups of 4 and 8; 7 and 11 move a chunk's end around the ring, across its wrap,
-    11 is longer than the ring), and a pool too small for every sequence at once, so some
-    are preempted and recomputed in a fresh ring. Prefix caching was asked for and is
-    refused (no hits)."""
+    11 is longer than the ring), prompts that reuse the shared prefix a first prompt left
+    cached (its blocks, and the snapshot of its ring at the last one), and a pool too small
+    for every sequence at once, so some are preempted and recomputed in a fresh ring."""
     outputs = assert_chunked_prefix_and_preemption_equal_hf(
         _checkpoint(tmp_path), monkeypatch, max_num_batched_tokens=budget, block_size=8,
-        num_kv_blocks=14, min_cached_tokens=0)
+        num_kv_blocks=14, warm_up=[SHARED_PREFIX], output_logprobs=True)
     assert all(len(o.prompt_token_ids) > 3 * 6 for o in outputs)
-    assert all(o.num_cached_tokens == 0 for o in outputs)
 
 
-def test_prefix_caching_is_refused_with_its_reason(tmp_path):
-    """A cached block does not carry the window's keys before its end (the ring moved on):
-    the engine runs without prefix caching and says why; a repeated prompt is recomputed,
-    to the same tokens."""
-    from archserve import LLM, SamplingParams
-    llm = LLM(_checkpoint(tmp_path), dtype="float32", block_size=8,
-              enable_prefix_caching=True)
-    engine = llm.llm_engine
-    decision = next(d for d in engine.report.decisions if d.what == "prefix caching")
-    assert (decision.requested, decision.chosen) == ("on", "off")
-    assert "ring" in decision.reason
-    assert not engine.block_pool.enable_prefix_caching
-    assert not engine.config.enable_prefix_caching
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    first, again = (llm.generate([SHARED_PREFIX * 2], params)[0] for _ in range(2))
-    assert again.num_cached_tokens == 0
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+def test_llm_prefix_reuse_restores_the_window(tmp_path):
+    """Prompts continuing a long cached prompt (4 rings' worth past the window) start from
+    a copy of the ring snapshot taken where its prefill was cut at its last full block:
+    every one hits the cache, and greedy tokens and their log-probs are transformers'."""
+    prefix = SHARED_PREFIX * 2
+    outputs = assert_llm_greedy_and_prompt_logprobs_equal_hf(
+        _checkpoint(tmp_path), [prefix + tail for tail in PREFIX_TAILS] + [prefix], 16,
+        prompt_logprobs=False, warm_up=[prefix], output_logprobs=True, block_size=8,
+        max_num_batched_tokens=7, enable_prefix_caching=True)
+    assert all(o.num_cached_tokens >= 24 for o in outputs), [o.num_cached_tokens
+                                                              for o in outputs]
 
 
 def test_speculative_decoding_is_refused(pair):
@@ -319,13 +313,13 @@ def test_gpu_bf16_engine_is_within_transformers_bf16_drift(tmp_path, enforce_eag
 
 
 @pytest.mark.gpu
-def test_gpu_chunked_prefill_matches_one_prefill(tmp_path):
+def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
     """Chunks of 16 tokens (4 and 1 compression groups, half the window's ring: chunk ends
-    cross its wrap) beside decodes, against the engine without chunking (prefix caching is
-    refused: no hits)."""
+    cross its wrap) over a cached prefix (the ring restored from its snapshot), beside
+    decodes, against the engine without prefix caching or chunking."""
     path = build_tiny_checkpoint(str(tmp_path), "deepseek_v4", init_model=init_v4_buffers,
                                  **GPU_V4)
-    assert_gpu_chunked_prefix_tracks_one_prefill(path, GPU_ENGINE, min_cached_tokens=0)
+    assert_gpu_chunked_prefix_tracks_one_prefill(path, GPU_ENGINE)
 
 
 @pytest.mark.parametrize("fp4_experts", [False, True], ids=["fp8", "fp4-experts"])

@@ -26,11 +26,11 @@ Per block of ``block_size`` tokens (a multiple of m), the layer's block holds:
   sit beside the main compressor's in the same accumulators.
 
 Everything in a block is a function of the tokens up to its end once the block is full, but
-the window's keys at a block's end are not kept (the ring moves on): a cached block cannot
-be handed to another sequence without them, so a V4 engine runs without prefix caching
-(``prefix_caching_refusal``). Preemption recomputes (a re-admitted sequence takes a fresh
-ring), and chunked prefill may end a step inside a group (the open accumulators carry it
-over) or anywhere in the ring.
+the window's keys before a block's end are not in it (the ring moves on): the prefix cache
+hands a cached prefix to another sequence only where it kept a snapshot of the ring at the
+prefix's end, which the sequence's ring starts as a copy of (engine/window_rings.py).
+Preemption recomputes (a re-admitted sequence takes a fresh ring), and chunked prefill may
+end a step inside a group (the open accumulators carry it over) or anywhere in the ring.
 
 Rows are in the model dtype; the block cache of one layer is uint8
 ``[1, num_blocks, block_size, 1, row_bytes]`` (the engine's 5-d form, with each token's
