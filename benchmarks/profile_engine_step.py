@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                     help="KV budget (CPU runs); on a GPU the memory utilisation sizes it")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("-O", "--compilation-config", default=None,
+                    help="vLLM's compilation config (JSON or a level: -O 3 compiles a CPU's "
+                         "decode steps)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="default: the engine's (on for CUDA, off on CPU)")
     ap.add_argument("--output-kind", default="final_only",
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             model=model_path, load_format=args.load_format, dtype=args.dtype,
             max_model_len=args.max_model_len, max_num_seqs=max(batch_size, 1),
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+            compilation_config=args.compilation_config,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             skip_tokenizer_init=dummy_without_tokenizer(model_path, args.load_format)))
         trace = (str(Path(args.trace_dir) / f"trace_b{batch_size}.json")

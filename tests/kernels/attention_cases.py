@@ -36,6 +36,8 @@ CPU_CASES = [
                                    sliding_window=16)),
     ("decode-pad-slots", dict(seqs=[(1, 20), (1, 3)], num_heads=4, num_kv_heads=1,
                               pad_tokens=2)),
+    ("decodes-after-a-chunk-bf16", dict(seqs=[(9, 30), (1, 20), (1, 7)], num_heads=6,
+                                        num_kv_heads=2, dtype=torch.bfloat16)),
     ("decode-gqa4-fp16", dict(seqs=[(1, 33), (1, 70)], num_heads=8, num_kv_heads=2,
                               dtype=torch.float16)),
     ("decode-gqa16-dot", dict(seqs=[(1, 40), (1, 17)], num_heads=16, num_kv_heads=1,

@@ -228,7 +228,7 @@ class SdpaAttentionImpl(TorchCacheWriter):
         keys, values = kv_cache.view(2, -1, *kv_cache.shape[3:]).unbind(0)
         shape = (num_seqs, max_len, *kv_cache.shape[3:])
         # Widened (``widened_on_cpu``): read straight into float32, one conversion a tensor;
-        # the output is rounded to the query's dtype by its copy into ``out``.
+        # the output is rounded to the query's dtype once, as it goes into ``out``.
         dtype = torch.float32 if widened_on_cpu(query) else query.dtype
         k = dequantize(keys.index_select(0, rows).view(shape), k_scale, dtype)  # [S, L, Hkv, D]
         v = dequantize(values.index_select(0, rows).view(shape), v_scale, dtype)
@@ -237,7 +237,7 @@ class SdpaAttentionImpl(TorchCacheWriter):
         q = query[rows_q].unsqueeze(2).to(dtype)                             # [S, H, 1, D]
         o = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, False, layer.scale,
                    layer.logit_soft_cap, layer.sinks)
-        out[rows_q] = o.squeeze(2)
+        out[rows_q] = o.squeeze(2).to(out.dtype)   # an index_put does not convert
 
 
 def decode_cache_rows(block_tables: torch.Tensor, block_size: int, max_len: int
