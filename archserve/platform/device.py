@@ -50,7 +50,8 @@ class Features:
     @property
     def cpu_bf16(self) -> bool:
         """A CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX); without either,
-        oneDNN emulates bfloat16 GEMMs, slower than float32's."""
+        oneDNN converts bfloat16 products in software (slower than float32 at prompt
+        sizes: benchmarks/cpu_bf16_emulation.py)."""
         return self.avx512_bf16 or self.amx
 
     def cpu_isa(self) -> list[str]:

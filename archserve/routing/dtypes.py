@@ -71,13 +71,18 @@ def cpu_auto_dtype(device: DeviceInfo, model: torch.dtype | None = None
     """"auto" on a CPU, and why: bfloat16 where the CPU multiplies it in hardware, as
     vLLM's CPU backend runs it (a decode step reads half float32's bytes, and
     CPU_WEIGHT_ONLY keeps quantized weights packed for bfloat16 models only); float32
-    elsewhere, where emulated bfloat16 GEMMs are slower than float32's. A float16
+    elsewhere, exact, where oneDNN would convert bfloat16 products in software: that
+    wins at one row on half the bytes but loses at prompt sizes (benchmarks/
+    cpu_bf16_emulation.py, a Zen 4 with oneDNN capped below AVX-512 BF16: the embedded
+    model's linears at 256 rows 1.1x float32's time capped at AVX-512, 3.6x at AVX2;
+    at 16 rows 0.8x and 1.6x; at 1 row 0.3x and 0.2x). A float16
     checkpoint takes bfloat16 too (vLLM keeps float16): no x86 CPU here multiplies float16
     in hardware short of AVX-512 FP16, and torch's weight-only CPU kernels take bfloat16."""
     features = device.features
     if not features.cpu_bf16:
         return torch.float32, ("CPU without native bfloat16 (no AVX-512 BF16 or AMX): "
-                               "emulated bfloat16 GEMMs are slower than float32's")
+                               "float32, exact; bfloat16 products would be converted in "
+                               "software, slower than float32 at prompt sizes")
     native = " and ".join(name for name, has in (("AVX-512 BF16", features.avx512_bf16),
                                                  ("AMX", features.amx)) if has)
     checkpoint = f", the checkpoint {dtype_name(model)}" if model is not None else ""
