@@ -264,6 +264,25 @@ class KVBlockPool:
                     seq.token_ids[(num_full - 1) * bs:num_full * bs]):
                 self.rings.snapshot(entry, seq)
 
+    def uncache_uncomputed(self, seq: Sequence) -> None:
+        """``seq`` was rolled back (its ``num_computed_tokens`` lowered: a step whose tokens
+        never arrived, or a verification that rejected a draft over a model whose cache it
+        rewinds): the blocks it registered past what it now counts as computed leave the
+        prefix cache, and so do the ring snapshots at their ends (kept after a step that
+        did not stand: the ring will not hold that window)."""
+        keep = seq.num_computed_tokens // self.block_size
+        for i in range(keep, len(seq.block_hashes)):
+            entry = self._cached.get(seq.block_hashes[i])
+            if entry is None:
+                continue
+            if self.rings is not None:
+                self.rings.forget(entry)
+            if entry == seq.block_table[i]:
+                del self._cached[seq.block_hashes[i]]
+                self._block_hash[entry] = None
+                self._block_tokens[entry] = None
+        del seq.block_hashes[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first, and clear its KV state."""
         for block_id in reversed(seq.block_table):

@@ -70,6 +70,13 @@ class LLMEngine:
         self.speculator = setup.speculator    # None: no speculative decoding
         if self.speculator is not None:
             self.speculator.attach(self.block_pool)
+        # A verification's writes that a rejected draft must not leave behind (DeepSeek V4's
+        # window rings and compressor sums), saved before each such step.
+        self.draft_rollback = None
+        if self.speculator is not None and self.block_pool.rings is not None:
+            from archserve.engine.spec_decode.cache_rollback import CompressedCacheRollback
+            self.draft_rollback = CompressedCacheRollback(self.model_config,
+                                                          self.runner.kv_caches, self.block_pool)
         self.requests: dict[str, RequestState] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.requests, self.scheduler.finish)
         self._counter = 0
@@ -326,6 +333,8 @@ class LLMEngine:
                 state.num_cached_tokens = max(s.num_cached_tokens for s in state.seqs)
         if out.ring_copies:   # window rings (DeepSeek V4), before the step's forward
             self.runner.copy_rings(out.ring_copies)
+        if self.draft_rollback is not None:
+            self.draft_rollback.save(out)
         launched = self.runner.execute(out.scheduled, self._in_flight and self._in_flight[1])
         # The previous step resolves while this one runs; its finished sequences are then
         # skipped by commit (their work in this step is discarded).
@@ -382,6 +391,8 @@ class LLMEngine:
                 host = launched.wait()
             except BaseException:
                 self.scheduler.uncommit(out)   # to be computed again, not left a placeholder
+                if self.draft_rollback is not None:
+                    self.draft_rollback.rewind_rejected(out)
                 raise
         with phase("outputs"):
             self.outputs.record_prompt_logprobs(launched.prompt_logprobs)
@@ -393,6 +404,8 @@ class LLMEngine:
         if self.speculator is not None:
             with phase("propose"):
                 self.speculator.propose(out, getattr(self.runner, "hidden_out", None))
+        if self.draft_rollback is not None:   # after propose: it reads the step's span
+            self.draft_rollback.rewind_rejected(out)
         return outputs
 
     def _resolve(self, out: SchedulerOutput, launched: LaunchedStep, host

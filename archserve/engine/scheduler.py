@@ -257,7 +257,8 @@ class Scheduler:
 
     def uncommit(self, output: SchedulerOutput) -> None:
         """Undo ``commit`` for a step whose tokens will never arrive (the device failed):
-        its sequences compute those tokens again next time."""
+        its sequences compute those tokens again next time, and the blocks (and window
+        ring snapshots) that commit gave the prefix cache leave it."""
         for entry in output.scheduled:
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
@@ -265,6 +266,7 @@ class Scheduler:
             if entry.samples and seq.num_pending:
                 seq.drop_newest_placeholder()
             seq.num_computed_tokens -= entry.num_known_tokens
+            self.block_pool.uncache_uncomputed(seq)
 
     def resolve(self, output: SchedulerOutput, new_token_ids: Iterable[SequenceOf[int]],
                 new_logprobs: Iterable[SequenceOf[float]] | None = None) -> list[Sequence]:

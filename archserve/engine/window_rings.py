@@ -74,9 +74,11 @@ class WindowRings:
         self._copies.append((seq.ring[0] // self.ring_rows, ring))
 
     def forget(self, block_id: int) -> None:
-        """``block_id`` left the prefix cache: its snapshot's ring is free again."""
+        """``block_id`` left the prefix cache: its snapshot's ring is free again (a copy into
+        it that is still queued is dropped: the ring may be handed out before it runs)."""
         ring = self._snapshots.pop(block_id, None)
         if ring is not None:
+            self._copies = [copy for copy in self._copies if copy[1] != ring]
             self._free.append(ring)
 
     def forget_all(self) -> None:

@@ -1,10 +1,11 @@
 """Window rings in the block pool (DeepSeek V4's sliding-window keys, engine/window_rings.py):
 a ring per admitted sequence, the ring snapshot that a cached prefix needs, the copies the
-runner makes, and a prompt's chunks cut at its last full block."""
+runner makes, a prompt's chunks cut at its last full block, and a step rolled back."""
 
 from __future__ import annotations
 
 from archserve.engine.block_pool import KVBlockPool, token_slot
+from archserve.engine.scheduler import Scheduler, SchedulerConfig
 from archserve.engine.sequence import Sequence
 
 BLOCK, ROWS = 4, 6
@@ -99,3 +100,28 @@ def test_snapshots_give_way_to_sequences_and_leave_with_their_block():
     step(pool, hog, 23)
     assert pool.rings.num_snapshots == 0
     assert len(pool.rings._free) == 1             # the snapshot's ring is free again
+
+
+def test_a_step_rolled_back_keeps_no_snapshot_nor_cached_block():
+    """A step whose tokens never arrived (``Scheduler.uncommit``: the device failed) that
+    ended at a block's end: the ring never held the window its commit named, so the
+    snapshot, the copy queued for it and the blocks it cached go; the recomputed step
+    keeps them again."""
+    pool = KVBlockPool(16, BLOCK, num_rings=3, ring_rows=ROWS)
+    sched = Scheduler(SchedulerConfig(4, 8, 64), pool, eos_token_ids=set())
+    prompt = list(range(14))
+    seq = Sequence("a", prompt)
+    sched.add(seq)
+    out = sched.schedule()
+    assert out.scheduled[0].num_new_tokens == 8          # cut at the last full block
+    sched.commit(out)
+    assert pool.rings.num_snapshots == 1 and pool.num_cached_blocks == 2
+    sched.uncommit(out)
+    assert seq.num_computed_tokens == 0 and seq.block_hashes == []
+    assert pool.rings.num_snapshots == 0 and pool.num_cached_blocks == 0
+    assert pool.find_cached_prefix(Sequence("b", prompt)).num_tokens == 0
+    again = sched.schedule()
+    assert again.ring_copies == [] and again.scheduled[0].num_new_tokens == 8
+    sched.commit(again)
+    assert pool.rings.num_snapshots == 1 and pool.num_cached_blocks == 2
+    assert pool.find_cached_prefix(Sequence("c", prompt)).num_tokens == 8

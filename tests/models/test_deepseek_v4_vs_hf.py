@@ -230,31 +230,119 @@ def test_llm_prefix_reuse_restores_the_window(tmp_path):
                                                               for o in outputs]
 
 
-def test_speculative_decoding_is_refused(pair):
-    """Verification would leave a rejected draft's share in the compressor's open sums."""
+def test_speculation_refuses_draft_networks_it_cannot_run(pair, tmp_path):
+    """V4 has no MTP layers archserve runs, and a V4 draft model's ring would be missing
+    from a draft network's cache."""
     from archserve.engine.spec_decode.setup import plan_speculation
     from archserve.engine.speculative_config import parse_speculative_config
-    for method in ({"method": "ngram", "num_speculative_tokens": 2}, {"method": "mtp"}):
-        with pytest.raises(ValueError, match="running sums"):
-            plan_speculation(parse_speculative_config(method), pair[2])
+    with pytest.raises(ValueError, match="multi-token-prediction"):
+        plan_speculation(parse_speculative_config({"method": "mtp"}), pair[2])
+    draft = {"method": "draft_model", "model": _checkpoint(tmp_path),
+             "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="ring per sequence"):
+        plan_speculation(parse_speculative_config(draft), pair[2])
+
+
+class ScriptedDrafts:
+    """Drafts transformers' own greedy continuation (``expected``: prompt ids -> every
+    token), each draft at a position divisible by ``period`` made wrong: verification
+    meets runs accepted whole, runs cut after every draft position, and first drafts
+    rejected (each rejection rewinds the sequence's ring rows and compressor sums)."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], k: int, period: int = 5):
+        self.expected, self.k, self.period = expected, k, period
+        self.block_pool = None     # the engine's, handed over by Speculator.attach
+
+    def propose(self, spans, target_hidden=None) -> None:  # noqa: ANN001
+        for span in spans:
+            if not span.sampled:
+                continue
+            seq = span.seq
+            full = self.expected[tuple(seq.token_ids[:seq.num_prompt_tokens])]
+            n = seq.num_tokens
+            drafts = full[n:n + min(self.k, span.limit)]
+            seq.spec_token_ids = [(t + 1) % 256 if (n + j) % self.period == 0 else t
+                                  for j, t in enumerate(drafts)]
+
+
+@pytest.mark.parametrize("method", ["scripted", "ngram"])
+def test_speculation_is_lossless_through_rollbacks(tmp_path, monkeypatch, method):
+    """Greedy tokens and their log-probs under speculative decoding are transformers',
+    through the ring-wrap test's chunked prefill (7 tokens a step), prefix reuse and
+    preemption: a verification's drafts write the window ring (a draft takes the row of
+    the key one window before it, which the steps after a rejection still read) and join
+    the compressors' open sums, which a rejection must undo. Drafts: n-gram lookup (most
+    rejected), or transformers' continuation made wrong every 5th position (most accepted,
+    every rejection pattern). One thread, as the ring-wrap test: a rejection's recompute is
+    another chunk split. Today's code without the rollback parts from transformers within
+    a dozen tokens."""
+    from archserve import LLM, SamplingParams
+    from archserve.engine.runner_setup import build_speculator
+
+    path = _checkpoint(tmp_path)
+    k = 3
+    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+              "prompt_lookup_min": 1}
+    built = []
+    scripted: dict[tuple[int, ...], list[int]] = {}
+
+    def speculator(spec, max_model_len, runner=None):  # noqa: ANN001
+        made = build_speculator(spec, max_model_len, runner)
+        if method == "scripted":
+            made.proposer = ScriptedDrafts(scripted, k)
+        built.append(made)
+        return made
+
+    monkeypatch.setattr("archserve.engine.runner_setup.build_speculator", speculator)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if method == "scripted":
+            plain = LLM(path, dtype="float32", block_size=8)
+            params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+            prompts = [SHARED_PREFIX] + [SHARED_PREFIX + tail for tail in PREFIX_TAILS]
+            for out in plain.generate(prompts, params):
+                ids = list(out.prompt_token_ids)
+                scripted[tuple(ids)] = ids + list(out.outputs[0].token_ids)
+        assert_chunked_prefix_and_preemption_equal_hf(
+            path, monkeypatch, max_num_batched_tokens=7, block_size=8, num_kv_blocks=14,
+            warm_up=[SHARED_PREFIX], output_logprobs=True, speculative_config=config)
+    finally:
+        torch.set_num_threads(threads)
+    [spec] = built
+    stats = spec.stats
+    rejected = stats.num_draft_tokens - stats.num_accepted_tokens
+    assert stats.num_drafts > 20 and rejected > 10, stats.as_dict()
+    if method == "scripted":
+        assert stats.num_accepted_tokens > rejected, stats.as_dict()
+        assert spec.proposer.block_pool.num_used_blocks == 0
 
 
 CHILD = r"""
 import json, sys
 from archserve import LLM, SamplingParams
-llm = LLM(sys.argv[1], attention_backend="TRITON_MLA_SPARSE_DSV4", dtype="float32",
-          block_size=8, max_num_batched_tokens=12, enable_prefix_caching=True)
-outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=8,
-                                                            ignore_eos=True))
-print(json.dumps({"backend": llm.llm_engine.report.attention.name,
-                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+result = {}
+for run, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 3,
+                                               "prompt_lookup_max": 3, "prompt_lookup_min": 1})):
+    llm = LLM(sys.argv[1], attention_backend="TRITON_MLA_SPARSE_DSV4", dtype="float32",
+              block_size=8, max_num_batched_tokens=12, enable_prefix_caching=True,
+              speculative_config=spec)
+    outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=8,
+                                                                ignore_eos=True))
+    result[run] = [o.outputs[0].token_ids for o in outs]
+    result["backend"] = llm.llm_engine.report.attention.name
+    if spec is not None:
+        result["stats"] = llm.llm_engine.speculator.stats.as_dict()
+print(json.dumps(result))
 """
 
 
 def test_triton_route_under_the_interpreter_matches_transformers(tmp_path):
     """TRITON_MLA_SPARSE_DSV4 serving the engine on CPU through Triton's interpreter (in a
     child process: it must be on before triton is imported): prompts sharing a prefix,
-    prefilled 12 tokens a step, 8 greedy tokens each as transformers'."""
+    prefilled 12 tokens a step, 8 greedy tokens each as transformers', and so with n-gram
+    drafts (a rejected one's ring rows and compressor sums restored)."""
     import json
     import os
     import subprocess
@@ -278,7 +366,9 @@ def test_triton_route_under_the_interpreter_matches_transformers(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["backend"] == "TRITON_MLA_SPARSE_DSV4"
-    assert result["tokens"] == expected
+    assert result["plain"] == expected and result["ngram"] == expected
+    stats = result["stats"]
+    assert stats["num_draft_tokens"] > stats["num_accepted_tokens"], stats
 
 
 # ---------------------------------------------------------------- GPU (bf16, the Triton route)
@@ -321,6 +411,35 @@ def test_gpu_bf16_engine_is_within_transformers_bf16_drift(tmp_path, enforce_eag
     print(f"mean |delta logprob| against fp32: archserve bf16 {ours:.4f}, transformers bf16 "
           f"{theirs:.4f}")
     assert ours <= max(2 * theirs, 0.02), (ours, theirs)
+
+
+@pytest.mark.gpu
+def test_gpu_speculation_rewinds_rejected_drafts(tmp_path):
+    """n-gram drafts over V4 on the GPU (bf16, TRITON_MLA_SPARSE_DSV4, decode steps in CUDA
+    graphs, verification and recompute steps eager): plain decoding's tokens up to bf16
+    near-ties through the window ring's wraps, most drafts rejected (each restoring the
+    sequence's ring rows and compressor sums), no block leaked."""
+    from engine.test_spec_decode_gpu import GREEDY, PROMPTS, partings_beyond_near_ties
+
+    from archserve import LLM
+    path = build_tiny_checkpoint(str(tmp_path), "deepseek_v4", init_model=init_v4_buffers,
+                                 **GPU_V4)
+    plain = LLM(path, dtype="bfloat16", device="cuda", **GPU_ENGINE)
+    want = plain.generate(PROMPTS, GREEDY)
+    del plain
+    torch.cuda.empty_cache()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+    llm = LLM(path, dtype="bfloat16", device="cuda", speculative_config=spec, **GPU_ENGINE)
+    engine = llm.llm_engine
+    assert engine.report.attention.name == "TRITON_MLA_SPARSE_DSV4"
+    got = llm.generate(PROMPTS, GREEDY)
+    partings = partings_beyond_near_ties(got, want)
+    assert not partings, "\n".join(partings)
+    assert engine.block_pool.num_used_blocks == 0, engine.block_pool.num_used_blocks
+    stats = engine.speculator.stats.as_dict()
+    assert stats["num_drafts"] > 20, stats
+    assert stats["num_draft_tokens"] > stats["num_accepted_tokens"], stats
 
 
 @pytest.mark.gpu

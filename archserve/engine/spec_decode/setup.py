@@ -30,18 +30,14 @@ def plan_speculation(config: SpeculativeConfig, target, target_path: str | None 
     default number of drafts), and the decision saying what will run; ValueError when the
     target or the draft cannot (read from configs and tokenizers, no weights).
     ``target_path``: the target's checkpoint, whose tokenizer a draft model's must match."""
+    verify = _VERIFY
     if getattr(target, "compressed_attention", None) is not None:
-        # Verification writes the drafts' tokens into the cache before they are accepted:
-        # overwriting a rejected draft's row is enough for keys and entries, but V4's
-        # compressor adds each token into its open group's running sums, which would keep
-        # a rejected draft's share.
-        raise ValueError(f"speculative_config: {target.architecture}'s compressor keeps its "
-                         f"open groups' running sums in the KV cache, where a rejected "
-                         f"draft's tokens would stay; speculative decoding is not supported "
-                         f"for it in this build")
+        verify += ("; a sequence with a rejected draft gets its window ring rows and "
+                   "compressor sums back and computes the step's accepted tokens again in "
+                   "the next (spec_decode/cache_rollback.py)")
     if config.method == "ngram":
         return config, Decision("speculative decoding", "ngram", "ngram",
-                                f"{config.describe()}; {_VERIFY}")
+                                f"{config.describe()}; {verify}")
     if config.method == "mtp":
         from archserve.models.deepseek_mtp import mtp_unsupported, num_mtp_layers
         reason = mtp_unsupported(target)
@@ -57,9 +53,14 @@ def plan_speculation(config: SpeculativeConfig, target, target_path: str | None 
             "speculative decoding", "mtp", "mtp",
             f"{config.describe()} ({target.architecture}: {layers} MTP layer(s) after "
             f"layer {target.num_layers - 1}, greedy, their KV cache in the target's "
-            f"blocks){reuse}; {_VERIFY}")
+            f"blocks){reuse}; {verify}")
     from archserve.loader.loader import load_model_config, resolve_model_path
     draft, _ = load_model_config(resolve_model_path(config.model))
+    if getattr(draft, "compressed_attention", None) is not None:
+        raise ValueError(f"speculative_config draft model {config.model}: "
+                         f"{draft.architecture} keeps its window's keys in a ring per "
+                         f"sequence, which a draft network's cache (in the target's blocks) "
+                         f"does not have; use another draft model or ngram")
     if draft.vocab_size > target.vocab_size:
         raise ValueError(f"speculative_config draft model {config.model}: its vocabulary "
                          f"({draft.vocab_size} tokens) is larger than the target's "
@@ -68,7 +69,7 @@ def plan_speculation(config: SpeculativeConfig, target, target_path: str | None 
         "speculative decoding", "draft_model", "draft_model",
         f"{config.describe()} ({draft.architecture}, {draft.num_layers} layers, greedy, its "
         f"KV cache in the target's blocks; {_same_tokenizer(target_path, config.model)}); "
-        f"{_VERIFY}")
+        f"{verify}")
 
 
 def verification_graphs_text(backend, rows_per_seq: int) -> str:
