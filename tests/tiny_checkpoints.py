@@ -236,6 +236,11 @@ TINY_V3 = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                tie_word_embeddings=False, q_lora_rank=48, n_group=4, topk_group=2,
                routed_scaling_factor=2.5, norm_topk_prob=True)
 
+# The indexer of a tiny DeepSeek-V3.2 built on TINY_V3 (model_type deepseek_v32): 9 heads
+# (with 2-3 many keys score exactly 0 after the ReLU and top-k ties break arbitrarily),
+# top-4 (selection matters from the 5th position).
+TINY_V32_INDEXER = dict(index_n_heads=9, index_head_dim=24, index_topk=4)
+
 
 def build_tiny_mtp_checkpoint(path: str, model_type: str = "deepseek_v3",
                               predicts_next: bool = False, seed: int = 0, **overrides) -> str:
@@ -293,6 +298,9 @@ def build_tiny_mtp_checkpoint(path: str, model_type: str = "deepseek_v3",
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         saved = json.load(f)
     saved.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    for key, value in saved.items():   # per-layer lists (V3.2's layer_types): the decoders'
+        if key.endswith("_types") and isinstance(value, list) and len(value) == layers + 1:
+            saved[key] = value[:layers]
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(saved, f, indent=2)
     return path

@@ -155,8 +155,10 @@ class DeepseekFamily(MoEFamily):
         return getattr(hf, "topk_method", "greedy") == "group_limited_greedy"
 
     def is_sparse(self, hf: Any, layer_index: int) -> bool:
-        kinds = getattr(hf, "mlp_layer_types", None)     # V3.2 and GLM-5 list them
-        if kinds is not None:
+        # V3.2 and GLM-5 list the decoder layers' kinds; an MTP layer after them is not in
+        # the list (transformers sizes it by num_hidden_layers) and follows the rule below.
+        kinds = getattr(hf, "mlp_layer_types", None)
+        if kinds is not None and layer_index < len(kinds):
             return self.num_experts(hf) > 0 and kinds[layer_index] == "sparse"
         freq = int(getattr(hf, "moe_layer_freq", 1) or 1)
         return (self.num_experts(hf) > 0 and layer_index >= int(hf.first_k_dense_replace or 0)

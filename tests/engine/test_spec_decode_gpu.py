@@ -7,8 +7,8 @@ Verification steps replay mixed-step graphs for every target: TRITON_ATTN's (the
 targets) capture any step with prompt tokens; an MLA target's (TRITON_MLA: the MTP case)
 capture the steps whose every sequence brings at most k + 1 query tokens, each token a
 decode row of its own causal length (kernels/mla/decode_rows.py); a sparse-MLA target's
-(TRITON_MLA_SPARSE, n-gram drafts over a DeepSeek-V3.2) selects its keys per row too. The
-draft network's forwards replay graphs of their own.
+(TRITON_MLA_SPARSE, n-gram drafts and the MTP layer of a DeepSeek-V3.2) selects its keys
+per row too. The draft network's forwards replay graphs of their own.
 """
 
 from __future__ import annotations
@@ -72,13 +72,17 @@ def mtp_checkpoint(tmp_path_factory):
                                      predicts_next=True, **GPU_V3)
 
 
-def sparse_mla_checkpoint(path: str) -> str:
+def sparse_mla_checkpoint(path: str, mtp: bool = False) -> str:
     """A tiny DeepSeek-V3.2 (TRITON_MLA_SPARSE: latent 256 + 64, 16 indexer heads) whose
-    contexts pass its top-16, its decoder layers dense as the MTP target's are."""
+    contexts pass its top-16, its decoder layers dense as the MTP target's are. ``mtp``:
+    with a next-token MTP layer, the LM head the embedding (the target often repeats its
+    newest token, which that layer drafts right)."""
     from models.test_sparse_mla_vs_hf import GPU_DSA, RANDOM_BUFFERS
-    return build_tiny_checkpoint(path, "deepseek_v32", random_buffers=RANDOM_BUFFERS,
-                                 **{**GPU_DSA, "index_topk": 16,
-                                    "first_k_dense_replace": GPU_DSA["num_hidden_layers"]})
+    sizes = {**GPU_DSA, "index_topk": 16, "first_k_dense_replace": GPU_DSA["num_hidden_layers"]}
+    if mtp:
+        return build_tiny_mtp_checkpoint(path, "deepseek_v32", predicts_next=True,
+                                         **{**sizes, "tie_word_embeddings": True})
+    return build_tiny_checkpoint(path, "deepseek_v32", random_buffers=RANDOM_BUFFERS, **sizes)
 
 
 def _count_replays(graph_runner, counter: list) -> None:
@@ -95,13 +99,14 @@ def _graph_decisions(engine) -> str:  # noqa: ANN001
                      if "graph" in d.what or d.what == "speculative decoding")
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp", "ngram-sparse-mla"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp", "ngram-sparse-mla",
+                                    "mtp-sparse-mla"])
 def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_checkpoint,
                                                            tmp_path, method):
     if method == "mtp":
         path = mtp_checkpoint
-    elif method == "ngram-sparse-mla":
-        path = sparse_mla_checkpoint(str(tmp_path / "v32"))
+    elif method.endswith("sparse-mla"):
+        path = sparse_mla_checkpoint(str(tmp_path / "v32"), mtp=method.startswith("mtp"))
     else:
         path = tiny_checkpoint("llama-h64")
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -110,7 +115,8 @@ def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_c
                                  "prompt_lookup_max": 3, "prompt_lookup_min": 1},
             "draft_model": {"method": "draft_model", "model": path,
                             "num_speculative_tokens": 4},
-            "mtp": {"method": "mtp", "num_speculative_tokens": 3}}[method]
+            "mtp": {"method": "mtp", "num_speculative_tokens": 3},
+            "mtp-sparse-mla": {"method": "mtp", "num_speculative_tokens": 3}}[method]
     plain = LLM(path, async_scheduling=True, **ENGINE)
     want = plain.generate(PROMPTS, GREEDY)
     del plain
@@ -120,7 +126,8 @@ def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_c
     decisions = _graph_decisions(engine)
     assert engine.config.async_scheduling and engine.report.graph_sizes, decisions
     attention = engine.report.attention
-    assert method != "ngram-sparse-mla" or attention.name == "TRITON_MLA_SPARSE", decisions
+    assert not method.endswith("sparse-mla") or attention.name == "TRITON_MLA_SPARSE", \
+        decisions
     mixed = engine.runner.mixed_graphs
     verified, drafted = [], []
     assert mixed is not None and mixed.set.sizes, \

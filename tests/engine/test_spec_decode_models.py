@@ -1,6 +1,6 @@
-"""Draft networks are lossless too: a draft model, and a DeepSeek-V3 checkpoint's MTP layer,
-through chunked prefill, a pool small enough to preempt, the prefix cache and stop
-strings; greedy and seeded outputs identical to plain decoding's.
+"""Draft networks are lossless too: a draft model, and a DeepSeek-V3 or V3.2 (sparse MLA)
+checkpoint's MTP layer, through chunked prefill, a pool small enough to preempt, the prefix
+cache and stop strings; greedy and seeded outputs identical to plain decoding's.
 
 The draft model is the target itself (its greedy drafts are accepted on greedy rows: the
 whole accepted path runs) or another tiny model (most drafts rejected). The MTP
@@ -11,7 +11,7 @@ accepted in runs of one repeated token).
 from __future__ import annotations
 
 import pytest
-from tiny_checkpoints import build_tiny_checkpoint, build_tiny_mtp_checkpoint
+from tiny_checkpoints import TINY_V32_INDEXER, build_tiny_checkpoint, build_tiny_mtp_checkpoint
 
 from archserve import LLM, SamplingParams
 
@@ -44,7 +44,12 @@ def checkpoints(tmp_path_factory, tiny_checkpoint):
     return {"llama": tiny_checkpoint("llama"),
             "other-llama": build_tiny_checkpoint(str(tmp_path_factory.mktemp("other")),
                                                  "llama", seed=1, tie_word_embeddings=False),
-            "mtp": mtp("mtp"), "mtp-next": mtp("mtp-next", predicts_next=True)}
+            "mtp": mtp("mtp"), "mtp-next": mtp("mtp-next", predicts_next=True),
+            "mtp-v32": mtp("mtp-v32", model_type="deepseek_v32", **TINY_V32_INDEXER),
+            # Its LM head the embedding: the target often repeats its newest token, which
+            # a next-token MTP layer drafts right (untied, few V3.2 runs repeat one).
+            "mtp-v32-next": mtp("mtp-v32-next", model_type="deepseek_v32", predicts_next=True,
+                                tie_word_embeddings=True, **TINY_V32_INDEXER)}
 
 
 CASES = {   # (target, speculative config, the least share of drafts accepted)
@@ -54,13 +59,16 @@ CASES = {   # (target, speculative config, the least share of drafts accepted)
                               "num_speculative_tokens": 3}, 0.0),
     "mtp-random": ("mtp", {"method": "mtp", "num_speculative_tokens": 2}, 0.0),
     "mtp-next-token": ("mtp-next", {"method": "mtp", "num_speculative_tokens": 3}, 0.05),
+    "mtp-v32-random": ("mtp-v32", {"method": "mtp", "num_speculative_tokens": 2}, 0.0),
+    "mtp-v32-next-token": ("mtp-v32-next", {"method": "mtp", "num_speculative_tokens": 3}, 0.05),
 }
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
     return {(target, engine): _summary(LLM(checkpoints[target], **args).generate(PROMPTS, PARAMS))
-            for target in ("llama", "mtp", "mtp-next") for engine, args in ENGINES.items()}
+            for target in {target for target, _, _ in CASES.values()}
+            for engine, args in ENGINES.items()}
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))

@@ -1,11 +1,12 @@
-"""DeepSeek-V3's multi-token-prediction layer (models/deepseek_mtp.py) against a reference
-built from transformers' own decoder layer, fp32, CPU.
+"""DeepSeek-V3's and V3.2's multi-token-prediction layer (models/deepseek_mtp.py) against a
+reference built from transformers' own decoder layer, fp32, CPU.
 
 The checkpoint is laid out as DeepSeek's (tiny_checkpoints.build_tiny_mtp_checkpoint):
 layer N holds the MTP block and its own parts. The reference is the formula of the
 DeepSeek-V3 report: h' = eh_proj([enorm(embed(t_{i+1})), hnorm(h_i)]), transformers'
-DeepSeek-V3 decoder layer over h' (a one-layer model fed h' as its input embeddings, its
-layer 0 holding layer N's weights), then shared_head's norm and head; h_i is the target's
+decoder layer of the target's family (V3.2's with its indexer) over h' (a one-layer model
+fed h' as its input embeddings, its layer 0 holding layer N's weights), then shared_head's
+norm and head; h_i is the target's
 final hidden state from transformers. Every position in one forward, and the same
 positions forward by forward over the MTP layer's paged cache, must agree.
 """
@@ -17,7 +18,7 @@ import tempfile
 
 import pytest
 import torch
-from tiny_checkpoints import TINY_V3, build_tiny_mtp_checkpoint
+from tiny_checkpoints import TINY_V3, TINY_V32_INDEXER, build_tiny_mtp_checkpoint
 
 from archserve.kernels.attention.interface import AttentionMetadata
 from archserve.loader.loader import load_model
@@ -29,9 +30,11 @@ ATOL = 1e-4
 TOKENS = [5, 17, 99, 3, 250, 41, 7, 8, 9, 120, 33, 34, 35]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_tiny_mtp_checkpoint(str(tmp_path_factory.mktemp("tiny-mtp")))
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
+def checkpoint(request, tmp_path_factory):
+    extra = TINY_V32_INDEXER if request.param == "deepseek_v32" else {}
+    return build_tiny_mtp_checkpoint(str(tmp_path_factory.mktemp("tiny-mtp")), request.param,
+                                     **extra)
 
 
 def _reference_logits(path: str, tokens: list[int]) -> torch.Tensor:
@@ -49,8 +52,10 @@ def _reference_logits(path: str, tokens: list[int]) -> torch.Tensor:
             weights.update(load_file(os.path.join(path, name)))
     own = {k.removeprefix(f"model.layers.{n}."): v for k, v in weights.items()
            if k.startswith(f"model.layers.{n}.")}
-    fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}
-    one = AutoConfig.for_model("deepseek_v3", **{
+    # The per-layer lists (V3.2's) name the target's layers: the one layer's are derived.
+    fields = {k: v for k, v in config.to_dict().items()
+              if k != "model_type" and not k.endswith("_types")}
+    one = AutoConfig.for_model(config.model_type, **{
         **fields, "num_hidden_layers": 1, "first_k_dense_replace": 0})
     state = {f"model.layers.0.{k}": v for k, v in own.items()
              if not k.startswith(("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"))}
