@@ -7,6 +7,11 @@ format's best pass of ``--reps`` (cpu_timing.best_times: the formats take turns)
 column is torch's int4 kernel fed float32 activations, the scalar path that once made
 packed int4 look 8-20x slower than float32 here; CPU_WEIGHT_ONLY feeds it bfloat16.
 
+The LM head's forms follow (kernels/linear/cpu_lm_head.py): the dense bfloat16 head, and
+8-bit copies of it with per-output-channel scales (one ``_weight_int8pack_mm``) and with a
+scale per group of 32 input channels (Q8_0's groups: one call per group, the form
+start-up may keep), each at the decode row counts.
+
     python3 benchmarks/cpu_gguf_kept_quantized.py [--rows 1,4,16] [--threads N]
 """
 
@@ -17,6 +22,7 @@ from functools import partial
 
 import torch
 
+from archserve.kernels.linear.cpu_lm_head import int8_groups, int8_groups_linear
 from archserve.kernels.linear.cpu_timing import best_times
 from archserve.kernels.linear.cpu_weight_only import (
     BF16,
@@ -78,6 +84,22 @@ def main() -> None:
         candidates["int4, float32 x"] = partial(one_step, stored[INT4], inputs, int4_float32_x)
         best = best_times(candidates, args.reps)
         print(f"| {rows} | " + " | ".join(f"{best[f] * 1e3:.1f}" for f in candidates) + " |",
+              flush=True)
+    time_lm_head(cfg, args.rows, args.reps)
+
+
+def time_lm_head(cfg, rows_list: str, reps: int) -> None:  # noqa: ANN001 - a ModelConfig
+    head = (torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.05).to(torch.bfloat16)
+    forms = {"bf16 (dense)": partial(torch.nn.functional.linear, weight=head),
+             "int8 per channel": partial(int8_groups_linear,
+                                         w=int8_groups(head, cfg.hidden_size)),
+             "int8 groups of 32": partial(int8_groups_linear, w=int8_groups(head, GROUP))}
+    print(f"LM head {cfg.vocab_size} x {cfg.hidden_size}: ms a product (best of {reps * 4})")
+    print("| rows | " + " | ".join(forms) + " |")
+    for rows in map(int, rows_list.split(",")):
+        x = torch.randn(rows, cfg.hidden_size).to(torch.bfloat16)
+        best = best_times({name: partial(form, x) for name, form in forms.items()}, reps * 4)
+        print(f"| {rows} | " + " | ".join(f"{best[f] * 1e3:.2f}" for f in forms) + " |",
               flush=True)
 
 

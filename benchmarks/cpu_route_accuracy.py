@@ -4,7 +4,9 @@ moves from the float32 expansion: log-prob drift and greedy tokens on fixed prom
 The reference is the float32 model (``--dtype float32``: every GGUF linear expanded to
 float32). Each other variant is the bfloat16 model with one format forced on every linear
 layer (``int4`` falls back to ``bf16`` for shapes it cannot take); ``tuned`` is what
-start-up chooses here, and ``auto`` the route a user gets without ``--dtype`` (bfloat16,
+start-up chooses here (with the LM head dense, with its 8-bit copy at every row count,
+or as start-up chooses: the copy where it is faster, which prompt log-probs, many rows,
+do not take), and ``auto`` the route a user gets without ``--dtype`` (bfloat16,
 tuned, on a CPU with native bfloat16; float32, the reference, elsewhere). For
 each fixed prompt the reference decodes greedily; every variant then scores the prompt plus
 the reference's tokens (prompt log-probs), so drift is measured on the same tokens,
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 
@@ -28,22 +31,34 @@ PROMPTS = [
     "Translate 'good morning' into Spanish.",
     "Who wrote Romeo and Juliet?",
 ]
-VARIANTS = {   # name -> (model dtype, format forced on every linear; None: start-up's)
-    "float32 (reference)": ("float32", None),
-    "bfloat16, fp32 weights": ("bfloat16", "fp32"),
-    "bfloat16, bf16 weights": ("bfloat16", "bf16"),
-    "bfloat16, int4 weights": ("bfloat16", "int4"),
-    "bfloat16, tuned (start-up's choice)": ("bfloat16", None),
-    "auto (the default dtype here)": ("auto", None),
+# name -> (model dtype, format forced on every linear (None: start-up's), LM head forced
+# dense, forced int8 at every row count (the prompt log-probs too), or None: start-up's).
+VARIANTS = {
+    "float32 (reference)": ("float32", None, None),
+    "bfloat16, fp32 weights": ("bfloat16", "fp32", "dense"),
+    "bfloat16, bf16 weights": ("bfloat16", "bf16", "dense"),
+    "bfloat16, int4 weights": ("bfloat16", "int4", "dense"),
+    "bfloat16, tuned, dense head": ("bfloat16", None, "dense"),
+    "bfloat16, tuned, int8 head": ("bfloat16", None, "int8"),
+    "bfloat16, tuned (start-up's choice)": ("bfloat16", None, None),
+    "auto (the default dtype here)": ("auto", None, None),
 }
 
 
 @contextlib.contextmanager
-def forced(fmt: str | None):
-    """Start-up stores every linear as ``fmt`` (None: as it chooses)."""
+def forced(fmt: str | None, head: str | None):
+    """Start-up stores every linear as ``fmt`` (None: as it chooses), and the LM head dense
+    where ``head`` says so (None: as it chooses)."""
     from archserve.kernels.linear import cpu_weight_only as cwo
 
-    tune = cwo.CpuWeightOnlyLinear.tune_formats
+    tune, tune_head = cwo.CpuWeightOnlyLinear.tune_formats, cwo.CpuWeightOnlyLinear.tune_head
+    if head == "dense":
+        cwo.CpuWeightOnlyLinear.tune_head = lambda self, weight, dense, path: None
+    elif head == "int8":
+        def every_row_count(self, weight, dense, path):
+            route = tune_head(self, weight, dense, path)
+            return route and dataclasses.replace(route, rows=range(1, 1 << 30))
+        cwo.CpuWeightOnlyLinear.tune_head = every_row_count
 
     def tune_forced(self, weights, path):
         for w in weights:
@@ -58,14 +73,15 @@ def forced(fmt: str | None):
         yield
     finally:
         cwo.CpuWeightOnlyLinear.tune_formats = tune
+        cwo.CpuWeightOnlyLinear.tune_head = tune_head
 
 
-def run_variant(dtype, fmt, prompts_ids, reference_tokens, new_tokens):
+def run_variant(dtype, fmt, head, prompts_ids, reference_tokens, new_tokens):
     """(greedy tokens, the log-prob of each reference token after its prefix); the
     reference tokens are this variant's own when ``reference_tokens`` is None."""
     from archserve import LLM, SamplingParams
 
-    with forced(fmt):
+    with forced(fmt, head):
         llm = LLM(model=None, dtype=dtype, max_num_seqs=8)
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts_ids], greedy,
@@ -100,8 +116,8 @@ def main() -> None:
                    for ids in prompts_ids]
     results = {}
     reference = None
-    for name, (dtype, fmt) in VARIANTS.items():
-        tokens, logprobs = run_variant(dtype, fmt, prompts_ids,
+    for name, (dtype, fmt, head) in VARIANTS.items():
+        tokens, logprobs = run_variant(dtype, fmt, head, prompts_ids,
                                        reference and reference["tokens"], args.new_tokens)
         if reference is None:
             reference = {"tokens": tokens, "logprobs": logprobs}
@@ -114,7 +130,7 @@ def main() -> None:
                          "mean_logprob_drift": sum(drift) / len(drift),
                          "prompts_identical": f"{same}/{len(PROMPTS)}",
                          "tokens_before_first_difference": agree}
-        print(f"{name:28s} max |dlogp| {max(drift):.4f}  mean {sum(drift) / len(drift):.5f}  "
+        print(f"{name:36s} max |dlogp| {max(drift):.4f}  mean {sum(drift) / len(drift):.5f}  "
               f"greedy identical {same}/{len(PROMPTS)}  agree for {agree}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

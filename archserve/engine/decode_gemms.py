@@ -22,11 +22,16 @@ from archserve.kernels.linear.quantized_weights import weight_signature
 from archserve.kernels.linear.skinny_choice import LINEAR, SILU_MUL, WeightGroups
 from archserve.kernels.specs import LinearSpec
 from archserve.models.layers.embedding import LMHead
-from archserve.models.layers.linear import GateUpLinear, Linear, set_linear_routine
+from archserve.models.layers.linear import (
+    GateUpLinear,
+    Linear,
+    apply_linear_float,
+    set_linear_routine,
+)
 from archserve.platform import DeviceInfo
 from archserve.platform.decision import Decision
 from archserve.quant.linear_state import quantized_layers
-from archserve.quant.plan import QuantPlan
+from archserve.quant.plan import QuantPlan, lm_head_spec
 
 
 def linear_weights_by_shape(model: torch.nn.Module) -> WeightGroups:
@@ -213,3 +218,33 @@ def install_linear_route(device: DeviceInfo, model: torch.nn.Module, dtype: torc
         decision = Decision("decode GEMMs", selection.name, selection.name, reason)
     set_linear_routine(routine)
     return decision
+
+
+def install_lm_head_route(device: DeviceInfo, model: torch.nn.Module, dtype: torch.dtype
+                          ) -> Decision | None:
+    """Where the registry gives the LM head a lower-precision candidate (``lm_head_spec``:
+    CPU_WEIGHT_ONLY's 8-bit head), time it against the dense head as the installed linear
+    route multiplies it (so after ``install_linear_route``) and give each head the row
+    counts it wins; returns the decision, None where the head is dense by rule."""
+    spec = lm_head_spec(device, dtype)
+    if spec.quant_scheme is None:
+        return None
+    selection = default_registry().select("linear", device, spec)
+    tune_head = getattr(selection.backend.make_impl(device, spec), "tune_head", None)
+    if tune_head is None:
+        return None
+    path = os.path.join(device_kernel_dir(device), "cpu_lm_head.json")
+    heads = {id(m.weight): m for m in model.modules()
+             if isinstance(m, LMHead) and getattr(getattr(m, "tp", None), "size", 1) == 1}
+    reasons = []
+    for head in heads.values():
+        route = tune_head(head.weight, lambda x, w=head.weight: apply_linear_float(x, w), path)
+        if route is None:
+            return None
+        if route.rows:
+            head.install_low_precision(route)
+        reasons.append(route.describe())
+    if not reasons:
+        return None
+    return Decision("LM head", f"dense {str(dtype).removeprefix('torch.')}", selection.name,
+                    "; ".join(dict.fromkeys(reasons)))

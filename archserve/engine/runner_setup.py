@@ -28,6 +28,7 @@ from archserve.engine.cpu_threads import cpu_thread_governor
 from archserve.engine.cuda_graphs import default_graph_sizes, describe_demoted
 from archserve.engine.decode_gemms import (
     install_linear_route,
+    install_lm_head_route,
     install_quantized_kernels,
     tune_mla_decode,
     tune_moe_decode,
@@ -367,6 +368,7 @@ class _RunnerBuild:
 
         def tune_gemms() -> list:
             return [d for d in (install_linear_route(device, tuned, dtype, sizes),
+                                install_lm_head_route(device, tuned, dtype),
                                 tune_quantized_decode(device, tuned, dtype, sizes),
                                 tune_moe_decode(device, tuned, sizes),
                                 tune_mla_decode(device, self.attn_impl, self.rank_mc, dtype,

@@ -2,8 +2,10 @@
 
 Every body weight is read once per step; so is the LM head (tied or not: a tied head
 reads the embedding table as its matrix). The embedding table itself is a row gather,
-one row per token, and is not counted. A quantized layer's bytes are what it holds
-(packed integers and scales); its parameters (for FLOPs) are the weights it stands for.
+one row per token, and is not counted. A head with a lower-precision copy that serves
+one-row steps (the CPU's 8-bit head) counts the copy's bytes. A quantized layer's bytes
+are what it holds (packed integers and scales); its parameters (for FLOPs) are the
+weights it stands for.
 
 The routed experts of an MoE layer are the exception: a step reads only the experts its
 tokens are routed to. They are counted apart (``expert_*``), and ``bytes_for_tokens``
@@ -102,7 +104,19 @@ def step_weights(model: torch.nn.Module, model_config) -> StepWeights:
         body_bytes += param.numel() * param.element_size()
     body_params += sum(s.in_features * sum(s.rows) for s in quantized.values())
     lm_head_params = vocab_rows * model_config.hidden_size
+    head_bytes = _low_precision_head_bytes(model)
+    if head_bytes is None:
+        head_bytes = lm_head_params * head_bytes_per_param
     first = next(iter(moes.values()), None)
-    return StepWeights(body_params, body_bytes, lm_head_params,
-                       lm_head_params * head_bytes_per_param, expert_params, expert_bytes,
+    return StepWeights(body_params, body_bytes, lm_head_params, head_bytes,
+                       expert_params, expert_bytes,
                        first.num_experts if first else 0, first.top_k if first else 0)
+
+
+def _low_precision_head_bytes(model: torch.nn.Module) -> int | None:
+    """What a one-row step's LM head reads where a lower-precision copy serves it (the
+    CPU's 8-bit head), else None."""
+    from archserve.models.layers.embedding import LMHead
+
+    return next((b for m in model.modules() if isinstance(m, LMHead)
+                 and (b := m.decode_bytes()) is not None), None)

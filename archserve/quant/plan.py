@@ -92,6 +92,16 @@ def keeps_gguf_quantized(device: DeviceInfo, dtype: torch.dtype) -> bool:
                                                     quant_scheme=fmt.WNA16)) is None
 
 
+def lm_head_spec(device: DeviceInfo, dtype: torch.dtype) -> LinearSpec:
+    """What the LM head asks of the linear registry: on a CPU where CPU_WEIGHT_ONLY runs, an
+    8-bit weight-only copy is a candidate (its start-up timing keeps it for the row counts
+    it is faster at: kernels/linear/cpu_lm_head.py); elsewhere the dense GEMM of the model's
+    dtype (unquantized, as in vLLM by default)."""
+    if device.platform == "cpu" and keeps_gguf_quantized(device, dtype):
+        return LinearSpec(dtype=dtype, quant_scheme=fmt.WNA16, group_size=-1)
+    return LinearSpec(dtype=dtype)
+
+
 def plan_quantization(device: DeviceInfo, config: QuantConfig | None, dtype: torch.dtype,
                       libraries: LibraryAssumption = "installed") -> QuantPlan:
     """The backend of every kind of quantized layer in ``config``, with the decision."""

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from archserve.kernels.catalog import default_registry
+from archserve.kernels.linear.cpu_lm_head import LM_HEAD_CANDIDATES
 from archserve.kernels.registry import (
     BackendError,
     LibraryAssumption,
@@ -36,6 +37,7 @@ from archserve.quant.plan import (
     QuantPlan,
     gguf_experts_decision,
     keeps_gguf_quantized,
+    lm_head_spec,
     plan_quantization,
 )
 from archserve.quant.schemes import QuantScheme, compressed_tensors_form, find_scheme
@@ -475,9 +477,13 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
                         hidden_size=model.hidden_size,
                         intermediate_size=model.intermediate_size)
         routes.append(_moe_route(device, moe, libraries, not_loadable))
-    # lm_head stays unquantized in every scheme archserve loads (as in vLLM by default).
-    routes.append(_route(device, "linear", LinearSpec(dtype=torch_dtype), libraries, "lm_head",
-                         not_loadable))
+    # lm_head stays unquantized in every scheme archserve loads (as in vLLM by default),
+    # except for the CPU's 8-bit copy of it where that is faster (lm_head_spec).
+    head_spec = lm_head_spec(device, torch_dtype)
+    routes.append(_route(device, "linear", head_spec, libraries, "lm_head", not_loadable))
+    if head_spec.quant_scheme is not None and not_loadable is None:
+        decisions.append(Decision("LM head", f"dense {dtype_name(torch_dtype)}",
+                                  routes[-1].backend, LM_HEAD_CANDIDATES))
     if inputs.enable_lora:
         routes.append(_route(device, "lora", _lora_spec(inputs, torch_dtype), libraries,
                              "lora (adapters)", not_loadable))

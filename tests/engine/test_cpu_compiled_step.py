@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from archserve import LLM, SamplingParams
-from archserve.engine.cpu_compiled_step import decode_meta
+from archserve.engine.cpu_compiled_step import decode_meta, trace_decode_step
+from archserve.models.layers.embedding import LMHead
 from archserve.models.layers.forward_context import set_forward_context
 
 COMPILE = {"level": 3, "cudagraph_capture_sizes": [1, 2]}
@@ -153,6 +154,7 @@ def test_the_embedded_gguf_compiled_stays_within_the_eager_bound(embedded_model_
     prompt = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles "
               "begins with a single step, and every step counts.")
     tokens = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert_head_traced_as_routed(runner)
     eager = LLM(embedded_model_path, **options)
     assert eager.generate([prompt], params)[0].outputs[0].token_ids == tokens
     reference = LLM(embedded_model_path, dtype="float32", **options)
@@ -166,3 +168,17 @@ def test_the_embedded_gguf_compiled_stays_within_the_eager_bound(embedded_model_
         compiled_error = (compiled - exact).abs().max().item()
         assert compiled_error <= max(2 * eager_error, 0.5), (length, compiled_error,
                                                               eager_error)
+
+
+def assert_head_traced_as_routed(runner) -> None:
+    """Where start-up gave the LM head its int8 copy at one row (kernels/linear/
+    cpu_lm_head.py), the compiled step multiplies by it: one int8 product per group."""
+    (head,) = [m for m in runner.model.modules() if isinstance(m, LMHead)]
+    route = head.low_precision
+    if route is None or 1 not in route.rows:
+        return
+    meta = decode_meta([1], torch.zeros((1, 1), dtype=torch.int32), runner.device)
+    graph = trace_decode_step(runner.model, runner._context(meta, 1), 1, runner.device)
+    products = [n for n in graph.graph.nodes
+                if n.target is torch.ops.aten._weight_int8pack_mm.default]
+    assert len(products) == route.stored.q.shape[0]

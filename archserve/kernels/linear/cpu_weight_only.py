@@ -29,8 +29,10 @@ passes the path).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,9 @@ from archserve.kernels.linear.quantized_weights import (
 )
 from archserve.kernels.tuning_cache import read_cache, write_cache
 from archserve.platform.device import DeviceInfo
+
+if TYPE_CHECKING:
+    from archserve.kernels.linear.cpu_lm_head import HeadRoute
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +178,16 @@ class CpuWeightOnlyLinear:
     def __call__(self, x: torch.Tensor, weight: CpuWeight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         return cpu_linear(x, weight, bias)
+
+    def tune_head(self, weight: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor],
+                  path: str | None) -> HeadRoute | None:
+        """The LM head's 8-bit copy and the row counts it serves (cpu_lm_head.py), or None
+        where this CPU has no int8 kernel or the copy's groups do not fit."""
+        # Imported here: cpu_lm_head builds on this module's formats.
+        from archserve.kernels.linear.cpu_lm_head import tune_head
+        if format_rule(INT8, self.device) is not None:
+            return None
+        return tune_head(weight, dense, path)
 
     def tune_formats(self, weights: list[IntGroupWeight], path: str | None
                      ) -> dict[str, FormatTiming]:

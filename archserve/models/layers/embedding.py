@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,7 +28,29 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size),
                                        requires_grad=False)
+        # A lower-precision copy that multiplies some row counts faster (the CPU's 8-bit
+        # head: kernels/linear/cpu_lm_head.py), installed at start-up; ``weight`` stays,
+        # for the other row counts and the embedding it may be.
+        self.low_precision: Any = None
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``out``: where the logits may go (``apply_linear_float``); check the result."""
+        route = self.low_precision
+        if route is not None and route.takes(hidden):
+            return route.logits(hidden)
         return apply_linear_float(hidden, self.weight, out)
+
+    def install_low_precision(self, route: Any) -> None:
+        """Multiply the row counts ``route`` takes by its copy; its tensors become this
+        module's parameters, so memory accounting counts them."""
+        self.low_precision = route
+        for name, tensor in (("low_precision_weight", route.stored.q),
+                             ("low_precision_scales", route.stored.scales)):
+            setattr(self, name, nn.Parameter(tensor, requires_grad=False))
+
+    def decode_bytes(self) -> int | None:
+        """The bytes a one-row product reads where the low-precision copy serves it."""
+        route = self.low_precision
+        if route is None or 1 not in route.rows:
+            return None
+        return route.stored.nbytes()
