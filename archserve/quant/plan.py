@@ -102,6 +102,16 @@ def lm_head_spec(device: DeviceInfo, dtype: torch.dtype) -> LinearSpec:
     return LinearSpec(dtype=dtype)
 
 
+def lm_head_decision(spec: LinearSpec, backend: str) -> Decision | None:
+    """Why the LM head's route (``lm_head_spec``) is ``backend``, where it has a
+    lower-precision candidate; None for the dense head."""
+    if spec.quant_scheme is None:
+        return None
+    from archserve.kernels.linear.cpu_lm_head import LM_HEAD_CANDIDATES
+    return Decision("LM head", f"dense {str(spec.dtype).removeprefix('torch.')}", backend,
+                    LM_HEAD_CANDIDATES)
+
+
 def plan_quantization(device: DeviceInfo, config: QuantConfig | None, dtype: torch.dtype,
                       libraries: LibraryAssumption = "installed") -> QuantPlan:
     """The backend of every kind of quantized layer in ``config``, with the decision."""

@@ -20,7 +20,12 @@ from archserve.platform.emulation import emulation_refusal, emulation_summary, n
 from archserve.platform.profiles import get_profile
 from archserve.platform.toolchain import Finding, arch_verdict, diagnose, three_layer_verdict
 from archserve.quant.config import explain_quant_config
-from archserve.quant.plan import keeps_gguf_quantized, plan_quantization
+from archserve.quant.plan import (
+    keeps_gguf_quantized,
+    lm_head_decision,
+    lm_head_spec,
+    plan_quantization,
+)
 from archserve.routing.dtypes import resolve_dtype
 from archserve.routing.explain import (
     DEEPSEEK_V3_MLA,
@@ -161,6 +166,11 @@ def run_doctor(device: DeviceInfo, libraries: LibraryAssumption = "installed",
         ops[op] = (_op_report(device, op, spec, libraries) if op in used else OpReport(
             None, f"not loadable in this build: no supported architecture has {op} layers"))
     ops.update(_quant_reports(device, specs["linear"].dtype, libraries))
+    head = lm_head_spec(device, specs["linear"].dtype)
+    ops["linear LM head"] = _op_report(device, "linear", head, libraries)
+    if ops["linear LM head"].route is not None:
+        head_decision = lm_head_decision(head, ops["linear LM head"].route.backend)
+        decisions += [head_decision] if head_decision is not None else []
     # Sparse MLA (DeepSeek-V3.2, GLM-5): its own backends, on the same op kind.
     ops["mla_attention sparse (DSA)"] = _op_report(
         device, "mla_attention", replace(specs["mla_attention"], mla_sparse=True,

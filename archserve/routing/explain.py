@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from archserve.kernels.catalog import default_registry
-from archserve.kernels.linear.cpu_lm_head import LM_HEAD_CANDIDATES
 from archserve.kernels.registry import (
     BackendError,
     LibraryAssumption,
@@ -37,6 +36,7 @@ from archserve.quant.plan import (
     QuantPlan,
     gguf_experts_decision,
     keeps_gguf_quantized,
+    lm_head_decision,
     lm_head_spec,
     plan_quantization,
 )
@@ -481,9 +481,9 @@ def explain_model(device: DeviceInfo, model: ModelSummary, dtype: str = "auto",
     # except for the CPU's 8-bit copy of it where that is faster (lm_head_spec).
     head_spec = lm_head_spec(device, torch_dtype)
     routes.append(_route(device, "linear", head_spec, libraries, "lm_head", not_loadable))
-    if head_spec.quant_scheme is not None and not_loadable is None:
-        decisions.append(Decision("LM head", f"dense {dtype_name(torch_dtype)}",
-                                  routes[-1].backend, LM_HEAD_CANDIDATES))
+    head_decision = lm_head_decision(head_spec, routes[-1].backend)
+    if head_decision is not None and not_loadable is None:
+        decisions.append(head_decision)
     if inputs.enable_lora:
         routes.append(_route(device, "lora", _lora_spec(inputs, torch_dtype), libraries,
                              "lora (adapters)", not_loadable))
