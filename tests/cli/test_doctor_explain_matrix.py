@@ -186,16 +186,22 @@ def test_doctor_live_json_can_run_here() -> None:
     assert quantized == {"linear fp8 W8A8": "TORCH_DEQUANT", "linear fp8 block": "TORCH_DEQUANT",
                          "linear int8 W8A8": "TORCH_DEQUANT",
                          "linear int4 W4A16 (AWQ/GPTQ)": "TORCH_DEQUANT",
-                         "linear GGUF blocks": "TORCH_MATMUL"}
+                         "linear GGUF blocks": "TORCH_MATMUL", "linear LM head": "TORCH_MATMUL"}
     # A bfloat16 model keeps integer-group weights packed where torch's CPU weight-only
     # kernels vectorise (AVX2, which doctor lists with the CPU's other vector extensions).
     packed = features.avx2
     bf16 = json.loads(run("doctor", "--json", "--dtype", "bfloat16").output)
     weight_only = {op: r["backend"] for op, r in bf16["ops"].items()
-                   if op in ("linear int4 W4A16 (AWQ/GPTQ)", "linear GGUF blocks")}
+                   if op in ("linear int4 W4A16 (AWQ/GPTQ)", "linear GGUF blocks",
+                             "linear LM head")}
+    # The LM head: CPU_WEIGHT_ONLY's int8 copy is a candidate where it runs, and says so.
     assert weight_only == {"linear int4 W4A16 (AWQ/GPTQ)":
                            "CPU_WEIGHT_ONLY" if packed else "TORCH_DEQUANT",
-                           "linear GGUF blocks": "CPU_WEIGHT_ONLY" if packed else "TORCH_MATMUL"}
+                           "linear GGUF blocks": "CPU_WEIGHT_ONLY" if packed else "TORCH_MATMUL",
+                           "linear LM head": "CPU_WEIGHT_ONLY" if packed else "TORCH_MATMUL"}
+    head = [d for d in bf16["decisions"] if d["what"] == "LM head"]
+    assert [d["chosen"] for d in head] == (["CPU_WEIGHT_ONLY"] if packed else [])
+    assert not [d for d in out["decisions"] if d["what"] == "LM head"]     # float32: dense
     assert ("AVX2" in out["device"]["cpu_isa"]) == packed
     refused = {o["backend"]: o["reason"]
                for o in out["ops"]["linear int4 W4A16 (AWQ/GPTQ)"]["rejected"]}
