@@ -2,6 +2,8 @@
 # 16 concurrent streams through HTTP on a CPU: `archserve serve` and llama.cpp's llama-server
 # (-np 16, same GGUF, same thread count), each measured by the same client,
 # `archserve bench --mode serve` (same prompt token ids, greedy, ignore_eos, streamed).
+# Each line: output tok/s, TTFT and ITL P50/P99, and the 1/5/15-minute load average
+# (other processes on the cores change every number).
 # The peer comes from benchmarks/build_llama_cpp_peer.sh; CI does not run this.
 #
 #   bash benchmarks/cpu_serve_vs_llama_server.sh [PEER_DIR] [extra archserve serve args...]
@@ -33,8 +35,10 @@ bench() {   # name url
     --concurrency "$PROMPTS" --json > "$OUT/$1.json"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d['runs'][-1]; \
 print(f\"{sys.argv[2]:>12}: {r['output_tokens_per_s']:7.1f} output tok/s, \
-TTFT p50 {r['ttft_ms']['p50']:.0f} ms, TPOT p50 {r['tpot_ms']['p50']:.1f} ms, \
-{r['completed']}/{r['completed'] + r['failed']} completed\")" "$OUT/$1.json" "$1"
+TTFT p50/p99 {r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p99']:.0f} ms, \
+ITL p50/p99 {r['itl_ms']['p50']:.1f}/{r['itl_ms']['p99']:.1f} ms, \
+TPOT p50 {r['tpot_ms']['p50']:.1f} ms, {r['completed']}/{r['completed'] + r['failed']} completed, \
+load {sys.argv[3]}\")" "$OUT/$1.json" "$1" "$(cut -d' ' -f1-3 /proc/loadavg)"
 }
 
 OMP_NUM_THREADS=$THREADS python3 -m archserve.cli.main serve --model "$MODEL" --port 8431 \

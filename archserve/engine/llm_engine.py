@@ -64,7 +64,8 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, setup.max_num_batched_tokens,
                             self.max_model_len, config.enable_chunked_prefill,
                             setup.decoding_token_budget,
-                            config.max_loras if self.lora is not None else None),
+                            config.max_loras if self.lora is not None else None,
+                            setup.decoding_token_budget_by_streams),
             self.block_pool, self.eos_token_ids)
         self.report.timings["total_s"] = startup.elapsed(t0)
         self.speculator = setup.speculator    # None: no speculative decoding

@@ -83,6 +83,7 @@ class RunnerSetup:
     report: startup.StartupReport
     cpu_threads: object | None = None  # the CPU thread governor, where one runs
     decoding_token_budget: int | None = None  # a step with running decodes (step_budget.py)
+    decoding_token_budget_by_streams: tuple[int, ...] = ()  # with fewer decodes, if any
     # What a decode step reads of this rank's weights (the bench's roofline; with tensor
     # parallelism the engine process holds no model to count them from).
     step_weights: StepWeights | None = None
@@ -521,7 +522,8 @@ class _RunnerBuild:
                 config.target_itl_ms, config.max_num_batched_tokens, self.max_batched,
                 config.max_num_seqs, config.enable_chunked_prefill,
                 lambda: runner_cost_model(self.runner, self.max_batched),
-                mixed_graph_buckets_of(self.runner))
+                mixed_graph_buckets_of(self.runner),
+                share_stall=self.torch_device.type == "cpu")
             self.decisions.append(self.budget.decision)
 
     def report_decisions(self) -> None:
@@ -571,5 +573,6 @@ class _RunnerBuild:
                            self.scheduling.chosen == "async", self.report,
                            cpu_threads=self.cpu_threads,
                            decoding_token_budget=self.budget.decoding,
+                           decoding_token_budget_by_streams=self.budget.decoding_by_streams,
                            step_weights=runner.step_weights, speculator=self.speculator,
                            num_rings=self.num_rings, ring_rows=self.ring_rows)

@@ -20,7 +20,8 @@ goes back to 0 and it returns to the front of the queue, keeping its generated t
 which it re-prefills on re-admission (the prefix cache often makes that cheap).
 
 A step's token budget depends on whether it carries decodes (stall-free batching, as in
-Sarathi-Serve): with decodes running it is ``decoding_token_budget``, so a prefill chunk
+Sarathi-Serve): with decodes running it is ``decoding_token_budget`` (on a CPU larger
+while few sequences decode: ``decoding_token_budget_by_streams``), so a prefill chunk
 rides along without stretching the step that every streaming request waits for; with none
 running (an idle engine, or only prompts in flight) nobody waits on the step's length, so
 prompts may fill ``max_num_batched_tokens`` and reach their first token sooner.
@@ -52,10 +53,22 @@ class SchedulerConfig:
     decoding_token_budget: int | None = None
     # Distinct LoRA adapters the running sequences may use at once; None: no adapters.
     max_loras: int | None = None
+    # A step with R decodes, R <= len: entry R - 1 (fewer streams share a longer stall,
+    # engine/step_budget.py); more decodes, or (): decoding_token_budget.
+    decoding_token_budget_by_streams: tuple[int, ...] = ()
 
     @property
     def budget_while_decoding(self) -> int:
         return self.decoding_token_budget or self.max_num_batched_tokens
+
+    def budget_with_decodes(self, num_decodes: int) -> int:
+        """The token budget of a step that carries ``num_decodes`` running decodes."""
+        if num_decodes == 0:
+            return self.max_num_batched_tokens
+        by_streams = self.decoding_token_budget_by_streams
+        if num_decodes <= len(by_streams):
+            return by_streams[num_decodes - 1]
+        return self.budget_while_decoding
 
     def validate(self, block_pool: KVBlockPool) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:
@@ -63,6 +76,11 @@ class SchedulerConfig:
         if not 1 <= self.budget_while_decoding <= self.max_num_batched_tokens:
             raise ValueError(f"decoding_token_budget ({self.decoding_token_budget}) must be in "
                              f"[1, max_num_batched_tokens={self.max_num_batched_tokens}]")
+        if not all(self.budget_while_decoding <= b <= self.max_num_batched_tokens
+                   for b in self.decoding_token_budget_by_streams):
+            raise ValueError(f"decoding_token_budget_by_streams "
+                             f"({self.decoding_token_budget_by_streams}) must be in "
+                             f"[{self.budget_while_decoding}, {self.max_num_batched_tokens}]")
         if not self.enable_chunked_prefill and self.decoding_token_budget not in (
                 None, self.max_num_batched_tokens):
             # A prompt is prefilled whole: behind a smaller budget it would wait for a step
@@ -198,8 +216,7 @@ class Scheduler:
                   if not (s.num_pending and reached_length_limit(s, limit))]
         decodes = [s for s in active if s.num_uncomputed_tokens == 1]
         prefills = [s for s in active if s.num_uncomputed_tokens > 1]
-        budget = out.token_budget = (self.config.budget_while_decoding if decodes
-                                     else self.config.max_num_batched_tokens)
+        budget = out.token_budget = self.config.budget_with_decodes(len(decodes))
         for seq in decodes + prefills:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step

@@ -3,14 +3,20 @@
 Every streaming request waits for each step: a step that also prefills a long prompt
 chunk stretches the gap between two of its tokens (inter-token latency, ITL). The budget
 bounds that step (stall-free batching, as in Sarathi-Serve): it is the largest number of
-tokens whose step still ends within a target ITL, by a cost model of this device and model:
+tokens whose step still ends within a target ITL, by a cost model of this device and model,
+measured after the warm-up has compiled and tuned every kernel:
 
-- measured on GPUs: one prefill step at each of ``PROBE_LENGTHS`` tokens (and at the
-  largest mixed-step graph bucket, where those are captured), timed after the warm-up has
-  compiled and tuned every kernel (a few hundred ms at start-up). A step that a mixed-step
-  graph covers is timed as its replay, as it would run; a longer one eagerly;
-- on other devices, where timing long prompts would cost seconds, the roofline floor of
-  the same steps: max(matmul FLOPs / measured FLOP/s, weight bytes / measured bandwidth).
+- on GPUs, one prefill step at each of ``PROBE_LENGTHS`` tokens (and at the largest
+  mixed-step graph bucket, where those are captured; a few hundred ms at start-up). A step
+  that a mixed-step graph covers is timed as its replay, as it would run; a longer one
+  eagerly;
+- on CPUs, steps of ``CPU_PROBE_LENGTHS`` tokens only (a few hundred ms: a 2048-token step
+  costs seconds there). A CPU's step cost grows with every row from the first on, about
+  linearly, so the last slope carries the model to longer steps. The roofline floors of
+  these steps were 4.7x below the measured one-token step of the embedded model (Python and
+  per-op overhead that no floor counts), which set the target ITL well under a real step;
+- on other devices, the roofline floor of the ``PROBE_LENGTHS`` steps: max(matmul FLOPs /
+  measured FLOP/s, weight bytes / measured bandwidth).
 
 Between the probes the cost is interpolated linearly, and past the last one it grows at
 the last segment's slope. The target is ``target_itl_ms``, or by default
@@ -18,11 +24,20 @@ the last segment's slope. The target is ``target_itl_ms``, or by default
 if ``max_num_seqs`` is smaller): a step may carry as much prompt as costs that many such
 decode steps. On a GPU that step costs about what a one-token step costs (each reads the
 weights once). On a CPU every row costs from the first on (the embedded model's 16-token
-step: 2.3x a one-token step measured, 6.8x by the roofline floors), and 3x a one-token
-step left 16 running streams no room for prompt tokens: a request arriving beside them
-got one prompt token a step. The budget is rounded down to a multiple of 16, and kept within
-[max_num_seqs, max_num_batched_tokens] so every running sequence can still decode in one
-step.
+step: 1.9x a one-token step measured), and 3x a one-token step left 16 running streams no
+room for prompt tokens: a request arriving beside them got one prompt token a step. The
+budget is rounded down to a multiple of 16, and kept within [max_num_seqs,
+max_num_batched_tokens] so every running sequence can still decode in one step.
+
+On a CPU the stall is shared (``share_stall``): with R < ANCHOR_SEQS sequences decoding, a
+step may stretch each of them longer, as long as the stall they bear together,
+R x (step - their decode step), stays within what ANCHOR_SEQS streams bear at the target.
+There a prompt token costs about a millisecond, so a budget sized for 16 streams admits one
+short prompt a step: a burst of requests (16 clients starting at once) arrived one prompt a
+step beside the first few streams, every step stalling all of them (16 streams x 48/32
+through HTTP: less output tok/s and a longer ITL p99 than no bound at all). On a
+GPU a prompt token is nearly free up to hundreds a step, the uniform budget already admits
+such a burst in a step or two, and the budget stays one number.
 
 A step without decodes (idle engine, or only prompts in flight) may take
 ``max_num_batched_tokens`` (the size the activation memory was profiled for): no stream
@@ -42,6 +57,7 @@ import torch
 from archserve.platform.decision import Decision
 
 PROBE_LENGTHS = (1, 128, 512, 1024, 2048)
+CPU_PROBE_LENGTHS = (1, 16, 128)   # ANCHOR_SEQS among them: the auto target's step, timed
 DEFAULT_ITL_FACTOR = 3.0   # the serving-tail target: ITL P99 <= 3x TPOT P50 (docs/benchmarks.md)
 BUDGET_MULTIPLE = 16      # Triton specialises integer arguments on divisibility by 16
 ANCHOR_SEQS = 16          # the decode batch whose step the auto target is a multiple of
@@ -103,16 +119,19 @@ def cost_model(points: Sequence[tuple[int, float]], source: str) -> StepCostMode
     return StepCostModel(tuple(ordered), source)
 
 
-def probe_lengths(limit: int) -> list[int]:
+def probe_lengths(limit: int, lengths: Sequence[int] = PROBE_LENGTHS) -> list[int]:
     """The probe lengths a step of at most ``limit`` tokens can have (``limit`` itself
     stands in for the longer ones)."""
-    return sorted({min(n, limit) for n in PROBE_LENGTHS if limit >= 1})
+    return sorted({min(n, limit) for n in lengths if limit >= 1})
 
 
 def measured_cost_model(run_step: Callable[[int], None], lengths: Sequence[int],
                         device: torch.device, repeats: int = 3) -> StepCostModel:
-    """Time ``run_step(n)`` (one forward of an ``n``-token step) at each length: the
-    median of ``repeats`` runs after one untimed, on CUDA with events."""
+    """Time ``run_step(n)`` (one forward of an ``n``-token step) at each length, after one
+    untimed run: on CUDA the median of ``repeats`` (events); on a CPU the fastest, since
+    other processes sharing its cores only ever slow a step down (at start-up beside a busy
+    process a one-token step's median came out 200x its idle time) and the budget depends
+    on the steps' relative costs, not on the load of the moment."""
     points = []
     for n in lengths:
         if device.type == "cuda":
@@ -125,7 +144,7 @@ def measured_cost_model(run_step: Callable[[int], None], lengths: Sequence[int],
                 t0 = time.perf_counter()
                 run_step(n)
                 times.append(time.perf_counter() - t0)
-            seconds = sorted(times)[len(times) // 2]
+            seconds = min(times)
         points.append((n, seconds))
     return cost_model(points, "measured")
 
@@ -158,6 +177,18 @@ def choose_decoding_budget(model: StepCostModel, target_s: float, low: int, high
     return max(min(low, high), min(tokens, high))
 
 
+def shared_stall_budgets(model: StepCostModel, target_s: float, anchor: int, floor: int,
+                         high: int, graph_buckets: Sequence[int] = ()) -> tuple[int, ...]:
+    """The budgets of steps with 1 .. ``anchor``-1 decodes when the stall is shared: R
+    decoding streams may together bear what ``anchor`` streams bear at ``target_s``,
+    R x (step - decode step of R) <= anchor x (target_s - decode step of anchor); never
+    below ``floor`` (the budget of ``anchor`` streams)."""
+    slack = anchor * max(0.0, target_s - model.seconds(anchor))
+    return tuple(max(floor, choose_decoding_budget(model, model.seconds(r) + slack / r,
+                                                   floor, high, graph_buckets))
+                 for r in range(1, anchor))
+
+
 @dataclass(frozen=True)
 class TokenBudget:
     max_num_batched_tokens: int     # any step; the size activations were profiled for
@@ -165,10 +196,13 @@ class TokenBudget:
     decision: Decision
     cost: StepCostModel | None = None     # what the budget was chosen from, if anything
     target_itl_s: float | None = None
+    # A step with R < len + 1 decodes (stall shared): entry R - 1; () where one budget holds.
+    decoding_by_streams: tuple[int, ...] = ()
 
     def to_json(self) -> dict:
         return {"max_num_batched_tokens": self.max_num_batched_tokens,
                 "decoding_token_budget": self.decoding, "target_itl_s": self.target_itl_s,
+                "decoding_token_budget_by_streams": list(self.decoding_by_streams),
                 "cost_source": self.cost.source if self.cost else None,
                 "cost_points": [list(p) for p in self.cost.points] if self.cost else None,
                 "reason": self.decision.reason}
@@ -177,13 +211,15 @@ class TokenBudget:
 def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None, cap: int,
                          max_num_seqs: int, chunked_prefill: bool,
                          cost: Callable[[], StepCostModel],
-                         graph_buckets: Sequence[int] = ()) -> TokenBudget:
+                         graph_buckets: Sequence[int] = (),
+                         share_stall: bool = False) -> TokenBudget:
     """The budgets of a step with and without decodes, and the decision that explains them.
 
     ``target_itl_ms`` is "auto" (DEFAULT_ITL_FACTOR decode steps of ANCHOR_SEQS), a number of ms, or
     None (no bound: the offline default); ``explicit`` is the user's
     max_num_batched_tokens; ``cost`` builds the cost model, only when one is needed;
-    ``graph_buckets``: the token buckets of the captured mixed-step graphs, if any.
+    ``graph_buckets``: the token buckets of the captured mixed-step graphs, if any;
+    ``share_stall``: fewer running streams than the anchor may each wait longer (a CPU's).
     """
     requested = "auto" if explicit is None else str(explicit)
 
@@ -201,8 +237,8 @@ def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None
         return unbounded("chunked prefill is off: a prompt is prefilled whole, so a step "
                          "with decodes cannot be bounded")
     model = cost()
+    anchor = min(ANCHOR_SEQS, max_num_seqs)
     if target_itl_ms == "auto":
-        anchor = min(ANCHOR_SEQS, max_num_seqs)
         target_s = DEFAULT_ITL_FACTOR * model.seconds(anchor)
         target = (f"target ITL {_ms(target_s)} ms ({DEFAULT_ITL_FACTOR:g}x a decode step of "
                   f"{anchor} sequences)")
@@ -210,21 +246,37 @@ def resolve_token_budget(target_itl_ms: float | str | None, explicit: int | None
         target_s = float(target_itl_ms) / 1e3
         target = f"target ITL {_ms(target_s)} ms (target_itl_ms)"
     decoding = choose_decoding_budget(model, target_s, max_num_seqs, cap, graph_buckets)
+    by_streams = (shared_stall_budgets(model, target_s, anchor, decoding, cap, graph_buckets)
+                  if share_stall else ())
     reason = (f"{target}; step cost ({model.source}): {model.describe()}; a step with "
               f"decodes takes at most {decoding} tokens (~{_ms(model.seconds(decoding))} ms; "
               + ("a CUDA graph bucket; " if decoding in graph_buckets else "")
-              + f"kept within [max_num_seqs={max_num_seqs}, {cap}]); without decodes, {cap} "
-              f"(first tokens sooner)")
-    return TokenBudget(cap, decoding, Decision("max_num_batched_tokens", requested,
-                                               f"{decoding} with decodes, {cap} without",
-                                               reason), model, target_s)
+              + f"kept within [max_num_seqs={max_num_seqs}, {cap}])"
+              + (f", with fewer than {anchor} decoding the stall shared (R streams x the "
+                 f"stall <= {anchor} x the target's): {_by_streams(by_streams)}"
+                 if by_streams else "")
+              + f"; without decodes, {cap} (first tokens sooner)")
+    chosen = (f"{decoding} with decodes ({by_streams[0]} with 1), {cap} without" if by_streams
+              else f"{decoding} with decodes, {cap} without")
+    return TokenBudget(cap, decoding, Decision("max_num_batched_tokens", requested, chosen,
+                                               reason), model, target_s, by_streams)
+
+
+def _by_streams(budgets: Sequence[int]) -> str:
+    """'1: 768, 2: 400, ...' for the stream counts where the budget changes."""
+    shown = [(r, b) for r, b in enumerate(budgets, start=1) if r == 1 or b != budgets[r - 2]]
+    return ", ".join(f"{r} decoding {b} tokens" for r, b in shown)
 
 
 def runner_cost_model(runner, limit: int) -> StepCostModel:
     """The step cost model of a warmed-up runner, for steps of at most ``limit`` tokens:
-    measured on CUDA, the roofline floors elsewhere. With mixed-step graphs the largest
-    bucket is probed too: there the cost jumps from a replay to an eager step."""
+    measured on CUDA and CPUs (short steps only there), the roofline floors elsewhere. With
+    mixed-step graphs the largest bucket is probed too: there the cost jumps from a replay
+    to an eager step."""
     limit = min(limit, runner.max_model_len)
+    if runner.device.type == "cpu":
+        return measured_cost_model(runner.run_prefill_probe,
+                                   probe_lengths(limit, CPU_PROBE_LENGTHS), runner.device)
     lengths = sorted({*probe_lengths(limit),
                       *(b for b in mixed_graph_buckets_of(runner)[-1:] if b <= limit)})
     if runner.device.type == "cuda":

@@ -17,11 +17,12 @@ EOS = 0
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=64,
-         chunked=True, caching=True, decoding_budget=None) -> Scheduler:
+         chunked=True, caching=True, decoding_budget=None, by_streams=()) -> Scheduler:
     pool = KVBlockPool(num_blocks, block_size, enable_prefix_caching=caching)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                           max_model_len=max_model_len, enable_chunked_prefill=chunked,
-                          decoding_token_budget=decoding_budget)
+                          decoding_token_budget=decoding_budget,
+                          decoding_token_budget_by_streams=by_streams)
     return Scheduler(cfg, pool, eos_token_ids=EOS)
 
 
@@ -294,6 +295,36 @@ def test_steps_with_decodes_keep_to_the_decoding_budget_and_idle_steps_fill_the_
     out = sched.schedule()                          # long decodes: the prompt gets 8 - 1
     assert out.token_budget == 8
     assert [(e.seq, e.num_new_tokens) for e in out.scheduled] == [(long, 1), (late, 7)]
+
+
+def test_fewer_decoding_streams_take_their_larger_budget():
+    """With a budget per number of decoding streams (a CPU's shared stall), one running
+    stream lets a burst of prompts in at once; with more streams than the table covers the
+    step keeps to the decoding budget."""
+    sched = make(num_blocks=256, budget=64, decoding_budget=8, by_streams=(40, 16),
+                 max_model_len=128)
+    first = seq(4, max_tokens=30, arrival=0)
+    sched.add(first)
+    out = sched.schedule()
+    sched.postprocess(out, [3])
+    burst = [seq(12, max_tokens=30, arrival=1 + i, first=i + 2) for i in range(3)]
+    for s in burst:
+        sched.add(s)
+    out = sched.schedule()                       # one decode: 40 tokens, the burst whole
+    assert out.token_budget == 40
+    assert [e.num_new_tokens for e in out.scheduled] == [1, 12, 12, 12]
+    sched.postprocess(out, [3, 4, 5, 6])
+    late = seq(30, max_tokens=3, arrival=9, first=7)
+    sched.add(late)
+    out = sched.schedule()                       # four decodes: past the table, 8
+    assert out.token_budget == 8
+    assert [e.num_new_tokens for e in out.scheduled] == [1, 1, 1, 1, 4]
+    for r, budget in ((0, 64), (1, 40), (2, 16), (3, 8), (20, 8)):
+        assert sched.config.budget_with_decodes(r) == budget
+    with pytest.raises(ValueError, match="by_streams"):
+        make(budget=64, decoding_budget=16, by_streams=(8,))     # below the decoding budget
+    with pytest.raises(ValueError, match="by_streams"):
+        make(budget=64, decoding_budget=16, by_streams=(65,))    # above the cap
 
 
 def test_decodes_are_never_starved_and_a_long_prompt_finishes_in_chunks():

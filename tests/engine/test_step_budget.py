@@ -17,6 +17,7 @@ from archserve.engine.step_budget import (
     measured_cost_model,
     probe_lengths,
     resolve_token_budget,
+    shared_stall_budgets,
 )
 from archserve.engine.step_weights import StepWeights
 
@@ -101,6 +102,35 @@ def test_sixteen_running_streams_leave_room_for_prompt_tokens():
     assert served.target_itl_s == pytest.approx(DEFAULT_ITL_FACTOR * gpu.seconds(1), rel=0.01)
 
 
+def test_fewer_decoding_streams_share_a_longer_stall_on_a_cpu():
+    """A CPU-like step (11.5 ms + 0.75 ms a token, as the embedded model measures): with 16
+    streams decoding the budget fits the target; with R < 16 a step may stall each of them
+    longer, R x (step - their decode step) within 16 x (target - a 16-sequence step), so one
+    running stream lets a burst of short prompts in at once. Without sharing (a GPU's
+    default) the budget stays one number."""
+    cpu = linear(11.5, 0.75)
+    shared = resolve_token_budget("auto", None, 8192, 16, True, lambda: cpu, share_stall=True)
+    assert shared.decoding == resolve_token_budget("auto", None, 8192, 16, True,
+                                                   lambda: cpu).decoding
+    by_streams = shared.decoding_by_streams
+    assert len(by_streams) == 15 and by_streams[0] >= 10 * shared.decoding
+    assert list(by_streams) == sorted(by_streams, reverse=True)
+    assert all(b >= shared.decoding and b % BUDGET_MULTIPLE == 0 for b in by_streams)
+    slack = 16 * (shared.target_itl_s - cpu.seconds(16))
+    for r, budget in enumerate(by_streams, start=1):
+        assert r * (cpu.seconds(budget) - cpu.seconds(r)) <= slack + 1e-12
+        if budget > shared.decoding:     # the largest such budget (rounded to 16)
+            assert r * (cpu.seconds(budget + BUDGET_MULTIPLE) - cpu.seconds(r)) > slack
+    assert "1 decoding" in shared.decision.reason and f"{by_streams[0]} with 1" in \
+        shared.decision.chosen
+    assert shared.to_json()["decoding_token_budget_by_streams"] == list(by_streams)
+    assert resolve_token_budget("auto", None, 8192, 16, True, lambda: cpu).decoding_by_streams == ()
+    # Never past the cap, and max_num_seqs below 16 anchors the sharing there.
+    assert shared_stall_budgets(cpu, shared.target_itl_s, 16, 48, 256)[0] == 256
+    few = resolve_token_budget("auto", None, 8192, 4, True, lambda: cpu, share_stall=True)
+    assert len(few.decoding_by_streams) == 3
+
+
 def test_unbounded_cases_keep_one_budget_and_do_not_build_a_cost_model():
     def no_model():
         raise AssertionError("no cost model is needed here")
@@ -141,14 +171,20 @@ def test_measured_model_times_real_steps_of_the_tiny_model(tiny_checkpoint):
                                 repeats=1)
     assert [n for n, _ in model.points] == [1, 8] and 0 < model.seconds(1) <= model.seconds(8)
     decision = next(d for d in engine.report.decisions if d.what == "max_num_batched_tokens")
-    assert "target ITL 1e+04 ms" in decision.reason and "roofline floors" in decision.reason
+    # A CPU times its own short steps (the roofline floors miss its per-step overhead).
+    assert "target ITL 1e+04 ms" in decision.reason and "(measured)" in decision.reason
+    budget = engine.report.token_budget
+    assert [n for n, _ in budget.cost.points] == [1, 16, 128] and budget.cost.seconds(1) > 0
     config = engine.scheduler.config
+    # The stall shared below max_num_seqs streams, as the scheduler applies it.
+    assert len(config.decoding_token_budget_by_streams) == 3
+    assert config.budget_with_decodes(1) == budget.decoding_by_streams[0]
     assert config.decoding_token_budget is not None
     assert 4 <= config.decoding_token_budget <= config.max_num_batched_tokens
     assert f"{config.decoding_token_budget} with decodes" in decision.chosen
     budget = engine.report.token_budget.to_json()
     assert budget["decoding_token_budget"] == config.decoding_token_budget
-    assert budget["cost_source"] == "roofline floors" and budget["target_itl_s"] == 10.0
+    assert budget["cost_source"] == "measured" and budget["target_itl_s"] == 10.0
 
 
 @pytest.mark.gpu
