@@ -73,6 +73,8 @@ def doctor(
     report = run_doctor(info, tensor_parallel_size=tensor_parallel_size, model=summary,
                         num_devices=_live_device_count() if device is None else None,
                         emulate=emulate_device, dtype=dtype)
+    from archserve.engine.step_budget import itl_target_decision
+    report.decisions.append(itl_target_decision(info.platform))
     if speculative_config is not None:
         from archserve.cli.explain import speculation_decision
         try:

@@ -128,6 +128,9 @@ def explain(
     except (ValueError, BackendError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    if op is None:
+        from archserve.engine.step_budget import itl_target_decision
+        result.decisions.append(itl_target_decision(info.platform))
     if json_output:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:

@@ -57,7 +57,8 @@ import torch
 from archserve.platform.decision import Decision
 
 PROBE_LENGTHS = (1, 128, 512, 1024, 2048)
-CPU_PROBE_LENGTHS = (1, 16, 128)   # ANCHOR_SEQS among them: the auto target's step, timed
+CPU_PROBE_LENGTHS = (1, 16, 64)   # ANCHOR_SEQS among them: the auto target's step, timed
+CPU_PROBE_REPEATS = 5             # the fastest counts: more tries to find a quiet moment
 DEFAULT_ITL_FACTOR = 3.0   # the serving-tail target: ITL P99 <= 3x TPOT P50 (docs/benchmarks.md)
 BUDGET_MULTIPLE = 16      # Triton specialises integer arguments on divisibility by 16
 ANCHOR_SEQS = 16          # the decode batch whose step the auto target is a multiple of
@@ -268,6 +269,26 @@ def _by_streams(budgets: Sequence[int]) -> str:
     return ", ".join(f"{r} decoding {b} tokens" for r, b in shown)
 
 
+def itl_target_decision(platform: str) -> Decision:
+    """What `serve`'s default target ITL is on a platform (cuda, rocm, xpu, cpu) and where
+    its step cost comes from, for explain and doctor (the start-up prints the numbers)."""
+    if platform == "cpu":
+        source = (f"measured at start-up: steps of {', '.join(map(str, CPU_PROBE_LENGTHS))} "
+                  f"tokens, the fastest of {CPU_PROBE_REPEATS} (longer steps by the last slope); with fewer "
+                  f"than {ANCHOR_SEQS} sequences decoding the stall is shared, R x the stall "
+                  f"<= {ANCHOR_SEQS} x the target's")
+    elif platform in ("cuda", "rocm"):
+        source = (f"measured at start-up: prefill steps of "
+                  f"{', '.join(map(str, PROBE_LENGTHS))} tokens, the median of 3")
+    else:
+        source = ("the roofline floors of those steps (matmul FLOP/s and copy bandwidth "
+                  "measured at start-up), not timed steps")
+    return Decision("target ITL (serve)", "auto",
+                    f"{DEFAULT_ITL_FACTOR:g}x a decode step of {ANCHOR_SEQS} sequences",
+                    f"step cost {source}; steps carrying decodes take the most tokens that "
+                    f"fit; `archserve prepare` prints the target and budget in ms and tokens")
+
+
 def runner_cost_model(runner, limit: int) -> StepCostModel:
     """The step cost model of a warmed-up runner, for steps of at most ``limit`` tokens:
     measured on CUDA and CPUs (short steps only there), the roofline floors elsewhere. With
@@ -276,7 +297,8 @@ def runner_cost_model(runner, limit: int) -> StepCostModel:
     limit = min(limit, runner.max_model_len)
     if runner.device.type == "cpu":
         return measured_cost_model(runner.run_prefill_probe,
-                                   probe_lengths(limit, CPU_PROBE_LENGTHS), runner.device)
+                                   probe_lengths(limit, CPU_PROBE_LENGTHS), runner.device,
+                                   CPU_PROBE_REPEATS)
     lengths = sorted({*probe_lengths(limit),
                       *(b for b in mixed_graph_buckets_of(runner)[-1:] if b <= limit)})
     if runner.device.type == "cuda":

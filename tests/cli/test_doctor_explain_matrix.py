@@ -93,6 +93,18 @@ def test_explain_defaults_to_the_embedded_model() -> None:
     assert layers[0] == "attention" and "lm_head" in layers
 
 
+@pytest.mark.parametrize("device, source", [("live", "fastest of"), ("h100", "median of"),
+                                            ("mi300x", "median of")])
+def test_explain_and_doctor_say_where_the_serving_itl_target_comes_from(device, source):
+    """serve's default target ITL and its step cost's source: timed on CPUs (the fastest
+    of a few short steps) and GPUs (the median), as engine/step_budget.py measures it."""
+    for command in ("explain", "doctor"):
+        out = json.loads(run(command, "-d", device, "--json").output)
+        itl = next(d for d in out["decisions"] if d["what"] == "target ITL (serve)")
+        assert itl["chosen"] == "3x a decode step of 16 sequences", itl
+        assert "measured at start-up" in itl["reason"] and source in itl["reason"], itl
+
+
 def test_explain_every_op_kind() -> None:
     """--op takes every op kind the registry routes; linear and moe take --quantization;
     an op no loadable architecture has gets its ideal and the reason, never a route."""
