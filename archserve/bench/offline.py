@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from archserve.bench.progress import progress_bar
-from archserve.bench.stats import rate
+from archserve.bench.stats import rate, summarize
 from archserve.bench.step_trace import StepTrace, trace_steps
 from archserve.bench.workload import BenchRequest
 
@@ -16,6 +16,8 @@ class ThroughputResult:
     prompt_tokens: int
     output_tokens: int
     elapsed_s: float
+    # Per request, seconds from its arrival to its first token (all arrive at the start).
+    ttft_s: list[float] = field(default_factory=list)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -34,7 +36,10 @@ class ThroughputResult:
                 "output_tokens": self.output_tokens, "elapsed_s": self.elapsed_s,
                 "output_tokens_per_s": self.output_tokens_per_s,
                 "total_tokens_per_s": self.total_tokens_per_s,
-                "requests_per_s": self.requests_per_s}
+                "requests_per_s": self.requests_per_s,
+                "ttft_ms": ({k: v * 1e3 if k != "count" else v
+                             for k, v in summarize(self.ttft_s).items()}
+                            if self.ttft_s else None)}
 
 
 def bench_sampling_params(output_len: int, ignore_eos: bool = True, **overrides):
@@ -67,12 +72,15 @@ def run_offline(engine, requests: list[BenchRequest], ignore_eos: bool = True,
         for i, req in enumerate(requests):
             engine.add_request(f"bench-{i}", req.prompt_token_ids,
                                bench_sampling_params(req.output_len, ignore_eos))
-        output_tokens = 0
+        output_tokens, ttft = 0, []
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    metrics = out.metrics
+                    if metrics is not None and metrics.first_token_time is not None:
+                        ttft.append(metrics.first_token_time - metrics.arrival_time)
                     bar.advance(task)
         elapsed = time.perf_counter() - t0
     prompt_tokens = sum(r.input_len for r in requests)
-    return ThroughputResult(len(requests), prompt_tokens, output_tokens, elapsed), trace
+    return ThroughputResult(len(requests), prompt_tokens, output_tokens, elapsed, ttft), trace

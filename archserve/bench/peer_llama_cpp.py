@@ -147,7 +147,7 @@ class LlamaCppPeer:
                         slot.pending.append(token)
             elapsed = time.perf_counter() - t0
         result = ThroughputResult(len(requests), sum(r.input_len for r in requests),
-                                  sum(len(t) for t in tokens), elapsed)
+                                  sum(len(t) for t in tokens), elapsed, list(ttft))
         return result, tokens, ttft
 
 

@@ -71,6 +71,9 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
                  ("steps (decode, compute-bound)",
                   f"{roof['num_steps']} ({roof['num_decode_steps']}, "
                   f"{roof['compute_bound_steps']})")]
+        if result.get("ttft_ms"):
+            rows.append(("TTFT p50 / p99 (ms)", f"{_num(result['ttft_ms']['p50'])} / "
+                                                f"{_num(result['ttft_ms']['p99'])}"))
         host = result.get("host_ms_per_decode_step")
         if host:
             phases = ", ".join(f"{name} {ms:.3f}" for name, ms in host.items()
@@ -89,8 +92,11 @@ def summary_rows(result: dict) -> list[tuple[str, str]]:
             peer = result["peer"]
             name = peer.get("name", "transformers")
             rows += [(f"{name} ({peer['method']}) output tokens/s",
-                      _num(peer["output_tokens_per_s"])),
-                     (f"speedup vs {name}", _num(result["speedup_vs_peer"], 2, 1, "x"))]
+                      _num(peer["output_tokens_per_s"]))]
+            if peer.get("ttft_ms"):
+                rows.append((f"{name} TTFT p50 / p99 (ms)", f"{_num(peer['ttft_ms']['p50'])} / "
+                                                            f"{_num(peer['ttft_ms']['p99'])}"))
+            rows.append((f"speedup vs {name}", _num(result["speedup_vs_peer"], 2, 1, "x")))
     else:
         for run in result["runs"]:
             label = f"c={run['concurrency']}" if run["concurrency"] else f"rate={run['request_rate']}"

@@ -55,3 +55,6 @@ def test_llama_cpp_runs_the_same_requests(embedded_model_path):
     assert peer["prompt_tokens"] == 3 * 12
     assert data["speedup_vs_peer"] == pytest.approx(
         data["output_tokens_per_s"] / peer["output_tokens_per_s"])
+    # Time to first token of every request, on both sides.
+    assert peer["ttft_ms"]["count"] == data["ttft_ms"]["count"] == 3
+    assert 0 < peer["ttft_ms"]["p50"] <= peer["elapsed_s"] * 1e3

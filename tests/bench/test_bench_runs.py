@@ -40,6 +40,9 @@ def test_offline_step_trace_accounts_for_every_token(tiny_checkpoint, async_sche
                                range_ratio=0.5, seed=1)
     result, trace = run_offline(engine, requests, ignore_eos=True, show_progress=False)
     assert result.output_tokens == sum(r.output_len for r in requests)
+    # Every request's time to first token, each within the run.
+    assert len(result.ttft_s) == 6 and all(0 < t <= result.elapsed_s for t in result.ttft_s)
+    assert result.to_json()["ttft_ms"]["count"] == 6
     # Each prompt token runs once; each output token except the last is fed back once.
     fed = sum(r.input_len + r.output_len - 1 for r in requests)
     assert sum(step.num_tokens for step in trace.steps) == fed
