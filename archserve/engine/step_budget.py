@@ -10,8 +10,8 @@ measured after the warm-up has compiled and tuned every kernel:
   mixed-step graph bucket, where those are captured; a few hundred ms at start-up). A step
   that a mixed-step graph covers is timed as its replay, as it would run; a longer one
   eagerly;
-- on CPUs, steps of ``CPU_PROBE_LENGTHS`` tokens only (a few hundred ms: a 2048-token step
-  costs seconds there). A CPU's step cost grows with every row from the first on, about
+- on CPUs, steps of ``CPU_PROBE_LENGTHS`` tokens only (about half a second: a 2048-token
+  step alone costs seconds there). A CPU's step cost grows with every row from the first on, about
   linearly, so the last slope carries the model to longer steps. The roofline floors of
   these steps were 4.7x below the measured one-token step of the embedded model (Python and
   per-op overhead that no floor counts), which set the target ITL well under a real step;
@@ -35,7 +35,9 @@ R x (step - their decode step), stays within what ANCHOR_SEQS streams bear at th
 There a prompt token costs about a millisecond, so a budget sized for 16 streams admits one
 short prompt a step: a burst of requests (16 clients starting at once) arrived one prompt a
 step beside the first few streams, every step stalling all of them (16 streams x 48/32
-through HTTP: less output tok/s and a longer ITL p99 than no bound at all). On a
+through HTTP: less output tok/s and a longer ITL p99 than no bound at all). The price:
+a stream decoding alone may see one long gap (the embedded model: ~0.9 s) when a burst or
+a long prompt arrives, instead of many short ones. On a
 GPU a prompt token is nearly free up to hundreds a step, the uniform budget already admits
 such a burst in a step or two, and the budget stays one number.
 
