@@ -29,6 +29,7 @@ How it stays correct:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -38,8 +39,13 @@ import torch
 
 from archserve.engine.cuda_graphs import CANARY_BLOCKS, random_cache_values, replay_mismatch
 from archserve.kernels.attention.interface import AttentionMetadata
-from archserve.models.layers.attention import attention_as_opaque_op
-from archserve.models.layers.forward_context import ForwardContext, set_forward_context
+from archserve.kernels.attention.sdpa_backend import DecodeRows
+from archserve.models.layers.attention import attention_in_traced_step
+from archserve.models.layers.forward_context import (
+    ForwardContext,
+    get_forward_context,
+    set_forward_context,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +58,22 @@ class CompiledSteps:
 
     steps: dict[int, Step] = field(default_factory=dict)
     demoted: dict[int, str] = field(default_factory=dict)
+    # Attention layers each size's graph calls back into Python for (an opaque op).
+    opaque_layers: dict[int, int] = field(default_factory=dict)
 
     @property
     def sizes(self) -> list[int]:
         return sorted(self.steps)
+
+    @property
+    def attention(self) -> str:
+        """Where the compiled steps attend: in the graph, or through an opaque op (the
+        backend's Python, once a layer) for some layers."""
+        opaque = {size: n for size, n in self.opaque_layers.items()
+                  if n and size in self.steps}
+        if not opaque:
+            return "attention in the graph"
+        return f"attention an opaque op in {max(opaque.values())} layers"
 
 
 def first_line(exc: BaseException) -> str:
@@ -63,41 +81,83 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def decode_meta(lengths: list[int], block_tables: torch.Tensor, device: torch.device
-                ) -> AttentionMetadata:
-    """A decode step's metadata: one query per sequence at ``lengths``, writing nothing
-    (slot -1)."""
-    return AttentionMetadata.from_lengths(
-        [1] * len(lengths), lengths, block_tables,
-        torch.full((len(lengths),), -1, dtype=torch.long, device=device), device)
+def decode_meta(lengths: list[int], block_tables: torch.Tensor, block_size: int,
+                device: torch.device) -> AttentionMetadata:
+    """A decode step's metadata: one query per sequence at ``lengths``, writing its key
+    and value at its last position (the slot its block table gives)."""
+    last = torch.tensor(lengths, device=device) - 1
+    blocks = block_tables.long().gather(1, (last // block_size)[:, None])[:, 0]
+    return AttentionMetadata.from_lengths([1] * len(lengths), lengths, block_tables,
+                                          blocks * block_size + last % block_size, device)
 
 
-def example_inputs(size: int, device: torch.device) -> list[torch.Tensor]:
-    """(input ids, positions) of a decode step of ``size`` sequences: two tensors, never
-    one passed twice, which a tracer would take for one input read in both places."""
-    return [torch.zeros(size, dtype=torch.long, device=device) for _ in range(2)]
+# The padded context length the trace sees: a size of its own (a graph size other than
+# the step's, which tracing would take for the same symbol), never a step's fixed one.
+TRACED_CONTEXT = 37
 
 
-def trace_decode_step(model: torch.nn.Module, context: ForwardContext, size: int,
-                      device: torch.device) -> torch.fx.GraphModule:
-    """The decode forward of ``size`` sequences through the LM head, as an FX graph of
-    tensor ops (attention opaque), traced over fake inputs in ``context``."""
+def traced_inputs(size: int, kv_caches: list[torch.Tensor], device: torch.device
+                  ) -> list[torch.Tensor]:
+    """Fake inputs of a decode step of ``size`` sequences: input ids, positions, then its
+    ``DecodeRows`` (slots, cache rows [size, L], lengths) and the caches. Every size is
+    fixed but the padded context's L, a symbol: the graph serves every context length."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+
+    def fake(shape: tuple[int, ...], dtype: torch.dtype, dynamic: int | None = None
+             ) -> torch.Tensor:
+        sizes = [DimDynamic.DYNAMIC if d == dynamic else DimDynamic.STATIC
+                 for d in range(len(shape))]
+        return mode.from_tensor(torch.empty(shape, dtype=dtype, device=device),
+                                symbolic_context=StatelessSymbolicContext(sizes))
+
+    # Two tensors for ids and positions, never one passed twice, which a tracer would
+    # take for one input read in both places.
+    return [fake((size,), torch.long), fake((size,), torch.long), fake((size,), torch.long),
+            fake((size, TRACED_CONTEXT), torch.long, dynamic=1), fake((size,), torch.int32),
+            *(fake(tuple(kv.shape), kv.dtype) for kv in kv_caches)]
+
+
+def trace_decode_step(model: torch.nn.Module, context: ForwardContext,
+                      inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+    """The decode forward through the LM head, as an FX graph of tensor ops over
+    ``traced_inputs``; attention in the graph where its backend allows
+    (``attention_in_traced_step``), else an opaque op."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    def step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return model.compute_logits(model(input_ids, positions))
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             rows: torch.Tensor, seq_lens: torch.Tensor, *kv_caches: torch.Tensor
+             ) -> torch.Tensor:
+        traced = dataclasses.replace(context, kv_caches=list(kv_caches))
+        with set_forward_context(traced), attention_in_traced_step(
+                DecodeRows(slots, rows, seq_lens)):
+            return model.compute_logits(model(input_ids, positions))
 
-    with torch.inference_mode(), set_forward_context(context), attention_as_opaque_op():
+    with torch.inference_mode():
         # The parameters are real tensors; the graph holds them as constants.
-        return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
-            *example_inputs(size, device))
+        return make_fx(step, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*inputs)
 
 
-def compile_graph(graph: torch.fx.GraphModule, size: int, device: torch.device) -> Step:
+def opaque_attention_layers(graph: torch.fx.GraphModule) -> int:
+    """How many attention layers ``graph`` calls back into Python for (``paged_attention_op``)."""
+    return sum(1 for node in graph.graph.nodes
+               if node.op == "call_function" and "archserve.paged_attention" in str(node.target))
+
+
+def compile_graph(graph: torch.fx.GraphModule, inputs: list[torch.Tensor], block_size: int
+                  ) -> Step:
     """``graph`` compiled by inductor (its Python wrapper: the C++ one timed no faster here
     and compiles longer), rounding 16-bit intermediates as eager does, without autotuning
-    (a start-up would time GEMM templates for minutes). Inductor caches what it compiles (its FX graph cache, keyed by the graph
-    and its constants' shapes), so a second start loads it in seconds."""
+    (a start-up would time GEMM templates for minutes). Inductor caches what it compiles
+    (its FX graph cache, keyed by the graph and its constants' shapes), so a second start
+    loads it in seconds. The step reads its ``DecodeRows`` and caches from the forward
+    context when it runs."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
@@ -105,10 +165,17 @@ def compile_graph(graph: torch.fx.GraphModule, size: int, device: torch.device) 
     # calls a step of the embedded model, for shapes fixed by the trace.
     with torch.inference_mode(), inductor_config.patch(max_autotune=False, size_asserts=False,
                                                        emulate_precision_casts=True):
-        compiled = compile_fx(graph, example_inputs(size, device))
+        compiled = compile_fx(graph, inputs)
 
     def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = compiled(input_ids, positions)
+        ctx = get_forward_context()
+        step = DecodeRows.of_step(ctx.attn_metadata, block_size)
+        if bool((step.slots < 0).any()):
+            # The graph writes every row's key and value; a slot of -1 would write row -1.
+            raise ValueError("a compiled decode step writes every sequence's key and value: "
+                             "slot -1 (write nothing) has no compiled form")
+        out = compiled(input_ids, positions, step.slots, step.rows, step.seq_lens,
+                       *ctx.kv_caches)
         return out[0] if isinstance(out, (list, tuple)) else out
     return run
 
@@ -125,8 +192,11 @@ def compile_decode_steps(model: torch.nn.Module, make_context: Callable[[Attenti
         start = time.perf_counter()
         try:
             tables = torch.zeros((size, 1), dtype=torch.int32, device=device)
-            context = make_context(decode_meta([1] * size, tables, device))
-            step = compile_graph(trace_decode_step(model, context, size, device), size, device)
+            context = make_context(decode_meta([1] * size, tables, block_size, device))
+            inputs = traced_inputs(size, kv_caches, device)
+            graph = trace_decode_step(model, context, inputs)
+            result.opaque_layers[size] = opaque_attention_layers(graph)
+            step = compile_graph(graph, inputs, block_size)
             reason = canary_mismatch(model, step, make_context, kv_caches, size, block_size,
                                      device, tolerance)
         except Exception as exc:  # demote this size only
@@ -147,28 +217,42 @@ def canary_mismatch(model: torch.nn.Module, step: Step,
                     device: torch.device, tolerance: float) -> str | None:
     """None when the compiled ``step`` gives the eager step's logits, else why not: at two
     context lengths unlike the trace's, over cache blocks of random values (on a zero
-    cache a wrong length would give the same output), restored after."""
+    cache a wrong length would give the same output), restored after. Each run starts
+    from the same values and writes its own keys and values, so a wrong write slot shows."""
     blocks = min(CANARY_BLOCKS, *(kv.shape[1] for kv in kv_caches)) if kv_caches else 1
     touched = [kv[:, :blocks] for kv in kv_caches]
     saved = [t.clone() for t in touched]
     generator = torch.Generator(device=device).manual_seed(0)
-    for t in touched:
-        t.copy_(random_cache_values(t.shape, t.dtype, generator, device))
+    filled = [random_cache_values(t.shape, t.dtype, generator, device) for t in touched]
     rows = torch.arange(size, device=device)
+    capacity = block_size * blocks
+
+    def logits(meta: AttentionMetadata, ids: torch.Tensor, positions: torch.Tensor,
+               compiled: bool) -> torch.Tensor:
+        for t, values in zip(touched, filled, strict=True):
+            t.copy_(values)
+        with torch.inference_mode(), set_forward_context(make_context(meta)):
+            if compiled:
+                return step(ids, positions).float()
+            return model.compute_logits(model(ids, positions)).float()
+
     try:
-        for base in (3, block_size * blocks - size - 1):
-            lengths = [max(1, min(base + 5 * r, block_size * blocks)) for r in range(size)]
+        for base in (3, capacity - size - 1):
+            # Lengths that wrap within the touched blocks: rows share blocks (each table
+            # is the blocks rotated by its row), but no two write one slot.
+            lengths = [1 + (base - 1 + 5 * r) % capacity for r in range(size)]
             tables = ((rows[:, None] + torch.arange(blocks, device=device)) % blocks
                       ).to(torch.int32)
-            meta = decode_meta(lengths, tables, device)
+            meta = decode_meta(lengths, tables, block_size, device)
+            if meta.slot_mapping.unique().numel() < size:
+                return (f"the compiled step canary has no distinct cache slots for {size} "
+                        f"sequences in {blocks} blocks")
             ids = 5 + rows % 11
             positions = torch.tensor(lengths, device=device) - 1
-            with torch.inference_mode(), set_forward_context(make_context(meta)):
-                eager = model.compute_logits(model(ids, positions)).float()
-            with torch.inference_mode(), set_forward_context(make_context(meta)):
-                compiled = step(ids, positions).float()
-            reason = replay_mismatch(eager, compiled, tolerance,
-                                     f"compiled step canary (batch {size}, lengths {lengths})")
+            reason = replay_mismatch(
+                logits(meta, ids, positions, compiled=False),
+                logits(meta, ids, positions, compiled=True), tolerance,
+                f"compiled step canary (batch {size}, lengths {lengths})")
             if reason is not None:
                 return reason
         return None

@@ -310,8 +310,11 @@ class ModelRunner:
         graphs: engine/cpu_compiled_step.py), each checked against the eager step; the
         result says which sizes compiled and why others did not."""
         from archserve.engine.cpu_compiled_step import compile_decode_steps
-        # Compiled and eager steps round alike; 16-bit: room for a last-bit difference.
-        tolerance = 2e-3 if self.dtype == torch.float32 else 1e-2
+        # Compiled and eager steps round alike; 16-bit: room for a last-bit difference. The
+        # canary's steps write their keys and values, which a 16-bit graph's fused rotary
+        # rounds up to one ulp off eager's; read back they move a tiny model's logits by up
+        # to 1.5 ulps (1.2e-2 of their scale), hence 2e-2.
+        tolerance = 2e-3 if self.dtype == torch.float32 else 2e-2
         self.compiled_steps = compile_decode_steps(
             self.model, lambda meta: self._context(meta, meta.num_tokens), self.kv_caches,
             sizes, self.device, tolerance)

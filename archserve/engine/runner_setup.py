@@ -509,7 +509,7 @@ class _RunnerBuild:
                 result = self.runner.compile_cpu_decode_steps(sizes)
             chosen = (f"compiled at batch sizes {', '.join(map(str, result.sizes))}"
                       if result.sizes else "eager")
-            reason = ("inductor, attention an opaque op; other batch sizes run eager"
+            reason = (f"inductor, {result.attention}; other batch sizes run eager"
                       + "".join(f"; batch {s}: {why}" for s, why in result.demoted.items()))
         self.decisions.append(Decision("decode steps", requested, chosen, reason))
 

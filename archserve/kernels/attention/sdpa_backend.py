@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -225,19 +226,73 @@ class SdpaAttentionImpl(TorchCacheWriter):
             ("rows_q",), lambda: torch.tensor([starts[i] for i in seqs], device=query.device))
         rows = self.step_memo.get(("rows", block_size, max_len), lambda: decode_cache_rows(
             meta.block_tables[picked], block_size, max_len))                # [S * L]
-        keys, values = kv_cache.view(2, -1, *kv_cache.shape[3:]).unbind(0)
-        shape = (num_seqs, max_len, *kv_cache.shape[3:])
-        # Widened (``widened_on_cpu``): read straight into float32, one conversion a tensor;
-        # the output is rounded to the query's dtype once, as it goes into ``out``.
-        dtype = torch.float32 if widened_on_cpu(query) else query.dtype
-        k = dequantize(keys.index_select(0, rows).view(shape), k_scale, dtype)  # [S, L, Hkv, D]
-        v = dequantize(values.index_select(0, rows).view(shape), v_scale, dtype)
         mask = self.step_memo.get(("mask", max_len, layer.sliding_window), lambda: decode_mask(
             meta.seq_lens[picked], lens, max_len, layer.sliding_window))
-        q = query[rows_q].unsqueeze(2).to(dtype)                             # [S, H, 1, D]
-        o = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, False, layer.scale,
-                   layer.logit_soft_cap, layer.sinks)
-        out[rows_q] = o.squeeze(2).to(out.dtype)   # an index_put does not convert
+        o = padded_decode_attention(query[rows_q], kv_cache, rows, max_len, mask, layer,
+                                    k_scale, v_scale)
+        out[rows_q] = o.to(out.dtype)   # an index_put does not convert
+
+    def decode_in_graph(self, query: torch.Tensor, key: torch.Tensor | None,
+                        value: torch.Tensor | None, kv_cache: torch.Tensor, step: DecodeRows,
+                        layer: AttentionLayerParams, k_scale: float, v_scale: float
+                        ) -> torch.Tensor | None:
+        """A decode step's cache write and attention (query [S, H, D], one query a
+        sequence) as tensor ops only, for a traced step (engine/cpu_compiled_step.py): the
+        step's slots, cache rows and lengths are tensors of ``step``, so nothing of them
+        is fixed at trace time but the padded context's length being a graph size. None
+        where this layer's cache has no in-graph form (float8: written through a byte
+        view; no key: a fused kernel wrote it), which then attends through ``forward``."""
+        if key is None or value is None or kv_cache.dtype in FP8_CACHE_DTYPES:
+            return None
+        block_size = kv_cache.shape[2]
+        blocks, offsets = step.slots // block_size, step.slots % block_size
+        # An index_put_ on the cache itself (not on a view of it): inductor then writes the
+        # rows in place; through a view, functionalization copied the whole cache.
+        for half, src in enumerate((key, value)):
+            kv_cache.index_put_((torch.tensor(half, device=kv_cache.device), blocks, offsets),
+                                src.to(kv_cache.dtype))
+        max_len = step.rows.shape[1]
+        mask = padded_decode_mask(step.seq_lens, max_len, layer.sliding_window)
+        o = padded_decode_attention(query, kv_cache, step.rows.flatten(), max_len, mask, layer,
+                                    k_scale, v_scale)
+        return o.to(query.dtype)
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """What a decode step's attention reads and writes, as tensors: the graph inputs of a
+    traced decode step (``SdpaAttentionImpl.decode_in_graph``), made once a step."""
+
+    slots: torch.Tensor      # [S] long: where each sequence's new key and value go
+    rows: torch.Tensor       # [S, L] long: each context's cache rows, padded to L (masked)
+    seq_lens: torch.Tensor   # [S]: context lengths, this step's token included
+
+    @classmethod
+    def of_step(cls, meta: AttentionMetadata, block_size: int) -> DecodeRows:
+        # Two rows at least: a traced graph's padded length is a symbol, which tracing
+        # assumes is not 1 (a decode's context is its prompt and its new token anyway).
+        max_len = max(meta.max_seq_len, 2)
+        rows = decode_cache_rows(meta.block_tables, block_size, max_len)
+        return cls(meta.slot_mapping, rows.view(meta.num_seqs, max_len), meta.seq_lens)
+
+
+def padded_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Tensor,
+                            max_len: int, mask: torch.Tensor | None,
+                            layer: AttentionLayerParams, k_scale: float, v_scale: float
+                            ) -> torch.Tensor:
+    """One query a sequence (query [S, H, D]) over its context gathered from the cache
+    (``rows`` [S * max_len], padding hidden by ``mask``) -> [S, H, D] in the dtype it was
+    computed in (widened: float32, rounded once by the caller as it stores it)."""
+    keys, values = kv_cache.view(2, -1, *kv_cache.shape[3:]).unbind(0)
+    shape = (query.shape[0], max_len, *kv_cache.shape[3:])
+    # Widened (``widened_on_cpu``): read straight into float32, one conversion a tensor.
+    dtype = torch.float32 if widened_on_cpu(query) else query.dtype
+    k = dequantize(keys.index_select(0, rows).view(shape), k_scale, dtype)  # [S, L, Hkv, D]
+    v = dequantize(values.index_select(0, rows).view(shape), v_scale, dtype)
+    q = query.unsqueeze(2).to(dtype)                                     # [S, H, 1, D]
+    o = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, False, layer.scale,
+               layer.logit_soft_cap, layer.sinks)
+    return o.squeeze(2)
 
 
 def decode_cache_rows(block_tables: torch.Tensor, block_size: int, max_len: int
@@ -258,6 +313,12 @@ def decode_mask(seq_lens: torch.Tensor, host_seq_lens: list[int], max_len: int,
     if all(n == max_len for n in host_seq_lens) and (sliding_window is None
                                                      or sliding_window >= max_len):
         return None
+    return padded_decode_mask(seq_lens, max_len, sliding_window)
+
+
+def padded_decode_mask(seq_lens: torch.Tensor, max_len: int, sliding_window: int | None
+                       ) -> torch.Tensor:
+    """[S, 1, 1, max_len]: which of ``max_len`` padded keys each sequence's one query sees."""
     k_pos = torch.arange(max_len, device=seq_lens.device)[None, :]
     mask = visibility_mask(seq_lens.long()[:, None] - 1, k_pos, sliding_window)
     return mask[:, None, None, :]

@@ -13,6 +13,7 @@ from torch import nn
 
 from archserve.kernels.attention.interface import AttentionLayerParams
 from archserve.kernels.attention.preamble import attention_preamble
+from archserve.kernels.attention.sdpa_backend import DecodeRows
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.kv_scales import KVCacheScales
 from archserve.models.layers.norm import RMSNorm
@@ -22,22 +23,24 @@ from archserve.models.layers.rotary import RotaryEmbedding
 # (several models live in one process: a drafter beside its target, tests).
 _LAYERS: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
 _LAYER_KEYS = itertools.count()
-_opaque = False
+# While a decode step is traced: its cache reads and writes as the graph's inputs.
+_traced_step: DecodeRows | None = None
 
 
 @contextlib.contextmanager
-def attention_as_opaque_op() -> Iterator[None]:
-    """Within the block, attention layers call ``paged_attention_op`` instead of their
-    forward: a forward traced here (engine/cpu_compiled_step.py) records each layer's cache
-    write and attention as one opaque op, which reads the step's lengths, block tables and
-    cache from the forward context when it runs, so a graph traced once serves every
-    context length and step."""
-    global _opaque
-    previous, _opaque = _opaque, True
+def attention_in_traced_step(step: DecodeRows) -> Iterator[None]:
+    """Within the block (a decode step being traced: engine/cpu_compiled_step.py) an
+    attention layer is recorded as the tensor ops of its backend's ``decode_in_graph``,
+    which read the step's slots, cache rows and lengths from ``step``, the graph's
+    inputs; a layer whose backend has no such form is recorded as ``paged_attention_op``,
+    one opaque op that reads them from the forward context when it runs. Either way a
+    graph traced once serves every context length and step."""
+    global _traced_step
+    previous, _traced_step = _traced_step, step
     try:
         yield
     finally:
-        _opaque = previous
+        _traced_step = previous
 
 
 @torch.library.custom_op("archserve::paged_attention", mutates_args=())
@@ -120,16 +123,14 @@ class Attention(nn.Module, KVCacheScales):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
                 ) -> torch.Tensor:
         """k and v None: this step's keys and values are already in the cache."""
-        if _opaque:
-            return paged_attention_op(q.flatten(1), k, v, self.layer_key)
+        if _traced_step is not None:
+            return self._traced_forward(q, k, v, _traced_step)
         ctx = get_forward_context()
         num_tokens = q.shape[0]
         k_scale, v_scale = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, k, v)
         with op_region("attention"):   # the self-check's CPU profile attributes time by it
             out = ctx.attn_impl.forward(
-                q.view(num_tokens, self.num_heads, self.head_size),
-                None if k is None else k.view(num_tokens, self.num_kv_heads, self.head_size),
-                None if v is None else v.view(num_tokens, self.num_kv_heads, self.head_size),
+                *self._heads(q, k, v),
                 kv_cache=ctx.kv_caches[self.layer_index],
                 meta=ctx.attn_metadata,
                 layer=self._params_for(ctx.kv_cache_dtype),
@@ -137,3 +138,24 @@ class Attention(nn.Module, KVCacheScales):
                 v_scale=v_scale,
             )
         return out.reshape(num_tokens, self.num_heads * self.head_size)
+
+    def _heads(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """q [T, H, D], k/v [T, Hkv, D] (None stays None)."""
+        num_tokens = q.shape[0]
+        return (q.view(num_tokens, self.num_heads, self.head_size),
+                None if k is None else k.view(num_tokens, self.num_kv_heads, self.head_size),
+                None if v is None else v.view(num_tokens, self.num_kv_heads, self.head_size))
+
+    def _traced_forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                        step: DecodeRows) -> torch.Tensor:
+        """``forward`` as a traced decode step records it (``attention_in_traced_step``)."""
+        ctx = get_forward_context()
+        in_graph = getattr(ctx.attn_impl, "decode_in_graph", None)
+        if in_graph is not None:
+            k_scale, v_scale = self.kv_scales(ctx.kv_cache_dtype, False, k, v)
+            out = in_graph(*self._heads(q, k, v), ctx.kv_caches[self.layer_index], step,
+                           self._params_for(ctx.kv_cache_dtype), k_scale, v_scale)
+            if out is not None:
+                return out.reshape(q.shape[0], self.num_heads * self.head_size)
+        return paged_attention_op(q.flatten(1), k, v, self.layer_key)
