@@ -12,7 +12,6 @@ FLEX_ATTENTION backend shares.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from archserve.kernels.attention.interface import (
     PagedAttentionImpl,
 )
 from archserve.kernels.attention.reference import softmax_with_sinks
+from archserve.kernels.step_memo import StepMemo
 from archserve.platform.detect import device_info_for
 
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -57,28 +57,6 @@ def written_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if bool(valid.all()):
         return slot_mapping.long(), None
     return slot_mapping[valid].long(), valid
-
-
-class StepMemo:
-    """What a step's layers derive alike from its metadata (the slots to write, the cache
-    rows to gather, the padding mask), computed by the first layer and reused by the
-    others: a decode step of a small model spends more in such small ops than in
-    attention itself. Keyed by the metadata object (held, so its id cannot be reused; the
-    engine builds one per step, while the tensors in it may be views it reuses across
-    steps) and a plain key; a step's metadata is not changed once its forward began."""
-
-    def __init__(self) -> None:
-        self.meta: AttentionMetadata | None = None
-        self.entries: dict[tuple, object] = {}
-
-    def begin(self, meta: AttentionMetadata) -> None:
-        if meta is not self.meta:
-            self.meta, self.entries = meta, {}
-
-    def get(self, key: tuple, compute: Callable[[], object]) -> object:
-        if key not in self.entries:
-            self.entries[key] = compute()
-        return self.entries[key]
 
 
 class TorchCacheWriter(PagedAttentionImpl):

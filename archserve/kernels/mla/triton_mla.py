@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from archserve.kernels.attention.interface import AttentionMetadata
-from archserve.kernels.attention.sdpa_backend import StepMemo
 from archserve.kernels.attention.triton_cache_write import write_kv_cache
 from archserve.kernels.mla.decode_rows import (
     all_decode_rows,
@@ -35,6 +34,7 @@ from archserve.kernels.mla.triton_mla_decode_inputs import (
     mla_decode_inputs,
     mla_decode_inputs_unsupported,
 )
+from archserve.kernels.step_memo import StepMemo
 from archserve.platform.detect import device_info_for
 
 
@@ -123,7 +123,8 @@ class TritonMlaImpl:
     def step_rows(self, meta: AttentionMetadata, num_tokens: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sequence, the keys seen) of each token of a step run as decode rows
-        (decode_rows.py), once a step: from device lengths, as a captured bucket needs."""
+        (decode_rows.py), once a step: from device lengths, as a captured bucket needs.
+        Every use of the step's memo passes here first, so this begins it."""
         self.step_memo.begin(meta)
         return self.step_memo.get(("rows", num_tokens),
                                   lambda: device_decode_rows(meta, num_tokens))
@@ -136,16 +137,12 @@ class TritonMlaImpl:
         the row's sequence in the kernel: the decode kernel and its compiled variants stay
         as they are, for a copy of a few KiB a row."""
         rows = q_nope.shape[0]
-        self.step_memo.begin(meta)
-
-        def gathered() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            row_seq, row_len = self.step_rows(meta, rows)
-            return (meta.block_tables[row_seq], row_len,
-                    torch.arange(rows + 1, dtype=torch.int32, device=row_len.device))
-
+        row_seq, row_len = self.step_rows(meta, rows)   # begins the step's memo
         # The decode kernel reads its metadata before PDL's wait (kernels/pdl.py): it is
         # gathered before the absorbed query, the kernel launched right before the decode.
-        tables, lens, starts = self.step_memo.get(("decode rows", rows), gathered)
+        tables, lens, starts = self.step_memo.get(("decode rows", rows), lambda: (
+            meta.block_tables[row_seq], row_len,
+            torch.arange(rows + 1, dtype=torch.int32, device=row_len.device)))
         return self.decode(absorb_query(q_nope, q_pe, w_uk), kv_cache, tables, lens, starts,
                            rows, meta.max_seq_len, scale, w_uv, k_scale)
 
