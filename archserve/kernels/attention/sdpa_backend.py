@@ -197,6 +197,8 @@ class SdpaAttentionImpl(TorchCacheWriter):
         max_len = max(lens)
         # A decode step, or decodes ahead of prompt chunks (the scheduler's order): the
         # batch's first sequences and rows, sliced. Otherwise they are picked by index.
+        # These memo keys name no sequences: ``seqs`` follows from the step's query lengths
+        # alone (``attend``'s one-query sequences), so it is the same for every layer.
         leading = seqs[-1] == num_seqs - 1 and starts[num_seqs] == num_seqs
         picked = self.step_memo.get(("picked",), lambda: slice(0, num_seqs) if leading
                                     else torch.tensor(seqs, device=query.device))
