@@ -91,16 +91,20 @@ def decode_meta(lengths: list[int], block_tables: torch.Tensor, block_size: int,
                                           blocks * block_size + last % block_size, device)
 
 
-# The padded context length the trace sees: a size of its own (a graph size other than
-# the step's, which tracing would take for the same symbol), never a step's fixed one.
+# The sizes the trace sees for the padded context and the cache's blocks, both symbols:
+# each unlike the other (tracing takes two sizes of one value for one symbol) and unlike
+# any fixed size. The blocks are a symbol so that inductor's on-disk cache, keyed by the
+# graph, serves a start whose memory gave the cache another number of blocks.
 TRACED_CONTEXT = 37
+TRACED_CACHE_BLOCKS = 53
 
 
 def traced_inputs(size: int, kv_caches: list[torch.Tensor], device: torch.device
                   ) -> list[torch.Tensor]:
     """Fake inputs of a decode step of ``size`` sequences: input ids, positions, then its
     ``DecodeRows`` (slots, cache rows [size, L], lengths) and the caches. Every size is
-    fixed but the padded context's L, a symbol: the graph serves every context length."""
+    fixed but the padded context's L and the caches' blocks, symbols: the graph serves
+    every context length and cache size."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
         DimDynamic,
@@ -121,7 +125,8 @@ def traced_inputs(size: int, kv_caches: list[torch.Tensor], device: torch.device
     # take for one input read in both places.
     return [fake((size,), torch.long), fake((size,), torch.long), fake((size,), torch.long),
             fake((size, TRACED_CONTEXT), torch.long, dynamic=1), fake((size,), torch.int32),
-            *(fake(tuple(kv.shape), kv.dtype) for kv in kv_caches)]
+            *(fake((kv.shape[0], TRACED_CACHE_BLOCKS, *kv.shape[2:]), kv.dtype, dynamic=1)
+              for kv in kv_caches)]
 
 
 def trace_decode_step(model: torch.nn.Module, context: ForwardContext,
@@ -129,6 +134,7 @@ def trace_decode_step(model: torch.nn.Module, context: ForwardContext,
     """The decode forward through the LM head, as an FX graph of tensor ops over
     ``traced_inputs``; attention in the graph where its backend allows
     (``attention_in_traced_step``), else an opaque op."""
+    from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -141,7 +147,14 @@ def trace_decode_step(model: torch.nn.Module, context: ForwardContext,
 
     with torch.inference_mode():
         # The parameters are real tensors; the graph holds them as constants.
-        return make_fx(step, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*inputs)
+        graph = make_fx(step, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*inputs)
+    # Nothing checks a guard when the graph runs: one taken while tracing (the model's
+    # Python branching on a context length or the cache's size) would hold silently.
+    guards = detect_fake_mode(inputs).shape_env.guards
+    if guards:
+        raise ValueError(f"the trace assumed {', '.join(str(g.expr) for g in guards)}, "
+                         f"which another step's sizes may break")
+    return graph
 
 
 def opaque_attention_layers(graph: torch.fx.GraphModule) -> int:
