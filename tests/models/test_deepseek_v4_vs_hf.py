@@ -201,10 +201,13 @@ def test_llm_chunked_prefill_ring_wrap_prefix_and_preemption(tmp_path, monkeypat
     cached (its blocks, and the snapshot of its ring at the last one), and a pool too small
     for every sequence at once, so some are preempted and recomputed in a fresh ring.
 
-    One thread, engine and transformers alike: at 2 threads oneDNN splits a 6-token chunk's
-    GEMM reductions otherwise than the whole prompt's, and this tiny model's hyper-connections
-    grow that rounding over the generated steps (1.1e-3 in a log-prob by token 21, the
-    greedy tokens equal); at one thread every budget is within 1e-4."""
+    One thread, engine and transformers alike: this tiny model routes one token ("Hello
+    world"'s position 51, layer 5) with its second and third experts' scores 1-2 fp32 ulps
+    apart; at 2 threads, recomputed after preemption in a 6-token chunk, they round to an
+    exact tie that takes the other expert, and the tokens after it that read its keys and
+    entries move by up to 1.1e-3 in a log-prob (greedy tokens equal). Rounding, not the
+    chunk path: run in float64, every budget's log-probs are the whole prompt's to 3e-15;
+    at one thread every budget is within 2e-6 of transformers."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")      # the engine's thread governor stays off
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
