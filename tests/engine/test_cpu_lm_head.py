@@ -7,7 +7,9 @@ bfloat16 head's, with greedy tokens as near float32's or nearer."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,15 +25,18 @@ from archserve.kernels.linear.cpu_lm_head import (
 )
 from archserve.models.layers.embedding import LMHead
 
-# benchmarks/cpu_route_accuracy.py's fixed prompts, where HEAD_DRIFT_BOUND was measured.
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in two sentences why the sky is blue.",
-    "List three prime numbers greater than 10.",
-    "Translate 'good morning' into Spanish.",
-    "Who wrote Romeo and Juliet?",
-]
+
+def benchmark_prompts() -> list[str]:
+    """benchmarks/cpu_route_accuracy.py's fixed prompts, where HEAD_DRIFT_BOUND was
+    measured."""
+    path = Path(__file__).parents[2] / "benchmarks" / "cpu_route_accuracy.py"
+    spec = importlib.util.spec_from_file_location("cpu_route_accuracy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PROMPTS
+
+
+PROMPTS = benchmark_prompts()
 NEW_TOKENS = 32
 
 
