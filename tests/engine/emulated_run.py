@@ -60,8 +60,10 @@ def checkpoints(root: str) -> dict[str, str]:
     }
 
 
-def route_record(llm, path: str, profile: str) -> dict:
-    """The engine's printed route against explain's for the profile, and its graphs."""
+def route_record(llm, path: str, profile: str, dtype: str = "auto") -> dict:
+    """The engine's printed route against explain's for the profile and the dtype the
+    engine was asked for (a float32 run's attention has another ideal than the profile's
+    16-bit default), and its graphs."""
     from archserve.platform.profiles import get_profile
     from archserve.routing.explain import explain_model
     from archserve.routing.model_summary import read_model_summary
@@ -69,7 +71,8 @@ def route_record(llm, path: str, profile: str) -> dict:
     report = llm.llm_engine.report
     printed = [r.to_dict() for r in report.routes]
     explained = [r.to_dict() for r in explain_model(get_profile(profile),
-                                                    read_model_summary(path)).routes]
+                                                    read_model_summary(path),
+                                                    dtype=dtype).routes]
     return {"routes": {r["layer"]: r["backend"] for r in printed},
             "routes_equal_explain": printed == explained,
             "device": report.device.describe(), "dtype": str(report.dtype),
@@ -117,7 +120,7 @@ def run_model(name: str, path: str, profile: str, dtype: str) -> dict:
     from archserve import LLM, SamplingParams
 
     llm = LLM(path, emulate_device=profile, dtype=dtype, **ENGINE)
-    record = route_record(llm, path, profile)
+    record = route_record(llm, path, profile, dtype)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
     torch_dtype = llm.llm_engine.report.dtype
