@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from archserve.kernels.attention.interface import AttentionMetadata
+if TYPE_CHECKING:    # a hint only: the attention package imports this module
+    from archserve.kernels.attention.interface import AttentionMetadata
 
 
 class StepMemo:
