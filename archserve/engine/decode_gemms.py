@@ -31,7 +31,7 @@ from archserve.models.layers.linear import (
 from archserve.platform import DeviceInfo
 from archserve.platform.decision import Decision
 from archserve.quant.linear_state import quantized_layers
-from archserve.quant.plan import QuantPlan, lm_head_spec
+from archserve.quant.plan import QuantPlan, lm_head_decision, lm_head_spec
 
 
 def linear_weights_by_shape(model: torch.nn.Module) -> WeightGroups:
@@ -246,5 +246,4 @@ def install_lm_head_route(device: DeviceInfo, model: torch.nn.Module, dtype: tor
         reasons.append(route.describe())
     if not reasons:
         return None
-    return Decision("LM head", f"dense {str(dtype).removeprefix('torch.')}", selection.name,
-                    "; ".join(dict.fromkeys(reasons)))
+    return lm_head_decision(spec, selection.name, "; ".join(dict.fromkeys(reasons)))

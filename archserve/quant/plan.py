@@ -102,14 +102,18 @@ def lm_head_spec(device: DeviceInfo, dtype: torch.dtype) -> LinearSpec:
     return LinearSpec(dtype=dtype)
 
 
-def lm_head_decision(spec: LinearSpec, backend: str) -> Decision | None:
+def lm_head_decision(spec: LinearSpec, backend: str, chosen: str | None = None
+                     ) -> Decision | None:
     """Why the LM head's route (``lm_head_spec``) is ``backend``, where it has a
-    lower-precision candidate; None for the dense head."""
+    lower-precision candidate; None for the dense head. ``chosen``: what start-up timing
+    chose (the engine's decision); without it, the candidates (explain, doctor)."""
     if spec.quant_scheme is None:
         return None
-    from archserve.kernels.linear.cpu_lm_head import LM_HEAD_CANDIDATES
+    if chosen is None:
+        from archserve.kernels.linear.cpu_lm_head import LM_HEAD_CANDIDATES
+        chosen = LM_HEAD_CANDIDATES
     return Decision("LM head", f"dense {str(spec.dtype).removeprefix('torch.')}", backend,
-                    LM_HEAD_CANDIDATES)
+                    chosen)
 
 
 def plan_quantization(device: DeviceInfo, config: QuantConfig | None, dtype: torch.dtype,
