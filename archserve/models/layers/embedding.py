@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from archserve.models.layers.linear import WeightOnly, apply_linear_float
+
+if TYPE_CHECKING:
+    from archserve.kernels.linear.cpu_lm_head import HeadRoute
 
 
 class VocabEmbedding(WeightOnly):
@@ -31,7 +34,7 @@ class LMHead(nn.Module):
         # A lower-precision copy that multiplies some row counts faster (the CPU's 8-bit
         # head: kernels/linear/cpu_lm_head.py), installed at start-up; ``weight`` stays,
         # for the other row counts and the embedding it may be.
-        self.low_precision: Any = None
+        self.low_precision: HeadRoute | None = None
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``out``: where the logits may go (``apply_linear_float``); check the result."""
@@ -40,7 +43,7 @@ class LMHead(nn.Module):
             return route.logits(hidden)
         return apply_linear_float(hidden, self.weight, out)
 
-    def install_low_precision(self, route: Any) -> None:
+    def install_low_precision(self, route: HeadRoute) -> None:
         """Multiply the row counts ``route`` takes by its copy; its tensors become this
         module's parameters, so memory accounting counts them."""
         self.low_precision = route
