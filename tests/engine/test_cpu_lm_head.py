@@ -98,6 +98,31 @@ def test_the_timed_choice_is_cached_and_read_back(tmp_path, monkeypatch):
     assert second.rows == frozenset({1, 4, 5, 6, 7})
 
 
+def test_a_timing_at_another_thread_count_is_not_reused(tmp_path, monkeypatch):
+    """The forms gain unlike from threads: a choice timed at one count is timed again at
+    another, and each count's is kept."""
+    weight = torch.randn(512, 64).to(torch.bfloat16)
+    path = str(tmp_path / "cpu_lm_head.json")
+    timed = []
+
+    def time_head(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        timed.append(torch.get_num_threads())
+        return head_module.HeadTiming([timed[-1]], {})
+
+    monkeypatch.setattr(head_module, "time_head", time_head)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 1, 2):
+            torch.set_num_threads(count)
+            route = tune_head(weight, lambda x: x, path)
+            assert route.timing.int8_rows == [count]    # this count's own timing
+    finally:
+        torch.set_num_threads(threads)
+    assert timed == [1, 2]
+    with open(path) as f:
+        assert len(json.load(f)["heads"]) == 2
+
+
 @pytest.fixture(scope="module")
 def engines(embedded_model_path):
     """The embedded model in bfloat16 with the head start-up chose and with the dense head

@@ -26,7 +26,10 @@ bfloat16 GEMM wins (development machine, one thread, loaded: 2.6 / 3.3 ms at 1 r
 anyway) and each row count of ``HEAD_ROWS`` is timed once, against the dense head as the
 linear route multiplies it; a count between two timed ones takes the lower one's form,
 and a count past the last (a prompt's log-probs) stays dense. The choice is cached per
-CPU and torch version, next to the body's formats.
+CPU and torch version, next to the body's formats, and per thread count: the two forms
+gain unlike from threads (the embedded model's head on a 2-core machine, one row: the copy
+1.7 ms at two threads, 2.6 at one; the dense head 2.6-3.0 and 3.3), so a choice timed at
+one count need not hold at another.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ LM_HEAD_CANDIDATES = ("the dense head, or an int8 copy of it in groups of 32 (GG
                       "at the row counts where start-up timing finds the copy faster; "
                       + HEAD_DRIFT)
 REPS = 5
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2     # 2: keyed by the thread count
 
 
 @dataclass
@@ -135,8 +138,10 @@ class HeadRoute:
 
 
 def head_key(weight: torch.Tensor) -> str:
+    """The cache key of a head's timing: its shape, dtype, group and the thread count it
+    runs at (the module doc)."""
     return (f"{weight.shape[0]}x{weight.shape[1]}:{str(weight.dtype).removeprefix('torch.')}"
-            f":int8 groups of {HEAD_GROUP}")
+            f":int8 groups of {HEAD_GROUP}|{torch.get_num_threads()} threads")
 
 
 def tune_head(weight: torch.Tensor, dense: Callable[[torch.Tensor], torch.Tensor],
