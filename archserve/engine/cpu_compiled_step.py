@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from archserve.engine.cuda_graphs import CANARY_BLOCKS, random_cache_values, replay_mismatch
-from archserve.kernels.attention.interface import AttentionMetadata
-from archserve.kernels.attention.sdpa_backend import DecodeRows
+from archserve.kernels.attention.interface import AttentionMetadata, DecodeRows
 from archserve.models.layers.attention import attention_in_traced_step
 from archserve.models.layers.forward_context import (
     ForwardContext,

@@ -19,6 +19,9 @@ Every implementation does the same two things per layer:
   2. attend each query token causally over its sequence's cached context
      (optionally limited to a sliding window, with logit soft-capping, and with a learned
      sink logit per query head that joins the softmax's denominator and no value).
+
+A traced decode step (engine/cpu_compiled_step.py) hands its attention the same facts as
+tensors, ``DecodeRows``: nothing of a step's lengths is fixed when the graph is made.
 """
 
 from __future__ import annotations
@@ -106,6 +109,36 @@ class AttentionLayerParams:
     # units of the scaled scores. Each softmax row then reads
     # exp(s_j) / (exp(sink) + sum_j exp(s_j)): the sink takes probability and gives no value.
     sinks: torch.Tensor | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """What a decode step's attention reads and writes, as tensors: the graph inputs of a
+    traced decode step (``SdpaAttentionImpl.decode_in_graph``), made once a step."""
+
+    slots: torch.Tensor      # [S] long: where each sequence's new key and value go
+    rows: torch.Tensor       # [S, L] long: each context's cache rows, padded to L (masked)
+    seq_lens: torch.Tensor   # [S]: context lengths, this step's token included
+
+    @classmethod
+    def of_step(cls, meta: AttentionMetadata, block_size: int) -> DecodeRows:
+        # Two rows at least: a traced graph's padded length is a symbol, which tracing
+        # assumes is not 1 (a decode's context is its prompt and its new token anyway).
+        max_len = max(meta.max_seq_len, 2)
+        rows = decode_cache_rows(meta.block_tables, block_size, max_len)
+        return cls(meta.slot_mapping, rows.view(meta.num_seqs, max_len), meta.seq_lens)
+
+
+def decode_cache_rows(block_tables: torch.Tensor, block_size: int, max_len: int
+                      ) -> torch.Tensor:
+    """The flattened cache rows (block * block_size + offset) of each sequence's first
+    ``max_len`` tokens, [S * max_len] long; rows past a sequence's length (and its -1
+    table padding, read as block 0) are for the reader to mask (TORCH_SDPA's
+    ``decode_mask``)."""
+    num_blocks = (max_len + block_size - 1) // block_size
+    blocks = block_tables[:, :num_blocks].long().clamp_min(0)
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (blocks[:, :, None] * block_size + offsets).flatten(1)[:, :max_len].reshape(-1)
 
 
 class AttentionImpl(Protocol):

@@ -12,7 +12,6 @@ FLEX_ATTENTION backend shares.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,9 @@ import torch.nn.functional as F
 from archserve.kernels.attention.interface import (
     AttentionLayerParams,
     AttentionMetadata,
+    DecodeRows,
     PagedAttentionImpl,
+    decode_cache_rows,
 )
 from archserve.kernels.attention.reference import softmax_with_sinks
 from archserve.kernels.step_memo import StepMemo
@@ -238,24 +239,6 @@ class SdpaAttentionImpl(TorchCacheWriter):
         return o.to(query.dtype)
 
 
-@dataclass(frozen=True)
-class DecodeRows:
-    """What a decode step's attention reads and writes, as tensors: the graph inputs of a
-    traced decode step (``SdpaAttentionImpl.decode_in_graph``), made once a step."""
-
-    slots: torch.Tensor      # [S] long: where each sequence's new key and value go
-    rows: torch.Tensor       # [S, L] long: each context's cache rows, padded to L (masked)
-    seq_lens: torch.Tensor   # [S]: context lengths, this step's token included
-
-    @classmethod
-    def of_step(cls, meta: AttentionMetadata, block_size: int) -> DecodeRows:
-        # Two rows at least: a traced graph's padded length is a symbol, which tracing
-        # assumes is not 1 (a decode's context is its prompt and its new token anyway).
-        max_len = max(meta.max_seq_len, 2)
-        rows = decode_cache_rows(meta.block_tables, block_size, max_len)
-        return cls(meta.slot_mapping, rows.view(meta.num_seqs, max_len), meta.seq_lens)
-
-
 def padded_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Tensor,
                             max_len: int, mask: torch.Tensor | None,
                             layer: AttentionLayerParams, k_scale: float, v_scale: float
@@ -273,17 +256,6 @@ def padded_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, rows: t
     o = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, False, layer.scale,
                layer.logit_soft_cap, layer.sinks)
     return o.squeeze(2)
-
-
-def decode_cache_rows(block_tables: torch.Tensor, block_size: int, max_len: int
-                      ) -> torch.Tensor:
-    """The flattened cache rows (block * block_size + offset) of each sequence's first
-    ``max_len`` tokens, [S * max_len] long; rows past a sequence's length (and its -1
-    table padding, read as block 0) are masked by ``decode_mask``."""
-    num_blocks = (max_len + block_size - 1) // block_size
-    blocks = block_tables[:, :num_blocks].long().clamp_min(0)
-    offsets = torch.arange(block_size, device=block_tables.device)
-    return (blocks[:, :, None] * block_size + offsets).flatten(1)[:, :max_len].reshape(-1)
 
 
 def decode_mask(seq_lens: torch.Tensor, host_seq_lens: list[int], max_len: int,

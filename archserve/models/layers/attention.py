@@ -11,9 +11,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from archserve.kernels.attention.interface import AttentionLayerParams
+from archserve.kernels.attention.interface import AttentionLayerParams, DecodeRows
 from archserve.kernels.attention.preamble import attention_preamble
-from archserve.kernels.attention.sdpa_backend import DecodeRows
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.kv_scales import KVCacheScales
 from archserve.models.layers.norm import RMSNorm
