@@ -63,6 +63,26 @@ def test_sdpa_step_memo_follows_each_step():
                                  impl)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn,
+                                         torch.float8_e5m2])
+def test_the_torch_cache_write_is_the_references(cache_dtype):
+    """TORCH_SDPA's and FLEX_ATTENTION's cache write (an index_put_ on the cache by block
+    and offset) leaves the cache the reference's writer does: slot -1 rows skipped, float8
+    rows scaled, the other rows untouched."""
+    from archserve.kernels.attention.reference import write_kv_cache
+    from archserve.kernels.attention.sdpa_backend import write_kv_cache_torch, written_rows
+
+    gen = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, 6, 2, 8, generator=gen).unbind(0)
+    slots = torch.tensor([5, -1, 17, 0, -1, 31])
+    start = torch.randn(2, 4, 8, 2, 8, generator=gen).to(cache_dtype)
+    ours, reference = start.clone(), start.clone()
+    write_kv_cache_torch(key, value, ours, written_rows(slots, 8), 0.5, 2.0)
+    write_kv_cache(key, value, reference, slots, 0.5, 2.0)
+    assert torch.equal(ours.view(torch.uint8), reference.view(torch.uint8))
+    assert not torch.equal(ours.view(torch.uint8), start.view(torch.uint8))
+
+
 def test_sdpa_decode_skips_sequences_without_queries():
     # A sequence scheduled with no token this step must not disturb its neighbours' rows.
     case = make_case([(3, 20), (0, 9), (2, 2)], num_heads=4, num_kv_heads=2)

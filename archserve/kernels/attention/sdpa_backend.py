@@ -12,6 +12,7 @@ FLEX_ATTENTION backend shares.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,34 +31,50 @@ from archserve.platform.detect import device_info_for
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def write_kv_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                         v_scale: float = 1.0,
-                         valid: tuple[torch.Tensor, torch.Tensor | None] | None = None
-                         ) -> None:
-    """Scatter key/value [T, Hkv, D] into the cache at ``slot_mapping``; slot -1 is skipped.
-    ``valid``: ``written_slots(slot_mapping)``, where the caller keeps it for every layer."""
-    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
-    slots, rows = valid if valid is not None else written_slots(slot_mapping)
-    fp8 = kv_cache.dtype in FP8_CACHE_DTYPES
-    for half, src, scale in ((flat[0], key, k_scale), (flat[1], value, v_scale)):
-        if rows is not None:
-            src = src[rows]
-        if fp8:
-            # Indexed writes into float8 are missing on CPU; the bytes are the same thing.
-            quantized = (src.float() / scale).to(kv_cache.dtype)
-            half.view(torch.uint8)[slots] = quantized.view(torch.uint8)
-        else:
-            half.index_copy_(0, slots, src.to(kv_cache.dtype))
+@dataclass(frozen=True)
+class WrittenRows:
+    """Where a cache write puts a step's keys and values, as an index into the cache tensor
+    itself: each half (keys, values), then each row's block and offset in the block. An
+    ``index_put_`` on the cache, not a copy into a flattened view of it: a traced step
+    (``decode_in_graph``) functionalizes a write through a view into a copy of the whole
+    cache, which inductor then made every step; eagerly the two cost the same."""
+
+    halves: tuple[torch.Tensor, torch.Tensor]   # 0 and 1, as index tensors
+    blocks: torch.Tensor                        # [W] long
+    offsets: torch.Tensor                       # [W] long
+    rows: torch.Tensor | None                   # [T] bool: the rows written; None: all
+
+    @classmethod
+    def of_slots(cls, slots: torch.Tensor, block_size: int,
+                 rows: torch.Tensor | None = None) -> WrittenRows:
+        """Rows written to ``slots`` (none -1: ``written_rows`` leaves those out)."""
+        slots = slots.long()
+        halves = (torch.tensor(0, device=slots.device), torch.tensor(1, device=slots.device))
+        return cls(halves, slots // block_size, slots % block_size, rows)
 
 
-def written_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the slots a cache write fills, long; the rows they come from, None for every row):
-    slot -1 rows are left out. One check of the step's slots, shared by its layers."""
+def written_rows(slot_mapping: torch.Tensor, block_size: int) -> WrittenRows:
+    """A step's cache write with slot -1 rows left out: one check of the step's slots,
+    shared by its layers."""
     valid = slot_mapping >= 0
     if bool(valid.all()):
-        return slot_mapping.long(), None
-    return slot_mapping[valid].long(), valid
+        return WrittenRows.of_slots(slot_mapping, block_size)
+    return WrittenRows.of_slots(slot_mapping[valid], block_size, valid)
+
+
+def write_kv_cache_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                         written: WrittenRows, k_scale: float = 1.0, v_scale: float = 1.0
+                         ) -> None:
+    """Scatter key/value [T, Hkv, D] into the cache where ``written`` says."""
+    fp8 = kv_cache.dtype in FP8_CACHE_DTYPES
+    # Indexed writes into float8 are missing on CPU; the bytes are the same thing.
+    target = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    for half, src, scale in zip(written.halves, (key, value), (k_scale, v_scale), strict=True):
+        if written.rows is not None:
+            src = src[written.rows]
+        src = ((src.float() / scale).to(kv_cache.dtype).view(torch.uint8) if fp8
+               else src.to(kv_cache.dtype))
+        target.index_put_((half, written.blocks, written.offsets), src)
 
 
 class TorchCacheWriter(PagedAttentionImpl):
@@ -77,9 +94,10 @@ class TorchCacheWriter(PagedAttentionImpl):
 
     def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
-        valid = self.step_memo.get(("written", id(slot_mapping)),
-                                   lambda: written_slots(slot_mapping))
-        write_kv_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale, valid)
+        block_size = kv_cache.shape[2]
+        written = self.step_memo.get(("written", id(slot_mapping), block_size),
+                                     lambda: written_rows(slot_mapping, block_size))
+        write_kv_cache_torch(key, value, kv_cache, written, k_scale, v_scale)
 
 
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -225,13 +243,9 @@ class SdpaAttentionImpl(TorchCacheWriter):
         view; no key: a fused kernel wrote it), which then attends through ``forward``."""
         if key is None or value is None or kv_cache.dtype in FP8_CACHE_DTYPES:
             return None
-        block_size = kv_cache.shape[2]
-        blocks, offsets = step.slots // block_size, step.slots % block_size
-        # An index_put_ on the cache itself (not on a view of it): inductor then writes the
-        # rows in place; through a view, functionalization copied the whole cache.
-        for half, src in enumerate((key, value)):
-            kv_cache.index_put_((torch.tensor(half, device=kv_cache.device), blocks, offsets),
-                                src.to(kv_cache.dtype))
+        # Every sequence writes: the compiled step refuses slot -1 before it runs.
+        write_kv_cache_torch(key, value, kv_cache,
+                             WrittenRows.of_slots(step.slots, kv_cache.shape[2]))
         max_len = step.rows.shape[1]
         mask = padded_decode_mask(step.seq_lens, max_len, layer.sliding_window)
         o = padded_decode_attention(query, kv_cache, step.rows.flatten(), max_len, mask, layer,
