@@ -1,21 +1,33 @@
-"""TRITON_LORA: the LoRA delta as two grouped Triton kernels (punica's SGMV idea).
+"""TRITON_LORA: the LoRA delta in one Triton launch per layer (punica's SGMV idea: shrink,
+then expand, over the step's tokens grouped by adapter slot).
 
-A step's tokens are grouped by adapter slot through the mapping's sorted order; no row is
-moved. Programs are laid out per (row tile, slot): a program of slot l handles that slot's
-tokens only, so each adapter's matrices are read once per row tile, whatever the batch
-mixes. The grid depends on the number of tokens and slots alone, never on the mapping's
-values, so one captured CUDA graph serves every mix of adapters; programs of a slot with
-fewer tokens than their tile exit at once.
+A step's tokens are grouped by slot through the mapping's sorted order; no row is moved.
+The work is cut into tiles of one slot's tokens (``BLOCK_M`` rows each), numbered across
+the slots that hold tokens, so the launch grows with the step's tokens and not with
+``max_loras``: a decode step of one adapter among eight slots runs one tile's programs, not
+eight slots' worth of programs that exit at once. The grid is sized by the most tiles a
+step of that many tokens can have (``max_tiles``), never by the mapping's values, so one
+captured CUDA graph serves every mix of adapters; programs past the step's tiles exit.
 
-- shrink: t = x A^T for every output block's down-projection at once ([T, S * R], float32),
-  split over K where the rows are few (a decode step: one slot's single row would otherwise
-  leave one program to read all of A), each split writing its own partial sums;
-- expand: y[:, block s] += (sum of t's partials)[:, s] B_s^T, added into the layer's output
-  in place; tokens without an adapter are not touched.
+One launch runs both halves; each program takes a ticket (an atomic counter) and the
+tickets, not the launch order, make it a shrink or an expand program:
+- shrink (the first tickets): t = x A^T for every output block's down-projection at once
+  ([T, S * R], float32), split over K where the rows are few (a decode step: one tile's
+  single row would otherwise leave one program to read all of A), each split storing its
+  own partial sums, then counting itself in on the arrival counter;
+- expand (the later tickets): y[:, block s] += (sum of t's partials)[:, s] B_s^T, added into
+  the layer's output in place, once every shrink program of the step has arrived; tokens
+  without an adapter are not touched.
+An expand program waits only for programs that took earlier tickets, which are running
+already (a ticket is taken by a running program), so the wait cannot deadlock whatever
+the GPU schedules; it replaces the second launch's start and the hand-over between two
+kernels that a decode step otherwise pays 128 times (Llama-3-8B). The last ticket, and the
+last expand program to finish, set the counters back to zero for the next launch.
 
-Both launch with PDL where it is on (kernels/pdl.py): the mapping and the adapter weights are
-read before the wait (nothing before writes them); the layer's input, the partial sums and
-the output after it.
+The launch uses PDL where it is on (kernels/pdl.py): the mapping, the adapter weights (a
+shrink program's A tile, an expand program's B tile) and the layer's own counters are read
+before the wait (nothing before writes them); the layer's input, the partial sums and the
+output after it.
 """
 
 from __future__ import annotations
@@ -26,8 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
+from archserve.kernels.arrivals import count_arrival, reset_arrivals, wait_for_arrivals
 from archserve.kernels.attention.triton_decode import dot_precision
-from archserve.kernels.lora.interface import LoRAMapping, LoRASlots
+from archserve.kernels.lora.interface import COUNTERS, LoRAMapping, LoRASlots
 from archserve.kernels.pdl import (
     pdl_enabled,
     pdl_launch_options,
@@ -36,20 +49,26 @@ from archserve.kernels.pdl import (
 )
 
 # Rows at or below which a step counts as decode-sized: few rows per slot, so programs are
-# many and small for parallelism: K split, 16 rank columns a shrink program. The constants
-# are first choices, not tuned on a GPU (benchmarks/bench_lora.py --set sweeps them).
+# many and small for parallelism: K split, 16 rank columns a shrink program, its A tile
+# loaded whole before the wait. The constants are first choices (benchmarks/bench_lora.py
+# --set sweeps them).
 FEW_ROWS = 128
 K_PER_SPLIT = 512       # K columns one shrink program reads when K is split
 MAX_SPLITS = 32
+# An expand program sums its tile's partials in one load of [splits, block_m, rank]: this
+# many float32 values at most (64 registers a thread at 4 warps), which bounds the split.
+MAX_PARTIAL_VALUES = 8192
 BLOCK_N = 128           # output columns one expand program adds to
-BLOCK_K = 64
+BLOCK_K = 64            # K columns a step of a larger step's shrink loop
+K_GRAIN = 64            # a K split's width is a multiple of it (aligned vector loads)
 
 
 @dataclass(frozen=True)
 class LoRATiles:
     block_m: int
     block_r: int          # shrink: rank columns per program
-    block_k: int
+    block_k: int          # shrink: K columns per load (the whole split where one_k_tile)
+    one_k_tile: bool      # shrink: the split's A tile in one load, made before the wait
     splits: int           # shrink partials over K
     k_per_split: int
     block_n: int          # expand: output columns per program
@@ -60,103 +79,180 @@ def lora_tiles(num_tokens: int, in_features: int, width: int, rank: int) -> LoRA
     """The tiles of a step of ``num_tokens`` rows into a layer of ``in_features`` inputs and
     ``width`` = S * R down-projection rows."""
     few = num_tokens <= FEW_ROWS
-    splits = min(MAX_SPLITS, triton.cdiv(in_features, K_PER_SPLIT)) if few else 1
-    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), BLOCK_K) * BLOCK_K
+    block_m = 16 if few else 64
+    rank_pow2 = max(16, triton.next_power_of_2(rank))
+    most = max(1, min(MAX_SPLITS, MAX_PARTIAL_VALUES // (block_m * rank_pow2)))
+    splits = min(most, triton.cdiv(in_features, K_PER_SPLIT)) if few else 1
+    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), K_GRAIN) * K_GRAIN
     splits = triton.cdiv(in_features, k_per_split)
-    return LoRATiles(block_m=16 if few else 64,
+    one_k_tile = few and k_per_split <= K_PER_SPLIT
+    return LoRATiles(block_m=block_m,
                      block_r=16 if few else max(16, min(64, triton.next_power_of_2(width))),
-                     block_k=BLOCK_K, splits=splits, k_per_split=k_per_split,
-                     block_n=BLOCK_N, rank_pow2=max(16, triton.next_power_of_2(rank)))
+                     block_k=triton.next_power_of_2(k_per_split) if one_k_tile else BLOCK_K,
+                     one_k_tile=one_k_tile, splits=splits, k_per_split=k_per_split,
+                     block_n=BLOCK_N, rank_pow2=rank_pow2)
+
+
+def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """The most tiles of ``block_m`` rows that ``num_tokens`` tokens spread over
+    ``num_slots`` slots make: a slot of c tokens makes ceil(c / block_m) <= (c + block_m -
+    1) / block_m, and at most min(tokens, slots) slots hold any."""
+    return (num_tokens + min(num_tokens, num_slots) * (block_m - 1)) // block_m
 
 
 @triton.jit
-def _slot_rows(mapping, slot, pid_m, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(the rows of this program's tile of ``slot``'s tokens, which of them exist, the
-    first tile row past the slot's tokens: the tile is empty when it is <= 0)."""
-    count = tl.load(mapping + slot)
-    start = tl.load(mapping + NUM_SLOTS + slot)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_slot = m < count
-    rows = tl.load(mapping + 2 * NUM_SLOTS + 2 * (start + m) + 1, mask=in_slot, other=0)
-    return rows.to(tl.int64), in_slot, count - pid_m * BLOCK_M
+def _tile_of(mapping, tile, NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr,
+             BLOCK_M: tl.constexpr):
+    """(the rows of the step's tile ``tile``, which of them exist, its slot, the step's
+    number of tiles: ``tile`` exists when below it). Tiles are numbered slot by slot, each
+    slot's tokens in their sorted order."""
+    s = tl.arange(0, SLOTS_POW2)
+    counts = tl.load(mapping + s, mask=s < NUM_SLOTS, other=0)
+    starts = tl.load(mapping + NUM_SLOTS + s, mask=s < NUM_SLOTS, other=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, 0)
+    here = (tile >= ends - tiles) & (tile < ends)
+    slot = tl.sum(tl.where(here, s, 0), 0)
+    m = ((tile - tl.sum(tl.where(here, ends - tiles, 0), 0)) * BLOCK_M
+         + tl.arange(0, BLOCK_M))
+    in_slot = m < tl.sum(tl.where(here, counts, 0), 0)
+    first = tl.sum(tl.where(here, starts, 0), 0)
+    rows = tl.load(mapping + 2 * NUM_SLOTS + 2 * (first + m) + 1, mask=in_slot, other=0)
+    return rows.to(tl.int64), in_slot, slot, tl.sum(tiles, 0)
 
 
-# One compiled variant whatever the step's size: the token count and the K split's width
-# and count change with it (decode-sized steps split K; larger ones do not).
-@triton.jit(do_not_specialize=["num_tokens", "k_per_split"])
-def _lora_shrink_kernel(x, a, partials, mapping, num_tokens, in_features, width,
-                        x_row_stride, a_slot_stride, k_per_split,
-                        NUM_SLOTS: tl.constexpr, R_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        PDL: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_r = tl.program_id(1) % R_TILES
-    split = tl.program_id(1) // R_TILES
-    slot = tl.program_id(2)
-    rows, in_slot, rows_left = _slot_rows(mapping, slot, pid_m, NUM_SLOTS, BLOCK_M)
-    if rows_left <= 0:
-        return
-    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < width
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, in_features)
-    a_rows = a + slot.to(tl.int64) * a_slot_stride + r.to(tl.int64) * in_features
-    # The adapter's rows stream into L2 while the kernel before drains.
-    prefetch_rows_to_l2(a_rows + k_begin, r_ok, k_end - k_begin, PREFETCH, PDL)
-    pdl_start(PDL)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < k_end
-        xs = tl.load(x + rows[:, None] * x_row_stride + k[None, :],
-                     mask=in_slot[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(a_rows[:, None] + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        if DOT_PRECISION == "ieee":
-            xs, w = xs.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(xs, tl.trans(w), input_precision=DOT_PRECISION)
-    out = partials + split.to(tl.int64) * num_tokens * width + rows[:, None] * width + r[None, :]
-    tl.store(out, acc, mask=in_slot[:, None] & r_ok[None, :])
+@triton.jit
+def _shrink(item, x, a, partials, mapping, counters, num_tokens, in_features, width,
+            x_row_stride, a_slot_stride, k_steps_per_split, splits,
+            NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr, R_TILES: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+            K_GRAIN: tl.constexpr, ONE_K_TILE: tl.constexpr, PREFETCH: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Shrink work item ``item`` = (tile, K split, rank tile): its partial sums, then its
+    arrival."""
+    tile = item // (R_TILES * splits)
+    pid_r = item % R_TILES
+    split = (item // R_TILES) % splits
+    rows, in_slot, slot, num_tiles = _tile_of(mapping, tile, NUM_SLOTS, SLOTS_POW2, BLOCK_M)
+    if tile < num_tiles:
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = r < width
+        # A split is whole steps of K_GRAIN columns: its start is known aligned, so
+        # the loads of A and x are vectors.
+        k_per_split = k_steps_per_split * K_GRAIN
+        k_begin = split * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, in_features)
+        a_rows = a + slot.to(tl.int64) * a_slot_stride + r.to(tl.int64) * in_features
+        if ONE_K_TILE:
+            # Decode-sized: the split's whole A tile in registers while the kernel before
+            # drains, so after the wait the only memory on the way is x's row.
+            k = k_begin + tl.arange(0, BLOCK_K)
+            k_ok = k < k_end
+            w = tl.load(a_rows[:, None] + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            pdl_start(PDL)
+            xs = tl.load(x + rows[:, None] * x_row_stride + k[None, :],
+                         mask=in_slot[:, None] & k_ok[None, :], other=0.0)
+            if DOT_PRECISION == "ieee":
+                xs, w = xs.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(xs, tl.trans(w), input_precision=DOT_PRECISION)
+        else:
+            # The adapter's rows stream into L2 while the kernel before drains.
+            prefetch_rows_to_l2(a_rows + k_begin, r_ok, k_end - k_begin, PREFETCH, PDL)
+            pdl_start(PDL)
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(k_begin, k_end, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < k_end
+                xs = tl.load(x + rows[:, None] * x_row_stride + k[None, :],
+                             mask=in_slot[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(a_rows[:, None] + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                if DOT_PRECISION == "ieee":
+                    xs, w = xs.to(tl.float32), w.to(tl.float32)
+                acc += tl.dot(xs, tl.trans(w), input_precision=DOT_PRECISION)
+        out = (partials + split.to(tl.int64) * num_tokens * width + rows[:, None] * width
+               + r[None, :])
+        tl.store(out, acc, mask=in_slot[:, None] & r_ok[None, :])
+        count_arrival(counters + 1, 0)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "splits"])
-def _lora_expand_kernel(partials, b, y, mapping, num_tokens, width, rank, splits,
-                        size0, size1, size2, y_row_stride,
-                        NUM_SLOTS: tl.constexpr, N_TILES: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    pid_m = tl.program_id(0) // N_TILES
-    pid_n = tl.program_id(0) % N_TILES
-    block = tl.program_id(1)
-    slot = tl.program_id(2)
-    # Output block ``block``: its rows of y and of b, its rank columns of the partials.
+@triton.jit
+def _expand(item, b, y, partials, mapping, counters, num_tokens, width, rank, splits,
+            size0, size1, size2, y_row_stride,
+            NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr, R_TILES: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+            SPLITS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Expand work item ``item`` = (tile, output columns): once every shrink program has
+    arrived, its tile's delta added into y."""
+    # The output blocks' column tiles, numbered block after block.
+    tiles0 = tl.cdiv(size0, BLOCK_N)
+    tiles01 = tiles0 + tl.cdiv(size1, BLOCK_N)
+    n_items = tiles01 + tl.cdiv(size2, BLOCK_N)
+    tile = item // n_items
+    column_tile = item % n_items
+    block = (column_tile >= tiles0).to(tl.int32) + (column_tile >= tiles01).to(tl.int32)
+    pid_n = column_tile - tl.where(block == 0, 0, tl.where(block == 1, tiles0, tiles01))
     size = tl.where(block == 0, size0, tl.where(block == 1, size1, size2))
     first = tl.where(block == 0, 0, tl.where(block == 1, size0, size0 + size1))
-    rows, in_slot, rows_left = _slot_rows(mapping, slot, pid_m, NUM_SLOTS, BLOCK_M)
-    if (rows_left <= 0) | (pid_n * BLOCK_N >= size):
-        return
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < size
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < rank
-    up = tl.load(b + (first + n[:, None]).to(tl.int64) * (NUM_SLOTS * rank) + slot * rank
-                 + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-    pdl_start(PDL)
-    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    # The partials of every K split: few splits only where the rows are few.
-    partial = partials + rows[:, None] * width + (block * rank + r)[None, :]
-    for _ in range(0, splits):
-        t += tl.load(partial, mask=in_slot[:, None] & r_ok[None, :], other=0.0)
-        partial += num_tokens * width
-    if DOT_PRECISION == "ieee":
-        delta = tl.dot(t, tl.trans(up.to(tl.float32)), input_precision=DOT_PRECISION)
-    else:   # rounded to the adapter's dtype between its two matrices, as PEFT computes
-        delta = tl.dot(t.to(up.dtype), tl.trans(up), input_precision=DOT_PRECISION)
-    out = y + rows[:, None] * y_row_stride + (first + n)[None, :]
-    mask = in_slot[:, None] & n_ok[None, :]
-    total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + delta
-    tl.store(out, total.to(y.dtype.element_ty), mask=mask)
+    rows, in_slot, slot, num_tiles = _tile_of(mapping, tile, NUM_SLOTS, SLOTS_POW2, BLOCK_M)
+    if tile < num_tiles:
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < size
+        r = tl.arange(0, BLOCK_R)
+        r_ok = r < rank
+        up = tl.load(b + (first + n[:, None]).to(tl.int64) * (NUM_SLOTS * rank) + slot * rank
+                     + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        pdl_start(PDL)
+        out = y + rows[:, None] * y_row_stride + (first + n)[None, :]
+        mask = in_slot[:, None] & n_ok[None, :]
+        current = tl.load(out, mask=mask, other=0.0)      # on its way during the wait
+        wait_for_arrivals(counters + 1, num_tiles * R_TILES * splits)
+        # Every K split's partials in one load (from L2: other programs stored them).
+        s = tl.arange(0, SPLITS_POW2)
+        partial = (partials + s[:, None, None] * num_tokens * width
+                   + rows[None, :, None] * width + (block * rank + r)[None, None, :])
+        t = tl.sum(tl.load(partial, mask=(s < splits)[:, None, None] & in_slot[None, :, None]
+                           & r_ok[None, None, :], other=0.0, cache_modifier=".cg"), 0)
+        if DOT_PRECISION == "ieee":
+            delta = tl.dot(t, tl.trans(up.to(tl.float32)), input_precision=DOT_PRECISION)
+        else:   # rounded to the adapter's dtype between its two matrices, as PEFT computes
+            delta = tl.dot(t.to(up.dtype), tl.trans(up), input_precision=DOT_PRECISION)
+        total = current.to(tl.float32) + delta
+        tl.store(out, total.to(y.dtype.element_ty), mask=mask)
+        # The last expand program of the step: every arrival and departure is counted.
+        if count_arrival(counters + 2, num_tiles * n_items):
+            reset_arrivals(counters + 1)
+            reset_arrivals(counters + 2)
+
+
+# One compiled variant whatever the step's size: the token count, the K split's width and
+# count, and the grid's split between the halves change with it.
+@triton.jit(do_not_specialize=["num_tokens", "k_steps_per_split", "splits", "num_shrink",
+                               "num_programs"])
+def _lora_kernel(x, a, b, y, partials, mapping, counters, num_tokens, in_features, width,
+                 rank, size0, size1, size2, x_row_stride, y_row_stride, a_slot_stride,
+                 k_steps_per_split, splits, num_shrink, num_programs,
+                 NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr, R_TILES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 K_GRAIN: tl.constexpr, ONE_K_TILE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+                 RANK_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # The ticket: an atomic on this layer's own counter, which nothing before writes, so it
+    # is taken before the wait. The last one resets it: every ticket is out by then.
+    ticket = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
+    if ticket == num_programs - 1:
+        reset_arrivals(counters)
+    if ticket < num_shrink:
+        _shrink(ticket, x, a, partials, mapping, counters, num_tokens, in_features, width,
+                x_row_stride, a_slot_stride, k_steps_per_split, splits,
+                NUM_SLOTS, SLOTS_POW2, R_TILES, BLOCK_M, BLOCK_R, BLOCK_K, K_GRAIN,
+                ONE_K_TILE, PREFETCH, DOT_PRECISION, PDL)
+    else:
+        _expand(ticket - num_shrink, b, y, partials, mapping, counters, num_tokens, width,
+                rank, splits, size0, size1, size2, y_row_stride,
+                NUM_SLOTS, SLOTS_POW2, R_TILES, BLOCK_M, BLOCK_N, RANK_POW2, SPLITS_POW2,
+                DOT_PRECISION, PDL)
 
 
 class TritonLoRA:
@@ -173,27 +269,27 @@ class TritonLoRA:
         if x.stride(1) != 1:
             x = x.contiguous()
         assert y.stride(1) == 1 and slots.num_slices <= 3, "y rows contiguous, <= 3 blocks"
+        assert slots.counters.numel() >= COUNTERS and slots.counters.dtype == torch.int32
         num_slots, width, rank = slots.num_slots, slots.a.shape[1], slots.rank
         tiles = lora_tiles(num_tokens, in_features, width, rank)
         precision = dot_precision(x.dtype)
         pdl = pdl_enabled(x.device)
         partials = torch.empty((tiles.splits, num_tokens, width), dtype=torch.float32,
                                device=x.device)
-        m_tiles = triton.cdiv(num_tokens, tiles.block_m)
+        step_tiles = max_tiles(num_tokens, num_slots, tiles.block_m)
         r_tiles = triton.cdiv(width, tiles.block_r)
-        _lora_shrink_kernel[(m_tiles, r_tiles * tiles.splits, num_slots)](
-            x, slots.a, partials, mapping.packed, num_tokens, in_features, width,
-            x.stride(0), slots.a.stride(0), tiles.k_per_split,
-            NUM_SLOTS=num_slots, R_TILES=r_tiles, BLOCK_M=tiles.block_m,
-            BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k,
-            PREFETCH=min(1024, triton.next_power_of_2(tiles.k_per_split)),
-            DOT_PRECISION=precision, PDL=pdl,
-            **pdl_launch_options(pdl))
+        num_shrink = step_tiles * r_tiles * tiles.splits
+        column_tiles = sum(triton.cdiv(size, tiles.block_n) for size in slots.slice_sizes)
+        num_programs = num_shrink + step_tiles * column_tiles
         sizes = (*slots.slice_sizes, 0, 0)[:3]
-        n_tiles = triton.cdiv(max(slots.slice_sizes), tiles.block_n)
-        _lora_expand_kernel[(m_tiles * n_tiles, slots.num_slices, num_slots)](
-            partials, slots.b, y, mapping.packed, num_tokens, width, rank, tiles.splits,
-            *sizes, y.stride(0),
-            NUM_SLOTS=num_slots, N_TILES=n_tiles, BLOCK_M=tiles.block_m,
-            BLOCK_N=tiles.block_n, BLOCK_R=tiles.rank_pow2, DOT_PRECISION=precision, PDL=pdl,
-            **pdl_launch_options(pdl))
+        _lora_kernel[(num_programs,)](
+            x, slots.a, slots.b, y, partials, mapping.packed, slots.counters, num_tokens,
+            in_features, width, rank, *sizes, x.stride(0), y.stride(0), slots.a.stride(0),
+            tiles.k_per_split // K_GRAIN, tiles.splits, num_shrink, num_programs,
+            NUM_SLOTS=num_slots, SLOTS_POW2=triton.next_power_of_2(num_slots),
+            R_TILES=r_tiles, BLOCK_M=tiles.block_m, BLOCK_R=tiles.block_r,
+            BLOCK_K=tiles.block_k, K_GRAIN=K_GRAIN, ONE_K_TILE=tiles.one_k_tile,
+            PREFETCH=min(1024, triton.next_power_of_2(tiles.k_per_split)),
+            BLOCK_N=tiles.block_n, RANK_POW2=tiles.rank_pow2,
+            SPLITS_POW2=triton.next_power_of_2(tiles.splits),
+            DOT_PRECISION=precision, PDL=pdl, **pdl_launch_options(pdl))
