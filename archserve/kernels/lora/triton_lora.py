@@ -235,8 +235,8 @@ def _lora_kernel(x, a, b, y, partials, mapping, counters, num_tokens, in_feature
                  k_steps_per_split, splits, num_shrink, num_programs,
                  NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr, R_TILES: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 K_GRAIN: tl.constexpr, ONE_K_TILE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
-                 RANK_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                 K_GRAIN: tl.constexpr, ONE_K_TILE: tl.constexpr, PREFETCH: tl.constexpr,
+                 BLOCK_N: tl.constexpr, RANK_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     # The ticket: an atomic on this layer's own counter, which nothing before writes, so it
     # is taken before the wait. The last one resets it: every ticket is out by then.
