@@ -5,6 +5,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# A CPU engine compiles its decode steps by default (engine/compilation_config.py), which
+# costs seconds a start on 2 cores: tests build eager engines unless they test compiling
+# (they pass compilation_config). Set in the environment, so that the servers and CLI
+# processes tests start take it too.
+os.environ.setdefault("ARCHSERVE_COMPILATION_LEVEL", "0")
 
 from tiny_checkpoints import build_tiny_checkpoint  # noqa: E402
 

@@ -75,6 +75,9 @@ def doctor(
                         emulate=emulate_device, dtype=dtype)
     from archserve.engine.step_budget import itl_target_decision
     report.decisions.append(itl_target_decision(info.platform))
+    if info.platform == "cpu":
+        from archserve.engine.compilation_config import cpu_decode_steps_decision
+        report.decisions.append(cpu_decode_steps_decision())
     if speculative_config is not None:
         from archserve.cli.explain import speculation_decision
         try:

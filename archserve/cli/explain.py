@@ -131,6 +131,9 @@ def explain(
     if op is None:
         from archserve.engine.step_budget import itl_target_decision
         result.decisions.append(itl_target_decision(info.platform))
+        if info.platform == "cpu":
+            from archserve.engine.compilation_config import cpu_decode_steps_decision
+            result.decisions.append(cpu_decode_steps_decision())
     if json_output:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:

@@ -16,7 +16,7 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help="Per-request seed fo
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto, bfloat16, float16, float32.")]
 BackendOpt = Annotated[str | None, typer.Option("--attention-backend", help="Force an attention backend (validated; see `archserve explain`).")]
 EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="Disable CUDA graphs.")]
-CompilationOpt = Annotated[str | None, typer.Option("--compilation-config", "-O", help='vLLM\'s compilation config as JSON; archserve takes cudagraph_mode (FULL, the default: steps with prompt tokens replay CUDA graphs too; FULL_DECODE_ONLY: decode steps only; NONE) and cudagraph_capture_sizes, e.g. \'{"cudagraph_mode": "FULL"}\'; a level: -O3 (1-3) compiles a CPU\'s decode steps with inductor (batch 1, or cudagraph_capture_sizes), -O0 or none leaves them eager.')]
+CompilationOpt = Annotated[str | None, typer.Option("--compilation-config", "-O", help='vLLM\'s compilation config as JSON, or a level. On a CPU the level decides the decode steps: 1-3 compile them with inductor (batch 1, or cudagraph_capture_sizes), about twice as fast as eager; the default is 3 ($ARCHSERVE_COMPILATION_LEVEL changes it): a model\'s first start compiles (~40 s on 2 cores), later starts load torch\'s caches in seconds; -O0 runs them eager. On a GPU archserve takes cudagraph_mode (FULL, the default: steps with prompt tokens replay CUDA graphs too; FULL_DECODE_ONLY: decode steps only; NONE) and cudagraph_capture_sizes, e.g. \'{"cudagraph_mode": "FULL"}\'.')]
 SpeculativeOpt = Annotated[str | None, typer.Option("--speculative-config", help='vLLM\'s speculative config as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\', \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' or \'{"method": "mtp"}\' (DeepSeek-V3 checkpoints\' next-token layers). Drafted tokens are verified by one forward of the model; the output is what decoding without them gives.')]
 AsyncSchedulingOpt = Annotated[bool | None, typer.Option("--async-scheduling/--no-async-scheduling", help="Schedule the next step while the device runs this one (outputs one step later). Default: on for CUDA, off on CPU.")]
 MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Sequences in one batch at most.")]
@@ -57,7 +57,7 @@ def parse_target_itl(text: str) -> float | str | None:
 
 def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_model_len, verbose,
             quantization=None, tensor_parallel_size=1, distributed_executor_backend="mp",
-            speculative_config=None, emulate_device=None):
+            speculative_config=None, emulate_device=None, compilation_config=None):
     import logging
 
     from archserve.engine.config import EngineConfig
@@ -70,7 +70,7 @@ def _engine(model, dtype, attention_backend, enforce_eager, load_format, max_mod
                           quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                           distributed_executor_backend=distributed_executor_backend,
                           speculative_config=speculative_config,
-                          emulate_device=emulate_device)
+                          emulate_device=emulate_device, compilation_config=compilation_config)
     return LLMEngine(config)
 
 
@@ -85,7 +85,8 @@ def generate(prompt: Annotated[str, typer.Argument(help="The prompt text.")],
              top_p: TopPOpt = 1.0, top_k: TopKOpt = 0, seed: SeedOpt = None,
              chat_template: Annotated[bool, typer.Option("--chat/--raw", help="Send PROMPT raw, as a completion (default, as vLLM's generate does), or wrapped in the model's chat template.")] = False,
              dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
-             enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
+             enforce_eager: EagerOpt = False, compilation_config: CompilationOpt = None,
+             load_format: LoadFormatOpt = "auto",
              max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
              quantization: QuantOpt = None, tensor_parallel_size: TPOpt = 1,
              distributed_executor_backend: ExecutorOpt = "mp",
@@ -97,7 +98,8 @@ def generate(prompt: Annotated[str, typer.Argument(help="The prompt text.")],
     try:
         engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
                          max_model_len, verbose, quantization, tensor_parallel_size,
-                         distributed_executor_backend, speculative_config, emulate_device)
+                         distributed_executor_backend, speculative_config, emulate_device,
+                         compilation_config)
         params = _params(max_tokens, temperature, top_p, top_k, seed)
         request = (apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
                    if chat_template else prompt)
@@ -114,7 +116,8 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
          top_p: TopPOpt = 0.9, top_k: TopKOpt = 0, seed: SeedOpt = None,
          system: Annotated[str | None, typer.Option("--system", help="A system message.")] = None,
          dtype: DtypeOpt = "auto", attention_backend: BackendOpt = None,
-         enforce_eager: EagerOpt = False, load_format: LoadFormatOpt = "auto",
+         enforce_eager: EagerOpt = False, compilation_config: CompilationOpt = None,
+         load_format: LoadFormatOpt = "auto",
          max_model_len: MaxLenOpt = None, verbose: VerboseOpt = False,
          quantization: QuantOpt = None, tensor_parallel_size: TPOpt = 1,
          distributed_executor_backend: ExecutorOpt = "mp",
@@ -130,7 +133,8 @@ def chat(model: ModelOpt = None, max_tokens: MaxTokensOpt = 256, temperature: Te
     try:
         engine = _engine(model, dtype, attention_backend, enforce_eager, load_format,
                          max_model_len, verbose, quantization, tensor_parallel_size,
-                         distributed_executor_backend, speculative_config, emulate_device)
+                         distributed_executor_backend, speculative_config, emulate_device,
+                         compilation_config)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

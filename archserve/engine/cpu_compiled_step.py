@@ -59,6 +59,8 @@ class CompiledSteps:
     demoted: dict[int, str] = field(default_factory=dict)
     # Attention layers each size's graph calls back into Python for (an opaque op).
     opaque_layers: dict[int, int] = field(default_factory=dict)
+    # Sizes whose compiled step torch's caches held (a warm start), not compiled afresh.
+    from_cache: set[int] = field(default_factory=set)
 
     @property
     def sizes(self) -> list[int]:
@@ -162,17 +164,28 @@ def opaque_attention_layers(graph: torch.fx.GraphModule) -> int:
                if node.op == "call_function" and "archserve.paged_attention" in str(node.target))
 
 
+def make_cacheable(graph: torch.fx.GraphModule) -> None:
+    """Drop the ShapeEnv the trace left on ``graph``: AOTAutograd's cache key pickles the
+    graph, and a ShapeEnv holds objects that cannot be pickled, for which the cache is
+    bypassed. With it gone a warm start finds the compiled step in that cache, which skips
+    re-tracing the graph (~10 s of the embedded model's ~14 s warm start on 2 cores); the
+    symbols' guards live in the fake inputs' own ShapeEnv, which the compile uses."""
+    if hasattr(graph, "shape_env"):
+        del graph.shape_env
+
+
 def compile_graph(graph: torch.fx.GraphModule, inputs: list[torch.Tensor], block_size: int
                   ) -> Step:
     """``graph`` compiled by inductor (its Python wrapper: the C++ one timed no faster here
     and compiles longer), rounding 16-bit intermediates as eager does, without autotuning
-    (a start-up would time GEMM templates for minutes). Inductor caches what it compiles
-    (its FX graph cache, keyed by the graph and its constants' shapes), so a second start
-    loads it in seconds. The step reads its ``DecodeRows`` and caches from the forward
-    context when it runs."""
+    (a start-up would time GEMM templates for minutes). Torch caches what it compiles
+    (AOTAutograd's and inductor's FX graph caches, keyed by the graph and its constants'
+    shapes: ``make_cacheable``), so a second start loads it in seconds. The step reads
+    its ``DecodeRows`` and caches from the forward context when it runs."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
+    make_cacheable(graph)
     # size_asserts off: the wrapper checked the shape of every kernel's output, ~600 Python
     # calls a step of the embedded model, for shapes fixed by the trace.
     with torch.inference_mode(), inductor_config.patch(max_autotune=False, size_asserts=False,
@@ -198,10 +211,13 @@ def compile_decode_steps(model: torch.nn.Module, make_context: Callable[[Attenti
     """A compiled decode step per size of ``sizes``, each checked by the canary
     (``canary_mismatch``); a size whose trace, compile or canary fails is demoted with its
     reason (its steps run eager)."""
+    from torch._dynamo.utils import counters
+
     result = CompiledSteps()
     block_size = kv_caches[0].shape[2] if kv_caches else 16
     for size in sizes:
         start = time.perf_counter()
+        hits = counters["aot_autograd"]["autograd_cache_hit"]
         try:
             tables = torch.zeros((size, 1), dtype=torch.int32, device=device)
             context = make_context(decode_meta([1] * size, tables, block_size, device))
@@ -209,14 +225,17 @@ def compile_decode_steps(model: torch.nn.Module, make_context: Callable[[Attenti
             graph = trace_decode_step(model, context, inputs)
             result.opaque_layers[size] = opaque_attention_layers(graph)
             step = compile_graph(graph, inputs, block_size)
+            if counters["aot_autograd"]["autograd_cache_hit"] > hits:
+                result.from_cache.add(size)
             reason = canary_mismatch(model, step, make_context, kv_caches, size, block_size,
                                      device, tolerance)
         except Exception as exc:  # demote this size only
             reason = f"compiling failed: {first_line(exc)}"
         if reason is None:
             result.steps[size] = step
-            log.info("compiled the decode step of batch size %d in %.1fs", size,
-                     time.perf_counter() - start)
+            log.info("compiled the decode step of batch size %d in %.1fs%s", size,
+                     time.perf_counter() - start,
+                     " (from torch's caches)" if size in result.from_cache else "")
         else:
             result.demoted[size] = reason
             log.warning("decode steps of batch size %d run eager: %s", size, reason)

@@ -499,17 +499,24 @@ class _RunnerBuild:
         reason = startup.compiled_steps_off_reason(config, self.compilation, self.lora,
                                                    self.calibrate,
                                                    self.runner.hidden_out is not None)
-        requested = (f"compiled (level {self.compilation.level})" if self.compilation.level
-                     else "eager")
+        requested = (f"compiled ({self.compilation.level_source()})"
+                     if self.compilation.effective_level else "eager")
         chosen = "eager"
         if reason is None:
             sizes = [s for s in (config.cuda_graph_sizes or self.compilation.capture_sizes
                                  or [1]) if s <= config.max_num_seqs]
             with self._timed("compile_s"):
                 result = self.runner.compile_cpu_decode_steps(sizes)
+            if set(result.sizes) - result.from_cache:
+                # A first start's wait, said where a terminal shows it (the CLI logs
+                # warnings alone).
+                log.warning("compiled the CPU decode steps in %.0fs; torch's caches keep "
+                            "them, so later starts of this model load them (-O 0: eager "
+                            "steps, no compile)", self.timings["compile_s"])
             chosen = (f"compiled at batch sizes {', '.join(map(str, result.sizes))}"
                       if result.sizes else "eager")
-            reason = (f"inductor, {result.attention}; other batch sizes run eager"
+            cached = " (loaded from torch's caches)" if result.from_cache else ""
+            reason = (f"inductor{cached}, {result.attention}; other batch sizes run eager"
                       + "".join(f"; batch {s}: {why}" for s, why in result.demoted.items()))
         self.decisions.append(Decision("decode steps", requested, chosen, reason))
 

@@ -148,9 +148,12 @@ def compiled_steps_off_reason(config: EngineConfig, compilation, lora, calibrate
     they run eager (``compilation``: parse_compilation_config's choice)."""
     if config.enforce_eager:
         return "enforce_eager=True"
-    if not compilation.level:
-        return ("compilation_config level 1-3 (-O3) compiles them (not by default: a cold "
-                "compile takes 30-45 s on 2 cores)")
+    if not compilation.effective_level:
+        return f"{compilation.level_source()}: -O 1-3 compiles them"
+    if config.tensor_parallel_size > 1:
+        # A rank's step holds collectives with the other ranks: its trace is not checked
+        # against eager on every rank alike, so all ranks keep one (eager) path.
+        return "tensor parallel: ranks run their steps eager, with their collectives"
     if lora is not None:
         return "LoRA adapters: each step's adapters are a per-step choice"
     if calibrate:

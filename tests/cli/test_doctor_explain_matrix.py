@@ -105,6 +105,24 @@ def test_explain_and_doctor_say_where_the_serving_itl_target_comes_from(device, 
         assert "measured at start-up" in itl["reason"] and source in itl["reason"], itl
 
 
+def test_explain_and_doctor_say_how_a_cpus_decode_steps_run(monkeypatch) -> None:
+    """On a CPU: compiled by default (level 3), eager where the level says 0; a GPU's
+    decode steps follow CUDA graphs, not this level."""
+    for level, requested, chosen in ((None, "level 3 (the default)", "compiled by inductor"),
+                                     ("0", "level 0 ($ARCHSERVE_COMPILATION_LEVEL)", "eager")):
+        if level is None:
+            monkeypatch.delenv("ARCHSERVE_COMPILATION_LEVEL", raising=False)
+        else:
+            monkeypatch.setenv("ARCHSERVE_COMPILATION_LEVEL", level)
+        for command in ("explain", "doctor"):
+            out = json.loads(run(command, "-d", "cpu", "--json").output)
+            (steps,) = [d for d in out["decisions"] if d["what"] == "decode steps (CPU)"]
+            assert steps["requested"] == requested, steps
+            assert steps["chosen"].startswith(chosen), steps
+    out = json.loads(run("explain", "-d", "h100", "--json").output)
+    assert not [d for d in out["decisions"] if d["what"] == "decode steps (CPU)"]
+
+
 def test_explain_every_op_kind() -> None:
     """--op takes every op kind the registry routes; linear and moe take --quantization;
     an op no loadable architecture has gets its ideal and the reason, never a route."""
@@ -335,6 +353,7 @@ def test_matrix_never_cuts_a_device_name() -> None:
 def test_every_command_that_builds_an_engine_takes_emulate_device(command) -> None:
     result = runner.invoke(app, [command, "--help"], terminal_width=200, env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "--emulate-device" in result.output
+    assert "--compilation-config" in result.output
 
 
 def test_doctor_on_an_h200_emulating_a_t4_and_refusing_a_b200() -> None:

@@ -41,6 +41,21 @@ def test_generate_is_a_raw_completion_by_default_and_chat_on_request(checkpoint)
     assert chat.exit_code == 0 and chat.output.rstrip("\n") == templated
 
 
+def test_generate_compiles_its_decode_steps_with_o3_and_gives_the_eager_text(
+        checkpoint, tmp_path, monkeypatch, caplog) -> None:
+    import logging
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    caplog.set_level(logging.INFO, logger="archserve")
+    common = ["generate", PROMPT, "--model", checkpoint, "--max-tokens", "8", "--dtype",
+              "float32"]
+    eager = runner.invoke(app, [*common, "-O", "0"])
+    assert "compiled the decode step" not in caplog.text
+    compiled = runner.invoke(app, [*common, "-O", "3"])
+    assert eager.exit_code == 0 and compiled.exit_code == 0, compiled.output
+    assert "compiled the decode step of batch size 1" in caplog.text
+    assert compiled.stdout == eager.stdout
+
+
 def test_chat_reset_says_so(checkpoint) -> None:
     out = runner.invoke(app, ["chat", "--model", checkpoint, "--max-tokens", "2"],
                         input="hello\n/reset\n")

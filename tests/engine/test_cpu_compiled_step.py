@@ -104,14 +104,53 @@ def logprob_drift(outputs, reference) -> float:
 @pytest.mark.parametrize("options, requested, reason", [
     (dict(enforce_eager=True, compilation_config=COMPILE), "compiled (level 3)",
      "enforce_eager=True"),
-    (dict(compilation_config=0), "eager", "compilation_config level 1-3 (-O3) compiles"),
-    (dict(), "eager", "compilation_config level 1-3 (-O3) compiles"),
+    (dict(compilation_config=0), "eager", "level 0: -O 1-3 compiles"),
+    (dict(), "eager", "level 0 ($ARCHSERVE_COMPILATION_LEVEL): -O 1-3 compiles"),
 ])
 def test_decode_steps_stay_eager_where_asked(tiny_checkpoint, options, requested, reason):
     llm = LLM(tiny_checkpoint("llama"), max_num_seqs=2, **options)
     assert llm.llm_engine.runner.compiled_steps is None
     assert decode_steps_decision(llm).startswith(
         f"decision: decode steps: {requested} -> eager ({reason}")
+
+
+def test_a_cpu_engine_compiles_by_default_and_a_second_start_loads_torchs_caches(
+        tiny_checkpoint, monkeypatch):
+    """Where no level is given (the default: tests set level 0 in conftest.py), a CPU
+    engine compiles its batch-1 decode step; a second start of the same model finds the
+    compiled step in AOTAutograd's cache (the weights are the graph's inputs, not
+    constants hashed by value) and inductor's, and compiles nothing again."""
+    from torch._dynamo.utils import counters
+    monkeypatch.delenv("ARCHSERVE_COMPILATION_LEVEL")
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    tokens = []
+    for start in range(2):
+        counters.clear()
+        llm = LLM(path, dtype="float32", max_num_seqs=2)
+        steps = llm.llm_engine.runner.compiled_steps
+        assert steps.sizes == [1]
+        assert steps.from_cache == ({1} if start else set())
+        cached = " (loaded from torch's caches)" if start else ""
+        assert decode_steps_decision(llm).startswith(
+            "decision: decode steps: compiled (level 3 (the default)) -> compiled at batch "
+            f"sizes 1 (inductor{cached}, attention in the graph")
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], params)])
+        if start == 0:
+            assert counters["aot_autograd"]["autograd_cache_miss"] == 1
+        else:
+            assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+            assert counters["inductor"]["fxgraph_cache_hit"] == 1
+    assert tokens[0] == tokens[1]
+    eager = LLM(path, dtype="float32", max_num_seqs=2, compilation_config=0)
+    assert [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:1], params)] == tokens[0]
+
+
+def test_a_bad_default_level_is_refused_by_name(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("ARCHSERVE_COMPILATION_LEVEL", "fast")
+    with pytest.raises(ValueError, match="ARCHSERVE_COMPILATION_LEVEL='fast' is not an "
+                                         "optimisation level 0-3"):
+        LLM(tiny_checkpoint("llama"), max_num_seqs=2)
 
 
 def test_a_size_whose_compiled_step_differs_runs_eager_with_its_reason(tiny_checkpoint,
