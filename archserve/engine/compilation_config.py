@@ -107,6 +107,10 @@ def cpu_decode_steps_decision() -> Decision:
     explain and doctor (start-up's own decision says which batch sizes compiled, or why
     they run eager)."""
     choice = CompilationChoice()
+    try:
+        default_level()
+    except ValueError as exc:   # an engine would refuse to start: say so, and why
+        return Decision("decode steps (CPU)", f"${LEVEL_ENV}", "refused", str(exc))
     if not choice.effective_level:
         return Decision("decode steps (CPU)", choice.level_source(), "eager",
                         "-O 1-3 compiles them")

@@ -119,6 +119,10 @@ def test_explain_and_doctor_say_how_a_cpus_decode_steps_run(monkeypatch) -> None
             (steps,) = [d for d in out["decisions"] if d["what"] == "decode steps (CPU)"]
             assert steps["requested"] == requested, steps
             assert steps["chosen"].startswith(chosen), steps
+    monkeypatch.setenv("ARCHSERVE_COMPILATION_LEVEL", "fast")
+    out = json.loads(run("doctor", "-d", "cpu", "--json").output)
+    (steps,) = [d for d in out["decisions"] if d["what"] == "decode steps (CPU)"]
+    assert steps["chosen"] == "refused" and "not an optimisation level 0-3" in steps["reason"]
     out = json.loads(run("explain", "-d", "h100", "--json").output)
     assert not [d for d in out["decisions"] if d["what"] == "decode steps (CPU)"]
 
