@@ -122,5 +122,4 @@ def cpu_decode_steps_decision() -> Decision:
         "(~40 s on 2 cores); later starts load torch's caches (a few seconds). Each size is "
         "checked against the eager step at start-up and runs eager where it differs; tensor "
         "parallel, LoRA, calculate_kv_scales and drafters that read hidden states keep "
-        "steps eager; "
-        "-O 0 or enforce_eager runs them eager")
+        "steps eager, as do -O 0 and enforce_eager")

@@ -151,9 +151,9 @@ def compiled_steps_off_reason(config: EngineConfig, compilation, lora, calibrate
     if not compilation.effective_level:
         return f"{compilation.level_source()}: -O 1-3 compiles them"
     if config.tensor_parallel_size > 1:
-        # A rank's step holds collectives with the other ranks: its trace is not checked
-        # against eager on every rank alike, so all ranks keep one (eager) path.
-        return "tensor parallel: ranks run their steps eager, with their collectives"
+        # A rank's step holds collectives with the other ranks; a compiled step is not
+        # built across them, so every rank keeps the one (eager) path.
+        return "tensor parallel: compiled steps are not built across the ranks' collectives"
     if lora is not None:
         return "LoRA adapters: each step's adapters are a per-step choice"
     if calibrate:
