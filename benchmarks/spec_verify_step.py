@@ -11,8 +11,9 @@ its tokens' arrival; sequences sit at ``--context`` tokens of cached (dummy) con
         [--context 512] [--batches 1,8,32] [--max-drafts 8] [--steps 50] [--reps 5]
 
 Dummy bf16 weights. Prints one row per batch size: the decode step's median ms, then each
-k's verification step in ms and as a ratio to the decode step, and which steps replayed
-a CUDA graph.
+k's verification step in ms and as a ratio to the decode step, and what it replayed: the
+decode graph of its B x (k + 1) rows (every token a decode row), a mixed-step bucket, or
+nothing (eager).
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def step_ms(engine: LLMEngine, chunks: list[ScheduledSeq], steps: int, reps: int
     return statistics.median(times)
 
 
+def _counting(replay, replays: dict[str, int], key: str):  # noqa: ANN001, ANN202
+    """``replay``, counting its calls under ``key``."""
+    def counting(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        replays[key] += 1
+        return replay(*a, **k)
+    return counting
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model")
@@ -88,15 +97,13 @@ def main() -> None:
         max_model_len=args.context + args.max_drafts + 64, max_num_seqs=max(batches),
         skip_tokenizer_init=True, speculative_config=spec))
     print(engine.describe_route(), flush=True)
-    mixed = engine.runner.mixed_graphs
-    replays = {"mixed": 0}
-    if mixed is not None:
-        replay = mixed.replay
-
-        def counting(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            replays["mixed"] += 1
-            return replay(*a, **k)
-        mixed.replay = counting
+    runner = engine.runner
+    # Which graph each verification step replays: the decode graph of its rows (every
+    # token a decode row: ModelRunner.runs_as_decode_rows), a mixed-step bucket, or none.
+    replays = {"decode rows": 0, "mixed bucket": 0}
+    for key, graphs in (("decode rows", runner.graphs), ("mixed bucket", runner.mixed_graphs)):
+        if graphs is not None:
+            graphs.replay = _counting(graphs.replay, replays, key)
     rows = []
     for batch in batches:
         seqs = sequences(engine, batch, args.context, args.max_drafts, seed=batch)
@@ -104,15 +111,16 @@ def main() -> None:
                          args.reps)
         row = {"batch": batch, "context": args.context, "decode_ms": decode, "verify": {}}
         for k in range(1, args.max_drafts + 1):
-            before = replays["mixed"]
+            before = dict(replays)
             chunks = [ScheduledSeq(s, 1 + k, True, list(s.token_ids[-k:])) for s in seqs]
             ms = step_ms(engine, chunks, args.steps, args.reps)
-            row["verify"][k] = {"ms": ms, "ratio": ms / decode,
-                                "graph": replays["mixed"] > before}
+            path = next((key for key in replays if replays[key] > before[key]), "eager")
+            row["verify"][k] = {"ms": ms, "ratio": ms / decode, "graph": path != "eager",
+                                "path": path}
         for seq in seqs:
             engine.block_pool.free(seq)
         rows.append(row)
-        cells = "  ".join(f"k={k}: {v['ms']:.3f} ({v['ratio']:.2f}x{'' if v['graph'] else ', eager'})"
+        cells = "  ".join(f"k={k}: {v['ms']:.3f} ({v['ratio']:.2f}x, {v['path']})"
                           for k, v in row["verify"].items())
         print(f"batch {batch:3d}  decode {decode:.3f} ms  |  {cells}", flush=True)
     if args.json_path:

@@ -16,6 +16,7 @@ from archserve.engine.block_pool import token_slot
 from archserve.engine.sample_rows import sampler_rows
 from archserve.engine.scheduler import ScheduledSeq
 from archserve.engine.staging import StagingRing
+from archserve.kernels.attention.decode_rows import decode_rows_metadata
 from archserve.kernels.attention.interface import AttentionMetadata
 
 
@@ -136,10 +137,13 @@ class Span:
 
 
 def build_span_batch(spans: list[Span], block_size: int, staging: StagingRing,
-                     lora_mapping: np.ndarray | None = None) -> ModelBatch:
+                     lora_mapping: np.ndarray | None = None, decode_rows: bool = False
+                     ) -> ModelBatch:
     """The tensors of a forward over ``spans`` (each one sequence's inputs, in order),
     moved to the device in one transfer (``lora_mapping``, the step's packed LoRA
-    mapping, in the same one); its rows are sampled as the spans say."""
+    mapping, in the same one); its rows are sampled as the spans say. ``decode_rows``:
+    its metadata describe a decode step of one row a token, each row over its sequence's
+    blocks with its own causal length (kernels/attention/decode_rows.py)."""
     num_tokens = sum(len(s.tokens) for s in spans)
     input_ids = np.empty(num_tokens, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
@@ -161,6 +165,9 @@ def build_span_batch(spans: list[Span], block_size: int, staging: StagingRing,
         query_lens[i] = n
         logits_rows.extend(range(row + n - span.sampled_rows, row + n))
         row += n
+    if decode_rows:
+        query_lens, seq_lens, block_tables = decode_rows_metadata(query_lens, seq_lens,
+                                                                  block_tables)
     moved: list[torch.Tensor] = []
     own = [input_ids, positions, np.asarray(logits_rows, dtype=np.int64)]
     if lora_mapping is not None:
@@ -175,10 +182,12 @@ def build_span_batch(spans: list[Span], block_size: int, staging: StagingRing,
 
 
 def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRing,
-                lora_mapping: np.ndarray | None = None) -> ModelBatch:
+                lora_mapping: np.ndarray | None = None, decode_rows: bool = False
+                ) -> ModelBatch:
     """The step's tensors, moved to the device in one transfer through ``staging`` (the
     runner's: engine/staging.py); ``lora_mapping``: the step's packed LoRA mapping, which
-    travels in the same transfer."""
+    travels in the same transfer; ``decode_rows``: every token a decode row
+    (``build_span_batch``)."""
     if all(c.num_new_tokens == 1 and c.samples for c in chunks):
         return build_decode_batch(chunks, block_size, staging, lora_mapping)
     spans: list[Span] = []
@@ -203,7 +212,7 @@ def build_batch(chunks: list[ScheduledSeq], block_size: int, staging: StagingRin
         if chunk.samples:
             sampled_seqs.append(seq)
         row += chunk.num_new_tokens
-    batch = build_span_batch(spans, block_size, staging, lora_mapping)
+    batch = build_span_batch(spans, block_size, staging, lora_mapping, decode_rows)
     batch.sampled_seqs = sampled_seqs
     batch.prompt_logprob_rows = prompt_rows
     if any(c.draft_token_ids for c in chunks):

@@ -53,6 +53,20 @@ def random_cache_values(shape: torch.Size, dtype: torch.dtype, generator: torch.
     return torch.randint(0, 0x38, shape, generator=generator, device=device, dtype=dtype)
 
 
+# The default ladder's largest decode graph where verification steps run as decode rows
+# (B x (k + 1) rows): each size's graph holds float32 logits of every row, and past a few
+# hundred rows an 8B model's GEMMs near compute-bound, where a mixed-step bucket, which
+# reads a sequence's keys once per query tile rather than once a row, costs no more.
+DECODE_ROWS_GRAPH_LIMIT = 512
+
+
+def decode_graph_rows(max_num_seqs: int, rows_per_seq: int = 1) -> int:
+    """The rows the default ladder's decode graphs reach: ``max_num_seqs``, or where
+    verification steps run as decode rows (``rows_per_seq`` = k + 1 a sequence) that many
+    rows a sequence, up to DECODE_ROWS_GRAPH_LIMIT (never below ``max_num_seqs``)."""
+    return max(max_num_seqs, min(max_num_seqs * rows_per_seq, DECODE_ROWS_GRAPH_LIMIT))
+
+
 def default_graph_sizes(max_num_seqs: int) -> list[int]:
     ladder = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
     return [s for s in ladder if s <= max_num_seqs] or [1]

@@ -115,6 +115,11 @@ class ModelRunner:
         # Every forward's final hidden states, in a buffer of their own (graphs write it
         # too): what an MTP drafter reads after the step. None: not kept.
         self.hidden_out: torch.Tensor | None = None
+        # A step whose every sequence brings at most this many query tokens (speculative
+        # decoding's verification steps, k + 1) runs as a decode step of one row a token
+        # (kernels/attention/decode_rows.py), where the attention backend's decode path
+        # takes such rows (``decode_rows_max_query_len``); 1: never.
+        self.decode_rows_query_len = 1
 
     def limit_max_model_len(self, max_model_len: int) -> None:
         """Lower the context length (to what the KV pool holds) before graphs are captured."""
@@ -441,7 +446,8 @@ class ModelRunner:
             if self.lora is not None:
                 lora_packed, self.lora_active = self.lora.pack(
                     [c.seq for c in chunks], [c.num_new_tokens for c in chunks])
-            batch = build_batch(chunks, self.block_size, self.staging, lora_packed)
+            batch = build_batch(chunks, self.block_size, self.staging, lora_packed,
+                                decode_rows=self.runs_as_decode_rows(chunks))
             if self.lora is not None:
                 self.lora.load(batch.lora_mapping)
             if previous is not None:
@@ -457,6 +463,23 @@ class ModelRunner:
                                          previous and previous.token_of)
         return LaunchedStep.start_copy(batch.sampled_seqs, result, prompt_logprobs,
                                        batch.sample_rows)
+
+    def runs_as_decode_rows(self, chunks: list[ScheduledSeq]) -> bool:
+        """Whether a step with several query tokens in a sequence runs each token as a decode
+        row (kernels/attention/decode_rows.py): every sequence brings at most
+        ``decode_rows_query_len`` tokens, and a captured decode graph holds that many rows
+        (without graphs the rows run eagerly; a larger step keeps its mixed-step bucket,
+        whose 16-row minimum a few rows would otherwise pay). A verification step then
+        costs what a decode batch of B x (k + 1) rows does: its GEMMs at that many rows
+        (the skinny GEMV up to 4) and the decode kernel, not a bucket's padded GEMMs and
+        the varlen kernel."""
+        if self.decode_rows_query_len <= 1 or self.kv_calibration_pending or not chunks:
+            return False
+        most = max(c.num_new_tokens for c in chunks)
+        if not 1 < most <= self.decode_rows_query_len:
+            return False
+        return (self.graphs is None
+                or self.graphs.size_for(sum(c.num_new_tokens for c in chunks)) is not None)
 
     def _prompt_logprobs(self, batch: ModelBatch, hidden: torch.Tensor):
         """For sequences that asked: logprob of each prompt token given the ones before it."""

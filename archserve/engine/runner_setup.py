@@ -25,7 +25,11 @@ from archserve.engine.ceilings import load_or_measure
 from archserve.engine.compilation_config import parse_compilation_config
 from archserve.engine.config import EngineConfig
 from archserve.engine.cpu_threads import cpu_thread_governor
-from archserve.engine.cuda_graphs import default_graph_sizes, describe_demoted
+from archserve.engine.cuda_graphs import (
+    decode_graph_rows,
+    default_graph_sizes,
+    describe_demoted,
+)
 from archserve.engine.decode_gemms import (
     install_linear_route,
     install_lm_head_route,
@@ -355,9 +359,20 @@ class _RunnerBuild:
         if (self.lora is not None and self.graphs_off is None
                 and self.torch_device.type == "cuda"):
             self.graphs_off = self.lora.graphs_off
-        self.graph_sizes = (config.cuda_graph_sizes or list(self.compilation.capture_sizes)
-                            or default_graph_sizes(config.max_num_seqs)
-                            if self.graphs_off is None else [])
+        # A sequence verifying drafts brings 1 + k tokens, each a sampled row.
+        self.rows_per_seq = 1 + (self.speculative.num_speculative_tokens
+                                 if self.speculative else 0)
+        # Verification steps run as decode rows where the backend's decode path takes them
+        # (ModelRunner.runs_as_decode_rows), so the target's default ladder reaches k + 1
+        # rows a sequence; the draft network's decode steps are one row a sequence.
+        self.decode_rows_query_len = min(self.selection.backend.decode_rows_max_query_len,
+                                         self.rows_per_seq)
+        given = config.cuda_graph_sizes or list(self.compilation.capture_sizes)
+        self.draft_graph_sizes = ((given or default_graph_sizes(config.max_num_seqs))
+                                  if self.graphs_off is None else [])
+        self.graph_sizes = ((given or default_graph_sizes(decode_graph_rows(
+            config.max_num_seqs, self.decode_rows_query_len)))
+            if self.graphs_off is None else [])
 
     def tune_decode_gemms(self) -> None:
         """The dense, quantized, MoE and MLA decode kernels timed per graph size (rank 0
@@ -403,9 +418,7 @@ class _RunnerBuild:
         self.ring_rows = ring_rows(self.rank_mc)
         self.num_rings = (config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
                           if self.ring_rows else 0)
-        # A sequence verifying drafts samples a row for each: the LM head's buffers have room.
-        self.rows_per_seq = 1 + (self.speculative.num_speculative_tokens
-                                 if self.speculative else 0)
+        self.runner.decode_rows_query_len = self.decode_rows_query_len
         self.drafts = None   # the draft network's runner: its cache in the target's blocks
         if self.network is not None:
             largest_step = (max(max_batched, TOKEN_BUCKETS[-1], *self.graph_sizes)
@@ -431,6 +444,9 @@ class _RunnerBuild:
                                                           kv_torch_dtype)
                                                       if self.drafts else 0),
                                                   rows_per_seq=self.rows_per_seq,
+                                                  decode_graph_rows=max(
+                                                      self.graph_sizes,
+                                                      default=config.max_num_seqs),
                                                   ring_bytes=self.num_rings * ring_bytes_per_sequence(
                                                       self.rank_mc, kv_torch_dtype,
                                                       self.block_size))
@@ -483,7 +499,7 @@ class _RunnerBuild:
                 self.decisions.append(self.mixed_decision)
             if self.graphs and self.drafts is not None:
                 self.decisions.append(capture_draft_graphs(
-                    self.drafts, self.graph_sizes,
+                    self.drafts, self.draft_graph_sizes,
                     self.mixed_tokens if self.runner.mixed_graphs else 0,
                     self.config.max_num_seqs, self.mixed_query_len))
             if self.speculative is not None:

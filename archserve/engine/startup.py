@@ -222,13 +222,16 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
                  max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
                  torch_device: torch.device, mixed_graph_tokens: int = 0,
                  extra_bytes_per_block: int = 0, rows_per_seq: int = 1,
-                 ring_bytes: int = 0) -> tuple[int, str]:
+                 ring_bytes: int = 0, decode_graph_rows: int | None = None
+                 ) -> tuple[int, str]:
     """Number of KV blocks, and how that number was reached. ``mixed_graph_tokens``: the
     largest bucket of the mixed-step graphs to be captured (0: none);
     ``extra_bytes_per_block``: what else each block holds (a draft network's cache);
     ``rows_per_seq``: the rows a sequence samples in a step at most (1 + its drafts);
     ``ring_bytes``: what the cache holds beside its blocks (DeepSeek V4's window rings, one
-    per sequence), taken from the budget first."""
+    per sequence), taken from the budget first; ``decode_graph_rows``: the rows of the
+    largest decode graph (None: ``max_num_seqs``; more where verification steps run as
+    decode rows)."""
     per_block = runner.kv_bytes_per_block(kv_torch_dtype) + extra_bytes_per_block
     rings = f", {ring_bytes / 2**20:.1f} MiB of window rings" if ring_bytes else ""
     if config.num_kv_blocks is not None:
@@ -243,7 +246,8 @@ def size_kv_pool(config: EngineConfig, runner, model_config, kv_torch_dtype: tor
         # CUDA graphs keep their own memory pool: set aside an estimate so graphs fit,
         # plus their LM-head output (float32 logits, and, where the LM head runs on cuBLAS,
         # the model-dtype product before them: an upper bound).
-        logits_bytes = max_num_seqs * model_config.vocab_size * (4 + 2)
+        logits_bytes = ((decode_graph_rows or max_num_seqs) * model_config.vocab_size
+                        * (4 + 2))
         reserve = 0 if config.enforce_eager else (256 << 20) + logits_bytes
         if mixed_graph_tokens:
             # The mixed-step graphs' pool holds the activations of their largest bucket,

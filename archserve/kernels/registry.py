@@ -64,11 +64,13 @@ class Backend:
     # lengths (engine/mixed_graphs.py; vLLM's cudagraph_mode FULL).
     mixed_graph_capturable: bool = False
     # The most query tokens a sequence may bring and still run as decode rows (each token a
-    # row of its own causal length, read from device lengths: kernels/mla/decode_rows.py);
-    # 1: one-token decodes only. Where this is above 1 and the backend is not
+    # row of the decode path with its own causal length: kernels/attention/decode_rows.py);
+    # 1: one-token decodes only. Above 1, a verification step of speculative decoding whose
+    # every sequence fits runs as a decode step of one row a token, in the decode graph of
+    # that many rows (engine/model_runner.py). Where the backend is also not
     # mixed_graph_capturable, the mixed-step graphs capture only steps whose every sequence
-    # fits it: speculative decoding's verification steps (vLLM's MLA backends likewise take
-    # spec-decode queries as decode rows).
+    # fits it, each token a decode row (vLLM's MLA backends likewise take spec-decode
+    # queries as decode rows).
     decode_rows_max_query_len: int = 1
 
     def hardware_rule(self, device: DeviceInfo, spec: Any) -> str | None:

@@ -52,14 +52,15 @@ def test_doctor_refuses_a_draft_with_another_tokenizer(tiny_checkpoint, embedded
 
 
 @pytest.mark.parametrize("device, says", [
-    ("h200", "verification steps (at most 4 query tokens a sequence) replay mixed-step CUDA "
-             "graphs per token bucket (cudagraph_mode FULL), each token a decode row of "
-             "TRITON_MLA's decode kernel"),
+    ("h200", "verification steps run as decode rows, each of a sequence's 4 tokens a row of "
+             "TRITON_MLA's decode kernel with its own causal length, in the decode CUDA graph "
+             "of (sequences x 4) rows; a step of more rows than the largest graph replays "
+             "mixed-step CUDA graphs per token bucket"),
     ("cpu", "verification steps run eagerly (TORCH_REFERENCE is not captured in CUDA graphs)"),
 ])
 def test_explain_and_doctor_say_how_an_mla_targets_verification_steps_run(tmp_path, device, says):
     # An MTP target's attention is MLA: on a GPU its verification steps (k + 1 = 4 tokens a
-    # sequence) are captured as decode rows; the CPU's reference runs them eagerly.
+    # sequence) run as decode rows in decode graphs; the CPU's reference runs them eagerly.
     path = build_tiny_mtp_checkpoint(str(tmp_path / "v3"), kv_lora_rank=256,
                                      qk_rope_head_dim=64, head_dim=64, qk_nope_head_dim=128,
                                      v_head_dim=128)
@@ -72,3 +73,25 @@ def test_explain_and_doctor_say_how_an_mla_targets_verification_steps_run(tmp_pa
                         if d["what"] == "speculative decoding")
         assert decision["chosen"] == "mtp" and says in decision["reason"], \
             (command, decision["reason"])
+
+
+@pytest.mark.parametrize("drafts, says", [
+    (3, "verification steps run as decode rows, each of a sequence's 4 tokens a row of "
+        "TRITON_ATTN's decode kernel with its own causal length, in the decode CUDA graph of "
+        "(sequences x 4) rows"),
+    (16, "verification steps replay mixed-step CUDA graphs per token bucket (cudagraph_mode "
+         "FULL) (TRITON_ATTN; TRITON_ATTN runs at most 16 query tokens a sequence as decode "
+         "rows)"),
+])
+def test_explain_says_a_dense_targets_verification_steps_run_as_decode_rows(tiny_checkpoint,
+                                                                           drafts, says):
+    # A Llama on an A100 routes attention to TRITON_ATTN: its verification steps run as
+    # decode rows of its decode kernel up to 15 drafts, in its mixed-step buckets beyond.
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": drafts,
+                         "prompt_lookup_max": 2})
+    out = runner.invoke(app, ["explain", "--model", tiny_checkpoint("llama-h64"), "--device",
+                              "a100", "--json", "--speculative-config", config])
+    assert out.exit_code == 0, out.output
+    decision = next(d for d in json.loads(out.output)["decisions"]
+                    if d["what"] == "speculative decoding")
+    assert says in decision["reason"], decision["reason"]

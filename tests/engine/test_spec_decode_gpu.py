@@ -3,12 +3,14 @@ scheduling. Every method gives plain decoding's tokens, up to where bf16 holds a
 (a verification step computes its rows in one GEMM, a decode step in another: their last
 bits differ), and leaks no KV block.
 
-Verification steps replay mixed-step graphs for every target: TRITON_ATTN's (the Llama
-targets) capture any step with prompt tokens; an MLA target's (TRITON_MLA: the MTP case)
-capture the steps whose every sequence brings at most k + 1 query tokens, each token a
-decode row of its own causal length (kernels/mla/decode_rows.py); a sparse-MLA target's
-(TRITON_MLA_SPARSE, n-gram drafts and the MTP layer of a DeepSeek-V3.2) selects its keys
-per row too. The draft network's forwards replay graphs of their own.
+Verification steps run as decode rows for every target here (kernels/attention/
+decode_rows.py): each token a row of the decode kernel with its own causal length, the step
+a replay of the decode graph of B x (k + 1) rows: TRITON_ATTN's (the Llama targets),
+TRITON_MLA's (the MTP case), TRITON_MLA_SPARSE's (n-gram drafts and the MTP layer of a
+DeepSeek-V3.2, which selects its keys per row too). A step of more rows than the largest
+decode graph replays a mixed-step bucket: TRITON_ATTN's capture any step with prompt
+tokens, an MLA target's the steps whose every sequence brings at most k + 1 query tokens.
+The draft network's forwards replay graphs of their own.
 """
 
 from __future__ import annotations
@@ -94,6 +96,22 @@ def _count_replays(graph_runner, counter: list) -> None:
     graph_runner.replay = counting
 
 
+def _count_decode_row_replays(runner, counter: list) -> None:  # noqa: ANN001
+    """Count the decode-graph replays of steps whose tokens ran as decode rows."""
+    decide, replay = runner.runs_as_decode_rows, runner.graphs.replay
+    as_rows = [False]
+
+    def deciding(chunks):  # noqa: ANN001, ANN202
+        as_rows[0] = decide(chunks)
+        return as_rows[0]
+
+    def replaying(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if as_rows[0]:
+            counter.append(1)
+        return replay(*args, **kwargs)
+    runner.runs_as_decode_rows, runner.graphs.replay = deciding, replaying
+
+
 def _graph_decisions(engine) -> str:  # noqa: ANN001
     return "; ".join(f"{d.what}: {d.chosen} ({d.reason})" for d in engine.report.decisions
                      if "graph" in d.what or d.what == "speculative decoding")
@@ -129,7 +147,7 @@ def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_c
     assert not method.endswith("sparse-mla") or attention.name == "TRITON_MLA_SPARSE", \
         decisions
     mixed = engine.runner.mixed_graphs
-    verified, drafted = [], []
+    as_rows, drafted = [], []
     assert mixed is not None and mixed.set.sizes, \
         f"{attention.name}: verification steps need mixed-step graphs; {decisions}"
     mode = next(d for d in engine.report.decisions if d.what == "cudagraph_mode") \
@@ -137,7 +155,7 @@ def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_c
     if mode is not None:    # an MLA target: verification steps only, and it says so
         assert mixed.max_query_len == spec["num_speculative_tokens"] + 1, decisions
         assert mode.chosen == "FULL" and "verification steps" in mode.reason, decisions
-    _count_replays(mixed, verified)
+    _count_decode_row_replays(engine.runner, as_rows)
     drafts = getattr(engine.speculator.proposer, "runner", None)
     if drafts is not None:    # the draft network's chained forwards replay its graphs
         assert drafts.graphs is not None and drafts.graphs.set.sizes, decisions
@@ -148,5 +166,6 @@ def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_c
     assert engine.block_pool.num_used_blocks == 0, engine.block_pool.num_used_blocks
     stats = engine.speculator.stats
     assert stats.num_accepted_tokens > 0, (stats, decisions)
-    assert verified, ("no verification step replayed a graph", decisions)
+    assert as_rows, ("no verification step replayed a decode graph as decode rows",
+                     decisions)
     assert drafts is None or drafted, ("the draft network replayed no graph", decisions)

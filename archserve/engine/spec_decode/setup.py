@@ -74,23 +74,27 @@ def plan_speculation(config: SpeculativeConfig, target, target_path: str | None 
 
 def verification_graphs_text(backend, rows_per_seq: int) -> str:
     """How verification steps of ``rows_per_seq`` (1 + k) query tokens a sequence run over
-    the target's attention ``backend`` (a registry backend) with CUDA graphs on
-    (cudagraph_mode FULL, the default): what explain says. The engine's start-up decision
-    "cudagraph_mode" says what it captured."""
+    the target's attention ``backend`` (a registry backend) with CUDA graphs on: what
+    explain says. The engine's start-up decisions ("cudagraph_mode", the decode graph
+    sizes) say what it captured."""
     from archserve.engine.mixed_graphs import mixed_step_query_limit
     if not backend.graph_capturable:
         return f"verification steps run eagerly ({backend.name} is not captured in CUDA graphs)"
-    captured, limit = mixed_step_query_limit(backend, rows_per_seq)
+    captured, _ = mixed_step_query_limit(backend, rows_per_seq)
+    buckets = "replay mixed-step CUDA graphs per token bucket (cudagraph_mode FULL)"
+    rows_limit = backend.decode_rows_max_query_len
+    if 1 < rows_per_seq <= rows_limit:
+        return (f"verification steps run as decode rows, each of a sequence's {rows_per_seq} "
+                f"tokens a row of {backend.name}'s decode kernel with its own causal length, "
+                f"in the decode CUDA graph of (sequences x {rows_per_seq}) rows; a step of "
+                f"more rows than the largest graph "
+                + (buckets.replace("replay", "replays", 1) if captured else "runs eagerly"))
+    why = (f"{backend.name} runs at most {rows_limit} query tokens a sequence as decode rows"
+           if rows_limit > 1 else f"{backend.name}'s decode path takes no decode rows")
     if not captured:
         return (f"verification steps run eagerly ({backend.name}'s CUDA graphs capture "
-                f"decode steps only)")
-    if limit is None:
-        return (f"verification steps replay mixed-step CUDA graphs per token bucket "
-                f"({backend.name}, cudagraph_mode FULL)")
-    return (f"verification steps (at most {limit} query tokens a sequence) replay mixed-step "
-            f"CUDA graphs per token bucket (cudagraph_mode FULL), each token a decode row of "
-            f"{backend.name}'s decode kernel with its own causal length; a step with a longer "
-            f"prompt chunk runs eagerly")
+                f"decode steps only; {why})")
+    return f"verification steps {buckets} ({backend.name}; {why})"
 
 
 def _same_tokenizer(target_path: str | None, draft_path: str) -> str:

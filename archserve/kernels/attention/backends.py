@@ -285,6 +285,12 @@ class TritonAttentionBackend(RuleBackend):
     description = "archserve's Triton paged attention (any CUDA or ROCm GPU, head size >= 32)"
     graph_capturable = True
     mixed_graph_capturable = True   # the varlen kernel's grid: max query length x sequences
+    # A verification step (k + 1 <= 16 tokens a sequence) runs as decode rows of the decode
+    # kernel, which applies windows, sinks and soft caps per row. Each row reads its
+    # sequence's keys again (mostly from L2: the sequence's rows run side by side) where
+    # the varlen kernel reads them once per query tile, a cost that grows with the rows a
+    # sequence brings: up to 15 drafts a sequence, as MLA's decode rows.
+    decode_rows_max_query_len = 16
     impl_path = f"{_IMPL}.triton_backend:TritonAttentionImpl"
 
     def device_rule(self, device: DeviceInfo) -> str | None:

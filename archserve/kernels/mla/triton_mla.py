@@ -4,8 +4,8 @@ A pure-decode step (one query token per sequence) runs absorbed: W_UK folded int
 query, the MLA decode kernel over the latent (triton_mla_decode.py), W_UV after. A sequence
 that brings a few query tokens (at most ``DECODE_ROWS_MAX_QUERY_LEN``: a speculative
 verification's k + 1, a short prompt chunk) runs the same way, each token a decode row of
-its own causal length (decode_rows.py). A longer prompt chunk takes the expanded form
-through the Triton prefill kernel (expanded_prefill.py), which costs fewer FLOPs per
+its own causal length (kernels/attention/decode_rows.py). A longer prompt chunk takes the
+expanded form through the Triton prefill kernel (expanded_prefill.py), which costs fewer FLOPs per
 query-key pair once a sequence brings many query rows.
 
 CUDA graphs: decode steps, and the steps a mixed-step bucket replays for this backend
@@ -20,13 +20,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from archserve.kernels.attention.interface import AttentionMetadata
-from archserve.kernels.attention.triton_cache_write import write_kv_cache
-from archserve.kernels.mla.decode_rows import (
+from archserve.kernels.attention.decode_rows import (
     all_decode_rows,
     device_decode_rows,
     host_decode_rows,
 )
+from archserve.kernels.attention.interface import AttentionMetadata
+from archserve.kernels.attention.triton_cache_write import write_kv_cache
 from archserve.kernels.mla.expanded_prefill import expanded_prefill
 from archserve.kernels.mla.interface import DECODE_ROWS_MAX_QUERY_LEN, absorb_query
 from archserve.kernels.mla.triton_mla_decode import mla_decode
@@ -116,7 +116,7 @@ class TritonMlaImpl:
             return self.decode(absorb_query(q_nope, q_pe, w_uk), kv_cache, meta.block_tables,
                                meta.seq_lens, meta.query_start_loc, meta.num_seqs,
                                meta.max_seq_len, scale, w_uv, k_scale)
-        if all_decode_rows(meta):
+        if all_decode_rows(meta, DECODE_ROWS_MAX_QUERY_LEN):
             return self._decode_rows(q_nope, q_pe, kv_cache, meta, w_uk, w_uv, scale, k_scale)
         return self._mixed_step(q_nope, q_pe, kv_cache, meta, w_uk, w_uv, scale, k_scale)
 

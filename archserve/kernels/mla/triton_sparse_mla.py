@@ -20,7 +20,7 @@ position instead). A decode step in a CUDA graph is sized by max_model_len: ther
 dense only for models whose max_model_len is at most topk.
 
 A step whose sequences bring at most a few query tokens each (a speculative verification:
-kernels/mla/decode_rows.py) takes every token as a decode row, from device lengths: the
+kernels/attention/decode_rows.py) takes every token as a decode row, from device lengths: the
 indexer scores and selects per row with the row's causal length, as in a decode step, so
 the mixed-step graphs that replay verification steps capture it (engine/mixed_graphs.py).
 
@@ -33,9 +33,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from archserve.kernels.attention.decode_rows import all_decode_rows, host_decode_rows
 from archserve.kernels.attention.interface import AttentionMetadata
-from archserve.kernels.mla.decode_rows import all_decode_rows, host_decode_rows
-from archserve.kernels.mla.interface import absorb_query
+from archserve.kernels.mla.interface import DECODE_ROWS_MAX_QUERY_LEN, absorb_query
 from archserve.kernels.mla.triton_mla import TritonMlaImpl
 from archserve.kernels.mla.triton_mla_decode import mla_decode
 from archserve.kernels.sparse_mla.interface import IndexerInputs
@@ -111,7 +111,7 @@ class TritonSparseMlaImpl(TritonMlaImpl):
         if meta.max_query_len <= 1:   # row i is sequence i (tokens past them are padding)
             return (torch.arange(meta.num_seqs, dtype=torch.int32, device=device),
                     meta.seq_lens)
-        if all_decode_rows(meta):
+        if all_decode_rows(meta, DECODE_ROWS_MAX_QUERY_LEN):
             return self.step_rows(meta, num_tokens)
         _, row_seq, row_len = host_decode_rows(meta.query_lens_cpu, meta.seq_lens_cpu)
         return (torch.from_numpy(row_seq.astype(np.int32)).to(device),
@@ -123,7 +123,8 @@ class TritonSparseMlaImpl(TritonMlaImpl):
         """(int32 [T, topk] positions, int32 [T] valid entries) of the step's rows."""
         # Decode rows score one row a program, as a CUDA graph replays them; a prompt's rows
         # share their key tiles.
-        one_row_each = meta.max_query_len <= 1 or all_decode_rows(meta)
+        one_row_each = (meta.max_query_len <= 1
+                        or all_decode_rows(meta, DECODE_ROWS_MAX_QUERY_LEN))
         return select_top_keys(IndexKeySource.of_sparse_mla(self.layout, kv_cache),
                                meta.block_tables, indexer.query, indexer.weights, row_seq,
                                row_len, meta.max_seq_len, topk,
