@@ -60,11 +60,16 @@ def random_cache_values(shape: torch.Size, dtype: torch.dtype, generator: torch.
 DECODE_ROWS_GRAPH_LIMIT = 512
 
 
-def decode_graph_rows(max_num_seqs: int, rows_per_seq: int = 1) -> int:
-    """The rows the default ladder's decode graphs reach: ``max_num_seqs``, or where
-    verification steps run as decode rows (``rows_per_seq`` = k + 1 a sequence) that many
-    rows a sequence, up to DECODE_ROWS_GRAPH_LIMIT (never below ``max_num_seqs``)."""
-    return max(max_num_seqs, min(max_num_seqs * rows_per_seq, DECODE_ROWS_GRAPH_LIMIT))
+def decode_graph_sizes(max_num_seqs: int, rows_per_seq: int = 1) -> list[int]:
+    """The default decode graph sizes: the ladder up to ``max_num_seqs``, or where
+    verification steps run as decode rows (``rows_per_seq`` = k + 1 a sequence) up to
+    that many rows a sequence, at most DECODE_ROWS_GRAPH_LIMIT, the largest such step
+    itself included (a full batch verifying k drafts replays a graph, not a bucket)."""
+    if rows_per_seq <= 1:
+        return default_graph_sizes(max_num_seqs)
+    rows = max(max_num_seqs, min(max_num_seqs * rows_per_seq, DECODE_ROWS_GRAPH_LIMIT))
+    sizes = default_graph_sizes(rows)
+    return sizes if sizes[-1] == rows else [*sizes, rows]
 
 
 def default_graph_sizes(max_num_seqs: int) -> list[int]:

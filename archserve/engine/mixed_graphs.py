@@ -31,11 +31,16 @@ output is
 those rows' logits in order. Attention backends that take their grid from host
 maxima alone capture any such step (``mixed_graph_capturable``: TRITON_ATTN). A backend
 that runs a sequence of a few query tokens as decode rows (``decode_rows_max_query_len``:
-TRITON_MLA and TRITON_MLA_SPARSE, kernels/mla/decode_rows.py) captures the steps whose
-every sequence brings at most ``max_query_len`` tokens (k + 1: speculative decoding's
-verification steps); in a bucket it runs every token, the padding sequence's too, as a
-decode row, and a step with a longer prompt chunk runs eagerly. A replay canary compares
-one such step against the same step run eagerly.
+TRITON_MLA and TRITON_MLA_SPARSE, kernels/attention/decode_rows.py) captures the steps
+whose every sequence brings at most ``max_query_len`` tokens (k + 1: speculative
+decoding's verification steps); in a bucket it runs every token, the padding sequence's
+too, as a decode row, and a step with a longer prompt chunk runs eagerly. A replay canary
+compares one such step against the same step run eagerly.
+
+A verification step whose rows fit a decode graph (B x (k + 1) of them) does not come
+here: where the backend takes decode rows, it runs as a decode step of one row a token
+(ModelRunner.runs_as_decode_rows), in the decode graph of that many rows, without a
+bucket's 16-token minimum. The buckets take the larger ones.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from archserve.engine.compilation_config import parse_compilation_config
 from archserve.engine.config import EngineConfig
 from archserve.engine.cpu_threads import cpu_thread_governor
 from archserve.engine.cuda_graphs import (
-    decode_graph_rows,
+    decode_graph_sizes,
     default_graph_sizes,
     describe_demoted,
 )
@@ -370,9 +370,9 @@ class _RunnerBuild:
         given = config.cuda_graph_sizes or list(self.compilation.capture_sizes)
         self.draft_graph_sizes = ((given or default_graph_sizes(config.max_num_seqs))
                                   if self.graphs_off is None else [])
-        self.graph_sizes = ((given or default_graph_sizes(decode_graph_rows(
-            config.max_num_seqs, self.decode_rows_query_len)))
-            if self.graphs_off is None else [])
+        self.graph_sizes = ((given or decode_graph_sizes(config.max_num_seqs,
+                                                         self.decode_rows_query_len))
+                            if self.graphs_off is None else [])
 
     def tune_decode_gemms(self) -> None:
         """The dense, quantized, MoE and MLA decode kernels timed per graph size (rank 0

@@ -149,7 +149,7 @@ def test_speculation_in_cuda_graphs_with_async_scheduling(tiny_checkpoint, mtp_c
     mixed = engine.runner.mixed_graphs
     as_rows, drafted = [], []
     assert mixed is not None and mixed.set.sizes, \
-        f"{attention.name}: verification steps need mixed-step graphs; {decisions}"
+        f"{attention.name}: larger verification steps need mixed-step graphs; {decisions}"
     mode = next(d for d in engine.report.decisions if d.what == "cudagraph_mode") \
         if not attention.backend.mixed_graph_capturable else None
     if mode is not None:    # an MLA target: verification steps only, and it says so

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from tiny_checkpoints import build_tiny_checkpoint
 
-from archserve.engine.cuda_graphs import decode_graph_rows, default_graph_sizes
+from archserve.engine.cuda_graphs import decode_graph_sizes, default_graph_sizes
 from archserve.kernels.attention.decode_rows import decode_rows_metadata, host_decode_rows
 
 CHILD = r"""
@@ -124,10 +124,12 @@ def test_decode_rows_metadata_gives_each_token_its_sequence_table_and_causal_len
 
 
 def test_the_decode_graph_ladder_reaches_the_verification_rows():
-    # Without decode rows: max_num_seqs; with them k + 1 rows a sequence, capped.
-    assert decode_graph_rows(32) == 32
-    assert decode_graph_rows(32, 9) == 288
-    assert default_graph_sizes(decode_graph_rows(32, 9))[-1] == 288
-    assert decode_graph_rows(256, 5) == 512       # DECODE_ROWS_GRAPH_LIMIT
-    assert decode_graph_rows(1024, 5) == 1024     # never below max_num_seqs
-    assert default_graph_sizes(decode_graph_rows(1, 4))[:3] == [1, 2, 4]
+    # Without decode rows: the ladder up to max_num_seqs; with them up to k + 1 rows a
+    # sequence (a full batch's step included), capped at DECODE_ROWS_GRAPH_LIMIT.
+    assert decode_graph_sizes(32) == default_graph_sizes(32)
+    assert decode_graph_sizes(32, 9) == default_graph_sizes(288)
+    assert decode_graph_sizes(8, 5) == [1, 2, 4, 8, 16, 32, 40]
+    assert decode_graph_sizes(1, 4) == [1, 2, 4]
+    assert decode_graph_sizes(1, 3) == [1, 2, 3]
+    assert decode_graph_sizes(256, 5)[-1] == 512
+    assert decode_graph_sizes(1024, 5) == default_graph_sizes(1024)   # never fewer
