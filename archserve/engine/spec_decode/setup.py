@@ -81,20 +81,20 @@ def verification_graphs_text(backend, rows_per_seq: int) -> str:
     if not backend.graph_capturable:
         return f"verification steps run eagerly ({backend.name} is not captured in CUDA graphs)"
     captured, _ = mixed_step_query_limit(backend, rows_per_seq)
-    buckets = "replay mixed-step CUDA graphs per token bucket (cudagraph_mode FULL)"
+    buckets = "mixed-step CUDA graphs per token bucket (cudagraph_mode FULL)"
     rows_limit = backend.decode_rows_max_query_len
     if 1 < rows_per_seq <= rows_limit:
         return (f"verification steps run as decode rows, each of a sequence's {rows_per_seq} "
                 f"tokens a row of {backend.name}'s decode kernel with its own causal length, "
                 f"in the decode CUDA graph of (sequences x {rows_per_seq}) rows; a step of "
                 f"more rows than the largest graph "
-                + (buckets.replace("replay", "replays", 1) if captured else "runs eagerly"))
+                + (f"replays {buckets}" if captured else "runs eagerly"))
     why = (f"{backend.name} runs at most {rows_limit} query tokens a sequence as decode rows"
            if rows_limit > 1 else f"{backend.name}'s decode path takes no decode rows")
     if not captured:
         return (f"verification steps run eagerly ({backend.name}'s CUDA graphs capture "
                 f"decode steps only; {why})")
-    return f"verification steps {buckets} ({backend.name}; {why})"
+    return f"verification steps replay {buckets} ({backend.name}; {why})"
 
 
 def _same_tokenizer(target_path: str | None, draft_path: str) -> str:
