@@ -1038,3 +1038,28 @@ def test_gpu_every_routine_replays_in_a_cuda_graph():
             for (routine, w), out in zip(layers, outs, strict=True):
                 assert torch.equal(out, routine(x, w)), type(routine).__name__
                 assert_w8a8_close(out, x, w, floor=FP8_FLOOR)
+
+
+@gpu
+@needs_cuda
+@needs_fp8
+def test_gpu_dequantized_w8a8_replays_in_a_cuda_graph():
+    """TORCH_DEQUANT (the route of GPUs without a W8A8 kernel, e.g. a T4) quantizes the
+    activations with torch ops alone, so its steps capture in a CUDA graph and replay with
+    what it gives eagerly."""
+    from archserve.kernels.linear.torch_dequant import TorchDequantLinear
+    routine, k = TorchDequantLinear(), 1024
+    weights = [routine.prepare(int8_weight(768, k, ACT_DYNAMIC_TOKEN, "cuda"), torch.float16),
+               routine.prepare(fp8_weight(768, k, (128, 128), ACT_DYNAMIC_GROUP, "cuda"),
+                               torch.float16)]
+    x = activations(4, k, torch.float16, "cuda")
+    outs = [routine(x, w) for w in weights]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [routine(x, w) for w in weights]
+    x.copy_(activations(4, k, torch.float16, "cuda", seed=3))
+    graph.replay()
+    torch.cuda.synchronize()
+    for w, out in zip(weights, outs, strict=True):
+        assert torch.equal(out, routine(x, w))

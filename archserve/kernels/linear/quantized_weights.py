@@ -266,8 +266,10 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
 def _per_max(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     # A true division (by a tensor): CUDA divides a tensor by a Python number through its
     # reciprocal, one ulp off an exact division now and then, which flips rounding ties.
-    # The kernels divide exactly, so the oracle must give the same on every device.
-    return (amax / amax.new_tensor(qmax)).clamp(min=MIN_ACTIVATION_SCALE)
+    # The kernels divide exactly, so the oracle must give the same on every device. The
+    # divisor is filled on the device (no host copy), so CUDA graphs can capture it.
+    divisor = torch.full((), qmax, dtype=amax.dtype, device=amax.device)
+    return (amax / divisor).clamp(min=MIN_ACTIVATION_SCALE)
 
 
 def quantize_activation_fp8(x: torch.Tensor, activation: str,
