@@ -503,19 +503,13 @@ def triton_lora(case: SweepCase) -> None:
     decode batch and a prompt."""
     import numpy as np
 
-    from archserve.kernels.lora.interface import (
-        COUNTERS,
-        LoRAMapping,
-        LoRASlots,
-        pack_mapping,
-    )
+    from archserve.kernels.lora.interface import LoRAMapping, LoRASlots, pack_mapping
 
     backend = default_registry().get("lora", case.backend)
     impl = backend.make_impl(case.profile, None)
     blocks, slots = (3072, 1024, 1024), 8
     lora = LoRASlots(_empty(slots, 3 * 16, HIDDEN, dtype=case.dtype),
-                     _empty(sum(blocks), slots, 16, dtype=case.dtype), blocks,
-                     _empty(COUNTERS, dtype=torch.int32))
+                     _empty(sum(blocks), slots, 16, dtype=case.dtype), blocks)
     for tokens in (1, 32, PROMPT_ROWS):
         packed = torch.from_numpy(pack_mapping(np.arange(tokens) % slots, slots))
         impl.add_lora(_empty(tokens, sum(blocks), dtype=case.dtype),

@@ -24,8 +24,6 @@ cannot write. Reading it early lets its bytes stream while that kernel drains:
 - L2 prefetches (``prefetch_rows_to_l2``) of rows the kernel will read: decode's and MLA
   decode's first tile of KV cached by earlier steps (held in registers, that tile made them
   spill), and the first K tile of the MoE down kernel's expert weights.
-One write comes before the wait: the LoRA kernel's ticket (kernels/lora/triton_lora.py), an
-atomic on its layer's own counter, which no other kernel reads or writes.
 The step's inputs are written before its first kernel; where they are built on the device
 (MLA's mixed step gathers its decoding rows'), another kernel runs between that and the
 kernel that reads them, as in the start-up tuners, which make such operands first. Nor

@@ -6,9 +6,8 @@ programs read all of it (an H200 profile of a batch-1 step: 8 µs on Qwen3's 151
 logits, 23 µs on DeepSeek-V2's 102,400), on the path between two graphs, where nothing
 overlaps it. Here a row is split into blocks over many programs; each stores its block's
 maximum and first index, and the last program to arrive on its row's counter picks among
-them (``count_arrival``, kernels/arrivals.py: an acquire-release atomic at GPU scope after
-its stores, so it sees every other program's blocks), then resets the counter for the next
-launch.
+them (``count_arrival``: an acquire-release atomic at GPU scope after its stores, so it sees
+every other program's blocks), then resets the counter for the next launch.
 
 Same answer as ``torch.argmax`` of the float32 logits: the first index of the maximum, NaN
 above everything (the first NaN), and -0.0 equal to +0.0. Values are compared as ordered
@@ -24,11 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.arrivals import count_arrival, last_arrival_verified, reset_arrivals
-
 BLOCK = 4096          # logits a program reads: 38 programs a row for a 152k vocabulary
 MAX_PARTS = 1024      # blocks a row may have (a 4M-token vocabulary)
 ARRIVAL_COUNTERS = 4096   # rows a launch may have: one counter each
+
+
+def last_arrival_verified() -> bool:
+    """Whether the last program to arrive is known to see every other's stores here: not
+    on ROCm. On MI300-class GPUs each XCD has its own L2; the kernel compiles for them, but
+    that is not verified there."""
+    return torch.version.hip is None
 
 
 @functools.cache
@@ -37,6 +41,23 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
     own). Made on first use, which the engine's eager warm-up makes before any CUDA graph
     is captured."""
     return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def count_arrival(counter_ptr, contributors):
+    """Count this program in on ``counter_ptr`` after its stores; True in the program that
+    arrives last of ``contributors`` (it may then read every other program's stores, from
+    L2: load them with ``cache_modifier=".cg"``)."""
+    tl.debug_barrier()      # every thread's stores happen before the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()      # ... and every thread reads only after the acquire
+    return arrived == contributors - 1
+
+
+@triton.jit
+def reset_arrivals(counter_ptr):
+    """The last program, once it has reduced: the counter is zero for the next launch."""
+    tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

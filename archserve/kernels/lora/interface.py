@@ -9,9 +9,7 @@ up-projections as row blocks of one matrix (``b`` [N, L, R], rows in the layer's
 order): token x of slot l adds ``(x A_s^T) B_s^T`` to output block s. Slots of a smaller
 rank, or matrices an adapter leaves out, hold zeros. ``b`` is [N, L, R] rather than
 [L, N, R] so that one output block of every slot is a plain [n, L * R] view (the torch
-path multiplies all slots in one GEMM). Each layer also keeps ``COUNTERS`` int32 counters,
-zero between launches, by which the programs of its one grouped kernel launch hand work
-over (kernels/lora/triton_lora.py); a layer's own, so no other launch touches them.
+path multiplies all slots in one GEMM).
 
 The step's mapping (``LoRAMapping``) is one int32 tensor: per slot its token count and the
 start of its tokens in the sorted order, then per token (slot, token of the sorted order)
@@ -29,7 +27,6 @@ import numpy as np
 import torch
 
 NO_SLOT = -1     # a token that takes no adapter
-COUNTERS = 3     # a layer's counters: tickets, shrink arrivals, expand departures
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,6 @@ class LoRASlots:
     a: torch.Tensor                  # [L, S * R, K], model dtype
     b: torch.Tensor                  # [N, L, R], model dtype
     slice_sizes: tuple[int, ...]     # the output rows of each of the S blocks, in order
-    counters: torch.Tensor           # [COUNTERS] int32, zero between launches
 
     @property
     def num_slots(self) -> int:
@@ -60,8 +56,7 @@ class LoRASlots:
         a = torch.zeros(num_slots, len(slice_sizes) * rank, in_features, dtype=dtype,
                         device=device)
         b = torch.zeros(sum(slice_sizes), num_slots, rank, dtype=dtype, device=device)
-        counters = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-        return LoRASlots(a, b, tuple(slice_sizes), counters)
+        return LoRASlots(a, b, tuple(slice_sizes))
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,8 @@
 """LoRA backends (op ``lora``): the delta every adapter-serving linear adds, and its order.
 
 TRITON_LORA groups a step's tokens by adapter slot (punica's SGMV: shrink, then expand into
-the layer's output, in one launch whose expand programs wait on its shrink programs through
-a counter) on CUDA GPUs, and on NVIDIA SM90+ launches with PDL; not on ROCm, where that
-hand-over through L2 is not verified (kernels/arrivals.py); TORCH_LORA multiplies every slot for every token and masks (kernels/lora/torch_lora.py)
+the layer's output) on any CUDA or ROCm GPU, and on NVIDIA SM90+ launches both kernels with
+PDL; TORCH_LORA multiplies every slot for every token and masks (kernels/lora/torch_lora.py)
 on any device. Both read only device tensors, so CUDA graphs capture either.
 """
 
@@ -31,14 +30,11 @@ class TritonLoRABackend(RuleBackend):
     library = "triton"
     graph_capturable = True
     mixed_graph_capturable = True
-    description = ("Triton shrink/expand in one launch over the batch's tokens grouped by "
-                   "adapter (punica's SGMV; CUDA GPUs)")
+    description = ("Triton shrink/expand over the batch's tokens grouped by adapter "
+                   "(punica's SGMV; any CUDA or ROCm GPU)")
     impl_path = f"{_IMPL}.triton_lora:TritonLoRA"
 
     def device_rule(self, device: DeviceInfo) -> str | None:
-        if device.platform == "rocm":
-            return ("its expand programs read the shrink programs' sums through L2 "
-                    "counters, not verified across MI300's per-XCD L2s")
         return needs_triton_device(device)
 
     def request_rule(self, device: DeviceInfo, spec: LoRASpec) -> str | None:

@@ -1,33 +1,23 @@
-"""TRITON_LORA: the LoRA delta in one Triton launch per layer (punica's SGMV idea: shrink,
-then expand, over the step's tokens grouped by adapter slot).
+"""TRITON_LORA: the LoRA delta as two grouped Triton kernels per layer (punica's SGMV idea:
+shrink, then expand, over the step's tokens grouped by adapter slot).
 
 A step's tokens are grouped by slot through the mapping's sorted order; no row is moved.
 The work is cut into tiles of one slot's tokens (``BLOCK_M`` rows each), numbered across
-the slots that hold tokens, so the launch grows with the step's tokens and not with
+the slots that hold tokens, so the launches grow with the step's tokens and not with
 ``max_loras``: a decode step of one adapter among eight slots runs one tile's programs, not
-eight slots' worth of programs that exit at once. The grid is sized by the most tiles a
+eight slots' worth of programs that exit at once. Both grids are sized by the most tiles a
 step of that many tokens can have (``max_tiles``), never by the mapping's values, so one
 captured CUDA graph serves every mix of adapters; programs past the step's tiles exit.
 
-One launch runs both halves; each program takes a ticket (an atomic counter) and the
-tickets, not the launch order, make it a shrink or an expand program:
-- shrink (the first tickets): t = x A^T for every output block's down-projection at once
-  ([T, S * R], float32), split over K where the rows are few (a decode step: one tile's
-  single row would otherwise leave one program to read all of A), each split storing its
-  own partial sums, then counting itself in on the arrival counter;
-- expand (the later tickets): y[:, block s] += (sum of t's partials)[:, s] B_s^T, added into
-  the layer's output in place, once every shrink program of the step has arrived; tokens
-  without an adapter are not touched.
-An expand program waits only for programs that took earlier tickets, which are running
-already (a ticket is taken by a running program), so the wait cannot deadlock whatever
-the GPU schedules; it replaces the second launch's start and the hand-over between two
-kernels that a decode step otherwise pays 128 times (Llama-3-8B). The last ticket, and the
-last expand program to finish, set the counters back to zero for the next launch.
+- shrink: t = x A^T for every output block's down-projection at once ([T, S * R], float32),
+  split over K where the rows are few (a decode step: one tile's single row would otherwise
+  leave one program to read all of A), each split storing its own partial sums;
+- expand: y[:, block s] += (sum of t's partials)[:, s] B_s^T, added into the layer's output
+  in place; tokens without an adapter are not touched.
 
-The launch uses PDL where it is on (kernels/pdl.py): the mapping, the adapter weights (a
-shrink program's A tile, an expand program's B tile) and the layer's own counters are read
-before the wait (nothing before writes them); the layer's input, the partial sums and the
-output after it.
+Both launch with PDL where it is on (kernels/pdl.py): the mapping and the adapter weights (a
+shrink program's A tile, an expand program's B tile) are read before the wait (nothing
+before writes them); the layer's input, the partial sums and the output after it.
 """
 
 from __future__ import annotations
@@ -38,9 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.arrivals import count_arrival, reset_arrivals, wait_for_arrivals
 from archserve.kernels.attention.triton_decode import dot_precision
-from archserve.kernels.lora.interface import COUNTERS, LoRAMapping, LoRASlots
+from archserve.kernels.lora.interface import LoRAMapping, LoRASlots
 from archserve.kernels.pdl import (
     pdl_enabled,
     pdl_launch_options,
@@ -122,14 +111,13 @@ def _tile_of(mapping, tile, NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr,
 
 
 @triton.jit
-def _shrink(item, x, a, partials, mapping, counters, num_tokens, in_features, width,
+def _shrink(item, x, a, partials, mapping, num_tokens, in_features, width,
             x_row_stride, a_slot_stride, k_steps_per_split, splits,
             NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr, R_TILES: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
             K_GRAIN: tl.constexpr, ONE_K_TILE: tl.constexpr, PREFETCH: tl.constexpr,
             DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Shrink work item ``item`` = (tile, K split, rank tile): its partial sums, then its
-    arrival."""
+    """Shrink work item ``item`` = (tile, K split, rank tile): its partial sums."""
     tile = item // (R_TILES * splits)
     pid_r = item % R_TILES
     split = (item // R_TILES) % splits
@@ -174,17 +162,15 @@ def _shrink(item, x, a, partials, mapping, counters, num_tokens, in_features, wi
         out = (partials + split.to(tl.int64) * num_tokens * width + rows[:, None] * width
                + r[None, :])
         tl.store(out, acc, mask=in_slot[:, None] & r_ok[None, :])
-        count_arrival(counters + 1, 0)
 
 
 @triton.jit
-def _expand(item, b, y, partials, mapping, counters, num_tokens, width, rank, splits,
+def _expand(item, b, y, partials, mapping, num_tokens, width, rank, splits,
             size0, size1, size2, y_row_stride,
             NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr, R_TILES: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
             SPLITS_POW2: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Expand work item ``item`` = (tile, output columns): once every shrink program has
-    arrived, its tile's delta added into y."""
+    """Expand work item ``item`` = (tile, output columns): its tile's delta added into y."""
     # The output blocks' column tiles, numbered block after block.
     tiles0 = tl.cdiv(size0, BLOCK_N)
     tiles01 = tiles0 + tl.cdiv(size1, BLOCK_N)
@@ -206,53 +192,47 @@ def _expand(item, b, y, partials, mapping, counters, num_tokens, width, rank, sp
         pdl_start(PDL)
         out = y + rows[:, None] * y_row_stride + (first + n)[None, :]
         mask = in_slot[:, None] & n_ok[None, :]
-        current = tl.load(out, mask=mask, other=0.0)      # on its way during the wait
-        wait_for_arrivals(counters + 1, num_tiles * R_TILES * splits)
-        # Every K split's partials in one load (from L2: other programs stored them).
+        current = tl.load(out, mask=mask, other=0.0)
+        # Every K split's partials in one load.
         s = tl.arange(0, SPLITS_POW2)
         partial = (partials + s[:, None, None] * num_tokens * width
                    + rows[None, :, None] * width + (block * rank + r)[None, None, :])
         t = tl.sum(tl.load(partial, mask=(s < splits)[:, None, None] & in_slot[None, :, None]
-                           & r_ok[None, None, :], other=0.0, cache_modifier=".cg"), 0)
+                           & r_ok[None, None, :], other=0.0), 0)
         if DOT_PRECISION == "ieee":
             delta = tl.dot(t, tl.trans(up.to(tl.float32)), input_precision=DOT_PRECISION)
         else:   # rounded to the adapter's dtype between its two matrices, as PEFT computes
             delta = tl.dot(t.to(up.dtype), tl.trans(up), input_precision=DOT_PRECISION)
         total = current.to(tl.float32) + delta
         tl.store(out, total.to(y.dtype.element_ty), mask=mask)
-        # The last expand program of the step: every arrival and departure is counted.
-        if count_arrival(counters + 2, num_tiles * n_items):
-            reset_arrivals(counters + 1)
-            reset_arrivals(counters + 2)
 
 
-# One compiled variant whatever the step's size: the token count, the K split's width and
-# count, and the grid's split between the halves change with it.
-@triton.jit(do_not_specialize=["num_tokens", "k_steps_per_split", "splits", "num_shrink",
-                               "num_programs"])
-def _lora_kernel(x, a, b, y, partials, mapping, counters, num_tokens, in_features, width,
-                 rank, size0, size1, size2, x_row_stride, y_row_stride, a_slot_stride,
-                 k_steps_per_split, splits, num_shrink, num_programs,
-                 NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr, R_TILES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 K_GRAIN: tl.constexpr, ONE_K_TILE: tl.constexpr, PREFETCH: tl.constexpr,
-                 BLOCK_N: tl.constexpr, RANK_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    # The ticket: an atomic on this layer's own counter, which nothing before writes, so it
-    # is taken before the wait. The last one resets it: every ticket is out by then.
-    ticket = tl.atomic_add(counters, 1, sem="relaxed", scope="gpu")
-    if ticket == num_programs - 1:
-        reset_arrivals(counters)
-    if ticket < num_shrink:
-        _shrink(ticket, x, a, partials, mapping, counters, num_tokens, in_features, width,
-                x_row_stride, a_slot_stride, k_steps_per_split, splits,
-                NUM_SLOTS, SLOTS_POW2, R_TILES, BLOCK_M, BLOCK_R, BLOCK_K, K_GRAIN,
-                ONE_K_TILE, PREFETCH, DOT_PRECISION, PDL)
-    else:
-        _expand(ticket - num_shrink, b, y, partials, mapping, counters, num_tokens, width,
-                rank, splits, size0, size1, size2, y_row_stride,
-                NUM_SLOTS, SLOTS_POW2, R_TILES, BLOCK_M, BLOCK_N, RANK_POW2, SPLITS_POW2,
-                DOT_PRECISION, PDL)
+# One compiled variant each whatever the step's size: the token count and the K split's
+# width and count change with it.
+@triton.jit(do_not_specialize=["num_tokens", "k_steps_per_split", "splits"])
+def _lora_shrink_kernel(x, a, partials, mapping, num_tokens, in_features, width,
+                        x_row_stride, a_slot_stride, k_steps_per_split, splits,
+                        NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr,
+                        R_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr, K_GRAIN: tl.constexpr,
+                        ONE_K_TILE: tl.constexpr, PREFETCH: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    _shrink(tl.program_id(0), x, a, partials, mapping, num_tokens, in_features, width,
+            x_row_stride, a_slot_stride, k_steps_per_split, splits,
+            NUM_SLOTS, SLOTS_POW2, R_TILES, BLOCK_M, BLOCK_R, BLOCK_K, K_GRAIN,
+            ONE_K_TILE, PREFETCH, DOT_PRECISION, PDL)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "splits"])
+def _lora_expand_kernel(b, y, partials, mapping, num_tokens, width, rank, splits,
+                        size0, size1, size2, y_row_stride,
+                        NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr,
+                        R_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    _expand(tl.program_id(0), b, y, partials, mapping, num_tokens, width, rank, splits,
+            size0, size1, size2, y_row_stride, NUM_SLOTS, SLOTS_POW2, R_TILES, BLOCK_M,
+            BLOCK_N, BLOCK_R, SPLITS_POW2, DOT_PRECISION, PDL)
 
 
 class TritonLoRA:
@@ -269,7 +249,6 @@ class TritonLoRA:
         if x.stride(1) != 1:
             x = x.contiguous()
         assert y.stride(1) == 1 and slots.num_slices <= 3, "y rows contiguous, <= 3 blocks"
-        assert slots.counters.numel() >= COUNTERS and slots.counters.dtype == torch.int32
         num_slots, width, rank = slots.num_slots, slots.a.shape[1], slots.rank
         tiles = lora_tiles(num_tokens, in_features, width, rank)
         precision = dot_precision(x.dtype)
@@ -280,16 +259,18 @@ class TritonLoRA:
         r_tiles = triton.cdiv(width, tiles.block_r)
         num_shrink = step_tiles * r_tiles * tiles.splits
         column_tiles = sum(triton.cdiv(size, tiles.block_n) for size in slots.slice_sizes)
-        num_programs = num_shrink + step_tiles * column_tiles
+        num_expand = step_tiles * column_tiles
         sizes = (*slots.slice_sizes, 0, 0)[:3]
-        _lora_kernel[(num_programs,)](
-            x, slots.a, slots.b, y, partials, mapping.packed, slots.counters, num_tokens,
-            in_features, width, rank, *sizes, x.stride(0), y.stride(0), slots.a.stride(0),
-            tiles.k_per_split // K_GRAIN, tiles.splits, num_shrink, num_programs,
-            NUM_SLOTS=num_slots, SLOTS_POW2=triton.next_power_of_2(num_slots),
-            R_TILES=r_tiles, BLOCK_M=tiles.block_m, BLOCK_R=tiles.block_r,
-            BLOCK_K=tiles.block_k, K_GRAIN=K_GRAIN, ONE_K_TILE=tiles.one_k_tile,
-            PREFETCH=min(1024, triton.next_power_of_2(tiles.k_per_split)),
-            BLOCK_N=tiles.block_n, RANK_POW2=tiles.rank_pow2,
-            SPLITS_POW2=triton.next_power_of_2(tiles.splits),
-            DOT_PRECISION=precision, PDL=pdl, **pdl_launch_options(pdl))
+        common = dict(NUM_SLOTS=num_slots, SLOTS_POW2=triton.next_power_of_2(num_slots),
+                      R_TILES=r_tiles, BLOCK_M=tiles.block_m, DOT_PRECISION=precision,
+                      PDL=pdl, **pdl_launch_options(pdl))
+        _lora_shrink_kernel[(num_shrink,)](
+            x, slots.a, partials, mapping.packed, num_tokens, in_features, width,
+            x.stride(0), slots.a.stride(0), tiles.k_per_split // K_GRAIN, tiles.splits,
+            BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, K_GRAIN=K_GRAIN,
+            ONE_K_TILE=tiles.one_k_tile,
+            PREFETCH=min(1024, triton.next_power_of_2(tiles.k_per_split)), **common)
+        _lora_expand_kernel[(num_expand,)](
+            slots.b, y, partials, mapping.packed, num_tokens, width, rank, tiles.splits,
+            *sizes, y.stride(0), BLOCK_N=tiles.block_n, BLOCK_R=tiles.rank_pow2,
+            SPLITS_POW2=triton.next_power_of_2(tiles.splits), **common)
