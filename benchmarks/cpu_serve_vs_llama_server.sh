@@ -3,7 +3,9 @@
 # (-np 16, same GGUF, same thread count), each measured by the same client,
 # `archserve bench --mode serve` (same prompt token ids, greedy, ignore_eos, streamed).
 # Each line: output tok/s, TTFT and ITL P50/P99, and the 1/5/15-minute load average
-# (other processes on the cores change every number).
+# (other processes on the cores change every number). Each server takes ROUNDS bursts
+# (default 2), each of new prompts: the first after start-up pays each server's first-use costs,
+# the later ones are the warm figure.
 # The peer comes from benchmarks/build_llama_cpp_peer.sh; CI does not run this.
 #
 #   bash benchmarks/cpu_serve_vs_llama_server.sh [PEER_DIR] [extra archserve serve args...]
@@ -29,16 +31,21 @@ wait_healthy() {   # url, log, pid
   echo "no answer from $1; its log:" >&2; tail -20 "$2" >&2; return 1
 }
 
-bench() {   # name url
-  python3 -m archserve.cli.main bench --mode serve --url "$2" --model "$MODEL" \
+bench() {   # name url: ROUNDS bursts, one line each
+  # A new seed a round: new prompts, so neither server answers from a prompt it has cached.
+  for round in $(seq "${ROUNDS:-2}"); do bench_round "$1 $round" "$2" "$OUT/$1-$round.json" "$round"; done
+}
+
+bench_round() {   # label url json seed
+  python3 -m archserve.cli.main bench --mode serve --url "$2" --model "$MODEL" --seed "$4" \
     --num-prompts "$PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-    --concurrency "$PROMPTS" --json > "$OUT/$1.json"
+    --concurrency "$PROMPTS" --json > "$3"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d['runs'][-1]; \
-print(f\"{sys.argv[2]:>12}: {r['output_tokens_per_s']:7.1f} output tok/s, \
+print(f\"{sys.argv[2]:>14}: {r['output_tokens_per_s']:7.1f} output tok/s, \
 TTFT p50/p99 {r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p99']:.0f} ms, \
 ITL p50/p99 {r['itl_ms']['p50']:.1f}/{r['itl_ms']['p99']:.1f} ms, \
 TPOT p50 {r['tpot_ms']['p50']:.1f} ms, {r['completed']}/{r['completed'] + r['failed']} completed, \
-load {sys.argv[3]}\")" "$OUT/$1.json" "$1" "$(cut -d' ' -f1-3 /proc/loadavg)"
+load {sys.argv[3]}\")" "$3" "$1" "$(cut -d' ' -f1-3 /proc/loadavg)"
 }
 
 OMP_NUM_THREADS=$THREADS python3 -m archserve.cli.main serve --model "$MODEL" --port 8431 \
