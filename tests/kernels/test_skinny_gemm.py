@@ -346,6 +346,33 @@ def test_a_cached_prologue_runs_at_its_own_choice(tmp_path):
     assert routine.choices[key] == "n4_k512_w4"
 
 
+def test_a_gate_up_weights_plain_product_runs_its_fastest_unfused_config(tmp_path):
+    """A LoRA-serving gate/up layer computes gate and up without the activation: that
+    LINEAR call of a SILU_MUL shape runs the fastest config the gated timing measured
+    unfused (with its norm prologue where one was chosen), not cuBLAS; a shape whose
+    unfused configs lost to cuBLAS then the SiLU kernel keeps cuBLAS."""
+    won = shape_key(SILU_MUL, 1, 16, 8, torch.float32)
+    lost = shape_key(SILU_MUL, 1, 64, 8, torch.float32)
+    shapes = {won: ShapeTiming(cublas_us=5.0, chosen="n4_k512_w4", fuse_norm=True,
+                               norm_form=FOLDED, norm_choice=UNFUSED + "n1_k2048_w4",
+                               triton_us={"n4_k512_w4": 3.0, UNFUSED + "n4_k512_w4": 4.5,
+                                          UNFUSED + "n1_k2048_w4": 4.0}),
+              lost: ShapeTiming(cublas_us=5.0, chosen="n4_k512_w4", norm_form=FOLDED,
+                                triton_us={"n4_k512_w4": 3.0, UNFUSED + "n4_k512_w4": 4.9})}
+    path = tmp_path / "decode_gemms.json"
+    path.write_text(json.dumps({"version": _CACHE_VERSION,
+                                "shapes": {k: vars(v) for k, v in shapes.items()}}))
+    routine = SkinnyGemmRoutine()
+    groups = {(SILU_MUL, 16, 8, torch.float32): [torch.randn(16, 8)],
+              (SILU_MUL, 64, 8, torch.float32): [torch.randn(64, 8)]}
+    assert routine.tune(groups, [1], str(path)).from_cache
+    plain = shape_key(LINEAR, 1, 16, 8, torch.float32)
+    assert routine.choices[plain] == "n1_k2048_w4"
+    assert routine.norm_choices[plain] == "n1_k2048_w4"
+    assert routine.choices[won] == "n4_k512_w4"
+    assert shape_key(LINEAR, 1, 64, 8, torch.float32) not in routine.choices
+
+
 def test_a_prologue_timed_in_the_other_norm_form_is_not_read(tmp_path, monkeypatch):
     """fold_norm_weights decides which prologue form the tuner times (x alone, or with the
     residual and the norm's weight): a shape timed in the other form is timed again."""
@@ -672,6 +699,11 @@ def test_gpu_tune_chooses_per_shape_caches_and_replays_in_a_graph(tmp_path):
             assert (key in routine.norm_choices) == timing.fuse_norm
             if timing.fuse_norm:   # the prologue's own fastest tile, among the timed ones
                 assert routine.norm_choices[key] == timing.norm_choice in timing.triton_us
+        if key.startswith(SILU_MUL):    # the plain product of the gate/up weight
+            unfused = [us for c, us in timing.triton_us.items() if c.startswith(UNFUSED)]
+            plain = LINEAR + key.removeprefix(SILU_MUL)
+            assert (plain in routine.choices) == \
+                (min(unfused) < timing.cublas_us * (1 - MIN_GAIN)), (key, timing)
     again = SkinnyGemmRoutine().tune(groups, [1, 2], path)
     assert again.from_cache
     assert {k: t.chosen for k, t in again.timings.items()} == \

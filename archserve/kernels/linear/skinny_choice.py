@@ -10,7 +10,9 @@ both ways, inside a CUDA graph (as the engine replays it) and cycling through
 every layer's weight of that shape (as a decode step does, so a weight that would fit
 in L2 is not read from there). A Triton config wins only when it is faster by a margin
 and its output agrees with cuBLAS's; otherwise that shape stays on cuBLAS. The result
-is saved per device and library versions, so a second start reads it instead.
+is saved per device and library versions, so a second start reads it instead. A gate/up
+weight's product without the activation (a layer serving LoRA adapters adds their delta
+between the two) runs the config its gated form timed fastest unfused.
 
 x is always in the model dtype. A float32 weight in a 16-bit model (DeepSeek's router) is
 keyed by both dtypes and timed with 16-bit x, as it runs: the GEMV converts x in its
@@ -292,8 +294,29 @@ class SkinnyGemmRoutine:
         self.choices.update({key: t.chosen for key, t in report.timings.items()})
         self.norm_choices.update({key: t.norm_choice
                                   for key, t in report.timings.items() if t.fuse_norm})
+        self._choose_plain_gate_up(report)
         self.report = report
         return report
+
+    def _choose_plain_gate_up(self, report: TuneReport) -> None:
+        """Choices for the plain product of each gate/up weight (a LINEAR call of a
+        SILU_MUL shape): a layer serving LoRA adapters adds their delta to gate and up
+        before the activation, so it runs the GEMM alone, then the SiLU kernel. That is
+        the unfused form its gated timing measured (``triton_choices``): the fastest
+        unfused Triton config where it beat cuBLAS then the SiLU kernel by MIN_GAIN, with
+        the norm prologue where the gated timing chose one. Without this the plain call
+        found no choice and ran cuBLAS after the norm kernel."""
+        for key, timing in report.timings.items():
+            plain = LINEAR + key.removeprefix(SILU_MUL)
+            if not key.startswith(SILU_MUL + ":") or plain in report.timings:
+                continue
+            unfused = {c: us for c, us in timing.triton_us.items() if c.startswith(UNFUSED)}
+            best = min(unfused, key=unfused.get, default=None)
+            if best is None or unfused[best] >= timing.cublas_us * (1 - MIN_GAIN):
+                continue
+            self.choices[plain] = best.removeprefix(UNFUSED)
+            if timing.fuse_norm:
+                self.norm_choices[plain] = timing.norm_choice.removeprefix(UNFUSED)
 
 
 def implementation(kind: str, choice: str):
