@@ -5,8 +5,8 @@ Kernels sum in other orders than transformers, so the check scores *our* continu
 test_gpu_engine.py does: peft's model runs one forward over prompt + our tokens, and at
 every step our logprob of our token must match its within the dtype's tolerance, and our
 token must be its argmax up to a near-tie. Every row of a batch that mixes four adapters
-and the base model, in bf16 and fp32; and with fewer slots than adapters, so slots are
-refilled between graph replays.
+and the base model, in bf16 and fp32; each adapter alone (batch 1); and with fewer slots
+than adapters, so slots are refilled between graph replays.
 """
 
 from __future__ import annotations
@@ -81,6 +81,21 @@ def test_a_mixed_batch_in_cuda_graphs_matches_peft(setup, dtype):
     outputs = llm.generate([p for p in PROMPTS for _ in choices], params,
                            lora_request=requests)
     assert_rows_match_peft(base, outputs, requests, dtype)
+
+
+def test_one_request_at_a_time_in_cuda_graphs_matches_peft(setup):
+    """Batch 1 (a decode graph of one row): the gate/up layer's activation runs in the
+    LoRA expand (TRITON_LORA's ``add_lora_silu_mul``), for each adapter and the base."""
+    base, adapters = setup
+    llm = LLM(base, dtype="bfloat16", enable_lora=True, max_loras=4, max_lora_rank=16,
+              kv_cache_memory_bytes=1 << 28, max_num_seqs=32, self_check=False)
+    assert llm.llm_engine.report.graph_sizes
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                            logprobs=1)
+    requests = [*adapters.values(), None]
+    outputs = [llm.generate([PROMPTS[i % len(PROMPTS)]], params, lora_request=request)[0]
+               for i, request in enumerate(requests)]
+    assert_rows_match_peft(base, outputs, requests, "bfloat16")
 
 
 def test_slots_refilled_between_graph_replays(setup):

@@ -54,6 +54,35 @@ def check_against_reference(impl, case, tolerance: float) -> None:
     assert torch.equal(got[untouched], y[untouched])     # tokens without an adapter: exact
 
 
+def check_silu_mul_against_reference(impl, case, tolerance: float, graph_rows: int = 0
+                                     ) -> None:
+    """``add_lora_silu_mul`` against the reference delta then silu(gate) * up, over every
+    row; with ``graph_rows`` the forward runs that many rows past the step's (a CUDA graph's
+    padding: their mapping entries hold another step's slots), which must take no delta."""
+    from archserve.kernels.elementwise.reference import silu_and_mul_reference
+    y, x, slots, mapping, token_slots = case
+    expected = y.clone()
+    add_lora_reference(expected, x, slots, mapping)
+    expected = silu_and_mul_reference(expected)
+    if graph_rows:
+        rows = len(token_slots) + graph_rows
+        stale = np.arange(rows) % slots.num_slots               # an earlier, longer step's
+        packed = pack_mapping(stale, slots.num_slots)
+        packed[:mapping.packed.numel()] = mapping.packed.cpu().numpy()
+        mapping = LoRAMapping.views(torch.from_numpy(packed).to(y.device), slots.num_slots,
+                                    rows)
+        pad = torch.randn(graph_rows, y.shape[1]).to(y)
+        x = torch.cat([x, torch.randn(graph_rows, x.shape[1]).to(x)])
+        y = torch.cat([y, pad])
+        expected = torch.cat([expected, silu_and_mul_reference(pad)])
+    before = y.clone()
+    got = impl.add_lora_silu_mul(y, x, slots, mapping)
+    assert got is not None and got.shape == expected.shape
+    assert torch.equal(y, before)                                 # y is read, not written
+    error = (got.float() - expected.float()).abs().max().item()
+    assert error <= tolerance * max(1.0, expected.float().abs().max().item()), error
+
+
 # (tokens, in_features, output blocks, rank, slots): one block, q/k/v-like three of unequal
 # sizes, gate/up-like two; a rank below the kernels' 16-wide tiles; one slot.
 CASES = [(1, 64, (64,), 8, 4), (7, 96, (64, 32, 32), 16, 3), (40, 64, (48, 48), 4, 2),
@@ -111,9 +140,16 @@ if not INTERPRETED:
         monkeypatch.setattr(triton_lora, "pdl_enabled", lambda device: target >= 90)
         y, x, slots, mapping, _ = random_case(num_tokens, 4096, (4096, 1024, 1024), 16, 8,
                                               dtype)
+        gate_up = random_case(min(num_tokens, triton_lora.ACTIVATION_ROWS), 4096,
+                              (14336, 14336), 16, 8, dtype)
         with compiled_launches(("cuda", target, 32)) as launches:
             triton_lora.TritonLoRA().add_lora(y, x, slots, mapping)
-        assert [c.kernel for c in launches] == ["_lora_shrink_kernel", "_lora_expand_kernel"]
+            assert triton_lora.TritonLoRA().add_lora_silu_mul(*gate_up[:4]) is not None
+        # One shrink and one expand a layer, whatever its blocks; a decode-sized gate/up's
+        # expand also applies the activation (no SiLU launch).
+        assert [c.kernel for c in launches] == [
+            "_lora_shrink_kernel", "_lora_expand_kernel",
+            "_lora_shrink_kernel", "_lora_expand_silu_mul_kernel"]
         for launch in launches:
             assert bool(launch.options.get("launch_pdl")) == (target >= 90)
             if target >= 90:
@@ -132,6 +168,37 @@ else:
         from archserve.kernels.lora.triton_lora import TritonLoRA
         check_against_reference(TritonLoRA(), random_case(*case, dtype, empty_slot=0),
                                 tolerance)
+
+
+    # (tokens, in_features, gate/up width, rank, slots): decode-sized steps only, one of
+    # them with a rank below the 16-wide tiles and a width that ends mid-block.
+    SILU_CASES = [(1, 64, 48, 16, 4), (3, 1100, 40, 8, 3), (4, 96, 32, 16, 1)]
+
+    @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+    @pytest.mark.parametrize("case", SILU_CASES)
+    def test_the_activating_expand_matches_the_reference(case, dtype, tolerance):
+        from archserve.kernels.lora.triton_lora import TritonLoRA
+        tokens, k, inter, rank, num_slots = case
+        check_silu_mul_against_reference(
+            TritonLoRA(), random_case(tokens, k, (inter, inter), rank, num_slots, dtype,
+                                      empty_slot=0), tolerance)
+
+    def test_rows_past_the_step_take_no_stale_delta():
+        from archserve.kernels.lora.triton_lora import TritonLoRA
+        check_silu_mul_against_reference(
+            TritonLoRA(), random_case(1, 64, (32, 32), 16, 4, torch.float32, seed=3), 1e-5,
+            graph_rows=3)
+
+
+def test_the_activating_expand_declines_what_it_does_not_cover():
+    """More rows than a decode step's, or a layer that is not two equal blocks: None, and
+    the caller adds the delta, then runs the SiLU kernel."""
+    from archserve.kernels.lora.triton_lora import ACTIVATION_ROWS, TritonLoRA
+    impl = TritonLoRA()
+    many = random_case(ACTIVATION_ROWS + 1, 64, (32, 32), 16, 2, torch.float32)
+    assert impl.add_lora_silu_mul(*many[:4]) is None
+    unequal = random_case(1, 64, (32, 16), 16, 2, torch.float32)
+    assert impl.add_lora_silu_mul(*unequal[:4]) is None
 
 
 def test_the_grid_holds_every_tile_of_a_step():
@@ -165,6 +232,19 @@ def test_gpu_kernels_match_the_reference_at_llama_8b_sizes(num_tokens):
                     token_slots[:keep])
         check_against_reference(TritonLoRA(), case, 2e-2)
         check_against_reference(TorchLoRA(), case, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2, 4])
+def test_gpu_activating_expand_at_llama_8b_gate_up(num_tokens):
+    """A Llama-3-8B gate/up at decode sizes, rank 16, eight slots, bf16: the activation in
+    the expand, also with rows past the step (a CUDA graph's padding)."""
+    from archserve.kernels.lora.triton_lora import TritonLoRA
+    case = random_case(num_tokens, 4096, (14336, 14336), 16, 8, torch.bfloat16, "cuda",
+                       empty_slot=3)
+    check_silu_mul_against_reference(TritonLoRA(), case, 2e-2)
+    if num_tokens < 4:
+        check_silu_mul_against_reference(TritonLoRA(), case, 2e-2, graph_rows=1)
 
 
 @pytest.mark.gpu

@@ -110,7 +110,10 @@ def pack_mapping(token_slots: np.ndarray, num_slots: int) -> np.ndarray:
 
 
 class LoRAImpl(Protocol):
-    """A LoRA backend's computation (kernels/lora/rules.py builds it)."""
+    """A LoRA backend's computation (kernels/lora/rules.py builds it). A backend may also
+    provide ``add_lora_silu_mul(y, x, slots, mapping)``: silu(gate) * up of a gate/up
+    layer's output y [T, 2I] with the delta added to gate and up first, or None where it
+    declines (models/layers/linear.py then adds the delta and runs the SiLU kernel)."""
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, slots: LoRASlots,
                  mapping: LoRAMapping) -> None:

@@ -15,6 +15,13 @@ captured CUDA graph serves every mix of adapters; programs past the step's tiles
 - expand: y[:, block s] += (sum of t's partials)[:, s] B_s^T, added into the layer's output
   in place; tokens without an adapter are not touched.
 
+A gate/up layer of a step of few rows (``ACTIVATION_ROWS``) takes the gated activation in
+its expand instead (``add_lora_silu_mul``): silu(gate + delta) * (up + delta) for every
+row, so the SiLU kernel's launch and its read of the [T, 2I] sums are gone. That expand
+walks the rows in their own order, each with its slot's B columns: at a few rows the
+gathers cost less than the launch they save; at more, grouping by slot reads B once a
+slot, so the grouped expand then the SiLU kernel run.
+
 Both launch with PDL where it is on (kernels/pdl.py): the mapping and the adapter weights (a
 shrink program's A tile, an expand program's B tile) are read before the wait (nothing
 before writes them); the layer's input, the partial sums and the output after it.
@@ -29,6 +36,7 @@ import triton
 import triton.language as tl
 
 from archserve.kernels.attention.triton_decode import dot_precision
+from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.lora.interface import LoRAMapping, LoRASlots
 from archserve.kernels.pdl import (
     pdl_enabled,
@@ -50,6 +58,11 @@ MAX_PARTIAL_VALUES = 8192
 BLOCK_N = 128           # output columns one expand program adds to
 BLOCK_K = 64            # K columns a step of a larger step's shrink loop
 K_GRAIN = 64            # a K split's width is a multiple of it (aligned vector loads)
+# Rows at or below which a gate/up layer's expand applies the activation (module doc); an
+# activating expand program holds at most this many B values a block (rows x columns x
+# rank), which sets its columns.
+ACTIVATION_ROWS = 4
+ACTIVATION_B_VALUES = 4096
 
 
 @dataclass(frozen=True)
@@ -235,6 +248,70 @@ def _lora_expand_kernel(b, y, partials, mapping, num_tokens, width, rank, splits
             BLOCK_N, BLOCK_R, SPLITS_POW2, DOT_PRECISION, PDL)
 
 
+@triton.jit
+def _lora_silu_mul_rows(mapping, token, NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr,
+                        BLOCK_M: tl.constexpr):
+    """(the slot of each row ``token``, whether that row takes it in this step). A row
+    takes its slot when the step's sorted order lists it: rows a CUDA graph runs past the
+    step keep an earlier step's slot in the mapping, and no partial sums of this step."""
+    s = tl.arange(0, SLOTS_POW2)
+    taking = tl.sum(tl.load(mapping + s, mask=s < NUM_SLOTS, other=0), 0)
+    # The step's taking rows are its first ``taking`` sorted entries; a forward of
+    # ``num_tokens`` <= BLOCK_M rows has no more.
+    p = tl.arange(0, BLOCK_M)
+    listed = tl.load(mapping + 2 * NUM_SLOTS + 2 * p + 1, mask=p < taking, other=-1)
+    takes = tl.sum((listed[None, :] == token[:, None]).to(tl.int32), 1) > 0
+    slot = tl.load(mapping + 2 * NUM_SLOTS + 2 * token, mask=takes, other=0)
+    return slot, takes & (slot >= 0)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "splits"])
+def _lora_expand_silu_mul_kernel(b, y, out, partials, mapping, num_tokens, width, rank,
+                                 splits, inter, y_row_stride, out_row_stride,
+                                 NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_R: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                                 ROUND_T: tl.constexpr, PDL: tl.constexpr):
+    """out[:, cols] = silu(gate + delta_gate) * (up + delta_up) for every row (gate: y's
+    first ``inter`` columns, up: the next), each row's deltas from its own slot's B."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    token = tl.arange(0, BLOCK_M)
+    row_ok = token < num_tokens
+    slot, takes = _lora_silu_mul_rows(mapping, token, NUM_SLOTS, SLOTS_POW2, BLOCK_M)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < rank
+    # [rows, columns, rank] of each row's slot's B, gate rows then up rows.
+    b_mask = takes[:, None, None] & n_ok[None, :, None] & r_ok[None, None, :]
+    in_slot = (slot * rank)[:, None, None] + r[None, None, :]
+    gate_b = tl.load(b + n.to(tl.int64)[None, :, None] * (NUM_SLOTS * rank) + in_slot,
+                     mask=b_mask, other=0.0).to(tl.float32)
+    up_b = tl.load(b + (inter + n).to(tl.int64)[None, :, None] * (NUM_SLOTS * rank) + in_slot,
+                   mask=b_mask, other=0.0).to(tl.float32)
+    pdl_start(PDL)
+    s = tl.arange(0, SPLITS_POW2)
+    partial = (partials + s[:, None, None] * num_tokens * width
+               + token[None, :, None] * width + r[None, None, :])
+    p_mask = (s < splits)[:, None, None] & takes[None, :, None] & r_ok[None, None, :]
+    t_gate = tl.sum(tl.load(partial, mask=p_mask, other=0.0), 0)
+    t_up = tl.sum(tl.load(partial + rank, mask=p_mask, other=0.0), 0)
+    if ROUND_T:   # rounded to the adapter's dtype between its two matrices, as PEFT computes
+        t_gate = round_to_dtype(t_gate, b.dtype.element_ty)
+        t_up = round_to_dtype(t_up, b.dtype.element_ty)
+    dtype: tl.constexpr = y.dtype.element_ty
+    mask = row_ok[:, None] & n_ok[None, :]
+    rows = token.to(tl.int64)[:, None] * y_row_stride + n[None, :]
+    # Each sum rounded to y's dtype, as the grouped expand stores it for the SiLU kernel.
+    gate = round_to_dtype(tl.load(y + rows, mask=mask, other=0.0).to(tl.float32)
+                          + tl.sum(t_gate[:, None, :] * gate_b, 2), dtype)
+    up = round_to_dtype(tl.load(y + rows + inter, mask=mask, other=0.0).to(tl.float32)
+                        + tl.sum(t_up[:, None, :] * up_b, 2), dtype)
+    # Rounded where the SiLU kernel rounds: silu(gate), then the product.
+    act = round_to_dtype(round_to_dtype(gate * tl.sigmoid(gate), dtype) * up, dtype)
+    tl.store(out + token.to(tl.int64)[:, None] * out_row_stride + n[None, :], act.to(dtype),
+             mask=mask)
+
+
 class TritonLoRA:
     """The TRITON_LORA implementation (kernels/lora/rules.py)."""
 
@@ -243,34 +320,68 @@ class TritonLoRA:
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, slots: LoRASlots,
                  mapping: LoRAMapping) -> None:
-        num_tokens, in_features = x.shape
-        if num_tokens == 0:
+        if x.shape[0] == 0:
             return
+        assert y.stride(1) == 1 and slots.num_slices <= 3, "y rows contiguous, <= 3 blocks"
+        partials, tiles, common = self._shrink(x, slots, mapping)
+        num_tokens, rank = x.shape[0], slots.rank
+        column_tiles = sum(triton.cdiv(size, tiles.block_n) for size in slots.slice_sizes)
+        num_expand = max_tiles(num_tokens, slots.num_slots, tiles.block_m) * column_tiles
+        sizes = (*slots.slice_sizes, 0, 0)[:3]
+        _lora_expand_kernel[(num_expand,)](
+            slots.b, y, partials, mapping.packed, num_tokens, slots.a.shape[1], rank,
+            tiles.splits, *sizes, y.stride(0), BLOCK_N=tiles.block_n,
+            BLOCK_R=tiles.rank_pow2, SPLITS_POW2=triton.next_power_of_2(tiles.splits),
+            **common)
+
+    def add_lora_silu_mul(self, y: torch.Tensor, x: torch.Tensor, slots: LoRASlots,
+                          mapping: LoRAMapping) -> torch.Tensor | None:
+        """silu(gate) * up [T, I] of a gate/up layer's output y [T, 2I] with each token's
+        delta added to gate and up first, the activation in the expand (module doc); None
+        where it does not apply (more rows than ``ACTIVATION_ROWS``, not two equal
+        blocks): the caller then adds the delta and runs the SiLU kernel. y is read, not
+        written."""
+        num_tokens = x.shape[0]
+        sizes = slots.slice_sizes
+        if not (1 <= num_tokens <= ACTIVATION_ROWS and len(sizes) == 2
+                and sizes[0] == sizes[1] and y.stride(1) == 1):
+            return None
+        inter = sizes[0]
+        out = torch.empty((num_tokens, inter), dtype=y.dtype, device=y.device)
+        partials, tiles, common = self._shrink(x, slots, mapping)
+        block_m = triton.next_power_of_2(num_tokens)
+        block_n = max(16, min(BLOCK_N, ACTIVATION_B_VALUES // (block_m * tiles.rank_pow2)))
+        _lora_expand_silu_mul_kernel[(triton.cdiv(inter, block_n),)](
+            slots.b, y, out, partials, mapping.packed, num_tokens, slots.a.shape[1],
+            slots.rank, tiles.splits, inter, y.stride(0), out.stride(0),
+            NUM_SLOTS=common["NUM_SLOTS"], SLOTS_POW2=common["SLOTS_POW2"], BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_R=tiles.rank_pow2,
+            SPLITS_POW2=triton.next_power_of_2(tiles.splits),
+            ROUND_T=common["DOT_PRECISION"] != "ieee", PDL=common["PDL"],
+            **pdl_launch_options(common["PDL"]))
+        return out
+
+    def _shrink(self, x: torch.Tensor, slots: LoRASlots, mapping: LoRAMapping
+                ) -> tuple[torch.Tensor, LoRATiles, dict]:
+        """Launch the shrink of x into its partial sums; (the partials, the step's tiles,
+        the launch arguments the expand shares)."""
+        num_tokens, in_features = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
-        assert y.stride(1) == 1 and slots.num_slices <= 3, "y rows contiguous, <= 3 blocks"
-        num_slots, width, rank = slots.num_slots, slots.a.shape[1], slots.rank
-        tiles = lora_tiles(num_tokens, in_features, width, rank)
-        precision = dot_precision(x.dtype)
+        num_slots, width = slots.num_slots, slots.a.shape[1]
+        tiles = lora_tiles(num_tokens, in_features, width, slots.rank)
         pdl = pdl_enabled(x.device)
         partials = torch.empty((tiles.splits, num_tokens, width), dtype=torch.float32,
                                device=x.device)
-        step_tiles = max_tiles(num_tokens, num_slots, tiles.block_m)
         r_tiles = triton.cdiv(width, tiles.block_r)
-        num_shrink = step_tiles * r_tiles * tiles.splits
-        column_tiles = sum(triton.cdiv(size, tiles.block_n) for size in slots.slice_sizes)
-        num_expand = step_tiles * column_tiles
-        sizes = (*slots.slice_sizes, 0, 0)[:3]
+        num_shrink = max_tiles(num_tokens, num_slots, tiles.block_m) * r_tiles * tiles.splits
         common = dict(NUM_SLOTS=num_slots, SLOTS_POW2=triton.next_power_of_2(num_slots),
-                      R_TILES=r_tiles, BLOCK_M=tiles.block_m, DOT_PRECISION=precision,
-                      PDL=pdl, **pdl_launch_options(pdl))
+                      R_TILES=r_tiles, BLOCK_M=tiles.block_m,
+                      DOT_PRECISION=dot_precision(x.dtype), PDL=pdl, **pdl_launch_options(pdl))
         _lora_shrink_kernel[(num_shrink,)](
             x, slots.a, partials, mapping.packed, num_tokens, in_features, width,
             x.stride(0), slots.a.stride(0), tiles.k_per_split // K_GRAIN, tiles.splits,
             BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, K_GRAIN=K_GRAIN,
             ONE_K_TILE=tiles.one_k_tile,
             PREFETCH=min(1024, triton.next_power_of_2(tiles.k_per_split)), **common)
-        _lora_expand_kernel[(num_expand,)](
-            slots.b, y, partials, mapping.packed, num_tokens, width, rank, tiles.splits,
-            *sizes, y.stride(0), BLOCK_N=tiles.block_n, BLOCK_R=tiles.rank_pow2,
-            SPLITS_POW2=triton.next_power_of_2(tiles.splits), **common)
+        return partials, tiles, common

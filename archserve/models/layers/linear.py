@@ -10,7 +10,8 @@ Fusing q/k/v (and gate/up) at load time turns three (two) GEMM launches per laye
 A layer serving LoRA adapters holds their slots in ``lora`` (engine/lora/ attaches them):
 every forward path ends in ``add_lora``, the one hook through which the step's adapters add
 their delta to the layer's output. Fused forms that cannot take the delta where they fuse
-(an activation in the GEMM's epilogue) run unfused while the step carries adapters.
+(an activation in the GEMM's epilogue) run unfused while the step carries adapters; the
+gated activation then runs in the LoRA kernel where its backend can (``add_lora_silu_mul``).
 
 Loaders talk to every linear layer through one protocol: ``shard_rows`` (the output rows
 of each checkpoint matrix the layer fuses), ``checkpoint_params`` / ``shard_shape`` (what
@@ -337,10 +338,27 @@ class GateUpLinear(MergedLinear):
 
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up [.., intermediate_size]: the gated MLP's activation, fused into
-        the GEMM where the routine can (not while adapters add to gate and up first)."""
-        if self.quant is not None or self.takes_lora():
-            return silu_and_mul(self(x))
+        the GEMM where the routine can (not while adapters add to gate and up first: then
+        into the LoRA kernel where it can, ``silu_mul_with_lora``)."""
+        if self.quant is not None:
+            return self.silu_mul_with_lora(x, self.quant(x, self.bias))
+        if self.takes_lora():
+            return self.silu_mul_with_lora(x, apply_linear(x, self.weight, self.bias))
         return apply_linear_silu_mul(x, self.weight, self.bias)
+
+    def silu_mul_with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of y (this layer's output of x) after each token's adapter adds
+        its delta to gate and up: the activation in the LoRA kernel where the backend
+        provides ``add_lora_silu_mul`` and it applies, else the delta added in place, then
+        the SiLU kernel."""
+        if self.takes_lora():
+            ctx = current_forward_context()
+            fused = getattr(ctx.lora_impl, "add_lora_silu_mul", None)
+            with op_region("lora"):
+                out = None if fused is None else fused(y, x, self.lora, ctx.lora_mapping)
+            if out is not None:
+                return out
+        return silu_and_mul(self.add_lora(x, y))
 
     def forward_silu_mul_after_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,6 +367,7 @@ class GateUpLinear(MergedLinear):
             hidden, residual = norm(x, residual)
             return self.forward_silu_mul(hidden), residual
         if self.takes_lora():
-            y, residual = self.forward_after_norm(x, residual, norm)
-            return silu_and_mul(y), residual
+            y, residual, normed = apply_rms_norm_linear(x, residual, norm, self.weight,
+                                                        self.bias, keep_normed=True)
+            return self.silu_mul_with_lora(normed, y), residual
         return apply_rms_norm_linear(x, residual, norm, self.weight, self.bias, silu_mul=True)
