@@ -324,6 +324,16 @@ def test_tune_reads_a_complete_cache_without_timing(tmp_path):
     assert "0.006 ms at 1" in summary   # 3 layers x 2 µs
 
 
+def tuned_from_cache(tmp_path, shapes: dict[str, ShapeTiming], groups) -> SkinnyGemmRoutine:
+    """A routine tuned at one row from a cache that holds ``shapes`` (nothing timed)."""
+    path = tmp_path / "decode_gemms.json"
+    path.write_text(json.dumps({"version": _CACHE_VERSION,
+                                "shapes": {k: vars(v) for k, v in shapes.items()}}))
+    routine = SkinnyGemmRoutine()
+    assert routine.tune(groups, [1], str(path)).from_cache
+    return routine
+
+
 def test_a_cached_prologue_runs_at_its_own_choice(tmp_path):
     """The prologue's fastest tile need not be the GEMV's: the routine keeps the one the
     cache names for it (norm_choice), and none for a shape whose prologue lost."""
@@ -335,13 +345,9 @@ def test_a_cached_prologue_runs_at_its_own_choice(tmp_path):
               lost: ShapeTiming(cublas_us=5.0, triton_us={"n4_k512_w4": 3.0},
                                 chosen="n4_k512_w4", norm_form=FOLDED,
                                 norm_choice="n4_k512_w4")}
-    path = tmp_path / "decode_gemms.json"
-    path.write_text(json.dumps({"version": _CACHE_VERSION,
-                                "shapes": {k: vars(v) for k, v in shapes.items()}}))
-    routine = SkinnyGemmRoutine()
-    groups = {(LINEAR, 8, 16, torch.float32): [torch.randn(8, 16)],
-              (LINEAR, 32, 16, torch.float32): [torch.randn(32, 16)]}
-    assert routine.tune(groups, [1], str(path)).from_cache
+    routine = tuned_from_cache(tmp_path, shapes, {
+        (LINEAR, 8, 16, torch.float32): [torch.randn(8, 16)],
+        (LINEAR, 32, 16, torch.float32): [torch.randn(32, 16)]})
     assert routine.norm_choices == {key: "n1_k2048_w4"}
     assert routine.choices[key] == "n4_k512_w4"
 
@@ -359,13 +365,9 @@ def test_a_gate_up_weights_plain_product_runs_its_fastest_unfused_config(tmp_pat
                                           UNFUSED + "n1_k2048_w4": 4.0}),
               lost: ShapeTiming(cublas_us=5.0, chosen="n4_k512_w4", norm_form=FOLDED,
                                 triton_us={"n4_k512_w4": 3.0, UNFUSED + "n4_k512_w4": 4.9})}
-    path = tmp_path / "decode_gemms.json"
-    path.write_text(json.dumps({"version": _CACHE_VERSION,
-                                "shapes": {k: vars(v) for k, v in shapes.items()}}))
-    routine = SkinnyGemmRoutine()
-    groups = {(SILU_MUL, 16, 8, torch.float32): [torch.randn(16, 8)],
-              (SILU_MUL, 64, 8, torch.float32): [torch.randn(64, 8)]}
-    assert routine.tune(groups, [1], str(path)).from_cache
+    routine = tuned_from_cache(tmp_path, shapes, {
+        (SILU_MUL, 16, 8, torch.float32): [torch.randn(16, 8)],
+        (SILU_MUL, 64, 8, torch.float32): [torch.randn(64, 8)]})
     plain = shape_key(LINEAR, 1, 16, 8, torch.float32)
     assert routine.choices[plain] == "n1_k2048_w4"
     assert routine.norm_choices[plain] == "n1_k2048_w4"
