@@ -183,6 +183,38 @@ else:
             TritonLoRA(), random_case(tokens, k, (inter, inter), rank, num_slots, dtype,
                                       empty_slot=0), tolerance)
 
+    @pytest.mark.parametrize("rows", [1, 6])
+    def test_a_gate_up_layer_with_adapters_takes_the_activating_expand(rows):
+        """GateUpLinear's two gated forms (after its norm, and alone) with TRITON_LORA:
+        the activation in the expand at a decode step's rows, the delta then the SiLU
+        kernel above them; both as TORCH_LORA's delta then the SiLU kernel computes."""
+        from archserve.kernels.lora.triton_lora import ACTIVATION_ROWS, TritonLoRA
+        from archserve.models.layers.forward_context import ForwardContext, set_forward_context
+        from archserve.models.layers.linear import GateUpLinear
+        from archserve.models.layers.norm import RMSNorm
+        _, _, slots, mapping, _ = random_case(rows, 64, (32, 32), 16, 3, torch.float32, seed=5)
+        layer = GateUpLinear(64, 32)
+        layer.weight.copy_(torch.randn(64, 64) / 8)
+        layer.lora = slots
+        norm = RMSNorm(64, 1e-6)
+        norm.weight.copy_(torch.rand(64) + 0.5)
+        x, residual = torch.randn(rows, 64), torch.randn(rows, 64)
+        separate_deltas = []
+
+        class CountingTritonLoRA(TritonLoRA):   # counts the deltas added apart
+            def add_lora(self, *args) -> None:
+                separate_deltas.append(1)
+                super().add_lora(*args)
+        outputs = []
+        for impl in (CountingTritonLoRA(), TorchLoRA()):
+            ctx = ForwardContext(None, [], None, lora_mapping=mapping, lora_impl=impl)
+            with set_forward_context(ctx):
+                act, new_residual = layer.forward_silu_mul_after_norm(x, residual, norm)
+                outputs.append((act, new_residual, layer.forward_silu_mul(x)))
+        assert len(separate_deltas) == (0 if rows <= ACTIVATION_ROWS else 2)
+        for got, expected in zip(*outputs, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
     def test_rows_past_the_step_take_no_stale_delta():
         from archserve.kernels.lora.triton_lora import TritonLoRA
         check_silu_mul_against_reference(
