@@ -86,7 +86,7 @@ def test_profile_kernels_are_built_for_it_and_held_to_its_limits(emulated, profi
     if cap.major >= 8:
         assert mechanics["mma_sync"]
     # The large tile runs exactly where the profile holds its shared memory (the targets
-    # that pipeline its four stages, SM80+, need up to 192 KiB: none of these holds that).
+    # that pipeline its three stages, SM80+, need 192 KiB: none of these holds that).
     limit = get_profile(profile).shared_memory_per_block_bytes
     if mechanics["large_tile_shared"] > limit:
         assert mechanics["large_tile"].startswith("refused: out of resource: shared memory")
