@@ -118,7 +118,7 @@ def _sparse_decode_row(ceilings, plan: Plan, heads: int, kv: str, device: torch.
     case = _case([(1, plan.context)] * plan.batch, plan, heads, kv, device)
     impl = TritonSparseMlaImpl(layout=case.layout)
     cache, meta = case.written_cache(), case.meta
-    row_seq, row_len = impl._rows(meta)
+    row_seq, row_len = impl._rows(meta, plan.batch)
     indices, counts = impl._select(case.indexer, cache, meta, row_seq, row_len, plan.topk)
     query = case.absorbed_query.contiguous()
     out = torch.empty(plan.batch, heads, plan.kv_lora_rank, dtype=plan.dtype, device=device)
@@ -145,7 +145,7 @@ def _indexer_row(plan: Plan, batch: int, context: int, device: torch.device) -> 
     case = _case([(1, context)] * batch, plan, plan.heads[0], "auto", device)
     impl = TritonSparseMlaImpl(layout=case.layout)
     cache, meta = case.written_cache(), case.meta
-    row_seq, row_len = impl._rows(meta)
+    row_seq, row_len = impl._rows(meta, batch)
 
     def select() -> None:
         impl._select(case.indexer, cache, meta, row_seq, row_len, plan.topk)
