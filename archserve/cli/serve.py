@@ -67,6 +67,7 @@ def serve(
     kv_cache_memory_bytes: Annotated[int | None, typer.Option("--kv-cache-memory-bytes", help="Explicit KV cache budget in bytes.")] = None,
     max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Larger request bodies get 413.")] = 8 * 1024 * 1024,
     max_queued_requests: Annotated[int | None, typer.Option("--max-queued-requests", help="Waiting requests beyond this get 503 with Retry-After.")] = None,
+    burst_window_ms: Annotated[str, typer.Option("--burst-window-ms", help="When the engine is idle and a request arrives while other connections are open, wait until no other request has arrived for this many ms (at most 5 windows, and not once the waiting requests fill a step) so that a burst of clients is prefilled in one step; a lone client (its connection the only one open) never waits. auto: 10 on a CPU, 0 (no wait, as vLLM) elsewhere; or milliseconds, 0 for none.")] = "auto",
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="Seconds to let in-flight requests finish on SIGTERM before aborting them.")] = 10.0,
     max_tokens_default: Annotated[int | None, typer.Option("--max-tokens-default", min=1, help="max_tokens for requests that give none (default: generation_config.json's max_new_tokens, else the rest of the context; 16 for /v1/completions).")] = None,
     emulate_device: EmulateOpt = None,
@@ -110,7 +111,8 @@ def serve(
                               shutdown_timeout_s=shutdown_timeout,
                               max_tokens_default=max_tokens_default,
                               generation_config=generation_config,
-                              lora_modules=adapters)
+                              lora_modules=adapters,
+                              burst_window_ms=parse_burst_window(burst_window_ms))
     config = EngineConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, attention_backend=attention_backend,
                           enforce_eager=enforce_eager, load_format=load_format,
@@ -139,3 +141,18 @@ def serve(
 
 
 serve.context_settings = {"allow_extra_args": True}
+
+
+def parse_burst_window(text: str) -> float | None:
+    """--burst-window-ms: 'auto' (None) or a number of milliseconds >= 0."""
+    text = text.strip().lower()
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise typer.BadParameter(f"expected auto or a number of ms >= 0, got {text!r}",
+                                 param_hint="--burst-window-ms")
+    return value

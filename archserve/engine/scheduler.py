@@ -167,6 +167,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def waiting_fill_a_step(self) -> bool:
+        """Whether the waiting sequences already fill the next step of an idle engine (as
+        many sequences as may run, or as many prompt tokens as a step without decodes
+        takes): a request arriving now could not join that step anyway."""
+        config = self.config
+        return (len(self.waiting) + len(self.running) >= config.max_num_seqs
+                or sum(s.num_uncomputed_tokens for s in self.waiting)
+                >= config.max_num_batched_tokens)
+
     def add(self, seq: Sequence) -> None:
         if seq.num_prompt_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {seq.num_prompt_tokens} tokens is longer than "

@@ -5,6 +5,18 @@ The model runs on one thread. HTTP handlers never touch the engine: they put com
 ``step()`` while there is work, and hands each request's outputs back to the event loop
 that asked for them through ``call_soon_threadsafe``. New requests therefore join the
 running batch at the next step.
+
+A burst of requests (clients starting together) reaches the server over some
+milliseconds, and an idle engine would start its first step, a prefill of tens or hundreds
+of ms on a CPU, with whatever had arrived by then: the rest join over the next steps, beside
+decodes, each step admitting only what its token budget allows, so the burst decodes as
+staggered groups. With a burst window, an engine that was idle waits until no request has
+arrived for the window (each arrival restarts it), at most BURST_WAIT_LIMIT windows in all,
+and not at all once the waiting requests fill a step; then the burst is prefilled together.
+Behind the HTTP server the engine waits only while a client could still send: when the
+request's own connection is the only one open (a lone client), it does not wait at all. A
+request whose client cannot be told apart from a burst's (other connections are open) pays
+the window once, on its first token; requests reaching a busy engine never wait.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -25,6 +38,10 @@ from archserve.engine.sampling_params import SamplingParams
 T = TypeVar("T")
 
 log = logging.getLogger("archserve.serve")
+
+# The longest an idle engine gathers a burst, in windows: requests arriving without pause
+# (a steady stream, not a burst) are held at most this long.
+BURST_WAIT_LIMIT = 5
 
 
 class EngineDeadError(RuntimeError):
@@ -54,8 +71,16 @@ class AsyncEngine:
     """Owns an LLMEngine and the thread that drives it."""
 
     def __init__(self, engine, observer: StepObserver | None = None,
-                 abort_observer: Callable[[str], None] | None = None) -> None:
+                 abort_observer: Callable[[str], None] | None = None,
+                 burst_window_s: float = 0.0) -> None:
+        if burst_window_s < 0:
+            raise ValueError(f"the burst window must be >= 0 seconds, got {burst_window_s}")
         self.engine = engine
+        self.burst_window_s = burst_window_s
+        # The HTTP connections the server holds open, where known (serve/launcher.py sets
+        # it; None in process): with only the request's own, no other client can be about
+        # to send.
+        self.open_connections: Callable[[], int] | None = None
         self._observer = observer
         self._abort_observer = abort_observer
         self._inbox: deque[tuple] = deque()
@@ -65,6 +90,7 @@ class AsyncEngine:
         self._stopping = False
         self.ending = False                          # end_all was called: shutting down
         self._pending_adds = 0                       # adds in the inbox, not yet queued
+        self._num_added = 0                          # adds drained, ever (engine thread)
         self._num_waiting = 0                        # the scheduler's queue, after the last step
         self._thread = threading.Thread(target=self._run, name="archserve-engine", daemon=True)
         self.dead_reason: str | None = None
@@ -148,12 +174,15 @@ class AsyncEngine:
         try:
             while True:
                 self._wake.clear()
+                was_idle = not self.engine.has_unfinished_requests()
                 if not self._drain_inbox():
                     break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                else:
+                if not self.engine.has_unfinished_requests():
                     self._wake.wait()
+                    continue
+                if was_idle and not self._gather_burst():
+                    break
+                self._step()
         except BaseException as exc:  # noqa: BLE001 - the loop must report why it died
             self.dead_reason = f"engine loop died: {type(exc).__name__}: {exc}"
             log.exception("%s", self.dead_reason)
@@ -172,6 +201,7 @@ class AsyncEngine:
                     self._pending_adds -= 1
             kind = command[0]
             if kind == "add":
+                self._num_added += 1
                 self._add(*command[1:])
             elif kind == "abort":
                 self._abort(command[1])
@@ -183,6 +213,29 @@ class AsyncEngine:
                 self._stopping = True
         self._num_waiting = self.engine.stats()["num_waiting"]
         return not self._stopping
+
+    def _gather_burst(self) -> bool:
+        """An idle engine has work: wait for the rest of a burst (see the module's note).
+        False once a stop command has been seen."""
+        window = self.burst_window_s
+        if not window or (self.open_connections is not None and self.open_connections() <= 1):
+            return True
+        scheduler = self.engine.scheduler
+        now = last_arrival = time.monotonic()
+        give_up = now + BURST_WAIT_LIMIT * window
+        while not scheduler.waiting_fill_a_step():
+            timeout = min(last_arrival + window, give_up) - now
+            if timeout <= 0:
+                break
+            self._wake.wait(timeout)
+            self._wake.clear()    # before the drain: a command after it sets it again
+            added = self._num_added
+            if not self._drain_inbox():
+                return False
+            now = time.monotonic()
+            if self._num_added != added:
+                last_arrival = now
+        return True
 
     def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream,
              lora_request: LoRARequest | None) -> None:

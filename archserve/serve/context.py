@@ -33,6 +33,9 @@ class ServerSettings:
     max_tokens_default: int | None = None   # for requests without max_tokens
     generation_config: str = "auto"         # vLLM's --generation-config: auto, vllm or a folder
     lora_modules: list = field(default_factory=list)   # LoRAModulePath entries (--lora-modules)
+    # How long an idle engine waits for the rest of a burst of requests (serve/async_engine.py);
+    # None: the device's default (serve/launcher.py).
+    burst_window_ms: float | None = None
 
 
 class ServingContext:

@@ -439,3 +439,19 @@ def test_a_gated_sequence_keeps_its_place_while_later_ones_are_admitted():
     gated.gate.set_result(None)
     out = s.schedule()
     assert gated in [e.seq for e in out.scheduled] and not s.waiting
+
+
+def test_waiting_fill_a_step_by_sequences_or_prompt_tokens():
+    """What ends a server's burst window early: a step of an idle engine is full."""
+    sched = make(max_num_seqs=3, budget=32)
+    assert not sched.waiting_fill_a_step()
+    sched.add(seq(10))
+    sched.add(seq(10))
+    assert not sched.waiting_fill_a_step()          # 2 of 3 sequences, 20 of 32 tokens
+    sched.add(seq(10))
+    assert sched.waiting_fill_a_step()              # max_num_seqs
+    tokens = make(max_num_seqs=8, budget=32)
+    tokens.add(seq(20))
+    assert not tokens.waiting_fill_a_step()
+    tokens.add(seq(12))
+    assert tokens.waiting_fill_a_step()             # 32 prompt tokens: the step's budget
