@@ -28,6 +28,10 @@ import torch
 log = logging.getLogger("archserve")
 
 WARN_BELOW = 0.5
+# A GPU decode step whose bytes take less than this is set by its launches, not its bytes:
+# a CUDA graph replays a kernel in a few microseconds and a decoder layer runs about ten,
+# so a tiny model's step is many times its byte floor on any route; no fallback to flag.
+LAUNCH_BOUND_FLOOR_MS = 0.25
 NOT_PROFILED = ("not profiled by op kind (the CUDA profiler would slow this process's later "
                 "launches; `archserve prepare` profiles it)")
 
@@ -39,10 +43,11 @@ class SelfCheck:
     ratio: float                      # floor / measured: 1.0 is the roofline
     time_by_kind: dict[str, float]    # op kind -> share of one eager step's kernel time
     graphs: bool
+    launch_bound: bool = False        # a GPU step whose byte floor is under LAUNCH_BOUND_FLOOR_MS
 
     @property
     def flagged(self) -> bool:
-        return self.ratio < WARN_BELOW
+        return self.ratio < WARN_BELOW and not self.launch_bound
 
     @property
     def slowest_kind(self) -> str:
@@ -52,14 +57,18 @@ class SelfCheck:
         return {"step_ms": self.step_ms, "floor_ms": self.floor_ms, "ratio": self.ratio,
                 "flagged": self.flagged, "warn_below": WARN_BELOW,
                 "slowest_kind": self.slowest_kind, "time_by_kind": self.time_by_kind,
-                "graphs": self.graphs, "summary": self.summary()}
+                "graphs": self.graphs, "launch_bound": self.launch_bound,
+                "summary": self.summary()}
 
     def summary(self) -> str:
         kinds = ", ".join(f"{k} {v:.0%}" for k, v in sorted(self.time_by_kind.items(),
                                                             key=lambda kv: -kv[1]))
         return (f"decode step (batch 1, {'graph' if self.graphs else 'eager'}) "
                 f"{self.step_ms:.3f} ms, floor {self.floor_ms:.3f} ms "
-                f"({self.ratio:.0%} of roofline); kernel time: {kinds or NOT_PROFILED}")
+                f"({self.ratio:.0%} of roofline"
+                + (f"; launch-bound: the floor is under {LAUNCH_BOUND_FLOOR_MS} ms"
+                   if self.launch_bound else "")
+                + f"); kernel time: {kinds or NOT_PROFILED}")
 
 
 def classify_kernel(name: str) -> str:
@@ -156,7 +165,8 @@ def run_self_check(runner, copy_bytes_per_s: float, repeats: int = 20,
             runner._forward_logits(ids, pos, meta)
 
     kinds = profile_kinds(eager_step, dev) if profile or dev.type != "cuda" else {}
-    check = SelfCheck(step_ms, floor_ms, floor_ms / step_ms if step_ms else 0.0, kinds, graphs)
+    check = SelfCheck(step_ms, floor_ms, floor_ms / step_ms if step_ms else 0.0, kinds, graphs,
+                      launch_bound=dev.type == "cuda" and floor_ms < LAUNCH_BOUND_FLOOR_MS)
     if check.flagged and dev.type == "cuda":
         log.warning("roofline self-check: %s — below %d%%: likely on a fallback path%s",
                     check.summary(), WARN_BELOW * 100,

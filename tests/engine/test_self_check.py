@@ -89,3 +89,14 @@ def test_gpu_kernel_profile_by_op_kind_is_taken_when_asked(tiny_checkpoint):
     check = llm.llm_engine.report.self_check
     assert set(check.time_by_kind) >= {"attention", "linear"}, check.to_json()
     assert abs(sum(check.time_by_kind.values()) - 1.0) < 1e-6
+
+
+def test_a_launch_bound_gpu_step_is_not_flagged():
+    """A GPU step whose bytes take microseconds is its launches' time on any route (the
+    emulated runs' tiny models: 0.2 ms against a 0.001 ms floor): said, not warned of."""
+    from archserve.engine.self_check import LAUNCH_BOUND_FLOOR_MS, SelfCheck
+    tiny = SelfCheck(0.217, 0.001, 0.001 / 0.217, {}, True, launch_bound=True)
+    assert not tiny.flagged and "launch-bound" in tiny.summary()
+    assert tiny.to_json()["launch_bound"] is True
+    slow = SelfCheck(4.0, 2 * LAUNCH_BOUND_FLOOR_MS, 0.125, {}, True)
+    assert slow.flagged and "launch-bound" not in slow.summary()
