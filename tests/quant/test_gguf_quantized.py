@@ -14,11 +14,15 @@ import torch
 from models.helpers import assert_greedy_outputs_track
 
 from archserve.engine.decode_gemms import install_quantized_kernels
-from archserve.loader.loader import load_model
+from archserve.loader.loader import load_model, load_model_config
 from archserve.platform import get_profile
+from archserve.platform.profiles import all_profiles
 from archserve.quant.config import gguf_quant_config
 from archserve.quant.linear_state import quantized_layers
 from archserve.quant.plan import plan_quantization
+from archserve.routing.dtypes import dtype_name
+from archserve.routing.explain import explain_model
+from archserve.routing.model_summary import read_model_summary, summary_from_model_config
 
 GGUF = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant", "gguf-mixed",
                     "tiny-mixed.gguf")
@@ -33,6 +37,9 @@ def test_kept_quantized_weights_equal_the_dense_load(monkeypatch) -> None:
     assert len(layers) == 8           # qkv, o, gate_up, down in two layers
     qkv = layers["model.layers.0.self_attn.qkv_proj"].weight
     assert (qkv.bits, qkv.group_size) == (8, 16)       # Q4_K q/k widened to fuse with Q6_K v
+    # The GPU kernels step along N by one: a GGUF's [N, K] blocks must not leave the packed
+    # [K / pack, N] words column-major (they read another layer's weights then).
+    assert all(state.weight.qweight.is_contiguous() for state in layers.values())
     assert layers["model.layers.1.mlp.down_proj"].weight.bits == 4
     plan = plan_quantization(get_profile("cpu"), gguf_quant_config(), torch.float32)
     install_quantized_kernels(get_profile("cpu"), quantized, plan)
@@ -62,6 +69,29 @@ def test_packed_on_a_cpu_every_layer_computes_the_dense_product(tmp_path, monkey
         got = layer(x.bfloat16(), None)
         assert got.dtype == torch.bfloat16
         assert ((got.float() - want).abs().max() / want.abs().max()).item() < 2e-2, name
+
+
+@pytest.mark.parametrize("profile", [device.id for device in all_profiles()])
+def test_the_engine_routes_a_gguf_as_explain_does(profile: str) -> None:
+    """The engine's routes (its summary from the loaded config) are explain's for the
+    file (its summary from GGUF metadata): the same scheme, so the same ideals and the same
+    vLLM comparison."""
+    device = get_profile(profile)
+    engine = explain_model(device, summary_from_model_config(load_model_config(GGUF)[0],
+                                                             is_gguf=True))
+    explained = explain_model(device, read_model_summary(GGUF))
+    assert [r.to_dict() for r in engine.routes] == [r.to_dict() for r in explained.routes]
+    assert engine.decisions == explained.decisions
+
+
+def test_a_cpu_engine_prints_explains_routes() -> None:
+    from archserve import LLM
+
+    llm = LLM(GGUF, device="cpu", enforce_eager=True, max_model_len=64)
+    report = llm.llm_engine.report
+    explained = explain_model(report.device, read_model_summary(GGUF),
+                              dtype=dtype_name(report.dtype))
+    assert [r.to_dict() for r in report.routes] == [r.to_dict() for r in explained.routes]
 
 
 @pytest.mark.gpu

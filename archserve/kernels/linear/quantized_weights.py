@@ -72,6 +72,9 @@ class IntGroupWeight:
             got = tuple(getattr(self, name).shape)
             if got != shape:
                 raise ValueError(f"{name}: expected shape {shape}, got {got}")
+        if n > 1 and self.qweight.stride(1) != 1:
+            # The kernels address a packed row by stride(0) and step along N by one.
+            raise ValueError(f"qweight strides {self.qweight.stride()}: not contiguous along N")
 
 
 class _RowsByColumns:
@@ -159,13 +162,16 @@ def weight_signature(w: QuantizedWeight) -> str:
 # ---- packing helpers (shared by every repacker and the tests) ----------------------------
 
 def pack_int_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned ints [K, N] (values < 2**bits) -> int32 [K // pack, N], packed along K."""
+    """Unsigned ints [K, N] (values < 2**bits) -> int32 [K // pack, N], packed along K,
+    row-major whatever ``q``'s strides (a transposed [N, K] view included): the kernels
+    step along N by one."""
     pack = 32 // bits
     k, n = q.shape
     q = q.to(torch.int32).reshape(k // pack, pack, n)
     # The values' bits do not overlap, so OR-ing them in int32 is their sum; the top one
-    # may set the sign bit, which keeps the low 32 bits as they are.
-    packed = q[:, 0].clone()
+    # may set the sign bit, which keeps the low 32 bits as they are. (A clone would keep
+    # a transposed input's column-major strides.)
+    packed = q[:, 0].clone(memory_format=torch.contiguous_format)
     for i in range(1, pack):
         packed |= q[:, i] << (i * bits)
     return packed

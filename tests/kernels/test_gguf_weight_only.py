@@ -1,0 +1,67 @@
+"""The GGUF fixture's layers kept quantized, through TRITON_WEIGHT_ONLY as a GPU installs
+it: each multiplies as the float32 dense load does, at GEMV rows, MMA rows and the
+dequantize-then-GEMM rows, in both 16-bit dtypes.
+
+The fixture (scripts/quant_fixtures/gguf_mixed.py) mixes seven block types, and fuses
+shards of different types (q/k Q4_K with v Q6_K widened to 8-bit groups of 16), so every
+repacking of GGUF blocks into the kernels' integer groups is multiplied here. Runs under
+Triton's interpreter (tests/kernels/conftest.py); the interpreter cannot multiply bf16 in
+a tl.dot, so bf16 is checked where no kernel does (the GEMV, and the dequantize path's
+torch GEMM). The compiled kernels run this model in tests/quant/test_gguf_quantized.py's
+gpu test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from archserve.kernels.linear.triton_weight_only import DENSE_PREFILL_ROWS, MAX_GEMV_ROWS
+from archserve.kernels.rules import triton_interpreted
+
+INTERPRETER_TIMEOUT_S = 900
+GGUF = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant", "gguf-mixed",
+                    "tiny-mixed.gguf")
+GEMV_ROWS = [1, 3, MAX_GEMV_ROWS]
+MMA_ROWS = [MAX_GEMV_ROWS + 1, 64]
+# The float32 product of the dense load against a 16-bit one: the activations' and the
+# outputs' rounding (bf16 keeps 8 bits) over sums of a few hundred terms.
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+if triton_interpreted():   # the rest runs under Triton's interpreter
+
+    from archserve.engine.decode_gemms import install_quantized_kernels
+    from archserve.loader.loader import load_model
+    from archserve.platform import get_profile
+    from archserve.quant.config import gguf_quant_config
+    from archserve.quant.linear_state import quantized_layers
+    from archserve.quant.plan import plan_quantization
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+    def test_every_gguf_layer_computes_the_dense_product(dtype, monkeypatch) -> None:
+        # A quantized load cannot fold the norms into its matrices; the dense one must not
+        # either, to be the same matrices.
+        monkeypatch.setenv("ARCHSERVE_DISABLE_FUSIONS", "fold_norm_weights")
+        device = get_profile("a100")
+        quantized, _ = load_model(GGUF, dtype=dtype, quantization=gguf_quant_config())
+        plan = plan_quantization(device, gguf_quant_config(), dtype)
+        assert [layer.selection.name for layer in plan.layers] == ["TRITON_WEIGHT_ONLY"]
+        assert install_quantized_kernels(device, quantized, plan) == []
+        dense = dict(load_model(GGUF, dtype=torch.float32)[0].named_modules())
+        rows = GEMV_ROWS + [DENSE_PREFILL_ROWS] + (MMA_ROWS if dtype == torch.float16 else [])
+        layers = quantized_layers(quantized)
+        assert len(layers) == 8
+        for name, layer in layers:
+            assert layer.kernel_name == "TRITON_WEIGHT_ONLY"
+            weight = dense[name].weight
+            for count in rows:
+                x = torch.randn(count, weight.shape[1],
+                                generator=torch.Generator().manual_seed(count))
+                want = torch.nn.functional.linear(x, weight)
+                got = layer(x.to(dtype), None)
+                assert got.dtype == dtype
+                error = ((got.float() - want).abs().max() / want.abs().max()).item()
+                assert error < TOLERANCE[dtype], (name, count, error)
