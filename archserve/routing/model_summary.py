@@ -125,7 +125,9 @@ def summary_from_model_config(model_config: ModelConfig, is_gguf: bool = False
         expert_bias=model_config.expert_bias,
         hidden_size=model_config.hidden_size,
         intermediate_size=int(get("moe_intermediate_size") or model_config.intermediate_size),
-        quantization=scheme_from_config(model_config.quantization_config),
+        # A GGUF file's scheme is its format (its config has no quantization_config), as
+        # summary_from_gguf says: explain's vLLM comparison and routes hang on it.
+        quantization="gguf" if is_gguf else scheme_from_config(model_config.quantization_config),
         dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
         quantization_config=model_config.quantization_config,
         is_gguf=is_gguf,
