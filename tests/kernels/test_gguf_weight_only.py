@@ -6,9 +6,9 @@ The fixture (scripts/quant_fixtures/gguf_mixed.py) mixes seven block types, and 
 shards of different types (q/k Q4_K with v Q6_K widened to 8-bit groups of 16), so every
 repacking of GGUF blocks into the kernels' integer groups is multiplied here. Runs under
 Triton's interpreter (tests/kernels/conftest.py); the interpreter cannot multiply bf16 in
-a tl.dot, so bf16 is checked where no kernel does (the GEMV, and the dequantize path's
-torch GEMM). The compiled kernels run this model in tests/quant/test_gguf_quantized.py's
-gpu test.
+a tl.dot, so bf16 is checked where no tl.dot does (the GEMV, and the dequantize path's torch
+GEMM). On a GPU the compiled kernels are checked at every row count, and the whole model
+generates in tests/quant/test_gguf_quantized.py's gpu test.
 """
 
 from __future__ import annotations
@@ -31,37 +31,56 @@ MMA_ROWS = [MAX_GEMV_ROWS + 1, 64]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
-if triton_interpreted():   # the rest runs under Triton's interpreter
+HAS_CUDA = torch.cuda.is_available()
 
+
+def check_every_layer(device, dtype: torch.dtype, on: str, rows: list[int]) -> None:
+    """Load the fixture kept quantized on ``on`` with the kernels ``device`` (a
+    DeviceInfo) selects, and compare each layer's product at ``rows`` with the float32
+    dense load's."""
     from archserve.engine.decode_gemms import install_quantized_kernels
     from archserve.loader.loader import load_model
-    from archserve.platform import get_profile
     from archserve.quant.config import gguf_quant_config
     from archserve.quant.linear_state import quantized_layers
     from archserve.quant.plan import plan_quantization
+
+    quantized, _ = load_model(GGUF, dtype=dtype, device=on, quantization=gguf_quant_config())
+    plan = plan_quantization(device, gguf_quant_config(), dtype)
+    assert [layer.selection.name for layer in plan.layers] == ["TRITON_WEIGHT_ONLY"]
+    assert install_quantized_kernels(device, quantized, plan) == []
+    dense = dict(load_model(GGUF, dtype=torch.float32)[0].named_modules())
+    layers = quantized_layers(quantized)
+    assert len(layers) == 8
+    for name, layer in layers:
+        assert layer.kernel_name == "TRITON_WEIGHT_ONLY"
+        weight = dense[name].weight
+        for count in rows:
+            x = torch.randn(count, weight.shape[1], generator=torch.Generator().manual_seed(count))
+            want = torch.nn.functional.linear(x, weight)
+            got = layer(x.to(dtype).to(on), None)
+            assert got.dtype == dtype
+            error = ((got.float().cpu() - want).abs().max() / want.abs().max()).item()
+            assert error < TOLERANCE[dtype], (name, count, error)
+
+
+if triton_interpreted():   # the rest runs under Triton's interpreter
+
+    from archserve.platform import get_profile
 
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
     def test_every_gguf_layer_computes_the_dense_product(dtype, monkeypatch) -> None:
         # A quantized load cannot fold the norms into its matrices; the dense one must not
         # either, to be the same matrices.
         monkeypatch.setenv("ARCHSERVE_DISABLE_FUSIONS", "fold_norm_weights")
-        device = get_profile("a100")
-        quantized, _ = load_model(GGUF, dtype=dtype, quantization=gguf_quant_config())
-        plan = plan_quantization(device, gguf_quant_config(), dtype)
-        assert [layer.selection.name for layer in plan.layers] == ["TRITON_WEIGHT_ONLY"]
-        assert install_quantized_kernels(device, quantized, plan) == []
-        dense = dict(load_model(GGUF, dtype=torch.float32)[0].named_modules())
         rows = GEMV_ROWS + [DENSE_PREFILL_ROWS] + (MMA_ROWS if dtype == torch.float16 else [])
-        layers = quantized_layers(quantized)
-        assert len(layers) == 8
-        for name, layer in layers:
-            assert layer.kernel_name == "TRITON_WEIGHT_ONLY"
-            weight = dense[name].weight
-            for count in rows:
-                x = torch.randn(count, weight.shape[1],
-                                generator=torch.Generator().manual_seed(count))
-                want = torch.nn.functional.linear(x, weight)
-                got = layer(x.to(dtype), None)
-                assert got.dtype == dtype
-                error = ((got.float() - want).abs().max() / want.abs().max()).item()
-                assert error < TOLERANCE[dtype], (name, count, error)
+        check_every_layer(get_profile("a100"), dtype, "cpu", rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_compiled_gguf_layers_compute_the_dense_product(dtype, monkeypatch) -> None:
+    from archserve.platform import detect
+
+    monkeypatch.setenv("ARCHSERVE_DISABLE_FUSIONS", "fold_norm_weights")
+    check_every_layer(detect(), dtype, "cuda", GEMV_ROWS + MMA_ROWS + [DENSE_PREFILL_ROWS])
