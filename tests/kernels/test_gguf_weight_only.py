@@ -75,6 +75,42 @@ if triton_interpreted():   # the rest runs under Triton's interpreter
         rows = GEMV_ROWS + [DENSE_PREFILL_ROWS] + (MMA_ROWS if dtype == torch.float16 else [])
         check_every_layer(get_profile("a100"), dtype, "cpu", rows)
 
+    def test_an_engine_on_the_gpus_kernels_generates_the_cpu_routes_tokens(tmp_path,
+                                                                          monkeypatch) -> None:
+        """The CPU engine's model with each quantized layer's kernel swapped for a100's
+        TRITON_WEIGHT_ONLY (bf16, so the GEMV: at most its rows a call) generates the
+        tokens CPU_WEIGHT_ONLY does."""
+        from archserve import LLM, SamplingParams
+        from archserve.engine.decode_gemms import install_quantized_kernels
+        from archserve.loader.loader import load_model
+        from archserve.quant.config import gguf_quant_config
+        from archserve.quant.linear_state import quantized_layers
+        from archserve.quant.plan import plan_quantization
+
+        monkeypatch.setenv("ARCHSERVE_CACHE_DIR", str(tmp_path))
+        llm = LLM(GGUF, enforce_eager=True, max_model_len=64)
+        dtype = llm.llm_engine.report.dtype
+        assert dtype == torch.bfloat16
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        prompts = ["Hello world! How are you", "The capital of France is Paris. The capital of"]
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        quantized, _ = load_model(GGUF, dtype=dtype, quantization=gguf_quant_config())
+        device = get_profile("a100")
+        install_quantized_kernels(device, quantized,
+                                  plan_quantization(device, gguf_quant_config(), dtype))
+        gpu_layers = dict(quantized_layers(quantized))
+        engine_layers = dict(quantized_layers(llm.llm_engine.runner.model))
+        assert sorted(gpu_layers) == sorted(engine_layers)
+
+        def in_gemv_rows(kernel):  # noqa: ANN001, ANN202
+            return lambda x, w, b: torch.cat([kernel(rows, w, b)
+                                              for rows in x.split(MAX_GEMV_ROWS)])
+
+        for name, state in engine_layers.items():
+            state.kernel = in_gemv_rows(gpu_layers[name].kernel)
+            state.prepared = gpu_layers[name].prepared
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
