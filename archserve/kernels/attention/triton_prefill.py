@@ -5,6 +5,11 @@ and streams BLOCK_N-key tiles from the paged cache through the block table with 
 softmax. This step's tokens are already in the cache, so the prefix and the new tokens are read
 the same way. Key tiles wholly below the causal diagonal run without masks; only the tiles
 that cross it (or the sliding window's lower edge) pay for masking; tiles above it are skipped.
+
+A launch may also be given a key window [key_lo, key_hi) of every sequence's positions (keys
+outside it are neither read nor attended) and an LSE output: the log of each row's softmax
+denominator. A context too large for one pass is then attended window by window and the
+partial results merged by their LSEs (kernels/mla/expanded_prefill.py does so).
 """
 
 from __future__ import annotations
@@ -33,14 +38,16 @@ from archserve.platform.detect import device_info_for
 @triton.jit
 def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
                       block_table_row, stride_cache_block, stride_cache_token, qk_scale,
-                      soft_cap, offs_d, mask_d,
+                      soft_cap, offs_d, mask_d, key_lo,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
                       MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      E4M3_BITS: tl.constexpr):
+                      E4M3_BITS: tl.constexpr, KEY_WINDOW: tl.constexpr = False):
     # A tile's rows ``limit`` and beyond read nothing: the sequence's end where MASKED (the
     # last tile may reach past hi), else hi (always past the tile here; kept so the loads
     # share one shape of code). The next tile's offsets take the same mask as its loads.
+    # KEY_WINDOW (masked tiles): keys below key_lo are not read either; seq_len is then
+    # already the window's end.
     limit = seq_len if MASKED else hi
     # Each tile's cache offsets are read one iteration ahead (paged_token_offsets says why).
     offs_n = lo + tl.arange(0, BLOCK_N)
@@ -49,6 +56,8 @@ def _attend_key_tiles(acc, l_i, m_i, q, q_pos, lo, hi, seq_len, k_base, v_base,
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < limit
+        if KEY_WINDOW and MASKED:
+            mask_n = mask_n & (offs_n >= key_lo)
         k, v = load_kv_rows(k_base, v_base, rows, mask_n, offs_d, mask_d, E4M3_BITS)
         rows = paged_token_offsets(block_table_row, offs_n + BLOCK_N, offs_n + BLOCK_N < limit,
                                    stride_cache_block, stride_cache_token, BLOCK_SIZE)
@@ -71,16 +80,19 @@ FLAT_SEARCH_STEPS: tl.constexpr = tl.constexpr(16)
 
 # num_seqs is read by the flat grid only: not specialised, so its value (1, a multiple of
 # 16) compiles no variant of its own.
-@triton.jit(do_not_specialize=["num_seqs"])
+# key_lo / key_hi change with every window of a chunked context: not specialised either.
+@triton.jit(do_not_specialize=["num_seqs", "key_lo", "key_hi"])
 def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                     out_ptr, sinks_ptr, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
                     stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
                     stride_block_table, qk_scale, v_scale, soft_cap, tune_bucket, num_seqs,
+                    lse_ptr, stride_lse_token, key_lo, key_hi,
                     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     SLIDING_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr,
-                    FLAT_GRID: tl.constexpr, SINKS: tl.constexpr = False):
+                    FLAT_GRID: tl.constexpr, SINKS: tl.constexpr = False,
+                    KEY_WINDOW: tl.constexpr = False, WRITE_LSE: tl.constexpr = False):
     if FLAT_GRID:
         # One axis of query tiles over every sequence: sequence s owns the programs from
         # query_start_loc[s] // BLOCK_M + s on (at least its cdiv(query_len, BLOCK_M)
@@ -141,18 +153,52 @@ def _prefill_kernel(q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_star
     k_base = cache_ptr + kv_head * stride_cache_head
     v_base = k_base + stride_cache_kv
 
-    acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, q_pos, lo, unmasked_end, seq_len, k_base, v_base, block_table_row,
-        stride_cache_block, stride_cache_token, qk_scale, soft_cap, offs_d, mask_d,
-        BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, False, DOT_PRECISION, E4M3_BITS)
-    acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, q_pos, unmasked_end, hi, seq_len, k_base, v_base, block_table_row,
-        stride_cache_block, stride_cache_token, qk_scale, soft_cap, offs_d, mask_d,
-        BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, True, DOT_PRECISION, E4M3_BITS)
+    if KEY_WINDOW:
+        # Three spans: the tile holding key_lo (masked, when key_lo is not on a tile edge),
+        # the whole tiles every row sees (unmasked), then the masked rest up to the window's
+        # end. A span whose start is past its end runs no tile.
+        lo = tl.maximum(lo, (key_lo // BLOCK_N) * BLOCK_N)
+        hi = tl.minimum(hi, key_hi)
+        window_end = tl.minimum(seq_len, key_hi)
+        edge = tl.maximum(lo, tl.cdiv(key_lo, BLOCK_N) * BLOCK_N)
+        unmasked_end = tl.maximum(edge, tl.minimum(unmasked_end, (hi // BLOCK_N) * BLOCK_N))
+        acc, l_i, m_i = _attend_key_tiles(
+            acc, l_i, m_i, q, q_pos, lo, edge, window_end, k_base, v_base, block_table_row,
+            stride_cache_block, stride_cache_token, qk_scale, soft_cap, offs_d, mask_d, key_lo,
+            BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, True, DOT_PRECISION, E4M3_BITS,
+            True)
+        acc, l_i, m_i = _attend_key_tiles(
+            acc, l_i, m_i, q, q_pos, edge, unmasked_end, window_end, k_base, v_base,
+            block_table_row, stride_cache_block, stride_cache_token, qk_scale, soft_cap,
+            offs_d, mask_d, key_lo, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, False,
+            DOT_PRECISION, E4M3_BITS, True)
+        acc, l_i, m_i = _attend_key_tiles(
+            acc, l_i, m_i, q, q_pos, unmasked_end, hi, window_end, k_base, v_base,
+            block_table_row, stride_cache_block, stride_cache_token, qk_scale, soft_cap,
+            offs_d, mask_d, key_lo, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, True,
+            DOT_PRECISION, E4M3_BITS, True)
+    else:
+        acc, l_i, m_i = _attend_key_tiles(
+            acc, l_i, m_i, q, q_pos, lo, unmasked_end, seq_len, k_base, v_base,
+            block_table_row, stride_cache_block, stride_cache_token, qk_scale, soft_cap,
+            offs_d, mask_d, key_lo, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, False,
+            DOT_PRECISION, E4M3_BITS)
+        acc, l_i, m_i = _attend_key_tiles(
+            acc, l_i, m_i, q, q_pos, unmasked_end, hi, seq_len, k_base, v_base,
+            block_table_row, stride_cache_block, stride_cache_token, qk_scale, soft_cap,
+            offs_d, mask_d, key_lo, BLOCK_SIZE, BLOCK_N, SLIDING_WINDOW, USE_SOFT_CAP, True,
+            DOT_PRECISION, E4M3_BITS)
 
-    out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+    seen = l_i > 0.0
+    out = acc * (v_scale / tl.where(seen, l_i, 1.0))[:, None]
     dst = out_ptr + tokens[:, None] * stride_out_token + head * stride_out_head + offs_d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    if WRITE_LSE:
+        # Natural log of the denominator, max included (m_i and the scores are in log2
+        # units); -inf for a row that saw no key.
+        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        tl.store(lse_ptr + tokens * stride_lse_token + head, lse, mask=mask_m)
 
 
 # Autotune candidates (BLOCK_M, BLOCK_N, num_warps, num_stages), tried once per head size and
@@ -231,7 +277,9 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
                       k_scale: float = 1.0, v_scale: float = 1.0,
                       tiles: tuple[int, int, int, int] | None = None,
                       e4m3_bits: bool | None = None, flat_grid: bool = False,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None,
+                      key_window: tuple[int, int] | None = None,
+                      lse: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged context; writes ``out``.
 
     On a GPU the tiles are autotuned once per head size, group, dtype and feature set
@@ -239,7 +287,10 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     ``flat_grid``: one axis of query tiles over all sequences (tokens / BLOCK_M + sequences
     programs) instead of max_query_len / BLOCK_M per sequence, for batches padded to a
     captured bucket, where most sequence slots are empty. ``sinks`` [H]: each query head's
-    attention sink logit (AttentionLayerParams.sinks).
+    attention sink logit (AttentionLayerParams.sinks). ``key_window`` (lo, hi): only the keys
+    at positions lo <= p < hi of each sequence are read and attended (the block tables need
+    map only those); a row that sees none gets zeros. ``lse`` [T, H] float32: receives each
+    row's natural-log softmax denominator (-inf where it saw no key), to merge windows.
     """
     _, num_heads, head_size = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -252,13 +303,21 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
             sinks if sinks is not None else seq_lens, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             block_tables.stride(0), scale * k_scale, v_scale, soft_cap or 1.0,
-            tune_bucket(max_query_len), num_seqs)
+            tune_bucket(max_query_len), num_seqs,
+            lse if lse is not None else seq_lens, lse.stride(0) if lse is not None else 0,
+            *(key_window or (0, 0)))
     constants = dict(
         GROUP=num_heads // num_kv_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
         BLOCK_D=triton.next_power_of_2(head_size), SLIDING_WINDOW=sliding_window or 0,
         USE_SOFT_CAP=soft_cap is not None and soft_cap > 0,
         DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=bits, FLAT_GRID=flat_grid,
         SINKS=sinks is not None)
+    # Passed only when set: the autotuner keys on neither (a window runs the tiles tuned for
+    # the whole context), and today's launches keep their compiled variants.
+    if key_window is not None:
+        constants["KEY_WINDOW"] = True
+    if lse is not None:
+        constants["WRITE_LSE"] = True
     num_tokens = query.shape[0]
 
     def programs(block_m: int) -> tuple[int, ...]:
