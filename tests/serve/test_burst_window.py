@@ -155,3 +155,18 @@ def test_a_stop_during_the_gather_ends_the_waiting_request(engine):
 def test_a_negative_window_is_refused(engine):
     with pytest.raises(ValueError, match="burst window"):
         AsyncEngine(engine, burst_window_s=-1.0)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("auto", None), ("0", 0.0), ("12.5", 12.5)])
+def test_burst_window_option(text, expected):
+    from archserve.cli.serve import parse_burst_window
+    assert parse_burst_window(text) == expected
+
+
+@pytest.mark.parametrize("text", ["-1", "soon", "inf", "nan"])
+def test_a_bad_burst_window_option_is_refused(text):
+    import typer
+
+    from archserve.cli.serve import parse_burst_window
+    with pytest.raises(typer.BadParameter, match="--burst-window-ms|auto or a number"):
+        parse_burst_window(text)
