@@ -72,7 +72,10 @@ if triton_interpreted():   # the rest runs under Triton's interpreter
         # A quantized load cannot fold the norms into its matrices; the dense one must not
         # either, to be the same matrices.
         monkeypatch.setenv("ARCHSERVE_DISABLE_FUSIONS", "fold_norm_weights")
-        rows = GEMV_ROWS + [DENSE_PREFILL_ROWS] + (MMA_ROWS if dtype == torch.float16 else [])
+        # Interpreted kernels are slow (CI's time): each path once, at its widest rows; the
+        # GPU test below takes every row count.
+        rows = ([1, MAX_GEMV_ROWS] + ([MAX_GEMV_ROWS + 1, DENSE_PREFILL_ROWS]
+                                      if dtype == torch.float16 else []))
         check_every_layer(get_profile("a100"), dtype, "cpu", rows)
 
     def test_an_engine_on_the_gpus_kernels_generates_the_cpu_routes_tokens(tmp_path,
@@ -91,8 +94,8 @@ if triton_interpreted():   # the rest runs under Triton's interpreter
         llm = LLM(GGUF, enforce_eager=True, max_model_len=64)
         dtype = llm.llm_engine.report.dtype
         assert dtype == torch.bfloat16
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        prompts = ["Hello world! How are you", "The capital of France is Paris. The capital of"]
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        prompts = ["Hello world! How are you"]
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         quantized, _ = load_model(GGUF, dtype=dtype, quantization=gguf_quant_config())
         device = get_profile("a100")
