@@ -1,6 +1,7 @@
 """TRITON_FUSED_MOE on gpt-oss's experts: MXFP4 weights decoded in the kernels' registers,
 expert biases and the clamped SwiGLU, against TORCH_MOE in float64 on the dequantized
-weights (dequantize-then-matmul), in every layout (sorted, pair rows, CUDA-core gate/up).
+weights (dequantize-then-matmul), in every layout (sorted, pair rows, CUDA-core gate/up and
+down, those two decoding 32-bit words).
 
 On CPU the kernels run under Triton's interpreter (tests/kernels/conftest.py) at small
 sizes in float32 and float16 (its bf16 tl.dot is not exact); they are compiled for SM80,
@@ -130,6 +131,7 @@ def test_mxfp4_tiles():
     bf16's, plus the scales)."""
     from archserve.kernels.moe.triton_fused_moe import (
         ExpertMatrices,
+        MoETile,
         candidate_tiles,
         choose_tile,
     )
@@ -146,6 +148,13 @@ def test_mxfp4_tiles():
     assert {t.pair_rows for t in tiles} == {True, False}
     assert all(t.block_k % 32 == 0 and t.gate_up_block_k % 32 == 0
                and t.down_block_k % 32 == 0 for t in tiles)
+    # The word-decoding GEMVs, each gate/up with each down, beside today's tiles; and two of
+    # them near the layouts' boundary (16 tokens: 64 pairs, sorted by default).
+    words = [t for t in tiles if t.mxfp4_words]
+    assert len(words) == 9 and all(t.gate_up_block_n and t.down_block_n for t in words)
+    sixteen = candidate_tiles(16, 4, w13, w2)
+    assert not sixteen[0].pair_rows and sum(t.mxfp4_words for t in sixteen) == 2
+    assert all(MoETile.from_key(t.key()) == t for t in tiles + sixteen)
 
 
 # ---------------------------------------------------------------- compiled for real GPUs
@@ -164,8 +173,9 @@ def test_mxfp4_launches_compile(target):
     pair = pair_tile(8, 32, 132)
     gemv = dataclasses.replace(pair, gate_up_block_n=4, gate_up_block_k=64, down_block_n=4,
                                down_block_k=64)
+    words = dataclasses.replace(gemv, mxfp4_words=True)
     kernels = []
-    for tile in (DEFAULT_TILES[0][1], pair, gemv):
+    for tile in (DEFAULT_TILES[0][1], pair, gemv, words):
         with compiled_launches(target) as launches:
             fused_moe(x, logits, w13, w2, 2, True, tile, routed, activation=GPT_OSS,
                       biases=biases)
@@ -173,10 +183,12 @@ def test_mxfp4_launches_compile(target):
         for launch in launches[:2]:
             assert launch.code() and launch.constexprs["MXFP4"]
             assert launch.constexprs["HAS_BIAS"]
+        if tile.gate_up_block_n:
+            assert all(launch.constexprs["WORDS"] == tile.mxfp4_words for launch in launches)
     assert kernels == [["_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"]] * 2 + [
-        ["_gate_up_gemv_kernel", "_down_sum_slots_kernel"]]
+        ["_gate_up_gemv_kernel", "_down_sum_slots_kernel"]] * 2
     # DeepSeek V4's clamped silu, in the tensor-core and the CUDA-core gate/up.
-    for tile in (pair, gemv):
+    for tile in (pair, gemv, words):
         with compiled_launches(target) as launches:
             fused_moe(x, logits, w13, w2, 2, True, tile, routed, activation=V4_CLAMPING)
         assert launches[0].code() and launches[0].constexprs["ACTIVATION"] == 2
@@ -196,6 +208,29 @@ if INTERPRETED:
     def _tol(dtype: torch.dtype) -> float:
         return 2e-5 if dtype == torch.float32 else 6e-3
 
+    def _word_tiles(pair: MoETile) -> list[MoETile]:
+        """The word-decoding gate/up and down (MoETile.mxfp4_words) at two shapes."""
+        return [dataclasses.replace(pair, gate_up_block_n=n, gate_up_block_k=k,
+                                    down_block_n=dn, down_block_k=dk, mxfp4_words=True)
+                for n, k, dn, dk in ((16, 32, 8, 32), (4, 64, 2, 64))]
+
+    def test_unaligned_mxfp4_bytes_fall_back_from_words():
+        """Bytes the words cannot read (a view 2 bytes in): the word tiles run the byte
+        decode, and agree."""
+        from archserve.kernels.moe.triton_fused_moe import ExpertMatrices
+        x, logits, w13, w2, biases, d13, d2 = experts_case(2, 4, 64, 32, F32, True, seed=3)
+        padded = torch.zeros(*w13.blocks.shape[:2], w13.blocks.shape[2] + 2, dtype=torch.uint8)
+        padded[..., 2:] = w13.blocks
+        shifted = dataclasses.replace(w13, blocks=padded[..., 2:])
+        assert not ExpertMatrices.of(shifted).word_aligned()
+        assert ExpertMatrices.of(w13).word_aligned()
+        tile = _word_tiles(pair_tile(4, 32, 1, 32))[1]
+        expected = reference(x, logits, d13, d2, 2, CLAMPING, biases)
+        for w in (w13, shifted):
+            got = fused_moe(x, logits, w, w2, 2, True, tile, activation=CLAMPING,
+                            biases=biases)
+            torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
     @pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "16-bit"])
     @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, dtype", CASES)
     def test_every_layout_matches_dequantize_then_matmul(tokens, experts, top_k, hidden, inter,
@@ -205,10 +240,12 @@ if INTERPRETED:
         expected = reference(x, logits, d13, d2, top_k, CLAMPING, biases)
         pair = pair_tile(tokens * top_k, min(hidden, inter), 1, 32)
         # Sorted tiles of a K step of one group; the pair layout (K step 128: past K); its
-        # CUDA-core gate/up over two K steps; the slot-summing down, with its biases.
+        # CUDA-core gate/up over two K steps; the slot-summing down, with its biases; both
+        # decoding 32-bit words (ignored for 16-bit experts), a K step of one group and one
+        # past K (64 at K 32: its words and activations masked).
         tiles = [MoETile(16, 32, 32), pair,
                  dataclasses.replace(pair, gate_up_block_n=16, gate_up_block_k=32),
-                 dataclasses.replace(pair, down_block_n=8, down_block_k=32)]
+                 dataclasses.replace(pair, down_block_n=8, down_block_k=32)] + _word_tiles(pair)
         for tile in tiles:
             got = fused_moe(x, logits, w13, w2, top_k, True, tile, activation=CLAMPING,
                             biases=biases)
@@ -242,7 +279,7 @@ if INTERPRETED:
         pair = pair_tile(10, 32, 1, 32)
         tiles = [MoETile(16, 32, 32), pair,
                  dataclasses.replace(pair, gate_up_block_n=16, gate_up_block_k=32),
-                 dataclasses.replace(pair, down_block_n=8, down_block_k=32)]
+                 dataclasses.replace(pair, down_block_n=8, down_block_k=32)] + _word_tiles(pair)
         for tile in tiles:
             got = fused_moe(x, logits, w13, w2, 2, True, tile, activation=V4_CLAMPING)
             torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5,

@@ -79,3 +79,58 @@ def mxfp4_row_pairs(w_rows, s_rows, row_ok, k0, K, BLOCK_K: tl.constexpr):
     even = tl.reshape(e2m1_to_fp32(packed & 0xF), (rows, BLOCK_G, GROUP // 2)) * s[:, :, None]
     odd = tl.reshape(e2m1_to_fp32(packed >> 4), (rows, BLOCK_G, GROUP // 2)) * s[:, :, None]
     return tl.reshape(even, (rows, BLOCK_P)), tl.reshape(odd, (rows, BLOCK_P))
+
+
+# The word decode: the packed bytes read as int32 words, 8 values a word (word w holds
+# k = 8w .. 8w + 7, nibble i of the word value 8w + i). Nibbles i and i + 4 lie 16 bits
+# apart, so shifts and masks place both codes as the two fp16 halves of an int32 (SASS
+# for sm_90a: about 2.3 integer instructions and one fp16 -> fp32 conversion a value),
+# against one code at a time through ``e2m1_to_fp32`` (a GEMV on the CUDA cores issues
+# these for every value it streams; at decode sizes they, not the bytes, set its speed).
+# Sign bits: 0x80008000 as an int32 (a larger literal would widen the words to int64).
+_E2M1_MAGNITUDES: tl.constexpr = tl.constexpr(0x0E000E00)
+_E2M1_SIGNS: tl.constexpr = tl.constexpr(-0x7FFF8000)
+
+
+@triton.jit
+def _e2m1_word_halves(words, SHIFT: tl.constexpr):
+    """Nibbles SHIFT/4 and SHIFT/4 + 4 of each word as fp32 (the values times 2**-14)."""
+    t = words >> SHIFT
+    halves = ((t << 9) & _E2M1_MAGNITUDES) | ((t << 12) & _E2M1_SIGNS)
+    low = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def mxfp4_word_dots(w_rows, s_rows, row_ok, x, w0, K, BLOCK_W: tl.constexpr):
+    """sum_j w[row, 8w + j] x[.., w, j] in fp32 for each row and word w = w0 .. w0 +
+    BLOCK_W of this K step ([R, BLOCK_W], dequantized: times its group's scale): int32 words
+    ``w_rows + w`` and scales ``s_rows + w // 4`` ([R, 1] pointers, ``row_ok`` [R, 1]); ``x``
+    fp32 [1 or R, BLOCK_W, 8] (0 past K). K is a multiple of 32 (words from K / 8 on are 0).
+
+    The words load 4 bytes a thread, a row's consecutive words on consecutive threads: then
+    the activations' [.., BLOCK_W, 8] tile, loaded 16 bytes (8 values) a thread, lies on the
+    threads that hold its words, and serves every row a thread holds without a layout
+    change (16-byte word loads would put 4 words on a thread and need one, through shared
+    memory, at every K step)."""
+    w = tl.max_contiguous(w0 + tl.arange(0, BLOCK_W), 1)
+    ok = row_ok & (w < K // 8)[None, :]
+    words = tl.load(w_rows + w[None, :], mask=ok, other=0)
+    scales = e8m0_to_fp32(tl.load(s_rows + w[None, :] // 4, mask=ok, other=0))
+    rows: tl.constexpr = x.shape[0]
+    # x[.., w, 4h + 2 i1 + i0]: split i0, then i1, then h.
+    x_even, x_odd = tl.split(tl.reshape(x, (rows, BLOCK_W, 2, 2, 2)))
+    x_02, x_26 = tl.split(x_even)
+    x_13, x_37 = tl.split(x_odd)
+    x0, x4 = tl.split(x_02)
+    x2, x6 = tl.split(x_26)
+    x1, x5 = tl.split(x_13)
+    x3, x7 = tl.split(x_37)
+    v0, v4 = _e2m1_word_halves(words, 0)
+    v1, v5 = _e2m1_word_halves(words, 4)
+    v2, v6 = _e2m1_word_halves(words, 8)
+    v3, v7 = _e2m1_word_halves(words, 12)
+    dots = (v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3) + (v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7)
+    # 2**14 back first (exact), then the scale: no overflow the dequantized weights lack.
+    return dots * 16384.0 * scales

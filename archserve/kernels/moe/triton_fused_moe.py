@@ -51,7 +51,11 @@ try:
     import triton.language as tl
 
     from archserve.kernels.elementwise.triton_rounding import round_to_dtype
-    from archserve.kernels.linear.triton_mxfp4 import mxfp4_row_pairs, mxfp4_weight_tile
+    from archserve.kernels.linear.triton_mxfp4 import (
+        mxfp4_row_pairs,
+        mxfp4_weight_tile,
+        mxfp4_word_dots,
+    )
     from archserve.kernels.linear.triton_skinny_gemm import _weight_times_rows
     from archserve.kernels.moe.triton_common import (
         bias_row,
@@ -111,10 +115,21 @@ class ExpertMatrices:
         held = self.weight[0].numel() * self.weight.element_size()
         return held + (self.scales[0].numel() if self.mxfp4 else 0)
 
-    def launch_args(self) -> tuple:
+    def word_aligned(self) -> bool:
+        """Whether the word-decoding kernels (``MoETile.mxfp4_words``) may read these MXFP4
+        bytes as int32 words: 4-byte aligned, with expert and row strides of whole words
+        (every contiguous stack: K/2 is a multiple of 16)."""
+        w = self.weight
+        return (self.mxfp4 and w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0
+                and w.stride(1) % 4 == 0)
+
+    def launch_args(self, words: bool = False) -> tuple:
         """(weight, scales, bias, and their strides: expert and row of the weight, of the
-        scales, expert of the bias), absent ones standing in by the weight (not read)."""
+        scales, expert of the bias), absent ones standing in by the weight (not read).
+        ``words``: the MXFP4 bytes as int32 words (``word_aligned``), strides in words."""
         w, s, b = self.weight, self.scales, self.bias
+        if words:
+            w = w.view(torch.int32)
         scales = s if s is not None else w
         bias = b if b is not None else w
         return (w, scales, bias, w.stride(0), w.stride(1), scales.stride(0), scales.stride(1),
@@ -143,6 +158,11 @@ class MoETile:
     # program per pair and gate_up_block_n columns) with this K step; 0: ``_gate_up_kernel``.
     gate_up_block_n: int = 0
     gate_up_block_k: int = 0
+    # MXFP4 experts, those two CUDA-core kernels: the packed values read as int32 words and
+    # decoded 8 a word, the scale applied once a word (triton_mxfp4.mxfp4_word_dots: about
+    # half the instructions a value of the byte decode, WORD_GATE_UP_TILES); the down
+    # kernel's slots in one tile. Ignored for 16-bit experts and unaligned bytes.
+    mxfp4_words: bool = False
 
     def key(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
@@ -150,18 +170,20 @@ class MoETile:
                 + (f"_sumdown{self.down_block_n}x{self.down_block_k}"
                    if self.down_block_n else "")
                 + (f"_gemvgateup{self.gate_up_block_n}x{self.gate_up_block_k}"
-                   if self.gate_up_block_n else ""))
+                   if self.gate_up_block_n else "") + ("_words" if self.mxfp4_words else ""))
 
     @classmethod
     def from_key(cls, key: str) -> MoETile:
         """The tile whose ``key()`` this is (benchmark command lines name tiles by key)."""
-        key, _, gemv = key.partition("_gemvgateup")
+        words = key.endswith("_words")
+        key, _, gemv = key.removesuffix("_words").partition("_gemvgateup")
         head, _, sum_down = key.partition("_sumdown")
         down_n, down_k = (int(v) for v in sum_down.split("x")) if sum_down else (0, 0)
         gate_up_n, gate_up_k = (int(v) for v in gemv.split("x")) if gemv else (0, 0)
         m, n, k, w, s = (int(part[1:]) for part in head.removesuffix("_pairs").split("_"))
         return cls(m, n, k, w, s, pair_rows=head.endswith("_pairs"), down_block_n=down_n,
-                   down_block_k=down_k, gate_up_block_n=gate_up_n, gate_up_block_k=gate_up_k)
+                   down_block_k=down_k, gate_up_block_n=gate_up_n, gate_up_block_k=gate_up_k,
+                   mxfp4_words=words)
 
 
 # Default tiles by tokens in the batch (the decode buckets first). Decode rows per expert
@@ -216,6 +238,16 @@ SUM_DOWN_TILES = ((4, 256), (4, 128), (2, 256), (1, 1024), (8, 128))
 # with K steps of 1024 led at every model and batch (1-4 tokens), 4 x 256 second or third;
 # with the best down, 1-2.5 µs a layer under the tl.dot gate/up.
 GATE_UP_GEMV_TILES = ((1, 1024), (4, 256))
+# The word-decoding GEMVs' (MoETile.mxfp4_words) tiles for MXFP4 experts: gate/up
+# (columns, K step) and the slot-summing down's. A K step of 1024 puts a row's 128 words on
+# the 128 threads of 4 warps, one a thread (256 and 512 at 4 slots, 16 and 8 rows), so the
+# activations lie where their words do (a K step of 512 at 4 gate/up rows moves them
+# through shared memory every step: not a candidate). ptxas at gpt-oss-20b's experts
+# (sm_80 to sm_120a): 40-125 registers, no spills; SASS per value a K step: ~7.5
+# instructions gate/up and ~9.5 down, against ~14 and ~20 for the byte decode's leading
+# tiles (4 x 256, 1 x 1024). K steps nearly divide 2880 (3 x 1024: 7% masked).
+WORD_GATE_UP_TILES = ((4, 1024), (8, 1024), (2, 1024))
+WORD_SUM_DOWN_TILES = ((1, 1024), (2, 512), (4, 256))
 
 
 def pair_rows_pay(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> bool:
@@ -302,11 +334,26 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: Any, w2: Any) -> list[MoET
         downs = [(0, 0)] + (list(SUM_DOWN_TILES) if top_k > 1 else [])
         tiles += [dataclasses.replace(gate_up, down_block_n=n, down_block_k=k)
                   for gate_up in gate_ups for n, k in downs]
+        tiles += _word_tiles(default, top_k, w13, w2)
     elif pairs <= 2 * PAIR_ROWS_MAX_PAIRS:
-        tiles = list(_by_tokens(_CANDIDATES, num_tokens)) + pair_tiles[:2]
+        tiles = (list(_by_tokens(_CANDIDATES, num_tokens)) + pair_tiles[:2]
+                 + _word_tiles(pair_tiles[0], top_k, w13, w2)[:2])
     else:
         tiles = list(_by_tokens(_CANDIDATES, num_tokens))
     return [default] + [t for t in dict.fromkeys(tiles) if t != default]
+
+
+def _word_tiles(pair: MoETile, top_k: int, w13: ExpertMatrices,
+                w2: ExpertMatrices) -> list[MoETile]:
+    """MXFP4 experts' word-decoding tiles on a pair tile: each WORD_GATE_UP_TILES gate/up
+    with each WORD_SUM_DOWN_TILES down (the pair tile's down at top-1). None for 16-bit or
+    unaligned experts."""
+    if not (w13.word_aligned() and w2.word_aligned()):
+        return []
+    downs = list(WORD_SUM_DOWN_TILES) if top_k > 1 else [(0, 0)]
+    return [dataclasses.replace(pair, gate_up_block_n=gn, gate_up_block_k=gk,
+                                down_block_n=dn, down_block_k=dk, mxfp4_words=True)
+            for gn, gk in WORD_GATE_UP_TILES for dn, dk in downs]
 
 
 if triton is not None:
@@ -379,29 +426,39 @@ if triton is not None:
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              EVEN_K: tl.constexpr, MXFP4: tl.constexpr = False,
                              HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = 0,
-                             PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False, WORDS: tl.constexpr = False):
         """act[pair, cols] = silu(x[token] . gate[cols]ᵀ) * (x[token] . up[cols]ᵀ) for one
         (token, slot) pair of the pair layout, with the pair's expert: two GEMVs on the
         CUDA cores, whose weight tiles go from memory straight to registers (the tl.dot
         form stages them through shared memory for tensor cores that use one row in 16).
         The products are summed over K in fp32 and rounded once, as ``_gate_up_kernel``
         stores its tile. MXFP4 weights: each byte's two values times x's even and odd
-        elements (triton_mxfp4.mxfp4_row_pairs). The experts come from the routing, the
-        kernel right before: all is read after PDL's wait."""
+        elements (triton_mxfp4.mxfp4_row_pairs); with WORDS, int32 words of 8 values
+        (triton_mxfp4.mxfp4_word_dots). The experts come from the routing, the kernel
+        right before: all is read after PDL's wait."""
         pdl_start(PDL)
         pair = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
         expert = tl.load(experts_ptr + pair).to(tl.int64)
-        gate_rows = (w13_ptr + expert * stride_we
-                     + cols.to(tl.int64)[:, None] * stride_wn)             # [N, 1]
-        up_rows = gate_rows + inter * stride_wn
         x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt
-        if MXFP4:
+        # [N, 1]: bytes, 16-bit values, or int32 words (WORDS: strides in words).
+        gate_rows = w13_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        up_rows = gate_rows + inter * stride_wn
+        gate_scales = s13_ptr + expert * stride_se + cols.to(tl.int64)[:, None] * stride_sn
+        up_scales = gate_scales + inter * stride_sn
+        if MXFP4 and WORDS:
+            BLOCK_W: tl.constexpr = BLOCK_K // 8
+            gate = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+            up = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+            for w0 in range(0, hidden // 8, BLOCK_W):
+                x = _word_activations(x_row, w0, hidden, BLOCK_W)
+                gate += mxfp4_word_dots(gate_rows, gate_scales, col_ok[:, None], x, w0,
+                                        hidden, BLOCK_W)
+                up += mxfp4_word_dots(up_rows, up_scales, col_ok[:, None], x, w0, hidden,
+                                      BLOCK_W)
+        elif MXFP4:
             BLOCK_P: tl.constexpr = BLOCK_K // 2
-            gate_scales = (s13_ptr + expert * stride_se
-                           + cols.to(tl.int64)[:, None] * stride_sn)       # [N, 1]
-            up_scales = gate_scales + inter * stride_sn
             gate = tl.zeros([BLOCK_N, BLOCK_P], tl.float32)
             up = tl.zeros([BLOCK_N, BLOCK_P], tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
@@ -489,17 +546,29 @@ if triton is not None:
                                TOP_K: tl.constexpr, SLOTS: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
-                               PDL: tl.constexpr = False, ADD: tl.constexpr = False):
+                               PDL: tl.constexpr = False, ADD: tl.constexpr = False,
+                               WORDS: tl.constexpr = False):
         """out[t, cols] = sum over slots j of weight[t, j] * (act[t * TOP_K + j] .
         w2[expert[t, j]][cols]ᵀ): a GEMV per slot on the CUDA cores (one row each: tensor
         cores would be 1/16 used), rounded to the output dtype as ``_down_kernel`` stores
         each slot's row, then summed in fp32 in registers (``_sum_slots_kernel``'s sum,
         without its launch). SLOTS: TOP_K rounded up to a power of two, masked. ADD: plus
         add[t] (``_store_sum``). MXFP4: the slots one after another, each a GEMV over its
-        expert's decoded rows (``_mxfp4_slot_parts``), summed in the same order."""
+        expert's decoded rows (``_mxfp4_slot_parts``), summed in the same order; with WORDS,
+        every slot's rows in one tile of int32 words (``_mxfp4_word_slot_parts``)."""
         token = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
+        if MXFP4 and WORDS:
+            pdl_start(PDL)
+            total = _mxfp4_word_slot_parts(act_ptr, w2_ptr, s2_ptr, b2_ptr, weights_ptr,
+                                           experts_ptr, token, hidden, inter, stride_at,
+                                           stride_we, stride_wn, stride_se, stride_sn,
+                                           stride_be, out_ptr.dtype.element_ty, TOP_K, SLOTS,
+                                           BLOCK_N, BLOCK_K, HAS_BIAS)
+            _store_sum(out_ptr + token * stride_ot + cols, total, col_ok, add_ptr,
+                       token * stride_add + cols, ADD)
+            return
         if MXFP4:
             pdl_start(PDL)
             total = _mxfp4_slot_parts(act_ptr, w2_ptr, s2_ptr, b2_ptr, weights_ptr,
@@ -574,6 +643,50 @@ if triton is not None:
                                                    HAS_BIAS)
             total += round_to_dtype(part * tl.load(weights_ptr + pair), dtype)
         return total
+
+    @triton.jit
+    def _word_activations(a_rows, w0, K, BLOCK_W: tl.constexpr, row_ok=None):
+        """The activations of words w0 .. w0 + BLOCK_W as fp32 [R, BLOCK_W, 8]: ``a_rows``
+        a row's pointer (R 1) or [R, 1, 1] pointers (``row_ok`` [R, 1, 1]); 0 from K on."""
+        k = 8 * (w0 + tl.arange(0, BLOCK_W))[None, :, None] + tl.arange(0, 8)[None, None, :]
+        mask = k < K
+        if row_ok is not None:
+            mask = mask & row_ok
+        return tl.load(a_rows + k, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _mxfp4_word_slot_parts(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, experts_ptr, token,
+                               hidden, inter, stride_at, stride_we, stride_wn,
+                               stride_se, stride_sn, stride_be, dtype: tl.constexpr,
+                               TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               HAS_BIAS: tl.constexpr):
+        """``_mxfp4_slot_parts``' sum with every slot's rows in one tile (row r: slot
+        r // BLOCK_N, column r % BLOCK_N), so a K step loads SLOTS times the words of one
+        slot; the slots' parts rounded to ``dtype`` and summed in fp32."""
+        ROWS: tl.constexpr = SLOTS * BLOCK_N
+        r = tl.arange(0, ROWS)
+        slot = r // BLOCK_N
+        row_cols = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+        row_ok = (slot < TOP_K) & (row_cols < hidden)
+        pairs = token * TOP_K + slot
+        experts = tl.load(experts_ptr + pairs, mask=row_ok, other=0).to(tl.int64)
+        w_rows = w_ptr + (experts * stride_we + row_cols.to(tl.int64) * stride_wn)[:, None]
+        s_rows = (s_ptr + experts[:, None] * stride_se
+                  + row_cols.to(tl.int64)[:, None] * stride_sn)
+        a_rows = act_ptr + pairs[:, None, None] * stride_at
+        BLOCK_W: tl.constexpr = BLOCK_K // 8
+        acc = tl.zeros([ROWS, BLOCK_W], tl.float32)
+        for w0 in range(0, inter // 8, BLOCK_W):
+            a = _word_activations(a_rows, w0, inter, BLOCK_W, row_ok[:, None, None])
+            acc += mxfp4_word_dots(w_rows, s_rows, row_ok[:, None], a, w0, inter, BLOCK_W)
+        parts = tl.sum(acc, axis=1)
+        if HAS_BIAS:     # each slot's expert's bias, before its routing weight
+            parts += tl.load(b_ptr + experts * stride_be + row_cols, mask=row_ok,
+                             other=0.0).to(tl.float32)
+        parts = round_to_dtype(parts * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0),
+                               dtype)
+        return tl.sum(tl.reshape(parts, (SLOTS, BLOCK_N)), axis=0)
 
     @triton.jit
     def _sum_slots_kernel(src_ptr, dst_ptr, hidden, stride_src, stride_dst, add_ptr,
@@ -718,13 +831,15 @@ def _gate_up_gemvs(hidden: torch.Tensor, w13: ExpertMatrices, tile: MoETile, top
     pairs, inter = num_tokens * top_k, w13.shape[1] // 2
     act = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
     pdl = pdl_enabled(hidden.device)
-    w, s, b, *strides = w13.launch_args()
+    words = tile.mxfp4_words and w13.word_aligned()
+    w, s, b, *strides = w13.launch_args(words)
     scalars, act_kind = _activation_args(activation)
     _gate_up_gemv_kernel[(pairs, triton.cdiv(inter, tile.gate_up_block_n))](
         hidden, w, s, b, act, flat_experts, inter, hidden_size, hidden.stride(0), *strides,
         act.stride(0), *scalars, TOP_K=top_k, BLOCK_N=tile.gate_up_block_n,
         BLOCK_K=tile.gate_up_block_k, EVEN_K=hidden_size % tile.gate_up_block_k == 0,
-        **w13.flags(), **act_kind, num_warps=4, PDL=pdl, **pdl_launch_options(pdl))
+        **w13.flags(), **act_kind, num_warps=4, PDL=pdl, WORDS=words,
+        **pdl_launch_options(pdl))
     return act
 
 
@@ -764,14 +879,15 @@ def _down_gemvs_summed(act: torch.Tensor, flat_weights: torch.Tensor, w2: Expert
         add = add.contiguous()
     summed = torch.empty(num_tokens, hidden_size, dtype=act.dtype, device=act.device)
     pdl = pdl_enabled(act.device)
-    w, s, b, *strides = w2.launch_args()
+    words = tile.mxfp4_words and w2.word_aligned()
+    w, s, b, *strides = w2.launch_args(words)
     _down_sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, tile.down_block_n))](
         act, w, s, b, summed, flat_weights, flat_experts, hidden_size, inter, act.stride(0),
         *strides, summed.stride(0), add if add is not None else summed,
         add.stride(0) if add is not None else 0, TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k), BLOCK_N=tile.down_block_n,
         BLOCK_K=tile.down_block_k, **w2.flags(), num_warps=4, PDL=pdl, ADD=add is not None,
-        **pdl_launch_options(pdl))
+        WORDS=words, **pdl_launch_options(pdl))
     return summed
 
 
