@@ -25,6 +25,18 @@ _KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
+def gated_product(gate, up, dtype: tl.constexpr, ACT: tl.constexpr = SILU):
+    """act(gate) * up from fp32 gate and up, rounded to ``dtype`` where the references round:
+    act(gate), then the product. Shared by every kernel that fuses the gated activation."""
+    if ACT == SILU:
+        activated = gate * tl.sigmoid(gate)
+    else:
+        inner = _SQRT_2_OVER_PI * (gate + _KAPPA * (gate * gate * gate))
+        activated = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+    return round_to_dtype(round_to_dtype(activated, dtype) * up, dtype)
+
+
+@triton.jit
 def _gated_act_kernel(x_ptr, out_ptr, x_stride, width, ACT: tl.constexpr,
                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -33,13 +45,7 @@ def _gated_act_kernel(x_ptr, out_ptr, x_stride, width, ACT: tl.constexpr,
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + width + cols, mask=mask, other=0.0).to(tl.float32)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
-    if ACT == SILU:
-        activated = gate * tl.sigmoid(gate)
-    else:
-        inner = _SQRT_2_OVER_PI * (gate + _KAPPA * (gate * gate * gate))
-        activated = 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-    activated = round_to_dtype(activated, dtype)
-    tl.store(out_ptr + row * width + cols, round_to_dtype(activated * up, dtype).to(dtype),
+    tl.store(out_ptr + row * width + cols, gated_product(gate, up, dtype, ACT).to(dtype),
              mask=mask)
 
 

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from archserve.kernels.attention.triton_decode import dot_precision
+from archserve.kernels.elementwise.triton_gated_act import gated_product
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.lora.interface import LoRAMapping, LoRASlots
 from archserve.kernels.pdl import (
@@ -306,8 +307,7 @@ def _lora_expand_silu_mul_kernel(b, y, out, partials, mapping, num_tokens, width
                           + tl.sum(t_gate[:, None, :] * gate_b, 2), dtype)
     up = round_to_dtype(tl.load(y + rows + inter, mask=mask, other=0.0).to(tl.float32)
                         + tl.sum(t_up[:, None, :] * up_b, 2), dtype)
-    # Rounded where the SiLU kernel rounds: silu(gate), then the product.
-    act = round_to_dtype(round_to_dtype(gate * tl.sigmoid(gate), dtype) * up, dtype)
+    act = gated_product(gate, up, dtype)   # rounded as the SiLU kernel rounds
     tl.store(out + token.to(tl.int64)[:, None] * out_row_stride + n[None, :], act.to(dtype),
              mask=mask)
 
