@@ -362,14 +362,14 @@ def model_logprobs(model, ids: list[int]) -> list[float]:
     return [ref[p - 1, ids[p]].item() for p in range(1, len(ids))]
 
 
-def bf16_logprob_drift(path: str, outputs) -> tuple[float, float]:
+def bf16_logprob_drift(path: str, outputs, **hf_kwargs) -> tuple[float, float]:
     """(mean |ours - transformers fp32|, mean |transformers bf16 - transformers fp32|) of
     the log-probs of the engine's prompt and generated tokens: our drift beside
-    transformers' own bf16 drift on the same tokens."""
+    transformers' own bf16 drift on the same tokens (``hf_kwargs`` to from_pretrained)."""
     from transformers import AutoModelForCausalLM
 
     ours, theirs = [], []
-    models = {dtype: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    models = {dtype: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hf_kwargs).cuda().eval()
               for dtype in (torch.float32, torch.bfloat16)}
     for out in outputs:
         ids, got = engine_logprobs(out)

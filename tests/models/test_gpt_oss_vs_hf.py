@@ -27,8 +27,9 @@ from models.helpers import (
     assert_llm_greedy_and_prompt_logprobs_equal_hf,
     assert_prefill_then_decode_match_hf,
     assert_prompt_positions_match_hf,
+    bf16_greedy_params,
+    bf16_logprob_drift,
     hf_last_logits,
-    prompt_logprob_gaps,
     saved_and_loaded,
     tiny_hf_model,
 )
@@ -227,15 +228,19 @@ def test_gpu_llm_greedy_equals_transformers(tmp_path, form, enforce_eager):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["bf16 checkpoint", "mxfp4"])
-def test_gpu_bf16_prompt_logprobs_are_close_to_transformers(tmp_path, form):
-    """bf16 on the GPU, graphs on, against transformers in bf16 on the GPU (MXFP4: its
-    dequantized experts): the prompts' log-probabilities agree to bf16 rounding."""
-    from transformers import AutoModelForCausalLM
-
+def test_gpu_bf16_engine_is_within_transformers_bf16_drift(tmp_path, form):
+    """bf16 on the GPU, graphs on, against transformers in fp32 (MXFP4: its dequantized
+    experts): the log-probs of the prompt and generated tokens drift from it no more than
+    transformers' own bf16 run does (twice its mean). Not a position-wise bound against
+    transformers' bf16: with 4 experts, top 2, some tokens' second and third router logits
+    are 0.01 apart, and either bf16 run may swap them (the MXFP4 fixture's first prompt
+    does on a CPU too, moving one log-prob by 0.35: mean drifts 0.022 against 0.021)."""
     from archserve import LLM
     path, hf_kwargs = _checkpoint_of(form, tmp_path)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                    **hf_kwargs).cuda().eval()
     llm = LLM(path, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3)
-    diffs = prompt_logprob_gaps(hf_model, llm, TEXT_PROMPTS)
-    assert max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02
+    outputs = llm.generate(TEXT_PROMPTS, bf16_greedy_params())
+    del llm
+    ours, theirs = bf16_logprob_drift(path, outputs, **hf_kwargs)
+    print(f"mean |delta logprob| against fp32: archserve bf16 {ours:.4f}, transformers bf16 "
+          f"{theirs:.4f}")
+    assert ours <= max(2 * theirs, 0.02), (ours, theirs)
