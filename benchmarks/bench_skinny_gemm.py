@@ -8,10 +8,12 @@ weight (>= 256 MB in all) that L2 cannot hold them, as a decode step's layers do
 kernel, against the Triton kernel with the SiLU in its epilogue ("n.._k.._w..") and the
 Triton GEMV then the SiLU kernel ("unfused:n.._k.._w.."). Prints µs and the achieved
 bandwidth (weight bytes / time); --out writes the timings as JSON. The engine's candidate
-configs (triton_skinny_gemm._CANDIDATE_TILES) were picked from this sweep's results.
+configs (triton_skinny_gemm._CANDIDATE_TILES) were picked from this sweep's results at one
+row; --candidates times those instead of the sweep (the start-up tuner's choice per row
+count, from 1 to 16 rows: a speculative verification step's).
 
     python3 benchmarks/bench_skinny_gemm.py [--rows 1,2,4,8] [--iters 10] [--configs K,..]
-        [--shapes 8b.qkv,..] [--out F.json]
+        [--candidates] [--shapes 8b.qkv,..] [--out F.json]
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from archserve.kernels.linear.skinny_choice import (  # noqa: E402
     time_shape,
     triton_choices,
 )
-from archserve.kernels.linear.triton_skinny_gemm import SkinnyConfig  # noqa: E402
+from archserve.kernels.linear.triton_skinny_gemm import (  # noqa: E402
+    SkinnyConfig,
+    candidate_configs,
+)
 
 SHAPES = {  # name: (out_features, in_features); "+silu": the GEMM then silu(gate) * up
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096),
@@ -48,27 +53,44 @@ LAYERS = {"8b": 32, "0.6b": 28}
 
 
 def sweep_configs(rows: int) -> list[str]:
-    block_m = 1 << (rows - 1).bit_length()
     keys = []
-    for bn in (1, 2, 4, 8, 16):
-        for bk in (256, 512, 1024, 2048):
-            tile = bn * bk
-            if tile < 512 or tile * block_m > 8192:
-                continue
-            keys.append(SkinnyConfig(bn, bk, 4).key())
-            if tile * block_m >= 4096:
-                keys.append(SkinnyConfig(bn, bk, 8).key())
+    if rows == 1:   # [BLOCK_N, BLOCK_K] sums: tiles of 512-8192 values
+        for bn in (1, 2, 4, 8, 16):
+            for bk in (256, 512, 1024, 2048):
+                tile = bn * bk
+                if tile < 512 or tile > 8192:
+                    continue
+                keys.append(SkinnyConfig(bn, bk, 4).key())
+                if tile >= 4096:
+                    keys.append(SkinnyConfig(bn, bk, 8).key())
+        return keys
+    # More rows: BLOCK_K one or two 16-byte vectors a thread (no layout conversion in the
+    # K loop), at most 64 sums a thread (BLOCK_M x BLOCK_N x vectors).
+    block_m = 1 << (rows - 1).bit_length()
+    for warps in (1, 2, 4, 8):
+        for vectors in (1, 2):
+            bk = 8 * 32 * warps * vectors
+            for bn in (1, 2, 4, 8):
+                if bk <= 4096 and block_m * bn * vectors <= 64:
+                    keys.append(SkinnyConfig(bn, bk, warps).key())
     return keys
 
 
-def time_one(name: str, rows: int, configs: list[str] | None, iters: int) -> dict:
+def configs_at(rows: int, configs: list[str] | None, engine: bool) -> list[str]:
+    """The configs timed at ``rows``: those given, the engine's candidates, or the sweep."""
+    if configs:
+        return configs
+    return [c.key() for c in candidate_configs(rows)] if engine else sweep_configs(rows)
+
+
+def time_one(name: str, rows: int, configs: list[str], iters: int) -> dict:
     n, k = SHAPES[name]
     kind = SILU_MUL if name.endswith("+silu") else LINEAR
     nbytes = n * k * 2
     copies = max(1, min(32, -(-(256 << 20) // nbytes)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(copies)]
-    t = time_shape(kind, rows, weights, iters, triton_choices(kind, configs or sweep_configs(rows)))
+    t = time_shape(kind, rows, weights, iters, triton_choices(kind, configs))
     best = min(t.triton_us, key=t.triton_us.get) if t.triton_us else None
     tb = lambda us: nbytes / us / 1e6  # noqa: E731 - TB/s from µs
     line = f"{name:17s} rows {rows}: cuBLAS {t.cublas_us:7.2f} µs ({tb(t.cublas_us):.2f} TB/s)"
@@ -87,10 +109,14 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--configs", help="config keys to time (e.g. n2_k1024_w4,n1_k2048_w8) "
                                           "instead of the built-in sweep")
+    parser.add_argument("--candidates", action="store_true",
+                        help="time the engine's candidate configs at each row count (what the "
+                             "start-up tuner times) instead of the sweep")
     parser.add_argument("--out")
     args = parser.parse_args()
     configs = args.configs.split(",") if args.configs else None
-    results = [time_one(name, int(rows), configs, args.iters)
+    results = [time_one(name, int(rows), configs_at(int(rows), configs, args.candidates),
+                        args.iters)
                for name in args.shapes.split(",") for rows in args.rows.split(",")]
     # Per-model decode step: layers x (qkv + o + gate_up+silu + down) + lm_head, both ways.
     for model, layers in LAYERS.items():

@@ -9,6 +9,7 @@ its tokens' arrival; sequences sit at ``--context`` tokens of cached (dummy) con
 
     python3 benchmarks/spec_verify_step.py benchmarks/models/llama-3-8b \
         [--context 512] [--batches 1,8,32] [--max-drafts 8] [--steps 50] [--reps 5]
+        [--profile-drafts 1,4]
 
 Dummy bf16 weights. Prints one row per batch size: the decode step's median ms, then each
 k's verification step in ms and as a ratio to the decode step, and what it replayed: the
@@ -67,6 +68,29 @@ def step_ms(engine: LLMEngine, chunks: list[ScheduledSeq], steps: int, reps: int
     return statistics.median(times)
 
 
+def profile_steps(engine: LLMEngine, chunks: list[ScheduledSeq], steps: int) -> str:
+    """``steps`` steps under torch.profiler, rendered: the device's busy and idle time per
+    step and its kernels by device time (archserve.bench.step_profile)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from archserve.bench.step_profile import summarize
+    runner = engine.runner
+    on_cuda = runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    for _ in range(3):
+        runner.execute(chunks).wait()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.execute(chunks).wait()
+        sync()
+        wall = time.perf_counter() - start
+    return summarize(prof.events(), len(chunks), steps, wall).render()
+
+
 def _counting(replay, replays: dict[str, int], key: str):  # noqa: ANN001, ANN202
     """``replay``, counting its calls under ``key``."""
     def counting(*a, **k):  # noqa: ANN002, ANN003, ANN202
@@ -86,6 +110,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows")
+    parser.add_argument("--profile-drafts", default="",
+                        help="k values (e.g. 1,4) whose steps at the first batch size are "
+                             "profiled after the timings, with the decode step: where the "
+                             "verification step's extra time goes, kernel by kernel")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     # n-gram drafts (none proposed here: the drafts are given), so the verification steps'
@@ -117,6 +145,12 @@ def main() -> None:
             path = next((key for key in replays if replays[key] > before[key]), "eager")
             row["verify"][k] = {"ms": ms, "ratio": ms / decode, "graph": path != "eager",
                                 "path": path}
+        if args.profile_drafts and batch == batches[0]:
+            for k in [0] + [int(d) for d in args.profile_drafts.split(",")]:
+                chunks = [ScheduledSeq(s, 1 + k, True, list(s.token_ids[-k:]) if k else [])
+                          for s in seqs]
+                print(f"profile, batch {batch}, k = {k}:\n"
+                      f"{profile_steps(engine, chunks, args.steps)}", flush=True)
         for seq in seqs:
             engine.block_pool.free(seq)
         rows.append(row)

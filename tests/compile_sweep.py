@@ -235,7 +235,7 @@ def skinny_gemm(case: SweepCase) -> None:
     router = _empty(64, HIDDEN, dtype=torch.float32)
     norm = _empty(HIDDEN, dtype=dtype)
     with candidates():
-        for rows in (1, 2, 4):
+        for rows in (1, 2, 4, 8, 16):   # each BLOCK_M up to MAX_ROWS
             x, x_inter = _empty(rows, HIDDEN, dtype=dtype), _empty(rows, INTER, dtype=dtype)
             for config in skinny.candidate_configs(rows):
                 skinny.skinny_gemm(x, qkv, None, config)

@@ -471,7 +471,7 @@ class ModelRunner:
         (without graphs the rows run eagerly; a larger step keeps its mixed-step bucket,
         whose 16-row minimum a few rows would otherwise pay). A verification step then
         costs what a decode batch of B x (k + 1) rows does: its GEMMs at that many rows
-        (the skinny GEMV up to 4) and the decode kernel, not a bucket's padded GEMMs and
+        (the skinny GEMV up to 16) and the decode kernel, not a bucket's padded GEMMs and
         the varlen kernel."""
         if self.decode_rows_query_len <= 1 or self.kv_calibration_pending or not chunks:
             return False

@@ -9,6 +9,7 @@ shapes of Llama-3-8B and Qwen3-0.6B, inside a CUDA graph, and tune a routine on 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -206,16 +207,19 @@ def test_configs_fit_the_accumulator_and_round_trip_their_keys():
     for rows in range(1, MAX_ROWS + 1):
         configs = candidate_configs(rows)
         assert configs, rows
-        block_m = 1 << (rows - 1).bit_length()
         for c in configs:
-            assert c.block_n * c.block_k * block_m <= 8192
+            if rows == 1:   # [BLOCK_N, BLOCK_K] fp32 sums
+                assert c.block_n * c.block_k <= 8192
+            else:   # BLOCK_K in whole 16-byte vectors a thread (_times_rows)
+                assert c.block_k % (8 * 32 * c.num_warps) == 0, (rows, c)
             assert SkinnyConfig.from_key(c.key()) == c
 
 
 def test_unsupported_operands_are_named():
     w = torch.zeros(64, 32)
     assert skinny_gemm_unsupported(torch.zeros(1, 32), w, None) is None
-    assert "9 rows" in skinny_gemm_unsupported(torch.zeros(9, 32), w, None)
+    assert skinny_gemm_unsupported(torch.zeros(MAX_ROWS, 32), w, None) is None
+    assert "17 rows" in skinny_gemm_unsupported(torch.zeros(17, 32), w, None)
     assert "operands" in skinny_gemm_unsupported(torch.zeros(1, 16), w, None)
     assert "bias" in skinny_gemm_unsupported(torch.zeros(1, 32), w, torch.zeros(3))
     assert "contiguous" in skinny_gemm_unsupported(torch.zeros(32, 2).T, w, None)
@@ -313,7 +317,7 @@ def test_tune_reads_a_complete_cache_without_timing(tmp_path):
         for r in (1, 2) for (kind, n, k, dt) in groups}
     path.write_text(json.dumps({"version": _CACHE_VERSION, "shapes": {k: vars(v) for k, v in shapes.items()}}))
     routine = SkinnyGemmRoutine()
-    report = routine.tune(groups, [1, 2, 16], str(path))   # 16 rows: beyond the kernel
+    report = routine.tune(groups, [1, 2, 32], str(path))   # 32 rows: beyond the kernel
     assert report.from_cache and len(report.timings) == 4
     assert routine.choices[shape_key(LINEAR, 1, 8, 16, torch.float32)] == "n4_k512_w4"
     assert routine.choices[shape_key(SILU_MUL, 2, 16, 8, torch.float32)] == CUBLAS
@@ -478,6 +482,37 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
         assert early_loads[True, True] == early_loads[True, False]
 
 
+def k_loop_conversions(ttgir: str) -> int:
+    """Layout conversions inside the kernel's loops (each one a pass through shared memory,
+    with barriers, every K step)."""
+    return sum(body.count("convert_layout")
+               for body in re.findall(r"scf\.for(.*?)scf\.yield", ttgir, re.S))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.parametrize("capability", [80, 90, 100, 120], ids=lambda c: f"sm{c}")
+def test_verification_rows_compile_with_no_conversion_in_the_k_loop(capability):
+    """A verification step's rows (8 and 16: the graphs of up to 7 and 15 drafts at batch
+    1) compile for each target in their heaviest forms: gate/up with the norm prologue
+    (residual, norm weight, the normalised rows kept), and the plain GEMV with the residual
+    add in its epilogue; in neither is a tile converted through shared memory in the K
+    loop (the weight's and the rows' tiles are loaded in the product's layout)."""
+    pytest.importorskip("triton")
+    from triton_compile import compiled_launches
+    rows16, rows8 = candidate_configs(16)[0], candidate_configs(8)[-1]
+    x16 = torch.zeros(16, 2048 + 64, dtype=torch.bfloat16)     # a partial last K tile
+    x8, w8 = torch.zeros(8, 4096, dtype=torch.bfloat16), torch.zeros(64, 4096, dtype=torch.bfloat16)
+    with compiled_launches(("cuda", capability, 32)) as launches:
+        rms_norm_skinny_gemm(x16, x16, torch.zeros(x16.shape[1], dtype=torch.bfloat16), 1e-6,
+                             torch.zeros(128, x16.shape[1], dtype=torch.bfloat16), None, rows16,
+                             silu_mul=True, keep_normed=True)
+        skinny_gemm(x8, w8, None, rows8, add=torch.zeros(8, 64, dtype=torch.bfloat16))
+    assert [launch.constexprs["BLOCK_M"] for launch in launches] == [16, 8]
+    for launch in launches:
+        assert launch.asm.get("cubin")
+        assert k_loop_conversions(launch.asm["ttgir"]) == 0, launch.constexprs
+
+
 # ---------------------------------------------------------------- CPU: the interpreter
 
 if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
@@ -534,6 +569,25 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
         check_folded_norm_prologue(rows, 16, 520, dtype, "cpu", SkinnyConfig(8, 256, 4))
         check_add_epilogue(rows, 24, 520, dtype, "cpu", SkinnyConfig(8, 256, 4))
 
+    @pytest.mark.parametrize("rows", [5, 16])
+    def test_verification_rows_in_every_form(rows):
+        """A verification step's rows (5: padded to 8; 16): the plain GEMV with a bias,
+        gated, the norm prologue keeping the normalised rows, the folded norm, the residual
+        add and the widened logits, over two K steps, the second partial."""
+        config = candidate_configs(rows)[-1]
+        k = config.block_k + 72
+        check_against_float64(rows, 12, k, torch.bfloat16, "cpu", config, with_bias=True)
+        check_silu_mul_against_unfused(rows, 6, k, torch.float16, "cpu", config)
+        check_norm_prologue(rows, 6, k, torch.bfloat16, "cpu", config, True, True)
+        check_folded_norm_prologue(rows, 6, k, torch.float32, "cpu", config)
+        check_add_epilogue(rows, 6, k, torch.bfloat16, "cpu", config)
+        check_widen_epilogue(rows, 6, k, torch.bfloat16, "cpu", config)
+
+    def test_verification_rows_with_a_float32_weight():
+        # 9 rows (padded to 16), bf16 x: a float32 weight's runs are 4 values a thread.
+        check_16_bit_x_with_float32_weight(9, 6, 600, torch.bfloat16, "cpu",
+                                           candidate_configs(9)[-1], silu_mul=True)
+
     @pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (3, torch.float16)], ids=str)
     def test_widen_epilogue(rows, dtype):
         check_widen_epilogue(rows, 24, 520, dtype, "cpu", SkinnyConfig(8, 256, 4))
@@ -557,6 +611,22 @@ REAL_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256
 def test_gpu_real_shapes_every_candidate(n, k, rows):
     for config in candidate_configs(rows):
         check_against_float64(rows, n, k, torch.bfloat16, "cuda", config)
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [5, 8, 9, 16])
+def test_gpu_verification_rows_llama_8b_shapes(rows):
+    """A batch-1 verification step's rows (4, 7, 8 and 15 drafts; 5 and 9 run padded in
+    the graphs of 8 and 16) at Llama-3-8B's shapes, every candidate: QKV and down against
+    float64, gate/up with the SiLU epilogue, QKV after the norm prologue (with the residual)
+    and O with the residual add in its epilogue."""
+    for config in candidate_configs(rows):
+        check_against_float64(rows, 6144, 4096, torch.bfloat16, "cuda", config)
+        check_against_float64(rows, 4096, 14336, torch.bfloat16, "cuda", config)
+        check_silu_mul_against_unfused(rows, 14336, 4096, torch.bfloat16, "cuda", config)
+        check_norm_prologue(rows, 6144, 4096, torch.bfloat16, "cuda", config, True, False)
+        check_add_epilogue(rows, 4096, 4096, torch.bfloat16, "cuda", config)
 
 
 @gpu
@@ -689,7 +759,7 @@ def test_gpu_tune_chooses_per_shape_caches_and_replays_in_a_graph(tmp_path):
     path = str(tmp_path / "decode_gemms.json")
     routine = SkinnyGemmRoutine()
     report = routine.tune(groups, [1, 2, 16], path)
-    assert not report.from_cache and len(report.timings) == 4
+    assert not report.from_cache and len(report.timings) == 6
     for key, timing in report.timings.items():
         assert timing.cublas_us > 0 and timing.triton_us, (key, timing)
         if timing.chosen != CUBLAS:
@@ -707,9 +777,9 @@ def test_gpu_tune_chooses_per_shape_caches_and_replays_in_a_graph(tmp_path):
             assert (plain in routine.choices) == \
                 (min(unfused) < timing.cublas_us * (1 - MIN_GAIN)), (key, timing)
     again = SkinnyGemmRoutine().tune(groups, [1, 2], path)
-    assert again.from_cache
+    assert again.from_cache and len(again.timings) == 4
     assert {k: t.chosen for k, t in again.timings.items()} == \
-        {k: t.chosen for k, t in report.timings.items()}
+        {k: report.timings[k].chosen for k in again.timings}
 
     # Force the kernel for one shape so the graph path is exercised whatever was chosen.
     routine.choices[shape_key(LINEAR, 1, 6144, 4096, torch.bfloat16)] = \

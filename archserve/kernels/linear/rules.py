@@ -192,14 +192,14 @@ class TorchDequantBackend(RuleBackend):
 
 
 class TritonSkinnyGemmBackend(RuleBackend):
-    """Dense GEMMs of 1-4 rows (decode batches) in CUDA graphs through a Triton GEMV, per
+    """Dense GEMMs of 1-16 rows (decode batches) in CUDA graphs through a Triton GEMV, per
     shape only where start-up timing shows it faster than cuBLAS; everything else is
     torch's. It never loses to TORCH_MATMUL by more than timing noise."""
 
     name = "TRITON_SKINNY_GEMM"
     op = "linear"
     library = "triton"
-    description = ("Triton GEMV for decode GEMMs of 1-4 rows in CUDA graphs, per shape where "
+    description = ("Triton GEMV for decode GEMMs of 1-16 rows in CUDA graphs, per shape where "
                    "it times faster than cuBLAS; torch matmul otherwise (any CUDA/ROCm GPU)")
     impl_path = "archserve.kernels.linear.skinny_choice:SkinnyGemmRoutine"
 

@@ -1,17 +1,19 @@
 """y = x W^T (+ b) for a few rows of x: the GEMM of a small decode batch, as a GEMV.
 
-At one to eight rows a GEMM reads its weight once and does almost no arithmetic, so its
+At one to sixteen rows a GEMM reads its weight once and does little arithmetic, so its
 time is the weight's bytes over the memory bandwidth. cuBLAS reaches that on the wide
 matrices of an 8B model (gate/up, down) but not on the narrow ones (QKV, O at 3.1 of
 4.3 TB/s on an H200), and it adds split-K reduce kernels there. This kernel gives each
 program ``BLOCK_N`` output columns over the whole of K, so no reduction crosses programs
-and there is no second kernel. The product runs on the CUDA cores in fp32, broadcast
-over the rows, and is summed over K once at the end; tensor cores would only add
-padding at these row counts.
+and there is no second kernel. The product runs on the CUDA cores in fp32: each weight
+tile is loaded once and multiplied by every row (a speculative verification step's
+newest token and drafts, or a small batch), the sums are reduced over K once at the
+end; tensor cores would pad the rows to their 16-row tile and stage the weight through
+shared memory.
 
-Whether it beats cuBLAS depends on the shape and the GPU, so nothing calls it blindly:
-``archserve.kernels.linear.skinny_choice`` times it against cuBLAS per shape.
-"""
+Whether it beats cuBLAS depends on the shape, the rows and the GPU, so nothing calls it
+blindly: ``archserve.kernels.linear.skinny_choice`` times it against cuBLAS per shape
+and row count."""
 
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 
-# Rows this kernel is built for. Its fp32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
-# values; at eight rows cuBLAS was faster on every Llama-3-8B and Qwen3-0.6B shape.
-MAX_ROWS = 4
+# Rows this kernel is built for: a batch-1 verification step of up to 15 drafts. Its
+# accumulator holds BLOCK_M x BLOCK_N sums a thread per vector of K (_times_rows); past
+# 16 rows those sums and the rows' tile outgrow the registers, and cuBLAS's tensor cores
+# have rows enough to fill their tiles.
+MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -45,13 +49,19 @@ class SkinnyConfig:
         return cls(n, k, w)
 
 
-# Tiles (BLOCK_N, BLOCK_K, warps) worth timing per BLOCK_M: the leaders of sweeps of 1-32 x
-# 128-4096 tiles at 2, 4 and 8 warps over the 8B and 0.6B shapes on an H200
-# (benchmarks/bench_skinny_gemm.py). Few: each is compiled and timed
-# at the first start.
+# Tiles (BLOCK_N, BLOCK_K, warps) worth timing per BLOCK_M. One row: the leaders of sweeps
+# of 1-32 x 128-4096 tiles at 2, 4 and 8 warps over the 8B and 0.6B shapes on an H200
+# (benchmarks/bench_skinny_gemm.py). More rows (chosen by rule, not yet by a sweep): tiles
+# whose BLOCK_K is one 16-byte vector a thread (8 x 32 x warps 16-bit values), so the
+# weight's and the rows' load layouts are the product's and nothing crosses shared memory
+# in the K loop (a compile test checks it), and whose sums fit sm_90a's registers without
+# spilling, plain and gated (BLOCK_N falls as the rows grow: a thread holds BLOCK_M x
+# BLOCK_N sums). Few: each is compiled and timed at the first start.
 _CANDIDATE_TILES = {1: [(2, 1024, 4), (1, 2048, 4), (2, 2048, 8), (4, 512, 4)],
-                    2: [(2, 1024, 4), (4, 512, 4), (8, 512, 4), (16, 128, 4)],
-                    4: [(2, 1024, 4), (4, 256, 4), (8, 256, 4)]}
+                    2: [(2, 1024, 4), (4, 1024, 4), (2, 2048, 8), (4, 512, 2)],
+                    4: [(2, 1024, 4), (4, 1024, 4), (2, 2048, 8), (2, 512, 2)],
+                    8: [(1, 1024, 4), (2, 1024, 4), (2, 2048, 8), (2, 512, 2)],
+                    16: [(1, 1024, 4), (2, 1024, 4), (1, 2048, 8), (2, 512, 2)]}
 
 
 def candidate_configs(rows: int) -> list[SkinnyConfig]:
@@ -61,30 +71,41 @@ def candidate_configs(rows: int) -> list[SkinnyConfig]:
 
 @triton.jit
 def _load_weight(w_rows, k, col_ok, K, EVEN_K: tl.constexpr):
-    """One [BLOCK_N, BLOCK_K] weight tile, in the weight's dtype."""
+    """One weight tile, in the weight's dtype: [BLOCK_N, BLOCK_K] at one row,
+    [1, BLOCK_N, BLOCK_K] at more (``w_rows``, ``k`` and ``col_ok`` come shaped for it)."""
     if EVEN_K:
-        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None], other=0.0)
+        w = tl.load(w_rows + k, mask=col_ok, other=0.0)
     else:
-        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = tl.load(w_rows + k, mask=col_ok & (k < K), other=0.0)
     return w
 
 
 @triton.jit
-def _times_rows(acc, w, x_tile, BLOCK_M: tl.constexpr):
-    """acc + a loaded weight tile times the rows' fp32 [BLOCK_M, BLOCK_K]."""
+def _times_rows(acc, w, x_tile, BLOCK_M: tl.constexpr, VEC: tl.constexpr):
+    """acc + a loaded weight tile times the rows' fp32 tile. One row: [BLOCK_N, BLOCK_K]
+    products, summed over K after the loop. More rows: x [BLOCK_M, 1, BLOCK_K] times w
+    [1, BLOCK_N, BLOCK_K], each thread's VEC products along K (one 16-byte load of the
+    weight) summed in its registers at once, so the accumulator is [BLOCK_M, BLOCK_N,
+    BLOCK_K / VEC]: a thread holds BLOCK_M x BLOCK_N sums per vector of K, not
+    BLOCK_M x BLOCK_N x VEC. Both tiles are loaded in these three-dimensional shapes, so
+    their load layouts are the product's and no tile crosses shared memory; built from
+    two-dimensional loads, every K step converted both tiles through shared memory, with
+    barriers, at two rows and up (their TTGIR and PTX for sm_90a)."""
     w = w.to(tl.float32)
     if BLOCK_M == 1:
         acc += w * x_tile
     else:
-        acc += x_tile[:, None, :] * w[None, :, :]
+        BLOCK_N: tl.constexpr = w.shape[1]
+        BLOCK_K: tl.constexpr = w.shape[2]
+        acc += tl.sum(tl.reshape(x_tile * w, [BLOCK_M, BLOCK_N, BLOCK_K // VEC, VEC]), axis=3)
     return acc
 
 
 @triton.jit
 def _weight_times_rows(acc, w_rows, x_tile, k, col_ok, K, BLOCK_M: tl.constexpr,
-                       EVEN_K: tl.constexpr):
-    """acc + the [BLOCK_N, BLOCK_K] weight tile at k times the rows' fp32 [BLOCK_M, BLOCK_K]."""
-    return _times_rows(acc, _load_weight(w_rows, k, col_ok, K, EVEN_K), x_tile, BLOCK_M)
+                       EVEN_K: tl.constexpr, VEC: tl.constexpr):
+    """acc + the weight tile at k times the rows' fp32 tile (``_times_rows``)."""
+    return _times_rows(acc, _load_weight(w_rows, k, col_ok, K, EVEN_K), x_tile, BLOCK_M, VEC)
 
 
 @triton.jit
@@ -98,45 +119,61 @@ def _sum_over_k(acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _row_sums(tile, BLOCK_M: tl.constexpr):
+    """A rows' tile summed over K: [BLOCK_M, 1]."""
+    if BLOCK_M == 1:
+        total = tl.sum(tile, axis=1)[:, None]
+    else:
+        total = tl.sum(tile, axis=2)
+    return total
+
+
+@triton.jit
 def _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_residual,
                HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, STORE: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_K] of x (+ residual, rounded to x's dtype as the norm rounds
-    its sum; with STORE, where ``write_residual`` holds, that sum is stored: the next
-    residual)."""
+    """fp32 x at rows ``rows`` and columns ``k`` (each shaped to broadcast into the tile:
+    [BLOCK_M, 1] and [1, BLOCK_K], or [BLOCK_M, 1, 1] and [1, 1, BLOCK_K]) (+ residual,
+    rounded to x's dtype as the norm rounds its sum; with STORE, where ``write_residual``
+    holds, that sum is stored: the next residual)."""
     if EVEN_K:
-        mask = row_ok[:, None] & (k >= 0)[None, :]
+        mask = row_ok & (k >= 0)
     else:
-        mask = row_ok[:, None] & (k < K)[None, :]
-    offsets = rows[:, None] * stride_xm + k[None, :]
+        mask = row_ok & (k < K)
+    offsets = rows * stride_xm + k
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         dtype: tl.constexpr = x_ptr.dtype.element_ty
         x = round_to_dtype(x + tl.load(r_ptr + offsets, mask=mask, other=0.0).to(tl.float32),
                            dtype)
         if STORE:
-            tl.store(new_r_ptr + rows[:, None] * K + k[None, :], x.to(dtype),
-                     mask=mask & write_residual)
+            tl.store(new_r_ptr + rows * K + k, x.to(dtype), mask=mask & write_residual)
     return x
 
 
 @triton.jit
 def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K, stride_xm,
                write_residual, squares, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
-               NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr):
-    """The GEMM's fp32 [BLOCK_M, BLOCK_K] input at k: x (+ residual; program 0 stores the
-    sum), and with NORM its squares added to ``squares`` [BLOCK_M, BLOCK_K] (the row's
-    1/rms is known only after the last K step, and scales the sums then) and, with
-    NORM_WEIGHT, x times the norm's weight (without: the weight was folded into the
-    GEMM's, RMSNorm.fold_into). The squares are held per element and summed over K once,
+               NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+               VEC: tl.constexpr):
+    """The GEMM's fp32 rows' tile at k (``_load_rows``'s shapes): x (+ residual; program 0
+    stores the sum), and with NORM its squares added to ``squares`` (the tile's shape at
+    one row, [BLOCK_M, 1, BLOCK_K / VEC] at more: the row's 1/rms is known only after the
+    last K step, and scales the sums then) and, with NORM_WEIGHT, x times the norm's
+    weight (without: the weight was folded into the GEMM's, RMSNorm.fold_into). The
+    squares are held per element (per thread's run, at more rows) and summed over K once,
     after the loop: summed every K step, each step's block-wide reduction stood between
     one tile's loads and the next (H200 tuner, standalone, µs: Qwen3-30B-A3B's QKV 7.41
     -> 7.14, V2-Lite's q 5.73 -> 5.02, its dense down 18.16 -> 12.16)."""
     x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_residual,
                    HAS_RESIDUAL, EVEN_K, True)
     if NORM:
-        squares += x * x
+        if BLOCK_M == 1:
+            squares += x * x
+        else:   # each thread's run summed in its registers, as _times_rows sums products
+            BLOCK_K: tl.constexpr = x.shape[2]
+            squares += tl.sum(tl.reshape(x * x, [BLOCK_M, 1, BLOCK_K // VEC, VEC]), axis=3)
         if NORM_WEIGHT:
-            x = x * tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+            x = x * tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
     return x, squares
 
 
@@ -151,8 +188,8 @@ def _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, first
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     for k0 in range(first, end, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
-        x = _load_rows(x_ptr, r_ptr, x_ptr, rows, row_ok, k, end, stride_xm, row_ok,
-                       HAS_RESIDUAL, False, False)
+        x = _load_rows(x_ptr, r_ptr, x_ptr, rows[:, None], row_ok[:, None], k[None, :], end,
+                       stride_xm, row_ok[:, None], HAS_RESIDUAL, False, False)
         if NORM_WEIGHT:
             norm_w = tl.load(norm_w_ptr + k, mask=k < end, other=0.0).to(tl.float32)[None, :]
         else:   # folded into the GEMMs that read the row: rms_norm with a weight of ones
@@ -192,45 +229,58 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
     dtype: tl.constexpr = y_ptr.dtype.element_ty
+    # The weight's elements in one 16-byte load: a thread's run along K (_times_rows).
+    VEC: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth
+    # The tiles' shapes (_times_rows): one row, weight [BLOCK_N, BLOCK_K] and rows
+    # [1, BLOCK_K]; more, weight [1, BLOCK_N, BLOCK_K] and rows [BLOCK_M, 1, BLOCK_K].
+    if BLOCK_M == 1:
+        tile_cols, tile_col_ok = cols[:, None], col_ok[:, None]
+        tile_rows, tile_row_ok, tile_ks = rows[:, None], row_ok[:, None], ks[None, :]
+        first = tl.zeros([BLOCK_M, BLOCK_K], tl.int32)
+        squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        tile_cols, tile_col_ok = cols[None, :, None], col_ok[None, :, None]
+        tile_rows, tile_row_ok = rows[:, None, None], row_ok[:, None, None]
+        tile_ks = ks[None, None, :]
+        first = tl.zeros([BLOCK_M, 1, BLOCK_K], tl.int32)
+        squares = tl.zeros([BLOCK_M, 1, BLOCK_K // VEC], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     # int64: an LM head's weight (vocab x hidden) passes 2^31 elements.
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # read only when GATED
+    w_rows = w_ptr + tile_cols.to(tl.int64) * stride_wn
+    up_rows = w_ptr + (tile_cols + N).to(tl.int64) * stride_wn  # read only when GATED
     # The weights are not written by the kernel before this one, so the first tile is
     # requested before PDL's wait: its bytes stream while that kernel drains, where they
     # would otherwise start after it (the wait holds only reads of what it wrote: x, the
     # residual). At batch 1 one tile is most of a program's bytes (one K step on a
     # 0.6B's QKV and gate/up).
-    w_first = _load_weight(w_rows, ks, col_ok, K, EVEN_K)
+    w_first = _load_weight(w_rows, tile_ks, tile_col_ok, K, EVEN_K)
     up_first = w_first
     if GATED:
-        up_first = _load_weight(up_rows, ks, col_ok, K, EVEN_K)
+        up_first = _load_weight(up_rows, tile_ks, tile_col_ok, K, EVEN_K)
     pdl_start(PDL)
     # Broadcast before the compare: the interpreter mistypes scalar-bool & tensor.
-    first = (tl.zeros([BLOCK_M, BLOCK_K], tl.int32) + tl.program_id(0)) == 0
-    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    first = (first + tl.program_id(0)) == 0
     acc_up = tl.zeros_like(acc)
-    x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, ks, K,
-                            stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM,
-                            NORM_WEIGHT)
-    acc = _times_rows(acc, w_first, x, BLOCK_M)
+    x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, tile_rows, tile_row_ok,
+                            tile_ks, K, stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM,
+                            NORM_WEIGHT, BLOCK_M, VEC)
+    acc = _times_rows(acc, w_first, x, BLOCK_M, VEC)
     if GATED:
-        acc_up = _times_rows(acc_up, up_first, x, BLOCK_M)
+        acc_up = _times_rows(acc_up, up_first, x, BLOCK_M, VEC)
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        k = k0 + ks
-        x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K,
-                                stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM,
-                                NORM_WEIGHT)
-        acc = _weight_times_rows(acc, w_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
+        k = k0 + tile_ks
+        x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, tile_rows, tile_row_ok,
+                                k, K, stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM,
+                                NORM_WEIGHT, BLOCK_M, VEC)
+        acc = _weight_times_rows(acc, w_rows, x, k, tile_col_ok, K, BLOCK_M, EVEN_K, VEC)
         if GATED:
-            acc_up = _weight_times_rows(acc_up, up_rows, x, k, col_ok, K, BLOCK_M, EVEN_K)
+            acc_up = _weight_times_rows(acc_up, up_rows, x, k, tile_col_ok, K, BLOCK_M,
+                                        EVEN_K, VEC)
     y = _sum_over_k(acc, BLOCK_M)
     inv_rms = 1.0
     if NORM:
-        inv_rms = tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
+        inv_rms = tl.math.rsqrt(_row_sums(squares, BLOCK_M) / K + eps)
         y = y * inv_rms
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

@@ -479,8 +479,11 @@ if triton is not None:
             for k0 in range(0, hidden, BLOCK_K):
                 k = k0 + ks
                 x = tl.load(x_row + k, mask=k < hidden, other=0.0).to(tl.float32)[None, :]
-                gate = _weight_times_rows(gate, gate_rows, x, k, col_ok, hidden, 1, EVEN_K)
-                up = _weight_times_rows(up, up_rows, x, k, col_ok, hidden, 1, EVEN_K)
+                # One row: [BLOCK_N, BLOCK_K] tiles, no runs summed in registers (VEC 1).
+                gate = _weight_times_rows(gate, gate_rows, x, k[None, :], col_ok[:, None],
+                                          hidden, 1, EVEN_K, 1)
+                up = _weight_times_rows(up, up_rows, x, k[None, :], col_ok[:, None], hidden, 1,
+                                        EVEN_K, 1)
         b_base = b13_ptr + expert * stride_be
         act = gated_activation(tl.sum(gate, axis=1) + bias_row(b_base, cols, col_ok, HAS_BIAS),
                                tl.sum(up, axis=1) + bias_row(b_base + inter, cols, col_ok,
