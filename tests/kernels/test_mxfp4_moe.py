@@ -1,7 +1,7 @@
 """TRITON_FUSED_MOE on gpt-oss's experts: MXFP4 weights decoded in the kernels' registers,
 expert biases and the clamped SwiGLU, against TORCH_MOE in float64 on the dequantized
 weights (dequantize-then-matmul), in every layout (sorted, pair rows, CUDA-core gate/up and
-down, those two decoding 32-bit words).
+down, those two decoding 32-bit words, and the tensor-core kernels through tl.dot_scaled).
 
 On CPU the kernels run under Triton's interpreter (tests/kernels/conftest.py) at small
 sizes in float32 and float16 (its bf16 tl.dot is not exact); they are compiled for SM80,
@@ -12,6 +12,7 @@ shape in bf16 at the speed table's token counts.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -154,7 +155,19 @@ def test_mxfp4_tiles():
     assert len(words) == 9 and all(t.gate_up_block_n and t.down_block_n for t in words)
     sixteen = candidate_tiles(16, 4, w13, w2)
     assert not sixteen[0].pair_rows and sum(t.mxfp4_words for t in sixteen) == 2
-    assert all(MoETile.from_key(t.key()) == t for t in tiles + sixteen)
+    # Prefill batches: the sorted tiles, and the tl.dot_scaled ones (MXFP4 experts only,
+    # which they run for bf16 activations only).
+    large = {n: candidate_tiles(n, 4, w13, w2) for n in (256, 4096)}
+    for n, cands in large.items():
+        scaled = [t for t in cands if t.mxfp4_scaled_dot]
+        assert len(scaled) == 3 and not any(t.pair_rows for t in cands), n
+        assert scaled[0].scaled_dot_runs(w13, torch.bfloat16)
+        assert not scaled[0].scaled_dot_runs(w13, torch.float16)
+    dense = torch.empty(32, 5760, 2880, dtype=torch.bfloat16, device="meta")
+    assert not any(t.mxfp4_scaled_dot for t in candidate_tiles(4096, 4, dense, dense[:, :2880]))
+    assert not large[4096][0].scaled_dot_runs(ExpertMatrices(dense), torch.bfloat16)
+    assert all(MoETile.from_key(t.key()) == t
+               for t in tiles + sixteen + large[256] + large[4096])
 
 
 # ---------------------------------------------------------------- compiled for real GPUs
@@ -167,7 +180,12 @@ def test_mxfp4_launches_compile(target):
     pair layouts' kernels and the CUDA-core gate/up, on every family this route serves."""
     from triton_compile import compiled_launches
 
-    from archserve.kernels.moe.triton_fused_moe import DEFAULT_TILES, fused_moe, pair_tile
+    from archserve.kernels.moe.triton_fused_moe import (
+        DEFAULT_TILES,
+        SCALED_DOT_TILES,
+        fused_moe,
+        pair_tile,
+    )
     x, logits, w13, w2, biases, _, _ = experts_case(4, 8, 64, 32, torch.bfloat16, True)
     routed = route(logits, 2, True)
     pair = pair_tile(8, 32, 132)
@@ -187,6 +205,15 @@ def test_mxfp4_launches_compile(target):
             assert all(launch.constexprs["WORDS"] == tile.mxfp4_words for launch in launches)
     assert kernels == [["_gate_up_kernel", "_down_kernel", "_sum_slots_kernel"]] * 2 + [
         ["_gate_up_gemv_kernel", "_down_sum_slots_kernel"]] * 2
+    # The tl.dot_scaled tiles; on Hopper the upcast weight is wgmma's register operand
+    # ({A registers}, then B's shared-memory descriptor), no round trip through shared memory.
+    with compiled_launches(target) as launches:
+        fused_moe(x, logits, w13, w2, 2, True, SCALED_DOT_TILES[-1][1][0], routed,
+                  activation=GPT_OSS, biases=biases)
+    for launch in launches[:2]:
+        assert launch.code() and launch.constexprs["SCALED_DOT"]
+        if target[1] == 90:
+            assert re.search(r"wgmma\.mma_async\S* \{[^}]*\}, \{", launch.code())
     # DeepSeek V4's clamped silu, in the tensor-core and the CUDA-core gate/up.
     for tile in (pair, gemv, words):
         with compiled_launches(target) as launches:
@@ -286,6 +313,27 @@ if INTERPRETED:
                                        msg=lambda m, t=tile: f"{t}: {m}")
         plain = fused_moe(x, logits, w13, w2, 2, True, tiles[0], activation=DEFAULT_ACTIVATION)
         assert (plain.double() - expected).abs().max() > 1e-2
+
+    def test_scaled_dot_tiles_in_bf16():
+        """The tl.dot_scaled tiles (bf16 activations: the interpreter's dot_scaled
+        multiplies the decoded operands in fp32) in both layouts, a K step of one group
+        and one past K; and a wrong scale moves their result."""
+        x, logits, w13, w2, biases, d13, d2 = experts_case(5, 4, 64, 32, torch.bfloat16,
+                                                           True, seed=2)
+        expected = reference(x, logits, d13, d2, 2, CLAMPING, biases)
+        scaled = dict(mxfp4_scaled_dot=True)
+        tiles = [MoETile(16, 32, 32, **scaled), MoETile(16, 32, 64, **scaled),
+                 dataclasses.replace(pair_tile(10, 32, 1, 32), **scaled)]
+        for tile in tiles:
+            got = fused_moe(x, logits, w13, w2, 2, True, tile, activation=CLAMPING,
+                            biases=biases)
+            torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-2,
+                                       msg=lambda m, t=tile: f"{t}: {m}")
+        scales = w13.scales.clone()
+        scales[:, :, 0] += 1
+        doubled = fused_moe(x, logits, dataclasses.replace(w13, scales=scales), w2, 2, True,
+                            tiles[0], activation=CLAMPING, biases=biases)
+        assert (doubled.double() - expected).abs().max() > 1e-1
 
     def test_the_impl_runs_mxfp4_experts_on_its_default_tiles():
         x, logits, w13, w2, biases, d13, d2 = experts_case(3, 8, 64, 32, F32, True, seed=5)

@@ -6,6 +6,12 @@ families only; there the native kernels are vLLM's and rules only here). The den
 weight-only GEMM and the fused MoE both read MXFP4 weights through them
 (quantized_weights.Mxfp4Weight: bytes [N, K/2], two values a byte, low nibble first).
 
+At many tokens a tile's decoded weights serve many rows, and the decode's cost is its
+instructions, not its bytes: ``mxfp4_scaled_dot`` hands the packed tile to
+``tl.dot_scaled``, whose lowering upcasts e2m1 with the compiler's own conversion sequence
+and, on Hopper, swaps the operands so the upcast weight is wgmma's register operand (no
+store to shared memory) while the activations stream in through the pipelined copies.
+
 Exactness: an e2m1 value is an fp16 number (its 3 magnitude bits placed at fp16's lowest
 exponent bits and first mantissa bit give it times 2**-14, subnormal 0.5 included), and
 fp16 -> fp32 is exact; a scale 2**(s - 127) is an fp32 number built from its exponent
@@ -134,3 +140,29 @@ def mxfp4_word_dots(w_rows, s_rows, row_ok, x, w0, K, BLOCK_W: tl.constexpr):
     dots = (v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3) + (v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7)
     # 2**14 back first (exact), then the scale: no overflow the dequantized weights lack.
     return dots * 16384.0 * scales
+
+
+@triton.jit
+def mxfp4_tile_scales(s_base, cols, col_ok, k0, K, stride_sn, BLOCK_K: tl.constexpr):
+    """The e8m0 scales of the tile at rows ``cols`` and K steps k0 .. k0 + BLOCK_K, uint8
+    [N, BLOCK_K / 32] as tl.dot_scaled takes them (``s_base + col * stride_sn + k // 32``;
+    0 past K, so a K step past the end loads nothing)."""
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    return tl.load(s_base + cols.to(tl.int64)[:, None] * stride_sn + g[None, :],
+                   mask=col_ok[:, None] & (g < K // GROUP)[None, :], other=0)
+
+
+@triton.jit
+def mxfp4_scaled_dot(acc, a, w_base, scales, cols, col_ok, k0, K, stride_wn,
+                     BLOCK_K: tl.constexpr):
+    """acc [M, N] + a (bf16 [M, BLOCK_K]) @ W[cols, k0 .. k0 + BLOCK_K]ᵀ through
+    tl.dot_scaled: the bytes ``w_base + col * stride_wn + k // 2`` as its right operand
+    [BLOCK_K / 2, N] (packed along K, low nibble first: the checkpoint's order), and this
+    K step's ``scales`` (``mxfp4_tile_scales``: the caller loads them a step ahead, since
+    the pipeliner's asynchronous copies take the operands of the MMA, not the scales).
+    k0 and BLOCK_K are multiples of 32, K too (masked bytes are 0). fast_math: no NaN for
+    the e8m0 byte 255, which no quantizer writes."""
+    p = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_base + cols.to(tl.int64)[None, :] * stride_wn + p[:, None],
+                     mask=col_ok[None, :] & (p < K // 2)[:, None], other=0)
+    return tl.dot_scaled(a, None, "bf16", packed, scales, "e2m1", acc=acc, fast_math=True)

@@ -53,6 +53,8 @@ try:
     from archserve.kernels.elementwise.triton_rounding import round_to_dtype
     from archserve.kernels.linear.triton_mxfp4 import (
         mxfp4_row_pairs,
+        mxfp4_scaled_dot,
+        mxfp4_tile_scales,
         mxfp4_weight_tile,
         mxfp4_word_dots,
     )
@@ -163,6 +165,15 @@ class MoETile:
     # half the instructions a value of the byte decode, WORD_GATE_UP_TILES); the down
     # kernel's slots in one tile. Ignored for 16-bit experts and unaligned bytes.
     mxfp4_words: bool = False
+    # MXFP4 experts, the tensor-core kernels (sorted or pair rows): the packed tile handed
+    # to tl.dot_scaled (triton_mxfp4.mxfp4_scaled_dot), the compiler's upcast in place of
+    # the register decode. bf16 activations only (dot_scaled's upcast computes in bf16);
+    # ignored otherwise, and for 16-bit experts.
+    mxfp4_scaled_dot: bool = False
+
+    def scaled_dot_runs(self, w: ExpertMatrices, dtype: torch.dtype) -> bool:
+        """Whether the tensor-core kernels take ``mxfp4_scaled_dot`` for ``w``."""
+        return self.mxfp4_scaled_dot and w.mxfp4 and dtype == torch.bfloat16
 
     def key(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_k{self.block_k}_w{self.num_warps}"
@@ -170,11 +181,14 @@ class MoETile:
                 + (f"_sumdown{self.down_block_n}x{self.down_block_k}"
                    if self.down_block_n else "")
                 + (f"_gemvgateup{self.gate_up_block_n}x{self.gate_up_block_k}"
-                   if self.gate_up_block_n else "") + ("_words" if self.mxfp4_words else ""))
+                   if self.gate_up_block_n else "") + ("_words" if self.mxfp4_words else "")
+                + ("_scaleddot" if self.mxfp4_scaled_dot else ""))
 
     @classmethod
     def from_key(cls, key: str) -> MoETile:
         """The tile whose ``key()`` this is (benchmark command lines name tiles by key)."""
+        scaled_dot = key.endswith("_scaleddot")
+        key = key.removesuffix("_scaleddot")
         words = key.endswith("_words")
         key, _, gemv = key.removesuffix("_words").partition("_gemvgateup")
         head, _, sum_down = key.partition("_sumdown")
@@ -183,7 +197,7 @@ class MoETile:
         m, n, k, w, s = (int(part[1:]) for part in head.removesuffix("_pairs").split("_"))
         return cls(m, n, k, w, s, pair_rows=head.endswith("_pairs"), down_block_n=down_n,
                    down_block_k=down_k, gate_up_block_n=gate_up_n, gate_up_block_k=gate_up_k,
-                   mxfp4_words=words)
+                   mxfp4_words=words, mxfp4_scaled_dot=scaled_dot)
 
 
 # Default tiles by tokens in the batch (the decode buckets first). Decode rows per expert
@@ -248,6 +262,24 @@ GATE_UP_GEMV_TILES = ((1, 1024), (4, 256))
 # tiles (4 x 256, 1 x 1024). K steps nearly divide 2880 (3 x 1024: 7% masked).
 WORD_GATE_UP_TILES = ((4, 1024), (8, 1024), (2, 1024))
 WORD_SUM_DOWN_TILES = ((1, 1024), (2, 512), (4, 256))
+# MXFP4 experts' tl.dot_scaled tiles (MoETile.mxfp4_scaled_dot), the tuner's candidates for
+# the sorted layout beside _CANDIDATES, by tokens in the batch. A tile's decoded weights
+# serve its block_m rows: the register decode's tiles (m64_n128_k64 at 8 warps past 1024
+# tokens) spend about 860 SASS instructions a K step on 1M MACs and store the weights to
+# shared memory a 16-bit value at a time (161 TFLOP/s at 4096 tokens of gpt-oss-20b on an
+# H100, the bf16 experts' 402); the scaled dot's loop (sm_90a: the upcast weight wgmma's
+# register operand, activations and bytes in asynchronous copies, wgmma 3 deep) spends
+# about 470 on 2M MACs at m128_n128_k64. ptxas at gpt-oss's experts: 95-243 registers,
+# no spills at sm_90a and sm_100a; the m128 tiles spill 40-88 bytes at sm_80 and sm_120
+# (mma.sync), where the tuner times them all the same.
+SCALED_DOT_TILES: tuple[tuple[int, tuple[MoETile, ...]], ...] = (
+    (512, (MoETile(32, 128, 64, 8, 3, mxfp4_scaled_dot=True),
+           MoETile(64, 128, 64, 8, 4, mxfp4_scaled_dot=True),
+           MoETile(32, 64, 128, 4, 4, mxfp4_scaled_dot=True))),
+    (1 << 62, (MoETile(128, 128, 64, 8, 3, mxfp4_scaled_dot=True),
+               MoETile(64, 128, 64, 8, 4, mxfp4_scaled_dot=True),
+               MoETile(128, 64, 64, 4, 3, mxfp4_scaled_dot=True))),
+)
 
 
 def pair_rows_pay(num_tokens: int, top_k: int, num_experts: int, expert_bytes: int) -> bool:
@@ -311,7 +343,8 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: Any, w2: Any) -> list[MoET
     pair layout is the default, its other widths, the sorted default, and each gate/up
     kernel (tl.dot, GATE_UP_GEMV_TILES) with each down (tl.dot then the sum,
     SUM_DOWN_TILES); near the boundary
-    (up to twice PAIR_ROWS_MAX_PAIRS pairs), the sorted tiles and two pair tiles."""
+    (up to twice PAIR_ROWS_MAX_PAIRS pairs), the sorted tiles and two pair tiles; past it,
+    the sorted tiles (and MXFP4 experts' SCALED_DOT_TILES)."""
     w13, w2 = ExpertMatrices.of(w13), ExpertMatrices.of(w2)
     default = choose_tile(num_tokens, top_k, w13, w2)
     pairs = num_tokens * top_k
@@ -340,6 +373,8 @@ def candidate_tiles(num_tokens: int, top_k: int, w13: Any, w2: Any) -> list[MoET
                  + _word_tiles(pair_tiles[0], top_k, w13, w2)[:2])
     else:
         tiles = list(_by_tokens(_CANDIDATES, num_tokens))
+        if w13.mxfp4 and w2.mxfp4:
+            tiles += _by_tokens(SCALED_DOT_TILES, num_tokens)
     return [default] + [t for t in dict.fromkeys(tiles) if t != default]
 
 
@@ -392,7 +427,12 @@ if triton is not None:
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
                         MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
-                        ACTIVATION: tl.constexpr = 0, PDL: tl.constexpr = False):
+                        ACTIVATION: tl.constexpr = 0, PDL: tl.constexpr = False,
+                        SCALED_DOT: tl.constexpr = False):
+        """act[rows, cols] = activation(x[tokens] . gate[cols]ᵀ, x[tokens] . up[cols]ᵀ) for
+        one tile of one expert's rows. MXFP4 weights: decoded in registers
+        (``_weight_tile``), or with SCALED_DOT (bf16) handed packed to tl.dot_scaled
+        (``mxfp4_scaled_dot``)."""
         pdl_start(PDL)
         expert, rows, row_ok, cols, col_ok = program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N, PAIR_ROWS)
@@ -403,16 +443,32 @@ if triton is not None:
         w_base, s_base = w13_ptr + e * stride_we, s13_ptr + e * stride_se
         gate_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SCALED_DOT:
+            gate_s = mxfp4_tile_scales(s_base, cols, col_ok, 0, hidden, stride_sn, BLOCK_K)
+            up_s = mxfp4_tile_scales(s_base, cols + inter, col_ok, 0, hidden, stride_sn,
+                                     BLOCK_K)
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < hidden
             a = _activation_tile(x_ptr, tokens, stride_xt, row_ok, ks, k_ok)
-            gate_w = _weight_tile(w_base, s_base, cols, col_ok, k0, ks, k_ok, hidden,
-                                  stride_wn, stride_sn, a.dtype, MXFP4, BLOCK_K, BLOCK_N)
-            up_w = _weight_tile(w_base, s_base, cols + inter, col_ok, k0, ks, k_ok, hidden,
-                                stride_wn, stride_sn, a.dtype, MXFP4, BLOCK_K, BLOCK_N)
-            gate_acc = _dot(gate_acc, a, gate_w, IEEE_FP32)
-            up_acc = _dot(up_acc, a, up_w, IEEE_FP32)
+            if SCALED_DOT:
+                next_gate_s = mxfp4_tile_scales(s_base, cols, col_ok, k0 + BLOCK_K, hidden,
+                                                stride_sn, BLOCK_K)
+                next_up_s = mxfp4_tile_scales(s_base, cols + inter, col_ok, k0 + BLOCK_K,
+                                              hidden, stride_sn, BLOCK_K)
+                gate_acc = mxfp4_scaled_dot(gate_acc, a, w_base, gate_s, cols, col_ok, k0,
+                                            hidden, stride_wn, BLOCK_K)
+                up_acc = mxfp4_scaled_dot(up_acc, a, w_base, up_s, cols + inter, col_ok, k0,
+                                          hidden, stride_wn, BLOCK_K)
+                gate_s, up_s = next_gate_s, next_up_s
+            else:
+                gate_w = _weight_tile(w_base, s_base, cols, col_ok, k0, ks, k_ok, hidden,
+                                      stride_wn, stride_sn, a.dtype, MXFP4, BLOCK_K, BLOCK_N)
+                up_w = _weight_tile(w_base, s_base, cols + inter, col_ok, k0, ks, k_ok,
+                                    hidden, stride_wn, stride_sn, a.dtype, MXFP4, BLOCK_K,
+                                    BLOCK_N)
+                gate_acc = _dot(gate_acc, a, gate_w, IEEE_FP32)
+                up_acc = _dot(up_acc, a, up_w, IEEE_FP32)
         b_base = b13_ptr + e * stride_be
         gate_acc += bias_row(b_base, cols, col_ok, HAS_BIAS)[None, :]
         up_acc += bias_row(b_base + inter, cols, col_ok, HAS_BIAS)[None, :]
@@ -510,11 +566,12 @@ if triton is not None:
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr, PAIR_ROWS: tl.constexpr,
                      MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
-        # Before PDL's wait (kernels/pdl.py): which expert and rows this program takes were
-        # written by the routing (and the sort) before the gate/up kernel, the kernel right
-        # before, which writes only the activations. So the first K tile of the expert's
-        # weight is prefetched into L2 while gate/up drains.
+                     PDL: tl.constexpr = False, SCALED_DOT: tl.constexpr = False):
+        # SCALED_DOT: as ``_gate_up_kernel``'s. Before PDL's wait (kernels/pdl.py): which
+        # expert and rows this program takes were written by the routing (and the sort)
+        # before the gate/up kernel, the kernel right before, which writes only the
+        # activations. So the first K tile of the expert's weight is prefetched into L2
+        # while gate/up drains.
         expert, rows, row_ok, cols, col_ok = program_tile(
             block_expert_ptr, sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N, PAIR_ROWS)
         e = expert.to(tl.int64)
@@ -530,13 +587,22 @@ if triton is not None:
         if expert < 0:
             return
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SCALED_DOT:
+            scales = mxfp4_tile_scales(s_base, cols, col_ok, 0, inter, stride_sn, BLOCK_K)
         for k0 in range(0, inter, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < inter
             a = _activation_tile(act_ptr, rows, stride_at, row_ok, ks, k_ok)
-            w = _weight_tile(w_base, s_base, cols, col_ok, k0, ks, k_ok, inter, stride_wn,
-                             stride_sn, a.dtype, MXFP4, BLOCK_K, BLOCK_N)
-            acc = _dot(acc, a, w, IEEE_FP32)
+            if SCALED_DOT:
+                next_scales = mxfp4_tile_scales(s_base, cols, col_ok, k0 + BLOCK_K, inter,
+                                                stride_sn, BLOCK_K)
+                acc = mxfp4_scaled_dot(acc, a, w_base, scales, cols, col_ok, k0, inter,
+                                       stride_wn, BLOCK_K)
+                scales = next_scales
+            else:
+                w = _weight_tile(w_base, s_base, cols, col_ok, k0, ks, k_ok, inter,
+                                 stride_wn, stride_sn, a.dtype, MXFP4, BLOCK_K, BLOCK_N)
+                acc = _dot(acc, a, w, IEEE_FP32)
         # The bias is the expert's output's: added before the routing weight scales it.
         acc += bias_row(b2_ptr + e * stride_be, cols, col_ok, HAS_BIAS)[None, :]
         acc = times_routing_weights(acc, weights_ptr, rows, row_ok)
@@ -823,7 +889,8 @@ def _gate_up_tiles(hidden: torch.Tensor, w13: ExpertMatrices, tile: MoETile, top
         hidden.stride(0), *strides, act.stride(0), *scalars, TOP_K=top_k,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         IEEE_FP32=hidden.dtype == torch.float32, PAIR_ROWS=tile.pair_rows, **w13.flags(),
-        **act_kind, **_tile_launch(tile, hidden.device))
+        SCALED_DOT=tile.scaled_dot_runs(w13, hidden.dtype), **act_kind,
+        **_tile_launch(tile, hidden.device))
     return act
 
 
@@ -865,7 +932,7 @@ def _down_tiles_then_sum(act: torch.Tensor, flat_weights: torch.Tensor, w2: Expe
         hidden_size, inter, act.stride(0), *strides, out.stride(0),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         IEEE_FP32=act.dtype == torch.float32, PAIR_ROWS=tile.pair_rows, **w2.flags(),
-        **_tile_launch(tile, act.device))
+        SCALED_DOT=tile.scaled_dot_runs(w2, act.dtype), **_tile_launch(tile, act.device))
     if top_k == 1:
         return out if add is None else out + add
     return sum_slots(out, num_tokens, top_k, add)

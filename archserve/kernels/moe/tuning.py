@@ -47,10 +47,11 @@ log = logging.getLogger(__name__)
 # 2: the pair layout (MoETile.pair_rows); 3: its widest tile at 8 warps; 4: the
 # slot-summing down kernel (MoETile.down_block_n); 5: the CUDA-core gate/up
 # (MoETile.gate_up_block_n); 6: timed over routings that differ call to call; 7: MXFP4
-# experts' word-decoding GEMVs (MoETile.mxfp4_words). Keys name
+# experts' word-decoding GEMVs (MoETile.mxfp4_words); 8: their tl.dot_scaled tiles
+# (MoETile.mxfp4_scaled_dot). Keys name
 # MXFP4 experts, the activation and biases where a layer has them (no version change:
 # the 16-bit silu keys are as before).
-_CACHE_VERSION = 7
+_CACHE_VERSION = 8
 # Calls in one timed graph, each with its own routing (so its own experts): a decode step's
 # layers never find the experts they read in L2, and Qwen3-30B-A3B's 8 experts a token
 # (75 MB) would half fit in an H200's 50 MB L2 if every call routed alike.
