@@ -73,6 +73,10 @@ def sweep_configs(rows: int) -> list[str]:
             for bn in (1, 2, 4, 8):
                 if bk <= 4096 and block_m * bn * vectors <= 64:
                     keys.append(SkinnyConfig(bn, bk, warps).key())
+    if rows >= 4:   # the tensor cores' form (rows padded to 16)
+        keys += [SkinnyConfig(bn, bk, warps, mma=True).key()
+                 for bn, bk, warps in ((16, 128, 2), (16, 256, 4), (32, 128, 4), (32, 256, 4),
+                                       (64, 128, 4), (64, 128, 8))]
     return keys
 
 
@@ -115,25 +119,33 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     configs = args.configs.split(",") if args.configs else None
-    results = [time_one(name, int(rows), configs_at(int(rows), configs, args.candidates),
-                        args.iters)
-               for name in args.shapes.split(",") for rows in args.rows.split(",")]
-    # Per-model decode step: layers x (qkv + o + gate_up+silu + down) + lm_head, both ways.
-    for model, layers in LAYERS.items():
-        for rows in sorted({r["rows"] for r in results}):
-            mine = [r for r in results
-                    if r["shape"] in {f"{model}.{s}" for s in STEP} and r["rows"] == rows]
-            if len(mine) != len(STEP):
-                continue
-            calls = [1 if r["shape"].endswith("lm_head") else layers for r in mine]
-            cublas = sum(c * r["cublas_us"] for c, r in zip(calls, mine, strict=True))
-            best = sum(c * min([r["cublas_us"], *r["triton_us"].values()])
-                       for c, r in zip(calls, mine, strict=True))
-            print(f"{model} rows {rows}: GEMMs (+ SiLU) per step cuBLAS {cublas / 1e3:.3f} ms, "
-                  f"best of both {best / 1e3:.3f} ms")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    # Row count by row count, each one's decode-step sums printed as soon as its shapes
+    # are timed (a run cut short keeps the rows it finished).
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        mine = [time_one(name, rows, configs_at(rows, configs, args.candidates), args.iters)
+                for name in args.shapes.split(",")]
+        results += mine
+        for model, layers in LAYERS.items():
+            print_step(model, layers, rows, mine)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+
+def print_step(model: str, layers: int, rows: int, results: list[dict]) -> None:
+    """The GEMMs of one decode step of ``model`` at ``rows`` rows, layers x (qkv + o +
+    gate_up+silu + down) + lm_head, on cuBLAS and on the faster of each shape; nothing
+    unless ``results`` hold all of them."""
+    mine = [r for r in results if r["shape"] in {f"{model}.{s}" for s in STEP}]
+    if len(mine) != len(STEP):
+        return
+    calls = [1 if r["shape"].endswith("lm_head") else layers for r in mine]
+    cublas = sum(c * r["cublas_us"] for c, r in zip(calls, mine, strict=True))
+    best = sum(c * min([r["cublas_us"], *r["triton_us"].values()])
+               for c, r in zip(calls, mine, strict=True))
+    print(f"{model} rows {rows}: GEMMs (+ SiLU) per step cuBLAS {cublas / 1e3:.3f} ms, "
+          f"best of both {best / 1e3:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -208,11 +208,16 @@ def test_configs_fit_the_accumulator_and_round_trip_their_keys():
         configs = candidate_configs(rows)
         assert configs, rows
         for c in configs:
-            if rows == 1:   # [BLOCK_N, BLOCK_K] fp32 sums
+            if c.mma:   # tl.dot's smallest tiles
+                assert rows > 1 and c.block_n >= 16 and c.block_k >= 16, (rows, c)
+            elif rows == 1:   # [BLOCK_N, BLOCK_K] fp32 sums
                 assert c.block_n * c.block_k <= 8192
             else:   # BLOCK_K in whole 16-byte vectors a thread (_times_rows)
                 assert c.block_k % (8 * 32 * c.num_warps) == 0, (rows, c)
             assert SkinnyConfig.from_key(c.key()) == c
+    assert SkinnyConfig.from_key("n2_k1024_w4") == SkinnyConfig(2, 1024, 4)
+    assert SkinnyConfig.from_key("n16_k128_w2_mma") == SkinnyConfig(16, 128, 2, mma=True)
+    assert any(c.mma for c in candidate_configs(MAX_ROWS))
 
 
 def test_unsupported_operands_are_named():
@@ -449,7 +454,8 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
                  "eps": "fp32", "add_ptr": wide,
                  **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
                                   "NORM", "HAS_RESIDUAL", "NORMED_OUT", "PDL", "NORM_WEIGHT",
-                                  "ADD", "NORMED_SLICE", "WIDEN"], "constexpr")}
+                                  "ADD", "NORMED_SLICE", "WIDEN", "MMA", "DOT_PRECISION"],
+                                 "constexpr")}
     # block_m 4 also compiles the norm prologue (with a residual, keeping the normalised
     # rows: a MoE router's form; a folded norm's, without a weight, on the fp32 weight);
     # block_m 1 without it, gated, and again with the residual add in the epilogue
@@ -463,7 +469,8 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
         constexprs = {"HAS_BIAS": True, "GATED": not plain, "BLOCK_M": block_m, "BLOCK_N": 4,
                       "BLOCK_K": 256, "EVEN_K": False, "NORM": norm, "HAS_RESIDUAL": norm,
                       "NORMED_OUT": norm, "PDL": pdl, "NORM_WEIGHT": not fp32_weight,
-                      "ADD": add, "NORMED_SLICE": 64 if norm else 0, "WIDEN": False}
+                      "ADD": add, "NORMED_SLICE": 64 if norm else 0, "WIDEN": False,
+                      "MMA": False, "DOT_PRECISION": "tf32"}
         compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                                   target=GPUTarget(*target), options=options)
         assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco")
@@ -491,26 +498,33 @@ def k_loop_conversions(ttgir: str) -> int:
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
 @pytest.mark.parametrize("capability", [80, 90, 100, 120], ids=lambda c: f"sm{c}")
-def test_verification_rows_compile_with_no_conversion_in_the_k_loop(capability):
-    """A verification step's rows (8 and 16: the graphs of up to 7 and 15 drafts at batch
-    1) compile for each target in their heaviest forms: gate/up with the norm prologue
-    (residual, norm weight, the normalised rows kept), and the plain GEMV with the residual
-    add in its epilogue; in neither is a tile converted through shared memory in the K
-    loop (the weight's and the rows' tiles are loaded in the product's layout)."""
+def test_verification_rows_compile_for_each_target(capability):
+    """A verification step's rows compile for each target in the heaviest form (gate/up
+    after the norm prologue with the residual and the norm's weight, keeping the normalised
+    rows): at 16 rows on the CUDA cores with no tile converted through shared memory in
+    the K loop (the weight's and the rows' tiles are loaded in the product's layout), at 5
+    on the tensor cores (padded to 16) to 16-bit MMA instructions; and a float32 weight's
+    (a router's) tensor-core form to no TF32 instruction: its products stay fp32."""
     pytest.importorskip("triton")
     from triton_compile import compiled_launches
-    rows16, rows8 = candidate_configs(16)[0], candidate_configs(8)[-1]
+    cores = next(c for c in candidate_configs(16) if not c.mma)
+    mma = next(c for c in candidate_configs(5) if c.mma)
     x16 = torch.zeros(16, 2048 + 64, dtype=torch.bfloat16)     # a partial last K tile
-    x8, w8 = torch.zeros(8, 4096, dtype=torch.bfloat16), torch.zeros(64, 4096, dtype=torch.bfloat16)
+    x5 = x16[:5]
+    norm_weight = torch.zeros(x16.shape[1], dtype=torch.bfloat16)
+    gate_up = torch.zeros(128, x16.shape[1], dtype=torch.bfloat16)
     with compiled_launches(("cuda", capability, 32)) as launches:
-        rms_norm_skinny_gemm(x16, x16, torch.zeros(x16.shape[1], dtype=torch.bfloat16), 1e-6,
-                             torch.zeros(128, x16.shape[1], dtype=torch.bfloat16), None, rows16,
-                             silu_mul=True, keep_normed=True)
-        skinny_gemm(x8, w8, None, rows8, add=torch.zeros(8, 64, dtype=torch.bfloat16))
-    assert [launch.constexprs["BLOCK_M"] for launch in launches] == [16, 8]
-    for launch in launches:
-        assert launch.asm.get("cubin")
-        assert k_loop_conversions(launch.asm["ttgir"]) == 0, launch.constexprs
+        for x, config in ((x16, cores), (x5, mma)):
+            rms_norm_skinny_gemm(x, x, norm_weight, 1e-6, gate_up, None, config, silu_mul=True,
+                                 keep_normed=True)
+        skinny_gemm(x5, torch.zeros(64, x16.shape[1]), None, mma)
+    on_cores, on_mma, router = launches
+    assert all(launch.asm.get("cubin") for launch in launches)
+    assert on_cores.constexprs["BLOCK_M"] == 16 and not on_cores.constexprs["MMA"]
+    assert k_loop_conversions(on_cores.asm["ttgir"]) == 0
+    assert on_mma.constexprs["BLOCK_M"] == 16 and on_mma.constexprs["MMA"]
+    assert re.search(r"\b(w?gmma|mma)\.[a-z.0-9]*bf16", on_mma.code()), "no bf16 MMA"
+    assert "tf32" not in router.code()
 
 
 # ---------------------------------------------------------------- CPU: the interpreter
@@ -569,12 +583,14 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
         check_folded_norm_prologue(rows, 16, 520, dtype, "cpu", SkinnyConfig(8, 256, 4))
         check_add_epilogue(rows, 24, 520, dtype, "cpu", SkinnyConfig(8, 256, 4))
 
-    @pytest.mark.parametrize("rows", [5, 16])
-    def test_verification_rows_in_every_form(rows):
-        """A verification step's rows (5: padded to 8; 16): the plain GEMV with a bias,
-        gated, the norm prologue keeping the normalised rows, the folded norm, the residual
-        add and the widened logits, over two K steps, the second partial."""
-        config = candidate_configs(rows)[-1]
+    @pytest.mark.parametrize("rows,mma", [(5, False), (16, False), (9, True)],
+                             ids=["5", "16", "9-mma"])
+    def test_verification_rows_in_every_form(rows, mma):
+        """A verification step's rows (5: padded to 8; 16; 9 on the tensor cores, padded to
+        16): the plain GEMV with a bias, gated, the norm prologue keeping the normalised
+        rows, the folded norm, the residual add and the widened logits, over two K steps,
+        the second partial."""
+        config = [c for c in candidate_configs(rows) if c.mma == mma][-1]
         k = config.block_k + 72
         check_against_float64(rows, 12, k, torch.bfloat16, "cpu", config, with_bias=True)
         check_silu_mul_against_unfused(rows, 6, k, torch.float16, "cpu", config)
@@ -584,9 +600,11 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
         check_widen_epilogue(rows, 6, k, torch.bfloat16, "cpu", config)
 
     def test_verification_rows_with_a_float32_weight():
-        # 9 rows (padded to 16), bf16 x: a float32 weight's runs are 4 values a thread.
-        check_16_bit_x_with_float32_weight(9, 6, 600, torch.bfloat16, "cpu",
-                                           candidate_configs(9)[-1], silu_mul=True)
+        # 9 rows (padded to 16), bf16 x: a float32 weight's runs are 4 values a thread, or
+        # its fp32 product on the tensor cores.
+        for config in (candidate_configs(9)[3], candidate_configs(9)[-1]):
+            check_16_bit_x_with_float32_weight(9, 6, 600, torch.bfloat16, "cpu", config,
+                                               silu_mul=True)
 
     @pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (3, torch.float16)], ids=str)
     def test_widen_epilogue(rows, dtype):

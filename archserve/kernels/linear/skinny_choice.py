@@ -61,8 +61,9 @@ NORM_PROLOGUE_MIN_GAIN_PERCENT = 3
 # 7: the look-ahead configs (keys ending "_p") are gone; 8: the norm prologue timed as a
 # folded norm's, on the residual stream's one row (fold_norm_weights); 9: the prologue
 # timed at every choice (norm_choice); 10: the prologue's squares summed once; 11: the
-# tiles of more than one row loaded in the product's layout, rows up to 16
-_CACHE_VERSION = 11
+# tiles of more than one row loaded in the product's layout, rows up to 16; 12: the
+# tensor cores' configs ("_mma") from four rows
+_CACHE_VERSION = 12
 
 # (kind, out_features, in_features, dtype) -> every weight of that kind and shape
 WeightGroups = dict[tuple[str, int, int, torch.dtype], list[torch.Tensor]]

@@ -5,11 +5,11 @@ time is the weight's bytes over the memory bandwidth. cuBLAS reaches that on the
 matrices of an 8B model (gate/up, down) but not on the narrow ones (QKV, O at 3.1 of
 4.3 TB/s on an H200), and it adds split-K reduce kernels there. This kernel gives each
 program ``BLOCK_N`` output columns over the whole of K, so no reduction crosses programs
-and there is no second kernel. The product runs on the CUDA cores in fp32: each weight
-tile is loaded once and multiplied by every row (a speculative verification step's
-newest token and drafts, or a small batch), the sums are reduced over K once at the
-end; tensor cores would pad the rows to their 16-row tile and stage the weight through
-shared memory.
+and there is no second kernel. Each weight tile is loaded once and multiplied by every
+row (a speculative verification step's newest token and drafts, or a small batch): on
+the CUDA cores in fp32, the sums reduced over K once at the end, or (configs with
+``mma``, from four rows) on the tensor cores, the rows padded to 16 and the weight
+staged through shared memory, which holds wide column tiles in few registers.
 
 Whether it beats cuBLAS depends on the shape, the rows and the GPU, so nothing calls it
 blindly: ``archserve.kernels.linear.skinny_choice`` times it against cuBLAS per shape
@@ -23,14 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
+from archserve.kernels.attention.triton_decode import dot_precision
 from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 
-# Rows this kernel is built for: a batch-1 verification step of up to 15 drafts. Its
-# accumulator holds BLOCK_M x BLOCK_N sums a thread per vector of K (_times_rows); past
-# 16 rows those sums and the rows' tile outgrow the registers, and cuBLAS's tensor cores
-# have rows enough to fill their tiles.
+# Rows this kernel is built for: a batch-1 verification step of up to 15 drafts. On the
+# CUDA cores a thread holds BLOCK_M x BLOCK_N sums per vector of K (_times_rows), which
+# past 16 rows outgrow the registers; on the tensor cores, 16 rows are one MMA tile,
+# where cuBLAS's own kernels take over.
 MAX_ROWS = 16
 
 
@@ -39,29 +40,50 @@ class SkinnyConfig:
     block_n: int
     block_k: int
     num_warps: int
+    # The product on the tensor cores (tl.dot), the rows padded to MMA_ROWS: from a few
+    # rows up, the CUDA cores' form reads every row's tile once per BLOCK_N columns of
+    # weight and holds BLOCK_M x BLOCK_N sums a thread; the tensor cores take wide BLOCK_N
+    # tiles with few registers, the weight staged through shared memory.
+    mma: bool = False
 
     def key(self) -> str:
-        return f"n{self.block_n}_k{self.block_k}_w{self.num_warps}"
+        return f"n{self.block_n}_k{self.block_k}_w{self.num_warps}" + ("_mma" if self.mma else "")
 
     @classmethod
     def from_key(cls, key: str) -> SkinnyConfig:
-        n, k, w = (int(part[1:]) for part in key.split("_"))
-        return cls(n, k, w)
+        parts = key.split("_")
+        n, k, w = (int(part[1:]) for part in parts[:3])
+        return cls(n, k, w, parts[3:] == ["mma"])
 
 
-# Tiles (BLOCK_N, BLOCK_K, warps) worth timing per BLOCK_M. One row: the leaders of sweeps
-# of 1-32 x 128-4096 tiles at 2, 4 and 8 warps over the 8B and 0.6B shapes on an H200
-# (benchmarks/bench_skinny_gemm.py). More rows (chosen by rule, not yet by a sweep): tiles
-# whose BLOCK_K is one 16-byte vector a thread (8 x 32 x warps 16-bit values), so the
-# weight's and the rows' load layouts are the product's and nothing crosses shared memory
-# in the K loop (a compile test checks it), and whose sums fit sm_90a's registers without
-# spilling, plain and gated (BLOCK_N falls as the rows grow: a thread holds BLOCK_M x
-# BLOCK_N sums). Few: each is compiled and timed at the first start.
+# tl.dot's smallest M: the MMA form pads its rows to it.
+MMA_ROWS = 16
+
+
+def _block_m(rows: int, config: SkinnyConfig) -> int:
+    block_m = triton.next_power_of_2(rows)
+    return max(block_m, MMA_ROWS) if config.mma else block_m
+
+
+# Tiles (BLOCK_N, BLOCK_K, warps[, MMA]) worth timing per BLOCK_M. One row: the leaders of
+# sweeps of 1-32 x 128-4096 tiles at 2, 4 and 8 warps over the 8B and 0.6B shapes on an
+# H200 (benchmarks/bench_skinny_gemm.py). More rows (chosen by rule, not yet by a sweep):
+# on the CUDA cores, tiles whose BLOCK_K is one 16-byte vector a thread (8 x 32 x warps
+# 16-bit values), so the weight's and the rows' load layouts are the product's and nothing
+# crosses shared memory in the K loop (a compile test checks it), and whose sums fit
+# sm_90a's registers without spilling, plain and gated (BLOCK_N falls as the rows grow: a
+# thread holds BLOCK_M x BLOCK_N sums); on the tensor cores (from 4 rows), tiles of 16-32
+# columns x 128-256 of K whose gated form fits sm_90a's registers without spilling (with
+# the norm prologue some spill: the tuner times that form apart) and 64 KB of shared
+# memory in Triton's default three stages. Few: each is compiled and timed at the first
+# start.
+_MMA_TILES = [(16, 128, 2, True), (32, 128, 4, True), (16, 256, 4, True)]
 _CANDIDATE_TILES = {1: [(2, 1024, 4), (1, 2048, 4), (2, 2048, 8), (4, 512, 4)],
                     2: [(2, 1024, 4), (4, 1024, 4), (2, 2048, 8), (4, 512, 2)],
-                    4: [(2, 1024, 4), (4, 1024, 4), (2, 2048, 8), (2, 512, 2)],
-                    8: [(1, 1024, 4), (2, 1024, 4), (2, 2048, 8), (2, 512, 2)],
-                    16: [(1, 1024, 4), (2, 1024, 4), (1, 2048, 8), (2, 512, 2)]}
+                    4: [(2, 1024, 4), (4, 1024, 4), (2, 2048, 8), (2, 512, 2),
+                        _MMA_TILES[1]],
+                    8: [(1, 1024, 4), (2, 1024, 4), (2, 2048, 8), (2, 512, 2), *_MMA_TILES],
+                    16: [(1, 1024, 4), (2, 1024, 4), (1, 2048, 8), (2, 512, 2), *_MMA_TILES]}
 
 
 def candidate_configs(rows: int) -> list[SkinnyConfig]:
@@ -81,7 +103,8 @@ def _load_weight(w_rows, k, col_ok, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _times_rows(acc, w, x_tile, BLOCK_M: tl.constexpr, VEC: tl.constexpr):
+def _times_rows(acc, w, x_tile, BLOCK_M: tl.constexpr, VEC: tl.constexpr,
+                MMA: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32"):
     """acc + a loaded weight tile times the rows' fp32 tile. One row: [BLOCK_N, BLOCK_K]
     products, summed over K after the loop. More rows: x [BLOCK_M, 1, BLOCK_K] times w
     [1, BLOCK_N, BLOCK_K], each thread's VEC products along K (one 16-byte load of the
@@ -90,11 +113,19 @@ def _times_rows(acc, w, x_tile, BLOCK_M: tl.constexpr, VEC: tl.constexpr):
     BLOCK_M x BLOCK_N x VEC. Both tiles are loaded in these three-dimensional shapes, so
     their load layouts are the product's and no tile crosses shared memory; built from
     two-dimensional loads, every K step converted both tiles through shared memory, with
-    barriers, at two rows and up (their TTGIR and PTX for sm_90a)."""
-    w = w.to(tl.float32)
-    if BLOCK_M == 1:
-        acc += w * x_tile
+    barriers, at two rows and up (their TTGIR and PTX for sm_90a). MMA: x [BLOCK_M, BLOCK_K]
+    times w [BLOCK_N, BLOCK_K] on the tensor cores into [BLOCK_M, BLOCK_N], the rows in the
+    weight's dtype (exact for 16-bit rows); DOT_PRECISION "ieee" (dot_precision: a float32
+    weight, or bf16 under the CPU interpreter) multiplies in fp32, not TF32."""
+    if MMA:
+        if DOT_PRECISION == "ieee":
+            acc = tl.dot(x_tile, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x_tile.to(w.dtype), tl.trans(w), acc)
+    elif BLOCK_M == 1:
+        acc += w.to(tl.float32) * x_tile
     else:
+        w = w.to(tl.float32)
         BLOCK_N: tl.constexpr = w.shape[1]
         BLOCK_K: tl.constexpr = w.shape[2]
         acc += tl.sum(tl.reshape(x_tile * w, [BLOCK_M, BLOCK_N, BLOCK_K // VEC, VEC]), axis=3)
@@ -103,15 +134,19 @@ def _times_rows(acc, w, x_tile, BLOCK_M: tl.constexpr, VEC: tl.constexpr):
 
 @triton.jit
 def _weight_times_rows(acc, w_rows, x_tile, k, col_ok, K, BLOCK_M: tl.constexpr,
-                       EVEN_K: tl.constexpr, VEC: tl.constexpr):
+                       EVEN_K: tl.constexpr, VEC: tl.constexpr, MMA: tl.constexpr = False,
+                       DOT_PRECISION: tl.constexpr = "tf32"):
     """acc + the weight tile at k times the rows' fp32 tile (``_times_rows``)."""
-    return _times_rows(acc, _load_weight(w_rows, k, col_ok, K, EVEN_K), x_tile, BLOCK_M, VEC)
+    return _times_rows(acc, _load_weight(w_rows, k, col_ok, K, EVEN_K), x_tile, BLOCK_M, VEC,
+                       MMA, DOT_PRECISION)
 
 
 @triton.jit
-def _sum_over_k(acc, BLOCK_M: tl.constexpr):
+def _sum_over_k(acc, BLOCK_M: tl.constexpr, MMA: tl.constexpr):
     """The accumulator summed over K: [BLOCK_M, BLOCK_N]."""
-    if BLOCK_M == 1:
+    if MMA:     # the tensor cores summed it
+        total = acc
+    elif BLOCK_M == 1:
         total = tl.sum(acc, axis=1)[None, :]
     else:
         total = tl.sum(acc, axis=2)
@@ -119,9 +154,9 @@ def _sum_over_k(acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _row_sums(tile, BLOCK_M: tl.constexpr):
+def _row_sums(tile, BLOCK_M: tl.constexpr, MMA: tl.constexpr):
     """A rows' tile summed over K: [BLOCK_M, 1]."""
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 or MMA:
         total = tl.sum(tile, axis=1)[:, None]
     else:
         total = tl.sum(tile, axis=2)
@@ -154,10 +189,10 @@ def _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_res
 def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K, stride_xm,
                write_residual, squares, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
                NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
-               VEC: tl.constexpr):
+               VEC: tl.constexpr, MMA: tl.constexpr):
     """The GEMM's fp32 rows' tile at k (``_load_rows``'s shapes): x (+ residual; program 0
     stores the sum), and with NORM its squares added to ``squares`` (the tile's shape at
-    one row, [BLOCK_M, 1, BLOCK_K / VEC] at more: the row's 1/rms is known only after the
+    one row and with MMA, [BLOCK_M, 1, BLOCK_K / VEC] at more: the row's 1/rms is known only after the
     last K step, and scales the sums then) and, with NORM_WEIGHT, x times the norm's
     weight (without: the weight was folded into the GEMM's, RMSNorm.fold_into). The
     squares are held per element (per thread's run, at more rows) and summed over K once,
@@ -167,7 +202,7 @@ def _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, rows, row_ok, k, K, stride_x
     x = _load_rows(x_ptr, r_ptr, new_r_ptr, rows, row_ok, k, K, stride_xm, write_residual,
                    HAS_RESIDUAL, EVEN_K, True)
     if NORM:
-        if BLOCK_M == 1:
+        if BLOCK_M == 1 or MMA:
             squares += x * x
         else:   # each thread's run summed in its registers, as _times_rows sums products
             BLOCK_K: tl.constexpr = x.shape[2]
@@ -207,7 +242,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
                         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                         NORMED_OUT: tl.constexpr, PDL: tl.constexpr,
                         NORM_WEIGHT: tl.constexpr = True, ADD: tl.constexpr = False,
-                        NORMED_SLICE: tl.constexpr = 0, WIDEN: tl.constexpr = False):
+                        NORMED_SLICE: tl.constexpr = 0, WIDEN: tl.constexpr = False,
+                        MMA: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32"):
     # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
     # NORM: x is RMS-normalised first (after adding the residual, with HAS_RESIDUAL) with the
     # weight at norm_w_ptr, in the same pass over K as the product: W (x * w) / rms is
@@ -231,14 +267,18 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     # The weight's elements in one 16-byte load: a thread's run along K (_times_rows).
     VEC: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth
-    # The tiles' shapes (_times_rows): one row, weight [BLOCK_N, BLOCK_K] and rows
-    # [1, BLOCK_K]; more, weight [1, BLOCK_N, BLOCK_K] and rows [BLOCK_M, 1, BLOCK_K].
-    if BLOCK_M == 1:
+    # The tiles' shapes (_times_rows): one row and MMA, weight [BLOCK_N, BLOCK_K] and rows
+    # [BLOCK_M, BLOCK_K]; more rows on the CUDA cores, weight [1, BLOCK_N, BLOCK_K] and
+    # rows [BLOCK_M, 1, BLOCK_K].
+    if BLOCK_M == 1 or MMA:
         tile_cols, tile_col_ok = cols[:, None], col_ok[:, None]
         tile_rows, tile_row_ok, tile_ks = rows[:, None], row_ok[:, None], ks[None, :]
         first = tl.zeros([BLOCK_M, BLOCK_K], tl.int32)
         squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if MMA:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         tile_cols, tile_col_ok = cols[None, :, None], col_ok[None, :, None]
         tile_rows, tile_row_ok = rows[:, None, None], row_ok[:, None, None]
@@ -264,28 +304,29 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     acc_up = tl.zeros_like(acc)
     x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, tile_rows, tile_row_ok,
                             tile_ks, K, stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM,
-                            NORM_WEIGHT, BLOCK_M, VEC)
-    acc = _times_rows(acc, w_first, x, BLOCK_M, VEC)
+                            NORM_WEIGHT, BLOCK_M, VEC, MMA)
+    acc = _times_rows(acc, w_first, x, BLOCK_M, VEC, MMA, DOT_PRECISION)
     if GATED:
-        acc_up = _times_rows(acc_up, up_first, x, BLOCK_M, VEC)
+        acc_up = _times_rows(acc_up, up_first, x, BLOCK_M, VEC, MMA, DOT_PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tile_ks
         x, squares = _gemm_rows(x_ptr, r_ptr, new_r_ptr, norm_w_ptr, tile_rows, tile_row_ok,
                                 k, K, stride_xm, first, squares, HAS_RESIDUAL, EVEN_K, NORM,
-                                NORM_WEIGHT, BLOCK_M, VEC)
-        acc = _weight_times_rows(acc, w_rows, x, k, tile_col_ok, K, BLOCK_M, EVEN_K, VEC)
+                                NORM_WEIGHT, BLOCK_M, VEC, MMA)
+        acc = _weight_times_rows(acc, w_rows, x, k, tile_col_ok, K, BLOCK_M, EVEN_K, VEC, MMA,
+                                 DOT_PRECISION)
         if GATED:
             acc_up = _weight_times_rows(acc_up, up_rows, x, k, tile_col_ok, K, BLOCK_M,
-                                        EVEN_K, VEC)
-    y = _sum_over_k(acc, BLOCK_M)
+                                        EVEN_K, VEC, MMA, DOT_PRECISION)
+    y = _sum_over_k(acc, BLOCK_M, MMA)
     inv_rms = 1.0
     if NORM:
-        inv_rms = tl.math.rsqrt(_row_sums(squares, BLOCK_M) / K + eps)
+        inv_rms = tl.math.rsqrt(_row_sums(squares, BLOCK_M, MMA) / K + eps)
         y = y * inv_rms
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        up = _sum_over_k(acc_up, BLOCK_M)
+        up = _sum_over_k(acc_up, BLOCK_M, MMA)
         if NORM:
             up = up * inv_rms
         if HAS_BIAS:
@@ -420,11 +461,12 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, new_residual,
         normed if normed is not None else x, float(eps), add if add is not None else y,
-        HAS_BIAS=bias is not None, GATED=silu_mul, BLOCK_M=triton.next_power_of_2(rows),
+        HAS_BIAS=bias is not None, GATED=silu_mul, BLOCK_M=_block_m(rows, config),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
         NORM=norm, HAS_RESIDUAL=residual is not None,
         NORMED_OUT=normed is not None, PDL=pdl, NORM_WEIGHT=norm_weight is not None,
-        ADD=add is not None, WIDEN=widen,
+        ADD=add is not None, WIDEN=widen, MMA=config.mma,
+        DOT_PRECISION=dot_precision(weight.dtype),
         NORMED_SLICE=triton.next_power_of_2(triton.cdiv(depth, grid[0])) if normed is not None
         else 0,
         num_warps=config.num_warps, **pdl_launch_options(pdl))
