@@ -1,9 +1,9 @@
 """Kernel test files with an interpreted half: on a CPU-only machine, each runs once more in
-a child process under Triton's interpreter.
+a child process under Triton's interpreter (one child for all of a session's files).
 
 The interpreter must be switched on before triton is imported, which a running pytest
-process has already done; so the file is re-executed with ``TRITON_INTERPRET=1``
-(tests/triton_interpreter.py), and its ``if INTERPRETED:`` half runs there. A file opts in
+process has already done; so the files are re-executed with ``TRITON_INTERPRET=1``
+(tests/triton_interpreter.py), and their ``if INTERPRETED:`` halves run there. A file opts in
 with a module-level ``INTERPRETER_TIMEOUT_S = <seconds>``; this conftest adds its
 ``test_under_interpreter`` item. On a GPU the compiled kernels are tested instead (the
 files' gpu-marked tests), so the item skips there.
@@ -48,11 +48,25 @@ class InterpreterRerun(pytest.Item):
 
     def runtest(self) -> None:
         pytest.importorskip("triton")
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(str(self.path), timeout=self.timeout)
+        from triton_interpreter import assert_file_passed
+        assert_file_passed(_interpreted_outcomes(self.session)[str(self.path)])
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.path, 0, f"{self.path.name} under Triton's interpreter"
+
+
+_outcomes: dict = {}     # the session's one interpreter run: each file's outcome, by path
+
+
+def _interpreted_outcomes(session: pytest.Session) -> dict:
+    """Every interpreted half this session runs, in one child process (each child pays
+    seconds of imports) the first time one is asked for; its timeout is the files' sum."""
+    if not _outcomes:
+        from triton_interpreter import run_under_interpreter
+        items = [item for item in session.items if isinstance(item, InterpreterRerun)]
+        _outcomes.update(run_under_interpreter([str(item.path) for item in items],
+                                               sum(item.timeout for item in items)))
+    return _outcomes
 
 
 class InterpretedHalf(pytest.File):

@@ -22,6 +22,7 @@ from archserve.kernels.mla.triton_dsv4 import TritonDsv4Impl
 from archserve.kernels.rules import triton_interpreted
 
 INTERPRETED = triton_interpreted()
+INTERPRETER_TIMEOUT_S = 900
 gpu = pytest.mark.gpu
 # (compress_rate, overlap): compressed sparse, heavily compressed, sliding window only.
 KINDS = {"csa": (4, True), "hca": (8, False), "sliding": (0, False)}
@@ -54,14 +55,7 @@ def assert_matches_reference(case, impl, atol: float = 2e-3, reference_case=None
                                    atol=atol, rtol=atol, equal_nan=True)
 
 
-if not INTERPRETED:
-
-    @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu-marked tests run")
-    def test_compressed_attention_kernels_under_interpreter():
-        from triton_interpreter import assert_passes_under_interpreter
-        assert_passes_under_interpreter(__file__, timeout=900)
-
-else:
+if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conftest.py)
     @pytest.mark.parametrize("block_size, window", [(8, 6), (16, 12)])
     @pytest.mark.parametrize("kind", sorted(KINDS))
     @pytest.mark.parametrize("step", ["prompt", "decode", "wrapped"])
