@@ -82,7 +82,9 @@ if triton_interpreted():   # the rest runs under Triton's interpreter
                                                                           monkeypatch) -> None:
         """The CPU engine's model with each quantized layer's kernel swapped for a100's
         TRITON_WEIGHT_ONLY (bf16, so the GEMV: at most its rows a call) generates the
-        tokens CPU_WEIGHT_ONLY does."""
+        tokens CPU_WEIGHT_ONLY does, through the prompt's step and a decode step (a further
+        decode step would run the same kernels at the same row count again, at seconds a
+        step interpreted)."""
         from archserve import LLM, SamplingParams
         from archserve.engine.decode_gemms import install_quantized_kernels
         from archserve.loader.loader import load_model
@@ -94,7 +96,7 @@ if triton_interpreted():   # the rest runs under Triton's interpreter
         llm = LLM(GGUF, enforce_eager=True, max_model_len=64)
         dtype = llm.llm_engine.report.dtype
         assert dtype == torch.bfloat16
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         prompts = ["Hello world! How are you"]
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         quantized, _ = load_model(GGUF, dtype=dtype, quantization=gguf_quant_config())
