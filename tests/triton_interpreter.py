@@ -60,7 +60,8 @@ def _child(reports_path: str, args: list[str]) -> int:
 
 def run_under_interpreter(test_files: list[str], timeout: int) -> dict[str, FileOutcome]:
     """Run ``test_files`` in one pytest child under the interpreter; each file's outcome,
-    by the path as given. The interpreter runs a kernel's programs one after another in
+    by the path as given. ``timeout``: the files' limit one after another (a worker's
+    share of it with several). The interpreter runs a kernel's programs one after another in
     Python, on one core: the child spreads the files over a worker per core (pytest-xdist,
     a file's tests together on one worker, as a run of the file alone has them)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,6 +71,7 @@ def run_under_interpreter(test_files: list[str], timeout: int) -> dict[str, File
         workers = min(len(test_files), os.cpu_count() or 1)
         if workers > 1 and importlib.util.find_spec("xdist"):   # the test extra has it
             args += ["-n", str(workers), "--dist", "loadfile"]
+            timeout = -(-timeout // workers)
         code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
                 "import triton_interpreter as t; "
                 f"sys.exit(t._child({reports_path!r}, {args!r}))")

@@ -55,18 +55,25 @@ class InterpreterRerun(pytest.Item):
         return self.path, 0, f"{self.path.name} under Triton's interpreter"
 
 
-_outcomes: dict = {}     # the session's one interpreter run: each file's outcome, by path
+_run: list = []     # the session's one interpreter run: each file's outcome, or its error
 
 
 def _interpreted_outcomes(session: pytest.Session) -> dict:
     """Every interpreted half this session runs, in one child process (each child pays
-    seconds of imports) the first time one is asked for; its timeout is the files' sum."""
-    if not _outcomes:
+    seconds of imports) the first time one is asked for; its limit is the files' limits
+    together. A run that failed as a whole (its limit passed) fails each file's item with
+    its error, without running again."""
+    if not _run:
         from triton_interpreter import run_under_interpreter
         items = [item for item in session.items if isinstance(item, InterpreterRerun)]
-        _outcomes.update(run_under_interpreter([str(item.path) for item in items],
-                                               sum(item.timeout for item in items)))
-    return _outcomes
+        try:
+            _run.append(run_under_interpreter([str(item.path) for item in items],
+                                              sum(item.timeout for item in items)))
+        except Exception as exc:  # noqa: BLE001 - each item reports it
+            _run.append(exc)
+    if isinstance(_run[0], Exception):
+        raise _run[0]
+    return _run[0]
 
 
 class InterpretedHalf(pytest.File):
