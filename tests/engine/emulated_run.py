@@ -1,7 +1,9 @@
 """One device profile emulated on this GPU, end to end (a process of its own: a process
 fixes its emulation with its first GPU engine). Run by test_emulated_generations.py:
 
-    python tests/engine/emulated_run.py PROFILE OUT.json     (PROFILE "native": no emulation)
+    python tests/engine/emulated_run.py PROFILE OUT.json [NAMES]   (PROFILE "native": no
+    emulation; NAMES: a comma-separated part of emulated_parts.MODELS and "mechanics", default
+    all of them)
 
 For the tiny Llama (float32 and the profile's dtype), Qwen3, Qwen3-MoE, DeepSeek-V2-Lite
 and the quantized fixtures (FP8, block FP8, W8A8 INT8, W4A16, GGUF) it records the route the
@@ -21,6 +23,7 @@ import gc
 import json
 import os
 import sys
+import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,34 +33,38 @@ sys.path[:0] = [TESTS, os.path.dirname(TESTS)]
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from emulated_parts import FIXTURES, MECHANICS, MODELS  # noqa: E402
 
 PROMPTS = ["Hello world! How are you", "The capital of France is Paris. The capital of",
            "1 2 3", "A paged KV cache stores keys and values in fixed-size blocks."]
 NUM_TOKENS = 16
-ENGINE = dict(kv_cache_memory_bytes=1 << 28, max_num_seqs=8, max_model_len=256,
+# As many sequences as prompts: every decode step replays the graph of 4 rows, and the
+# start-up tuners time (and compile their candidates for) the graph sizes 1, 2 and 4 only.
+ENGINE = dict(kv_cache_memory_bytes=1 << 28, max_num_seqs=len(PROMPTS), max_model_len=256,
               self_check=False)
 QUANT = os.path.join(TESTS, "fixtures", "quant")
-FIXTURES = ("ct-fp8-channel-dynamic", "ct-fp8-block", "ct-int8-w8a8", "ct-w4a16-g128-sym",
-            "gptq-w4-g128-sym", "ct-moe-w4a16")
 GGUF = os.path.join(QUANT, "gguf-mixed", "tiny-mixed.gguf")
 
 
-def checkpoints(root: str) -> dict[str, str]:
+def checkpoints(root: str, names: set[str]) -> dict[str, str]:
+    """The tiny checkpoints among ``names`` (each built only where a model asks it)."""
     from models.test_deepseek_vs_hf import GPU_MLA
     from models.test_deepseek_vs_hf import VARIANTS as DEEPSEEK
     from tiny_checkpoints import TINY_QWEN3_MOE, build_tiny_checkpoint
 
     h64 = dict(hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=1)
     v2_type, v2_overrides = DEEPSEEK["v2_lite"]
-    return {
-        "llama": build_tiny_checkpoint(f"{root}/llama", "llama", tie_word_embeddings=False,
-                                       **h64),
-        "qwen3": build_tiny_checkpoint(f"{root}/qwen3", "qwen3", tie_word_embeddings=False,
-                                       **h64),
-        "qwen3_moe": build_tiny_checkpoint(f"{root}/qwen3_moe", "qwen3_moe", **TINY_QWEN3_MOE),
-        "deepseek_v2": build_tiny_checkpoint(f"{root}/deepseek_v2", v2_type,
-                                             **{**GPU_MLA, **v2_overrides}),
+    builds = {
+        "llama": lambda: build_tiny_checkpoint(f"{root}/llama", "llama",
+                                               tie_word_embeddings=False, **h64),
+        "qwen3": lambda: build_tiny_checkpoint(f"{root}/qwen3", "qwen3",
+                                               tie_word_embeddings=False, **h64),
+        "qwen3_moe": lambda: build_tiny_checkpoint(f"{root}/qwen3_moe", "qwen3_moe",
+                                                   **TINY_QWEN3_MOE),
+        "deepseek_v2": lambda: build_tiny_checkpoint(f"{root}/deepseek_v2", v2_type,
+                                                     **{**GPU_MLA, **v2_overrides}),
     }
+    return {name: build() for name, build in builds.items() if name in names}
 
 
 def route_record(llm, path: str, profile: str, dtype: str = "auto") -> dict:
@@ -77,6 +84,7 @@ def route_record(llm, path: str, profile: str, dtype: str = "auto") -> dict:
             "routes_equal_explain": printed == explained,
             "device": report.device.describe(), "dtype": str(report.dtype),
             "graph_sizes": list(report.graph_sizes), "graphs_off": report.graphs_off,
+            "startup_s": {k: round(v, 1) for k, v in report.timings.items()},
             "decisions": [f"{d.what}: {d.chosen}" for d in report.decisions]}
 
 
@@ -212,29 +220,42 @@ def main() -> None:
     import tempfile
 
     profile, out_path = sys.argv[1], sys.argv[2]
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else [*MODELS, MECHANICS]
+    unknown = set(names) - {*MODELS, MECHANICS}
+    if unknown:
+        raise SystemExit(f"unknown names {sorted(unknown)}: not in emulated_parts.MODELS")
     results: dict[str, dict] = {}
 
     def attempt(key: str, fn, *args) -> None:  # noqa: ANN001
+        start = time.perf_counter()
         try:
             results[key] = fn(*args)
         except Exception as exc:  # noqa: BLE001 - recorded, and the next model runs
             results[key] = {"ok": False, "detail": f"{type(exc).__name__}: {exc}",
                             "traceback": traceback.format_exc()[-3000:]}
-        with open(out_path, "w") as f:
+        # Where a part's time goes: this model's start (its tuners, graphs) and its run.
+        results[key]["seconds"] = round(time.perf_counter() - start, 1)
+        with open(f"{out_path}.tmp", "w") as f:
             json.dump(results, f, indent=1)
+        os.replace(f"{out_path}.tmp", out_path)   # a part killed mid-write: the last file stays
 
     if profile == "native":     # the control: the GPU as it is
-        attempt("mechanics", mechanics, profile)
+        attempt(MECHANICS, mechanics, profile)
         return
     with tempfile.TemporaryDirectory() as root:
-        paths = checkpoints(root)
-        attempt("llama float32", run_model, "llama", paths["llama"], profile, "float32")
-        for name, path in paths.items():
-            attempt(name, run_model, name, path, profile, "auto")
-        for name in FIXTURES:
-            attempt(name, run_fixture, name, profile)
-        attempt("gguf-mixed", run_gguf, profile)
-        attempt("mechanics", mechanics, profile)
+        wanted = set(names)
+        paths = checkpoints(root, wanted | ({"llama"} if "llama float32" in wanted else set()))
+        for name in names:      # in the order given
+            if name == "llama float32":
+                attempt(name, run_model, "llama", paths["llama"], profile, "float32")
+            elif name in paths:
+                attempt(name, run_model, name, paths[name], profile, "auto")
+            elif name in FIXTURES:
+                attempt(name, run_fixture, name, profile)
+            elif name == "gguf-mixed":
+                attempt(name, run_gguf, profile)
+            else:
+                attempt(name, mechanics, profile)
 
 
 if __name__ == "__main__":

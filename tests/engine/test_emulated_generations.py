@@ -1,8 +1,9 @@
 """Every older generation's route, run on the GPU here under ``--emulate-device``.
 
-Each profile runs in a process of its own (tests/engine/emulated_run.py: a process fixes
-its emulation with its first GPU engine), all of them side by side on the one GPU; each
-test reads its profile's results: the tiny Llama, Qwen3, Qwen3-MoE and DeepSeek-V2-Lite,
+Each profile runs in processes of its own (tests/engine/emulated_run.py: a process fixes
+its emulation with its first GPU engine), its models spread over a few of them
+(emulated_parts.py), all side by side on the one GPU; each test reads its profile's
+results, merged from its processes: the tiny Llama, Qwen3, Qwen3-MoE and DeepSeek-V2-Lite,
 and the quantized fixtures, greedy against transformers in float32 (16-bit runs within
 transformers' own drift in that dtype), the printed route equal to ``explain --device``'s,
 decode in CUDA graphs, Triton's code for the profile's architecture, and a kernel over the
@@ -14,9 +15,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
+import emulated_parts
 import pytest
 import torch
 
@@ -25,31 +26,35 @@ pytestmark = [pytest.mark.gpu,
 
 PROFILES = ("v100", "t4", "a100", "a10", "l40s", "rtx4090")
 RUN = os.path.join(os.path.dirname(__file__), "emulated_run.py")
-TIMEOUT_S = 540
+# A part's limit: three models' starts (their tuners compiling for the profile) with the
+# GPU and the CPU shared by every other part. Three profiles' parts at once (13 processes,
+# the control's included) fit a 16-core host and a device call's 600 s.
+TIMEOUT_S = 480
+# Processes at once: one a core, two cores left for the GPU's driver threads and pytest;
+# more parts than that wait for a process to end.
+MAX_PROCESSES = max(1, (os.cpu_count() or 2) - 2)
 
 
 @pytest.fixture(scope="module")
 def emulated(request, tmp_path_factory):
-    """profile -> its results, every selected profile's process started at once."""
+    """profile -> (its results, its parts' logs), every selected profile's parts started
+    at once (at most MAX_PROCESSES of them running)."""
     wanted = {item.callspec.params["profile"] for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")}
     # The logs stay where the device script asks (EMULATED_LOGS), else with pytest's files.
     out = os.environ.get("EMULATED_LOGS") or tmp_path_factory.mktemp("emulated")
     os.makedirs(out, exist_ok=True)
     out = pathlib.Path(out)
-    processes = {p: subprocess.Popen([sys.executable, RUN, p, str(out / f"{p}.json")],
-                                     stdout=open(out / f"{p}.log", "w"),
-                                     stderr=subprocess.STDOUT)
-                 for p in (*PROFILES, "native") if p in wanted or p == "native"}
+    jobs = emulated_parts.jobs([p for p in PROFILES if p in wanted])
+    files = {(p, i): (out / f"{p}.{i}.json", out / f"{p}.{i}.log") for p, i, _ in jobs}
+    commands = {(p, i): [sys.executable, RUN, p, str(files[p, i][0]), ",".join(names)]
+                for p, i, names in jobs}
+    emulated_parts.run_all(commands, {key: log for key, (_, log) in files.items()},
+                           MAX_PROCESSES, TIMEOUT_S)
     results = {}
-    for profile, process in processes.items():
-        try:
-            process.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        path = out / f"{profile}.json"
-        results[profile] = (json.loads(path.read_text()) if path.exists() else {},
-                            (out / f"{profile}.log").read_text()[-4000:])
+    for profile in dict.fromkeys(p for p, _, _ in jobs):
+        results[profile] = emulated_parts.merge([files[k] for k in files if k[0] == profile])
+        (out / f"{profile}.json").write_text(json.dumps(results[profile][0], indent=1))
     return results
 
 
