@@ -258,3 +258,22 @@ def test_compiled_steps_attend_in_the_graph_not_through_python(tiny_checkpoint, 
     assert set(runs) == {1, 2}
     # The prompts' steps ran eager, through the backend; no compiled step did.
     assert calls_in_compiled and not any(calls_in_compiled)
+
+
+def test_a_moe_model_compiles_its_decode_step_around_the_expert_loop():
+    """TORCH_MOE's expert loop (a token count per expert: data, not a shape) is one opaque
+    op in the traced step: the MXFP4 gpt-oss fixture (dequantized experts, their biases,
+    the clamped SwiGLU) decodes compiled, with eager's tokens."""
+    import os
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant",
+                           "gpt-oss-mxfp4")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    llm = LLM(fixture, dtype="float32", max_num_seqs=1,
+              compilation_config={"level": 3, "cudagraph_capture_sizes": [1]})
+    assert llm.llm_engine.runner.compiled_steps.sizes == [1], \
+        llm.llm_engine.runner.compiled_steps.demoted
+    runs = counted(llm.llm_engine.runner)
+    compiled = llm.generate(PROMPTS[:1], params)[0].outputs[0].token_ids
+    assert runs
+    eager = LLM(fixture, dtype="float32", max_num_seqs=1, enforce_eager=True)
+    assert compiled == eager.generate(PROMPTS[:1], params)[0].outputs[0].token_ids

@@ -17,7 +17,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from archserve.kernels.linear.torch_dequant import DequantizedWeight, TorchDequantLinear
 from archserve.kernels.moe.expert_activation import (
@@ -32,10 +31,8 @@ __all__ = ["TorchMoEImpl", "route"]
 _DEQUANT = TorchDequantLinear()
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor | DequantizedWeight, expert: int) -> torch.Tensor:
-    if isinstance(w, DequantizedWeight):
-        return _DEQUANT(x, dataclasses.replace(w, weight=w.weight[expert]))
-    return F.linear(x, w[expert])
+def _linear(x: torch.Tensor, w: DequantizedWeight, expert: int) -> torch.Tensor:
+    return _DEQUANT(x, dataclasses.replace(w, weight=w.weight[expert]))
 
 
 class TorchMoEImpl:
@@ -68,28 +65,58 @@ class TorchMoEImpl:
         instead of the softmax top-k of the logits. ``activation`` between gate/up and
         down; ``biases`` added after each projection (the down bias before the weight)."""
         weights, experts = routed or route(router_logits, top_k, renormalize)
-        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        flat_experts = experts.reshape(-1)
-        token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
-        order = flat_experts.argsort()
-        counts = torch.bincount(flat_experts, minlength=_num_experts(w13)).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            picks = order[start:start + count]
-            start += count
-            tokens = token_of[picks]
-            x = hidden[tokens]
-            gate_up = _linear(x, w13, expert)
-            if biases is not None:
-                gate_up = gate_up + biases.w13[expert].to(gate_up.dtype)
-            y = _linear(activation(*gate_up.chunk(2, dim=-1)), w2, expert)
-            if biases is not None and biases.w2 is not None:
-                y = y + biases.w2[expert].to(y.dtype)
-            out.index_add_(0, tokens, y.float() * weights.reshape(-1)[picks, None])
-        return out.to(hidden.dtype)
+        # One opaque op over the expert loop: its per-expert token counts are data, which
+        # a traced decode step (engine/cpu_compiled_step.py) cannot hold as shapes.
+        return experts_op(hidden, weights, experts, *_flat_weight(w13), *_flat_weight(w2),
+                          None if biases is None else biases.w13,
+                          None if biases is None else biases.w2,
+                          activation.kind, activation.alpha, activation.limit)
 
 
-def _num_experts(w13: torch.Tensor | DequantizedWeight) -> int:
-    return (w13.weight if isinstance(w13, DequantizedWeight) else w13).shape[0]
+def _flat_weight(w: torch.Tensor | DequantizedWeight
+                 ) -> tuple[torch.Tensor, str, torch.Tensor | None, bool]:
+    """A stacked weight as the op's arguments (a 16-bit one as a DequantizedWeight whose
+    activations are not quantized: the same F.linear)."""
+    if not isinstance(w, DequantizedWeight):
+        w = DequantizedWeight(w)
+    return w.weight, w.activation, w.input_scale, w.fp8_activations
+
+
+@torch.library.custom_op("archserve::torch_moe_experts", mutates_args=())
+def experts_op(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+               w13: torch.Tensor, w13_activation: str, w13_input_scale: torch.Tensor | None,
+               w13_fp8: bool, w2: torch.Tensor, w2_activation: str,
+               w2_input_scale: torch.Tensor | None, w2_fp8: bool,
+               w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+               kind: str, alpha: float, limit: float) -> torch.Tensor:
+    """hidden [T, H] -> [T, H]: sum over each token's experts (``experts`` [T, k], their
+    ``weights``) of weight * expert(x), an expert at a time over its tokens."""
+    gate_up_w = DequantizedWeight(w13, w13_activation, w13_input_scale, w13_fp8)
+    down_w = DequantizedWeight(w2, w2_activation, w2_input_scale, w2_fp8)
+    activation = GatedActivation(kind, alpha, limit)
+    top_k = experts.shape[-1]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    flat_experts = experts.reshape(-1)
+    token_of = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k)
+    order = flat_experts.argsort()
+    counts = torch.bincount(flat_experts, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picks = order[start:start + count]
+        start += count
+        tokens = token_of[picks]
+        gate_up = _linear(hidden[tokens], gate_up_w, expert)
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[expert].to(gate_up.dtype)
+        y = _linear(activation(*gate_up.chunk(2, dim=-1)), down_w, expert)
+        if w2_bias is not None:
+            y = y + w2_bias[expert].to(y.dtype)
+        out.index_add_(0, tokens, y.float() * weights.reshape(-1)[picks, None])
+    return out.to(hidden.dtype)
+
+
+@experts_op.register_fake
+def _experts_shape(hidden: torch.Tensor, *args) -> torch.Tensor:  # noqa: ANN002
+    return torch.empty_like(hidden)
