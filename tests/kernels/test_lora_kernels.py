@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from archserve.kernels.lora.interface import NO_SLOT, LoRAMapping, LoRASlots, pack_mapping
+from archserve.kernels.lora.interface import (
+    NO_SLOT,
+    LoRAMapping,
+    LoRASlots,
+    ShrinkNorm,
+    pack_mapping,
+)
 from archserve.kernels.lora.reference import add_lora_reference
 from archserve.kernels.lora.torch_lora import TorchLoRA
 from archserve.kernels.rules import triton_interpreted
@@ -142,14 +148,35 @@ if not INTERPRETED:
                                               dtype)
         gate_up = random_case(min(num_tokens, triton_lora.ACTIVATION_ROWS), 4096,
                               (14336, 14336), 16, 8, dtype)
+        down = random_case(min(num_tokens, triton_lora.ACTIVATION_ROWS), 4096, (4096,), 16, 8,
+                           dtype)
+        from archserve.kernels.linear import triton_skinny_gemm as skinny
+        monkeypatch.setattr(skinny, "pdl_enabled", lambda device: target >= 90)
+        down_weight = torch.empty(4096, 4096, dtype=dtype)
         with compiled_launches(("cuda", target, 32)) as launches:
             triton_lora.TritonLoRA().add_lora(y, x, slots, mapping)
             assert triton_lora.TritonLoRA().add_lora_silu_mul(*gate_up[:4]) is not None
+            epilogue = triton_lora.TritonLoRA().expand_epilogue(down[1], down[2], down[3])
+            skinny.skinny_gemm(down[1], down_weight, None, skinny.SkinnyConfig(16, 512, 4),
+                               add=down[0], lora=epilogue)
+            # The shrink of the normalised input, then the norm-prologue GEMV adding the
+            # deltas: q/k/v's three blocks, and gate/up's before the activation.
+            norm = ShrinkNorm(down[1], torch.empty(4096, dtype=dtype), 1e-5)
+            for case, gated in ((random_case(down[1].shape[0], 4096, (4096, 1024, 1024), 16,
+                                             8, dtype), False), (gate_up, True)):
+                epilogue = triton_lora.TritonLoRA().expand_epilogue(down[1], case[2], case[3],
+                                                                    norm)
+                skinny.rms_norm_skinny_gemm(
+                    down[1], norm.residual, norm.weight, 1e-5,
+                    torch.empty(sum(case[2].slice_sizes), 4096, dtype=dtype), None,
+                    skinny.SkinnyConfig(16, 512, 4), silu_mul=gated, lora=epilogue)
         # One shrink and one expand a layer, whatever its blocks; a decode-sized gate/up's
-        # expand also applies the activation (no SiLU launch).
+        # expand also applies the activation (no SiLU launch); at a decode step's rows,
+        # the deltas in the base GEMV's epilogue (no expand launch).
         assert [c.kernel for c in launches] == [
             "_lora_shrink_kernel", "_lora_expand_kernel",
-            "_lora_shrink_kernel", "_lora_expand_silu_mul_kernel"]
+            "_lora_shrink_kernel", "_lora_expand_silu_mul_kernel",
+            *["_lora_shrink_kernel", "_skinny_gemm_kernel"] * 3]
         for launch in launches:
             assert bool(launch.options.get("launch_pdl")) == (target >= 90)
             if target >= 90:
@@ -214,6 +241,75 @@ else:
         assert len(separate_deltas) == (0 if rows <= ACTIVATION_ROWS else 2)
         for got, expected in zip(*outputs, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    # (tokens, in_features, width, rank, slots, with the residual add): one row; three rows
+    # of a K split in three, a rank below the 16-wide tiles, a width ending mid-block.
+    @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+    @pytest.mark.parametrize("case", [(1, 64, 48, 16, 4, False), (3, 1100, 40, 8, 3, True)])
+    def test_the_gemv_epilogue_adds_the_delta(case, dtype, tolerance):
+        """The skinny GEMV with the delta in its epilogue (after the shrink, no expand
+        launch) against the product (plus the residual) and then the reference delta."""
+        from archserve.kernels.linear.triton_skinny_gemm import SkinnyConfig, skinny_gemm
+        from archserve.kernels.lora.triton_lora import TritonLoRA
+        tokens, k, width, rank, num_slots, with_add = case
+        y, x, slots, mapping, token_slots = random_case(tokens, k, (width,), rank, num_slots,
+                                                        dtype, empty_slot=0)
+        weight = (torch.randn(width, k) / k ** 0.5).to(dtype)
+        add = y if with_add else None
+        expected = x @ weight.T if add is None else x @ weight.T + add
+        add_lora_reference(expected, x, slots, mapping)
+        impl = TritonLoRA()
+        epilogue = impl.expand_epilogue(x, slots, mapping)
+        got = skinny_gemm(x, weight, None, SkinnyConfig(16, 128, 4), add=add, lora=epilogue)
+        error = (got.float() - expected.float()).abs().max().item()
+        assert error <= tolerance * max(1.0, expected.float().abs().max().item()), error
+        plain = skinny_gemm(x, weight, None, SkinnyConfig(16, 128, 4), add=add)
+        untouched = torch.from_numpy(token_slots == NO_SLOT)
+        assert torch.equal(got[untouched], plain[untouched])   # no adapter: exact
+        from archserve.kernels.lora.triton_lora import ACTIVATION_ROWS
+        many = random_case(ACTIVATION_ROWS + 1, k, (width,), rank, 2, dtype)
+        assert impl.expand_epilogue(*many[1:4]) is None   # past a decode step: no launch
+
+    # (tokens, in_features, output blocks, rank, slots, gated, seed): q/k/v-like blocks of
+    # unequal sizes, one row; gate/up with the activation, three rows (slot 0 empty, slot
+    # 2, none), a rank below the tiles.
+    @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+    @pytest.mark.parametrize("case", [(1, 96, (32, 16, 16), 16, 3, False, 0),
+                                      (3, 64, (24, 24), 8, 3, True, 1)])
+    def test_the_norm_prologue_gemv_epilogue_adds_the_delta(case, dtype, tolerance):
+        """rms_norm(x + residual) then the product in one GEMV, each row's delta (of the
+        normalised rows, which the shrink normalises itself) in its epilogue, before the
+        activation where gated: against the norm, the product, the reference delta (and
+        silu(gate) * up)."""
+        from archserve.kernels.elementwise.reference import (
+            rms_norm_reference,
+            silu_and_mul_reference,
+        )
+        from archserve.kernels.linear.triton_skinny_gemm import (
+            SkinnyConfig,
+            rms_norm_skinny_gemm,
+        )
+        from archserve.kernels.lora.interface import ShrinkNorm
+        from archserve.kernels.lora.triton_lora import TritonLoRA
+        tokens, k, blocks, rank, num_slots, gated, seed = case
+        _, x, slots, mapping, _ = random_case(tokens, k, blocks, rank, num_slots, dtype,
+                                              seed=seed, empty_slot=0)
+        residual = torch.randn(tokens, k).to(dtype)
+        norm_weight = (torch.rand(k) + 0.5).to(dtype)
+        weight = (torch.randn(sum(blocks), k) / k ** 0.5).to(dtype)
+        normed, new_residual = rms_norm_reference(x, norm_weight, 1e-6, residual)
+        expected = normed @ weight.T
+        add_lora_reference(expected, normed, slots, mapping)
+        if gated:
+            expected = silu_and_mul_reference(expected)
+        epilogue = TritonLoRA().expand_epilogue(x, slots, mapping,
+                                                ShrinkNorm(residual, norm_weight, 1e-6))
+        got, got_residual = rms_norm_skinny_gemm(x, residual, norm_weight, 1e-6, weight, None,
+                                                 SkinnyConfig(16, 64, 4), silu_mul=gated,
+                                                 lora=epilogue)
+        assert torch.equal(got_residual, new_residual)
+        error = (got.float() - expected.float()).abs().max().item()
+        assert error <= tolerance * max(1.0, expected.float().abs().max().item()), error
 
     def test_rows_past_the_step_take_no_stale_delta():
         from archserve.kernels.lora.triton_lora import TritonLoRA

@@ -433,6 +433,11 @@ def test_widen_epilogue_compiles_for_sm90():
     assert "-65536;" in code and "st.global.b32" in code
 
 
+# The LoRA epilogue's constants, off (tests/kernels/test_lora_kernels.py compiles it on).
+LORA_OFF = {"LORA": False, "LORA_BLOCKS": 1, "LORA_SLOTS": 1, "LORA_SLOTS_POW2": 1, "LORA_RANK_POW2": 16,
+            "LORA_SPLITS_POW2": 1, "LORA_ROUND_T": False}
+
+
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
 @pytest.mark.parametrize("target,fp32_weight", [
     (("cuda", 80, 32), False), (("cuda", 90, 32), False), (("cuda", 70, 32), False),
@@ -451,10 +456,13 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
     signature = {"x_ptr": act, "w_ptr": wide, "b_ptr": wide, "y_ptr": wide, "M": "i32", "N": "i32",
                  "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
                  "r_ptr": act, "norm_w_ptr": act, "new_r_ptr": act, "normed_ptr": act,
-                 "eps": "fp32", "add_ptr": wide,
+                 "eps": "fp32", "add_ptr": wide, "lora_b_ptr": act, "lora_t_ptr": "*fp32",
+                 "lora_map_ptr": "*i32", "lora_rank": "i32", "lora_splits": "i32",
+                 "lora_size0": "i32", "lora_size1": "i32",
                  **dict.fromkeys(["HAS_BIAS", "GATED", "BLOCK_M", "BLOCK_N", "BLOCK_K", "EVEN_K",
                                   "NORM", "HAS_RESIDUAL", "NORMED_OUT", "PDL", "NORM_WEIGHT",
-                                  "ADD", "NORMED_SLICE", "WIDEN", "MMA", "DOT_PRECISION"],
+                                  "ADD", "NORMED_SLICE", "WIDEN", "MMA", "DOT_PRECISION",
+                                  *LORA_OFF],
                                  "constexpr")}
     # block_m 4 also compiles the norm prologue (with a residual, keeping the normalised
     # rows: a MoE router's form; a folded norm's, without a weight, on the fp32 weight);
@@ -470,7 +478,7 @@ def test_kernel_compiles_for_gpu_targets(target, fp32_weight, block_m):
                       "BLOCK_K": 256, "EVEN_K": False, "NORM": norm, "HAS_RESIDUAL": norm,
                       "NORMED_OUT": norm, "PDL": pdl, "NORM_WEIGHT": not fp32_weight,
                       "ADD": add, "NORMED_SLICE": 64 if norm else 0, "WIDEN": False,
-                      "MMA": False, "DOT_PRECISION": "tf32"}
+                      "MMA": False, "DOT_PRECISION": "tf32", **LORA_OFF}
         compiled = triton.compile(ASTSource(_skinny_gemm_kernel, signature, constexprs),
                                   target=GPUTarget(*target), options=options)
         assert compiled.asm.get("cubin" if target[0] == "cuda" else "hsaco")

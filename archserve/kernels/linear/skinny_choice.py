@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -183,6 +184,28 @@ class SkinnyGemmRoutine:
             return None
         return skinny_gemm(x, weight, bias, config, add=add)
 
+    def linear_lora(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    add: torch.Tensor | None, lora_epilogue: Callable[[], Any]
+                    ) -> torch.Tensor | None:
+        """x W^T (+ b) (+ ``add``) plus each row's LoRA delta, added in the Triton kernel's
+        epilogue: ``lora_epilogue()`` launches the adapters' shrink and returns what the
+        epilogue reads (kernels/lora/triton_lora.py's LoRAEpilogue), or None where it does
+        not apply. None, launching nothing, where the shape runs on cuBLAS or the operands
+        do not suit (the caller then adds the delta apart). Not timed, as ``linear_add``:
+        the epilogue reads the slot's B columns, which the expand's launch read anyway."""
+        config = self._tuned_config(x, weight, bias)
+        if config is None:
+            return None
+        from archserve.kernels.linear.triton_skinny_gemm import add_unsupported, skinny_gemm
+        dtype = torch.promote_types(x.dtype, weight.dtype)
+        if dtype != x.dtype or (add is not None and add_unsupported(
+                (x.shape[0], weight.shape[0]), dtype, add) is not None):
+            return None
+        lora = lora_epilogue()
+        if lora is None:
+            return None
+        return skinny_gemm(x, weight, bias, config, add=add, lora=lora)
+
     def linear_float(self, x: torch.Tensor, weight: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
         """``torch_linear(x, weight).float()`` (an LM head's logits) with the widening in
@@ -202,13 +225,16 @@ class SkinnyGemmRoutine:
     def rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                         norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor,
                         bias: torch.Tensor | None = None, silu_mul: bool = False,
-                        keep_normed: bool = False) -> tuple[torch.Tensor, ...] | None:
+                        keep_normed: bool = False,
+                        lora_epilogue: Callable[[], Any] | None = None
+                        ) -> tuple[torch.Tensor, ...] | None:
         """(this GEMM of rms_norm(x, norm_weight, eps, residual), the new residual, and
         with ``keep_normed`` the normalised rows) with the norm in the Triton kernel's
         prologue: one launch instead of two (``norm_weight`` None: a norm folded into
         ``weight``, RMSNorm.fold_into). None where the shape runs on cuBLAS or the
         prologue timed slower than the norm kernel (then the norm kernel runs first, as
-        always)."""
+        always). With ``lora_epilogue`` (as ``linear_lora``'s) each row's adapter delta is
+        added in the epilogue; None, launching nothing, where the call or it declines."""
         kind = SILU_MUL if silu_mul else LINEAR
         if self._choice(kind, x, weight, bias) is None:
             return None
@@ -223,8 +249,15 @@ class SkinnyGemmRoutine:
         from archserve.kernels.linear.triton_skinny_gemm import norm_unsupported
         if norm_unsupported(x, residual, norm_weight, weight) is not None:
             return None
+        lora = None
+        if lora_epilogue is not None:
+            if torch.promote_types(x.dtype, weight.dtype) != x.dtype:
+                return None
+            lora = lora_epilogue()
+            if lora is None:
+                return None
         return norm_prologue(kind, norm_choice)(x, residual, norm_weight, eps, weight, bias,
-                                                keep_normed)
+                                                keep_normed, lora)
 
     def _triton(self, kind: str, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None):
@@ -336,17 +369,19 @@ def implementation(kind: str, choice: str):
 
 
 def norm_prologue(kind: str, choice: str):
-    """The function (x, residual, norm_weight, eps, weight, bias, keep_normed=False) ->
-    (output, new residual[, normed rows]) that runs the Triton ``choice`` for ``kind`` with
-    rms_norm in its prologue."""
+    """The function (x, residual, norm_weight, eps, weight, bias, keep_normed=False,
+    lora=None) -> (output, new residual[, normed rows]) that runs the Triton ``choice`` for
+    ``kind`` with rms_norm in its prologue (and with ``lora``, a LoRAEpilogue, each row's
+    adapter delta in its epilogue)."""
     from archserve.kernels.elementwise import silu_and_mul
     from archserve.kernels.linear.triton_skinny_gemm import SkinnyConfig, rms_norm_skinny_gemm
     config = SkinnyConfig.from_key(choice.removeprefix(UNFUSED))
     fused_silu = kind == SILU_MUL and not choice.startswith(UNFUSED)
 
-    def run(x, residual, norm_weight, eps, weight, bias, keep_normed=False):
+    def run(x, residual, norm_weight, eps, weight, bias, keep_normed=False, lora=None):
         y, *rest = rms_norm_skinny_gemm(x, residual, norm_weight, eps, weight, bias, config,
-                                        silu_mul=fused_silu, keep_normed=keep_normed)
+                                        silu_mul=fused_silu, keep_normed=keep_normed,
+                                        lora=lora)
         if kind == SILU_MUL and not fused_silu:
             y = silu_and_mul(y)
         return (y, *rest)

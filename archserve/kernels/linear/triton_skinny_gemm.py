@@ -26,6 +26,8 @@ import triton.language as tl
 from archserve.kernels.attention.triton_decode import dot_precision
 from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
+from archserve.kernels.lora.triton_lora import LoRAEpilogue
+from archserve.kernels.lora.triton_lora import lora_row_deltas as _lora_deltas
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
 
 # Rows this kernel is built for: a batch-1 verification step of up to 15 drafts. On the
@@ -237,13 +239,19 @@ def _store_normed_rows(x_ptr, r_ptr, norm_w_ptr, normed_ptr, rows, row_ok, first
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         r_ptr, norm_w_ptr, new_r_ptr, normed_ptr, eps, add_ptr,
+                        lora_b_ptr, lora_t_ptr, lora_map_ptr, lora_rank, lora_splits,
+                        lora_size0, lora_size1,
                         HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                         NORMED_OUT: tl.constexpr, PDL: tl.constexpr,
                         NORM_WEIGHT: tl.constexpr = True, ADD: tl.constexpr = False,
                         NORMED_SLICE: tl.constexpr = 0, WIDEN: tl.constexpr = False,
-                        MMA: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32"):
+                        MMA: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "tf32",
+                        LORA: tl.constexpr = False, LORA_BLOCKS: tl.constexpr = 1,
+                        LORA_SLOTS: tl.constexpr = 1,
+                        LORA_SLOTS_POW2: tl.constexpr = 1, LORA_RANK_POW2: tl.constexpr = 16,
+                        LORA_SPLITS_POW2: tl.constexpr = 1, LORA_ROUND_T: tl.constexpr = False):
     # GATED: the weight is [2N, K], gate rows then up rows (GateUpLinear); y = silu(gate) * up.
     # NORM: x is RMS-normalised first (after adding the residual, with HAS_RESIDUAL) with the
     # weight at norm_w_ptr, in the same pass over K as the product: W (x * w) / rms is
@@ -259,6 +267,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     # ADD: the rounded output plus add[rows, cols] (the residual stream: a layer's last
     # GEMM adds its block's input back, and the norm after it reads one row, not two),
     # rounded again, as the unfused add rounds the GEMM's output and then the sum.
+    # LORA: each row's adapter delta (the shrink's partial sums, launched before, times
+    # its slot's B columns: kernels/lora/triton_lora.py) added to the rounded output (and
+    # sum), rounded again, as the LoRA expand adds it into the stored output; GATED, to
+    # the rounded gate and up before the activation, as the activating expand adds them.
+    # The output's LORA_BLOCKS blocks (q/k/v) start at columns 0, lora_size0 and
+    # lora_size0 + lora_size1.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
@@ -333,12 +347,31 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
             up += tl.load(b_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         # Rounded where the unfused path rounds: the GEMM's outputs, silu(gate), the product.
         gate = round_to_dtype(y, dtype)
-        y = round_to_dtype(gate * tl.sigmoid(gate), dtype) * round_to_dtype(up, dtype)
+        up = round_to_dtype(up, dtype)
+        if LORA:
+            gate = round_to_dtype(gate + _lora_deltas(
+                lora_b_ptr, lora_t_ptr, lora_map_ptr, cols, tl.zeros_like(cols), col_ok, M,
+                lora_rank, lora_splits, LORA_SLOTS, LORA_SLOTS_POW2, BLOCK_M, LORA_RANK_POW2,
+                LORA_SPLITS_POW2, 2, LORA_ROUND_T), dtype)
+            up = round_to_dtype(up + _lora_deltas(
+                lora_b_ptr, lora_t_ptr, lora_map_ptr, cols + N, tl.zeros_like(cols) + 1,
+                col_ok, M, lora_rank, lora_splits, LORA_SLOTS, LORA_SLOTS_POW2, BLOCK_M,
+                LORA_RANK_POW2, LORA_SPLITS_POW2, 2, LORA_ROUND_T), dtype)
+        y = round_to_dtype(gate * tl.sigmoid(gate), dtype) * up
     out_mask = row_ok[:, None] & col_ok[None, :]
     if ADD:
         y = round_to_dtype(round_to_dtype(y, dtype) + tl.load(
             add_ptr + rows[:, None] * N + cols[None, :], mask=out_mask, other=0.0).to(
                 tl.float32), dtype)
+    if LORA and not GATED:
+        if not ADD:
+            y = round_to_dtype(y, dtype)
+        blocks = (cols >= lora_size0).to(tl.int32) + (cols >= lora_size0 + lora_size1).to(
+            tl.int32)
+        y = round_to_dtype(y + _lora_deltas(
+            lora_b_ptr, lora_t_ptr, lora_map_ptr, cols, blocks, col_ok, M, lora_rank,
+            lora_splits, LORA_SLOTS, LORA_SLOTS_POW2, BLOCK_M, LORA_RANK_POW2,
+            LORA_SPLITS_POW2, LORA_BLOCKS, LORA_ROUND_T), dtype)
     if WIDEN:   # y is float32: the product as x's dtype rounds it, then widened
         y = round_to_dtype(y, x_ptr.dtype.element_ty)
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
@@ -374,7 +407,8 @@ def skinny_gemm_unsupported(x: torch.Tensor, weight: torch.Tensor,
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 config: SkinnyConfig, silu_mul: bool = False,
                 add: torch.Tensor | None = None, widen: bool = False,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, lora: LoRAEpilogue | None = None
+                ) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K], bias [N] or None -> [M, N] in x's dtype;
     in float32 for a 16-bit x with a float32 weight (converted in the kernel, as
     ``torch_linear`` converts it before its GEMM).
@@ -387,10 +421,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     add in its last GEMM). With ``widen`` (neither of those) the result is rounded to
     x's dtype and stored as float32, what ``.float()`` of the plain product gives, without
     that conversion's launch: an LM head's logits; into ``out`` when given (float32
-    [M, N], rows contiguous). The caller checks ``skinny_gemm_unsupported`` first (and
+    [M, N], rows contiguous). With ``lora`` (not with ``widen``) each row's adapter delta
+    is added as the LoRA expand would add it into the product (into gate and up before the
+    activation, as the activating expand does). The
+    caller checks ``skinny_gemm_unsupported`` first (and
     ``add_unsupported``, ``widen_unsupported``)."""
     return _launch(x, weight, bias, config, silu_mul, None, None, 0.0, add=add, widen=widen,
-                   out=out)[0]
+                   out=out, lora=lora)[0]
 
 
 def widen_unsupported(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
@@ -416,15 +453,16 @@ def add_unsupported(y_shape: tuple[int, int], dtype: torch.dtype, add: torch.Ten
 def rms_norm_skinny_gemm(x: torch.Tensor, residual: torch.Tensor | None,
                          norm_weight: torch.Tensor | None, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None, config: SkinnyConfig,
-                         silu_mul: bool = False, keep_normed: bool = False
-                         ) -> tuple[torch.Tensor, ...]:
+                         silu_mul: bool = False, keep_normed: bool = False,
+                         lora: LoRAEpilogue | None = None) -> tuple[torch.Tensor, ...]:
     """``skinny_gemm`` of rms_norm(x, norm_weight, eps, residual)'s output, and its new
     residual (x + residual; x itself without one), in one kernel; with ``keep_normed``
-    also that normalised output, as rms_norm returns it. ``norm_weight`` None: a norm
+    also that normalised output, as rms_norm returns it; with ``lora`` each row's adapter
+    delta added in the epilogue (to gate and up before the activation with ``silu_mul``). ``norm_weight`` None: a norm
     whose weight is folded into ``weight`` (RMSNorm.fold_into), so its weight is ones.
     The caller checks ``skinny_gemm_unsupported`` and ``norm_unsupported`` first."""
     y, new_residual, normed = _launch(x, weight, bias, config, silu_mul, residual,
-                                      norm_weight, eps, keep_normed, norm=True)
+                                      norm_weight, eps, keep_normed, norm=True, lora=lora)
     return (y, new_residual, normed) if keep_normed else (y, new_residual)
 
 
@@ -442,9 +480,13 @@ def norm_unsupported(x: torch.Tensor, residual: torch.Tensor | None,
 
 
 def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_normed=False,
-            norm=False, add=None, widen=False, out=None):
+            norm=False, add=None, widen=False, out=None, lora=None):
     rows, depth = x.shape
     cols = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    assert lora is None or not widen, "a delta in the model's dtype"
+    assert lora is None or not silu_mul or (
+        len(lora.slice_sizes) == 2 and lora.slice_sizes[0] == lora.slice_sizes[1] == cols), \
+        "a gated layer's delta: gate and up blocks"
     assert out is None or widen, "``out`` is the widened product's (widen_unsupported)"
     y = out if out is not None else torch.empty(
         (rows, cols), dtype=torch.float32 if widen else torch.promote_types(x.dtype, weight.dtype),
@@ -461,13 +503,32 @@ def _launch(x, weight, bias, config, silu_mul, residual, norm_weight, eps, keep_
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, new_residual,
         normed if normed is not None else x, float(eps), add if add is not None else y,
+        *_lora_operands(lora, y),
         HAS_BIAS=bias is not None, GATED=silu_mul, BLOCK_M=_block_m(rows, config),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=depth % config.block_k == 0,
         NORM=norm, HAS_RESIDUAL=residual is not None,
         NORMED_OUT=normed is not None, PDL=pdl, NORM_WEIGHT=norm_weight is not None,
         ADD=add is not None, WIDEN=widen, MMA=config.mma,
-        DOT_PRECISION=dot_precision(weight.dtype),
+        DOT_PRECISION=dot_precision(weight.dtype), **_lora_constants(lora),
         NORMED_SLICE=triton.next_power_of_2(triton.cdiv(depth, grid[0])) if normed is not None
         else 0,
         num_warps=config.num_warps, **pdl_launch_options(pdl))
     return y, new_residual, normed
+
+
+def _lora_operands(lora: LoRAEpilogue | None, y: torch.Tensor) -> tuple:
+    """The kernel's LoRA pointers and sizes (y stands in for the pointers without one)."""
+    if lora is None:
+        return (y, y, y, 1, 1, 1, 1)
+    sizes = (*lora.slice_sizes, 0, 0)
+    return (lora.b, lora.partials, lora.mapping, lora.rank, lora.splits, sizes[0], sizes[1])
+
+
+def _lora_constants(lora: LoRAEpilogue | None) -> dict:
+    if lora is None:
+        return {}
+    return dict(LORA=True, LORA_BLOCKS=len(lora.slice_sizes), LORA_SLOTS=lora.num_slots,
+                LORA_SLOTS_POW2=triton.next_power_of_2(lora.num_slots),
+                LORA_RANK_POW2=max(16, triton.next_power_of_2(lora.rank)),
+                LORA_SPLITS_POW2=triton.next_power_of_2(lora.splits),
+                LORA_ROUND_T=lora.round_t)

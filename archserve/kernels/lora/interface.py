@@ -86,6 +86,16 @@ class LoRAMapping:
                            pairs[:, 0], pairs[:, 1], packed)
 
 
+@dataclass(frozen=True)
+class ShrinkNorm:
+    """The RMSNorm before a layer whose base GEMM normalises its input in its prologue: a
+    shrink that runs before that GEMM normalises the input the same way."""
+
+    residual: torch.Tensor | None     # added to x first (the norm's residual input)
+    weight: torch.Tensor | None       # None: folded into the layer's weights (and A)
+    eps: float
+
+
 def packed_size(num_slots: int, num_tokens: int) -> int:
     """int32 elements of a packed mapping of ``num_tokens`` tokens."""
     return 2 * num_slots + 2 * num_tokens
@@ -111,7 +121,10 @@ def pack_mapping(token_slots: np.ndarray, num_slots: int) -> np.ndarray:
 
 class LoRAImpl(Protocol):
     """A LoRA backend's computation (kernels/lora/rules.py builds it). A backend may also
-    provide ``add_lora_silu_mul(y, x, slots, mapping)``: silu(gate) * up of a gate/up
+    provide ``expand_epilogue(x, slots, mapping, norm=None)``: it launches the shrink of x
+    (of rms_norm(x + residual) with a ``ShrinkNorm``) and returns what a base GEMM's
+    epilogue reads to add the delta itself, or None where it declines; and
+    ``add_lora_silu_mul(y, x, slots, mapping)``: silu(gate) * up of a gate/up
     layer's output y [T, 2I] with the delta added to gate and up first, or None where it
     declines (models/layers/linear.py then adds the delta and runs the SiLU kernel)."""
 

@@ -22,6 +22,16 @@ walks the rows in their own order, each with its slot's B columns: at a few rows
 gathers cost less than the launch they save; at more, grouping by slot reads B once a
 slot, so the grouped expand then the SiLU kernel run.
 
+At those few rows the expand's launch can go too (``expand_epilogue``): the shrink runs
+first, on the layer's input (normalising it itself, ``ShrinkNorm``, where the base GEMM
+takes the norm in its prologue), and the base GEMM's epilogue adds each row's delta
+(``lora_row_deltas``: its slot's B columns times t), before its residual add's rounding
+is final or the gated activation; a layer is then two launches, not three. The linear
+routine decides where its GEMM can (kernels/linear/skinny_choice.py); elsewhere the
+expand runs as above. Every shrink program waits for the kernel before it, those past
+the step's tiles too: a step whose tokens take no adapter has no tile, and the GEMM after
+the shrink reads what the kernel before the shrink wrote.
+
 Both launch with PDL where it is on (kernels/pdl.py): the mapping and the adapter weights (a
 shrink program's A tile, an expand program's B tile) are read before the wait (nothing
 before writes them); the layer's input, the partial sums and the output after it.
@@ -37,8 +47,9 @@ import triton.language as tl
 
 from archserve.kernels.attention.triton_decode import dot_precision
 from archserve.kernels.elementwise.triton_gated_act import gated_product
+from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
-from archserve.kernels.lora.interface import LoRAMapping, LoRASlots
+from archserve.kernels.lora.interface import LoRAMapping, LoRASlots, ShrinkNorm
 from archserve.kernels.pdl import (
     pdl_enabled,
     pdl_launch_options,
@@ -125,12 +136,53 @@ def _tile_of(mapping, tile, NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr,
 
 
 @triton.jit
+def _input_sum(x, r, rows, in_slot, k, k_ok, x_row_stride, HAS_RESIDUAL: tl.constexpr):
+    """fp32 x (+ residual, rounded to x's dtype as the norm rounds its sum) at the tile's
+    rows and columns ``k``."""
+    offsets = rows[:, None] * x_row_stride + k[None, :]
+    mask = in_slot[:, None] & k_ok[None, :]
+    h = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h = round_to_dtype(h + tl.load(r + offsets, mask=mask, other=0.0).to(tl.float32),
+                           x.dtype.element_ty)
+    return h
+
+
+@triton.jit
+def _shrink_rows(x, r, norm_w, rows, in_slot, k, k_ok, in_features, x_row_stride, eps,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The tile's input rows at columns ``k`` in x's dtype: x itself, or with NORM
+    rms_norm(x (+ residual)) rounded as the norm kernel rounds it (the layer's input when
+    the base GEMM takes the norm in its prologue); its 1/rms from the whole row, read
+    again (a few KiB a row, beside the adapter's tile)."""
+    dtype: tl.constexpr = x.dtype.element_ty
+    if NORM:
+        squares = tl.zeros([rows.shape[0]], dtype=tl.float32)
+        for k0 in range(0, in_features, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            h = _input_sum(x, r, rows, in_slot, kk, kk < in_features, x_row_stride,
+                           HAS_RESIDUAL)
+            squares += tl.sum(h * h, 1)
+        inv_rms = tl.math.rsqrt(squares / in_features + eps)
+        h = _input_sum(x, r, rows, in_slot, k, k_ok, x_row_stride, HAS_RESIDUAL)
+        if NORM_WEIGHT:
+            w = tl.load(norm_w + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        else:   # folded into the GEMM's weight and the adapter's A (RMSNorm.fold_into)
+            w = tl.full([1, BLOCK_K], 1.0, tl.float32)
+        return scale_normalized(h, inv_rms[:, None], w, dtype, dtype, False).to(dtype)
+    return tl.load(x + rows[:, None] * x_row_stride + k[None, :],
+                   mask=in_slot[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _shrink(item, x, a, partials, mapping, num_tokens, in_features, width,
-            x_row_stride, a_slot_stride, k_steps_per_split, splits,
+            x_row_stride, a_slot_stride, k_steps_per_split, splits, res, norm_w, eps,
             NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr, R_TILES: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
             K_GRAIN: tl.constexpr, ONE_K_TILE: tl.constexpr, PREFETCH: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
+            HAS_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr):
     """Shrink work item ``item`` = (tile, K split, rank tile): its partial sums."""
     tile = item // (R_TILES * splits)
     pid_r = item % R_TILES
@@ -153,8 +205,8 @@ def _shrink(item, x, a, partials, mapping, num_tokens, in_features, width,
             w = tl.load(a_rows[:, None] + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
                         other=0.0)
             pdl_start(PDL)
-            xs = tl.load(x + rows[:, None] * x_row_stride + k[None, :],
-                         mask=in_slot[:, None] & k_ok[None, :], other=0.0)
+            xs = _shrink_rows(x, res, norm_w, rows, in_slot, k, k_ok, in_features,
+                              x_row_stride, eps, NORM, HAS_RESIDUAL, NORM_WEIGHT, BLOCK_K)
             if DOT_PRECISION == "ieee":
                 xs, w = xs.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(xs, tl.trans(w), input_precision=DOT_PRECISION)
@@ -166,8 +218,8 @@ def _shrink(item, x, a, partials, mapping, num_tokens, in_features, width,
             for k0 in range(k_begin, k_end, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 k_ok = k < k_end
-                xs = tl.load(x + rows[:, None] * x_row_stride + k[None, :],
-                             mask=in_slot[:, None] & k_ok[None, :], other=0.0)
+                xs = _shrink_rows(x, res, norm_w, rows, in_slot, k, k_ok, in_features,
+                                  x_row_stride, eps, NORM, HAS_RESIDUAL, NORM_WEIGHT, BLOCK_K)
                 w = tl.load(a_rows[:, None] + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
                             other=0.0)
                 if DOT_PRECISION == "ieee":
@@ -176,6 +228,11 @@ def _shrink(item, x, a, partials, mapping, num_tokens, in_features, width,
         out = (partials + split.to(tl.int64) * num_tokens * width + rows[:, None] * width
                + r[None, :])
         tl.store(out, acc, mask=in_slot[:, None] & r_ok[None, :])
+    else:
+        # Waits all the same: a step whose tokens take no adapter has no tile, and the
+        # kernel after this one (a GEMM whose epilogue adds the delta) relies on this
+        # one's end to mean the kernel before it ended too (kernels/pdl.py's chain).
+        pdl_start(PDL)
 
 
 @triton.jit
@@ -219,22 +276,27 @@ def _expand(item, b, y, partials, mapping, num_tokens, width, rank, splits,
             delta = tl.dot(t.to(up.dtype), tl.trans(up), input_precision=DOT_PRECISION)
         total = current.to(tl.float32) + delta
         tl.store(out, total.to(y.dtype.element_ty), mask=mask)
+    else:
+        pdl_start(PDL)   # as the shrink's programs past the tiles (the chain holds)
 
 
 # One compiled variant each whatever the step's size: the token count and the K split's
 # width and count change with it.
 @triton.jit(do_not_specialize=["num_tokens", "k_steps_per_split", "splits"])
 def _lora_shrink_kernel(x, a, partials, mapping, num_tokens, in_features, width,
-                        x_row_stride, a_slot_stride, k_steps_per_split, splits,
-                        NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr,
+                        x_row_stride, a_slot_stride, k_steps_per_split, splits, res, norm_w,
+                        eps, NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr,
                         R_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_K: tl.constexpr, K_GRAIN: tl.constexpr,
                         ONE_K_TILE: tl.constexpr, PREFETCH: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+                        NORM: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
+                        NORM_WEIGHT: tl.constexpr = False):
+    # NORM: the input is rms_norm(x (+ res), norm_w), computed here (_shrink_rows).
     _shrink(tl.program_id(0), x, a, partials, mapping, num_tokens, in_features, width,
-            x_row_stride, a_slot_stride, k_steps_per_split, splits,
+            x_row_stride, a_slot_stride, k_steps_per_split, splits, res, norm_w, eps,
             NUM_SLOTS, SLOTS_POW2, R_TILES, BLOCK_M, BLOCK_R, BLOCK_K, K_GRAIN,
-            ONE_K_TILE, PREFETCH, DOT_PRECISION, PDL)
+            ONE_K_TILE, PREFETCH, DOT_PRECISION, PDL, NORM, HAS_RESIDUAL, NORM_WEIGHT)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "splits"])
@@ -312,6 +374,59 @@ def _lora_expand_silu_mul_kernel(b, y, out, partials, mapping, num_tokens, width
              mask=mask)
 
 
+@dataclass(frozen=True)
+class LoRAEpilogue:
+    """What a base GEMM's epilogue reads to add each row's delta itself (the expand's
+    launch gone; ``lora_row_deltas``): the shrink's partial sums of the layer's input,
+    the slots' B and the step's mapping."""
+
+    b: torch.Tensor              # LoRASlots.b [N, L, R]
+    partials: torch.Tensor       # [splits, T, S * R] float32
+    mapping: torch.Tensor        # the packed mapping
+    num_slots: int
+    rank: int
+    splits: int
+    slice_sizes: tuple[int, ...]
+    round_t: bool                # t rounded to the adapter's dtype before B (as PEFT)
+
+
+@triton.jit
+def lora_row_deltas(b, partials, mapping, b_rows, blocks, col_ok, num_tokens, rank, splits,
+                    NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                    RANK_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                    NUM_BLOCKS: tl.constexpr, ROUND_T: tl.constexpr):
+    """[BLOCK_M, columns] float32: each of a step's first rows' delta at the output columns
+    whose B rows are ``b_rows`` and whose output block is ``blocks`` (t_block B^T, t the
+    sum of the shrink's partials), each row with its own slot's B (zero for a row that
+    takes none, or past the step). One row's B columns at a time: at a decode step's few
+    rows the gathers cost less than the expand's launch."""
+    token = tl.arange(0, BLOCK_M)
+    slot, takes = _lora_silu_mul_rows(mapping, token, NUM_SLOTS, SLOTS_POW2, BLOCK_M)
+    takes = takes & (token < num_tokens)
+    r = tl.arange(0, RANK_POW2)
+    s = tl.arange(0, SPLITS_POW2)
+    width = NUM_BLOCKS * rank
+    delta = tl.zeros([BLOCK_M, b_rows.shape[0]], dtype=tl.float32)
+    for m in range(0, tl.minimum(num_tokens, BLOCK_M)):
+        here = (token == m) & takes
+        # A row that takes no slot reads nothing: its rank mask is empty.
+        r_ok = r < tl.sum(tl.where(here, rank, 0), 0)
+        slot_m = tl.sum(tl.where(here, slot, 0), 0)
+        b_m = tl.load(b + b_rows.to(tl.int64)[:, None] * (NUM_SLOTS * rank) + slot_m * rank
+                      + r[None, :], mask=col_ok[:, None] & r_ok[None, :],
+                      other=0.0).to(tl.float32)
+        row_delta = tl.zeros([b_rows.shape[0]], dtype=tl.float32)
+        for block in tl.static_range(NUM_BLOCKS):
+            t = tl.sum(tl.load(partials + s[:, None] * num_tokens * width + m * width
+                               + block * rank + r[None, :],
+                               mask=(s < splits)[:, None] & r_ok[None, :], other=0.0), 0)
+            if ROUND_T:
+                t = round_to_dtype(t, b.dtype.element_ty)
+            row_delta = tl.where(blocks == block, tl.sum(b_m * t[None, :], 1), row_delta)
+        delta = tl.where((token == m)[:, None], row_delta[None, :], delta)
+    return delta
+
+
 class TritonLoRA:
     """The TRITON_LORA implementation (kernels/lora/rules.py)."""
 
@@ -361,10 +476,26 @@ class TritonLoRA:
             **pdl_launch_options(common["PDL"]))
         return out
 
-    def _shrink(self, x: torch.Tensor, slots: LoRASlots, mapping: LoRAMapping
-                ) -> tuple[torch.Tensor, LoRATiles, dict]:
-        """Launch the shrink of x into its partial sums; (the partials, the step's tiles,
-        the launch arguments the expand shares)."""
+    def expand_epilogue(self, x: torch.Tensor, slots: LoRASlots, mapping: LoRAMapping,
+                        norm: ShrinkNorm | None = None) -> LoRAEpilogue | None:
+        """Launch the shrink of x (with ``norm``: of the layer's input rms_norm(x +
+        residual), for a base GEMM that takes the norm in its prologue) and return what
+        the base GEMM's epilogue reads to add the delta itself (``lora_row_deltas``);
+        None, launching nothing, where that does not apply: more rows than
+        ``ACTIVATION_ROWS`` (the per-row gathers of B pay only at a decode step's few
+        rows)."""
+        if not 1 <= x.shape[0] <= ACTIVATION_ROWS or slots.num_slices > 3:
+            return None
+        partials, tiles, common = self._shrink(x, slots, mapping, norm)
+        return LoRAEpilogue(slots.b, partials, mapping.packed, slots.num_slots, slots.rank,
+                            tiles.splits, slots.slice_sizes,
+                            round_t=common["DOT_PRECISION"] != "ieee")
+
+    def _shrink(self, x: torch.Tensor, slots: LoRASlots, mapping: LoRAMapping,
+                norm: ShrinkNorm | None = None) -> tuple[torch.Tensor, LoRATiles, dict]:
+        """Launch the shrink of x (with ``norm``: of rms_norm(x + its residual)) into its
+        partial sums; (the partials, the step's tiles, the launch arguments the expand
+        shares)."""
         num_tokens, in_features = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
@@ -381,6 +512,11 @@ class TritonLoRA:
         _lora_shrink_kernel[(num_shrink,)](
             x, slots.a, partials, mapping.packed, num_tokens, in_features, width,
             x.stride(0), slots.a.stride(0), tiles.k_per_split // K_GRAIN, tiles.splits,
+            *(x, x, 0.0) if norm is None else (
+                norm.residual if norm.residual is not None else x,
+                norm.weight if norm.weight is not None else x, float(norm.eps)),
+            NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
+            NORM_WEIGHT=norm is not None and norm.weight is not None,
             BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, K_GRAIN=K_GRAIN,
             ONE_K_TILE=tiles.one_k_tile,
             PREFETCH=min(1024, triton.next_power_of_2(tiles.k_per_split)), **common)

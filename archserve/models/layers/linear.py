@@ -117,6 +117,20 @@ def apply_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return fused(x, weight, bias, add)
 
 
+def apply_linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      add: torch.Tensor | None, lora_epilogue: Callable[[], Any]
+                      ) -> torch.Tensor | None:
+    """x W^T (+ b) (+ ``add``) plus each token's adapter delta added in the GEMM's epilogue
+    (``lora_epilogue`` launches the adapters' shrink first and returns what the epilogue
+    reads), where the routine can (``linear_lora``; with ``add``, as ``apply_linear_add``,
+    while the fusion ``fold_norm_weights`` is on); None, launching nothing, otherwise."""
+    fused = getattr(_routine, "linear_lora", None)
+    if fused is None or (add is not None
+                         and not fusion_enabled("fold_norm_weights", x.device)):
+        return None
+    return fused(x, weight, bias, add, lora_epilogue)
+
+
 def add_in_last_gemm(linear: Linear, x: torch.Tensor, residual: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The (output, residual) pair a decoder block returns from its last GEMM: (linear(x)
@@ -129,6 +143,35 @@ def add_in_last_gemm(linear: Linear, x: torch.Tensor, residual: torch.Tensor | N
     return linear(x), residual
 
 
+def _norm_prologue_routine(x: torch.Tensor, norm: RMSNorm) -> Callable | None:
+    """The routine's ``rms_norm_linear`` where it can compute ``norm`` in its prologue
+    (fusion ``rms_norm_gemm`` on, not Gemma's offset weight), else None."""
+    fused = getattr(_routine, "rms_norm_linear", None)
+    if (fused is not None and norm.identity_weight == RMSNorm.identity_weight
+            and fusion_enabled("rms_norm_gemm", x.device)):
+        return fused
+    return None
+
+
+def apply_rms_norm_linear_lora(x: torch.Tensor, residual: torch.Tensor | None,
+                               norm: RMSNorm, weight: torch.Tensor, bias: torch.Tensor | None,
+                               silu_mul: bool, keep_normed: bool,
+                               lora_epilogue: Callable[[Any], Any]
+                               ) -> tuple[torch.Tensor, ...] | None:
+    """``apply_rms_norm_linear`` with each token's adapter delta added in the GEMM's
+    epilogue (to gate and up before the activation with ``silu_mul``), where the routine
+    takes the norm in its prologue; ``lora_epilogue(shrink_norm)`` launches the adapters'
+    shrink of the normalised input first. None, launching nothing, otherwise."""
+    from archserve.kernels.lora.interface import ShrinkNorm
+    fused = _norm_prologue_routine(x, norm)
+    if fused is None:
+        return None
+    norm_weight = None if norm.folded else norm.weight
+    shrink_norm = ShrinkNorm(residual, norm_weight, norm.eps)
+    return fused(x, residual, norm_weight, norm.eps, weight, bias, silu_mul, keep_normed,
+                 lambda: lora_epilogue(shrink_norm))
+
+
 def apply_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                           weight: torch.Tensor, bias: torch.Tensor | None = None,
                           silu_mul: bool = False, keep_normed: bool = False
@@ -139,9 +182,8 @@ def apply_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: 
     ``rms_norm_linear`` (fusion ``rms_norm_gemm``); otherwise, where it declines the shape,
     or for a norm its prologue does not compute (Gemma's weight offset from one), this is
     the norm's kernel, then the GEMM."""
-    fused = getattr(_routine, "rms_norm_linear", None)
-    if (fused is not None and norm.identity_weight == RMSNorm.identity_weight
-            and fusion_enabled("rms_norm_gemm", x.device)):
+    fused = _norm_prologue_routine(x, norm)
+    if fused is not None:
         out = fused(x, residual, None if norm.folded else norm.weight, norm.eps, weight, bias,
                     silu_mul, keep_normed)
         if out is not None:
@@ -207,6 +249,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.add_lora(x, self.quant(x, self.bias))
+        fused = self.lora_in_epilogue(x, None)
+        if fused is not None:
+            return fused
         return self.add_lora(x, apply_linear(x, self.weight, self.bias))
 
     def takes_lora(self) -> bool:
@@ -226,11 +271,53 @@ class Linear(nn.Module):
                 ctx.lora_impl.add_lora(y, x, self.lora, ctx.lora_mapping)
         return y
 
+    def lora_shrink(self, x: torch.Tensor) -> Callable[..., Any] | None:
+        """(norm=None) -> the LoRA backend's ``expand_epilogue`` of x for this layer: the
+        shrink launched, then what the base GEMM's epilogue reads to add the step's deltas
+        (no expand launch); None where the step carries no adapters or the backend has no
+        such form."""
+        if not self.takes_lora():
+            return None
+        ctx = current_forward_context()
+        shrink = getattr(ctx.lora_impl, "expand_epilogue", None)
+        if shrink is None:
+            return None
+
+        def shrunk(norm=None):  # noqa: ANN001, ANN202 - a ShrinkNorm; the operands or None
+            with op_region("lora"):
+                return shrink(x, self.lora, ctx.lora_mapping, norm)
+        return shrunk
+
+    def lora_in_epilogue(self, x: torch.Tensor, add: torch.Tensor | None
+                         ) -> torch.Tensor | None:
+        """self(x) (+ ``add``) with the step's adapter deltas added in the GEMM's epilogue
+        (``lora_shrink``), or None, launching nothing, where the backend or the routine
+        cannot."""
+        shrunk = self.lora_shrink(x)
+        return None if shrunk is None else apply_linear_lora(x, self.weight, self.bias, add,
+                                                             shrunk)
+
+    def lora_after_norm_in_epilogue(self, x: torch.Tensor, residual: torch.Tensor | None,
+                                    norm: RMSNorm, silu_mul: bool = False,
+                                    keep_normed: bool = False
+                                    ) -> tuple[torch.Tensor, ...] | None:
+        """``apply_rms_norm_linear`` of this layer with the step's adapter deltas in the
+        GEMM's epilogue, the shrink normalising its input itself; None, launching nothing,
+        where the backend or the routine cannot."""
+        shrunk = self.lora_shrink(x)
+        if shrunk is None:
+            return None
+        return apply_rms_norm_linear_lora(x, residual, norm, self.weight, self.bias, silu_mul,
+                                          keep_normed, shrunk)
+
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
         """self(x) + residual with the add in the GEMM's epilogue (``apply_linear_add``),
         or None where it cannot: quantized, or the routine declines."""
         if self.quant is not None:
             return None
+        fused = self.lora_in_epilogue(x, residual)
+        if fused is not None:
+            return fused
         out = apply_linear_add(x, self.weight, self.bias, residual)
         return None if out is None else self.add_lora(x, out)
 
@@ -246,6 +333,9 @@ class Linear(nn.Module):
         if not self.takes_lora():
             return apply_rms_norm_linear(x, residual, norm, self.weight, self.bias,
                                          keep_normed=keep_normed)
+        fused = self.lora_after_norm_in_epilogue(x, residual, norm, keep_normed=keep_normed)
+        if fused is not None:
+            return fused
         y, residual, normed = apply_rms_norm_linear(x, residual, norm, self.weight,
                                                     self.bias, keep_normed=True)
         y = self.add_lora(normed, y)
@@ -367,6 +457,9 @@ class GateUpLinear(MergedLinear):
             hidden, residual = norm(x, residual)
             return self.forward_silu_mul(hidden), residual
         if self.takes_lora():
+            fused = self.lora_after_norm_in_epilogue(x, residual, norm, silu_mul=True)
+            if fused is not None:
+                return fused
             y, residual, normed = apply_rms_norm_linear(x, residual, norm, self.weight,
                                                         self.bias, keep_normed=True)
             return self.silu_mul_with_lora(normed, y), residual
