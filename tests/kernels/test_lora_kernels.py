@@ -376,6 +376,50 @@ def test_gpu_activating_expand_at_llama_8b_gate_up(num_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_gpu_gemv_epilogues_at_llama_8b_sizes(num_tokens):
+    """Every skinny GEMV config the tuner may choose at this many rows, with the deltas in
+    its epilogue (rank 16, eight slots, bf16), against the norm, the product, the
+    reference delta: down with the residual add; q/k/v and gated gate/up after the norm."""
+    from archserve.kernels.elementwise.reference import (
+        rms_norm_reference,
+        silu_and_mul_reference,
+    )
+    from archserve.kernels.linear import triton_skinny_gemm as skinny
+    from archserve.kernels.lora.triton_lora import TritonLoRA
+    impl, dtype = TritonLoRA(), torch.bfloat16
+    gen = torch.Generator().manual_seed(1)
+    residual = torch.randn(num_tokens, 4096, generator=gen).to("cuda", dtype)
+    norm_weight = (torch.rand(4096, generator=gen) + 0.5).to("cuda", dtype)
+
+    def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+        error = (got.float() - expected.float()).abs().max().item()
+        assert error <= 2e-2 * max(1.0, expected.float().abs().max().item()), error
+    for config in skinny.candidate_configs(num_tokens):
+        y, x, slots, mapping, _ = random_case(num_tokens, 14336, (4096,), 16, 8, dtype,
+                                              "cuda", empty_slot=3)
+        weight = (torch.randn(4096, 14336, generator=gen) / 120).to("cuda", dtype)
+        expected = x @ weight.T + y
+        add_lora_reference(expected, x, slots, mapping)
+        close(skinny.skinny_gemm(x, weight, None, config, add=y,
+                                 lora=impl.expand_epilogue(x, slots, mapping)), expected)
+        for blocks, gated in (((4096, 1024, 1024), False), ((14336, 14336), True)):
+            _, x, slots, mapping, _ = random_case(num_tokens, 4096, blocks, 16, 8, dtype,
+                                                  "cuda", empty_slot=3)
+            weight = (torch.randn(sum(blocks), 4096, generator=gen) / 64).to("cuda", dtype)
+            normed, _ = rms_norm_reference(x, norm_weight, 1e-5, residual)
+            expected = normed @ weight.T
+            add_lora_reference(expected, normed, slots, mapping)
+            if gated:
+                expected = silu_and_mul_reference(expected)
+            epilogue = impl.expand_epilogue(x, slots, mapping,
+                                            ShrinkNorm(residual, norm_weight, 1e-5))
+            got, _ = skinny.rms_norm_skinny_gemm(x, residual, norm_weight, 1e-5, weight, None,
+                                                 config, silu_mul=gated, lora=epilogue)
+            close(got, expected)
+
+
+@pytest.mark.gpu
 def test_gpu_kernel_in_a_cuda_graph_replayed_over_changing_mappings():
     """One captured launch (a decode graph's) replayed 300 times over mappings that change
     between replays, as the engine's steps do: every replay's delta matches the reference

@@ -352,11 +352,11 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
             gate = round_to_dtype(gate + _lora_deltas(
                 lora_b_ptr, lora_t_ptr, lora_map_ptr, cols, tl.zeros_like(cols), col_ok, M,
                 lora_rank, lora_splits, LORA_SLOTS, LORA_SLOTS_POW2, BLOCK_M, LORA_RANK_POW2,
-                LORA_SPLITS_POW2, 2, LORA_ROUND_T), dtype)
+                LORA_SPLITS_POW2, 2, 0, 1, LORA_ROUND_T), dtype)
             up = round_to_dtype(up + _lora_deltas(
                 lora_b_ptr, lora_t_ptr, lora_map_ptr, cols + N, tl.zeros_like(cols) + 1,
                 col_ok, M, lora_rank, lora_splits, LORA_SLOTS, LORA_SLOTS_POW2, BLOCK_M,
-                LORA_RANK_POW2, LORA_SPLITS_POW2, 2, LORA_ROUND_T), dtype)
+                LORA_RANK_POW2, LORA_SPLITS_POW2, 2, 1, 2, LORA_ROUND_T), dtype)
         y = round_to_dtype(gate * tl.sigmoid(gate), dtype) * up
     out_mask = row_ok[:, None] & col_ok[None, :]
     if ADD:
@@ -371,7 +371,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
         y = round_to_dtype(y + _lora_deltas(
             lora_b_ptr, lora_t_ptr, lora_map_ptr, cols, blocks, col_ok, M, lora_rank,
             lora_splits, LORA_SLOTS, LORA_SLOTS_POW2, BLOCK_M, LORA_RANK_POW2,
-            LORA_SPLITS_POW2, LORA_BLOCKS, LORA_ROUND_T), dtype)
+            LORA_SPLITS_POW2, LORA_BLOCKS, 0, LORA_BLOCKS, LORA_ROUND_T), dtype)
     if WIDEN:   # y is float32: the product as x's dtype rounds it, then widened
         y = round_to_dtype(y, x_ptr.dtype.element_ty)
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]

@@ -394,12 +394,14 @@ class LoRAEpilogue:
 def lora_row_deltas(b, partials, mapping, b_rows, blocks, col_ok, num_tokens, rank, splits,
                     NUM_SLOTS: tl.constexpr, SLOTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                     RANK_POW2: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                    NUM_BLOCKS: tl.constexpr, ROUND_T: tl.constexpr):
+                    NUM_BLOCKS: tl.constexpr, FIRST_BLOCK: tl.constexpr,
+                    END_BLOCK: tl.constexpr, ROUND_T: tl.constexpr):
     """[BLOCK_M, columns] float32: each of a step's first rows' delta at the output columns
-    whose B rows are ``b_rows`` and whose output block is ``blocks`` (t_block B^T, t the
-    sum of the shrink's partials), each row with its own slot's B (zero for a row that
-    takes none, or past the step). One row's B columns at a time: at a decode step's few
-    rows the gathers cost less than the expand's launch."""
+    whose B rows are ``b_rows`` and whose output block (of the layer's NUM_BLOCKS; one of
+    FIRST_BLOCK..END_BLOCK - 1) is ``blocks`` (t_block B^T, t the sum of the shrink's
+    partials), each row with its own slot's B (zero for a row that takes none, or past
+    the step). One row's B columns at a time: at a decode step's few rows the gathers cost
+    less than the expand's launch."""
     token = tl.arange(0, BLOCK_M)
     slot, takes = _lora_silu_mul_rows(mapping, token, NUM_SLOTS, SLOTS_POW2, BLOCK_M)
     takes = takes & (token < num_tokens)
@@ -416,7 +418,7 @@ def lora_row_deltas(b, partials, mapping, b_rows, blocks, col_ok, num_tokens, ra
                       + r[None, :], mask=col_ok[:, None] & r_ok[None, :],
                       other=0.0).to(tl.float32)
         row_delta = tl.zeros([b_rows.shape[0]], dtype=tl.float32)
-        for block in tl.static_range(NUM_BLOCKS):
+        for block in tl.static_range(FIRST_BLOCK, END_BLOCK):
             t = tl.sum(tl.load(partials + s[:, None] * num_tokens * width + m * width
                                + block * rank + r[None, :],
                                mask=(s < splits)[:, None] & r_ok[None, :], other=0.0), 0)
