@@ -31,7 +31,7 @@ from archserve.kernels.pdl import (
     pdl_start,
     prefetch_rows_to_l2,
 )
-from archserve.kernels.rules import triton_interpreted
+from archserve.kernels.triton_dot import dot_precision
 
 LOG2E = 1.4426950408889634
 # Split-KV rule, from an H200 sweep timed as CUDA-graph replays (benchmarks/bench_attention.py
@@ -294,18 +294,6 @@ def _merge_splits_kernel(partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, 
     dst = out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + offs_d
     live = (tl.zeros([BLOCK_D], tl.int32) + query_len) > 0
     tl.store(dst, (out * v_scale).to(out_ptr.dtype.element_ty), mask=mask_d & live)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """The kernels' tl.dot precision; "ieee" also makes them upcast the query to fp32.
-
-    fp32 inputs get exact fp32 products (TF32 would lose ~3 digits against the reference).
-    bf16 gets them too under the CPU interpreter only, whose bf16 tl.dot returns garbage
-    (~1e10 off on a 16 x 16 product): upcast, the kernels' logic is still checked on CPU.
-    """
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and triton_interpreted()):
-        return "ieee"
-    return "tf32"
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,

@@ -25,13 +25,13 @@ from archserve.kernels.attention.triton_cache_write import (
     paged_token_offsets,
 )
 from archserve.kernels.attention.triton_decode import (
-    dot_precision,
     online_softmax_start,
     online_softmax_step,
     sink_start,
     soft_cap_scores,
 )
 from archserve.kernels.rules import triton_interpreted
+from archserve.kernels.triton_dot import dot_precision
 from archserve.platform.detect import device_info_for
 
 

@@ -28,7 +28,6 @@ import triton.language as tl
 from archserve.kernels.attention.triton_decode import (
     choose_num_splits,
     decode_split_range,
-    dot_precision,
     merge_splits,
     online_softmax_start,
     online_softmax_step,
@@ -37,6 +36,7 @@ from archserve.kernels.attention.triton_decode import (
     store_decode_output,
 )
 from archserve.kernels.compressed_attention.layout import CompressedCacheLayout
+from archserve.kernels.triton_dot import dot_precision
 
 BLOCK_H = 16            # tl.dot's smallest M; a [16, 512] fp32 accumulator fits 4 warps
 BLOCK_N = 32

@@ -23,12 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.attention.triton_decode import dot_precision
 from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.lora.triton_lora import LoRAEpilogue
 from archserve.kernels.lora.triton_lora import lora_row_deltas as _lora_deltas
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from archserve.kernels.triton_dot import dot_precision
 
 # Rows this kernel is built for: a batch-1 verification step of up to 15 drafts. On the
 # CUDA cores a thread holds BLOCK_M x BLOCK_N sums per vector of K (_times_rows), which

@@ -45,7 +45,6 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.attention.triton_decode import dot_precision
 from archserve.kernels.elementwise.triton_gated_act import gated_product
 from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
@@ -56,6 +55,7 @@ from archserve.kernels.pdl import (
     pdl_start,
     prefetch_rows_to_l2,
 )
+from archserve.kernels.triton_dot import dot_precision
 
 # Rows at or below which a step counts as decode-sized: few rows per slot, so programs are
 # many and small for parallelism: K split, 16 rank columns a shrink program, its A tile

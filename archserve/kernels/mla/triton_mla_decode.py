@@ -37,7 +37,6 @@ from archserve.kernels.attention.triton_cache_write import (
 from archserve.kernels.attention.triton_decode import (
     choose_num_splits,
     decode_split_range,
-    dot_precision,
     merge_splits,
     online_softmax_start,
     online_softmax_step,
@@ -61,6 +60,7 @@ from archserve.kernels.sparse_mla.triton_rows import (
     load_fp8_tiles,
     part_pointer,
 )
+from archserve.kernels.triton_dot import dot_precision
 from archserve.platform.detect import device_info_for
 
 

@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.attention.triton_decode import dot_precision
 from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rotary import rotary_cos_sin, rotate_halves
 from archserve.kernels.pdl import pdl_enabled, pdl_launch_options, pdl_start
+from archserve.kernels.triton_dot import dot_precision
 
 BLOCK_T = 16          # rows per program: tl.dot's smallest M
 BLOCK_L = 64          # latent values per absorbing program

@@ -20,13 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from archserve.kernels.attention.triton_decode import active_splits, dot_precision
+from archserve.kernels.attention.triton_decode import active_splits
 from archserve.kernels.pdl import (
     pdl_enabled,
     pdl_launch_options,
     pdl_start,
     prefetch_rows_to_l2,
 )
+from archserve.kernels.triton_dot import dot_precision
 
 BLOCK_S = 16     # rows of a program's tile: tl.dot's smallest M
 # Split partials a program holds in flight while merging: SEQS x NUM_SPLITS rows of the

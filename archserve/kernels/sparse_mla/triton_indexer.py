@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 
 from archserve.kernels.attention.triton_cache_write import paged_token_offsets
-from archserve.kernels.attention.triton_decode import dot_precision
 from archserve.kernels.sparse_mla.layout import SparseMlaLayout
 from archserve.kernels.sparse_mla.triton_rows import TORCH_TO_TL, load_index_keys
+from archserve.kernels.triton_dot import dot_precision
 
 INDEX_BLOCK_N = 64
 # Rows x heads one program stacks (the dot's M): a prompt block of 128 / heads rows.
