@@ -149,14 +149,11 @@ def _input_sum(x, r, rows, in_slot, k, k_ok, x_row_stride, HAS_RESIDUAL: tl.cons
 
 
 @triton.jit
-def _shrink_rows(x, r, norm_w, rows, in_slot, k, k_ok, in_features, x_row_stride, eps,
-                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """The tile's input rows at columns ``k`` in x's dtype: x itself, or with NORM
-    rms_norm(x (+ residual)) rounded as the norm kernel rounds it (the layer's input when
-    the base GEMM takes the norm in its prologue); its 1/rms from the whole row, read
-    again (a few KiB a row, beside the adapter's tile)."""
-    dtype: tl.constexpr = x.dtype.element_ty
+def _shrink_inv_rms(x, r, rows, in_slot, in_features, x_row_stride, eps, NORM: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """With NORM, 1/rms of the tile's rows of x (+ residual) from the whole row (a few KiB
+    a row, beside the adapter's tile), once a program before its K loop and after the PDL
+    wait (x is the kernel before's output); else ones, unused."""
     if NORM:
         squares = tl.zeros([rows.shape[0]], dtype=tl.float32)
         for k0 in range(0, in_features, BLOCK_K):
@@ -164,7 +161,19 @@ def _shrink_rows(x, r, norm_w, rows, in_slot, k, k_ok, in_features, x_row_stride
             h = _input_sum(x, r, rows, in_slot, kk, kk < in_features, x_row_stride,
                            HAS_RESIDUAL)
             squares += tl.sum(h * h, 1)
-        inv_rms = tl.math.rsqrt(squares / in_features + eps)
+        return tl.math.rsqrt(squares / in_features + eps)
+    return tl.full([rows.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
+def _shrink_rows(x, r, norm_w, rows, in_slot, k, k_ok, x_row_stride, inv_rms,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The tile's input rows at columns ``k`` in x's dtype: x itself, or with NORM
+    rms_norm(x (+ residual)) rounded as the norm kernel rounds it (the layer's input when
+    the base GEMM takes the norm in its prologue), ``inv_rms`` the rows' 1/rms."""
+    dtype: tl.constexpr = x.dtype.element_ty
+    if NORM:
         h = _input_sum(x, r, rows, in_slot, k, k_ok, x_row_stride, HAS_RESIDUAL)
         if NORM_WEIGHT:
             w = tl.load(norm_w + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
@@ -205,8 +214,10 @@ def _shrink(item, x, a, partials, mapping, num_tokens, in_features, width,
             w = tl.load(a_rows[:, None] + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
                         other=0.0)
             pdl_start(PDL)
-            xs = _shrink_rows(x, res, norm_w, rows, in_slot, k, k_ok, in_features,
-                              x_row_stride, eps, NORM, HAS_RESIDUAL, NORM_WEIGHT, BLOCK_K)
+            inv_rms = _shrink_inv_rms(x, res, rows, in_slot, in_features, x_row_stride, eps,
+                                      NORM, HAS_RESIDUAL, BLOCK_K)
+            xs = _shrink_rows(x, res, norm_w, rows, in_slot, k, k_ok, x_row_stride,
+                              inv_rms, NORM, HAS_RESIDUAL, NORM_WEIGHT, BLOCK_K)
             if DOT_PRECISION == "ieee":
                 xs, w = xs.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(xs, tl.trans(w), input_precision=DOT_PRECISION)
@@ -214,12 +225,14 @@ def _shrink(item, x, a, partials, mapping, num_tokens, in_features, width,
             # The adapter's rows stream into L2 while the kernel before drains.
             prefetch_rows_to_l2(a_rows + k_begin, r_ok, k_end - k_begin, PREFETCH, PDL)
             pdl_start(PDL)
+            inv_rms = _shrink_inv_rms(x, res, rows, in_slot, in_features, x_row_stride, eps,
+                                      NORM, HAS_RESIDUAL, BLOCK_K)
             acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for k0 in range(k_begin, k_end, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 k_ok = k < k_end
-                xs = _shrink_rows(x, res, norm_w, rows, in_slot, k, k_ok, in_features,
-                                  x_row_stride, eps, NORM, HAS_RESIDUAL, NORM_WEIGHT, BLOCK_K)
+                xs = _shrink_rows(x, res, norm_w, rows, in_slot, k, k_ok, x_row_stride,
+                                  inv_rms, NORM, HAS_RESIDUAL, NORM_WEIGHT, BLOCK_K)
                 w = tl.load(a_rows[:, None] + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
                             other=0.0)
                 if DOT_PRECISION == "ieee":
