@@ -197,9 +197,8 @@ class SkinnyGemmRoutine:
         if config is None:
             return None
         from archserve.kernels.linear.triton_skinny_gemm import add_unsupported, skinny_gemm
-        dtype = torch.promote_types(x.dtype, weight.dtype)
-        if dtype != x.dtype or (add is not None and add_unsupported(
-                (x.shape[0], weight.shape[0]), dtype, add) is not None):
+        if not _product_keeps_dtype(x, weight) or (add is not None and add_unsupported(
+                (x.shape[0], weight.shape[0]), x.dtype, add) is not None):
             return None
         lora = lora_epilogue()
         if lora is None:
@@ -251,7 +250,7 @@ class SkinnyGemmRoutine:
             return None
         lora = None
         if lora_epilogue is not None:
-            if torch.promote_types(x.dtype, weight.dtype) != x.dtype:
+            if not _product_keeps_dtype(x, weight):
                 return None
             lora = lora_epilogue()
             if lora is None:
@@ -386,6 +385,12 @@ def norm_prologue(kind: str, choice: str):
             y = silu_and_mul(y)
         return (y, *rest)
     return run
+
+
+def _product_keeps_dtype(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x W^T comes out in x's dtype: the LoRA epilogue adds its deltas in that
+    dtype, so a float32 weight under 16-bit activations keeps the delta apart."""
+    return torch.promote_types(x.dtype, weight.dtype) == x.dtype
 
 
 def _key(kind: str, x: torch.Tensor, weight: torch.Tensor) -> str:

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from archserve.kernels.elementwise.triton_gated_act import gated_product
 from archserve.kernels.elementwise.triton_rms_norm import scale_normalized
 from archserve.kernels.elementwise.triton_rounding import round_to_dtype
 from archserve.kernels.lora.triton_lora import LoRAEpilogue
@@ -357,7 +358,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
                 lora_b_ptr, lora_t_ptr, lora_map_ptr, cols + N, tl.zeros_like(cols) + 1,
                 col_ok, M, lora_rank, lora_splits, LORA_SLOTS, LORA_SLOTS_POW2, BLOCK_M,
                 LORA_RANK_POW2, LORA_SPLITS_POW2, 2, 1, 2, LORA_ROUND_T), dtype)
-        y = round_to_dtype(gate * tl.sigmoid(gate), dtype) * up
+        y = gated_product(gate, up, dtype)
     out_mask = row_ok[:, None] & col_ok[None, :]
     if ADD:
         y = round_to_dtype(round_to_dtype(y, dtype) + tl.load(
