@@ -398,9 +398,10 @@ def assert_greedy_agrees_with_hf(hf_model, prompt_ids: list[int], ours: list[int
             ids.append(token)
 
 
-def prompt_logprob_gaps(hf_model, llm, prompts: list[str]) -> list[float]:
+def prompt_logprob_gaps(hf_model, llm, prompts: list) -> list[float]:
     """|ours - transformers'| of every prompt token's log-probability after the first (the
-    engine's prompt_logprobs against ``hf_model``'s log-softmax, on the model's device)."""
+    engine's prompt_logprobs against ``hf_model``'s log-softmax, on the model's device).
+    ``prompts``: texts or ``{"prompt_token_ids": ...}`` dicts, as ``LLM.generate`` takes."""
     from archserve import SamplingParams
 
     device = next(hf_model.parameters()).device
@@ -414,3 +415,18 @@ def prompt_logprob_gaps(hf_model, llm, prompts: list[str]) -> list[float]:
         gaps += [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
                  for p in range(1, len(ids))]
     return gaps
+
+
+def without_activation_quantization(model) -> None:
+    """Turns off the activation quantization of every quantized linear's and MoE layer's
+    prepared weights: block-FP8 references (transformers' dequantizing loaders) are
+    weight-only, so only then are the engine's logits theirs."""
+    from archserve.models.layers.moe import FusedMoE
+    from archserve.quant.linear_state import quantized_layers
+
+    for _name, state in quantized_layers(model):
+        state.prepared.activation = "none"
+    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        moe.impl()                          # prepares TORCH_MOE's dequantized experts
+        for weight in moe._operands:
+            weight.activation = "none"

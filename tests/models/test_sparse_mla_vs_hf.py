@@ -38,8 +38,10 @@ from models.helpers import (
     bf16_greedy_params,
     bf16_logprob_drift,
     hf_last_logits,
+    prompt_logprob_gaps,
     tiny_hf_model,
     variant_pair,
+    without_activation_quantization,
 )
 
 ATOL = 1e-4
@@ -182,9 +184,7 @@ def test_block_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from archserve import LLM, SamplingParams
-    from archserve.models.layers.moe import FusedMoE
-    from archserve.quant.linear_state import quantized_layers
+    from archserve import LLM
 
     scripts = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "quant_fixtures")
     sys.path.insert(0, scripts)
@@ -215,19 +215,8 @@ def test_block_fp8_checkpoint_matches_its_dequantized_weights(tmp_path):
     llm = LLM(fp8, dtype="float32", max_model_len=128)
     model = llm.llm_engine.model
     assert model.model.layers[1].self_attn.indexer.wq_b.quant is not None
-    for _name, layer in quantized_layers(model):
-        layer.prepared.activation = "none"
-    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
-        moe.impl()
-        for weight in moe._operands:
-            weight.activation = "none"
-    ids = list(range(5, 45))
-    out = llm.generate([{"prompt_token_ids": ids}],
-                       SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0))[0]
-    with torch.no_grad():
-        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
-    gaps = [abs(out.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]].item())
-            for p in range(1, len(ids))]
+    without_activation_quantization(model)
+    gaps = prompt_logprob_gaps(hf_model, llm, [{"prompt_token_ids": list(range(5, 45))}])
     assert max(gaps) < ATOL
 
 

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from models.helpers import without_activation_quantization
 from safetensors import safe_open
 
 from archserve import LLM, SamplingParams
@@ -94,17 +95,9 @@ def test_block_fp8_weights_match_exactly(name: str) -> None:
     layer's (and each MoE layer's) prepared weights turned off, archserve's logits are the
     reference's. For DeepSeek-V3 that covers MLA's kv_b_proj, dequantized at load, and the
     partial last row block of kv_a_proj_with_mqa (320 rows)."""
-    from archserve.models.layers.moe import FusedMoE
-    from archserve.quant.linear_state import quantized_layers
-
     llm = LLM(os.path.join(ROOT, name), dtype="float32", max_model_len=128)
     model = llm.llm_engine.model
-    for _name, state in quantized_layers(model):
-        state.prepared.activation = "none"
-    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
-        moe.impl()                          # prepares TORCH_MOE's dequantized experts
-        for weight in moe._operands:
-            weight.activation = "none"
+    without_activation_quantization(model)
     mean_delta, top1 = compare(llm, name)
     assert mean_delta < 1e-4 and top1 == 1.0
 
