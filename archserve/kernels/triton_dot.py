@@ -4,9 +4,15 @@ imports without importing another's."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from archserve.kernels.rules import triton_interpreted
+from archserve.platform.capability import SM80
+
+if TYPE_CHECKING:
+    from archserve.platform.device import DeviceInfo
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -19,3 +25,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 or (dtype == torch.bfloat16 and triton_interpreted()):
         return "ieee"
     return "tf32"
+
+
+def dot_has_tensor_cores(device: DeviceInfo) -> bool:
+    """Whether Triton lowers a 16-bit tl.dot to tensor-core instructions on ``device``.
+    Not on CUDA below SM80: Triton (3.6 and 3.9 alike) emits no mma.sync for SM70/SM75 but
+    FMA loops over operands widened to fp32 in registers, so a V100's or a T4's tl.dot runs
+    on CUDA cores and large tiles spill (kernels/attention/triton_prefill.py)."""
+    if device.platform != "cuda":
+        return device.is_gpu
+    return device.capability is not None and device.capability >= SM80

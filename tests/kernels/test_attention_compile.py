@@ -112,3 +112,29 @@ def test_sinks_compile(target):
     sinks = torch.zeros(8, dtype=torch.float32)
     launches = _launch(target, 64, torch.bfloat16, dtype=torch.bfloat16, sinks=sinks)
     assert all(c.constexprs["SINKS"] for c in launches[1:])
+
+
+@pytest.mark.parametrize("profile, tuned", [("v100", False), ("t4", False), ("a100", True),
+                                            ("mi300x", True)])
+def test_prefill_below_sm80_runs_the_small_tile_untuned(profile, tuned):
+    """Below SM80 Triton's tl.dot runs on CUDA cores, its operands widened to fp32 in
+    registers, where the autotuner's larger tiles spill (dot_has_tensor_cores): a V100's
+    and a T4's 16-bit prefill is one launch of the 32x32 tile; tensor-core GPUs autotune."""
+    from triton_compile import AUTOTUNED, DEFAULT, collected_launches
+
+    from archserve.kernels.attention.triton_prefill import prefill_attention
+    from archserve.platform.profiles import get_profile
+
+    q = torch.zeros(3, 8, 128, dtype=torch.float16)
+    with collected_launches(get_profile(profile)) as specs:
+        prefill_attention(q, torch.zeros(2, 6, 16, 2, 128, dtype=torch.float16),
+                          torch.zeros(3, 2, dtype=torch.int32),
+                          torch.tensor([5, 20, 9], dtype=torch.int32),
+                          torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.empty_like(q),
+                          num_seqs=3, max_query_len=2, scale=0.1)
+    if tuned:
+        assert len(specs) > 1 and {s.kind for s in specs} == {AUTOTUNED}
+    else:
+        spec, = specs
+        assert spec.kind == DEFAULT
+        assert (dict(spec.constexprs)["BLOCK_M"], dict(spec.constexprs)["BLOCK_N"]) == (32, 32)

@@ -14,6 +14,8 @@ partial results merged by their LSEs (kernels/mla/expanded_prefill.py does so).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -31,8 +33,11 @@ from archserve.kernels.attention.triton_decode import (
     soft_cap_scores,
 )
 from archserve.kernels.rules import triton_interpreted
-from archserve.kernels.triton_dot import dot_precision
+from archserve.kernels.triton_dot import dot_has_tensor_cores, dot_precision
 from archserve.platform.detect import device_info_for
+
+if TYPE_CHECKING:
+    from archserve.platform.device import DeviceInfo
 
 
 @triton.jit
@@ -209,9 +214,15 @@ PREFILL_CONFIGS = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 
                    (64, 32, 4, 2), (32, 32, 4, 1)]
 
 
-def _prefill_tiles(head_size: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """Tiles for when the autotuner is not used (the CPU interpreter, where time is per op)."""
-    if dtype == torch.float32 or head_size > 128:
+def _prefill_tiles(head_size: int, dtype: torch.dtype, device: DeviceInfo
+                   ) -> tuple[int, int, int, int]:
+    """Tiles for when the autotuner is not used: the CPU interpreter (where time is per op),
+    and every tl.dot on CUDA cores (fp32's "ieee" products; 16-bit ones below SM80, see
+    dot_has_tensor_cores). There the operands sit in registers as fp32: at head size 128 on
+    sm_75 a 128x64 tile of 4 warps spills 21.9 KB a thread to local memory, 64x64 8.1 KB,
+    32x32 0.7 KB (and they compile in 45, 18 and 3 s), so the smallest tile runs untuned."""
+    if (dtype == torch.float32 or head_size > 128
+            or (device.is_gpu and not dot_has_tensor_cores(device))):
         return 32, 32, 4, 1
     return 64, 64, 4, 2
 
@@ -283,7 +294,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     """Causal attention of every query row over its sequence's paged context; writes ``out``.
 
     On a GPU the tiles are autotuned once per head size, group, dtype and feature set
-    (16-bit dtypes; fp32 takes ``_prefill_tiles``); ``tiles`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) pins them (tests, tuning).
+    (16-bit dtypes on tensor cores; fp32 and GPUs below SM80 take ``_prefill_tiles``); ``tiles`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) pins them (tests, tuning).
     ``flat_grid``: one axis of query tiles over all sequences (tokens / BLOCK_M + sequences
     programs) instead of max_query_len / BLOCK_M per sequence, for batches padded to a
     captured bucket, where most sequence slots are empty. ``sinks`` [H]: each query head's
@@ -325,13 +336,16 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
             return triton.cdiv(num_tokens, block_m) + num_seqs, num_heads
         return triton.cdiv(max_query_len, block_m), num_seqs, num_heads
 
-    # fp32 is not autotuned: its products run on FMA units (ieee tl.dot), where the tile
-    # barely matters, while every candidate compiles for many seconds (a Gemma-3 start in
-    # fp32 spent minutes tuning its sliding and global layers on an H200).
-    if tiles is None and not triton_interpreted() and query.dtype != torch.float32:
+    # Products on FMA units are not autotuned (fp32's ieee tl.dot; any below SM80): the
+    # small tile does not spill, while every candidate compiles for many seconds (a Gemma-3
+    # start in fp32 spent minutes tuning its sliding and global layers on an H200).
+    device = device_info_for(query.device)
+    if (tiles is None and not triton_interpreted() and query.dtype != torch.float32
+            and dot_has_tensor_cores(device)):
         _tuned_prefill_kernel[lambda meta: programs(meta["BLOCK_M"])](*args, **constants)
         return out
-    block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(head_size, query.dtype)
+    block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(head_size, query.dtype,
+                                                                      device)
     _prefill_kernel[programs(block_m)](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n,
                                        num_warps=num_warps, num_stages=num_stages)
     return out
