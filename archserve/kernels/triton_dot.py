@@ -31,7 +31,8 @@ def dot_has_tensor_cores(device: DeviceInfo) -> bool:
     """Whether Triton lowers a 16-bit tl.dot to tensor-core instructions on ``device``.
     Not on CUDA below SM80: Triton (3.6 and 3.9 alike) emits no mma.sync for SM70/SM75 but
     FMA loops over operands widened to fp32 in registers, so a V100's or a T4's tl.dot runs
-    on CUDA cores and large tiles spill (kernels/attention/triton_prefill.py)."""
+    on CUDA cores and large tiles spill (kernels/attention/triton_prefill.py). Other GPUs
+    (ROCm, XPU) are taken to have them: CUDA's gap is the one known."""
     if device.platform != "cuda":
         return device.is_gpu
     return device.capability is not None and device.capability >= SM80

@@ -339,13 +339,14 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     # Products on FMA units are not autotuned (fp32's ieee tl.dot; any below SM80): the
     # small tile does not spill, while every candidate compiles for many seconds (a Gemma-3
     # start in fp32 spent minutes tuning its sliding and global layers on an H200).
-    device = device_info_for(query.device)
-    if (tiles is None and not triton_interpreted() and query.dtype != torch.float32
-            and dot_has_tensor_cores(device)):
-        _tuned_prefill_kernel[lambda meta: programs(meta["BLOCK_M"])](*args, **constants)
-        return out
-    block_m, block_n, num_warps, num_stages = tiles or _prefill_tiles(head_size, query.dtype,
-                                                                      device)
+    if tiles is None:
+        device = device_info_for(query.device)
+        if (not triton_interpreted() and query.dtype != torch.float32
+                and dot_has_tensor_cores(device)):
+            _tuned_prefill_kernel[lambda meta: programs(meta["BLOCK_M"])](*args, **constants)
+            return out
+        tiles = _prefill_tiles(head_size, query.dtype, device)
+    block_m, block_n, num_warps, num_stages = tiles
     _prefill_kernel[programs(block_m)](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n,
                                        num_warps=num_warps, num_stages=num_stages)
     return out
