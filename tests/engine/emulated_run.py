@@ -203,9 +203,10 @@ def mechanics(profile: str) -> dict:
     ptx = kernel.asm["ptx"]
     result["wgmma"] = "wgmma" in ptx
     result["mma_sync"] = "mma.sync" in ptx
-    # 128 x 128 fp16 tiles three stages deep: 64 KiB a stage, 192 KiB where the target
-    # pipelines them (Triton 3.6 keeps a buffer per stage: four stages asked 256 KiB of an
-    # H100's 227), more than any emulated profile holds and less than SM90's limit.
+    # 128 x 128 fp16 tiles three stages deep, 64 KiB a buffer. Triton 3.6 keeps one buffer
+    # for SM70/SM75 (no cp.async: 65,536 bytes, which a T4 and a V100 hold), two from SM80
+    # (131,072: an A100 holds them, SM86/SM89's 101,376 do not) and three on SM90 (196,608,
+    # under an H100's 232,448; four stages asked 256 KiB).
     try:
         kernel = tile_product[(1,)](*operands(128, 512), K=512, BLOCK=128, STAGES=3,
                                     num_warps=8)

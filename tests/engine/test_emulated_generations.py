@@ -90,15 +90,16 @@ def test_profile_kernels_are_built_for_it_and_held_to_its_limits(emulated, profi
     assert not mechanics["wgmma"]                        # Hopper's instruction: not below SM90
     if cap.major >= 8:
         assert mechanics["mma_sync"]
-    # The large tile runs exactly where the profile holds its shared memory (the targets
-    # that pipeline its three stages, SM80+, need 192 KiB: none of these holds that).
+    # The large tile runs exactly where the profile holds its shared memory. From SM80
+    # Triton pipelines its loads (cp.async): two 64 KiB buffers at least, which an A100's
+    # 163 KiB holds and the 99 KiB of SM86/SM89 do not (emulated_run.mechanics).
     limit = get_profile(profile).shared_memory_per_block_bytes
     if mechanics["large_tile_shared"] > limit:
         assert mechanics["large_tile"].startswith("refused: out of resource: shared memory")
     else:
         assert mechanics["large_tile"] == "ran"
     if cap.major >= 8:
-        assert mechanics["large_tile"].startswith("refused"), mechanics
+        assert mechanics["large_tile_shared"] >= 2 * 64 * 1024, mechanics
 
 
 def test_the_gpu_as_it_is_builds_hopper_code_and_holds_the_large_tile(emulated):
