@@ -38,6 +38,10 @@ from archserve.bench.roofline import analyze, model_facts  # noqa: E402
 from archserve.bench.workload import random_requests  # noqa: E402
 from archserve.engine.ceilings import load_or_measure  # noqa: E402
 from archserve.kernels.mla.sparse_cases import make_sparse_case  # noqa: E402
+from archserve.kernels.sparse_mla.triton_topk import (  # noqa: E402
+    select_topk_triton,
+    topk_splits,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 V32_4L = os.path.join(HERE, "models", "deepseek-v32-4l")
@@ -152,10 +156,24 @@ def _indexer_row(plan: Plan, batch: int, context: int, device: torch.device) -> 
 
     us, how = _time_us(select, device.type == "cuda")
     keys = batch * context * case.layout.index_bytes
+    # The top-k alone, as the step runs it (a row split over programs when there are few
+    # rows) and one program a row: where the indexer's time goes, and what the split saves.
+    scores = torch.randn(batch, context, device=device)
+    lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+    sms = impl._sm_count(lengths)
+    splits = topk_splits(batch, context, sms)
+    topk_us = {}
+    for name, n in (("split", splits), ("one program a row", 1)):
+        topk_us[name], _ = _time_us(
+            lambda n=n: select_topk_triton(scores, lengths, plan.topk, splits=n),
+            device.type == "cuda")
     print(f"indexer (scores + top-{plan.topk}) {batch} x {context}: {us:8.1f} us, "
-          f"{keys / us / 1e3:6.0f} GB/s of keys", flush=True)
+          f"{keys / us / 1e3:6.0f} GB/s of keys; top-k alone {topk_us['split']:.1f} us "
+          f"({splits} slices a row), one program a row {topk_us['one program a row']:.1f} us",
+          flush=True)
     return {"what": "indexer", "batch": batch, "context": context, "us": us, "how": how,
-            "key_gb_s": keys / us / 1e3}
+            "key_gb_s": keys / us / 1e3, "topk_splits": splits,
+            "topk_us": topk_us["split"], "topk_one_program_us": topk_us["one program a row"]}
 
 
 def _case(seqs, plan: Plan, heads: int, kv: str, device: torch.device):  # noqa: ANN001, ANN202

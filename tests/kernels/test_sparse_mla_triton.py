@@ -131,6 +131,24 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
             ties = [p for p in range(n) if scores[row, p] == kth]
             assert sorted(c for c in chosen if scores[row, c] == kth) == ties[:k - above]
 
+    @pytest.mark.parametrize("splits", [2, 3, 7])
+    def test_a_row_split_over_programs_selects_what_one_program_does(splits):
+        # Position for position, over dense rows, rows whose last slices are empty, slices
+        # that end mid-chunk, many ties at the k-th best and -0.0 beside +0.0; twice, so
+        # the second launch finds the arrival counters reset.
+        from archserve.kernels.sparse_mla.triton_topk import SPLIT_BLOCK, select_topk_triton
+
+        lengths = [3, 16, 17, 1500, SPLIT_BLOCK * 3 + 5, SPLIT_BLOCK * 7, 9000]
+        gen = torch.Generator().manual_seed(5)
+        scores = torch.round(torch.randn(len(lengths), 9100, generator=gen) * 4) / 4
+        scores[:, 5], scores[:, 6] = -0.0, 0.0
+        row_lengths = torch.tensor(lengths, dtype=torch.int32)
+        for k in (16, 64):
+            one, one_counts = select_topk_triton(scores, row_lengths, k, splits=1)
+            for _ in range(2):
+                split, counts = select_topk_triton(scores, row_lengths, k, splits=splits)
+                assert torch.equal(split, one) and torch.equal(counts, one_counts)
+
     @pytest.mark.parametrize("tiles", [None, (16, 16, 4, 2, True)], ids=["heads", "keys"])
     @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=LAYOUT_IDS[:2])
     def test_indexed_decode_kernel_matches_reference(layout, tiles):
@@ -305,6 +323,32 @@ def test_sparse_decode_step_compiles(target):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+@pytest.mark.parametrize("target", ["sm80", "sm90"])
+def test_split_topk_compiles(target):
+    """A top-2048 row split over programs: its four passes and its write, one compiled
+    variant whatever the slices (they follow the step's longest context: a variant per
+    count would compile mid-request) and whichever pass."""
+    from triton_compile import compiled_launches
+
+    from archserve.kernels.sparse_mla.triton_topk import select_topk_triton, topk_splits
+
+    # An H100's 132 SMs: a batch-1 128k row in 64 slices, an 8k one in 8; 64 rows of 128k
+    # in 8 each; more rows than 4 programs an SM (or no SM count), one program a row.
+    assert [topk_splits(1, 131072, 132), topk_splits(1, 8192, 132),
+            topk_splits(64, 131072, 132), topk_splits(600, 131072, 132),
+            topk_splits(1, 131072, 0)] == [64, 8, 8, 1, 1]
+    codes = set()
+    for splits in (8, 64):
+        with compiled_launches(TARGETS[target]) as launches:
+            select_topk_triton(torch.zeros(1, 9000), torch.tensor([9000], dtype=torch.int32),
+                               2048, splits=splits)
+        kernels = [launch.kernel for launch in launches]
+        assert kernels == ["_split_pass_kernel"] * 4 + ["_split_write_kernel"], kernels
+        codes |= {launch.code() for launch in launches}
+    assert len(codes) == 2
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
 def test_sparse_prompt_rows_compile_for_hopper():
     """A prompt chunk past topk (rows stacked four a program in the indexer) over 16-bit
     rows: the prompt form of the indexer and the indexed decode over prompt rows."""
@@ -350,6 +394,42 @@ def test_gpu_impl_at_deepseek_sizes(heads, layout):
                                                          strict=True))
         assert agree >= len(indices) - 1, f"{agree} of {len(indices)} selections agree"
         torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 64])
+def test_gpu_split_topk_is_the_one_program_select_in_a_cuda_graph(rows):
+    """Top-2048 of rows up to 128k scores, as the step splits them over the GPU's SMs:
+    position for position what one program a row selects, captured once and replayed with
+    other lengths (the slices follow each row's length; the counters reset each launch)."""
+    from archserve.kernels.sparse_mla.triton_topk import select_topk_triton, topk_splits
+
+    width = 131072
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = topk_splits(rows, width, sms)
+    assert splits > 1 or rows * 2 > sms
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    scores = torch.round(torch.randn(rows, width, device="cuda", generator=gen) * 64) / 64
+    lengths = torch.randint(1, width + 1, (rows,), device="cuda", generator=gen,
+                            dtype=torch.int32)
+    lengths[0] = width
+    out = torch.empty(rows, 2048, dtype=torch.int32, device="cuda")
+    counts = torch.empty(rows, dtype=torch.int32, device="cuda")
+    select_topk_triton(scores, lengths, 2048, out, counts, sms)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        select_topk_triton(scores, lengths, 2048, out, counts, sms)
+    for replay in range(3):
+        if replay:
+            lengths.copy_(torch.randint(1, width + 1, (rows,), device="cuda", generator=gen,
+                                        dtype=torch.int32))
+        graph.replay()
+        one, one_counts = select_topk_triton(scores, lengths, 2048, splits=1)
+        assert torch.equal(out, one) and torch.equal(counts, one_counts), replay
+        expected = scores[0, :int(lengths[0])].float()
+        if int(lengths[0]) > 2048:
+            kth = expected.topk(2048).values[-1]
+            assert (expected[out[0].long()] >= kth).all()
 
 
 @pytest.mark.gpu

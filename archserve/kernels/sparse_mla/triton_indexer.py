@@ -219,7 +219,7 @@ def select_top_keys(keys: IndexKeySource, block_tables: torch.Tensor, query: tor
                                      row_seq[start:end], row_lengths[start:end], max_length,
                                      topk, blocks, num_sms, e4m3_bits)
         select_topk_triton(scores, row_lengths[start:end], topk, indices[start:end],
-                           counts[start:end])
+                           counts[start:end], num_sms)
     return indices, counts
 
 
