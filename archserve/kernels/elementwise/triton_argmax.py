@@ -38,8 +38,10 @@ def last_arrival_verified() -> bool:
 @functools.cache
 def arrival_counters(device: torch.device) -> torch.Tensor:
     """The rows' counters on ``device``: zero between launches (the last program resets its
-    own). Made on first use, which the engine's eager warm-up makes before any CUDA graph
-    is captured."""
+    own). Shared by every kernel that counts arrivals (this argmax, the split top-k of
+    sparse_mla/triton_topk.py): their launches follow one another on the stream. Made on
+    first use; a first use inside a CUDA graph's capture puts the zeroing into that graph,
+    which then only zeroes counters that are already zero."""
     return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 
