@@ -4,10 +4,12 @@ MLA), both with dummy bf16 weights.
 
 - ``--part kernel``: the indexed MLA decode kernel at batch 64, each row attending to 2048
   random positions of an 8192-token context (16 heads: one tensor-parallel rank of eight;
-  128: V3.2 whole), over 16-bit and fp8_ds_mla latents, timed as CUDA-graph replays: GB/s of
-  the selected latent rows (64 x 2048 rows of 1152 or 656 bytes) against the measured copy
-  bandwidth (engine/ceilings.py). Then the indexer (scores and top-k) of one decode step,
-  batch 1 at 8k, 32k and 128k and batch 64 at 8k, 64 heads of 128.
+  128: V3.2 whole), over 16-bit and fp8_ds_mla latents, timed as CUDA-graph replays with the
+  rule's tiles and each candidate the start-up tuner tries (the row: the tiles the tuner
+  would choose): GB/s of the selected latent rows (64 x 2048 rows of 1152 or 656 bytes)
+  against the measured copy bandwidth (engine/ceilings.py). Then the indexer (scores and
+  top-k) of one decode step, batch 1 at 8k, 32k and 128k and batch 64 at 8k, 64 heads of
+  128, and its top-k alone (split over the SMs as the step runs it, and one program a row).
 - ``--part engine``: batch-1 decode steps (one request, 64 output tokens; the step time is
   the trace's decode mean) at contexts 2k, 8k, 32k and 128k, V3.2-4L beside V3-4L.
 - ``--part throughput``: 64 prompts of 8192 tokens with 128 outputs each, output tok/s and
@@ -116,8 +118,10 @@ def kernel_rows(ceilings, plan: Plan, device: torch.device) -> list[dict]:
 
 def _sparse_decode_row(ceilings, plan: Plan, heads: int, kv: str, device: torch.device  # noqa: ANN001
                        ) -> dict:
+    from archserve.kernels.linear.quantized_tuning import MIN_GAIN
     from archserve.kernels.mla.triton_mla_decode import mla_decode
     from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
+    from archserve.kernels.mla.tuning import CANDIDATE_TILES
 
     case = _case([(1, plan.context)] * plan.batch, plan, heads, kv, device)
     impl = TritonSparseMlaImpl(layout=case.layout)
@@ -129,17 +133,27 @@ def _sparse_decode_row(ceilings, plan: Plan, heads: int, kv: str, device: torch.
     starts = torch.arange(plan.batch + 1, dtype=torch.int32, device=device)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device.type == "cuda" else 4
 
-    def run() -> None:
+    def run(tiles) -> None:  # noqa: ANN001
         mla_decode(query, cache, meta.block_tables, counts, starts, out, num_seqs=plan.batch,
                    max_seq_len=plan.topk, scale=case.scale, num_sms=sms, indices=indices,
-                   row_seq=row_seq, layout=case.layout)
+                   row_seq=row_seq, layout=case.layout, tiles=tiles)
 
-    us, how = _time_us(run, device.type == "cuda")
+    # The rule's tiles, then each candidate the start-up tuner times against them: the row
+    # is what the tuner would choose (a candidate only when MIN_GAIN faster).
     read = plan.batch * plan.topk * case.layout.latent_bytes
+    timed = {}
+    for tiles in (None, *CANDIDATE_TILES):
+        timed[tiles], how = _time_us(lambda tiles=tiles: run(tiles), device.type == "cuda")
+    best = min(timed, key=timed.get)
+    tiles = best if timed[best] < timed[None] * (1 - MIN_GAIN) else None   # as the tuner
+    us = timed[tiles]
     row = {"what": "sparse decode", "heads": heads, "kv": kv, "us": us, "how": how,
+           "tiles": "rule" if tiles is None else list(tiles),
+           "each_us": {"rule" if t is None else str(list(t)): v for t, v in timed.items()},
            "gb_s": read / us / 1e3, "of_copy": read / us / 1e-6 / ceilings.copy_bytes_per_s}
     print(f"sparse decode H={heads:3d} {kv:10s} {plan.batch} x top-{plan.topk}: {us:8.1f} us, "
-          f"{row['gb_s']:7.0f} GB/s = {row['of_copy']:.0%} of copy", flush=True)
+          f"{row['gb_s']:7.0f} GB/s = {row['of_copy']:.0%} of copy ({row['tiles']}; "
+          f"{', '.join(f'{k} {v:.1f}' for k, v in row['each_us'].items())} us)", flush=True)
     return row
 
 
