@@ -65,6 +65,41 @@ def _chunk_keys(src, start, length, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _byte_histogram(src, lo, hi, prefix, shift, BLOCK: tl.constexpr):
+    """Histogram (256 bins) of byte ``shift`` of the keys of scores [lo, hi) whose higher
+    bytes are ``prefix``'s."""
+    hist = tl.zeros([256], tl.int32)
+    excluded = tl.zeros([1], tl.int32)
+    for start in range(lo, hi, BLOCK):
+        pos, valid, key = _chunk_keys(src, start, hi, BLOCK)
+        match = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+        byte = ((key >> shift) & 0xFF).to(tl.int32)
+        # Every lane lands in a bin: the ones not matching go to bin 0, taken out below.
+        hist += tl.histogram(tl.where(match, byte, 0), 256)
+        excluded += BLOCK - tl.sum(match.to(tl.int32), axis=0)
+    return tl.where(tl.arange(0, 256) == 0, hist - excluded, hist)
+
+
+@triton.jit
+def _write_positions(src, dst, lo, hi, kth, first_equal, remaining, taken_above, taken_equal,
+                     BLOCK: tl.constexpr):
+    """Positions in [lo, hi) whose key is above ``kth`` from ``dst[taken_above]`` on, and
+    those equal to it from ``dst[first_equal + taken_equal]`` on while fewer than
+    ``remaining`` equal ones are written."""
+    for start in range(lo, hi, BLOCK):
+        pos, valid, key = _chunk_keys(src, start, hi, BLOCK)
+        above = (valid & (key > kth)).to(tl.int32)
+        equal = (valid & (key == kth)).to(tl.int32)
+        above_rank = taken_above + tl.cumsum(above, axis=0) - 1
+        equal_rank = taken_equal + tl.cumsum(equal, axis=0) - 1
+        tl.store(dst + above_rank, pos, mask=above > 0)
+        tl.store(dst + first_equal + equal_rank, pos,
+                 mask=(equal > 0) & (equal_rank < remaining))
+        taken_above += tl.sum(above, axis=0)
+        taken_equal += tl.sum(equal, axis=0)
+
+
+@triton.jit
 def _kth_byte(hist, remaining):
     """The byte (bin of ``hist``, 256 bins) that holds the ``remaining``-th best, counting
     down from bin 255."""
@@ -95,33 +130,13 @@ def _topk_kernel(scores_ptr, row_len_ptr, out_ptr, count_ptr, stride_scores, str
         prefix = tl.zeros([1], tl.int64)      # the chosen bytes of the k-th best key
         remaining = tl.zeros([1], tl.int32) + TOPK   # how many to take at or below it
         for shift in tl.static_range(24, -1, -8):
-            hist = tl.zeros([256], tl.int32)
-            excluded = tl.zeros([1], tl.int32)
-            for start in range(0, length, BLOCK):
-                pos, valid, key = _chunk_keys(src, start, length, BLOCK)
-                match = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-                byte = ((key >> shift) & 0xFF).to(tl.int32)
-                # Every lane lands in a bin: the ones not matching go to bin 0, taken out below.
-                hist += tl.histogram(tl.where(match, byte, 0), 256)
-                excluded += BLOCK - tl.sum(match.to(tl.int32), axis=0)
-            hist = tl.where(bins == 0, hist - excluded, hist)
+            hist = _byte_histogram(src, 0, length, prefix, shift, BLOCK)
             digit = _kth_byte(hist, remaining)
             remaining -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
             prefix = prefix | (digit.to(tl.int64) << shift)
-        first_equal = TOPK - remaining
-        taken_above = tl.zeros([1], tl.int32)
-        taken_equal = tl.zeros([1], tl.int32)
-        for start in range(0, length, BLOCK):
-            pos, valid, key = _chunk_keys(src, start, length, BLOCK)
-            above = (valid & (key > prefix)).to(tl.int32)
-            equal = (valid & (key == prefix)).to(tl.int32)
-            above_rank = taken_above + tl.cumsum(above, axis=0) - 1
-            equal_rank = taken_equal + tl.cumsum(equal, axis=0) - 1
-            tl.store(dst + above_rank, pos, mask=above > 0)
-            tl.store(dst + first_equal + equal_rank, pos,
-                     mask=(equal > 0) & (equal_rank < remaining))
-            taken_above += tl.sum(above, axis=0)
-            taken_equal += tl.sum(equal, axis=0)
+        none = tl.zeros([1], tl.int32)
+        _write_positions(src, dst, 0, length, prefix, TOPK - remaining, remaining, none, none,
+                         BLOCK)
 
 
 
@@ -162,16 +177,8 @@ def _split_pass_kernel(scores_ptr, row_len_ptr, out_ptr, count_ptr, hist_ptr, pr
             prefix = tl.load(prefix_ptr + row + tl.zeros([1], tl.int32))
             remaining = tl.load(remaining_ptr + row + tl.zeros([1], tl.int32))
         lo, hi = _slice_bounds(length, split, splits, BLOCK)
-        hist = tl.zeros([256], tl.int32)
-        excluded = tl.zeros([1], tl.int32)
-        for start in range(lo, hi, BLOCK):
-            pos, valid, key = _chunk_keys(src, start, hi, BLOCK)
-            match = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            byte = ((key >> shift) & 0xFF).to(tl.int32)
-            hist += tl.histogram(tl.where(match, byte, 0), 256)
-            excluded += BLOCK - tl.sum(match.to(tl.int32), axis=0)
+        hist = _byte_histogram(src, lo, hi, prefix, shift, BLOCK)
         bins = tl.arange(0, 256)
-        hist = tl.where(bins == 0, hist - excluded, hist)
         tl.store(hist_ptr + (row * splits + split) * 256 + bins, hist)
         if count_arrival(counters_ptr + row, splits):
             slices = tl.arange(0, MAX_SLICES)
@@ -209,21 +216,10 @@ def _split_write_kernel(scores_ptr, row_len_ptr, out_ptr, prefix_ptr, remaining_
         dst = out_ptr + row * stride_out
         prefix = tl.load(prefix_ptr + row)
         remaining = tl.load(remaining_ptr + row)
-        taken_above = tl.load(above_ptr + row * splits + split)
-        taken_equal = tl.load(equal_ptr + row * splits + split)
-        first_equal = TOPK - remaining
         lo, hi = _slice_bounds(length, split, splits, BLOCK)
-        for start in range(lo, hi, BLOCK):
-            pos, valid, key = _chunk_keys(src, start, hi, BLOCK)
-            above = (valid & (key > prefix)).to(tl.int32)
-            equal = (valid & (key == prefix)).to(tl.int32)
-            above_rank = taken_above + tl.cumsum(above, axis=0) - 1
-            equal_rank = taken_equal + tl.cumsum(equal, axis=0) - 1
-            tl.store(dst + above_rank, pos, mask=above > 0)
-            tl.store(dst + first_equal + equal_rank, pos,
-                     mask=(equal > 0) & (equal_rank < remaining))
-            taken_above += tl.sum(above, axis=0)
-            taken_equal += tl.sum(equal, axis=0)
+        _write_positions(src, dst, lo, hi, prefix, TOPK - remaining, remaining,
+                         tl.load(above_ptr + row * splits + split),
+                         tl.load(equal_ptr + row * splits + split), BLOCK)
 
 
 def topk_splits(num_rows: int, width: int, num_sms: int) -> int:
