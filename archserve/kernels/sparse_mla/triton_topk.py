@@ -14,8 +14,9 @@ position above it and, in position order, as many of those equal to it as are mi
 The order within a row's output is the scan's, not the scores' (attention does not care).
 
 A decode step has a row per sequence: at batch 1 one program, on one SM, would stream a
-128k-score row five times while the rest of the GPU waits. With fewer rows than the GPU
-has SMs, each row is cut into ``splits`` slices, one program each, in five launches: each
+128k-score row five times while the rest of the GPU waits. With few rows (``topk_splits``:
+up to about four programs an SM in all), each row is cut into ``splits`` slices, one
+program each, in five launches: each
 of the four passes histograms its slice and the last program of the row to arrive
 (triton_argmax.count_arrival) sums the slices' histograms, chooses the byte and keeps, per
 slice, how many of its scores are already known to be above the k-th best; the write pass
@@ -137,7 +138,6 @@ def _topk_kernel(scores_ptr, row_len_ptr, out_ptr, count_ptr, stride_scores, str
         none = tl.zeros([1], tl.int32)
         _write_positions(src, dst, 0, length, prefix, TOPK - remaining, remaining, none, none,
                          BLOCK)
-
 
 
 @triton.jit
