@@ -349,6 +349,39 @@ def test_split_topk_compiles(target):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
+def test_prompt_steps_of_any_length_share_one_variant():
+    """Prompt steps past top-k whose row blocks and longest contexts differ (so do the
+    scores kernel's tile splits and the score rows' length) launch the same scores kernel
+    and the same one-program top-k: none compiles a variant mid-request that the warm-up's
+    lengths did not (seen on an H100: a variant per split count and per unaligned row)."""
+    from triton_compile import collected_launches
+
+    from archserve.engine.batch import block_table_width
+    from archserve.kernels.sparse_mla.triton_indexer import IndexKeySource, select_top_keys
+
+    keys = {}
+    # Few rows split each over programs (_split_*), hundreds take one program a row.
+    for seqs in ([(64, 2200)], [(3, 2209)], [(5, 4000), (7, 3001)], [(600, 2300)],
+                 [(530, 2201)]):
+        case = make_sparse_case(seqs, topk=2048, **TINY)
+        row_seq, row_len = step_rows(case)
+        meta = case.meta
+        # As wide as the engine's tables (whose widths step so their stride is one variant).
+        width = meta.block_tables.shape[1]
+        tables = torch.nn.functional.pad(meta.block_tables, (0, block_table_width(width) - width))
+        with collected_launches(TARGETS["sm90"]) as specs:
+            select_top_keys(IndexKeySource.of_sparse_mla(case.layout, case.kv_cache),
+                            tables, case.indexer.query, case.indexer.weights,
+                            row_seq, row_len, meta.max_seq_len, case.topk,
+                            meta.query_lens_cpu, num_sms=132)
+        for spec in specs:
+            keys.setdefault(spec.name, set()).add(spec.key())
+    assert {name: len(found) for name, found in keys.items()} == {
+        "_index_scores_kernel": 1, "_topk_kernel": 1, "_split_pass_kernel": 1,
+        "_split_write_kernel": 1}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
 def test_sparse_prompt_rows_compile_for_hopper():
     """A prompt chunk past topk (rows stacked four a program in the indexer) over 16-bit
     rows: the prompt form of the indexer and the indexed decode over prompt rows."""

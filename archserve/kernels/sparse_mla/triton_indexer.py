@@ -5,8 +5,9 @@ a row of an fp32 buffer (entries past the row's length are left unwritten; the t
 no further). A program takes BLOCK_Q rows of one sequence and stacks their heads as the M
 side of one ``tl.dot`` against a tile of BLOCK_N keys, so a prompt's rows share each key
 tile; a decode row (BLOCK_Q 1) makes its heads the M side. The programs of a row block
-stride over its key tiles (grid axis 1, SPLITS of them, from host ints only: a CUDA graph
-replays the launch for any lengths). A block whose rows all see no more than ``topk`` keys
+stride over its key tiles (grid axis 1, ``splits`` of them, from host ints only: a CUDA graph
+replays the launch for any lengths; a runtime argument, as is the score rows' stride, so that
+one compiled variant serves every step, however many row blocks and keys it has). A block whose rows all see no more than ``topk`` keys
 does nothing: those rows attend to every key.
 
 The keys are read through the block table from the cache rows of layout.py: the model
@@ -60,16 +61,16 @@ def row_blocks(query_lens: list[int], rows_per_block: int, device: torch.device)
     return RowBlocks(start, end, rows_per_block)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, block_tables_ptr, row_seq_ptr, row_len_ptr,
                          block_start_ptr, block_end_ptr, scores_ptr,
                          stride_q_row, stride_q_head, stride_w_row, stride_cache_block,
-                         stride_cache_token, stride_block_table, stride_scores,
+                         stride_cache_token, stride_block_table, stride_scores, splits,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TOPK: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, INDEX_OFFSET: tl.constexpr,
                          INDEX_SCALE_OFFSET: tl.constexpr, INDEX_FP8: tl.constexpr,
                          KEY_DTYPE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -99,7 +100,7 @@ def _index_scores_kernel(q_ptr, w_ptr, cache_ptr, block_tables_ptr, row_seq_ptr,
     if DOT_PRECISION == "ieee":
         q = q.to(tl.float32)
     out_rows = scores_ptr + q_rows.to(tl.int64)[:, None] * stride_scores
-    for tile in range(split, num_tiles, SPLITS):
+    for tile in range(split, num_tiles, splits):
         pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         seen = pos < longest
         offsets = paged_token_offsets(block_table_row, pos, seen, stride_cache_block,
@@ -161,8 +162,7 @@ def launch_index_scores(keys: IndexKeySource, block_tables: torch.Tensor, query:
     """``index_scores_triton`` over keys wherever ``keys`` says (DeepSeek V4's compressed
     entries keep theirs a block's worth together)."""
     num_rows, num_heads, head_dim = query.shape
-    scores = torch.empty(num_rows, max(max_length, 1), dtype=torch.float32,
-                         device=query.device)
+    scores = score_rows(num_rows, max_length, query.device)
     if num_rows == 0 or max_length <= topk:
         return scores
     rows_per_block = blocks.rows_per_block if blocks is not None else 1
@@ -176,15 +176,29 @@ def launch_index_scores(keys: IndexKeySource, block_tables: torch.Tensor, query:
     _index_scores_kernel[(num_blocks, splits)](
         query, weights, keys.cache, block_tables, row_seq, row_lengths, start, end, scores,
         query.stride(0), query.stride(1), weights.stride(0), keys.block_stride,
-        keys.row_stride, block_tables.stride(0), scores.stride(0),
+        keys.row_stride, block_tables.stride(0), scores.stride(0), splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, TOPK=topk, BLOCK_SIZE=keys.rows_per_block,
         INDEX_OFFSET=keys.offset, INDEX_SCALE_OFFSET=keys.scale_offset,
         INDEX_FP8=keys.fp8, KEY_DTYPE=TORCH_TO_TL[query.dtype],
         BLOCK_Q=rows_per_block, BLOCK_H=block_h,
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16), BLOCK_N=INDEX_BLOCK_N,
-        SPLITS=splits, DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=e4m3_bits,
+        DOT_PRECISION=dot_precision(query.dtype), E4M3_BITS=e4m3_bits,
         num_warps=4)
     return scores
+
+
+# Score rows start SCORE_ROW_ALIGN values apart: Triton compiles a variant of a kernel per
+# integer argument's divisibility by 16, and a row stride of the step's longest context
+# (any number) made the scores and top-k kernels compile anew mid-request.
+SCORE_ROW_ALIGN = 16
+
+
+def score_rows(num_rows: int, max_length: int, device: torch.device) -> torch.Tensor:
+    """An fp32 [num_rows, max_length] buffer (one column at least) whose row stride is a
+    multiple of SCORE_ROW_ALIGN."""
+    width = max(max_length, 1)
+    stride = triton.cdiv(width, SCORE_ROW_ALIGN) * SCORE_ROW_ALIGN
+    return torch.empty(num_rows, stride, dtype=torch.float32, device=device)[:, :width]
 
 
 # The score buffer holds fp32 rows of the longest context; rows are scored and selected in
