@@ -45,9 +45,12 @@ def profile_sequence_lengths(num_tokens: int, max_num_seqs: int, max_model_len: 
 
 
 def prefill_warm_up_lengths(limit: int) -> list[int]:
-    """Prompt lengths that reach every prefill attention tune bucket up to ``limit``, each
-    as a multiple of 16 and as a length that is not: Triton compiles one variant per
-    divisibility of its integer arguments."""
+    """Prompt lengths that reach every prefill attention tune bucket up to ``limit`` at its
+    shortest and at its longest, each as a multiple of 16 and as a length that is not:
+    Triton compiles one variant per divisibility of its integer arguments, and a model's
+    route can change with the length inside a bucket (a sparse-MLA layer attends densely up
+    to its top-k, 2048 keys in DeepSeek-V3.2, where the last bucket's longest prompts are
+    sparse: its dense prefill was tuned mid-request on an H100)."""
     from archserve.kernels.attention.triton_prefill import TUNE_BUCKET_BOUNDS
     lengths: list[int] = []
     low = 2  # one query token is a decode step, not a prefill
@@ -56,7 +59,8 @@ def prefill_warm_up_lengths(limit: int) -> list[int]:
         if low > high:
             break
         top = max(low, high // 16 * 16)
-        lengths += sorted({max(low, top - 3), top})
+        bottom = min(top, -(-low // 16) * 16)
+        lengths += sorted({n for n in (bottom - 3, bottom, top - 3, top) if n >= low})
         low = high + 1
     return lengths
 

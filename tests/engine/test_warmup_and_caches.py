@@ -119,6 +119,26 @@ def test_prefill_warm_up_covers_each_tune_bucket_and_writes_nothing(tiny_checkpo
     assert llm.generate(["a cached prompt"], SamplingParams(max_tokens=3))[0].outputs[0].text
 
 
+@pytest.mark.parametrize("limit", [8192, 2048, 1100, 100])
+def test_prefill_warm_up_reaches_each_bucket_under_any_length_threshold(limit):
+    # A route may change with the prompt's length inside a tune bucket: a sparse-MLA layer
+    # attends densely up to its top-k (DeepSeek-V3.2: 2048, in the bucket that runs to
+    # 8192 here). Whatever the threshold, each bucket its shorter prompts reach is warmed
+    # below it, in a length that is a multiple of 16 and in one that is not.
+    from archserve.engine.model_runner import prefill_warm_up_lengths
+    from archserve.kernels.attention.triton_prefill import tune_bucket
+
+    lengths = prefill_warm_up_lengths(limit)
+    assert max(lengths) <= limit and min(lengths) >= 2
+    for threshold in (20, 64, 100, 1040, 2048, 5000):
+        for aligned in (True, False):
+            reached = {tune_bucket(n) for n in range(16, min(threshold, limit) + 1)
+                       if (n % 16 == 0) == aligned}
+            warmed = {tune_bucket(n) for n in lengths
+                      if n <= threshold and (n % 16 == 0) == aligned}
+            assert reached <= warmed, (threshold, aligned)
+
+
 @pytest.mark.parametrize("max_len, budget, seqs, expected_multi", [
     (2048, 8192, 256, [[2] * 3, [2] * 16, [2048] * 4]),
     (4096, 2048, 256, [[2] * 3, [2] * 16]),       # one prompt can fill the budget
