@@ -5,10 +5,11 @@ a row of an fp32 buffer (entries past the row's length are left unwritten; the t
 no further). A program takes BLOCK_Q rows of one sequence and stacks their heads as the M
 side of one ``tl.dot`` against a tile of BLOCK_N keys, so a prompt's rows share each key
 tile; a decode row (BLOCK_Q 1) makes its heads the M side. The programs of a row block
-stride over its key tiles (grid axis 1, ``splits`` of them, from host ints only: a CUDA graph
-replays the launch for any lengths; a runtime argument, as is the score rows' stride, so that
-one compiled variant serves every step, however many row blocks and keys it has). A block whose rows all see no more than ``topk`` keys
-does nothing: those rows attend to every key.
+stride over its key tiles (grid axis 1, ``splits`` of them, from host ints only: a CUDA
+graph replays the launch for any lengths; a runtime argument, and the score rows' stride a
+multiple of 16, so one compiled variant serves every step, however many row blocks and keys
+it has). A block whose rows all see no more than ``topk`` keys does nothing: those rows
+attend to every key.
 
 The keys are read through the block table from the cache rows of layout.py: the model
 dtype, or e4m3 with a power-of-two scale per 128 values (dequantized exactly in 16 bits).
