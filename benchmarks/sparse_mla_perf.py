@@ -118,10 +118,9 @@ def kernel_rows(ceilings, plan: Plan, device: torch.device) -> list[dict]:
 
 def _sparse_decode_row(ceilings, plan: Plan, heads: int, kv: str, device: torch.device  # noqa: ANN001
                        ) -> dict:
-    from archserve.kernels.linear.quantized_tuning import MIN_GAIN
     from archserve.kernels.mla.triton_mla_decode import mla_decode
     from archserve.kernels.mla.triton_sparse_mla import TritonSparseMlaImpl
-    from archserve.kernels.mla.tuning import CANDIDATE_TILES
+    from archserve.kernels.mla.tuning import MlaShape, tune_mla_tiles
 
     case = _case([(1, plan.context)] * plan.batch, plan, heads, kv, device)
     impl = TritonSparseMlaImpl(layout=case.layout)
@@ -138,14 +137,20 @@ def _sparse_decode_row(ceilings, plan: Plan, heads: int, kv: str, device: torch.
                    max_seq_len=plan.topk, scale=case.scale, num_sms=sms, indices=indices,
                    row_seq=row_seq, layout=case.layout, tiles=tiles)
 
-    # The rule's tiles, then each candidate the start-up tuner times against them: the row
-    # is what the tuner would choose (a candidate only when MIN_GAIN faster).
+    # The start-up tuner's own choice (tuning.py, uncached), timed here as the row's other
+    # timings are: the rule's tiles, then each candidate against them.
     read = plan.batch * plan.topk * case.layout.latent_bytes
-    timed = {}
-    for tiles in (None, *CANDIDATE_TILES):
-        timed[tiles], how = _time_us(lambda tiles=tiles: run(tiles), device.type == "cuda")
-    best = min(timed, key=timed.get)
-    tiles = best if timed[best] < timed[None] * (1 - MIN_GAIN) else None   # as the tuner
+    timed, how = {}, ""
+
+    def timer(_shape, tiles) -> tuple[float, torch.Tensor]:  # noqa: ANN001
+        nonlocal how
+        timed[tiles], how = _time_us(lambda: run(tiles), device.type == "cuda")
+        run(tiles)
+        return timed[tiles], out.clone()
+
+    shape = MlaShape(heads, plan.kv_lora_rank, plan.rope, plan.dtype, kv, 64,
+                     sparse_topk=plan.topk, index_dim=plan.index_dim)
+    tiles, _, _ = tune_mla_tiles(shape, None, device, timer=timer)
     us = timed[tiles]
     row = {"what": "sparse decode", "heads": heads, "kv": kv, "us": us, "how": how,
            "tiles": "rule" if tiles is None else list(tiles),
