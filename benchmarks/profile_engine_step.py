@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("-q", "--quantization", default=None,
+                    help="as the engine's flag (e.g. fp8: online FP8 W8A8)")
     ap.add_argument("--batch-sizes", default="1,256")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         engine = LLMEngine(EngineConfig(
             model=model_path, load_format=args.load_format, dtype=args.dtype,
+            quantization=args.quantization,
             max_model_len=args.max_model_len, max_num_seqs=max(batch_size, 1),
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
             compilation_config=args.compilation_config,
