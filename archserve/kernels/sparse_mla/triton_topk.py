@@ -148,55 +148,6 @@ def _slice_bounds(length, split, splits, BLOCK: tl.constexpr):
     return lo, tl.minimum(lo + per, length)
 
 
-# Slices' histograms the row's last program holds at once ([SLICE_CHUNK, 256]): a tile of all
-# MAX_SPLITS took 64 x 256 values a program's registers, for every program of the launch,
-# whatever the row's slice count (a runtime value).
-SLICE_CHUNK = tl.constexpr(8)
-
-
-@triton.jit
-def _slice_histograms(hist_ptr, row, splits, first):
-    """[SLICE_CHUNK, 256] histograms of a row's slices first .. first + SLICE_CHUNK - 1
-    (zeros past ``splits``), and which of those slices exist."""
-    slices = first + tl.arange(0, SLICE_CHUNK)
-    live = slices < splits
-    every = tl.load(hist_ptr + (row * splits + slices[:, None]) * 256
-                    + tl.arange(0, 256)[None, :], mask=live[:, None], other=0,
-                    cache_modifier=".cg")
-    return slices, live, every
-
-
-@triton.jit
-def _choose_byte(hist_ptr, prefix_ptr, remaining_ptr, above_ptr, equal_ptr, row, splits,
-                 shift, prefix, remaining):
-    """The row's last program of a pass: the byte whose bin holds the k-th best over the
-    slices' histograms; per slice, how many of the row's scores above the k-th best come
-    before it (added to the earlier passes' counts) and, on the last pass, how many equal
-    to it; the row's prefix and what remains to take at or below it."""
-    bins = tl.arange(0, 256)
-    total = tl.zeros([256], tl.int32)
-    for first in range(0, splits, SLICE_CHUNK):
-        total += tl.sum(_slice_histograms(hist_ptr, row, splits, first)[2], axis=0)
-    digit = _kth_byte(total, remaining)
-    above_before = tl.zeros([1], tl.int32)     # the earlier slices' scores above, this pass
-    equal_before = tl.zeros([1], tl.int32)
-    for first in range(0, splits, SLICE_CHUNK):
-        slices, live, every = _slice_histograms(hist_ptr, row, splits, first)
-        above = tl.sum(tl.where(bins[None, :] > digit, every, 0), axis=1)
-        before = tl.cumsum(above, axis=0) - above + above_before
-        if shift != 24:
-            before += tl.load(above_ptr + row * splits + slices, mask=live, other=0)
-        tl.store(above_ptr + row * splits + slices, before, mask=live)
-        above_before += tl.sum(above, axis=0)
-        if shift == 0:
-            equal = tl.sum(tl.where(bins[None, :] == digit, every, 0), axis=1)
-            tl.store(equal_ptr + row * splits + slices,
-                     tl.cumsum(equal, axis=0) - equal + equal_before, mask=live)
-            equal_before += tl.sum(equal, axis=0)
-    tl.store(remaining_ptr + row + tl.zeros([1], tl.int32), remaining - above_before)
-    tl.store(prefix_ptr + row + tl.zeros([1], tl.int32), prefix | (digit.to(tl.int64) << shift))
-
-
 # ``splits`` and ``shift`` are not specialised: the slices a row follow the step's longest
 # context, and one compiled variant serves every step and pass (a new value must not stall
 # a request on the compiler after start-up).
@@ -204,7 +155,8 @@ def _choose_byte(hist_ptr, prefix_ptr, remaining_ptr, above_ptr, equal_ptr, row,
 def _split_pass_kernel(scores_ptr, row_len_ptr, out_ptr, count_ptr, hist_ptr, prefix_ptr,
                        remaining_ptr, above_ptr, equal_ptr, counters_ptr, stride_scores,
                        stride_out, splits, shift, TOPK: tl.constexpr,
-                       BLOCK: tl.constexpr, OUT_BLOCK: tl.constexpr):
+                       MAX_SLICES: tl.constexpr, BLOCK: tl.constexpr,
+                       OUT_BLOCK: tl.constexpr):
     """One radix pass (byte ``shift``) of a split row: this slice's histogram; the row's
     last program chooses the byte. hist [R, splits, 256]; prefix, remaining [R];
     above, equal [R, splits]: the slices' scores above the k-th best (equal to it: the
@@ -226,10 +178,27 @@ def _split_pass_kernel(scores_ptr, row_len_ptr, out_ptr, count_ptr, hist_ptr, pr
             remaining = tl.load(remaining_ptr + row + tl.zeros([1], tl.int32))
         lo, hi = _slice_bounds(length, split, splits, BLOCK)
         hist = _byte_histogram(src, lo, hi, prefix, shift, BLOCK)
-        tl.store(hist_ptr + (row * splits + split) * 256 + tl.arange(0, 256), hist)
+        bins = tl.arange(0, 256)
+        tl.store(hist_ptr + (row * splits + split) * 256 + bins, hist)
         if count_arrival(counters_ptr + row, splits):
-            _choose_byte(hist_ptr, prefix_ptr, remaining_ptr, above_ptr, equal_ptr, row,
-                         splits, shift, prefix, remaining)
+            slices = tl.arange(0, MAX_SLICES)
+            every = tl.load(hist_ptr + (row * splits + slices[:, None]) * 256 + bins[None, :],
+                            mask=slices[:, None] < splits, other=0, cache_modifier=".cg")
+            digit = _kth_byte(tl.sum(every, axis=0), remaining)
+            above = tl.sum(tl.where(bins[None, :] > digit, every, 0), axis=1)
+            before = tl.cumsum(above, axis=0) - above
+            if shift != 24:
+                before += tl.load(above_ptr + row * splits + slices, mask=slices < splits,
+                                  other=0)
+            tl.store(above_ptr + row * splits + slices, before, mask=slices < splits)
+            if shift == 0:
+                equal = tl.sum(tl.where(bins[None, :] == digit, every, 0), axis=1)
+                tl.store(equal_ptr + row * splits + slices, tl.cumsum(equal, axis=0) - equal,
+                         mask=slices < splits)
+            tl.store(remaining_ptr + row + tl.zeros([1], tl.int32),
+                     remaining - tl.sum(above, axis=0))
+            tl.store(prefix_ptr + row + tl.zeros([1], tl.int32),
+                     prefix | (digit.to(tl.int64) << shift))
             reset_arrivals(counters_ptr + row)
 
 
@@ -299,7 +268,7 @@ def select_topk_triton(scores: torch.Tensor, row_lengths: torch.Tensor, topk: in
         _split_pass_kernel[grid](
             scores, row_lengths, out, counts, hist, prefix, remaining, above, equal,
             arrival_counters(device), scores.stride(0), out.stride(0), splits, shift,
-            TOPK=topk, BLOCK=SPLIT_BLOCK, OUT_BLOCK=out_block,
+            TOPK=topk, MAX_SLICES=MAX_SPLITS, BLOCK=SPLIT_BLOCK, OUT_BLOCK=out_block,
             num_warps=4)
     _split_write_kernel[grid](
         scores, row_lengths, out, prefix, remaining, above, equal, scores.stride(0),
