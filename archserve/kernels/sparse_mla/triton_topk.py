@@ -15,13 +15,12 @@ The order within a row's output is the scan's, not the scores' (attention does n
 
 A decode step has a row per sequence: at batch 1 one program, on one SM, would stream a
 128k-score row five times while the rest of the GPU waits. With few rows (``topk_splits``:
-up to about four programs an SM in all), each row is cut into ``splits`` slices, one
-program each, in five launches: each
-of the four passes histograms its slice and the last program of the row to arrive
-(triton_argmax.count_arrival) sums the slices' histograms, chooses the byte and keeps, per
-slice, how many of its scores are already known to be above the k-th best; the write pass
-then puts each slice's positions after those of the slices before it. The output is the
-one-program select's, position for position.
+up to about four programs an SM in all), each row is cut into ``splits`` slices, one program
+each, in five launches: each of the four passes histograms its slice and the last program of
+the row to arrive (triton_argmax.count_arrival) sums the slices' histograms, chooses the
+byte and keeps, per slice, how many of its scores are already known to be above the k-th
+best; the write pass then puts each slice's positions after those of the slices before it.
+The output is the one-program select's, position for position.
 """
 
 from __future__ import annotations
