@@ -131,7 +131,7 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
             ties = [p for p in range(n) if scores[row, p] == kth]
             assert sorted(c for c in chosen if scores[row, c] == kth) == ties[:k - above]
 
-    @pytest.mark.parametrize("splits", [2, 3, 7])
+    @pytest.mark.parametrize("splits", [2, 3, 7, 9, 17])
     def test_a_row_split_over_programs_selects_what_one_program_does(splits):
         # Position for position, over dense rows, rows whose last slices are empty, slices
         # that end mid-chunk, many ties at the k-th best and -0.0 beside +0.0; twice, so
