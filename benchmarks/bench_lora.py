@@ -11,10 +11,12 @@ an engine run (``--output-len`` tokens per request, all requests in one batch):
 
     python3 benchmarks/bench_lora.py benchmarks/models/llama-3-8b \
         [--rank 16] [--adapters 8] [--output-len 256] [--output-json FILE]
-        [--set archserve.kernels.lora.triton_lora:K_PER_SPLIT=1024 ...]
+        [--set archserve.kernels.lora.triton_lora:K_PER_SPLIT=1024 ...] [--profile]
 
 The targets (docs/benchmarks.md): batch 32 with 8 adapters <= 1.2x the base step at
-batch 32; batch 1 with an adapter <= 1.1x the base step at batch 1.
+batch 32; batch 1 with an adapter <= 1.1x the base step at batch 1. ``--profile`` also prints the
+per-kernel profile (archserve/bench/step_profile.py) of batch 1's decode steps on the base
+engine and with the adapter: where the adapter's time goes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from archserve.bench.module_settings import set_module_constants  # noqa: E402
 from archserve.bench.offline import bench_sampling_params, warm_up  # noqa: E402
+from archserve.bench.step_profile import profile_decode_steps  # noqa: E402
 from archserve.bench.step_trace import trace_steps  # noqa: E402
 from archserve.bench.workload import random_requests  # noqa: E402
 from archserve.engine import heap  # noqa: E402
@@ -85,6 +88,12 @@ def decode_step_ms(engine: LLMEngine, batch: int, adapters: list[LoRARequest | N
     return statistics.median(steps)
 
 
+def print_profile(title: str, engine: LLMEngine, adapter: LoRARequest | None,
+                  input_len: int) -> None:
+    profile = profile_decode_steps(engine, 1, input_len, steps=20, lora_request=adapter)
+    print(f"== {title}\n{profile.render()}", flush=True)
+
+
 def engine_for(args, **lora) -> LLMEngine:
     return LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", load_format="dummy",
                                   max_model_len=args.max_model_len, max_num_seqs=32,
@@ -103,6 +112,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="MODULE:NAME=INT",
                         help="set an integer constant of a module before the engines start "
                              "(the LoRA kernels' tiles: FEW_ROWS, K_PER_SPLIT, BLOCK_N ...)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print batch 1's per-kernel step profile, base and adapter")
     args = parser.parse_args()
     set_module_constants(args.set)
     runs = dict(input_len=args.input_len, output_len=args.output_len)
@@ -110,6 +121,8 @@ def main() -> None:
     base = engine_for(args)
     rows = {"base batch 32": decode_step_ms(base, 32, [None], **runs),
             "base batch 1": decode_step_ms(base, 1, [None], **runs)}
+    if args.profile:
+        print_profile("base engine, batch 1", base, None, args.input_len)
     base.shutdown()
     del base
     heap.free_dropped_engines("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,6 +135,8 @@ def main() -> None:
         rows["LoRA engine, batch 32, base requests"] = decode_step_ms(engine, 32, [None], **runs)
         rows["batch 32, adapters"] = decode_step_ms(engine, 32, adapters, **runs)
         rows["batch 1, adapter"] = decode_step_ms(engine, 1, adapters[:1], **runs)
+        if args.profile:
+            print_profile("LoRA engine, batch 1, adapter", engine, adapters[0], args.input_len)
     base_of = {"batch 32, adapters": "base batch 32", "batch 1, adapter": "base batch 1",
                "LoRA engine, batch 32, base requests": "base batch 32"}
     report = {"model": args.model, "rank": args.rank, "adapters": args.adapters,

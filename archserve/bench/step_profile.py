@@ -133,11 +133,11 @@ def _on_device(event) -> bool:
 
 def profile_decode_steps(engine, batch_size: int, input_len: int, steps: int,
                          warmup_steps: int = 3, trace_path: str | None = None,
-                         output_kind: str = "FINAL_ONLY", use_profiler: bool = True
-                         ) -> StepProfile:
+                         output_kind: str = "FINAL_ONLY", use_profiler: bool = True,
+                         lora_request=None) -> StepProfile:
     """Fill ``engine`` with ``batch_size`` requests (the offline bench's sampling
-    parameters), run past their prefill and a few warm-up decode steps, then profile
-    ``steps`` pure decode steps."""
+    parameters; each with ``lora_request`` where given), run past their prefill and a few
+    warm-up decode steps, then profile ``steps`` pure decode steps."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -149,7 +149,7 @@ def profile_decode_steps(engine, batch_size: int, input_len: int, steps: int,
     vocab = engine.model_config.vocab_size
     for i in range(batch_size):
         prompt = [(7 + 31 * i + 17 * j) % (vocab - 1) + 1 for j in range(input_len)]
-        engine.add_request(f"profile-{i}", prompt, params)
+        engine.add_request(f"profile-{i}", prompt, params, lora_request=lora_request)
     # Until every prompt is in the cache and a few decode steps ran (graphs warm).
     scheduler = engine.scheduler
     while scheduler.waiting or any(s.num_output_tokens - s.num_pending == 0
