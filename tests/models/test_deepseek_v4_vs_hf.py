@@ -457,6 +457,34 @@ def test_gpu_chunked_prefill_over_a_cached_prefix_matches_one_prefill(tmp_path):
     assert_gpu_chunked_prefix_tracks_one_prefill(path, GPU_ENGINE)
 
 
+def write_release_checkpoint(tmp_path, fp4_experts: bool, **config) -> tuple[str, str]:
+    """(a tiny V4 in transformers' layout over the release's dequantized weights, the same
+    model in DeepSeek's release layout: scripts/quant_fixtures/deepseek_v4_release.py)."""
+    import os
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    scripts = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "quant_fixtures")
+    sys.path.insert(0, scripts)
+    try:
+        import deepseek_v4_release
+    finally:
+        sys.path.remove(scripts)
+    base = build_tiny_checkpoint(str(tmp_path / "base"), "deepseek_v4",
+                                 init_model=init_v4_buffers, **config)
+    release = deepseek_v4_release.write(base, str(tmp_path / "release"), fp4_experts)
+    save_file(load_file(os.path.join(base, "dense.safetensors")),
+              os.path.join(base, "model.safetensors"), metadata={"format": "pt"})
+    return base, release
+
+
+def assert_release_quantization(model, fp4_experts: bool) -> None:
+    assert model.model.layers[1].self_attn.q_b_proj.quant is not None
+    experts = model.model.layers[1].mlp.experts
+    assert experts.checkpoint_quant.weight_format == ("mxfp4" if fp4_experts else "fp8_block")
+
+
 @pytest.mark.parametrize("fp4_experts", [False, True], ids=["fp8", "fp4-experts"])
 def test_release_checkpoint_matches_its_dequantized_weights(tmp_path, fp4_experts):
     """DeepSeek's release layout and FP8 (scripts/quant_fixtures/deepseek_v4_release.py):
@@ -467,41 +495,53 @@ def test_release_checkpoint_matches_its_dequantized_weights(tmp_path, fp4_expert
     as MXFP4 experts. With the activations' quantization off, archserve's prompt log-probs
     are transformers' over the dequantized weights (fp32)."""
     import os
-    import sys
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from archserve import LLM
 
-    scripts = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "quant_fixtures")
-    sys.path.insert(0, scripts)
-    try:
-        import deepseek_v4_release
-    finally:
-        sys.path.remove(scripts)
     # Block-FP8 activations are quantized per 128 input channels: every GEMM's input a
     # multiple of 128.
     widths = dict(hidden_size=128, q_lora_rank=128, moe_intermediate_size=128,
                   intermediate_size=128, o_lora_rank=64,
                   head_dim=64, partial_rotary_factor=0.25, index_head_dim=32)
-    base = build_tiny_checkpoint(str(tmp_path / "base"), "deepseek_v4",
-                                 init_model=init_v4_buffers, **{**V4, **widths})
-    release = deepseek_v4_release.write(base, str(tmp_path / "release"), fp4_experts)
+    base, release = write_release_checkpoint(tmp_path, fp4_experts, **{**V4, **widths})
     state = load_file(os.path.join(release, "model.safetensors"))
     assert state["layers.1.attn.wq_b.scale"].dtype == torch.float8_e8m0fnu
     expert = state["layers.1.ffn.experts.0.w1.weight"]
     assert expert.dtype == (torch.int8 if fp4_experts else torch.float8_e4m3fn)
     assert state["layers.1.attn.compressor.wkv.weight"].dtype != torch.float8_e4m3fn
-    save_file(load_file(os.path.join(base, "dense.safetensors")),
-              os.path.join(base, "model.safetensors"), metadata={"format": "pt"})
     hf_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
 
     llm = LLM(release, dtype="float32", max_model_len=128, block_size=8)
     model = llm.llm_engine.model
-    assert model.model.layers[1].self_attn.q_b_proj.quant is not None
-    experts = model.model.layers[1].mlp.experts
-    assert experts.checkpoint_quant.weight_format == ("mxfp4" if fp4_experts else "fp8_block")
+    assert_release_quantization(model, fp4_experts)
     without_activation_quantization(model)
     gaps = prompt_logprob_gaps(hf_model, llm, [{"prompt_token_ids": list(range(5, 45))}])
     assert max(gaps) < ATOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp4_experts", [False, True], ids=["fp8", "fp4-experts"])
+def test_gpu_release_checkpoint_is_within_bf16_drift(tmp_path, fp4_experts):
+    """The release checkpoint on the GPU as it is served: bf16, block-FP8 GEMMs with their
+    activations quantized per 128 channels, FP8 or MXFP4 experts through the Triton MoE,
+    TRITON_MLA_SPARSE_DSV4, decode in CUDA graphs. Against transformers in fp32 over the
+    dequantized weights, its log-probs drift no more than three times transformers' own bf16 run
+    (the activations' FP8 rounding on top of bf16's), and at most 0.05 on average."""
+    from archserve import LLM
+
+    base, release = write_release_checkpoint(tmp_path, fp4_experts,
+                                             **{**GPU_V4, "q_lora_rank": 128})
+    llm = LLM(release, dtype="bfloat16", device="cuda", **GPU_ENGINE)
+    engine = llm.llm_engine
+    assert_release_quantization(engine.model, fp4_experts)
+    assert engine.report.attention.name == "TRITON_MLA_SPARSE_DSV4"
+    assert engine.report.graph_sizes, engine.report.graphs_off
+    outputs = llm.generate([p * 3 for p in TEXT_PROMPTS], bf16_greedy_params())
+    del llm, engine
+    ours, theirs = bf16_logprob_drift(base, outputs)
+    print(f"mean |delta logprob| against fp32: archserve {ours:.4f}, transformers bf16 "
+          f"{theirs:.4f}")
+    assert ours <= min(max(3 * theirs, 0.02), 0.05), (ours, theirs)
