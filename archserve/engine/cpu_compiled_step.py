@@ -15,7 +15,7 @@ How it stays correct:
   is recompiled behind the engine's back; the runner calls a compiled step only for a
   pure decode batch of its size with the state it was traced in (no LoRA, no kept hidden
   states, no fp8 scale calibration pending: ``compiled_steps_off_reason``).
-- Each layer's cache write and attention is one opaque op (``paged_attention_op``) that
+- Each layer's cache write and attention is one opaque op (``layer_attention_op``) that
   reads the step's lengths, block tables and cache when it runs: one graph serves every
   context length, and nothing of a step's metadata is baked in.
 - Inductor rounds a 16-bit model's intermediates where eager does
@@ -83,13 +83,19 @@ def first_line(exc: BaseException) -> str:
 
 
 def decode_meta(lengths: list[int], block_tables: torch.Tensor, block_size: int,
-                device: torch.device) -> AttentionMetadata:
+                device: torch.device, ring_rows: int = 0) -> AttentionMetadata:
     """A decode step's metadata: one query per sequence at ``lengths``, writing its key
-    and value at its last position (the slot its block table gives)."""
+    and value at its last position: the slot its block table gives, or with ``ring_rows``
+    (a model whose window keys live in a ring a sequence: DeepSeek V4) the row of ring
+    i's for sequence i."""
     last = torch.tensor(lengths, device=device) - 1
-    blocks = block_tables.long().gather(1, (last // block_size)[:, None])[:, 0]
-    return AttentionMetadata.from_lengths([1] * len(lengths), lengths, block_tables,
-                                          blocks * block_size + last % block_size, device)
+    if ring_rows:
+        slots = torch.arange(len(lengths), device=device) * ring_rows + last % ring_rows
+    else:
+        blocks = block_tables.long().gather(1, (last // block_size)[:, None])[:, 0]
+        slots = blocks * block_size + last % block_size
+    return AttentionMetadata.from_lengths([1] * len(lengths), lengths, block_tables, slots,
+                                          device)
 
 
 # The sizes the trace sees for the padded context and the cache's blocks, both symbols:
@@ -159,9 +165,9 @@ def trace_decode_step(model: torch.nn.Module, context: ForwardContext,
 
 
 def opaque_attention_layers(graph: torch.fx.GraphModule) -> int:
-    """How many attention layers ``graph`` calls back into Python for (``paged_attention_op``)."""
+    """How many attention layers ``graph`` calls back into Python for (``layer_attention_op``)."""
     return sum(1 for node in graph.graph.nodes
-               if node.op == "call_function" and "archserve.paged_attention" in str(node.target))
+               if node.op == "call_function" and "archserve.layer_attention" in str(node.target))
 
 
 def make_cacheable(graph: torch.fx.GraphModule) -> None:
@@ -207,10 +213,11 @@ def compile_graph(graph: torch.fx.GraphModule, inputs: list[torch.Tensor], block
 
 def compile_decode_steps(model: torch.nn.Module, make_context: Callable[[AttentionMetadata],
                          ForwardContext], kv_caches: list[torch.Tensor], sizes: list[int],
-                         device: torch.device, tolerance: float) -> CompiledSteps:
+                         device: torch.device, tolerance: float, ring_rows: int = 0
+                         ) -> CompiledSteps:
     """A compiled decode step per size of ``sizes``, each checked by the canary
     (``canary_mismatch``); a size whose trace, compile or canary fails is demoted with its
-    reason (its steps run eager)."""
+    reason (its steps run eager). ``ring_rows``: decode_meta's."""
     from torch._dynamo.utils import counters
 
     result = CompiledSteps()
@@ -228,7 +235,7 @@ def compile_decode_steps(model: torch.nn.Module, make_context: Callable[[Attenti
             if counters["aot_autograd"]["autograd_cache_hit"] > hits:
                 result.from_cache.add(size)
             reason = canary_mismatch(model, step, make_context, kv_caches, size, block_size,
-                                     device, tolerance)
+                                     device, tolerance, ring_rows)
         except Exception as exc:  # demote this size only
             reason = f"compiling failed: {first_line(exc)}"
         if reason is None:
@@ -245,13 +252,19 @@ def compile_decode_steps(model: torch.nn.Module, make_context: Callable[[Attenti
 def canary_mismatch(model: torch.nn.Module, step: Step,
                     make_context: Callable[[AttentionMetadata], ForwardContext],
                     kv_caches: list[torch.Tensor], size: int, block_size: int,
-                    device: torch.device, tolerance: float) -> str | None:
+                    device: torch.device, tolerance: float, ring_rows: int = 0) -> str | None:
     """None when the compiled ``step`` gives the eager step's logits, else why not: at two
     context lengths unlike the trace's, over cache blocks of random values (on a zero
     cache a wrong length would give the same output), restored after. Each run starts
-    from the same values and writes its own keys and values, so a wrong write slot shows."""
-    blocks = min(CANARY_BLOCKS, *(kv.shape[1] for kv in kv_caches)) if kv_caches else 1
-    touched = [kv[:, :blocks] for kv in kv_caches]
+    from the same values and writes its own keys and values, so a wrong write slot shows.
+    With ``ring_rows`` the caches' second half are window rings (model_kv_caches' order),
+    one a sequence, touched whole."""
+    paged = kv_caches[:len(kv_caches) // 2] if ring_rows else kv_caches
+    rings = kv_caches[len(paged):]
+    if rings and size > rings[0].shape[1]:
+        return f"the compiled step canary has {rings[0].shape[1]} window rings for {size} sequences"
+    blocks = min(CANARY_BLOCKS, *(kv.shape[1] for kv in paged)) if paged else 1
+    touched = [kv[:, :blocks] for kv in paged] + list(rings)
     saved = [t.clone() for t in touched]
     generator = torch.Generator(device=device).manual_seed(0)
     filled = [random_cache_values(t.shape, t.dtype, generator, device) for t in touched]
@@ -274,7 +287,7 @@ def canary_mismatch(model: torch.nn.Module, step: Step,
             lengths = [1 + (base - 1 + 5 * r) % capacity for r in range(size)]
             tables = ((rows[:, None] + torch.arange(blocks, device=device)) % blocks
                       ).to(torch.int32)
-            meta = decode_meta(lengths, tables, block_size, device)
+            meta = decode_meta(lengths, tables, block_size, device, ring_rows)
             if meta.slot_mapping.unique().numel() < size:
                 return (f"the compiled step canary has no distinct cache slots for {size} "
                         f"sequences in {blocks} blocks")

@@ -326,7 +326,7 @@ class ModelRunner:
         tolerance = 2e-3 if self.dtype == torch.float32 else 2e-2
         self.compiled_steps = compile_decode_steps(
             self.model, lambda meta: self._context(meta, meta.num_tokens), self.kv_caches,
-            sizes, self.device, tolerance)
+            sizes, self.device, tolerance, ring_rows(self.model_config))
         return self.compiled_steps
 
     def run_compiled_step(self, batch: ModelBatch) -> torch.Tensor | None:

@@ -277,3 +277,40 @@ def test_a_moe_model_compiles_its_decode_step_around_the_expert_loop():
     assert runs
     eager = LLM(fixture, dtype="float32", max_num_seqs=1, enforce_eager=True)
     assert compiled == eager.generate(PROMPTS[:1], params)[0].outputs[0].token_ids
+
+
+def _latent_attention_checkpoint(kind: str, path: str) -> str:
+    """Tiny checkpoints of the models whose attention keeps more than a key and value a
+    token: DeepSeek-V3's MLA, GLM-5's sparse MLA (an indexer, then a layer reusing its
+    selection), DeepSeek V4's window, compressed entries and indexer keys."""
+    from models.test_deepseek_v4_vs_hf import V4, init_v4_buffers
+    from models.test_sparse_mla_vs_hf import DSA, VARIANTS
+    from tiny_checkpoints import build_tiny_checkpoint
+    if kind == "deepseek_v4":
+        return build_tiny_checkpoint(path, kind, init_model=init_v4_buffers, **V4)
+    if kind == "deepseek_v3":
+        return build_tiny_checkpoint(path, kind, **{k: v for k, v in DSA.items()
+                                                    if not k.startswith("index_")})
+    arch, extra = VARIANTS["glm"]
+    return build_tiny_checkpoint(path, arch, **{**DSA, **extra})
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm_moe_dsa", "deepseek_v4"])
+def test_latent_and_compressed_attention_compile_around_their_attention(tmp_path, kind):
+    """MLA, sparse MLA and V4's compressed attention loop over sequences and write
+    caches whose rows depend on the step's data: each layer's is one opaque op
+    (``layer_attention_op``), the rest of the step compiles, and the tokens are eager's
+    past the window, the top-k and several compression groups."""
+    path = _latent_attention_checkpoint(kind, str(tmp_path / kind))
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompt = [{"prompt_token_ids": [3 + (7 * i) % 50 for i in range(40)]}]
+    llm = LLM(path, dtype="float32", max_num_seqs=1, block_size=16,
+              compilation_config={"level": 3, "cudagraph_capture_sizes": [1]})
+    steps = llm.llm_engine.runner.compiled_steps
+    assert steps.sizes == [1], steps.demoted
+    assert steps.opaque_layers[1] == llm.llm_engine.model_config.num_layers, steps.opaque_layers
+    runs = counted(llm.llm_engine.runner)
+    compiled = llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert runs
+    eager = LLM(path, dtype="float32", max_num_seqs=1, block_size=16, enforce_eager=True)
+    assert compiled == eager.generate(prompt, params)[0].outputs[0].token_ids

@@ -19,8 +19,10 @@ from archserve.models.layers.norm import RMSNorm
 from archserve.models.layers.rotary import RotaryEmbedding
 
 # Attention layers by a number of their own, which the opaque op below finds its layer by
-# (several models live in one process: a drafter beside its target, tests).
-_LAYERS: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
+# (several models live in one process: a drafter beside its target, tests). A layer there
+# has ``attend(*inputs)`` (its cache writes and attention, run eagerly) and
+# ``attended_shape(*inputs)`` (an empty tensor shaped as attend's result).
+_LAYERS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 _LAYER_KEYS = itertools.count()
 # While a decode step is traced: its cache reads and writes as the graph's inputs.
 _traced_step: DecodeRows | None = None
@@ -31,9 +33,10 @@ def attention_in_traced_step(step: DecodeRows) -> Iterator[None]:
     """Within the block (a decode step being traced: engine/cpu_compiled_step.py) an
     attention layer is recorded as the tensor ops of its backend's ``decode_in_graph``,
     which read the step's slots, cache rows and lengths from ``step``, the graph's
-    inputs; a layer whose backend has no such form is recorded as ``paged_attention_op``,
-    one opaque op that reads them from the forward context when it runs. Either way a
-    graph traced once serves every context length and step."""
+    inputs; a layer whose backend has no such form (and every MLA and compressed
+    attention layer) is recorded as ``layer_attention_op``, one opaque op that reads them
+    from the forward context when it runs. Either way a graph traced once serves every
+    context length and step."""
     global _traced_step
     previous, _traced_step = _traced_step, step
     try:
@@ -42,18 +45,32 @@ def attention_in_traced_step(step: DecodeRows) -> Iterator[None]:
         _traced_step = previous
 
 
-@torch.library.custom_op("archserve::paged_attention", mutates_args=())
-def paged_attention_op(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                       layer_key: int) -> torch.Tensor:
-    """One layer's cache write and attention (``Attention.forward``), opaque to a tracer:
-    q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
-    return _LAYERS[layer_key].forward(q, k, v)
+def register_attention_layer(layer: nn.Module) -> int:
+    """The key ``layer_attention_op`` finds ``layer`` by."""
+    key = next(_LAYER_KEYS)
+    _LAYERS[key] = layer
+    return key
 
 
-@paged_attention_op.register_fake
-def _paged_attention_shape(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                           layer_key: int) -> torch.Tensor:
-    return torch.empty_like(q)
+@torch.library.custom_op("archserve::layer_attention", mutates_args=())
+def layer_attention_op(inputs: list[torch.Tensor | None], layer_key: int) -> torch.Tensor:
+    """One layer's cache writes and attention (its ``attend``), opaque to a tracer: the
+    cache and the step's metadata come from the forward context when it runs."""
+    return _LAYERS[layer_key].attend(*inputs)
+
+
+@layer_attention_op.register_fake
+def _layer_attention_shape(inputs: list[torch.Tensor | None], layer_key: int) -> torch.Tensor:
+    return _LAYERS[layer_key].attended_shape(*inputs)
+
+
+def attend_or_record(layer: nn.Module, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """``layer.attend(*inputs)``; while a decode step is traced, the opaque op that calls
+    it when the step runs (its data-dependent loops and cache writes stay out of the
+    graph, which the rest of the step's ops can then be compiled into)."""
+    if _traced_step is not None:
+        return layer_attention_op(list(inputs), layer.layer_key)
+    return layer.attend(*inputs)
 
 
 class Attention(nn.Module, KVCacheScales):
@@ -83,8 +100,7 @@ class Attention(nn.Module, KVCacheScales):
         self.params = AttentionLayerParams(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=scale,
             sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
-        self.layer_key = next(_LAYER_KEYS)
-        _LAYERS[self.layer_key] = self
+        self.layer_key = register_attention_layer(self)
 
     def checkpoint_shape(self, param: str) -> tuple[int, ...]:
         """The checkpoint's ``sinks``: one per query head of the whole layer."""
@@ -124,6 +140,11 @@ class Attention(nn.Module, KVCacheScales):
         """k and v None: this step's keys and values are already in the cache."""
         if _traced_step is not None:
             return self._traced_forward(q, k, v, _traced_step)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+               ) -> torch.Tensor:
+        """The cache write and attention, eagerly: q [T, H*D] -> [T, H*D]."""
         ctx = get_forward_context()
         num_tokens = q.shape[0]
         k_scale, v_scale = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, k, v)
@@ -157,4 +178,8 @@ class Attention(nn.Module, KVCacheScales):
                            self._params_for(ctx.kv_cache_dtype), k_scale, v_scale)
             if out is not None:
                 return out.reshape(q.shape[0], self.num_heads * self.head_size)
-        return paged_attention_op(q.flatten(1), k, v, self.layer_key)
+        return layer_attention_op([q.flatten(1), k, v], self.layer_key)
+
+    def attended_shape(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+                       ) -> torch.Tensor:
+        return torch.empty_like(q)

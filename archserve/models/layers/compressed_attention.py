@@ -24,6 +24,7 @@ The ``mla_attention`` implementation does the cache work (kernels/compressed_att
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +42,7 @@ from archserve.kernels.compressed_attention.layout import (
     ring_cache_index,
 )
 from archserve.kernels.elementwise import norm_rope_interleaved
+from archserve.models.layers.attention import attend_or_record, register_attention_layer
 from archserve.models.layers.forward_context import get_forward_context, op_region
 from archserve.models.layers.indexer import HeadWeights
 from archserve.models.layers.linear import DenseMatrix, Linear
@@ -84,6 +86,7 @@ class DeepseekV4Attention(nn.Module):
         if get_tp().size > 1:
             raise ValueError("DeepSeek V4 runs on one tensor-parallel rank in this build")
         self.layer_index = layer_index
+        self.layer_key = register_attention_layer(self)
         self.ring_index = ring_cache_index(config.num_layers, layer_index)
         self.kind = dims.layer_kinds[layer_index]
         self.rate = dims.rate(layer_index)
@@ -163,14 +166,24 @@ class DeepseekV4Attention(nn.Module):
                 inputs.index_query = norm_rope_interleaved(iq, positions, self.inv_freq)
                 inputs.index_weights = indexer.scorer.weights_proj(hidden).float() * (
                     (self.index_heads * self.index_dim) ** -0.5)
-        ctx = get_forward_context()
-        cache = ctx.kv_caches[self.layer_index]
-        with op_region("attention"):
-            out = ctx.attn_impl.forward_compressed(self.layout(cache, kv.dtype), self.params(),
-                                                   inputs, cache, ctx.kv_caches[self.ring_index],
-                                                   ctx.attn_metadata)
+        # The fields as they are (dataclasses.astuple would copy the tensors).
+        out = attend_or_record(self, *(getattr(inputs, f.name) for f in fields(inputs)))
         out = norm_rope_interleaved(out, positions, self.inv_freq, inverse=True)
         return self.o_b_proj(self._grouped_output(out.reshape(t, self.o_groups, -1)))
+
+    def attend(self, *inputs: torch.Tensor | None) -> torch.Tensor:
+        """The cache writes (window ring, compressor, indexer keys) and attention of a
+        step, eagerly: ``inputs`` CompressedStepInputs' fields -> [T, H, head_dim]."""
+        ctx = get_forward_context()
+        cache = ctx.kv_caches[self.layer_index]
+        step = CompressedStepInputs(*inputs)
+        with op_region("attention"):
+            return ctx.attn_impl.forward_compressed(
+                self.layout(cache, step.kv.dtype), self.params(), step, cache,
+                ctx.kv_caches[self.ring_index], ctx.attn_metadata)
+
+    def attended_shape(self, query: torch.Tensor, *rest: torch.Tensor | None) -> torch.Tensor:
+        return torch.empty_like(query)
 
     def _grouped_output(self, grouped: torch.Tensor) -> torch.Tensor:
         """[T, groups, H d / groups] -> [T, groups * o_lora_rank]: each group's matrix."""

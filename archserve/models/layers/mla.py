@@ -31,8 +31,9 @@ from torch import nn
 
 from archserve.distributed.layout import split_heads
 from archserve.distributed.parallel_state import get_tp
+from archserve.kernels.sparse_mla.interface import IndexerInputs
+from archserve.models.layers.attention import attend_or_record, register_attention_layer
 from archserve.models.layers.forward_context import (
-    ForwardContext,
     get_forward_context,
     op_region,
 )
@@ -68,6 +69,7 @@ class MLAAttention(nn.Module, KVCacheScales):
         m = config.mla
         assert m is not None
         self.dims, self.layer_index = m, layer_index
+        self.layer_key = register_attention_layer(self)
         # Tensor parallelism splits the heads: each rank projects its heads' queries, keeps
         # its heads' rows of kv_b_proj, and o_proj reduces over the heads' outputs. The
         # latent (kv_a_proj_with_mqa and the cache) is every head's, so every rank holds it
@@ -152,10 +154,9 @@ class MLAAttention(nn.Module, KVCacheScales):
         q, q_resid = self._query(hidden)
         if kv_a is None:
             kv_a = self.kv_a_proj_with_mqa(hidden)
-        w_uk, w_uv = self._absorbed_weights()
         ctx = get_forward_context()
         if self.index_topk is not None:
-            return self._sparse_heads(ctx, positions, hidden, q, q_resid, kv_a, w_uk, w_uv)
+            return self._sparse_heads(positions, hidden, q, q_resid, kv_a)
         # An implementation that takes a decode step from the projections themselves does
         # the norm, rotary, latent write and W_UK in one kernel (TRITON_MLA); None: it
         # cannot here, and the steps below run.
@@ -165,16 +166,37 @@ class MLAAttention(nn.Module, KVCacheScales):
                 out = from_projections(
                     q, kv_a, positions, self.rotary_emb.cos_cache, self.rotary_emb.sin_cache,
                     self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.rope_interleaved,
-                    ctx.kv_caches[self.layer_index], ctx.attn_metadata, w_uk, w_uv, self.scale)
+                    ctx.kv_caches[self.layer_index], ctx.attn_metadata,
+                    *self._absorbed_weights(), self.scale)
             if out is not None:
                 return out.reshape(t, h * m.v_head_dim)
-        q_nope, q_pe, latent = self._split_and_rotate(positions, q, kv_a)
-        # One scale for the latent: MLA's cache has one plane, written and read as "k".
-        k_scale, _ = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, latent, latent)
-        with op_region("attention"):
-            out = ctx.attn_impl.forward(q_nope, q_pe, latent, ctx.kv_caches[self.layer_index],
-                                        ctx.attn_metadata, w_uk, w_uv, self.scale, k_scale)
-        return out.reshape(t, h * m.v_head_dim)
+        return attend_or_record(self, *self._split_and_rotate(positions, q, kv_a))
+
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+               *indexer: torch.Tensor) -> torch.Tensor:
+        """The latent's cache write and attention, eagerly -> [T, H * v]; ``indexer``:
+        sparse MLA's query, key and weights where this layer has the indexer."""
+        ctx = get_forward_context()
+        w_uk, w_uv = self._absorbed_weights()
+        if self.index_topk is not None:
+            index = IndexerInputs(*indexer) if indexer else None
+            with op_region("attention"):
+                out, ctx.sparse_selection = ctx.attn_impl.forward_sparse(
+                    q_nope, q_pe, latent, ctx.kv_caches[self.layer_index], ctx.attn_metadata,
+                    w_uk, w_uv, self.scale, self.index_topk, index,
+                    None if index is not None else ctx.sparse_selection)
+        else:
+            # One scale for the latent: MLA's cache has one plane, written and read as "k".
+            k_scale, _ = self.kv_scales(ctx.kv_cache_dtype, ctx.calibrate_kv_scales, latent,
+                                        latent)
+            with op_region("attention"):
+                out = ctx.attn_impl.forward(q_nope, q_pe, latent,
+                                            ctx.kv_caches[self.layer_index], ctx.attn_metadata,
+                                            w_uk, w_uv, self.scale, k_scale)
+        return out.reshape(q_nope.shape[0], self.num_heads * self.dims.v_head_dim)
+
+    def attended_shape(self, q_nope: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return q_nope.new_empty(q_nope.shape[0], self.num_heads * self.dims.v_head_dim)
 
     def _split_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -190,18 +212,16 @@ class MLAAttention(nn.Module, KVCacheScales):
         q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(t, -1), k_pe.contiguous())
         return q_nope, q_pe.view(t, h, m.qk_rope_head_dim), torch.cat((c_kv, k_pe), dim=-1)
 
-    def _sparse_heads(self, ctx: ForwardContext, positions: torch.Tensor, hidden: torch.Tensor,
-                      q: torch.Tensor, q_resid: torch.Tensor | None, kv_a: torch.Tensor,
-                      w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-        """Sparse MLA: the indexer (or the selection an earlier layer left in the forward
-        context) and the implementation's ``forward_sparse``; this layer's selection is
-        left there for the layers that reuse it."""
+    def _sparse_heads(self, positions: torch.Tensor, hidden: torch.Tensor,
+                      q: torch.Tensor, q_resid: torch.Tensor | None, kv_a: torch.Tensor
+                      ) -> torch.Tensor:
+        """Sparse MLA: the indexer's projections (or, without an indexer here, the
+        selection an earlier layer left in the forward context) and the implementation's
+        ``forward_sparse``; this layer's selection is left there for the layers that reuse
+        it (GLM-5's shared layers)."""
         q_nope, q_pe, latent = self._split_and_rotate(positions, q, kv_a)
-        indexer = (self.indexer(hidden, q_resid, positions, self.rotary_emb)
-                   if self.indexer is not None else None)
-        with op_region("attention"):
-            out, ctx.sparse_selection = ctx.attn_impl.forward_sparse(
-                q_nope, q_pe, latent, ctx.kv_caches[self.layer_index], ctx.attn_metadata,
-                w_uk, w_uv, self.scale, self.index_topk, indexer,
-                None if indexer is not None else ctx.sparse_selection)
-        return out.reshape(q.shape[0], self.num_heads * self.dims.v_head_dim)
+        if self.indexer is None:
+            return attend_or_record(self, q_nope, q_pe, latent)
+        index = self.indexer(hidden, q_resid, positions, self.rotary_emb)
+        return attend_or_record(self, q_nope, q_pe, latent, index.query, index.key,
+                                index.weights)
