@@ -104,6 +104,33 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
         torch.testing.assert_close(got.float() / scale, expected / scale, atol=tol, rtol=0)
 
 
+    @pytest.mark.parametrize("mode, kind", [("fp8_block", "silu_clamped"),
+                                            ("int4_asym_g64", "swigluoai")])
+    def test_clamped_activations_and_biases_match_torch_moe(mode, kind):
+        """DeepSeek V4's clamped SwiGLU and gpt-oss's, with a bias after each projection
+        (the down bias before the routing weight): the quantized kernels as TORCH_MOE,
+        with a limit small enough that the clamps bite."""
+        from archserve.kernels.moe.expert_activation import ExpertBiases, GatedActivation
+        hidden, inter = (128, 128) if mode == "fp8_block" else (64, 32)
+        q = quantized_experts(mode, 4, hidden, inter)
+        x, logits = inputs(5, 4, hidden, torch.float32)
+        gen = torch.Generator().manual_seed(3)
+        biases = ExpertBiases(torch.randn(4, 2 * inter, generator=gen),
+                              torch.randn(4, hidden, generator=gen))
+        activation = GatedActivation(kind, limit=0.5)
+        weights, ids = route(logits, 2, True)
+        got = fused_quantized_experts(x, weights, ids, q, MoETile(16, 32, 64),
+                                      activation=activation, biases=biases)
+        impl = TorchMoEImpl()
+        w13, w2 = impl.prepare(q, torch.float32)
+        expected = impl.forward(x, logits, w13, w2, 2, True, activation=activation,
+                                biases=biases)
+        without = impl.forward(x, logits, w13, w2, 2, True)
+        scale = expected.abs().max()
+        assert (expected - without).abs().max() > 0.1 * scale   # the clamps and biases bite
+        torch.testing.assert_close(got / scale, expected / scale, atol=2e-6, rtol=0)
+
+
     def test_the_backend_runs_quantized_experts():
         """TRITON_FUSED_MOE's forward, as a model layer calls it, on quantized experts."""
         from archserve.kernels.moe.triton_fused_impl import TritonFusedMoEImpl

@@ -34,8 +34,6 @@ _IMPL = "archserve.kernels.moe"
 # Expert formats a kernel of this build executes (TRITON_FUSED_MOE, and TORCH_MOE after
 # dequantizing them); the loader and quant/plan.py refuse the rest.
 RUNNABLE_EXPERT_FORMATS = frozenset({None, "fp8", "fp8_block", "wna16", "mxfp4"})
-# Expert formats whose Triton kernels also take gpt-oss's clamped SwiGLU and biases.
-_ANY_ACTIVATION_FORMATS = frozenset({None, "mxfp4"})
 
 
 FP8_BLOCK = 128      # the checkpoints' fp8 block (rows and columns)
@@ -124,11 +122,6 @@ class TritonFusedMoEBackend(MoEBackend):
         if spec.quant_scheme not in RUNNABLE_EXPERT_FORMATS:
             return (f"this build's Triton fused MoE runs 16-bit, fp8, fp8_block, wna16 and "
                     f"mxfp4 experts; {spec.quant_scheme} experts are rules only")
-        if spec.quant_scheme not in _ANY_ACTIVATION_FORMATS and (
-                spec.gated_activation != "silu" or spec.expert_bias):
-            return (f"this build's {spec.quant_scheme} expert kernels run silu(gate) * up "
-                    f"without biases; this layer's experts have {spec.gated_activation}"
-                    f"{' and biases' if spec.expert_bias else ''}")
         return (needs_dtype(spec.dtype, (torch.float16, torch.bfloat16, torch.float32))
                 or bf16_on_device(device, spec.dtype))
 

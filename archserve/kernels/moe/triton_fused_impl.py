@@ -64,15 +64,12 @@ class TritonFusedMoEImpl:
         routed = routed or triton_route(router_logits, top_k, renormalize)
         mxfp4 = isinstance(w13, Mxfp4Weight)
         if not isinstance(w13, torch.Tensor) and not mxfp4:   # fp8, integer experts
-            if activation != DEFAULT_ACTIVATION or biases is not None:
-                raise ValueError("TRITON_FUSED_MOE's fp8 and integer expert kernels run "
-                                 "silu(gate) * up without biases only")
             if add is not None:
                 raise ValueError("TRITON_FUSED_MOE adds a residual for 16-bit experts only")
             # Their kernels take the sorted layout's tiles (never pair rows), and the
             # tuner times 16-bit experts only: the default sorted tile of this batch.
             return quantized_moe(hidden, router_logits, w13, w2, top_k, renormalize,
-                                 default_tile(hidden.shape[0]), routed)
+                                 default_tile(hidden.shape[0]), routed, activation, biases)
         reason = fused_moe_unsupported(hidden, w13, w2)
         if reason is not None:
             raise ValueError(f"TRITON_FUSED_MOE cannot run this layer: {reason}")

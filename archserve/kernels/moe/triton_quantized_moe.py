@@ -1,6 +1,7 @@
 """TRITON_FUSED_MOE on quantized experts: the same token-sorted grouped GEMMs
-(triton_fused_moe; tiles from triton_common's ``program_tile``, gate and up in one K loop with SiLU*mul,
-down scaled by the routing weights), with quantized weight tiles read in the K loop.
+(triton_fused_moe; tiles from triton_common's ``program_tile``, gate and up in one K loop with
+the expert's gated activation, down scaled by the routing weights, each projection plus
+its expert's bias where the layer has them), with quantized weight tiles read in the K loop.
 
 Weights (kernels/moe/quantized_experts.py):
 
@@ -35,6 +36,12 @@ from archserve.kernels.linear.quantized_weights import (
     Fp8Weight,
     IntGroupWeight,
 )
+from archserve.kernels.moe.expert_activation import (
+    ACTIVATION_CODES,
+    DEFAULT_ACTIVATION,
+    ExpertBiases,
+    GatedActivation,
+)
 from archserve.kernels.moe.quantized_experts import ExpertWeight, QuantizedExperts, expert_shape
 from archserve.kernels.moe.routing import align_to_blocks, route
 from archserve.kernels.moe.triton_fused_moe import MoETile, default_tile, sum_slots, triton
@@ -55,8 +62,9 @@ if triton is not None:
         _int_group_params,
     )
     from archserve.kernels.moe.triton_common import (
+        bias_row,
+        gated_activation,
         program_tile,
-        silu_and_mul,
         store_rows,
         times_routing_weights,
     )
@@ -165,7 +173,8 @@ if triton is not None:
     def _gate_up_quant_kernel(
             x_ptr, x_scale_ptr, w_ptr, s_ptr, o_ptr, out_ptr, sorted_pairs_ptr,
             block_expert_ptr, num_pairs, inter, hidden, stride_xt, stride_xs, stride_we,
-            stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ot,
+            stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ot, b_ptr, stride_be,
+            alpha, limit, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
             TOP_K: tl.constexpr, W_KIND: tl.constexpr, A_FP8: tl.constexpr,
             A_GROUPED: tl.constexpr, NATIVE_FP8: tl.constexpr, BITS: tl.constexpr,
             GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_SCALE_N: tl.constexpr,
@@ -198,14 +207,18 @@ if triton is not None:
         up = _expert_epilogue(up_acc, x_scale_ptr, tokens, stride_xs, row_ok, s_base,
                               cols + inter, col_ok, stride_sn, W_KIND, A_FP8, A_GROUPED,
                               NATIVE_FP8, BLOCK_SCALE_N)
-        store_rows(out_ptr, silu_and_mul(gate, up), rows, row_ok, cols, col_ok, stride_ot)
+        b_base = b_ptr + expert.to(tl.int64) * stride_be
+        gate += bias_row(b_base, cols, col_ok, HAS_BIAS)[None, :]
+        up += bias_row(b_base + inter, cols, col_ok, HAS_BIAS)[None, :]
+        store_rows(out_ptr, gated_activation(gate, up, alpha, limit, ACTIVATION), rows, row_ok,
+                   cols, col_ok, stride_ot)
 
     @triton.jit
     def _down_quant_kernel(
             a_ptr, a_scale_ptr, w_ptr, s_ptr, o_ptr, out_ptr, weights_ptr, sorted_pairs_ptr,
             block_expert_ptr, num_pairs, hidden, inter, stride_at, stride_as, stride_we,
-            stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ot,
-            W_KIND: tl.constexpr, A_FP8: tl.constexpr, A_GROUPED: tl.constexpr,
+            stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ot, b_ptr, stride_be,
+            HAS_BIAS: tl.constexpr, W_KIND: tl.constexpr, A_FP8: tl.constexpr, A_GROUPED: tl.constexpr,
             NATIVE_FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
             HAS_OFFSETS: tl.constexpr, BLOCK_SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -225,6 +238,9 @@ if triton is not None:
                                  BLOCK_SCALE_N, BLOCK_N, BLOCK_K, IEEE)
         acc = _expert_epilogue(acc, a_scale_ptr, rows, stride_as, row_ok, s_base, cols, col_ok,
                                stride_sn, W_KIND, A_FP8, A_GROUPED, NATIVE_FP8, BLOCK_SCALE_N)
+        # The bias is the expert's output's: added before the routing weight scales it.
+        acc += bias_row(b_ptr + expert.to(tl.int64) * stride_be, cols, col_ok,
+                        HAS_BIAS)[None, :]
         acc = times_routing_weights(acc, weights_ptr, rows, row_ok)
         store_rows(out_ptr, acc, rows, row_ok, cols, col_ok, stride_ot)
 
@@ -301,9 +317,13 @@ def _kernel_operands(a: torch.Tensor, w: ExpertWeight, native_fp8: bool
 
 def fused_quantized_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                             quantized: QuantizedExperts, tile: MoETile | None = None,
-                            native_fp8: bool | None = None) -> torch.Tensor:
+                            native_fp8: bool | None = None,
+                            activation: GatedActivation = DEFAULT_ACTIVATION,
+                            biases: ExpertBiases | None = None) -> torch.Tensor:
     """hidden [T, H] -> [T, H] through the quantized experts; weights / experts [T, k]
-    from ``route``. ``native_fp8`` None: float8 tl.dot where the GPU has FP8 tensor cores."""
+    from ``route``. ``native_fp8`` None: float8 tl.dot where the GPU has FP8 tensor cores.
+    ``activation`` between the projections, ``biases`` after each (the down bias before
+    the routing weight)."""
     num_tokens, hidden_size = hidden.shape
     top_k = experts.shape[1]
     w13, w2 = quantized.w13, quantized.w2
@@ -318,15 +338,20 @@ def fused_quantized_experts(hidden: torch.Tensor, weights: torch.Tensor, experts
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     launch = dict(num_warps=tile.num_warps, num_stages=tile.num_stages,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
+    b13 = biases.w13 if biases is not None else None
+    b2 = biases.w2 if biases is not None else None
     args, consts = _kernel_operands(hidden, w13, native)
     _gate_up_quant_kernel[(align.num_blocks, triton.cdiv(inter, tile.block_n))](
         args[0], args[1], *args[2:5], act, align.sorted_pairs, align.block_expert, pairs,
-        inter, hidden_size, *args[5:], act.stride(0), TOP_K=top_k,
+        inter, hidden_size, *args[5:], act.stride(0), *_bias_operands(b13, act),
+        activation.alpha, activation.limit, HAS_BIAS=b13 is not None,
+        ACTIVATION=ACTIVATION_CODES[activation.kind], TOP_K=top_k,
         BLOCK_K=_block_k(tile, w13), **consts, **launch)
     args, consts = _kernel_operands(act, w2, native)
     _down_quant_kernel[(align.num_blocks, triton.cdiv(hidden_size, tile.block_n))](
         args[0], args[1], *args[2:5], out, flat_weights, align.sorted_pairs,
         align.block_expert, pairs, hidden_size, inter, *args[5:], out.stride(0),
+        *_bias_operands(b2, out), HAS_BIAS=b2 is not None,
         BLOCK_K=_block_k(tile, w2), **consts, **launch)
     if top_k == 1:
         return out
@@ -334,13 +359,22 @@ def fused_quantized_experts(hidden: torch.Tensor, weights: torch.Tensor, experts
 
 
 
+def _bias_operands(bias: torch.Tensor | None, stand_in: torch.Tensor) -> tuple:
+    """(a projection's biases [E, N], their expert stride); without biases a tensor that
+    stands in, never read."""
+    return (bias, bias.stride(0)) if bias is not None else (stand_in, 0)
+
+
 def quantized_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: ExpertWeight,
                   w2: ExpertWeight, top_k: int, renormalize: bool, tile: MoETile | None = None,
-                  routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  routed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  activation: GatedActivation = DEFAULT_ACTIVATION,
+                  biases: ExpertBiases | None = None) -> torch.Tensor:
     """TritonFusedMoEImpl.forward for quantized experts: route, then the kernels."""
     quantized = QuantizedExperts(w13, w2)
     reason = quantized_experts_unsupported(hidden, quantized)
     if reason is not None:
         raise ValueError(f"TRITON_FUSED_MOE cannot run these quantized experts: {reason}")
     weights, experts = routed or route(router_logits, top_k, renormalize)
-    return fused_quantized_experts(hidden, weights, experts, quantized, tile)
+    return fused_quantized_experts(hidden, weights, experts, quantized, tile,
+                                   activation=activation, biases=biases)
