@@ -728,6 +728,24 @@ if INTERPRETED:   # the rest runs under Triton's interpreter (tests/kernels/conf
                 for config in candidate_configs(rows, 40, 256, w):
                     check_weight_only(x, w, None, config)
 
+    def test_the_last_split_adds_the_partials_and_zeroes_its_count(monkeypatch):
+        """A GEMV split over K: the tile's last split to finish adds every split's sums
+        (with the bias) and writes the output, in the split order whichever finishes
+        last, leaving its count zero for the next launch (a graph's replay); a launch of
+        more tiles than the counts hold has the host add them, to the same values."""
+        from archserve.kernels.linear import triton_weight_only as wo
+        w = int_group_weight(40, 256, 4, 64, True, False, torch.float32)
+        x = activations(3, 256, torch.float32, "cpu", seed=2)
+        bias = torch.randn(40)
+        config = dataclasses.replace(wo.default_config(3, 40, 256, w), gemv=True,
+                                     block_n=16, block_k=64, split_k=4, num_warps=4)
+        fused = wo.weight_only_gemm(x, w, bias, config)
+        assert not wo.split_sum_counters(x.device, 1).any()
+        assert_close(fused, reference_linear(x, w, bias), x.dtype)
+        monkeypatch.setattr(wo, "MAX_SPLIT_TILES", 0)
+        assert wo.split_sum_counters(x.device, 3) is None
+        torch.testing.assert_close(wo.weight_only_gemm(x, w, bias, config), fused)
+
     def test_weight_only_scales_in_bf16_and_a_group_no_mma_tile_fits():
         from archserve.kernels.linear.triton_weight_only import default_config
         w = int_group_weight(24, 96, 8, 12, True, False, torch.bfloat16)   # groups of 12

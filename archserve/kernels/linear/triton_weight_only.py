@@ -224,7 +224,8 @@ def _weight_only_gemv_kernel(
         BLOCK_SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         act_scale_ptr, ACT_QUANT: tl.constexpr = 0, HW_FP8: tl.constexpr = False,
-        PREFETCH: tl.constexpr = False, FAST_DIV: tl.constexpr = False):
+        PREFETCH: tl.constexpr = False, FAST_DIV: tl.constexpr = False, sum_ptr=None,
+        counter_ptr=None, splits=1, stride_sm=0, SUM_SPLITS: tl.constexpr = False):
     """Rows ``pid(2)*BLOCK_M..`` x columns ``pid(0)*BLOCK_N..`` over the K range of split
     ``pid(1)``. INT: w is int32 [K/pack, N] (stride_w per packed row), scales/offsets
     [K/GROUP, N]; GROUP_TILE: a BLOCK_K tile lies in one group. FP8: w is uint8 [N, K]
@@ -241,7 +242,10 @@ def _weight_only_gemv_kernel(
     PREFETCH (INT, FP8): each K step requests the next step's weight tile before it
     computes on its own, which arrived during the step before: two tiles in flight per
     program instead of one (a tile past the split's end is masked: no bytes).
-    PARTIAL: store fp32 sums to y[split] (stride_yk) for the host to add up."""
+    PARTIAL: store fp32 sums to y[split] (stride_yk); with SUM_SPLITS the tile's last split
+    to finish (``split_sum_counters``: one count a tile, ``splits`` in all) adds them in
+    split order, with the bias, and writes sum_ptr (stride_sm a row) in its dtype;
+    without, the host adds them up."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -412,8 +416,24 @@ def _weight_only_gemv_kernel(
             total = total * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     out_ok = row_ok[:, None] & col_ok[None, :]
     if PARTIAL:
-        out = y_ptr + tl.program_id(1) * stride_yk + rows[:, None] * stride_ym + cols[None, :]
-        tl.store(out, total, mask=out_ok)
+        partials = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        tl.store(partials + tl.program_id(1) * stride_yk, total, mask=out_ok)
+        if SUM_SPLITS:
+            # Every thread's partials stored before the count says so (release); the
+            # last split's reads after it (acquire), from L2 (.cg: L1 is not coherent).
+            tl.debug_barrier()
+            tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+            if tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel") == splits - 1:
+                summed = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for split in range(0, splits):
+                    summed += tl.load(partials + split * stride_yk, mask=out_ok, other=0.0,
+                                      cache_modifier=".cg")
+                if HAS_BIAS:
+                    summed += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                sum_dtype: tl.constexpr = sum_ptr.dtype.element_ty
+                tl.store(sum_ptr + rows[:, None] * stride_sm + cols[None, :],
+                         round_to_dtype(summed, sum_dtype).to(sum_dtype), mask=out_ok)
+                tl.atomic_xchg(counter_ptr + tile, 0)    # zero for the next launch
     else:
         dtype: tl.constexpr = y_ptr.dtype.element_ty
         if HAS_BIAS:
@@ -811,18 +831,41 @@ def weight_only_gemm(x: torch.Tensor, weight: WeightOnly, bias: torch.Tensor | N
         fp8 = dict(act_scale_ptr=weight.input_scale if scheme == ACT_STATIC_TENSOR else scale,
                    ACT_QUANT=ACT_QUANT_MODES[scheme], HW_FP8=fp8_hardware(x.device),
                    FAST_DIV=not triton_interpreted())
+    counters = split_sum_counters(x.device, grid[0] * grid[2]) if splits > 1 else None
+    sums = {} if counters is None else dict(sum_ptr=y, counter_ptr=counters, splits=splits,
+                                            stride_sm=y.stride(0), SUM_SPLITS=True)
     _weight_only_gemv_kernel[grid](
         x, w, scale, offset, b, out, rows, cols, depth, k_per_split, x.stride(0), stride_w,
         stride_s, out.stride(-2), out.stride(0) if splits > 1 else 0, **kind,
         GROUP_TILE=group_tile, HAS_BIAS=bias is not None, PARTIAL=splits > 1, BLOCK_M=block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        PREFETCH=bool(config.prefetch) and kind["KIND"] != MXFP4_WEIGHT, **fp8)
-    if splits == 1:
+        PREFETCH=bool(config.prefetch) and kind["KIND"] != MXFP4_WEIGHT, **fp8, **sums)
+    if splits == 1 or counters is not None:
         return y
     total = out.sum(dim=0)
     if bias is not None:
         total += bias.float()
     return total.to(x.dtype)
+
+
+# The split-K GEMV's counts: one int32 a (column, row) tile, zero between launches (each
+# tile's last split resets its own), so a captured CUDA graph finds them zero at every
+# replay. One buffer a device, shared by every GEMV on it: they run one after another
+# on the compute stream.
+MAX_SPLIT_TILES = 1 << 15
+_split_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_sum_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's split-K counts, or None where a launch has more tiles than they hold
+    (the host adds that launch's partials)."""
+    if tiles > MAX_SPLIT_TILES:
+        return None
+    counters = _split_counters.get(device)
+    if counters is None:
+        counters = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+        _split_counters[device] = counters
+    return counters
 
 
 # From this many rows a GEMM with no tuned config dequantizes the weight once
