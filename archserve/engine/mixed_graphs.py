@@ -239,6 +239,7 @@ class MixedGraphRunner(StaticGraphRunner):
         meta = AttentionMetadata.from_lengths(
             query_lens, seq_lens, tables.to(self.device),
             torch.full((t,), -1, dtype=torch.long, device=self.device), self.device)
+        meta.max_seq_len = self.max_model_len      # the graph's bound (replay_canary)
         positions = torch.cat([torch.arange(n - q, n) for q, n in zip(query_lens, seq_lens,
                                                                      strict=True)])
         ids = (7 + torch.arange(t, device=self.device) % 13).long()
