@@ -16,7 +16,9 @@ One kernel family, two shapes of work, a constexpr switch for the weight kind:
   (an MXFP4 byte's two values times x's even and odd elements); the fp32
   products accumulate per element and are summed over K once at the end. K may be split
   across programs (``split_k``) so a narrow layer still fills the GPU; the partial sums
-  then go through an fp32 buffer and one torch sum, in a fixed order.
+  then go through an fp32 buffer, and the last split of each output tile to finish adds
+  them in split order (``split_sum_counters``), so the result does not depend on which
+  split finished last and no launch follows the GEMV.
 
 The FP8 GEMV also runs W8A8 FP8 layers at decode sizes (``w8a8``): the checkpoint's
 activation quantization (per token, per tensor, per 128-group) is done on x in its
