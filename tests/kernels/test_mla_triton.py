@@ -219,18 +219,19 @@ def test_tile_choice_takes_the_fastest_agreeing_candidate_and_caches_it(tmp_path
     from archserve.kernels.mla.tuning import CANDIDATE_TILES, describe, tune_mla_tiles
 
     reference = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    wrong, right = CANDIDATE_TILES
+    wrong, right, slower = CANDIDATE_TILES
     timed = []
 
     def timer(shape, tiles):
         timed.append(tiles)
         if tiles is None:
             return 100.0, reference
-        return (50.0, reference + 5.0) if tiles == wrong else (80.0, reference + 1e-3)
+        return {wrong: (50.0, reference + 5.0), right: (80.0, reference + 1e-3),
+                slower: (90.0, reference)}[tiles]
 
     path = str(tmp_path / "mla_tiles.json")
     tiles, timing, source = tune_mla_tiles(_shape(), path, torch.device("cpu"), timer)
-    assert tiles == right and source.startswith("tuned in") and timed == [None, wrong, right]
+    assert tiles == right and source.startswith("tuned in") and timed == [None, wrong, right, slower]
     assert "disagrees" in timing.note and "80.0 µs against the rule's 100.0" in \
         describe(timing, source)
     again = tune_mla_tiles(_shape(), path, torch.device("cpu"), lambda *_: 1 / 0)
