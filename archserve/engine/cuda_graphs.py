@@ -177,14 +177,15 @@ class StaticGraphRunner:
         (``_canary_at``: a step unlike the capture's).
 
         A kernel that bakes a host-side value into the capture replays a stale value; then
-        every graph is dropped (its steps run eager) with the reason. The eager step runs at
-        the graph's bound (max_seq_len = max_model_len), as a replay does, with the true
-        per-sequence lengths: kernels that choose their path or splits from that bound (a
-        sparse MLA that attends densely below top-k keys, a split count) then run the same
-        path both ways, and only a baked value differs. Eagerly at the true maximum they may
-        not: with FP8 activations quantized on the fly, a last-bit difference from another
-        summation order moves a value to the next e4m3 step (the likely cause of DeepSeek
-        V4's FP8 experts failing the check by 0.15 on an H100). The step reads KV
+        every graph is dropped (its steps run eager) with the reason. The caller runs this
+        in the scope the graphs were captured in (ModelRunner.graph_scope), so the eager
+        step launches the kernels the graph replays; and it runs at the graph's bound
+        (max_seq_len = max_model_len), as a replay does, with the true per-sequence
+        lengths: kernels that choose their path or splits from that bound (a sparse MLA
+        that attends densely below top-k keys, a split count) then run the same path both
+        ways, and only a baked value differs. Otherwise a last-bit difference from another
+        kernel's summation order can grow past the bound: with FP8 activations quantized on
+        the fly it moves a value to the next e4m3 step. The step reads KV
         blocks filled with random values, with host-side lengths unlike the capture's: on
         an all-zero cache every wrong length gives the same zero output, and the check
         could not fail. The blocks are restored after: graphs captured mid-run (after

@@ -241,6 +241,19 @@ class ModelRunner:
         finally:
             self.lora_active = previous
 
+    @contextlib.contextmanager
+    def graph_scope(self) -> Iterator[None]:
+        """What a captured graph's forwards run in: inference mode, the linear routines'
+        graph-only kernels (``decode_graph_scope``: the tuned Triton GEMVs, cuBLAS
+        outside it) and the LoRA kernels. A replay canary's eager step runs in it too, so
+        that it launches the kernels the graph replays and differs from the replay only by
+        what the replay gets wrong: outside it the eager step took cuBLAS where the graph
+        has the Triton GEMV, and with activations quantized to e4m3 on the fly (DeepSeek
+        V4's FP8 release) or a top-k over near-ties (GLM-5's indexer) such last-bit
+        differences grow past the canary's bound."""
+        with torch.inference_mode(), decode_graph_scope(), self.with_lora_kernels():
+            yield
+
     @torch.inference_mode()
     def warm_up_prefill(self, max_num_batched_tokens: int, max_num_seqs: int = 256
                         ) -> list[list[int]]:
@@ -304,10 +317,8 @@ class ModelRunner:
         self.graphs = DecodeGraphRunner(self._forward_logits, self.device, max(sizes),
                                         self.max_blocks_per_seq, self.max_model_len)
         start = time.perf_counter()
-        # In this scope the linear routine may take kernels worth launching only in a graph.
-        with torch.inference_mode(), decode_graph_scope(), self.with_lora_kernels():
+        with self.graph_scope():
             result = self.graphs.capture(sizes)
-        with self.with_lora_kernels():
             self.graphs.replay_canary(self.kv_caches)
         log.info("captured CUDA graphs for %d decode batch sizes in %.1fs%s", len(result.sizes),
                  time.perf_counter() - start,
@@ -355,7 +366,7 @@ class ModelRunner:
                                              self.max_model_len, self.block_size, rows_per_seq,
                                              max_query_len)
         start = time.perf_counter()
-        with torch.inference_mode(), decode_graph_scope(), self.with_lora_kernels():
+        with self.graph_scope():
             result = self.mixed_graphs.capture(buckets)
         log.info("captured CUDA graphs for mixed steps at %d token buckets in %.1fs%s",
                  len(result.sizes), time.perf_counter() - start,

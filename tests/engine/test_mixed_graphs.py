@@ -8,6 +8,7 @@ gives the same logits as the step run as it is. The capture itself is the GPU te
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -120,6 +121,9 @@ class _Rank:
         self.step_weights = types.SimpleNamespace(active_params_per_token=1e6)
         self.kv_caches, self.mixed_graphs = [], None
         self.lacks, self.capture_raises, self.canary_fails = lacks, capture_raises, canary_fails
+
+    def graph_scope(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def capture_mixed_graphs(self, tokens: int, max_num_seqs: int, rows_per_seq: int = 1,
                              max_query_len: int | None = None) -> None:
