@@ -247,10 +247,11 @@ class ModelRunner:
         graph-only kernels (``decode_graph_scope``: the tuned Triton GEMVs, cuBLAS
         outside it) and the LoRA kernels. A replay canary's eager step runs in it too, so
         that it launches the kernels the graph replays and differs from the replay only by
-        what the replay gets wrong: outside it the eager step took cuBLAS where the graph
-        has the Triton GEMV, and with activations quantized to e4m3 on the fly (DeepSeek
-        V4's FP8 release) or a top-k over near-ties (GLM-5's indexer) such last-bit
-        differences grow past the canary's bound."""
+        what the replay gets wrong. Outside it the eager step takes cuBLAS where the graph
+        has the Triton GEMV, and where activations are quantized to e4m3 on the fly or a
+        top-k picks among near-ties, such a last-bit difference can grow past the canary's
+        bound (the suspected reason DeepSeek V4's FP8 release lost its graphs, 0.152 on an
+        H100, and GLM-5's canary failed once)."""
         with torch.inference_mode(), decode_graph_scope(), self.with_lora_kernels():
             yield
 
