@@ -374,6 +374,12 @@ class ModelRunner:
                  f"; not captured: {describe_demoted(result.sizes, result.demoted)}"
                  if result.demoted else "")
 
+    def replay_mixed_canary(self) -> str | None:
+        """The mixed-step graphs' replay canary, in the scope they were captured in
+        (``graph_scope``); run once every rank holds the same buckets."""
+        with self.graph_scope():
+            return self.mixed_graphs.replay_canary(self.kv_caches)
+
     def calibrate_kv_scales_on_first_prefill(self, graph_sizes: list[int]) -> None:
         """Measure the fp8 KV scales on the next step that has prompt tokens; then capture
         decode graphs at ``graph_sizes`` (none: decode stays as it is)."""

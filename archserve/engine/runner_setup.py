@@ -203,8 +203,7 @@ def capture_mixed_step_graphs(runner: ModelRunner, tokens: int, max_num_seqs: in
                             "no mixed-step graph was captured on every rank")) is not None:
         return decision
     try:
-        with runner.graph_scope():
-            runner.mixed_graphs.replay_canary(runner.kv_caches)
+        runner.replay_mixed_canary()
     except Exception as exc:
         error = failure(exc)
     if (decision := settled(error, "the mixed-step graphs' replay canary failed",

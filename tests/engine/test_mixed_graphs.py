@@ -8,7 +8,6 @@ gives the same logits as the step run as it is. The capture itself is the GPU te
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -122,8 +121,8 @@ class _Rank:
         self.kv_caches, self.mixed_graphs = [], None
         self.lacks, self.capture_raises, self.canary_fails = lacks, capture_raises, canary_fails
 
-    def graph_scope(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    def replay_mixed_canary(self) -> str | None:
+        return self.mixed_graphs.replay_canary(self.kv_caches)
 
     def capture_mixed_graphs(self, tokens: int, max_num_seqs: int, rows_per_seq: int = 1,
                              max_query_len: int | None = None) -> None:

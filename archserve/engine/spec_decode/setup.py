@@ -188,8 +188,7 @@ def capture_draft_graphs(runner, graph_sizes: list[int], mixed_tokens: int,
         try:
             runner.capture_mixed_graphs(mixed_tokens, max_num_seqs,
                                         max_query_len=max_query_len)
-            with runner.graph_scope():
-                reason = runner.mixed_graphs.replay_canary(runner.kv_caches)
+            reason = runner.replay_mixed_canary()
         except Exception as exc:  # noqa: BLE001 - the draft's steps then run eagerly
             reason = f"{type(exc).__name__}: {exc}"
         if reason is None and runner.mixed_graphs.set.sizes:
